@@ -1,0 +1,1 @@
+"""Actions: the fallback policy, flag state, publishing decisions and archiving evidence."""

@@ -1,0 +1,136 @@
+"""Decoding contract-v1 JSON Lines into validated records, and rejecting the rest with a reason.
+
+Rejection never raises: every bad line becomes a `Rejection` with a short reason code
+(for counters and dead-letter topics) and a message a person can act on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pydantic import TypeAdapter, ValidationError
+
+from .contract import BundleRecord, RequestRecord, ShadowRecord, StepRecord, TelemetryRecord
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "Rejection",
+    "RejectionCounter",
+    "decode_line",
+    "decode_object",
+    "encode_record",
+]
+
+# A step with MAX_REQUESTS_PER_STEP entries is ~400 KB of JSON; lines beyond this are
+# rejected before parsing so a runaway producer cannot make the processor allocate GBs.
+MAX_LINE_BYTES = 1 << 20
+
+_KINDS = {"bundle": BundleRecord, "step": StepRecord, "request": RequestRecord, "shadow": ShadowRecord}
+_ADAPTER: TypeAdapter = TypeAdapter(TelemetryRecord)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A record that broke the contract: ``reason`` is a stable code, ``detail`` explains."""
+
+    reason: str
+    detail: str
+    raw: str = ""
+
+    def to_json(self) -> dict:
+        return {"reason": self.reason, "detail": self.detail, "raw": self.raw[:2048]}
+
+
+@dataclass
+class RejectionCounter:
+    """Counts rejected records by reason; processing never stops for them."""
+
+    by_reason: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+
+    def add(self, rejection: Rejection) -> None:
+        self.by_reason[rejection.reason] += 1
+        self.examples.setdefault(rejection.reason, rejection.detail)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(sorted(self.by_reason.items()))
+
+
+def _reason_from_validation(error: ValidationError) -> tuple[str, str]:
+    first = error.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    kind = first.get("type", "")
+    msg = first.get("msg", "")
+    if kind == "missing":
+        return "missing_field", f"missing required field {loc}"
+    if kind == "finite_number":
+        return "not_finite", f"{loc} is not a finite number"
+    if kind == "literal_error" and loc.endswith("v"):
+        return "unsupported_version", f"unsupported contract version at {loc}: {msg}"
+    for code in ("accepted_exceeds_drafted", "too_many_requests"):
+        if code in msg:
+            return code, f"{loc}: {msg.split(code + ': ', 1)[-1]}"
+    if kind in ("greater_than_equal", "greater_than") and ("ms" in loc or loc.endswith("ts")):
+        return "negative_time", f"{loc} must be >= 0: {msg}"
+    return "invalid_value", f"{loc}: {msg}" if loc else msg
+
+
+def decode_object(obj: object, raw: str = "") -> TelemetryRecord | Rejection:
+    """Validate one parsed JSON value as a contract-v1 record.
+
+    >>> decode_object({"kind": "shadow", "v": 1, "ts": 5.0, "bundle_id": "b", "id": "r",
+    ...                "bucket": "coding", "check": "token_exact", "match": True}).kind
+    'shadow'
+    >>> decode_object({"kind": "trace", "v": 1}).reason
+    'unknown_kind'
+    """
+    if not isinstance(obj, dict):
+        return Rejection("not_an_object", f"expected a JSON object, got {type(obj).__name__}", raw)
+    kind = obj.get("kind")
+    if kind not in _KINDS:
+        return Rejection("unknown_kind", f"kind {kind!r} is not one of {sorted(_KINDS)}", raw)
+    try:
+        return _KINDS[kind].model_validate(obj)
+    except ValidationError as error:
+        reason, detail = _reason_from_validation(error)
+        return Rejection(reason, f"{kind}: {detail}", raw)
+    except (TypeError, ValueError, RecursionError) as error:  # pragma: no cover - defensive
+        return Rejection("invalid_value", f"{kind}: {error}", raw)
+
+
+def decode_line(line: str | bytes) -> TelemetryRecord | Rejection | None:
+    """Decode one JSON Lines line; blank lines give ``None``.
+
+    >>> decode_line('{"kind": "step", "v": 1}').reason
+    'missing_field'
+    >>> decode_line("{not json").reason
+    'invalid_json'
+    """
+    if isinstance(line, bytes):
+        if len(line) > MAX_LINE_BYTES:
+            return Rejection("line_too_long", f"line of {len(line)} bytes > {MAX_LINE_BYTES}", "")
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return Rejection("invalid_json", f"not UTF-8: {error}", "")
+    if len(line) > MAX_LINE_BYTES:
+        return Rejection("line_too_long", f"line of {len(line)} chars > {MAX_LINE_BYTES}", line[:256])
+    stripped = line.strip()
+    if not stripped:
+        return None
+    try:
+        obj = json.loads(stripped)
+    except (ValueError, RecursionError) as error:
+        return Rejection("invalid_json", f"invalid JSON: {error}", stripped)
+    return decode_object(obj, stripped)
+
+
+def encode_record(record: TelemetryRecord) -> str:
+    """One compact JSON line (no newline) in contract form."""
+    return record.model_dump_json(exclude_none=False)

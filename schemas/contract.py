@@ -1,0 +1,203 @@
+"""Telemetry contract v1: the records engine workers emit, one JSON object per line.
+
+Other tools write to this contract, so the field names and meanings here are fixed.
+Unknown extra fields are ignored; impossible values are rejected by validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "CONTRACT_VERSION",
+    "MAX_REQUESTS_PER_STEP",
+    "BundleCard",
+    "TargetCard",
+    "DrafterCard",
+    "RuntimeCard",
+    "PolicyCard",
+    "BundleRecord",
+    "StepRecord",
+    "RoundEntry",
+    "RequestRecord",
+    "Sample",
+    "Sampling",
+    "ShadowRecord",
+    "TelemetryRecord",
+    "bundle_digest",
+    "card_differences",
+]
+
+CONTRACT_VERSION = 1
+# A step of a real engine holds at most a few thousand running requests; anything
+# larger is a broken or hostile producer, rejected rather than buffered.
+MAX_REQUESTS_PER_STEP = 4096
+_MAX_ID_CHARS = 256
+
+Timestamp = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Millis = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Name = Annotated[str, Field(min_length=1, max_length=_MAX_ID_CHARS)]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class TargetCard(_Part):
+    model_id: Name
+    revision: str = ""
+    tokenizer_digest: str = ""
+    quantization: str = "none"
+
+
+class DrafterCard(_Part):
+    mechanism: Literal["ngram", "eagle3", "mtp", "dflash", "dspark", "external"]
+    revision: str = ""
+    draft_length: int = Field(ge=1, le=64)
+
+
+class RuntimeCard(_Part):
+    engine: str = ""
+    gpu: str = ""
+    parallelism: str = ""
+
+
+class PolicyCard(_Part):
+    acceptance_rule: str = "strict"
+    fallback: str = "standard"
+
+
+class BundleCard(_Part):
+    """The immutable fingerprint of a speculative deployment."""
+
+    target: TargetCard
+    drafter: DrafterCard
+    runtime: RuntimeCard = RuntimeCard()
+    policy: PolicyCard = PolicyCard()
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def bundle_digest(card: BundleCard) -> str:
+    """Stable digest of a fingerprint card: the same fields give the same id anywhere.
+
+    >>> card = BundleCard(target=TargetCard(model_id="llama-8b", revision="r1"),
+    ...                   drafter=DrafterCard(mechanism="eagle3", draft_length=4))
+    >>> bundle_digest(card)
+    'b-61c8f31ef8abcc20'
+    """
+    return "b-" + hashlib.sha256(card.canonical_json().encode()).hexdigest()[:16]
+
+
+def card_differences(old: BundleCard, new: BundleCard) -> list[str]:
+    """Dotted names of the card fields that differ, e.g. ``['target.revision']``."""
+    a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
+    return sorted(
+        f"{part}.{name}"
+        for part in a
+        for name in set(a[part]) | set(b[part])
+        if a[part].get(name) != b[part].get(name)
+    )
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1]
+    ts: Timestamp
+
+
+class BundleRecord(_Record):
+    kind: Literal["bundle"] = "bundle"
+    worker: Name
+    bundle_id: Name
+    card: BundleCard
+
+
+class RoundEntry(BaseModel):
+    """One request's speculative round inside one engine step."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: Name
+    bucket: Name
+    cohort: Name
+    drafted: int = Field(ge=0, le=64)
+    accepted: int = Field(ge=0, le=64)
+
+    @model_validator(mode="after")
+    def _accepted_within_drafted(self) -> "RoundEntry":
+        if self.accepted > self.drafted:
+            raise ValueError(f"accepted_exceeds_drafted: accepted {self.accepted} > drafted {self.drafted}")
+        return self
+
+
+class StepRecord(_Record):
+    kind: Literal["step"] = "step"
+    worker: Name
+    seq: int = Field(ge=0)
+    bundle_id: Name
+    draft_ms: Millis
+    verify_ms: Millis
+    kv_usage: float = Field(ge=0, le=1, allow_inf_nan=False)
+    requests: list[RoundEntry]
+
+    @field_validator("requests", mode="before")
+    @classmethod
+    def _bounded(cls, value: object) -> object:
+        if isinstance(value, list) and len(value) > MAX_REQUESTS_PER_STEP:
+            raise ValueError(f"too_many_requests: {len(value)} > {MAX_REQUESTS_PER_STEP} per step")
+        return value
+
+
+class Sampling(_Part):
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+
+
+class Sample(_Part):
+    prompt_sha256: str | None = None
+    output_sha256: str | None = None
+    sampling: Sampling | None = None
+
+
+class RequestRecord(_Record):
+    kind: Literal["request"] = "request"
+    worker: Name
+    bundle_id: Name
+    id: Name
+    bucket: Name
+    cohort: Name
+    speculative: bool
+    ttft_ms: Millis
+    tpot_ms: Millis | None
+    e2e_ms: Millis
+    output_tokens: int = Field(ge=0)
+    finish_reason: Literal["stop", "length", "abort", "error", "timeout"]
+    error: str | None = None
+    sample: Sample | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason in ("error", "timeout")
+
+
+class ShadowRecord(_Record):
+    kind: Literal["shadow"] = "shadow"
+    bundle_id: Name
+    id: Name
+    bucket: Name
+    check: Name
+    match: bool
+
+
+TelemetryRecord = Annotated[
+    Union[BundleRecord, StepRecord, RequestRecord, ShadowRecord], Field(discriminator="kind")
+]

@@ -1,0 +1,193 @@
+"""Policy configuration: windows, baselines, gates and actions, from a TOML file.
+
+Every setting has a built-in default, so no file is needed; a file overrides only what
+it names. Validation happens once, at load, with messages that say what to fix.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "Policy",
+    "PolicyError",
+    "WindowPolicy",
+    "BaselinePolicy",
+    "PinnedBaseline",
+    "AcceptancePolicy",
+    "DraftOverheadPolicy",
+    "SpeedupPolicy",
+    "LatencyPolicy",
+    "KvPolicy",
+    "ErrorPolicy",
+    "QualityPolicy",
+    "ActionPolicy",
+    "AdmissionPolicy",
+    "load_policy",
+]
+
+
+class PolicyError(ValueError):
+    """The policy file cannot be used; the message says which setting and why."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WindowPolicy(_Section):
+    slice_seconds: float = Field(1.0, gt=0, le=60, description="event-time slice of partial aggregates")
+    lateness_seconds: float = Field(1.0, ge=0, le=300, description="how long a slice waits for late records")
+    source_idle_seconds: float = Field(
+        10.0, gt=0, description="a source silent this long (event time) no longer holds back windows"
+    )
+
+
+class PinnedBaseline(_Section):
+    acceptance_length: float | None = Field(None, ge=1)
+    draft_ms_per_step: float | None = Field(None, gt=0)
+    e2e_p99_ms: float | None = Field(None, gt=0)
+    tpot_p99_ms: float | None = Field(None, gt=0)
+    error_rate: float | None = Field(None, ge=0, le=1)
+
+
+class BaselinePolicy(_Section):
+    learn_seconds: float = Field(60.0, gt=0, description="healthy event time learned per key before gates arm")
+    min_rounds: int = Field(500, ge=1)
+    min_requests: int = Field(50, ge=1)
+    pinned: dict[str, PinnedBaseline] = Field(
+        default_factory=dict, description="per-bucket baselines that replace learning"
+    )
+
+
+class AcceptancePolicy(_Section):
+    tolerance: float = Field(0.15, gt=0, lt=1, description="AL below baseline*(1-tolerance) is a breach")
+    window_slices: int = Field(5, ge=1)
+    consecutive: int = Field(3, ge=1)
+    min_rounds: int = Field(100, ge=1, description="rounds a window needs before it is judged")
+    reduce_first: bool = True
+    settle_seconds: float = Field(15.0, ge=0, description="wait after lowering D before judging again")
+
+
+class DraftOverheadPolicy(_Section):
+    factor: float = Field(2.0, gt=1, description="draft ms per step above baseline*factor is a breach")
+    window_slices: int = Field(5, ge=1)
+    consecutive: int = Field(5, ge=1)
+
+
+class SpeedupPolicy(_Section):
+    min_speedup: float = Field(1.0, gt=0, description="estimated speedup below this is no speedup")
+    window_slices: int = Field(10, ge=1)
+    consecutive: int = Field(5, ge=1)
+    min_baseline_requests: int = Field(5, ge=1)
+
+
+class LatencyPolicy(_Section):
+    window_slices: int = Field(60, ge=1)
+    consecutive: int = Field(3, ge=1)
+    min_requests: int = Field(200, ge=1)
+    p99_factor: float = Field(2.0, gt=1, description="p99 above learned baseline p99*factor breaches")
+    e2e_p99_slo_ms: float | None = Field(None, gt=0, description="absolute SLO; None = relative only")
+    tpot_p99_slo_ms: float | None = Field(None, gt=0)
+    evaluate_every_slices: int = Field(5, ge=1)
+
+
+class KvPolicy(_Section):
+    watermark: float = Field(0.92, gt=0, le=1)
+    consecutive: int = Field(3, ge=1)
+
+
+class ErrorPolicy(_Section):
+    window_slices: int = Field(60, ge=1)
+    consecutive: int = Field(3, ge=1)
+    factor: float = Field(10.0, gt=1, description="error rate above baseline*factor breaches")
+    floor_rate: float = Field(0.01, ge=0, le=1, description="never breach below this rate")
+    min_requests: int = Field(100, ge=1)
+    min_errors: int = Field(5, ge=1)
+
+
+class QualityPolicy(_Section):
+    strict_checks: list[str] = Field(
+        default_factory=lambda: ["token_exact", "logprob_exact", "tool_call", "json_schema", "safety"],
+        description="shadow checks whose single mismatch breaks the lossless contract",
+    )
+
+
+class ActionPolicy(_Section):
+    cooldown_seconds: float = Field(300.0, ge=0, description="minimum time between decisions on one key")
+    min_draft_length: int = Field(1, ge=1)
+    alert_repeat_seconds: float = Field(600.0, ge=0)
+    restore_after_seconds: float | None = Field(
+        None, gt=0, description="auto-restore after this long disabled; None = manual restore only"
+    )
+
+
+class AdmissionPolicy(_Section):
+    enforce: bool = False
+    cohort_schedule: list[float] = Field(default_factory=lambda: [0.01, 0.05, 0.25, 1.0])
+
+
+class Policy(_Section):
+    """Everything the detectors and the action policy are tuned by.
+
+    >>> Policy().acceptance.tolerance
+    0.15
+    >>> Policy.model_validate({"kv": {"watermark": 1.5}})
+    Traceback (most recent call last):
+    ...
+    pydantic_core._pydantic_core.ValidationError: 1 validation error for Policy
+    kv.watermark
+      Input should be less than or equal to 1 [type=less_than_equal, input_value=1.5, input_type=float]
+    """
+
+    baseline_cohort: str = Field("baseline", min_length=1)
+    windows: WindowPolicy = WindowPolicy()
+    baseline: BaselinePolicy = BaselinePolicy()
+    acceptance: AcceptancePolicy = AcceptancePolicy()
+    draft_overhead: DraftOverheadPolicy = DraftOverheadPolicy()
+    speedup: SpeedupPolicy = SpeedupPolicy()
+    latency: LatencyPolicy = LatencyPolicy()
+    kv: KvPolicy = KvPolicy()
+    errors: ErrorPolicy = ErrorPolicy()
+    quality: QualityPolicy = QualityPolicy()
+    actions: ActionPolicy = ActionPolicy()
+    admission: AdmissionPolicy = AdmissionPolicy()
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "Policy":
+        if self.windows.lateness_seconds > self.windows.source_idle_seconds:
+            raise ValueError(
+                "windows.lateness_seconds must not exceed windows.source_idle_seconds "
+                f"({self.windows.lateness_seconds} > {self.windows.source_idle_seconds})"
+            )
+        return self
+
+
+def load_policy(path: str | Path | None) -> Policy:
+    """Load a TOML policy file over the defaults; ``None`` gives the defaults.
+
+    Raises `PolicyError` naming the file, the setting and the problem.
+    """
+    if path is None:
+        return Policy()
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise PolicyError(f"cannot read policy file {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise PolicyError(f"policy file {path} is not UTF-8: {error}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise PolicyError(f"policy file {path} is not valid TOML: {error}") from None
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in error.errors(include_url=False)
+        )
+        raise PolicyError(f"policy file {path}: {problems}") from None
