@@ -141,6 +141,7 @@ class Policy(_Section):
     pydantic_core._pydantic_core.ValidationError: 1 validation error for Policy
     kv.watermark
       Input should be less than or equal to 1 [type=less_than_equal, input_value=1.5, input_type=float]
+    ...
     """
 
     baseline_cohort: str = Field("baseline", min_length=1)
