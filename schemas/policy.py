@@ -48,7 +48,7 @@ class WindowPolicy(_Section):
 
 class PinnedBaseline(_Section):
     acceptance_length: float | None = Field(None, ge=1)
-    draft_ms_per_step: float | None = Field(None, gt=0)
+    draft_to_verify: float | None = Field(None, gt=0, description="draft ms per verify ms")
     e2e_p99_ms: float | None = Field(None, gt=0)
     tpot_p99_ms: float | None = Field(None, gt=0)
     error_rate: float | None = Field(None, ge=0, le=1)

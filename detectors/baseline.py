@@ -1,0 +1,153 @@
+"""Per-key baselines: learned from the first healthy minutes of a key, or pinned by policy.
+
+A baseline is what "normal" means for one bundle/bucket/cohort: per-position acceptance,
+draft cost, latency percentiles and error rate. Gates compare windows against it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specwatch.schemas.policy import BaselinePolicy, PinnedBaseline
+
+from .window import SliceStats, ratio
+
+__all__ = ["Baseline", "BaselineLearner"]
+
+# Latency and error baselines need more requests than acceptance needs rounds; a key
+# with little traffic keeps learning them for up to this many learning periods.
+_LATENCY_LEARN_PERIODS = 5
+
+
+@dataclass
+class Baseline:
+    """What normal looks like for one key. NaN fields are unknown (their gates stay quiet)."""
+
+    position_rates: list[float] = field(default_factory=list)
+    acceptance_length: float = math.nan
+    draft_to_verify: float = math.nan
+    e2e_p99_ms: float = math.nan
+    tpot_p99_ms: float = math.nan
+    error_rate: float = math.nan
+    learned_from: float = math.nan
+    learned_until: float = math.nan
+    pinned: bool = False
+
+    def expected_acceptance_length(self, drafted_at_least: list[int], rounds: int) -> float:
+        """Acceptance length the baseline predicts for rounds that drafted as these did.
+
+        Rounds drafting fewer tokens (after D was lowered) are predicted from the same
+        per-position rates, so a lowered D is not mistaken for an acceptance drop.
+
+        >>> b = Baseline(position_rates=[0.9, 0.8, 0.7, 0.6])
+        >>> round(b.expected_acceptance_length([10, 10, 10, 10], 10), 2)
+        4.0
+        >>> round(b.expected_acceptance_length([10, 10], 10), 2)
+        2.7
+        """
+        if not rounds:
+            return math.nan
+        if not self.position_rates:
+            return self.acceptance_length
+        expected_accepted = 0.0
+        for i, drafted in enumerate(drafted_at_least):
+            if i >= len(self.position_rates) or math.isnan(self.position_rates[i]):
+                return math.nan
+            expected_accepted += drafted * self.position_rates[i]
+        return 1.0 + expected_accepted / rounds
+
+    def to_dict(self) -> dict:
+        return {
+            "acceptance_length": self.acceptance_length,
+            "position_rates": self.position_rates,
+            "draft_to_verify": self.draft_to_verify,
+            "e2e_p99_ms": self.e2e_p99_ms,
+            "tpot_p99_ms": self.tpot_p99_ms,
+            "error_rate": self.error_rate,
+            "learned_from": self.learned_from,
+            "learned_until": self.learned_until,
+            "pinned": self.pinned,
+        }
+
+
+class BaselineLearner:
+    """Accumulates a key's first ``learn_seconds`` of traffic into a `Baseline`.
+
+    Acceptance and cost are learned once the period has passed with ``min_rounds``;
+    latency and error rate once it has ``min_requests`` (waiting longer on quiet keys).
+    Pinned values from the policy replace learned ones.
+
+    >>> from specwatch.schemas.policy import BaselinePolicy
+    >>> learner = BaselineLearner(BaselinePolicy(learn_seconds=3, min_rounds=2, min_requests=1))
+    >>> for t in range(5):
+    ...     s = SliceStats(); s.add_round(4, 2); s.add_round(4, 2); s.add_step_time(1.0, 10.0, 0.5, t)
+    ...     learner.update(s, slice_end=float(t + 1))
+    >>> learner.baseline.acceptance_length, learner.acceptance_ready
+    (3.0, True)
+    """
+
+    def __init__(self, policy: BaselinePolicy, pinned: PinnedBaseline | None = None) -> None:
+        self.policy = policy
+        self.pinned = pinned
+        self._reset()
+
+    def _reset(self) -> None:
+        self.baseline = Baseline()
+        self._acc = SliceStats()
+        self._start: float | None = None
+        self.acceptance_ready = False
+        self.latency_ready = False
+        if self.pinned is not None:
+            self._apply_pins()
+
+    def _apply_pins(self) -> None:
+        pin, b = self.pinned, self.baseline
+        b.pinned = True
+        if pin.acceptance_length is not None:
+            b.acceptance_length = pin.acceptance_length
+            self.acceptance_ready = True
+        if pin.draft_to_verify is not None:
+            b.draft_to_verify = pin.draft_to_verify
+        if pin.e2e_p99_ms is not None:
+            b.e2e_p99_ms = pin.e2e_p99_ms
+        if pin.tpot_p99_ms is not None:
+            b.tpot_p99_ms = pin.tpot_p99_ms
+        if pin.error_rate is not None:
+            b.error_rate = pin.error_rate
+        if pin.e2e_p99_ms is not None or pin.tpot_p99_ms is not None:
+            self.latency_ready = True
+
+    @property
+    def done(self) -> bool:
+        return self.acceptance_ready and self.latency_ready
+
+    def update(self, stats: SliceStats, slice_end: float) -> None:
+        if self.done:
+            return
+        if self._start is None:
+            self._start = slice_end
+        self._acc.merge(stats)
+        elapsed = slice_end - self._start
+        b, acc = self.baseline, self._acc
+        if not self.acceptance_ready and elapsed >= self.policy.learn_seconds:
+            if acc.rounds >= self.policy.min_rounds:
+                b.position_rates = acc.position_rates()
+                b.acceptance_length = acc.acceptance_length
+                b.draft_to_verify = acc.draft_to_verify
+                b.learned_from, b.learned_until = self._start, slice_end
+                self.acceptance_ready = True
+            elif acc.rounds == 0 and elapsed >= self.policy.learn_seconds * _LATENCY_LEARN_PERIODS:
+                self.acceptance_ready = True  # a key that never drafts has no acceptance baseline
+        if not self.latency_ready and elapsed >= self.policy.learn_seconds:
+            enough = acc.requests >= self.policy.min_requests
+            if enough or elapsed >= self.policy.learn_seconds * _LATENCY_LEARN_PERIODS:
+                if enough:
+                    b.e2e_p99_ms = acc.quantile("e2e", 0.99)
+                    b.tpot_p99_ms = acc.quantile("tpot", 0.99)
+                    b.error_rate = ratio(acc.errors + acc.timeouts, acc.requests)
+                self.latency_ready = True
+        if self.done:
+            if self.pinned is not None:
+                self._apply_pins()  # pinned values always win over learned ones
+            self._acc = SliceStats()  # learning is over: free the accumulated sketches

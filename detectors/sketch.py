@@ -1,0 +1,113 @@
+"""Mergeable latency quantile sketch (t-digest) used for TTFT/TPOT/e2e percentiles.
+
+fastdigest's Rust t-digest is ~0.1 us per value, merges exactly what stage 1 needs to
+combine map-side partials, and serialises to a few KB; it is wrapped so the choice can change.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from fastdigest import TDigest
+
+__all__ = ["LatencySketch"]
+
+# 100 centroids keep p99 error well under 1% and a serialized sketch under ~2 KB,
+# which bounds per-key state (many keys x many slices) in stream processor tables.
+_DEFAULT_MAX_CENTROIDS = 100
+
+
+class LatencySketch:
+    """Quantiles of a stream of non-negative durations, mergeable across partials.
+
+    Parameters
+    ----------
+    max_centroids
+        Compression of the underlying t-digest.
+
+    >>> s = LatencySketch()
+    >>> s.add_many([10.0, 20.0, 30.0, 40.0])
+    >>> s.count, round(s.quantile(0.5), 1)
+    (4, 25.0)
+    >>> t = LatencySketch(); t.add(1000.0); s.merge(t); s.count
+    5
+    >>> math.isnan(LatencySketch().quantile(0.99))
+    True
+    """
+
+    __slots__ = ("_digest", "_pending", "max_centroids")
+
+    def __init__(self, max_centroids: int = _DEFAULT_MAX_CENTROIDS) -> None:
+        if max_centroids < 10:
+            raise ValueError(f"max_centroids must be >= 10 for usable tails, got {max_centroids}")
+        self.max_centroids = max_centroids
+        self._digest: TDigest | None = None
+        # values are buffered and folded in batches: batch_update is several times
+        # cheaper per value than update
+        self._pending: list[float] = []
+
+    def add(self, value: float) -> None:
+        self._pending.append(value)
+        if len(self._pending) >= 256:
+            self._fold()
+
+    def add_many(self, values: Iterable[float]) -> None:
+        self._pending.extend(values)
+        if len(self._pending) >= 256:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        if self._digest is None:
+            self._digest = TDigest.from_values(self._pending, max_centroids=self.max_centroids)
+        else:
+            self._digest.batch_update(self._pending)
+        self._pending = []
+
+    def merge(self, other: "LatencySketch") -> None:
+        other._fold()
+        if other._digest is None:
+            return
+        self._fold()
+        if self._digest is None:
+            self._digest = other._digest.copy()
+        else:
+            self._digest.merge_inplace(other._digest)
+
+    @property
+    def count(self) -> int:
+        self._fold()
+        return 0 if self._digest is None else int(self._digest.n_values)
+
+    def quantile(self, q: float) -> float:
+        """The q-quantile, or NaN when nothing was added."""
+        self._fold()
+        if self._digest is None or self._digest.n_values == 0:
+            return math.nan
+        return float(self._digest.quantile(q))
+
+    def copy(self) -> "LatencySketch":
+        out = LatencySketch(self.max_centroids)
+        out.merge(self)
+        return out
+
+    def __getstate__(self) -> dict:
+        return {"max_centroids": self.max_centroids, "digest": self.to_bytes()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.max_centroids = state["max_centroids"]
+        self._pending = []
+        self._digest = TDigest.from_bytes(state["digest"]) if state["digest"] else None
+
+    def to_bytes(self) -> bytes:
+        self._fold()
+        return b"" if self._digest is None else self._digest.to_bytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, max_centroids: int = _DEFAULT_MAX_CENTROIDS) -> "LatencySketch":
+        out = cls(max_centroids)
+        if data:
+            out._digest = TDigest.from_bytes(data)
+        return out

@@ -1,0 +1,287 @@
+"""Raw-count statistics of one key over one event-time slice, mergeable across sources.
+
+Records carry counts and time sums, never ratios; every ratio (acceptance length, draft
+overhead, estimated speedup, error rate) is computed where it is read, by one formula here.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .sketch import LatencySketch
+
+__all__ = ["SliceStats", "merge_all", "ratio"]
+
+# Samples kept per key per slice: enough to reproduce what a decision saw without
+# turning partial aggregates into a copy of the raw stream.
+_MAX_SAMPLES_PER_SLICE = 6
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, NaN when the denominator is zero.
+
+    >>> ratio(3, 2), math.isnan(ratio(1, 0))
+    (1.5, True)
+    """
+    return numerator / denominator if denominator else math.nan
+
+
+def _add_lists(into: list[int], other: list[int]) -> None:
+    if len(other) > len(into):
+        into.extend([0] * (len(other) - len(into)))
+    for i, v in enumerate(other):
+        into[i] += v
+
+
+@dataclass(slots=True)
+class SliceStats:
+    """Counts for one (bundle, bucket, cohort) key over one slice of event time.
+
+    ``accepted_at_least[i]`` counts rounds whose accepted prefix covers draft position
+    ``i+1``; ``drafted_at_least[i]`` counts rounds that drafted that position at all. They
+    give per-position acceptance rates, hence the acceptance length to expect at any D.
+
+    >>> s = SliceStats()
+    >>> s.add_round(drafted=4, accepted=3); s.add_round(drafted=4, accepted=1)
+    >>> s.rounds, s.acceptance_length
+    (2, 3.0)
+    >>> s.accepted_at_least, s.drafted_at_least
+    ([2, 1, 1], [2, 2, 2, 2])
+    """
+
+    max_ts: float = 0.0
+    steps: int = 0
+    rounds: int = 0
+    plain_entries: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_at_least: list[int] = field(default_factory=list)
+    drafted_at_least: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    kv_peak: float = 0.0
+    requests: int = 0
+    speculative_requests: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    ttft: LatencySketch | None = None
+    tpot: LatencySketch | None = None
+    e2e: LatencySketch | None = None
+    shadow_checks: int = 0
+    shadow_mismatches: int = 0
+    samples: list[dict] = field(default_factory=list)
+
+    # -- folding raw telemetry -------------------------------------------------------
+    def add_round(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            self.plain_entries += 1
+            return
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        dal = self.drafted_at_least
+        if len(dal) < drafted:
+            dal.extend([0] * (drafted - len(dal)))
+        for i in range(drafted):
+            dal[i] += 1
+        if accepted:
+            aal = self.accepted_at_least
+            if len(aal) < accepted:
+                aal.extend([0] * (accepted - len(aal)))
+            for i in range(accepted):
+                aal[i] += 1
+
+    def add_step_time(self, draft_ms: float, verify_ms: float, kv_usage: float, ts: float) -> None:
+        self.steps += 1
+        self.draft_ms += draft_ms
+        self.verify_ms += verify_ms
+        if kv_usage > self.kv_peak:
+            self.kv_peak = kv_usage
+        if ts > self.max_ts:
+            self.max_ts = ts
+
+    def add_request(self, ttft_ms: float, tpot_ms: float | None, e2e_ms: float, speculative: bool,
+                    finish_reason: str, ts: float) -> None:
+        self.requests += 1
+        if speculative:
+            self.speculative_requests += 1
+        if finish_reason == "error":
+            self.errors += 1
+        elif finish_reason == "timeout":
+            self.timeouts += 1
+        if self.ttft is None:
+            self.ttft, self.tpot, self.e2e = LatencySketch(), LatencySketch(), LatencySketch()
+        self.ttft.add(ttft_ms)
+        if tpot_ms is not None:
+            self.tpot.add(tpot_ms)
+        self.e2e.add(e2e_ms)
+        if ts > self.max_ts:
+            self.max_ts = ts
+
+    def add_shadow(self, match: bool, ts: float) -> None:
+        self.shadow_checks += 1
+        if not match:
+            self.shadow_mismatches += 1
+        if ts > self.max_ts:
+            self.max_ts = ts
+
+    def offer_sample(self, record: dict, important: bool = False) -> None:
+        """Keep a bounded, deterministic set of raw records for reproduction."""
+        if len(self.samples) < _MAX_SAMPLES_PER_SLICE:
+            self.samples.append(record)
+        elif important:
+            # failures displace the oldest ordinary sample, never another failure
+            for i, kept in enumerate(self.samples):
+                if not kept.get("_important"):
+                    self.samples[i] = record
+                    break
+        if important:
+            record["_important"] = True
+
+    # -- merging ---------------------------------------------------------------------
+    def merge(self, other: "SliceStats") -> None:
+        self.max_ts = max(self.max_ts, other.max_ts)
+        self.steps += other.steps
+        self.rounds += other.rounds
+        self.plain_entries += other.plain_entries
+        self.drafted_tokens += other.drafted_tokens
+        self.accepted_tokens += other.accepted_tokens
+        _add_lists(self.accepted_at_least, other.accepted_at_least)
+        _add_lists(self.drafted_at_least, other.drafted_at_least)
+        self.draft_ms += other.draft_ms
+        self.verify_ms += other.verify_ms
+        self.kv_peak = max(self.kv_peak, other.kv_peak)
+        self.requests += other.requests
+        self.speculative_requests += other.speculative_requests
+        self.errors += other.errors
+        self.timeouts += other.timeouts
+        for name in ("ttft", "tpot", "e2e"):
+            theirs = getattr(other, name)
+            if theirs is None:
+                continue
+            mine = getattr(self, name)
+            if mine is None:
+                setattr(self, name, theirs.copy())
+            else:
+                mine.merge(theirs)
+        self.shadow_checks += other.shadow_checks
+        self.shadow_mismatches += other.shadow_mismatches
+        room = _MAX_SAMPLES_PER_SLICE * 4 - len(self.samples)
+        if room > 0:
+            self.samples.extend(other.samples[:room])
+
+    def copy(self) -> "SliceStats":
+        out = SliceStats()
+        out.merge(self)
+        return out
+
+    # -- derived values: each formula written once -----------------------------------
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens gained per speculative round: accepted drafts plus the target's own token."""
+        return ratio(self.accepted_tokens + self.rounds, self.rounds)
+
+    @property
+    def draft_overhead(self) -> float:
+        """Share of step time spent drafting."""
+        return ratio(self.draft_ms, self.draft_ms + self.verify_ms)
+
+    @property
+    def draft_to_verify(self) -> float:
+        """Draft time per unit of verify time (rho*D for serial drafters)."""
+        return ratio(self.draft_ms, self.verify_ms)
+
+    @property
+    def speedup(self) -> float:
+        """Estimated speedup over standard decoding on the same hardware.
+
+        A standard decoding step costs about one target forward pass, i.e. the verify
+        time; a speculative step costs draft + verify and yields AL tokens, so
+        speedup = AL * verify / (draft + verify) = AL / (1 + rho*D).
+        """
+        return self.acceptance_length * ratio(self.verify_ms, self.draft_ms + self.verify_ms)
+
+    @property
+    def error_rate(self) -> float:
+        return ratio(self.errors + self.timeouts, self.requests)
+
+    @property
+    def mismatch_rate(self) -> float:
+        return ratio(self.shadow_mismatches, self.shadow_checks)
+
+    def position_rates(self) -> list[float]:
+        """Per-position acceptance: P(accepted >= i+1 | drafted >= i+1)."""
+        return [ratio(self.accepted_at_least[i] if i < len(self.accepted_at_least) else 0, d)
+                for i, d in enumerate(self.drafted_at_least)]
+
+    def quantile(self, metric: str, q: float) -> float:
+        sketch = getattr(self, metric)
+        return math.nan if sketch is None else sketch.quantile(q)
+
+    def summary(self) -> dict:
+        """Read-side view (ratios and percentiles) for evidence, archive and display."""
+        out = {
+            "ts": self.max_ts,
+            "rounds": self.rounds,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_length": self.acceptance_length,
+            "draft_overhead": self.draft_overhead,
+            "speedup": self.speedup,
+            "draft_ms": ratio(self.draft_ms, self.steps),
+            "verify_ms": ratio(self.verify_ms, self.steps),
+            "requests": self.requests,
+            "errors": self.errors + self.timeouts,
+            "error_rate": self.error_rate,
+            "kv_peak": self.kv_peak,
+            "shadow_checks": self.shadow_checks,
+            "shadow_mismatches": self.shadow_mismatches,
+        }
+        for metric in ("ttft", "tpot", "e2e"):
+            for q, name in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
+                out[f"{metric}_{name}"] = self.quantile(metric, q)
+        return out
+
+    # -- serialization for changelog-backed tables and partial-aggregate messages -------
+    def to_dict(self) -> dict:
+        out = {
+            "max_ts": self.max_ts, "steps": self.steps, "rounds": self.rounds,
+            "plain_entries": self.plain_entries, "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens, "accepted_at_least": self.accepted_at_least,
+            "drafted_at_least": self.drafted_at_least, "draft_ms": self.draft_ms,
+            "verify_ms": self.verify_ms, "kv_peak": self.kv_peak, "requests": self.requests,
+            "speculative_requests": self.speculative_requests, "errors": self.errors,
+            "timeouts": self.timeouts, "shadow_checks": self.shadow_checks,
+            "shadow_mismatches": self.shadow_mismatches, "samples": self.samples,
+        }
+        for name in ("ttft", "tpot", "e2e"):
+            sketch = getattr(self, name)
+            if sketch is not None:
+                out[name] = base64.b64encode(sketch.to_bytes()).decode("ascii")
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SliceStats":
+        out = cls()
+        for name in ("max_ts", "steps", "rounds", "plain_entries", "drafted_tokens", "accepted_tokens",
+                     "draft_ms", "verify_ms", "kv_peak", "requests", "speculative_requests", "errors",
+                     "timeouts", "shadow_checks", "shadow_mismatches"):
+            setattr(out, name, data.get(name, 0))
+        out.accepted_at_least = list(data.get("accepted_at_least", []))
+        out.drafted_at_least = list(data.get("drafted_at_least", []))
+        out.samples = list(data.get("samples", []))
+        for name in ("ttft", "tpot", "e2e"):
+            if data.get(name):
+                setattr(out, name, LatencySketch.from_bytes(base64.b64decode(data[name])))
+        return out
+
+
+def merge_all(parts: Iterable[SliceStats]) -> SliceStats:
+    """One SliceStats holding the sum of ``parts`` (which are left unchanged)."""
+    out = SliceStats()
+    for part in parts:
+        out.merge(part)
+    return out
