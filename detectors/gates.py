@@ -17,8 +17,8 @@ class ConsecutiveGate:
     """Fires when a breach persists for ``consecutive`` evaluated windows.
 
     ``update(None)`` (not enough data to judge) neither extends nor breaks a streak.
-    After firing, the gate re-arms only once a window is healthy again, so one
-    persistent breach gives one detection.
+    A breach that persists fires again every ``consecutive`` windows, so the action
+    policy can escalate (lower D, then disable) and ignore repeats it has acted on.
 
     Parameters
     ----------
@@ -27,12 +27,12 @@ class ConsecutiveGate:
 
     >>> gate = ConsecutiveGate(consecutive=3)
     >>> fired = []
-    >>> for i, breach in enumerate([True, True, None, False, True, True, True, True]):
+    >>> for i, breach in enumerate([True, True, None, False, True, True, True, True, True, True]):
     ...     gate.update(breach)
     ...     if gate.drift_detected:
     ...         fired.append(i)
     >>> fired
-    [6]
+    [6, 9]
     """
 
     def __init__(self, consecutive: int = 3) -> None:
@@ -44,7 +44,6 @@ class ConsecutiveGate:
     def _reset(self) -> None:
         self.streak = 0
         self.drift_detected = False
-        self._armed = True
 
     def update(self, breach: bool | None) -> None:
         self.drift_detected = False
@@ -52,12 +51,9 @@ class ConsecutiveGate:
             return
         if not breach:
             self.streak = 0
-            self._armed = True
             return
         self.streak += 1
-        if self._armed and self.streak >= self.consecutive:
-            self.drift_detected = True
-            self._armed = False
+        self.drift_detected = self.streak % self.consecutive == 0
 
     def rearm(self) -> None:
         """Start counting afresh (after an action changed what is being measured)."""

@@ -1,0 +1,110 @@
+"""The topology in one process, no broker: decode, stage 1, stage 2, action handlers.
+
+This is `specwatch demo` and `specwatch replay`; the Faust app runs the same stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from specwatch.actions.flags import FlagStore
+from specwatch.schemas import Decision, Policy, Rejection, RejectionCounter, decode_line
+
+from .topology import SliceOutput, Stage1, Stage2
+
+__all__ = ["EmbeddedPipeline", "PipelineCounters"]
+
+
+@dataclass
+class PipelineCounters:
+    lines: int = 0
+    records: int = 0
+    rejected: RejectionCounter = field(default_factory=RejectionCounter)
+    late_records: int = 0
+    decisions: int = 0
+    slices: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "lines": self.lines,
+            "records": self.records,
+            "rejected": self.rejected.total,
+            "rejected_by_reason": self.rejected.as_dict(),
+            "late_records": self.late_records,
+            "decisions": self.decisions,
+            "slices": self.slices,
+        }
+
+
+class EmbeddedPipeline:
+    """Feeds records through both stages in-process and hands each final slice to ``sinks``.
+
+    Parameters
+    ----------
+    policy
+        Detector and action settings.
+    flags
+        Flag store kept current with every decision (the closed loop reads it).
+    sinks
+        Callables receiving each `SliceOutput` (archive writer, progress display, ...).
+    """
+
+    def __init__(self, policy: Policy | None = None, flags: FlagStore | None = None,
+                 sinks: Iterable[Callable[[SliceOutput], None]] = ()) -> None:
+        self.policy = policy or Policy()
+        self.flags = flags if flags is not None else FlagStore()
+        self.stage1 = Stage1(self.policy, source="embedded")
+        self.stage2 = Stage2(self.policy, self.flags)
+        self.sinks = list(sinks)
+        self.counters = PipelineCounters()
+        self.decisions: list[Decision] = []
+
+    def feed_line(self, line: str | bytes) -> list[Decision]:
+        self.counters.lines += 1
+        record = decode_line(line)
+        if record is None:
+            return []
+        if isinstance(record, Rejection):
+            self.counters.rejected.add(record)
+            return []
+        return self.feed(record)
+
+    def feed(self, record) -> list[Decision]:
+        self.counters.records += 1
+        self.stage1.add(record)
+        return self._drain(self.stage1.close_ready())
+
+    def feed_many(self, records: Iterable) -> list[Decision]:
+        out: list[Decision] = []
+        for record in records:
+            out.extend(self.feed(record))
+        return out
+
+    def reject(self, rejection: Rejection) -> None:
+        self.counters.rejected.add(rejection)
+
+    def finish(self) -> list[Decision]:
+        """End of input: close and decide every open slice."""
+        decided = self._drain(self.stage1.close_ready(final=True))
+        decided += self._emit(self.stage2.flush())
+        return decided
+
+    def _drain(self, batches) -> list[Decision]:
+        decided: list[Decision] = []
+        for batch in batches:
+            decided += self._emit(self.stage2.add(batch))
+        return decided
+
+    def _emit(self, outputs: list[SliceOutput]) -> list[Decision]:
+        decided: list[Decision] = []
+        for output in outputs:
+            self.counters.slices += 1
+            self.counters.late_records += output.late_records
+            for action in output.actions:
+                decided.append(action.decision)
+            for sink in self.sinks:
+                sink(output)
+        self.decisions.extend(decided)
+        self.counters.decisions += len(decided)
+        return decided
