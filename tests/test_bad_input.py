@@ -1,0 +1,86 @@
+"""Bad telemetry is rejected with a reason and counted; valid records around it still count."""
+
+import json
+import subprocess
+import sys
+
+from specwatch.schemas import decode_line
+from specwatch.streams.embedded import EmbeddedPipeline
+
+CARD = {"target": {"model_id": "m", "revision": "r1", "tokenizer_digest": "t", "quantization": "fp8"},
+        "drafter": {"mechanism": "eagle3", "revision": "d1", "draft_length": 4},
+        "runtime": {"engine": "vllm", "gpu": "H100", "parallelism": "tp1"},
+        "policy": {"acceptance_rule": "strict", "fallback": "standard"}}
+
+
+def _step(seq, **override):
+    body = {"kind": "step", "v": 1, "ts": 100.0 + seq * 0.01, "worker": "w1", "seq": seq, "bundle_id": "b1",
+            "draft_ms": 0.9, "verify_ms": 11.8, "kv_usage": 0.6,
+            "requests": [{"id": "r1", "bucket": "coding", "cohort": "main", "drafted": 4, "accepted": 3}]}
+    body.update(override)
+    return json.dumps(body)
+
+
+BAD_LINES = {
+    "invalid_json": ['{"kind": "step", "v": 1', "not json at all"],
+    "missing_field": [json.dumps({"kind": "step", "v": 1, "ts": 1.0, "worker": "w1"})],
+    "not_finite": [_step(1000, draft_ms=float("nan")), _step(1001, ts=float("inf"))],
+    "accepted_exceeds_drafted": [_step(1002, requests=[{"id": "r", "bucket": "b", "cohort": "c",
+                                                         "drafted": 2, "accepted": 3}])],
+    "negative_time": [_step(1003, verify_ms=-1.0)],
+    "unknown_kind": [json.dumps({"kind": "trace", "v": 1, "ts": 1.0})],
+    "too_many_requests": [_step(1004, requests=[{"id": f"r{i}", "bucket": "b", "cohort": "c", "drafted": 1,
+                                                  "accepted": 1} for i in range(5000)])],
+    "not_an_object": ["[1, 2, 3]", "42"],
+    "unsupported_version": [_step(1005, v=2)],
+}
+
+
+def test_each_bad_line_gets_its_reason():
+    for reason, lines in BAD_LINES.items():
+        for line in lines:
+            result = decode_line(line)
+            assert getattr(result, "reason", None) == reason, (reason, line[:80], result)
+
+
+def test_unknown_extra_fields_are_ignored():
+    record = decode_line(_step(1, extra_field={"nested": True}))
+    assert record.kind == "step" and record.seq == 1
+
+
+def test_pipeline_counts_rejections_and_keeps_going():
+    rows = []
+    pipeline = EmbeddedPipeline(sinks=[lambda out: rows.extend(r for r in out.window_rows
+                                                               if r["bucket"] == "coding")])
+    valid = [json.dumps({"kind": "bundle", "v": 1, "ts": 100.0, "worker": "w1", "bundle_id": "b1", "card": CARD})]
+    valid += [_step(i) for i in range(200)]
+    mixed = []
+    bad = [line for lines in BAD_LINES.values() for line in lines]
+    for i, line in enumerate(valid):
+        mixed.append(line)
+        if i < len(bad):
+            mixed.append(bad[i])
+    mixed.append("")
+    for line in mixed:
+        pipeline.feed_line(line)
+    pipeline.finish()
+    counters = pipeline.counters.as_dict()
+    assert counters["records"] == len(valid)
+    assert counters["rejected"] == len(bad)
+    assert counters["rejected_by_reason"] == {reason: len(lines) for reason, lines in BAD_LINES.items()}
+    assert sum(row["rounds"] for row in rows) == 200  # every valid step's round was counted
+
+
+def test_replay_cli_exits_zero_and_reports_reasons(tmp_path):
+    src = tmp_path / "in.jsonl"
+    lines = [json.dumps({"kind": "bundle", "v": 1, "ts": 100.0, "worker": "w1", "bundle_id": "b1", "card": CARD})]
+    lines += [_step(i) for i in range(50)] + BAD_LINES["invalid_json"] + BAD_LINES["negative_time"]
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "decisions.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "specwatch.cli", "replay", str(src), "--output", str(out),
+                           "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["records"] == 51
+    assert summary["rejected_by_reason"] == {"invalid_json": 2, "negative_time": 1}
+    assert out.read_text() == ""  # nothing wrong in 0.5 s of healthy telemetry
