@@ -1,0 +1,1095 @@
+"""The ClickHouse archive: decisions, their audit trail, reproducible samples and window stats.
+
+The pipeline writes it, `specwatch query`, `specwatch flags` and postmortems read it; chDB
+(embedded, on disk) by default, a ClickHouse server one DSN away.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+from urllib.parse import unquote, urlsplit
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from specwatch.actions.flags import FlagStore
+from specwatch.schemas import Decision, decision_key
+
+__all__ = [
+    "ARCHIVE_ENV",
+    "DEFAULT_ARCHIVE_DSN",
+    "WINDOW_STATS_FIELDS",
+    "Archive",
+    "ArchiveError",
+    "ArchiveNotFoundError",
+    "ArchiveWriter",
+    "archive_dsn",
+]
+
+logger = logging.getLogger(__name__)
+
+ARCHIVE_ENV = "SPECWATCH_ARCHIVE"
+DEFAULT_ARCHIVE_DSN = "chdb://specwatch-data/archive"
+_USER_ENV = "SPECWATCH_CLICKHOUSE_USER"
+_PASSWORD_ENV = "SPECWATCH_CLICKHOUSE_PASSWORD"
+_DEFAULT_DATABASE = "specwatch"
+_DEFAULT_DECISIONS_LIMIT = 100
+# One insert is one part on disk; big enough to amortize, small enough to bound memory.
+_DEFAULT_INSERT_CHUNK_ROWS = 100_000
+_DEFAULT_WRITER_MAX_ROWS = 50_000
+_DEFAULT_WRITER_MAX_DELAY_S = 2.0
+# A writer whose flushes keep failing must not grow without bound: past this many
+# buffered window-stats rows the oldest are dropped (and counted). Decisions are kept.
+_DEFAULT_WRITER_MAX_BUFFERED = 500_000
+# Deduplication is left to merges and FINAL: collapsing each inserted block on the
+# way in halves insert throughput and buys nothing, since readers use FINAL anyway.
+_INSERT_SETTINGS = {"optimize_on_insert": 0}
+# readonly=1 is the engine-side guard for ad-hoc SQL; the statement check in
+# `_read_only_statement` refuses early and also covers what readonly lets through
+# (INTO OUTFILE writes files, several statements in one string).
+_SQL_SETTINGS = {"readonly": 1}
+_READ_ONLY_KEYWORDS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC")
+_SAMPLE_KINDS = ("request", "step", "shadow")
+
+_WINDOW_COUNTS = ("rounds", "drafted_tokens", "accepted_tokens", "requests", "errors",
+                  "shadow_checks", "shadow_mismatches")
+_WINDOW_FLOATS = ("acceptance_length", "draft_overhead", "speedup", "draft_ms", "verify_ms",
+                  "error_rate", "ttft_p50", "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95",
+                  "tpot_p99", "e2e_p50", "e2e_p95", "e2e_p99", "kv_peak")
+WINDOW_STATS_FIELDS = (
+    "ts", "bundle_id", "bucket", "cohort", "rounds", "drafted_tokens", "accepted_tokens",
+    "acceptance_length", "draft_overhead", "speedup", "draft_ms", "verify_ms", "requests",
+    "errors", "error_rate", "ttft_p50", "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95",
+    "tpot_p99", "e2e_p50", "e2e_p95", "e2e_p99", "kv_peak", "shadow_checks",
+    "shadow_mismatches", "speculation_on",
+)
+"""The keys of one window-stats row, in table column order."""
+
+_FLOAT_SET = frozenset(_WINDOW_FLOATS)
+
+# Scope columns (bucket, cohort) are Nullable because NULL means "every bucket/cohort"
+# in decisions; the same convention holds in every table, so sorting keys that contain
+# them need allow_nullable_key.
+_TABLES: dict[str, str] = {
+    "decisions": """
+        decision_id String,
+        ts Float64,
+        bundle_id LowCardinality(String),
+        bucket LowCardinality(Nullable(String)),
+        cohort LowCardinality(Nullable(String)),
+        action LowCardinality(String),
+        reason LowCardinality(String),
+        detector LowCardinality(String),
+        evidence String,
+        sample_ids Array(String),
+        line String,
+        archived_at DateTime64(6, 'UTC') DEFAULT now64(6)
+    ) ENGINE = ReplacingMergeTree
+    ORDER BY (bundle_id, decision_id)""",
+    "audit": """
+        audit_id String,
+        ts Float64,
+        kind LowCardinality(String),
+        actor String,
+        decision_id Nullable(String),
+        bundle_id LowCardinality(String),
+        scope String,
+        reason String,
+        detector String,
+        thresholds String,
+        baseline String,
+        window String,
+        card String,
+        detail String,
+        archived_at DateTime64(6, 'UTC') DEFAULT now64(6)
+    ) ENGINE = ReplacingMergeTree
+    ORDER BY audit_id""",
+    "samples": """
+        decision_id String,
+        kind LowCardinality(String),
+        sample_id String,
+        ts Float64,
+        bundle_id LowCardinality(String),
+        bucket LowCardinality(Nullable(String)),
+        cohort LowCardinality(Nullable(String)),
+        worker LowCardinality(Nullable(String)),
+        record String
+    ) ENGINE = ReplacingMergeTree
+    ORDER BY (decision_id, kind, sample_id)""",
+    "window_stats": """
+        ts Float64,
+        bundle_id LowCardinality(String),
+        bucket LowCardinality(Nullable(String)),
+        cohort LowCardinality(Nullable(String)),
+        """ + ",\n        ".join(
+        f"{name} UInt64" if name in _WINDOW_COUNTS else f"{name} Nullable(Float64)"
+        for name in WINDOW_STATS_FIELDS[4:-1]) + """,
+        speculation_on Bool
+    ) ENGINE = ReplacingMergeTree
+    PARTITION BY toYYYYMM(toDateTime(toUInt32(ts), 'UTC'))
+    ORDER BY (bundle_id, bucket, cohort, ts)
+    SETTINGS allow_nullable_key = 1""",
+    "bundles": """
+        bundle_id String,
+        card SimpleAggregateFunction(any, String),
+        first_seen SimpleAggregateFunction(min, Float64),
+        last_seen SimpleAggregateFunction(max, Float64),
+        workers SimpleAggregateFunction(groupUniqArrayArray, Array(String))
+    ) ENGINE = AggregatingMergeTree
+    ORDER BY bundle_id""",
+    "overrides": """
+        override_id String,
+        ts Float64,
+        bundle_id LowCardinality(String),
+        bucket LowCardinality(Nullable(String)),
+        cohort LowCardinality(Nullable(String)),
+        enabled Bool,
+        draft_limit Nullable(UInt16),
+        by String,
+        reason String,
+        cleared Bool,
+        archived_at DateTime64(6, 'UTC') DEFAULT now64(6)
+    ) ENGINE = ReplacingMergeTree
+    ORDER BY override_id""",
+    "rejections": """
+        ts Float64,
+        source LowCardinality(String),
+        reason LowCardinality(String),
+        count UInt64
+    ) ENGINE = ReplacingMergeTree
+    ORDER BY (source, reason, ts)""",
+}
+
+_STR = pa.string()
+_F64 = pa.float64()
+_DECISION_SCHEMA = pa.schema([
+    ("decision_id", _STR), ("ts", _F64), ("bundle_id", _STR), ("bucket", _STR), ("cohort", _STR),
+    ("action", _STR), ("reason", _STR), ("detector", _STR), ("evidence", _STR),
+    ("sample_ids", pa.list_(_STR)), ("line", _STR),
+])
+_AUDIT_SCHEMA = pa.schema([
+    ("audit_id", _STR), ("ts", _F64), ("kind", _STR), ("actor", _STR), ("decision_id", _STR),
+    ("bundle_id", _STR), ("scope", _STR), ("reason", _STR), ("detector", _STR),
+    ("thresholds", _STR), ("baseline", _STR), ("window", _STR), ("card", _STR), ("detail", _STR),
+])
+_SAMPLE_SCHEMA = pa.schema([
+    ("decision_id", _STR), ("kind", _STR), ("sample_id", _STR), ("ts", _F64), ("bundle_id", _STR),
+    ("bucket", _STR), ("cohort", _STR), ("worker", _STR), ("record", _STR),
+])
+_BUNDLE_SCHEMA = pa.schema([
+    ("bundle_id", _STR), ("card", _STR), ("first_seen", _F64), ("last_seen", _F64),
+    ("workers", pa.list_(_STR)),
+])
+_OVERRIDE_SCHEMA = pa.schema([
+    ("override_id", _STR), ("ts", _F64), ("bundle_id", _STR), ("bucket", _STR), ("cohort", _STR),
+    ("enabled", pa.bool_()), ("draft_limit", pa.uint16()), ("by", _STR), ("reason", _STR),
+    ("cleared", pa.bool_()),
+])
+_REJECTION_SCHEMA = pa.schema([
+    ("ts", _F64), ("source", _STR), ("reason", _STR), ("count", pa.uint64()),
+])
+_DECISION_COLUMNS = ", ".join(_DECISION_SCHEMA.names)
+_AUDIT_JSON = ("thresholds", "baseline", "window", "card", "detail")
+
+
+class ArchiveError(RuntimeError):
+    """The archive cannot be opened or used as asked."""
+
+
+class ArchiveNotFoundError(ArchiveError):
+    """No archive at that DSN (and the caller did not ask to create one)."""
+
+
+def archive_dsn(environ: Mapping[str, str] | None = None) -> str:
+    """The archive DSN to use when none is given: ``$SPECWATCH_ARCHIVE`` or the default.
+
+    >>> archive_dsn({})
+    'chdb://specwatch-data/archive'
+    >>> archive_dsn({"SPECWATCH_ARCHIVE": "chdb:///var/lib/specwatch"})
+    'chdb:///var/lib/specwatch'
+    """
+    environ = os.environ if environ is None else environ
+    return environ.get(ARCHIVE_ENV) or DEFAULT_ARCHIVE_DSN
+
+
+# -- where the archive lives -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Location:
+    """A parsed archive DSN. Holds no password: that goes straight to the client."""
+
+    engine: str  # "chdb" or "server"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+    secure: bool = False
+    database: str = _DEFAULT_DATABASE
+    username: str = ""
+
+    @property
+    def label(self) -> str:
+        """The DSN as it may appear in logs and messages (never with credentials)."""
+        if self.engine == "chdb":
+            return f"chdb://{self.path}"
+        scheme = "https" if self.secure else "http"
+        return f"{scheme}://{self.host}:{self.port}/{self.database}"
+
+
+def _parse_dsn(dsn: str, cwd: str | None = None) -> tuple[_Location, str | None]:
+    """Split an archive DSN into a location and the password it carries, if any.
+
+    >>> _parse_dsn("chdb://specwatch-data/archive", cwd="/srv")[0].path
+    '/srv/specwatch-data/archive'
+    >>> _parse_dsn("chdb:///var/lib/specwatch")[0].path
+    '/var/lib/specwatch'
+    >>> loc, password = _parse_dsn("https://ops:s%40cret@ch.internal:8443/postmortems")
+    >>> loc.label, loc.username, password
+    ('https://ch.internal:8443/postmortems', 'ops', 's@cret')
+    >>> _parse_dsn("http://ch.internal")[0].label
+    'http://ch.internal:8123/specwatch'
+    """
+    scheme, sep, rest = dsn.partition("://")
+    scheme = scheme.lower()
+    if not sep or not rest:
+        raise ValueError(f"archive DSN {_redact(dsn)!r} is not chdb:///abs/path, chdb://relative/path "
+                         "or http(s)://[user[:password]@]host[:port][/database]")
+    if scheme == "chdb":
+        # chdb:///abs is absolute; chdb://rel/dir is relative to the working directory
+        # (clickhouse-connect alone would read the first segment as a location and the
+        # rest as a database name).
+        raw = unquote(rest.split("?", 1)[0])
+        path = raw if raw.startswith("/") else os.path.join(cwd or os.getcwd(), raw)
+        return _Location("chdb", path=os.path.normpath(path)), None
+    if scheme not in ("http", "https"):
+        raise ValueError(f"archive DSN scheme {scheme!r} is not one of chdb, http, https")
+    parts = urlsplit(dsn)
+    if not parts.hostname:
+        raise ValueError(f"archive DSN {_redact(dsn)!r} has no host")
+    secure = scheme == "https"
+    database = unquote(parts.path.strip("/")) or _DEFAULT_DATABASE
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
+        raise ValueError(f"archive database name {database!r} must be a plain identifier")
+    location = _Location("server", host=parts.hostname, port=parts.port or (8443 if secure else 8123),
+                         secure=secure, database=database, username=unquote(parts.username or ""))
+    return location, unquote(parts.password) if parts.password is not None else None
+
+
+def _redact(dsn: str) -> str:
+    """A DSN with any password removed, for error messages.
+
+    >>> _redact("http://ops:hunter2@ch:8123/db")
+    'http://ops:***@ch:8123/db'
+    """
+    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", dsn)
+
+
+class _ChdbClients:
+    """The per-process cache of chDB clients.
+
+    chDB hosts one engine path per process, so every archive opened on that path in
+    this process shares one client; the engine is released when the last one closes,
+    after which another path may be opened.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._path: str | None = None
+        self._client: Any = None
+        self._users = 0
+
+    def acquire(self, path: str) -> Any:
+        path = os.path.realpath(path)
+        with self._lock:
+            if self._client is not None:
+                if path != self._path:
+                    raise ArchiveError(
+                        f"chDB hosts one archive per process: {self._path} is open here, so "
+                        f"{path} cannot be; close the other archive or use another process")
+                self._users += 1
+                return self._client
+            import clickhouse_connect  # heavy; only archive users pay for it
+
+            try:
+                client = clickhouse_connect.get_client(interface="chdb", path=path)
+            except Exception as exc:
+                raise ArchiveError(f"cannot open the chDB archive at {path}: {exc}") from exc
+            self._path, self._client, self._users = path, client, 1
+            return client
+
+    def release(self, client: Any) -> None:
+        with self._lock:
+            if client is not self._client:
+                return
+            self._users -= 1
+            if self._users == 0:
+                self._client, self._path = None, None
+                client.close()
+
+
+# The one piece of module-level mutable state: chDB's one-engine-per-process rule
+# makes the engine a process resource, so its clients are shared per process.
+_CHDB_CLIENTS = _ChdbClients()
+
+
+# -- the archive -----------------------------------------------------------------------
+
+class Archive:
+    """Decisions, audit rows, samples, window stats, bundles and overrides in ClickHouse.
+
+    Parameters
+    ----------
+    client
+        A clickhouse-connect client (chDB or server); the caller keeps owning it.
+    database
+        Database holding the archive tables.
+
+    Writes are idempotent: rows carry stable ids, tables are ReplacingMergeTree, and
+    reads use FINAL, so writing the same decision twice leaves one.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as tmp, Archive.open(f"chdb://{tmp}/a") as archive:
+    ...     d = Decision(ts=10.0, bundle_id="b-1", bucket="coding", action="disable_speculation",
+    ...                  reason="acceptance_drop", detector="al_gate")
+    ...     archive.write_decision(d, {"thresholds": {"al_min": 1.8}}, [])
+    ...     archive.write_decision(d, {"thresholds": {"al_min": 1.8}}, [])
+    ...     [(r["decision_id"], r["action"]) for r in archive.decisions(bundle_id="b-1")]
+    ...     archive.flag_store().lookup("b-1", "coding", "main").enabled
+    [('d-...', 'disable_speculation')]
+    False
+    """
+
+    def __init__(self, client: Any, database: str = _DEFAULT_DATABASE) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
+            raise ValueError(f"archive database name {database!r} must be a plain identifier")
+        self._client = client
+        self._db = database
+        self._label = f"{type(client).__name__}/{database}"
+        self._release: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, dsn: str | None = None, *, create: bool = True,
+             environ: Mapping[str, str] | None = None) -> "Archive":
+        """Open the archive at `dsn` (default: `archive_dsn()`), creating it if asked.
+
+        ``chdb:///abs/path`` or ``chdb://relative/path`` is an embedded chDB directory;
+        ``http(s)://user:pass@host:port/db`` a ClickHouse server, with credentials from
+        ``$SPECWATCH_CLICKHOUSE_USER``/``_PASSWORD`` when the DSN has none. With
+        ``create=False`` a missing archive raises `ArchiveNotFoundError`.
+        """
+        environ = os.environ if environ is None else environ
+        location, password = _parse_dsn(dsn or archive_dsn(environ))
+        if location.engine == "chdb":
+            # Checked before the engine starts: opening a directory makes chDB lay out
+            # its store there, which a read-only command must not do to a wrong path.
+            if not create and not os.path.isdir(os.path.join(location.path, "metadata")):
+                raise ArchiveNotFoundError(f"no archive at {location.label}")
+            if create:
+                os.makedirs(location.path, exist_ok=True)
+            client = _CHDB_CLIENTS.acquire(location.path)
+            release = lambda: _CHDB_CLIENTS.release(client)  # noqa: E731
+        else:
+            import clickhouse_connect
+
+            username = location.username or environ.get(_USER_ENV) or "default"
+            if password is None:
+                password = environ.get(_PASSWORD_ENV, "")
+            try:
+                client = clickhouse_connect.get_client(
+                    host=location.host, port=location.port, username=username, password=password,
+                    secure=location.secure)
+            except Exception as exc:
+                # The driver's message names host and user, never the password.
+                raise ArchiveError(f"cannot connect to the archive at {location.label}: {exc}") from exc
+            release = client.close
+        archive = cls(client, location.database)
+        archive._label = location.label
+        archive._release = release
+        try:
+            if create:
+                archive.ensure_schema()
+            elif not archive.exists():
+                raise ArchiveNotFoundError(f"no archive at {location.label}")
+        except BaseException:
+            archive.close()
+            raise
+        logger.debug("archive open at %s", location.label)
+        return archive
+
+    def __repr__(self) -> str:
+        return f"Archive({self._label!r})"
+
+    def __enter__(self) -> "Archive":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the client if this archive opened it; a passed-in client stays open."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    # -- schema ------------------------------------------------------------------------
+    def ensure_schema(self) -> None:
+        """Create the database and every table if missing; safe to call at every start."""
+        self._client.command(f"CREATE DATABASE IF NOT EXISTS {self._db}")
+        for table, body in _TABLES.items():
+            self._client.command(f"CREATE TABLE IF NOT EXISTS {self._db}.{table} ({body}")
+
+    def exists(self) -> bool:
+        """Whether the archive tables are there (an archive was created at this place)."""
+        result = self._client.query(f"EXISTS TABLE {self._db}.decisions")
+        return bool(result.result_rows and result.result_rows[0][0])
+
+    # -- writes ------------------------------------------------------------------------
+    def write_decision(self, decision: Decision, audit: Mapping[str, Any] | None,
+                       samples: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Archive one decision with its audit row and reproducible samples.
+
+        ``audit`` holds ``thresholds``, ``baseline``, ``window`` (per-slice stats) and
+        ``card``; other keys land in the audit row's ``detail``. Each sample is a
+        contract-v1 request, step or shadow record dict.
+        """
+        self.write_decisions([(decision, audit, samples)])
+
+    def write_decisions(self, items: Iterable[tuple[Decision, Mapping[str, Any] | None,
+                                                    Sequence[Mapping[str, Any]]]]) -> int:
+        """Archive many decisions in one insert per table; returns how many."""
+        batch = _DecisionBatch()
+        for decision, audit, samples in items:
+            batch.add(decision, audit, samples)
+        return self._write_decision_batch(batch)
+
+    def write_window_stats(self, rows: Sequence[Mapping[str, Any]]) -> int:
+        """Archive window-stats rows (keys: `WINDOW_STATS_FIELDS`); returns how many.
+
+        One row per (slice end ``ts``, bundle, bucket, cohort); writing the same slice
+        again replaces it. NaN floats are stored as NULL and read back as NaN.
+        """
+        rows = rows if isinstance(rows, list) else list(rows)
+        for start in range(0, len(rows), _DEFAULT_INSERT_CHUNK_ROWS):
+            self._insert_table("window_stats",
+                               _window_stats_table(rows[start:start + _DEFAULT_INSERT_CHUNK_ROWS], start))
+        return len(rows)
+
+    def write_bundle(self, bundle_id: str, card: Mapping[str, Any] | Any, ts: float,
+                     worker: str) -> None:
+        """Record a sighting of a bundle: its card, and first/last seen times and workers."""
+        _require_text(bundle_id, "bundle_id")
+        ts = _finite(ts, "ts")
+        self._insert("bundles", _BUNDLE_SCHEMA,
+                     [[bundle_id], [_json(card)], [ts], [ts], [[worker] if worker else []]])
+
+    def write_override(self, scope: tuple[str, str | None, str | None], enabled: bool,
+                       draft_limit: int | None, by: str, reason: str, ts: float,
+                       cleared: bool = False) -> str:
+        """Record a manual override (or its clearing) and its audit row; returns its id."""
+        bundle_id, bucket, cohort = scope
+        _require_text(bundle_id, "bundle_id")
+        _require_text(by, "by (who made the override)")
+        ts = _finite(ts, "ts")
+        if draft_limit is not None and not (isinstance(draft_limit, int) and 1 <= draft_limit <= 64):
+            raise ValueError(f"draft_limit must be an integer in 1..64, not {draft_limit!r}")
+        body = {"bundle_id": bundle_id, "bucket": bucket, "cohort": cohort, "enabled": bool(enabled),
+                "draft_limit": draft_limit, "by": by, "reason": reason, "ts": ts, "cleared": bool(cleared)}
+        override_id = "o-" + hashlib.sha256(_json(body).encode()).hexdigest()[:16]
+        audit = [f"a-{override_id}", ts, "override_clear" if cleared else "override", by, None,
+                 bundle_id, decision_key(bundle_id, bucket, cohort), reason, "", "null", "null",
+                 "null", "null", _json({"enabled": bool(enabled), "draft_limit": draft_limit})]
+        self._insert("overrides", _OVERRIDE_SCHEMA,
+                     [[v] for v in (override_id, ts, bundle_id, bucket, cohort, bool(enabled),
+                                    draft_limit, by, reason, bool(cleared))])
+        self._insert("audit", _AUDIT_SCHEMA, [[v] for v in audit])
+        return override_id
+
+    def write_rejections(self, counts: Mapping[str, int], ts: float, source: str) -> None:
+        """Record rejected-record counts by reason, as of `ts`, for one source."""
+        ts = _finite(ts, "ts")
+        reasons = sorted(counts)
+        if reasons:
+            self._insert("rejections", _REJECTION_SCHEMA,
+                         [[ts] * len(reasons), [source] * len(reasons), reasons,
+                          [int(counts[r]) for r in reasons]])
+
+    # -- reads -------------------------------------------------------------------------
+    def decisions(self, bundle_id: str | None = None, bucket: str | None = None,
+                  reason: str | None = None, action: str | None = None,
+                  since: float | None = None, until: float | None = None,
+                  limit: int | None = _DEFAULT_DECISIONS_LIMIT) -> list[dict]:
+        """The most recent `limit` matching decisions, oldest first.
+
+        ``bucket="*"`` selects whole-bundle decisions; ``since``/``until`` are
+        inclusive unix seconds; ``limit=None`` returns every match.
+        """
+        where, params = _filters(bundle_id=bundle_id, bucket=bucket, reason=reason, action=action,
+                                 since=since, until=until)
+        sql = (f"SELECT {_DECISION_COLUMNS} FROM {self._db}.decisions FINAL{where} "
+               "ORDER BY ts DESC, archived_at DESC, decision_id DESC")
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        rows = [_decision_out(r) for r in self._select(sql, params)]
+        rows.reverse()
+        return rows
+
+    def decision(self, decision_id: str) -> dict | None:
+        """One decision with its audit row (JSON fields parsed) under ``"audit"``."""
+        rows = self._select(f"SELECT {_DECISION_COLUMNS} FROM {self._db}.decisions FINAL "
+                            "WHERE decision_id = {id:String} LIMIT 1", {"id": decision_id})
+        if not rows:
+            return None
+        out = _decision_out(rows[0])
+        audit = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.audit FINAL "
+                             "WHERE audit_id = {id:String} LIMIT 1", {"id": f"a-{decision_id}"})
+        out["audit"] = _audit_out(audit[0]) if audit else None
+        return out
+
+    def samples(self, decision_id: str) -> list[dict]:
+        """The samples archived with a decision, ``record`` parsed back to a dict."""
+        rows = self._select(f"SELECT * FROM {self._db}.samples FINAL "
+                            "WHERE decision_id = {id:String} ORDER BY ts, kind, sample_id",
+                            {"id": decision_id})
+        for row in rows:
+            row["record"] = json.loads(row["record"])
+        return rows
+
+    def timeline(self, bundle_id: str | None = None, bucket: str | None = None,
+                 cohort: str | None = None, since: float | None = None,
+                 until: float | None = None) -> list[dict]:
+        """Window-stats rows in slice order (``bucket``/``cohort`` ``"*"`` = whole-bundle rows)."""
+        where, params = _filters(bundle_id=bundle_id, bucket=bucket, cohort=cohort, since=since,
+                                 until=until)
+        rows = self._select(f"SELECT {', '.join(WINDOW_STATS_FIELDS)} FROM {self._db}.window_stats "
+                            f"FINAL{where} ORDER BY ts, bundle_id, bucket, cohort", params)
+        nan = math.nan
+        for row in rows:
+            for name in _WINDOW_FLOATS:
+                if row[name] is None:
+                    row[name] = nan
+        return rows
+
+    def bundles(self) -> list[dict]:
+        """Every bundle seen: card, first/last seen and the workers that ran it."""
+        rows = self._select(
+            "SELECT bundle_id, any(card) AS card, min(first_seen) AS first_seen, "
+            "max(last_seen) AS last_seen, arraySort(groupUniqArrayArray(workers)) AS workers "
+            f"FROM {self._db}.bundles GROUP BY bundle_id ORDER BY first_seen, bundle_id")
+        for row in rows:
+            row["card"] = json.loads(row["card"])
+        return rows
+
+    def overrides(self, active_only: bool = True) -> list[dict]:
+        """Manual overrides in time order: the one in force per scope, or every event."""
+        sql = (f"SELECT * EXCEPT archived_at FROM {self._db}.overrides FINAL "
+               "ORDER BY ts, archived_at, override_id")
+        if active_only:
+            # The latest event per scope decides; a clearing event means none is active.
+            sql = (f"SELECT * FROM (SELECT * EXCEPT archived_at FROM {self._db}.overrides FINAL "
+                   "ORDER BY ts DESC, archived_at DESC, override_id DESC "
+                   "LIMIT 1 BY bundle_id, bucket, cohort) WHERE NOT cleared ORDER BY ts, override_id")
+        return self._select(sql)
+
+    def audit(self, bundle_id: str | None = None, kind: str | None = None,
+              since: float | None = None, until: float | None = None) -> list[dict]:
+        """Audit rows in time order, JSON fields parsed."""
+        where, params = _filters(bundle_id=bundle_id, kind=kind, since=since, until=until)
+        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.audit FINAL{where} "
+                            "ORDER BY ts, archived_at, audit_id", params)
+        return [_audit_out(r) for r in rows]
+
+    def rejections(self, source: str | None = None) -> list[dict]:
+        """Rejected-record counts in time order."""
+        where, params = _filters(source=source)
+        return self._select(f"SELECT ts, source, reason, count FROM {self._db}.rejections FINAL"
+                            f"{where} ORDER BY ts, source, reason", params)
+
+    def flag_store(self, overrides: bool = True) -> FlagStore:
+        """A `FlagStore` rebuilt from every archived decision, plus active overrides."""
+        store = FlagStore()
+        for row in self._select(f"SELECT line FROM {self._db}.decisions FINAL "
+                                "ORDER BY ts, archived_at, decision_id"):
+            store.apply(Decision.model_validate_json(row["line"]))
+        if overrides:
+            for o in self.overrides(active_only=True):
+                store.override((o["bundle_id"], o["bucket"], o["cohort"]), o["enabled"], o["by"],
+                               o["reason"], o["ts"], o["draft_limit"])
+        return store
+
+    def sql(self, statement: str) -> tuple[list[str], list[tuple]]:
+        """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows).
+
+        Anything else raises ValueError before it reaches the engine, which runs it
+        with ``readonly=1`` as well.
+        """
+        statement = _read_only_statement(statement)
+        with self._lock:
+            result = self._client.query(statement, settings=_SQL_SETTINGS)
+        return list(result.column_names), list(result.result_rows)
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _insert(self, table: str, schema: pa.Schema, columns: list[list[Any]]) -> None:
+        arrays = [pa.array(values, type=field.type) for values, field in zip(columns, schema)]
+        self._insert_table(table, pa.Table.from_arrays(arrays, schema=schema))
+
+    def _insert_table(self, table: str, data: pa.Table) -> None:
+        with self._lock:
+            self._client.insert_arrow(f"{self._db}.{table}", data, settings=_INSERT_SETTINGS)
+
+    def _write_decision_batch(self, batch: "_DecisionBatch") -> int:
+        if not batch.count:
+            return 0
+        # Samples and audit go first: a decision row present means its evidence is too.
+        if batch.samples[0]:
+            self._insert("samples", _SAMPLE_SCHEMA, batch.samples)
+        self._insert("audit", _AUDIT_SCHEMA, batch.audits)
+        self._insert("decisions", _DECISION_SCHEMA, batch.decisions)
+        return batch.count
+
+    def _select(self, sql: str, parameters: Mapping[str, Any] | None = None) -> list[dict]:
+        with self._lock:
+            result = self._client.query(sql, parameters=dict(parameters or {}))
+        names = result.column_names
+        return [dict(zip(names, row)) for row in result.result_rows]
+
+
+class ArchiveWriter:
+    """Buffers window stats and decisions, and writes them in batches.
+
+    Parameters
+    ----------
+    archive
+        Where batches go.
+    max_rows
+        Buffered window-stats rows that trigger a flush.
+    max_delay
+        Seconds after the first buffered row that trigger a flush on the next write
+        or `flush_if_due()` call (there is no timer thread: the caller's loop ticks).
+    max_buffered
+        Window-stats rows kept while flushes fail; past it the oldest are dropped
+        and counted in `dropped_rows`. Decisions are never dropped.
+    clock
+        Monotonic clock, passed in so tests can drive time.
+
+    Rows are checked and converted when written, so a bad row fails at its source
+    and never poisons a later flush. Bundles, overrides and rejection counts are rare
+    and go straight through. `flush()` writes window stats before decisions, so the
+    slices around a decision are archived by the time the decision is.
+    """
+
+    def __init__(self, archive: Archive, *, max_rows: int = _DEFAULT_WRITER_MAX_ROWS,
+                 max_delay: float = _DEFAULT_WRITER_MAX_DELAY_S,
+                 max_buffered: int = _DEFAULT_WRITER_MAX_BUFFERED,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, not {max_rows}")
+        if max_delay < 0:
+            raise ValueError(f"max_delay must be >= 0 seconds, not {max_delay}")
+        if max_buffered < max_rows:
+            raise ValueError(f"max_buffered ({max_buffered}) must be >= max_rows ({max_rows})")
+        self.archive = archive
+        self.max_rows = max_rows
+        self.max_delay = max_delay
+        self.max_buffered = max_buffered
+        self.dropped_rows = 0
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._stats: list[pa.Table] = []
+        self._stats_rows = 0
+        self._decisions = _DecisionBatch()
+        self._since: float | None = None
+
+    @property
+    def pending(self) -> int:
+        """Window-stats rows plus decisions waiting for the next flush."""
+        with self._lock:
+            return self._stats_rows + self._decisions.count
+
+    def write_window_stats(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        rows = rows if isinstance(rows, list) else list(rows)
+        if not rows:
+            return
+        tables = [_window_stats_table(rows[i:i + _DEFAULT_INSERT_CHUNK_ROWS], i)
+                  for i in range(0, len(rows), _DEFAULT_INSERT_CHUNK_ROWS)]
+        with self._lock:
+            self._stats.extend(tables)
+            self._stats_rows += len(rows)
+            self._drop_overflow()
+            self._mark()
+        self.flush_if_due()
+
+    def write_decision(self, decision: Decision, audit: Mapping[str, Any] | None,
+                       samples: Sequence[Mapping[str, Any]] = ()) -> None:
+        with self._lock:
+            self._decisions.add(decision, audit, samples)
+            self._mark()
+        self.flush_if_due()
+
+    def write_bundle(self, bundle_id: str, card: Mapping[str, Any] | Any, ts: float, worker: str) -> None:
+        self.archive.write_bundle(bundle_id, card, ts, worker)
+
+    def write_override(self, scope: tuple[str, str | None, str | None], enabled: bool,
+                       draft_limit: int | None, by: str, reason: str, ts: float,
+                       cleared: bool = False) -> str:
+        return self.archive.write_override(scope, enabled, draft_limit, by, reason, ts, cleared)
+
+    def write_rejections(self, counts: Mapping[str, int], ts: float, source: str) -> None:
+        self.archive.write_rejections(counts, ts, source)
+
+    def flush_if_due(self) -> bool:
+        """Flush if enough rows are buffered or the oldest waited `max_delay`."""
+        with self._lock:
+            due = self._stats_rows >= self.max_rows or (
+                self._since is not None and self._clock() - self._since >= self.max_delay)
+        if due:
+            self.flush()
+        return due
+
+    def flush(self) -> int:
+        """Write everything buffered; returns rows written. A failed batch stays buffered."""
+        with self._flush_lock:
+            with self._lock:
+                stats, self._stats, self._stats_rows = self._stats, [], 0
+                decisions, self._decisions = self._decisions, _DecisionBatch()
+                self._since = None
+            written = 0
+            try:
+                while stats:
+                    self.archive._insert_table("window_stats", stats[0])
+                    written += stats.pop(0).num_rows
+                written += self.archive._write_decision_batch(decisions)
+                decisions = _DecisionBatch()
+            finally:
+                if stats or decisions.count:
+                    with self._lock:
+                        self._stats[:0] = stats
+                        self._stats_rows += sum(t.num_rows for t in stats)
+                        decisions.extend(self._decisions)
+                        self._decisions = decisions
+                        self._drop_overflow()
+                        self._mark()
+        if written:
+            logger.debug("archive writer flushed %d rows", written)
+        return written
+
+    def close(self) -> None:
+        """Flush what is left. The archive itself stays open (its owner closes it)."""
+        self.flush()
+
+    def __enter__(self) -> "ArchiveWriter":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _mark(self) -> None:
+        if self._since is None and (self._stats_rows or self._decisions.count):
+            self._since = self._clock()
+
+    def _drop_overflow(self) -> None:
+        dropped = 0
+        while self._stats_rows > self.max_buffered and len(self._stats) > 1:
+            table = self._stats.pop(0)
+            self._stats_rows -= table.num_rows
+            dropped += table.num_rows
+        if dropped:
+            self.dropped_rows += dropped
+            logger.warning("archive writer dropped %d oldest window-stats rows (%d in total) "
+                           "while flushes fail", dropped, self.dropped_rows)
+
+
+class _DecisionBatch:
+    """Decisions, audit rows and samples encoded into insert columns."""
+
+    def __init__(self) -> None:
+        self.decisions: list[list[Any]] = [[] for _ in _DECISION_SCHEMA]
+        self.audits: list[list[Any]] = [[] for _ in _AUDIT_SCHEMA]
+        self.samples: list[list[Any]] = [[] for _ in _SAMPLE_SCHEMA]
+        self.count = 0
+
+    def add(self, decision: Decision, audit: Mapping[str, Any] | None,
+            samples: Sequence[Mapping[str, Any]]) -> None:
+        if not isinstance(decision, Decision):
+            raise TypeError(f"write_decision needs a Decision, not {type(decision).__name__}")
+        # Everything is encoded before anything is kept, so a bad sample never leaves
+        # a half-recorded decision behind.
+        rows = _decision_row(decision), _decision_audit_row(decision, audit or {})
+        sample_rows = [_sample_row(decision.id, sample) for sample in samples]
+        _append(self.decisions, rows[0])
+        _append(self.audits, rows[1])
+        for row in sample_rows:
+            _append(self.samples, row)
+        self.count += 1
+
+    def extend(self, other: "_DecisionBatch") -> None:
+        for mine, theirs in ((self.decisions, other.decisions), (self.audits, other.audits),
+                             (self.samples, other.samples)):
+            for column, more in zip(mine, theirs):
+                column.extend(more)
+        self.count += other.count
+
+
+# -- encoding rows -----------------------------------------------------------------------
+
+def _append(columns: list[list[Any]], row: Sequence[Any]) -> None:
+    for column, value in zip(columns, row):
+        column.append(value)
+
+
+def _decision_row(decision: Decision) -> list[Any]:
+    line = decision.to_json_line()
+    evidence = json.loads(line)["evidence"]  # the canonical form: sorted keys, NaN as null
+    return [decision.id, decision.ts, decision.bundle_id, decision.bucket, decision.cohort,
+            decision.action, decision.reason, decision.detector, _json(evidence),
+            list(decision.sample_ids), line]
+
+
+def _decision_audit_row(decision: Decision, audit: Mapping[str, Any]) -> list[Any]:
+    if not isinstance(audit, Mapping):
+        raise TypeError(f"audit must be a dict, not {type(audit).__name__}")
+    extra = {k: v for k, v in audit.items() if k not in ("thresholds", "baseline", "window", "card")}
+    return [f"a-{decision.id}", decision.ts, "decision", "specwatch", decision.id, decision.bundle_id,
+            decision.key, decision.reason, decision.detector, _json(audit.get("thresholds")),
+            _json(audit.get("baseline")), _json(audit.get("window")), _json(audit.get("card")),
+            _json(extra or None)]
+
+
+def _sample_row(decision_id: str, sample: Mapping[str, Any] | Any) -> list[Any]:
+    record = sample.model_dump(mode="json") if hasattr(sample, "model_dump") else sample
+    if not isinstance(record, Mapping):
+        raise TypeError(f"a sample must be a contract-v1 record dict, not {type(record).__name__}")
+    kind = record.get("kind")
+    if kind not in _SAMPLE_KINDS:
+        raise ValueError(f"sample kind {kind!r} is not one of {', '.join(_SAMPLE_KINDS)}")
+    try:
+        ts = _finite(record["ts"], "sample ts")
+        bundle_id = record["bundle_id"]
+        if kind == "step":
+            sample_id = f"{record['worker']}:{record['seq']}"
+            # A step carries many requests; its bucket/cohort are set only when they agree.
+            buckets = {r.get("bucket") for r in record.get("requests", ())}
+            cohorts = {r.get("cohort") for r in record.get("requests", ())}
+            bucket = buckets.pop() if len(buckets) == 1 else None
+            cohort = cohorts.pop() if len(cohorts) == 1 else None
+        else:
+            sample_id = record["id"]
+            bucket, cohort = record.get("bucket"), record.get("cohort")
+    except KeyError as exc:
+        raise ValueError(f"{kind} sample for {decision_id} has no {exc.args[0]!r}") from None
+    return [decision_id, kind, str(sample_id), ts, bundle_id, bucket, cohort, record.get("worker"),
+            _json(record)]
+
+
+def _window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Table:
+    """Column-wise conversion with the checks a ClickHouse insert would not do."""
+    arrays = []
+    for name in WINDOW_STATS_FIELDS:
+        try:
+            values = [row[name] for row in rows]
+        except (KeyError, TypeError):
+            index = next(i for i, row in enumerate(rows) if not isinstance(row, Mapping) or name not in row)
+            raise ValueError(f"window stats row {offset + index} has no {name!r}") from None
+        try:
+            if name in _FLOAT_SET:
+                array = pa.array(values, type=_F64, from_pandas=True)  # NaN -> NULL
+            elif name in _WINDOW_COUNTS:
+                # Inferred first, then a safe cast: refuses negatives and fractions
+                # that a direct typed conversion would silently truncate.
+                array = pa.array(values).cast(pa.uint64())
+            elif name == "speculation_on":
+                array = _bool_array(values)
+            elif name == "ts":
+                array = pa.array(values, type=_F64)
+                if array.null_count or (len(array) and not pc.all(pc.is_finite(array)).as_py()):
+                    raise ValueError("slice end must be a finite number")
+            else:
+                array = pa.array(values, type=_STR)
+                if name == "bundle_id" and array.null_count:
+                    raise ValueError("bundle_id must be set")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError,
+                OverflowError, ValueError) as exc:
+            raise ValueError(f"window stats field {name!r} (rows {offset}..{offset + len(rows) - 1}): "
+                             f"{exc}") from None
+        if name in _WINDOW_COUNTS and array.null_count:
+            raise ValueError(f"window stats field {name!r} is a count and cannot be missing")
+        arrays.append(array)
+    return pa.Table.from_arrays(arrays, names=list(WINDOW_STATS_FIELDS))
+
+
+def _bool_array(values: list[Any]) -> pa.Array:
+    try:
+        return pa.array(values, type=pa.bool_())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        pass
+    # 0/1 integers and numpy bools are accepted; anything else is a producer bug.
+    out = []
+    for value in values:
+        if value is None or isinstance(value, (float, str)) or value not in (0, 1):
+            raise ValueError(f"speculation_on must be a bool, not {value!r}")
+        out.append(bool(value))
+    return pa.array(out, type=pa.bool_())
+
+
+def _json(value: Any) -> str:
+    """Compact JSON with sorted keys; NaN and infinities become null (JSON has neither).
+
+    >>> _json({"b": float("nan"), "a": [1.5, (2, 3)]})
+    '{"a":[1.5,[2,3]],"b":null}'
+    """
+    return json.dumps(_plain(value), separators=(",", ":"), sort_keys=True, allow_nan=False,
+                      default=_json_default)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "model_dump"):
+        return _plain(value.model_dump(mode="json"))
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return _plain(value.item())
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"cannot archive a {type(value).__name__} as JSON")
+
+
+def _finite(value: Any, name: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, not {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, not {value!r}")
+    return number
+
+
+def _require_text(value: Any, name: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, not {value!r}")
+
+
+# -- decoding rows -----------------------------------------------------------------------
+
+def _decision_out(row: dict) -> dict:
+    row["evidence"] = json.loads(row["evidence"])
+    row["sample_ids"] = list(row["sample_ids"])
+    return row
+
+
+def _audit_out(row: dict) -> dict:
+    for name in _AUDIT_JSON:
+        row[name] = json.loads(row[name]) if row[name] else None
+    window = row.get("window")
+    if isinstance(window, list):
+        # Window slices read back like timeline rows: undefined ratios are NaN again.
+        for entry in window:
+            if isinstance(entry, dict):
+                for key, value in entry.items():
+                    if value is None and key in _FLOAT_SET:
+                        entry[key] = math.nan
+    return row
+
+
+_FILTER_TYPES = {"bundle_id": "String", "bucket": "String", "cohort": "String", "reason": "String",
+                 "action": "String", "kind": "String", "source": "String"}
+
+
+def _filters(**given: Any) -> tuple[str, dict[str, Any]]:
+    """A WHERE clause with bound parameters for the filters that are set.
+
+    >>> _filters(bundle_id="b-1", bucket="*", since=5.0, until=None)
+    (' WHERE bundle_id = {bundle_id:String} AND bucket IS NULL AND ts >= {since:Float64}', {'bundle_id': 'b-1', 'since': 5.0})
+    """
+    clauses, params = [], {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        if name in ("since", "until"):
+            clauses.append(f"ts {'>=' if name == 'since' else '<='} {{{name}:Float64}}")
+            params[name] = float(value)
+        elif name in ("bucket", "cohort") and value == "*":
+            clauses.append(f"{name} IS NULL")  # "*" is how scope keys spell "all"
+        else:
+            clauses.append(f"{name} = {{{name}:{_FILTER_TYPES[name]}}}")
+            params[name] = value
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+
+def _read_only_statement(statement: str) -> str:
+    """The statement, if it is one read-only query; raises ValueError otherwise.
+
+    >>> _read_only_statement("  -- last hour\\n select count() from specwatch.decisions;")
+    '-- last hour\\n select count() from specwatch.decisions'
+    >>> _read_only_statement("DROP TABLE specwatch.decisions")
+    Traceback (most recent call last):
+    ...
+    ValueError: only SELECT, WITH, SHOW and DESCRIBE statements may run here, not DROP
+    >>> _read_only_statement("SELECT ';' AS x; DROP TABLE x")
+    Traceback (most recent call last):
+    ...
+    ValueError: one statement at a time: found more after ';'
+    """
+    code = _blank_literals(statement)
+    end = len(code.rstrip())
+    if end and code[end - 1] == ";":  # one trailing ';' is harmless; drop it
+        statement, code = statement[:end - 1] + statement[end:], code[:end - 1] + code[end:]
+    if ";" in code:
+        raise ValueError("one statement at a time: found more after ';'")
+    words = [w.upper() for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code)]
+    if not words:
+        raise ValueError("empty statement")
+    if words[0] not in _READ_ONLY_KEYWORDS:
+        raise ValueError(f"only SELECT, WITH, SHOW and DESCRIBE statements may run here, not {words[0]}")
+    if any(a == "INTO" and b == "OUTFILE" for a, b in zip(words, words[1:])):
+        raise ValueError("INTO OUTFILE writes files; not allowed here")
+    return statement.strip()
+
+
+def _blank_literals(statement: str) -> str:
+    """The statement with string literals, quoted names and comments blanked out.
+
+    Positions are kept (every character maps to one), so what is found in the
+    result can be cut from the original.
+
+    >>> code = _blank_literals("SELECT ';' AS s -- z;")
+    >>> code.split(), len(code)
+    (['SELECT', 'AS', 's'], 21)
+    """
+    out = list(statement)
+    i, n = 0, len(statement)
+    while i < n:
+        c = statement[i]
+        if c in "'\"`":
+            j = i + 1
+            while j < n and statement[j] != c:
+                j += 2 if statement[j] == "\\" else 1
+            j = min(j + 1, n)
+        elif statement.startswith("--", i) or c == "#":
+            j = statement.find("\n", i)
+            j = n if j < 0 else j
+        elif statement.startswith("/*", i):
+            j = statement.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+        else:
+            i += 1
+            continue
+        out[i:j] = " " * (j - i)
+        i = j
+    return "".join(out)
