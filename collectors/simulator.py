@@ -1,0 +1,1051 @@
+"""A seeded simulator of a fleet of speculative-decoding engine workers, with scripted incidents.
+
+The embedded default data source, the test fixture generator and the load generator: pure and
+deterministic from a seed, it yields contract-v1 records in event-time order plus the ground truth.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from specwatch.schemas import (
+    BundleCard,
+    BundleRecord,
+    DrafterCard,
+    RequestRecord,
+    RoundEntry,
+    RuntimeCard,
+    Sample,
+    Sampling,
+    ShadowRecord,
+    StepRecord,
+    TargetCard,
+    TelemetryRecord,
+    bundle_digest,
+)
+
+__all__ = [
+    "BUCKETS",
+    "COHORTS",
+    "DEFAULT_CARD",
+    "DEFAULT_START_TS",
+    "SCENARIOS",
+    "BucketProfile",
+    "FlagSource",
+    "Incident",
+    "Simulator",
+    "acceptance_length",
+    "step_timing",
+]
+
+DEFAULT_START_TS = 1_767_225_600.0  # 2026-01-01T00:00:00Z
+
+# -- the deployment every simulated worker starts from ------------------------------------
+
+DEFAULT_CARD = BundleCard(
+    target=TargetCard(
+        model_id="llama-3.1-8b-instruct",
+        revision="0e9e39f2",
+        tokenizer_digest="sha256:6b1f3c9d0e2a4b58",
+        quantization="fp8",
+    ),
+    drafter=DrafterCard(mechanism="eagle3", revision="eagle3-llama31-8b-r1", draft_length=4),
+    runtime=RuntimeCard(engine="vllm-0.32.0", gpu="H100-80GB", parallelism="tp1"),
+)
+# What the scripted card changes switch to: a retrained target the drafter never saw, and a
+# tokenizer fix (special tokens) that leaves acceptance alone but still voids the evidence.
+_UPDATED_REVISION = "5f0b02c7"
+_UPDATED_TOKENIZER_DIGEST = "sha256:a4e27d1c95f3086b"
+
+
+# -- task buckets and cohorts ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BucketProfile:
+    """How one task bucket behaves under speculation and what its traffic looks like.
+
+    Parameters
+    ----------
+    name
+        The bucket label on every round and request.
+    position_acceptance
+        Probability that the first drafted token is accepted; later positions decay by
+        `acceptance_decay` each, and a round keeps the leading accepted run.
+    weight
+        Share of new requests (before any mix shift).
+    prompt_median, prompt_sigma
+        Log-normal prompt length in tokens; prompts occupy KV cache for the whole request.
+    output_median, output_sigma, max_tokens
+        Log-normal output length, cut at ``max_tokens`` (finish reason ``length``).
+    temperature, top_p
+        The sampling settings recorded with the request sample.
+    """
+
+    name: str
+    position_acceptance: float
+    weight: float
+    prompt_median: float
+    prompt_sigma: float
+    output_median: float
+    output_sigma: float
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    acceptance_decay: float = 0.97
+
+
+# Per-position acceptance follows what EAGLE-style drafters show on an 8B target: templated
+# output (structured, code) is easy to predict, open reasoning and long-context answers are not.
+BUCKETS: tuple[BucketProfile, ...] = (
+    BucketProfile("coding", 0.80, 0.25, 2500, 0.7, 280, 0.6, 1024),
+    BucketProfile("summarization", 0.65, 0.15, 5000, 0.5, 180, 0.4, 512, temperature=0.3, top_p=0.95),
+    BucketProfile("structured", 0.85, 0.15, 1200, 0.5, 120, 0.5, 512),
+    BucketProfile("reasoning", 0.55, 0.20, 900, 0.6, 700, 0.5, 2048, temperature=0.6, top_p=0.95),
+    BucketProfile("extraction", 0.75, 0.15, 3000, 0.6, 60, 0.6, 256),
+    BucketProfile("long_context", 0.50, 0.10, 28000, 0.3, 220, 0.5, 1024),
+)
+_BUCKET_INDEX = MappingProxyType({b.name: i for i, b in enumerate(BUCKETS)})
+
+COHORTS: tuple[str, ...] = ("main", "canary", "baseline")
+_COHORT_SHARES = (0.90, 0.05, 0.05)
+_BASELINE = COHORTS.index("baseline")
+_CUMULATIVE_COHORT_SHARES = tuple(float(x) for x in np.cumsum(_COHORT_SHARES)[:-1])
+
+# Requests differ in how predictable they are even inside one bucket; a few difficulty levels
+# (multipliers on per-position acceptance) give per-request spread at table-lookup cost.
+_DIFFICULTY_LEVELS = (0.94, 0.97, 1.0, 1.03, 1.06)
+
+# Where the mix shift ends up: harder buckets take traffic from the easy ones.
+_SHIFTED_WEIGHTS = MappingProxyType({
+    "coding": 0.15, "summarization": 0.10, "structured": 0.10,
+    "reasoning": 0.35, "extraction": 0.10, "long_context": 0.20,
+})
+
+
+def acceptance_length(position_acceptance: float, draft_length: int, decay: float = 0.97) -> float:
+    """Expected acceptance length (accepted drafts + the target's own token) of one round.
+
+    Position ``k`` (from 0) is accepted with probability ``position_acceptance * decay**k``
+    and a round keeps the leading run of accepted positions, so AL is in [1, 1 + D].
+
+    >>> round(acceptance_length(0.8, 4), 3)
+    3.229
+    >>> acceptance_length(0.0, 4), acceptance_length(1.0, 4, decay=1.0)
+    (1.0, 5.0)
+    """
+    if not 0.0 <= position_acceptance <= 1.0:
+        raise ValueError(f"position_acceptance must be in [0, 1], got {position_acceptance}")
+    expected, run = 1.0, 1.0
+    for k in range(draft_length):
+        run *= min(1.0, position_acceptance * decay**k)
+        expected += run
+    return expected
+
+
+def _accepted_cdf(position_acceptance: float, draft_length: int, decay: float) -> list[float]:
+    """P(accepted <= j) for j in 0..D-1: thresholds for drawing a round's accepted run."""
+    cdf, run, total = [], 1.0, 0.0
+    for k in range(draft_length):
+        p = min(1.0, position_acceptance * decay**k)
+        total += run * (1.0 - p)
+        run *= p
+        cdf.append(total)
+    return cdf
+
+
+def _scale_for_acceptance_length(profile: BucketProfile, draft_length: int, factor: float) -> float:
+    """Multiplier on per-position acceptance that moves the bucket's AL to ``factor`` times healthy."""
+    if factor >= 1.0:
+        return 1.0
+    healthy = acceptance_length(profile.position_acceptance, draft_length, profile.acceptance_decay)
+    target = max(1.0, healthy * factor)
+    low, high = 0.0, 1.0
+    for _ in range(50):  # AL is monotone in the scale; 50 halvings is below float resolution
+        mid = (low + high) / 2
+        al = acceptance_length(profile.position_acceptance * mid, draft_length, profile.acceptance_decay)
+        low, high = (mid, high) if al < target else (low, mid)
+    return (low + high) / 2
+
+
+# -- the cost of one engine step (H100-80GB, 8B fp8 target, tp1) -------------------------------
+
+# A decode step reads the weights once (memory bound at these batch sizes), so verifying
+# B*(1+D) tokens costs little more than B tokens; attention cost follows the KV held.
+_VERIFY_BASE_MS = 7.2
+_VERIFY_MS_PER_TOKEN = 0.015
+_VERIFY_MS_PER_KV_KTOKEN = 0.02
+# EAGLE-3 drafts serially: one light forward per drafted position over the drafting requests.
+_DRAFT_MS_PER_POSITION = 0.6
+_DRAFT_MS_PER_POSITION_PER_REQUEST = 0.025
+_SCHEDULE_GAP_MS = 0.25
+_TIMING_JITTER = 0.06  # +-3% step to step
+
+
+def step_timing(requests: int, drafting: int, max_drafted: int, drafted_tokens: int,
+                kv_tokens: int, draft_factor: float = 1.0) -> tuple[float, float]:
+    """Draft and verify time (ms) of one engine step, before jitter.
+
+    Parameters
+    ----------
+    requests
+        Requests in the step; each verifies one target token plus its drafts.
+    drafting
+        Requests that drafted in this step.
+    max_drafted
+        Longest draft in the step: the serial drafter runs this many positions.
+    drafted_tokens
+        Draft tokens verified in the step.
+    kv_tokens
+        Tokens held in KV cache by the batch.
+    draft_factor
+        Slow-down of the drafter (1 = healthy).
+
+    >>> draft, verify = step_timing(16, 15, 4, 60, 96_000)
+    >>> round(draft, 2), round(verify, 2)
+    (3.9, 10.26)
+    >>> step_timing(16, 0, 0, 0, 96_000)[0]
+    0.0
+    """
+    draft = 0.0
+    if drafting and max_drafted:
+        draft = max_drafted * (_DRAFT_MS_PER_POSITION + _DRAFT_MS_PER_POSITION_PER_REQUEST * drafting)
+    verify = (_VERIFY_BASE_MS + _VERIFY_MS_PER_TOKEN * (requests + drafted_tokens)
+              + _VERIFY_MS_PER_KV_KTOKEN * kv_tokens / 1000.0)
+    return draft * draft_factor, verify
+
+
+# Prefill runs on its own lane (chunked/disaggregated); it sets TTFT but not decode step time.
+_PREFILL_BASE_MS = 12.0
+_PREFILL_MS_PER_TOKEN = 0.011
+_QUEUE_MEAN_MS = 3.0
+
+# KV cache of one worker in tokens, and the share the scheduler fills with admitted prompts:
+# it keeps headroom for decode growth, so a healthy worker stays below ~0.9.
+_KV_CAPACITY_TOKENS = 196_608
+_KV_ADMISSION_WATERMARK = 0.85
+# Under a long-context surge the scheduler admits whenever blocks are free (vLLM's default).
+_KV_SURGE_WATERMARK = 0.99
+
+# Steps drawn at once while a batch is unchanged; with a flag source, fewer, so that a
+# decision takes effect within about a tenth of a second of event time.
+_BLOCK_STEPS = 24
+_CLOSED_LOOP_BLOCK_STEPS = 8
+
+_DEFAULT_CONCURRENCY = 16
+_DEFAULT_WORKERS = 8
+_WARMUP_SECONDS = 20.0  # runs before t=0 unrecorded, so the first records are steady state
+_HEARTBEAT_SECONDS = 60.0
+_ROLLOUT_SECONDS = 10.0  # a card change rolls over the fleet in this long
+
+_ERROR_RATE = 0.0014
+_TIMEOUT_RATE = 0.0006
+_ABORT_RATE = 0.003
+_ERROR_TEXTS = (
+    "CUDA error: an illegal memory access was encountered",
+    "EngineCoreError: engine core step failed",
+    "RuntimeError: NCCL watchdog: collective operation failed",
+)
+_TIMEOUT_TEXT = "engine step watchdog: no progress for 5.0 s"
+
+_SHADOW_FRACTION = 0.02
+_SHADOW_DELAY_SECONDS = (0.5, 2.5)  # a shadow re-run with standard decoding finishes later
+_SHADOW_CHECK = "token_exact"
+
+_DIURNAL_AMPLITUDE = 0.35
+_WORKER_LOAD_SPREAD = 0.15  # workers differ by up to this much in offered concurrency
+_LOAD_WOBBLE = 0.08
+_LOAD_WOBBLE_PERIOD_SECONDS = 300.0
+
+
+# -- scenarios and their ground truth ----------------------------------------------------------
+
+_EXPECTED_REASON = MappingProxyType({
+    "acceptance_drop": "acceptance_drop",
+    "target_update": "bundle_changed",
+    "draft_regression": "draft_overhead",
+    "latency_tail": "latency_slo",
+    "kv_pressure": "kv_pressure",
+    "bundle_change": "bundle_changed",
+    "quality_mismatch": "quality_regression",
+    "error_burst": "error_rate",
+})
+# Default intensity per incident kind, with the range that keeps its meaning.
+_INTENSITY = MappingProxyType({
+    "acceptance_drop": (0.4, 0.0, 1.0, "fraction by which the bucket's acceptance length drops"),
+    "target_update": (0.5, 0.0, 1.0, "fraction by which acceptance length drops on the new target"),
+    "draft_regression": (3.0, 1.0, 100.0, "multiplier on draft time"),
+    "latency_tail": (5.0, 1.0, 100.0, "multiplier on e2e and TPOT of the tail requests"),
+    "kv_pressure": (0.6, 0.0, 1.0, "share of long-context traffic on the affected workers"),
+    "bundle_change": (1.0, 0.0, math.inf, "unused: the card changes, acceptance does not"),
+    "quality_mismatch": (0.5, 0.0, 1.0, "fraction of shadow checks that mismatch"),
+    "error_burst": (20.0, 1.0, 400.0, "multiplier on the error and timeout rate"),
+})
+_LATENCY_TAIL_FRACTION = 0.10
+_DEFAULT_INCIDENT_AT = 240.0
+
+
+@dataclass(frozen=True)
+class Incident:
+    """Ground truth of one scripted incident: what a correct monitor should decide, and where.
+
+    ``bundle_id`` is the affected bundle (for card changes, the new one); ``bucket`` and
+    ``cohort`` are None when every bucket or cohort is affected; ``workers`` is empty when
+    every worker is.
+    """
+
+    kind: str
+    start_ts: float
+    bundle_id: str
+    bucket: str | None
+    cohort: str | None
+    expected_reason: str
+    workers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One incident of a scenario: when (seconds after the scenario's incident start) and where."""
+
+    kind: str
+    offset: float = 0.0
+    bucket: str | None = None
+    cohort: str | None = None
+    intensity: float | None = None
+
+
+@dataclass(frozen=True)
+class _Scenario:
+    description: str
+    minutes: float
+    plans: tuple[_Plan, ...] = ()
+    incident_at: float = _DEFAULT_INCIDENT_AT
+    mix_shift: bool = False
+    diurnal: bool = False
+
+
+_SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
+    "healthy": _Scenario("no incident: steady mix and load", 5.0),
+    "acceptance_drop": _Scenario(
+        "the coding drafter misaligns: coding AL drops by intensity (all cohorts)", 8.0,
+        (_Plan("acceptance_drop", bucket="coding"),)),
+    "target_update": _Scenario(
+        "target revision rolls over every worker in 10 s; the old drafter's acceptance collapses", 8.0,
+        (_Plan("target_update"),)),
+    "draft_regression": _Scenario(
+        "draft time grows by intensity (x3) on every worker", 8.0,
+        (_Plan("draft_regression"),)),
+    "latency_tail": _Scenario(
+        "10% of reasoning/main requests get e2e and TPOT x intensity (x5)", 8.0,
+        (_Plan("latency_tail", bucket="reasoning", cohort="main"),)),
+    "kv_pressure": _Scenario(
+        "long-context surge on a quarter of the workers drives KV usage above 0.95", 8.0,
+        (_Plan("kv_pressure"),)),
+    "bundle_change": _Scenario(
+        "tokenizer digest changes on every worker (rolling); acceptance unchanged", 8.0,
+        (_Plan("bundle_change"),)),
+    "quality_mismatch": _Scenario(
+        "shadow checks of structured requests start to mismatch", 8.0,
+        (_Plan("quality_mismatch", bucket="structured"),)),
+    "error_burst": _Scenario(
+        "error and timeout rate x intensity (x20) in extraction, speculative requests", 8.0,
+        (_Plan("error_burst", bucket="extraction"),)),
+    "mix_shift": _Scenario(
+        "benign: traffic moves toward reasoning and long_context over the run", 10.0, mix_shift=True),
+    "diurnal": _Scenario(
+        "benign: offered load follows one day-shaped cycle over the run", 60.0, diurnal=True),
+    "demo": _Scenario(
+        "five incidents in different places from 150 s: acceptance, quality, tail, errors, KV", 6.0,
+        (_Plan("acceptance_drop", 0.0, bucket="coding"),
+         _Plan("quality_mismatch", 35.0, bucket="structured"),
+         _Plan("latency_tail", 70.0, bucket="reasoning", cohort="main"),
+         _Plan("error_burst", 105.0, bucket="extraction"),
+         _Plan("kv_pressure", 140.0)),
+        incident_at=150.0),
+})
+
+SCENARIOS: Mapping[str, str] = MappingProxyType({name: s.description for name, s in _SCENARIO_SPECS.items()})
+
+
+class FlagSource(Protocol):
+    """What the simulated engines ask before drafting (e.g. `specwatch.actions.FlagStore`)."""
+
+    def lookup(self, bundle_id: str, bucket: str, cohort: str): ...
+
+
+def _kv_pressure_workers(workers: int) -> tuple[int, ...]:
+    """The last quarter of the fleet (at least one worker) takes the long-context surge."""
+    count = max(1, workers // 4)
+    return tuple(range(workers - count, workers))
+
+
+def _worker_name(index: int) -> str:
+    return f"w{index + 1}"
+
+
+# -- one simulated engine worker ---------------------------------------------------------------
+
+
+class _Request:
+    """A running request's fixed facts and the round entries it has already produced."""
+
+    __slots__ = ("id", "bucket", "cohort", "level", "prompt_tokens", "output_tokens", "max_tokens",
+                 "arrival", "ttft_ms", "fail_u", "fail_remaining", "tail_u", "shadow_u", "shadow_delay",
+                 "sampling", "prompt_sha256", "output_sha256", "entries", "speculated",
+                 "remaining", "kv_tokens", "error_text_u")
+
+    def __init__(self) -> None:
+        self.entries: list[RoundEntry | None] = []
+        self.speculated = False
+
+    def round_entry(self, code: int, width: int) -> RoundEntry:
+        # Round entries are immutable and a request repeats few (drafted, accepted) pairs,
+        # so each distinct pair is built once and shared by every step that reports it.
+        entry = RoundEntry(id=self.id, bucket=BUCKETS[self.bucket].name, cohort=COHORTS[self.cohort],
+                           drafted=code // width, accepted=code % width)
+        self.entries[code] = entry
+        return entry
+
+
+@dataclass
+class _Conditions:
+    """What incidents have changed on one worker so far (all healthy at first)."""
+
+    acceptance_factor: list[float]
+    draft_factor: float = 1.0
+    tail: tuple[int, int, float] | None = None  # bucket, cohort, multiplier
+    mismatch: tuple[int, float] | None = None  # bucket, fraction
+    error_factor: dict[int, float] = field(default_factory=dict)
+    surge_share: float | None = None
+
+
+class _Worker:
+    """One engine worker: a continuous batch of requests, stepped in event time.
+
+    Slot arrays hold the per-request numbers every step touches, so a step is a handful of
+    vectorized draws; Python code runs per finished request, not per token.
+    """
+
+    def __init__(self, index: int, sim: "Simulator", rng: np.random.Generator,
+                 schedule: list[tuple[float, _Plan]], emit_later: Callable[[float, int, list], None]) -> None:
+        self.index = index
+        self.name = _worker_name(index)
+        self.sim = sim
+        self.rng = rng
+        self.schedule = schedule
+        self.emit_later = emit_later
+        self.max_failure_rate = sim._max_failure_rate()
+        self.card = DEFAULT_CARD
+        self.bundle_id = bundle_digest(DEFAULT_CARD)
+        self.draft_length = DEFAULT_CARD.drafter.draft_length
+        self.width = self.draft_length + 1
+        self.conditions = _Conditions(acceptance_factor=[1.0] * len(BUCKETS))
+        self.thresholds = self._acceptance_table()
+        self.step_numbers = np.arange(1, _BLOCK_STEPS + 1, dtype=np.int64)[:, None]
+        self.load = 1.0 + _WORKER_LOAD_SPREAD * (2.0 * rng.random() - 1.0)
+        self.wobble_phase = 2.0 * math.pi * rng.random()
+        self.next_request = 0
+        self.seq = 0
+        self.batch: list[_Request] = []
+        self.waiting: list[_Request] = []  # preempted requests, readmitted first
+        empty = np.zeros(0, dtype=np.int64)
+        self.row = empty.copy()  # acceptance table row: bucket * levels + level
+        self.key = empty.copy()  # bucket * cohorts + cohort
+        self.allowed = empty.copy()  # draft positions the request may use (0: standard decoding)
+        self.remaining = empty.copy()  # tokens still to generate
+        self.stop_at = empty.copy()  # check the request when remaining falls to this
+        self.kv = empty.copy()  # tokens held in KV cache
+        self.kv_total = 0
+
+    # -- acceptance ---------------------------------------------------------------------------
+    def _acceptance_table(self) -> np.ndarray:
+        """Accepted-run thresholds of every (bucket, difficulty) row, row r shifted into [r, r+1)."""
+        rows = []
+        for b, profile in enumerate(BUCKETS):
+            scale = _scale_for_acceptance_length(profile, self.draft_length, self.conditions.acceptance_factor[b])
+            for level in _DIFFICULTY_LEVELS:
+                p = min(0.99, profile.position_acceptance * level * scale)
+                rows.append(_accepted_cdf(p, self.draft_length, profile.acceptance_decay))
+        table = np.array(rows, dtype=np.float64)
+        return (table + np.arange(len(rows), dtype=np.float64)[:, None]).ravel()
+
+    # -- load and mix -------------------------------------------------------------------------
+    def _concurrency(self, t: float) -> int:
+        load = self.load * (1.0 + _LOAD_WOBBLE * math.sin(2 * math.pi * t / _LOAD_WOBBLE_PERIOD_SECONDS
+                                                            + self.wobble_phase))
+        if self.sim._scenario.diurnal:
+            # One day compressed into the run, starting at the night-time trough.
+            load *= 1.0 - _DIURNAL_AMPLITUDE * math.cos(2 * math.pi * t / self.sim.duration)
+        return max(1, int(self.sim.concurrency * load + 0.5))
+
+    def _cumulative_weights(self, t: float) -> list[float]:
+        weights = [b.weight for b in BUCKETS]
+        if self.sim._scenario.mix_shift:
+            progress = min(1.0, max(0.0, (t - 60.0) / max(1.0, self.sim.duration - 60.0)))
+            weights = [w + progress * (_SHIFTED_WEIGHTS[b.name] - w) for w, b in zip(weights, BUCKETS)]
+        share = self.conditions.surge_share
+        if share is not None:
+            lc = _BUCKET_INDEX["long_context"]
+            rest = sum(w for i, w in enumerate(weights) if i != lc)
+            weights = [share if i == lc else w * (1.0 - share) / rest for i, w in enumerate(weights)]
+        total = sum(weights)
+        cumulative, acc = [], 0.0
+        for w in weights[:-1]:
+            acc += w / total
+            cumulative.append(acc)
+        return cumulative
+
+    # -- requests -----------------------------------------------------------------------------
+    def _new_request(self, t: float) -> _Request:
+        rng = self.rng
+        u = rng.random(10).tolist()
+        z0, z1 = rng.standard_normal(2).tolist()
+        req = _Request()
+        req.id = f"{self.name}-{self.next_request:07d}"
+        self.next_request += 1
+        req.bucket = b = bisect.bisect_right(self._cumulative_weights(t), u[0])
+        req.cohort = bisect.bisect_right(_CUMULATIVE_COHORT_SHARES, u[1])
+        req.level = min(len(_DIFFICULTY_LEVELS) - 1, int(u[2] * len(_DIFFICULTY_LEVELS)))
+        profile = BUCKETS[b]
+        prompt = profile.prompt_median * math.exp(profile.prompt_sigma * z0)
+        if self.conditions.surge_share is not None and b == _BUCKET_INDEX["long_context"]:
+            prompt *= 1.5  # the surge brings longer documents, not just more of them
+        req.prompt_tokens = int(min(120_000, max(16, prompt)))
+        output = profile.output_median * math.exp(profile.output_sigma * z1)
+        req.max_tokens = profile.max_tokens
+        req.output_tokens = int(min(profile.max_tokens, max(1, round(output))))
+        # Failures and aborts strike at a random point of the output; whether one does is
+        # decided when the request gets there, so rate changes apply from their start time.
+        # Only requests under the highest rate the run can reach are checked at all (thinning).
+        req.fail_u = u[3]
+        req.fail_remaining = int((req.output_tokens - 1) * u[4]) if u[3] < self.max_failure_rate else 0
+        req.tail_u = u[5]
+        req.shadow_u = u[6]
+        req.shadow_delay = _SHADOW_DELAY_SECONDS[0] + (_SHADOW_DELAY_SECONDS[1] - _SHADOW_DELAY_SECONDS[0]) * u[7]
+        req.error_text_u = u[8]
+        queue_ms = -_QUEUE_MEAN_MS * math.log(1.0 - u[9])
+        req.ttft_ms = _PREFILL_BASE_MS + _PREFILL_MS_PER_TOKEN * req.prompt_tokens * (0.95 + 0.1 * u[2]) + queue_ms
+        req.arrival = t - req.ttft_ms / 1000.0
+        req.sampling = Sampling(temperature=profile.temperature, top_p=profile.top_p,
+                                seed=int(rng.integers(0, 2**31)), max_tokens=profile.max_tokens)
+        digest = rng.bytes(64).hex()
+        req.prompt_sha256, req.output_sha256 = digest[:64], digest[64:]
+        req.entries = [None] * (self.width * self.width)
+        req.remaining = req.output_tokens - 1  # the first token comes out of prefill
+        req.kv_tokens = req.prompt_tokens + 1
+        return req
+
+    def _admit(self, t: float, emitting: bool) -> None:
+        target = self._concurrency(t)
+        if len(self.batch) >= target:
+            return
+        watermark = _KV_SURGE_WATERMARK if self.conditions.surge_share is not None else _KV_ADMISSION_WATERMARK
+        limit = int(watermark * _KV_CAPACITY_TOKENS)
+        admitted: list[_Request] = []
+        kv_total = self.kv_total
+        while len(self.batch) + len(admitted) < target:
+            req = self.waiting[0] if self.waiting else self._new_request(t)
+            if kv_total + req.kv_tokens > limit and (self.batch or admitted):
+                if not self.waiting:
+                    self.waiting.append(req)  # the head of the queue waits for KV blocks
+                break
+            if self.waiting:
+                self.waiting.pop(0)
+            if req.remaining <= 0:  # one-token answer: done at prefill, never joins the batch
+                if emitting:
+                    reason = "length" if req.output_tokens >= req.max_tokens else "stop"
+                    for record in self._finish(req, t, reason):
+                        self.emit_later(record.ts, self.index, [record])
+                continue
+            admitted.append(req)
+            kv_total += req.kv_tokens
+        if admitted:
+            self._append(admitted)
+
+    def _allowed_positions(self, req: _Request) -> int:
+        return 0 if req.cohort == _BASELINE else self.draft_length
+
+    def _append(self, admitted: list[_Request]) -> None:
+        nc, nl = len(COHORTS), len(_DIFFICULTY_LEVELS)
+        self.batch.extend(admitted)
+        self.row = np.concatenate([self.row, [r.bucket * nl + r.level for r in admitted]])
+        self.key = np.concatenate([self.key, [r.bucket * nc + r.cohort for r in admitted]])
+        self.allowed = np.concatenate([self.allowed, [self._allowed_positions(r) for r in admitted]])
+        self.remaining = np.concatenate([self.remaining, [r.remaining for r in admitted]])
+        self.stop_at = np.concatenate([self.stop_at, [r.fail_remaining for r in admitted]])
+        self.kv = np.concatenate([self.kv, [r.kv_tokens for r in admitted]])
+        self.kv_total += sum(r.kv_tokens for r in admitted)
+        if self.sim.flags is None:
+            for r in admitted:
+                r.speculated = r.cohort != _BASELINE
+
+    def _remove(self, slots: Sequence[int]) -> None:
+        keep = np.ones(len(self.batch), dtype=bool)
+        keep[list(slots)] = False
+        gone = set(slots)
+        self.batch = [r for i, r in enumerate(self.batch) if i not in gone]
+        self.row, self.key, self.allowed = self.row[keep], self.key[keep], self.allowed[keep]
+        self.remaining, self.stop_at, self.kv = self.remaining[keep], self.stop_at[keep], self.kv[keep]
+        self.kv_total = int(self.kv.sum())
+
+    # -- incidents ----------------------------------------------------------------------------
+    def _begin(self, plan: _Plan, intensity: float) -> BundleCard | None:
+        """Apply one incident to this worker; returns the new card when the card changed."""
+        c = self.conditions
+        bucket = _BUCKET_INDEX[plan.bucket] if plan.bucket else None
+        cohort = COHORTS.index(plan.cohort) if plan.cohort else None
+        if plan.kind == "acceptance_drop":
+            c.acceptance_factor[bucket] = 1.0 - intensity
+            self.thresholds = self._acceptance_table()
+        elif plan.kind == "target_update":
+            c.acceptance_factor = [1.0 - intensity] * len(BUCKETS)
+            self.thresholds = self._acceptance_table()
+            target = self.card.target.model_copy(update={"revision": _UPDATED_REVISION})
+            return self.card.model_copy(update={"target": target})
+        elif plan.kind == "bundle_change":
+            target = self.card.target.model_copy(update={"tokenizer_digest": _UPDATED_TOKENIZER_DIGEST})
+            return self.card.model_copy(update={"target": target})
+        elif plan.kind == "draft_regression":
+            c.draft_factor = intensity
+        elif plan.kind == "latency_tail":
+            c.tail = (bucket, cohort, intensity)
+        elif plan.kind == "kv_pressure":
+            c.surge_share = intensity
+        elif plan.kind == "quality_mismatch":
+            c.mismatch = (bucket, intensity)
+        elif plan.kind == "error_burst":
+            c.error_factor[bucket] = intensity
+        return None
+
+    # -- one step -----------------------------------------------------------------------------
+    def _draft_positions(self) -> np.ndarray:
+        """Draft positions per running request, after asking the flag source (closed loop)."""
+        flags = self.sim.flags
+        if flags is None:
+            return self.allowed
+        table = np.zeros(len(BUCKETS) * len(COHORTS), dtype=np.int64)
+        for b, profile in enumerate(BUCKETS):
+            for c, cohort in enumerate(COHORTS):
+                if c == _BASELINE:
+                    continue
+                state = flags.lookup(self.bundle_id, profile.name, cohort)
+                if state.enabled:
+                    limit = state.draft_limit
+                    table[b * len(COHORTS) + c] = self.draft_length if limit is None else max(
+                        0, min(self.draft_length, int(limit)))
+        drafted = table[self.key]
+        for req, d in zip(self.batch, drafted.tolist()):
+            if d:
+                req.speculated = True
+        return drafted
+
+    def _block(self, t: float, horizon: float,
+               emitting: bool) -> tuple[float, list[tuple[float, list[TelemetryRecord]]]]:
+        """Run engine steps from ``t`` while the batch stays the same.
+
+        Returns the time the last step ended and, when emitting, ``(ts, records)`` per step.
+        A block ends at the first step after which a request needs attention (finished or at
+        its failure point) or KV overflows, after ``_BLOCK_STEPS``, or before a step that
+        would start at or after ``horizon`` (an incident or heartbeat). Drawing a whole block
+        at once keeps numpy's per-call cost off the per-step path; draws past the end of a
+        block are discarded, which keeps the stream a function of the seed alone.
+        """
+        n = len(self.batch)
+        block = _BLOCK_STEPS if self.sim.flags is None else _CLOSED_LOOP_BLOCK_STEPS
+        drafted = self._draft_positions()
+        u = self.rng.random((block, n + 3))
+        # Row r's thresholds live in [r, r+1) of one sorted array, so a single searchsorted
+        # counts, for every request at once, the thresholds its uniform draw passes.
+        accepted = np.searchsorted(self.thresholds, u[:, :n] + self.row, side="right") - self.row * self.draft_length
+        np.minimum(accepted, drafted, out=accepted)
+        produced = accepted.cumsum(axis=0) + self.step_numbers[:block]  # every round adds the target's token
+        steps = block
+        attention = produced >= self.remaining - self.stop_at
+        first = int(attention.argmax())  # row-major: the earliest step any request needs attention
+        if attention.flat[first]:
+            steps = first // n + 1
+        kv_after = (produced.sum(axis=1) + self.kv_total).tolist()
+        drafting = int(np.count_nonzero(drafted))
+        drafted_tokens = int(drafted.sum()) if drafting else 0
+        max_drafted = int(drafted.max()) if drafting else 0
+        draft_ms, verify_fixed = step_timing(n, drafting, max_drafted, drafted_tokens, 0,
+                                             self.conditions.draft_factor)
+        jitter = u[:steps, n:].tolist()
+        ends: list[float] = []
+        drafts: list[float] = []
+        verifies: list[float] = []
+        end = t
+        for k in range(steps):
+            if k and (end >= horizon or kv_after[k - 1] > _KV_CAPACITY_TOKENS):
+                break
+            j_draft, j_verify, j_gap = jitter[k]
+            draft = draft_ms * (1.0 + _TIMING_JITTER * (j_draft - 0.5))
+            verify = (verify_fixed + _VERIFY_MS_PER_KV_KTOKEN / 1000.0 * kv_after[k]) * (
+                1.0 + _TIMING_JITTER * (j_verify - 0.5))
+            end += (draft + verify + _SCHEDULE_GAP_MS * (1.0 + j_gap)) / 1000.0
+            ends.append(end)
+            drafts.append(round(draft, 3))
+            verifies.append(round(verify, 3))
+        steps = len(ends)
+
+        self.remaining -= produced[steps - 1]
+        self.kv += produced[steps - 1]
+        self.kv_total = kv_after[steps - 1]
+        out: list[tuple[float, list[TelemetryRecord]]] = []
+        if emitting:
+            width = self.width
+            start_ts, name, bundle_id, batch = self.sim.start_ts, self.name, self.bundle_id, self.batch
+            codes = (drafted * width + accepted[:steps]).tolist()
+            for k in range(steps):
+                self.seq += 1
+                ts = round(start_ts + ends[k], 6)
+                entries = [req.entries[code] or req.round_entry(code, width) for req, code in zip(batch, codes[k])]
+                kv_usage = round(min(1.0, kv_after[k] / _KV_CAPACITY_TOKENS), 4)
+                out.append((ts, [StepRecord(v=1, ts=ts, worker=name, seq=self.seq, bundle_id=bundle_id,
+                                            draft_ms=drafts[k], verify_ms=verifies[k], kv_usage=kv_usage,
+                                            requests=entries)]))
+        else:
+            self.seq += steps
+        due = np.flatnonzero(self.remaining <= self.stop_at)
+        if len(due):
+            self._settle(due.tolist(), ends[-1], out[-1][1] if emitting else None)
+        if self.kv_total > _KV_CAPACITY_TOKENS:
+            self._preempt()
+        return ends[-1], out
+
+    def _settle(self, slots: list[int], t_end: float, records: list | None) -> None:
+        """Finish, fail or pass the requests that reached their end or their failure point."""
+        done: list[int] = []
+        remaining = self.remaining.tolist()
+        for slot in slots:
+            req = self.batch[slot]
+            if remaining[slot] <= 0:
+                done.append(slot)
+                if records is not None:
+                    reason = "length" if req.output_tokens >= req.max_tokens else "stop"
+                    records.extend(self._finish(req, t_end, reason))
+                continue
+            outcome = self._failure(req)
+            if outcome is None:
+                self.stop_at[slot] = 0  # past its failure point: runs to the end
+                continue
+            done.append(slot)
+            if records is not None:
+                req.output_tokens -= remaining[slot]
+                records.extend(self._finish(req, t_end, outcome))
+        if done:
+            self._remove(done)
+
+    def _failure(self, req: _Request) -> str | None:
+        factor = 1.0
+        if req.speculated:
+            factor = self.conditions.error_factor.get(req.bucket, 1.0)
+        error, timeout = _ERROR_RATE * factor, _TIMEOUT_RATE * factor
+        u = req.fail_u
+        if u < error:
+            return "error"
+        if u < error + timeout:
+            return "timeout"
+        if u < error + timeout + _ABORT_RATE:
+            return "abort"
+        return None
+
+    def _finish(self, req: _Request, t: float, reason: str) -> list[TelemetryRecord]:
+        """The request record (and maybe a later shadow record) of a request that ended at ``t``."""
+        end_ts = round(self.sim.start_ts + t, 6)
+        e2e_ms = (t - req.arrival) * 1000.0
+        tail = self.conditions.tail
+        delayed = False
+        if (tail is not None and req.speculated and req.bucket == tail[0] and req.cohort == tail[1]
+                and req.tail_u < _LATENCY_TAIL_FRACTION):
+            # A stalled request finishes late: its record leaves when the stall ends.
+            e2e_ms = req.ttft_ms + (e2e_ms - req.ttft_ms) * tail[2]
+            end_ts = max(end_ts, round(self.sim.start_ts + req.arrival + e2e_ms / 1000.0, 6))
+            delayed = True
+        tokens = req.output_tokens
+        tpot_ms = (e2e_ms - req.ttft_ms) / (tokens - 1) if tokens > 1 else None
+        error = None
+        if reason == "error":
+            error = _ERROR_TEXTS[min(len(_ERROR_TEXTS) - 1, int(req.error_text_u * len(_ERROR_TEXTS)))]
+        elif reason == "timeout":
+            error = _TIMEOUT_TEXT
+        record = RequestRecord(
+            v=1, ts=end_ts, worker=self.name, bundle_id=self.bundle_id, id=req.id,
+            bucket=BUCKETS[req.bucket].name, cohort=COHORTS[req.cohort], speculative=req.speculated,
+            ttft_ms=round(req.ttft_ms, 3), tpot_ms=None if tpot_ms is None else round(tpot_ms, 3),
+            e2e_ms=round(e2e_ms, 3), output_tokens=tokens, finish_reason=reason, error=error,
+            sample=Sample(prompt_sha256=req.prompt_sha256, output_sha256=req.output_sha256, sampling=req.sampling),
+        )
+        out: list[TelemetryRecord] = []
+        if delayed:
+            self.emit_later(end_ts, self.index, [record])
+        else:
+            out.append(record)
+        if req.speculated and reason in ("stop", "length") and req.shadow_u < _SHADOW_FRACTION:
+            match = True
+            mismatch = self.conditions.mismatch
+            if mismatch is not None and req.bucket == mismatch[0]:
+                # shadow_u is uniform below the shadow fraction: rescale it for a second draw
+                match = req.shadow_u / _SHADOW_FRACTION >= mismatch[1]
+            shadow_ts = round(end_ts + req.shadow_delay, 6)
+            self.emit_later(shadow_ts, self.index, [ShadowRecord(
+                v=1, ts=shadow_ts, bundle_id=self.bundle_id, id=req.id, bucket=BUCKETS[req.bucket].name,
+                check=_SHADOW_CHECK, match=match)])
+        return out
+
+    def _preempt(self) -> None:
+        """Out of KV blocks: the newest requests go back to the queue (recompute), as vLLM does."""
+        slots = []
+        kv = self.kv.tolist()
+        total = self.kv_total
+        for slot in range(len(self.batch) - 1, 0, -1):
+            if total <= _KV_CAPACITY_TOKENS:
+                break
+            req = self.batch[slot]
+            req.remaining = int(self.remaining[slot])
+            req.fail_remaining = int(self.stop_at[slot])
+            req.kv_tokens = kv[slot]
+            slots.append(slot)
+            total -= kv[slot]
+        self.waiting[:0] = [self.batch[s] for s in reversed(slots)]
+        self._remove(slots)
+
+    # -- the worker's stream of record batches --------------------------------------------------
+    def run(self) -> Iterator[tuple[float, list[TelemetryRecord]]]:
+        """Batches of records, each sharing one event time (rounded ts), in non-decreasing time."""
+        sim = self.sim
+        t = -_WARMUP_SECONDS
+        while t < 0.0:
+            self._admit(t, emitting=False)
+            t, _ = self._block(t, 0.0, emitting=False)
+        yield round(sim.start_ts, 6), [self._bundle_record(0.0)]
+        next_heartbeat = _HEARTBEAT_SECONDS
+        schedule = self.schedule
+        next_change = schedule[0][0] if schedule else math.inf
+        while True:
+            if t >= next_change:
+                while schedule and schedule[0][0] <= t:
+                    _, plan = schedule.pop(0)
+                    card = self._begin(plan, sim._intensity(plan))
+                    if card is not None:
+                        self.card, self.bundle_id = card, bundle_digest(card)
+                        record = self._bundle_record(t)
+                        yield record.ts, [record]  # a changed card is announced at once
+                        next_heartbeat = t + _HEARTBEAT_SECONDS
+                next_change = schedule[0][0] if schedule else math.inf
+            if t >= next_heartbeat:
+                record = self._bundle_record(t)
+                yield record.ts, [record]
+                next_heartbeat += _HEARTBEAT_SECONDS
+            self._admit(t, emitting=True)
+            t, steps = self._block(t, min(next_change, next_heartbeat), emitting=True)
+            yield from steps
+
+    def _bundle_record(self, t: float) -> BundleRecord:
+        return BundleRecord(v=1, ts=round(self.sim.start_ts + t, 6), worker=self.name,
+                            bundle_id=self.bundle_id, card=self.card)
+
+
+# -- the fleet ------------------------------------------------------------------------------
+
+
+class Simulator:
+    """A seeded fleet of speculative engine workers running a named scenario.
+
+    Parameters
+    ----------
+    scenario
+        One of `SCENARIOS`.
+    seed
+        Everything emitted is a function of the seed and the other settings.
+    minutes
+        Event time covered; defaults to the scenario's length.
+    workers
+        Fleet size; each worker runs one continuous batch.
+    intensity
+        Strength of the scenario's incident (its unit depends on the kind; see `SCENARIOS`).
+        Not accepted by scenarios with several incidents.
+    flags
+        Optional flag source (``lookup(bundle_id, bucket, cohort)``) consulted before every
+        draft: closes the loop so that fallback decisions take effect. None = open loop.
+    start_ts
+        Unix time of event time zero.
+    incident_at
+        Seconds after ``start_ts`` at which the scenario's incidents begin (default 240 s,
+        150 s for the demo), leaving a clean first minute for baselines.
+    concurrency
+        Mean running requests per worker at load factor 1.
+
+    >>> sim = Simulator("acceptance_drop", seed=1, minutes=0.05)
+    >>> [i.kind for i in sim.incidents], sim.bundle_cards == {sim.initial_bundle_id: DEFAULT_CARD}
+    ([], True)
+    >>> sim = Simulator("acceptance_drop", seed=1)
+    >>> incident = sim.incidents[0]
+    >>> incident.bucket, incident.expected_reason, incident.start_ts - sim.start_ts
+    ('coding', 'acceptance_drop', 240.0)
+    >>> Simulator("nope")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown scenario 'nope'; choose one of: healthy, acceptance_drop, ...
+    """
+
+    def __init__(self, scenario: str = "demo", seed: int = 7, minutes: float | None = None,
+                 workers: int = _DEFAULT_WORKERS, intensity: float | None = None, flags: FlagSource | None = None,
+                 start_ts: float = DEFAULT_START_TS, incident_at: float | None = None,
+                 concurrency: int = _DEFAULT_CONCURRENCY) -> None:
+        if scenario not in _SCENARIO_SPECS:
+            raise ValueError(f"unknown scenario {scenario!r}; choose one of: {', '.join(_SCENARIO_SPECS)}")
+        spec = _SCENARIO_SPECS[scenario]
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        minutes = spec.minutes if minutes is None else float(minutes)
+        if not (minutes > 0 and math.isfinite(minutes)):
+            raise ValueError(f"minutes must be a positive number, got {minutes!r}")
+        if not 1 <= int(workers) <= 4096:
+            raise ValueError(f"workers must be between 1 and 4096, got {workers!r}")
+        if not 1 <= int(concurrency) <= 1024:
+            raise ValueError(f"concurrency must be between 1 and 1024 running requests, got {concurrency!r}")
+        if not (isinstance(start_ts, (int, float)) and start_ts >= 0 and math.isfinite(start_ts)):
+            raise ValueError(f"start_ts must be a non-negative unix time, got {start_ts!r}")
+        if incident_at is not None and not (incident_at >= 0 and math.isfinite(incident_at)):
+            raise ValueError(f"incident_at must be seconds >= 0 after start, got {incident_at!r}")
+        if intensity is not None:
+            if len(spec.plans) != 1:
+                raise ValueError(f"scenario {scenario!r} has {len(spec.plans)} incidents; intensity applies "
+                                 "only to scenarios with exactly one")
+            kind = spec.plans[0].kind
+            _, low, high, meaning = _INTENSITY[kind]
+            if not low <= intensity <= high:
+                raise ValueError(f"intensity for {kind} is the {meaning}; it must be in [{low}, {high}], "
+                                 f"got {intensity!r}")
+        if flags is not None and not callable(getattr(flags, "lookup", None)):
+            raise ValueError("flags must have a lookup(bundle_id, bucket, cohort) method, like FlagStore")
+        self.scenario = scenario
+        self.seed = seed
+        self.minutes = minutes
+        self.workers = int(workers)
+        self.intensity = intensity
+        self.flags = flags
+        self.start_ts = float(start_ts)
+        self.incident_at = spec.incident_at if incident_at is None else float(incident_at)
+        self.concurrency = int(concurrency)
+        self._scenario = spec
+
+    @property
+    def duration(self) -> float:
+        """Event time covered, in seconds."""
+        return self.minutes * 60.0
+
+    @property
+    def end_ts(self) -> float:
+        return self.start_ts + self.duration
+
+    @property
+    def initial_bundle_id(self) -> str:
+        return bundle_digest(DEFAULT_CARD)
+
+    def _intensity(self, plan: _Plan) -> float:
+        if self.intensity is not None:
+            return self.intensity
+        return plan.intensity if plan.intensity is not None else _INTENSITY[plan.kind][0]
+
+    def _max_failure_rate(self) -> float:
+        """The highest error + timeout + abort rate any request can meet in this run."""
+        factor = max([self._intensity(p) for p in self._scenario.plans if p.kind == "error_burst"] + [1.0])
+        return (_ERROR_RATE + _TIMEOUT_RATE) * factor + _ABORT_RATE
+
+    def _schedule(self) -> list[list[tuple[float, _Plan]]]:
+        """Per worker: (seconds after start, incident) in time order, only those inside the run."""
+        per_worker: list[list[tuple[float, _Plan]]] = [[] for _ in range(self.workers)]
+        surge = set(_kv_pressure_workers(self.workers))
+        for plan in self._scenario.plans:
+            start = self.incident_at + plan.offset
+            for w in range(self.workers):
+                at = start
+                if plan.kind in ("target_update", "bundle_change"):
+                    at = start + _ROLLOUT_SECONDS * w / self.workers
+                elif plan.kind == "kv_pressure" and w not in surge:
+                    continue
+                if at < self.duration:
+                    per_worker[w].append((at, plan))
+        for items in per_worker:
+            items.sort(key=lambda item: item[0])
+        return per_worker
+
+    @property
+    def incidents(self) -> list[Incident]:
+        """Ground truth: the incidents that start inside the run, in start order."""
+        out = []
+        base = self.initial_bundle_id
+        for plan in self._scenario.plans:
+            start = self.incident_at + plan.offset
+            if start >= self.duration:
+                continue
+            bundle_id, workers = base, ()
+            if plan.kind in ("target_update", "bundle_change"):
+                bundle_id = bundle_digest(self._changed_card(plan.kind))
+            elif plan.kind == "kv_pressure":
+                workers = tuple(_worker_name(w) for w in _kv_pressure_workers(self.workers))
+            out.append(Incident(plan.kind, self.start_ts + start, bundle_id, plan.bucket, plan.cohort,
+                                _EXPECTED_REASON[plan.kind], workers))
+        return sorted(out, key=lambda i: i.start_ts)
+
+    @staticmethod
+    def _changed_card(kind: str) -> BundleCard:
+        target = DEFAULT_CARD.target
+        if kind == "target_update":
+            target = target.model_copy(update={"revision": _UPDATED_REVISION})
+        else:
+            target = target.model_copy(update={"tokenizer_digest": _UPDATED_TOKENIZER_DIGEST})
+        return DEFAULT_CARD.model_copy(update={"target": target})
+
+    @property
+    def bundle_cards(self) -> dict[str, BundleCard]:
+        """Every bundle the run announces: bundle_id -> fingerprint card."""
+        cards = {self.initial_bundle_id: DEFAULT_CARD}
+        for incident in self.incidents:
+            if incident.kind in ("target_update", "bundle_change"):
+                cards[incident.bundle_id] = self._changed_card(incident.kind)
+        return cards
+
+    def records(self) -> Iterator[TelemetryRecord]:
+        """Contract-v1 records of the whole fleet in event-time order; a fresh run per call.
+
+        Records with equal times come in worker order, then in the order a worker made them.
+        """
+        heap: list[tuple[float, int, int, list, Iterator | None]] = []
+        counter = 0
+
+        def emit_later(ts: float, rank: int, records: list) -> None:
+            nonlocal counter
+            counter += 1
+            heapq.heappush(heap, (ts, rank, counter, records, None))
+
+        seeds = np.random.SeedSequence(self.seed).spawn(self.workers)
+        schedule = self._schedule()
+        for w in range(self.workers):
+            worker = _Worker(w, self, np.random.default_rng(seeds[w]), schedule[w], emit_later)
+            stream = worker.run()
+            ts, batch = next(stream)
+            counter += 1
+            heap.append((ts, w, counter, batch, stream))
+        heapq.heapify(heap)
+        end_ts = self.end_ts
+        while heap:
+            ts, rank, _, batch, stream = heap[0]
+            if ts > end_ts:
+                return
+            if stream is None:
+                heapq.heappop(heap)
+            else:
+                next_ts, following = next(stream)
+                counter += 1
+                heapq.heapreplace(heap, (next_ts, rank, counter, following, stream))
+            yield from batch
