@@ -94,6 +94,27 @@ class SliceStats:
             for i in range(accepted):
                 aal[i] += 1
 
+    def add_round_counts(self, counts: dict[tuple[int, int], int]) -> None:
+        """Fold many rounds at once from ``{(drafted, accepted): n}`` (the fast path)."""
+        for (drafted, accepted), n in counts.items():
+            if drafted == 0:
+                self.plain_entries += n
+                continue
+            self.rounds += n
+            self.drafted_tokens += drafted * n
+            self.accepted_tokens += accepted * n
+            dal = self.drafted_at_least
+            if len(dal) < drafted:
+                dal.extend([0] * (drafted - len(dal)))
+            for i in range(drafted):
+                dal[i] += n
+            if accepted:
+                aal = self.accepted_at_least
+                if len(aal) < accepted:
+                    aal.extend([0] * (accepted - len(aal)))
+                for i in range(accepted):
+                    aal[i] += n
+
     def add_step_time(self, draft_ms: float, verify_ms: float, kv_usage: float, ts: float) -> None:
         self.steps += 1
         self.draft_ms += draft_ms

@@ -75,6 +75,21 @@ class SliceBatch:
     partials: dict[Key, SliceStats] = field(default_factory=dict)
     events: list[dict] = field(default_factory=list)
     late_records: int = 0
+    round_tallies: dict[Key, dict[tuple[int, int], int]] = field(default_factory=dict, repr=False)
+
+    def fold_tallies(self) -> None:
+        """Fold stage 1's per-pair round tallies into the partials (and the bundle totals)."""
+        for key, tally in self.round_tallies.items():
+            self.partials[key].add_round_counts(tally)
+            whole = self.partials[(key[0], None, None)]
+            for (drafted, accepted), n in tally.items():
+                if drafted:
+                    whole.rounds += n
+                    whole.drafted_tokens += drafted * n
+                    whole.accepted_tokens += accepted * n
+                else:
+                    whole.plain_entries += n
+        self.round_tallies = {}
 
     def to_dict(self) -> dict:
         return {
@@ -183,33 +198,29 @@ class Stage1:
             self._add_bundle(batch, record)
 
     def _add_step(self, batch: SliceBatch, step: StepRecord) -> None:
+        # Rounds are tallied as (drafted, accepted) pair counts and folded into the
+        # per-position arrays once per slice: one dict increment per round instead of
+        # a loop over draft positions, the hot path of the whole processor.
         bundle = step.bundle_id
-        per_key: dict[Key, SliceStats] = {}
-        partials = batch.partials
+        tallies = batch.round_tallies
+        seen: dict[Key, SliceStats] = {}
         for entry in step.requests:
             key = (bundle, entry.bucket, entry.cohort)
-            stats = per_key.get(key)
-            if stats is None:
-                stats = partials.get(key)
-                if stats is None:
-                    stats = partials[key] = SliceStats()
-                per_key[key] = stats
-            stats.add_round(entry.drafted, entry.accepted)
+            tally = tallies.get(key)
+            if tally is None:
+                tally = tallies[key] = {}
+            pair = (entry.drafted, entry.accepted)
+            tally[pair] = tally.get(pair, 0) + 1
+            if key not in seen:
+                seen[key] = self._stats(batch, key)
         trace = None
-        for stats in per_key.values():
+        for stats in seen.values():
             stats.add_step_time(step.draft_ms, step.verify_ms, step.kv_usage, step.ts)
             if not stats.samples:
                 trace = trace or step.model_dump(mode="json")
                 stats.offer_sample(trace)
-        whole = self._stats(batch, (bundle, None, None))
-        whole.add_step_time(step.draft_ms, step.verify_ms, step.kv_usage, step.ts)
-        for entry in step.requests:
-            if entry.drafted:
-                whole.rounds += 1
-                whole.drafted_tokens += entry.drafted
-                whole.accepted_tokens += entry.accepted
-            else:
-                whole.plain_entries += 1
+        self._stats(batch, (bundle, None, None)).add_step_time(step.draft_ms, step.verify_ms, step.kv_usage,
+                                                                step.ts)
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
         previous = self._worker_cards.get(record.worker)
@@ -241,6 +252,7 @@ class Stage1:
         for index in ready:
             batch = self._open.pop(index)
             batch.watermark = limit
+            batch.fold_tallies()
             out.append(batch)
         if not out:
             out.append(SliceBatch(self.source, limit, limit))

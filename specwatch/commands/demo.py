@@ -1,0 +1,241 @@
+"""`specwatch demo`: a simulated fleet through the whole pipeline, incidents caught and explained.
+
+Runs closed loop (decisions switch the simulated engines to standard decoding), writes
+the archive and a timeline picture, and prints what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["register", "run_simulated_demo", "match_incidents"]
+
+_DEFAULT_OUTDIR = "specwatch-data"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo", help="run a simulated fleet with incidents through the whole pipeline",
+        description="Simulate a fleet of speculative engine workers with scripted incidents, detect them, "
+                    "switch the affected paths to standard decoding, archive the evidence and draw a timeline.")
+    parser.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                        help="sim: simulated fleet (default); vllm: a real vLLM engine on tiny models")
+    parser.add_argument("--scenario", default="demo", help="simulator scenario (see `specwatch simulate --list`)")
+    parser.add_argument("--minutes", type=float, default=None, help="simulated minutes (scenario default)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--policy", help="policy TOML file (defaults built in)")
+    parser.add_argument("--outdir", default=os.environ.get("SPECWATCH_DEMO_DIR", _DEFAULT_OUTDIR),
+                        help="where the timeline picture goes (default ./specwatch-data)")
+    parser.add_argument("--archive", default=None,
+                        help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://<outdir>/archive)")
+    parser.add_argument("--no-archive", action="store_true", help="skip the ClickHouse archive")
+    parser.set_defaults(func=_run)
+
+
+def match_incidents(incidents, decisions) -> list[dict]:
+    """Pair each scripted incident with the first decision of the expected reason in scope."""
+    rows = []
+    for incident in incidents:
+        hit = None
+        for decision in decisions:
+            if decision.reason != incident.expected_reason or decision.ts < incident.start_ts:
+                continue
+            if decision.action == "restore":
+                continue
+            if incident.bucket is not None and decision.bucket not in (None, incident.bucket):
+                continue
+            if incident.expected_reason == "bundle_changed" and decision.bundle_id != incident.bundle_id:
+                continue
+            hit = decision
+            break
+        rows.append({
+            "incident": incident.kind,
+            "bucket": incident.bucket,
+            "cohort": incident.cohort,
+            "start_ts": incident.start_ts,
+            "expected_reason": incident.expected_reason,
+            "decision_id": hit.id if hit else None,
+            "action": hit.action if hit else None,
+            "detection_delay_s": round(hit.ts - incident.start_ts, 3) if hit else None,
+        })
+    return rows
+
+
+def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | None = None, workers: int = 8,
+                       policy=None, archive=None, picture: Path | None = None, progress=None) -> dict:
+    """Simulate, detect, act (closed loop), archive and draw. Returns a summary dict."""
+    from specwatch.actions.flags import FlagStore
+    from specwatch.actions.handlers import ArchiveSink
+    from specwatch.collectors.export import CallbackExporter
+    from specwatch.collectors.simulator import Simulator
+    from specwatch.streams.embedded import EmbeddedPipeline
+
+    flags = FlagStore()
+    rows: list[dict] = []
+    sinks = [lambda out: rows.extend(out.window_rows)]
+    archive_sink = ArchiveSink(archive) if archive is not None else None
+    if archive_sink is not None:
+        sinks.append(archive_sink)
+    pipeline = EmbeddedPipeline(policy, flags=flags, sinks=sinks)
+    sim = Simulator(scenario, seed=seed, minutes=minutes, workers=workers, flags=flags)
+    # The engine side emits through the exporter interface, exactly as a worker's
+    # collector does; in-process, the exporter hands batches straight to stage 1.
+    exporter = CallbackExporter(pipeline.feed_many)
+    started = time.monotonic()
+    next_report = sim.start_ts
+    for record in sim.records():
+        exporter.export((record,))
+        if progress is not None and record.ts >= next_report:
+            progress(record.ts - sim.start_ts, sim.duration, pipeline)
+            next_report = record.ts + 30.0
+    exporter.shutdown()
+    pipeline.finish()
+    if archive_sink is not None:
+        archive_sink.close()
+    wall = time.monotonic() - started
+    decisions = pipeline.decisions
+    matched = match_incidents(sim.incidents, decisions)
+    summary = {
+        "scenario": scenario,
+        "seed": seed,
+        "simulated_seconds": sim.duration,
+        "wall_seconds": round(wall, 2),
+        "counters": pipeline.counters.as_dict(),
+        "buckets": _bucket_table(rows),
+        "decisions": [json.loads(d.to_json_line()) for d in decisions],
+        "decision_ids": [d.id for d in decisions],
+        "incidents": matched,
+        "start_ts": sim.start_ts,
+    }
+    if picture is not None:
+        from specwatch.timeline import render_timeline
+
+        render_timeline(rows, decisions, picture, incidents=sim.incidents,
+                        title=f"specwatch demo: scenario '{scenario}', seed {seed}")
+        summary["picture"] = str(picture)
+    return summary
+
+
+def _bucket_table(rows: list[dict]) -> list[dict]:
+    """Per bucket, speculative cohorts: AL, draft overhead, speedup (round-weighted), typical p99."""
+    acc: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+    p99s: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        bucket = row.get("bucket")
+        if bucket is None or not row["rounds"]:
+            continue
+        a, n = acc[bucket], row["rounds"]
+        a["rounds"] += n
+        for name in ("acceptance_length", "draft_overhead", "speedup"):
+            if row[name] is not None and not math.isnan(row[name]):
+                a[name] += row[name] * n
+        if row["e2e_p99"] is not None and not math.isnan(row["e2e_p99"]):
+            p99s[bucket].append(row["e2e_p99"])
+    table = []
+    for bucket in sorted(acc):
+        a = acc[bucket]
+        values = sorted(p99s[bucket])
+        table.append({
+            "bucket": bucket,
+            "rounds": int(a["rounds"]),
+            "acceptance_length": round(a["acceptance_length"] / a["rounds"], 3),
+            "draft_overhead": round(a["draft_overhead"] / a["rounds"], 4),
+            "speedup": round(a["speedup"] / a["rounds"], 3),
+            "e2e_p99_ms": round(values[len(values) // 2], 1) if values else None,
+        })
+    return table
+
+
+def _print_report(summary: dict, stream) -> None:
+    print("", file=stream)
+    print(f"{'bucket':<14}{'rounds':>10}{'AL':>8}{'draft ovh':>11}{'speedup':>9}{'e2e p99 ms':>12}", file=stream)
+    for row in summary["buckets"]:
+        print(f"{row['bucket']:<14}{row['rounds']:>10}{row['acceptance_length']:>8.2f}"
+              f"{row['draft_overhead'] * 100:>10.1f}%{row['speedup']:>9.2f}"
+              f"{row['e2e_p99_ms'] if row['e2e_p99_ms'] is not None else float('nan'):>12.0f}", file=stream)
+    print("(e2e p99: median over 1 s windows of the speculative cohorts)", file=stream)
+    print("", file=stream)
+    start = summary["start_ts"]
+    print(f"{'t (s)':>7}  {'decision':<14}{'action':<22}{'reason':<20}{'scope':<30}", file=stream)
+    for decision, ident in zip(summary["decisions"], summary["decision_ids"]):
+        scope = f"{decision['bucket'] or '*'}/{decision['cohort'] or '*'}"
+        print(f"{decision['ts'] - start:>7.1f}  {ident:<14}{decision['action']:<22}{decision['reason']:<20}"
+              f"{scope:<30}", file=stream)
+    print("", file=stream)
+    print(f"{'incident':<18}{'scope':<22}{'starts (s)':>11}  {'caught as':<20}{'delay (s)':>10}", file=stream)
+    for row in summary["incidents"]:
+        scope = f"{row['bucket'] or '*'}/{row['cohort'] or '*'}"
+        delay = f"{row['detection_delay_s']:.1f}" if row["detection_delay_s"] is not None else "missed"
+        caught = row["expected_reason"] if row["decision_id"] else "-"
+        print(f"{row['incident']:<18}{scope:<22}{row['start_ts'] - start:>11.1f}  {caught:<20}{delay:>10}",
+              file=stream)
+    counters = summary["counters"]
+    print("", file=stream)
+    print(f"{counters['records']} records, {counters['rejected']} rejected, {counters['slices']} slices, "
+          f"{summary['simulated_seconds']:.0f} simulated s in {summary['wall_seconds']:.1f} s", file=stream)
+    if summary.get("archive"):
+        print(f"archive: {summary['archive']}   (try: specwatch query decisions --archive {summary['archive']})",
+              file=stream)
+    if summary.get("picture"):
+        print(f"timeline: {summary['picture']}", file=stream)
+
+
+def _run(args) -> int:
+    from specwatch.schemas import PolicyError, load_policy
+
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as error:
+        print(f"specwatch demo: {error}", file=sys.stderr)
+        return 2
+    outdir = Path(args.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    if args.engine == "vllm":
+        return _run_vllm(args, outdir)
+    archive = None
+    dsn = None
+    if not args.no_archive:
+        from specwatch.actions.archive import Archive
+
+        dsn = args.archive or os.environ.get("SPECWATCH_ARCHIVE") or f"chdb://{outdir / 'archive'}"
+        archive = Archive.open(dsn)
+    report = sys.stderr if args.json else sys.stdout
+
+    def progress(elapsed, total, pipeline):
+        counters = pipeline.counters
+        print(f"  t={elapsed:6.0f}/{total:.0f} s  records={counters.records:>8}  decisions={counters.decisions}",
+              file=sys.stderr, flush=True)
+
+    summary = run_simulated_demo(args.scenario, args.seed, args.minutes, args.workers, policy, archive,
+                                 outdir / "timeline.png", progress)
+    if archive is not None:
+        archive.close()
+        summary["archive"] = dsn
+    _print_report(summary, report)
+    if args.json:
+        print(json.dumps({"decisions": summary["decisions"], "decision_ids": summary["decision_ids"],
+                          "incidents": summary["incidents"], "archive": summary.get("archive"),
+                          "picture": summary.get("picture"), "counters": summary["counters"],
+                          "buckets": summary["buckets"]}, sort_keys=True))
+    return 0
+
+
+def _run_vllm(args, outdir: Path) -> int:
+    try:
+        from specwatch.collectors.vllm.demo import run_vllm_demo
+    except ImportError as error:
+        print(f"specwatch demo --engine vllm: the vLLM integration is not available ({error}); "
+              "install it with deploy/bootstrap.sh --with-vllm", file=sys.stderr)
+        return 2
+    summary = run_vllm_demo(json_output=args.json, workdir=outdir / "vllm")
+    if args.json:
+        print(json.dumps(summary, sort_keys=True, default=str))
+    return 0
