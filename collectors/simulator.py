@@ -105,12 +105,12 @@ class BucketProfile:
 # Per-position acceptance follows what EAGLE-style drafters show on an 8B target: templated
 # output (structured, code) is easy to predict, open reasoning and long-context answers are not.
 BUCKETS: tuple[BucketProfile, ...] = (
-    BucketProfile("coding", 0.80, 0.25, 2500, 0.7, 280, 0.6, 1024),
-    BucketProfile("summarization", 0.65, 0.15, 5000, 0.5, 180, 0.4, 512, temperature=0.3, top_p=0.95),
-    BucketProfile("structured", 0.85, 0.15, 1200, 0.5, 120, 0.5, 512),
-    BucketProfile("reasoning", 0.55, 0.20, 900, 0.6, 700, 0.5, 2048, temperature=0.6, top_p=0.95),
-    BucketProfile("extraction", 0.75, 0.15, 3000, 0.6, 60, 0.6, 256),
-    BucketProfile("long_context", 0.50, 0.10, 28000, 0.3, 220, 0.5, 1024),
+    BucketProfile("coding", 0.80, 0.25, 5000, 0.7, 280, 0.6, 1024),
+    BucketProfile("summarization", 0.65, 0.15, 8000, 0.5, 180, 0.4, 512, temperature=0.3, top_p=0.95),
+    BucketProfile("structured", 0.85, 0.15, 2500, 0.5, 120, 0.5, 512),
+    BucketProfile("reasoning", 0.55, 0.20, 2500, 0.6, 700, 0.5, 2048, temperature=0.6, top_p=0.95),
+    BucketProfile("extraction", 0.75, 0.15, 6000, 0.6, 60, 0.6, 256),
+    BucketProfile("long_context", 0.50, 0.10, 24000, 0.3, 220, 0.5, 1024),
 )
 _BUCKET_INDEX = MappingProxyType({b.name: i for i, b in enumerate(BUCKETS)})
 
@@ -394,16 +394,12 @@ def _worker_name(index: int) -> str:
 
 
 class _Request:
-    """A running request's fixed facts and the round entries it has already produced."""
+    """A request's fixed facts, its progress while off the batch, and the round entries it made."""
 
     __slots__ = ("id", "bucket", "cohort", "level", "prompt_tokens", "output_tokens", "max_tokens",
                  "arrival", "ttft_ms", "fail_u", "fail_remaining", "tail_u", "shadow_u", "shadow_delay",
-                 "sampling", "prompt_sha256", "output_sha256", "entries", "speculated",
-                 "remaining", "kv_tokens", "error_text_u")
-
-    def __init__(self) -> None:
-        self.entries: list[RoundEntry | None] = []
-        self.speculated = False
+                 "error_text_u", "sampling", "prompt_sha256", "output_sha256", "entries", "speculated",
+                 "remaining", "kv_tokens")
 
     def round_entry(self, code: int, width: int) -> RoundEntry:
         # Round entries are immutable and a request repeats few (drafted, accepted) pairs,
@@ -426,11 +422,19 @@ class _Conditions:
     surge_share: float | None = None
 
 
+# Columns of a worker's slot table: one row per running request, the numbers every step touches.
+_ROW, _ROW_BASE, _KEY, _ALLOWED, _REMAINING, _STOP_AT, _KV = range(7)
+_SLOT_COLUMNS = 7
+# Per-request draws are taken from the generator in batches of this many requests.
+_REQUEST_DRAW_BATCH = 64
+_REQUEST_UNIFORMS = 11
+
+
 class _Worker:
     """One engine worker: a continuous batch of requests, stepped in event time.
 
-    Slot arrays hold the per-request numbers every step touches, so a step is a handful of
-    vectorized draws; Python code runs per finished request, not per token.
+    A slot table holds the per-request numbers every step touches, so steps are drawn in
+    vectorized blocks; Python code runs per step record and per finished request, never per token.
     """
 
     def __init__(self, index: int, sim: "Simulator", rng: np.random.Generator,
@@ -454,15 +458,10 @@ class _Worker:
         self.next_request = 0
         self.seq = 0
         self.batch: list[_Request] = []
-        self.waiting: list[_Request] = []  # preempted requests, readmitted first
-        empty = np.zeros(0, dtype=np.int64)
-        self.row = empty.copy()  # acceptance table row: bucket * levels + level
-        self.key = empty.copy()  # bucket * cohorts + cohort
-        self.allowed = empty.copy()  # draft positions the request may use (0: standard decoding)
-        self.remaining = empty.copy()  # tokens still to generate
-        self.stop_at = empty.copy()  # check the request when remaining falls to this
-        self.kv = empty.copy()  # tokens held in KV cache
+        self.waiting: list[_Request] = []  # queue head blocked on KV, and preempted requests
+        self.slots = np.zeros((0, _SLOT_COLUMNS), dtype=np.int64)
         self.kv_total = 0
+        self._draws: list[tuple[list[float], list[float], str]] = []
 
     # -- acceptance ---------------------------------------------------------------------------
     def _acceptance_table(self) -> np.ndarray:
@@ -503,10 +502,18 @@ class _Worker:
         return cumulative
 
     # -- requests -----------------------------------------------------------------------------
+    def _request_draws(self) -> tuple[list[float], list[float], str]:
+        if not self._draws:
+            rng = self.rng
+            uniforms = rng.random((_REQUEST_DRAW_BATCH, _REQUEST_UNIFORMS)).tolist()
+            normals = rng.standard_normal((_REQUEST_DRAW_BATCH, 2)).tolist()
+            digests = rng.bytes(64 * _REQUEST_DRAW_BATCH).hex()
+            self._draws = [(u, z, digests[128 * i:128 * (i + 1)])
+                           for i, (u, z) in enumerate(zip(uniforms, normals))][::-1]
+        return self._draws.pop()
+
     def _new_request(self, t: float) -> _Request:
-        rng = self.rng
-        u = rng.random(10).tolist()
-        z0, z1 = rng.standard_normal(2).tolist()
+        u, (z0, z1), digest = self._request_draws()
         req = _Request()
         req.id = f"{self.name}-{self.next_request:07d}"
         self.next_request += 1
@@ -534,10 +541,10 @@ class _Worker:
         req.ttft_ms = _PREFILL_BASE_MS + _PREFILL_MS_PER_TOKEN * req.prompt_tokens * (0.95 + 0.1 * u[2]) + queue_ms
         req.arrival = t - req.ttft_ms / 1000.0
         req.sampling = Sampling(temperature=profile.temperature, top_p=profile.top_p,
-                                seed=int(rng.integers(0, 2**31)), max_tokens=profile.max_tokens)
-        digest = rng.bytes(64).hex()
+                                seed=int(u[10] * 2**31), max_tokens=profile.max_tokens)
         req.prompt_sha256, req.output_sha256 = digest[:64], digest[64:]
         req.entries = [None] * (self.width * self.width)
+        req.speculated = False
         req.remaining = req.output_tokens - 1  # the first token comes out of prefill
         req.kv_tokens = req.prompt_tokens + 1
         return req
@@ -569,31 +576,26 @@ class _Worker:
         if admitted:
             self._append(admitted)
 
-    def _allowed_positions(self, req: _Request) -> int:
-        return 0 if req.cohort == _BASELINE else self.draft_length
-
     def _append(self, admitted: list[_Request]) -> None:
-        nc, nl = len(COHORTS), len(_DIFFICULTY_LEVELS)
+        levels, cohorts, d = len(_DIFFICULTY_LEVELS), len(COHORTS), self.draft_length
+        rows = []
+        for r in admitted:
+            row = r.bucket * levels + r.level
+            allowed = 0 if r.cohort == _BASELINE else d
+            rows.append((row, row * d, r.bucket * cohorts + r.cohort, allowed, r.remaining,
+                         r.fail_remaining, r.kv_tokens))
+            if self.sim.flags is None:
+                r.speculated = allowed > 0
         self.batch.extend(admitted)
-        self.row = np.concatenate([self.row, [r.bucket * nl + r.level for r in admitted]])
-        self.key = np.concatenate([self.key, [r.bucket * nc + r.cohort for r in admitted]])
-        self.allowed = np.concatenate([self.allowed, [self._allowed_positions(r) for r in admitted]])
-        self.remaining = np.concatenate([self.remaining, [r.remaining for r in admitted]])
-        self.stop_at = np.concatenate([self.stop_at, [r.fail_remaining for r in admitted]])
-        self.kv = np.concatenate([self.kv, [r.kv_tokens for r in admitted]])
-        self.kv_total += sum(r.kv_tokens for r in admitted)
-        if self.sim.flags is None:
-            for r in admitted:
-                r.speculated = r.cohort != _BASELINE
+        self.slots = np.concatenate([self.slots, np.array(rows, dtype=np.int64)])
+        self.kv_total = int(self.slots[:, _KV].sum())
 
     def _remove(self, slots: Sequence[int]) -> None:
         keep = np.ones(len(self.batch), dtype=bool)
         keep[list(slots)] = False
-        gone = set(slots)
-        self.batch = [r for i, r in enumerate(self.batch) if i not in gone]
-        self.row, self.key, self.allowed = self.row[keep], self.key[keep], self.allowed[keep]
-        self.remaining, self.stop_at, self.kv = self.remaining[keep], self.stop_at[keep], self.kv[keep]
-        self.kv_total = int(self.kv.sum())
+        self.batch = [r for r, kept in zip(self.batch, keep.tolist()) if kept]
+        self.slots = self.slots[keep]
+        self.kv_total = int(self.slots[:, _KV].sum())
 
     # -- incidents ----------------------------------------------------------------------------
     def _begin(self, plan: _Plan, intensity: float) -> BundleCard | None:
@@ -624,13 +626,15 @@ class _Worker:
             c.error_factor[bucket] = intensity
         return None
 
-    # -- one step -----------------------------------------------------------------------------
+    # -- one block of steps -------------------------------------------------------------------
     def _draft_positions(self) -> np.ndarray:
         """Draft positions per running request, after asking the flag source (closed loop)."""
+        allowed = self.slots[:, _ALLOWED]
         flags = self.sim.flags
         if flags is None:
-            return self.allowed
-        table = np.zeros(len(BUCKETS) * len(COHORTS), dtype=np.int64)
+            return allowed
+        cohorts = len(COHORTS)
+        table = np.zeros(len(BUCKETS) * cohorts, dtype=np.int64)
         for b, profile in enumerate(BUCKETS):
             for c, cohort in enumerate(COHORTS):
                 if c == _BASELINE:
@@ -638,11 +642,11 @@ class _Worker:
                 state = flags.lookup(self.bundle_id, profile.name, cohort)
                 if state.enabled:
                     limit = state.draft_limit
-                    table[b * len(COHORTS) + c] = self.draft_length if limit is None else max(
+                    table[b * cohorts + c] = self.draft_length if limit is None else max(
                         0, min(self.draft_length, int(limit)))
-        drafted = table[self.key]
-        for req, d in zip(self.batch, drafted.tolist()):
-            if d:
+        drafted = np.minimum(table[self.slots[:, _KEY]], allowed)
+        for req, positions in zip(self.batch, drafted.tolist()):
+            if positions:
                 req.speculated = True
         return drafted
 
@@ -658,24 +662,25 @@ class _Worker:
         block are discarded, which keeps the stream a function of the seed alone.
         """
         n = len(self.batch)
+        slots = self.slots
         block = _BLOCK_STEPS if self.sim.flags is None else _CLOSED_LOOP_BLOCK_STEPS
         drafted = self._draft_positions()
         u = self.rng.random((block, n + 3))
         # Row r's thresholds live in [r, r+1) of one sorted array, so a single searchsorted
         # counts, for every request at once, the thresholds its uniform draw passes.
-        accepted = np.searchsorted(self.thresholds, u[:, :n] + self.row, side="right") - self.row * self.draft_length
+        accepted = np.searchsorted(self.thresholds, u[:, :n] + slots[:, _ROW], side="right") - slots[:, _ROW_BASE]
         np.minimum(accepted, drafted, out=accepted)
         produced = accepted.cumsum(axis=0) + self.step_numbers[:block]  # every round adds the target's token
-        steps = block
-        attention = produced >= self.remaining - self.stop_at
+        attention = produced >= slots[:, _REMAINING] - slots[:, _STOP_AT]
         first = int(attention.argmax())  # row-major: the earliest step any request needs attention
-        if attention.flat[first]:
-            steps = first // n + 1
-        kv_after = (produced.sum(axis=1) + self.kv_total).tolist()
-        drafting = int(np.count_nonzero(drafted))
-        drafted_tokens = int(drafted.sum()) if drafting else 0
-        max_drafted = int(drafted.max()) if drafting else 0
-        draft_ms, verify_fixed = step_timing(n, drafting, max_drafted, drafted_tokens, 0,
+        attention_step = first // n if attention.flat[first] else block
+        steps = min(block, attention_step + 1)
+        kv_total = self.kv_total
+        kv_after = [kv_total + x for x in produced[:steps].sum(axis=1).tolist()]
+        per_request = drafted.tolist()
+        drafted_tokens = sum(per_request)
+        drafting = n - per_request.count(0)
+        draft_ms, verify_fixed = step_timing(n, drafting, max(per_request), drafted_tokens, 0,
                                              self.conditions.draft_factor)
         jitter = u[:steps, n:].tolist()
         ends: list[float] = []
@@ -694,37 +699,37 @@ class _Worker:
             drafts.append(round(draft, 3))
             verifies.append(round(verify, 3))
         steps = len(ends)
-
-        self.remaining -= produced[steps - 1]
-        self.kv += produced[steps - 1]
+        last = produced[steps - 1]
+        slots[:, _REMAINING] -= last
+        slots[:, _KV] += last
         self.kv_total = kv_after[steps - 1]
+
         out: list[tuple[float, list[TelemetryRecord]]] = []
         if emitting:
-            width = self.width
+            width, seq = self.width, self.seq
             start_ts, name, bundle_id, batch = self.sim.start_ts, self.name, self.bundle_id, self.batch
             codes = (drafted * width + accepted[:steps]).tolist()
             for k in range(steps):
-                self.seq += 1
+                seq += 1
                 ts = round(start_ts + ends[k], 6)
                 entries = [req.entries[code] or req.round_entry(code, width) for req, code in zip(batch, codes[k])]
                 kv_usage = round(min(1.0, kv_after[k] / _KV_CAPACITY_TOKENS), 4)
-                out.append((ts, [StepRecord(v=1, ts=ts, worker=name, seq=self.seq, bundle_id=bundle_id,
+                out.append((ts, [StepRecord(v=1, ts=ts, worker=name, seq=seq, bundle_id=bundle_id,
                                             draft_ms=drafts[k], verify_ms=verifies[k], kv_usage=kv_usage,
                                             requests=entries)]))
-        else:
-            self.seq += steps
-        due = np.flatnonzero(self.remaining <= self.stop_at)
-        if len(due):
-            self._settle(due.tolist(), ends[-1], out[-1][1] if emitting else None)
+        self.seq += steps
+        if steps == attention_step + 1:
+            due = np.flatnonzero(slots[:, _REMAINING] <= slots[:, _STOP_AT]).tolist()
+            self._settle(due, ends[-1], out[-1][1] if emitting else None)
         if self.kv_total > _KV_CAPACITY_TOKENS:
             self._preempt()
         return ends[-1], out
 
-    def _settle(self, slots: list[int], t_end: float, records: list | None) -> None:
+    def _settle(self, due: list[int], t_end: float, records: list | None) -> None:
         """Finish, fail or pass the requests that reached their end or their failure point."""
         done: list[int] = []
-        remaining = self.remaining.tolist()
-        for slot in slots:
+        remaining = self.slots[:, _REMAINING].tolist()
+        for slot in due:
             req = self.batch[slot]
             if remaining[slot] <= 0:
                 done.append(slot)
@@ -734,7 +739,7 @@ class _Worker:
                 continue
             outcome = self._failure(req)
             if outcome is None:
-                self.stop_at[slot] = 0  # past its failure point: runs to the end
+                self.slots[slot, _STOP_AT] = 0  # past its failure point: runs to the end
                 continue
             done.append(slot)
             if records is not None:
@@ -802,20 +807,20 @@ class _Worker:
 
     def _preempt(self) -> None:
         """Out of KV blocks: the newest requests go back to the queue (recompute), as vLLM does."""
-        slots = []
-        kv = self.kv.tolist()
+        preempted = []
+        kv = self.slots[:, _KV].tolist()
         total = self.kv_total
         for slot in range(len(self.batch) - 1, 0, -1):
             if total <= _KV_CAPACITY_TOKENS:
                 break
             req = self.batch[slot]
-            req.remaining = int(self.remaining[slot])
-            req.fail_remaining = int(self.stop_at[slot])
+            req.remaining = int(self.slots[slot, _REMAINING])
+            req.fail_remaining = int(self.slots[slot, _STOP_AT])
             req.kv_tokens = kv[slot]
-            slots.append(slot)
+            preempted.append(slot)
             total -= kv[slot]
-        self.waiting[:0] = [self.batch[s] for s in reversed(slots)]
-        self._remove(slots)
+        self.waiting[:0] = [self.batch[s] for s in reversed(preempted)]
+        self._remove(preempted)
 
     # -- the worker's stream of record batches --------------------------------------------------
     def run(self) -> Iterator[tuple[float, list[TelemetryRecord]]]:
