@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import math
+import operator
 import os
 import re
 import threading
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -75,6 +77,18 @@ WINDOW_STATS_FIELDS = (
 """The keys of one window-stats row, in table column order."""
 
 _FLOAT_SET = frozenset(_WINDOW_FLOATS)
+_WINDOW_FIELD_SET = frozenset(WINDOW_STATS_FIELDS)
+_WINDOW_VALUES = operator.itemgetter(*WINDOW_STATS_FIELDS)
+_WINDOW_TEXT = ("bundle_id", "bucket", "cohort")
+# Every number (counts and the flag too) is unpacked as float64 first, so None, NaN,
+# fractions and negatives can be told apart and refused or kept as the field needs.
+_WINDOW_DTYPE = np.dtype([(name, object if name in _WINDOW_TEXT else np.float64)
+                          for name in WINDOW_STATS_FIELDS])
+_WINDOW_EXPECTED = {name: "a count" if name in _WINDOW_COUNTS else "a number or NaN"
+                    for name in WINDOW_STATS_FIELDS}
+_WINDOW_EXPECTED.update(ts="a finite slice end time", bundle_id="a bundle id string",
+                        bucket="a string or None", cohort="a string or None",
+                        speculation_on="a bool")
 
 # Scope columns (bucket, cohort) are Nullable because NULL means "every bucket/cohort"
 # in decisions; the same convention holds in every table, so sorting keys that contain
@@ -506,7 +520,8 @@ class Archive:
         override_id = "o-" + hashlib.sha256(_json(body).encode()).hexdigest()[:16]
         audit = [f"a-{override_id}", ts, "override_clear" if cleared else "override", by, None,
                  bundle_id, decision_key(bundle_id, bucket, cohort), reason, "", "null", "null",
-                 "null", "null", _json({"enabled": bool(enabled), "draft_limit": draft_limit})]
+                 "null", "null",
+                 "null" if cleared else _json({"enabled": bool(enabled), "draft_limit": draft_limit})]
         self._insert("overrides", _OVERRIDE_SCHEMA,
                      [[v] for v in (override_id, ts, bundle_id, bucket, cohort, bool(enabled),
                                     draft_limit, by, reason, bool(cleared))])
@@ -629,11 +644,18 @@ class Archive:
         """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows).
 
         Anything else raises ValueError before it reaches the engine, which runs it
-        with ``readonly=1`` as well.
+        with ``readonly=1`` as well; an engine error raises `ArchiveError`.
         """
+        from clickhouse_connect.driver.exceptions import ClickHouseError
+
         statement = _read_only_statement(statement)
-        with self._lock:
-            result = self._client.query(statement, settings=_SQL_SETTINGS)
+        try:
+            with self._lock:
+                result = self._client.query(statement, settings=_SQL_SETTINGS)
+        except ClickHouseError as exc:
+            # The engine's first line says what is wrong; the rest is its stack trace.
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ArchiveError(f"query failed: {message}") from exc
         return list(result.column_names), list(result.result_rows)
 
     # -- plumbing ----------------------------------------------------------------------
@@ -764,9 +786,14 @@ class ArchiveWriter:
                 self._since = None
             written = 0
             try:
-                while stats:
-                    self.archive._insert_table("window_stats", stats[0])
-                    written += stats.pop(0).num_rows
+                if stats:
+                    # Many small writes become one insert (one part on disk).
+                    merged = pa.concat_tables(stats)
+                    for start in range(0, merged.num_rows, _DEFAULT_INSERT_CHUNK_ROWS):
+                        self.archive._insert_table(
+                            "window_stats", merged.slice(start, _DEFAULT_INSERT_CHUNK_ROWS))
+                    written += merged.num_rows
+                    stats = []
                 written += self.archive._write_decision_batch(decisions)
                 decisions = _DecisionBatch()
             finally:
@@ -891,53 +918,87 @@ def _sample_row(decision_id: str, sample: Mapping[str, Any] | Any) -> list[Any]:
 
 
 def _window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Table:
-    """Column-wise conversion with the checks a ClickHouse insert would not do."""
+    """Window-stats rows as an Arrow table, with the checks a ClickHouse insert would not do.
+
+    >>> row = dict.fromkeys(WINDOW_STATS_FIELDS, 1)
+    >>> row.update(ts=10.0, bundle_id="b-1", bucket="coding", cohort=None, speedup=float("nan"))
+    >>> table = _window_stats_table([row], 0)
+    >>> table.column("speedup").null_count, table.column("rounds").type
+    (1, DataType(uint64))
+    >>> _window_stats_table([row, dict(row, rounds=2.5)], 40)
+    Traceback (most recent call last):
+    ...
+    ValueError: window stats row 41: 'rounds' is a count, not 2.5
+    """
+    # Two C-level passes (itemgetter, then a structured array) take every field out
+    # of every dict; per-field comprehensions and casts cost about twice as much.
+    try:
+        values = list(map(_WINDOW_VALUES, rows))
+    except (KeyError, TypeError):
+        index, row = next((i, row) for i, row in enumerate(rows)
+                          if not isinstance(row, Mapping) or not _WINDOW_FIELD_SET.issubset(row))
+        if not isinstance(row, Mapping):
+            raise ValueError(f"window stats row {offset + index} is a {type(row).__name__}, "
+                             "not a dict") from None
+        missing = ", ".join(repr(f) for f in WINDOW_STATS_FIELDS if f not in row)
+        raise ValueError(f"window stats row {offset + index} lacks {missing}") from None
+    try:
+        packed = np.array(values, dtype=_WINDOW_DTYPE)  # None becomes NaN in number fields
+    except (TypeError, ValueError):
+        packed = None
     arrays = []
-    for name in WINDOW_STATS_FIELDS:
-        try:
-            values = [row[name] for row in rows]
-        except (KeyError, TypeError):
-            index = next(i for i, row in enumerate(rows) if not isinstance(row, Mapping) or name not in row)
-            raise ValueError(f"window stats row {offset + index} has no {name!r}") from None
-        try:
-            if name in _FLOAT_SET:
-                array = pa.array(values, type=_F64, from_pandas=True)  # NaN -> NULL
-            elif name in _WINDOW_COUNTS:
-                # Inferred first, then a safe cast: refuses negatives and fractions
-                # that a direct typed conversion would silently truncate.
-                array = pa.array(values).cast(pa.uint64())
-            elif name == "speculation_on":
-                array = _bool_array(values)
-            elif name == "ts":
-                array = pa.array(values, type=_F64)
-                if array.null_count or (len(array) and not pc.all(pc.is_finite(array)).as_py()):
-                    raise ValueError("slice end must be a finite number")
-            else:
-                array = pa.array(values, type=_STR)
-                if name == "bundle_id" and array.null_count:
-                    raise ValueError("bundle_id must be set")
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError,
-                OverflowError, ValueError) as exc:
-            raise ValueError(f"window stats field {name!r} (rows {offset}..{offset + len(rows) - 1}): "
-                             f"{exc}") from None
-        if name in _WINDOW_COUNTS and array.null_count:
-            raise ValueError(f"window stats field {name!r} is a count and cannot be missing")
+    for position, name in enumerate(WINDOW_STATS_FIELDS):
+        if packed is None:
+            break
+        column = packed[name]
+        if name in _WINDOW_TEXT:
+            try:
+                array = pa.array(column, type=_STR)
+            except pa.ArrowException:
+                packed = None
+                break
+            bad = _nones(column) if name == "bundle_id" and array.null_count else ()
+        elif name in _FLOAT_SET:
+            array, bad = pa.array(column, from_pandas=True), ()  # NaN -> NULL
+        elif name == "ts":
+            array, bad = pa.array(column), np.flatnonzero(~np.isfinite(column))
+        elif name == "speculation_on":
+            array, bad = pa.array(column == 1), np.flatnonzero((column != 0) & (column != 1))
+        else:
+            with np.errstate(invalid="ignore"):
+                bad = np.flatnonzero(~(np.isfinite(column) & (column >= 0) & (column == np.floor(column))))
+            array = pa.array(column.astype(np.uint64)) if not len(bad) else None
+        if len(bad):
+            index = int(bad[0])
+            raise ValueError(f"window stats row {offset + index}: {name!r} is "
+                             f"{_WINDOW_EXPECTED[name]}, not {values[index][position]!r}")
         arrays.append(array)
+    if packed is None:
+        raise _window_culprit(values, offset)
     return pa.Table.from_arrays(arrays, names=list(WINDOW_STATS_FIELDS))
 
 
-def _bool_array(values: list[Any]) -> pa.Array:
-    try:
-        return pa.array(values, type=pa.bool_())
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        pass
-    # 0/1 integers and numpy bools are accepted; anything else is a producer bug.
-    out = []
-    for value in values:
-        if value is None or isinstance(value, (float, str)) or value not in (0, 1):
-            raise ValueError(f"speculation_on must be a bool, not {value!r}")
-        out.append(bool(value))
-    return pa.array(out, type=pa.bool_())
+def _window_culprit(values: list[tuple], offset: int) -> ValueError:
+    """The error naming the first value that would not convert."""
+    for index, row in enumerate(values):
+        for name, value in zip(WINDOW_STATS_FIELDS, row):
+            if name in _WINDOW_TEXT:
+                fits = isinstance(value, str) or (value is None and name != "bundle_id")
+            else:
+                try:
+                    float(value)
+                    fits = True
+                except (TypeError, ValueError):
+                    fits = value is None
+            if not fits:
+                return ValueError(f"window stats row {offset + index}: {name!r} is "
+                                  f"{_WINDOW_EXPECTED[name]}, not {value!r}")
+    return ValueError(f"window stats rows {offset}..{offset + len(values) - 1} do not convert")
+
+
+def _nones(column: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.fromiter((value is None for value in column), dtype=bool,
+                                      count=len(column)))
 
 
 def _json(value: Any) -> str:

@@ -1,0 +1,444 @@
+"""`specwatch query`: read the archive for postmortems (decisions, evidence, samples, timelines).
+
+Text tables for people, ``--json`` for JSON Lines; ad-hoc SQL is read-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable, Sequence, TextIO
+
+__all__ = ["register", "open_archive", "parse_time", "print_rows", "format_ts"]
+
+_DEFAULT_AROUND_S = 120.0
+_EXIT_NOT_FOUND = 1
+_EXIT_USAGE = 2
+
+Column = tuple[str, str, Callable[[Any], str]]  # (key, header, formatter)
+
+
+def register(subparsers) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    add_archive_options(common)
+    parser = subparsers.add_parser(
+        "query", help="read decisions, evidence, samples and timelines from the archive",
+        description="Read the specwatch archive: decisions and why they were made, the samples "
+                    "kept with them, window statistics around them, bundles, and read-only SQL.")
+    sub = parser.add_subparsers(dest="query_command", metavar="WHAT", required=True)
+
+    p = sub.add_parser("decisions", parents=[common], help="decisions in time order")
+    p.add_argument("--bundle", help="bundle id")
+    p.add_argument("--bucket", help="task bucket ('*' = whole-bundle decisions)")
+    p.add_argument("--reason", help="decision reason, e.g. acceptance_drop")
+    p.add_argument("--action", help="decision action, e.g. disable_speculation")
+    p.add_argument("--since", type=parse_time, help="unix seconds or ISO-8601 time (inclusive)")
+    p.add_argument("--until", type=parse_time, help="unix seconds or ISO-8601 time (inclusive)")
+    p.add_argument("--limit", type=int, default=100, help="most recent N (default 100; 0 = all)")
+    p.set_defaults(func=_decisions)
+
+    p = sub.add_parser("decision", parents=[common], help="one decision with its audit evidence")
+    p.add_argument("decision_id")
+    p.set_defaults(func=_decision)
+
+    p = sub.add_parser("samples", parents=[common], help="the reproducible samples kept with a decision")
+    p.add_argument("decision_id")
+    p.set_defaults(func=_samples)
+
+    p = sub.add_parser("timeline", parents=[common], help="window statistics per slice")
+    p.add_argument("--bundle", help="bundle id (default: the bundle of --around)")
+    p.add_argument("--bucket", help="task bucket (default: the bucket of --around; '*' = whole bundle)")
+    p.add_argument("--cohort", help="cohort")
+    p.add_argument("--around", metavar="DECISION_ID", help="center on a decision")
+    p.add_argument("--seconds", type=float, default=_DEFAULT_AROUND_S,
+                   help=f"how far either side of --around (default {_DEFAULT_AROUND_S:g})")
+    p.add_argument("--since", type=parse_time, help="unix seconds or ISO-8601 time")
+    p.add_argument("--until", type=parse_time, help="unix seconds or ISO-8601 time")
+    p.set_defaults(func=_timeline)
+
+    p = sub.add_parser("bundles", parents=[common], help="bundles seen, with their cards")
+    p.set_defaults(func=_bundles)
+
+    p = sub.add_parser("sql", parents=[common], help="one read-only SQL statement",
+                       description="Run one SELECT, WITH, SHOW or DESCRIBE statement on the archive "
+                                   "(tables live in the `specwatch` database).")
+    p.add_argument("statement")
+    p.set_defaults(func=_sql)
+
+
+def add_archive_options(parser: argparse.ArgumentParser) -> None:
+    """The options every archive-reading command takes: ``--archive`` and ``--json``."""
+    parser.add_argument("--archive", metavar="DSN",
+                        help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)")
+    parser.add_argument("--json", action="store_true", help="JSON Lines instead of a table")
+
+
+def open_archive(args: argparse.Namespace, create: bool = False):
+    """Open the archive named by ``args.archive``; on failure print why and return None."""
+    from specwatch.actions.archive import Archive, ArchiveError, ArchiveNotFoundError
+
+    try:
+        return Archive.open(args.archive, create=create)
+    except ArchiveNotFoundError as exc:
+        print(f"specwatch: {exc} (point --archive or $SPECWATCH_ARCHIVE at an existing archive)",
+              file=sys.stderr)
+    except (ArchiveError, ValueError) as exc:
+        print(f"specwatch: {exc}", file=sys.stderr)
+    return None
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds from ``1717171717.5`` or an ISO-8601 time (UTC unless it says otherwise).
+
+    >>> parse_time("90.5"), parse_time("1970-01-01T00:01:30Z"), parse_time("1970-01-01 00:01:30")
+    (90.5, 90.0, 90.0)
+    """
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither unix seconds nor an ISO-8601 time") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
+
+
+def format_ts(ts: float | None) -> str:
+    """A unix time as UTC with milliseconds.
+
+    >>> format_ts(90.25)
+    '1970-01-01 00:01:30.250'
+    """
+    if ts is None or (isinstance(ts, float) and not math.isfinite(ts)):
+        return "-"
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def print_rows(rows: Iterable[dict], columns: Sequence[Column], as_json: bool,
+               out: TextIO | None = None) -> int:
+    """Rows as an aligned table (numbers right-aligned) or as JSON Lines; returns the count.
+
+    >>> print_rows([{"a": "x", "n": 1.5}, {"a": "long", "n": float("nan")}],
+    ...            [("a", "A", str), ("n", "N", _num(2))], as_json=False, out=sys.stdout)
+    A        N
+    x     1.50
+    long     -
+    2
+    """
+    out = out or sys.stdout
+    rows = list(rows)
+    if as_json:
+        for row in rows:
+            out.write(json.dumps(_json_safe(row), separators=(",", ":"), default=str) + "\n")
+        return len(rows)
+    headers = [header for _, header, _ in columns]
+    cells = [[fmt(row.get(key)) for key, _, fmt in columns] for row in rows]
+    right = [any(_is_number(row.get(key)) for row in rows)
+             and all(_is_number(row.get(key)) or row.get(key) is None for row in rows)
+             for key, _, _ in columns]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)]
+        return "  ".join(parts).rstrip()
+
+    out.write(line(headers) + "\n")
+    for row_cells in cells:
+        out.write(line(row_cells) + "\n")
+    return len(rows)
+
+
+# -- subcommands ----------------------------------------------------------------------
+
+def _decisions(args: argparse.Namespace) -> int:
+    archive = open_archive(args)
+    if archive is None:
+        return _EXIT_USAGE
+    with archive:
+        rows = archive.decisions(bundle_id=args.bundle, bucket=args.bucket, reason=args.reason,
+                                 action=args.action, since=args.since, until=args.until,
+                                 limit=args.limit or None)
+    if args.json:
+        print_rows(rows, (), as_json=True)
+        return 0
+    print_rows(rows, [
+        ("ts", "time (UTC)", format_ts), ("decision_id", "decision", str), ("bundle_id", "bundle", str),
+        ("bucket", "bucket", _scope), ("cohort", "cohort", _scope), ("action", "action", str),
+        ("reason", "reason", str), ("detector", "detector", str),
+        ("evidence", "evidence", lambda e: _pairs(e, limit=4)),
+    ], as_json=False)
+    return 0
+
+
+def _decision(args: argparse.Namespace) -> int:
+    archive = open_archive(args)
+    if archive is None:
+        return _EXIT_USAGE
+    with archive:
+        found = archive.decision(args.decision_id)
+        samples = archive.samples(args.decision_id) if found else []
+    if found is None:
+        print(f"specwatch: no decision {args.decision_id!r} in the archive", file=sys.stderr)
+        return _EXIT_NOT_FOUND
+    found["sample_counts"] = dict(Counter(s["kind"] for s in samples))
+    if args.json:
+        print_rows([found], (), as_json=True)
+        return 0
+    scope = f"{found['bundle_id']}/{found['bucket'] or '*'}/{found['cohort'] or '*'}"
+    out = [f"decision  {found['decision_id']}  at {format_ts(found['ts'])} UTC  scope {scope}",
+           f"  action    {found['action']}",
+           f"  reason    {found['reason']}  (detector {found['detector']})",
+           f"  evidence  {_pairs(found['evidence']) or '-'}",
+           f"  samples   {_sample_summary(found['sample_counts'])}"]
+    audit = found.get("audit")
+    if audit:
+        out.append(f"audit     {audit['audit_id']}  by {audit['actor']}")
+        out.append(f"  thresholds  {_pairs(audit['thresholds']) or '-'}")
+        out.append(f"  baseline    {_pairs(audit['baseline']) or '-'}")
+        out.append(f"  window      {_window_summary(audit['window'])}")
+        out.append(f"  bundle      {_card_summary(audit['card'])}")
+        if audit.get("detail"):
+            out.append(f"  detail      {_pairs(audit['detail'])}")
+    else:
+        out.append("audit     (none archived)")
+    if found["sample_counts"]:
+        out.append(f"see: specwatch query samples {found['decision_id']}   "
+                   f"specwatch query timeline --around {found['decision_id']}")
+    print("\n".join(out))
+    return 0
+
+
+def _samples(args: argparse.Namespace) -> int:
+    archive = open_archive(args)
+    if archive is None:
+        return _EXIT_USAGE
+    with archive:
+        rows = archive.samples(args.decision_id)
+    if args.json:
+        print_rows(rows, (), as_json=True)
+        return 0
+    for row in rows:
+        row["summary"] = _record_summary(row["record"])
+    print_rows(rows, [
+        ("ts", "time (UTC)", format_ts), ("kind", "kind", str), ("sample_id", "sample", str),
+        ("worker", "worker", _scope), ("bucket", "bucket", _scope), ("cohort", "cohort", _scope),
+        ("summary", "what", str),
+    ], as_json=False)
+    return 0
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    archive = open_archive(args)
+    if archive is None:
+        return _EXIT_USAGE
+    with archive:
+        bundle, bucket, since, until, center = args.bundle, args.bucket, args.since, args.until, None
+        if args.around:
+            found = archive.decision(args.around)
+            if found is None:
+                print(f"specwatch: no decision {args.around!r} in the archive", file=sys.stderr)
+                return _EXIT_NOT_FOUND
+            center = found["ts"]
+            bundle = bundle or found["bundle_id"]
+            if bucket is None and found["bucket"] is not None:
+                bucket = found["bucket"]
+            since = center - args.seconds if since is None else since
+            until = center + args.seconds if until is None else until
+        if not bundle:
+            print("specwatch: timeline needs --bundle (or --around DECISION_ID)", file=sys.stderr)
+            return _EXIT_USAGE
+        rows = archive.timeline(bundle_id=bundle, bucket=bucket, cohort=args.cohort, since=since,
+                                until=until)
+    if center is not None:
+        # The first slice ending at or after the decision is the one that tipped it.
+        tipping = next((row["ts"] for row in rows if row["ts"] >= center), None)
+        for row in rows:
+            row["mark"] = "<" if row["ts"] == tipping else ""
+    if args.json:
+        print_rows(rows, (), as_json=True)
+        return 0
+    columns = [
+        ("ts", "slice end (UTC)", format_ts), ("bucket", "bucket", _scope), ("cohort", "cohort", _scope),
+        ("speculation_on", "spec", lambda v: "on" if v else "off"), ("rounds", "rounds", str),
+        ("acceptance_length", "AL", _num(2)), ("draft_overhead", "draft ovh", _num(3)),
+        ("speedup", "speedup", _num(2)), ("ttft_p99", "ttft p99", _num(1)),
+        ("tpot_p99", "tpot p99", _num(1)), ("e2e_p99", "e2e p99", _num(0)),
+        ("error_rate", "errors", _num(3)), ("kv_peak", "kv peak", _num(2)),
+    ]
+    if center is not None:
+        columns.append(("mark", "", str))
+    print_rows(rows, columns, as_json=False)
+    if center is not None and not args.json:
+        print(f"(< marks the slice that tipped the decision at {format_ts(center)} UTC)")
+    return 0
+
+
+def _bundles(args: argparse.Namespace) -> int:
+    archive = open_archive(args)
+    if archive is None:
+        return _EXIT_USAGE
+    with archive:
+        rows = archive.bundles()
+    if args.json:
+        print_rows(rows, (), as_json=True)
+        return 0
+    for row in rows:
+        row["summary"] = _card_summary(row["card"])
+        row["worker_count"] = len(row["workers"])
+    print_rows(rows, [
+        ("bundle_id", "bundle", str), ("first_seen", "first seen (UTC)", format_ts),
+        ("last_seen", "last seen (UTC)", format_ts), ("worker_count", "workers", str),
+        ("summary", "card", str),
+    ], as_json=False)
+    return 0
+
+
+def _sql(args: argparse.Namespace) -> int:
+    from specwatch.actions.archive import ArchiveError
+
+    archive = open_archive(args)
+    if archive is None:
+        return _EXIT_USAGE
+    with archive:
+        try:
+            names, rows = archive.sql(args.statement)
+        except ValueError as exc:
+            print(f"specwatch: refused: {exc}", file=sys.stderr)
+            return _EXIT_USAGE
+        except ArchiveError as exc:
+            print(f"specwatch: {exc}", file=sys.stderr)
+            return _EXIT_NOT_FOUND
+    dicts = [dict(zip(names, row)) for row in rows]
+    print_rows(dicts, [(name, name, _cell) for name in names], as_json=args.json)
+    return 0
+
+
+# -- formatting -------------------------------------------------------------------------
+
+def _num(digits: int) -> Callable[[Any], str]:
+    def fmt(value: Any) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "-"
+        return f"{value:.{digits}f}"
+    return fmt
+
+
+def _scope(value: Any) -> str:
+    return "*" if value is None else str(value)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _pairs(mapping: Any, limit: int | None = None) -> str:
+    """``k=v`` pairs of a flat-ish dict, numbers shortened.
+
+    >>> _pairs({"al": 1.23456, "baseline_al": 2.8, "slices": [1, 2]})
+    'al=1.235 baseline_al=2.8 slices=[1, 2]'
+    """
+    if not isinstance(mapping, dict):
+        return "" if mapping is None else str(mapping)
+    items = list(mapping.items())
+    shown = [f"{k}={_short(v)}" for k, v in items[:limit]]
+    if limit is not None and len(items) > limit:
+        shown.append("...")
+    return " ".join(shown)
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    if isinstance(value, dict):
+        return "{" + _pairs(value) + "}"
+    return str(value)
+
+
+def _sample_summary(counts: dict[str, int]) -> str:
+    if not counts:
+        return "none"
+    total = sum(counts.values())
+    return f"{total} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) + ")"
+
+
+def _window_summary(window: Any) -> str:
+    """One line over the evidence slices: span, and how AL and speedup moved."""
+    if not isinstance(window, list) or not window:
+        return "-"
+    slices = [w for w in window if isinstance(w, dict)]
+    ends = [w.get("slice_end", w.get("ts")) for w in slices]
+    ends = [t for t in ends if isinstance(t, (int, float))]
+    span = f"{len(slices)} slices" + (f" {format_ts(min(ends))} .. {format_ts(max(ends))}" if ends else "")
+
+    def move(key: str, label: str) -> str | None:
+        values = [w.get(key) for w in slices]
+        values = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
+        return f"{label} {values[0]:.2f} -> {values[-1]:.2f}" if values else None
+
+    moves = [m for m in (move("acceptance_length", "AL"), move("speedup", "speedup"),
+                         move("tpot_p99", "tpot p99")) if m]
+    return "; ".join([span] + moves)
+
+
+def _card_summary(card: Any) -> str:
+    if not isinstance(card, dict):
+        return "-"
+    target, drafter, runtime = (card.get(k) or {} for k in ("target", "drafter", "runtime"))
+    parts = []
+    if target:
+        parts.append(f"target {target.get('model_id', '?')}@{target.get('revision') or '-'}"
+                     + (f" {target['quantization']}" if target.get("quantization") not in (None, "", "none") else ""))
+    if drafter:
+        parts.append(f"drafter {drafter.get('mechanism', '?')}@{drafter.get('revision') or '-'} "
+                     f"D={drafter.get('draft_length', '?')}")
+    if runtime:
+        parts.append(" ".join(str(runtime[k]) for k in ("engine", "gpu", "parallelism") if runtime.get(k)))
+    return "; ".join(p for p in parts if p) or "-"
+
+
+def _record_summary(record: dict) -> str:
+    kind = record.get("kind")
+    if kind == "request":
+        spec = "spec" if record.get("speculative") else "standard"
+        text = (f"{record.get('finish_reason')} {spec} ttft={_short(record.get('ttft_ms'))}ms "
+                f"tpot={_short(record.get('tpot_ms'))}ms e2e={_short(record.get('e2e_ms'))}ms "
+                f"out={record.get('output_tokens')}")
+        return text + (f" error={record['error']}" if record.get("error") else "")
+    if kind == "step":
+        entries = record.get("requests") or []
+        drafted = sum(e.get("drafted", 0) for e in entries)
+        accepted = sum(e.get("accepted", 0) for e in entries)
+        return (f"{len(entries)} requests drafted={drafted} accepted={accepted} "
+                f"draft={_short(record.get('draft_ms'))}ms verify={_short(record.get('verify_ms'))}ms "
+                f"kv={_short(record.get('kv_usage'))}")
+    if kind == "shadow":
+        return f"{record.get('check')} {'match' if record.get('match') else 'MISMATCH'}"
+    return kind or "?"
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities as null: JSON Lines readers choke on bare NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
