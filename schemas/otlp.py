@@ -200,6 +200,8 @@ _UINT64 = (1 << 64) - 1
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return _LENGTH[n]
+    if n < 0x4000:  # most lengths in a step record: arrays and attribute bodies
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -210,8 +212,7 @@ def _varint(n: int) -> bytes:
 
 def _field(tag: bytes, payload: bytes) -> bytes:
     """A length-delimited field: tag, length, payload."""
-    n = len(payload)
-    return tag + (_LENGTH[n] if n < 0x80 else _varint(n)) + payload
+    return tag + _varint(len(payload)) + payload
 
 
 def _utf8(text: str) -> bytes:
@@ -219,7 +220,18 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "replace")
 
 
-def _any_value(value: Any) -> bytes:
+class _Memo:
+    """Encoded pieces that repeat across the records of one request: keys, ids, names."""
+
+    __slots__ = ("keys", "strings", "elements")
+
+    def __init__(self) -> None:
+        self.keys: dict[str, bytes] = {}
+        self.strings: dict[tuple[str, str], bytes] = {}
+        self.elements: dict[str, bytes] = {}
+
+
+def _any_value(value: Any, memo: _Memo) -> bytes:
     """A serialized AnyValue. Oneof members are written even when they hold 0 or ''."""
     kind = type(value)
     if kind is str:
@@ -233,31 +245,31 @@ def _any_value(value: Any) -> bytes:
     if value is None:
         return b""  # the empty AnyValue is OTLP's null
     if isinstance(value, (tuple, list)):
-        return _field(b"\x2a", _array_values(value))
+        return _field(b"\x2a", _array_values(value, memo))
     if isinstance(value, Mapping):
-        return _field(b"\x32", b"".join([_key_value(str(k), v) for k, v in value.items()]))
+        return _field(b"\x32", b"".join([_key_value(str(k), v, memo) for k, v in value.items()]))
     if isinstance(value, bool):
-        return _any_value(bool(value))
+        return _any_value(bool(value), memo)
     if isinstance(value, int):
-        return _any_value(int(value))
+        return _any_value(int(value), memo)
     if isinstance(value, float):
-        return _any_value(float(value))
+        return _any_value(float(value), memo)
     if isinstance(value, str):
-        return _any_value(str(value))
+        return _any_value(str(value), memo)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return _field(b"\x3a", bytes(value))
     raise TypeError(f"cannot encode {kind.__name__} as an OTLP attribute value")
 
 
-def _array_values(values: Sequence[Any]) -> bytes:
+def _array_values(values: Sequence[Any], memo: _Memo) -> bytes:
     """The repeated ``values`` of an ArrayValue; columns of one type take a fast path."""
     types = set(map(type, values))
     if types == _STR_ONLY:
-        memo: dict[str, bytes] = {}  # bucket and cohort repeat within a step
+        elements = memo.elements  # buckets and cohorts repeat within and across steps
         parts = []
         append = parts.append
         for v in values:
-            piece = memo.get(v)
+            piece = elements.get(v)
             if piece is None:
                 encoded = v.encode("utf-8", "replace")
                 n = len(encoded)
@@ -265,35 +277,49 @@ def _array_values(values: Sequence[Any]) -> bytes:
                     piece = _SHORT_STRING_ELEMENT[n] + encoded
                 else:
                     piece = _field(b"\x0a", _field(b"\x0a", encoded))
-                memo[v] = piece
+                elements[v] = piece
             append(piece)
         return b"".join(parts)
     if types == _INT_ONLY and min(values) >= 0 and max(values) < 128:
         return b"".join([_SMALL_INT_ELEMENT[v] for v in values])
-    return b"".join([_field(b"\x0a", _any_value(v)) for v in values])
+    return b"".join([_field(b"\x0a", _any_value(v, memo)) for v in values])
 
 
-def _key_value(key: str, value: Any) -> bytes:
+def _key_value(key: str, value: Any, memo: _Memo) -> bytes:
     """A KeyValue as an element of a repeated field number 1 (KeyValueList, Resource)."""
-    body = (_field(b"\x0a", _utf8(key)) if key else b"") + _field(b"\x12", _any_value(value))
+    body = (_field(b"\x0a", _utf8(key)) if key else b"") + _field(b"\x12", _any_value(value, memo))
     return _field(b"\x0a", body)
 
 
-def _log_record(entry: LogEntry, attribute_memo: dict[str, bytes]) -> bytes:
+def _attribute(key: str, value: Any, memo: _Memo) -> bytes:
+    """One entry of LogRecord.attributes (field 6): a KeyValue."""
+    prefix = memo.keys.get(key)
+    if prefix is None:
+        prefix = memo.keys[key] = _field(b"\x0a", _utf8(key)) if key else b""
+    encoded = _any_value(value, memo)
+    body = prefix + b"\x12" + _varint(len(encoded)) + encoded
+    return b"\x32" + _varint(len(body)) + body
+
+
+def _log_record(entry: LogEntry, memo: _Memo) -> bytes:
     """A serialized LogRecord (fields 1 time, 6 attributes, 11 observed time, 12 event name)."""
     nanos = entry.time_unix_nano
     stamp = b"\x09" + _pack_fixed64(nanos) if nanos else b""
     parts = [stamp]
+    append = parts.append
+    strings = memo.strings
     for key, value in entry.attributes.items():
-        prefix = attribute_memo.get(key)
-        if prefix is None:
-            prefix = attribute_memo[key] = _field(b"\x0a", _utf8(key)) if key else b""
-        body = prefix + _field(b"\x12", _any_value(value))
-        parts.append(_field(b"\x32", body))
+        if type(value) is str:  # worker, bundle id, names: the same few values record after record
+            piece = strings.get((key, value))
+            if piece is None:
+                piece = strings[(key, value)] = _attribute(key, value, memo)
+            append(piece)
+        else:
+            append(_attribute(key, value, memo))
     if nanos:
-        parts.append(b"\x59" + stamp[1:])
+        append(b"\x59" + stamp[1:])
     if entry.event_name:
-        parts.append(_field(b"\x62", _utf8(entry.event_name)))
+        append(_field(b"\x62", _utf8(entry.event_name)))
     return b"".join(parts)
 
 
@@ -302,21 +328,22 @@ class _Envelope:
 
     def __init__(self, resource: Mapping[str, Any] | None) -> None:
         attributes = _DEFAULT_RESOURCE if resource is None else resource
-        self.resource = _field(b"\x0a", b"".join([_key_value(str(k), v) for k, v in attributes.items()]))
+        memo = _Memo()
+        self.resource = _field(b"\x0a", b"".join([_key_value(str(k), v, memo) for k, v in attributes.items()]))
         scope = _field(b"\x0a", _utf8(_SCOPE_NAME)) + _field(b"\x12", str(CONTRACT_VERSION).encode())
         self.scope = _field(b"\x0a", scope)
         # Worst case of the three length prefixes that grow with the content (5 bytes each).
         self.overhead = 1 + len(self.resource) + 1 + len(self.scope) + 3 * 5 + 2
 
     def wrap(self, log_records: Sequence[bytes]) -> bytes:
-        scope_logs = self.scope + b"".join([_field(b"\x12", r) for r in log_records])
+        scope_logs = self.scope + b"".join([b"\x12" + _varint(len(r)) + r for r in log_records])
         resource_logs = self.resource + _field(b"\x12", scope_logs)
         return _field(b"\x0a", resource_logs)
 
 
 def encode_entries(entries: Iterable[LogEntry], *, resource: Mapping[str, Any] | None = None) -> bytes:
     """One serialized ``ExportLogsServiceRequest`` holding every entry, in order."""
-    memo: dict[str, bytes] = {}
+    memo = _Memo()
     return _Envelope(resource).wrap([_log_record(entry, memo) for entry in entries])
 
 
@@ -353,7 +380,7 @@ def iter_encoded_chunks(
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     envelope = _Envelope(resource)
-    memo: dict[str, bytes] = {}
+    memo = _Memo()
     pending: list[bytes] = []
     size = envelope.overhead
     for entry in entries:
@@ -362,6 +389,7 @@ def iter_encoded_chunks(
         if pending and size + record_size > max_bytes:
             yield envelope.wrap(pending), len(pending)
             pending, size = [], envelope.overhead
+            memo = _Memo()  # bounded by one chunk's distinct strings
         pending.append(record)
         size += record_size
     if pending:

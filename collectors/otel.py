@@ -1,0 +1,624 @@
+"""OpenTelemetry in the engine worker: contract records out as OTel log records, one per step.
+
+Emitting never blocks the engine: records wait in a bounded queue, a background thread
+exports them in batches (in process, or to Kafka as OTLP bytes); overflow is dropped and counted.
+
+Two emit paths give the same bytes on the telemetry topic:
+
+- ``TelemetryEmitter(exporter, sdk=True)`` builds an OTel SDK ``LogRecord`` per record on
+  the caller's thread and sends it through a ``LoggerProvider`` with a
+  `BoundedLogRecordProcessor`: the standard path, visible to other OTel processors.
+- ``TelemetryEmitter(exporter, sdk=False)`` queues the contract record itself and encodes
+  it on the export thread. Measured on a loaded 2-core machine, the SDK path costs
+  ~60-90 us of the engine thread per step record (~12k records/s at most), the direct
+  path ~1-2 us (>300k records/s offered; export then runs at ~15-25k step records/s per
+  core). An engine emits ~10-100 steps/s, so the SDK path is fine there; the simulated
+  fleet and load generators use the direct path.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from opentelemetry.sdk._logs import LoggerProvider, LogRecordProcessor, ReadableLogRecord, ReadWriteLogRecord
+from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
+from opentelemetry.sdk.resources import Resource
+
+from specwatch.collectors.export import ExportResult, TelemetryExporter
+from specwatch.schemas import CONTRACT_VERSION, Rejection, TelemetryRecord
+from specwatch.schemas.otlp import EVENT_PREFIX, LogEntry, iter_encoded_chunks, log_entry, record_from_attributes
+
+__all__ = [
+    "EmitterStats",
+    "TelemetryEmitter",
+    "BoundedLogRecordProcessor",
+    "TelemetryLogExporter",
+    "KafkaConfig",
+    "KafkaTelemetryExporter",
+]
+
+logger = logging.getLogger(__name__)
+
+# A step record is ~1 KB: 65k queued is ~64 MB at worst and several seconds of a fleet's
+# output, enough to ride out a broker hiccup without growing without bound.
+_DEFAULT_MAX_QUEUE_SIZE = 65_536
+_DEFAULT_MAX_BATCH_SIZE = 2_048
+_DEFAULT_SCHEDULE_DELAY_MILLIS = 200
+_DEFAULT_DROP_WARNING_INTERVAL_S = 10.0
+_DEFAULT_SHUTDOWN_TIMEOUT_MILLIS = 5_000
+_DEFAULT_SERVICE_NAME = "specwatch"
+_DEFAULT_TELEMETRY_TOPIC = "specwatch.telemetry"
+# kafka-python needs the broker version up front or it connects while being constructed.
+_DEFAULT_API_VERSION = (4, 0)
+_DEFAULT_LINGER_MS = 20
+_DEFAULT_BATCH_BYTES = 512 * 1024
+_DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
+# How long a send may wait for metadata or buffer space. It runs on the export thread,
+# never the engine's; while it waits, the queue absorbs records and then drops them.
+_DEFAULT_MAX_BLOCK_MS = 2_000
+_DEFAULT_REQUEST_TIMEOUT_MS = 10_000
+_DEFAULT_DELIVERY_TIMEOUT_MS = 30_000
+_COMPRESSIONS = ("none", "gzip", "lz4", "zstd", "snappy")
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
+
+Item = TypeVar("Item")
+
+
+@dataclass(frozen=True)
+class EmitterStats:
+    """Counters of one emitter or processor since it started.
+
+    ``dropped`` counts records refused because the queue was full; ``failed`` counts
+    records in batches the exporter refused or raised on; ``rejected`` counts records the
+    in-process adapter could not turn back into contract records.
+    """
+
+    queued: int
+    exported: int
+    dropped: int
+    failed: int
+    rejected: int = 0
+
+
+class _BoundedBatcher(Generic[Item]):
+    """A bounded queue drained in batches by one daemon thread; `offer` never blocks."""
+
+    def __init__(
+        self,
+        export: Callable[[list[Item]], bool],
+        *,
+        name: str,
+        max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
+        max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
+        schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
+        drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
+    ) -> None:
+        if max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be at least 1, got {max_queue_size}")
+        if not 1 <= max_batch_size <= max_queue_size:
+            raise ValueError(f"max_batch_size must be between 1 and max_queue_size ({max_queue_size}), "
+                             f"got {max_batch_size}")
+        if schedule_delay_millis <= 0:
+            raise ValueError(f"schedule_delay_millis must be positive, got {schedule_delay_millis}")
+        self._export = export
+        self._name = name
+        self._max_queue_size = max_queue_size
+        self._max_batch_size = max_batch_size
+        self._delay_s = schedule_delay_millis / 1000.0
+        self._warning_interval_s = drop_warning_interval_s
+        # deque append/popleft are atomic under the GIL: producers take no lock at all.
+        self._queue: collections.deque[Item] = collections.deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._flush_waiters: list[threading.Event] = []
+        self._stopping = False
+        self._dropped = 0
+        self._exported = 0
+        self._failed = 0
+        self._warned_drops = 0
+        self._last_warning = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def offer(self, item: Item) -> bool:
+        queue = self._queue
+        if self._stopping or len(queue) >= self._max_queue_size:
+            with self._lock:
+                self._dropped += 1
+            return False
+        queue.append(item)
+        if len(queue) >= self._max_batch_size:
+            self._wake.set()
+        return True
+
+    def stats(self, rejected: int = 0) -> EmitterStats:
+        with self._lock:
+            dropped = self._dropped
+        return EmitterStats(len(self._queue), self._exported, dropped, self._failed, rejected)
+
+    def force_flush(self, timeout_millis: float) -> bool:
+        if not self._thread.is_alive():
+            return not self._queue
+        done = threading.Event()
+        with self._lock:
+            self._flush_waiters.append(done)
+        self._wake.set()
+        return done.wait(max(timeout_millis, 0) / 1000.0)
+
+    def shutdown(self, timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS) -> bool:
+        """Stops taking records, exports what is queued; False if that did not finish in time."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(max(timeout_millis, 0) / 1000.0)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._delay_s)
+            self._wake.clear()
+            with self._lock:
+                # Waiters registered now are answered after this drain: everything they
+                # emitted before asking is already in the queue.
+                waiters, self._flush_waiters = self._flush_waiters, []
+            stopping = self._stopping
+            self._drain()
+            for waiter in waiters:
+                waiter.set()
+            self._maybe_warn()
+            if stopping:
+                self._drain()
+                return
+
+    def _drain(self) -> None:
+        queue, size = self._queue, self._max_batch_size
+        while queue:
+            batch = []
+            while queue and len(batch) < size:
+                batch.append(queue.popleft())
+            try:
+                ok = self._export(batch)
+            except Exception:  # noqa: BLE001 - an exporter bug must not kill the export thread
+                logger.exception("%s: exporter raised; %d records lost", self._name, len(batch))
+                ok = False
+            if ok:
+                self._exported += len(batch)
+            else:
+                self._failed += len(batch)
+
+    def _maybe_warn(self) -> None:
+        now = time.monotonic()
+        if now - self._last_warning < self._warning_interval_s:
+            return
+        with self._lock:
+            dropped = self._dropped
+        new = dropped - self._warned_drops
+        if new:
+            logger.warning("%s: queue full, dropped %d records in the last %.0f s (%d in total); "
+                           "the exporter is slower than the engine or down", self._name, new,
+                           now - self._last_warning, dropped)
+        self._warned_drops = dropped
+        self._last_warning = now
+
+
+class BoundedLogRecordProcessor(LogRecordProcessor):
+    """An OTel log record processor that batches to an exporter and never blocks `on_emit`.
+
+    Unlike the SDK's BatchLogRecordProcessor it counts what it drops (`stats()`) and warns
+    periodically; records whose event name is not ``specwatch.*`` are left to others.
+
+    Parameters
+    ----------
+    exporter
+        An OTel ``LogRecordExporter`` (e.g. `TelemetryLogExporter`).
+    max_queue_size, max_batch_size, schedule_delay_millis
+        Queue bound, records per export call, and the longest a record waits.
+    shutdown_timeout_millis
+        How long shutdown waits for queued records to be exported.
+    """
+
+    def __init__(
+        self,
+        exporter: LogRecordExporter,
+        *,
+        max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
+        max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
+        schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
+        drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
+        shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS,
+    ) -> None:
+        self._exporter = exporter
+        self._shutdown_timeout_millis = shutdown_timeout_millis
+        # on_emit runs on the emitting thread; this tells that thread whether it was kept.
+        self._last_offer = threading.local()
+        self._batcher: _BoundedBatcher[ReadableLogRecord] = _BoundedBatcher(
+            self._export, name="specwatch-otel-export", max_queue_size=max_queue_size,
+            max_batch_size=max_batch_size, schedule_delay_millis=schedule_delay_millis,
+            drop_warning_interval_s=drop_warning_interval_s)
+
+    def _export(self, batch: list[ReadableLogRecord]) -> bool:
+        return self._exporter.export(batch) is LogRecordExportResult.SUCCESS
+
+    def on_emit(self, log_record: ReadWriteLogRecord) -> None:
+        event_name = log_record.log_record.event_name
+        if event_name and event_name.startswith(EVENT_PREFIX):
+            self._last_offer.accepted = self._batcher.offer(log_record)
+
+    def last_offer_accepted(self) -> bool:
+        """Whether the last record this thread emitted was queued (False: dropped)."""
+        return getattr(self._last_offer, "accepted", False)
+
+    def enabled(self, *, event_name: str | None = None, **_: Any) -> bool:
+        return event_name is None or event_name.startswith(EVENT_PREFIX)
+
+    def stats(self) -> EmitterStats:
+        return self._batcher.stats(getattr(self._exporter, "rejected", 0))
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        deadline = time.monotonic() + timeout_millis / 1000.0
+        if not self._batcher.force_flush(timeout_millis):
+            return False
+        remaining = max(0, int((deadline - time.monotonic()) * 1000))
+        return bool(self._exporter.force_flush(remaining))
+
+    def shutdown(self) -> None:
+        if not self._batcher.shutdown(self._shutdown_timeout_millis):
+            logger.warning("telemetry export did not finish within %.0f ms at shutdown; %d records left",
+                           self._shutdown_timeout_millis, self._batcher.stats().queued)
+        self._exporter.shutdown()
+
+
+def _entry(readable: ReadableLogRecord) -> LogEntry:
+    record = readable.log_record
+    return LogEntry(record.event_name or "", record.timestamp or 0, record.attributes or {})
+
+
+class TelemetryLogExporter(LogRecordExporter):
+    """OTel log records back to contract records, handed to a specwatch `TelemetryExporter`.
+
+    When the target takes OTLP entries directly (`KafkaTelemetryExporter`), the attributes
+    go through as they are: no re-validation, and the same bytes as the direct path.
+    """
+
+    def __init__(self, exporter: TelemetryExporter) -> None:
+        self._target = exporter
+        self._export_entries = getattr(exporter, "export_entries", None)
+        self.rejected = 0
+
+    def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
+        if self._export_entries is not None:
+            result = self._export_entries([_entry(r) for r in batch])
+        else:
+            records = []
+            for readable in batch:
+                log_record = readable.log_record
+                decoded = record_from_attributes(log_record.event_name or "", log_record.attributes or {},
+                                                 log_record.timestamp or 0)
+                if isinstance(decoded, Rejection):
+                    self.rejected += 1
+                    logger.debug("dropping an OTel log record that is not a contract record: %s", decoded.detail)
+                else:
+                    records.append(decoded)
+            result = self._target.export(records) if records else ExportResult.SUCCESS
+        return LogRecordExportResult.SUCCESS if result is ExportResult.SUCCESS else LogRecordExportResult.FAILURE
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return bool(self._target.force_flush(timeout_millis))
+
+    def shutdown(self) -> None:
+        self._target.shutdown()
+
+
+class TelemetryEmitter:
+    """What collectors call once per engine step (and per finished request): `emit(record)`.
+
+    Parameters
+    ----------
+    exporter
+        Where batches go: an in-process `TelemetryExporter` (the embedded pipeline) or a
+        `KafkaTelemetryExporter`. The emitter owns it and shuts it down.
+    sdk
+        True: through an OpenTelemetry ``LoggerProvider`` (see the module notes on cost).
+        False: the direct path, same bytes, a fraction of the engine thread's time.
+    service_name
+        The OTel resource's ``service.name`` (SDK path).
+    max_queue_size, max_batch_size, schedule_delay_millis
+        Queue bound (beyond it records are dropped and counted), records per export
+        call, and the longest a record waits before export.
+    shutdown_timeout_millis
+        How long shutdown waits for queued records to be exported.
+
+    >>> from specwatch.collectors.export import InMemoryExporter
+    >>> from specwatch.schemas import ShadowRecord
+    >>> sink = InMemoryExporter()
+    >>> with TelemetryEmitter(sink) as emitter:
+    ...     emitter.emit(ShadowRecord(v=1, ts=1.0, bundle_id="b-1", id="r1", bucket="coding",
+    ...                               check="token_exact", match=True))
+    ...     emitter.force_flush()
+    True
+    True
+    >>> [r.id for r in sink.records], emitter.stats().exported
+    (['r1'], 1)
+    """
+
+    def __init__(
+        self,
+        exporter: TelemetryExporter,
+        *,
+        sdk: bool = True,
+        service_name: str = _DEFAULT_SERVICE_NAME,
+        max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
+        max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
+        schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
+        drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
+        shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS,
+    ) -> None:
+        self._exporter = exporter
+        self._shutdown_timeout_millis = shutdown_timeout_millis
+        self._closed = False
+        self.provider: LoggerProvider | None = None
+        self._processor: BoundedLogRecordProcessor | None = None
+        self._batcher: _BoundedBatcher[TelemetryRecord] | None = None
+        if sdk:
+            self._processor = BoundedLogRecordProcessor(
+                TelemetryLogExporter(exporter), max_queue_size=max_queue_size, max_batch_size=max_batch_size,
+                schedule_delay_millis=schedule_delay_millis, drop_warning_interval_s=drop_warning_interval_s,
+                shutdown_timeout_millis=shutdown_timeout_millis)
+            # The emitter owns shutdown; an atexit hook here would race the owner's.
+            self.provider = LoggerProvider(resource=Resource.create({"service.name": service_name}),
+                                           shutdown_on_exit=False)
+            self.provider.add_log_record_processor(self._processor)
+            self._logger = self.provider.get_logger("specwatch", str(CONTRACT_VERSION))
+        else:
+            self._batcher = _BoundedBatcher(
+                self._export_direct, name="specwatch-telemetry-export", max_queue_size=max_queue_size,
+                max_batch_size=max_batch_size, schedule_delay_millis=schedule_delay_millis,
+                drop_warning_interval_s=drop_warning_interval_s)
+
+    def _export_direct(self, batch: list[TelemetryRecord]) -> bool:
+        return self._exporter.export(batch) is ExportResult.SUCCESS
+
+    def emit(self, record: TelemetryRecord) -> bool:
+        """Queue one record for export; False when it was dropped (queue full or closed)."""
+        if self._batcher is not None:
+            return self._batcher.offer(record)
+        if self._closed:
+            return False
+        entry = log_entry(record)
+        self._logger.emit(timestamp=entry.time_unix_nano, observed_timestamp=entry.time_unix_nano,
+                          attributes=entry.attributes, event_name=entry.event_name)
+        return self._processor.last_offer_accepted()
+
+    def stats(self) -> EmitterStats:
+        if self._batcher is not None:
+            return self._batcher.stats()
+        return self._processor.stats()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        """Export everything emitted so far; False if that did not finish in time."""
+        if self._batcher is not None:
+            deadline = time.monotonic() + timeout_millis / 1000.0
+            if not self._batcher.force_flush(timeout_millis):
+                return False
+            remaining = max(0, int((deadline - time.monotonic()) * 1000))
+            return bool(self._exporter.force_flush(remaining))
+        return self.provider.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        """Export what is queued (bounded wait), then shut the exporter down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._batcher is not None:
+            if not self._batcher.shutdown(self._shutdown_timeout_millis):
+                logger.warning("telemetry export did not finish within %.0f ms at shutdown; %d records left",
+                               self._shutdown_timeout_millis, self._batcher.stats().queued)
+            self._exporter.shutdown()
+        else:
+            self.provider.shutdown()
+
+    def __enter__(self) -> "TelemetryEmitter":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+# ---------------------------------------------------------------- Kafka
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    """How to reach a Kafka cluster; validated once, secrets kept out of repr and logs.
+
+    >>> KafkaConfig("127.0.0.1:19092", compression_type="zstd").producer_settings()["compression_type"]
+    'zstd'
+    >>> secured = KafkaConfig("k:9093", security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
+    ...                       sasl_username="svc", sasl_password="hunter2")
+    >>> "hunter2" in repr(secured), secured.producer_settings()["sasl_plain_password"]
+    (False, 'hunter2')
+    >>> KafkaConfig("k:9092", acks=2)
+    Traceback (most recent call last):
+    ...
+    ValueError: acks must be 0, 1 or 'all', got 2
+    """
+
+    bootstrap_servers: str
+    topic: str = _DEFAULT_TELEMETRY_TOPIC
+    client_id: str = "specwatch"
+    acks: int | str = "all"
+    linger_ms: int = _DEFAULT_LINGER_MS
+    batch_size: int = _DEFAULT_BATCH_BYTES
+    compression_type: str = "lz4"
+    max_request_size: int = _DEFAULT_MAX_REQUEST_BYTES
+    max_block_ms: int = _DEFAULT_MAX_BLOCK_MS
+    request_timeout_ms: int = _DEFAULT_REQUEST_TIMEOUT_MS
+    delivery_timeout_ms: int = _DEFAULT_DELIVERY_TIMEOUT_MS
+    api_version: tuple[int, ...] = _DEFAULT_API_VERSION
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_password: str | None = field(default=None, repr=False)
+    ssl_check_hostname: bool = True
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap_servers or not all(":" in s for s in self.bootstrap_servers.split(",")):
+            raise ValueError(f"bootstrap_servers must be HOST:PORT[,HOST:PORT...], got {self.bootstrap_servers!r}")
+        if self.acks not in (0, 1, -1, "all", "0", "1"):
+            raise ValueError(f"acks must be 0, 1 or 'all', got {self.acks!r}")
+        if self.compression_type not in _COMPRESSIONS:
+            raise ValueError(f"compression_type must be one of {', '.join(_COMPRESSIONS)}, "
+                             f"got {self.compression_type!r}")
+        if self.security_protocol not in _SECURITY_PROTOCOLS:
+            raise ValueError(f"security_protocol must be one of {', '.join(_SECURITY_PROTOCOLS)}, "
+                             f"got {self.security_protocol!r}")
+        if self.security_protocol.startswith("SASL_"):
+            if self.sasl_mechanism not in _SASL_MECHANISMS:
+                raise ValueError(f"{self.security_protocol} needs sasl_mechanism, one of "
+                                 f"{', '.join(_SASL_MECHANISMS)}; got {self.sasl_mechanism!r}")
+            if self.sasl_mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512") and not (
+                    self.sasl_username and self.sasl_password):
+                raise ValueError(f"sasl_mechanism {self.sasl_mechanism} needs sasl_username and sasl_password")
+        for name in ("linger_ms", "max_block_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("batch_size", "max_request_size", "request_timeout_ms", "delivery_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def client_settings(self) -> dict[str, Any]:
+        """Connection and security settings shared by producers, consumers and admin clients."""
+        settings: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers.split(","),
+            "client_id": self.client_id,
+            "api_version": tuple(self.api_version),
+            "request_timeout_ms": self.request_timeout_ms,
+            "security_protocol": self.security_protocol,
+        }
+        if self.security_protocol.startswith("SASL_"):
+            settings.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                            sasl_plain_password=self.sasl_password)
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            settings.update(ssl_cafile=self.ssl_cafile, ssl_certfile=self.ssl_certfile,
+                            ssl_keyfile=self.ssl_keyfile, ssl_password=self.ssl_password,
+                            ssl_check_hostname=self.ssl_check_hostname)
+        return settings
+
+    def producer_settings(self) -> dict[str, Any]:
+        acks = "all" if self.acks in (-1, "all") else int(self.acks)
+        settings = self.client_settings()
+        settings.update(
+            acks=acks,
+            linger_ms=self.linger_ms,
+            batch_size=self.batch_size,
+            compression_type=None if self.compression_type == "none" else self.compression_type,
+            max_request_size=self.max_request_size,
+            max_block_ms=self.max_block_ms,
+            delivery_timeout_ms=max(self.delivery_timeout_ms, self.request_timeout_ms + self.linger_ms),
+            # Idempotence keeps per-key order through retries; it needs acks=all.
+            enable_idempotence=acks == "all",
+        )
+        settings.update(self.extra)
+        return settings
+
+
+class KafkaTelemetryExporter:
+    """Writes contract records to Kafka as OTLP ``ExportLogsServiceRequest`` messages.
+
+    One message per chunk of records that share a key: the worker id (shadow records,
+    which have none, use their bundle id), so one worker's records stay in order on one
+    partition. ``export`` only hands messages to the producer's buffer; delivery errors
+    arrive later and are counted in `stats()`. A broker that is down costs at most
+    ``max_block_ms`` per export call, on the export thread, and the records are counted
+    as failed.
+    """
+
+    def __init__(self, config: KafkaConfig, *, producer: Any = None,
+                 resource: Mapping[str, Any] | None = None) -> None:
+        self.config = config
+        self._resource = resource
+        # Chunks leave room under the producer's request limit for Kafka's own headers.
+        self._max_chunk_bytes = max(1024, config.max_request_size - 16 * 1024)
+        if producer is None:
+            from kafka import KafkaProducer  # imported here: in-process users need no Kafka client
+
+            producer = KafkaProducer(**config.producer_settings())
+        self._producer = producer
+        self._lock = threading.Lock()
+        self._counts = collections.Counter()
+        self._closed = False
+
+    def export(self, batch: Sequence[TelemetryRecord]) -> ExportResult:
+        return self.export_entries([log_entry(record) for record in batch])
+
+    def export_entries(self, entries: Sequence[LogEntry]) -> ExportResult:
+        """The same as `export`, for records already in their OTLP form (the SDK path)."""
+        if self._closed:
+            return ExportResult.FAILURE
+        groups: dict[str, list[LogEntry]] = {}
+        for entry in entries:
+            attributes = entry.attributes
+            key = attributes.get("specwatch.worker") or attributes.get("specwatch.bundle_id") or ""
+            groups.setdefault(str(key), []).append(entry)
+        ok = True
+        for key, group in groups.items():
+            key_bytes = key.encode("utf-8", "replace")
+            for payload, count in iter_encoded_chunks(group, max_bytes=self._max_chunk_bytes,
+                                                      resource=self._resource):
+                ok = self._send(key_bytes, payload, count) and ok
+        return ExportResult.SUCCESS if ok else ExportResult.FAILURE
+
+    def _send(self, key: bytes, payload: bytes, count: int) -> bool:
+        try:
+            future = self._producer.send(self.config.topic, key=key, value=payload)
+        except Exception as error:  # noqa: BLE001 - KafkaTimeoutError, size, closed producer...
+            self._count(send_errors=1, records_failed=count)
+            logger.debug("kafka send of %d records failed: %s", count, error)
+            return False
+        self._count(messages=1, records=count, bytes=len(payload))
+        future.add_errback(self._delivery_failed, count)
+        return True
+
+    def _delivery_failed(self, error: BaseException, count: int) -> None:
+        self._count(delivery_errors=1, records_failed=count)
+        logger.debug("kafka delivery of %d records failed: %s", count, error)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._counts.update(deltas)
+
+    def stats(self) -> dict[str, int]:
+        """messages/records/bytes handed to the producer; send and delivery errors; records_failed."""
+        with self._lock:
+            return {name: self._counts.get(name, 0) for name in
+                    ("messages", "records", "bytes", "send_errors", "delivery_errors", "records_failed")}
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        if self._closed:
+            return True
+        try:
+            self._producer.flush(timeout=max(timeout_millis, 0) / 1000.0)
+        except Exception as error:  # noqa: BLE001 - KafkaTimeoutError when the broker is away
+            logger.debug("kafka flush did not complete: %s", error)
+            return False
+        return True
+
+    def shutdown(self, timeout_millis: int = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._producer.close(timeout=max(timeout_millis, 0) / 1000.0)
+        except Exception as error:  # noqa: BLE001 - closing must not raise into the engine
+            logger.warning("kafka producer did not close cleanly: %s", error)
