@@ -164,10 +164,10 @@ def _print_report(summary: dict, stream) -> None:
     print("(e2e p99: median over 1 s windows of the speculative cohorts)", file=stream)
     print("", file=stream)
     start = summary["start_ts"]
-    print(f"{'t (s)':>7}  {'decision':<14}{'action':<22}{'reason':<20}{'scope':<30}", file=stream)
+    print(f"{'t (s)':>7}  {'decision':<16}{'action':<22}{'reason':<20}{'scope':<30}", file=stream)
     for decision, ident in zip(summary["decisions"], summary["decision_ids"]):
         scope = f"{decision['bucket'] or '*'}/{decision['cohort'] or '*'}"
-        print(f"{decision['ts'] - start:>7.1f}  {ident:<14}{decision['action']:<22}{decision['reason']:<20}"
+        print(f"{decision['ts'] - start:>7.1f}  {ident:<16}{decision['action']:<22}{decision['reason']:<20}"
               f"{scope:<30}", file=stream)
     print("", file=stream)
     print(f"{'incident':<18}{'scope':<22}{'starts (s)':>11}  {'caught as':<20}{'delay (s)':>10}", file=stream)
