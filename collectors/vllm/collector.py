@@ -1,0 +1,384 @@
+"""The vLLM collector: contract-v1 records from a running engine, and its fallback flag view.
+
+Engine-side hooks (see hooks.py) hand small tuples to a `VllmCollector`; a background thread
+turns them into validated records and calls ``sink.emit(record)``, so no engine step waits on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from specwatch.schemas import (
+    MAX_REQUESTS_PER_STEP,
+    BundleCard,
+    BundleRecord,
+    RequestRecord,
+    StepRecord,
+    bundle_digest,
+)
+
+from .labels import Labeler
+
+__all__ = ["RecordSink", "FlagView", "CollectorStats", "VllmCollector"]
+
+_LOG = logging.getLogger(__name__)
+
+# Records waiting for the sink. A step record is a few hundred bytes, so this bounds the
+# backlog at a few MB; beyond it records are dropped and counted, never queued without limit.
+_DEFAULT_QUEUE_SIZE = 8192
+# How long the emitter thread sleeps when idle before looking again (it is also woken at once
+# by new records, so this only bounds shutdown latency).
+_DEFAULT_IDLE_WAIT_S = 0.25
+_DEFAULT_FLUSH_TIMEOUT_S = 10.0
+# Repeated failures of the same kind are logged at the first occurrence and then every N-th.
+_LOG_EVERY = 1000
+_MAX_ID_CHARS = 256
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
+                   # vLLM stops a request on a detected repetition loop: a stop, not a failure
+                   "repetition": "stop"}
+
+
+class RecordSink(Protocol):
+    """Where records go (an OpenTelemetry log emitter, an in-memory list, ...)."""
+
+    def emit(self, record: Any) -> None: ...
+
+
+class FlagView(Protocol):
+    """Read side of the speculative-path flags (actions.flags.FlagStore implements it)."""
+
+    def lookup(self, bundle_id: str, bucket: str, cohort: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class CollectorStats:
+    """Counters of one collector; engine-thread cost is the time spent inside its hooks."""
+
+    steps: int
+    step_records: int
+    request_records: int
+    bundle_records: int
+    dropped: int
+    rejected: int
+    emit_errors: int
+    hook_errors: int
+    flag_errors: int
+    cost_s: float
+    cost_max_s: float
+
+    @property
+    def cost_per_step_us(self) -> float:
+        """Mean engine-thread cost per step in microseconds; nan before the first step."""
+        return self.cost_s / self.steps * 1e6 if self.steps else float("nan")
+
+
+class VllmCollector:
+    """Per-step and per-request telemetry of vLLM engines, plus the flag view they obey.
+
+    Engines constructed inside ``with collector.watching():`` in this process are tapped (the
+    scheduler and the model runner both bind to the collector when they are built). Records
+    reach ``sink.emit`` from a background thread, in order: the bundle record first, then step
+    records, then each request's record after the step it finished in.
+
+    Parameters
+    ----------
+    sink
+        Object with ``emit(record)``; None collects nothing (flags-only mode).
+    flags
+        Object with ``lookup(bundle_id, bucket, cohort) -> SpeculationState``; consulted at every
+        draft proposal. None leaves speculation as the engine is configured.
+    worker
+        Worker name in the records; default ``<hostname>-<pid>``.
+    labeler
+        Optional ``(request_id, extra_args) -> (bucket, cohort) | None`` rule, tried before the
+        built-in ones (see labels.request_labels).
+    queue_size
+        Records held for the sink before new ones are dropped (and counted).
+    """
+
+    def __init__(self, sink: RecordSink | None = None, *, flags: FlagView | None = None,
+                 worker: str | None = None, labeler: Labeler | None = None,
+                 queue_size: int = _DEFAULT_QUEUE_SIZE) -> None:
+        if sink is not None and not callable(getattr(sink, "emit", None)):
+            raise ValueError(f"sink must have an emit(record) method, got {type(sink).__name__}")
+        if flags is not None and not callable(getattr(flags, "lookup", None)):
+            raise ValueError("flags must have lookup(bundle_id, bucket, cohort), "
+                             f"got {type(flags).__name__}")
+        if queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        worker = worker or f"{socket.gethostname()}-{os.getpid()}"
+        if not 1 <= len(worker) <= _MAX_ID_CHARS:
+            raise ValueError(f"worker name must be 1..{_MAX_ID_CHARS} characters, got {worker!r}")
+        self.sink = sink
+        self.flags = flags
+        self.worker = worker
+        self.labeler = labeler
+        self._queue_size = queue_size
+        self._enabled = True
+        self._bundles: dict[str, BundleCard] = {}
+        self._bundle_keys: dict[tuple, tuple[str, BundleCard]] = {}
+        self._bundle_lock = threading.Lock()
+        self._pending: deque = deque()
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        # counters, written by one thread each (engine thread or emitter thread)
+        self._steps = 0
+        self._cost_ns = 0
+        self._cost_max_ns = 0
+        self._records = {"bundle": 0, "step": 0, "request": 0}
+        self._dropped = 0
+        self._rejected = 0
+        self._emit_errors = 0
+        self._hook_errors = 0
+        self._flag_errors = 0
+
+    # -- public surface ------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        """When False the hooks pass straight through: no timing, no records, no flag lookups."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = bool(value)
+
+    @property
+    def bundles(self) -> dict[str, BundleCard]:
+        """Bundle id -> fingerprint card of every engine bound to this collector."""
+        with self._bundle_lock:
+            return dict(self._bundles)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator["VllmCollector"]:
+        """Tap the vLLM engines constructed in this process while the block runs.
+
+        Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for
+        Python-object sinks and flags; separate engine processes configure their own
+        collector from the environment (see plugin.py).
+        """
+        from . import plugin
+
+        plugin.register()
+        plugin.push_collector(self)
+        try:
+            yield self
+        finally:
+            plugin.pop_collector(self)
+
+    def stats(self) -> CollectorStats:
+        return CollectorStats(
+            steps=self._steps,
+            step_records=self._records["step"],
+            request_records=self._records["request"],
+            bundle_records=self._records["bundle"],
+            dropped=self._dropped,
+            rejected=self._rejected,
+            emit_errors=self._emit_errors,
+            hook_errors=self._hook_errors,
+            flag_errors=self._flag_errors,
+            cost_s=self._cost_ns / 1e9,
+            cost_max_s=self._cost_max_ns / 1e9,
+        )
+
+    def flush(self, timeout: float = _DEFAULT_FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every record submitted so far went to the sink; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._pending or not self._idle.is_set():
+            self._wake.set()
+            if time.monotonic() >= deadline:
+                return False
+            self._idle.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        return True
+
+    def close(self, timeout: float = _DEFAULT_FLUSH_TIMEOUT_S) -> None:
+        """Flush, then stop the emitter thread. Tapped engines keep running untouched."""
+        self.flush(timeout)
+        self._closed = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        close_sink = getattr(self.sink, "_close_owned", None)
+        if close_sink is not None:
+            close_sink()
+
+    # -- used by the engine-side taps ----------------------------------------------------
+
+    def bundle_for(self, vllm_config: Any) -> tuple[str, BundleCard]:
+        """(bundle id, card) of an engine configuration, computed once per configuration."""
+        from .bundle import describe_bundle
+
+        key = _config_key(vllm_config)
+        with self._bundle_lock:
+            known = self._bundle_keys.get(key)
+        if known is not None:
+            return known
+        card = describe_bundle(vllm_config)
+        result = (bundle_digest(card), card)
+        with self._bundle_lock:
+            self._bundle_keys[key] = result
+            self._bundles[result[0]] = card
+        return result
+
+    def submit(self, payload: tuple) -> None:
+        """Queue one engine-side payload for the emitter thread; never blocks, drops when full."""
+        if self.sink is None or self._closed:
+            return
+        if len(self._pending) >= self._queue_size:
+            self._dropped += 1
+            if self._dropped % _LOG_EVERY == 1:
+                _LOG.warning("specwatch sink is not keeping up: %d records dropped so far",
+                             self._dropped)
+            return
+        self._pending.append(payload)
+        if self._thread is None:
+            self._start_thread()
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def account_step(self, cost_ns: int) -> None:
+        self._steps += 1
+        self._cost_ns += cost_ns
+        if cost_ns > self._cost_max_ns:
+            self._cost_max_ns = cost_ns
+
+    def hook_failed(self, where: str, error: BaseException) -> None:
+        self._hook_errors += 1
+        if self._hook_errors % _LOG_EVERY == 1:
+            _LOG.error("specwatch hook %s failed (%d failures so far); the engine continues "
+                       "without this step's telemetry", where, self._hook_errors, exc_info=error)
+
+    def flag_failed(self, error: BaseException) -> None:
+        self._flag_errors += 1
+        if self._flag_errors % _LOG_EVERY == 1:
+            # Fail open: a broken flag view must not change what the engine does; the
+            # lossless contract holds either way and the error is counted.
+            _LOG.error("specwatch flag lookup failed (%d failures so far); speculation stays as "
+                       "configured", self._flag_errors, exc_info=error)
+
+    # -- emitter thread ------------------------------------------------------------------
+
+    def _start_thread(self) -> None:
+        with self._thread_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="specwatch-vllm-emit",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(_DEFAULT_IDLE_WAIT_S)
+            self._wake.clear()
+            while self._pending:
+                self._idle.clear()
+                payload = self._pending.popleft()
+                record = self._build(payload)
+                if record is not None:
+                    try:
+                        self.sink.emit(record)
+                        self._records[record.kind] += 1
+                    except Exception as error:  # a sink failure must not stop telemetry
+                        self._emit_errors += 1
+                        if self._emit_errors % _LOG_EVERY == 1:
+                            _LOG.error("specwatch sink failed to emit a %s record (%d failures "
+                                       "so far)", record.kind, self._emit_errors, exc_info=error)
+            self._idle.set()
+            if self._closed and not self._pending:
+                return
+
+    def _build(self, payload: tuple) -> BundleRecord | StepRecord | RequestRecord | None:
+        try:
+            kind = payload[0]
+            if kind == "step":
+                return _step_record(self.worker, payload)
+            if kind == "request":
+                return _request_record(self.worker, payload)
+            _, ts, bundle_id, card = payload
+            return BundleRecord(v=1, ts=ts, worker=self.worker, bundle_id=bundle_id, card=card)
+        except Exception as error:  # a payload that breaks the contract is a bug: count, say so
+            self._rejected += 1
+            if self._rejected % _LOG_EVERY == 1:
+                _LOG.error("specwatch dropped a %s record that failed validation (%d so far)",
+                           payload[0], self._rejected, exc_info=error)
+            return None
+
+
+def _config_key(vllm_config: Any) -> tuple:
+    model = vllm_config.model_config
+    spec = vllm_config.speculative_config
+    parallel = vllm_config.parallel_config
+    return (model.model, model.revision, model.tokenizer, str(model.dtype), model.quantization,
+            getattr(spec, "method", None), getattr(spec, "model", None),
+            getattr(spec, "num_speculative_tokens", None), parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size, parallel.data_parallel_size)
+
+
+def _short(request_id: str) -> str:
+    return request_id if len(request_id) <= _MAX_ID_CHARS else request_id[-_MAX_ID_CHARS:]
+
+
+def _step_record(worker: str, payload: tuple) -> StepRecord:
+    _, ts, seq, bundle_id, draft_s, verify_s, kv_usage, entries = payload
+    requests = [{"id": _short(rid), "bucket": bucket, "cohort": cohort, "drafted": drafted,
+                 "accepted": accepted} for rid, bucket, cohort, drafted, accepted in entries]
+    return StepRecord.model_validate({
+        "v": 1, "ts": ts, "worker": worker, "seq": seq, "bundle_id": bundle_id,
+        "draft_ms": draft_s * 1e3, "verify_ms": verify_s * 1e3,
+        "kv_usage": min(1.0, max(0.0, float(kv_usage))), "requests": requests,
+    })
+
+
+def split_entries(entries: Sequence[tuple]) -> list[Sequence[tuple]]:
+    """Split a step's entries into contract-sized parts (a batch above MAX_REQUESTS_PER_STEP)."""
+    if len(entries) <= MAX_REQUESTS_PER_STEP:
+        return [entries]
+    return [entries[i:i + MAX_REQUESTS_PER_STEP] for i in range(0, len(entries), MAX_REQUESTS_PER_STEP)]
+
+
+def token_digest(token_ids: Sequence[int] | None) -> str | None:
+    """sha256 of token ids packed as little-endian uint32: what a replay feeds the engine back.
+
+    >>> token_digest([1, 2, 3]) == hashlib.sha256(bytes([1,0,0,0, 2,0,0,0, 3,0,0,0])).hexdigest()
+    True
+    """
+    if token_ids is None:
+        return None
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
+
+
+def _request_record(worker: str, payload: tuple) -> RequestRecord:
+    (_, ts, bundle_id, rid, bucket, cohort, speculative, arrival, first_ts, last_ts, n_out,
+     finish_reason, error, prompt_ids, output_ids, sampling) = payload
+    first_ts = first_ts if first_ts is not None else ts
+    ttft_ms = max(0.0, (first_ts - arrival) * 1e3)
+    tpot_ms = (max(0.0, (last_ts - first_ts) * 1e3 / (n_out - 1))
+               if n_out > 1 and last_ts is not None else None)
+    temperature, top_p, seed, max_tokens = sampling
+    return RequestRecord.model_validate({
+        "v": 1, "ts": ts, "worker": worker, "bundle_id": bundle_id, "id": _short(rid),
+        "bucket": bucket, "cohort": cohort, "speculative": speculative,
+        "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2e_ms": max(0.0, (ts - arrival) * 1e3),
+        "output_tokens": n_out, "finish_reason": _FINISH_REASONS.get(finish_reason, "error"),
+        "error": error,
+        "sample": {"prompt_sha256": token_digest(prompt_ids),
+                   "output_sha256": token_digest(output_ids),
+                   "sampling": {"temperature": temperature, "top_p": top_p, "seed": seed,
+                                "max_tokens": max_tokens}},
+    })

@@ -1,0 +1,255 @@
+"""Wrappers around the vLLM V1 methods the collector observes, installed once per process.
+
+vLLM times neither the draft proposal nor the target forward and has no per-request fallback
+switch, so the model runner and the scheduler get thin wrappers; vLLM's own code is untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+from .taps import RunnerTap, SchedulerTap, cut_drafts
+
+__all__ = ["install", "TESTED_VLLM", "RUNNER_ATTR", "SCHEDULER_ATTR"]
+
+_LOG = logging.getLogger(__name__)
+
+# The wrapped signatures below are those of this vLLM release line; other versions are
+# attempted with a warning, since these private methods move between releases.
+TESTED_VLLM = "0.32."
+RUNNER_ATTR = "_specwatch_runner"
+SCHEDULER_ATTR = "_specwatch_scheduler"
+_WRAPPED = "__specwatch_wrapped__"
+
+
+def install(collector_for: Callable[[str], Any]) -> None:
+    """Wrap GPUModelRunner (the CPU runner subclasses it) and Scheduler methods; idempotent.
+
+    ``collector_for(role)`` returns the collector a newly built runner ("runner") or scheduler
+    ("scheduler") binds to, or None to leave it untapped.
+    """
+    import vllm
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not str(vllm.__version__).startswith(TESTED_VLLM):
+        _LOG.warning("specwatch's vLLM hooks were written for vLLM %sx, this is %s: telemetry "
+                     "or fallback may be incomplete", TESTED_VLLM, vllm.__version__)
+    runner_hooks = {
+        "__init__": _runner_init(collector_for),
+        "execute_model": _execute_model,
+        "_model_forward": _model_forward,
+        "propose_draft_token_ids": _propose_draft_token_ids,
+        "sample_tokens": _sample_tokens,
+        "take_draft_token_ids": _take_draft_token_ids,
+    }
+    scheduler_hooks = {
+        "__init__": _scheduler_init(collector_for),
+        "add_request": _add_request,
+        "update_from_output": _update_from_output,
+        "make_spec_decoding_stats": _make_spec_decoding_stats,
+        "_free_request": _free_request,
+    }
+    for cls, hooks in ((GPUModelRunner, runner_hooks), (Scheduler, scheduler_hooks)):
+        for name, make in hooks.items():
+            original = cls.__dict__.get(name)
+            if original is None:
+                _LOG.warning("vLLM %s has no %s.%s: that part of specwatch's telemetry is off",
+                             vllm.__version__, cls.__name__, name)
+                continue
+            if getattr(original, _WRAPPED, False):
+                continue
+            wrapper = functools.wraps(original)(make(original))
+            setattr(wrapper, _WRAPPED, True)
+            setattr(cls, name, wrapper)
+
+
+# -- model runner -------------------------------------------------------------------------
+
+def _runner_init(collector_for: Callable[[str], Any]):
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            tap = None
+            if getattr(self, "speculative_config", None) is not None:
+                collector = collector_for("runner")
+                if collector is not None:
+                    tap = RunnerTap(collector, self.vllm_config, self.device)
+            setattr(self, RUNNER_ATTR, tap)
+        return __init__
+    return make
+
+
+def _execute_model(original):
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        tap: RunnerTap | None = getattr(self, RUNNER_ATTR, None)
+        if tap is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        try:
+            tap.open_frame(scheduler_output)
+        except Exception as error:
+            tap.collector.hook_failed("execute_model", error)
+        result = original(self, scheduler_output, *args, **kwargs)
+        if result is not None:
+            # Outputs returned here (empty batches, pooling, pipeline stages) never reach
+            # sample_tokens; some are shared singletons that must not carry a frame.
+            tap.discard_frame()
+        return result
+    return execute_model
+
+
+def _model_forward(original):
+    # The runner calls _model_forward exactly for the target model's forward pass (drafters
+    # call their own model), which in a speculative step verifies the previous drafts.
+    def _model_forward(self, *args, **kwargs):
+        tap: RunnerTap | None = getattr(self, RUNNER_ATTR, None)
+        if tap is None or tap.frame is None:
+            return original(self, *args, **kwargs)
+        begin = tap.start_timer()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            tap.stop_timer(begin, is_draft=False)
+    return _model_forward
+
+
+def _propose_draft_token_ids(original):
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        tap: RunnerTap | None = getattr(self, RUNNER_ATTR, None)
+        if tap is None or tap.frame is None:
+            return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        req_ids = list(self.input_batch.req_ids)
+        try:
+            gated = tap.gate(req_ids, self.requests)
+        except Exception as error:
+            tap.collector.hook_failed("propose_draft_token_ids", error)
+            gated = {}
+        begin = tap.start_timer()
+        if (gated and tap.stateless_drafter and len(gated) == len(req_ids)
+                and not any(gated.values()) and isinstance(sampled_token_ids, list)):
+            # speculation is off for the whole batch: do not run the drafter at all
+            drafts = [[] for _ in req_ids]
+        else:
+            drafts = original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        tap.stop_timer(begin, is_draft=True)
+        tap.pending_gate = None
+        if gated:
+            if isinstance(drafts, list):
+                drafts = cut_drafts(req_ids, drafts, gated)
+            else:
+                # A [num_reqs, k] tensor cannot hold rows of different lengths: the cut is
+                # made when the engine takes the drafts as per-request lists.
+                tap.pending_gate = gated
+        return drafts
+    return propose_draft_token_ids
+
+
+def _take_draft_token_ids(original):
+    def take_draft_token_ids(self):
+        drafts = original(self)
+        tap: RunnerTap | None = getattr(self, RUNNER_ATTR, None)
+        if tap is None or drafts is None or not tap.pending_gate:
+            return drafts
+        gated, tap.pending_gate = tap.pending_gate, None
+        try:
+            return type(drafts)(list(drafts.req_ids),
+                                cut_drafts(drafts.req_ids, drafts.draft_token_ids, gated))
+        except Exception as error:
+            tap.collector.hook_failed("take_draft_token_ids", error)
+            return drafts
+    return take_draft_token_ids
+
+
+def _sample_tokens(original):
+    def sample_tokens(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        tap: RunnerTap | None = getattr(self, RUNNER_ATTR, None)
+        if tap is not None and tap.frame is not None:
+            try:
+                tap.close_frame(output)
+            except Exception as error:
+                tap.collector.hook_failed("sample_tokens", error)
+        return output
+    return sample_tokens
+
+
+# -- scheduler ----------------------------------------------------------------------------
+
+def _scheduler_init(collector_for: Callable[[str], Any]):
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            tap = None
+            if self.vllm_config.speculative_config is not None:
+                collector = collector_for("scheduler")
+                if collector is not None and collector.sink is not None:
+                    try:
+                        tap = SchedulerTap(collector, self.vllm_config)
+                    except Exception as error:
+                        collector.hook_failed("scheduler init", error)
+            setattr(self, SCHEDULER_ATTR, tap)
+        return __init__
+    return make
+
+
+def _add_request(original):
+    def add_request(self, request, *args, **kwargs):
+        tap: SchedulerTap | None = getattr(self, SCHEDULER_ATTR, None)
+        if tap is not None:
+            try:
+                tap.on_add(request)
+            except Exception as error:
+                tap.collector.hook_failed("add_request", error)
+        return original(self, request, *args, **kwargs)
+    return add_request
+
+
+def _update_from_output(original):
+    def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+        tap: SchedulerTap | None = getattr(self, SCHEDULER_ATTR, None)
+        if tap is None:
+            return original(self, scheduler_output, model_runner_output, *args, **kwargs)
+        try:
+            tap.begin_step(scheduler_output, model_runner_output)
+        except Exception as error:
+            tap.collector.hook_failed("update_from_output", error)
+        outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
+        try:
+            tap.end_step(self, scheduler_output, outputs)
+        except Exception as error:
+            tap.collector.hook_failed("update_from_output", error)
+        return outputs
+    return update_from_output
+
+
+def _make_spec_decoding_stats(original):
+    # vLLM calls this once per request that verified drafts in the step, with exactly the
+    # numbers its own counters get: reading them here keeps specwatch's totals equal to vLLM's.
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                                 num_invalid_spec_tokens, request_id):
+        tap: SchedulerTap | None = getattr(self, SCHEDULER_ATTR, None)
+        if tap is not None and num_draft_tokens:
+            drafted = num_draft_tokens
+            if num_invalid_spec_tokens:
+                # drafts the grammar invalidated are not counted as drafted, as in vLLM
+                drafted -= num_invalid_spec_tokens.get(request_id, 0)
+            tap.on_round(request_id, drafted, num_accepted_tokens)
+        return original(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                        num_invalid_spec_tokens, request_id)
+    return make_spec_decoding_stats
+
+
+def _free_request(original):
+    # Every way out of the scheduler (stop, length, abort, error) passes here while the
+    # request still holds its tokens, times and parameters.
+    def _free_request(self, request, *args, **kwargs):
+        tap: SchedulerTap | None = getattr(self, SCHEDULER_ATTR, None)
+        if tap is not None:
+            try:
+                tap.on_finished(request)
+            except Exception as error:
+                tap.collector.hook_failed("_free_request", error)
+        return original(self, request, *args, **kwargs)
+    return _free_request

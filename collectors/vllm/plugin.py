@@ -1,0 +1,130 @@
+"""vLLM general plugin: installs the specwatch hooks in every vLLM process.
+
+Registered as the ``vllm.general_plugins`` entry point ``specwatch``; also binds engines to a
+collector given in Python (``VllmCollector.watching()``) or configured by environment variables.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from typing import Any
+
+__all__ = ["register", "push_collector", "pop_collector", "collector_for", "ENV_SINK", "ENV_FLAGS",
+           "ENV_WORKER", "ENV_LABELER"]
+
+_LOG = logging.getLogger(__name__)
+
+# Environment configuration for engines whose processes the caller does not control
+# (`vllm serve`, multiprocess engine cores and workers). Each names a zero-argument factory
+# as "package.module:callable"; the sink factory is called lazily, on the first record, so
+# worker processes that only draft never build a sink.
+ENV_SINK = "SPECWATCH_VLLM_SINK"
+ENV_FLAGS = "SPECWATCH_VLLM_FLAGS"
+ENV_LABELER = "SPECWATCH_VLLM_LABELER"  # names the labeler itself, not a factory
+ENV_WORKER = "SPECWATCH_VLLM_WORKER"
+
+# Module-level state, which a plugin registration needs and nothing else:
+#   _installed  the hooks are wrapped around vLLM's classes once per process;
+#   _watching   collectors of open `watching()` blocks, innermost last (engines built inside
+#               bind to it);
+#   _from_env   the process's collector built from the environment, created on first use.
+_lock = threading.Lock()
+_installed = False
+_watching: list[Any] = []
+_from_env: Any = None
+_env_checked = False
+
+
+def register() -> None:
+    """Entry point vLLM calls in each of its processes; cheap and idempotent."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from . import hooks
+
+        hooks.install(collector_for)
+        _installed = True
+    _LOG.debug("specwatch vLLM hooks installed in process %d", os.getpid())
+
+
+def push_collector(collector: Any) -> None:
+    with _lock:
+        _watching.append(collector)
+
+
+def pop_collector(collector: Any) -> None:
+    with _lock:
+        for i in range(len(_watching) - 1, -1, -1):
+            if _watching[i] is collector:
+                del _watching[i]
+                return
+
+
+def collector_for(role: str) -> Any:
+    """The collector a runner or scheduler built now binds to: watching() first, then env."""
+    with _lock:
+        if _watching:
+            return _watching[-1]
+    return _env_collector()
+
+
+def _env_collector() -> Any:
+    global _from_env, _env_checked
+    with _lock:
+        if _env_checked:
+            return _from_env
+        _env_checked = True
+        sink_name = os.environ.get(ENV_SINK, "").strip()
+        flags_name = os.environ.get(ENV_FLAGS, "").strip()
+        if not sink_name and not flags_name:
+            return None
+        from .collector import VllmCollector
+
+        labeler_name = os.environ.get(ENV_LABELER, "").strip()
+        _from_env = VllmCollector(
+            _LazySink(_resolve(ENV_SINK, sink_name)) if sink_name else None,
+            flags=_resolve(ENV_FLAGS, flags_name)() if flags_name else None,
+            worker=os.environ.get(ENV_WORKER, "").strip() or None,
+            labeler=_resolve(ENV_LABELER, labeler_name) if labeler_name else None,
+        )
+        _LOG.info("specwatch collector configured from the environment in process %d "
+                  "(sink: %s, flags: %s)", os.getpid(), sink_name or "none", flags_name or "none")
+        return _from_env
+
+
+def _resolve(variable: str, name: str) -> Any:
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{variable}={name!r}: expected 'package.module:callable'")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{variable}={name!r} cannot be loaded: {error}") from error
+    if not callable(target):
+        raise ValueError(f"{variable}={name!r} is not callable")
+    return target
+
+
+class _LazySink:
+    """Builds the configured sink on the first record, in the collector's emitter thread."""
+
+    def __init__(self, factory: Any) -> None:
+        self._factory = factory
+        self._sink: Any = None
+
+    def emit(self, record: Any) -> None:
+        if self._sink is None:
+            self._sink = self._factory()
+        self._sink.emit(record)
+
+    def _close_owned(self) -> None:
+        # a sink built from the environment is owned by the collector, so it is closed here
+        for name in ("shutdown", "close"):
+            close = getattr(self._sink, name, None)
+            if callable(close):
+                close()
+                return

@@ -1,0 +1,286 @@
+"""Engine-side state of the vLLM collector: one tap on the model runner, one on the scheduler.
+
+The runner tap times the target forward and the draft proposal and applies the fallback flags
+to proposals; the scheduler tap turns each step and each finished request into a payload.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .collector import VllmCollector, split_entries
+from .labels import request_labels
+
+__all__ = ["StepFrame", "RunnerTap", "SchedulerTap", "FRAME_ATTR", "cut_drafts"]
+
+# Attribute put on vLLM's own ModelRunnerOutput. It is pickled when the worker is a separate
+# process (multiprocess executors) and instance attributes survive pickling, so the step frame
+# reaches the scheduler either way.
+FRAME_ATTR = "_specwatch_frame"
+
+_perf_ns = time.perf_counter_ns
+
+
+@dataclass
+class StepFrame:
+    """What the model runner measured during one engine step (travels on ModelRunnerOutput)."""
+
+    draft_ns: int = 0
+    verify_ns: int = 0
+    cost_ns: int = 0
+    # request id -> draft limit applied to its proposal in this step (0: drafting off)
+    gated: dict[str, int] = field(default_factory=dict)
+    # CUDA events (start, end, is_draft) resolved when the step's results reach the host
+    events: list = field(default_factory=list)
+
+
+class RunnerTap:
+    """Per-model-runner state: the open step frame, request labels and the last draft gate."""
+
+    def __init__(self, collector: VllmCollector, vllm_config: Any, device: Any) -> None:
+        self.collector = collector
+        self._vllm_config = vllm_config
+        spec = vllm_config.speculative_config
+        # ngram looks only at the tokens it is given: skipping it for a step loses nothing.
+        # Model-based drafters keep their own KV cache and state, so they always run and their
+        # proposals are cut afterwards.
+        self.stateless_drafter = spec.method in ("ngram",)
+        self._cuda = getattr(device, "type", "cpu") == "cuda"
+        self._bundle_id: str | None = None
+        self._labels: dict[str, tuple[str, str]] = {}
+        self.frame: StepFrame | None = None
+        # gate applied at the last proposal, kept for drafts that come out as a tensor and are
+        # only turned into per-request lists when the engine takes them
+        self.pending_gate: dict[str, int] | None = None
+
+    # step frame ---------------------------------------------------------------------------
+
+    def open_frame(self, scheduler_output: Any) -> None:
+        if not self.collector.enabled:
+            self.frame = None
+            return
+        start = _perf_ns()
+        for request_id in scheduler_output.finished_req_ids:
+            self._labels.pop(request_id, None)
+        self.frame = StepFrame()
+        self.frame.cost_ns += _perf_ns() - start
+
+    def close_frame(self, output: Any) -> None:
+        frame, self.frame = self.frame, None
+        if frame is None or output is None:
+            return
+        start = _perf_ns()
+        if frame.events:
+            for begin, end, is_draft in frame.events:
+                elapsed_ns = int(begin.elapsed_time(end) * 1e6)
+                if is_draft:
+                    frame.draft_ns += elapsed_ns
+                else:
+                    frame.verify_ns += elapsed_ns
+            frame.events = []
+        # async scheduling wraps the real output; the scheduler receives the inner one
+        target = getattr(output, "_model_runner_output", output)
+        frame.cost_ns += _perf_ns() - start
+        setattr(target, FRAME_ATTR, frame)
+
+    def discard_frame(self) -> None:
+        self.frame = None
+
+    def start_timer(self) -> Any:
+        if self._cuda:
+            import torch
+
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            return begin
+        return _perf_ns()
+
+    def stop_timer(self, begin: Any, is_draft: bool) -> None:
+        frame = self.frame
+        if frame is None:
+            return
+        if self._cuda:
+            # CUDA work is asynchronous: host time would measure kernel launches only
+            import torch
+
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            frame.events.append((begin, end, is_draft))
+        elif is_draft:
+            frame.draft_ns += _perf_ns() - begin
+        else:
+            frame.verify_ns += _perf_ns() - begin
+
+    # fallback gate ------------------------------------------------------------------------
+
+    def gate(self, req_ids: list[str], requests: dict[str, Any]) -> dict[str, int]:
+        """Draft limit per request of this batch where the flags say less than the default."""
+        flags = self.collector.flags
+        frame = self.frame
+        if flags is None or frame is None:
+            return {}
+        start = _perf_ns()
+        bundle_id = self._bundle()
+        gated: dict[str, int] = {}
+        by_labels: dict[tuple[str, str], int | None] = {}
+        for request_id in req_ids:
+            labels = self._labels.get(request_id)
+            if labels is None:
+                state = requests.get(request_id)
+                params = getattr(state, "sampling_params", None)
+                labels = request_labels(request_id, getattr(params, "extra_args", None),
+                                        self.collector.labeler)
+                self._labels[request_id] = labels
+            if labels in by_labels:
+                limit = by_labels[labels]
+            else:
+                limit = by_labels[labels] = self._limit(flags, bundle_id, labels)
+            if limit is not None:
+                gated[request_id] = limit
+        frame.gated = gated
+        frame.cost_ns += _perf_ns() - start
+        return gated
+
+    def _limit(self, flags: Any, bundle_id: str, labels: tuple[str, str]) -> int | None:
+        try:
+            state = flags.lookup(bundle_id, labels[0], labels[1])
+        except Exception as error:
+            self.collector.flag_failed(error)
+            return None
+        if not state.enabled:
+            return 0
+        if state.draft_limit is None:
+            return None
+        return max(0, int(state.draft_limit))
+
+    def _bundle(self) -> str:
+        if self._bundle_id is None:
+            self._bundle_id = self.collector.bundle_for(self._vllm_config)[0]
+        return self._bundle_id
+
+
+def cut_drafts(req_ids: list[str], drafts: list[list[int]], gated: dict[str, int]) -> list[list[int]]:
+    """Proposals with each gated request's list cut to its limit (0: no drafts at all).
+
+    >>> cut_drafts(["a", "b", "c"], [[1, 2, 3], [4, 5, 6], [7]], {"a": 0, "b": 2})
+    [[], [4, 5], [7]]
+    """
+    return [row if (limit := gated.get(request_id)) is None else row[:limit]
+            for request_id, row in zip(req_ids, drafts)]
+
+
+@dataclass
+class _RequestState:
+    bucket: str
+    cohort: str
+    arrival: float
+    first_token_ts: float | None = None
+    speculative: bool = True
+
+
+class SchedulerTap:
+    """Per-scheduler state: request labels and times, this step's rounds, the step counter."""
+
+    def __init__(self, collector: VllmCollector, vllm_config: Any) -> None:
+        self.collector = collector
+        self.bundle_id, card = collector.bundle_for(vllm_config)
+        self._requests: dict[str, _RequestState] = {}
+        self._rounds: dict[str, tuple[int, int]] = {}
+        self._finished: list[tuple] = []
+        self._frame: StepFrame | None = None
+        self._in_step = False
+        self._cost_ns = 0
+        self._seq = 0
+        self._missing_frames = 0
+        collector.submit(("bundle", time.time(), self.bundle_id, card))
+
+    def on_add(self, request: Any) -> None:
+        params = request.sampling_params
+        bucket, cohort = request_labels(request.request_id, getattr(params, "extra_args", None),
+                                        self.collector.labeler)
+        self._requests[request.request_id] = _RequestState(bucket, cohort, request.arrival_time)
+
+    def begin_step(self, scheduler_output: Any, model_runner_output: Any) -> None:
+        self._in_step = self.collector.enabled
+        if not self._in_step:
+            return
+        start = _perf_ns()
+        self._rounds = {}
+        frame = self._frame = getattr(model_runner_output, FRAME_ATTR, None)
+        if frame is not None:
+            for request_id, limit in frame.gated.items():
+                state = self._requests.get(request_id)
+                if state is not None and limit == 0:
+                    state.speculative = False
+        self._cost_ns = _perf_ns() - start
+
+    def on_round(self, request_id: str, drafted: int, accepted: int) -> None:
+        if self._in_step:
+            self._rounds[request_id] = (drafted, accepted)
+
+    def on_finished(self, request: Any) -> None:
+        state = self._requests.pop(request.request_id, None)
+        if state is None or not self.collector.enabled:
+            return
+        start = _perf_ns()
+        now = time.time()
+        reason = request.get_finished_reason()
+        reason = str(reason) if reason is not None else "abort"
+        params = request.sampling_params
+        sampling = ((params.temperature, params.top_p, params.seed, params.max_tokens)
+                    if params is not None else (None, None, None, None))
+        payload = ("request", now, self.bundle_id, request.request_id, state.bucket, state.cohort,
+                   state.speculative, state.arrival, state.first_token_ts, now,
+                   request.num_output_tokens, reason,
+                   "engine_error" if reason == "error" else None,
+                   request.prompt_token_ids, list(request.output_token_ids), sampling)
+        if self._in_step:
+            # sent after this step's record, so a consumer sees the request's last round first
+            self._finished.append(payload)
+        else:  # aborted between steps
+            self.collector.submit(payload)
+        self._cost_ns += _perf_ns() - start
+
+    def end_step(self, scheduler: Any, scheduler_output: Any, outputs: dict) -> None:
+        if not self._in_step:
+            return
+        self._in_step = False
+        start = _perf_ns()
+        now = time.time()
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                if output.new_token_ids:
+                    state = self._requests.get(output.request_id)
+                    if state is not None and state.first_token_ts is None:
+                        state.first_token_ts = now
+        # requests that finished in this step are no longer tracked, but were in its batch
+        finished = {p[3]: (p[4], p[5]) for p in self._finished}
+        entries = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            state = self._requests.get(request_id)
+            bucket_cohort = (state.bucket, state.cohort) if state is not None else finished.get(request_id)
+            if bucket_cohort is None:
+                continue
+            drafted, accepted = self._rounds.get(request_id, (0, 0))
+            entries.append((request_id, bucket_cohort[0], bucket_cohort[1], drafted, accepted))
+        frame = self._frame
+        if frame is None and entries:
+            self._missing_frames += 1
+        draft_ns = frame.draft_ns if frame is not None else 0
+        verify_ns = frame.verify_ns if frame is not None else 0
+        if entries:
+            kv_usage = scheduler.kv_cache_manager.usage
+            for part in split_entries(entries):
+                self.collector.submit(("step", now, self._seq, self.bundle_id, draft_ns / 1e9,
+                                       verify_ns / 1e9, kv_usage, part))
+                self._seq += 1
+                draft_ns = verify_ns = 0  # a split step's times are on its first part
+        for payload in self._finished:
+            self.collector.submit(payload)
+        self._finished = []
+        self._frame = None
+        self._rounds = {}
+        cost = self._cost_ns + (_perf_ns() - start) + (frame.cost_ns if frame is not None else 0)
+        self.collector.account_step(cost)
