@@ -335,6 +335,13 @@ class _ChdbClients:
             try:
                 client = clickhouse_connect.get_client(interface="chdb", path=path)
             except Exception as exc:
+                holder = _chdb_holder(path)
+                if holder:
+                    # chDB's own message here is an empty "Error initializing EmbeddedServer".
+                    raise ArchiveError(
+                        f"the chDB archive at {path} is in use by process {holder}: a chDB "
+                        "directory opens in one process at a time (use a ClickHouse server DSN "
+                        "to read while the pipeline writes)") from exc
                 raise ArchiveError(f"cannot open the chDB archive at {path}: {exc}") from exc
             self._path, self._client, self._users = path, client, 1
             return client
@@ -347,6 +354,25 @@ class _ChdbClients:
             if self._users == 0:
                 self._client, self._path = None, None
                 client.close()
+
+
+def _chdb_holder(path: str) -> str | None:
+    """The pid another running engine wrote into the directory's lock file, if any."""
+    try:
+        with open(os.path.join(path, "status"), encoding="utf-8", errors="replace") as status:
+            text = status.read(4096)
+    except OSError:
+        return None
+    found = re.search(r"PID:\s*(\d+)", text)
+    if not found or int(found.group(1)) == os.getpid():
+        return None
+    try:
+        os.kill(int(found.group(1)), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return None  # a stale file left by an engine that crashed
+    except PermissionError:
+        pass
+    return found.group(1)
 
 
 # The one piece of module-level mutable state: chDB's one-engine-per-process rule
@@ -730,6 +756,8 @@ class ArchiveWriter:
         self._stats_rows = 0
         self._decisions = _DecisionBatch()
         self._since: float | None = None
+        self._retry_at: float | None = None
+        self.last_error: Exception | None = None
 
     @property
     def pending(self) -> int:
@@ -769,13 +797,28 @@ class ArchiveWriter:
         self.archive.write_rejections(counts, ts, source)
 
     def flush_if_due(self) -> bool:
-        """Flush if enough rows are buffered or the oldest waited `max_delay`."""
+        """Flush if enough rows are buffered or the oldest waited `max_delay`.
+
+        A failure here is logged and kept in `last_error`, never raised: an archive
+        outage must not stop the pipeline that feeds it. Rows stay buffered and the
+        next attempt waits `max_delay`.
+        """
         with self._lock:
-            due = self._stats_rows >= self.max_rows or (
-                self._since is not None and self._clock() - self._since >= self.max_delay)
-        if due:
+            now = self._clock()
+            due = (self._stats_rows >= self.max_rows or (
+                self._since is not None and now - self._since >= self.max_delay)) and (
+                self._retry_at is None or now >= self._retry_at)
+        if not due:
+            return False
+        try:
             self.flush()
-        return due
+        except Exception as exc:  # whatever the sink raised; flush() kept the rows
+            with self._lock:
+                self._retry_at = self._clock() + self.max_delay
+            logger.warning("archive writer could not flush %d pending rows (next try in %.1fs): %s",
+                           self.pending, self.max_delay, exc)
+            return False
+        return True
 
     def flush(self) -> int:
         """Write everything buffered; returns rows written. A failed batch stays buffered."""
@@ -796,6 +839,9 @@ class ArchiveWriter:
                     stats = []
                 written += self.archive._write_decision_batch(decisions)
                 decisions = _DecisionBatch()
+            except Exception as exc:
+                self.last_error = exc
+                raise
             finally:
                 if stats or decisions.count:
                     with self._lock:
@@ -805,6 +851,7 @@ class ArchiveWriter:
                         self._decisions = decisions
                         self._drop_overflow()
                         self._mark()
+            self.last_error, self._retry_at = None, None
         if written:
             logger.debug("archive writer flushed %d rows", written)
         return written

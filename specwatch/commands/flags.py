@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
-from specwatch.schemas import decision_key
 
 __all__ = ["register", "OverrideChange", "record_override"]
 
@@ -159,7 +158,7 @@ def _clear(args: argparse.Namespace) -> int:
         active = next((o for o in archive.overrides(active_only=True)
                        if (o["bundle_id"], o["bucket"], o["cohort"]) == scope), None)
         if active is None:
-            print(f"specwatch: no manual override on {decision_key(*scope)}", file=sys.stderr)
+            print(f"specwatch: no manual override on {_key(scope)}", file=sys.stderr)
             return _EXIT_NOT_FOUND
         change = OverrideChange(args.bundle, args.bucket, args.cohort, active["enabled"],
                                 active["draft_limit"], args.by.strip(), args.reason.strip(),
@@ -173,14 +172,20 @@ def _report(args: argparse.Namespace, change: OverrideChange, override_id: str, 
     if args.json:
         print_rows([dict(asdict(change), override_id=override_id)], (), as_json=True)
     elif change.cleared:
-        print(f"override on {decision_key(*change.scope)} cleared by {change.by} ({override_id})")
+        print(f"override on {_key(change.scope)} cleared by {change.by} ({override_id})")
     else:
         state = "on" if change.enabled else "off"
         if change.draft_limit is not None:
             state += f", draft length <= {change.draft_limit}"
-        print(f"override {verb}: {decision_key(*change.scope)} speculation {state} by {change.by}: "
+        print(f"override {verb}: {_key(change.scope)} speculation {state} by {change.by}: "
               f"{change.reason} ({override_id})")
     return 0
+
+
+def _key(scope: tuple[str, str | None, str | None]) -> str:
+    from specwatch.schemas import decision_key  # pydantic is heavy; the parser stays light
+
+    return decision_key(*scope)
 
 
 def _scope(value: object) -> str:

@@ -1,0 +1,549 @@
+"""The archive on the real embedded ClickHouse engine (chDB): writes, reads, restarts.
+
+chDB hosts one directory per process, so anything needing a second process or a
+second archive at the same time runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from specwatch.actions.archive import (
+    WINDOW_STATS_FIELDS,
+    Archive,
+    ArchiveError,
+    ArchiveNotFoundError,
+    ArchiveWriter,
+    archive_dsn,
+)
+from specwatch.schemas import Decision
+
+_COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
+           "shadow_mismatches"}
+
+
+# -- shared inputs ------------------------------------------------------------------------
+
+def stats_row(ts, bundle="b-1", bucket="coding", cohort="main", **changes):
+    row = {name: (7 if name in _COUNTS else 0.25) for name in WINDOW_STATS_FIELDS}
+    row.update(ts=float(ts), bundle_id=bundle, bucket=bucket, cohort=cohort, speculation_on=True,
+               acceptance_length=2.5 + ts / 1000, speedup=1.4, tpot_p99=11.5)
+    row.update(changes)
+    return row
+
+
+def decision(ts, bundle="b-1", bucket="coding", cohort=None, action="disable_speculation",
+             reason="acceptance_drop", **evidence):
+    return Decision(ts=ts, bundle_id=bundle, bucket=bucket, cohort=cohort, action=action, reason=reason,
+                    detector="al_gate", evidence=evidence or {"acceptance_length": 1.2},
+                    sample_ids=["r1", "w1:7"])
+
+
+def request(ts, rid="r1", bundle="b-1", error=None):
+    return {"kind": "request", "v": 1, "ts": ts, "worker": "w1", "bundle_id": bundle, "id": rid,
+            "bucket": "coding", "cohort": "canary", "speculative": True, "ttft_ms": 95.0, "tpot_ms": None,
+            "e2e_ms": 2950.0, "output_tokens": 1, "finish_reason": "error" if error else "stop",
+            "error": error, "sample": {"prompt_sha256": "ab" * 32, "output_sha256": None,
+                                       "sampling": {"temperature": 0.0, "top_p": 1.0, "seed": 7,
+                                                    "max_tokens": 256}}}
+
+
+def step(ts, seq=7, bundle="b-1"):
+    return {"kind": "step", "v": 1, "ts": ts, "worker": "w1", "seq": seq, "bundle_id": bundle,
+            "draft_ms": 0.9, "verify_ms": 11.8, "kv_usage": 0.61,
+            "requests": [{"id": "r1", "bucket": "coding", "cohort": "canary", "drafted": 4, "accepted": 3},
+                         {"id": "r2", "bucket": "coding", "cohort": "canary", "drafted": 4, "accepted": 0}]}
+
+
+def shadow(ts, rid="r1", bundle="b-1"):
+    return {"kind": "shadow", "v": 1, "ts": ts, "bundle_id": bundle, "id": rid, "bucket": "coding",
+            "check": "token_exact", "match": False}
+
+
+CARD = {"target": {"model_id": "llama-8b", "revision": "r1", "tokenizer_digest": "t1", "quantization": "none"},
+        "drafter": {"mechanism": "eagle3", "revision": "e1", "draft_length": 4},
+        "runtime": {"engine": "vllm-0.32", "gpu": "L4", "parallelism": "tp1"},
+        "policy": {"acceptance_rule": "strict", "fallback": "standard"}}
+
+
+def audit_for(window):
+    return {"thresholds": {"acceptance_length_min": 1.8, "consecutive": 3},
+            "baseline": {"acceptance_length": 2.8, "source": "pinned"},
+            "window": window, "card": CARD}
+
+
+def nan_safe(value):
+    """NaN compares unequal to itself; make it comparable for exact round-trip checks."""
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    if isinstance(value, dict):
+        return {k: nan_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nan_safe(v) for v in value]
+    return value
+
+
+def run_python(code, *args):
+    """Run code in a fresh interpreter (a new chDB process); returns its stdout."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.fixture
+def archive(tmp_path):
+    opened = Archive.open(f"chdb://{tmp_path}/archive")
+    yield opened
+    opened.close()
+
+
+# -- persistence --------------------------------------------------------------------------
+
+def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path):
+    dsn = f"chdb://{tmp_path}/archive"
+    window = [stats_row(100 + i, speedup=math.nan if i == 1 else 1.4, ttft_p99=None if i == 2 else 80.0)
+              for i in range(4)]
+    expected_window = [dict(row, ttft_p99=math.nan if row["ttft_p99"] is None else row["ttft_p99"])
+                       for row in window]
+    first = decision(103.5, acceptance_length=1.2, baseline=2.8, ratio=math.nan)
+    second = decision(104.25, bucket=None, action="invalidate_bundle", reason="bundle_changed",
+                      changed=["target.revision"])
+    samples = [request(103.1), step(103.0), shadow(103.2), request(103.3, rid="r2", error="oom")]
+    with Archive.open(dsn) as archive:
+        archive.write_window_stats(window)
+        archive.write_decision(first, audit_for(window), samples)
+        archive.write_decision(second, {"thresholds": {}, "baseline": None, "window": [], "card": None,
+                                        "changed": ["target.revision"]}, [])
+        archive.write_bundle("b-1", CARD, 50.0, "w1")
+        archive.write_bundle("b-1", CARD, 150.0, "w2")
+        archive.write_override(("b-1", "chat", None), False, None, "alice", "canary looks off", 120.0)
+        archive.write_rejections({"accepted_exceeds_drafted": 3, "nan": 1}, 130.0, "w1")
+
+    out = run_python("""
+        import json, sys
+        from specwatch.actions.archive import Archive
+        with Archive.open(sys.argv[1], create=False) as archive:
+            ids = [d["decision_id"] for d in archive.decisions()]
+            print(json.dumps({
+                "decisions": archive.decisions(),
+                "decision": archive.decision(ids[0]),
+                "samples": archive.samples(ids[0]),
+                "timeline": archive.timeline(bundle_id="b-1"),
+                "bundles": archive.bundles(),
+                "overrides": archive.overrides(),
+                "rejections": archive.rejections(),
+                "flags": {"/".join(str(p) for p in scope): [s.enabled, s.reason, s.manual_by]
+                          for scope, s in archive.flag_store().scopes().items()},
+            }))
+    """, dsn)
+    got = json.loads(out)  # Python's json reads NaN back as float('nan')
+
+    def decision_row(d):
+        body = json.loads(d.to_json_line())
+        return {"decision_id": d.id, "ts": d.ts, "bundle_id": d.bundle_id, "bucket": d.bucket,
+                "cohort": d.cohort, "action": d.action, "reason": d.reason, "detector": d.detector,
+                "evidence": body["evidence"], "sample_ids": d.sample_ids, "line": d.to_json_line()}
+
+    assert got["decisions"] == [decision_row(first), decision_row(second)]
+    assert got["decisions"][0]["evidence"]["ratio"] is None  # NaN has no JSON form
+    one = got["decision"]
+    audit = one.pop("audit")
+    assert one == decision_row(first)
+    assert audit["audit_id"] == f"a-{first.id}" and audit["kind"] == "decision"
+    assert audit["actor"] == "specwatch" and audit["decision_id"] == first.id
+    assert audit["scope"] == "b-1/coding/*" and audit["reason"] == "acceptance_drop"
+    assert audit["thresholds"] == audit_for(window)["thresholds"]
+    assert audit["baseline"] == audit_for(window)["baseline"]
+    assert audit["card"] == CARD
+    assert nan_safe(audit["window"]) == nan_safe(expected_window)
+
+    assert [(s["kind"], s["sample_id"]) for s in got["samples"]] == [
+        ("step", "w1:7"), ("request", "r1"), ("shadow", "r1"), ("request", "r2")]
+    by_id = {(s["kind"], s["sample_id"]): s for s in got["samples"]}
+    assert by_id[("request", "r1")]["record"] == samples[0]
+    assert by_id[("step", "w1:7")]["record"] == samples[1]
+    assert by_id[("shadow", "r1")]["record"] == samples[2]
+    assert by_id[("step", "w1:7")]["bucket"] == "coding" and by_id[("shadow", "r1")]["worker"] is None
+
+    assert nan_safe(got["timeline"]) == nan_safe(expected_window)
+    assert got["bundles"] == [{"bundle_id": "b-1", "card": CARD, "first_seen": 50.0, "last_seen": 150.0,
+                               "workers": ["w1", "w2"]}]
+    assert [(o["bucket"], o["enabled"], o["by"]) for o in got["overrides"]] == [("chat", False, "alice")]
+    assert got["rejections"] == [{"ts": 130.0, "source": "w1", "reason": "accepted_exceeds_drafted", "count": 3},
+                                 {"ts": 130.0, "source": "w1", "reason": "nan", "count": 1}]
+    assert got["flags"] == {"b-1/coding/None": [False, "acceptance_drop", None],
+                            "b-1/None/None": [False, "bundle_changed", None],
+                            "b-1/chat/None": [False, "canary looks off", "alice"]}
+
+
+def test_open_without_create_refuses_a_missing_archive_and_leaves_no_trace(tmp_path):
+    with pytest.raises(ArchiveNotFoundError, match="no archive at"):
+        Archive.open(f"chdb://{tmp_path}/missing", create=False)
+    assert not (tmp_path / "missing").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArchiveNotFoundError):
+        Archive.open(f"chdb://{tmp_path}/empty", create=False)
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_relative_chdb_dsn_is_relative_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with Archive.open("chdb://nested/dirs/archive") as archive:
+        assert repr(archive) == f"Archive('chdb://{tmp_path}/nested/dirs/archive')"
+        assert archive.exists()
+    assert (tmp_path / "nested" / "dirs" / "archive" / "metadata").is_dir()
+    assert archive_dsn({}) == "chdb://specwatch-data/archive"
+    assert archive_dsn({"SPECWATCH_ARCHIVE": "chdb:///x"}) == "chdb:///x"
+
+
+def test_schema_creation_is_idempotent(archive):
+    archive.ensure_schema()
+    archive.ensure_schema()
+    _, rows = archive.sql("SHOW TABLES FROM specwatch")
+    assert sorted(r[0] for r in rows) == ["audit", "bundles", "decisions", "overrides", "rejections",
+                                          "samples", "window_stats"]
+
+
+# -- idempotency ---------------------------------------------------------------------------
+
+def test_same_decision_twice_is_one_decision_one_audit_row_and_one_set_of_samples(archive):
+    d = decision(10.0)
+    samples = [request(9.5), step(9.4), shadow(9.6)]
+    archive.write_decision(d, audit_for([stats_row(9)]), samples)
+    archive.write_decision(d, audit_for([stats_row(9)]), samples)
+    archive.write_decisions([(d, audit_for([stats_row(9)]), samples)])
+    assert [r["decision_id"] for r in archive.decisions()] == [d.id]
+    assert len(archive.samples(d.id)) == 3
+    assert len(archive.audit(kind="decision")) == 1
+    _, rows = archive.sql(f"SELECT count() FROM specwatch.decisions FINAL WHERE decision_id = '{d.id}'")
+    assert rows == [(1,)]
+
+
+def test_rewriting_a_slice_replaces_it(archive):
+    archive.write_window_stats([stats_row(1), stats_row(2)])
+    archive.write_window_stats([stats_row(2, rounds=99)])
+    archive.write_window_stats([stats_row(2, rounds=100), stats_row(1)])
+    rows = archive.timeline(bundle_id="b-1")
+    assert [(r["ts"], r["rounds"]) for r in rows] == [(1.0, 7), (2.0, 100)]
+
+
+def test_overrides_and_bundles_are_idempotent(archive):
+    for _ in range(2):
+        archive.write_override(("b-1", None, None), False, None, "bob", "incident 42", 5.0)
+        archive.write_bundle("b-1", CARD, 5.0, "w1")
+    assert len(archive.overrides(active_only=False)) == 1
+    assert len(archive.audit(kind="override")) == 1
+    assert archive.bundles()[0]["workers"] == ["w1"]
+
+
+# -- reads ------------------------------------------------------------------------------------
+
+def test_timeline_is_in_slice_order_and_filters_by_scope_and_time(archive):
+    rows = [stats_row(ts, bucket=bucket, cohort=cohort)
+            for ts in (30, 10, 20) for bucket, cohort in (("coding", "main"), ("chat", "main"),
+                                                          ("coding", "canary"), (None, None))]
+    rows.append(stats_row(15, bundle="b-2"))
+    archive.write_window_stats(rows[::2])
+    archive.write_window_stats(rows[1::2])
+    everything = archive.timeline()
+    assert [r["ts"] for r in everything] == sorted(r["ts"] for r in everything)
+    assert len(everything) == 13
+    coding = archive.timeline(bundle_id="b-1", bucket="coding")
+    assert [(r["ts"], r["cohort"]) for r in coding] == [
+        (10.0, "canary"), (10.0, "main"), (20.0, "canary"), (20.0, "main"), (30.0, "canary"), (30.0, "main")]
+    whole = archive.timeline(bundle_id="b-1", bucket="*")
+    assert [(r["ts"], r["bucket"], r["cohort"]) for r in whole] == [(10.0, None, None), (20.0, None, None),
+                                                                   (30.0, None, None)]
+    window = archive.timeline(bundle_id="b-1", bucket="coding", cohort="main", since=20, until=30)
+    assert [r["ts"] for r in window] == [20.0, 30.0]  # both ends inclusive
+
+
+def test_nan_and_none_floats_are_stored_as_null_and_read_back_as_nan(archive):
+    archive.write_window_stats([
+        stats_row(1, speedup=math.nan, acceptance_length=None, kv_peak=float("inf")),
+        stats_row(2),
+    ])
+    _, rows = archive.sql("SELECT ts, speedup IS NULL, acceptance_length IS NULL, isInfinite(kv_peak) "
+                          "FROM specwatch.window_stats FINAL ORDER BY ts")
+    assert rows == [(1.0, 1, 1, 1), (2.0, 0, 0, 0)]
+    _, rows = archive.sql("SELECT avg(speedup) FROM specwatch.window_stats FINAL")  # NULLs are skipped
+    assert rows == [(1.4,)]
+    first, second = archive.timeline()
+    assert math.isnan(first["speedup"]) and math.isnan(first["acceptance_length"])
+    assert first["kv_peak"] == math.inf and second["speedup"] == 1.4
+    assert isinstance(first["speculation_on"], bool) and isinstance(first["rounds"], int)
+
+
+def test_decisions_filter_and_limit_to_the_most_recent_oldest_first(archive):
+    made = [decision(float(ts), bucket=bucket, reason=reason, action=action)
+            for ts, bucket, reason, action in [(1, "coding", "acceptance_drop", "reduce_draft_length"),
+                                               (2, "chat", "latency_slo", "disable_speculation"),
+                                               (3, None, "bundle_changed", "invalidate_bundle"),
+                                               (4, "coding", "acceptance_drop", "disable_speculation"),
+                                               (5, "coding", "acceptance_drop", "restore")]]
+    archive.write_decisions((d, {}, []) for d in reversed(made))
+    archive.write_decision(decision(6.0, bundle="b-2"), {}, [])
+    ts = lambda rows: [r["ts"] for r in rows]  # noqa: E731
+    assert ts(archive.decisions()) == [1, 2, 3, 4, 5, 6]
+    assert ts(archive.decisions(bundle_id="b-1", bucket="coding")) == [1, 4, 5]
+    assert ts(archive.decisions(bucket="*")) == [3]
+    assert ts(archive.decisions(reason="acceptance_drop", action="disable_speculation")) == [4, 6]
+    assert ts(archive.decisions(bundle_id="b-1", reason="acceptance_drop", action="disable_speculation")) == [4]
+    assert ts(archive.decisions(since=2, until=4)) == [2, 3, 4]
+    assert ts(archive.decisions(limit=2)) == [5, 6]
+    assert archive.decision("d-000000000000") is None
+    assert archive.samples("d-000000000000") == []
+
+
+def test_flag_store_folds_decisions_in_time_order_with_overrides_on_top(archive):
+    archive.write_decisions([
+        (decision(3.0, action="restore"), {}, []),
+        (decision(1.0, action="disable_speculation"), {}, []),
+        (decision(2.0, bucket="chat", action="reduce_draft_length", draft_length=2), {}, []),
+        (decision(4.0, bucket="summarization"), {}, []),
+    ])
+    store = archive.flag_store()
+    assert store.lookup("b-1", "coding", "main").enabled  # disabled at 1, restored at 3
+    assert store.lookup("b-1", "chat", "main").draft_limit == 2
+    assert not store.lookup("b-1", "summarization", "main").enabled
+    archive.write_override(("b-1", "summarization", None), True, None, "carol", "false alarm", 5.0)
+    archive.write_override(("b-1", "coding", "canary"), False, None, "carol", "hold canary", 6.0)
+    store = archive.flag_store()
+    assert store.lookup("b-1", "summarization", "main").enabled
+    assert not store.lookup("b-1", "coding", "canary").enabled
+    assert store.state(("b-1", "coding", "canary")).manual_by == "carol"
+    archive.write_override(("b-1", "summarization", None), True, None, "carol", "done", 7.0, cleared=True)
+    assert not archive.flag_store().lookup("b-1", "summarization", "main").enabled
+    assert not archive.flag_store(overrides=False).lookup("b-1", "summarization", "main").enabled
+    assert archive.flag_store(overrides=False).lookup("b-1", "coding", "canary").enabled
+
+
+def test_overrides_keep_history_and_the_latest_event_per_scope_wins(archive):
+    archive.write_override(("b-1", None, None), False, None, "dan", "incident", 10.0)
+    archive.write_override(("b-1", "chat", None), True, 2, "dan", "shorter drafts", 11.0)
+    archive.write_override(("b-1", None, None), False, None, "erin", "done", 12.0, cleared=True)
+    archive.write_override(("b-1", None, None), True, 3, "erin", "again, shorter", 13.0)
+    active = archive.overrides()
+    assert [(o["bucket"], o["enabled"], o["draft_limit"], o["by"]) for o in active] == [
+        ("chat", True, 2, "dan"), (None, True, 3, "erin")]
+    history = archive.overrides(active_only=False)
+    assert [o["ts"] for o in history] == [10.0, 11.0, 12.0, 13.0]
+    assert [a["kind"] for a in archive.audit()] == ["override", "override", "override_clear", "override"]
+    assert archive.audit()[2]["actor"] == "erin" and archive.audit()[2]["scope"] == "b-1/*/*"
+
+
+def test_bundles_track_first_and_last_seen_and_workers(archive):
+    archive.write_bundle("b-2", CARD, 40.0, "w3")
+    archive.write_bundle("b-1", CARD, 30.0, "w1")
+    archive.write_bundle("b-1", CARD, 90.0, "w2")
+    archive.write_bundle("b-1", CARD, 60.0, "w1")
+    assert [(b["bundle_id"], b["first_seen"], b["last_seen"], b["workers"]) for b in archive.bundles()] == [
+        ("b-1", 30.0, 90.0, ["w1", "w2"]), ("b-2", 40.0, 40.0, ["w3"])]
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("statement", [
+    "INSERT INTO specwatch.decisions (decision_id) VALUES ('x')",
+    "DROP TABLE specwatch.decisions",
+    "drop database specwatch",
+    "ALTER TABLE specwatch.decisions DELETE WHERE 1",
+    "TRUNCATE TABLE specwatch.window_stats",
+    "SELECT 1; DROP TABLE specwatch.decisions",
+    "SELECT * FROM specwatch.decisions INTO OUTFILE 'leak.csv'",
+    "OPTIMIZE TABLE specwatch.decisions FINAL",
+    "/* SELECT */ DROP TABLE specwatch.decisions",
+    "",
+])
+def test_sql_refuses_anything_but_one_read_only_statement(archive, statement, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    archive.write_decision(decision(1.0), {}, [])
+    with pytest.raises(ValueError):
+        archive.sql(statement)
+    assert len(archive.decisions()) == 1
+    assert not (tmp_path / "leak.csv").exists()
+
+
+def test_sql_runs_read_only_statements_and_the_engine_enforces_readonly(archive):
+    archive.write_decision(decision(1.0), {}, [])
+    assert archive.sql("SELECT count() AS n FROM specwatch.decisions FINAL;") == (["n"], [(1,)])
+    assert archive.sql("WITH 2 AS x SELECT x * 2 AS y") == (["y"], [(4,)])
+    assert archive.sql("-- where was it\nSELECT ';' AS s") == (["s"], [(";",)])
+    names, rows = archive.sql("DESCRIBE TABLE specwatch.window_stats")
+    assert [r[0] for r in rows] == list(WINDOW_STATS_FIELDS)
+    with pytest.raises(ArchiveError, match="readonly"):
+        archive.sql("SELECT 1 SETTINGS readonly = 0")
+    with pytest.raises(ArchiveError, match="query failed"):
+        archive.sql("SELECT no_such_column FROM specwatch.decisions")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rounds": -1}, "row 1: 'rounds' is a count, not -1"),
+    ({"accepted_tokens": 2.5}, "row 1: 'accepted_tokens' is a count, not 2.5"),
+    ({"errors": None}, "row 1: 'errors' is a count, not None"),
+    ({"ts": math.nan}, "row 1: 'ts' is a finite slice end time, not nan"),
+    ({"bundle_id": None}, "row 1: 'bundle_id' is a bundle id string, not None"),
+    ({"bucket": 3}, "row 1: 'bucket' is a string or None, not 3"),
+    ({"speedup": "fast"}, "row 1: 'speedup' is a number or NaN, not 'fast'"),
+    ({"speculation_on": 2}, "row 1: 'speculation_on' is a bool, not 2"),
+    ({"speculation_on": None}, "row 1: 'speculation_on' is a bool, not None"),
+])
+def test_bad_window_stats_are_refused_with_the_row_and_field(archive, change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        archive.write_window_stats([stats_row(1), dict(stats_row(2), **change)])
+    assert archive.timeline() == []
+
+
+def test_window_stats_rows_must_be_complete_dicts(archive):
+    incomplete = stats_row(2)
+    del incomplete["kv_peak"]
+    with pytest.raises(ValueError, match="row 1 lacks 'kv_peak'"):
+        archive.write_window_stats([stats_row(1), incomplete])
+    with pytest.raises(ValueError, match="row 0 is a tuple"):
+        archive.write_window_stats([tuple(stats_row(1).values())])
+    extra = dict(stats_row(3), steps=12)  # unknown keys are ignored
+    assert archive.write_window_stats([extra]) == 1
+
+
+def test_a_bad_sample_writes_nothing_of_its_decision(archive):
+    d = decision(1.0)
+    with pytest.raises(ValueError, match="sample kind 'bundle'"):
+        archive.write_decision(d, audit_for([]), [request(0.5), {"kind": "bundle", "ts": 0.1}])
+    with pytest.raises(ValueError, match="step sample .* has no 'seq'"):
+        archive.write_decision(d, audit_for([]), [{k: v for k, v in step(0.5).items() if k != "seq"}])
+    with pytest.raises(TypeError):
+        archive.write_decision(d.model_dump(), {}, [])
+    assert archive.decisions() == [] and archive.samples(d.id) == [] and archive.audit() == []
+
+
+def test_override_needs_who_and_a_sane_draft_limit(archive):
+    with pytest.raises(ValueError, match="by"):
+        archive.write_override(("b-1", None, None), False, None, "", "why", 1.0)
+    with pytest.raises(ValueError, match="draft_limit"):
+        archive.write_override(("b-1", None, None), True, 0, "amy", "why", 1.0)
+    with pytest.raises(ValueError, match="finite"):
+        archive.write_override(("b-1", None, None), True, None, "amy", "why", math.inf)
+
+
+# -- the engine is a process resource ----------------------------------------------------------
+
+def test_one_chdb_archive_per_process_and_shared_clients_per_path(tmp_path):
+    first = Archive.open(f"chdb://{tmp_path}/one")
+    again = Archive.open(f"chdb://{tmp_path}/one/")  # same directory, other spelling
+    try:
+        with pytest.raises(ArchiveError, match="one archive per process"):
+            Archive.open(f"chdb://{tmp_path}/two")
+        first.write_decision(decision(1.0), {}, [])
+        first.close()
+        assert len(again.decisions()) == 1  # still open: the engine is shared and counted
+    finally:
+        first.close()
+        again.close()
+    with Archive.open(f"chdb://{tmp_path}/two") as other:  # released with the last user
+        assert other.decisions() == []
+
+
+def test_a_chdb_archive_in_use_by_another_process_says_so(tmp_path):
+    dsn = f"chdb://{tmp_path}/busy"
+    with Archive.open(dsn):
+        out = run_python("""
+            import sys
+            from specwatch.actions.archive import Archive, ArchiveError
+            try:
+                Archive.open(sys.argv[1], create=False)
+            except ArchiveError as exc:
+                print(exc)
+        """, dsn)
+    assert "in use by process" in out and "one process at a time" in out
+
+
+def test_server_dsn_errors_never_show_the_password(caplog, monkeypatch):
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("SPECWATCH_CLICKHOUSE_PASSWORD", "env-secret-2")
+    for dsn in ("http://ops:dsn-secret-1@127.0.0.1:9/postmortems", "http://127.0.0.1:9"):
+        with pytest.raises(ArchiveError) as raised:
+            Archive.open(dsn)
+        text = str(raised.value) + caplog.text
+        assert "secret" not in text
+        assert "127.0.0.1:9" in str(raised.value)
+    with pytest.raises(ValueError, match="plain identifier"):
+        Archive.open("http://127.0.0.1:9/bad-name;drop")
+    with pytest.raises(ValueError, match="scheme"):
+        Archive.open("ftp://127.0.0.1/x")
+
+
+# -- batching ------------------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_writer_buffers_until_size_or_age_and_writes_stats_before_decisions(archive):
+    clock = FakeClock()
+    writer = ArchiveWriter(archive, max_rows=10, max_delay=2.0, clock=clock)
+    writer.write_window_stats([stats_row(ts) for ts in range(4)])
+    writer.write_decision(decision(3.5), audit_for([]), [request(3.4)])
+    assert writer.pending == 5 and archive.timeline() == [] and archive.decisions() == []
+    clock.now += 1.9
+    assert not writer.flush_if_due()
+    clock.now += 0.2
+    assert writer.flush_if_due()
+    assert writer.pending == 0 and len(archive.timeline()) == 4 and len(archive.decisions()) == 1
+    writer.write_window_stats([stats_row(ts) for ts in range(10, 21)])  # 11 >= max_rows: flushes now
+    assert writer.pending == 0 and len(archive.timeline()) == 15
+    with pytest.raises(ValueError, match="'rounds' is a count"):
+        writer.write_window_stats([stats_row(30, rounds=-3)])  # refused at the source
+    assert writer.pending == 0
+    writer.write_window_stats([stats_row(31)])
+    writer.close()
+    assert len(archive.timeline()) == 16
+
+
+def test_writer_keeps_rows_while_the_archive_refuses_them_and_drops_the_oldest_past_the_cap(tmp_path, caplog):
+    with Archive.open(f"chdb://{tmp_path}/archive") as opened:
+        missing = Archive(opened._client, database="not_there_yet")  # real engine, no tables yet
+        clock = FakeClock()
+        writer = ArchiveWriter(missing, max_rows=2, max_buffered=4, max_delay=5.0, clock=clock)
+        writer.write_window_stats([stats_row(1), stats_row(2)])  # due, fails, logged, kept
+        assert writer.pending == 2 and "not_there_yet" in str(writer.last_error)
+        assert "archive writer could not flush" in caplog.text
+        writer.write_decision(decision(2.5), {}, [])
+        writer.write_window_stats([stats_row(3), stats_row(4), stats_row(5)])  # no retry before 5 s
+        assert writer.pending == 3 + 1 and writer.dropped_rows == 2  # rows 1, 2 dropped; decision kept
+        with pytest.raises(Exception, match="not_there_yet"):
+            writer.flush()  # an explicit flush says why
+        missing.ensure_schema()
+        assert writer.flush() == 4 and writer.last_error is None
+        assert [r["ts"] for r in missing.timeline()] == [3.0, 4.0, 5.0]
+        assert len(missing.decisions()) == 1
+        assert opened.timeline() == []
+
+
+def test_window_stats_insert_rate(archive):
+    """A floor far below the measured rate, to catch a batching regression, not to benchmark."""
+    rows = [stats_row(i, bucket=("coding", "chat", "summarization")[i % 3], cohort=("main", "canary")[i % 2],
+                      speedup=math.nan if i % 7 == 0 else 1.3)
+            for i in range(60_000)]
+    start = time.process_time()
+    archive.write_window_stats(rows)
+    writer = ArchiveWriter(archive, max_rows=20_000)
+    for i in range(0, len(rows), 50):
+        writer.write_window_stats([dict(r, ts=r["ts"] + 100_000) for r in rows[i:i + 50]])
+    writer.close()
+    rate = 2 * len(rows) / (time.process_time() - start)
+    assert rate > 25_000, f"{rate:,.0f} window-stats rows/s"
+    _, counted = archive.sql("SELECT count() FROM specwatch.window_stats FINAL")
+    assert counted == [(120_000,)]
