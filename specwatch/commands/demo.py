@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     parser.add_argument("--archive", default=None,
                         help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://<outdir>/archive)")
     parser.add_argument("--no-archive", action="store_true", help="skip the ClickHouse archive")
+    parser.add_argument("--otel-sdk", action="store_true",
+                        help="emit through the OpenTelemetry SDK LoggerProvider (slower) instead of the "
+                             "emitter's direct path; both produce the same records")
     parser.set_defaults(func=_run)
 
 
@@ -70,11 +73,13 @@ def match_incidents(incidents, decisions) -> list[dict]:
 
 
 def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | None = None, workers: int = 8,
-                       policy=None, archive=None, picture: Path | None = None, progress=None) -> dict:
+                       policy=None, archive=None, picture: Path | None = None, progress=None,
+                       sdk: bool = False) -> dict:
     """Simulate, detect, act (closed loop), archive and draw. Returns a summary dict."""
     from specwatch.actions.flags import FlagStore
     from specwatch.actions.handlers import ArchiveSink
     from specwatch.collectors.export import CallbackExporter
+    from specwatch.collectors.otel import TelemetryEmitter
     from specwatch.collectors.simulator import Simulator
     from specwatch.streams.embedded import EmbeddedPipeline
 
@@ -86,17 +91,24 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
         sinks.append(archive_sink)
     pipeline = EmbeddedPipeline(policy, flags=flags, sinks=sinks)
     sim = Simulator(scenario, seed=seed, minutes=minutes, workers=workers, flags=flags)
-    # The engine side emits through the exporter interface, exactly as a worker's
-    # collector does; in-process, the exporter hands batches straight to stage 1.
-    exporter = CallbackExporter(pipeline.feed_many)
+    # The simulated workers emit through the OpenTelemetry LoggerProvider exactly as a
+    # worker's collector does; in-process, the exporter hands batches to stage 1. The
+    # emitter is flushed every simulated second: decisions reach the simulated engines
+    # within about a second of event time, as they would over the decisions topic.
+    emitter = TelemetryEmitter(CallbackExporter(pipeline.feed_many), sdk=sdk)
     started = time.monotonic()
-    next_report = sim.start_ts
+    next_report = next_flush = sim.start_ts
     for record in sim.records():
-        exporter.export((record,))
+        emitter.emit(record)
+        if record.ts >= next_flush:
+            emitter.force_flush()
+            next_flush = record.ts + 1.0
         if progress is not None and record.ts >= next_report:
             progress(record.ts - sim.start_ts, sim.duration, pipeline)
             next_report = record.ts + 30.0
-    exporter.shutdown()
+    emitter.force_flush()
+    emitter.shutdown()
+    dropped = emitter.stats().dropped
     pipeline.finish()
     if archive_sink is not None:
         archive_sink.close()
@@ -108,7 +120,7 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
         "seed": seed,
         "simulated_seconds": sim.duration,
         "wall_seconds": round(wall, 2),
-        "counters": pipeline.counters.as_dict(),
+        "counters": dict(pipeline.counters.as_dict(), emitter_dropped=dropped),
         "buckets": _bucket_table(rows),
         "decisions": [json.loads(d.to_json_line()) for d in decisions],
         "decision_ids": [d.id for d in decisions],
@@ -215,7 +227,7 @@ def _run(args) -> int:
               file=sys.stderr, flush=True)
 
     summary = run_simulated_demo(args.scenario, args.seed, args.minutes, args.workers, policy, archive,
-                                 outdir / "timeline.png", progress)
+                                 outdir / "timeline.png", progress, sdk=args.otel_sdk)
     if archive is not None:
         archive.close()
         summary["archive"] = dsn
