@@ -9,11 +9,15 @@ Two emit paths give the same bytes on the telemetry topic:
   the caller's thread and sends it through a ``LoggerProvider`` with a
   `BoundedLogRecordProcessor`: the standard path, visible to other OTel processors.
 - ``TelemetryEmitter(exporter, sdk=False)`` queues the contract record itself and encodes
-  it on the export thread. Measured on a loaded 2-core machine, the SDK path costs
-  ~60-90 us of the engine thread per step record (~12k records/s at most), the direct
-  path ~1-2 us (>300k records/s offered; export then runs at ~15-25k step records/s per
-  core). An engine emits ~10-100 steps/s, so the SDK path is fine there; the simulated
-  fleet and load generators use the direct path.
+  it on the export thread.
+
+Measured with 16-request steps on a 2-core machine shared with other jobs: the SDK path
+takes ~100 us of the caller's CPU per record (OTel's attribute cleaning walks every array
+element: ~70% of it), so ~10k records/s at most; the direct path takes 1-3 us. Either way
+the Kafka export thread then needs ~50 us of CPU per step (OTLP encoding) plus the
+producer: 4-9k step records/s per process end to end there. An engine emits 10-100 steps/s,
+so the SDK path is fine in a worker; the simulated fleet and load generators use the
+direct path.
 """
 
 from __future__ import annotations
