@@ -10,7 +10,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -185,9 +185,11 @@ class DecisionReader:
         self._consumer: Any = None
         self._end_offsets: dict[Any, int] = {}
 
-    def connect(self) -> None:
+    def connect(self, resume_from: Mapping[int, int] | None = None) -> None:
+        """Assign every partition; start each at ``resume_from[partition]`` or the beginning."""
         from kafka import KafkaConsumer, TopicPartition
 
+        resume_from = resume_from or {}
         _probe(self.config.bootstrap_servers, self.connect_timeout_s)
         settings = self.config.client_settings()
         settings.update(group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
@@ -201,7 +203,11 @@ class DecisionReader:
                 raise LookupError(f"topic {self.topic} does not exist on {self.config.bootstrap_servers}")
             assigned = [TopicPartition(self.topic, p) for p in sorted(partitions)]
             consumer.assign(assigned)
-            consumer.seek_to_beginning(*assigned)
+            for tp in assigned:
+                if tp.partition in resume_from:
+                    consumer.seek(tp, resume_from[tp.partition])
+                else:
+                    consumer.seek_to_beginning(tp)
             return consumer.end_offsets(assigned)
 
         try:
@@ -249,6 +255,7 @@ class FlagClientStats:
     tombstones: int
     connected: bool
     caught_up: bool
+    reconnects: int
 
 
 class FlagClient:
@@ -283,7 +290,10 @@ class FlagClient:
         self._caught_up = threading.Event()
         self._thread: threading.Thread | None = None
         self._connected = False
-        self._applied = self._changed = self._undecodable = self._tombstones = 0
+        # Where to pick up after a reconnect: replaying history from the beginning would
+        # flip flags back through old states for a moment.
+        self._next_offsets: dict[int, int] = {}
+        self._applied = self._changed = self._undecodable = self._tombstones = self._reconnects = 0
 
     def start(self) -> "FlagClient":
         if self._thread is not None:
@@ -300,7 +310,7 @@ class FlagClient:
 
     def stats(self) -> FlagClientStats:
         return FlagClientStats(self._applied, self._changed, self._undecodable, self._tombstones,
-                               self._connected, self._caught_up.is_set())
+                               self._connected, self._caught_up.is_set(), self._reconnects)
 
     def stop(self, timeout_s: float = _DEFAULT_STOP_TIMEOUT_S) -> None:
         self._stop.set()
@@ -321,7 +331,7 @@ class FlagClient:
         while not self._stop.is_set():
             reader = DecisionReader(self.config, topic=self.topic, connect_timeout_s=self._connect_timeout_s)
             try:
-                reader.connect()
+                reader.connect(resume_from=self._next_offsets)
                 self._connected = True
                 backoff = self._retry_backoff_s
                 while not self._stop.is_set():
@@ -340,10 +350,13 @@ class FlagClient:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _DEFAULT_MAX_RETRY_BACKOFF_S)
             finally:
+                if self._connected:
+                    self._reconnects += 1
                 self._connected = False
                 reader.close()
 
     def _fold(self, decision: Decision | None, message: Any) -> None:
+        self._next_offsets[message.partition] = message.offset + 1
         if decision is None:
             if message.value is None:
                 self._tombstones += 1

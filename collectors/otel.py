@@ -441,6 +441,10 @@ class TelemetryEmitter:
 class KafkaConfig:
     """How to reach a Kafka cluster; validated once, secrets kept out of repr and logs.
 
+    ``client_settings()`` are the connection and security settings every kafka-python
+    client takes; ``producer_settings()`` adds the producer's; ``extra`` is passed to
+    producers as is (any other kafka-python producer setting).
+
     >>> KafkaConfig("127.0.0.1:19092", compression_type="zstd").producer_settings()["compression_type"]
     'zstd'
     >>> secured = KafkaConfig("k:9093", security_protocol="SASL_SSL", sasl_mechanism="PLAIN",

@@ -15,7 +15,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 
 from specwatch import cli
-from specwatch.actions.decisions_topic import DecisionPublisher, FlagClient
+from specwatch.actions.decisions_topic import DecisionPublisher, DecisionReader, FlagClient
 from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.schemas import (
     BundleCard,
@@ -195,6 +195,44 @@ def test_flag_client_follows_published_decisions(kafka_bootstrap, new_topic):
             assert client.lookup("b-2", "coding", "main").enabled is False
             assert client.lookup("b-1", "coding", "main").enabled is True
         assert publisher.stats() == {"published": 4, "failed": 0}
+
+
+def test_flag_client_resumes_where_it_was_after_a_lost_connection(kafka_bootstrap, new_topic, monkeypatch):
+    topic = new_topic(partitions=1, compact=True)
+    config = KafkaConfig(kafka_bootstrap)
+    disable, _, invalidate = _decisions()
+    restore = Decision(ts=100.5, bundle_id="b-1", bucket="coding", action="restore", reason="acceptance_drop",
+                       detector="al_gate")
+    real_poll = DecisionReader.poll
+    blip = {"pending": False}
+
+    def poll(self, timeout_ms=200):
+        if blip["pending"]:
+            blip["pending"] = False
+            raise ConnectionError("network blip")
+        return real_poll(self, timeout_ms)
+
+    monkeypatch.setattr(DecisionReader, "poll", poll)
+    changes = []
+    with DecisionPublisher(config, topic=topic) as publisher:
+        publisher.publish(disable)
+        publisher.publish(restore)
+        publisher.flush(10)
+        with FlagClient(config, topic=topic, retry_backoff_s=0.1, on_change=changes.append) as client:
+            assert client.wait_until_caught_up(20)
+            assert changes == [disable, restore]
+            blip["pending"] = True
+            deadline = time.monotonic() + 20
+            while not (client.stats().reconnects == 1 and client.stats().connected) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client.stats().reconnects == 1 and client.stats().connected
+            publisher.publish(invalidate)
+            publisher.flush(10)
+            while client.stats().applied < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        # history was not replayed after the reconnect: no flag flipped back through old states
+        assert changes == [disable, restore, invalidate]
+        assert client.stats().applied == 3
 
 
 def test_flag_client_waits_for_a_topic_that_appears_later(kafka_bootstrap, admin):
