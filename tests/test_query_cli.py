@@ -1,0 +1,289 @@
+"""`specwatch query` and `specwatch flags` against a real chDB archive.
+
+Query commands run in-process through `specwatch.cli.main`; flag changes run as real
+`specwatch` processes, as an operator would, and are checked in the audit trail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from specwatch.actions.archive import WINDOW_STATS_FIELDS, Archive
+from specwatch.cli import main
+from specwatch.schemas import Decision
+
+_T0 = 1_717_000_000.0
+_COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
+           "shadow_mismatches"}
+CARD = {"target": {"model_id": "llama-8b", "revision": "r2", "tokenizer_digest": "t1", "quantization": "fp8"},
+        "drafter": {"mechanism": "eagle3", "revision": "e1", "draft_length": 4},
+        "runtime": {"engine": "vllm-0.32", "gpu": "L4", "parallelism": "tp1"},
+        "policy": {"acceptance_rule": "strict", "fallback": "standard"}}
+
+
+def slice_row(i, bucket="coding", cohort="main", bundle="b-1"):
+    row = {name: (10 if name in _COUNTS else 1.0) for name in WINDOW_STATS_FIELDS}
+    dropped = i >= 12
+    row.update(ts=_T0 + 10 * i, bundle_id=bundle, bucket=bucket, cohort=cohort, rounds=100 + i,
+               acceptance_length=1.3 if dropped else 3.1, speedup=0.9 if dropped else 1.6,
+               draft_overhead=0.12, tpot_p99=14.0 if dropped else 9.0, e2e_p99=3100.0,
+               ttft_p99=math.nan if i == 3 else 120.0, speculation_on=i < 15, errors=0, error_rate=0.0)
+    return row
+
+
+DROP = Decision(ts=_T0 + 145.0, bundle_id="b-1", bucket="coding", cohort=None, action="disable_speculation",
+                reason="acceptance_drop", detector="al_gate",
+                evidence={"acceptance_length": 1.3, "baseline": 3.1, "consecutive": 3}, sample_ids=["r7", "w1:42"])
+SLO = Decision(ts=_T0 + 60.0, bundle_id="b-1", bucket="chat", cohort="canary", action="disable_speculation",
+               reason="latency_slo", detector="p99_gate", evidence={"tpot_p99": 40.0, "slo": 30.0})
+OTHER = Decision(ts=_T0 + 30.0, bundle_id="b-2", bucket=None, cohort=None, action="invalidate_bundle",
+                 reason="bundle_changed", detector="card", evidence={"changed": ["target.revision"]})
+SAMPLES = [
+    {"kind": "request", "v": 1, "ts": _T0 + 144.0, "worker": "w1", "bundle_id": "b-1", "id": "r7",
+     "bucket": "coding", "cohort": "main", "speculative": True, "ttft_ms": 120.0, "tpot_ms": 14.2,
+     "e2e_ms": 3050.0, "output_tokens": 200, "finish_reason": "stop", "error": None},
+    {"kind": "step", "v": 1, "ts": _T0 + 143.5, "worker": "w1", "seq": 42, "bundle_id": "b-1", "draft_ms": 1.1,
+     "verify_ms": 11.0, "kv_usage": 0.4,
+     "requests": [{"id": "r7", "bucket": "coding", "cohort": "main", "drafted": 4, "accepted": 0}]},
+]
+
+
+@pytest.fixture
+def dsn(tmp_path):
+    """An archive as the pipeline leaves it: slices, decisions with evidence, bundles."""
+    dsn = f"chdb://{tmp_path}/archive"
+    with Archive.open(dsn) as archive:
+        archive.write_window_stats([slice_row(i) for i in range(20)] + [slice_row(i, "chat") for i in range(20)])
+        window = [slice_row(i) for i in range(10, 15)]
+        archive.write_decision(DROP, {"thresholds": {"acceptance_length_min": 2.0}, "baseline": {"acceptance_length": 3.1},
+                                      "window": window, "card": CARD}, SAMPLES)
+        archive.write_decision(SLO, {"thresholds": {"tpot_p99_ms": 30.0}, "baseline": None, "window": [],
+                                     "card": CARD}, [])
+        archive.write_decision(OTHER, {}, [])
+        archive.write_bundle("b-1", CARD, _T0, "w1")
+        archive.write_bundle("b-1", CARD, _T0 + 190, "w2")
+    return dsn
+
+
+def cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def json_lines(text):
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def specwatch_process(*argv, cwd=None, env=None):
+    """`specwatch ...` as its own process (the installed script, else the module)."""
+    script = shutil.which("specwatch", path=os.path.dirname(sys.executable))
+    command = [script] if script else [sys.executable, "-m", "specwatch.cli"]
+    return subprocess.run(command + list(argv), capture_output=True, text=True, timeout=180, cwd=cwd,
+                          env=env)
+
+
+# -- query ---------------------------------------------------------------------------------------
+
+def test_decisions_as_table_and_json_lines_with_filters(capsys, dsn):
+    code, out, _ = cli(capsys, "query", "decisions", "--archive", dsn)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["time", "(UTC)", "decision"]
+    assert [line.split()[2] for line in lines[1:]] == [OTHER.id, SLO.id, DROP.id]
+    assert "2024-05-29 16:29:05.000" in out and "acceptance_drop" in out
+
+    code, out, _ = cli(capsys, "query", "decisions", "--json", "--bundle", "b-1", "--reason", "acceptance_drop",
+                       "--archive", dsn)
+    assert code == 0
+    [row] = json_lines(out)
+    assert row["decision_id"] == DROP.id and row["evidence"] == DROP.evidence and row["line"] == DROP.to_json_line()
+
+    _, out, _ = cli(capsys, "query", "decisions", "--json", "--bucket", "*", "--archive", dsn)
+    assert [r["decision_id"] for r in json_lines(out)] == [OTHER.id]
+    _, out, _ = cli(capsys, "query", "decisions", "--json", "--since", "2024-05-29T16:27:20Z",
+                    "--until", str(_T0 + 100), "--archive", dsn)
+    assert [r["decision_id"] for r in json_lines(out)] == [SLO.id]
+
+
+def test_decision_shows_its_audit_evidence(capsys, dsn):
+    code, out, _ = cli(capsys, "query", "decision", DROP.id, "--archive", dsn)
+    assert code == 0
+    assert f"decision  {DROP.id}" in out and "scope b-1/coding/*" in out
+    assert "acceptance_length=1.3 baseline=3.1 consecutive=3" in out
+    assert "thresholds  acceptance_length_min=2" in out
+    assert "5 slices" in out and "AL 3.10 -> 1.30" in out
+    assert "target llama-8b@r2 fp8; drafter eagle3@e1 D=4" in out
+    assert "2 (1 request, 1 step)" in out
+
+    code, out, _ = cli(capsys, "query", "decision", DROP.id, "--json", "--archive", dsn)
+    [row] = json_lines(out)
+    assert row["audit"]["card"] == CARD and len(row["audit"]["window"]) == 5
+    assert row["audit"]["window"][0]["ttft_p99"] == 120.0 and row["sample_counts"] == {"request": 1, "step": 1}
+
+    code, _, err = cli(capsys, "query", "decision", "d-000000000000", "--archive", dsn)
+    assert code == 1 and "no decision 'd-000000000000'" in err
+
+
+def test_samples_are_the_records_kept(capsys, dsn):
+    code, out, _ = cli(capsys, "query", "samples", DROP.id, "--json", "--archive", dsn)
+    assert code == 0
+    rows = json_lines(out)
+    assert [r["record"] for r in rows] == [SAMPLES[1], SAMPLES[0]]  # time order
+    assert [r["sample_id"] for r in rows] == ["w1:42", "r7"]
+    code, out, _ = cli(capsys, "query", "samples", DROP.id, "--archive", dsn)
+    assert "1 requests drafted=4 accepted=0" in out and "stop spec ttft=120ms tpot=14.2ms" in out
+
+
+def test_timeline_around_a_decision_marks_the_tipping_slice(capsys, dsn):
+    code, out, _ = cli(capsys, "query", "timeline", "--around", DROP.id, "--seconds", "30", "--json",
+                       "--archive", dsn)
+    assert code == 0
+    rows = json_lines(out)
+    assert [r["ts"] - _T0 for r in rows] == [120.0, 130.0, 140.0, 150.0, 160.0, 170.0]
+    assert {r["bucket"] for r in rows} == {"coding"}  # the decision's bucket
+    assert [r["mark"] for r in rows] == ["", "", "", "<", "", ""]
+
+    code, out, _ = cli(capsys, "query", "timeline", "--around", DROP.id, "--archive", dsn)
+    lines = out.splitlines()
+    assert lines[0].split()[:5] == ["slice", "end", "(UTC)", "bucket", "cohort"]
+    assert "AL" in lines[0] and "speedup" in lines[0] and "tpot p99" in lines[0]
+    assert len(lines) == 1 + 17 + 1 and lines[-1].startswith("(< marks")  # slices within 120 s either side
+    tipping = next(line for line in lines if line.endswith("<"))
+    assert "1.30" in tipping and "0.90" in tipping and " off " in tipping
+
+    code, out, _ = cli(capsys, "query", "timeline", "--bundle", "b-1", "--bucket", "chat", "--json",
+                       "--since", str(_T0 + 20), "--until", str(_T0 + 40), "--archive", dsn)
+    rows = json_lines(out)
+    assert [(r["bucket"], r["ts"] - _T0) for r in rows] == [("chat", 20.0), ("chat", 30.0), ("chat", 40.0)]
+    assert rows[1]["ttft_p99"] is None  # NaN becomes null in JSON Lines
+
+    code, _, err = cli(capsys, "query", "timeline", "--archive", dsn)
+    assert code == 2 and "--bundle" in err
+
+
+def test_bundles(capsys, dsn):
+    code, out, _ = cli(capsys, "query", "bundles", "--json", "--archive", dsn)
+    assert code == 0
+    assert json_lines(out) == [{"bundle_id": "b-1", "card": CARD, "first_seen": _T0, "last_seen": _T0 + 190,
+                                "workers": ["w1", "w2"]}]
+    code, out, _ = cli(capsys, "query", "bundles", "--archive", dsn)
+    assert "b-1" in out and "eagle3@e1 D=4" in out
+
+
+def test_sql_reads_and_refuses_writes(capsys, dsn):
+    code, out, _ = cli(capsys, "query", "sql", "SELECT reason, count() AS n FROM specwatch.decisions FINAL "
+                                               "GROUP BY reason ORDER BY reason", "--json", "--archive", dsn)
+    assert code == 0
+    assert json_lines(out) == [{"reason": "acceptance_drop", "n": 1}, {"reason": "bundle_changed", "n": 1},
+                               {"reason": "latency_slo", "n": 1}]
+    for statement in ("INSERT INTO specwatch.decisions (decision_id) VALUES ('x')",
+                      "DROP TABLE specwatch.decisions", "SELECT 1; DROP TABLE specwatch.decisions"):
+        code, _, err = cli(capsys, "query", "sql", statement, "--archive", dsn)
+        assert code == 2 and "refused" in err
+    code, _, err = cli(capsys, "query", "sql", "SELECT nope FROM specwatch.decisions", "--archive", dsn)
+    assert code == 1 and "query failed" in err
+    code, out, _ = cli(capsys, "query", "sql", "SELECT count() AS n FROM specwatch.decisions FINAL", "--archive", dsn)
+    assert out.split() == ["n", "3"]
+
+
+@pytest.mark.parametrize("argv", [["decisions"], ["decision", "d-1"], ["samples", "d-1"],
+                                  ["timeline", "--bundle", "b-1"], ["bundles"], ["sql", "SELECT 1"]])
+def test_a_missing_archive_is_a_clear_error_and_is_not_created(capsys, tmp_path, argv):
+    code, out, err = cli(capsys, "query", *argv, "--archive", f"chdb://{tmp_path}/nothing")
+    assert code == 2 and out == ""
+    assert f"no archive at chdb://{tmp_path}/nothing" in err
+    assert not (tmp_path / "nothing").exists()
+
+
+# -- flags (as separate processes) ---------------------------------------------------------------
+
+def test_flags_set_list_clear_through_the_cli_with_audit_rows(dsn):
+    listed = specwatch_process("flags", "list", "--json", "--archive", dsn)
+    assert listed.returncode == 0, listed.stderr
+    before = {(r["bundle_id"], r["bucket"], r["cohort"]): r for r in json_lines(listed.stdout)}
+    assert before[("b-1", "coding", None)]["speculation"] == "off"
+    assert before[("b-1", "coding", None)]["decision_id"] == DROP.id
+    assert before[("b-2", None, None)]["reason"] == "bundle_changed"
+
+    done = specwatch_process("flags", "set", "--bundle", "b-1", "--bucket", "coding", "--on", "--draft-length", "2",
+                             "--by", "alice", "--reason", "AL drop is a tokenizer glitch; hold at D=2",
+                             "--archive", dsn)
+    assert done.returncode == 0, done.stderr
+    assert "b-1/coding/* speculation on, draft length <= 2 by alice" in done.stdout
+    done = specwatch_process("flags", "set", "--bundle", "b-1", "--bucket", "chat", "--cohort", "canary", "--off",
+                             "--by", "bob", "--reason", "canary paused", "--archive", dsn)
+    assert done.returncode == 0, done.stderr
+
+    listed = specwatch_process("flags", "list", "--archive", dsn)
+    assert listed.returncode == 0, listed.stderr
+    coding = next(line for line in listed.stdout.splitlines() if line.startswith("b-1     coding"))
+    assert " on " in coding and "manual by alice (automatic: off)" in coding
+    canary = next(line for line in listed.stdout.splitlines() if "canary" in line and "bob" in line)
+    assert " off " in canary
+
+    cleared = specwatch_process("flags", "clear", "--bundle", "b-1", "--bucket", "coding", "--by", "carol",
+                                "--reason", "drafter retrained", "--archive", dsn)
+    assert cleared.returncode == 0, cleared.stderr
+    assert "b-1/coding/* cleared by carol" in cleared.stdout
+    again = specwatch_process("flags", "clear", "--bundle", "b-1", "--bucket", "coding", "--by", "carol",
+                              "--archive", dsn)
+    assert again.returncode == 1 and "no manual override on b-1/coding/*" in again.stderr
+
+    with Archive.open(dsn, create=False) as archive:
+        audit = [a for a in archive.audit() if a["kind"] != "decision"]
+        store = archive.flag_store()
+        overrides = archive.overrides()
+    assert [(a["kind"], a["actor"], a["scope"], a["reason"]) for a in audit] == [
+        ("override", "alice", "b-1/coding/*", "AL drop is a tokenizer glitch; hold at D=2"),
+        ("override", "bob", "b-1/chat/canary", "canary paused"),
+        ("override_clear", "carol", "b-1/coding/*", "drafter retrained"),
+    ]
+    assert audit[0]["detail"] == {"enabled": True, "draft_limit": 2}
+    assert [(o["bundle_id"], o["bucket"], o["cohort"], o["by"]) for o in overrides] == [
+        ("b-1", "chat", "canary", "bob")]
+    assert not store.lookup("b-1", "coding", "main").enabled  # back to the automatic decision
+    assert not store.lookup("b-1", "chat", "canary").enabled and store.lookup("b-1", "chat", "main").enabled
+
+
+def test_flags_refuse_bad_requests(capsys, dsn, tmp_path):
+    code, _, err = cli(capsys, "flags", "set", "--bundle", "b-1", "--off", "--draft-length", "2", "--by", "al",
+                       "--reason", "x", "--archive", dsn)
+    assert code == 2 and "--draft-length needs --on" in err
+    code, _, err = cli(capsys, "flags", "set", "--bundle", "b-1", "--off", "--by", " ", "--reason", "x",
+                       "--archive", dsn)
+    assert code == 2 and "--by" in err
+    code, _, err = cli(capsys, "flags", "set", "--bundle", "b-1", "--cohort", "canary", "--off", "--by", "al",
+                       "--reason", "x", "--archive", dsn)
+    assert code == 2 and "--cohort needs --bucket" in err
+    with pytest.raises(SystemExit):  # argparse: --by is required
+        main(["flags", "set", "--bundle", "b-1", "--off", "--reason", "x", "--archive", dsn])
+    missing = f"chdb://{tmp_path}/elsewhere"
+    code, _, err = cli(capsys, "flags", "set", "--bundle", "b-1", "--off", "--by", "al", "--reason", "x",
+                       "--archive", missing)
+    assert code == 2 and "no archive at" in err and not (tmp_path / "elsewhere").exists()
+    code, _, _ = cli(capsys, "flags", "list", "--archive", missing)
+    assert code == 2
+    with Archive.open(dsn, create=False) as archive:
+        assert archive.overrides(active_only=False) == []
+
+
+def test_flags_use_the_archive_from_the_environment_or_the_default_path(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECWATCH_ARCHIVE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "flags", "set", "--bundle", "b-9", "--off", "--by", "ops", "--reason", "new rollout",
+                       "--create")
+    assert code == 0, err
+    assert (tmp_path / "specwatch-data" / "archive" / "metadata").is_dir()
+    monkeypatch.setenv("SPECWATCH_ARCHIVE", f"chdb://{tmp_path}/specwatch-data/archive")
+    monkeypatch.chdir("/")
+    code, out, _ = cli(capsys, "flags", "list", "--json")
+    [row] = json_lines(out)
+    assert (row["bundle_id"], row["speculation"], row["manual"], row["by"]) == ("b-9", "off", True, "ops")
