@@ -248,6 +248,11 @@ _ROLLOUT_SECONDS = 10.0  # a card change rolls over the fleet in this long
 _ERROR_RATE = 0.0014
 _TIMEOUT_RATE = 0.0006
 _ABORT_RATE = 0.003
+# Share of requests checked for a failure at a random point of their output: every failure
+# rate a run can reach stays below it (thinning). It is the same for every scenario, so a
+# scenario's records before its incident are exactly those of the healthy run.
+_FAILURE_CHECK_SHARE = 0.1
+_MAX_ERROR_FACTOR = int((_FAILURE_CHECK_SHARE - _ABORT_RATE) / (_ERROR_RATE + _TIMEOUT_RATE))
 _ERROR_TEXTS = (
     "CUDA error: an illegal memory access was encountered",
     "EngineCoreError: engine core step failed",
@@ -286,7 +291,7 @@ _INTENSITY = MappingProxyType({
     "kv_pressure": (0.6, 0.0, 1.0, "share of long-context traffic on the affected workers"),
     "bundle_change": (1.0, 0.0, math.inf, "unused: the card changes, acceptance does not"),
     "quality_mismatch": (0.5, 0.0, 1.0, "fraction of shadow checks that mismatch"),
-    "error_burst": (20.0, 1.0, 400.0, "multiplier on the error and timeout rate"),
+    "error_burst": (20.0, 1.0, float(_MAX_ERROR_FACTOR), "multiplier on the error and timeout rate"),
 })
 _LATENCY_TAIL_FRACTION = 0.10
 _DEFAULT_INCIDENT_AT = 240.0
@@ -445,7 +450,6 @@ class _Worker:
         self.rng = rng
         self.schedule = schedule
         self.emit_later = emit_later
-        self.max_failure_rate = sim._max_failure_rate()
         self.card = DEFAULT_CARD
         self.bundle_id = bundle_digest(DEFAULT_CARD)
         self.draft_length = DEFAULT_CARD.drafter.draft_length
@@ -530,9 +534,8 @@ class _Worker:
         req.output_tokens = int(min(profile.max_tokens, max(1, round(output))))
         # Failures and aborts strike at a random point of the output; whether one does is
         # decided when the request gets there, so rate changes apply from their start time.
-        # Only requests under the highest rate the run can reach are checked at all (thinning).
         req.fail_u = u[3]
-        req.fail_remaining = int((req.output_tokens - 1) * u[4]) if u[3] < self.max_failure_rate else 0
+        req.fail_remaining = int((req.output_tokens - 1) * u[4]) if u[3] < _FAILURE_CHECK_SHARE else 0
         req.tail_u = u[5]
         req.shadow_u = u[6]
         req.shadow_delay = _SHADOW_DELAY_SECONDS[0] + (_SHADOW_DELAY_SECONDS[1] - _SHADOW_DELAY_SECONDS[0]) * u[7]
@@ -960,11 +963,6 @@ class Simulator:
         if self.intensity is not None:
             return self.intensity
         return plan.intensity if plan.intensity is not None else _INTENSITY[plan.kind][0]
-
-    def _max_failure_rate(self) -> float:
-        """The highest error + timeout + abort rate any request can meet in this run."""
-        factor = max([self._intensity(p) for p in self._scenario.plans if p.kind == "error_burst"] + [1.0])
-        return (_ERROR_RATE + _TIMEOUT_RATE) * factor + _ABORT_RATE
 
     def _schedule(self) -> list[list[tuple[float, _Plan]]]:
         """Per worker: (seconds after start, incident) in time order, only those inside the run."""
