@@ -398,6 +398,29 @@ def _worker_name(index: int) -> str:
 # -- one simulated engine worker ---------------------------------------------------------------
 
 
+_STEP_FIELDS_SET = frozenset(StepRecord.model_fields) - {"kind"}
+
+
+def _trusted_step(values: dict) -> StepRecord:
+    """A `StepRecord` from values valid by construction, without re-running validation.
+
+    This is what ``StepRecord.model_construct`` does, minus its per-field bookkeeping:
+    validating a step re-runs the contract's check on every round entry, which costs more
+    than simulating the step. ``values`` must hold every field in declaration order (the
+    order serialization follows); the test suite decodes every record through the
+    validating codec to keep this honest.
+    """
+    record = StepRecord.__new__(StepRecord)
+    _set_attribute(record, "__dict__", values)
+    _set_attribute(record, "__pydantic_fields_set__", _STEP_FIELDS_SET)  # frozen model: never added to
+    _set_attribute(record, "__pydantic_extra__", None)
+    _set_attribute(record, "__pydantic_private__", None)
+    return record
+
+
+_set_attribute = object.__setattr__
+
+
 class _Request:
     """A request's fixed facts, its progress while off the batch, and the round entries it made."""
 
@@ -712,14 +735,16 @@ class _Worker:
             width, seq = self.width, self.seq
             start_ts, name, bundle_id, batch = self.sim.start_ts, self.name, self.bundle_id, self.batch
             codes = (drafted * width + accepted[:steps]).tolist()
+            caches = [req.entries for req in batch]
             for k in range(steps):
                 seq += 1
                 ts = round(start_ts + ends[k], 6)
-                entries = [req.entries[code] or req.round_entry(code, width) for req, code in zip(batch, codes[k])]
+                entries = [cache[code] or req.round_entry(code, width)
+                           for req, cache, code in zip(batch, caches, codes[k])]
                 kv_usage = round(min(1.0, kv_after[k] / _KV_CAPACITY_TOKENS), 4)
-                out.append((ts, [StepRecord(v=1, ts=ts, worker=name, seq=seq, bundle_id=bundle_id,
-                                            draft_ms=drafts[k], verify_ms=verifies[k], kv_usage=kv_usage,
-                                            requests=entries)]))
+                out.append((ts, [_trusted_step({
+                    "v": 1, "ts": ts, "kind": "step", "worker": name, "seq": seq, "bundle_id": bundle_id,
+                    "draft_ms": drafts[k], "verify_ms": verifies[k], "kv_usage": kv_usage, "requests": entries})]))
         self.seq += steps
         if steps == attention_step + 1:
             due = np.flatnonzero(slots[:, _REMAINING] <= slots[:, _STOP_AT]).tolist()
