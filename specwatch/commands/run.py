@@ -1,0 +1,174 @@
+"""`specwatch run`: the topology as Faust workers on Kafka (telemetry in, decisions out).
+
+One process per worker; ``--workers N`` starts N of them on this machine, sharing the
+partitions through the consumer group, and stops them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["register"]
+
+_DEFAULT_DATA_DIR = "specwatch-data/faust"
+# The names deploy/kafka/broker.sh creates (Faust is imported only when the command runs).
+DEFAULT_TELEMETRY_TOPIC = "specwatch.telemetry"
+DEFAULT_PARTIALS_TOPIC = "specwatch.partials"
+DEFAULT_DECISIONS_TOPIC = "specwatch.decisions"
+DEFAULT_DEADLETTER_TOPIC = "specwatch.deadletter"
+_SUPERVISE_POLL_S = 0.5
+_STOP_GRACE_S = 30.0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run", help="run the stream processors on Kafka (Faust workers)",
+        description="Consume OTLP telemetry from Kafka, run stage 1 per telemetry partition and stage 2 "
+                    "per partials partition, publish decisions to the compacted decisions topic. State is "
+                    "checkpointed to Kafka: a restarted or replaced worker resumes where it left off.")
+    parser.add_argument("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap servers")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes to start here (default 1)")
+    parser.add_argument("--policy", help="policy TOML file (defaults built in)")
+    parser.add_argument("--archive", metavar="DSN",
+                        help="archive decisions, evidence, samples and window stats (e.g. chdb://specwatch-data/"
+                             "archive, or a ClickHouse server http://user@host:8123/db)")
+    parser.add_argument("--telemetry-topic", action="append", metavar="TOPIC",
+                        help=f"telemetry topic (repeatable; default {DEFAULT_TELEMETRY_TOPIC})")
+    parser.add_argument("--partials-topic", default=DEFAULT_PARTIALS_TOPIC, metavar="TOPIC")
+    parser.add_argument("--decisions-topic", default=DEFAULT_DECISIONS_TOPIC, metavar="TOPIC")
+    parser.add_argument("--deadletter-topic", default=DEFAULT_DEADLETTER_TOPIC, metavar="TOPIC")
+    parser.add_argument("--app-id", default="specwatch",
+                        help="consumer group and prefix of the checkpoint topics (default specwatch)")
+    parser.add_argument("--data-dir", default=_DEFAULT_DATA_DIR,
+                        help=f"local directory; worker i uses DATA_DIR/worker-i (default {_DEFAULT_DATA_DIR})")
+    parser.add_argument("--partitions", type=int, default=4,
+                        help="partitions of topics this command has to create (default 4)")
+    parser.add_argument("--checkpoint-seconds", type=float, default=2.0,
+                        help="seconds between checkpoints of a busy task (default 2)")
+    parser.add_argument("--source-silence", type=float, default=60.0, metavar="SECONDS",
+                        help="stop waiting for a telemetry partition silent this long (default 60)")
+    parser.add_argument("--session-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="consumer session timeout: how soon a dead worker's partitions move (default 30)")
+    parser.add_argument("--replication-factor", type=int, default=1,
+                        help="replication of the checkpoint topics it creates (default 1)")
+    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                        help="worker log level (default warning; info adds progress and every decision)")
+    parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.set_defaults(func=_run)
+
+
+def _fail(message: str) -> int:
+    print(f"specwatch run: {message}", file=sys.stderr)
+    return 2
+
+
+def _run(args) -> int:
+    from specwatch.schemas import PolicyError, load_policy
+    from specwatch.streams.faust_app import BrokerUnavailable, StreamSettings, TopicError, prepare_topics, run_worker
+
+    if args.workers < 1:
+        return _fail(f"--workers must be >= 1, got {args.workers}")
+    if args.partitions < 1:
+        return _fail(f"--partitions must be >= 1, got {args.partitions}")
+    if args.workers > 1 and args.archive and args.archive.startswith("chdb:"):
+        return _fail("a chDB archive opens in one process only; with --workers > 1 use a ClickHouse server "
+                     "DSN, or run one worker per archive")
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as error:
+        return _fail(str(error))
+    try:
+        settings = StreamSettings(
+            bootstrap=args.bootstrap,
+            telemetry_topics=tuple(args.telemetry_topic or (DEFAULT_TELEMETRY_TOPIC,)),
+            partials_topic=args.partials_topic,
+            decisions_topic=args.decisions_topic,
+            deadletter_topic=args.deadletter_topic,
+            app_id=args.app_id,
+            policy=policy,
+            archive_dsn=args.archive,
+            data_dir=str(Path(args.data_dir) / f"worker-{args.worker_index}"),
+            checkpoint_seconds=args.checkpoint_seconds,
+            source_silence_seconds=args.source_silence,
+            session_timeout_seconds=args.session_timeout,
+            replication_factor=args.replication_factor,
+        )
+        settings = asyncio.run(prepare_topics(settings, default_partitions=args.partitions))
+    except BrokerUnavailable as error:
+        return _fail(f"{error}\n  is the broker running? (deploy/kafka/broker.sh start)")
+    except (TopicError, ValueError) as error:
+        return _fail(str(error))
+    if args.workers == 1:
+        os.makedirs(settings.data_dir, exist_ok=True)
+        level = "debug" if getattr(args, "verbose", False) else args.log_level
+        try:
+            return run_worker(settings, loglevel=level)
+        except Exception as error:  # noqa: BLE001 - e.g. the archive is held by another process
+            from specwatch.actions.archive import ArchiveError
+
+            if isinstance(error, ArchiveError):
+                return _fail(str(error))
+            raise
+    return _supervise(args)
+
+
+def _worker_command(args, index: int) -> list[str]:
+    command = [sys.executable, "-m", "specwatch.cli"]
+    if getattr(args, "verbose", False):
+        command.append("-v")
+    command += ["run", "--bootstrap", args.bootstrap, "--workers", "1", "--worker-index", str(index),
+                "--partials-topic", args.partials_topic, "--decisions-topic", args.decisions_topic,
+                "--deadletter-topic", args.deadletter_topic, "--app-id", args.app_id, "--data-dir", args.data_dir,
+                "--partitions", str(args.partitions), "--checkpoint-seconds", str(args.checkpoint_seconds),
+                "--source-silence", str(args.source_silence), "--session-timeout", str(args.session_timeout),
+                "--replication-factor", str(args.replication_factor), "--log-level", args.log_level]
+    for topic in args.telemetry_topic or ():
+        command += ["--telemetry-topic", topic]
+    if args.policy:
+        command += ["--policy", args.policy]
+    if args.archive:
+        command += ["--archive", args.archive]
+    return command
+
+
+def _supervise(args) -> int:
+    """Start the workers; stop them all when told to, or when one of them ends."""
+    children = [subprocess.Popen(_worker_command(args, i)) for i in range(args.workers)]
+    stopping = False
+
+    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = 0
+        while not stopping:
+            ended = [c for c in children if c.poll() is not None]
+            if ended:
+                code = next((c.returncode for c in ended if c.returncode), 0)
+                print(f"specwatch run: worker pid {ended[0].pid} ended with code {ended[0].returncode}; "
+                      "stopping the others", file=sys.stderr)
+                break
+            time.sleep(_SUPERVISE_POLL_S)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for child in children:
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,674 @@
+"""The Faust app: the processing topology on Kafka, the same stages the embedded pipeline runs.
+
+Agent ``combine`` folds each telemetry partition in a `Stage1Task` and sends slice batches
+to the partials topic, routed by bundle; agent ``decide`` merges them per partials
+partition in a `Stage2Task` and publishes decisions to the compacted decisions topic.
+
+State and guarantees
+--------------------
+Each task is checkpointed, with the offset of the next message it has to fold, to a
+changelog-backed Faust table (chunked, two alternating slots). Stage 1 checkpoints only
+after the batches it sent were acknowledged; on restart a task resumes from its checkpoint,
+skips messages it already folded and re-reads from Kafka any it has not (Faust may have
+committed past the checkpoint). Stage 1 is deterministic, so what it re-sends is what it
+sent before, and stage 2 drops batches it has merged (per source, slice indexes only grow).
+Decisions are written first into the checkpoint (an outbox, with the decisions topic's end
+offsets), then published; a restart publishes only those the topic does not hold yet. So:
+no telemetry is lost or counted twice in the decisions, each decision reaches the
+decisions topic once, and the archive (idempotent writes, ReplacingMergeTree) holds each
+once. Dead letters are at least once. Faust's own offsets only say where to resume reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
+
+import faust
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, KafkaError
+
+from specwatch.schemas import Policy, Rejection
+
+from .faust_tasks import (
+    CheckpointError,
+    Stage1Task,
+    Stage2Task,
+    checkpoint_entries,
+    dead_letter,
+    decision_message,
+    decisions_in,
+    decode_checkpoint,
+    decode_partial,
+    encode_checkpoint,
+    encode_partial,
+    encode_release,
+    outbox_pending,
+    read_checkpoint,
+    route_batches,
+)
+
+__all__ = [
+    "BrokerUnavailable",
+    "StreamApp",
+    "StreamSettings",
+    "TopicError",
+    "create_app",
+    "prepare_topics",
+    "run_worker",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TELEMETRY_TOPIC = "specwatch.telemetry"
+DEFAULT_PARTIALS_TOPIC = "specwatch.partials"
+DEFAULT_DECISIONS_TOPIC = "specwatch.decisions"
+DEFAULT_DEADLETTER_TOPIC = "specwatch.deadletter"
+_DEFAULT_APP_ID = "specwatch"
+_DEFAULT_PARTITIONS = 4
+_DEFAULT_CHECKPOINT_SECONDS = 2.0
+_DEFAULT_SOURCE_SILENCE_SECONDS = 60.0
+_DEFAULT_SESSION_TIMEOUT_SECONDS = 30.0
+_DEFAULT_CONNECT_TIMEOUT_MS = 10_000
+_RELEASE_CHECK_SECONDS = 1.0
+_PROGRESS_LOG_SECONDS = 60.0
+_READ_POLL_MS = 500
+# Checkpoint changelogs keep one live value per key; small segments let compaction drop
+# superseded checkpoints soon, so a restart reads little.
+_CHECKPOINT_TOPIC_CONFIG = {"segment.bytes": str(16 << 20), "min.cleanable.dirty.ratio": "0.1",
+                            "max.message.bytes": str(2 << 20)}
+_DECISIONS_TOPIC_CONFIG = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1",
+                           "segment.ms": "600000"}
+
+
+class BrokerUnavailable(RuntimeError):
+    """The Kafka cluster cannot be reached at the given bootstrap address."""
+
+
+class TopicError(RuntimeError):
+    """The topics exist in a shape the topology cannot run on."""
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """Everything a worker needs; validated once, before Faust starts.
+
+    Parameters
+    ----------
+    bootstrap
+        ``HOST:PORT[,HOST:PORT...]`` of the Kafka cluster.
+    telemetry_topics
+        Topics of OTLP telemetry (one `Stage1Task` per partition of each).
+    partials_topic, decisions_topic, deadletter_topic
+        Stage 1 -> stage 2 batches; decisions (compacted); rejected records.
+    app_id
+        Consumer group and prefix of the checkpoint changelog topics.
+    policy
+        Windows, gates and actions.
+    archive_dsn
+        Where stage 2 archives decisions, samples and window stats; None = no archive.
+    data_dir
+        This worker's local directory (Faust's datadir).
+    telemetry_partitions, partials_partitions
+        Partition counts, read from the cluster by `prepare_topics`.
+    checkpoint_seconds
+        Wall-clock interval between checkpoints of a busy task (decisions checkpoint at once).
+    source_silence_seconds
+        A telemetry partition that sent nothing for this long, while behind the others by
+        more than the policy's ``source_idle_seconds`` of event time, stops holding slices back.
+    session_timeout_seconds
+        Kafka consumer session timeout: how soon a dead worker's partitions move.
+    replication_factor
+        Of the changelog topics Faust creates.
+    """
+
+    bootstrap: str
+    telemetry_topics: tuple[str, ...] = (DEFAULT_TELEMETRY_TOPIC,)
+    partials_topic: str = DEFAULT_PARTIALS_TOPIC
+    decisions_topic: str = DEFAULT_DECISIONS_TOPIC
+    deadletter_topic: str = DEFAULT_DEADLETTER_TOPIC
+    app_id: str = _DEFAULT_APP_ID
+    policy: Policy = field(default_factory=Policy)
+    archive_dsn: str | None = None
+    data_dir: str = "specwatch-data/faust/worker-0"
+    telemetry_partitions: int = 0
+    partials_partitions: int = 0
+    checkpoint_seconds: float = _DEFAULT_CHECKPOINT_SECONDS
+    source_silence_seconds: float = _DEFAULT_SOURCE_SILENCE_SECONDS
+    session_timeout_seconds: float = _DEFAULT_SESSION_TIMEOUT_SECONDS
+    replication_factor: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap or not all(":" in s for s in self.bootstrap.split(",")):
+            raise ValueError(f"bootstrap must be HOST:PORT[,HOST:PORT...], got {self.bootstrap!r}")
+        if not self.telemetry_topics:
+            raise ValueError("at least one telemetry topic is needed")
+        names = [*self.telemetry_topics, self.partials_topic, self.decisions_topic, self.deadletter_topic]
+        if len(set(names)) != len(names):
+            raise ValueError(f"telemetry, partials, decisions and dead-letter topics must differ, got {names}")
+        if not self.checkpoint_seconds > 0:
+            raise ValueError(f"checkpoint_seconds must be > 0, got {self.checkpoint_seconds}")
+        if not self.source_silence_seconds > 0:
+            raise ValueError(f"source_silence_seconds must be > 0, got {self.source_silence_seconds}")
+        if not self.session_timeout_seconds >= 6:
+            raise ValueError("session_timeout_seconds must be >= 6 (the broker's minimum session), "
+                             f"got {self.session_timeout_seconds}")
+        if self.replication_factor < 1:
+            raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Every telemetry partition, named as stage 2 knows it."""
+        return tuple(f"{topic}/{p}" for topic in self.telemetry_topics for p in range(self.telemetry_partitions))
+
+
+# ---------------------------------------------------------------- topics
+
+
+async def prepare_topics(settings: StreamSettings, default_partitions: int = _DEFAULT_PARTITIONS) -> StreamSettings:
+    """Reach the cluster, create missing topics, and return settings with partition counts.
+
+    Raises `BrokerUnavailable` when no broker answers, `TopicError` when telemetry topics
+    disagree on their partition count.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap.split(","),
+                                request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS)
+    try:
+        client_log = logging.getLogger("aiokafka")
+        level = client_log.level
+        client_log.setLevel(logging.CRITICAL)  # the error below says it once, with the address
+        try:
+            await admin.start()
+        except (KafkaConnectionError, KafkaError, OSError) as error:
+            raise BrokerUnavailable(f"cannot reach Kafka at {settings.bootstrap}: {error}") from error
+        finally:
+            client_log.setLevel(level)
+        existing = await _partition_counts(admin, settings)
+        telemetry = {t: existing.get(t) for t in settings.telemetry_topics}
+        counts = {n for n in telemetry.values() if n}
+        if len(counts) > 1:
+            raise TopicError(f"telemetry topics must have the same number of partitions, got {telemetry}")
+        telemetry_partitions = counts.pop() if counts else default_partitions
+        wanted = [NewTopic(t, telemetry_partitions, settings.replication_factor)
+                  for t, n in telemetry.items() if not n]
+        if not existing.get(settings.partials_topic):
+            wanted.append(NewTopic(settings.partials_topic, telemetry_partitions, settings.replication_factor))
+        if not existing.get(settings.deadletter_topic):
+            wanted.append(NewTopic(settings.deadletter_topic, telemetry_partitions, settings.replication_factor))
+        if not existing.get(settings.decisions_topic):
+            wanted.append(NewTopic(settings.decisions_topic, 1, settings.replication_factor,
+                                   topic_configs=dict(_DECISIONS_TOPIC_CONFIG)))
+        if wanted:
+            logger.info("creating topics %s", ", ".join(t.name for t in wanted))
+            await admin.create_topics(wanted)
+            existing = await _partition_counts(admin, settings)
+    finally:
+        await admin.close()
+    return replace(settings, telemetry_partitions=telemetry_partitions,
+                   partials_partitions=existing[settings.partials_topic])
+
+
+async def _partition_counts(admin: AIOKafkaAdminClient, settings: StreamSettings) -> dict[str, int]:
+    names = [*settings.telemetry_topics, settings.partials_topic, settings.decisions_topic,
+             settings.deadletter_topic]
+    present = set(await admin.list_topics())
+    described = await admin.describe_topics([n for n in names if n in present]) if present else []
+    return {d["topic"]: len(d["partitions"]) for d in described if not d.get("error_code")}
+
+
+# ---------------------------------------------------------------- direct reads
+
+
+class PartitionReader:
+    """Reads ranges of partitions outside the consumer group: gaps after a restart, the decisions tail."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self._bootstrap = bootstrap.split(",")
+
+    async def _consumer(self) -> AIOKafkaConsumer:
+        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, group_id=None, enable_auto_commit=False,
+                                    auto_offset_reset="earliest", isolation_level="read_committed")
+        await consumer.start()
+        return consumer
+
+    async def read(self, topic: str, partition: int, start: int, end: int) -> list[Any]:
+        """Messages with ``start <= offset < end`` of one partition, in order."""
+        if end <= start:
+            return []
+        tp = TopicPartition(topic, partition)
+        consumer = await self._consumer()
+        try:
+            consumer.assign([tp])
+            consumer.seek(tp, start)
+            out = []
+            while True:
+                batch = await consumer.getmany(tp, timeout_ms=_READ_POLL_MS)
+                for message in batch.get(tp, []):
+                    if message.offset >= end:
+                        return out
+                    out.append(message)
+                if out and out[-1].offset >= end - 1:
+                    return out
+                if await consumer.position(tp) >= end:
+                    return out
+        finally:
+            await consumer.stop()
+
+    async def end_offsets(self, topic: str) -> dict[int, int]:
+        consumer = await self._consumer()
+        try:
+            await consumer.topics()  # fetches metadata for every topic
+            partitions = consumer.partitions_for_topic(topic) or set()
+            offsets = await consumer.end_offsets([TopicPartition(topic, p) for p in partitions])
+            return {tp.partition: offset for tp, offset in offsets.items()}
+        finally:
+            await consumer.stop()
+
+    async def values_since(self, topic: str, marks: dict[int, int]) -> list[bytes]:
+        """Values written to ``topic`` after ``marks`` (partition -> offset), up to its current end."""
+        ends = await self.end_offsets(topic)
+        values: list[bytes] = []
+        for partition, end in sorted(ends.items()):
+            for message in await self.read(topic, partition, marks.get(partition, 0), end):
+                values.append(message.value)
+        return values
+
+
+# ---------------------------------------------------------------- checkpoint store
+
+
+class CheckpointStore:
+    """Task checkpoints in a Faust table (its changelog is the durable copy)."""
+
+    def __init__(self, table: Any) -> None:
+        self._table = table
+        self._sequence: dict[str, int] = {}
+
+    def load(self, name: str) -> Stage1Task | Stage2Task | None:
+        found = read_checkpoint(name, self._table.get)
+        if found is None:
+            return None
+        sequence, data = found
+        self._sequence[name] = sequence
+        try:
+            return decode_checkpoint(data)
+        except CheckpointError as error:
+            logger.error("checkpoint %s is unusable (%s); starting that task afresh", name, error)
+            return None
+
+    def save(self, name: str, task: Stage1Task | Stage2Task) -> int:
+        """Write a checkpoint (inside the event of the task's partition); returns its size."""
+        sequence = self._sequence.get(name, 0) + 1
+        data = encode_checkpoint(task)
+        for key, value in checkpoint_entries(name, sequence, data):
+            self._table[key] = value
+        self._sequence[name] = sequence
+        return len(data)
+
+
+# ---------------------------------------------------------------- stage 1
+
+
+class Stage1Runner:
+    """The I/O around stage 1: decode and fold, send batches and dead letters, checkpoint, replay gaps."""
+
+    def __init__(self, settings: StreamSettings, app: faust.App, partials: Any, deadletter: Any,
+                 store: CheckpointStore, reader: PartitionReader) -> None:
+        self.settings = settings
+        self._app = app
+        self._partials = partials
+        self._deadletter = deadletter
+        self._store = store
+        self._reader = reader
+        self._tasks: dict[tuple[str, int], Stage1Task] = {}
+        self._pending: dict[tuple[str, int], list[asyncio.Future]] = {}
+        self._checkpointed_at: dict[tuple[str, int], float] = {}
+        self.records = 0
+        self.rejected = 0
+        self.batches_sent = 0
+        self.skipped = 0
+
+    async def handle(self, event: Any) -> None:
+        message = event.message
+        tp = (message.topic, message.partition)
+        task = self._tasks.get(tp)
+        if task is None:
+            task = self._tasks[tp] = self._restore(tp, message.offset)
+        if message.offset < task.next_offset:
+            self.skipped += 1  # folded before the restart
+            return
+        if message.offset > task.next_offset:
+            await self._replay(task, tp, message.offset)
+        await self._fold(task, tp, message.offset, message.key, message.value)
+        if time.monotonic() - self._checkpointed_at.get(tp, 0.0) >= self.settings.checkpoint_seconds:
+            await self._checkpoint(task, tp)
+
+    def forget(self, tps: Iterable[Any]) -> None:
+        """Partitions taken away: their next owner resumes from the checkpoint."""
+        for tp in tps:
+            key = (tp.topic, tp.partition)
+            self._tasks.pop(key, None)
+            self._pending.pop(key, None)
+
+    def _restore(self, tp: tuple[str, int], offset: int) -> Stage1Task:
+        name = _task_name("stage1", *tp)
+        task = self._store.load(name)
+        if isinstance(task, Stage1Task):
+            logger.info("%s resumes from its checkpoint at offset %d (records so far %d)",
+                        name, task.next_offset, task.records)
+            self._checkpointed_at[tp] = time.monotonic()
+            return task
+        task = Stage1Task(self.settings.policy, f"{tp[0]}/{tp[1]}")
+        task.next_offset = offset
+        return task
+
+    async def _replay(self, task: Stage1Task, tp: tuple[str, int], upto: int) -> None:
+        start = task.next_offset
+        messages = await self._reader.read(tp[0], tp[1], start, upto)
+        logger.info("%s re-reads offsets %d..%d folded after its last checkpoint",
+                    _task_name("stage1", *tp), start, upto - 1)
+        for message in messages:
+            if message.offset > task.next_offset:
+                logger.warning("%s: offsets %d..%d are gone from the log (retention); their telemetry is lost",
+                               _task_name("stage1", *tp), task.next_offset, message.offset - 1)
+            await self._fold(task, tp, message.offset, message.key, message.value)
+        task.next_offset = upto
+
+    async def _fold(self, task: Stage1Task, tp: tuple[str, int], offset: int, key: bytes | None,
+                    value: bytes) -> None:
+        before = task.records
+        rejections, closed = task.fold(offset, value or b"")
+        self.records += task.records - before
+        pending = self._pending.setdefault(tp, [])
+        for rejection in rejections:
+            self.rejected += 1
+            pending.append(await self._deadletter.send(key=key, value=dead_letter(rejection, tp[0], tp[1], offset)))
+        for partition, batch in route_batches(closed, self.settings.partials_partitions):
+            pending.append(await self._partials.send(key=batch.source.encode(), value=encode_partial(batch),
+                                                     partition=partition))
+            self.batches_sent += 1
+
+    async def _checkpoint(self, task: Stage1Task, tp: tuple[str, int]) -> None:
+        pending = self._pending.pop(tp, [])
+        if pending:
+            await asyncio.gather(*pending)  # what the checkpoint says was sent, was
+        self._store.save(_task_name("stage1", *tp), task)
+        self._checkpointed_at[tp] = time.monotonic()
+
+
+# ---------------------------------------------------------------- stage 2
+
+
+class Stage2Runner:
+    """The I/O around stage 2: merge and decide, publish decisions through the outbox, archive, release silent sources."""
+
+    def __init__(self, settings: StreamSettings, app: faust.App, partials: Any, decisions: Any,
+                 store: CheckpointStore, reader: PartitionReader) -> None:
+        self.settings = settings
+        self._app = app
+        self._partials = partials
+        self._decisions = decisions
+        self._store = store
+        self._reader = reader
+        self._tasks: dict[int, Stage2Task] = {}
+        self._checkpointed_at: dict[int, float] = {}
+        self._heard: dict[tuple[int, str], float] = {}
+        self._releasing: set[tuple[int, str]] = set()
+        self._archive = None
+        self._archive_sink = None
+        self.decisions = 0
+        self.slices = 0
+        self.skipped = 0
+
+    # -- archive ------------------------------------------------------------------------
+    def open_archive(self) -> None:
+        if self.settings.archive_dsn and self._archive is None:
+            from specwatch.actions.archive import Archive
+            from specwatch.actions.handlers import ArchiveSink
+
+            self._archive = Archive.open(self.settings.archive_dsn)
+            self._archive_sink = ArchiveSink(self._archive)
+
+    def close_archive(self) -> None:
+        if self._archive is not None:
+            self._archive_sink.close()
+            self._archive.close()
+            self._archive = self._archive_sink = None
+
+    # -- events -------------------------------------------------------------------------
+    async def handle(self, event: Any) -> None:
+        message = event.message
+        partition = message.partition
+        task = self._tasks.get(partition)
+        if task is None:
+            task = self._tasks[partition] = self._restore(partition, message.offset)
+            if task.outbox:
+                await self._finish_outbox(task, partition)
+        if message.offset < task.next_offset:
+            self.skipped += 1
+            return
+        if message.offset > task.next_offset:
+            start = task.next_offset
+            logger.info("%s re-reads offsets %d..%d merged after its last checkpoint",
+                        _task_name("stage2", self.settings.partials_topic, partition), start, message.offset - 1)
+            for old in await self._reader.read(self.settings.partials_topic, partition, start, message.offset):
+                await self._apply(task, partition, old.offset, old.value)
+            task.next_offset = message.offset
+        await self._apply(task, partition, message.offset, message.value)
+        if time.monotonic() - self._checkpointed_at.get(partition, 0.0) >= self.settings.checkpoint_seconds:
+            await self._checkpoint(task, partition)
+
+    def forget(self, tps: Iterable[Any]) -> None:
+        for tp in tps:
+            if tp.topic == self.settings.partials_topic:
+                self._tasks.pop(tp.partition, None)
+                self._releasing = {k for k in self._releasing if k[0] != tp.partition}
+
+    def _restore(self, partition: int, offset: int) -> Stage2Task:
+        name = _task_name("stage2", self.settings.partials_topic, partition)
+        task = self._store.load(name)
+        now = time.monotonic()
+        if isinstance(task, Stage2Task):
+            logger.info("%s resumes from its checkpoint at offset %d", name, task.next_offset)
+            self._checkpointed_at[partition] = now
+        else:
+            task = Stage2Task(self.settings.policy, self.settings.sources)
+            task.next_offset = offset
+        for source in task.watermarks:
+            self._heard[(partition, source)] = now  # silence is counted from this worker's start
+        return task
+
+    async def _apply(self, task: Stage2Task, partition: int, offset: int, value: bytes) -> None:
+        message = decode_partial(value or b"")
+        if isinstance(message, Rejection):
+            logger.warning("partials %d@%d dropped: %s", partition, offset, message.detail)
+        elif message.batch is not None:
+            key = (partition, message.batch.source)
+            self._heard[key] = time.monotonic()
+            self._releasing.discard(key)
+        outputs = task.fold(offset, message)
+        actions = []
+        for output in outputs:
+            self.slices += 1
+            if self._archive_sink is not None:
+                self._archive_sink(output)  # idempotent: a replayed slice writes the same rows
+            actions.extend(output.actions)
+        if actions:
+            # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
+            task.outbox = actions
+            task.outbox_mark = await self._reader.end_offsets(self.settings.decisions_topic)
+            await self._checkpoint(task, partition, durable=True)
+            await self._publish(task, actions)
+
+    async def _finish_outbox(self, task: Stage2Task, partition: int) -> None:
+        published = decisions_in(await self._reader.values_since(self.settings.decisions_topic, task.outbox_mark))
+        missing = outbox_pending(task.outbox, published)
+        logger.info("%s restarted with %d decisions in its outbox, %d not yet published",
+                    _task_name("stage2", self.settings.partials_topic, partition), len(task.outbox), len(missing))
+        await self._publish(task, missing)
+
+    async def _publish(self, task: Stage2Task, actions: list) -> None:
+        sent = []
+        for action in actions:
+            key, value = decision_message(action.decision)
+            sent.append(await self._decisions.send(key=key, value=value))
+            logger.info("decision %s %s %s/%s/%s reason=%s ts=%.3f", action.decision.id, action.decision.action,
+                        action.decision.bundle_id, action.decision.bucket or "*", action.decision.cohort or "*",
+                        action.decision.reason, action.decision.ts)
+        if sent:
+            await asyncio.gather(*sent)
+        self.decisions += len(sent)
+        task.outbox = []
+        task.outbox_mark = {}
+
+    async def _checkpoint(self, task: Stage2Task, partition: int, durable: bool = False) -> None:
+        if self._archive_sink is not None:
+            self._archive_sink.flush()  # the archive holds everything the checkpoint covers
+        self._store.save(_task_name("stage2", self.settings.partials_topic, partition), task)
+        self._checkpointed_at[partition] = time.monotonic()
+        if durable:
+            await self._app.producer.flush()
+
+    # -- silent sources -----------------------------------------------------------------
+    async def release_silent_sources(self) -> None:
+        now = time.monotonic()
+        silence = self.settings.source_silence_seconds
+        for partition, task in list(self._tasks.items()):
+            def silent(source: str) -> bool:
+                return now - self._heard.get((partition, source), now) >= silence
+            for source, watermark in task.silent_sources(silent):
+                key = (partition, source)
+                if key in self._releasing:
+                    continue
+                self._releasing.add(key)
+                logger.warning("telemetry partition %s sent nothing for %.0f s and is behind; stage 2 "
+                               "partition %d stops waiting for it", source, silence, partition)
+                await self._partials.send(key=source.encode(), value=encode_release(source, watermark),
+                                          partition=partition)
+
+
+def _task_name(stage: str, topic: str, partition: int) -> str:
+    return f"{stage}/{topic}/{partition}"
+
+
+# ---------------------------------------------------------------- the app
+
+
+@dataclass(frozen=True)
+class StreamApp:
+    """A Faust app with the runners its agents call."""
+
+    app: faust.App
+    stage1: Stage1Runner
+    stage2: Stage2Runner
+
+
+def create_app(settings: StreamSettings) -> StreamApp:
+    """The Faust app for ``settings`` (from `prepare_topics`): topics, tables, agents, timers."""
+    if settings.telemetry_partitions < 1 or settings.partials_partitions < 1:
+        raise ValueError("partition counts are unknown: pass the settings through prepare_topics() first")
+    app = faust.App(
+        settings.app_id,
+        broker=[f"kafka://{server}" for server in settings.bootstrap.split(",")],
+        store="memory://",
+        datadir=settings.data_dir,
+        web_enabled=False,
+        autodiscover=False,
+        topic_replication_factor=settings.replication_factor,
+        topic_partitions=settings.partials_partitions,
+        topic_disable_leader=False,
+        table_standby_replicas=0,
+        broker_session_timeout=settings.session_timeout_seconds,
+        broker_heartbeat_interval=max(1.0, settings.session_timeout_seconds / 10),
+        consumer_auto_offset_reset="earliest",
+        producer_acks=-1,
+        producer_max_request_size=2 << 20,
+        processing_guarantee="at_least_once",
+    )
+
+    # -- topics ---------------------------------------------------------------------------
+    raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+    telemetry = app.topic(*settings.telemetry_topics, **raw)
+    partials = app.topic(settings.partials_topic, partitions=settings.partials_partitions, **raw)
+    decisions = app.topic(settings.decisions_topic, **raw)
+    deadletter = app.topic(settings.deadletter_topic, **raw)
+
+    # -- tables (checkpoints, co-partitioned with the topic each stage reads) ----------------
+    checkpoint_table = {"key_type": str, "value_type": bytes, "key_serializer": "json", "value_serializer": "raw",
+                        "extra_topic_configs": dict(_CHECKPOINT_TOPIC_CONFIG)}
+    stage1_checkpoints = app.Table("stage1-checkpoints", partitions=settings.telemetry_partitions,
+                                   help="stage 1 tasks with the next telemetry offset", **checkpoint_table)
+    stage2_checkpoints = app.Table("stage2-checkpoints", partitions=settings.partials_partitions,
+                                   help="stage 2 tasks with the next partials offset and the outbox",
+                                   **checkpoint_table)
+
+    reader = PartitionReader(settings.bootstrap)
+    stage1 = Stage1Runner(settings, app, partials, deadletter, CheckpointStore(stage1_checkpoints), reader)
+    stage2 = Stage2Runner(settings, app, partials, decisions, CheckpointStore(stage2_checkpoints), reader)
+
+    # -- agents -------------------------------------------------------------------------
+    @app.agent(telemetry, name="combine")
+    async def combine(stream):
+        async for event in stream.events():
+            await stage1.handle(event)
+
+    @app.agent(partials, name="decide")
+    async def decide(stream):
+        async for event in stream.events():
+            await stage2.handle(event)
+
+    # -- timers and lifecycle ---------------------------------------------------------------
+    @app.timer(interval=_RELEASE_CHECK_SECONDS)
+    async def release_silent_sources():
+        await stage2.release_silent_sources()
+
+    progress = _Progress(stage1, stage2)
+
+    @app.timer(interval=_PROGRESS_LOG_SECONDS)
+    async def log_progress():
+        progress.log()
+
+    @app.on_partitions_revoked.connect
+    async def on_revoked(app, revoked, **kwargs):
+        stage1.forget(revoked)
+        stage2.forget(revoked)
+
+    return StreamApp(app, stage1, stage2)
+
+
+class _Progress:
+    """One line per interval while work flows; nothing when idle."""
+
+    def __init__(self, stage1: Stage1Runner, stage2: Stage2Runner) -> None:
+        self._stage1 = stage1
+        self._stage2 = stage2
+        self._last = (0, 0, 0)
+        self._at = time.monotonic()
+
+    def log(self) -> None:
+        now = time.monotonic()
+        current = (self._stage1.records, self._stage2.slices, self._stage2.decisions)
+        if current != self._last:
+            records = current[0] - self._last[0]
+            logger.info("%d records folded (%.0f/s), %d slices decided, %d decisions, %d rejected",
+                        records, records / max(now - self._at, 1e-9), current[1] - self._last[1],
+                        current[2] - self._last[2], self._stage1.rejected)
+        self._last, self._at = current, now
+
+
+def run_worker(settings: StreamSettings, loglevel: str = "warning") -> int:
+    """Run one Faust worker in this process until it is stopped (SIGTERM/SIGINT); returns the exit code."""
+    stream = create_app(settings)
+    stream.stage2.open_archive()  # before joining the group: an archive in use fails fast
+    worker = faust.Worker(stream.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    finally:
+        stream.stage2.close_archive()
+    return 0

@@ -1,0 +1,413 @@
+"""Per-partition tasks of the Faust topology: stage 1 and stage 2 with offsets, dedupe and checkpoints.
+
+Pure (no I/O, no clocks): the Faust app feeds these Kafka messages and sends what they
+return. They make replay after a restart safe: a task knows the offset of the next
+message it has to fold, stage 2 drops batches it has already merged, and a task pickles
+to a checkpoint that holds its monitors, flags and open slices together with that offset.
+
+Stage 2 is routed by bundle: every key of a bundle, and every event about it, goes to
+one stage-2 partition. Bundle-wide decisions (KV pressure, a changed card) gate the
+monitors of every bucket of that bundle, so only this routing reaches the decisions
+the embedded pipeline reaches.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import hashlib
+import io
+import json
+import pickle
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from specwatch.actions.flags import FlagStore
+from specwatch.schemas import Decision, Policy, Rejection
+from specwatch.schemas.otlp import decode_request
+
+from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2
+
+__all__ = [
+    "CheckpointError",
+    "PartialMessage",
+    "Stage1Task",
+    "Stage2Task",
+    "checkpoint_entries",
+    "decode_checkpoint",
+    "decode_partial",
+    "dead_letter",
+    "decision_message",
+    "decisions_in",
+    "distributed_policy",
+    "encode_checkpoint",
+    "encode_partial",
+    "encode_release",
+    "outbox_pending",
+    "read_checkpoint",
+    "route_batches",
+    "stage2_partition",
+]
+
+# A telemetry partition that falls behind in processing is not an idle source: stage 2
+# waits for every source it has heard from, and the app releases silent ones explicitly.
+_NEVER_IDLE_SECONDS = 1e12
+_CHECKPOINT_MAGIC = b"SWCP1"
+# Below Kafka's default 1 MiB message limit with room for the key and headers.
+_DEFAULT_CHUNK_BYTES = 512 * 1024
+_MAX_RAW_CHARS = 2048
+
+
+def distributed_policy(policy: Policy) -> Policy:
+    """The policy stage 2 runs with on Kafka: the same, except that sources never go idle by lag.
+
+    In one process every source advances together; on Kafka a partition can lag minutes of
+    event time behind the others while its worker restarts or catches up, and treating it as
+    idle would fold its slices forward and change decisions. Silence is decided by the app
+    (wall clock) and written into the partials log, so a replay decides the same.
+    """
+    windows = policy.windows.model_copy(update={"source_idle_seconds": _NEVER_IDLE_SECONDS})
+    return policy.model_copy(update={"windows": windows})
+
+
+def stage2_partition(bundle_id: str, partitions: int) -> int:
+    """The stage-2 partition of a bundle: stable across processes and Python versions.
+
+    >>> stage2_partition("b-1", 4), stage2_partition("b-2", 4)
+    (1, 3)
+    """
+    return zlib.crc32(bundle_id.encode("utf-8")) % partitions
+
+
+def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[int, SliceBatch]]:
+    """Split one close of stage 1 into what each stage-2 partition receives, in send order.
+
+    Partials and events go to their bundle's partition. A partition that gets nothing from
+    this close still gets one empty batch at the close's watermark, so every stage 2 learns
+    that this source has moved on. Per (source, partition) slice indexes strictly increase,
+    which is what stage 2 deduplicates on.
+
+    >>> from specwatch.detectors.window import SliceStats
+    >>> batch = SliceBatch("t/0", 7, 7, partials={("b-1", "coding", "main"): SliceStats()})
+    >>> [(p, b.slice_index, len(b.partials)) for p, b in route_batches([batch], 2)]
+    [(1, 7, 1), (0, 7, 0)]
+    """
+    batches = list(batches)
+    if not batches:
+        return []
+    out: list[tuple[int, SliceBatch]] = []
+    touched: set[int] = set()
+    for batch in batches:
+        parts: dict[int, SliceBatch] = {}
+        for key, stats in batch.partials.items():
+            target = stage2_partition(key[0], partitions)
+            part = parts.get(target)
+            if part is None:
+                part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
+            part.partials[key] = stats
+        for event in batch.events:
+            target = stage2_partition(event["bundle_id"], partitions)
+            part = parts.get(target)
+            if part is None:
+                part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
+            part.events.append(event)
+        if batch.late_records:
+            target = min(parts) if parts else 0
+            part = parts.get(target)
+            if part is None:
+                part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
+            part.late_records = batch.late_records
+        for target in sorted(parts):
+            out.append((target, parts[target]))
+            touched.add(target)
+    last = batches[-1]
+    for target in range(partitions):
+        if target not in touched:
+            out.append((target, SliceBatch(last.source, last.watermark, last.watermark)))
+    return out
+
+
+# ---------------------------------------------------------------- wire forms
+
+
+@dataclass(frozen=True)
+class PartialMessage:
+    """One message of the partials topic: a source's batch, or the release of a silent source."""
+
+    batch: SliceBatch | None = None
+    release_source: str | None = None
+    release_watermark: int = -1
+
+
+def encode_partial(batch: SliceBatch) -> bytes:
+    return json.dumps({"kind": "batch", "batch": batch.to_dict()}, separators=(",", ":")).encode()
+
+
+def encode_release(source: str, watermark: int) -> bytes:
+    return json.dumps({"kind": "release", "source": source, "watermark": int(watermark)},
+                      separators=(",", ":")).encode()
+
+
+def decode_partial(data: bytes) -> PartialMessage | Rejection:
+    """A partials message, or why it is not one (the topic is internal, but never trusted blindly).
+
+    >>> decode_partial(encode_release("t/1", 12))
+    PartialMessage(batch=None, release_source='t/1', release_watermark=12)
+    >>> decode_partial(b"{}").reason
+    'invalid_partial'
+    """
+    try:
+        body = json.loads(data)
+        kind = body.get("kind") if isinstance(body, dict) else None
+        if kind == "batch":
+            return PartialMessage(batch=SliceBatch.from_dict(body["batch"]))
+        if kind == "release":
+            return PartialMessage(release_source=str(body["source"]), release_watermark=int(body["watermark"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        return Rejection("invalid_partial", f"undecodable partials message: {error!r}",
+                         bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
+    return Rejection("invalid_partial", "partials message is neither a batch nor a release",
+                     bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
+
+
+def decision_message(decision: Decision) -> tuple[bytes, bytes]:
+    """Key and value of a decision on the compacted decisions topic."""
+    return decision.key.encode("utf-8"), decision.to_json_line().encode("utf-8")
+
+
+def dead_letter(rejection: Rejection, topic: str, partition: int, offset: int) -> bytes:
+    """The dead-letter value of a rejected telemetry record: reason, detail, where it came from."""
+    body = rejection.to_json()
+    body.update(topic=topic, partition=partition, offset=offset)
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+# ---------------------------------------------------------------- tasks
+
+
+class Stage1Task:
+    """Stage 1 of one telemetry partition, with the offset of the next message to fold.
+
+    Parameters
+    ----------
+    policy
+        Slice length and lateness.
+    source
+        The partition's name, e.g. ``specwatch.telemetry/3``; stage 2 waits per source.
+    """
+
+    def __init__(self, policy: Policy, source: str) -> None:
+        self.source = source
+        self.stage = Stage1(policy, source=source)
+        self.next_offset: int | None = None
+        self.messages = 0
+        self.rejected: Counter = Counter()
+
+    @property
+    def records(self) -> int:
+        return self.stage.records
+
+    def fold(self, offset: int, payload: bytes) -> tuple[list[Rejection], list[SliceBatch]]:
+        """Fold one OTLP message; returns its rejected records and the slices it closed."""
+        rejections: list[Rejection] = []
+        closed: list[SliceBatch] = []
+        stage = self.stage
+        for item in decode_request(payload):
+            if isinstance(item, Rejection):
+                rejections.append(item)
+                self.rejected[item.reason] += 1
+                continue
+            stage.add(item)
+            # closing after every record, as the embedded pipeline does, keeps lateness identical
+            closed.extend(stage.close_ready())
+        self.messages += 1
+        self.next_offset = offset + 1
+        return rejections, closed
+
+
+@dataclass
+class Stage2Task:
+    """Stage 2 of one partials partition: merges, detects, decides; deduplicates replays.
+
+    ``sources`` are the telemetry partitions expected to report (silent ones are released
+    by the app). ``outbox`` holds the actions of the last decisive message until the app has published
+    and archived them; a checkpoint taken in between carries them, so a restart finishes
+    the job instead of deciding again. ``outbox_mark`` is where the decisions topic ended
+    before they were published: what a restart reads to find those already out.
+    """
+
+    policy: Policy
+    sources: tuple[str, ...] = ()
+    stage: Stage2 = field(init=False)
+    next_offset: int | None = None
+    last_slice: dict[str, int] = field(default_factory=dict)
+    watermarks: dict[str, int] = field(default_factory=dict)
+    retired: set[str] = field(default_factory=set)
+    outbox: list[ActionRecord] = field(default_factory=list)
+    outbox_mark: dict[int, int] = field(default_factory=dict)
+    batches: int = 0
+    duplicates: int = 0
+    invalid: int = 0
+
+    def __post_init__(self) -> None:
+        self.stage = Stage2(distributed_policy(self.policy))
+        # Every telemetry partition is expected from the start: a partition whose first
+        # batch arrives after the others' would otherwise find its first slices decided.
+        for source in self.sources:
+            self.stage.add(SliceBatch(source, -1, -1))
+            self.watermarks[source] = -1
+
+    @property
+    def newest_watermark(self) -> int:
+        return max(self.watermarks.values(), default=-1)
+
+    def fold(self, offset: int, message: PartialMessage | Rejection) -> list[SliceOutput]:
+        """Fold one partials message (exactly once per slice and source)."""
+        self.next_offset = offset + 1
+        if isinstance(message, Rejection):
+            self.invalid += 1
+            return []
+        if message.batch is None:
+            return self._release(message.release_source, message.release_watermark)
+        batch = message.batch
+        source = batch.source
+        if batch.slice_index <= self.last_slice.get(source, -1):
+            self.duplicates += 1  # a restarted stage 1 re-sent what it had sent before
+            return []
+        self.last_slice[source] = batch.slice_index
+        self.batches += 1
+        self.retired.discard(source)
+        self.watermarks[source] = max(self.watermarks.get(source, -1), batch.watermark)
+        outputs = self.stage.add(batch)
+        for silent in sorted(self.retired):
+            # a released source follows the others, so it never holds a slice back again
+            outputs += self.stage.add(SliceBatch(silent, batch.watermark, batch.watermark))
+        return outputs
+
+    def _release(self, source: str | None, watermark: int) -> list[SliceOutput]:
+        if source is None or source not in self.watermarks or source in self.retired:
+            return []
+        self.retired.add(source)
+        return self.stage.add(SliceBatch(source, watermark, watermark))
+
+    def silent_sources(self, is_silent: Callable[[str], bool]) -> list[tuple[str, int]]:
+        """Sources that hold slices back and have sent nothing for long: (source, release watermark)."""
+        newest = self.newest_watermark
+        idle_slices = max(1, int(self.policy.windows.source_idle_seconds / self.policy.windows.slice_seconds))
+        return [(source, newest) for source, mark in sorted(self.watermarks.items())
+                if source not in self.retired and newest - mark > idle_slices and is_silent(source)]
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (corrupt, or written by an incompatible version)."""
+
+
+def _reduce_flag_store(store: FlagStore):
+    # The lock and the lookup cache are process-local; the scope states are the state.
+    state = {k: v for k, v in vars(store).items() if k not in ("_lock", "_cache")}
+    return _restore_flag_store, (state,)
+
+
+def _restore_flag_store(state: dict) -> FlagStore:
+    store = FlagStore()
+    vars(store).update(state)
+    return store
+
+
+def encode_checkpoint(task: Stage1Task | Stage2Task) -> bytes:
+    """A task as bytes: pickled (detector state pickles; it is tied to pinned versions), compressed.
+
+    >>> task = Stage1Task(Policy(), "t/0")
+    >>> task.next_offset = 41
+    >>> decode_checkpoint(encode_checkpoint(task)).next_offset
+    41
+    """
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = copyreg.dispatch_table.copy()
+    pickler.dispatch_table[FlagStore] = _reduce_flag_store
+    pickler.dump(task)
+    return _CHECKPOINT_MAGIC + zlib.compress(buffer.getvalue(), 1)
+
+
+def decode_checkpoint(data: bytes) -> Stage1Task | Stage2Task:
+    if not data.startswith(_CHECKPOINT_MAGIC):
+        raise CheckpointError("not a specwatch checkpoint (bad header)")
+    try:
+        task = pickle.loads(zlib.decompress(data[len(_CHECKPOINT_MAGIC):]))
+    except Exception as error:  # noqa: BLE001 - any unpickling failure means: unusable
+        raise CheckpointError(f"checkpoint does not load with this version: {error!r}") from error
+    if not isinstance(task, (Stage1Task, Stage2Task)):
+        raise CheckpointError(f"checkpoint holds a {type(task).__name__}, not a stage task")
+    return task
+
+
+def checkpoint_entries(name: str, sequence: int, data: bytes,
+                       chunk_bytes: int = _DEFAULT_CHUNK_BYTES) -> list[tuple[str, bytes]]:
+    """Table entries that store one checkpoint: chunks first, then the manifest naming them.
+
+    Two slots alternate, so a crash while writing one leaves the previous checkpoint whole.
+
+    >>> [key for key, _ in checkpoint_entries("s1/0", 3, b"x" * 10, chunk_bytes=4)]
+    ['s1/0#1.0', 's1/0#1.1', 's1/0#1.2', 's1/0#1']
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    slot = sequence % 2
+    chunks = [data[i:i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [b""]
+    manifest = json.dumps({"sequence": sequence, "chunks": len(chunks),
+                           "sha256": hashlib.sha256(data).hexdigest()}).encode()
+    entries = [(f"{name}#{slot}.{i}", chunk) for i, chunk in enumerate(chunks)]
+    entries.append((f"{name}#{slot}", manifest))
+    return entries
+
+
+def read_checkpoint(name: str, lookup: Callable[[str], bytes | None]) -> tuple[int, bytes] | None:
+    """The newest whole checkpoint stored under ``name``: (sequence, data), or None.
+
+    >>> table = dict(checkpoint_entries("s1/0", 1, b"old") + checkpoint_entries("s1/0", 2, b"new"))
+    >>> read_checkpoint("s1/0", table.get)
+    (2, b'new')
+    >>> table["s1/0#0.0"] = b"torn"  # the newer slot half-written: the older one is used
+    >>> read_checkpoint("s1/0", table.get)
+    (1, b'old')
+    """
+    best: tuple[int, bytes] | None = None
+    for slot in (0, 1):
+        raw = lookup(f"{name}#{slot}")
+        if not raw:
+            continue
+        try:
+            manifest = json.loads(raw)
+            sequence, count, digest = int(manifest["sequence"]), int(manifest["chunks"]), manifest["sha256"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        parts = [lookup(f"{name}#{slot}.{i}") for i in range(count)]
+        if any(part is None for part in parts):
+            continue
+        data = b"".join(parts)
+        if hashlib.sha256(data).hexdigest() != digest:
+            continue
+        if best is None or sequence > best[0]:
+            best = (sequence, data)
+    return best
+
+
+def decisions_in(values: Iterable[bytes]) -> set[str]:
+    """Ids of the decisions among raw decisions-topic values (others are ignored)."""
+    ids = set()
+    for value in values:
+        try:
+            ids.add(Decision.model_validate_json(value).id)
+        except ValueError:
+            continue
+    return ids
+
+
+def outbox_pending(outbox: list[ActionRecord], published: Mapping[str, object] | set[str]) -> list[ActionRecord]:
+    """The outbox actions whose decision is not among ``published`` ids, in order."""
+    return [action for action in outbox if action.decision.id not in published]
