@@ -339,35 +339,37 @@ class _Scenario:
 _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
     "healthy": _Scenario("no incident: steady mix and load", 5.0),
     "acceptance_drop": _Scenario(
-        "the coding drafter misaligns: coding AL drops by intensity (all cohorts)", 8.0,
+        "the coding drafter misaligns: coding AL drops by intensity (default 0.4) in every cohort", 8.0,
         (_Plan("acceptance_drop", bucket="coding"),)),
     "target_update": _Scenario(
-        "target revision rolls over every worker in 10 s; the old drafter's acceptance collapses", 8.0,
+        "a new target revision rolls over the fleet in 10 s; the old drafter's AL drops by intensity (0.5)", 8.0,
         (_Plan("target_update"),)),
     "draft_regression": _Scenario(
-        "draft time grows by intensity (x3) on every worker", 8.0,
+        "draft time x intensity (default 3) on every worker", 8.0,
         (_Plan("draft_regression"),)),
     "latency_tail": _Scenario(
-        "10% of reasoning/main requests get e2e and TPOT x intensity (x5)", 8.0,
+        "10% of reasoning/main requests stall: e2e and TPOT x intensity (default 5)", 8.0,
         (_Plan("latency_tail", bucket="reasoning", cohort="main"),)),
     "kv_pressure": _Scenario(
-        "long-context surge on a quarter of the workers drives KV usage above 0.95", 8.0,
+        "long-context surge (intensity = its traffic share, 0.6) on a quarter of the workers: KV above 0.95", 8.0,
         (_Plan("kv_pressure"),)),
     "bundle_change": _Scenario(
-        "tokenizer digest changes on every worker (rolling); acceptance unchanged", 8.0,
+        "the tokenizer digest changes over the fleet in 10 s; acceptance unchanged", 8.0,
         (_Plan("bundle_change"),)),
     "quality_mismatch": _Scenario(
-        "shadow checks of structured requests start to mismatch", 8.0,
+        "shadow checks of structured requests mismatch (intensity = mismatching share, default 0.5)", 8.0,
         (_Plan("quality_mismatch", bucket="structured"),)),
     "error_burst": _Scenario(
-        "error and timeout rate x intensity (x20) in extraction, speculative requests", 8.0,
+        "errors and timeouts x intensity (default 20) for speculative extraction requests", 8.0,
         (_Plan("error_burst", bucket="extraction"),)),
     "mix_shift": _Scenario(
-        "benign: traffic moves toward reasoning and long_context over the run", 10.0, mix_shift=True),
+        "benign: traffic moves from easy buckets toward reasoning and long_context over the run", 10.0,
+        mix_shift=True),
     "diurnal": _Scenario(
-        "benign: offered load follows one day-shaped cycle over the run", 60.0, diurnal=True),
+        "benign: offered load follows one day-shaped cycle (x0.65 to x1.35) over the run", 60.0, diurnal=True),
     "demo": _Scenario(
-        "five incidents in different places from 150 s: acceptance, quality, tail, errors, KV", 6.0,
+        "five incidents 35 s apart from 150 s: coding AL, structured shadow, reasoning tail, extraction "
+        "errors, KV", 6.0,
         (_Plan("acceptance_drop", 0.0, bucket="coding"),
          _Plan("quality_mismatch", 35.0, bucket="structured"),
          _Plan("latency_tail", 70.0, bucket="reasoning", cohort="main"),
@@ -399,6 +401,7 @@ def _worker_name(index: int) -> str:
 
 
 _STEP_FIELDS_SET = frozenset(StepRecord.model_fields) - {"kind"}
+_set_attribute = object.__setattr__  # what pydantic itself uses to fill a frozen model
 
 
 def _trusted_step(values: dict) -> StepRecord:
@@ -416,9 +419,6 @@ def _trusted_step(values: dict) -> StepRecord:
     _set_attribute(record, "__pydantic_extra__", None)
     _set_attribute(record, "__pydantic_private__", None)
     return record
-
-
-_set_attribute = object.__setattr__
 
 
 class _Request:
