@@ -8,14 +8,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
-__all__ = ["register", "open_archive", "parse_time", "print_rows", "format_ts"]
+__all__ = ["register", "add_archive_options", "open_archive", "parse_time", "print_rows", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
+_TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
 _EXIT_NOT_FOUND = 1
 _EXIT_USAGE = 2
 
@@ -134,10 +136,20 @@ def print_rows(rows: Iterable[dict], columns: Sequence[Column], as_json: bool,
     """
     out = out or sys.stdout
     rows = list(rows)
+    try:
+        _write_rows(rows, columns, as_json, out)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, and keep the interpreter's
+        # final flush from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+    return len(rows)
+
+
+def _write_rows(rows: list[dict], columns: Sequence[Column], as_json: bool, out: TextIO) -> None:
     if as_json:
         for row in rows:
             out.write(json.dumps(_json_safe(row), separators=(",", ":"), default=str) + "\n")
-        return len(rows)
+        return
     headers = [header for _, header, _ in columns]
     cells = [[fmt(row.get(key)) for key, _, fmt in columns] for row in rows]
     right = [any(_is_number(row.get(key)) for row in rows)
@@ -152,7 +164,6 @@ def print_rows(rows: Iterable[dict], columns: Sequence[Column], as_json: bool,
     out.write(line(headers) + "\n")
     for row_cells in cells:
         out.write(line(row_cells) + "\n")
-    return len(rows)
 
 
 # -- subcommands ----------------------------------------------------------------------
@@ -355,17 +366,32 @@ def _pairs(mapping: Any, limit: int | None = None) -> str:
     if not isinstance(mapping, dict):
         return "" if mapping is None else str(mapping)
     items = list(mapping.items())
-    shown = [f"{k}={_short(v)}" for k, v in items[:limit]]
+    shown = [f"{k}={_when(v) if _is_time_key(k) else _short(v)}" for k, v in items[:limit]]
     if limit is not None and len(items) > limit:
         shown.append("...")
     return " ".join(shown)
+
+
+def _is_time_key(key: str) -> bool:
+    return key == "ts" or key.endswith(_TIME_SUFFIXES)
+
+
+def _when(value: Any) -> str:
+    """Evidence times as UTC clock times (the date is in the decision line already)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return _short(value)
+    return format_ts(value)[11:]
 
 
 def _short(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.4g}"
+        if math.isnan(value):
+            return "nan"
+        # Four significant digits read well for ratios and milliseconds; big values
+        # (token counts, unix times) keep every digit.
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3f}".rstrip("0").rstrip(".")
     if isinstance(value, dict):
         return "{" + _pairs(value) + "}"
     return str(value)
