@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 from urllib.parse import unquote, urlsplit
@@ -914,8 +915,9 @@ class _DecisionBatch:
             raise TypeError(f"write_decision needs a Decision, not {type(decision).__name__}")
         # Everything is encoded before anything is kept, so a bad sample never leaves
         # a half-recorded decision behind.
-        rows = _decision_row(decision), _decision_audit_row(decision, audit or {})
-        sample_rows = [_sample_row(decision.id, sample) for sample in samples]
+        decision_id = decision.id  # a digest of the canonical line: computed once
+        rows = _decision_row(decision, decision_id), _decision_audit_row(decision, decision_id, audit or {})
+        sample_rows = [_sample_row(decision_id, sample) for sample in samples]
         _append(self.decisions, rows[0])
         _append(self.audits, rows[1])
         for row in sample_rows:
@@ -937,19 +939,19 @@ def _append(columns: list[list[Any]], row: Sequence[Any]) -> None:
         column.append(value)
 
 
-def _decision_row(decision: Decision) -> list[Any]:
+def _decision_row(decision: Decision, decision_id: str) -> list[Any]:
     line = decision.to_json_line()
     evidence = json.loads(line)["evidence"]  # the canonical form: sorted keys, NaN as null
-    return [decision.id, decision.ts, decision.bundle_id, decision.bucket, decision.cohort,
+    return [decision_id, decision.ts, decision.bundle_id, decision.bucket, decision.cohort,
             decision.action, decision.reason, decision.detector, _json(evidence),
             list(decision.sample_ids), line]
 
 
-def _decision_audit_row(decision: Decision, audit: Mapping[str, Any]) -> list[Any]:
-    if not isinstance(audit, Mapping):
+def _decision_audit_row(decision: Decision, decision_id: str, audit: Mapping[str, Any]) -> list[Any]:
+    if not isinstance(audit, abc.Mapping):
         raise TypeError(f"audit must be a dict, not {type(audit).__name__}")
     extra = {k: v for k, v in audit.items() if k not in ("thresholds", "baseline", "window", "card")}
-    return [f"a-{decision.id}", decision.ts, "decision", "specwatch", decision.id, decision.bundle_id,
+    return [f"a-{decision_id}", decision.ts, "decision", "specwatch", decision_id, decision.bundle_id,
             decision.key, decision.reason, decision.detector, _json(audit.get("thresholds")),
             _json(audit.get("baseline")), _json(audit.get("window")), _json(audit.get("card")),
             _json(extra or None)]
@@ -957,7 +959,7 @@ def _decision_audit_row(decision: Decision, audit: Mapping[str, Any]) -> list[An
 
 def _sample_row(decision_id: str, sample: Mapping[str, Any] | Any) -> list[Any]:
     record = sample.model_dump(mode="json") if hasattr(sample, "model_dump") else sample
-    if not isinstance(record, Mapping):
+    if not isinstance(record, abc.Mapping):
         raise TypeError(f"a sample must be a contract-v1 record dict, not {type(record).__name__}")
     kind = record.get("kind")
     if kind not in _SAMPLE_KINDS:
@@ -1000,8 +1002,8 @@ def _window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Ta
         values = list(map(_WINDOW_VALUES, rows))
     except (KeyError, TypeError):
         index, row = next((i, row) for i, row in enumerate(rows)
-                          if not isinstance(row, Mapping) or not _WINDOW_FIELD_SET.issubset(row))
-        if not isinstance(row, Mapping):
+                          if not isinstance(row, abc.Mapping) or not _WINDOW_FIELD_SET.issubset(row))
+        if not isinstance(row, abc.Mapping):
             raise ValueError(f"window stats row {offset + index} is a {type(row).__name__}, "
                              "not a dict") from None
         missing = ", ".join(repr(f) for f in WINDOW_STATS_FIELDS if f not in row)
@@ -1071,14 +1073,26 @@ def _json(value: Any) -> str:
     >>> _json({"b": float("nan"), "a": [1.5, (2, 3)]})
     '{"a":[1.5,[2,3]],"b":null}'
     """
-    return json.dumps(_plain(value), separators=(",", ":"), sort_keys=True, allow_nan=False,
-                      default=_json_default)
+    try:  # most values are plain already: one C-level pass
+        return json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=False)
+    except (ValueError, TypeError):
+        return json.dumps(_plain(value), separators=(",", ":"), sort_keys=True, allow_nan=False,
+                          default=_json_default)
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, float):
+    kind = type(value)
+    if kind is float:
         return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
+    if kind is dict:
+        return {str(k): _plain(v) for k, v in value.items()}
+    if kind is list or kind is tuple:
+        return [_plain(v) for v in value]
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, abc.Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
