@@ -489,6 +489,7 @@ class _Worker:
         self.slots = np.zeros((0, _SLOT_COLUMNS), dtype=np.int64)
         self.kv_total = 0
         self._draws: list[tuple[list[float], list[float], str]] = []
+        self._mix: list[float] | None = None  # cached cumulative mix; reset when an incident changes it
 
     # -- acceptance ---------------------------------------------------------------------------
     def _acceptance_table(self) -> np.ndarray:
@@ -512,8 +513,12 @@ class _Worker:
         return max(1, int(self.sim.concurrency * load + 0.5))
 
     def _cumulative_weights(self, t: float) -> list[float]:
+        """Cumulative traffic mix at ``t``; fixed unless the mix shifts or a surge is on."""
+        shifting = self.sim._scenario.mix_shift
+        if self._mix is not None and not shifting:
+            return self._mix
         weights = [b.weight for b in BUCKETS]
-        if self.sim._scenario.mix_shift:
+        if shifting:
             progress = min(1.0, max(0.0, (t - 60.0) / max(1.0, self.sim.duration - 60.0)))
             weights = [w + progress * (_SHIFTED_WEIGHTS[b.name] - w) for w, b in zip(weights, BUCKETS)]
         share = self.conditions.surge_share
@@ -526,6 +531,7 @@ class _Worker:
         for w in weights[:-1]:
             acc += w / total
             cumulative.append(acc)
+        self._mix = cumulative
         return cumulative
 
     # -- requests -----------------------------------------------------------------------------
@@ -612,16 +618,17 @@ class _Worker:
                          r.fail_remaining, r.kv_tokens))
             if self.sim.flags is None:
                 r.speculated = allowed > 0
+            self.kv_total += r.kv_tokens
         self.batch.extend(admitted)
         self.slots = np.concatenate([self.slots, np.array(rows, dtype=np.int64)])
-        self.kv_total = int(self.slots[:, _KV].sum())
 
-    def _remove(self, slots: Sequence[int]) -> None:
-        keep = np.ones(len(self.batch), dtype=bool)
-        keep[list(slots)] = False
-        self.batch = [r for r, kept in zip(self.batch, keep.tolist()) if kept]
+    def _remove(self, slots: Sequence[int], kv_tokens: int) -> None:
+        """Drop the given slots, which held ``kv_tokens`` of KV cache between them."""
+        gone = set(slots)
+        keep = [i for i in range(len(self.batch)) if i not in gone]
+        self.batch = [self.batch[i] for i in keep]
         self.slots = self.slots[keep]
-        self.kv_total = int(self.slots[:, _KV].sum())
+        self.kv_total -= kv_tokens
 
     # -- incidents ----------------------------------------------------------------------------
     def _begin(self, plan: _Plan, intensity: float) -> BundleCard | None:
@@ -646,6 +653,7 @@ class _Worker:
             c.tail = (bucket, cohort, intensity)
         elif plan.kind == "kv_pressure":
             c.surge_share = intensity
+            self._mix = None
         elif plan.kind == "quality_mismatch":
             c.mismatch = (bucket, intensity)
         elif plan.kind == "error_burst":
@@ -709,10 +717,14 @@ class _Worker:
         draft_ms, verify_fixed = step_timing(n, drafting, max(per_request), drafted_tokens, 0,
                                              self.conditions.draft_factor)
         jitter = u[:steps, n:].tolist()
-        ends: list[float] = []
-        drafts: list[float] = []
-        verifies: list[float] = []
+        out: list[tuple[float, list[TelemetryRecord]]] = []
+        if emitting:
+            width, seq = self.width, self.seq
+            start_ts, name, bundle_id, batch = self.sim.start_ts, self.name, self.bundle_id, self.batch
+            codes = (drafted * width + accepted[:steps]).tolist()
+            caches = [req.entries for req in batch]
         end = t
+        ran = 0
         for k in range(steps):
             if k and (end >= horizon or kv_after[k - 1] > _KV_CAPACITY_TOKENS):
                 break
@@ -721,45 +733,42 @@ class _Worker:
             verify = (verify_fixed + _VERIFY_MS_PER_KV_KTOKEN / 1000.0 * kv_after[k]) * (
                 1.0 + _TIMING_JITTER * (j_verify - 0.5))
             end += (draft + verify + _SCHEDULE_GAP_MS * (1.0 + j_gap)) / 1000.0
-            ends.append(end)
-            drafts.append(round(draft, 3))
-            verifies.append(round(verify, 3))
-        steps = len(ends)
+            ran += 1
+            if emitting:
+                seq += 1
+                ts = round(start_ts + end, 6)
+                entries = [cache[code] or req.round_entry(code, width)
+                           for req, cache, code in zip(batch, caches, codes[k])]
+                usage = kv_after[k] / _KV_CAPACITY_TOKENS
+                out.append((ts, [_trusted_step({
+                    "v": 1, "ts": ts, "kind": "step", "worker": name, "seq": seq, "bundle_id": bundle_id,
+                    "draft_ms": round(draft, 3), "verify_ms": round(verify, 3),
+                    "kv_usage": round(usage if usage < 1.0 else 1.0, 4), "requests": entries})]))
+        steps = ran
         last = produced[steps - 1]
         slots[:, _REMAINING] -= last
         slots[:, _KV] += last
         self.kv_total = kv_after[steps - 1]
-
-        out: list[tuple[float, list[TelemetryRecord]]] = []
-        if emitting:
-            width, seq = self.width, self.seq
-            start_ts, name, bundle_id, batch = self.sim.start_ts, self.name, self.bundle_id, self.batch
-            codes = (drafted * width + accepted[:steps]).tolist()
-            caches = [req.entries for req in batch]
-            for k in range(steps):
-                seq += 1
-                ts = round(start_ts + ends[k], 6)
-                entries = [cache[code] or req.round_entry(code, width)
-                           for req, cache, code in zip(batch, caches, codes[k])]
-                kv_usage = round(min(1.0, kv_after[k] / _KV_CAPACITY_TOKENS), 4)
-                out.append((ts, [_trusted_step({
-                    "v": 1, "ts": ts, "kind": "step", "worker": name, "seq": seq, "bundle_id": bundle_id,
-                    "draft_ms": drafts[k], "verify_ms": verifies[k], "kv_usage": kv_usage, "requests": entries})]))
         self.seq += steps
         if steps == attention_step + 1:
-            due = np.flatnonzero(slots[:, _REMAINING] <= slots[:, _STOP_AT]).tolist()
-            self._settle(due, ends[-1], out[-1][1] if emitting else None)
+            # the attention row compared what the block produced with what each request had
+            # left, i.e. it marks exactly the slots now at their end or failure point
+            due = np.flatnonzero(attention[attention_step]).tolist()
+            self._settle(due, end, out[-1][1] if emitting else None)
         if self.kv_total > _KV_CAPACITY_TOKENS:
             self._preempt()
-        return ends[-1], out
+        return end, out
 
     def _settle(self, due: list[int], t_end: float, records: list | None) -> None:
         """Finish, fail or pass the requests that reached their end or their failure point."""
         done: list[int] = []
+        freed = 0
         remaining = self.slots[:, _REMAINING].tolist()
+        kv = self.slots[:, _KV].tolist()
         for slot in due:
             req = self.batch[slot]
             if remaining[slot] <= 0:
+                freed += kv[slot]
                 done.append(slot)
                 if records is not None:
                     reason = "length" if req.output_tokens >= req.max_tokens else "stop"
@@ -770,11 +779,12 @@ class _Worker:
                 self.slots[slot, _STOP_AT] = 0  # past its failure point: runs to the end
                 continue
             done.append(slot)
+            freed += kv[slot]
             if records is not None:
                 req.output_tokens -= remaining[slot]
                 records.extend(self._finish(req, t_end, outcome))
         if done:
-            self._remove(done)
+            self._remove(done, freed)
 
     def _failure(self, req: _Request) -> str | None:
         factor = 1.0
@@ -848,7 +858,7 @@ class _Worker:
             preempted.append(slot)
             total -= kv[slot]
         self.waiting[:0] = [self.batch[s] for s in reversed(preempted)]
-        self._remove(preempted)
+        self._remove(preempted, self.kv_total - total)
 
     # -- the worker's stream of record batches --------------------------------------------------
     def run(self) -> Iterator[tuple[float, list[TelemetryRecord]]]:
@@ -1076,4 +1086,7 @@ class Simulator:
                 next_ts, following = next(stream)
                 counter += 1
                 heapq.heapreplace(heap, (next_ts, rank, counter, following, stream))
-            yield from batch
+            if len(batch) == 1:
+                yield batch[0]
+            else:
+                yield from batch
