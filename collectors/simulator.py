@@ -415,7 +415,8 @@ def _trusted_step(values: dict) -> StepRecord:
     """
     record = StepRecord.__new__(StepRecord)
     _set_attribute(record, "__dict__", values)
-    _set_attribute(record, "__pydantic_fields_set__", _STEP_FIELDS_SET)  # frozen model: never added to
+    # a set of its own, as pydantic gives every model: model_copy(update=...) adds to it
+    _set_attribute(record, "__pydantic_fields_set__", set(_STEP_FIELDS_SET))
     _set_attribute(record, "__pydantic_extra__", None)
     _set_attribute(record, "__pydantic_private__", None)
     return record

@@ -108,6 +108,16 @@ def test_every_record_round_trips_through_the_contract(demo_run):
     assert set(kinds) == {"bundle", "step", "request", "shadow"}
 
 
+def test_step_records_behave_like_validated_ones(demo_run):
+    _, records = demo_run
+    steps = [r for r in records if isinstance(r, StepRecord)][::500]
+    for step in steps:
+        validated = StepRecord.model_validate(step.model_dump())
+        assert validated == step and validated.model_fields_set == step.model_fields_set
+        assert encode_record(validated) == encode_record(step)
+        assert step.model_copy(update={"seq": 0}).seq == 0 and step.seq > 0
+
+
 def test_records_come_in_event_time_order_with_per_worker_sequences(demo_run):
     sim, records = demo_run
     times = [r.ts for r in records]
