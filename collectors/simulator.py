@@ -382,7 +382,11 @@ SCENARIOS: Mapping[str, str] = MappingProxyType({name: s.description for name, s
 
 
 class FlagSource(Protocol):
-    """What the simulated engines ask before drafting (e.g. `specwatch.actions.FlagStore`)."""
+    """What the simulated engines ask before drafting (e.g. `specwatch.actions.flags.FlagStore`).
+
+    ``lookup`` answers with an object carrying ``enabled`` (False: standard decoding) and
+    ``draft_limit`` (None, or the most positions to draft), like ``SpeculationState``.
+    """
 
     def lookup(self, bundle_id: str, bucket: str, cohort: str): ...
 
