@@ -41,6 +41,7 @@ def install(collector_for: Callable[[str], Any]) -> None:
         "__init__": _runner_init(collector_for),
         "execute_model": _execute_model,
         "_model_forward": _model_forward,
+        "_input_fits_in_drafter": _input_fits_in_drafter,
         "propose_draft_token_ids": _propose_draft_token_ids,
         "sample_tokens": _sample_tokens,
         "take_draft_token_ids": _take_draft_token_ids,
@@ -115,33 +116,41 @@ def _model_forward(original):
     return _model_forward
 
 
+def _input_fits_in_drafter(original):
+    # sample_tokens asks this once per step, before any drafting, and when it answers False
+    # vLLM takes its own no-draft path: the drafter does not run and the step's drafts are
+    # zeros, which take_draft_token_ids below turns into empty lists. That makes it the place
+    # to consult the flags for the whole batch, and to skip the drafter when all of it is off.
+    def _input_fits_in_drafter(self, *args, **kwargs):
+        fits = original(self, *args, **kwargs)
+        tap: RunnerTap | None = getattr(self, RUNNER_ATTR, None)
+        if tap is None or tap.frame is None:
+            return fits
+        try:
+            req_ids = list(self.input_batch.req_ids)
+            gated = tap.gate(req_ids, self.requests)
+            if fits and gated and len(gated) == len(req_ids) and not any(gated.values()):
+                tap.drafter_skipped(req_ids)
+                return False
+        except Exception as error:
+            tap.collector.hook_failed("_input_fits_in_drafter", error)
+        return fits
+    return _input_fits_in_drafter
+
+
 def _propose_draft_token_ids(original):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         tap: RunnerTap | None = getattr(self, RUNNER_ATTR, None)
         if tap is None or tap.frame is None:
             return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        req_ids = list(self.input_batch.req_ids)
-        try:
-            gated = tap.gate(req_ids, self.requests)
-        except Exception as error:
-            tap.collector.hook_failed("propose_draft_token_ids", error)
-            gated = {}
         begin = tap.start_timer()
-        if (gated and tap.stateless_drafter and len(gated) == len(req_ids)
-                and not any(gated.values()) and isinstance(sampled_token_ids, list)):
-            # speculation is off for the whole batch: do not run the drafter at all
-            drafts = [[] for _ in req_ids]
-        else:
-            drafts = original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        drafts = original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         tap.stop_timer(begin, is_draft=True)
-        tap.pending_gate = None
-        if gated:
-            if isinstance(drafts, list):
-                drafts = cut_drafts(req_ids, drafts, gated)
-            else:
-                # A [num_reqs, k] tensor cannot hold rows of different lengths: the cut is
-                # made when the engine takes the drafts as per-request lists.
-                tap.pending_gate = gated
+        gated = tap.pending_gate
+        if gated and isinstance(drafts, list):
+            # per-request lists (ngram, suffix): cut right here; a [num_reqs, k] tensor cannot
+            # hold rows of different lengths and is cut when the engine takes it as lists
+            drafts = cut_drafts(list(self.input_batch.req_ids), drafts, gated)
         return drafts
     return propose_draft_token_ids
 

@@ -23,7 +23,7 @@ FRAME_ATTR = "_specwatch_frame"
 _perf_ns = time.perf_counter_ns
 
 
-@dataclass
+@dataclass(slots=True)
 class StepFrame:
     """What the model runner measured during one engine step (travels on ModelRunnerOutput)."""
 
@@ -44,26 +44,30 @@ class RunnerTap:
         self._vllm_config = vllm_config
         spec = vllm_config.speculative_config
         # ngram looks only at the tokens it is given: skipping it for a step loses nothing.
-        # Model-based drafters keep their own KV cache and state, so they always run and their
-        # proposals are cut afterwards.
-        self.stateless_drafter = spec.method in ("ngram",)
+        # Model drafters (and suffix trees) build per-request state from every step they see,
+        # so a request that lived through a skipped step would get drafts from a broken state.
+        self.stateless_drafter = spec.method in ("ngram", "ngram_gpu")
+        # requests whose drafter state missed a step: no drafts for the rest of their life
+        self._stale: set[str] = set()
         self._cuda = getattr(device, "type", "cpu") == "cuda"
         self._bundle_id: str | None = None
         self._labels: dict[str, tuple[str, str]] = {}
         self.frame: StepFrame | None = None
-        # gate applied at the last proposal, kept for drafts that come out as a tensor and are
-        # only turned into per-request lists when the engine takes them
+        # this step's gate, applied to the proposals and again when the engine takes them as
+        # per-request lists (the only form in which tensor drafts can be cut)
         self.pending_gate: dict[str, int] | None = None
 
     # step frame ---------------------------------------------------------------------------
 
     def open_frame(self, scheduler_output: Any) -> None:
+        self.pending_gate = None
         if not self.collector.enabled:
             self.frame = None
             return
         start = _perf_ns()
         for request_id in scheduler_output.finished_req_ids:
             self._labels.pop(request_id, None)
+            self._stale.discard(request_id)
         self.frame = StepFrame()
         self.frame.cost_ns += _perf_ns() - start
 
@@ -137,11 +141,19 @@ class RunnerTap:
                 limit = by_labels[labels]
             else:
                 limit = by_labels[labels] = self._limit(flags, bundle_id, labels)
+            if request_id in self._stale:
+                limit = 0
             if limit is not None:
                 gated[request_id] = limit
         frame.gated = gated
+        self.pending_gate = gated or None
         frame.cost_ns += _perf_ns() - start
         return gated
+
+    def drafter_skipped(self, req_ids: list[str]) -> None:
+        """The drafter does not run this step (every request is off)."""
+        if not self.stateless_drafter:
+            self._stale.update(req_ids)
 
     def _limit(self, flags: Any, bundle_id: str, labels: tuple[str, str]) -> int | None:
         try:

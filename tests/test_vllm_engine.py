@@ -1,0 +1,331 @@
+"""The vLLM collector on a real engine: ngram speculation, fallback and restore, lossless text.
+
+One subprocess (this file run as a script) drives vLLM on the tiny models and writes what it
+saw to JSON; the tests below judge that. The subprocess keeps vLLM's process-wide state
+(plugins, torch threads, environment cache) out of the test process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+          "prompt_lookup_max": 3}
+_PROMPTS = [
+    "def parse(line):\n    return line.split(',')\n",
+    "import os\nimport sys\n\nfor name in os.listdir('.'):\n",
+    "class Cache:\n    def __init__(self):\n        self.items = {}\n",
+    "The quick brown fox jumps over the lazy dog.",
+]
+# (request id prefix, extra_args, expected bucket, expected cohort), one per prompt
+_LABELS = [
+    ("coding:canary:", None, "coding", "canary"),
+    ("plain-", None, "default", "main"),
+    ("x-", {"specwatch_bucket": "extraction", "specwatch_cohort": "baseline"}, "extraction", "baseline"),
+    ("coding:canary:", {"specwatch_cohort": "shadow"}, "coding", "shadow"),
+]
+_MAX_TOKENS = 40
+_DISABLE_AFTER_STEP = 5
+_RESTORE_AFTER_STEP = 15
+_OVERHEAD_BLOCK = 4
+_SUBPROCESS_TIMEOUT_S = 900
+
+
+def _scenario(out_path: Path) -> None:
+    """Runs in the subprocess: every engine interaction of this module, results to JSON."""
+    from specwatch.actions.flags import FlagStore
+    from specwatch.collectors.vllm import VllmCollector, build_tiny_models
+    from specwatch.collectors.vllm.local_engine import (close_engine, new_engine, run_to_completion,
+                                                        spec_decode_counters)
+    from specwatch.schemas import Decision, encode_record
+
+    models = build_tiny_models()
+    from vllm import SamplingParams
+
+    def requests(tag: str, max_tokens: int = _MAX_TOKENS):
+        out = []
+        for i, (prompt, (prefix, extra, _, _)) in enumerate(zip(_PROMPTS, _LABELS)):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=7,
+                                    extra_args=dict(extra) if extra else None)
+            out.append((f"{prefix}{tag}{i}", prompt, params))
+        return out
+
+    def texts(run):
+        return {rid: {"text": o.outputs[0].text, "tokens": list(o.outputs[0].token_ids),
+                      "prompt_tokens": list(o.prompt_token_ids)} for rid, o in run.outputs.items()}
+
+    records: list = []
+
+    class ListSink:
+        def emit(self, record):
+            records.append(record)
+
+    flags = FlagStore()
+    collector = VllmCollector(ListSink(), flags=flags, worker="test-worker")
+    result: dict = {"phases": {}}
+    started = time.monotonic()
+    with collector.watching():
+        engine = new_engine(models.target, _NGRAM)
+    result["engine_init_s"] = time.monotonic() - started
+    (bundle_id,) = collector.bundles
+    result["bundle_id"] = bundle_id
+    collector.flush()
+    result["bundle_records"] = [encode_record(r) for r in records]
+
+    def phase(name, reqs, on_step=None):
+        before = spec_decode_counters(engine)
+        collector.flush()
+        first = len(records)
+        t0 = time.monotonic()
+        run = run_to_completion(engine, reqs, on_step)
+        collector.flush()
+        after = spec_decode_counters(engine)
+        result["phases"][name] = {
+            "records": [encode_record(r) for r in records[first:]],
+            "counters": {k: (after[k] - before[k]) if k != "accepted_per_pos"
+                         else [a - b for a, b in zip(after[k], before[k] or [0] * len(after[k]))]
+                         for k in after},
+            "outputs": texts(run),
+            "seconds": time.monotonic() - t0,
+            "step_seconds": run.step_seconds,
+        }
+        return run
+
+    phase("speculative", requests("a"))
+
+    marks: dict = {}
+
+    def fallback(step: int) -> None:
+        if step in (_DISABLE_AFTER_STEP, _RESTORE_AFTER_STEP):
+            collector.flush()
+            last_seq = max(r.seq for r in records if r.kind == "step")
+            action = "disable_speculation" if step == _DISABLE_AFTER_STEP else "restore"
+            flags.apply(Decision(ts=time.time(), bundle_id=bundle_id, action=action,
+                                 reason="acceptance_drop", detector="test"))
+            marks[action] = last_seq
+
+    phase("fallback", requests("b"), fallback)
+    result["marks"] = marks
+
+    # Collector cost: the same engine, requests in flight, collector on and off in alternating
+    # blocks of steps, so both modes see the same load and the same CPU contention.
+    modes: list[bool] = []
+
+    def toggle(step: int) -> None:
+        modes.append(collector.enabled)
+        collector.enabled = (step // _OVERHEAD_BLOCK) % 2 == 1
+
+    stats_before = collector.stats()
+    collector.enabled = True
+    run = run_to_completion(engine, requests("c", max_tokens=96), toggle)
+    collector.enabled = True
+    stats_after = collector.stats()
+    on = [s for s, m in zip(run.step_seconds, modes) if m]
+    off = [s for s, m in zip(run.step_seconds, modes) if not m]
+    result["overhead"] = {
+        "steps_on": len(on), "steps_off": len(off),
+        "median_on_ms": statistics.median(on) * 1e3, "median_off_ms": statistics.median(off) * 1e3,
+        "mean_on_ms": statistics.fmean(on) * 1e3, "mean_off_ms": statistics.fmean(off) * 1e3,
+        "collector_steps": stats_after.steps - stats_before.steps,
+        "collector_cost_s": stats_after.cost_s - stats_before.cost_s,
+    }
+    stats = collector.stats()
+    result["stats"] = {k: getattr(stats, k) for k in stats.__dataclass_fields__}
+    collector.close()
+    close_engine(engine)
+
+    started = time.monotonic()
+    engine = new_engine(models.target, None)
+    result["standard"] = {"outputs": texts(run_to_completion(engine, requests("a"))),
+                          "seconds": time.monotonic() - started}
+    close_engine(engine)
+    import vllm
+
+    result["model_paths"] = {"target": str(models.target)}
+    result["vllm_version"] = vllm.__version__
+    out_path.write_text(json.dumps(result))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """The scenario's results: one engine run per module, in a subprocess."""
+    out = tmp_path_factory.mktemp("vllm-engine") / "result.json"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True,
+                          timeout=_SUBPROCESS_TIMEOUT_S, env=dict(os.environ))
+    if proc.returncode != 0:
+        pytest.fail(f"vLLM scenario failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+    result = json.loads(out.read_text())
+    result["wall_s"] = time.monotonic() - started
+    return result
+
+
+def _decoded(lines):
+    from specwatch.schemas import Rejection, decode_line
+
+    records = [decode_line(line) for line in lines]
+    rejected = [r for r in records if isinstance(r, Rejection)]
+    assert not rejected, f"records broke contract v1: {rejected[:3]}"
+    return records
+
+
+def _steps(phase):
+    return [r for r in _decoded(phase["records"]) if r.kind == "step"]
+
+
+def _requests(phase):
+    return {r.id: r for r in _decoded(phase["records"]) if r.kind == "request"}
+
+
+def _token_sha(ids) -> str:
+    return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
+
+
+def _external(internal_id: str) -> str:
+    # vLLM appends "-<8 random chars>" to every request id it is given
+    return internal_id.rsplit("-", 1)[0]
+
+
+def _per_position(steps, length):
+    counts = [0] * length
+    for step in steps:
+        for entry in step.requests:
+            for position in range(entry.accepted):
+                counts[position] += 1
+    return counts
+
+
+def test_totals_equal_vllm_counters(run):
+    for name in ("speculative", "fallback"):
+        phase = run["phases"][name]
+        steps = _steps(phase)
+        rounds = [e for s in steps for e in s.requests if e.drafted]
+        counters = phase["counters"]
+        assert sum(e.drafted for e in rounds) == counters["draft_tokens"], name
+        assert sum(e.accepted for e in rounds) == counters["accepted_tokens"], name
+        assert len(rounds) == counters["drafts"], name
+        assert _per_position(steps, _NGRAM["num_speculative_tokens"]) == counters["accepted_per_pos"], name
+    assert run["phases"]["speculative"]["counters"]["draft_tokens"] > 0, "ngram drafted nothing"
+
+
+def test_step_records_follow_the_engine(run):
+    steps = _steps(run["phases"]["speculative"])
+    assert [s.seq for s in steps] == list(range(steps[0].seq, steps[0].seq + len(steps)))
+    assert len(steps) == len(run["phases"]["speculative"]["step_seconds"])
+    assert all(s.bundle_id == run["bundle_id"] and s.worker == "test-worker" for s in steps)
+    assert all(s.verify_ms > 0 for s in steps), "every step runs the target forward"
+    assert sum(s.draft_ms for s in steps) > 0
+    assert all(0 < s.kv_usage <= 1 for s in steps[:-1])
+    assert max(len(s.requests) for s in steps) == len(_PROMPTS)
+    assert all(e.accepted <= e.drafted <= _NGRAM["num_speculative_tokens"] for s in steps for e in s.requests)
+
+
+def test_buckets_and_cohorts_from_request(run):
+    expected = {f"{prefix}a{i}": (bucket, cohort) for i, (prefix, _, bucket, cohort) in enumerate(_LABELS)}
+    for step in _steps(run["phases"]["speculative"]):
+        for entry in step.requests:
+            assert (entry.bucket, entry.cohort) == expected[_external(entry.id)]
+    requests = _requests(run["phases"]["speculative"])
+    assert {_external(r.id): (r.bucket, r.cohort) for r in requests.values()} == expected
+
+
+def test_request_records(run):
+    phase = run["phases"]["speculative"]
+    requests = _requests(phase)
+    assert len(requests) == len(_PROMPTS)
+    for internal_id, record in requests.items():
+        output = phase["outputs"][_external(internal_id)]
+        assert record.speculative and record.finish_reason == "length" and record.error is None
+        assert record.output_tokens == _MAX_TOKENS == len(output["tokens"])
+        assert 0 < record.ttft_ms <= record.e2e_ms
+        assert record.tpot_ms is not None and record.tpot_ms > 0
+        assert record.sample.output_sha256 == _token_sha(output["tokens"])
+        assert record.sample.prompt_sha256 == _token_sha(output["prompt_tokens"])
+        sampling = record.sample.sampling
+        assert (sampling.temperature, sampling.top_p, sampling.seed, sampling.max_tokens) == (0.0, 1.0, 7, _MAX_TOKENS)
+    # a request's record follows the step record of the step it finished in, and no later
+    # step carries it
+    records = _decoded(phase["records"])
+    for i, record in enumerate(records):
+        if record.kind == "request":
+            seen = [r for r in records[:i] if r.kind == "step" and record.id in {e.id for e in r.requests}]
+            later = [r for r in records[i:] if r.kind == "step" and record.id in {e.id for e in r.requests}]
+            assert seen and not later
+
+
+def test_bundle_card_from_engine_config(run):
+    from specwatch.collectors.vllm.bundle import checkpoint_revision, tokenizer_digest
+    from specwatch.schemas import bundle_digest
+
+    (bundle,) = _decoded(run["bundle_records"])
+    assert bundle.kind == "bundle" and bundle.bundle_id == run["bundle_id"]
+    card, target = bundle.card, run["model_paths"]["target"]
+    assert card.target.model_id == target
+    assert card.target.revision == checkpoint_revision(target) != ""
+    assert card.target.tokenizer_digest == tokenizer_digest(target)
+    assert card.target.quantization == "none/float32"
+    assert (card.drafter.mechanism, card.drafter.draft_length) == ("ngram", 4)
+    assert card.drafter.revision == "ngram:lookup=2-3"
+    assert card.runtime.engine == f"vllm-{run['vllm_version']}" == "vllm-0.32.0"
+    assert card.runtime.gpu.startswith("cpu") and card.runtime.parallelism == "tp1-pp1-dp1"
+    assert card.policy.acceptance_rule == "strict"
+    assert bundle_digest(card) == run["bundle_id"]
+
+
+def test_fallback_removes_drafts_and_restore_brings_them_back(run):
+    steps = _steps(run["phases"]["fallback"])
+    disabled_at, restored_at = run["marks"]["disable_speculation"], run["marks"]["restore"]
+    # the step right after the decision verifies drafts proposed before it; from the next
+    # proposal on, the gate applies
+    off = [s for s in steps if disabled_at + 1 < s.seq <= restored_at]
+    assert off and all(e.drafted == 0 for s in off for e in s.requests)
+    assert all(s.draft_ms < 1.0 for s in off), "the ngram drafter is not run while speculation is off"
+    before = [s for s in steps if s.seq <= disabled_at]
+    after = [s for s in steps if s.seq > restored_at + 1]
+    assert sum(e.drafted for s in before for e in s.requests) > 0
+    assert sum(e.drafted for s in after for e in s.requests) > 0, "restore did not bring drafts back"
+    # requests that lived through the fallback are not clean speculative samples
+    assert all(not r.speculative for r in _requests(run["phases"]["fallback"]).values())
+
+
+def test_greedy_text_identical_on_off_and_after_fallback(run):
+    def by_prompt(outputs):
+        return {rid[-1]: o["text"] for rid, o in outputs.items()}
+
+    speculative = by_prompt(run["phases"]["speculative"]["outputs"])
+    fallback = by_prompt(run["phases"]["fallback"]["outputs"])
+    standard = by_prompt(run["standard"]["outputs"])
+    assert len(standard) == len(_PROMPTS)
+    assert speculative == standard
+    assert fallback == standard
+
+
+def test_collector_overhead_is_reported(run, capsys):
+    overhead = run["overhead"]
+    per_step_us = overhead["collector_cost_s"] / max(1, overhead["collector_steps"]) * 1e6
+    share = per_step_us / 1e3 / overhead["mean_on_ms"] * 100
+    with capsys.disabled():
+        print(f"\n[vllm overhead] engine step median {overhead['median_on_ms']:.2f} ms with the "
+              f"collector ({overhead['steps_on']} steps) vs {overhead['median_off_ms']:.2f} ms without "
+              f"({overhead['steps_off']} steps); mean {overhead['mean_on_ms']:.2f} vs "
+              f"{overhead['mean_off_ms']:.2f} ms; collector's own cost {per_step_us:.0f} us/step "
+              f"= {share:.2f}% of step time; scenario {run['wall_s']:.0f} s, engine init "
+              f"{run['engine_init_s']:.0f} s")
+    assert overhead["collector_steps"] == overhead["steps_on"]
+    assert run["stats"]["dropped"] == run["stats"]["rejected"] == run["stats"]["hook_errors"] == 0
+
+
+if __name__ == "__main__":
+    _scenario(Path(sys.argv[1]))
