@@ -1034,7 +1034,8 @@ def _window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Ta
                 array, bad = pa.array(column == 1), np.flatnonzero((column != 0) & (column != 1))
             else:
                 with np.errstate(invalid="ignore"):
-                    bad = np.flatnonzero(~(np.isfinite(column) & (column >= 0) & (column == np.floor(column))))
+                    whole = np.isfinite(column) & (column >= 0) & (column == np.floor(column))
+                    bad = np.flatnonzero(~whole)
                 array = pa.array(column.astype(np.uint64)) if not len(bad) else None
         if len(bad):
             index = int(bad[0])
@@ -1149,8 +1150,11 @@ _FILTER_TYPES = {"bundle_id": "String", "bucket": "String", "cohort": "String", 
 def _filters(**given: Any) -> tuple[str, dict[str, Any]]:
     """A WHERE clause with bound parameters for the filters that are set.
 
-    >>> _filters(bundle_id="b-1", bucket="*", since=5.0, until=None)
-    (' WHERE bundle_id = {bundle_id:String} AND bucket IS NULL AND ts >= {since:Float64}', {'bundle_id': 'b-1', 'since': 5.0})
+    >>> where, params = _filters(bundle_id="b-1", bucket="*", since=5.0, until=None)
+    >>> where
+    ' WHERE bundle_id = {bundle_id:String} AND bucket IS NULL AND ts >= {since:Float64}'
+    >>> params
+    {'bundle_id': 'b-1', 'since': 5.0}
     """
     clauses, params = [], {}
     for name, value in given.items():

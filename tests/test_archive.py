@@ -68,7 +68,8 @@ def shadow(ts, rid="r1", bundle="b-1"):
             "check": "token_exact", "match": False}
 
 
-CARD = {"target": {"model_id": "llama-8b", "revision": "r1", "tokenizer_digest": "t1", "quantization": "none"},
+CARD = {"target": {"model_id": "llama-8b", "revision": "r1", "tokenizer_digest": "t1",
+                   "quantization": "none"},
         "drafter": {"mechanism": "eagle3", "revision": "e1", "draft_length": 4},
         "runtime": {"engine": "vllm-0.32", "gpu": "L4", "parallelism": "tp1"},
         "policy": {"acceptance_rule": "strict", "fallback": "standard"}}
@@ -178,8 +179,9 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
     assert got["bundles"] == [{"bundle_id": "b-1", "card": CARD, "first_seen": 50.0, "last_seen": 150.0,
                                "workers": ["w1", "w2"]}]
     assert [(o["bucket"], o["enabled"], o["by"]) for o in got["overrides"]] == [("chat", False, "alice")]
-    assert got["rejections"] == [{"ts": 130.0, "source": "w1", "reason": "accepted_exceeds_drafted", "count": 3},
-                                 {"ts": 130.0, "source": "w1", "reason": "nan", "count": 1}]
+    assert got["rejections"] == [
+        {"ts": 130.0, "source": "w1", "reason": "accepted_exceeds_drafted", "count": 3},
+        {"ts": 130.0, "source": "w1", "reason": "nan", "count": 1}]
     assert got["flags"] == {"b-1/coding/None": [False, "acceptance_drop", None],
                             "b-1/None/None": [False, "bundle_changed", None],
                             "b-1/chat/None": [False, "canary looks off", "alice"]}
@@ -297,7 +299,8 @@ def test_decisions_filter_and_limit_to_the_most_recent_oldest_first(archive):
     assert ts(archive.decisions(bundle_id="b-1", bucket="coding")) == [1, 4, 5]
     assert ts(archive.decisions(bucket="*")) == [3]
     assert ts(archive.decisions(reason="acceptance_drop", action="disable_speculation")) == [4, 6]
-    assert ts(archive.decisions(bundle_id="b-1", reason="acceptance_drop", action="disable_speculation")) == [4]
+    assert ts(archive.decisions(bundle_id="b-1", reason="acceptance_drop",
+                                action="disable_speculation")) == [4]
     assert ts(archive.decisions(since=2, until=4)) == [2, 3, 4]
     assert ts(archive.decisions(limit=2)) == [5, 6]
     assert archive.decision("d-000000000000") is None

@@ -40,7 +40,8 @@ def slice_row(i, bucket="coding", cohort="main", bundle="b-1"):
 
 DROP = Decision(ts=_T0 + 145.0, bundle_id="b-1", bucket="coding", cohort=None, action="disable_speculation",
                 reason="acceptance_drop", detector="al_gate",
-                evidence={"acceptance_length": 1.3, "baseline": 3.1, "consecutive": 3}, sample_ids=["r7", "w1:42"])
+                evidence={"acceptance_length": 1.3, "baseline": 3.1, "consecutive": 3},
+                sample_ids=["r7", "w1:42"])
 SLO = Decision(ts=_T0 + 60.0, bundle_id="b-1", bucket="chat", cohort="canary", action="disable_speculation",
                reason="latency_slo", detector="p99_gate", evidence={"tpot_p99": 40.0, "slo": 30.0})
 OTHER = Decision(ts=_T0 + 30.0, bundle_id="b-2", bucket=None, cohort=None, action="invalidate_bundle",
@@ -60,10 +61,11 @@ def dsn(tmp_path):
     """An archive as the pipeline leaves it: slices, decisions with evidence, bundles."""
     dsn = f"chdb://{tmp_path}/archive"
     with Archive.open(dsn) as archive:
-        archive.write_window_stats([slice_row(i) for i in range(20)] + [slice_row(i, "chat") for i in range(20)])
+        archive.write_window_stats([slice_row(i, bucket) for bucket in ("coding", "chat") for i in range(20)])
         window = [slice_row(i) for i in range(10, 15)]
-        archive.write_decision(DROP, {"thresholds": {"acceptance_length_min": 2.0}, "baseline": {"acceptance_length": 3.1},
-                                      "window": window, "card": CARD}, SAMPLES)
+        archive.write_decision(DROP, {"thresholds": {"acceptance_length_min": 2.0},
+                                      "baseline": {"acceptance_length": 3.1}, "window": window, "card": CARD},
+                               SAMPLES)
         archive.write_decision(SLO, {"thresholds": {"tpot_p99_ms": 30.0}, "baseline": None, "window": [],
                                      "card": CARD}, [])
         archive.write_decision(OTHER, {}, [])
@@ -104,7 +106,8 @@ def test_decisions_as_table_and_json_lines_with_filters(capsys, dsn):
                        "--archive", dsn)
     assert code == 0
     [row] = json_lines(out)
-    assert row["decision_id"] == DROP.id and row["evidence"] == DROP.evidence and row["line"] == DROP.to_json_line()
+    assert row["decision_id"] == DROP.id and row["evidence"] == DROP.evidence
+    assert row["line"] == DROP.to_json_line()
 
     _, out, _ = cli(capsys, "query", "decisions", "--json", "--bucket", "*", "--archive", dsn)
     assert [r["decision_id"] for r in json_lines(out)] == [OTHER.id]
@@ -126,7 +129,8 @@ def test_decision_shows_its_audit_evidence(capsys, dsn):
     code, out, _ = cli(capsys, "query", "decision", DROP.id, "--json", "--archive", dsn)
     [row] = json_lines(out)
     assert row["audit"]["card"] == CARD and len(row["audit"]["window"]) == 5
-    assert row["audit"]["window"][0]["ttft_p99"] == 120.0 and row["sample_counts"] == {"request": 1, "step": 1}
+    assert row["audit"]["window"][0]["ttft_p99"] == 120.0
+    assert row["sample_counts"] == {"request": 1, "step": 1}
 
     code, _, err = cli(capsys, "query", "decision", "d-000000000000", "--archive", dsn)
     assert code == 1 and "no decision 'd-000000000000'" in err
@@ -190,7 +194,8 @@ def test_sql_reads_and_refuses_writes(capsys, dsn):
         assert code == 2 and "refused" in err
     code, _, err = cli(capsys, "query", "sql", "SELECT nope FROM specwatch.decisions", "--archive", dsn)
     assert code == 1 and "query failed" in err
-    code, out, _ = cli(capsys, "query", "sql", "SELECT count() AS n FROM specwatch.decisions FINAL", "--archive", dsn)
+    code, out, _ = cli(capsys, "query", "sql", "SELECT count() AS n FROM specwatch.decisions FINAL",
+                       "--archive", dsn)
     assert out.split() == ["n", "3"]
 
 
@@ -213,12 +218,14 @@ def test_flags_set_list_clear_through_the_cli_with_audit_rows(dsn):
     assert before[("b-1", "coding", None)]["decision_id"] == DROP.id
     assert before[("b-2", None, None)]["reason"] == "bundle_changed"
 
-    done = specwatch_process("flags", "set", "--bundle", "b-1", "--bucket", "coding", "--on", "--draft-length", "2",
+    done = specwatch_process("flags", "set", "--bundle", "b-1", "--bucket", "coding", "--on",
+                             "--draft-length", "2",
                              "--by", "alice", "--reason", "AL drop is a tokenizer glitch; hold at D=2",
                              "--archive", dsn)
     assert done.returncode == 0, done.stderr
     assert "b-1/coding/* speculation on, draft length <= 2 by alice" in done.stdout
-    done = specwatch_process("flags", "set", "--bundle", "b-1", "--bucket", "chat", "--cohort", "canary", "--off",
+    done = specwatch_process("flags", "set", "--bundle", "b-1", "--bucket", "chat", "--cohort", "canary",
+                             "--off",
                              "--by", "bob", "--reason", "canary paused", "--archive", dsn)
     assert done.returncode == 0, done.stderr
 
@@ -278,7 +285,8 @@ def test_flags_refuse_bad_requests(capsys, dsn, tmp_path):
 def test_flags_use_the_archive_from_the_environment_or_the_default_path(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("SPECWATCH_ARCHIVE", raising=False)
     monkeypatch.chdir(tmp_path)
-    code, _, err = cli(capsys, "flags", "set", "--bundle", "b-9", "--off", "--by", "ops", "--reason", "new rollout",
+    code, _, err = cli(capsys, "flags", "set", "--bundle", "b-9", "--off", "--by", "ops",
+                       "--reason", "new rollout",
                        "--create")
     assert code == 0, err
     assert (tmp_path / "specwatch-data" / "archive" / "metadata").is_dir()

@@ -62,7 +62,8 @@ def register(subparsers) -> None:
     scope.add_argument("--bundle", required=True, help="bundle id")
     scope.add_argument("--bucket", help="task bucket (default: every bucket)")
     scope.add_argument("--cohort", help="cohort (default: every cohort)")
-    scope.add_argument("--by", required=True, help="who is making the change (recorded in the audit trail)")
+    scope.add_argument("--by", required=True, metavar="NAME",
+                       help="who is making the change (recorded in the audit trail)")
 
     parser = subparsers.add_parser(
         "flags", help="speculative-path state per scope; manual overrides",
@@ -79,12 +80,12 @@ def register(subparsers) -> None:
     state.add_argument("--off", dest="enabled", action="store_false", help="standard decoding only")
     state.add_argument("--on", dest="enabled", action="store_true", help="speculation allowed")
     p.add_argument("--draft-length", type=int, metavar="N", help="with --on: draft at most N tokens")
-    p.add_argument("--reason", required=True, help="why (recorded in the audit trail)")
+    p.add_argument("--reason", required=True, metavar="TEXT", help="why (recorded in the audit trail)")
     p.add_argument("--create", action="store_true", help="start a new archive if there is none")
     p.set_defaults(func=_set)
 
     p = sub.add_parser("clear", parents=[common, scope], help="remove a manual override")
-    p.add_argument("--reason", default="", help="why (recorded in the audit trail)")
+    p.add_argument("--reason", default="", metavar="TEXT", help="why (recorded in the audit trail)")
     p.set_defaults(func=_clear)
 
 

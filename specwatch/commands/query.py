@@ -38,8 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--bucket", help="task bucket ('*' = whole-bundle decisions)")
     p.add_argument("--reason", help="decision reason, e.g. acceptance_drop")
     p.add_argument("--action", help="decision action, e.g. disable_speculation")
-    p.add_argument("--since", type=parse_time, help="unix seconds or ISO-8601 time (inclusive)")
-    p.add_argument("--until", type=parse_time, help="unix seconds or ISO-8601 time (inclusive)")
+    p.add_argument("--since", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time (inclusive)")
+    p.add_argument("--until", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time (inclusive)")
     p.add_argument("--limit", type=int, default=100, help="most recent N (default 100; 0 = all)")
     p.set_defaults(func=_decisions)
 
@@ -58,8 +58,8 @@ def register(subparsers) -> None:
     p.add_argument("--around", metavar="DECISION_ID", help="center on a decision")
     p.add_argument("--seconds", type=float, default=_DEFAULT_AROUND_S,
                    help=f"how far either side of --around (default {_DEFAULT_AROUND_S:g})")
-    p.add_argument("--since", type=parse_time, help="unix seconds or ISO-8601 time")
-    p.add_argument("--until", type=parse_time, help="unix seconds or ISO-8601 time")
+    p.add_argument("--since", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time")
+    p.add_argument("--until", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time")
     p.set_defaults(func=_timeline)
 
     p = sub.add_parser("bundles", parents=[common], help="bundles seen, with their cards")
@@ -429,8 +429,9 @@ def _card_summary(card: Any) -> str:
     target, drafter, runtime = (card.get(k) or {} for k in ("target", "drafter", "runtime"))
     parts = []
     if target:
+        quantization = target.get("quantization")
         parts.append(f"target {target.get('model_id', '?')}@{target.get('revision') or '-'}"
-                     + (f" {target['quantization']}" if target.get("quantization") not in (None, "", "none") else ""))
+                     + (f" {quantization}" if quantization not in (None, "", "none") else ""))
     if drafter:
         parts.append(f"drafter {drafter.get('mechanism', '?')}@{drafter.get('revision') or '-'} "
                      f"D={drafter.get('draft_length', '?')}")
