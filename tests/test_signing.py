@@ -1,0 +1,240 @@
+"""Signed decisions: the HMAC header, key rotation, and a flag client that acts only on signed messages.
+
+The Kafka tests publish everything first and then start the client, so "caught up" means
+every message was judged: the counters are compared exactly, with no waiting on time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kafka import KafkaProducer
+from kafka.admin import KafkaAdminClient, NewTopic
+
+from specwatch.actions.decisions_topic import DecisionPublisher, FlagClient, heartbeat_message
+from specwatch.actions.signing import (
+    SIGNATURE_HEADER,
+    Keyring,
+    SigningKey,
+    Verdict,
+    sign_line,
+    verify,
+)
+from specwatch.collectors.otel import KafkaConfig
+from specwatch.schemas import Decision
+
+_API_VERSION = (4, 0)
+_KEY = b"k" * 16 + os.urandom(16)
+_OLD_KEY = b"o" * 16 + os.urandom(16)
+_OTHER_KEY = b"x" * 16 + os.urandom(16)
+
+
+def _decision(ts: float, action: str = "disable_speculation", bucket: str | None = "coding") -> Decision:
+    return Decision(ts=ts, bundle_id="b-1", bucket=bucket, cohort=None, action=action,
+                    reason="acceptance_drop", detector="al_gate", evidence={"al": 1.4})
+
+
+# -- the pure API ----------------------------------------------------------------------------
+
+def test_a_signed_line_verifies_and_any_change_breaks_it():
+    ring = Keyring.from_secrets(_KEY)
+    line = _decision(10.0).to_json_line().encode()
+    headers = sign_line(line, ring)
+    assert [name for name, _ in headers] == [SIGNATURE_HEADER]
+    assert verify(line, headers, ring) is Verdict.VALID
+    assert verify(line, dict(headers), ring) is Verdict.VALID  # Faust hands headers as a mapping
+    assert verify(line.replace(b"10.0", b"11.0"), headers, ring) is Verdict.FORGED
+    assert verify(line + b" ", headers, ring) is Verdict.FORGED
+    assert verify(line, [], ring) is Verdict.UNSIGNED
+    assert verify(line, [("other", b"v1")], ring) is Verdict.UNSIGNED
+    assert verify(None, headers, ring) is Verdict.UNSIGNED
+
+
+@pytest.mark.parametrize("header", [
+    b"", b"v1", b"v1::", b"v2:%s:%s", b"v1:%s:" + b"0" * 64, b"v1:%s:" + b"g" * 64, b"v1:%s:%s:extra",
+    b"\xff\xfe", b"v1:%s:" + b"a" * 10_000, None, "v1:text-not-bytes",
+])
+def test_malformed_signature_headers_are_forgeries_never_errors(header):
+    ring = Keyring.from_secrets(_KEY)
+    line = b'{"kind":"decision"}'
+    good = sign_line(line, ring)[0][1].split(b":")[2]
+    if isinstance(header, bytes) and b"%s" in header:
+        header = header.replace(b"%s", ring.current.key_id.encode(), 1).replace(b"%s", good, 1)
+    assert verify(line, [(SIGNATURE_HEADER, header)], ring) is Verdict.FORGED
+
+
+def test_uppercase_hex_is_not_a_second_valid_encoding():
+    ring = Keyring.from_secrets(_KEY)
+    name, value = sign_line(b"x", ring)[0]
+    version, key_id, digest = value.split(b":")
+    assert verify(b"x", [(name, b":".join([version, key_id, digest.upper()]))], ring) is Verdict.FORGED
+
+
+def test_rotation_accepts_the_previous_key_until_it_is_dropped():
+    old = Keyring.from_secrets(_OLD_KEY)
+    rolling = Keyring.from_secrets(_KEY, previous=_OLD_KEY)
+    new = Keyring.from_secrets(_KEY)
+    line = b'{"kind":"decision","ts":1.0}'
+    assert verify(line, sign_line(line, old), rolling) is Verdict.VALID
+    assert verify(line, sign_line(line, new), rolling) is Verdict.VALID
+    assert verify(line, sign_line(line, old), new) is Verdict.UNKNOWN_KEY
+    # Publishers sign with the current key only.
+    assert sign_line(line, rolling)[0][1].split(b":")[1].decode() == new.current.key_id
+
+
+def test_without_a_key_nothing_is_signed_and_everything_is_unchecked():
+    ring = Keyring()
+    assert sign_line(b"x", ring) == []
+    assert verify(b"x", [], ring) is Verdict.UNCHECKED and Verdict.UNCHECKED.accepted
+    assert "neither signed nor checked" in ring.describe()
+
+
+def test_keys_come_from_a_file_or_the_environment_and_never_show(tmp_path, caplog):
+    secret = "s3cr3t-" + uuid.uuid4().hex
+    key_file = tmp_path / "signing.key"
+    key_file.write_text(secret + "\n")
+    key_file.chmod(0o600)
+    from_file = Keyring.from_env({"SPECWATCH_SIGNING_KEY_FILE": str(key_file)})
+    from_value = Keyring.from_env({"SPECWATCH_SIGNING_KEY": secret})
+    assert from_file.current.key_id == from_value.current.key_id  # trailing newline ignored
+    assert from_file.current.secret == secret.encode()
+    rotated = Keyring.from_env({"SPECWATCH_SIGNING_KEY": secret, "SPECWATCH_SIGNING_PREVIOUS_KEY": "p" * 32})
+    assert rotated.previous is not None and rotated.previous.key_id in rotated.describe()
+    for shown in (repr(from_file), str(from_file), repr(from_file.current), from_file.describe()):
+        assert secret not in shown
+
+    with caplog.at_level(logging.DEBUG):
+        key_file.chmod(0o644)
+        Keyring.from_env({"SPECWATCH_SIGNING_KEY_FILE": str(key_file)})
+    assert "can be read by other users" in caplog.text and secret not in caplog.text
+
+    problems = [
+        {"SPECWATCH_SIGNING_KEY_FILE": str(key_file), "SPECWATCH_SIGNING_KEY": secret},
+        {"SPECWATCH_SIGNING_KEY_FILE": str(tmp_path / "missing.key")},
+        {"SPECWATCH_SIGNING_KEY": "short"},
+        {"SPECWATCH_SIGNING_PREVIOUS_KEY": secret},
+    ]
+    for environ in problems:
+        with pytest.raises(ValueError) as raised:
+            Keyring.from_env(environ)
+        assert secret not in str(raised.value) and "short" not in str(raised.value)
+
+
+def test_a_weak_key_is_refused_with_a_way_to_make_a_good_one():
+    with pytest.raises(ValueError, match="at least 16 bytes.*urandom"):
+        SigningKey.from_secret(b"password")
+
+
+_HEADER_VALUES = st.one_of(st.none(), st.binary(max_size=200), st.text(max_size=50))
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(line=st.binary(max_size=300), other=st.binary(max_size=300),
+       headers=st.lists(st.tuples(st.sampled_from([SIGNATURE_HEADER, "x", ""]), _HEADER_VALUES), max_size=4))
+def test_verify_never_raises_and_only_the_signed_line_is_valid(line, other, headers):
+    ring = Keyring.from_secrets(_KEY)
+    assert verify(line, headers, ring) in (Verdict.UNSIGNED, Verdict.FORGED, Verdict.UNKNOWN_KEY)
+    signed = sign_line(line, ring)
+    assert verify(line, headers + signed, ring) is Verdict.VALID
+    assert (verify(other, signed, ring) is Verdict.VALID) == (other == line)
+
+
+# -- on the real broker ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def admin(kafka_bootstrap):
+    client = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def decisions_topic(admin):
+    name = f"test.decisions.{uuid.uuid4().hex[:12]}"
+    admin.create_topics([NewTopic(name, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+    yield name
+    admin.delete_topics([name])
+
+
+@pytest.fixture
+def raw_producer(kafka_bootstrap):
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
+    yield producer
+    producer.close()
+
+
+@pytest.mark.kafka
+def test_flag_client_acts_only_on_signed_fresh_decisions(kafka_bootstrap, decisions_topic, raw_producer, caplog):
+    config = KafkaConfig(kafka_bootstrap)
+    ring = Keyring.from_secrets(_KEY)
+    disable, restore = _decision(100.0), _decision(200.0, action="restore")
+    with DecisionPublisher(config, topic=decisions_topic, keyring=ring, publisher_id="p-1") as publisher:
+        assert publisher.publish(disable) and publisher.publish(restore)
+        assert publisher.flush(10)
+    assert publisher.stats() == {"published": 2, "failed": 0}
+
+    def send(decision: Decision, headers, key: bytes | None = None) -> None:
+        value = decision.to_json_line().encode()
+        raw_producer.send(decisions_topic, key=key or decision.key.encode(), value=value,
+                          headers=headers(value) if callable(headers) else headers).get(timeout=10)
+
+    chat_off = _decision(300.0, bucket="chat")
+    send(chat_off, [])                                                              # unsigned
+    send(chat_off, [(SIGNATURE_HEADER, f"v1:{ring.current.key_id}:{'ab' * 32}".encode())])  # forged
+    send(chat_off, lambda value: sign_line(value, Keyring.from_secrets(_OTHER_KEY)))  # a stranger's key
+    send(disable, lambda value: sign_line(value, ring))                             # replay of an old one
+    send(chat_off, lambda value: sign_line(value, ring), key=b"b-1/extraction/*")   # signed, wrong key
+    send(_decision(250.0, action="reduce_draft_length", bucket="extraction"),
+         lambda value: sign_line(value, ring))                                      # legitimate
+
+    with caplog.at_level(logging.WARNING, logger="specwatch.actions.decisions_topic"):
+        with FlagClient(config, topic=decisions_topic, keyring=ring) as client:
+            assert client.wait_until_caught_up(30)
+            stats = client.stats()
+            assert client.lookup("b-1", "coding", "main").enabled  # the replayed disable did not win
+            assert client.lookup("b-1", "chat", "main").enabled  # no forged, unsigned or misrouted one did
+            assert client.lookup("b-1", "extraction", "main").draft_limit == 1
+    assert (stats.applied, stats.unsigned, stats.forged, stats.replayed, stats.misrouted) == (3, 1, 2, 1, 1)
+    assert (stats.undecodable, stats.tombstones) == (0, 0)
+    # One rate-limited warning for the flood, naming no message content.
+    ignored = [r for r in caplog.records if "ignored a" in r.getMessage()]
+    assert len(ignored) == 1 and "chat" not in ignored[0].getMessage()
+
+
+@pytest.mark.kafka
+def test_readers_mid_rotation_accept_both_keys(kafka_bootstrap, decisions_topic):
+    config = KafkaConfig(kafka_bootstrap)
+    with DecisionPublisher(config, topic=decisions_topic, keyring=Keyring.from_secrets(_OLD_KEY)) as old:
+        assert old.publish(_decision(100.0))
+        assert old.flush(10)
+    with DecisionPublisher(config, topic=decisions_topic, keyring=Keyring.from_secrets(_KEY)) as new:
+        assert new.publish(_decision(110.0, bucket="chat"))
+        assert new.flush(10)
+    with FlagClient(config, topic=decisions_topic, keyring=Keyring.from_secrets(_KEY, previous=_OLD_KEY)) as rolling:
+        assert rolling.wait_until_caught_up(30)
+        assert not rolling.lookup("b-1", "coding", "m").enabled and not rolling.lookup("b-1", "chat", "m").enabled
+        assert rolling.stats().applied == 2
+    with FlagClient(config, topic=decisions_topic, keyring=Keyring.from_secrets(_KEY)) as rotated:
+        assert rotated.wait_until_caught_up(30)
+        assert rotated.lookup("b-1", "coding", "m").enabled and not rotated.lookup("b-1", "chat", "m").enabled
+        assert (rotated.stats().applied, rotated.stats().forged) == (1, 1)
+
+
+@pytest.mark.kafka
+def test_without_a_key_the_client_says_so_once_and_accepts_unsigned(kafka_bootstrap, decisions_topic,
+                                                                     raw_producer, caplog):
+    line = _decision(100.0).to_json_line().encode()
+    raw_producer.send(decisions_topic, key=b"b-1/coding/*", value=line).get(timeout=10)
+    key, value, _ = heartbeat_message("p-1", 0, 99.0, keyring=Keyring())
+    raw_producer.send(decisions_topic, key=key, value=value).get(timeout=10)
+    with caplog.at_level(logging.WARNING):
+        with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic, keyring=Keyring()) as client:
+            assert client.wait_until_caught_up(30)
+            assert not client.lookup("b-1", "coding", "main").enabled
+            assert (client.stats().applied, client.stats().heartbeats) == (1, 1)
+    assert sum("WITHOUT a signing key" in r.getMessage() for r in caplog.records) == 1
