@@ -1,0 +1,152 @@
+"""Monitor silence on the real broker: heartbeats keep a flag client trusting its flags; without them
+it falls back to its configured safe state, says so once, and comes back when they resume.
+
+Silence is measured in wall-clock seconds by design, so these tests wait for states with
+generous deadlines; nothing asserts how long anything took.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+
+import pytest
+from kafka import KafkaProducer
+from kafka.admin import KafkaAdminClient, NewTopic
+
+from specwatch.actions.decisions_topic import SILENT_FALLBACK, DecisionPublisher, FlagClient, heartbeat_message
+from specwatch.actions.signing import Keyring
+from specwatch.collectors.otel import KafkaConfig
+from specwatch.schemas import Decision
+
+pytestmark = pytest.mark.kafka
+
+_API_VERSION = (4, 0)
+_RING = Keyring.from_secrets(os.urandom(32))
+_SILENCE_S = 3.0  # 15 heartbeats: a busy shared machine never misses that many
+_BEAT_S = 0.2
+_PATIENCE_S = 60.0  # a deadline for liveness on a busy machine, not a performance bound
+_LOGGER = "specwatch.actions.decisions_topic"
+
+
+@pytest.fixture(scope="module")
+def admin(kafka_bootstrap):
+    client = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def topic(admin):
+    name = f"test.silence.{uuid.uuid4().hex[:12]}"
+    admin.create_topics([NewTopic(name, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+    yield name
+    admin.delete_topics([name])
+
+
+def _until(condition) -> bool:
+    deadline = time.monotonic() + _PATIENCE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _disable_coding() -> Decision:
+    return Decision(ts=100.0, bundle_id="b-1", bucket="coding", action="disable_speculation",
+                    reason="acceptance_drop", detector="al_gate")
+
+
+def _silence_logs(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == _LOGGER and ("monitor is silent" in r.getMessage() or "resumed" in r.getMessage())]
+
+
+def test_standard_decoding_fail_safe_turns_speculation_off_while_silent_and_back_after(kafka_bootstrap, topic,
+                                                                                      caplog):
+    config = KafkaConfig(kafka_bootstrap)
+    caplog.set_level(logging.INFO, logger=_LOGGER)
+    client = FlagClient(config, topic=topic, keyring=_RING, silence_seconds=_SILENCE_S,
+                        fail_safe="standard_decoding").start()
+    try:
+        publisher = DecisionPublisher(config, topic=topic, keyring=_RING, publisher_id="stage2-a")
+        publisher.publish(_disable_coding())
+        publisher.start_heartbeats(_BEAT_S, watermark=lambda: 1234.5)
+        assert _until(lambda: client.stats().heartbeats >= 3 and not client.silent)
+        assert client.lookup("b-1", "chat", "main").enabled  # heard from: decisions answer
+        assert not client.lookup("b-1", "coding", "main").enabled
+        assert client.stats().watermark == 1234.5
+
+        publisher.close()  # the monitor goes away: no more heartbeats
+        assert _until(lambda: client.silent)
+        assert client.lookup("b-1", "chat", "main") == SILENT_FALLBACK  # off everywhere
+        assert client.lookup("other-bundle", "coding", "x") == SILENT_FALLBACK
+        for _ in range(100):  # asked again and again while silent: still one transition
+            client.lookup("b-1", "chat", "main")
+            client.stats()
+        assert client.stats().silences == 1 and client.stats().silent
+
+        with DecisionPublisher(config, topic=topic, keyring=_RING, publisher_id="stage2-a") as again:
+            again.start_heartbeats(_BEAT_S)
+            assert _until(lambda: not client.silent)
+            assert client.lookup("b-1", "chat", "main").enabled
+            assert not client.lookup("b-1", "coding", "main").enabled  # the last decisions hold again
+    finally:
+        client.stop()
+    assert client.stats().silences == 1
+    logs = _silence_logs(caplog)
+    assert len(logs) == 2 and "OFF everywhere" in logs[0] and "resumed" in logs[1]
+
+
+def test_keep_last_fail_safe_keeps_answering_from_the_last_flags(kafka_bootstrap, topic, caplog):
+    config = KafkaConfig(kafka_bootstrap)
+    caplog.set_level(logging.INFO, logger=_LOGGER)
+    with DecisionPublisher(config, topic=topic, keyring=_RING) as publisher:
+        publisher.publish(_disable_coding())
+        assert publisher.flush(10)
+    with FlagClient(config, topic=topic, keyring=_RING, silence_seconds=_SILENCE_S) as client:
+        assert client.fail_safe == "keep_last"
+        assert client.wait_until_caught_up(30)
+        assert _until(lambda: client.silent)  # a decision from before the client started is no sign of life
+        assert not client.lookup("b-1", "coding", "main").enabled
+        assert client.lookup("b-1", "chat", "main").enabled
+        assert client.stats().silences == 1
+    logs = _silence_logs(caplog)
+    assert len(logs) == 1 and "keeping the last known flags" in logs[0]
+
+
+def test_stale_and_replayed_heartbeats_are_no_sign_of_life(kafka_bootstrap, topic):
+    """A heartbeat from an hour ago (history, or a replay) must not hold off the fail-safe."""
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
+    try:
+        key, value, headers = heartbeat_message("stage2-a", 7, 50.0, keyring=_RING, wall_time=time.time() - 3600)
+        producer.send(topic, key=key, value=value, headers=headers).get(timeout=10)
+        fresh = heartbeat_message("stage2-b", 0, 60.0, keyring=_RING)
+        producer.send(topic, key=fresh[0], value=fresh[1], headers=fresh[2]).get(timeout=10)
+        with FlagClient(KafkaConfig(kafka_bootstrap), topic=topic, keyring=_RING, silence_seconds=_SILENCE_S,
+                        fail_safe="standard_decoding") as client:
+            assert client.wait_until_caught_up(30)
+            stats = client.stats()
+            assert (stats.heartbeats, stats.stale_heartbeats) == (2, 1)
+            # The same signed bytes again, as an attacker replaying them would send them.
+            for _ in range(3):
+                producer.send(topic, key=fresh[0], value=fresh[1], headers=fresh[2]).get(timeout=10)
+            assert _until(lambda: client.stats().replayed == 3)
+            assert _until(lambda: client.silent)
+            assert client.stats().heartbeats == 2
+            assert client.lookup("b-1", "coding", "main") == SILENT_FALLBACK
+    finally:
+        producer.close()
+
+
+def test_fail_safe_settings_are_checked():
+    config = KafkaConfig("127.0.0.1:9")
+    with pytest.raises(ValueError, match="keep_last, standard_decoding"):
+        FlagClient(config, keyring=_RING, fail_safe="off")
+    with pytest.raises(ValueError, match="silence_seconds must be positive"):
+        FlagClient(config, keyring=_RING, silence_seconds=0)
+    never = FlagClient(config, keyring=_RING, silence_seconds=None, fail_safe="standard_decoding")
+    assert not never.silent and never.lookup("b", "c", "d").enabled
