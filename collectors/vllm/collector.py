@@ -69,6 +69,7 @@ class CollectorStats:
     """Counters of one collector; engine-thread cost is the time spent inside its hooks."""
 
     steps: int
+    untimed_steps: int  # steps without the runner's draft/verify times (runner not tapped)
     step_records: int
     request_records: int
     bundle_records: int
@@ -108,6 +109,16 @@ class VllmCollector:
         built-in ones (see labels.request_labels).
     queue_size
         Records held for the sink before new ones are dropped (and counted).
+
+    Example, with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
+
+        collector = VllmCollector(otel_emitter, flags=flag_store, worker="gpu-0")
+        with collector.watching():
+            llm = LLM(model=..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+        llm.generate(prompts, SamplingParams(extra_args={"specwatch_bucket": "coding"}))
+
+    Engines in processes of their own (``vllm serve``) are configured by environment instead
+    (see plugin.py).
     """
 
     def __init__(self, sink: RecordSink | None = None, *, flags: FlagView | None = None,
@@ -141,6 +152,7 @@ class VllmCollector:
         self._thread_lock = threading.Lock()
         # counters, written by one thread each (engine thread or emitter thread)
         self._steps = 0
+        self._untimed_steps = 0
         self._cost_ns = 0
         self._cost_max_ns = 0
         self._records = {"bundle": 0, "step": 0, "request": 0}
@@ -187,6 +199,7 @@ class VllmCollector:
     def stats(self) -> CollectorStats:
         return CollectorStats(
             steps=self._steps,
+            untimed_steps=self._untimed_steps,
             step_records=self._records["step"],
             request_records=self._records["request"],
             bundle_records=self._records["bundle"],
@@ -255,8 +268,10 @@ class VllmCollector:
         elif len(self._pending) * 2 > self._queue_size and not self._wake.is_set():
             self._wake.set()  # a burst: drain now rather than drop later
 
-    def account_step(self, cost_ns: int) -> None:
+    def account_step(self, cost_ns: int, timed: bool = True) -> None:
         self._steps += 1
+        if not timed:
+            self._untimed_steps += 1
         self._cost_ns += cost_ns
         if cost_ns > self._cost_max_ns:
             self._cost_max_ns = cost_ns

@@ -1,8 +1,7 @@
 """`specwatch demo --engine vllm`: real vLLM speculative decoding on tiny models, watched live.
 
-A copy-of-target drafter (everything accepted), then a random drafter (nothing accepted) until
-a disable decision reaches the engine and its steps stop carrying drafts; greedy text is checked
-to be identical throughout.
+A copy-of-target drafter accepts everything; a random one accepts nothing until a disable
+decision reaches the engine and its steps stop carrying drafts, with greedy text unchanged.
 """
 
 from __future__ import annotations
@@ -135,7 +134,8 @@ def run_vllm_demo(json_output: bool, workdir: Path,
         "lossless": texts.get("copy-drafter") == texts.get("random-drafter"),
         "records": feed.count,
         "collector": {"steps": stats.steps, "cost_us_per_step": round(stats.cost_per_step_us, 1),
-                      "dropped": stats.dropped, "hook_errors": stats.hook_errors},
+                      "untimed_steps": stats.untimed_steps, "dropped": stats.dropped,
+                      "hook_errors": stats.hook_errors},
         "seconds": round(time.monotonic() - started, 1),
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))

@@ -19,6 +19,7 @@ _LOG = logging.getLogger(__name__)
 # The wrapped signatures below are those of this vLLM release line; other versions are
 # attempted with a warning, since these private methods move between releases.
 TESTED_VLLM = "0.32."
+_DEFAULT_SHUTDOWN_FLUSH_S = 5.0
 RUNNER_ATTR = "_specwatch_runner"
 SCHEDULER_ATTR = "_specwatch_scheduler"
 _WRAPPED = "__specwatch_wrapped__"
@@ -52,6 +53,7 @@ def install(collector_for: Callable[[str], Any]) -> None:
         "update_from_output": _update_from_output,
         "make_spec_decoding_stats": _make_spec_decoding_stats,
         "_free_request": _free_request,
+        "shutdown": _scheduler_shutdown,
     }
     for cls, hooks in ((GPUModelRunner, runner_hooks), (Scheduler, scheduler_hooks)):
         for name, make in hooks.items():
@@ -248,6 +250,20 @@ def _make_spec_decoding_stats(original):
         return original(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
                         num_invalid_spec_tokens, request_id)
     return make_spec_decoding_stats
+
+
+def _scheduler_shutdown(original):
+    # The engine is going away (and with a separate engine process, the process too): records
+    # still queued for the sink are handed over first, within a bounded wait.
+    def shutdown(self, *args, **kwargs):
+        tap: SchedulerTap | None = getattr(self, SCHEDULER_ATTR, None)
+        if tap is not None:
+            try:
+                tap.collector.flush(_DEFAULT_SHUTDOWN_FLUSH_S)
+            except Exception as error:
+                tap.collector.hook_failed("shutdown", error)
+        return original(self, *args, **kwargs)
+    return shutdown
 
 
 def _free_request(original):

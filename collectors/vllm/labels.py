@@ -1,8 +1,7 @@
 """Task bucket and cohort of a vLLM request, read from the request itself.
 
-The engine sees only the request id and the sampling parameters, so that is where callers put
-them: ``SamplingParams(extra_args={"specwatch_bucket": ..., "specwatch_cohort": ...})`` (the
-OpenAI server's ``vllm_xargs`` lands there too) or an id of the form ``bucket:cohort:rest``.
+The engine sees only its id and sampling parameters: ``bucket:cohort:`` id prefixes, or
+``SamplingParams(extra_args={"specwatch_bucket": ..., "specwatch_cohort": ...})`` (``vllm_xargs``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ collector given in Python (``VllmCollector.watching()``) or configured by enviro
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
@@ -91,6 +92,8 @@ def _env_collector() -> Any:
             worker=os.environ.get(ENV_WORKER, "").strip() or None,
             labeler=_resolve(ENV_LABELER, labeler_name) if labeler_name else None,
         )
+        # the emitter is a daemon thread: hand queued records to the sink before the process ends
+        atexit.register(_from_env.close)
         _LOG.info("specwatch collector configured from the environment in process %d "
                   "(sink: %s, flags: %s)", os.getpid(), sink_name or "none", flags_name or "none")
         return _from_env

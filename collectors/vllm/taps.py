@@ -6,6 +6,7 @@ to proposals; the scheduler tap turns each step and each finished request into a
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ __all__ = ["StepFrame", "RunnerTap", "SchedulerTap", "FRAME_ATTR", "cut_drafts"]
 FRAME_ATTR = "_specwatch_frame"
 
 _perf_ns = time.perf_counter_ns
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -205,7 +207,7 @@ class SchedulerTap:
         self._in_step = False
         self._cost_ns = 0
         self._seq = 0
-        self._missing_frames = 0
+        _warn_about_untapped_paths(vllm_config, collector)
         collector.submit(("bundle", time.time(), self.bundle_id, card))
 
     def on_add(self, request: Any) -> None:
@@ -278,8 +280,6 @@ class SchedulerTap:
             drafted, accepted = self._rounds.get(request_id, (0, 0))
             entries.append((request_id, bucket_cohort[0], bucket_cohort[1], drafted, accepted))
         frame = self._frame
-        if frame is None and entries:
-            self._missing_frames += 1
         draft_ns = frame.draft_ns if frame is not None else 0
         verify_ns = frame.verify_ns if frame is not None else 0
         if entries:
@@ -295,4 +295,21 @@ class SchedulerTap:
         self._frame = None
         self._rounds = {}
         cost = self._cost_ns + (_perf_ns() - start) + (frame.cost_ns if frame is not None else 0)
-        self.collector.account_step(cost)
+        self.collector.account_step(cost, timed=frame is not None)
+
+
+def _warn_about_untapped_paths(vllm_config: Any, collector: VllmCollector) -> None:
+    # Two engine configurations the runner-side hooks cannot serve, said once at start-up
+    # rather than discovered as missing timings later.
+    try:
+        v2_runner = bool(vllm_config.use_v2_model_runner)
+    except Exception:  # the property validates other settings and may raise on its own
+        v2_runner = False
+    if v2_runner:
+        _LOG.warning("specwatch taps vLLM's V1 model runner and this engine uses Model Runner V2: "
+                     "steps carry drafted/accepted/KV but no draft/verify times, and fallback "
+                     "flags are not applied; set VLLM_USE_V2_MODEL_RUNNER=0 for both")
+    if collector.flags is not None and getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        _LOG.warning("specwatch fallback flags cut drafts per request only with synchronous "
+                     "scheduling (async_scheduling=False, the default on CPU); with async "
+                     "scheduling the scheduler reserves draft slots before drafts exist")
