@@ -31,6 +31,7 @@ import faust
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError
+from mode import CrashingSupervisor
 
 from specwatch.schemas import Policy, Rejection
 
@@ -71,10 +72,12 @@ DEFAULT_DEADLETTER_TOPIC = "specwatch.deadletter"
 _DEFAULT_APP_ID = "specwatch"
 _DEFAULT_PARTITIONS = 4
 _DEFAULT_CHECKPOINT_SECONDS = 2.0
-_DEFAULT_SOURCE_SILENCE_SECONDS = 60.0
+_DEFAULT_SOURCE_SILENCE_SECONDS = 10.0
 _DEFAULT_SESSION_TIMEOUT_SECONDS = 30.0
 _DEFAULT_CONNECT_TIMEOUT_MS = 10_000
 _RELEASE_CHECK_SECONDS = 1.0
+_STAGE1_TABLE = "stage1-checkpoints"
+_STAGE2_TABLE = "stage2-checkpoints"
 _PROGRESS_LOG_SECONDS = 60.0
 _READ_POLL_MS = 500
 # Checkpoint changelogs keep one live value per key; small segments let compaction drop
@@ -119,7 +122,8 @@ class StreamSettings:
         Wall-clock interval between checkpoints of a busy task (decisions checkpoint at once).
     source_silence_seconds
         A telemetry partition that sent nothing for this long, while behind the others by
-        more than the policy's ``source_idle_seconds`` of event time, stops holding slices back.
+        more than the policy's ``source_idle_seconds`` of event time and with nothing left to
+        read, stops holding slices back.
     session_timeout_seconds
         Kafka consumer session timeout: how soon a dead worker's partitions move.
     replication_factor
@@ -206,15 +210,35 @@ async def prepare_topics(settings: StreamSettings, default_partitions: int = _DE
             logger.info("creating topics %s", ", ".join(t.name for t in wanted))
             await admin.create_topics(wanted)
             existing = await _partition_counts(admin, settings)
+        partials_partitions = existing[settings.partials_topic]
+        # The checkpoint changelogs are created here rather than by Faust: a topic Faust creates
+        # while the group forms can be missing from the first assignment's metadata.
+        changelogs = {_changelog_topic(settings.app_id, _STAGE1_TABLE): telemetry_partitions,
+                      _changelog_topic(settings.app_id, _STAGE2_TABLE): partials_partitions}
+        present = await _partition_counts(admin, settings, names=list(changelogs))
+        for name, partitions in changelogs.items():
+            if name in present and present[name] != partitions:
+                raise TopicError(f"checkpoint topic {name} has {present[name]} partitions, the topic it "
+                                 f"follows has {partitions}: delete it, or use another --app-id")
+        missing = [NewTopic(name, partitions, settings.replication_factor,
+                            topic_configs={"cleanup.policy": "compact", **_CHECKPOINT_TOPIC_CONFIG})
+                   for name, partitions in changelogs.items() if name not in present]
+        if missing:
+            await admin.create_topics(missing)
     finally:
         await admin.close()
-    return replace(settings, telemetry_partitions=telemetry_partitions,
-                   partials_partitions=existing[settings.partials_topic])
+    return replace(settings, telemetry_partitions=telemetry_partitions, partials_partitions=partials_partitions)
 
 
-async def _partition_counts(admin: AIOKafkaAdminClient, settings: StreamSettings) -> dict[str, int]:
-    names = [*settings.telemetry_topics, settings.partials_topic, settings.decisions_topic,
-             settings.deadletter_topic]
+def _changelog_topic(app_id: str, table: str) -> str:
+    return f"{app_id}-{table}-changelog"  # Faust's naming
+
+
+async def _partition_counts(admin: AIOKafkaAdminClient, settings: StreamSettings,
+                            names: list[str] | None = None) -> dict[str, int]:
+    if names is None:
+        names = [*settings.telemetry_topics, settings.partials_topic, settings.decisions_topic,
+                 settings.deadletter_topic]
     present = set(await admin.list_topics())
     described = await admin.describe_topics([n for n in names if n in present]) if present else []
     return {d["topic"]: len(d["partitions"]) for d in described if not d.get("error_code")}
@@ -228,6 +252,24 @@ class PartitionReader:
 
     def __init__(self, bootstrap: str) -> None:
         self._bootstrap = bootstrap.split(",")
+        self._partitions: dict[str, list[int]] = {}
+
+    async def partitions(self, topic: str) -> list[int]:
+        """Partition ids of ``topic`` (asked once: partitions are only ever added by hand)."""
+        if topic not in self._partitions:
+            admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap,
+                                        request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS)
+            await admin.start()
+            try:
+                described = await admin.describe_topics([topic])
+            finally:
+                await admin.close()
+            found = [p["partition"] for d in described if d["topic"] == topic and not d.get("error_code")
+                     for p in d["partitions"]]
+            if not found:
+                return []
+            self._partitions[topic] = sorted(found)
+        return self._partitions[topic]
 
     async def _consumer(self) -> AIOKafkaConsumer:
         consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, group_id=None, enable_auto_commit=False,
@@ -259,14 +301,39 @@ class PartitionReader:
             await consumer.stop()
 
     async def end_offsets(self, topic: str) -> dict[int, int]:
+        partitions = await self.partitions(topic)
+        if not partitions:
+            return {}
         consumer = await self._consumer()
         try:
-            await consumer.topics()  # fetches metadata for every topic
-            partitions = consumer.partitions_for_topic(topic) or set()
             offsets = await consumer.end_offsets([TopicPartition(topic, p) for p in partitions])
             return {tp.partition: offset for tp, offset in offsets.items()}
         finally:
             await consumer.stop()
+
+    async def drained(self, group: str, sources: Iterable[str]) -> set[str]:
+        """The sources (``topic/partition``) with nothing left to read: all committed by ``group``, or empty."""
+        tps = {source: TopicPartition(*_split_source(source)) for source in sources}
+        if not tps:
+            return set()
+        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS)
+        await admin.start()
+        try:
+            committed = await admin.list_consumer_group_offsets(group, partitions=list(tps.values()))
+        finally:
+            await admin.close()
+        consumer = await self._consumer()
+        try:
+            begin = await consumer.beginning_offsets(list(tps.values()))
+            end = await consumer.end_offsets(list(tps.values()))
+        finally:
+            await consumer.stop()
+        out = set()
+        for source, tp in tps.items():
+            mark = committed.get(tp)
+            if end[tp] <= begin[tp] or (mark is not None and mark.offset >= end[tp]):
+                out.add(source)
+        return out
 
     async def values_since(self, topic: str, marks: dict[int, int]) -> list[bytes]:
         """Values written to ``topic`` after ``marks`` (partition -> offset), up to its current end."""
@@ -418,6 +485,7 @@ class Stage2Runner:
         self._checkpointed_at: dict[int, float] = {}
         self._heard: dict[tuple[int, str], float] = {}
         self._releasing: set[tuple[int, str]] = set()
+        self._drain_checked_at = -float("inf")
         self._archive = None
         self._archive_sink = None
         self.decisions = 0
@@ -535,24 +603,40 @@ class Stage2Runner:
 
     # -- silent sources -----------------------------------------------------------------
     async def release_silent_sources(self) -> None:
+        """Release telemetry partitions that hold slices back, sent nothing for a while, and have no data waiting.
+
+        A partition with data waiting is never released, however long it is silent: its
+        worker is restarting or behind, and its slices will come.
+        """
         now = time.monotonic()
         silence = self.settings.source_silence_seconds
+        candidates = []
         for partition, task in list(self._tasks.items()):
-            def silent(source: str) -> bool:
+            def silent(source: str, partition: int = partition) -> bool:
                 return now - self._heard.get((partition, source), now) >= silence
-            for source, watermark in task.silent_sources(silent):
-                key = (partition, source)
-                if key in self._releasing:
-                    continue
-                self._releasing.add(key)
-                logger.warning("telemetry partition %s sent nothing for %.0f s and is behind; stage 2 "
-                               "partition %d stops waiting for it", source, silence, partition)
-                await self._partials.send(key=source.encode(), value=encode_release(source, watermark),
-                                          partition=partition)
+            candidates += [(partition, source, watermark) for source, watermark in task.silent_sources(silent)
+                           if (partition, source) not in self._releasing]
+        if not candidates or now - self._drain_checked_at < silence / 2:
+            return
+        self._drain_checked_at = now
+        drained = await self._reader.drained(self.settings.app_id, {source for _, source, _ in candidates})
+        for partition, source, watermark in candidates:
+            if source not in drained:
+                continue
+            self._releasing.add((partition, source))
+            logger.warning("telemetry partition %s has nothing to read and sent nothing for %.0f s while behind; "
+                           "stage 2 partition %d stops waiting for it", source, silence, partition)
+            await self._partials.send(key=source.encode(), value=encode_release(source, watermark),
+                                      partition=partition)
 
 
 def _task_name(stage: str, topic: str, partition: int) -> str:
     return f"{stage}/{topic}/{partition}"
+
+
+def _split_source(source: str) -> tuple[str, int]:
+    topic, _, partition = source.rpartition("/")
+    return topic, int(partition)
 
 
 # ---------------------------------------------------------------- the app
@@ -588,6 +672,9 @@ def create_app(settings: StreamSettings) -> StreamApp:
         producer_acks=-1,
         producer_max_request_size=2 << 20,
         processing_guarantee="at_least_once",
+        # An agent that fails stops the worker (and the exit code says so) instead of
+        # restarting in a loop; whoever runs the workers restarts it from its checkpoint.
+        agent_supervisor=CrashingSupervisor,
     )
 
     # -- topics ---------------------------------------------------------------------------
@@ -598,11 +685,12 @@ def create_app(settings: StreamSettings) -> StreamApp:
     deadletter = app.topic(settings.deadletter_topic, **raw)
 
     # -- tables (checkpoints, co-partitioned with the topic each stage reads) ----------------
-    checkpoint_table = {"key_type": str, "value_type": bytes, "key_serializer": "json", "value_serializer": "raw",
+    checkpoint_table = {"schema": faust.Schema(key_type=str, value_type=bytes, key_serializer="json",
+                                               value_serializer="raw"),
                         "extra_topic_configs": dict(_CHECKPOINT_TOPIC_CONFIG)}
-    stage1_checkpoints = app.Table("stage1-checkpoints", partitions=settings.telemetry_partitions,
+    stage1_checkpoints = app.Table(_STAGE1_TABLE, partitions=settings.telemetry_partitions,
                                    help="stage 1 tasks with the next telemetry offset", **checkpoint_table)
-    stage2_checkpoints = app.Table("stage2-checkpoints", partitions=settings.partials_partitions,
+    stage2_checkpoints = app.Table(_STAGE2_TABLE, partitions=settings.partials_partitions,
                                    help="stage 2 tasks with the next partials offset and the outbox",
                                    **checkpoint_table)
 

@@ -52,8 +52,9 @@ def register(subparsers) -> None:
                         help="partitions of topics this command has to create (default 4)")
     parser.add_argument("--checkpoint-seconds", type=float, default=2.0,
                         help="seconds between checkpoints of a busy task (default 2)")
-    parser.add_argument("--source-silence", type=float, default=60.0, metavar="SECONDS",
-                        help="stop waiting for a telemetry partition silent this long (default 60)")
+    parser.add_argument("--source-silence", type=float, default=10.0, metavar="SECONDS",
+                        help="stop waiting for a telemetry partition that is behind, has nothing to read and "
+                             "sent nothing for this long (default 10)")
     parser.add_argument("--session-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="consumer session timeout: how soon a dead worker's partitions move (default 30)")
     parser.add_argument("--replication-factor", type=int, default=1,

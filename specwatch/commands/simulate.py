@@ -1,21 +1,31 @@
-"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines.
+"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines, or send it to Kafka.
 
 The simulator is built from the arguments in one place and records go to one sink
-function, so other destinations (a Kafka topic) can be added beside the file.
+function: a JSON Lines file, or a Kafka topic through the OpenTelemetry Kafka exporter
+(OTLP log records, message key = worker), the way engine workers send them.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
+import time
 from collections import Counter
 from contextlib import nullcontext
 from typing import Iterable, TextIO
 
-__all__ = ["register", "build_simulator", "write_json_lines", "summary_line"]
+__all__ = ["register", "build_simulator", "write_json_lines", "send_to_kafka", "summary_line"]
 
 _EXIT_USAGE = 2
 _EXIT_IO = 1
+_DEFAULT_TOPIC = "specwatch.telemetry"
+# Engines export continuously; a generator running faster than real time must not let one
+# worker's records run far ahead of another's on a shared partition (stage 1 closes slices
+# by event time), so it flushes this often in event time.
+_DEFAULT_FLUSH_EVENT_SECONDS = 0.5
+_CONNECT_TIMEOUT_S = 5.0
+_PACE_EVERY_RECORDS = 64
 
 
 def register(subparsers) -> None:
@@ -32,6 +42,13 @@ def register(subparsers) -> None:
                         help="strength of the scenario's incident, in the unit of its kind (see --list)")
     parser.add_argument("--incident-at", type=float, default=None, metavar="SECONDS",
                         help="seconds after the start at which incidents begin (default: the scenario's)")
+    parser.add_argument("--bootstrap", metavar="HOST:PORT",
+                        help="send to Kafka instead of a file: OTLP log records through the OpenTelemetry "
+                             "Kafka exporter, message key = worker")
+    parser.add_argument("--topic", default=_DEFAULT_TOPIC, help=f"telemetry topic (default: {_DEFAULT_TOPIC})")
+    parser.add_argument("--rate", type=float, default=0.0, metavar="RECORDS_PER_S",
+                        help="with --bootstrap: at most this many records per second (default 0: as fast as "
+                             "the exporter goes)")
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
     parser.set_defaults(func=run)
 
@@ -55,6 +72,55 @@ def write_json_lines(records: Iterable, stream: TextIO) -> Counter:
         write("\n")
         counts[record.kind] += 1
     return counts
+
+
+def send_to_kafka(records: Iterable, bootstrap: str, topic: str = _DEFAULT_TOPIC, rate: float = 0.0,
+                  flush_event_seconds: float = _DEFAULT_FLUSH_EVENT_SECONDS) -> tuple[Counter, dict]:
+    """Emit every record through the OTel Kafka exporter; returns counts by kind and exporter stats.
+
+    Nothing is dropped: when the emitter's queue is full, the generator waits for it.
+    """
+    from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
+
+    if rate < 0:
+        raise ValueError(f"rate must be >= 0 records per second, got {rate}")
+    exporter = KafkaTelemetryExporter(KafkaConfig(bootstrap, topic=topic, client_id="specwatch-simulate"))
+    emitter = TelemetryEmitter(exporter, sdk=False)
+    counts: Counter = Counter()
+    started = time.monotonic()
+    next_flush = None
+    try:
+        for index, record in enumerate(records):
+            if next_flush is None:
+                next_flush = record.ts + flush_event_seconds
+            elif record.ts >= next_flush:
+                emitter.force_flush()
+                next_flush = record.ts + flush_event_seconds
+            while not emitter.emit(record):
+                emitter.force_flush()  # queue full: let the exporter catch up, then offer again
+            counts[record.kind] += 1
+            if rate and index % _PACE_EVERY_RECORDS == 0:
+                ahead = started + index / rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+        emitter.force_flush()
+    finally:
+        emitter.shutdown()
+    stats = dict(exporter.stats(), dropped=emitter.stats().dropped, seconds=round(time.monotonic() - started, 3))
+    return counts, stats
+
+
+def _reachable(bootstrap: str) -> str | None:
+    """None when some bootstrap server accepts connections, else why not."""
+    errors = []
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S):
+                return None
+        except (OSError, ValueError) as error:
+            errors.append(f"{server}: {error}")
+    return "; ".join(errors) or "no bootstrap server given"
 
 
 def summary_line(simulator, counts: Counter, destination: str) -> str:
@@ -81,14 +147,19 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         _list_scenarios(sys.stdout)
         return 0
-    if not args.output:
-        print("specwatch simulate: error: --output FILE is required (or --list)", file=sys.stderr)
+    if bool(args.output) == bool(args.bootstrap):
+        print("specwatch simulate: error: give --output FILE or --bootstrap HOST:PORT (or --list)", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.rate < 0:
+        print(f"specwatch simulate: error: --rate must be >= 0, got {args.rate}", file=sys.stderr)
         return _EXIT_USAGE
     try:
         simulator = build_simulator(args)
     except ValueError as error:
         print(f"specwatch simulate: error: {error}", file=sys.stderr)
         return _EXIT_USAGE
+    if args.bootstrap:
+        return _run_kafka(args, simulator)
     to_stdout = args.output == "-"
     try:
         with (nullcontext(sys.stdout) if to_stdout else open(args.output, "w", encoding="utf-8")) as stream:
@@ -97,4 +168,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"specwatch simulate: error: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
         return _EXIT_IO
     print(summary_line(simulator, counts, "stdout" if to_stdout else args.output), file=sys.stderr)
+    return 0
+
+
+def _run_kafka(args: argparse.Namespace, simulator) -> int:
+    problem = _reachable(args.bootstrap)
+    if problem is not None:
+        print(f"specwatch simulate: error: cannot reach Kafka at {args.bootstrap} ({problem})", file=sys.stderr)
+        return _EXIT_USAGE
+    try:
+        counts, stats = send_to_kafka(simulator.records(), args.bootstrap, args.topic, args.rate)
+    except ValueError as error:
+        print(f"specwatch simulate: error: {error}", file=sys.stderr)
+        return _EXIT_USAGE
+    print(summary_line(simulator, counts, f"kafka {args.bootstrap} topic {args.topic}"), file=sys.stderr)
+    rate = sum(counts.values()) / max(stats["seconds"], 1e-9)
+    print(f"simulate: {stats['messages']} messages, {stats['bytes']} bytes in {stats['seconds']:g} s "
+          f"({rate:.0f} records/s)", file=sys.stderr)
+    lost = stats["records_failed"] + stats["dropped"]
+    if lost:
+        print(f"specwatch simulate: error: {lost} records were not delivered "
+              f"({stats['send_errors']} send errors, {stats['delivery_errors']} delivery errors)", file=sys.stderr)
+        return _EXIT_IO
     return 0
