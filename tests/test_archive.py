@@ -187,6 +187,27 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
                             "b-1/chat/None": [False, "canary looks off", "alice"]}
 
 
+def test_what_was_written_survives_a_killed_writer(tmp_path):
+    dsn = f"chdb://{tmp_path}/archive"
+    killed = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import os, signal, sys
+        from specwatch.actions.archive import Archive
+        from specwatch.schemas import Decision
+        archive = Archive.open(sys.argv[1])
+        archive.write_decision(Decision(ts=1.0, bundle_id="b-1", action="disable_speculation",
+                                        reason="error_rate", detector="errors"), {}, [])
+        os.kill(os.getpid(), signal.SIGKILL)  # no close, no flush, a stale lock file left
+    """), dsn], capture_output=True, timeout=180)
+    assert killed.returncode == -9
+    out = run_python("""
+        import sys
+        from specwatch.actions.archive import Archive
+        with Archive.open(sys.argv[1], create=False) as archive:
+            print([d["reason"] for d in archive.decisions()])
+    """, dsn)
+    assert out.strip() == "['error_rate']"
+
+
 def test_open_without_create_refuses_a_missing_archive_and_leaves_no_trace(tmp_path):
     with pytest.raises(ArchiveNotFoundError, match="no archive at"):
         Archive.open(f"chdb://{tmp_path}/missing", create=False)
