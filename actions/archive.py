@@ -25,7 +25,6 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Decision, decision_key
@@ -530,7 +529,7 @@ class Archive:
                 self._insert_table("window_stats", _window_stats_table(rows, 0))
             return len(rows)
         # The engine releases the GIL while it inserts, so converting the next chunk
-        # overlaps with inserting this one: about twice the rate of doing them in turn.
+        # overlaps with inserting this one whenever a second core is free.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specwatch-archive") as inserter:
             pending = None
             for start in starts:
@@ -574,6 +573,7 @@ class Archive:
 
     def write_rejections(self, counts: Mapping[str, int], ts: float, source: str) -> None:
         """Record rejected-record counts by reason, as of `ts`, for one source."""
+        _require_text(source, "source")
         ts = _finite(ts, "ts")
         reasons = sorted(counts)
         if reasons:
@@ -596,6 +596,8 @@ class Archive:
         sql = (f"SELECT {_DECISION_COLUMNS} FROM {self._db}.decisions FINAL{where} "
                "ORDER BY ts DESC, archived_at DESC, decision_id DESC")
         if limit is not None:
+            if limit < 0:
+                raise ValueError(f"limit must be >= 0 (or None for every match), not {limit}")
             sql += f" LIMIT {int(limit)}"
         rows = [_decision_out(r) for r in self._select(sql, params)]
         rows.reverse()
@@ -747,9 +749,11 @@ class ArchiveWriter:
         Monotonic clock, passed in so tests can drive time.
 
     Rows are checked and converted when written, so a bad row fails at its source
-    and never poisons a later flush. Bundles, overrides and rejection counts are rare
-    and go straight through. `flush()` writes window stats before decisions, so the
-    slices around a decision are archived by the time the decision is.
+    and never poisons a later flush. Automatic flushes (on a write or `flush_if_due`)
+    log a failure, keep the rows and retry after `max_delay`; `flush()` and `close()`
+    raise it. Bundles, overrides and rejection counts are rare and go straight
+    through. `flush()` writes window stats before decisions, so the slices around a
+    decision are archived by the time the decision is.
     """
 
     def __init__(self, archive: Archive, *, max_rows: int = _DEFAULT_WRITER_MAX_ROWS,
