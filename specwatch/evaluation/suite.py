@@ -1,0 +1,364 @@
+"""The evaluation suite: seeded simulator runs, specwatch and the operator baselines side by side.
+
+Each case runs one simulated fleet open loop (decisions are recorded, not applied, so every
+detector sees the same telemetry) through the embedded pipeline and both baselines at once.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+from specwatch.collectors.simulator import BUCKETS, Simulator
+from specwatch.schemas import Policy, ShadowRecord, StepRecord
+from specwatch.streams.embedded import EmbeddedPipeline
+
+from .baselines import AcceptanceKillSwitch, PrometheusRatioAlert
+from .scoring import BASELINE_REASON, Alarm, judge, stray_alarms
+
+__all__ = [
+    "DETECTORS",
+    "Case",
+    "BaselineSettings",
+    "calibrate",
+    "full_suite",
+    "quick_suite",
+    "run_case",
+    "run_suite",
+]
+
+DETECTORS = ("specwatch", "kill_switch", "prometheus")
+
+# Incidents start after the baselines are learned (60 s of event time) with room to spare.
+_INCIDENT_AT = 90.0
+_DEFAULT_SEED = 11
+_CALIBRATION_SEED = 5
+_CALIBRATION_MINUTES = 3.0
+# How operators set both acceptance-rate thresholds: the healthy fleet's rate, less a margin
+# wide enough that the dashboard's normal wiggle never crosses it.
+_BASELINE_MARGIN = 0.10
+_KILL_SWITCH_WINDOW = 1000  # iterations: ~15 s of one worker's engine steps
+_ALERT_RANGE_SECONDS = 300.0
+_ALERT_FOR_SECONDS = 120.0
+_ALERT_INTERVAL_SECONDS = 15.0
+
+# Event time each kind of incident is watched for after it starts. Acceptance incidents get
+# five minutes: the alert rule cannot fire before its 2 m 'for' plus the time the 5 m rate
+# takes to cross. The others are watched well past their detection target (a minute past it
+# for the slow ones); the baselines, blind to those signals, could alarm at any time in it.
+_OBSERVE_SECONDS = {
+    "acceptance_drop": 300.0,
+    "target_update": 300.0,
+    "bundle_change": 30.0,
+    "draft_regression": 60.0,
+    "kv_pressure": 40.0,
+    "quality_mismatch": 180.0,  # shadow checks are rare: at 5% mismatches the first can take minutes
+    "error_burst": 180.0,
+    "latency_tail": 240.0,
+}
+# Detection targets at the default fleet, seconds after the incident start (after the first
+# mismatch record for quality): what `specwatch evaluate` checks each right detection against.
+TARGETS = {
+    "bundle_change": 2.0,
+    "target_update": 2.0,
+    "acceptance_drop": 30.0,
+    "draft_regression": 30.0,
+    "kv_pressure": 10.0,
+    "quality_mismatch": 5.0,
+    "error_burst": 120.0,
+    "latency_tail": 180.0,
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One seeded simulator run of the suite.
+
+    ``intensity`` is the scenario's incident strength (None for incident-free runs and
+    card changes); ``label`` says it in the incident's own unit.
+    """
+
+    scenario: str
+    intensity: float | None
+    label: str
+    minutes: float
+    workers: int = 8
+    concurrency: int = 16
+    seed: int = _DEFAULT_SEED
+    target_intensity: bool = False  # the intensity a detection target is stated for
+
+    @property
+    def healthy(self) -> bool:
+        return self.scenario in ("healthy", "diurnal", "mix_shift")
+
+    @property
+    def name(self) -> str:
+        suffix = "" if self.intensity is None else f"@{self.intensity:g}"
+        return f"{self.scenario}{suffix}/w{self.workers}c{self.concurrency}/s{self.seed}"
+
+
+def _incident_case(scenario: str, intensity: float | None, label: str, target: bool = False) -> Case:
+    minutes = (_INCIDENT_AT + _OBSERVE_SECONDS[scenario]) / 60.0
+    return Case(scenario, intensity, label, minutes, target_intensity=target)
+
+
+_INCIDENT_CASES = (
+    _incident_case("acceptance_drop", 0.15, "coding AL -15%"),
+    _incident_case("acceptance_drop", 0.25, "coding AL -25%", target=True),
+    _incident_case("acceptance_drop", 0.40, "coding AL -40%"),
+    _incident_case("target_update", 0.25, "new target, AL -25%"),
+    _incident_case("target_update", 0.50, "new target, AL -50%", target=True),
+    _incident_case("bundle_change", None, "tokenizer digest", target=True),
+    _incident_case("draft_regression", 2.0, "draft time x2"),
+    _incident_case("draft_regression", 3.0, "draft time x3", target=True),
+    _incident_case("draft_regression", 5.0, "draft time x5"),
+    _incident_case("latency_tail", 3.0, "10% reasoning/main x3"),
+    _incident_case("latency_tail", 5.0, "10% reasoning/main x5", target=True),
+    _incident_case("latency_tail", 10.0, "10% reasoning/main x10"),
+    _incident_case("kv_pressure", 0.4, "long-context surge 40%"),
+    _incident_case("kv_pressure", 0.6, "long-context surge 60%", target=True),
+    _incident_case("kv_pressure", 0.8, "long-context surge 80%"),
+    _incident_case("quality_mismatch", 0.05, "5% shadow mismatches"),
+    _incident_case("quality_mismatch", 0.2, "20% shadow mismatches"),
+    _incident_case("quality_mismatch", 0.5, "50% shadow mismatches", target=True),
+    _incident_case("error_burst", 5.0, "extraction errors x5"),
+    _incident_case("error_burst", 20.0, "extraction errors x20", target=True),
+    _incident_case("error_burst", 50.0, "extraction errors x50"),
+)
+
+# Incident-free runs. The default fleet for ten minutes each, then the long runs: a day
+# compressed into two hours, and a slow drift of the traffic mix, on a smaller fleet (two
+# workers: a quarter of the default fleet's traffic per key) to keep the suite to minutes.
+_HEALTHY_CASES = (
+    Case("healthy", None, "steady load and mix", 10.0),
+    Case("mix_shift", None, "mix drifts to reasoning/long context", 10.0),
+    Case("diurnal", None, "one day-shaped load cycle", 120.0, workers=2),
+    Case("mix_shift", None, "mix drifts to reasoning/long context", 120.0, workers=2),
+)
+_QUICK_HEALTHY_CASES = (
+    Case("healthy", None, "steady load and mix", 5.0),
+    Case("diurnal", None, "one day-shaped load cycle", 30.0, workers=2),
+)
+
+
+def full_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
+    """Every fallback-table row at three intensities (one for card changes), plus >= 4 h incident-free."""
+    return [replace(c, seed=seed) for c in _INCIDENT_CASES + _HEALTHY_CASES]
+
+
+def quick_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
+    """One run per fallback-table row at the intensity its target is stated for, and 35 healthy minutes."""
+    return [replace(c, seed=seed) for c in _INCIDENT_CASES if c.target_intensity] + [
+        replace(c, seed=seed) for c in _QUICK_HEALTHY_CASES]
+
+
+# -- the baselines' settings ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaselineSettings:
+    """Thresholds of both baselines, derived from a healthy calibration run like an operator would."""
+
+    healthy_rate: float
+    kill_switch_threshold: float
+    kill_switch_window: int = _KILL_SWITCH_WINDOW
+    alert_threshold: float = math.nan
+    alert_range_seconds: float = _ALERT_RANGE_SECONDS
+    alert_for_seconds: float = _ALERT_FOR_SECONDS
+    alert_interval_seconds: float = _ALERT_INTERVAL_SECONDS
+    margin: float = _BASELINE_MARGIN
+
+    @classmethod
+    def from_healthy_rate(cls, rate: float, margin: float = _BASELINE_MARGIN) -> "BaselineSettings":
+        """Both thresholds at the healthy fleet acceptance rate less ``margin``, to two decimals.
+
+        >>> s = BaselineSettings.from_healthy_rate(0.3498)
+        >>> s.kill_switch_threshold, s.alert_threshold
+        (0.25, 0.25)
+        """
+        threshold = round(rate - margin, 2)
+        return cls(round(rate, 4), threshold, alert_threshold=threshold, margin=margin)
+
+    def to_dict(self) -> dict:
+        return {
+            "healthy_acceptance_rate": self.healthy_rate,
+            "margin": self.margin,
+            "kill_switch": {"threshold": self.kill_switch_threshold, "window_iterations": self.kill_switch_window,
+                            "scope": "per worker, all traffic; permanent"},
+            "prometheus": {"threshold": self.alert_threshold, "rate_range_seconds": self.alert_range_seconds,
+                           "for_seconds": self.alert_for_seconds,
+                           "scrape_and_eval_interval_seconds": self.alert_interval_seconds,
+                           "expr": "sum(rate(vllm:spec_decode_num_accepted_tokens_total[5m])) / "
+                                   "sum(rate(vllm:spec_decode_num_draft_tokens_total[5m])) < threshold",
+                           "scope": "fleet, all traffic"},
+        }
+
+
+def calibrate(seed: int = _CALIBRATION_SEED, minutes: float = _CALIBRATION_MINUTES, workers: int = 8,
+              margin: float = _BASELINE_MARGIN) -> BaselineSettings:
+    """Measure the healthy fleet's acceptance rate (accepted / drafted tokens) on its own seed."""
+    accepted = drafted = 0
+    for record in Simulator("healthy", seed=seed, minutes=minutes, workers=workers).records():
+        if isinstance(record, StepRecord):
+            for entry in record.requests:
+                accepted += entry.accepted
+                drafted += entry.drafted
+    return BaselineSettings.from_healthy_rate(accepted / drafted, margin)
+
+
+# -- one case --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Watch:
+    """The baselines fed from the same records as the pipeline, and everyone's alarms."""
+
+    settings: BaselineSettings
+    alarms: dict[str, list[Alarm]] = field(default_factory=lambda: {d: [] for d in DETECTORS})
+    switches: dict[str, AcceptanceKillSwitch] = field(default_factory=dict)
+    alert: PrometheusRatioAlert | None = None
+    watch_from: float = math.inf
+    lateness: float = 0.0
+    silent: set[str] = field(default_factory=lambda: set(DETECTORS))  # no alarm since watch_from yet
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.alert = PrometheusRatioAlert(s.alert_threshold, s.alert_range_seconds, s.alert_for_seconds,
+                                          s.alert_interval_seconds)
+
+    def step(self, record: StepRecord) -> None:
+        accepted = drafted = 0
+        for entry in record.requests:
+            accepted += entry.accepted
+            drafted += entry.drafted
+        switch = self.switches.get(record.worker)
+        if switch is None:
+            switch = self.switches[record.worker] = AcceptanceKillSwitch(self.settings.kill_switch_window,
+                                                                         self.settings.kill_switch_threshold)
+        switch.update(accepted, drafted)
+        if switch.drift_detected:
+            self._add(Alarm("kill_switch", record.ts, BASELINE_REASON, None, worker=record.worker,
+                            action="disable_speculation"))
+        self.alert.update(record.ts, accepted, drafted)
+        if self.alert.drift_detected:
+            self._add(Alarm("prometheus", self.alert.fired_at, BASELINE_REASON, None, action="alert"))
+
+    def released(self, output) -> None:
+        """Stage-2 output sink: a decision can be acted on once its slice closed, at the watermark."""
+        for action in output.actions:
+            d = action.decision
+            self._add(Alarm("specwatch", max(d.ts, output.slice_end + self.lateness), d.reason, d.bundle_id,
+                            d.bucket, d.cohort, action=d.action, decision_id=d.id))
+
+    def _add(self, alarm: Alarm) -> None:
+        self.alarms[alarm.detector].append(alarm)
+        if alarm.ts >= self.watch_from:
+            self.silent.discard(alarm.detector)
+
+
+def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = None) -> dict:
+    """Run one case; returns a JSON-able result with verdicts per incident and false alarms.
+
+    A case with an incident stops early once all three detectors have alarmed after it.
+    """
+    started = time.monotonic()
+    incident_at = None if case.healthy else _INCIDENT_AT
+    sim = Simulator(case.scenario, seed=case.seed, minutes=case.minutes, workers=case.workers,
+                    intensity=case.intensity, incident_at=incident_at, concurrency=case.concurrency)
+    incidents = sim.incidents
+    first_start = min((i.start_ts for i in incidents), default=math.inf)
+    policy = policy or Policy()
+    watch = _Watch(settings, watch_from=first_start, lateness=policy.windows.lateness_seconds)
+    pipeline = EmbeddedPipeline(policy, sinks=[watch.released])
+    first_mismatch: float | None = None
+    last_ts = sim.start_ts
+    records = 0
+    for record in sim.records():
+        records += 1
+        last_ts = record.ts
+        if isinstance(record, StepRecord):
+            watch.step(record)
+        elif (isinstance(record, ShadowRecord) and not record.match and first_mismatch is None
+              and record.ts >= first_start):
+            first_mismatch = record.ts
+        pipeline.feed(record)
+        if not watch.silent:
+            break  # every detector has had its say on the incident
+    pipeline.finish()
+    return _result(case, sim, incidents, watch.alarms, first_mismatch, last_ts, records,
+                   time.monotonic() - started)
+
+
+def _result(case: Case, sim: Simulator, incidents, alarms: dict[str, list[Alarm]], first_mismatch: float | None,
+            last_ts: float, records: int, wall: float) -> dict:
+    first_start = min((i.start_ts for i in incidents), default=last_ts)
+    covered = last_ts - sim.start_ts
+    out = {
+        "case": case.name,
+        "scenario": case.scenario,
+        "intensity": case.intensity,
+        "label": case.label,
+        "healthy": case.healthy,
+        "target_intensity": case.target_intensity,
+        "workers": case.workers,
+        "concurrency": case.concurrency,
+        "seed": case.seed,
+        "simulated_seconds": round(covered, 3),
+        "incident_free_seconds": round(first_start - sim.start_ts, 3),
+        "buckets": len(BUCKETS),
+        "records": records,
+        "wall_seconds": round(wall, 2),
+        "incidents": [],
+        "false_alarms": {},
+        "alarms": {d: [a.to_dict() for a in alarms[d]] for d in DETECTORS},
+    }
+    for incident in incidents:
+        reference = first_mismatch if incident.kind == "quality_mismatch" and first_mismatch is not None else None
+        row = {"kind": incident.kind, "start_ts": incident.start_ts, "bucket": incident.bucket,
+               "cohort": incident.cohort, "expected_reason": incident.expected_reason,
+               "measured_from": "first_mismatch_record" if reference is not None else "incident_start",
+               "reference_ts": reference if reference is not None else incident.start_ts,
+               "target_s": TARGETS.get(incident.kind) if case.target_intensity else None}
+        for detector in DETECTORS:
+            row[detector] = judge(incident, alarms[detector], reference).to_dict()
+        out["incidents"].append(row)
+    for detector in DETECTORS:
+        stray = stray_alarms(incidents, alarms[detector])
+        out["false_alarms"][detector] = {
+            "before_incident": sum(1 for a in stray if a.ts < first_start),
+            "after_incident": sum(1 for a in stray if a.ts >= first_start),
+            "alarms": [a.to_dict() for a in stray],
+        }
+    return out
+
+
+def _run_one(job: tuple[int, Case, BaselineSettings, Policy | None]) -> tuple[int, dict]:
+    index, case, settings, policy = job
+    return index, run_case(case, settings, policy)
+
+
+def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy | None = None,
+              processes: int = 1, progress: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run every case (on ``processes`` worker processes); results come back in case order."""
+    cases = list(cases)
+    # Longest first, so the pool does not end waiting on one long run.
+    order = sorted(range(len(cases)), key=lambda i: -cases[i].minutes * cases[i].workers)
+    jobs = [(i, cases[i], settings, policy) for i in order]
+    results: dict[int, dict] = {}
+    if processes <= 1:
+        done = map(_run_one, jobs)
+        for i, result in done:
+            results[i] = result
+            if progress is not None:
+                progress(result)
+    else:
+        # fork keeps start-up cheap; every case builds its own simulator and pipeline.
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            for i, result in pool.imap_unordered(_run_one, jobs):
+                results[i] = result
+                if progress is not None:
+                    progress(result)
+    return [results[i] for i in range(len(cases))]
