@@ -1,0 +1,399 @@
+"""Postmortem of one archived decision: a self-contained HTML page and a plain-text summary.
+
+Pure rendering from what `Archive.decision` and `Archive.samples` return; `specwatch explain`
+does the reading and writing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import json
+import math
+from typing import Iterable, Sequence
+
+__all__ = ["PLOTS", "render_html", "render_text"]
+
+# The evidence-window plots: (id, title, unit, [(series label, window field)]).
+PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("acceptance_length", "Acceptance length (tokens per round)", "", (("AL", "acceptance_length"),)),
+    ("draft_overhead", "Draft overhead (share of step time)", "", (("draft share", "draft_overhead"),)),
+    ("speedup", "Estimated speedup over standard decoding", "x", (("speedup", "speedup"),)),
+    ("e2e_latency", "End-to-end latency", "ms", (("p50", "e2e_p50"), ("p95", "e2e_p95"), ("p99", "e2e_p99"))),
+    ("tpot_latency", "Time per output token", "ms", (("p50", "tpot_p50"), ("p95", "tpot_p95"), ("p99", "tpot_p99"))),
+    ("error_rate", "Error and timeout rate", "", (("errors", "error_rate"),)),
+    ("mismatch_rate", "Shadow mismatch rate", "", (("mismatches", "mismatch_rate"),)),
+    ("kv_peak", "KV cache peak usage", "", (("KV peak", "kv_peak"),)),
+)
+# Which plot carries the finding's threshold and baseline lines, by the finding's metric.
+_METRIC_PLOT = {
+    "acceptance_length": ("acceptance_length", "acceptance_length"),
+    "estimated_speedup": ("speedup", "speedup"),
+    "draft_to_verify": ("draft_overhead", None),
+    "e2e_p99_ms": ("e2e_latency", "e2e_p99"),
+    "tpot_p99_ms": ("tpot_latency", "tpot_p99"),
+    "error_rate": ("error_rate", "error_rate"),
+    "kv_peak": ("kv_peak", "kv_peak"),
+    "shadow_mismatches": ("mismatch_rate", None),
+}
+_COLORS = ("#1f77b4", "#ff7f0e", "#d62728", "#2ca02c")
+_WIDTH, _HEIGHT = 520, 200
+_PAD_LEFT, _PAD_RIGHT, _PAD_TOP, _PAD_BOTTOM = 56, 12, 12, 30
+_MAX_SAMPLE_ROWS = 50
+
+_STYLE = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem;color:#222;max-width:1150px}
+h1{font-size:1.4rem;margin-bottom:.2rem} h2{font-size:1.1rem;margin-top:1.6rem;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:.85rem} td,th{border:1px solid #ddd;padding:.2rem .5rem;text-align:left}
+th{background:#f5f5f5} .plots{display:flex;flex-wrap:wrap;gap:1rem} figure{margin:0}
+figcaption{font-size:.8rem;color:#555} .muted{color:#777} code{font-size:.85rem}
+pre{font-size:.75rem;white-space:pre-wrap;margin:0}
+""".strip()
+
+
+# -- shared reading of an archived decision ------------------------------------------------------
+
+def _audit(record: dict) -> dict:
+    return record.get("audit") or {}
+
+
+def _finding(record: dict) -> dict:
+    detail = _audit(record).get("detail") or {}
+    return detail.get("finding") or record.get("evidence") or {}
+
+
+def _scope(record: dict) -> str:
+    return f"{record['bundle_id']}/{record.get('bucket') or '*'}/{record.get('cohort') or '*'}"
+
+
+def _utc(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def _number(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.4g}"
+    return str(value)
+
+
+# Evidence fields that hold event times: shown as UTC, not as 1.767e+09.
+_TIME_KEYS = ("ts", "window_start", "window_end", "learned_from", "learned_until", "disabled_at",
+              "last_strict_mismatch_ts", "slice_end")
+
+
+def _shown(key: str, value) -> str:
+    """A value as a table cell shows it; event times as UTC.
+
+    >>> _shown("window_end", 1767225693.5), _shown("tolerance", 0.15), _shown("position_rates", [0.8, 0.62])
+    ('2026-01-01T00:01:33.500Z', '0.15', '[0.8, 0.62]')
+    """
+    if key.rsplit(".", 1)[-1] in _TIME_KEYS and isinstance(value, (int, float)) and value > 1e8:
+        return _utc(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_number(v) for v in value) + "]"
+    return _number(value)
+
+
+def _flatten(prefix: str, value) -> Iterable[tuple[str, object]]:
+    if isinstance(value, dict):
+        for key in sorted(value):
+            yield from _flatten(f"{prefix}.{key}" if prefix else str(key), value[key])
+    else:
+        yield prefix, value
+
+
+def _window_rows(record: dict) -> list[dict]:
+    rows = []
+    for row in _audit(record).get("window") or []:
+        row = dict(row)
+        checks, mismatches = row.get("shadow_checks") or 0, row.get("shadow_mismatches") or 0
+        row["mismatch_rate"] = mismatches / checks if checks else math.nan
+        rows.append(row)
+    return rows
+
+
+def _headline(record: dict) -> tuple[str, str]:
+    """What was decided where and when, and the measurement that tipped it (may be empty)."""
+    finding = _finding(record)
+    what = {"disable_speculation": "speculation disabled", "reduce_draft_length": "draft length lowered",
+            "invalidate_bundle": "bundle invalidated", "restore": "speculation restored",
+            "alert": "alert raised", "promote": "cohort share widened"}.get(record["action"], record["action"])
+    text = f"{what} on {_scope(record)} for {record['reason']} at {_utc(record['ts'])}"
+    metric, measure = finding.get("metric"), ""
+    if metric and finding.get("value") is not None:
+        measure = (f"{metric} {_number(finding['value'])} against threshold {_number(finding.get('threshold'))}"
+                   f" (baseline {_number(finding.get('baseline'))})")
+    return text, measure
+
+
+# -- plain text ----------------------------------------------------------------------------------
+
+def render_text(record: dict, samples: Sequence[dict]) -> str:
+    """A short plain-text postmortem: decision, finding, thresholds, baseline, window, card, samples.
+
+    >>> record = {"decision_id": "d-1", "ts": 1767225845.0, "bundle_id": "b-1", "bucket": "coding",
+    ...           "cohort": "main", "action": "disable_speculation", "reason": "acceptance_drop",
+    ...           "detector": "acceptance_gate", "evidence": {}, "sample_ids": [],
+    ...           "audit": {"thresholds": {"tolerance": 0.15}, "baseline": {"acceptance_length": 3.2},
+    ...                     "window": [{"slice_end": 1767225844.0, "acceptance_length": 2.1, "requests": 40}],
+    ...                     "card": None, "detail": {"finding": {"metric": "acceptance_length", "value": 2.1,
+    ...                                                          "threshold": 2.72, "baseline": 3.2}}}}
+    >>> print(render_text(record, []))  # doctest: +NORMALIZE_WHITESPACE
+    decision d-1: speculation disabled on b-1/coding/main for acceptance_drop at 2026-01-01T00:04:05.000Z:
+      acceptance_length 2.1 against threshold 2.72 (baseline 3.2)
+    detector: acceptance_gate
+    finding: baseline=3.2 metric=acceptance_length threshold=2.72 value=2.1
+    thresholds: tolerance=0.15
+    baseline: acceptance_length=3.2
+    evidence window: 1 slices, -1.0 s .. -1.0 s before the decision
+      acceptance_length  first 2.1  last 2.1  min 2.1  max 2.1
+    bundle card: (not archived)
+    samples: 0
+    """
+    finding = _finding(record)
+    audit = _audit(record)
+    what, measure = _headline(record)
+    lines = [f"decision {record['decision_id']}: {what}" + (f":\n  {measure}" if measure else "")]
+    lines.append(f"detector: {record['detector']}")
+    lines.append("finding: " + " ".join(f"{k}={_shown(k, v)}" for k, v in _flatten("", finding)))
+    thresholds = audit.get("thresholds") or {}
+    lines.append("thresholds: " + " ".join(f"{k}={_number(v)}" for k, v in _flatten("", thresholds)))
+    baseline = audit.get("baseline") or {}
+    lines.append("baseline: " + (" ".join(f"{k}={_shown(k, v)}" for k, v in _flatten("", baseline)) or "(none)"))
+    rows = _window_rows(record)
+    if rows:
+        start = rows[0]["slice_end"] - record["ts"]
+        end = rows[-1]["slice_end"] - record["ts"]
+        lines.append(f"evidence window: {len(rows)} slices, {start:.1f} s .. {end:.1f} s before the decision")
+        for _, _, _, series in PLOTS:
+            for _, field in series:
+                values = [r.get(field) for r in rows]
+                values = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
+                if values:
+                    lines.append(f"  {field:<18} first {_number(values[0])}  last {_number(values[-1])}  "
+                                 f"min {_number(min(values))}  max {_number(max(values))}")
+    else:
+        lines.append("evidence window: none (an event-triggered decision)")
+    card = audit.get("card")
+    if card:
+        lines.append("bundle card: " + " ".join(f"{k}={_number(v)}" for k, v in _flatten("", card)))
+    else:
+        lines.append("bundle card: (not archived)")
+    lines.append(f"samples: {len(samples)}")
+    for sample in samples[:10]:
+        lines.append(f"  {sample['kind']:<8}{sample['sample_id']:<28}{_sample_detail(sample['record'])}")
+    return "\n".join(lines)
+
+
+def _sample_detail(record: dict) -> str:
+    kind = record.get("kind")
+    if kind == "request":
+        text = (f"{record.get('bucket')}/{record.get('cohort')} {record.get('finish_reason')} "
+                f"e2e {_number(record.get('e2e_ms'))} ms, {record.get('output_tokens')} tokens")
+        if record.get("error"):
+            text += f": {record['error']}"
+        return text
+    if kind == "step":
+        entries = record.get("requests") or []
+        drafted = sum(e.get("drafted", 0) for e in entries)
+        accepted = sum(e.get("accepted", 0) for e in entries)
+        return (f"{len(entries)} requests, {accepted}/{drafted} drafts accepted, draft {_number(record.get('draft_ms'))}"
+                f" ms + verify {_number(record.get('verify_ms'))} ms, KV {_number(record.get('kv_usage'))}")
+    if kind == "shadow":
+        return f"{record.get('bucket')} {record.get('check')} match={str(record.get('match')).lower()}"
+    return ""
+
+
+# -- HTML ---------------------------------------------------------------------------------------
+
+def render_html(record: dict, samples: Sequence[dict]) -> str:
+    """A self-contained postmortem page (inline SVG plots, no external resources).
+
+    >>> page = render_html({"decision_id": "d-1", "ts": 100.0, "bundle_id": "b-1", "bucket": None,
+    ...                     "cohort": None, "action": "alert", "reason": "draft_overhead",
+    ...                     "detector": "draft_cost_gate", "evidence": {}, "sample_ids": [], "audit": None}, [])
+    >>> page.startswith("<!DOCTYPE html>"), 'data-decision-id="d-1"' in page
+    (True, True)
+    """
+    esc = html.escape
+    audit = _audit(record)
+    finding = _finding(record)
+    title = f"specwatch postmortem {record['decision_id']}"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{esc(title)}</title><style>{_STYLE}</style></head><body>",
+        f'<main id="postmortem" data-decision-id="{esc(record["decision_id"])}" '
+        f'data-reason="{esc(record["reason"])}" data-action="{esc(record["action"])}">',
+        f'<h1>Decision <span id="decision-id">{esc(record["decision_id"])}</span></h1>',
+        f'<p id="summary">{esc(": ".join(p for p in _headline(record) if p))}</p>',
+        '<table id="decision">',
+        _row("action", record["action"], "action"),
+        _row("reason", record["reason"], "reason"),
+        _row("detector", record["detector"], "detector"),
+        _row("scope", _scope(record), "scope"),
+        _row("event time", f"{_utc(record['ts'])} ({record['ts']:.3f})", "ts"),
+        "</table>",
+        "<h2>Finding and thresholds</h2>",
+        _key_value_table("finding", finding),
+        f'<p class="muted">Policy settings of the gate that fired ({esc(record["detector"])}):</p>',
+        _key_value_table("thresholds", audit.get("thresholds") or {}),
+        "<h2>Baseline it was compared to</h2>",
+        _key_value_table("baseline", audit.get("baseline") or {}),
+        "<h2>Evidence window</h2>",
+    ]
+    rows = _window_rows(record)
+    if rows:
+        parts.append(f'<p class="muted">{len(rows)} slices before the decision; time in seconds relative to '
+                     "the decision (0 = decision). Dashed lines: the threshold (red) and the baseline (grey) "
+                     "of the metric that fired.</p>")
+        parts.append('<div class="plots" id="plots">')
+        for plot in PLOTS:
+            parts.append(_plot(plot, rows, record, finding))
+        parts.append("</div>")
+    else:
+        parts.append('<p id="plots-none" class="muted">No per-slice window: this decision was triggered by a '
+                     "discrete event (a card change or a shadow mismatch); the samples below are the event.</p>")
+    parts.append("<h2>Bundle card</h2>")
+    card = audit.get("card")
+    parts.append(_key_value_table("card", card) if card else '<p id="card" class="muted">Not archived.</p>')
+    parts.append(f"<h2>Samples ({len(samples)})</h2>")
+    parts.append(_samples_table(samples))
+    parts.append("</main></body></html>")
+    return "\n".join(parts)
+
+
+def _row(name: str, value, ident: str | None = None) -> str:
+    attr = f' id="field-{html.escape(ident)}"' if ident else ""
+    return f"<tr><th>{html.escape(name)}</th><td{attr}>{html.escape(_number(value))}</td></tr>"
+
+
+def _key_value_table(ident: str, data: dict) -> str:
+    items = list(_flatten("", data))
+    if not items:
+        return f'<p id="{ident}" class="muted">None.</p>'
+    body = "".join(f'<tr data-key="{html.escape(k)}"><th>{html.escape(k)}</th><td>{html.escape(_shown(k, v))}</td></tr>'
+                   for k, v in items)
+    return f'<table id="{ident}">{body}</table>'
+
+
+def _samples_table(samples: Sequence[dict]) -> str:
+    if not samples:
+        return '<p id="samples" class="muted">No samples archived with this decision.</p>'
+    rows = []
+    for sample in samples[:_MAX_SAMPLE_ROWS]:
+        record = sample["record"]
+        rows.append(
+            f'<tr data-sample-id="{html.escape(str(sample["sample_id"]))}"><td>{html.escape(sample["kind"])}</td>'
+            f"<td><code>{html.escape(str(sample['sample_id']))}</code></td><td>{html.escape(_utc(sample['ts']))}</td>"
+            f"<td>{html.escape(_sample_detail(record))}</td><td><details><summary>record</summary>"
+            f"<pre>{html.escape(json.dumps(record, sort_keys=True, indent=1))}</pre></details></td></tr>")
+    more = ""
+    if len(samples) > _MAX_SAMPLE_ROWS:
+        more = f'<p class="muted">{len(samples) - _MAX_SAMPLE_ROWS} more not shown.</p>'
+    return ('<table id="samples"><tr><th>kind</th><th>id</th><th>event time</th><th>what</th><th>raw</th></tr>'
+            + "".join(rows) + "</table>" + more)
+
+
+def _plot(plot, rows: list[dict], record: dict, finding: dict) -> str:
+    ident, title, unit, series = plot
+    xs = [row["slice_end"] - record["ts"] for row in rows]
+    lines = [(label, [_float(row.get(field)) for row in rows]) for label, field in series]
+    references = []
+    metric_plot = _METRIC_PLOT.get(finding.get("metric") or "")
+    if metric_plot is not None and metric_plot[0] == ident and metric_plot[1] is not None:
+        for label, key, color in (("threshold", "threshold", "#d62728"), ("baseline", "baseline", "#777")):
+            value = _float(finding.get(key))
+            if not math.isnan(value):
+                references.append((label, value, color))
+    if ident == "speedup":
+        references.append(("break-even", 1.0, "#777"))
+    svg = _svg(f"plot-{ident}", title, unit, xs, lines, references)
+    return f'<figure data-plot="{ident}">{svg}<figcaption>{html.escape(title)}</figcaption></figure>'
+
+
+def _float(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def _svg(ident: str, title: str, unit: str, xs: list[float], lines: list[tuple[str, list[float]]],
+         references: list[tuple[str, float, str]]) -> str:
+    esc = html.escape
+    finite = [y for _, ys in lines for y in ys if not math.isnan(y)] + [v for _, v, _ in references]
+    head = (f'<svg id="{esc(ident)}" class="plot" xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" '
+            f'height="{_HEIGHT}" viewBox="0 0 {_WIDTH} {_HEIGHT}" role="img"><title>{esc(title)}</title>')
+    if not finite or not xs:
+        return head + (f'<text x="{_WIDTH / 2}" y="{_HEIGHT / 2}" text-anchor="middle" fill="#777" '
+                       'font-size="12">no data in this window</text></svg>')
+    y_low, y_high = min(finite), max(finite)
+    if y_high - y_low < 1e-9:
+        y_low, y_high = y_low - 0.5 * (abs(y_low) or 1.0), y_high + 0.5 * (abs(y_high) or 1.0)
+    margin = 0.06 * (y_high - y_low)
+    y_low, y_high = y_low - margin, y_high + margin
+    x_low, x_high = min(xs), max(xs)
+    if x_high - x_low < 1e-9:
+        x_low, x_high = x_low - 1.0, x_high + 1.0
+    inner_w = _WIDTH - _PAD_LEFT - _PAD_RIGHT
+    inner_h = _HEIGHT - _PAD_TOP - _PAD_BOTTOM
+
+    def px(x: float) -> float:
+        return _PAD_LEFT + (x - x_low) / (x_high - x_low) * inner_w
+
+    def py(y: float) -> float:
+        return _PAD_TOP + (y_high - y) / (y_high - y_low) * inner_h
+
+    out = [head, f'<rect x="{_PAD_LEFT}" y="{_PAD_TOP}" width="{inner_w}" height="{inner_h}" fill="#fafafa" '
+                 'stroke="#ccc"/>']
+    for frac in (0.0, 0.5, 1.0):
+        y = y_low + margin + frac * (y_high - y_low - 2 * margin)
+        out.append(f'<text x="{_PAD_LEFT - 4}" y="{py(y) + 4:.1f}" text-anchor="end" font-size="10" '
+                   f'fill="#555">{esc(_number(y))}{esc(unit) if unit and unit != "x" else ""}</text>')
+    for x in (x_low, (x_low + x_high) / 2, x_high):
+        out.append(f'<text x="{px(x):.1f}" y="{_HEIGHT - 10}" text-anchor="middle" font-size="10" '
+                   f'fill="#555">{x:.0f} s</text>')
+    for label, value, color in references:
+        out.append(f'<line class="reference" data-label="{esc(label)}" data-value="{value:.6g}" x1="{_PAD_LEFT}" '
+                   f'y1="{py(value):.1f}" x2="{_WIDTH - _PAD_RIGHT}" y2="{py(value):.1f}" stroke="{color}" '
+                   'stroke-dasharray="5,3"/>')
+        out.append(f'<text x="{_WIDTH - _PAD_RIGHT - 2}" y="{py(value) - 3:.1f}" text-anchor="end" font-size="10" '
+                   f'fill="{color}">{esc(label)} {esc(_number(value))}</text>')
+    for index, (label, ys) in enumerate(lines):
+        color = _COLORS[index % len(_COLORS)]
+        for segment in _segments(xs, ys):
+            points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in segment)
+            if len(segment) == 1:
+                x, y = segment[0]
+                out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2" fill="{color}"/>')
+            else:
+                out.append(f'<polyline class="series" data-series="{esc(label)}" fill="none" stroke="{color}" '
+                           f'stroke-width="1.5" points="{points}"/>')
+        if len(lines) > 1:
+            out.append(f'<text x="{_PAD_LEFT + 6 + 48 * index}" y="{_PAD_TOP + 12}" font-size="10" '
+                       f'fill="{color}">{esc(label)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _segments(xs: list[float], ys: list[float]) -> list[list[tuple[float, float]]]:
+    """Runs of defined points: a NaN (nothing measured in a slice) breaks the line.
+
+    >>> _segments([0, 1, 2, 3], [1.0, float("nan"), 2.0, 3.0])
+    [[(0, 1.0)], [(2, 2.0), (3, 3.0)]]
+    """
+    out, current = [], []
+    for x, y in zip(xs, ys):
+        if math.isnan(y):
+            if current:
+                out.append(current)
+            current = []
+        else:
+            current.append((x, y))
+    if current:
+        out.append(current)
+    return out

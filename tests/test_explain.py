@@ -1,0 +1,118 @@
+"""`specwatch explain`: the postmortem of an archived decision, checked in a real headless browser."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from specwatch.actions.archive import Archive
+from specwatch.actions.handlers import ArchiveSink
+from specwatch.collectors.simulator import Simulator
+from specwatch.postmortem import PLOTS
+from specwatch.streams.embedded import EmbeddedPipeline
+
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def archived(tmp_path_factory):
+    """A short seeded acceptance-drop run archived to chDB: (dsn, decisions)."""
+    path = tmp_path_factory.mktemp("archive") / "archive"
+    dsn = f"chdb://{path}"
+    with Archive.open(dsn) as archive:
+        sink = ArchiveSink(archive)
+        pipeline = EmbeddedPipeline(sinks=[sink])
+        sim = Simulator("acceptance_drop", seed=SEED, minutes=2.2, workers=2, incident_at=90.0)
+        pipeline.feed_many(sim.records())
+        pipeline.finish()
+        sink.close()
+    decisions = pipeline.decisions
+    assert [(d.action, d.reason, d.bucket) for d in decisions][:2] == [
+        ("reduce_draft_length", "acceptance_drop", "coding"), ("reduce_draft_length", "acceptance_drop", "coding")]
+    return dsn, decisions
+
+
+def _explain(*args) -> subprocess.CompletedProcess:
+    # A separate process: chDB hosts one archive per process, and the CLI is what users run.
+    return subprocess.run([sys.executable, "-m", "specwatch.cli", "explain", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_text_summary_names_decision_thresholds_baseline_and_samples(archived):
+    dsn, decisions = archived
+    decision = decisions[0]
+    proc = _explain(decision.id, "--archive", dsn)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith(f"decision {decision.id}: draft length lowered on {decision.bundle_id}/coding/main")
+    assert f"acceptance_length {decision.evidence['value']:.4g} against threshold " \
+           f"{decision.evidence['threshold']:.4g}" in out
+    assert "detector: acceptance_gate" in out
+    assert "thresholds: actions.alert_repeat_seconds=600" in out and "tolerance=0.15" in out
+    assert re.search(r"^baseline: .*acceptance_length=\d", out, re.M)
+    assert re.search(r"^evidence window: \d+ slices", out, re.M)
+    assert "bundle card: drafter.draft_length=4 drafter.mechanism=eagle3" in out
+    assert re.search(r"^samples: [1-9]\d*$", out, re.M)
+
+
+def test_unknown_decision_and_missing_archive_are_clear_errors(archived, tmp_path):
+    dsn, _ = archived
+    proc = _explain("d-000000000000", "--archive", dsn)
+    assert proc.returncode == 1 and "no decision 'd-000000000000'" in proc.stderr
+    proc = _explain("d-000000000000", "--archive", f"chdb://{tmp_path / 'nothing'}")
+    assert proc.returncode == 2 and "no archive at" in proc.stderr
+
+
+def _chromium() -> str:
+    found = os.environ.get("SPECWATCH_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not found:
+        pytest.fail("chromium is not installed: run deploy/browser/install.sh (deploy/test.sh does)")
+    return found
+
+
+def _headless(browser: str, profile, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}", *args],
+        capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.browser
+def test_postmortem_page_renders_in_a_headless_browser(archived, tmp_path):
+    dsn, decisions = archived
+    decision = decisions[0]
+    page = tmp_path / "postmortem.html"
+    proc = _explain(decision.id, "--archive", dsn, "--html", str(page))
+    assert proc.returncode == 0, proc.stderr
+    browser = _chromium()
+    proc = _headless(browser, tmp_path / "profile", "--dump-dom", page.as_uri())
+    assert proc.returncode == 0, proc.stderr
+    dom = proc.stdout
+    assert f'<span id="decision-id">{decision.id}</span>' in dom
+    assert f'data-decision-id="{decision.id}"' in dom and 'data-reason="acceptance_drop"' in dom
+    assert re.search(r'<td id="field-reason">acceptance_drop</td>', dom)
+    assert re.search(r'<td id="field-detector">acceptance_gate</td>', dom)
+    # the thresholds that fired: the crossed value and the gate's policy settings
+    assert f'<tr data-key="threshold"><th>threshold</th><td>{decision.evidence["threshold"]:.4g}</td></tr>' in dom
+    assert '<tr data-key="tolerance"><th>tolerance</th><td>0.15</td></tr>' in dom
+    assert '<tr data-key="acceptance_length"><th>acceptance_length</th>' in dom  # the baseline table
+    # every evidence plot is an inline SVG the browser parsed; AL has data and its threshold line
+    for ident, _, _, _ in PLOTS:
+        assert f'<svg id="plot-{ident}"' in dom
+    al_plot = re.search(r'<svg id="plot-acceptance_length".*?</svg>', dom, re.S).group(0)
+    assert 'class="series"' in al_plot
+    assert f'data-label="threshold" data-value="{decision.evidence["threshold"]:.6g}"' in al_plot
+    assert 'data-label="baseline"' in al_plot
+    assert re.search(r'<svg id="plot-e2e_latency".*?data-series="p99"', dom, re.S)
+    # the bundle card and the archived samples
+    assert '<tr data-key="drafter.mechanism"><th>drafter.mechanism</th><td>eagle3</td></tr>' in dom
+    assert dom.count("<tr data-sample-id=") >= 1
+    # and it paints: a screenshot of the page is a real picture
+    shot = tmp_path / "postmortem.png"
+    proc = _headless(browser, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,2400",
+                     page.as_uri())
+    assert proc.returncode == 0, proc.stderr
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
