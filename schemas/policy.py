@@ -185,6 +185,9 @@ def load_policy(path: str | Path | None) -> Policy:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise PolicyError(f"policy file {path} is not valid TOML: {error}") from None
+    except RecursionError:
+        # tomllib parses nested arrays and tables recursively; no policy nests this deep.
+        raise PolicyError(f"policy file {path} is not valid TOML: values nested too deeply") from None
     try:
         return Policy.model_validate(data)
     except ValidationError as error:

@@ -1,0 +1,169 @@
+"""Fuzzing the policy loader: any file content gives a Policy or a PolicyError that names the file.
+
+A policy file is written by people, by hand, under pressure: nothing in it may crash the
+processor with anything but a message to act on. Budget as in test_fuzz_codec.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from specwatch.schemas import Policy, PolicyError, load_policy
+
+_EXAMPLES = int(os.environ.get("SPECWATCH_FUZZ_EXAMPLES", "300"))
+_FUZZ = settings(max_examples=_EXAMPLES, derandomize=True, deadline=None, print_blob=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+_README_EXAMPLE = """\
+baseline_cohort = "baseline"
+
+[windows]
+slice_seconds = 1.0
+lateness_seconds = 1.0
+
+[baseline]
+learn_seconds = 60
+[baseline.pinned.coding]
+acceptance_length = 3.2
+e2e_p99_ms = 4000
+
+[acceptance]
+tolerance = 0.15
+consecutive = 3
+reduce_first = true
+
+[latency]
+e2e_p99_slo_ms = 8000
+
+[kv]
+watermark = 0.92
+
+[actions]
+cooldown_seconds = 300
+"""
+
+
+@pytest.fixture(scope="module")
+def policy_dir():
+    with tempfile.TemporaryDirectory(prefix="specwatch-policy-fuzz-") as directory:
+        yield Path(directory)
+
+
+def _load(directory: Path, content: bytes) -> Policy | PolicyError:
+    path = directory / "policy.toml"
+    path.write_bytes(content)
+    try:
+        policy = load_policy(path)
+    except PolicyError as error:
+        message = str(error)
+        assert str(path) in message, message  # says which file
+        assert message.strip() and "Traceback" not in message
+        return error
+    assert isinstance(policy, Policy)
+    _check_invariants(policy)
+    return policy
+
+
+def _check_invariants(policy: Policy) -> None:
+    """What the loader promises about a policy it accepts."""
+    assert 0 < policy.windows.slice_seconds <= 60
+    assert 0 <= policy.windows.lateness_seconds <= policy.windows.source_idle_seconds
+    assert 0 < policy.kv.watermark <= 1
+    assert 0 < policy.acceptance.tolerance < 1
+    for value in (policy.baseline.learn_seconds, policy.actions.cooldown_seconds, policy.latency.p99_factor):
+        assert math.isfinite(value)
+    # An accepted policy survives its own JSON form: what replay records is what ran.
+    assert Policy.model_validate_json(policy.model_dump_json()) == policy
+
+
+def test_the_readme_example_loads(policy_dir):
+    policy = _load(policy_dir, _README_EXAMPLE.encode())
+    assert isinstance(policy, Policy) and policy.baseline.pinned["coding"].acceptance_length == 3.2
+
+
+@_FUZZ
+@given(st.one_of(st.binary(max_size=400), st.text(max_size=400).map(lambda t: t.encode("utf-8", "surrogatepass"))))
+@example(b"\xff\xfe")
+@example(b"[windows]\nslice_seconds = nan\n")
+@example(b"[windows]\nslice_seconds = inf\n")
+@example(b"[kv]\nwatermark = 1e400\n")
+@example(b"a = " + b"[" * 50_000 + b"]" * 50_000)
+@example(b"[" * 10_000)
+@example(b"a.b.c.d.e.f.g.h = 1\n" * 50)
+@example(b"[baseline.pinned.coding]\nacceptance_length = -inf\n")
+@example(b"[actions]\nrestore_reasons = [\"nope\"]\n")
+@example(b"baseline_cohort = \"\"\n")
+def test_any_file_content_loads_or_is_refused_with_the_file_named(policy_dir, content):
+    _load(policy_dir, content)
+
+
+# -- structured: real section and setting names, values of every TOML type ------------------------
+
+_SECTIONS = {
+    "windows": ["slice_seconds", "lateness_seconds", "source_idle_seconds"],
+    "baseline": ["learn_seconds", "min_rounds", "min_requests"],
+    "acceptance": ["tolerance", "window_slices", "consecutive", "min_rounds", "reduce_first", "settle_seconds"],
+    "draft_overhead": ["factor", "window_slices", "consecutive"],
+    "speedup": ["min_speedup", "window_slices", "consecutive", "min_baseline_requests"],
+    "latency": ["window_slices", "consecutive", "min_requests", "p99_factor", "e2e_p99_slo_ms", "tpot_p99_slo_ms"],
+    "kv": ["watermark", "consecutive"],
+    "errors": ["window_slices", "consecutive", "factor", "floor_rate", "min_requests", "min_errors"],
+    "quality": ["strict_checks"],
+    "actions": ["cooldown_seconds", "min_draft_length", "alert_repeat_seconds", "restore_after_seconds",
+                "restore_backoff", "restore_max_seconds", "restore_evidence_seconds", "restore_reasons"],
+    "admission": ["enforce", "cohort_schedule"],
+    "nonsense": ["x"],
+}
+_TOML_SCALARS = st.one_of(
+    st.integers(min_value=-(2**63), max_value=2**63 - 1).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(
+        lambda f: "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf") if math.isinf(f) else repr(f)),
+    st.booleans().map(lambda b: "true" if b else "false"),
+    st.text(max_size=12).map(lambda t: '"' + t.replace("\\", "\\\\").replace('"', '\\"')
+                             .encode("ascii", "backslashreplace").decode().replace("\\x", "\\u00") + '"'),
+    st.just("1979-05-27T07:32:00Z"),
+)
+_TOML_VALUES = st.one_of(_TOML_SCALARS, st.lists(_TOML_SCALARS, max_size=4).map(lambda v: "[" + ", ".join(v) + "]"))
+
+
+@st.composite
+def _policy_text(draw) -> str:
+    lines = []
+    if draw(st.booleans()):
+        lines.append(f"baseline_cohort = {draw(_TOML_VALUES)}")
+    for section in draw(st.lists(st.sampled_from(sorted(_SECTIONS)), unique=True, max_size=5)):
+        lines.append(f"[{section}]")
+        for name in draw(st.lists(st.sampled_from(_SECTIONS[section]), unique=True, max_size=4)):
+            lines.append(f"{name} = {draw(_TOML_VALUES)}")
+    if draw(st.booleans()):
+        bucket = draw(st.sampled_from(["coding", "chat", '"a b"']))
+        lines.append(f"[baseline.pinned.{bucket}]")
+        for name in draw(st.lists(st.sampled_from(["acceptance_length", "draft_to_verify", "e2e_p99_ms",
+                                                   "tpot_p99_ms", "error_rate", "bogus"]), unique=True, max_size=3)):
+            lines.append(f"{name} = {draw(_TOML_VALUES)}")
+    return "\n".join(lines) + "\n"
+
+
+@_FUZZ
+@given(_policy_text())
+def test_structured_policies_load_or_name_the_setting(policy_dir, text):
+    result = _load(policy_dir, text.encode())
+    if isinstance(result, PolicyError) and "not valid TOML" not in str(result):
+        # Each refused setting is named by its dotted path (or the file's top level).
+        named = {"baseline_cohort", "(top)"} | set(_SECTIONS)
+        for problem in str(result).split(": ", 1)[1].split("; "):
+            assert problem.split(":")[0].split(".")[0] in named, str(result)
+
+
+def test_an_unreadable_or_missing_file_is_a_policy_error(tmp_path):
+    with pytest.raises(PolicyError, match="cannot read policy file"):
+        load_policy(tmp_path / "missing.toml")
+    with pytest.raises(PolicyError, match="cannot read policy file"):
+        load_policy(tmp_path)  # a directory
