@@ -21,7 +21,8 @@ __all__ = ["run_vllm_demo"]
 _LOG = logging.getLogger(__name__)
 
 _DRAFT_LENGTH = 4
-_MAX_TOKENS = 32
+# short requests: a pipeline judges windows by finished requests as well as by rounds
+_MAX_TOKENS = 24
 _PROMPTS = [
     "def mean(values):\n    return sum(values) / len(values)\n",
     "import logging\n\nlog = logging.getLogger(__name__)\n",
@@ -38,7 +39,7 @@ _PREFIXES = ["coding:main:", "coding:canary:", "extraction:main:", "summarizatio
 # The random-drafter phase runs until a disable decision has held for this many steps, or for
 # at most this long (a pipeline needs some event time to judge a window).
 _DEFAULT_STEPS_AFTER_DECISION = 8
-_DEFAULT_RANDOM_PHASE_S = 150.0
+_DEFAULT_RANDOM_PHASE_S = 90.0
 # Without a pipeline the demo decides by itself, on the same evidence a pipeline gate reads:
 # enough drafted tokens, acceptance far below what a working drafter gets.
 _DEMO_RULE_MIN_DRAFTED = 96
@@ -83,7 +84,6 @@ def run_vllm_demo(json_output: bool, workdir: Path,
     _progress("building tiny models (cached after the first run)")
     models = build_tiny_models()
     feed = _Feed(workdir / "telemetry.jsonl", on_record, flags)
-    collector = VllmCollector(feed, flags=flags, worker="demo-vllm-0")
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True, seed=7)
@@ -94,14 +94,19 @@ def run_vllm_demo(json_output: bool, workdir: Path,
 
     phases = []
     texts: dict[str, dict[str, str]] = {}
+    collectors = []
     try:
         for name, drafter in (("copy-drafter", models.copy_drafter), ("random-drafter", models.random_drafter)):
             _progress(f"{name}: starting vLLM {_spec_label(drafter)}")
             spec = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": _DRAFT_LENGTH}
             phase_start = time.monotonic()
+            # one engine, one worker: a worker that changed its drafter in place would rightly
+            # be read as a changed bundle rather than as a drafter that stopped paying
+            collector = VllmCollector(feed, flags=flags, worker=f"demo-vllm-{name.split('-')[0]}")
+            collectors.append(collector)
             with collector.watching():
                 engine = new_engine(models.target, spec, max_num_seqs=len(_PROMPTS))
-            bundle_id = next(b for b in collector.bundles if b not in feed.bundles_seen_before)
+            (bundle_id,) = collector.bundles
             feed.start_phase(name, bundle_id, rule=on_record is None and name == "random-drafter")
             run = run_to_completion(engine, wave("w0"))
             texts[name] = {rid.rsplit("-", 1)[-1]: out.outputs[0].text for rid, out in run.outputs.items()}
@@ -111,17 +116,20 @@ def run_vllm_demo(json_output: bool, workdir: Path,
                 while time.monotonic() < deadline and not feed.decision_held(_DEFAULT_STEPS_AFTER_DECISION):
                     run_to_completion(engine, wave(f"w{waves}"))
                     waves += 1
+                    drafted, accepted = feed.phase_totals()
                     _progress(f"{name}: {feed.phase_steps()} steps, acceptance "
-                              f"{_ratio(*feed.phase_totals()):.3f}, decision: "
+                              f"{_ratio(accepted, drafted):.3f}, decision: "
                               f"{'in effect' if feed.has_decision else 'none yet'}")
-            collector.flush()
+            collector.close()
             close_engine(engine)
             phases.append(feed.end_phase(waves, time.monotonic() - phase_start))
             _progress(f"{name}: done, {phases[-1]['steps']} steps, acceptance {phases[-1]['acceptance']:.3f}")
     finally:
-        collector.close()
+        for collector in collectors:
+            collector.close()
         feed.close()
-    stats = collector.stats()
+    stats = [c.stats() for c in collectors]
+    steps = sum(s.steps for s in stats)
     summary = {
         "engine": "vllm",
         "models": str(models.root),
@@ -133,9 +141,11 @@ def run_vllm_demo(json_output: bool, workdir: Path,
                                      and phases[-1].get("steps_after_decision", 0) > 0),
         "lossless": texts.get("copy-drafter") == texts.get("random-drafter"),
         "records": feed.count,
-        "collector": {"steps": stats.steps, "cost_us_per_step": round(stats.cost_per_step_us, 1),
-                      "untimed_steps": stats.untimed_steps, "dropped": stats.dropped,
-                      "hook_errors": stats.hook_errors},
+        "collector": {"steps": steps,
+                      "cost_us_per_step": round(sum(s.cost_s for s in stats) / max(1, steps) * 1e6, 1),
+                      "untimed_steps": sum(s.untimed_steps for s in stats),
+                      "dropped": sum(s.dropped for s in stats),
+                      "hook_errors": sum(s.hook_errors for s in stats)},
         "seconds": round(time.monotonic() - started, 1),
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
@@ -157,7 +167,6 @@ class _Feed:
         self._lock = threading.Lock()
         self.count = 0
         self.decisions: list = []
-        self.bundles_seen_before: set[str] = set()
         self._reset(None, None, False)
 
     def _reset(self, name, bundle_id, rule) -> None:
@@ -273,7 +282,6 @@ class _Feed:
                 summary["drafted_after_decision"] = sum(e.drafted for s in after for e in s.requests
                                                         if self._in_scope(e))
                 summary["draft_ms_per_step_after_decision"] = _mean([s.draft_ms for s in after])
-            self.bundles_seen_before.add(self.bundle_id)
             return summary
 
     def close(self) -> None:
