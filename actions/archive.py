@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Decision, decision_key
+from specwatch.schemas.redaction import SAMPLE_TEXT_MODES, redact_record
 
 __all__ = [
     "ARCHIVE_ENV",
@@ -46,6 +47,10 @@ ARCHIVE_ENV = "SPECWATCH_ARCHIVE"
 DEFAULT_ARCHIVE_DSN = "chdb://specwatch-data/archive"
 _USER_ENV = "SPECWATCH_CLICKHOUSE_USER"
 _PASSWORD_ENV = "SPECWATCH_CLICKHOUSE_PASSWORD"
+# Free text in samples (a request's engine error) is archived as a digest unless a
+# deployment opts in to a redacted form; never as it came (it may quote a prompt).
+_SAMPLE_TEXT_ENV = "SPECWATCH_ARCHIVE_SAMPLE_TEXT"
+_DEFAULT_SAMPLE_TEXT = "hashes"
 _DEFAULT_DATABASE = "specwatch"
 _DEFAULT_DECISIONS_LIMIT = 100
 # One insert is one part on disk: big enough to amortize, small enough to bound memory
@@ -394,6 +399,9 @@ class Archive:
         A clickhouse-connect client (chDB or server); the caller keeps owning it.
     database
         Database holding the archive tables.
+    sample_text
+        How free text in samples is kept: ``"hashes"`` (a digest, the default) or
+        ``"redacted"`` (quoted spans and long numbers removed); see `specwatch.schemas.redaction`.
 
     Writes are idempotent: rows carry stable ids, tables are ReplacingMergeTree, and
     reads use FINAL, so writing the same decision twice leaves one.
@@ -410,9 +418,13 @@ class Archive:
     False
     """
 
-    def __init__(self, client: Any, database: str = _DEFAULT_DATABASE) -> None:
+    def __init__(self, client: Any, database: str = _DEFAULT_DATABASE,
+                 sample_text: str = _DEFAULT_SAMPLE_TEXT) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
             raise ValueError(f"archive database name {database!r} must be a plain identifier")
+        if sample_text not in SAMPLE_TEXT_MODES:
+            raise ValueError(f"sample_text must be one of {', '.join(SAMPLE_TEXT_MODES)}, got {sample_text!r}")
+        self.sample_text = sample_text
         self._client = client
         self._db = database
         self._label = f"{type(client).__name__}/{database}"
@@ -421,15 +433,20 @@ class Archive:
 
     @classmethod
     def open(cls, dsn: str | None = None, *, create: bool = True,
-             environ: Mapping[str, str] | None = None) -> "Archive":
+             environ: Mapping[str, str] | None = None, sample_text: str | None = None) -> "Archive":
         """Open the archive at `dsn` (default: `archive_dsn()`), creating it if asked.
 
         ``chdb:///abs/path`` or ``chdb://relative/path`` is an embedded chDB directory;
         ``http(s)://user:pass@host:port/db`` a ClickHouse server, with credentials from
         ``$SPECWATCH_CLICKHOUSE_USER``/``_PASSWORD`` when the DSN has none. With
-        ``create=False`` a missing archive raises `ArchiveNotFoundError`.
+        ``create=False`` a missing archive raises `ArchiveNotFoundError`. ``sample_text``
+        defaults to ``$SPECWATCH_ARCHIVE_SAMPLE_TEXT`` or ``"hashes"``.
         """
         environ = os.environ if environ is None else environ
+        sample_text = sample_text or environ.get(_SAMPLE_TEXT_ENV) or _DEFAULT_SAMPLE_TEXT
+        if sample_text not in SAMPLE_TEXT_MODES:
+            raise ValueError(f"{_SAMPLE_TEXT_ENV} must be one of {', '.join(SAMPLE_TEXT_MODES)}, "
+                             f"got {sample_text!r}")
         location, password = _parse_dsn(dsn or archive_dsn(environ))
         if location.engine == "chdb":
             # Checked before the engine starts: opening a directory makes chDB lay out
@@ -454,7 +471,7 @@ class Archive:
                 # The driver's message names host and user, never the password.
                 raise ArchiveError(f"cannot connect to the archive at {location.label}: {exc}") from exc
             release = client.close
-        archive = cls(client, location.database)
+        archive = cls(client, location.database, sample_text)
         archive._label = location.label
         archive._release = release
         try:
@@ -470,6 +487,11 @@ class Archive:
 
     def __repr__(self) -> str:
         return f"Archive({self._label!r})"
+
+    @property
+    def label(self) -> str:
+        """Where this archive is, as it may appear in logs (never with credentials)."""
+        return self._label
 
     def __enter__(self) -> "Archive":
         return self
@@ -509,7 +531,7 @@ class Archive:
     def write_decisions(self, items: Iterable[tuple[Decision, Mapping[str, Any] | None,
                                                     Sequence[Mapping[str, Any]]]]) -> int:
         """Archive many decisions in one insert per table; returns how many."""
-        batch = _DecisionBatch()
+        batch = _DecisionBatch(self.sample_text)
         for decision, audit, samples in items:
             batch.add(decision, audit, samples)
         return self._write_decision_batch(batch)
@@ -776,7 +798,7 @@ class ArchiveWriter:
         self._flush_lock = threading.Lock()
         self._stats: list[pa.Table] = []
         self._stats_rows = 0
-        self._decisions = _DecisionBatch()
+        self._decisions = _DecisionBatch(self._sample_text())
         self._since: float | None = None
         self._retry_at: float | None = None
         self.last_error: Exception | None = None
@@ -847,7 +869,7 @@ class ArchiveWriter:
         with self._flush_lock:
             with self._lock:
                 stats, self._stats, self._stats_rows = self._stats, [], 0
-                decisions, self._decisions = self._decisions, _DecisionBatch()
+                decisions, self._decisions = self._decisions, _DecisionBatch(self._sample_text())
                 self._since = None
             written = 0
             try:
@@ -860,7 +882,7 @@ class ArchiveWriter:
                     written += merged.num_rows
                     stats = []
                 written += self.archive._write_decision_batch(decisions)
-                decisions = _DecisionBatch()
+                decisions = _DecisionBatch(self._sample_text())
             except Exception as exc:
                 self.last_error = exc
                 raise
@@ -888,6 +910,9 @@ class ArchiveWriter:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _sample_text(self) -> str:
+        return getattr(self.archive, "sample_text", _DEFAULT_SAMPLE_TEXT)
+
     def _mark(self) -> None:
         if self._since is None and (self._stats_rows or self._decisions.count):
             self._since = self._clock()
@@ -907,7 +932,8 @@ class ArchiveWriter:
 class _DecisionBatch:
     """Decisions, audit rows and samples encoded into insert columns."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample_text: str = _DEFAULT_SAMPLE_TEXT) -> None:
+        self.sample_text = sample_text
         self.decisions: list[list[Any]] = [[] for _ in _DECISION_SCHEMA]
         self.audits: list[list[Any]] = [[] for _ in _AUDIT_SCHEMA]
         self.samples: list[list[Any]] = [[] for _ in _SAMPLE_SCHEMA]
@@ -921,7 +947,7 @@ class _DecisionBatch:
         # a half-recorded decision behind.
         decision_id = decision.id  # a digest of the canonical line: computed once
         rows = _decision_row(decision, decision_id), _decision_audit_row(decision, decision_id, audit or {})
-        sample_rows = [_sample_row(decision_id, sample) for sample in samples]
+        sample_rows = [_sample_row(decision_id, sample, self.sample_text) for sample in samples]
         _append(self.decisions, rows[0])
         _append(self.audits, rows[1])
         for row in sample_rows:
@@ -961,10 +987,12 @@ def _decision_audit_row(decision: Decision, decision_id: str, audit: Mapping[str
             _json(extra or None)]
 
 
-def _sample_row(decision_id: str, sample: Mapping[str, Any] | Any) -> list[Any]:
+def _sample_row(decision_id: str, sample: Mapping[str, Any] | Any,
+                sample_text: str = _DEFAULT_SAMPLE_TEXT) -> list[Any]:
     record = sample.model_dump(mode="json") if hasattr(sample, "model_dump") else sample
     if not isinstance(record, abc.Mapping):
         raise TypeError(f"a sample must be a contract-v1 record dict, not {type(record).__name__}")
+    record = redact_record(record, sample_text)
     kind = record.get("kind")
     if kind not in _SAMPLE_KINDS:
         raise ValueError(f"sample kind {kind!r} is not one of {', '.join(_SAMPLE_KINDS)}")

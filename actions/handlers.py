@@ -1,46 +1,286 @@
 """Action handlers: what happens to each final slice's decisions beyond the flag store.
 
 The archive handler writes decisions with their audit evidence and samples, window
-statistics for timelines, and every bundle card seen; writes are batched.
+statistics for timelines, and every bundle card seen. When the archive fails, it spools
+everything to local disk and replays it, oldest first, once the archive takes writes again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
+from specwatch.actions.spool import Spool, SpoolFull, SpoolStats
+from specwatch.schemas import Decision
+from specwatch.schemas.redaction import redact_record
 from specwatch.streams.topology import SliceOutput
 
-__all__ = ["ArchiveSink"]
+__all__ = ["ARCHIVE_SPOOL_ENV", "ArchiveSink", "default_spool_dir"]
 
 _LOG = logging.getLogger(__name__)
 # Window rows arrive one per key per slice; inserting them in large batches is what
 # makes the archive keep up (ClickHouse prefers few big inserts).
 _DEFAULT_WINDOW_BATCH = 5000
+_DEFAULT_RETRY_BACKOFF_S = 1.0
+_DEFAULT_MAX_RETRY_BACKOFF_S = 60.0
+ARCHIVE_SPOOL_ENV = "SPECWATCH_ARCHIVE_SPOOL"
+_DEFAULT_SPOOL_BASE = Path("~/.cache/specwatch/archive-spool")
+
+
+def default_spool_dir(archive_label: str, environ: Mapping[str, str] | None = None) -> Path:
+    """Where rows for one archive wait: one directory per archive, so a spool is only ever
+    replayed into the archive it was meant for.
+
+    >>> default_spool_dir("chdb:///srv/a", {"SPECWATCH_ARCHIVE_SPOOL": "/var/spool/specwatch"})
+    PosixPath('/var/spool/specwatch/a-978949a7ba996a35')
+    """
+    environ = os.environ if environ is None else environ
+    base = Path(environ.get(ARCHIVE_SPOOL_ENV) or _DEFAULT_SPOOL_BASE).expanduser()
+    return base / ("a-" + hashlib.sha256(archive_label.encode("utf-8")).hexdigest()[:16])
+
+
+def _is_data_error(error: BaseException) -> bool:
+    """A row the archive will never take (a bug upstream), as opposed to an archive that is away."""
+    try:
+        from clickhouse_connect.driver.exceptions import ClickHouseError
+    except ImportError:  # pragma: no cover - the archive needs it anyway
+        ClickHouseError = ()  # noqa: N806
+    return isinstance(error, (ValueError, TypeError)) and not isinstance(error, ClickHouseError)
 
 
 class ArchiveSink:
-    """Writes stage-2 output to an `Archive`; decisions at once, window rows in batches."""
+    """Writes stage-2 output to an `Archive`; decisions at once, window rows in batches.
 
-    def __init__(self, archive, window_batch: int = _DEFAULT_WINDOW_BATCH) -> None:
-        self.archive = archive
+    When a write fails because the archive is away (a chDB directory that cannot be
+    written, a server that refuses), the rows go to a local `Spool` instead, and every
+    later write follows them there, so the archive receives everything in order. The
+    spool is replayed with exponential backoff from the next call on, at `flush` and at
+    `close`; replayed rows are the same rows (stable ids, ReplacingMergeTree), so a
+    replay after a partial write duplicates nothing. A full spool drops rows and counts
+    them (`stats()["dropped_entries"]`): the decisions still reach the decisions topic.
+
+    Parameters
+    ----------
+    archive
+        An `Archive`, or a function that opens one (tried again with backoff while it
+        raises: the archive may be away at start).
+    window_batch
+        Buffered window rows that make a write.
+    spool
+        A `Spool`, or its directory; by default `default_spool_dir` of the archive.
+    sample_text
+        Free-text handling for spooled samples when ``archive`` is a function; an
+        archive passed in brings its own (`Archive.sample_text`).
+    retry_backoff_s, max_retry_backoff_s
+        First and longest wait between replay attempts.
+    clock
+        Monotonic clock, passed in so tests can drive the backoff.
+    """
+
+    def __init__(self, archive: Any, window_batch: int = _DEFAULT_WINDOW_BATCH, *,
+                 spool: Spool | str | os.PathLike | None = None, sample_text: str = "hashes",
+                 retry_backoff_s: float = _DEFAULT_RETRY_BACKOFF_S,
+                 max_retry_backoff_s: float = _DEFAULT_MAX_RETRY_BACKOFF_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if window_batch < 1:
+            raise ValueError(f"window_batch must be at least 1, got {window_batch}")
+        if not 0 < retry_backoff_s <= max_retry_backoff_s:
+            raise ValueError(f"need 0 < retry_backoff_s <= max_retry_backoff_s, got {retry_backoff_s} and "
+                             f"{max_retry_backoff_s}")
+        opener = None if hasattr(archive, "write_decisions") else archive
+        if opener is not None and not callable(opener):
+            raise TypeError(f"archive must be an Archive or a function opening one, not {type(archive).__name__}")
+        if spool is None:
+            if opener is not None:
+                raise ValueError("an archive opened later needs its spool named (spool=...)")
+            spool = default_spool_dir(getattr(archive, "label", repr(archive)))
+        self.archive = None if opener is not None else archive
+        self._opener = opener
+        self._owned = False
+        self.spool = spool if isinstance(spool, Spool) else Spool(spool)
         self.window_batch = window_batch
+        self._sample_text = getattr(archive, "sample_text", sample_text) if opener is None else sample_text
         self._rows: list[dict] = []
+        self._clock = clock
+        self._first_backoff = retry_backoff_s
+        self._max_backoff = max_retry_backoff_s
+        self._backoff = retry_backoff_s
+        self._retry_at = -float("inf")
+        self._outage = False
         self.decisions_written = 0
+        self._written = self._spooled = self._dropped = self._dropped_rows = self._outages = 0
+        self._failed_replays = 0
+        self._archive_label = getattr(archive, "label", None) if opener is None else None
+        if opener is not None:
+            self._try_open()
 
+    @classmethod
+    def open(cls, dsn: str | None = None, *, spool: Spool | str | os.PathLike | None = None,
+             environ: Mapping[str, str] | None = None, **settings: Any) -> "ArchiveSink":
+        """A sink for the archive at ``dsn`` that starts even when the archive is away,
+        spooling until it can be opened; it closes the archive it opened."""
+        from specwatch.actions.archive import Archive, _parse_dsn, archive_dsn
+
+        environ = os.environ if environ is None else environ
+        dsn = dsn or archive_dsn(environ)
+        label = _parse_dsn(dsn)[0].label  # checks the DSN now; never holds the password
+        sample_text = settings.pop("sample_text", None) or environ.get("SPECWATCH_ARCHIVE_SAMPLE_TEXT") or "hashes"
+        sink = cls(lambda: Archive.open(dsn, environ=environ, sample_text=sample_text),
+                   spool=spool if spool is not None else default_spool_dir(label, environ),
+                   sample_text=sample_text, **settings)
+        sink._archive_label = label
+        return sink
+
+    # -- the handler -----------------------------------------------------------------------
     def __call__(self, output: SliceOutput) -> None:
+        self._replay_if_due()
         for bundle in output.bundles:
-            self.archive.write_bundle(bundle["bundle_id"], bundle["card"], bundle["ts"], bundle["worker"])
+            self._put({"k": "bundle", "bundle_id": bundle["bundle_id"], "card": bundle["card"],
+                       "ts": bundle["ts"], "worker": bundle["worker"]},
+                      lambda a, b=bundle: a.write_bundle(b["bundle_id"], b["card"], b["ts"], b["worker"]))
         for action in output.actions:
-            self.archive.write_decision(action.decision, action.audit, action.samples)
+            self._put(self._decision_entry(action.decision, action.audit, action.samples),
+                      lambda a, x=action: a.write_decision(x.decision, x.audit, x.samples))
             self.decisions_written += 1
         self._rows.extend(output.window_rows)
         if len(self._rows) >= self.window_batch:
-            self.flush()
+            self._write_rows()
 
     def flush(self) -> None:
-        if self._rows:
-            self.archive.write_window_stats(self._rows)
-            self._rows = []
+        """Everything so far is in the archive or in the spool (on disk) when this returns."""
+        self._replay_if_due()
+        self._write_rows()
+
+    def retry(self) -> bool:
+        """Try to replay the spool now, whatever the backoff says; True when it is empty."""
+        self._retry_at = -float("inf")
+        self._replay_if_due()
+        return self.spool.empty and self.archive is not None
 
     def close(self) -> None:
         self.flush()
+        if not self.spool.empty:
+            self.retry()
+        if not self.spool.empty:
+            _LOG.warning("%d bytes of archive rows stay in the spool %s; they are replayed when a sink for "
+                         "this archive starts again", self.spool.pending_bytes, self.spool.directory)
+        self.spool.close()
+        if self._owned and self.archive is not None:
+            self.archive.close()
+            self.archive = None
+
+    def stats(self) -> dict[str, Any]:
+        """Entries written straight through, spooled, dropped (spool full or unwritable);
+        outages seen; failed replay attempts; whether the archive is away now; the spool's own
+        counters."""
+        spool: SpoolStats = self.spool.stats()
+        return {"written": self._written, "spooled": self._spooled, "dropped_entries": self._dropped,
+                "dropped_rows": self._dropped_rows, "outages": self._outages,
+                "failed_replays": self._failed_replays, "archive_down": self._outage,
+                "replayed": spool.replayed, "spool_pending_bytes": spool.pending_bytes,
+                "spool_corrupt": spool.corrupt, "spool_quarantined": spool.quarantined}
+
+    # -- writing ---------------------------------------------------------------------------
+    def _write_rows(self) -> None:
+        if self._rows:
+            rows, self._rows = self._rows, []
+            self._put({"k": "windows", "rows": rows}, lambda a: a.write_window_stats(rows))
+
+    def _decision_entry(self, decision: Decision, audit: Mapping[str, Any] | None, samples) -> dict:
+        records = []
+        for sample in samples:
+            record = sample.model_dump(mode="json") if hasattr(sample, "model_dump") else sample
+            # Redacted before it touches the disk: the spool holds no more text than the archive.
+            records.append(redact_record(record, self._sample_text) if isinstance(record, Mapping) else record)
+        return {"k": "decision", "line": decision.to_json_line(), "audit": audit, "samples": records}
+
+    def _put(self, entry: dict, direct: Callable[[Any], Any]) -> None:
+        # Once anything is spooled, everything is, until the spool is replayed: order is kept.
+        if self.archive is not None and self.spool.empty:
+            try:
+                direct(self.archive)
+                self._written += 1
+                return
+            except Exception as error:  # noqa: BLE001 - sorted out below
+                if _is_data_error(error):
+                    raise
+                self._went_down(error)
+        self._spool(entry)
+
+    def _spool(self, entry: dict) -> None:
+        try:
+            self.spool.append(entry)
+            self._spooled += 1
+        except (SpoolFull, OSError) as error:
+            self._dropped += 1
+            self._dropped_rows += len(entry.get("rows", ())) or 1
+            if self._dropped == 1 or self._dropped % 1000 == 0:
+                _LOG.error("archive rows LOST: the spool cannot take them (%s); %d entries dropped so far. "
+                           "Decisions still reach the decisions topic; the archive will miss these.",
+                           error, self._dropped)
+
+    def _went_down(self, error: BaseException) -> None:
+        if not self._outage:
+            self._outage = True
+            self._outages += 1
+            _LOG.warning("the archive %s is not taking writes (%s): spooling to %s and retrying with backoff",
+                         self._label(), _first_line(error), self.spool.directory)
+        self._backoff = self._first_backoff
+        self._retry_at = self._clock() + self._backoff
+
+    def _replay_if_due(self) -> None:
+        if (self.archive is not None and self.spool.empty) or self._clock() < self._retry_at:
+            return
+        if self.archive is None and not self._try_open():
+            return
+        try:
+            replayed = self.spool.replay(self._write_entries)
+        except Exception as error:  # noqa: BLE001 - still away; keep the spool
+            self._failed_replays += 1
+            self._backoff = min(self._backoff * 2, self._max_backoff)
+            self._retry_at = self._clock() + self._backoff
+            _LOG.debug("archive replay failed (next try in %.0f s): %s", self._backoff, _first_line(error))
+            return
+        self._backoff = self._first_backoff
+        if self._outage or replayed:
+            _LOG.warning("the archive %s takes writes again: %d spooled entries replayed", self._label(), replayed)
+        self._outage = False
+
+    def _try_open(self) -> bool:
+        try:
+            self.archive = self._opener()
+        except Exception as error:  # noqa: BLE001 - away at start: spool until it is back
+            self._went_down(error)
+            return False
+        self._owned = True
+        self._sample_text = getattr(self.archive, "sample_text", self._sample_text)
+        return True
+
+    def _write_entries(self, entries: list[dict]) -> None:
+        """One spool segment into the archive: window stats, bundles, then decisions."""
+        rows = [row for e in entries if e.get("k") == "windows" for row in e["rows"]]
+        if rows:
+            self.archive.write_window_stats(rows)
+        for e in entries:
+            if e.get("k") == "bundle":
+                self.archive.write_bundle(e["bundle_id"], e["card"], e["ts"], e["worker"])
+        decisions = [(Decision.model_validate_json(e["line"]), e.get("audit"), e.get("samples") or [])
+                     for e in entries if e.get("k") == "decision"]
+        if decisions:
+            self.archive.write_decisions(decisions)
+        unknown = {e.get("k") for e in entries} - {"windows", "bundle", "decision"}
+        if unknown:
+            raise ValueError(f"spool entries of unknown kinds {sorted(map(str, unknown))}")
+
+    def _label(self) -> str:
+        return getattr(self.archive, "label", None) or self._archive_label or "(not open yet)"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__

@@ -1,0 +1,267 @@
+"""A local, bounded, append-only spool: what the archive could not take waits here until it can.
+
+Entries are JSON objects in segment files, one per line, each line framed with its length
+and CRC-32 so a torn write (a crash mid-append) is detected and skipped, never replayed
+as garbage. Segments are replayed oldest first and deleted only once written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Spool", "SpoolFull", "SpoolStats"]
+
+logger = logging.getLogger(__name__)
+
+# Big enough for hours of decisions and window stats of a large fleet; small enough that
+# a full spool is a clear signal, not a full disk.
+_DEFAULT_MAX_BYTES = 256 << 20
+# A segment is replayed as one batch: this bounds the memory a replay takes.
+_DEFAULT_SEGMENT_BYTES = 4 << 20
+_SEGMENT_NAME = "spool-{:012d}.log"
+_SEGMENT_PATTERN = re.compile(r"spool-(\d{12})\.log")
+_QUARANTINE_SUFFIX = ".bad"
+
+
+class SpoolFull(RuntimeError):
+    """The spool reached its size bound; the entry was not kept."""
+
+
+@dataclass(frozen=True)
+class SpoolStats:
+    """Entries appended and replayed; entries refused because the spool was full; lines
+    skipped as torn or corrupt; segments set aside because the archive refused their
+    content as invalid; what waits now."""
+
+    appended: int
+    replayed: int
+    refused_full: int
+    corrupt: int
+    quarantined: int
+    pending_segments: int
+    pending_bytes: int
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy scalars and arrays
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"cannot spool a {type(value).__name__}")
+
+
+def _frame(entry: Mapping[str, Any]) -> bytes:
+    # allow_nan: window stats carry NaN for undefined ratios, and must come back as NaN.
+    payload = json.dumps(entry, separators=(",", ":"), allow_nan=True, default=_jsonable).encode("utf-8")
+    return b"%08x %d " % (zlib.crc32(payload), len(payload)) + payload + b"\n"
+
+
+def _unframe(line: bytes) -> dict | None:
+    """The entry in one framed line, or None when it is torn or corrupt."""
+    try:
+        crc, length, payload = line.rstrip(b"\n").split(b" ", 2)
+        if len(payload) != int(length) or zlib.crc32(payload) != int(crc, 16):
+            return None
+        entry = json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+class Spool:
+    """Append-only segment files under ``directory``, bounded in total size.
+
+    One spool directory belongs to one writer process at a time.
+
+    Parameters
+    ----------
+    directory
+        Where segments live; created on the first append, so a spool that is never
+        needed leaves nothing behind. Segments left by an earlier process are found and
+        replayed.
+    max_bytes
+        Bound on the segments' total size; an append past it raises `SpoolFull`.
+    segment_bytes
+        A segment is closed for appends at this size; replay works a segment at a time.
+    fsync
+        Force every append to disk: what is spooled survives a crash of the host, not
+        only of the process (appends happen only during outages, so the cost is small).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     spool = Spool(tmp, fsync=False)
+    ...     spool.append({"k": "windows", "rows": [{"speedup": float("nan")}]})
+    ...     seen = []
+    ...     spool.replay(seen.extend)
+    ...     seen[0]["rows"][0]["speedup"], spool.stats().pending_segments
+    1
+    (nan, 0)
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_bytes: int = _DEFAULT_MAX_BYTES,
+                 segment_bytes: int = _DEFAULT_SEGMENT_BYTES, fsync: bool = True) -> None:
+        if max_bytes <= 0 or segment_bytes <= 0:
+            raise ValueError(f"max_bytes and segment_bytes must be positive, got {max_bytes} and {segment_bytes}")
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.segment_bytes = min(segment_bytes, max_bytes)
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._active: Any = None  # the open file of the segment being appended to
+        self._active_index = -1
+        self._active_size = 0
+        self._appended = self._replayed = self._refused = self._corrupt = self._quarantined = 0
+        self._sizes: dict[int, int] = {}
+        if self.directory.is_dir():
+            for index, path in self._segments():
+                self._sizes[index] = path.stat().st_size
+            if self._sizes:
+                logger.warning("archive spool %s holds %d bytes from an earlier run; they will be replayed",
+                               self.directory, sum(self._sizes.values()))
+        self._next_index = max(self._sizes, default=-1) + 1
+
+    # -- appending ---------------------------------------------------------------------
+    def append(self, entry: Mapping[str, Any]) -> None:
+        """Keep one entry. Raises `SpoolFull` past the bound, OSError if the disk refuses."""
+        frame = _frame(entry)
+        with self._lock:
+            if self.pending_bytes + len(frame) > self.max_bytes:
+                self._refused += 1
+                raise SpoolFull(f"archive spool {self.directory} is full ({self.pending_bytes} of "
+                                f"{self.max_bytes} bytes)")
+            if self._active is None or self._active_size + len(frame) > self.segment_bytes:
+                self._roll()
+            self._active.write(frame)
+            self._active.flush()
+            if self.fsync:
+                os.fsync(self._active.fileno())
+            self._active_size += len(frame)
+            self._sizes[self._active_index] = self._active_size
+            self._appended += 1
+
+    def _roll(self) -> None:
+        self._close_active()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        index, self._next_index = self._next_index, self._next_index + 1
+        path = self.directory / _SEGMENT_NAME.format(index)
+        # "x": never append to a segment a replay may be reading.
+        self._active = open(path, "xb")  # noqa: SIM115 - kept open across appends
+        if self.fsync:
+            _fsync_directory(self.directory)  # the new name survives a crash too
+        self._active_index, self._active_size = index, 0
+        self._sizes[index] = 0
+
+    def _close_active(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    # -- replaying ---------------------------------------------------------------------
+    @property
+    def pending_bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    @property
+    def empty(self) -> bool:
+        return not self._sizes
+
+    def replay(self, write: Callable[[list[dict]], None]) -> int:
+        """Hand each segment's entries, oldest segment first, to ``write``; returns entries replayed.
+
+        A segment is deleted once ``write`` returned for it. When ``write`` raises, the
+        segment stays (the next replay starts with it again, so ``write`` must be
+        idempotent) and the exception propagates; ValueError or TypeError means the
+        content itself is refused, so the segment is set aside as ``*.bad`` instead of
+        blocking every later one.
+        """
+        replayed = 0
+        with self._lock:
+            self._close_active()  # appends from now on start a new segment
+            indices = sorted(self._sizes)
+        for index in indices:
+            path = self.directory / _SEGMENT_NAME.format(index)
+            entries = list(self._read(path))
+            try:
+                if entries:
+                    write(entries)
+            except (ValueError, TypeError) as error:
+                self._quarantine(index, path, error)
+                continue
+            path.unlink(missing_ok=True)
+            with self._lock:
+                self._sizes.pop(index, None)
+                self._replayed += len(entries)
+            replayed += len(entries)
+        return replayed
+
+    def _read(self, path: Path) -> Iterator[dict]:
+        try:
+            with open(path, "rb") as segment:
+                for line in segment:
+                    entry = _unframe(line)
+                    if entry is None:
+                        self._corrupt += 1
+                        logger.error("archive spool %s: skipping a torn or corrupt entry", path)
+                        continue
+                    yield entry
+        except FileNotFoundError:
+            return
+
+    def _quarantine(self, index: int, path: Path, error: BaseException) -> None:
+        target = path.with_name(path.name + _QUARANTINE_SUFFIX)
+        try:
+            path.rename(target)
+        except OSError:
+            target = path
+        with self._lock:
+            self._sizes.pop(index, None)
+            self._quarantined += 1
+        logger.error("archive spool: the archive refused the content of %s (%s); set aside as %s for a "
+                     "person to look at", path.name, error, target)
+
+    def _segments(self) -> list[tuple[int, Path]]:
+        found = []
+        for path in self.directory.iterdir():
+            match = _SEGMENT_PATTERN.fullmatch(path.name)
+            if match:
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def stats(self) -> SpoolStats:
+        with self._lock:
+            return SpoolStats(self._appended, self._replayed, self._refused, self._corrupt, self._quarantined,
+                              len(self._sizes), self.pending_bytes)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_active()
+
+    def __repr__(self) -> str:
+        return f"Spool({str(self.directory)!r}, pending_bytes={self.pending_bytes})"
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+

@@ -1,0 +1,276 @@
+"""Archive outages on a real chDB archive: rows spool to local disk, replay when the archive is back,
+and every row is in the archive exactly once (ReplacingMergeTree + FINAL), partial writes included.
+
+The archive is made unwritable for real: the immutable flag on its directories when the
+tests run as root (root ignores permission bits), permission bits otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from specwatch.actions.archive import Archive
+from specwatch.actions.handlers import ArchiveSink
+from specwatch.actions.spool import Spool
+from specwatch.collectors.simulator import Simulator
+from specwatch.schemas import Decision, Policy
+from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.topology import ActionRecord, SliceOutput
+
+_POLICY = Policy.model_validate({"baseline": {"learn_seconds": 10}})
+
+
+@lru_cache(maxsize=1)
+def _outputs() -> tuple[SliceOutput, ...]:
+    """90 s of the seeded demo fleet: 90 slices, a bundle at the start, decisions at slices 52, 57, 68."""
+    records = Simulator("demo", seed=3, minutes=1.5, workers=2, concurrency=4, incident_at=20.0).records()
+    outputs: list[SliceOutput] = []
+    pipeline = EmbeddedPipeline(policy=_POLICY, sinks=[outputs.append])
+    pipeline.feed_many(records)
+    pipeline.finish()
+    assert [i for i, o in enumerate(outputs) if o.actions] == [52, 57, 68]
+    return tuple(outputs)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@contextlib.contextmanager
+def _unwritable(*roots: Path):
+    """Nothing can be created in these directories (or below) until the block ends."""
+    directories = [Path(d) for root in roots for d, _, _ in os.walk(root)]  # walk does not follow symlinks
+    as_root = os.geteuid() == 0
+    if as_root:
+        assert shutil.which("chattr"), "chattr (e2fsprogs) is needed to make a directory unwritable for root"
+        subprocess.run(["chattr", "+i", *map(str, directories)], check=True)
+    else:
+        modes = {d: d.stat().st_mode for d in directories}
+        for d in directories:
+            d.chmod(modes[d] & ~0o222)
+    try:
+        yield
+    finally:
+        if as_root:
+            subprocess.run(["chattr", "-i", *map(str, directories)], check=True)
+        else:
+            for d, mode in modes.items():
+                d.chmod(mode)
+
+
+def _expected(outputs) -> dict:
+    decisions = {a.decision.id for o in outputs for a in o.actions}
+    samples = set()
+    for o in outputs:
+        for a in o.actions:
+            for s in a.samples:
+                sample_id = f"{s['worker']}:{s['seq']}" if s["kind"] == "step" else s["id"]
+                samples.add((a.decision.id, s["kind"], str(sample_id)))
+    windows = {(r["ts"], r["bundle_id"], r["bucket"], r["cohort"]) for o in outputs for r in o.window_rows}
+    return {"decisions": decisions, "samples": samples, "windows": windows}
+
+
+def _contents(archive: Archive) -> dict:
+    _, decisions = archive.sql("SELECT decision_id, count() FROM specwatch.decisions FINAL GROUP BY decision_id")
+    _, audits = archive.sql("SELECT audit_id, count() FROM specwatch.audit FINAL GROUP BY audit_id")
+    _, samples = archive.sql("SELECT decision_id, kind, sample_id, count() FROM specwatch.samples FINAL "
+                             "GROUP BY decision_id, kind, sample_id")
+    _, windows = archive.sql("SELECT ts, bundle_id, bucket, cohort, count() FROM specwatch.window_stats FINAL "
+                             "GROUP BY ts, bundle_id, bucket, cohort")
+    # Exactly once: every key once under FINAL.
+    for rows in (decisions, audits, samples, windows):
+        assert all(row[-1] == 1 for row in rows)
+    assert {row[0] for row in audits} == {f"a-{row[0]}" for row in decisions}
+    return {"decisions": {row[0] for row in decisions}, "samples": {tuple(row[:3]) for row in samples},
+            "windows": {tuple(row[:4]) for row in windows}}
+
+
+def test_an_unwritable_chdb_archive_spools_and_every_row_arrives_exactly_once(tmp_path, caplog):
+    outputs = _outputs()
+    clock = _Clock()
+    path = tmp_path / "archive"
+    with Archive.open(f"chdb://{path}") as archive:
+        sink = ArchiveSink(archive, window_batch=50, spool=tmp_path / "spool", clock=clock)
+        for output in outputs[:40]:
+            sink(output)
+        assert sink.stats()["spooled"] == 0
+
+        with caplog.at_level(logging.WARNING, logger="specwatch.actions.handlers"), _unwritable(path):
+            for output in outputs[40:60]:  # two decisions and their samples in here
+                sink(output)
+                clock.now += 1.0  # replays are tried, with backoff, and fail while it lasts
+            sink.flush()
+            stats = sink.stats()
+            assert stats["archive_down"] and stats["outages"] == 1
+            assert stats["spooled"] >= 3 and stats["dropped_entries"] == 0 and stats["failed_replays"] >= 1
+            assert archive.decisions() == []  # nothing reached the archive meanwhile
+        assert sum("not taking writes" in r.getMessage() for r in caplog.records) == 1
+
+        clock.now += 120.0  # past any backoff: the next call replays
+        for output in outputs[60:]:
+            sink(output)
+        sink.close()
+        stats = sink.stats()
+        assert not stats["archive_down"] and stats["spool_pending_bytes"] == 0
+        assert stats["replayed"] == stats["spooled"] and stats["spool_corrupt"] == 0
+        assert _contents(archive) == _expected(outputs)
+        assert len(archive.bundles()) == 1
+        assert not list((tmp_path / "spool").glob("spool-*"))  # replayed segments are gone
+
+
+def test_a_replay_after_a_partial_write_duplicates_nothing(tmp_path):
+    """The decisions table refuses while samples and audit still take the same decision's rows."""
+    outputs = _outputs()
+    path = tmp_path / "archive"
+    clock = _Clock()
+    with Archive.open(f"chdb://{path}") as archive:
+        sink = ArchiveSink(archive, spool=tmp_path / "spool", clock=clock)
+        decisions_table = (path / "data" / "specwatch" / "decisions").resolve()
+        with _unwritable(decisions_table):
+            sink(outputs[52])
+        assert sink.stats()["spooled"] == 1
+        _, samples_before = archive.sql("SELECT count() FROM specwatch.samples")
+        assert samples_before[0][0] > 0  # the partial write happened: samples, audit, no decision
+        assert archive.decisions() == []
+        clock.now += 120.0
+        assert sink.retry()
+        # Replay the same spooled entry once more, as a crash right after a replay would.
+        sink(outputs[52])
+        sink.close()
+        assert _contents(archive) == _expected([outputs[52]])
+        _, raw = archive.sql("SELECT count() FROM specwatch.samples")
+        assert raw[0][0] > len(_expected([outputs[52]])["samples"])  # physically there twice; FINAL reads once
+
+
+def test_a_refusing_server_dsn_spools_until_an_archive_opens(tmp_path, caplog):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    secret = "pw-" + os.urandom(8).hex()
+    refusing = f"http://ops:{secret}@127.0.0.1:{closed}/specwatch"
+    target = {"dsn": refusing}
+    outputs = _outputs()
+    clock = _Clock()
+    with caplog.at_level(logging.DEBUG):
+        sink = ArchiveSink(lambda: Archive.open(target["dsn"]), spool=tmp_path / "spool", clock=clock)
+        for output in outputs[45:60]:
+            sink(output)
+            clock.now += 5.0
+        sink.flush()
+        stats = sink.stats()
+        assert stats["archive_down"] and stats["spooled"] >= 2 and stats["written"] == 0
+        target["dsn"] = f"chdb://{tmp_path / 'archive'}"  # the archive is back
+        clock.now += 120.0
+        for output in outputs[60:]:
+            sink(output)
+        sink.close()
+    assert secret not in caplog.text
+    assert sink.stats()["replayed"] == stats["spooled"]
+    with Archive.open(target["dsn"]) as archive:
+        assert _contents(archive) == _expected(outputs[45:])
+
+
+def test_the_spool_outlives_the_process_and_replays_at_the_next_start(tmp_path):
+    outputs = _outputs()
+    path = tmp_path / "archive"
+    with Archive.open(f"chdb://{path}") as archive:
+        down = ArchiveSink(archive, spool=tmp_path / "spool", clock=_Clock())
+        with _unwritable(path):
+            for output in outputs[50:60]:
+                down(output)
+            down.close()  # gives up for now: the rows stay on disk
+        assert down.stats()["spool_pending_bytes"] > 0 and archive.decisions() == []
+        again = ArchiveSink(archive, spool=tmp_path / "spool")
+        again.flush()
+        assert again.stats()["replayed"] == down.stats()["spooled"]
+        again.close()
+        assert _contents(archive) == _expected(outputs[50:60])
+
+
+def test_a_full_spool_drops_counts_and_says_so(tmp_path, caplog):
+    spool = Spool(tmp_path / "spool", max_bytes=4096, fsync=False)
+    sink = ArchiveSink(lambda: (_ for _ in ()).throw(ConnectionError("archive away")), spool=spool,
+                       clock=_Clock())
+    with caplog.at_level(logging.ERROR, logger="specwatch.actions.handlers"):
+        for output in _outputs()[50:70]:
+            sink(output)
+        sink.flush()
+    stats = sink.stats()
+    assert stats["dropped_entries"] > 0 and stats["spooled"] > 0
+    assert spool.stats().refused_full == stats["dropped_entries"]
+    assert spool.pending_bytes <= 4096
+    assert sum("archive rows LOST" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_torn_writes_are_skipped_and_bad_segments_set_aside(tmp_path):
+    spool = Spool(tmp_path / "spool", segment_bytes=200, fsync=False)
+    for i in range(4):
+        spool.append({"k": "windows", "rows": [{"i": i}]})
+    spool.close()
+    first, *_ = sorted((tmp_path / "spool").glob("spool-*"))
+    with open(first, "ab") as segment:
+        segment.write(b"0badc0de 99 {\"k\": \"windo")  # a crash mid-append
+    seen: list = []
+    assert Spool(tmp_path / "spool").replay(seen.extend) == 4
+    assert [e["rows"][0]["i"] for e in seen] == [0, 1, 2, 3]
+
+    bad = Spool(tmp_path / "bad", fsync=False)
+    bad.append({"k": "mystery"})
+    bad.append({"k": "windows", "rows": []})
+
+    def refuse(entries):
+        raise ValueError("not a row the archive takes")
+
+    assert bad.replay(refuse) == 0
+    assert bad.stats().quarantined == 1 and bad.empty
+    assert [p.name for p in (tmp_path / "bad").iterdir()] == ["spool-000000000000.log.bad"]
+
+
+def test_samples_never_reach_the_spool_or_the_archive_in_clear(tmp_path):
+    prompt = "PROMPT-" + os.urandom(6).hex()
+    sample = {"kind": "request", "v": 1, "ts": 10.0, "worker": "w1", "bundle_id": "b-1", "id": "r1",
+              "bucket": "coding", "cohort": "main", "speculative": True, "ttft_ms": 1.0, "tpot_ms": None,
+              "e2e_ms": 2.0, "output_tokens": 1, "finish_reason": "error",
+              "error": f"tokenizer rejected '{prompt}'", "sample": None}
+    decision = Decision(ts=10.0, bundle_id="b-1", bucket="coding", action="disable_speculation",
+                        reason="error_rate", detector="error_gate", sample_ids=["r1"])
+    output = SliceOutput(slice_index=10, slice_end=10.0, actions=[ActionRecord(decision, {"thresholds": {}}, [sample])])
+    path = tmp_path / "archive"
+    with Archive.open(f"chdb://{path}") as archive:
+        sink = ArchiveSink(archive, spool=tmp_path / "spool", clock=_Clock())
+        with _unwritable(path):
+            sink(output)
+        spooled = b"".join(p.read_bytes() for p in (tmp_path / "spool").glob("spool-*"))
+        assert spooled and prompt.encode() not in spooled
+        assert sink.retry()
+        sink.close()
+        archived = json.dumps(archive.samples(decision.id))
+        assert prompt not in archived and "sha256:" in archived
+    with Archive.open(f"chdb://{tmp_path / 'redacted'}", sample_text="redacted") as archive:
+        archive.write_decision(decision, {}, [sample])
+        (row,) = archive.samples(decision.id)
+        assert row["record"]["error"] == "tokenizer rejected «…»"
+
+
+def test_bad_rows_are_still_a_bug_not_an_outage(tmp_path):
+    with Archive.open(f"chdb://{tmp_path / 'archive'}") as archive:
+        sink = ArchiveSink(archive, spool=tmp_path / "spool")
+        with pytest.raises(ValueError):  # an empty bundle id: spooling it would only fail again later
+            sink(SliceOutput(slice_index=1, slice_end=1.0,
+                             bundles=[{"bundle_id": "", "card": {}, "ts": 1.0, "worker": "w"}]))
+        assert sink.stats()["spooled"] == 0
+        sink.close()
