@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 import faust
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -80,6 +80,7 @@ _STAGE1_TABLE = "stage1-checkpoints"
 _STAGE2_TABLE = "stage2-checkpoints"
 _PROGRESS_LOG_SECONDS = 60.0
 _READ_POLL_MS = 500
+_READ_BATCH = 500
 # Checkpoint changelogs keep one live value per key; small segments let compaction drop
 # superseded checkpoints soon, so a restart reads little.
 _CHECKPOINT_TOPIC_CONFIG = {"segment.bytes": str(16 << 20), "min.cleanable.dirty.ratio": "0.1",
@@ -277,26 +278,33 @@ class PartitionReader:
         await consumer.start()
         return consumer
 
-    async def read(self, topic: str, partition: int, start: int, end: int) -> list[Any]:
-        """Messages with ``start <= offset < end`` of one partition, in order."""
+    async def iter_range(self, topic: str, partition: int, start: int, end: int) -> AsyncIterator[Any]:
+        """Messages with ``start <= offset < end`` of one partition, in order (fewer if the log ends first)."""
         if end <= start:
-            return []
+            return
         tp = TopicPartition(topic, partition)
         consumer = await self._consumer()
         try:
             consumer.assign([tp])
             consumer.seek(tp, start)
-            out = []
-            while True:
-                batch = await consumer.getmany(tp, timeout_ms=_READ_POLL_MS)
+            end = min(end, (await consumer.end_offsets([tp]))[tp])
+            while await consumer.position(tp) < end:
+                batch = await consumer.getmany(tp, timeout_ms=_READ_POLL_MS, max_records=_READ_BATCH)
                 for message in batch.get(tp, []):
                     if message.offset >= end:
-                        return out
-                    out.append(message)
-                if out and out[-1].offset >= end - 1:
-                    return out
-                if await consumer.position(tp) >= end:
-                    return out
+                        return
+                    yield message
+        finally:
+            await consumer.stop()
+
+    async def read(self, topic: str, partition: int, start: int, end: int) -> list[Any]:
+        return [message async for message in self.iter_range(topic, partition, start, end)]
+
+    async def beginning_offset(self, topic: str, partition: int) -> int:
+        tp = TopicPartition(topic, partition)
+        consumer = await self._consumer()
+        try:
+            return (await consumer.beginning_offsets([tp]))[tp]
         finally:
             await consumer.stop()
 
@@ -404,7 +412,7 @@ class Stage1Runner:
         tp = (message.topic, message.partition)
         task = self._tasks.get(tp)
         if task is None:
-            task = self._tasks[tp] = self._restore(tp, message.offset)
+            task = self._tasks[tp] = await self._restore(tp)
         if message.offset < task.next_offset:
             self.skipped += 1  # folded before the restart
             return
@@ -421,7 +429,7 @@ class Stage1Runner:
             self._tasks.pop(key, None)
             self._pending.pop(key, None)
 
-    def _restore(self, tp: tuple[str, int], offset: int) -> Stage1Task:
+    async def _restore(self, tp: tuple[str, int]) -> Stage1Task:
         name = _task_name("stage1", *tp)
         task = self._store.load(name)
         if isinstance(task, Stage1Task):
@@ -429,16 +437,17 @@ class Stage1Runner:
                         name, task.next_offset, task.records)
             self._checkpointed_at[tp] = time.monotonic()
             return task
+        # No checkpoint: the state is whatever the partition holds, from its first message,
+        # wherever the group's committed offset points.
         task = Stage1Task(self.settings.policy, f"{tp[0]}/{tp[1]}")
-        task.next_offset = offset
+        task.next_offset = await self._reader.beginning_offset(*tp)
         return task
 
     async def _replay(self, task: Stage1Task, tp: tuple[str, int], upto: int) -> None:
         start = task.next_offset
-        messages = await self._reader.read(tp[0], tp[1], start, upto)
-        logger.info("%s re-reads offsets %d..%d folded after its last checkpoint",
-                    _task_name("stage1", *tp), start, upto - 1)
-        for message in messages:
+        logger.info("%s reads offsets %d..%d that its checkpoint does not cover", _task_name("stage1", *tp),
+                    start, upto - 1)
+        async for message in self._reader.iter_range(tp[0], tp[1], start, upto):
             if message.offset > task.next_offset:
                 logger.warning("%s: offsets %d..%d are gone from the log (retention); their telemetry is lost",
                                _task_name("stage1", *tp), task.next_offset, message.offset - 1)
@@ -513,7 +522,7 @@ class Stage2Runner:
         partition = message.partition
         task = self._tasks.get(partition)
         if task is None:
-            task = self._tasks[partition] = self._restore(partition, message.offset)
+            task = self._tasks[partition] = await self._restore(partition)
             if task.outbox:
                 await self._finish_outbox(task, partition)
         if message.offset < task.next_offset:
@@ -521,9 +530,9 @@ class Stage2Runner:
             return
         if message.offset > task.next_offset:
             start = task.next_offset
-            logger.info("%s re-reads offsets %d..%d merged after its last checkpoint",
+            logger.info("%s reads offsets %d..%d that its checkpoint does not cover",
                         _task_name("stage2", self.settings.partials_topic, partition), start, message.offset - 1)
-            for old in await self._reader.read(self.settings.partials_topic, partition, start, message.offset):
+            async for old in self._reader.iter_range(self.settings.partials_topic, partition, start, message.offset):
                 await self._apply(task, partition, old.offset, old.value)
             task.next_offset = message.offset
         await self._apply(task, partition, message.offset, message.value)
@@ -536,7 +545,7 @@ class Stage2Runner:
                 self._tasks.pop(tp.partition, None)
                 self._releasing = {k for k in self._releasing if k[0] != tp.partition}
 
-    def _restore(self, partition: int, offset: int) -> Stage2Task:
+    async def _restore(self, partition: int) -> Stage2Task:
         name = _task_name("stage2", self.settings.partials_topic, partition)
         task = self._store.load(name)
         now = time.monotonic()
@@ -545,7 +554,7 @@ class Stage2Runner:
             self._checkpointed_at[partition] = now
         else:
             task = Stage2Task(self.settings.policy, self.settings.sources)
-            task.next_offset = offset
+            task.next_offset = await self._reader.beginning_offset(self.settings.partials_topic, partition)
         for source in task.watermarks:
             self._heard[(partition, source)] = now  # silence is counted from this worker's start
         return task
@@ -685,9 +694,8 @@ def create_app(settings: StreamSettings) -> StreamApp:
     deadletter = app.topic(settings.deadletter_topic, **raw)
 
     # -- tables (checkpoints, co-partitioned with the topic each stage reads) ----------------
-    checkpoint_table = {"schema": faust.Schema(key_type=str, value_type=bytes, key_serializer="json",
-                                               value_serializer="raw"),
-                        "extra_topic_configs": dict(_CHECKPOINT_TOPIC_CONFIG)}
+    # Faust picks table serializers from the types: str keys as JSON, bytes values raw.
+    checkpoint_table = {"key_type": str, "value_type": bytes, "extra_topic_configs": dict(_CHECKPOINT_TOPIC_CONFIG)}
     stage1_checkpoints = app.Table(_STAGE1_TABLE, partitions=settings.telemetry_partitions,
                                    help="stage 1 tasks with the next telemetry offset", **checkpoint_table)
     stage2_checkpoints = app.Table(_STAGE2_TABLE, partitions=settings.partials_partitions,
