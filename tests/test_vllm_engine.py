@@ -162,8 +162,10 @@ def run(tmp_path_factory) -> dict:
     """The scenario's results: one engine run per module, in a subprocess."""
     out = tmp_path_factory.mktemp("vllm-engine") / "result.json"
     started = time.monotonic()
+    # the collector's Python sink and flags must share a process with vLLM's engine core
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True,
-                          timeout=_SUBPROCESS_TIMEOUT_S, env=dict(os.environ))
+                          timeout=_SUBPROCESS_TIMEOUT_S, env=env)
     if proc.returncode != 0:
         pytest.fail(f"vLLM scenario failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
     result = json.loads(out.read_text())
