@@ -37,28 +37,35 @@ def render_timeline(rows: list[dict], decisions: list, path: str | Path, cohort:
         if row.get("bucket") is None or row.get("cohort") != cohort:
             continue
         series[row["bucket"]].append((row["ts"] - t0, row["acceptance_length"], row["e2e_p99"]))
-    fig, (ax_al, ax_p99) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, constrained_layout=True)
+    fig, (ax_al, ax_p99) = plt.subplots(2, 1, figsize=(15, 7), sharex=True, constrained_layout=True)
     for bucket in sorted(series):
         points = sorted(series[bucket])
         xs = [p[0] for p in points]
         ax_al.plot(xs, _smooth([p[1] for p in points], 5), label=bucket, linewidth=1.2)
         ax_p99.plot(xs, _smooth([p[2] for p in points], 10), label=bucket, linewidth=1.2)
-    for decision in decisions:
+    # Labels are numbered on the plot and spelled out in a legend box: decisions come in
+    # bursts (one per cohort), and rotated text on top of each other cannot be read.
+    legend_lines = []
+    for number, decision in enumerate(decisions, start=1):
         x = decision.ts - t0
         color = _ACTION_COLORS.get(decision.action, "black")
         for ax in (ax_al, ax_p99):
             ax.axvline(x, color=color, linestyle="--", linewidth=1.0, alpha=0.8)
-        scope = decision.bucket or "bundle"
-        ax_al.annotate(f"{decision.action.replace('_', ' ')}\n{decision.reason} ({scope})", (x, 1.0),
-                       xycoords=("data", "axes fraction"), rotation=90, fontsize=7, va="top", ha="right",
-                       color=color)
+        ax_al.annotate(str(number), (x, 1.0 - 0.06 * ((number - 1) % 4)), xycoords=("data", "axes fraction"),
+                       fontsize=7, va="top", ha="center", color="white",
+                       bbox={"boxstyle": "circle,pad=0.2", "fc": color, "ec": "none"})
+        scope = f"{decision.bucket or '*'}/{decision.cohort or '*'}"
+        legend_lines.append(f"{number}. t={x:.0f}s {decision.action.replace('_', ' ')}: {decision.reason} {scope}")
+    if legend_lines:
+        ax_p99.text(1.01, 1.0, "\n".join(legend_lines), transform=ax_p99.transAxes, fontsize=7, va="top",
+                    ha="left", family="monospace")
     for incident in incidents or ():
         ax_al.axvline(incident.start_ts - t0, color="black", linestyle=":", linewidth=0.8, alpha=0.5)
     ax_al.set_ylabel("acceptance length (tokens/round)")
     ax_p99.set_ylabel("e2e p99 (ms, 1 s windows)")
     ax_p99.set_xlabel("event time (s)")
     ax_al.set_title(f"{title} — cohort '{cohort}'; dashed: decisions, dotted: incident starts")
-    ax_al.legend(loc="lower left", fontsize=8, ncol=3)
+    ax_al.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="bucket")
     ax_p99.set_yscale("log")
     fig.savefig(path, dpi=110)
     plt.close(fig)
