@@ -57,6 +57,12 @@ class FlagStore:
     (False, True)
     >>> store.apply(d)  # same state again: no change
     False
+    >>> canary = Decision(ts=11.0, bundle_id="b-1", bucket=None, cohort="canary",
+    ...                   action="disable_speculation", reason="latency_slo", detector="latency_p99_gate")
+    >>> store.apply(canary)
+    True
+    >>> store.lookup("b-1", "chat", "canary").enabled, store.lookup("b-1", "chat", "main").enabled
+    (False, True)
     """
 
     _auto: dict[Scope, ScopeState] = field(default_factory=dict)
@@ -115,7 +121,8 @@ class FlagStore:
             return cached
         with self._lock:
             enabled, limit, reasons = True, None, []
-            for scope in ((bundle_id, None, None), (bundle_id, bucket, None), (bundle_id, bucket, cohort)):
+            for scope in ((bundle_id, None, None), (bundle_id, None, cohort), (bundle_id, bucket, None),
+                          (bundle_id, bucket, cohort)):
                 state = self._manual.get(scope) or self._auto.get(scope)
                 if state is None:
                     continue
