@@ -137,12 +137,6 @@ def _set(args: argparse.Namespace) -> int:
     if not args.by.strip() or not args.reason.strip():
         print("specwatch: --by and --reason must not be empty", file=sys.stderr)
         return _EXIT_USAGE
-    if args.cohort and not args.bucket:
-        # Flag lookups consult bundle, bundle/bucket and bundle/bucket/cohort scopes
-        # only: a pin on one cohort across every bucket would never be read.
-        print("specwatch: --cohort needs --bucket (a cohort across all buckets is not a scope "
-              "flag lookups consult)", file=sys.stderr)
-        return _EXIT_USAGE
     archive = open_archive(args, create=args.create)
     if archive is None:
         return _EXIT_USAGE
