@@ -10,8 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-from specwatch.schemas import PolicyError, load_policy
-from specwatch.streams.embedded import EmbeddedPipeline
 
 __all__ = ["register", "replay_file"]
 
@@ -30,7 +28,7 @@ def register(subparsers) -> None:
     parser.set_defaults(func=_run)
 
 
-def replay_file(source, output, pipeline: EmbeddedPipeline) -> dict:
+def replay_file(source, output, pipeline) -> dict:
     """Feed every line of ``source`` and write decisions to ``output``; returns the counters."""
     for line in source:
         for decision in pipeline.feed_line(line):
@@ -41,6 +39,11 @@ def replay_file(source, output, pipeline: EmbeddedPipeline) -> dict:
 
 
 def _run(args) -> int:
+    # imported here: the detectors pull in river (and scipy), which every other
+    # subcommand's start-up should not pay for
+    from specwatch.schemas import PolicyError, load_policy
+    from specwatch.streams.embedded import EmbeddedPipeline
+
     try:
         policy = load_policy(args.policy)
     except PolicyError as error:
