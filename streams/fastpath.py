@@ -1,0 +1,105 @@
+"""Stage 1's hot path for step records decoded as columns: same tallies, no per-round objects.
+
+`fold_step` is `Stage1.add` for a `StepColumns`; `FastPipeline` and `FastStage1Task` are the
+embedded pipeline and the Faust stage-1 task reading through the fast decoders. They
+give the same slices, partials and decisions as the reference paths (tests/test_fastpath.py).
+"""
+
+from __future__ import annotations
+
+from specwatch.schemas import Rejection
+from specwatch.schemas.fastdecode import StepColumns, decode_line_fast, decode_request_fast
+
+from .embedded import EmbeddedPipeline
+from .faust_tasks import Stage1Task
+from .topology import SliceBatch, Stage1
+
+__all__ = ["FastPipeline", "FastStage1Task", "fold_step", "fold_record"]
+
+
+def fold_step(stage: Stage1, step: StepColumns) -> None:
+    """Fold one step into ``stage`` exactly as ``stage.add(step.record())`` would."""
+    stage.records += 1
+    ts = step.ts
+    if ts > stage._max_ts:
+        stage._max_ts = ts
+    batch: SliceBatch = stage._slice(ts)
+    bundle = step.bundle_id
+    tallies = batch.round_tallies
+    seen: dict = {}
+    # the tally keeps first-seen order, so keys (and their partials) appear in the order
+    # the reference loop meets them
+    for (bucket, cohort, drafted, accepted), n in step.rounds.items():
+        key = (bundle, bucket, cohort)
+        tally = tallies.get(key)
+        if tally is None:
+            tally = tallies[key] = {}
+        pair = (drafted, accepted)
+        tally[pair] = tally.get(pair, 0) + n
+        seen[key] = None
+    trace = None
+    draft_ms, verify_ms, kv_usage = step.draft_ms, step.verify_ms, step.kv_usage
+    for key in seen:
+        stats = Stage1._stats(batch, key)
+        stats.add_step_time(draft_ms, verify_ms, kv_usage, ts)
+        if not stats.samples:
+            trace = trace or step.record().model_dump(mode="json")
+            stats.offer_sample(trace)
+    Stage1._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+
+
+def fold_record(stage: Stage1, record) -> None:
+    """`Stage1.add` for either a `StepColumns` or a reference record."""
+    if type(record) is StepColumns:
+        fold_step(stage, record)
+    else:
+        stage.add(record)
+
+
+class FastPipeline(EmbeddedPipeline):
+    """`EmbeddedPipeline` reading JSON Lines through `decode_line_fast`."""
+
+    def feed_line(self, line: str | bytes):
+        self.counters.lines += 1
+        record = decode_line_fast(line)
+        if record is None:
+            return []
+        if type(record) is StepColumns:
+            self.counters.records += 1
+            fold_step(self.stage1, record)
+            return self._drain(self.stage1.close_ready())
+        if isinstance(record, Rejection):
+            self.counters.rejected.add(record)
+            return []
+        return self.feed(record)
+
+    def feed_otlp(self, payload: bytes):
+        """Every record of one OTLP ExportLogsServiceRequest; rejections are counted."""
+        decided = []
+        for record in decode_request_fast(payload):
+            if isinstance(record, Rejection):
+                self.counters.rejected.add(record)
+                continue
+            self.counters.records += 1
+            fold_record(self.stage1, record)
+            decided += self._drain(self.stage1.close_ready())
+        return decided
+
+
+class FastStage1Task(Stage1Task):
+    """`Stage1Task` decoding through `decode_request_fast`."""
+
+    def fold(self, offset: int, payload: bytes):
+        rejections: list[Rejection] = []
+        closed: list[SliceBatch] = []
+        stage = self.stage
+        for item in decode_request_fast(payload):
+            if isinstance(item, Rejection):
+                rejections.append(item)
+                self.rejected[item.reason] += 1
+                continue
+            fold_record(stage, item)
+            closed.extend(stage.close_ready())
+        self.messages += 1
+        self.next_offset = offset + 1
+        return rejections, closed
