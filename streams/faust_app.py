@@ -31,6 +31,8 @@ import faust
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError
+from faust.types import TP
+from faust.types.tuples import Message as FaustMessage
 from mode import CrashingSupervisor
 
 from specwatch.schemas import Policy, Rejection
@@ -452,6 +454,7 @@ class Stage1Runner:
                 logger.warning("%s: offsets %d..%d are gone from the log (retention); their telemetry is lost",
                                _task_name("stage1", *tp), task.next_offset, message.offset - 1)
             await self._fold(task, tp, message.offset, message.key, message.value)
+            _acknowledge(self._app, message)
         task.next_offset = upto
 
     async def _fold(self, task: Stage1Task, tp: tuple[str, int], offset: int, key: bytes | None,
@@ -534,6 +537,7 @@ class Stage2Runner:
                         _task_name("stage2", self.settings.partials_topic, partition), start, message.offset - 1)
             async for old in self._reader.iter_range(self.settings.partials_topic, partition, start, message.offset):
                 await self._apply(task, partition, old.offset, old.value)
+                _acknowledge(self._app, old)
             task.next_offset = message.offset
         await self._apply(task, partition, message.offset, message.value)
         if time.monotonic() - self._checkpointed_at.get(partition, 0.0) >= self.settings.checkpoint_seconds:
@@ -637,6 +641,18 @@ class Stage2Runner:
                            "stage 2 partition %d stops waiting for it", source, silence, partition)
             await self._partials.send(key=source.encode(), value=encode_release(source, watermark),
                                       partition=partition)
+
+
+def _acknowledge(app: faust.App, record: Any) -> None:
+    """Mark a message read outside the stream as done in Faust's consumer.
+
+    Faust commits an offset only when every message before it was acknowledged; a message
+    it never delivered (it drops some around rebalances and restarts) would hold the
+    partition's commits back for good, though the task has folded it from a direct read.
+    """
+    app.consumer.ack(FaustMessage(record.topic, record.partition, record.offset, record.timestamp / 1000.0,
+                                  record.timestamp_type, None, None, None, None,
+                                  tp=TP(record.topic, record.partition)))
 
 
 def _task_name(stage: str, topic: str, partition: int) -> str:

@@ -1,0 +1,215 @@
+"""The Faust topology's per-partition tasks, without a broker: routing, dedupe, release, checkpoints.
+
+The Kafka log is modelled as lists of messages per partition; the tasks see exactly the
+bytes Faust hands them. The decisions must be the embedded pipeline's, however the
+partitions interleave, and whatever restarts and re-sends happen on the way.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+from kafka.partitioner.default import murmur2
+
+from specwatch.collectors.simulator import Simulator
+from specwatch.detectors.window import SliceStats
+from specwatch.schemas import Decision, Policy, Rejection
+from specwatch.schemas.otlp import encode_records
+from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.faust_tasks import (
+    CheckpointError,
+    PartialMessage,
+    Stage1Task,
+    Stage2Task,
+    decode_checkpoint,
+    decode_partial,
+    decisions_in,
+    encode_checkpoint,
+    encode_partial,
+    encode_release,
+    outbox_pending,
+    route_batches,
+    stage2_partition,
+)
+from specwatch.streams.topology import ActionRecord, SliceBatch
+
+PARTITIONS = 4
+_FLUSH_EVENT_SECONDS = 0.5  # as `specwatch simulate --bootstrap` flushes
+
+
+def _telemetry_log(records, partitions=PARTITIONS) -> dict[int, list[bytes]]:
+    """Records as the OTel Kafka exporter writes them: OTLP chunks keyed by worker, Kafka's partitioner."""
+    log: dict[int, list[bytes]] = defaultdict(list)
+    pending: dict[str, list] = defaultdict(list)
+
+    def flush():
+        for key, chunk in pending.items():
+            log[(murmur2(key.encode()) & 0x7FFFFFFF) % partitions].append(encode_records(chunk))
+        pending.clear()
+
+    next_flush = None
+    for record in records:
+        if next_flush is None or record.ts >= next_flush:
+            flush()
+            next_flush = record.ts + _FLUSH_EVENT_SECONDS
+        pending[getattr(record, "worker", None) or record.bundle_id].append(record)
+    flush()
+    return log
+
+
+def _key(decision: Decision) -> tuple:
+    return (decision.ts, decision.bundle_id, decision.bucket, decision.cohort, decision.action, decision.reason)
+
+
+@pytest.fixture(scope="module", params=["kv_pressure", "bundle_change"])
+def scenario(request):
+    sim = Simulator(request.param, seed=11, workers=2, minutes=2.0, incident_at=75.0)
+    records = list(sim.records())
+    embedded = EmbeddedPipeline()
+    embedded.feed_many(records)
+    embedded.finish()
+    cutoff = sim.end_ts - 5.0
+    expected = sorted(_key(d) for d in embedded.decisions if d.ts < cutoff)
+    assert expected
+    return _telemetry_log(records), cutoff, expected
+
+
+def _run(log, seed, restart_every=0):
+    """Stage 1 per telemetry partition in a random interleaving, stage 2 per partials partition.
+
+    ``restart_every``: a task checkpoints every so many messages, and about as often is
+    replaced by its last checkpoint, as a restarted worker would be: stage 1 then folds
+    and sends again what it had sent since (stage 2 must drop the repeats).
+    """
+    rng = random.Random(seed)
+    sources = tuple(f"t/{p}" for p in range(PARTITIONS))
+    stage1 = {p: Stage1Task(Policy(), f"t/{p}") for p in range(PARTITIONS)}
+    saved = {p: encode_checkpoint(task) for p, task in stage1.items()}
+    partials: dict[int, list[bytes]] = defaultdict(list)
+    position = {p: 0 for p in log}
+    while any(position[p] < len(log[p]) for p in log):
+        p = rng.choice([p for p in log if position[p] < len(log[p])])
+        offset = position[p]
+        task = stage1[p]
+        _, closed = task.fold(offset, log[p][offset])
+        for q, batch in route_batches(closed, PARTITIONS):
+            partials[q].append(encode_partial(batch))
+        position[p] = task.next_offset
+        if restart_every and offset % restart_every == 0:
+            saved[p] = encode_checkpoint(task)
+        elif restart_every and rng.random() < 1 / restart_every:
+            stage1[p] = decode_checkpoint(saved[p])  # back to the checkpoint: fold and send again
+            position[p] = stage1[p].next_offset or 0
+    decided = []
+    # Telemetry partitions no worker writes to are released, as the app does once they are drained.
+    releases = [encode_release(f"t/{p}", -1) for p in range(PARTITIONS) if not log.get(p)]
+    for q in range(PARTITIONS):
+        task = Stage2Task(Policy(), sources)
+        for offset, value in enumerate(releases + partials[q]):
+            for output in task.fold(offset, decode_partial(value)):
+                decided += [a.decision for a in output.actions]
+            if restart_every and rng.random() < 1 / restart_every:
+                task = decode_checkpoint(encode_checkpoint(task))
+    return decided
+
+
+def test_partitioned_topology_decides_as_embedded(scenario):
+    log, cutoff, expected = scenario
+    decided = _run(log, seed=1)
+    assert sorted(_key(d) for d in decided if d.ts < cutoff) == expected
+    assert len({d.id for d in decided}) == len(decided)
+
+
+def test_decisions_survive_checkpoints_restores_and_resends(scenario):
+    log, cutoff, expected = scenario
+    straight = _run(log, seed=2)
+    restarted = _run(log, seed=2, restart_every=10)
+    assert sorted(d.id for d in restarted) == sorted(d.id for d in straight)
+    assert sorted(_key(d) for d in restarted if d.ts < cutoff) == expected
+
+
+def test_route_batches_sends_keys_and_events_to_the_bundle_partition_and_a_watermark_everywhere():
+    stats = SliceStats()
+    batch = SliceBatch("t/0", 5, 6, partials={("b-1", "coding", "main"): stats, ("b-1", None, None): stats,
+                                              ("b-2", "chat", "main"): stats},
+                       events=[{"type": "bundle", "bundle_id": "b-2", "ts": 5.5}], late_records=3)
+    later = SliceBatch("t/0", 6, 6)
+    routed = route_batches([batch, later], 4)
+    by_partition = defaultdict(list)
+    for partition, part in routed:
+        by_partition[partition].append(part)
+    assert {k for part in by_partition[stage2_partition("b-1", 4)] for k in part.partials} == {
+        ("b-1", "coding", "main"), ("b-1", None, None)}
+    assert [e["bundle_id"] for part in by_partition[stage2_partition("b-2", 4)] for e in part.events] == ["b-2"]
+    assert set(by_partition) == {0, 1, 2, 3}  # every partition hears that the source moved on
+    assert sum(part.late_records for _, part in routed) == 3
+    for parts in by_partition.values():
+        indexes = [part.slice_index for part in parts]
+        assert indexes == sorted(set(indexes))
+        assert all(part.watermark == 6 for part in parts)
+
+
+def test_stage2_drops_batches_it_has_merged():
+    task = Stage2Task(Policy(), ("t/0",))
+    first = encode_partial(SliceBatch("t/0", 10, 10, partials={("b-1", "coding", "main"): SliceStats()}))
+    task.fold(0, decode_partial(first))
+    task.fold(1, decode_partial(first))
+    task.fold(2, decode_partial(encode_partial(SliceBatch("t/0", 9, 10))))
+    assert (task.batches, task.duplicates, task.next_offset) == (1, 2, 3)
+
+
+def test_a_source_that_never_reported_holds_slices_until_released():
+    task = Stage2Task(Policy(), ("t/0", "t/1"))
+    stats = SliceStats()
+    stats.add_step_time(1.0, 10.0, 0.5, 40.5)
+    outputs = []
+    for index in range(40, 60):
+        batch = SliceBatch("t/0", index, index, partials={("b-1", None, None): stats.copy()})
+        outputs += task.fold(index, decode_partial(encode_partial(batch)))
+    assert outputs == []  # t/1 has said nothing yet: nothing is final
+    assert task.silent_sources(lambda source: False) == []
+    assert task.silent_sources(lambda source: True) == [("t/1", 59)]
+    released = task.fold(60, decode_partial(encode_release("t/1", 59)))
+    assert [o.slice_index for o in released] == list(range(40, 60))
+    more = task.fold(61, decode_partial(encode_partial(SliceBatch("t/0", 60, 60, partials={
+        ("b-1", None, None): stats.copy()}))))
+    assert [o.slice_index for o in more] == [60]  # a released source no longer holds anything back
+
+
+def test_invalid_partials_are_counted_not_fatal():
+    task = Stage2Task(Policy(), ())
+    message = decode_partial(b"\x00not json")
+    assert isinstance(message, Rejection) and message.reason == "invalid_partial"
+    assert task.fold(0, message) == [] and task.invalid == 1 and task.next_offset == 1
+    assert isinstance(decode_partial(b'{"kind": "batch"}'), Rejection)
+    assert decode_partial(encode_release("t/0", 3)) == PartialMessage(release_source="t/0", release_watermark=3)
+
+
+def test_checkpoint_errors_are_refused_with_a_reason():
+    with pytest.raises(CheckpointError, match="bad header"):
+        decode_checkpoint(b"something else")
+    with pytest.raises(CheckpointError, match="does not load"):
+        decode_checkpoint(b"SWCP1" + b"\x78\x01garbage")
+
+
+def test_outbox_keeps_only_what_the_topic_does_not_hold():
+    decisions = [Decision(ts=float(i), bundle_id="b-1", bucket="coding", action="disable_speculation",
+                          reason="acceptance_drop", detector="gate") for i in range(3)]
+    outbox = [ActionRecord(d, {}, []) for d in decisions]
+    on_topic = decisions_in([decisions[0].to_json_line().encode(), b"not a decision", b"{}"])
+    assert [a.decision for a in outbox_pending(outbox, on_topic)] == decisions[1:]
+
+
+def test_restored_stage2_keeps_its_flags_and_outbox():
+    task = Stage2Task(Policy(), ("t/0",))
+    decision = Decision(ts=1.0, bundle_id="b-1", bucket=None, action="invalidate_bundle", reason="bundle_changed",
+                        detector="card")
+    task.stage.flags.apply(decision)
+    task.outbox = [ActionRecord(decision, {"k": 1}, [])]
+    task.outbox_mark = {0: 7}
+    restored = decode_checkpoint(encode_checkpoint(task))
+    assert restored.stage.flags.lookup("b-1", "coding", "main").enabled is False
+    assert restored.stage.fallback.flags is restored.stage.flags
+    assert [a.decision for a in restored.outbox] == [decision] and restored.outbox_mark == {0: 7}
