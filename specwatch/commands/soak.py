@@ -39,8 +39,8 @@ _KAFKA_POLL_MS = 200
 
 @dataclass(frozen=True)
 class Sample:
-    """One observation: seconds since start, RSS (MB), how far the latest decided slice is behind
-    wall time (s), records in, and the queues between (Kafka mode)."""
+    """One observation: seconds since start, RSS (MB), the worst lag of a decided slice behind
+    wall time in the interval (s), records in, and the queues between (Kafka mode)."""
 
     t: float
     rss_mb: float
@@ -191,24 +191,39 @@ class _Sampler:
                       f"consumer_lag={sample.consumer_lag:>6}", file=self._out, flush=True)
 
 
-def _decided(watermark: list[float]) -> Callable[[Any], None]:
-    """A pipeline sink keeping the end of the latest decided slice: lag is measured at the
-    output, so it includes slicing and the lateness wait, not only the input."""
-    def sink(output) -> None:
-        watermark[0] = max(watermark[0], output.slice_end)
-    return sink
+class _Lag:
+    """How far behind wall time each slice was decided, worst per sampling interval.
+
+    Measured at the output, when a slice is final: it includes the slice length, the
+    lateness wait and any backlog, not only the input. Sampled between slices it would
+    saw-tooth over one slice length instead.
+    """
+
+    def __init__(self) -> None:
+        self._worst = 0.0
+        self._last = 0.0
+
+    def __call__(self, output) -> None:  # a pipeline sink
+        lag = max(0.0, time.time() - output.slice_end)
+        self._worst = max(self._worst, lag)
+        self._last = lag
+
+    def take(self) -> float:
+        """The worst lag since the last call (the latest one when no slice was decided since)."""
+        worst, self._worst = (self._worst or self._last), 0.0
+        return worst
 
 
 def _soak_embedded(args, sim, out) -> SoakResult:
     from specwatch.streams.embedded import EmbeddedPipeline
 
-    watermark = [time.time()]
-    pipeline = EmbeddedPipeline(sinks=[_decided(watermark)])
+    lag = _Lag()
+    pipeline = EmbeddedPipeline(sinks=[lag])
     started, stop = time.monotonic(), threading.Event()
 
     def probe() -> Sample:
-        return Sample(round(time.monotonic() - started, 2), round(_rss_mb(), 1),
-                      round(max(0.0, time.time() - watermark[0]), 3), pipeline.counters.records)
+        return Sample(round(time.monotonic() - started, 2), round(_rss_mb(), 1), round(lag.take(), 3),
+                      pipeline.counters.records)
 
     sampler = _Sampler(args.sample_seconds, probe, out)
     deadline = started + args.minutes * 60.0
@@ -239,8 +254,8 @@ def _soak_kafka(args, sim, out) -> SoakResult:
         admin.create_topics([NewTopic(topic, 4, 1)])
     exporter = KafkaTelemetryExporter(KafkaConfig(args.bootstrap, topic=topic))
     emitter = TelemetryEmitter(exporter, sdk=False)
-    watermark = [time.time()]
-    pipeline = EmbeddedPipeline(sinks=[_decided(watermark)])
+    lag = _Lag()
+    pipeline = EmbeddedPipeline(sinks=[lag])
     consumer = KafkaConsumer(**config.client_settings(), group_id=None, enable_auto_commit=False,
                              auto_offset_reset="earliest")
     stop = threading.Event()
@@ -256,10 +271,9 @@ def _soak_kafka(args, sim, out) -> SoakResult:
 
     def probe() -> Sample:
         ends = consumer.end_offsets(partitions) if partitions else {}
-        lag = sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
-        return Sample(round(time.monotonic() - started, 2), round(_rss_mb(), 1),
-                      round(max(0.0, time.time() - watermark[0]), 3), pipeline.counters.records,
-                      emitter.stats().queued, lag)
+        behind = sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
+        return Sample(round(time.monotonic() - started, 2), round(_rss_mb(), 1), round(lag.take(), 3),
+                      pipeline.counters.records, emitter.stats().queued, behind)
 
     sampler = _Sampler(args.sample_seconds, probe, out)
     try:
