@@ -1,7 +1,7 @@
 """Stage 1's hot path for step records decoded as columns: same tallies, no per-round objects.
 
-`fold_step` is `Stage1.add` for a `StepColumns`; `FastPipeline` and `FastStage1Task` are the
-embedded pipeline and the Faust stage-1 task reading through the fast decoders. They
+`fold_step` is `Stage1.add` for a `StepColumns`; `FastPipeline` is the embedded pipeline
+reading through the fast decoders (the Faust stage-1 task uses `fold_record` too). They
 give the same slices, partials and decisions as the reference paths (tests/test_fastpath.py).
 """
 
@@ -11,10 +11,9 @@ from specwatch.schemas import Rejection
 from specwatch.schemas.fastdecode import StepColumns, decode_line_fast, decode_request_fast
 
 from .embedded import EmbeddedPipeline
-from .faust_tasks import Stage1Task
 from .topology import SliceBatch, Stage1
 
-__all__ = ["FastPipeline", "FastStage1Task", "fold_step", "fold_record"]
+__all__ = ["FastPipeline", "fold_step", "fold_record"]
 
 
 def fold_step(stage: Stage1, step: StepColumns) -> None:
@@ -84,22 +83,3 @@ class FastPipeline(EmbeddedPipeline):
             fold_record(self.stage1, record)
             decided += self._drain(self.stage1.close_ready())
         return decided
-
-
-class FastStage1Task(Stage1Task):
-    """`Stage1Task` decoding through `decode_request_fast`."""
-
-    def fold(self, offset: int, payload: bytes):
-        rejections: list[Rejection] = []
-        closed: list[SliceBatch] = []
-        stage = self.stage
-        for item in decode_request_fast(payload):
-            if isinstance(item, Rejection):
-                rejections.append(item)
-                self.rejected[item.reason] += 1
-                continue
-            fold_record(stage, item)
-            closed.extend(stage.close_ready())
-        self.messages += 1
-        self.next_offset = offset + 1
-        return rejections, closed

@@ -42,7 +42,7 @@ def _run(args) -> int:
     # imported here: the detectors pull in river (and scipy), which every other
     # subcommand's start-up should not pay for
     from specwatch.schemas import PolicyError, load_policy
-    from specwatch.streams.embedded import EmbeddedPipeline
+    from specwatch.streams.fastpath import FastPipeline
 
     try:
         policy = load_policy(args.policy)
@@ -57,7 +57,8 @@ def _run(args) -> int:
 
         archive = Archive.open(args.archive)
         sinks.append(ArchiveSink(archive))
-    pipeline = EmbeddedPipeline(policy, sinks=sinks)
+    # same decisions as EmbeddedPipeline (tests/test_fastpath.py), without pydantic per step
+    pipeline = FastPipeline(policy, sinks=sinks)
     with contextlib.ExitStack() as stack:
         try:
             source = sys.stdin.buffer if args.input == "-" else stack.enter_context(open(args.input, "rb"))

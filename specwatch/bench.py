@@ -1,0 +1,494 @@
+"""`specwatch bench`: throughput, latency and cost figures, each beside an alternative run alongside it.
+
+Machines running this are often shared, so every figure comes with a ratio against a
+simpler or reference path measured in the same run; the ratios are what carry over.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specwatch.collectors.simulator import Simulator
+from specwatch.schemas import Policy, Rejection, StepRecord, decode_line
+from specwatch.schemas.codec import encode_record
+from specwatch.schemas.otlp import decode_request, encode_records
+from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.fastpath import FastPipeline
+from specwatch.streams.topology import Stage1
+
+__all__ = ["run_bench", "plot_report", "NaiveRoundPipeline", "TARGETS"]
+
+_SEED = 17
+_OTLP_RECORDS_PER_MESSAGE = 200
+TARGETS = {
+    "stream_rounds_per_core_s_at_16": 1_000_000,
+    "kafka_rounds_per_s": 200_000,
+    "kafka_decision_latency_p99_s": 3.0,
+    "collector_us_per_step": 20.0,
+    "state_bytes_per_key": 64 * 1024,
+    "archive_rows_per_s": 300_000,
+    "replay_70mb_s": 10.0,
+}
+
+
+# ------------------------------------------------------------------ the per-round alternative
+
+
+class RoundRecord(BaseModel):
+    """One speculative round as its own record: the per-round design the step record replaces."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    kind: str
+    v: int
+    ts: float = Field(ge=0, allow_inf_nan=False)
+    worker: str = Field(min_length=1, max_length=256)
+    seq: int = Field(ge=0)
+    bundle_id: str = Field(min_length=1, max_length=256)
+    id: str = Field(min_length=1, max_length=256)
+    bucket: str = Field(min_length=1, max_length=256)
+    cohort: str = Field(min_length=1, max_length=256)
+    drafted: int = Field(ge=0, le=64)
+    accepted: int = Field(ge=0, le=64)
+    draft_ms: float = Field(ge=0)
+    verify_ms: float = Field(ge=0)
+    kv_usage: float = Field(ge=0, le=1)
+
+
+def per_round_lines(step: StepRecord) -> list[bytes]:
+    """A step as one JSON line per round (the step's timings repeated on each)."""
+    head = {"kind": "round", "v": 1, "ts": step.ts, "worker": step.worker, "seq": step.seq,
+            "bundle_id": step.bundle_id, "draft_ms": step.draft_ms, "verify_ms": step.verify_ms,
+            "kv_usage": step.kv_usage}
+    return [json.dumps({**head, "id": e.id, "bucket": e.bucket, "cohort": e.cohort, "drafted": e.drafted,
+                        "accepted": e.accepted}).encode() for e in step.requests]
+
+
+def per_round_otlp(rounds: list[dict]) -> bytes:
+    """One OTel log record per round, in one ExportLogsServiceRequest."""
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
+    request = ExportLogsServiceRequest()
+    scope = request.resource_logs.add().scope_logs.add()
+    for body in rounds:
+        record = scope.log_records.add()
+        record.event_name = "specwatch.round"
+        record.time_unix_nano = int(body["ts"] * 1e9)
+        for key, value in body.items():
+            attribute = record.attributes.add()
+            attribute.key = "specwatch." + key
+            if isinstance(value, str):
+                attribute.value.string_value = value
+            elif isinstance(value, int):
+                attribute.value.int_value = value
+            else:
+                attribute.value.double_value = value
+    return request.SerializeToString()
+
+
+class NaiveRoundPipeline(EmbeddedPipeline):
+    """The straightforward processor: a validated object per round, stats updated per round.
+
+    Rounds land in the same per-(key, slice) `SliceStats` as the step path, and the same
+    stage 2 (detectors, policy) runs over them; other record kinds use the reference path.
+    """
+
+    def __init__(self, policy: Policy | None = None) -> None:
+        super().__init__(policy)
+        self._last_step: dict[str, tuple] = {}
+
+    def feed_round(self, body: dict) -> list:
+        round_ = RoundRecord.model_validate(body)
+        stage: Stage1 = self.stage1
+        stage.records += 1
+        stage._max_ts = max(stage._max_ts, round_.ts)
+        batch = stage._slice(round_.ts)
+        key = (round_.bundle_id, round_.bucket, round_.cohort)
+        stats = Stage1._stats(batch, key)
+        stats.add_round(round_.drafted, round_.accepted)
+        Stage1._stats(batch, (round_.bundle_id, None, None)).add_round(round_.drafted, round_.accepted)
+        step = (round_.worker, round_.seq)
+        if self._last_step.get(round_.worker) != step:  # first round of a step: its timings once
+            self._last_step[round_.worker] = step
+            Stage1._stats(batch, (round_.bundle_id, None, None)).add_step_time(
+                round_.draft_ms, round_.verify_ms, round_.kv_usage, round_.ts)
+        stats.add_step_time(round_.draft_ms, round_.verify_ms, round_.kv_usage, round_.ts)
+        return self._drain(stage.close_ready())
+
+    def feed_round_line(self, line: bytes) -> list:
+        body = json.loads(line)
+        if body.get("kind") == "round":
+            return self.feed_round(body)
+        return self.feed_line(line)
+
+    def feed_round_otlp(self, payload: bytes) -> list:
+        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
+        request = ExportLogsServiceRequest()
+        request.ParseFromString(payload)
+        decided = []
+        for resource_logs in request.resource_logs:
+            for scope_logs in resource_logs.scope_logs:
+                for record in scope_logs.log_records:
+                    body = {}
+                    for pair in record.attributes:
+                        which = pair.value.WhichOneof("value")
+                        body[pair.key[10:]] = getattr(pair.value, which)
+                    decided += self.feed_round(body)
+        return decided
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def _records(requests_per_step: int, minutes: float, workers: int = 4, scenario: str = "healthy") -> list:
+    sim = Simulator(scenario, seed=_SEED, minutes=minutes, workers=workers, concurrency=requests_per_step)
+    return list(sim.records())
+
+
+def _cpu(fn) -> tuple[float, Any]:
+    gc.collect()
+    start = time.process_time()
+    result = fn()
+    return max(time.process_time() - start, 1e-9), result
+
+
+# ------------------------------------------------------------------ sections
+
+
+def bench_stream(quick: bool, smoke: bool) -> list[dict]:
+    """Decode + stage 1 + stage 2 + detectors, per CPU second (one process = one core)."""
+    rows = []
+    minutes = 0.05 if smoke else (0.25 if quick else 1.0)
+    for rps in (8, 16, 64):
+        records = _records(rps, minutes)
+        steps = [r for r in records if r.kind == "step"]
+        rounds = sum(len(s.requests) for s in steps)
+        lines = [encode_record(r).encode() for r in records]
+        chunks = [records[i:i + _OTLP_RECORDS_PER_MESSAGE] for i in range(0, len(records), _OTLP_RECORDS_PER_MESSAGE)]
+        otlp = [encode_records(chunk) for chunk in chunks]
+        naive_lines, naive_otlp = [], []
+        for chunk in chunks:
+            bodies = []
+            for record in chunk:
+                if record.kind == "step":
+                    per_round = per_round_lines(record)
+                    naive_lines += per_round
+                    bodies += [json.loads(b) for b in per_round]
+                else:
+                    naive_lines.append(encode_record(record).encode())
+            naive_otlp.append((per_round_otlp(bodies), encode_records([r for r in chunk if r.kind != "step"])))
+        for encoding in ("jsonl", "otlp"):
+            def fast():
+                p = FastPipeline()
+                if encoding == "jsonl":
+                    for line in lines:
+                        p.feed_line(line)
+                else:
+                    for payload in otlp:
+                        p.feed_otlp(payload)
+                return [d.to_json_line() for d in p.decisions + p.finish()]
+
+            def reference():
+                p = EmbeddedPipeline()
+                if encoding == "jsonl":
+                    for line in lines:
+                        p.feed_line(line)
+                else:
+                    for payload in otlp:
+                        for item in decode_request(payload):
+                            if isinstance(item, Rejection):
+                                p.reject(item)
+                            else:
+                                p.feed(item)
+                return [d.to_json_line() for d in p.decisions + p.finish()]
+
+            def naive():
+                p = NaiveRoundPipeline()
+                if encoding == "jsonl":
+                    for line in naive_lines:
+                        p.feed_round_line(line)
+                else:
+                    for rounds_payload, others in naive_otlp:
+                        p.feed_round_otlp(rounds_payload)
+                        for item in decode_request(others):
+                            p.feed(item)
+                p.finish()
+                return None
+
+            t_fast, fast_out = _cpu(fast)
+            t_ref, ref_out = _cpu(reference)
+            t_naive, _ = _cpu(naive)
+            rows.append({
+                "encoding": encoding, "requests_per_step": round(rounds / max(1, len(steps)), 1),
+                "concurrency": rps, "rounds": rounds, "steps": len(steps),
+                "fast_rounds_per_s": rounds / t_fast, "reference_rounds_per_s": rounds / t_ref,
+                "naive_rounds_per_s": rounds / t_naive,
+                "speedup_vs_naive": t_naive / t_fast, "speedup_vs_reference": t_ref / t_fast,
+                "same_decisions_as_reference": fast_out == ref_out,
+            })
+    return rows
+
+
+def bench_collector(quick: bool, smoke: bool) -> dict:
+    """Engine-thread time of one `emit(step)` (direct and SDK paths) against the step's own time."""
+    from specwatch.collectors.export import InMemoryExporter
+    from specwatch.collectors.otel import TelemetryEmitter
+
+    steps = [r for r in _records(16, 0.05 if smoke else 0.2) if r.kind == "step"]
+    out: dict[str, Any] = {"steps": len(steps)}
+    for name, sdk in (("direct", False), ("sdk", True)):
+        emitter = TelemetryEmitter(InMemoryExporter(), sdk=sdk, max_queue_size=len(steps) + 10,
+                                   max_batch_size=512)
+        start = time.thread_time()
+        for step in steps:
+            emitter.emit(step)
+        cost = time.thread_time() - start
+        emitter.shutdown()
+        out[f"{name}_us_per_step"] = cost / len(steps) * 1e6
+    engine_ms = sum(s.draft_ms + s.verify_ms for s in steps) / len(steps)
+    out["engine_step_ms_simulated"] = engine_ms
+    out["direct_share_of_step"] = out["direct_us_per_step"] / (engine_ms * 1e3)
+    out["sdk_share_of_step"] = out["sdk_us_per_step"] / (engine_ms * 1e3)
+    out["sdk_over_direct"] = out["sdk_us_per_step"] / out["direct_us_per_step"]
+    import importlib.util
+
+    out["vllm"] = ("installed; its collector's own cost stats (cost_per_step_us) come from a vLLM run, "
+                   "not measured by bench" if importlib.util.find_spec("vllm") else "not installed")
+    return out
+
+
+def bench_archive(quick: bool, smoke: bool) -> dict:
+    """Window-stats rows/s through the action path's writer vs one INSERT per row."""
+    from specwatch.actions.archive import Archive, ArchiveWriter
+
+    pipeline = FastPipeline()
+    rows: list[dict] = []
+    pipeline.sinks.append(lambda out: rows.extend(out.window_rows))
+    for record in _records(16, 0.2, workers=2):
+        pipeline.feed(record)
+    pipeline.finish()
+    template = rows
+    n = 20_000 if smoke else (100_000 if quick else 500_000)
+    batch = [dict(template[i % len(template)], ts=template[i % len(template)]["ts"] + 1000.0 * (i // len(template)))
+             for i in range(n)]
+    naive_n = 50 if smoke else 200
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Archive.open(f"chdb://{tmp}/archive")
+        try:
+            writer = ArchiveWriter(archive)
+            start = time.perf_counter()
+            for i in range(0, n, 5_000):  # the sink hands over one slice's rows at a time
+                writer.write_window_stats(batch[i:i + 5_000])
+            writer.flush()
+            fast_s = time.perf_counter() - start
+            start = time.perf_counter()
+            for row in batch[:naive_n]:
+                archive.write_window_stats([row])
+            naive_s = time.perf_counter() - start
+        finally:
+            archive.close()
+    fast_rate, naive_rate = n / fast_s, naive_n / naive_s
+    return {"rows": n, "writer_rows_per_s": fast_rate, "naive_rows": naive_n,
+            "naive_rows_per_s": naive_rate, "speedup_vs_naive": fast_rate / naive_rate}
+
+
+def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
+    """`specwatch replay` of a simulated contract-v1 file vs plain json.loads of its lines."""
+    target_mb = 2 if smoke else (10 if quick else 70)
+    path = workdir / "replay.jsonl"
+    # ~9 MB per simulated minute with the default fleet; sized to reach the target
+    minutes = max(0.2, target_mb / 9.0)
+    cli = [sys.executable, "-m", "specwatch.cli"]
+    subprocess.run(cli + ["simulate", "--scenario", "acceptance_drop", "--seed", str(_SEED), "--minutes",
+                          f"{minutes:.2f}", "--output", str(path)], check=True, capture_output=True)
+    size = path.stat().st_size
+    start = time.perf_counter()
+    done = subprocess.run(cli + ["replay", str(path), "--output", str(workdir / "decisions.jsonl"), "--json"],
+                          check=True, capture_output=True, text=True)
+    replay_s = time.perf_counter() - start
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    loads_s = _time_json_loads(path)
+    return {"bytes": size, "lines": summary["lines"], "decisions": summary["decisions"],
+            "replay_s": replay_s, "replay_records_per_s": summary["lines"] / replay_s,
+            "json_loads_s": loads_s, "json_loads_records_per_s": summary["lines"] / loads_s,
+            "replay_over_json_loads": replay_s / loads_s,
+            "replay_s_per_70mb": replay_s * (70 << 20) / size}
+
+
+def _time_json_loads(path: Path) -> float:
+    start = time.perf_counter()
+    with open(path, "rb") as source:
+        for line in source:
+            json.loads(line)
+    return time.perf_counter() - start
+
+
+def _growth_lines(keys: int, slices: int, requests_per_step: int = 16) -> tuple[list[bytes], int]:
+    bundle = next(r for r in Simulator("healthy", seed=_SEED, minutes=0.01).records() if r.kind == "bundle")
+    lines = [encode_record(bundle).encode()]
+    steps_per_slice = max(20, -(-keys // requests_per_step))
+    rounds, seq, k = 0, 0, 0
+    for s in range(slices):
+        for i in range(steps_per_slice):
+            ts = bundle.ts + s + i / steps_per_slice
+            requests = []
+            for _ in range(requests_per_step):
+                requests.append({"id": f"r{seq}-{k}", "bucket": f"bucket{k % keys}", "cohort": "main",
+                                 "drafted": 4, "accepted": (seq + k) % 5})
+                k += 1
+            lines.append(json.dumps({"kind": "step", "v": 1, "ts": ts, "worker": "w1", "seq": seq,
+                                     "bundle_id": bundle.bundle_id, "draft_ms": 1.0, "verify_ms": 10.0,
+                                     "kv_usage": 0.5, "requests": requests}).encode())
+            rounds += requests_per_step
+            seq += 1
+    return lines, rounds
+
+
+def bench_growth(quick: bool, smoke: bool) -> list[dict]:
+    """Throughput and retained state as (bundle, bucket, cohort) keys grow."""
+    out = []
+    sizes = (1, 10, 100) if smoke else ((1, 10, 100, 1_000) if quick else (1, 10, 100, 1_000, 10_000))
+    slices = 6 if smoke else 12
+    for keys in sizes:
+        lines, rounds = _growth_lines(keys, slices)
+
+        def run(cls):
+            pipeline = cls()
+            for line in lines:
+                pipeline.feed_line(line)
+            return pipeline
+
+        t_fast, _ = _cpu(lambda: run(FastPipeline))
+        t_ref, _ = _cpu(lambda: run(EmbeddedPipeline))
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        pipeline = run(FastPipeline)
+        pipeline.stage1.close_ready(final=True)
+        gc.collect()
+        state = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        del pipeline
+        out.append({"keys": keys, "rounds": rounds, "fast_rounds_per_s": rounds / t_fast,
+                    "reference_rounds_per_s": rounds / t_ref, "speedup_vs_reference": t_ref / t_fast,
+                    "state_bytes": state, "state_bytes_per_key": state / keys})
+    return out
+
+
+def bench_kafka(bootstrap: str | None, quick: bool, smoke: bool) -> dict:
+    if not bootstrap:
+        return {"skipped": "no --bootstrap given (start one with deploy/kafka/broker.sh start --port P)"}
+    from specwatch.bench_kafka import run_kafka_bench
+
+    return run_kafka_bench(bootstrap, seconds=20 if quick else 60, smoke=smoke)
+
+
+def _targets(report: dict) -> list[dict]:
+    rows = []
+    stream16 = [r for r in report["stream"] if r["concurrency"] == 16]
+    for row in stream16:
+        rows.append({"target": f"stream rounds/s per core at 16 req/step ({row['encoding']})",
+                     "goal": TARGETS["stream_rounds_per_core_s_at_16"], "measured": row["fast_rounds_per_s"],
+                     "met": row["fast_rounds_per_s"] >= TARGETS["stream_rounds_per_core_s_at_16"]})
+    kafka = report["kafka"]
+    if "rounds_per_s" in kafka:
+        rows.append({"target": "end-to-end rounds/s through Kafka", "goal": TARGETS["kafka_rounds_per_s"],
+                     "measured": kafka["rounds_per_s"], "met": kafka["rounds_per_s"] >= TARGETS["kafka_rounds_per_s"]})
+    if kafka.get("decision_latency_p99_s") is not None:
+        rows.append({"target": "decision latency p99 (s)", "goal": TARGETS["kafka_decision_latency_p99_s"],
+                     "measured": kafka["decision_latency_p99_s"],
+                     "met": kafka["decision_latency_p99_s"] <= TARGETS["kafka_decision_latency_p99_s"]})
+    collector = report["collector"]
+    rows.append({"target": "engine-thread us per step (direct)", "goal": TARGETS["collector_us_per_step"],
+                 "measured": collector["direct_us_per_step"],
+                 "met": collector["direct_us_per_step"] <= TARGETS["collector_us_per_step"]})
+    worst = max(r["state_bytes_per_key"] for r in report["growth"] if r["keys"] >= 10)
+    rows.append({"target": "state bytes per key (worst, >= 10 keys)", "goal": TARGETS["state_bytes_per_key"],
+                 "measured": worst, "met": worst <= TARGETS["state_bytes_per_key"]})
+    archive = report["archive"]
+    rows.append({"target": "archive rows/s", "goal": TARGETS["archive_rows_per_s"],
+                 "measured": archive["writer_rows_per_s"],
+                 "met": archive["writer_rows_per_s"] >= TARGETS["archive_rows_per_s"]})
+    replay = report["replay"]
+    rows.append({"target": "replay seconds per 70 MB", "goal": TARGETS["replay_70mb_s"],
+                 "measured": replay["replay_s_per_70mb"], "met": replay["replay_s_per_70mb"] <= TARGETS["replay_70mb_s"]})
+    for row in rows:
+        row["goal_is"] = "max" if "latency" in row["target"] or "us per" in row["target"] \
+            or "bytes" in row["target"] or "seconds" in row["target"] else "min"
+    return rows
+
+
+def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = None,
+              sections: tuple[str, ...] = (), log=lambda msg: None) -> dict:
+    """Every section; ``smoke`` shrinks inputs to check the output's shape only."""
+    report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                          "load_average": os.getloadavg(), "quick": quick, "smoke": smoke}}
+    wanted = set(sections) or {"stream", "kafka", "collector", "archive", "replay", "growth"}
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = [("stream", lambda: bench_stream(quick, smoke)),
+                 ("collector", lambda: bench_collector(quick, smoke)),
+                 ("archive", lambda: bench_archive(quick, smoke)),
+                 ("replay", lambda: bench_replay(quick, smoke, Path(tmp))),
+                 ("growth", lambda: bench_growth(quick, smoke)),
+                 ("kafka", lambda: bench_kafka(bootstrap, quick, smoke))]
+        for name, fn in steps:
+            if name in wanted:
+                log(f"bench: {name} ...")
+                report[name] = fn()
+            else:
+                report[name] = {"skipped": "not selected"}
+    if wanted >= {"stream", "collector", "archive", "replay", "growth"}:
+        report["targets"] = _targets(report)
+    return report
+
+
+def plot_report(report: dict, path: str | os.PathLike) -> None:
+    """Rounds/s per core of the fast, reference and per-round paths, and growth with keys, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    rows = report["stream"]
+    labels = [f"{r['encoding']}\n{r['requests_per_step']:.0f} req/step" for r in rows]
+    x = range(len(rows))
+    width = 0.27
+    for offset, field, name in ((-width, "fast_rounds_per_s", "step record, fast path"),
+                                (0.0, "reference_rounds_per_s", "step record, pydantic path"),
+                                (width, "naive_rounds_per_s", "one record per round")):
+        left.bar([i + offset for i in x], [r[field] / 1e3 for r in rows], width, label=name)
+    left.set_xticks(list(x), labels, fontsize=8)
+    left.set_ylabel("thousand rounds/s per core")
+    left.set_title("decode + stage 1 + stage 2 + detectors")
+    left.legend(fontsize=8)
+    growth = report["growth"]
+    keys = [g["keys"] for g in growth]
+    right.plot(keys, [g["fast_rounds_per_s"] / 1e3 for g in growth], "o-", label="fast path, k rounds/s")
+    right.plot(keys, [g["reference_rounds_per_s"] / 1e3 for g in growth], "s--", label="reference, k rounds/s")
+    right.set_xscale("log")
+    right.set_xlabel("(bundle, bucket, cohort) keys")
+    right.set_ylabel("thousand rounds/s per core")
+    twin = right.twinx()
+    twin.plot(keys, [g["state_bytes_per_key"] / 1024 for g in growth], "^:", color="tab:red", label="state KB/key")
+    twin.set_ylabel("state KB per key", color="tab:red")
+    right.set_title("cost growth with keys")
+    right.legend(fontsize=8, loc="upper center")
+    fig.suptitle(f"specwatch bench ({report['machine']['cpus']} shared cores; ratios carry over, "
+                 "absolute rates depend on load)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

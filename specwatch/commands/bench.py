@@ -1,0 +1,49 @@
+"""`specwatch bench`: throughput, latency and cost, each figure beside an alternative measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+__all__ = ["register"]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="measure throughput, latency and cost against alternatives",
+        description="Stream processor, Kafka end to end, collector, archive, replay and cost growth; "
+                    "every figure comes with a ratio against an alternative measured in the same run.")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--quick", action="store_true", help="smaller inputs and a 20 s Kafka run")
+    parser.add_argument("--smoke", action="store_true", help="tiny inputs: checks the report's shape only")
+    parser.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka broker for the end-to-end section")
+    parser.add_argument("--section", action="append", default=[],
+                        choices=("stream", "kafka", "collector", "archive", "replay", "growth"),
+                        help="run only these sections (repeatable)")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the stream and growth figures")
+    parser.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from specwatch.bench import plot_report, run_bench
+
+    report = run_bench(quick=args.quick, smoke=args.smoke, bootstrap=args.bootstrap,
+                       sections=tuple(args.section), log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.plot and isinstance(report.get("stream"), list) and isinstance(report.get("growth"), list):
+        plot_report(report, args.plot)
+    if args.json:
+        print(json.dumps(report, sort_keys=True, default=float))
+        return 0
+    for row in report.get("stream", []) if isinstance(report.get("stream"), list) else []:
+        print(f"stream {row['encoding']:5} {row['requests_per_step']:5.1f} req/step: "
+              f"{row['fast_rounds_per_s']:>11,.0f} rounds/s/core  x{row['speedup_vs_naive']:.1f} vs per-round, "
+              f"x{row['speedup_vs_reference']:.2f} vs reference")
+    for name in ("collector", "archive", "replay", "kafka"):
+        print(f"{name}: {json.dumps(report.get(name), default=float)}")
+    for row in report.get("growth", []) if isinstance(report.get("growth"), list) else []:
+        print(f"growth {row['keys']:>6} keys: {row['fast_rounds_per_s']:>11,.0f} rounds/s, "
+              f"{row['state_bytes_per_key']:>9,.0f} B/key")
+    for row in report.get("targets", []):
+        print(f"target {row['target']}: {row['measured']:,.2f} ({row['goal_is']} {row['goal']:,}) "
+              f"{'met' if row['met'] else 'NOT met'}")
+    return 0

@@ -1,0 +1,142 @@
+"""The fast decoders and stage-1 fold give exactly what the reference paths give."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from specwatch.collectors.simulator import Simulator
+from specwatch.schemas import Policy, Rejection, decode_line
+from specwatch.schemas.codec import encode_record
+from specwatch.schemas.fastdecode import StepColumns, decode_line_fast, decode_request_fast
+from specwatch.schemas.otlp import decode_request, encode_records
+from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.fastpath import FastPipeline
+from specwatch.streams.faust_tasks import Stage1Task
+from specwatch.streams.topology import Stage1
+
+from test_bad_input import BAD_LINES, _step
+
+
+def _lines(scenario="acceptance_drop", seed=11, minutes=5.0, workers=2):
+    sim = Simulator(scenario, seed=seed, minutes=minutes, workers=workers, concurrency=12)
+    return [encode_record(r) for r in sim.records()]
+
+
+def _same(fast, reference):
+    if isinstance(fast, StepColumns):
+        assert fast.record() == reference
+        assert fast.rounds == Counter((e.bucket, e.cohort, e.drafted, e.accepted) for e in reference.requests)
+        assert (fast.ts, fast.worker, fast.seq, fast.bundle_id, fast.draft_ms, fast.verify_ms, fast.kv_usage) == (
+            reference.ts, reference.worker, reference.seq, reference.bundle_id, reference.draft_ms,
+            reference.verify_ms, reference.kv_usage)
+        assert all(type(x) is float for x in (fast.ts, fast.draft_ms, fast.verify_ms, fast.kv_usage))
+    else:
+        assert fast == reference
+
+
+ODD_LINES = [
+    _step(1, ts=5), _step(2, kv_usage=1), _step(3, draft_ms=True), _step(4, kv_usage=0.5, **{"seq": 1.0}) if False else json.dumps({**json.loads(_step(4)), "seq": 1.0}), _step(5, v=True),
+    _step(6, requests=[]), _step(7, requests=[{"id": "r", "bucket": "b", "cohort": "c", "drafted": True,
+                                                 "accepted": 1}]),
+    _step(8, requests=[{"id": "r", "bucket": "b", "cohort": "c", "drafted": 2.0, "accepted": 1}]),
+    _step(9, requests=[{"id": "", "bucket": "b", "cohort": "c", "drafted": 2, "accepted": 1}]),
+    _step(10, requests=[{"id": "r", "bucket": "b" * 257, "cohort": "c", "drafted": 2, "accepted": 1}]),
+    _step(11, requests=[{"id": "r", "bucket": "b", "cohort": "c", "drafted": 65, "accepted": 1}]),
+    _step(12, requests=[{"id": "r", "bucket": "b", "cohort": "c", "drafted": 2, "accepted": -1}]),
+    _step(13, requests=[["r", "b", "c", 2, 1]]), _step(14, requests=["r"]), _step(15, requests={"a": 1}),
+    _step(16, requests=[{"id": "r", "bucket": ["b"], "cohort": "c", "drafted": 2, "accepted": 1}]),
+    _step(17, requests=[{"id": "r", "bucket": "b", "cohort": "c", "drafted": 2}]),
+    _step(18, ts=2 ** 60), _step(19, ts="5"), _step(20, worker=""), _step(21, extra={"x": [1]}),
+    '{"kind": "step", "v": 1, "ts": NaN}', '{"kind": "step", "ts": 1e999}', "", "   ", "\ufeff{}",
+    '{"kind": "step", "v": 1, "ts": 123456789012345678901234567890}', '{"a": "\\ud800"}',
+    json.dumps({"kind": "request", "v": 1, "ts": 1.0}),
+]
+
+
+def test_json_lines_decode_identically_on_seeded_data_and_bad_input():
+    corpus = _lines(minutes=1.0) + [line for lines in BAD_LINES.values() for line in lines] + ODD_LINES
+    kinds = Counter()
+    for line in corpus:
+        for form in (line, line.encode()):
+            fast, reference = decode_line_fast(form), decode_line(form)
+            _same(fast, reference)
+            kinds[type(fast).__name__] += 1
+    assert kinds["StepColumns"] > 1000 and kinds["Rejection"] > 20
+
+
+def test_bad_lines_keep_their_reasons():
+    for reason, lines in BAD_LINES.items():
+        for line in lines:
+            assert decode_line_fast(line).reason == reason
+
+
+def test_otlp_decodes_identically():
+    records = [decode_line(line) for line in _lines(minutes=0.5)]
+    steps = 0
+    for i in range(0, len(records), 500):
+        payload = encode_records(records[i:i + 500])
+        fast, reference = decode_request_fast(payload), decode_request(payload)
+        assert len(fast) == len(reference) == len(records[i:i + 500])
+        for f, r in zip(fast, reference):
+            _same(f, r)
+        steps += sum(isinstance(f, StepColumns) for f in fast)
+    assert steps > 100
+    for bad in (b"\xff\xff not protobuf", b"", payload[:-3]):
+        assert decode_request_fast(bad) == decode_request(bad)
+
+
+@pytest.mark.parametrize("scenario", ["acceptance_drop", "demo"])
+def test_pipeline_decisions_are_byte_identical(scenario):
+    lines = _lines(scenario, seed=5, minutes=6.0) + ODD_LINES
+    runs = []
+    for cls in (EmbeddedPipeline, FastPipeline):
+        pipeline, slices = cls(Policy()), []
+        pipeline.sinks.append(lambda out, slices=slices: slices.append(json.dumps(  # NaN-safe comparison
+            (out.slice_index, out.window_rows, [a.audit for a in out.actions], [a.samples for a in out.actions]),
+            sort_keys=True, default=repr)))
+        decided = [pipeline.feed_line(line) for line in lines]
+        decided.append(pipeline.finish())
+        runs.append(([[d.to_json_line() for d in ds] for ds in decided], slices, pipeline.counters.as_dict()))
+    assert runs[0] == runs[1]
+    assert sum(map(len, runs[0][0])) > 0
+
+
+def _reference_fold(stage, payload):
+    reasons, closed = [], []
+    for item in decode_request(payload):
+        if isinstance(item, Rejection):
+            reasons.append(item.reason)
+            continue
+        stage.add(item)
+        closed.extend(stage.close_ready())
+    return reasons, closed
+
+
+def test_stage1_task_gives_the_partials_of_the_reference_fold():
+    records = [decode_line(line) for line in _lines("acceptance_drop", seed=2, minutes=3.0)]
+    payloads = [encode_records(records[i:i + 40]) for i in range(0, len(records), 40)] + [b"\x00junk"]
+    task, reference = Stage1Task(Policy(), "t/0"), Stage1(Policy(), source="t/0")
+    for offset, payload in enumerate(payloads):
+        rejections, batches = task.fold(offset, payload)
+        reasons, expected = _reference_fold(reference, payload)
+        assert [r.reason for r in rejections] == reasons
+        assert [json.dumps(b.to_dict(), sort_keys=True) for b in batches] == [
+            json.dumps(b.to_dict(), sort_keys=True) for b in expected]
+    assert [json.dumps(b.to_dict(), sort_keys=True) for b in task.stage.close_ready(final=True)] == [
+        json.dumps(b.to_dict(), sort_keys=True) for b in reference.close_ready(final=True)]
+    assert task.records == reference.records and task.next_offset == len(payloads)
+
+
+def test_bench_quick_json_shape():
+    run = subprocess.run([sys.executable, "-m", "specwatch.cli", "bench", "--quick", "--json", "--smoke"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(report) >= {"machine", "stream", "kafka", "collector", "archive", "replay", "growth", "targets"}
+    for row in report["stream"]:
+        assert {"encoding", "requests_per_step", "rounds", "fast_rounds_per_s", "naive_rounds_per_s",
+                "reference_rounds_per_s", "speedup_vs_naive"} <= set(row)
+    assert {"met", "target", "measured"} <= set(report["targets"][0])
