@@ -150,3 +150,18 @@ def test_fail_safe_settings_are_checked():
         FlagClient(config, keyring=_RING, silence_seconds=0)
     never = FlagClient(config, keyring=_RING, silence_seconds=None, fail_safe="standard_decoding")
     assert not never.silent and never.lookup("b", "c", "d").enabled
+
+
+def test_heartbeats_stay_out_of_the_decisions_command(kafka_bootstrap, topic, capsys):
+    from specwatch import cli
+
+    with DecisionPublisher(KafkaConfig(kafka_bootstrap), topic=topic, keyring=_RING) as publisher:
+        publisher.publish(_disable_coding())
+        for _ in range(3):
+            publisher.heartbeat(99.0)
+        assert publisher.flush(10)
+        assert publisher.heartbeat_stats() == {"heartbeats": 3, "failed": 0}
+    assert cli.main(["decisions", "--bootstrap", kafka_bootstrap, "--topic", topic]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [_disable_coding().to_json_line()]
+    assert "not a decision" not in captured.err
