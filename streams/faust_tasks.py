@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from specwatch.actions.flags import FlagStore
+from specwatch.detectors.sketch import LatencySketch
 from specwatch.schemas import Decision, Policy, Rejection
 from specwatch.schemas.fastdecode import decode_request_fast
 
@@ -320,6 +321,20 @@ def _restore_flag_store(state: dict) -> FlagStore:
     return store
 
 
+def _reduce_sketch(sketch: LatencySketch):
+    # Pickled as it stands, values not yet folded included. The sketch's own pickling folds
+    # them first, which changes the object and so makes later quantiles depend on when a
+    # checkpoint happened to be taken; decisions must depend on the telemetry only.
+    digest = sketch._digest.to_bytes() if sketch._digest is not None else b""
+    return _restore_sketch, (sketch.max_centroids, digest, list(sketch._pending))
+
+
+def _restore_sketch(max_centroids: int, digest: bytes, pending: list[float]) -> LatencySketch:
+    sketch = LatencySketch.from_bytes(digest, max_centroids)
+    sketch._pending = list(pending)
+    return sketch
+
+
 def encode_checkpoint(task: Stage1Task | Stage2Task) -> bytes:
     """A task as bytes: pickled (detector state pickles; it is tied to pinned versions), compressed.
 
@@ -332,6 +347,7 @@ def encode_checkpoint(task: Stage1Task | Stage2Task) -> bytes:
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table = copyreg.dispatch_table.copy()
     pickler.dispatch_table[FlagStore] = _reduce_flag_store
+    pickler.dispatch_table[LatencySketch] = _reduce_sketch
     pickler.dump(task)
     return _CHECKPOINT_MAGIC + zlib.compress(buffer.getvalue(), 1)
 

@@ -213,3 +213,20 @@ def test_restored_stage2_keeps_its_flags_and_outbox():
     assert restored.stage.flags.lookup("b-1", "coding", "main").enabled is False
     assert restored.stage.fallback.flags is restored.stage.flags
     assert [a.decision for a in restored.outbox] == [decision] and restored.outbox_mark == {0: 7}
+
+
+def test_a_checkpoint_does_not_change_what_it_saves():
+    """Quantiles after a restore are the quantiles without one: nothing is folded early."""
+    from specwatch.detectors.sketch import LatencySketch
+
+    rng = random.Random(5)
+    values = [rng.expovariate(0.01) for _ in range(2000)]
+    straight, saved = LatencySketch(), LatencySketch()
+    for i, value in enumerate(values):
+        straight.add(value)
+        saved.add(value)
+        if i % 97 == 0:
+            carrier = Stage1Task(Policy(), "t/0")
+            carrier.stage.probe = saved  # any attribute: the sketch rides along
+            saved = decode_checkpoint(encode_checkpoint(carrier)).stage.probe
+    assert straight.to_bytes() == saved.to_bytes()
