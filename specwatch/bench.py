@@ -309,11 +309,12 @@ def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
     """`specwatch replay` of a simulated contract-v1 file vs plain json.loads of its lines."""
     target_mb = 2 if smoke else (10 if quick else 70)
     path = workdir / "replay.jsonl"
-    # ~9 MB per simulated minute with the default fleet; sized to reach the target
-    minutes = max(0.2, target_mb / 9.0)
+    # ~50 MB per simulated minute with the default fleet (8 workers); the incident starts
+    # early so that the replay has decisions to make
+    minutes = max(0.2, target_mb / 50.0)
     cli = [sys.executable, "-m", "specwatch.cli"]
     subprocess.run(cli + ["simulate", "--scenario", "acceptance_drop", "--seed", str(_SEED), "--minutes",
-                          f"{minutes:.2f}", "--output", str(path)], check=True, capture_output=True)
+                          f"{minutes:.2f}", "--incident-at", f"{minutes * 30:.1f}", "--output", str(path)], check=True, capture_output=True)
     size = path.stat().st_size
     start = time.perf_counter()
     done = subprocess.run(cli + ["replay", str(path), "--output", str(workdir / "decisions.jsonl"), "--json"],
