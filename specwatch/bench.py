@@ -316,16 +316,27 @@ def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
     subprocess.run(cli + ["simulate", "--scenario", "acceptance_drop", "--seed", str(_SEED), "--minutes",
                           f"{minutes:.2f}", "--incident-at", f"{minutes * 30:.1f}", "--output", str(path)], check=True, capture_output=True)
     size = path.stat().st_size
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(cli + ["replay", str(path), "--output", str(workdir / "decisions.jsonl"), "--json"],
                           check=True, capture_output=True, text=True)
     replay_s = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    replay_cpu_s = (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
     summary = json.loads(done.stdout.strip().splitlines()[-1])
+    cpu_start = time.process_time()
     loads_s = _time_json_loads(path)
+    loads_cpu_s = time.process_time() - cpu_start
     return {"bytes": size, "lines": summary["lines"], "decisions": summary["decisions"],
             "replay_s": replay_s, "replay_records_per_s": summary["lines"] / replay_s,
             "json_loads_s": loads_s, "json_loads_records_per_s": summary["lines"] / loads_s,
             "replay_over_json_loads": replay_s / loads_s,
+            # CPU seconds: on a shared machine wall time also counts the wait for a core
+            "replay_cpu_s": replay_cpu_s, "json_loads_cpu_s": loads_cpu_s,
+            "replay_cpu_over_json_loads_cpu": replay_cpu_s / max(loads_cpu_s, 1e-9),
+            "replay_cpu_s_per_70mb": replay_cpu_s * (70 << 20) / size,
             "replay_s_per_70mb": replay_s * (70 << 20) / size}
 
 
