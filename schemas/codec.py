@@ -87,14 +87,14 @@ def decode_object(obj: object, raw: str = "") -> TelemetryRecord | Rejection:
     >>> decode_object({"kind": "shadow", "v": 1, "ts": 5.0, "bundle_id": "b", "id": "r",
     ...                "bucket": "coding", "check": "token_exact", "match": True}).kind
     'shadow'
-    >>> decode_object({"kind": "trace", "v": 1}).reason
-    'unknown_kind'
+    >>> decode_object({"kind": "trace", "v": 1}).reason, decode_object({"kind": [], "v": 1}).reason
+    ('unknown_kind', 'unknown_kind')
     """
     if not isinstance(obj, dict):
         return Rejection("not_an_object", f"expected a JSON object, got {type(obj).__name__}", raw)
     kind = obj.get("kind")
-    if kind not in _KINDS:
-        return Rejection("unknown_kind", f"kind {kind!r} is not one of {sorted(_KINDS)}", raw)
+    if not isinstance(kind, str) or kind not in _KINDS:  # a list or dict kind is not even hashable
+        return Rejection("unknown_kind", f"kind {str(kind)[:100]!r} is not one of {sorted(_KINDS)}", raw)
     try:
         return _KINDS[kind].model_validate(obj)
     except ValidationError as error:

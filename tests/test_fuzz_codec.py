@@ -93,6 +93,8 @@ _JSON = st.recursive(_JSON_SCALARS, lambda inner: st.lists(inner, max_size=5)
 @example("x" * (MAX_LINE_BYTES + 1))
 @example(b"{" * (MAX_LINE_BYTES + 1))
 @example('{"kind": "\\ud800"}')
+@example('{"kind": [], "v": 1}')
+@example('{"kind": {"step": 1}, "v": 1}')
 def test_any_text_or_bytes_decodes_or_is_rejected_with_a_reason(line):
     _check_result(decode_line(line))
 
