@@ -598,7 +598,8 @@ class KafkaTelemetryExporter:
         future.add_errback(self._delivery_failed, count)
         return True
 
-    def _delivery_failed(self, error: BaseException, count: int) -> None:
+    def _delivery_failed(self, count: int, error: BaseException) -> None:
+        # kafka-python calls an errback with its bound arguments first: f(count, error)
         self._count(delivery_errors=1, records_failed=count)
         logger.debug("kafka delivery of %d records failed: %s", count, error)
 

@@ -159,9 +159,6 @@ def test_emits_never_block_while_the_broker_is_down_and_flow_resumes_after(own_b
               f"{len(arrived)} arrived in order")
 
 
-@pytest.mark.xfail(strict=True, reason="KafkaTelemetryExporter._delivery_failed is declared (error, count), but "
-                   "kafka-python calls an errback with its bound arguments first: f(count, error); the "
-                   "records_failed update then raises inside the callback and is lost")
 def test_failed_deliveries_count_their_records():
     class Future:
         def add_errback(self, f, *args):
