@@ -166,7 +166,14 @@ free_port_from() {  # first port >= $1 that nothing listens on
 }
 
 cluster_id() {  # a random Kafka Uuid: 16 bytes, URL-safe base64 without padding
-  head -c 16 /dev/urandom | base64 | tr '+/' '-_' | cut -c1-22
+  # An id starting with '-' reads as an option to the storage tool ("expected one
+  # argument"): draw again until it does not.
+  local id
+  while :; do
+    id=$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | cut -c1-22)
+    [ "${id:0:1}" != "-" ] && break
+  done
+  echo "$id"
 }
 
 wait_ready() {  # $1: broker pid
