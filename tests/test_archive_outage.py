@@ -32,14 +32,22 @@ _POLICY = Policy.model_validate({"baseline": {"learn_seconds": 10}})
 
 @lru_cache(maxsize=1)
 def _outputs() -> tuple[SliceOutput, ...]:
-    """90 s of the seeded demo fleet: 90 slices, a bundle at the start, decisions at slices 52, 57, 68."""
+    """90 s of the seeded demo fleet: 90 slices, a bundle at the start, three slices with decisions.
+
+    Which slices decide is the detectors' business (pinned in test_scenarios); this module
+    only needs a few of them, found here rather than pinned twice.
+    """
     records = Simulator("demo", seed=3, minutes=1.5, workers=2, concurrency=4, incident_at=20.0).records()
     outputs: list[SliceOutput] = []
     pipeline = EmbeddedPipeline(policy=_POLICY, sinks=[outputs.append])
     pipeline.feed_many(records)
     pipeline.finish()
-    assert [i for i, o in enumerate(outputs) if o.actions] == [52, 57, 68]
+    assert len([o for o in outputs if o.actions]) >= 3
     return tuple(outputs)
+
+
+def _first_deciding() -> SliceOutput:
+    return next(o for o in _outputs() if o.actions)
 
 
 class _Clock:
@@ -141,7 +149,7 @@ def test_a_replay_after_a_partial_write_duplicates_nothing(tmp_path):
         sink = ArchiveSink(archive, spool=tmp_path / "spool", clock=clock)
         decisions_table = (path / "data" / "specwatch" / "decisions").resolve()
         with _unwritable(decisions_table):
-            sink(outputs[52])
+            sink(_first_deciding())
         assert sink.stats()["spooled"] == 1
         _, samples_before = archive.sql("SELECT count() FROM specwatch.samples")
         assert samples_before[0][0] > 0  # the partial write happened: samples, audit, no decision
@@ -149,11 +157,11 @@ def test_a_replay_after_a_partial_write_duplicates_nothing(tmp_path):
         clock.now += 120.0
         assert sink.retry()
         # Replay the same spooled entry once more, as a crash right after a replay would.
-        sink(outputs[52])
+        sink(_first_deciding())
         sink.close()
-        assert _contents(archive) == _expected([outputs[52]])
+        assert _contents(archive) == _expected([_first_deciding()])
         _, raw = archive.sql("SELECT count() FROM specwatch.samples")
-        assert raw[0][0] > len(_expected([outputs[52]])["samples"])  # physically there twice; FINAL reads once
+        assert raw[0][0] > len(_expected([_first_deciding()])["samples"])  # physically there twice; FINAL reads once
 
 
 def test_a_refusing_server_dsn_spools_until_an_archive_opens(tmp_path, caplog):
