@@ -28,10 +28,10 @@ def _decide(scenario, workers=4, minutes=4.0):
 EXPECTED = {
     # AL of coding drops 40%: lower D first in each speculative cohort, then disable
     "acceptance_drop": [
-        (124.0, "reduce_draft_length", "acceptance_drop", "coding", "main"),
-        (128.99, "reduce_draft_length", "acceptance_drop", "coding", "canary"),
-        (142.0, "disable_speculation", "acceptance_drop", "coding", "main"),
-        (144.0, "disable_speculation", "acceptance_drop", "coding", "canary"),
+        (123.99, "reduce_draft_length", "acceptance_drop", "coding", "main"),
+        (127.0, "reduce_draft_length", "acceptance_drop", "coding", "canary"),
+        (139.0, "disable_speculation", "acceptance_drop", "coding", "main"),
+        (144.99, "disable_speculation", "acceptance_drop", "coding", "canary"),
     ],
     # a new target revision voids the drafter's evidence: the new bundle is invalidated
     "target_update": [(120.01, "invalidate_bundle", "bundle_changed", None, None)],
@@ -39,17 +39,17 @@ EXPECTED = {
     # draft time x3: an alert to re-sweep D, and the hard buckets lose their speedup
     "draft_regression": [
         (127.0, "alert", "draft_overhead", None, None),
-        (132.0, "disable_speculation", "no_speedup", "long_context", "main"),
+        (131.99, "disable_speculation", "no_speedup", "long_context", "main"),
         (134.0, "disable_speculation", "no_speedup", "reasoning", "main"),
-        (134.98, "disable_speculation", "no_speedup", "reasoning", "canary"),
-        (152.98, "disable_speculation", "no_speedup", "long_context", "canary"),
+        (143.98, "disable_speculation", "no_speedup", "reasoning", "canary"),
+        (159.99, "disable_speculation", "no_speedup", "long_context", "canary"),
     ],
-    "latency_tail": [(154.99, "disable_speculation", "latency_slo", "reasoning", "main")],
+    "latency_tail": [(165.0, "disable_speculation", "latency_slo", "reasoning", "main")],
     "kv_pressure": [
-        (128.99, "reduce_draft_length", "kv_pressure", None, None),
-        (145.0, "disable_speculation", "kv_pressure", None, None),
+        (125.99, "reduce_draft_length", "kv_pressure", None, None),
+        (147.0, "disable_speculation", "kv_pressure", None, None),
     ],
-    "quality_mismatch": [(127.41, "disable_speculation", "quality_regression", "structured", None)],
+    "quality_mismatch": [(128.02, "disable_speculation", "quality_regression", "structured", None)],
 }
 
 
@@ -68,7 +68,7 @@ def test_incident_gives_expected_decisions(scenario):
 def test_error_burst_circuit_breaks_the_bucket():
     # errors need more requests per window than acceptance needs rounds: default fleet size
     sim, pipeline, got = _decide("error_burst", workers=8)
-    assert got == [(144.99, "disable_speculation", "error_rate", "extraction", "main")]
+    assert got == [(140.0, "disable_speculation", "error_rate", "extraction", "main")]
     assert pipeline.decisions[0].sample_ids  # error samples are kept with the decision
 
 
@@ -82,7 +82,8 @@ def test_no_decision_without_incident(scenario, minutes):
 def test_replay_cli_is_deterministic_and_matches_embedded(tmp_path):
     telemetry = tmp_path / "kv.jsonl"
     sim_cmd = [sys.executable, "-m", "specwatch.cli", "simulate", "--output", str(telemetry),
-               "--scenario", "quality_mismatch", "--seed", str(SEED), "--workers", "4", "--minutes", "3"]
+               "--scenario", "quality_mismatch", "--seed", str(SEED), "--workers", "4", "--minutes", "4",
+               "--incident-at", "120"]
     proc = subprocess.run(sim_cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     outputs = []
