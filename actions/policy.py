@@ -1,14 +1,16 @@
-"""The fallback table as code: findings in, decisions out, with hysteresis and cooldown.
+"""The fallback table as code: findings in, decisions out, with hysteresis, cooldown and restore.
 
 Lower D first where the table says so, then disable; disable at once for SLO, error and
-quality breaches; invalidate a changed bundle; alert on cost changes. Pure: no I/O.
+quality breaches; invalidate a changed bundle; alert on cost changes; restore a disabled
+path once policy allows and the evidence gathered meanwhile is clean. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from specwatch.detectors.monitor import Finding
+from specwatch.detectors.monitor import Finding, RecoveryEvidence
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import Policy
 
@@ -24,12 +26,21 @@ _DISABLE_AT_ONCE = {"no_speedup", "latency_slo", "error_rate", "quality_regressi
 
 @dataclass
 class ScopeMemory:
-    """What the policy remembers about one scope between findings."""
+    """What the policy remembers about one scope between findings.
+
+    ``disables`` counts every automatic disable of the scope, restored or not: it sets
+    the backoff of the next restore. ``disabled_at`` is None while the path is on.
+    """
 
     last_decision_ts: float | None = None
     reduced_at: float | None = None
     last_alert_ts: float | None = None
     frozen: bool = False
+    disables: int = 0
+    restores: int = 0
+    disabled_at: float | None = None
+    disabled_reason: str | None = None
+    disabled_decision_id: str | None = None
 
 
 class FallbackPolicy:
@@ -118,7 +129,92 @@ class FallbackPolicy:
             memory.frozen = True
             evidence["promotion_frozen"] = True
         memory.last_decision_ts = finding.ts
-        return self._decision(finding, scope, "disable_speculation", evidence, sample_ids)
+        decision = self._decision(finding, scope, "disable_speculation", evidence, sample_ids)
+        memory.disables += 1
+        memory.disabled_at, memory.disabled_reason, memory.disabled_decision_id = finding.ts, reason, decision.id
+        memory.reduced_at = None  # after a restore, the table's order starts over: lower D first
+        return decision
+
+    # -- restore ---------------------------------------------------------------------------
+    def restore_wait(self, scope: Scope) -> float | None:
+        """Seconds the scope's current disable must last before a restore; None = never.
+
+        ``restore_after_seconds * restore_backoff**(disables - 1)``, at least the cooldown,
+        at most ``restore_max_seconds``. Never for a reason outside ``restore_reasons``
+        (by default quality regressions and invalidated bundles: only a person restores those)
+        or while restores are off (``restore_after_seconds`` unset, the default).
+
+        >>> policy = Policy.model_validate({"actions": {"restore_after_seconds": 600}})
+        >>> fp = FallbackPolicy(policy, FlagStore())
+        >>> scope = ("b-1", "coding", "main")
+        >>> f = Finding("error_rate", "error_rate_gate", 100.0, "error_rate", 0.05, 0.02, 0.002, 40.0, 100.0)
+        >>> _ = fp.decide(f, scope, draft_length=4)
+        >>> fp.restore_wait(scope)
+        600.0
+        >>> fp.memory[scope].disables = 3
+        >>> fp.restore_wait(scope)
+        2400.0
+        """
+        actions = self.policy.actions
+        memory = self.memory.get(scope)
+        if (actions.restore_after_seconds is None or memory is None or memory.disabled_at is None
+                or memory.disabled_reason not in actions.restore_reasons):
+            return None
+        wait = actions.restore_after_seconds * actions.restore_backoff ** max(0, memory.disables - 1)
+        return min(actions.restore_max_seconds, max(actions.cooldown_seconds, wait))
+
+    def restore_due(self, now: float) -> list[Scope]:
+        """Scopes this policy disabled whose wait is over at event time ``now``, in a fixed order."""
+        due = []
+        for scope, memory in self.memory.items():
+            if memory.disabled_at is None:
+                continue
+            wait = self.restore_wait(scope)
+            if wait is not None and now - memory.disabled_at >= wait:
+                due.append(scope)
+        return sorted(due, key=lambda s: (s[0], s[1] or "", s[2] or ""))
+
+    def restore(self, scope: Scope, now: float, evidence: list[RecoveryEvidence],
+                last_mismatch_ts: float | None = None) -> Decision | None:
+        """A `restore` decision for a due scope when every piece of evidence is clean.
+
+        ``evidence`` holds the scope's pooled standard-decoding traffic and its bundle's
+        KV peak over the last ``restore_evidence_seconds``; ``last_mismatch_ts`` is the
+        latest strict shadow mismatch in the scope's buckets. Missing traffic evidence, any
+        problem, or a mismatch since the disable means wait: the scope is looked at again
+        on the next slice, and only a clean look restores it.
+        """
+        memory = self.memory.get(scope)
+        wait = self.restore_wait(scope)
+        if memory is None or memory.disabled_at is None or wait is None or now - memory.disabled_at < wait:
+            return None
+        state = self.flags.state(scope)
+        if state is None or state.enabled or state.manual_by is not None:
+            memory.disabled_at = None  # restored or overridden by hand meanwhile: nothing to do
+            return None
+        min_requests = self.policy.errors.min_requests
+        problems = [p for e in evidence for p in e.problems(min_requests)]
+        mismatched = last_mismatch_ts is not None and last_mismatch_ts >= memory.disabled_at
+        if not any(e.kind == "traffic" for e in evidence) or problems or mismatched:
+            return None
+        disabled_at, reason = memory.disabled_at, memory.disabled_reason
+        body = {
+            "restores_decision": memory.disabled_decision_id,
+            "disabled_at": _round(disabled_at),
+            "disabled_for_seconds": _round(now - disabled_at),
+            "waited_for_seconds": _round(wait),
+            "disables": memory.disables,
+            "next_wait_seconds": _round(min(self.policy.actions.restore_max_seconds,
+                                            wait * self.policy.actions.restore_backoff)),
+            "last_strict_mismatch_ts": last_mismatch_ts,
+            "evidence": [e.evidence() for e in evidence],
+        }
+        memory.restores += 1
+        memory.disabled_at = None
+        memory.last_decision_ts = now
+        bundle, bucket, cohort = scope
+        return Decision(ts=now, bundle_id=bundle, bucket=bucket, cohort=cohort, action="restore",
+                        reason=reason, detector="restore_policy", evidence=body)
 
     @staticmethod
     def _decision(finding: Finding, scope: Scope, action: str, evidence: dict,
@@ -127,3 +223,7 @@ class FallbackPolicy:
         return Decision(ts=finding.ts, bundle_id=bundle, bucket=bucket, cohort=cohort, action=action,
                         reason=finding.reason, detector=finding.detector, evidence=evidence,
                         sample_ids=sorted(set(sample_ids or ())))
+
+
+def _round(value: float) -> float | None:
+    return None if math.isnan(value) else float(f"{value:.6g}")

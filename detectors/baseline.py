@@ -15,9 +15,9 @@ from .window import SliceStats, ratio
 
 __all__ = ["Baseline", "BaselineLearner"]
 
-# Latency and error baselines need more requests than acceptance needs rounds; a key
-# with little traffic keeps learning them for up to this many learning periods.
-_LATENCY_LEARN_PERIODS = 5
+# Baselines need enough requests, not only rounds; a key with little traffic keeps
+# learning for up to this many learning periods.
+_MAX_LEARN_PERIODS = 5
 
 
 @dataclass
@@ -74,22 +74,28 @@ class Baseline:
 class BaselineLearner:
     """Accumulates a key's first ``learn_seconds`` of traffic into a `Baseline`.
 
-    Acceptance and cost are learned once the period has passed with ``min_rounds``;
-    latency and error rate once it has ``min_requests`` (waiting longer on quiet keys).
-    Pinned values from the policy replace learned ones.
+    Acceptance and cost are learned once the period has passed with ``min_rounds`` from
+    ``min_requests`` finished requests, latency and error rate once it has ``min_requests``
+    (quiet keys wait longer).
+    Pinned values from the policy replace learned ones. ``broad_acceptance`` says the
+    rounds always come from many requests (a whole bundle's steps), so no request count
+    is needed for them.
 
     >>> from specwatch.schemas.policy import BaselinePolicy
     >>> learner = BaselineLearner(BaselinePolicy(learn_seconds=3, min_rounds=2, min_requests=1))
     >>> for t in range(5):
     ...     s = SliceStats(); s.add_round(4, 2); s.add_round(4, 2); s.add_step_time(1.0, 10.0, 0.5, t)
+    ...     s.add_request(80.0, 9.0, 900.0, True, "stop", t)
     ...     learner.update(s, slice_end=float(t + 1))
     >>> learner.baseline.acceptance_length, learner.acceptance_ready
     (3.0, True)
     """
 
-    def __init__(self, policy: BaselinePolicy, pinned: PinnedBaseline | None = None) -> None:
+    def __init__(self, policy: BaselinePolicy, pinned: PinnedBaseline | None = None,
+                 broad_acceptance: bool = False) -> None:
         self.policy = policy
         self.pinned = pinned
+        self.broad_acceptance = broad_acceptance
         self._reset()
 
     def _reset(self) -> None:
@@ -131,17 +137,21 @@ class BaselineLearner:
         elapsed = slice_end - self._start
         b, acc = self.baseline, self._acc
         if not self.acceptance_ready and elapsed >= self.policy.learn_seconds:
-            if acc.rounds >= self.policy.min_rounds:
+            # A quiet key keeps learning until its rounds come from enough requests: a
+            # baseline drawn from a handful of prompts is biased by how easy they were.
+            broad = (self.broad_acceptance or acc.requests >= self.policy.min_requests
+                     or elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS)
+            if acc.rounds >= self.policy.min_rounds and broad:
                 b.position_rates = acc.position_rates()
                 b.acceptance_length = acc.acceptance_length
                 b.draft_to_verify = acc.draft_to_verify
                 b.learned_from, b.learned_until = self._start, slice_end
                 self.acceptance_ready = True
-            elif acc.rounds == 0 and elapsed >= self.policy.learn_seconds * _LATENCY_LEARN_PERIODS:
+            elif acc.rounds == 0 and elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS:
                 self.acceptance_ready = True  # a key that never drafts has no acceptance baseline
         if not self.latency_ready and elapsed >= self.policy.learn_seconds:
             enough = acc.requests >= self.policy.min_requests
-            if enough or elapsed >= self.policy.learn_seconds * _LATENCY_LEARN_PERIODS:
+            if enough or elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS:
                 if enough:
                     b.e2e_p99_ms = acc.quantile("e2e", 0.99)
                     b.tpot_p99_ms = acc.quantile("tpot", 0.99)

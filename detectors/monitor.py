@@ -17,7 +17,7 @@ from .baseline import Baseline, BaselineLearner
 from .gates import ConsecutiveGate, DropDetector
 from .window import SliceStats, merge_all
 
-__all__ = ["Finding", "KeyMonitor", "BundleMonitor"]
+__all__ = ["Finding", "KeyMonitor", "BundleMonitor", "RecoveryEvidence", "traffic_evidence"]
 
 
 @dataclass(frozen=True)
@@ -59,17 +59,143 @@ def _round(value):
     return value
 
 
+@dataclass(frozen=True)
+class RecoveryEvidence:
+    """What one scope showed while speculation was off: the case for (or against) a restore.
+
+    ``kind`` is ``"traffic"`` (a key's requests: all on standard decoding, errors within
+    the error gate's limit) or ``"kv"`` (a bundle's engine steps: KV peak under the watermark).
+    """
+
+    kind: str
+    window_start: float
+    window_end: float
+    requests: int = 0
+    speculative_requests: int = 0
+    error_rate: float = math.nan
+    error_limit: float = math.nan
+    kv_peak: float = math.nan
+    kv_limit: float = math.nan
+
+    def problems(self, min_requests: int) -> list[str]:
+        """Why this evidence does not clear a restore; empty when it does.
+
+        >>> RecoveryEvidence("traffic", 0.0, 60.0, requests=400, error_rate=0.002, error_limit=0.02).problems(100)
+        []
+        >>> RecoveryEvidence("traffic", 0.0, 60.0, requests=400, error_rate=0.05, error_limit=0.02).problems(100)
+        ['error_rate 0.05 > 0.02']
+        >>> RecoveryEvidence("traffic", 0.0, 60.0, requests=30, speculative_requests=2).problems(100)
+        ['requests 30 < 100', 'speculative_requests 2 > 0']
+        >>> RecoveryEvidence("kv", 0.0, 60.0, kv_peak=0.97, kv_limit=0.92).problems(100)
+        ['kv_peak 0.97 > 0.92']
+        """
+        if self.kind == "kv":
+            return [f"kv_peak {self.kv_peak:.4g} > {self.kv_limit:.4g}"] if not self.kv_peak <= self.kv_limit else []
+        out = []
+        if self.requests < min_requests:
+            out.append(f"requests {self.requests} < {min_requests}")
+        # Requests still drafting mean the switch is not honoured (or they started before
+        # it): they are not evidence about the standard path.
+        if self.speculative_requests:
+            out.append(f"speculative_requests {self.speculative_requests} > 0")
+        if self.error_rate > self.error_limit:
+            out.append(f"error_rate {self.error_rate:.4g} > {self.error_limit:.4g}")
+        return out
+
+    def evidence(self) -> dict:
+        return {k: _round(v) for k, v in self.__dict__.items()}
+
+
+def traffic_evidence(monitors: list["KeyMonitor"], since: float, seconds: float) -> RecoveryEvidence | None:
+    """The requests of several keys (one scope) in their last ``seconds`` after ``since``, pooled.
+
+    Pooling lets a bucket with a quiet canary cohort be judged on all its traffic. The
+    error limit is the error gate's, from the request-weighted baseline error rate.
+    """
+    parts = []
+    weighted, weight = 0.0, 0
+    for monitor in monitors:
+        found = monitor.since(since, seconds)
+        if found is None:
+            continue
+        parts.append(found)
+        base = monitor.baseline.error_rate
+        if not math.isnan(base) and found[0].requests:
+            weighted += base * found[0].requests
+            weight += found[0].requests
+    if not parts:
+        return None
+    window = merge_all(p[0] for p in parts)
+    cfg = monitors[0].policy.errors
+    base = weighted / weight if weight else math.nan
+    limit = max(cfg.floor_rate, base * cfg.factor if not math.isnan(base) else cfg.floor_rate)
+    return RecoveryEvidence("traffic", min(p[1] for p in parts), max(p[2] for p in parts),
+                            requests=window.requests, speculative_requests=window.speculative_requests,
+                            error_rate=window.error_rate, error_limit=limit)
+
+
+def _evidence_slices(policy: Policy) -> int:
+    """Slices a restore's evidence spans: history must reach back that far."""
+    return math.ceil(policy.actions.restore_evidence_seconds / policy.windows.slice_seconds)
+
+
 class _Windowed:
-    """A bounded history of slices for one key, with window merges on demand."""
+    """A bounded history of slices for one key, with window merges on demand.
+
+    Windows never reach back past ``floor`` (set when the path changed under the key,
+    e.g. a restore), so a gate never judges one path by slices of another.
+    """
 
     def __init__(self, size: int) -> None:
         self.history: deque[tuple[float, SliceStats]] = deque(maxlen=size)
+        self.floor = -math.inf
+        self._last_window: tuple[tuple, tuple[SliceStats, float, float]] | None = None
 
     def push(self, slice_end: float, stats: SliceStats) -> None:
         self.history.append((slice_end, stats))
 
-    def window(self, slices: int) -> tuple[SliceStats, float, float]:
+    def window(self, slices: int, sketches: bool = True) -> tuple[SliceStats, float, float]:
+        """The last ``slices`` slices merged (without latency sketches if not needed).
+
+        Gates judging the same window in one update share one merge.
+        """
+        ident = (slices, sketches, self.floor, len(self.history), self.history[-1][0])
+        if self._last_window is not None and self._last_window[0] == ident:
+            return self._last_window[1]
         recent = list(self.history)[-slices:]
+        if recent[0][0] <= self.floor:
+            recent = [item for item in recent if item[0] > self.floor] or recent[-1:]
+        merged = merge_all((s for _, s in recent), sketches), recent[0][0], recent[-1][0]
+        self._last_window = (ident, merged)
+        return merged
+
+    def window_of_requests(self, slices: int, min_requests: int,
+                           max_slices: int) -> tuple[SliceStats, float, float] | None:
+        """The last ``slices`` slices, widened up to ``max_slices`` until they hold ``min_requests``.
+
+        Rounds of one request move together (its prompt sets how predictable it is), so a
+        window's evidence is only as broad as the requests in it; None when even the widest
+        window has too few finished requests.
+        """
+        count, requests = 0, 0
+        for end, stats in reversed(self.history):
+            if end <= self.floor or count >= max_slices:
+                break
+            count += 1
+            requests += stats.requests
+            if count >= slices and requests >= min_requests:
+                return self.window(count, sketches=False)
+        return None
+
+    def since(self, after: float, seconds: float) -> tuple[SliceStats, float, float] | None:
+        """Merged slices ending in ``(max(after, newest - seconds), newest]``; None if none."""
+        if not self.history:
+            return None
+        newest = self.history[-1][0]
+        start = max(after, newest - seconds)
+        recent = [(end, s) for end, s in self.history if end > start]
+        if not recent:
+            return None
         return merge_all(s for _, s in recent), recent[0][0], recent[-1][0]
 
     def evidence_window(self, slices: int) -> list[dict]:
@@ -91,8 +217,8 @@ class KeyMonitor(_Windowed):
         self.policy = policy
         self.bucket = bucket
         p = policy
-        super().__init__(max(p.latency.window_slices, p.errors.window_slices, p.acceptance.window_slices,
-                             p.speedup.window_slices, 30))
+        super().__init__(max(p.latency.window_slices, p.errors.window_slices, p.acceptance.max_window_slices,
+                             p.speedup.window_slices, _evidence_slices(p), 30))
         self.learner = BaselineLearner(p.baseline, p.baseline.pinned.get(bucket))
         self._reset()
 
@@ -109,9 +235,19 @@ class KeyMonitor(_Windowed):
     def baseline(self) -> Baseline:
         return self.learner.baseline
 
-    def rearm(self) -> None:
-        """Forget streaks after an action changed the path (new D, fallback, restore)."""
+    def rearm(self, floor: float | None = None) -> None:
+        """Forget streaks after an action changed the path (new D, fallback, restore).
+
+        With ``floor``, windows also forget the slices up to it: after a restore the
+        gates judge the speculative path afresh, not mixed with the standard one.
+        """
         self._reset()
+        if floor is not None:
+            self.floor = floor
+
+    def recovery_evidence(self, since: float, seconds: float) -> RecoveryEvidence | None:
+        """Errors of this key's traffic in the last ``seconds`` of slices after ``since``."""
+        return traffic_evidence([self], since, seconds)
 
     def update(self, stats: SliceStats, slice_end: float, speculating: bool = True) -> list[Finding]:
         self.push(slice_end, stats)
@@ -134,10 +270,11 @@ class KeyMonitor(_Windowed):
         cfg = self.policy.acceptance
         if not self.learner.acceptance_ready:
             return []
-        window, start, end = self.window(cfg.window_slices)
-        if window.rounds < cfg.min_rounds:
+        found = self.window_of_requests(cfg.window_slices, cfg.min_requests, cfg.max_window_slices)
+        if found is None or found[0].rounds < cfg.min_rounds:
             self.acceptance_gate.update(None)
             return []
+        window, start, end = found
         expected = self.baseline.expected_acceptance_length(window.drafted_at_least, window.rounds)
         if math.isnan(expected):
             return []
@@ -159,10 +296,13 @@ class KeyMonitor(_Windowed):
 
     def _speedup(self, ts: float) -> list[Finding]:
         cfg = self.policy.speedup
-        window, start, end = self.window(cfg.window_slices)
-        if window.rounds < self.policy.acceptance.min_rounds or window.steps == 0:
+        acceptance = self.policy.acceptance
+        found = self.window_of_requests(cfg.window_slices, acceptance.min_requests,
+                                        max(cfg.window_slices, acceptance.max_window_slices))
+        if found is None or found[0].rounds < acceptance.min_rounds or found[0].steps == 0:
             self.speedup_gate.update(None)
             return []
+        window, start, end = found
         speedup = window.speedup
         self.speedup_gate.update(speedup < cfg.min_speedup)
         if not self.speedup_gate.drift_detected:
@@ -184,18 +324,24 @@ class KeyMonitor(_Windowed):
             p99 = window.quantile(metric, 0.99)
             limits = [x for x in (slo, base * cfg.p99_factor if not math.isnan(base) else None) if x]
             if limits and not math.isnan(p99):
-                checks.append((p99 / min(limits), metric, p99, min(limits), base))
+                sketch = getattr(window, metric)
+                above = sketch.count_above(min(limits))
+                # The tail counts when it is more than a few stalled requests: enough of the
+                # window's requests are past the limit, not only its p99.
+                broad = above >= max(cfg.min_tail_requests, cfg.tail_share * sketch.count)
+                checks.append((p99 / min(limits), broad, metric, p99, min(limits), base, above))
         if not checks:
             self.latency_gate.update(None)
             return []
-        worst = max(checks)
-        self.latency_gate.update(worst[0] > 1.0)
+        worst = max(checks, key=lambda c: (c[0] > 1.0 and c[1], c[0]))
+        self.latency_gate.update(worst[0] > 1.0 and worst[1])
         if not self.latency_gate.drift_detected:
             return []
-        _, metric, p99, limit, base = worst
+        _, _, metric, p99, limit, base, above = worst
         return [Finding("latency_slo", "latency_p99_gate", ts, f"{metric}_p99_ms", p99, limit, base, start, end,
                         {"requests": window.requests, f"{metric}_p50_ms": window.quantile(metric, 0.5),
-                         f"{metric}_p95_ms": window.quantile(metric, 0.95)})]
+                         f"{metric}_p95_ms": window.quantile(metric, 0.95),
+                         "requests_above_limit": round(above, 1)})]
 
     def _errors(self, ts: float) -> list[Finding]:
         cfg = self.policy.errors
@@ -223,8 +369,8 @@ class BundleMonitor(_Windowed):
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        super().__init__(max(policy.draft_overhead.window_slices, 30))
-        self.learner = BaselineLearner(policy.baseline, None)
+        super().__init__(max(policy.draft_overhead.window_slices, _evidence_slices(policy), 30))
+        self.learner = BaselineLearner(policy.baseline, None, broad_acceptance=True)
         self._reset()
 
     def _reset(self) -> None:
@@ -235,8 +381,18 @@ class BundleMonitor(_Windowed):
     def baseline(self) -> Baseline:
         return self.learner.baseline
 
-    def rearm(self) -> None:
+    def rearm(self, floor: float | None = None) -> None:
         self._reset()
+        if floor is not None:
+            self.floor = floor
+
+    def recovery_evidence(self, since: float, seconds: float) -> RecoveryEvidence | None:
+        """Peak KV usage of the bundle's engine steps in the last ``seconds`` after ``since``."""
+        found = self.since(since, seconds)
+        if found is None:
+            return None
+        window, start, end = found
+        return RecoveryEvidence("kv", start, end, kv_peak=window.kv_peak, kv_limit=self.policy.kv.watermark)
 
     def update(self, stats: SliceStats, slice_end: float, speculating: bool = True) -> list[Finding]:
         self.push(slice_end, stats)
@@ -253,7 +409,7 @@ class BundleMonitor(_Windowed):
                                     {"consecutive": self.kv_gate.streak}))
         cfg = self.policy.draft_overhead
         base = self.baseline.draft_to_verify
-        window, start, end = self.window(cfg.window_slices)
+        window, start, end = self.window(cfg.window_slices, sketches=False)
         if speculating and self.learner.acceptance_ready and not math.isnan(base) and window.rounds:
             value = window.draft_to_verify
             self.draft_gate.update(value > base * cfg.factor)

@@ -88,6 +88,18 @@ class LatencySketch:
             return math.nan
         return float(self._digest.quantile(q))
 
+    def count_above(self, value: float) -> float:
+        """About how many of the durations added exceed ``value`` (from the digest's CDF).
+
+        >>> s = LatencySketch(); s.add_many(float(v) for v in range(1, 301))
+        >>> round(s.count_above(290.0)), s.count_above(1000.0), LatencySketch().count_above(1.0)
+        (10, 0.0, 0.0)
+        """
+        self._fold()
+        if self._digest is None or self._digest.n_values == 0:
+            return 0.0
+        return float(self._digest.n_values) * (1.0 - float(self._digest.cdf(value)))
+
     def copy(self) -> "LatencySketch":
         out = LatencySketch(self.max_centroids)
         out.merge(self)

@@ -163,7 +163,12 @@ class SliceStats:
             record["_important"] = True
 
     # -- merging ---------------------------------------------------------------------
-    def merge(self, other: "SliceStats") -> None:
+    def merge(self, other: "SliceStats", sketches: bool = True) -> None:
+        """Add ``other``'s counts in; ``sketches=False`` skips latency sketches and samples.
+
+        Gates that read only counts (acceptance, cost) merge without sketches: the
+        sketches are most of a merge's cost, and the counts come out the same.
+        """
         self.max_ts = max(self.max_ts, other.max_ts)
         self.steps += other.steps
         self.rounds += other.rounds
@@ -179,6 +184,10 @@ class SliceStats:
         self.speculative_requests += other.speculative_requests
         self.errors += other.errors
         self.timeouts += other.timeouts
+        self.shadow_checks += other.shadow_checks
+        self.shadow_mismatches += other.shadow_mismatches
+        if not sketches:
+            return
         for name in ("ttft", "tpot", "e2e"):
             theirs = getattr(other, name)
             if theirs is None:
@@ -188,8 +197,6 @@ class SliceStats:
                 setattr(self, name, theirs.copy())
             else:
                 mine.merge(theirs)
-        self.shadow_checks += other.shadow_checks
-        self.shadow_mismatches += other.shadow_mismatches
         room = _MAX_SAMPLES_PER_SLICE * 4 - len(self.samples)
         if room > 0:
             self.samples.extend(other.samples[:room])
@@ -300,9 +307,16 @@ class SliceStats:
         return out
 
 
-def merge_all(parts: Iterable[SliceStats]) -> SliceStats:
-    """One SliceStats holding the sum of ``parts`` (which are left unchanged)."""
+def merge_all(parts: Iterable[SliceStats], sketches: bool = True) -> SliceStats:
+    """One SliceStats holding the sum of ``parts`` (which are left unchanged).
+
+    >>> a, b = SliceStats(), SliceStats()
+    >>> a.add_round(4, 2); b.add_round(4, 4); b.add_request(90.0, 10.0, 900.0, True, "stop", 1.0)
+    >>> whole, counts = merge_all([a, b]), merge_all([a, b], sketches=False)
+    >>> (whole.rounds, whole.requests, whole.e2e is None), (counts.rounds, counts.requests, counts.e2e is None)
+    ((2, 1, False), (2, 1, True))
+    """
     out = SliceStats()
     for part in parts:
-        out.merge(part)
+        out.merge(part, sketches)
     return out

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .decisions import Reason
+
 __all__ = [
     "Policy",
     "PolicyError",
@@ -68,12 +70,24 @@ class AcceptancePolicy(_Section):
     window_slices: int = Field(5, ge=1)
     consecutive: int = Field(3, ge=1)
     min_rounds: int = Field(100, ge=1, description="rounds a window needs before it is judged")
+    min_requests: int = Field(
+        10, ge=1, description="finished requests a window needs: rounds of a few requests move together, so a "
+                              "quiet key's window widens until it holds this many"
+    )
+    max_window_slices: int = Field(60, ge=1, description="widest window a quiet key is judged over")
     reduce_first: bool = True
     settle_seconds: float = Field(15.0, ge=0, description="wait after lowering D before judging again")
 
+    @model_validator(mode="after")
+    def _widening(self) -> "AcceptancePolicy":
+        if self.max_window_slices < self.window_slices:
+            raise ValueError(f"acceptance.max_window_slices ({self.max_window_slices}) must be at least "
+                             f"acceptance.window_slices ({self.window_slices})")
+        return self
+
 
 class DraftOverheadPolicy(_Section):
-    factor: float = Field(2.0, gt=1, description="draft ms per step above baseline*factor is a breach")
+    factor: float = Field(1.5, gt=1, description="draft time per verify time above baseline*factor is a breach")
     window_slices: int = Field(5, ge=1)
     consecutive: int = Field(5, ge=1)
 
@@ -90,6 +104,12 @@ class LatencyPolicy(_Section):
     consecutive: int = Field(3, ge=1)
     min_requests: int = Field(200, ge=1)
     p99_factor: float = Field(2.0, gt=1, description="p99 above learned baseline p99*factor breaches")
+    tail_share: float = Field(
+        0.03, gt=0, lt=1, description="and at least this share of the window's requests must be above that "
+                                      "limit: a p99 is a handful of requests, and a few stalled ones (KV "
+                                      "preemption at peak load) must not switch a cohort off"
+    )
+    min_tail_requests: int = Field(5, ge=1, description="and at least this many requests above the limit")
     e2e_p99_slo_ms: float | None = Field(None, gt=0, description="absolute SLO; None = relative only")
     tpot_p99_slo_ms: float | None = Field(None, gt=0)
     evaluate_every_slices: int = Field(5, ge=1)
@@ -123,6 +143,28 @@ class ActionPolicy(_Section):
     restore_after_seconds: float | None = Field(
         None, gt=0, description="auto-restore after this long disabled; None = manual restore only"
     )
+    restore_backoff: float = Field(
+        2.0, ge=1, description="each earlier disable of a scope multiplies its wait before a restore by this"
+    )
+    restore_max_seconds: float = Field(86_400.0, gt=0, description="longest wait before a restore")
+    restore_evidence_seconds: float = Field(
+        60.0, gt=0, description="clean standard-decoding evidence a restore needs, just before it"
+    )
+    restore_reasons: list[Reason] = Field(
+        default_factory=lambda: ["acceptance_drop", "no_speedup", "latency_slo", "kv_pressure", "error_rate"],
+        description="fallback reasons that may be restored automatically; quality regressions and "
+                    "invalidated bundles are never on this list's default",
+    )
+
+    @model_validator(mode="after")
+    def _restore_coherent(self) -> "ActionPolicy":
+        if self.restore_after_seconds is not None and self.restore_evidence_seconds > self.restore_after_seconds:
+            raise ValueError(
+                "actions.restore_evidence_seconds must not exceed actions.restore_after_seconds "
+                f"({self.restore_evidence_seconds} > {self.restore_after_seconds}): the evidence must "
+                "come from the time speculation was off"
+            )
+        return self
 
 
 class AdmissionPolicy(_Section):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
-from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor
+from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor, traffic_evidence
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import (
     BundleCard,
@@ -303,6 +303,7 @@ class Stage2:
         self.monitors: dict[Key, KeyMonitor | BundleMonitor] = {}
         self.cards: dict[str, dict] = {}
         self.shadow_counts: Counter = Counter()
+        self.last_mismatch: dict[tuple[str, str], float] = {}  # (bundle, bucket) -> latest strict mismatch ts
         self.late_batches = 0
 
     # -- progress across sources ---------------------------------------------------------
@@ -363,6 +364,8 @@ class Stage2:
             self._on_event(event, out)
         for key in sorted(merged, key=lambda k: (k[0], k[1] or "", k[2] or "")):
             self._on_stats(key, merged[key], slice_end, out)
+        if self.policy.actions.restore_after_seconds is not None:
+            self._restores(slice_end, out)
         return out
 
     def _on_event(self, event: dict, out: SliceOutput) -> None:
@@ -384,6 +387,7 @@ class Stage2:
             if not event["match"]:
                 self.shadow_counts[pair + ("mismatches",)] += 1
                 if event["check"] in self.policy.quality.strict_checks:
+                    self.last_mismatch[pair] = max(event["ts"], self.last_mismatch.get(pair, event["ts"]))
                     checks = self.shadow_counts[pair + ("checks",)]
                     mismatches = self.shadow_counts[pair + ("mismatches",)]
                     finding = Finding("quality_regression", "shadow_strict_mismatch", event["ts"],
@@ -411,6 +415,40 @@ class Stage2:
         out.window_rows.append(row)
         for finding in findings:
             self._act(finding, key, monitor, out, [])
+
+    def _restores(self, now: float, out: SliceOutput) -> None:
+        """Restore the disabled scopes whose wait is over and whose evidence is clean."""
+        seconds = self.policy.actions.restore_evidence_seconds
+        for scope in self.fallback.restore_due(now):
+            bundle, bucket, cohort = scope
+            keys = [k for k in self.monitors if k[0] == bundle and k[1] is not None
+                    and (bucket is None or k[1] == bucket) and (cohort is None or k[2] == cohort)]
+            since = self.fallback.memory[scope].disabled_at
+            evidence = []
+            traffic = traffic_evidence([self.monitors[k] for k in keys], since, seconds) if keys else None
+            if traffic is not None:
+                evidence.append(traffic)
+            bundle_monitor = self.monitors.get((bundle, None, None))
+            kv = bundle_monitor.recovery_evidence(since, seconds) if bundle_monitor is not None else None
+            if kv is not None:
+                evidence.append(kv)
+            mismatches = [ts for (b, bk), ts in self.last_mismatch.items() if b == bundle and bucket in (None, bk)]
+            decision = self.fallback.restore(scope, now, evidence, max(mismatches, default=None))
+            if decision is None:
+                continue
+            self.flags.apply(decision)
+            # The gates of every key under the scope judge the speculative path afresh.
+            for key in keys + ([(bundle, None, None)] if bucket is None and bundle_monitor is not None else []):
+                self.monitors[key].rearm(floor=now)
+            single = self.monitors.get(scope)
+            audit = {
+                "thresholds": self._thresholds("restore"),
+                "baseline": single.baseline.to_dict() if single is not None else {},
+                "window": single.evidence_window(_EVIDENCE_SLICES) if single is not None else [],
+                "card": self.cards.get(bundle),
+                "finding": decision.evidence,
+            }
+            out.actions.append(ActionRecord(decision, audit, []))
 
     def _draft_length(self, bundle: str) -> int | None:
         card = self.cards.get(bundle)

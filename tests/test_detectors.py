@@ -76,7 +76,8 @@ def test_key_monitor_latency_tail_golden():
     rng = random.Random(12)
     slices = [_slice(rng, 0.8, tail=0.0 if t < 120 else 0.10) for t in range(200)]
     hits = _run(KeyMonitor(Policy(), "reasoning"), slices)
-    assert hits[0] == (139, "latency_slo", "latency_p99_gate")
+    # a breach also needs 3% of the window's requests past the limit, not only its p99
+    assert hits[0] == (149, "latency_slo", "latency_p99_gate")
 
 
 def test_key_monitor_quiet_on_stationary_stream():
