@@ -31,7 +31,7 @@ def archived(tmp_path_factory):
         sink.close()
     decisions = pipeline.decisions
     assert [(d.action, d.reason, d.bucket) for d in decisions][:2] == [
-        ("reduce_draft_length", "acceptance_drop", "coding"), ("reduce_draft_length", "acceptance_drop", "coding")]
+        ("reduce_draft_length", "acceptance_drop", "coding"), ("disable_speculation", "acceptance_drop", "coding")]
     return dsn, decisions
 
 

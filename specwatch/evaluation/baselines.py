@@ -69,6 +69,11 @@ class AcceptanceKillSwitch:
         self.drift_detected = False
 
     @property
+    def warm(self) -> bool:
+        """Whether the window is full, so that the switch can trip."""
+        return len(self._rates) == self.window
+
+    @property
     def rolling_rate(self) -> float:
         """Mean acceptance rate of the iterations in the window; NaN before the first."""
         return self._sum / len(self._rates) if self._rates else math.nan
@@ -153,6 +158,7 @@ class PrometheusRatioAlert:
         self.fired_at: float | None = None
         self.drift_detected = False
         self.ratio = math.nan
+        self.evaluations = 0
 
     def update(self, ts: float, accepted: int, drafted: int) -> None:
         """Count one engine step's accepted and drafted tokens at event time ``ts``.
@@ -170,6 +176,7 @@ class PrometheusRatioAlert:
         self._drafted += drafted
 
     def _scrape(self, now: float) -> None:
+        self.evaluations += 1
         samples = self._samples
         samples.append((now, self._accepted, self._drafted))
         while samples[0][0] < now - self.range_seconds:

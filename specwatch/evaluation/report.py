@@ -42,10 +42,19 @@ def summarize(results: list[dict], baselines: dict, mode: str) -> dict:
         "healthy_runs": [
             {"case": r["case"], "scenario": r["scenario"], "label": r["label"], "workers": r["workers"],
              "concurrency": r["concurrency"], "simulated_hours": round(r["simulated_seconds"] / _SECONDS_PER_HOUR, 3),
-             **{d: len(r["false_alarms"][d]["alarms"]) for d in DETECTORS}}
+             **{d: len(r["false_alarms"][d]["alarms"]) for d in DETECTORS},
+             "baseline_headroom": r.get("baseline_headroom")}
             for r in results if r["healthy"]],
         "cases": results,
+        "notes": _notes(results),
     }
+
+
+def _notes(results: list[dict]) -> list[str]:
+    """What the reader must know to weigh the numbers: runs on a smaller fleet than the default."""
+    small = sorted({(r["workers"], r["concurrency"]) for r in results if r["healthy"] and r["workers"] < 8})
+    return [f"the long incident-free runs use {w} workers x {c} running requests instead of the default "
+            f"8 x 16 (a fraction of the traffic per key), to keep the suite to minutes" for w, c in small]
 
 
 def _faster(entry: dict) -> bool | None:
@@ -79,6 +88,10 @@ def _false_alarms(results: list[dict]) -> dict:
             "per_hour": round((healthy + before) / hours, 3) if hours else None,
         }
     return out
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _cell(result: dict) -> str:
@@ -127,8 +140,16 @@ def format_report(summary: dict) -> str:
                      f"{row['per_hour']:>10.3f}{row['wrong_during_incidents']:>24}")
     lines.append("")
     lines.append("incident-free runs:")
+    for note in summary.get("notes", []):
+        lines.append(f"  note: {note}")
     for run in summary["healthy_runs"]:
         alarms = ", ".join(f"{_DETECTOR_TITLES[d]} {run[d]}" for d in DETECTORS)
         lines.append(f"  {run['scenario']:<10} {run['simulated_hours']:6.2f} h  {run['workers']} workers x "
                      f"{run['concurrency']} running  ({run['label']}): {alarms}")
+        headroom = run.get("baseline_headroom") or {}
+        if headroom.get("kill_switch_lowest_rolling_rate") is not None:
+            lines.append(f"  {'':<10} closest the baselines came: kill switch rolling rate "
+                         f"{headroom['kill_switch_lowest_rolling_rate']:.3f}, alert ratio "
+                         f"{_number(headroom.get('prometheus_lowest_ratio'))} (thresholds "
+                         f"{headroom['kill_switch_threshold']:.2f})")
     return "\n".join(lines)

@@ -126,7 +126,7 @@ _INCIDENT_CASES = (
     _incident_case("quality_mismatch", 0.5, "50% shadow mismatches", target=True),
     _incident_case("error_burst", 5.0, "extraction errors x5"),
     _incident_case("error_burst", 20.0, "extraction errors x20", target=True),
-    _incident_case("error_burst", 50.0, "extraction errors x50"),
+    _incident_case("error_burst", 40.0, "extraction errors x40"),  # the simulator allows up to x48
 )
 
 # Incident-free runs. The default fleet for ten minutes each, then the long runs: a day
@@ -222,6 +222,10 @@ class _Watch:
     alert: PrometheusRatioAlert | None = None
     watch_from: float = math.inf
     lateness: float = 0.0
+    # How close each baseline came to its threshold before any incident: the lowest rolling
+    # rate a warm kill switch saw, and the lowest ratio the alert rule evaluated.
+    lowest_switch_rate: float = math.inf
+    lowest_alert_ratio: float = math.inf
     silent: set[str] = field(default_factory=lambda: set(DETECTORS))  # no alarm since watch_from yet
 
     def __post_init__(self) -> None:
@@ -239,10 +243,15 @@ class _Watch:
             switch = self.switches[record.worker] = AcceptanceKillSwitch(self.settings.kill_switch_window,
                                                                          self.settings.kill_switch_threshold)
         switch.update(accepted, drafted)
+        if record.ts < self.watch_from and switch.warm and not switch.disabled:
+            self.lowest_switch_rate = min(self.lowest_switch_rate, switch.rolling_rate)
         if switch.drift_detected:
             self._add(Alarm("kill_switch", record.ts, BASELINE_REASON, None, worker=record.worker,
                             action="disable_speculation"))
+        evaluated = self.alert.evaluations
         self.alert.update(record.ts, accepted, drafted)
+        if self.alert.evaluations != evaluated and record.ts < self.watch_from and not math.isnan(self.alert.ratio):
+            self.lowest_alert_ratio = min(self.lowest_alert_ratio, self.alert.ratio)
         if self.alert.drift_detected:
             self._add(Alarm("prometheus", self.alert.fired_at, BASELINE_REASON, None, action="alert"))
 
@@ -259,15 +268,19 @@ class _Watch:
             self.silent.discard(alarm.detector)
 
 
+def _simulator(case: Case) -> Simulator:
+    return Simulator(case.scenario, seed=case.seed, minutes=case.minutes, workers=case.workers,
+                     intensity=case.intensity, incident_at=None if case.healthy else _INCIDENT_AT,
+                     concurrency=case.concurrency)
+
+
 def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = None) -> dict:
     """Run one case; returns a JSON-able result with verdicts per incident and false alarms.
 
     A case with an incident stops early once all three detectors have alarmed after it.
     """
     started = time.monotonic()
-    incident_at = None if case.healthy else _INCIDENT_AT
-    sim = Simulator(case.scenario, seed=case.seed, minutes=case.minutes, workers=case.workers,
-                    intensity=case.intensity, incident_at=incident_at, concurrency=case.concurrency)
+    sim = _simulator(case)
     incidents = sim.incidents
     first_start = min((i.start_ts for i in incidents), default=math.inf)
     policy = policy or Policy()
@@ -288,8 +301,19 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
         if not watch.silent:
             break  # every detector has had its say on the incident
     pipeline.finish()
-    return _result(case, sim, incidents, watch.alarms, first_mismatch, last_ts, records,
-                   time.monotonic() - started)
+    result = _result(case, sim, incidents, watch.alarms, first_mismatch, last_ts, records,
+                     time.monotonic() - started)
+    result["baseline_headroom"] = {
+        "kill_switch_lowest_rolling_rate": _finite_or_none(watch.lowest_switch_rate),
+        "kill_switch_threshold": settings.kill_switch_threshold,
+        "prometheus_lowest_ratio": _finite_or_none(watch.lowest_alert_ratio),
+        "prometheus_threshold": settings.alert_threshold,
+    }
+    return result
+
+
+def _finite_or_none(value: float) -> float | None:
+    return round(value, 4) if math.isfinite(value) else None
 
 
 def _result(case: Case, sim: Simulator, incidents, alarms: dict[str, list[Alarm]], first_mismatch: float | None,
@@ -344,6 +368,8 @@ def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy 
               processes: int = 1, progress: Callable[[dict], None] | None = None) -> list[dict]:
     """Run every case (on ``processes`` worker processes); results come back in case order."""
     cases = list(cases)
+    for case in cases:  # settings the simulator refuses fail here, before minutes of running
+        _simulator(case)
     # Longest first, so the pool does not end waiting on one long run.
     order = sorted(range(len(cases)), key=lambda i: -cases[i].minutes * cases[i].workers)
     jobs = [(i, cases[i], settings, policy) for i in order]

@@ -1,0 +1,161 @@
+"""Detection quality: a small seeded subset of `specwatch evaluate`, with exact expected outcomes.
+
+Short runs on a two-worker fleet; the full suite (default fleet, every intensity, hours of
+incident-free traffic) is `specwatch evaluate`, its numbers in docs/EVALUATION.md.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from specwatch.evaluation import (
+    AcceptanceKillSwitch,
+    BaselineSettings,
+    Case,
+    PrometheusRatioAlert,
+    calibrate,
+    format_report,
+    full_suite,
+    quick_suite,
+    run_suite,
+    summarize,
+)
+
+SETTINGS = BaselineSettings.from_healthy_rate(0.348)  # what `specwatch evaluate` calibrates: thresholds 0.25
+START = 1_767_225_600.0
+
+CASES = [
+    Case("acceptance_drop", 0.4, "coding AL -40%", 2.5, workers=2),
+    Case("target_update", 0.5, "new target, AL -50%", 2.0, workers=2),
+    Case("quality_mismatch", 1.0, "every shadow check mismatches", 2.5, workers=2),
+    Case("healthy", None, "steady load and mix", 3.0, workers=2),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {r["scenario"]: r for r in run_suite(CASES, SETTINGS, processes=1)}
+
+
+def _outcome(result, detector):
+    (row,) = result["incidents"]
+    verdict = row[detector]
+    alarm = verdict["alarm"] or {}
+    return verdict["verdict"], verdict["delay_s"], alarm.get("action"), alarm.get("bucket"), alarm.get(
+        "cohort"), alarm.get("worker")
+
+
+def _alarms(result, detector):
+    return [(round(a["ts"] - START, 2), a["action"], a["bucket"], a["cohort"], a["worker"])
+            for a in result["alarms"][detector]]
+
+
+def test_acceptance_drop_in_one_bucket(results):
+    r = results["acceptance_drop"]
+    # specwatch lowers D for the coding bucket, in its own scope, within seconds
+    assert _outcome(r, "specwatch") == ("right", 5.0, "reduce_draft_length", "coding", "main", None)
+    # the quiet canary cohort (a few requests a minute here) is not judged on so little evidence
+    assert _alarms(r, "specwatch") == [
+        (95.0, "reduce_draft_length", "coding", "main", None),
+        (110.0, "disable_speculation", "coding", "main", None),
+    ]
+    # all traffic mixed, a quarter of it degraded stays above both acceptance thresholds
+    assert _outcome(r, "kill_switch")[0] == "missed"
+    assert _outcome(r, "prometheus")[0] == "missed"
+    assert all(not fa["alarms"] for fa in r["false_alarms"].values())
+
+
+def test_target_update_is_caught_by_its_card_before_acceptance_falls(results):
+    r = results["target_update"]
+    assert _outcome(r, "specwatch") == ("right", 2.0, "invalidate_bundle", None, None, None)
+    # the kill switch sees acceptance collapse on each worker a few seconds later; the alert
+    # rule cannot fire inside its 2-minute 'for'
+    assert _outcome(r, "kill_switch") == ("right", 5.189, "disable_speculation", None, None, "w1")
+    assert _alarms(r, "kill_switch") == [(95.19, "disable_speculation", None, None, "w1"),
+                                         (100.71, "disable_speculation", None, None, "w2")]
+    assert _outcome(r, "prometheus")[0] == "missed"
+
+
+def test_strict_shadow_mismatch_is_measured_from_the_first_mismatch_record(results):
+    r = results["quality_mismatch"]
+    (row,) = r["incidents"]
+    assert row["measured_from"] == "first_mismatch_record"
+    assert _outcome(r, "specwatch") == ("right", 1.559, "disable_speculation", "structured", None, None)
+    assert _outcome(r, "kill_switch")[0] == _outcome(r, "prometheus")[0] == "missed"
+
+
+def test_no_alarm_without_incident(results):
+    r = results["healthy"]
+    assert r["incidents"] == []
+    assert {d: r["alarms"][d] for d in r["alarms"]} == {"specwatch": [], "kill_switch": [], "prometheus": []}
+
+
+def test_summary_is_one_json_object_and_a_table(results):
+    summary = summarize([results[c.scenario] for c in CASES], SETTINGS.to_dict(), "test")
+    text = json.dumps(summary, allow_nan=False)
+    assert json.loads(text)["mode"] == "test"
+    assert [(e["scenario"], e["specwatch"]["verdict"]) for e in summary["table"]] == [
+        ("acceptance_drop", "right"), ("target_update", "right"), ("quality_mismatch", "right")]
+    # faster than the only baseline that alarmed at all; nothing to compare where none did
+    assert [e["faster_than_baselines"] for e in summary["table"]] == [None, True, None]
+    fa = summary["false_alarms"]
+    assert fa["incident_free_hours"] == 0.05 and fa["incident_free_bucket_hours"] == 0.3
+    assert all(fa[d]["per_hour"] == 0.0 for d in ("specwatch", "kill_switch", "prometheus"))
+    report = format_report(summary)
+    assert "kill switch: rolling mean of per-iteration acceptance over 1000 iterations < 0.25" in report
+    assert "target_update     new target, AL -50%           2.0s right              5.2s right" in report
+
+
+def test_suites_cover_every_row_of_the_fallback_table():
+    full, quick = full_suite(), quick_suite()
+    incident_kinds = {c.scenario for c in full if not c.healthy}
+    assert incident_kinds == {"acceptance_drop", "target_update", "bundle_change", "draft_regression",
+                              "latency_tail", "kv_pressure", "quality_mismatch", "error_burst"}
+    assert {c.scenario for c in quick if not c.healthy} == incident_kinds
+    healthy_hours = sum(c.minutes for c in full if c.healthy) / 60
+    assert healthy_hours * 6 >= 24  # bucket-hours of incident-free traffic
+    assert {c.scenario for c in full if c.healthy} == {"healthy", "diurnal", "mix_shift"}
+    assert all(c.workers == 8 for c in full if not c.healthy)  # targets hold at the default fleet
+
+
+def test_calibration_measures_the_healthy_fleet():
+    settings = calibrate(minutes=0.5, workers=2)
+    assert 0.3 < settings.healthy_rate < 0.4
+    assert settings.kill_switch_threshold == settings.alert_threshold == round(settings.healthy_rate - 0.10, 2)
+
+
+def test_kill_switch_counts_only_speculating_iterations_and_never_rearms():
+    switch = AcceptanceKillSwitch(window=3, threshold=0.5)
+    for accepted, drafted in ((1, 4), (0, 0), (1, 4)):
+        switch.update(accepted, drafted)
+    assert not switch.disabled and math.isclose(switch.rolling_rate, 0.25)
+    switch.update(1, 4)
+    assert switch.drift_detected and switch.disabled
+    switch.update(4, 4)
+    assert switch.disabled and not switch.drift_detected
+    with pytest.raises(ValueError, match="acceptance rate"):
+        AcceptanceKillSwitch(window=3, threshold=1.5)
+
+
+def test_alert_rule_needs_its_for_duration_and_resolves():
+    alert = PrometheusRatioAlert(threshold=0.5, range_seconds=30, for_seconds=20, interval_seconds=10)
+    events = []
+    for second in range(200):
+        low = 40 <= second < 90  # acceptance low for 50 s, then healthy again
+        alert.update(float(second), 30 if low else 70, 100)
+        events.append(alert.firing)
+        if alert.drift_detected:
+            fired = alert.fired_at
+    assert fired == 80.0  # pending from the 60 s evaluation, firing 20 s later
+    assert events.index(True) == 80 and not events[-1]
+    with pytest.raises(ValueError, match="range_seconds"):
+        PrometheusRatioAlert(threshold=0.5, range_seconds=5, interval_seconds=10)
+
+
+def test_cli_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "specwatch.cli", "evaluate", "--processes", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--processes" in proc.stderr
