@@ -6,17 +6,30 @@ partition in a `Stage2Task` and publishes decisions to the compacted decisions t
 
 State and guarantees
 --------------------
-Each task is checkpointed, with the offset of the next message it has to fold, to a
-changelog-backed Faust table (chunked, two alternating slots). Stage 1 checkpoints only
-after the batches it sent were acknowledged; on restart a task resumes from its checkpoint,
-skips messages it already folded and re-reads from Kafka any it has not (Faust may have
-committed past the checkpoint). Stage 1 is deterministic, so what it re-sends is what it
-sent before, and stage 2 drops batches it has merged (per source, slice indexes only grow).
-Decisions are written first into the checkpoint (an outbox, with the decisions topic's end
-offsets), then published; a restart publishes only those the topic does not hold yet. So:
-no telemetry is lost or counted twice in the decisions, each decision reaches the
-decisions topic once, and the archive (idempotent writes, ReplacingMergeTree) holds each
-once. Dead letters are at least once. Faust's own offsets only say where to resume reading.
+Every task is checkpointed to a changelog-backed Faust table (chunked, two alternating
+slots) together with the offset of the next message it has to fold; the checkpoint, not
+Faust's committed offset, is where a task resumes. A restarted or moved task skips what
+it folded before and reads directly from Kafka what its checkpoint does not cover (also
+what Faust commits past without delivering, which it does around rebalances). A task
+without a checkpoint rebuilds from the start of its partition.
+
+- Telemetry: folded once. Stage 1 checkpoints only after the broker acknowledged the
+  batches it sent; replays re-send identical batches (stage 1 is deterministic), and
+  stage 2 drops any batch at or below the last slice it merged from that source.
+- Decisions: a function of the telemetry log alone (event time; the wall clock only paces
+  checkpoints and releases silent partitions). Before publishing, stage 2 checkpoints them
+  as an outbox with the decisions topic's end offsets; a restart publishes only those not
+  found on the topic after those offsets. Each decision reaches the topic once, unless a
+  worker keeps publishing after losing its partitions (a pause longer than the session
+  timeout): then a decision can appear twice, with the same id, which `FlagStore.apply`
+  and the archive absorb.
+- Archive: written before each checkpoint; writes are idempotent (stable ids,
+  ReplacingMergeTree), so replayed slices leave one row each. Dead letters: at least once.
+- Liveness: stage 2 waits for every telemetry partition. One with nothing left to read,
+  silent for ``source_silence_seconds`` and behind by more than the policy's
+  ``source_idle_seconds`` is released through a marker in the partials log (so replays
+  decide the same); telemetry it sends later for decided slices counts as late. Slices
+  within the allowed lateness of the newest telemetry wait for more telemetry.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from faust.types import TP
 from faust.types.tuples import Message as FaustMessage
 from mode import CrashingSupervisor
 
+from specwatch.actions.signing import Keyring, sign_line
 from specwatch.schemas import Policy, Rejection
 
 from .faust_tasks import (
@@ -491,6 +505,9 @@ class Stage2Runner:
         self._app = app
         self._partials = partials
         self._decisions = decisions
+        # Flag clients verify every decision against this keyring (see actions/signing.py);
+        # without a configured key decisions go out unsigned and clients say so.
+        self._keyring = Keyring.from_env()
         self._store = store
         self._reader = reader
         self._tasks: dict[int, Stage2Task] = {}
@@ -596,7 +613,7 @@ class Stage2Runner:
         sent = []
         for action in actions:
             key, value = decision_message(action.decision)
-            sent.append(await self._decisions.send(key=key, value=value))
+            sent.append(await self._decisions.send(key=key, value=value, headers=sign_line(value, self._keyring)))
             logger.info("decision %s %s %s/%s/%s reason=%s ts=%.3f", action.decision.id, action.decision.action,
                         action.decision.bundle_id, action.decision.bucket or "*", action.decision.cohort or "*",
                         action.decision.reason, action.decision.ts)
@@ -633,14 +650,25 @@ class Stage2Runner:
             return
         self._drain_checked_at = now
         drained = await self._reader.drained(self.settings.app_id, {source for _, source, _ in candidates})
+        released: dict[str, list[int]] = {}
+        reported: set[str] = set()
         for partition, source, watermark in candidates:
             if source not in drained:
                 continue
             self._releasing.add((partition, source))
-            logger.warning("telemetry partition %s has nothing to read and sent nothing for %.0f s while behind; "
-                           "stage 2 partition %d stops waiting for it", source, silence, partition)
+            released.setdefault(source, []).append(partition)
+            if source in self._tasks[partition].last_slice:
+                reported.add(source)
             await self._partials.send(key=source.encode(), value=encode_release(source, watermark),
                                       partition=partition)
+        for source, partitions in sorted(released.items()):
+            if source in reported:
+                logger.warning("telemetry partition %s went silent with nothing left to read, %.0f s ago; stage 2 "
+                               "partitions %s stop waiting for it (its later telemetry counts as late)",
+                               source, silence, ", ".join(map(str, sorted(partitions))))
+            else:
+                logger.info("telemetry partition %s has no telemetry; stage 2 partitions %s do not wait for it",
+                            source, ", ".join(map(str, sorted(partitions))))
 
 
 def _acknowledge(app: faust.App, record: Any) -> None:
@@ -777,6 +805,7 @@ def run_worker(settings: StreamSettings, loglevel: str = "warning") -> int:
     stream = create_app(settings)
     stream.stage2.open_archive()  # before joining the group: an archive in use fails fast
     worker = faust.Worker(stream.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+    worker.spinner = None  # a terminal progress spinner has no place in service logs
     try:
         worker.execute_from_commandline()
     except SystemExit as stop:
