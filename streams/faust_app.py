@@ -208,42 +208,51 @@ async def prepare_topics(settings: StreamSettings, default_partitions: int = _DE
             raise BrokerUnavailable(f"cannot reach Kafka at {settings.bootstrap}: {error}") from error
         finally:
             client_log.setLevel(level)
-        existing = await _partition_counts(admin, settings)
-        telemetry = {t: existing.get(t) for t in settings.telemetry_topics}
-        counts = {n for n in telemetry.values() if n}
-        if len(counts) > 1:
-            raise TopicError(f"telemetry topics must have the same number of partitions, got {telemetry}")
-        telemetry_partitions = counts.pop() if counts else default_partitions
-        wanted = [NewTopic(t, telemetry_partitions, settings.replication_factor)
-                  for t, n in telemetry.items() if not n]
-        if not existing.get(settings.partials_topic):
-            wanted.append(NewTopic(settings.partials_topic, telemetry_partitions, settings.replication_factor))
-        if not existing.get(settings.deadletter_topic):
-            wanted.append(NewTopic(settings.deadletter_topic, telemetry_partitions, settings.replication_factor))
-        if not existing.get(settings.decisions_topic):
-            wanted.append(NewTopic(settings.decisions_topic, 1, settings.replication_factor,
-                                   topic_configs=dict(_DECISIONS_TOPIC_CONFIG)))
-        if wanted:
-            logger.info("creating topics %s", ", ".join(t.name for t in wanted))
-            await admin.create_topics(wanted)
-            existing = await _partition_counts(admin, settings)
-        partials_partitions = existing[settings.partials_topic]
-        # The checkpoint changelogs are created here rather than by Faust: a topic Faust creates
-        # while the group forms can be missing from the first assignment's metadata.
-        changelogs = {_changelog_topic(settings.app_id, _STAGE1_TABLE): telemetry_partitions,
-                      _changelog_topic(settings.app_id, _STAGE2_TABLE): partials_partitions}
-        present = await _partition_counts(admin, settings, names=list(changelogs))
-        for name, partitions in changelogs.items():
-            if name in present and present[name] != partitions:
-                raise TopicError(f"checkpoint topic {name} has {present[name]} partitions, the topic it "
-                                 f"follows has {partitions}: delete it, or use another --app-id")
-        missing = [NewTopic(name, partitions, settings.replication_factor,
-                            topic_configs={"cleanup.policy": "compact", **_CHECKPOINT_TOPIC_CONFIG})
-                   for name, partitions in changelogs.items() if name not in present]
-        if missing:
-            await admin.create_topics(missing)
+        try:
+            return await _ensure_topics(admin, settings, default_partitions)
+        except KafkaError as error:
+            raise TopicError(f"cannot inspect or create the topics on {settings.bootstrap}: {error}") from error
     finally:
         await admin.close()
+
+
+async def _ensure_topics(admin: AIOKafkaAdminClient, settings: StreamSettings,
+                         default_partitions: int) -> StreamSettings:
+    """Create what is missing; the partition counts the topology runs on."""
+    existing = await _partition_counts(admin, settings)
+    telemetry = {t: existing.get(t) for t in settings.telemetry_topics}
+    counts = {n for n in telemetry.values() if n}
+    if len(counts) > 1:
+        raise TopicError(f"telemetry topics must have the same number of partitions, got {telemetry}")
+    telemetry_partitions = counts.pop() if counts else default_partitions
+    wanted = [NewTopic(t, telemetry_partitions, settings.replication_factor)
+              for t, n in telemetry.items() if not n]
+    if not existing.get(settings.partials_topic):
+        wanted.append(NewTopic(settings.partials_topic, telemetry_partitions, settings.replication_factor))
+    if not existing.get(settings.deadletter_topic):
+        wanted.append(NewTopic(settings.deadletter_topic, telemetry_partitions, settings.replication_factor))
+    if not existing.get(settings.decisions_topic):
+        wanted.append(NewTopic(settings.decisions_topic, 1, settings.replication_factor,
+                               topic_configs=dict(_DECISIONS_TOPIC_CONFIG)))
+    if wanted:
+        logger.info("creating topics %s", ", ".join(t.name for t in wanted))
+        await admin.create_topics(wanted)
+        existing = await _partition_counts(admin, settings)
+    partials_partitions = existing[settings.partials_topic]
+    # The checkpoint changelogs are created here rather than by Faust: a topic Faust creates
+    # while the group forms can be missing from the first assignment's metadata.
+    changelogs = {_changelog_topic(settings.app_id, _STAGE1_TABLE): telemetry_partitions,
+                  _changelog_topic(settings.app_id, _STAGE2_TABLE): partials_partitions}
+    present = await _partition_counts(admin, settings, names=list(changelogs))
+    for name, partitions in changelogs.items():
+        if name in present and present[name] != partitions:
+            raise TopicError(f"checkpoint topic {name} has {present[name]} partitions, the topic it "
+                             f"follows has {partitions}: delete it, or use another --app-id")
+    missing = [NewTopic(name, partitions, settings.replication_factor,
+                        topic_configs={"cleanup.policy": "compact", **_CHECKPOINT_TOPIC_CONFIG})
+               for name, partitions in changelogs.items() if name not in present]
+    if missing:
+        await admin.create_topics(missing)
     return replace(settings, telemetry_partitions=telemetry_partitions, partials_partitions=partials_partitions)
 
 
