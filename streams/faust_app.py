@@ -48,6 +48,7 @@ from faust.types import TP
 from faust.types.tuples import Message as FaustMessage
 from mode import CrashingSupervisor
 
+from specwatch.actions.decisions_topic import heartbeat_message
 from specwatch.actions.signing import Keyring, sign_line
 from specwatch.schemas import Policy, Rejection
 
@@ -92,6 +93,8 @@ _DEFAULT_SOURCE_SILENCE_SECONDS = 10.0
 _DEFAULT_SESSION_TIMEOUT_SECONDS = 30.0
 _DEFAULT_CONNECT_TIMEOUT_MS = 10_000
 _RELEASE_CHECK_SECONDS = 1.0
+# Flag clients count three missed heartbeats before they call the topic silent (30 s).
+_HEARTBEAT_SECONDS = 10.0
 _STAGE1_TABLE = "stage1-checkpoints"
 _STAGE2_TABLE = "stage2-checkpoints"
 _PROGRESS_LOG_SECONDS = 60.0
@@ -524,6 +527,7 @@ class Stage2Runner:
         self._heard: dict[tuple[int, str], float] = {}
         self._releasing: set[tuple[int, str]] = set()
         self._drain_checked_at = -float("inf")
+        self._beats = 0
         self._archive = None
         self._archive_sink = None
         self.decisions = 0
@@ -639,6 +643,25 @@ class Stage2Runner:
         self._checkpointed_at[partition] = time.monotonic()
         if durable:
             await self._app.producer.flush()
+
+    # -- signs of life ------------------------------------------------------------------
+    async def heartbeat(self) -> None:
+        """One signed heartbeat per partials partition this worker owns, with the event time decided up to.
+
+        Flag clients tell a quiet fleet from a monitor that is gone by these; the publisher
+        id is the partition, so a moved partition keeps its one compacted key.
+        """
+        slice_seconds = self.settings.policy.windows.slice_seconds
+        for tp in sorted(self._app.consumer.assignment()):
+            if tp.topic != self.settings.partials_topic:
+                continue
+            task = self._tasks.get(tp.partition)
+            finalized = task.stage.finalized if task is not None else -1
+            self._beats += 1
+            key, value, headers = heartbeat_message(
+                f"{self.settings.app_id}/stage2-{tp.partition}", self._beats,
+                (finalized + 1) * slice_seconds if finalized >= 0 else None, keyring=self._keyring)
+            await self._decisions.send(key=key, value=value, headers=headers)
 
     # -- silent sources -----------------------------------------------------------------
     async def release_silent_sources(self) -> None:
@@ -776,6 +799,10 @@ def create_app(settings: StreamSettings) -> StreamApp:
         await stage2.release_silent_sources()
 
     progress = _Progress(stage1, stage2)
+
+    @app.timer(interval=_HEARTBEAT_SECONDS)
+    async def publish_heartbeats():
+        await stage2.heartbeat()
 
     @app.timer(interval=_PROGRESS_LOG_SECONDS)
     async def log_progress():

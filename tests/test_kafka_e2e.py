@@ -222,7 +222,13 @@ class Pipeline:
         return out
 
     def published(self) -> list[Decision]:
-        return [Decision.model_validate_json(value) for _, value in self.topic_values(self.decisions)]
+        """Every decision on the decisions topic, in order (heartbeats left out)."""
+        return [Decision.model_validate_json(value) for key, value in self.topic_values(self.decisions)
+                if not key.startswith(b"__heartbeat__/")]
+
+    def heartbeats(self) -> list[dict]:
+        return [json.loads(value) for key, value in self.topic_values(self.decisions)
+                if key.startswith(b"__heartbeat__/")]
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(self.tmp_path.glob("worker-*.log")))
@@ -267,6 +273,10 @@ def test_faust_decides_as_embedded(scenario, feed, pipeline_factory, kafka_boots
     with FlagClient(KafkaConfig(kafka_bootstrap), topic=pipeline.decisions) as client:
         assert client.wait_until_caught_up(60)
         assert _flag_view(client.store) == data.expected_flags
+    beats = pipeline.heartbeats()
+    assert beats and all(b["publisher"].startswith(f"{pipeline.app_id}/stage2-") for b in beats)
+    # the watermark is event time decided up to: never past the telemetry
+    assert all(b["watermark"] is None or b["watermark"] <= data.cutoff + _TAIL_SECONDS for b in beats)
 
     dead = [json.loads(value) for _, value in pipeline.topic_values(pipeline.deadletter)]
     assert sorted(d["reason"] for d in dead) == ["accepted_exceeds_drafted", "invalid_otlp"]
