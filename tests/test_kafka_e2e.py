@@ -37,7 +37,7 @@ MINUTES = 2.5
 INCIDENT_AT = 90.0
 PARTITIONS = 4
 _TAIL_SECONDS = 5.0
-_DRAIN_TIMEOUT_S = 240.0
+_DRAIN_TIMEOUT_S = 600.0  # a liveness bound, not a speed claim: loaded 2-core CI machines are slow
 _RUN = uuid.uuid4().hex[:8]
 
 
