@@ -21,6 +21,7 @@ from .scoring import BASELINE_REASON, Alarm, judge, stray_alarms
 
 __all__ = [
     "DETECTORS",
+    "TARGETS",
     "Case",
     "BaselineSettings",
     "calibrate",
