@@ -26,6 +26,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from specwatch.actions.flags import FlagStore
 from specwatch.collectors.simulator import Simulator
 from specwatch.schemas import Decision
+from specwatch.schemas.otlp import encode_entries, log_entry
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.faust_app import PartitionReader
 
@@ -50,6 +51,18 @@ async def _create_topics(bootstrap: str, *topics: NewTopic) -> None:
     await admin.start()
     try:
         await admin.create_topics(list(topics))
+    finally:
+        await admin.close()
+
+
+async def _delete_topics(bootstrap: str, prefix: str) -> None:
+    """Drop every topic whose name starts with ``prefix`` (the broker outlives the test run)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        names = [name for name in await admin.list_topics() if name.startswith(prefix)]
+        if names:
+            await admin.delete_topics(names)
     finally:
         await admin.close()
 
@@ -100,46 +113,50 @@ def feed(kafka_bootstrap):
     """Telemetry of a scenario on Kafka, produced once per module by `specwatch simulate --bootstrap`.
 
     The telemetry topic is read-only for the tests; each test has its own partials,
-    decisions and dead-letter topics and its own consumer group.
+    decisions and dead-letter topics and its own consumer group. Every topic of the
+    module is deleted at its end (the broker outlives the test run).
     """
     feeds: dict[str, Feed] = {}
 
     def get(scenario: str) -> Feed:
-        if scenario in feeds:
-            return feeds[scenario]
-        topic = f"swtest-{_RUN}-{scenario}.telemetry"
-        _async(_create_topics(kafka_bootstrap, NewTopic(topic, PARTITIONS, 1)))
-        producer = subprocess.Popen(
-            [sys.executable, "-m", "specwatch.cli", "simulate", "--bootstrap", kafka_bootstrap, "--topic", topic,
-             "--scenario", scenario, "--seed", str(SEED), "--workers", str(WORKERS), "--minutes", str(MINUTES),
-             "--incident-at", str(INCIDENT_AT)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        # The embedded run over the same records, meanwhile, on the other core.
-        sim = Simulator(scenario, seed=SEED, workers=WORKERS, minutes=MINUTES, incident_at=INCIDENT_AT)
-        pipeline = EmbeddedPipeline()
-        pipeline.feed_many(sim.records())
-        pipeline.finish()
-        out, err = producer.communicate(timeout=300)
-        assert producer.returncode == 0, err
-        # Two records no processor may fold: bytes that are not OTLP, and a step that breaks the contract.
-        from specwatch.schemas.otlp import encode_entries, log_entry
-        step = next(r for r in Simulator(scenario, seed=SEED, workers=1, minutes=0.05).records() if r.kind == "step")
-        entry = log_entry(step)
-        attributes = dict(entry.attributes)
-        attributes["specwatch.requests.accepted"] = tuple(d + 1 for d in attributes["specwatch.requests.drafted"])
-        bad_step = encode_entries([entry._replace(attributes=attributes)])
-        _async(_send_raw(kafka_bootstrap, topic, [(b"w1", b"\xff\xff not protobuf"), (b"w2", bad_step)]))
-        cutoff = sim.end_ts - _TAIL_SECONDS
-        expected = sorted(_key(d) for d in pipeline.decisions if d.ts < cutoff)
-        flags = FlagStore()
-        for decision in pipeline.decisions:
-            if decision.ts < cutoff:
-                flags.apply(decision)
-        assert expected, f"scenario {scenario} decides nothing: the comparison would be empty"
-        feeds[scenario] = Feed(scenario, topic, cutoff, expected, _flag_view(flags), pipeline.counters.records)
+        if scenario not in feeds:
+            feeds[scenario] = _make_feed(kafka_bootstrap, scenario)
         return feeds[scenario]
 
-    return get
+    yield get
+    _async(_delete_topics(kafka_bootstrap, f"swtest-{_RUN}-"))
+
+
+def _make_feed(kafka_bootstrap: str, scenario: str) -> Feed:
+    topic = f"swtest-{_RUN}-{scenario}.telemetry"
+    _async(_create_topics(kafka_bootstrap, NewTopic(topic, PARTITIONS, 1)))
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "specwatch.cli", "simulate", "--bootstrap", kafka_bootstrap, "--topic", topic,
+         "--scenario", scenario, "--seed", str(SEED), "--workers", str(WORKERS), "--minutes", str(MINUTES),
+         "--incident-at", str(INCIDENT_AT)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The embedded run over the same records, meanwhile, on the other core.
+    sim = Simulator(scenario, seed=SEED, workers=WORKERS, minutes=MINUTES, incident_at=INCIDENT_AT)
+    pipeline = EmbeddedPipeline()
+    pipeline.feed_many(sim.records())
+    pipeline.finish()
+    _, err = producer.communicate(timeout=300)
+    assert producer.returncode == 0, err
+    # Two records no processor may fold: bytes that are not OTLP, and a step that breaks the contract.
+    step = next(r for r in Simulator(scenario, seed=SEED, workers=1, minutes=0.05).records() if r.kind == "step")
+    entry = log_entry(step)
+    attributes = dict(entry.attributes)
+    attributes["specwatch.requests.accepted"] = tuple(d + 1 for d in attributes["specwatch.requests.drafted"])
+    bad_step = encode_entries([entry._replace(attributes=attributes)])
+    _async(_send_raw(kafka_bootstrap, topic, [(b"w1", b"\xff\xff not protobuf"), (b"w2", bad_step)]))
+    cutoff = sim.end_ts - _TAIL_SECONDS
+    expected = sorted(_key(d) for d in pipeline.decisions if d.ts < cutoff)
+    flags = FlagStore()
+    for decision in pipeline.decisions:
+        if decision.ts < cutoff:
+            flags.apply(decision)
+    assert expected, f"scenario {scenario} decides nothing: the comparison would be empty"
+    return Feed(scenario, topic, cutoff, expected, _flag_view(flags), pipeline.counters.records)
 
 
 class Pipeline:
