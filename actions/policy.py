@@ -76,16 +76,19 @@ class FallbackPolicy:
 
     def _is_off(self, scope: Scope) -> bool:
         bundle, bucket, cohort = scope
-        if bucket is None:
-            state = self.flags.state((bundle, None, None))
-            return state is not None and not state.enabled
-        if cohort is None:
-            for s in ((bundle, None, None), (bundle, bucket, None)):
-                state = self.flags.state(s)
-                if state is not None and not state.enabled:
-                    return True
-            return False
-        return not self.flags.lookup(bundle, bucket, cohort).enabled
+        if bucket is None and cohort is None:
+            wider: tuple[Scope, ...] = ((bundle, None, None),)
+        elif cohort is None:
+            wider = ((bundle, None, None), (bundle, bucket, None))
+        elif bucket is None:  # a whole cohort of the bundle, every bucket
+            wider = ((bundle, None, None), (bundle, None, cohort))
+        else:
+            return not self.flags.lookup(bundle, bucket, cohort).enabled
+        for s in wider:
+            state = self.flags.state(s)
+            if state is not None and not state.enabled:
+                return True
+        return False
 
     def current_draft_limit(self, scope: Scope) -> int | None:
         state = self.flags.state(scope)

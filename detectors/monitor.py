@@ -41,11 +41,20 @@ class Finding:
             "value": _round(self.value),
             "threshold": _round(self.threshold),
             "baseline": _round(self.baseline),
-            "window_start": _round(self.window_start),
-            "window_end": _round(self.window_end),
+            "window_start": _round_time(self.window_start),
+            "window_end": _round_time(self.window_end),
         }
         out.update({k: _round(v) for k, v in self.details.items()})
         return out
+
+
+def _round_time(value: float) -> float:
+    """Event times to the millisecond: unix times need ten digits before the point.
+
+    >>> _round_time(1795000000.1234567)
+    1795000000.123
+    """
+    return round(float(value), 3)
 
 
 def _round(value):
