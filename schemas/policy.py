@@ -168,8 +168,45 @@ class ActionPolicy(_Section):
 
 
 class AdmissionPolicy(_Section):
-    enforce: bool = False
-    cohort_schedule: list[float] = Field(default_factory=lambda: [0.01, 0.05, 0.25, 1.0])
+    """Admission: a bundle earns speculation on evidence (shadow, then canary cohorts, then all).
+
+    Off by default: adopting specwatch on a running fleet starts as monitoring, and with
+    ``enforce = false`` no admission decision is ever made.
+    """
+
+    enforce: bool = Field(False, description="turn speculation off for bundles that were never admitted")
+    cohort_schedule: list[float] = Field(
+        default_factory=lambda: [0.01, 0.05, 0.25, 1.0],
+        description="canary traffic shares a bundle is promoted through; the last must be 1.0 (admitted)")
+    admitted_bundles: list[str] = Field(
+        default_factory=list, description="bundle ids admitted before enforcement began (the running fleet)")
+    auto_shadow: bool = Field(True, description="start a new strict-rule bundle in shadow by itself")
+    shadow_share: float = Field(0.05, gt=0, le=1, description="share of traffic mirrored to the shadow cohort")
+    shadow_cohort: str = Field("shadow", min_length=1)
+    canary_cohort: str = Field("canary", min_length=1)
+    window_seconds: float = Field(30.0, gt=0, description="event time of one judge window")
+    stage_seconds: float = Field(300.0, gt=0, description="least time a bundle spends at each stage")
+    min_windows: int = Field(8, ge=3, description="judge windows per bucket, on each side, before a verdict")
+    min_window_requests: int = Field(3, ge=1, description="requests a side needs for a window to count")
+    min_requests: int = Field(100, ge=1, description="requests per bucket on each side before a verdict")
+    min_shadow_checks: int = Field(20, ge=0, description="strict shadow checks per bucket before leaving shadow")
+    confidence: float = Field(0.99, gt=0.5, lt=1, description="one-sided Mann-Whitney confidence for 'worse'")
+    latency_tolerance: float = Field(0.10, ge=0, description="canary median latency may exceed baseline by this")
+    error_tolerance: float = Field(0.01, ge=0, description="canary error rate may exceed baseline by this much")
+    kv_tolerance: float = Field(0.05, ge=0, description="canary KV peak may exceed baseline by this much")
+    min_speedup: float = Field(1.0, gt=0, description="median estimated speedup a canary needs")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "AdmissionPolicy":
+        schedule = self.cohort_schedule
+        if not schedule or schedule[-1] != 1.0:
+            raise ValueError(f"admission.cohort_schedule must end at 1.0 (admitted), got {schedule}")
+        if any(not 0 < x <= 1 for x in schedule) or any(b <= a for a, b in zip(schedule, schedule[1:])):
+            raise ValueError("admission.cohort_schedule must be shares in (0, 1], strictly increasing, "
+                             f"got {schedule}")
+        if self.shadow_cohort == self.canary_cohort:
+            raise ValueError(f"admission.shadow_cohort and canary_cohort must differ, both are {self.canary_cohort!r}")
+        return self
 
 
 class Policy(_Section):
@@ -201,6 +238,8 @@ class Policy(_Section):
 
     @model_validator(mode="after")
     def _coherent(self) -> "Policy":
+        if self.baseline_cohort in (self.admission.shadow_cohort, self.admission.canary_cohort):
+            raise ValueError(f"baseline_cohort {self.baseline_cohort!r} must differ from the admission cohorts")
         if self.windows.lateness_seconds > self.windows.source_idle_seconds:
             raise ValueError(
                 "windows.lateness_seconds must not exceed windows.source_idle_seconds "
