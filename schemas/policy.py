@@ -184,11 +184,11 @@ class AdmissionPolicy(_Section):
     shadow_share: float = Field(0.05, gt=0, le=1, description="share of traffic mirrored to the shadow cohort")
     shadow_cohort: str = Field("shadow", min_length=1)
     canary_cohort: str = Field("canary", min_length=1)
-    window_seconds: float = Field(30.0, gt=0, description="event time of one judge window")
+    window_requests: int = Field(
+        20, ge=2, description="finished requests in one judge window: equal counts on both sides, so that a "
+                              "window's p99 means the same for a 25% canary and a 5% baseline")
     stage_seconds: float = Field(300.0, gt=0, description="least time a bundle spends at each stage")
     min_windows: int = Field(8, ge=3, description="judge windows per bucket, on each side, before a verdict")
-    min_window_requests: int = Field(3, ge=1, description="requests a side needs for a window to count")
-    min_requests: int = Field(100, ge=1, description="requests per bucket on each side before a verdict")
     min_shadow_checks: int = Field(20, ge=0, description="strict shadow checks per bucket before leaving shadow")
     confidence: float = Field(0.99, gt=0.5, lt=1, description="one-sided Mann-Whitney confidence for 'worse'")
     latency_tolerance: float = Field(0.10, ge=0, description="canary median latency may exceed baseline by this")
