@@ -18,6 +18,7 @@ __all__ = [
     "MAX_LINE_BYTES",
     "Rejection",
     "RejectionCounter",
+    "ahead_of_clock",
     "decode_line",
     "decode_object",
     "encode_record",
@@ -41,6 +42,24 @@ class Rejection:
 
     def to_json(self) -> dict:
         return {"reason": self.reason, "detail": self.detail, "raw": self.raw[:2048]}
+
+
+def ahead_of_clock(ts: float, now: float, max_ahead_seconds: float) -> Rejection | None:
+    """A rejection when a record's event time is further ahead of ``now`` than allowed.
+
+    A worker with a wrong clock would otherwise move its partition's event time ahead and
+    make every later record of that partition late. Only live paths check (``now`` is the
+    processor's wall clock); a replay of archived telemetry has no clock to compare with.
+
+    >>> ahead_of_clock(1000.0, now=990.0, max_ahead_seconds=60.0) is None
+    True
+    >>> ahead_of_clock(5000.0, now=990.0, max_ahead_seconds=60.0).reason
+    'ts_in_future'
+    """
+    if ts - now <= max_ahead_seconds:
+        return None
+    return Rejection("ts_in_future", f"ts {ts:.3f} is {ts - now:.0f} s ahead of this processor's clock "
+                                     f"(at most {max_ahead_seconds:.0f} s allowed): check the worker's clock")
 
 
 @dataclass

@@ -43,6 +43,9 @@ class _Section(BaseModel):
 class WindowPolicy(_Section):
     slice_seconds: float = Field(1.0, gt=0, le=60, description="event-time slice of partial aggregates")
     lateness_seconds: float = Field(1.0, ge=0, le=300, description="how long a slice waits for late records")
+    max_ahead_seconds: float = Field(
+        300.0, gt=0, description="live processors reject records whose ts is further ahead of their clock"
+    )
     source_idle_seconds: float = Field(
         10.0, gt=0, description="a source silent this long (event time) no longer holds back windows"
     )
@@ -191,6 +194,8 @@ class AdmissionPolicy(_Section):
     min_windows: int = Field(8, ge=3, description="judge windows per bucket, on each side, before a verdict")
     min_shadow_checks: int = Field(20, ge=0, description="strict shadow checks per bucket before leaving shadow")
     confidence: float = Field(0.99, gt=0.5, lt=1, description="one-sided Mann-Whitney confidence for 'worse'")
+    marginal_confidence: float = Field(
+        0.95, gt=0.5, lt=1, description="below `confidence` but at least this: a canary past a limit waits")
     latency_tolerance: float = Field(0.10, ge=0, description="canary median latency may exceed baseline by this")
     error_tolerance: float = Field(0.01, ge=0, description="canary error rate may exceed baseline by this much")
     kv_tolerance: float = Field(0.05, ge=0, description="canary KV peak may exceed baseline by this much")
@@ -204,6 +209,9 @@ class AdmissionPolicy(_Section):
         if any(not 0 < x <= 1 for x in schedule) or any(b <= a for a, b in zip(schedule, schedule[1:])):
             raise ValueError("admission.cohort_schedule must be shares in (0, 1], strictly increasing, "
                              f"got {schedule}")
+        if self.marginal_confidence > self.confidence:
+            raise ValueError(f"admission.marginal_confidence ({self.marginal_confidence}) must not exceed "
+                             f"admission.confidence ({self.confidence})")
         if self.shadow_cohort == self.canary_cohort:
             raise ValueError(f"admission.shadow_cohort and canary_cohort must differ, both are {self.canary_cohort!r}")
         return self

@@ -10,6 +10,7 @@ from typing import Callable, Iterable
 
 from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Decision, Policy, Rejection, RejectionCounter, decode_line
+from specwatch.schemas.codec import ahead_of_clock
 
 from .topology import SliceOutput, Stage1, Stage2
 
@@ -48,11 +49,17 @@ class EmbeddedPipeline:
         Flag store kept current with every decision (the closed loop reads it).
     sinks
         Callables receiving each `SliceOutput` (archive writer, progress display, ...).
+    clock
+        Wall clock of a live pipeline: records further ahead of it than
+        ``windows.max_ahead_seconds`` are rejected (``ts_in_future``). None (replays,
+        simulated time): no check.
     """
 
     def __init__(self, policy: Policy | None = None, flags: FlagStore | None = None,
-                 sinks: Iterable[Callable[[SliceOutput], None]] = ()) -> None:
+                 sinks: Iterable[Callable[[SliceOutput], None]] = (),
+                 clock: Callable[[], float] | None = None) -> None:
         self.policy = policy or Policy()
+        self._clock = clock
         self.flags = flags if flags is not None else FlagStore()
         self.stage1 = Stage1(self.policy, source="embedded")
         self.stage2 = Stage2(self.policy, self.flags)
@@ -70,7 +77,18 @@ class EmbeddedPipeline:
             return []
         return self.feed(record)
 
+    def _ahead_of_clock(self, ts: float) -> bool:
+        """True (and counted as rejected) when a live pipeline gets a record from too far ahead."""
+        if self._clock is None:
+            return False
+        rejection = ahead_of_clock(ts, self._clock(), self.policy.windows.max_ahead_seconds)
+        if rejection is not None:
+            self.counters.rejected.add(rejection)
+        return rejection is not None
+
     def feed(self, record) -> list[Decision]:
+        if self._ahead_of_clock(record.ts):
+            return []
         self.counters.records += 1
         self.stage1.add(record)
         return self._drain(self.stage1.close_ready())

@@ -64,6 +64,8 @@ class FastPipeline(EmbeddedPipeline):
         if record is None:
             return []
         if type(record) is StepColumns:
+            if self._ahead_of_clock(record.ts):
+                return []
             self.counters.records += 1
             fold_step(self.stage1, record)
             return self._drain(self.stage1.close_ready())
@@ -78,6 +80,8 @@ class FastPipeline(EmbeddedPipeline):
         for record in decode_request_fast(payload):
             if isinstance(record, Rejection):
                 self.counters.rejected.add(record)
+                continue
+            if self._ahead_of_clock(record.ts):
                 continue
             self.counters.records += 1
             fold_record(self.stage1, record)

@@ -6,9 +6,10 @@ partition in a `Stage2Task` and publishes decisions to the compacted decisions t
 
 State and guarantees
 --------------------
-Every task is checkpointed to a changelog-backed Faust table (chunked, two alternating
-slots) together with the offset of the next message it has to fold; the checkpoint, not
-Faust's committed offset, is where a task resumes. A restarted or moved task skips what
+Every task is checkpointed to a compacted checkpoint topic (a changelog: chunked, two
+alternating slots, written by the app's own idempotent producer and awaited until the
+broker acknowledged it) together with the offset of the next message it has to fold;
+the checkpoint, not Faust's committed offset, is where a task resumes. A restarted or moved task skips what
 it folded before and reads directly from Kafka what its checkpoint does not cover (also
 what Faust commits past without delivering, which it does around rebalances). A task
 without a checkpoint rebuilds from the start of its partition.
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterable
 
 import faust
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from faust.types import TP
@@ -95,15 +96,19 @@ _DEFAULT_CONNECT_TIMEOUT_MS = 10_000
 _RELEASE_CHECK_SECONDS = 1.0
 # Flag clients count three missed heartbeats before they call the topic silent (30 s).
 _HEARTBEAT_SECONDS = 10.0
-_STAGE1_TABLE = "stage1-checkpoints"
-_STAGE2_TABLE = "stage2-checkpoints"
+# How long a send may wait for the broker's acknowledgement before the worker gives up
+# and exits (to restart from its checkpoint) rather than hang.
+_ACK_TIMEOUT_S = 60.0
 _PROGRESS_LOG_SECONDS = 60.0
 _READ_POLL_MS = 500
 _READ_BATCH = 500
-# Checkpoint changelogs keep one live value per key; small segments let compaction drop
+_LINGER_MS = 5
+# Checkpoint chunks are 512 KiB; partial batches and decisions far smaller.
+_MAX_REQUEST_BYTES = 2 << 20
+# Checkpoint topics keep one live value per key; small segments let compaction drop
 # superseded checkpoints soon, so a restart reads little.
-_CHECKPOINT_TOPIC_CONFIG = {"segment.bytes": str(16 << 20), "min.cleanable.dirty.ratio": "0.1",
-                            "max.message.bytes": str(2 << 20)}
+_CHECKPOINT_TOPIC_CONFIG = {"cleanup.policy": "compact", "segment.bytes": str(16 << 20),
+                            "min.cleanable.dirty.ratio": "0.1", "max.message.bytes": str(2 << 20)}
 _DECISIONS_TOPIC_CONFIG = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1",
                            "segment.ms": "600000"}
 
@@ -129,7 +134,7 @@ class StreamSettings:
     partials_topic, decisions_topic, deadletter_topic
         Stage 1 -> stage 2 batches; decisions (compacted); rejected records.
     app_id
-        Consumer group and prefix of the checkpoint changelog topics.
+        Consumer group and prefix of the checkpoint topics.
     policy
         Windows, gates and actions.
     archive_dsn
@@ -183,6 +188,10 @@ class StreamSettings:
                              f"got {self.session_timeout_seconds}")
         if self.replication_factor < 1:
             raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
+
+    def checkpoint_topic(self, stage: str) -> str:
+        """The compacted topic holding the checkpoints of ``stage`` ("stage1" or "stage2")."""
+        return f"{self.app_id}.{stage}-checkpoints"
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -242,25 +251,19 @@ async def _ensure_topics(admin: AIOKafkaAdminClient, settings: StreamSettings,
         await admin.create_topics(wanted)
         existing = await _partition_counts(admin, settings)
     partials_partitions = existing[settings.partials_topic]
-    # The checkpoint changelogs are created here rather than by Faust: a topic Faust creates
-    # while the group forms can be missing from the first assignment's metadata.
-    changelogs = {_changelog_topic(settings.app_id, _STAGE1_TABLE): telemetry_partitions,
-                  _changelog_topic(settings.app_id, _STAGE2_TABLE): partials_partitions}
-    present = await _partition_counts(admin, settings, names=list(changelogs))
-    for name, partitions in changelogs.items():
+    # One checkpoint partition per input partition: a task's checkpoints live beside its input.
+    checkpoints = {settings.checkpoint_topic("stage1"): telemetry_partitions,
+                   settings.checkpoint_topic("stage2"): partials_partitions}
+    present = await _partition_counts(admin, settings, names=list(checkpoints))
+    for name, partitions in checkpoints.items():
         if name in present and present[name] != partitions:
             raise TopicError(f"checkpoint topic {name} has {present[name]} partitions, the topic it "
                              f"follows has {partitions}: delete it, or use another --app-id")
-    missing = [NewTopic(name, partitions, settings.replication_factor,
-                        topic_configs={"cleanup.policy": "compact", **_CHECKPOINT_TOPIC_CONFIG})
-               for name, partitions in changelogs.items() if name not in present]
+    missing = [NewTopic(name, partitions, settings.replication_factor, topic_configs=dict(_CHECKPOINT_TOPIC_CONFIG))
+               for name, partitions in checkpoints.items() if name not in present]
     if missing:
         await admin.create_topics(missing)
     return replace(settings, telemetry_partitions=telemetry_partitions, partials_partitions=partials_partitions)
-
-
-def _changelog_topic(app_id: str, table: str) -> str:
-    return f"{app_id}-{table}-changelog"  # Faust's naming
 
 
 async def _partition_counts(admin: AIOKafkaAdminClient, settings: StreamSettings,
@@ -381,18 +384,79 @@ class PartitionReader:
         return values
 
 
-# ---------------------------------------------------------------- checkpoint store
+# ---------------------------------------------------------------- writes
 
 
-class CheckpointStore:
-    """Task checkpoints in a Faust table (its changelog is the durable copy)."""
+class KafkaStalled(RuntimeError):
+    """The broker did not acknowledge what this worker sent; it stops rather than hang."""
 
-    def __init__(self, table: Any) -> None:
-        self._table = table
+
+class KafkaWriter:
+    """The app's own producer: every send can be awaited until the broker has it.
+
+    Faust's producer buffers table and ``send_soon`` writes and its flush gives up after a
+    moment, which is no ground for "written before published"; this one is idempotent and
+    acknowledges with ``acks=all``.
+    """
+
+    def __init__(self, bootstrap: str) -> None:
+        self._bootstrap = bootstrap.split(",")
+        self._producer: AIOKafkaProducer | None = None
+
+    async def send(self, topic: str, value: bytes, *, key: bytes | None = None, partition: int | None = None,
+                   headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
+        """Hand one message to the producer; the returned future resolves when the broker acknowledged it."""
+        if self._producer is None:
+            producer = AIOKafkaProducer(bootstrap_servers=self._bootstrap, acks="all", enable_idempotence=True,
+                                        linger_ms=_LINGER_MS, compression_type="lz4",
+                                        max_request_size=_MAX_REQUEST_BYTES)
+            await producer.start()
+            self._producer = producer
+        return await self._producer.send(topic, value, key=key, partition=partition, headers=headers)
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            await producer.stop()  # sends what is buffered first
+
+
+async def acknowledged(futures: list[asyncio.Future], what: str) -> None:
+    """Wait until the broker acknowledged every future's message; raise `KafkaStalled` after a while."""
+    if not futures:
+        return
+    try:
+        await asyncio.wait_for(asyncio.gather(*futures), _ACK_TIMEOUT_S)
+    except asyncio.TimeoutError as error:
+        raise KafkaStalled(f"Kafka did not acknowledge {len(futures)} {what} within {_ACK_TIMEOUT_S:.0f} s; "
+                           "stopping this worker, which resumes from its checkpoint when restarted") from error
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class CheckpointLog:
+    """Task checkpoints on a compacted topic, in the partition of the task's input partition.
+
+    A save returns once the broker acknowledged every chunk, so a checkpoint that exists
+    was whole when anything after it was sent. A load reads the partition from its start
+    (compaction keeps it short) and takes the newest whole checkpoint.
+    """
+
+    def __init__(self, topic: str, writer: KafkaWriter, reader: PartitionReader) -> None:
+        self.topic = topic
+        self._writer = writer
+        self._reader = reader
         self._sequence: dict[str, int] = {}
 
-    def load(self, name: str) -> Stage1Task | Stage2Task | None:
-        found = read_checkpoint(name, self._table.get)
+    async def load(self, name: str, partition: int) -> Stage1Task | Stage2Task | None:
+        prefix = f"{name}#".encode()
+        latest: dict[str, bytes] = {}
+        begin = await self._reader.beginning_offset(self.topic, partition)
+        end = (await self._reader.end_offsets(self.topic)).get(partition, begin)
+        async for message in self._reader.iter_range(self.topic, partition, begin, end):
+            if message.key and message.key.startswith(prefix) and message.value is not None:
+                latest[message.key.decode()] = message.value
+        found = read_checkpoint(name, latest.get)
         if found is None:
             return None
         sequence, data = found
@@ -400,15 +464,16 @@ class CheckpointStore:
         try:
             return decode_checkpoint(data)
         except CheckpointError as error:
-            logger.error("checkpoint %s is unusable (%s); starting that task afresh", name, error)
+            logger.error("checkpoint %s is unusable (%s); the task rebuilds from its partition", name, error)
             return None
 
-    def save(self, name: str, task: Stage1Task | Stage2Task) -> int:
-        """Write a checkpoint (inside the event of the task's partition); returns its size."""
+    async def save(self, name: str, partition: int, task: Stage1Task | Stage2Task) -> int:
+        """Write a checkpoint and wait until the broker has all of it; returns its size in bytes."""
         sequence = self._sequence.get(name, 0) + 1
         data = encode_checkpoint(task)
-        for key, value in checkpoint_entries(name, sequence, data):
-            self._table[key] = value
+        sent = [await self._writer.send(self.topic, value, key=key.encode(), partition=partition)
+                for key, value in checkpoint_entries(name, sequence, data)]
+        await acknowledged(sent, "checkpoint chunks")
         self._sequence[name] = sequence
         return len(data)
 
@@ -419,13 +484,12 @@ class CheckpointStore:
 class Stage1Runner:
     """The I/O around stage 1: decode and fold, send batches and dead letters, checkpoint, replay gaps."""
 
-    def __init__(self, settings: StreamSettings, app: faust.App, partials: Any, deadletter: Any,
-                 store: CheckpointStore, reader: PartitionReader) -> None:
+    def __init__(self, settings: StreamSettings, app: faust.App, writer: KafkaWriter,
+                 checkpoints: CheckpointLog, reader: PartitionReader) -> None:
         self.settings = settings
         self._app = app
-        self._partials = partials
-        self._deadletter = deadletter
-        self._store = store
+        self._writer = writer
+        self._checkpoints = checkpoints
         self._reader = reader
         self._tasks: dict[tuple[str, int], Stage1Task] = {}
         self._pending: dict[tuple[str, int], list[asyncio.Future]] = {}
@@ -459,7 +523,7 @@ class Stage1Runner:
 
     async def _restore(self, tp: tuple[str, int]) -> Stage1Task:
         name = _task_name("stage1", *tp)
-        task = self._store.load(name)
+        task = await self._checkpoints.load(name, tp[1])
         if isinstance(task, Stage1Task):
             logger.info("%s resumes from its checkpoint at offset %d (records so far %d)",
                         name, task.next_offset, task.records)
@@ -486,22 +550,21 @@ class Stage1Runner:
     async def _fold(self, task: Stage1Task, tp: tuple[str, int], offset: int, key: bytes | None,
                     value: bytes) -> None:
         before = task.records
-        rejections, closed = task.fold(offset, value or b"")
+        rejections, closed = task.fold(offset, value or b"", now=time.time())
         self.records += task.records - before
         pending = self._pending.setdefault(tp, [])
         for rejection in rejections:
             self.rejected += 1
-            pending.append(await self._deadletter.send(key=key, value=dead_letter(rejection, tp[0], tp[1], offset)))
+            pending.append(await self._writer.send(self.settings.deadletter_topic,
+                                                   dead_letter(rejection, tp[0], tp[1], offset), key=key))
         for partition, batch in route_batches(closed, self.settings.partials_partitions):
-            pending.append(await self._partials.send(key=batch.source.encode(), value=encode_partial(batch),
-                                                     partition=partition))
+            pending.append(await self._writer.send(self.settings.partials_topic, encode_partial(batch),
+                                                   key=batch.source.encode(), partition=partition))
             self.batches_sent += 1
 
     async def _checkpoint(self, task: Stage1Task, tp: tuple[str, int]) -> None:
-        pending = self._pending.pop(tp, [])
-        if pending:
-            await asyncio.gather(*pending)  # what the checkpoint says was sent, was
-        self._store.save(_task_name("stage1", *tp), task)
+        await acknowledged(self._pending.pop(tp, []), "slice batches")  # what the checkpoint says was sent, was
+        await self._checkpoints.save(_task_name("stage1", *tp), tp[1], task)
         self._checkpointed_at[tp] = time.monotonic()
 
 
@@ -511,16 +574,15 @@ class Stage1Runner:
 class Stage2Runner:
     """The I/O around stage 2: merge and decide, publish decisions through the outbox, archive, release silent sources."""
 
-    def __init__(self, settings: StreamSettings, app: faust.App, partials: Any, decisions: Any,
-                 store: CheckpointStore, reader: PartitionReader) -> None:
+    def __init__(self, settings: StreamSettings, app: faust.App, writer: KafkaWriter,
+                 checkpoints: CheckpointLog, reader: PartitionReader) -> None:
         self.settings = settings
         self._app = app
-        self._partials = partials
-        self._decisions = decisions
+        self._writer = writer
         # Flag clients verify every decision against this keyring (see actions/signing.py);
         # without a configured key decisions go out unsigned and clients say so.
         self._keyring = Keyring.from_env()
-        self._store = store
+        self._checkpoints = checkpoints
         self._reader = reader
         self._tasks: dict[int, Stage2Task] = {}
         self._checkpointed_at: dict[int, float] = {}
@@ -581,7 +643,7 @@ class Stage2Runner:
 
     async def _restore(self, partition: int) -> Stage2Task:
         name = _task_name("stage2", self.settings.partials_topic, partition)
-        task = self._store.load(name)
+        task = await self._checkpoints.load(name, partition)
         now = time.monotonic()
         if isinstance(task, Stage2Task):
             logger.info("%s resumes from its checkpoint at offset %d", name, task.next_offset)
@@ -612,7 +674,7 @@ class Stage2Runner:
             # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
             task.outbox = actions
             task.outbox_mark = await self._reader.end_offsets(self.settings.decisions_topic)
-            await self._checkpoint(task, partition, durable=True)
+            await self._checkpoint(task, partition)
             await self._publish(task, actions)
 
     async def _finish_outbox(self, task: Stage2Task, partition: int) -> None:
@@ -626,23 +688,21 @@ class Stage2Runner:
         sent = []
         for action in actions:
             key, value = decision_message(action.decision)
-            sent.append(await self._decisions.send(key=key, value=value, headers=sign_line(value, self._keyring)))
+            sent.append(await self._writer.send(self.settings.decisions_topic, value, key=key,
+                                                headers=sign_line(value, self._keyring)))
             logger.info("decision %s %s %s/%s/%s reason=%s ts=%.3f", action.decision.id, action.decision.action,
                         action.decision.bundle_id, action.decision.bucket or "*", action.decision.cohort or "*",
                         action.decision.reason, action.decision.ts)
-        if sent:
-            await asyncio.gather(*sent)
+        await acknowledged(sent, "decisions")
         self.decisions += len(sent)
         task.outbox = []
         task.outbox_mark = {}
 
-    async def _checkpoint(self, task: Stage2Task, partition: int, durable: bool = False) -> None:
+    async def _checkpoint(self, task: Stage2Task, partition: int) -> None:
         if self._archive_sink is not None:
             self._archive_sink.flush()  # the archive holds everything the checkpoint covers
-        self._store.save(_task_name("stage2", self.settings.partials_topic, partition), task)
+        await self._checkpoints.save(_task_name("stage2", self.settings.partials_topic, partition), partition, task)
         self._checkpointed_at[partition] = time.monotonic()
-        if durable:
-            await self._app.producer.flush()
 
     # -- signs of life ------------------------------------------------------------------
     async def heartbeat(self) -> None:
@@ -661,7 +721,7 @@ class Stage2Runner:
             key, value, headers = heartbeat_message(
                 f"{self.settings.app_id}/stage2-{tp.partition}", self._beats,
                 (finalized + 1) * slice_seconds if finalized >= 0 else None, keyring=self._keyring)
-            await self._decisions.send(key=key, value=value, headers=headers)
+            await self._writer.send(self.settings.decisions_topic, value, key=key, headers=headers)
 
     # -- silent sources -----------------------------------------------------------------
     async def release_silent_sources(self) -> None:
@@ -691,8 +751,8 @@ class Stage2Runner:
             released.setdefault(source, []).append(partition)
             if source in self._tasks[partition].last_slice:
                 reported.add(source)
-            await self._partials.send(key=source.encode(), value=encode_release(source, watermark),
-                                      partition=partition)
+            await self._writer.send(self.settings.partials_topic, encode_release(source, watermark),
+                                    key=source.encode(), partition=partition)
         for source, partitions in sorted(released.items()):
             if source in reported:
                 logger.warning("telemetry partition %s went silent with nothing left to read, %.0f s ago; stage 2 "
@@ -737,7 +797,11 @@ class StreamApp:
 
 
 def create_app(settings: StreamSettings) -> StreamApp:
-    """The Faust app for ``settings`` (from `prepare_topics`): topics, tables, agents, timers."""
+    """The Faust app for ``settings`` (from `prepare_topics`): topics, agents, timers.
+
+    Faust runs the consumer group, the agents and the timers; checkpoints and every output
+    go through the app's own producer (`KafkaWriter`), whose acknowledgements it can wait for.
+    """
     if settings.telemetry_partitions < 1 or settings.partials_partitions < 1:
         raise ValueError("partition counts are unknown: pass the settings through prepare_topics() first")
     app = faust.App(
@@ -750,37 +814,27 @@ def create_app(settings: StreamSettings) -> StreamApp:
         topic_replication_factor=settings.replication_factor,
         topic_partitions=settings.partials_partitions,
         topic_disable_leader=False,
-        table_standby_replicas=0,
         broker_session_timeout=settings.session_timeout_seconds,
         broker_heartbeat_interval=max(1.0, settings.session_timeout_seconds / 10),
         consumer_auto_offset_reset="earliest",
-        producer_acks=-1,
-        producer_max_request_size=2 << 20,
         processing_guarantee="at_least_once",
         # An agent that fails stops the worker (and the exit code says so) instead of
         # restarting in a loop; whoever runs the workers restarts it from its checkpoint.
         agent_supervisor=CrashingSupervisor,
     )
 
-    # -- topics ---------------------------------------------------------------------------
+    # -- topics the agents read ------------------------------------------------------------
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     telemetry = app.topic(*settings.telemetry_topics, **raw)
     partials = app.topic(settings.partials_topic, partitions=settings.partials_partitions, **raw)
-    decisions = app.topic(settings.decisions_topic, **raw)
-    deadletter = app.topic(settings.deadletter_topic, **raw)
 
-    # -- tables (checkpoints, co-partitioned with the topic each stage reads) ----------------
-    # Faust picks table serializers from the types: str keys as JSON, bytes values raw.
-    checkpoint_table = {"key_type": str, "value_type": bytes, "extra_topic_configs": dict(_CHECKPOINT_TOPIC_CONFIG)}
-    stage1_checkpoints = app.Table(_STAGE1_TABLE, partitions=settings.telemetry_partitions,
-                                   help="stage 1 tasks with the next telemetry offset", **checkpoint_table)
-    stage2_checkpoints = app.Table(_STAGE2_TABLE, partitions=settings.partials_partitions,
-                                   help="stage 2 tasks with the next partials offset and the outbox",
-                                   **checkpoint_table)
-
+    # -- state and outputs: checkpoint topics and the app's own producer ----------------------
+    writer = KafkaWriter(settings.bootstrap)
     reader = PartitionReader(settings.bootstrap)
-    stage1 = Stage1Runner(settings, app, partials, deadletter, CheckpointStore(stage1_checkpoints), reader)
-    stage2 = Stage2Runner(settings, app, partials, decisions, CheckpointStore(stage2_checkpoints), reader)
+    stage1 = Stage1Runner(settings, app, writer, CheckpointLog(settings.checkpoint_topic("stage1"), writer, reader),
+                          reader)
+    stage2 = Stage2Runner(settings, app, writer, CheckpointLog(settings.checkpoint_topic("stage2"), writer, reader),
+                          reader)
 
     # -- agents -------------------------------------------------------------------------
     @app.agent(telemetry, name="combine")
@@ -798,11 +852,11 @@ def create_app(settings: StreamSettings) -> StreamApp:
     async def release_silent_sources():
         await stage2.release_silent_sources()
 
-    progress = _Progress(stage1, stage2)
-
     @app.timer(interval=_HEARTBEAT_SECONDS)
     async def publish_heartbeats():
         await stage2.heartbeat()
+
+    progress = _Progress(stage1, stage2)
 
     @app.timer(interval=_PROGRESS_LOG_SECONDS)
     async def log_progress():
@@ -812,6 +866,10 @@ def create_app(settings: StreamSettings) -> StreamApp:
     async def on_revoked(app, revoked, **kwargs):
         stage1.forget(revoked)
         stage2.forget(revoked)
+
+    @app.on_before_shutdown.connect
+    async def on_shutdown(app, **kwargs):
+        await writer.stop()
 
     return StreamApp(app, stage1, stage2)
 

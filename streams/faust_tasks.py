@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Mapping
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.sketch import LatencySketch
 from specwatch.schemas import Decision, Policy, Rejection
+from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.fastdecode import decode_request_fast
 
 from .fastpath import fold_record
@@ -210,13 +211,20 @@ class Stage1Task:
     def records(self) -> int:
         return self.stage.records
 
-    def fold(self, offset: int, payload: bytes) -> tuple[list[Rejection], list[SliceBatch]]:
-        """Fold one OTLP message; returns its rejected records and the slices it closed."""
+    def fold(self, offset: int, payload: bytes, now: float | None = None) -> tuple[list[Rejection], list[SliceBatch]]:
+        """Fold one OTLP message; returns its rejected records and the slices it closed.
+
+        ``now`` is the processor's wall clock: records further ahead of it than
+        ``windows.max_ahead_seconds`` are rejected (None: no check, as in a replay).
+        """
         rejections: list[Rejection] = []
         closed: list[SliceBatch] = []
         stage = self.stage
+        max_ahead = stage.policy.windows.max_ahead_seconds
         # steps decode straight into round tallies; same partials as decode_request + stage.add
         for item in decode_request_fast(payload):
+            if not isinstance(item, Rejection) and now is not None:
+                item = ahead_of_clock(item.ts, now, max_ahead) or item
             if isinstance(item, Rejection):
                 rejections.append(item)
                 self.rejected[item.reason] += 1

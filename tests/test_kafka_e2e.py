@@ -316,23 +316,20 @@ def test_two_workers_decide_as_one(feed, pipeline_factory):
 
 
 def test_killed_worker_loses_nothing_and_repeats_nothing(feed, pipeline_factory):
-    """(c) SIGKILL mid-stream, start again: the same decisions, each once on the topic and in the archive."""
+    """(c) SIGKILL mid-stream, twice, start again: the same decisions, each once on the topic and in the archive.
+
+    The first kill lands while stage 1 is half way through the telemetry, the second right
+    after the first decision went out, when the next ones may be half way through the outbox.
+    """
     from specwatch.actions.archive import Archive
 
     data = feed("acceptance_drop")
     pipeline = pipeline_factory(data, archive=True)
     # Checkpoints less often than Faust commits: the restart has messages to skip and a gap to re-read.
     worker = pipeline.start(checkpoint_seconds=5.0)
-    deadline = time.monotonic() + _DRAIN_TIMEOUT_S
-    # Killed as soon as the first decision is out: the next ones may be half way through
-    # the outbox, and the telemetry is partly folded.
-    while not pipeline.published():
-        assert worker.poll() is None, pipeline.logs()
-        assert time.monotonic() < deadline, pipeline.logs()
-        time.sleep(0.1)
-    assert pipeline.progress() < 1.0, "the kill came too late to test anything"
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.wait()
+    _kill_when(pipeline, worker, lambda: pipeline.progress() >= 0.4)
+    worker = pipeline.start(checkpoint_seconds=5.0)
+    _kill_when(pipeline, worker, lambda: bool(pipeline.published()))
     pipeline.start(checkpoint_seconds=5.0)
     pipeline.wait_drained()
     published = _assert_same_decisions(pipeline, data)
@@ -341,3 +338,13 @@ def test_killed_worker_loses_nothing_and_repeats_nothing(feed, pipeline_factory)
     with Archive.open(pipeline.archive, create=False) as archive:
         archived = archive.decisions(limit=None)
         assert sorted(r["decision_id"] for r in archived) == sorted(d.id for d in published)
+
+
+def _kill_when(pipeline: Pipeline, worker: subprocess.Popen, condition) -> None:
+    deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+    while not condition():
+        assert worker.poll() is None, pipeline.logs()
+        assert time.monotonic() < deadline, pipeline.logs()
+        time.sleep(0.1)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()

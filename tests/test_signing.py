@@ -238,3 +238,35 @@ def test_without_a_key_the_client_says_so_once_and_accepts_unsigned(kafka_bootst
             assert not client.lookup("b-1", "coding", "main").enabled
             assert (client.stats().applied, client.stats().heartbeats) == (1, 1)
     assert sum("WITHOUT a signing key" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.kafka
+def test_decisions_command_leaves_out_and_reports_what_a_flag_client_would_ignore(
+        kafka_bootstrap, decisions_topic, raw_producer, monkeypatch, capsys, tmp_path):
+    from specwatch import cli
+
+    secret = b"a key for the decisions command, 41 bytes"
+    ring = Keyring.from_secrets(secret)
+    signed, unsigned, forged = _decision(100.0), _decision(110.0, bucket="chat"), _decision(120.0, bucket="math")
+    for decision, headers in ((signed, lambda v: sign_line(v, ring)), (unsigned, lambda v: []),
+                              (forged, lambda v: sign_line(v, Keyring.from_secrets(_OTHER_KEY)))):
+        value = decision.to_json_line().encode()
+        raw_producer.send(decisions_topic, key=decision.key.encode(), value=value, headers=headers(value)).get(timeout=10)
+    command = ["decisions", "--bootstrap", kafka_bootstrap, "--topic", decisions_topic]
+
+    for name in ("SPECWATCH_SIGNING_KEY", "SPECWATCH_SIGNING_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(command) == 0  # no key: nothing is checked, everything printed
+    assert capsys.readouterr().out.splitlines() == [d.to_json_line() for d in (signed, unsigned, forged)]
+
+    key_file = tmp_path / "signing.key"
+    key_file.write_bytes(secret + b"\n")
+    key_file.chmod(0o600)
+    monkeypatch.setenv("SPECWATCH_SIGNING_KEY_FILE", str(key_file))
+    assert cli.main(command) == 3
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [signed.to_json_line()]
+    assert "1 unknown_key, 1 unsigned" in captured.err and secret.decode() not in captured.err
+
+    assert cli.main(command + ["--unverified"]) == 3
+    assert len(capsys.readouterr().out.splitlines()) == 3

@@ -2,6 +2,11 @@
 
 Reads from the beginning and stops at the end of the topic, or keeps following with --follow;
 an unreachable cluster is reported in seconds with exit code 2, not waited on.
+
+With a signing key configured (the same ``SPECWATCH_SIGNING_KEY[_FILE]`` settings flag
+clients use), every decision is checked as a flag client would check it: forged, unsigned
+and unknown-key decisions are left out (``--unverified`` prints them too), each is reported
+on stderr with its offset, and the command exits 3 when there were any.
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ import logging
 import sys
 from typing import TextIO
 
+from collections import Counter
+
 from specwatch.actions.decisions_topic import DEFAULT_DECISIONS_TOPIC, BrokerUnavailable, DecisionReader
+from specwatch.actions.signing import Keyring, Verdict, verify
 from specwatch.collectors.otel import KafkaConfig
 
 __all__ = ["register", "print_decisions"]
@@ -20,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _EXIT_OK = 0
 _EXIT_UNREACHABLE = 2
+_EXIT_UNVERIFIED = 3
 _DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _FOLLOW_POLL_MS = 500
 
@@ -35,14 +44,23 @@ def register(subparsers) -> None:
                         help="Kafka bootstrap servers, comma separated")
     parser.add_argument("--topic", default=DEFAULT_DECISIONS_TOPIC, help="decisions topic (default: %(default)s)")
     parser.add_argument("--follow", action="store_true", help="keep printing new decisions until interrupted")
+    parser.add_argument("--unverified", action="store_true",
+                        help="also print decisions whose signature does not check out (they are still reported)")
     parser.add_argument("--timeout", type=float, default=_DEFAULT_CONNECT_TIMEOUT_S, metavar="SECONDS",
                         help="how long to try reaching the cluster (default: %(default)s)")
     parser.set_defaults(func=_run)
 
 
-def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False) -> tuple[int, int]:
-    """Print decisions from a connected reader; returns (printed, skipped undecodable)."""
+def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False,
+                    keyring: Keyring | None = None, print_unverified: bool = False) -> tuple[int, int, Counter]:
+    """Print decisions from a connected reader.
+
+    Returns (printed, skipped undecodable, decisions by failed `Verdict` value). Without a
+    ``keyring`` (or with an empty one) nothing is checked.
+    """
+    keyring = keyring if keyring is not None else Keyring()
     printed = skipped = 0
+    unverified: Counter = Counter()
 
     def emit(batch) -> None:
         nonlocal printed, skipped
@@ -53,6 +71,13 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
                     logger.warning("skipping a message that is not a decision at %s[%d]@%d",
                                    message.topic, message.partition, message.offset)
                 continue
+            verdict = verify(message.value, message.headers, keyring)
+            if not verdict.accepted:
+                unverified[verdict.value] += 1
+                logger.warning("decision %s at %s[%d]@%d is %s: a flag client ignores it", decision.id,
+                               message.topic, message.partition, message.offset, verdict.value)
+                if not print_unverified:
+                    continue
             out.write(decision.to_json_line() + "\n")
             printed += 1
         out.flush()
@@ -62,7 +87,7 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
             emit(reader.poll(_FOLLOW_POLL_MS))
     while not reader.caught_up:
         emit(reader.poll())
-    return printed, skipped
+    return printed, skipped, unverified
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -71,6 +96,13 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"specwatch decisions: {error}", file=sys.stderr)
         return _EXIT_UNREACHABLE
+    try:
+        keyring = Keyring.from_env()
+    except ValueError as error:
+        print(f"specwatch decisions: {error}", file=sys.stderr)
+        return _EXIT_UNREACHABLE
+    if not keyring.enabled:
+        logger.warning("no signing key configured: decisions are printed unchecked")
     reader = DecisionReader(config, topic=args.topic, connect_timeout_s=args.timeout)
     try:
         reader.connect()
@@ -80,8 +112,10 @@ def _run(args: argparse.Namespace) -> int:
     except LookupError as error:
         print(f"specwatch decisions: {error.args[0]}", file=sys.stderr)
         return _EXIT_UNREACHABLE
+    unverified: Counter = Counter()
     try:
-        print_decisions(reader, sys.stdout, follow=args.follow)
+        _, _, unverified = print_decisions(reader, sys.stdout, follow=args.follow, keyring=keyring,
+                                           print_unverified=args.unverified)
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:
@@ -89,4 +123,9 @@ def _run(args: argparse.Namespace) -> int:
         sys.stderr.close()
     finally:
         reader.close()
+    if unverified:
+        counts = ", ".join(f"{n} {verdict}" for verdict, n in sorted(unverified.items()))
+        print(f"specwatch decisions: {counts} decision(s) failed the signature check"
+              + (" (printed anyway)" if args.unverified else " and were left out"), file=sys.stderr)
+        return _EXIT_UNVERIFIED
     return _EXIT_OK

@@ -218,7 +218,7 @@ def _soak_embedded(args, sim, out) -> SoakResult:
     from specwatch.streams.embedded import EmbeddedPipeline
 
     lag = _Lag()
-    pipeline = EmbeddedPipeline(sinks=[lag])
+    pipeline = EmbeddedPipeline(sinks=[lag], clock=time.time)
     started, stop = time.monotonic(), threading.Event()
 
     def probe() -> Sample:
@@ -255,7 +255,7 @@ def _soak_kafka(args, sim, out) -> SoakResult:
     exporter = KafkaTelemetryExporter(KafkaConfig(args.bootstrap, topic=topic))
     emitter = TelemetryEmitter(exporter, sdk=False)
     lag = _Lag()
-    pipeline = EmbeddedPipeline(sinks=[lag])
+    pipeline = EmbeddedPipeline(sinks=[lag], clock=time.time)
     consumer = KafkaConsumer(**config.client_settings(), group_id=None, enable_auto_commit=False,
                              auto_offset_reset="earliest")
     stop = threading.Event()
