@@ -34,7 +34,7 @@ class ListSink:
         self.records.append(record)
 
 
-@pytest.mark.parametrize("name", ["labels", "bundle", "collector", "taps"])
+@pytest.mark.parametrize("name", ["labels", "bundle", "collector", "taps", "demo"])
 def test_doctests(name):
     # the shared doctest runner skips this package (it may import vLLM); these modules do not
     module = importlib.import_module(f"specwatch.collectors.vllm.{name}")

@@ -1,13 +1,14 @@
 """`specwatch demo --engine vllm`: real vLLM speculative decoding on tiny models, watched live.
 
-A copy-of-target drafter accepts everything; a random one accepts nothing until a disable
-decision reaches the engine and its steps stop carrying drafts, with greedy text unchanged.
+A copy-of-target drafter and a random one each serve waves of requests while their telemetry
+streams through the detectors; the random drafter's scopes are switched off in the running engine.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_vllm_demo"]
+__all__ = ["run_vllm_demo", "vllm_demo_policy"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -36,22 +37,61 @@ _PROMPTS = [
 # bucket:cohort: prefixes, one per prompt, so the telemetry has several scopes
 _PREFIXES = ["coding:main:", "coding:canary:", "extraction:main:", "summarization:main:",
              "coding:main:", "chat:canary:", "coding:main:", "extraction:canary:"]
-# The random-drafter phase runs until a disable decision has held for this many steps, or for
-# at most this long (a pipeline needs some event time to judge a window).
+# Each drafter serves waves of requests until every scope of its bundle has been switched off
+# and has stayed off for this many engine steps, or until its time and waves are up. The copy
+# drafter's share is what it is judged on: seconds for a quiet machine, waves for a busy one
+# (each of its scopes then still finishes enough requests for several windows of the gates).
 _DEFAULT_STEPS_AFTER_DECISION = 8
-_DEFAULT_RANDOM_PHASE_S = 90.0
-# Without a pipeline the demo decides by itself, on the same evidence a pipeline gate reads:
-# enough drafted tokens, acceptance far below what a working drafter gets.
-_DEMO_RULE_MIN_DRAFTED = 96
-_DEMO_RULE_MAX_ACCEPTANCE = 0.1
+_DEFAULT_CLEAN_PHASE_S = 12.0
+_DEFAULT_CLEAN_PHASE_WAVES = 12
+_DEFAULT_RANDOM_PHASE_S = 180.0
+_PROGRESS_EVERY_S = 3.0
+_DISABLING = ("disable_speculation", "invalidate_bundle")
+_PATH_CHANGES = _DISABLING + ("reduce_draft_length",)
 # vLLM logs to stdout by default, which must stay clean for --json; its CPU warnings (no
 # tcmalloc/libiomp preload, ...) are noise in a demo.
 _QUIET_ENVIRONMENT = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.stderr",
                       "TQDM_DISABLE": "1"}
 
+# The demo's buckets (the prefixes above) with a pinned acceptance baseline. A drafter that
+# is bad from its first step gives a learned baseline nothing healthy to learn from, so the
+# buckets carry the floor an operator validated drafters at: at D=4, two tokens per round.
+_DEMO_BUCKETS = ("chat", "coding", "extraction", "summarization")
+_DEMO_PINNED_ACCEPTANCE_LENGTH = 2.0
+# The policy's minimums, scaled from production minutes to the demo's seconds: windows of a
+# few one-second slices holding a few dozen rounds from a handful of finished requests.
+_DEMO_POLICY = {
+    "windows": {"slice_seconds": 1.0, "lateness_seconds": 0.5},
+    "baseline": {"learn_seconds": 2.0, "min_rounds": 50, "min_requests": 8,
+                 "pinned": {bucket: {"acceptance_length": _DEMO_PINNED_ACCEPTANCE_LENGTH}
+                            for bucket in _DEMO_BUCKETS}},
+    "acceptance": {"window_slices": 3, "consecutive": 2, "min_rounds": 20, "min_requests": 2,
+                   "max_window_slices": 30, "settle_seconds": 3.0},
+    # The speedup estimate prices a standard step at one target forward (verify time); a shared
+    # 2-core CPU stretches the drafter's serial passes far more than the one verify pass. The
+    # copy drafter, faster than standard decoding by TPOT, estimated 0.84-1.2 over a run and
+    # 0.37 in single 3-slice windows on a busy machine; the random one 0.17-0.25. So the gate
+    # acts only on a drafter that costs ten times what it gains, and acceptance, which load
+    # does not move, makes the demo's decisions.
+    "speedup": {"min_speedup": 0.1},
+}
+
+
+def vllm_demo_policy():
+    """The policy `specwatch demo --engine vllm` judges its short tiny-model run by.
+
+    >>> policy = vllm_demo_policy()
+    >>> policy.baseline.pinned["coding"].acceptance_length, policy.acceptance.min_requests
+    (2.0, 2)
+    """
+    from specwatch.schemas import Policy
+
+    return Policy.model_validate(_DEMO_POLICY)
+
 
 def run_vllm_demo(json_output: bool, workdir: Path,
-                  on_record: Callable[[Any], list] | None = None, flags: Any = None) -> dict:
+                  on_record: Callable[[Any], list] | None = None, flags: Any = None,
+                  finish: Callable[[], list] | None = None) -> dict:
     """Run the demo; returns a summary dict (and prints a report unless ``json_output``).
 
     Parameters
@@ -63,17 +103,21 @@ def run_vllm_demo(json_output: bool, workdir: Path,
         Where telemetry.jsonl (every record) and summary.json are written.
     on_record
         Called with every contract-v1 record, from the collector's emitter thread; returns the
-        decisions it made, which are applied to ``flags``. None: records are only collected and
-        a built-in acceptance rule makes the disable decision.
+        decisions it made, which are applied to ``flags`` (``EmbeddedPipeline.feed``). None:
+        records are only written, nothing decides and both drafters run their full time.
     flags
         Flag view the engine obeys (``lookup`` and ``apply``); default a new FlagStore.
+    finish
+        Called once the engines are closed; returns the decisions of the windows still open
+        (``EmbeddedPipeline.finish``).
     """
     for name, value in _QUIET_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     from specwatch.actions.flags import FlagStore
 
     from .collector import VllmCollector
-    from .local_engine import close_engine, configure_cpu_environment, new_engine, run_to_completion
+    from .local_engine import (close_engine, configure_cpu_environment, new_engine, run_to_completion,
+                               spec_decode_counters)
     from .tiny_models import build_tiny_models
 
     configure_cpu_environment()
@@ -96,10 +140,11 @@ def run_vllm_demo(json_output: bool, workdir: Path,
     texts: dict[str, dict[str, str]] = {}
     collectors = []
     try:
-        for name, drafter in (("copy-drafter", models.copy_drafter), ("random-drafter", models.random_drafter)):
+        for name, drafter, seconds, min_waves in (
+                ("copy-drafter", models.copy_drafter, _DEFAULT_CLEAN_PHASE_S, _DEFAULT_CLEAN_PHASE_WAVES),
+                ("random-drafter", models.random_drafter, _DEFAULT_RANDOM_PHASE_S, 0)):
             _progress(f"{name}: starting vLLM {_spec_label(drafter)}")
             spec = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": _DRAFT_LENGTH}
-            phase_start = time.monotonic()
             # one engine, one worker: a worker that changed its drafter in place would rightly
             # be read as a changed bundle rather than as a drafter that stopped paying
             collector = VllmCollector(feed, flags=flags, worker=f"demo-vllm-{name.split('-')[0]}")
@@ -107,38 +152,59 @@ def run_vllm_demo(json_output: bool, workdir: Path,
             with collector.watching():
                 engine = new_engine(models.target, spec, max_num_seqs=len(_PROMPTS))
             (bundle_id,) = collector.bundles
-            feed.start_phase(name, bundle_id, rule=on_record is None and name == "random-drafter")
+            feed.start_phase(name, bundle_id)
+            phase_start = time.monotonic()
+            at_start = spec_decode_counters(engine)
             run = run_to_completion(engine, wave("w0"))
             texts[name] = {rid.rsplit("-", 1)[-1]: out.outputs[0].text for rid, out in run.outputs.items()}
             waves = 1
-            if name == "random-drafter":
-                deadline = phase_start + _DEFAULT_RANDOM_PHASE_S
-                while time.monotonic() < deadline and not feed.decision_held(_DEFAULT_STEPS_AFTER_DECISION):
-                    run_to_completion(engine, wave(f"w{waves}"))
-                    waves += 1
+            # vLLM's own counters when every scope had been switched off, taken between waves
+            # (no drafts in flight): whatever they gain later was drafted against the flags
+            all_off = None
+            next_report = phase_start + _PROGRESS_EVERY_S
+            while not (time.monotonic() - phase_start >= seconds and waves >= min_waves) and not (
+                    all_off is not None and waves > all_off[0] and feed.fallback_held(_DEFAULT_STEPS_AFTER_DECISION)):
+                if all_off is None and feed.all_off():
+                    all_off = (waves, spec_decode_counters(engine))
+                run_to_completion(engine, wave(f"w{waves}"))
+                waves += 1
+                if time.monotonic() >= next_report:
+                    next_report += _PROGRESS_EVERY_S
                     drafted, accepted = feed.phase_totals()
-                    _progress(f"{name}: {feed.phase_steps()} steps, acceptance "
-                              f"{_ratio(accepted, drafted):.3f}, decision: "
-                              f"{'in effect' if feed.has_decision else 'none yet'}")
+                    _progress(f"{name}: {feed.phase_steps()} steps, acceptance {_ratio(accepted, drafted):.3f}, "
+                              f"scopes off: {feed.scopes_off()}")
             collector.close()
+            at_end = spec_decode_counters(engine)
             close_engine(engine)
-            phases.append(feed.end_phase(waves, time.monotonic() - phase_start))
-            _progress(f"{name}: done, {phases[-1]['steps']} steps, acceptance {phases[-1]['acceptance']:.3f}")
+            phase = feed.end_phase(waves, time.monotonic() - phase_start)
+            phase["vllm_counters"] = {k: at_end[k] - at_start[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
+            if all_off is not None:
+                phase["waves_after_all_off"] = waves - all_off[0]
+                phase["vllm_draft_tokens_after_all_off"] = at_end["draft_tokens"] - all_off[1]["draft_tokens"]
+            phases.append(phase)
+            _progress(f"{name}: done, {phase['steps']} steps, acceptance {_number(phase['acceptance'], 3)}")
     finally:
         for collector in collectors:
             collector.close()
         feed.close()
+    late = list(finish() or []) if finish is not None else []
+    for decision in late:
+        flags.apply(decision)
     stats = [c.stats() for c in collectors]
     steps = sum(s.steps for s in stats)
+    decisions = feed.decisions + late
+    random_phase = phases[-1] if phases else {}
     summary = {
         "engine": "vllm",
         "models": str(models.root),
         "telemetry": str(workdir / "telemetry.jsonl"),
         "phases": phases,
-        "decisions": [json.loads(d.to_json_line()) for d in feed.decisions],
-        "decided_by": "demo rule" if on_record is None else "pipeline",
-        "fallback_took_effect": bool(phases and phases[-1].get("drafted_after_decision") == 0
-                                     and phases[-1].get("steps_after_decision", 0) > 0),
+        "decisions": [json.loads(d.to_json_line()) for d in decisions],
+        "decision_ids": [d.id for d in decisions],
+        "decided_by": "pipeline" if on_record is not None else "nothing (records only)",
+        "fallback_took_effect": bool(_disables(random_phase)) and all(
+            a["steps_after"] > 0 and a["drafted_after"] == 0 for a in _disables(random_phase))
+        and random_phase.get("vllm_draft_tokens_after_all_off") == 0,
         "lossless": texts.get("copy-drafter") == texts.get("random-drafter"),
         "records": feed.count,
         "collector": {"steps": steps,
@@ -155,7 +221,11 @@ def run_vllm_demo(json_output: bool, workdir: Path,
 
 
 class _Feed:
-    """The demo's sink: writes every record, hands it to the pipeline, applies its decisions."""
+    """The demo's sink: writes every record, hands it to the pipeline, applies its decisions.
+
+    Per phase (one engine, one bundle) it keeps the steps and the disable decisions on the
+    bundle with the wall time each reached the flags, to tell which steps ran under them.
+    """
 
     def __init__(self, path: Path, on_record: Callable[[Any], list] | None, flags: Any) -> None:
         from specwatch.schemas import encode_record
@@ -167,42 +237,34 @@ class _Feed:
         self._lock = threading.Lock()
         self.count = 0
         self.decisions: list = []
-        self._reset(None, None, False)
+        self._reset(None, None)
 
-    def _reset(self, name, bundle_id, rule) -> None:
+    def _reset(self, name, bundle_id) -> None:
         self.phase = name
         self.bundle_id = bundle_id
-        self._rule = rule
         self._steps = []
-        self._decision = None
-        self._decision_at = 0.0  # wall time the disable decision reached the flags
+        self._requests = []
+        self._scopes: set[tuple[str, str]] = set()
+        # decisions that changed the bundle's path, with the wall time each reached the flags
+        self._changes: list[tuple[Any, float]] = []
 
-    def start_phase(self, name: str, bundle_id: str, rule: bool) -> None:
+    def start_phase(self, name: str, bundle_id: str) -> None:
         with self._lock:
-            self._reset(name, bundle_id, rule)
+            self._reset(name, bundle_id)
 
     def emit(self, record: Any) -> None:
         self._out.write(self._encode(record) + "\n")
         self.count += 1
         decisions = list(self._on_record(record) or []) if self._on_record is not None else []
         with self._lock:
-            if record.kind == "step" and record.bundle_id == self.bundle_id:
-                self._steps.append(record)
-            if self._rule and self._decision is None:
-                decisions += self._demo_rule()
+            if record.bundle_id == self.bundle_id:
+                if record.kind == "step":
+                    self._steps.append(record)
+                    self._scopes.update((e.bucket, e.cohort) for e in record.requests)
+                elif record.kind == "request":
+                    self._requests.append(record)
         for decision in decisions:
             self._apply(decision)
-
-    def _demo_rule(self) -> list:
-        from specwatch.schemas import Decision
-
-        drafted, accepted = self.phase_totals_locked()
-        if drafted < _DEMO_RULE_MIN_DRAFTED or _ratio(accepted, drafted) > _DEMO_RULE_MAX_ACCEPTANCE:
-            return []
-        return [Decision(ts=self._steps[-1].ts, bundle_id=self.bundle_id, action="disable_speculation",
-                         reason="acceptance_drop", detector="demo_rule",
-                         evidence={"drafted": drafted, "accepted": accepted,
-                                   "acceptance": round(_ratio(accepted, drafted), 4)})]
 
     def _apply(self, decision: Any) -> None:
         apply = getattr(self._flags, "apply", None)
@@ -210,40 +272,42 @@ class _Feed:
             apply(decision)
         with self._lock:
             self.decisions.append(decision)
-            if (decision.bundle_id == self.bundle_id and decision.action in
-                    ("disable_speculation", "invalidate_bundle") and self._decision is None):
-                self._decision = decision
-                self._decision_at = time.time()
+            if decision.bundle_id == self.bundle_id and decision.action in _PATH_CHANGES:
+                self._changes.append((decision, time.time()))
         _progress(f"decision {decision.action} ({decision.reason}, by {decision.detector}) for "
                   f"{decision.bundle_id}/{decision.bucket or '*'}/{decision.cohort or '*'}")
 
-    def _in_scope(self, entry: Any) -> bool:
-        d = self._decision
-        return (d.bucket is None or d.bucket == entry.bucket) and (d.cohort is None or d.cohort == entry.cohort)
+    def _in_flight(self, applied_at: float) -> int | None:
+        """Seq of the step in flight when a decision reached the flags (None: no later step yet)."""
+        return next((s.seq for s in self._steps if s.ts > applied_at), None)
 
-    @property
-    def decision_step(self) -> int | None:
-        """Seq of the step in flight when the disable decision reached the flags."""
-        if self._decision is None:
-            return None
-        return next((s.seq for s in self._steps if s.ts > self._decision_at), None)
-
-    def _after_decision(self) -> list:
-        # Records reach this sink a little after their step, so the decision is placed by time:
+    def _after(self, applied_at: float) -> list:
+        # Records reach this sink a little after their step, so a decision is placed by time:
         # the step in flight may have proposed before the flag flipped and the one after it
         # verifies those drafts; every step after that is proposed under the new flags.
-        in_flight = self.decision_step
+        in_flight = self._in_flight(applied_at)
         if in_flight is None:
             return []
         return [s for s in self._steps if s.seq > in_flight + 1]
 
-    @property
-    def has_decision(self) -> bool:
-        return self._decision is not None
+    def _off(self) -> list[tuple[str, str]]:
+        return sorted(s for s in self._scopes if not self._flags.lookup(self.bundle_id, *s).enabled)
 
-    def decision_held(self, steps: int) -> bool:
+    def all_off(self) -> bool:
+        """Every scope the phase's bundle has served is switched off."""
         with self._lock:
-            return len(self._after_decision()) >= steps
+            return bool(self._scopes) and len(self._off()) == len(self._scopes)
+
+    def scopes_off(self) -> str:
+        with self._lock:
+            return f"{len(self._off())}/{len(self._scopes)}"
+
+    def fallback_held(self, steps: int) -> bool:
+        """Every scope of the phase's bundle is off, and has been for ``steps`` engine steps."""
+        with self._lock:
+            if not self._changes or len(self._off()) < len(self._scopes):
+                return False
+            return len(self._after(max(at for _, at in self._changes))) >= steps
 
     def phase_steps(self) -> int:
         with self._lock:
@@ -251,41 +315,103 @@ class _Feed:
 
     def phase_totals(self) -> tuple[int, int]:
         with self._lock:
-            return self.phase_totals_locked()
-
-    def phase_totals_locked(self) -> tuple[int, int]:
-        drafted = sum(e.drafted for s in self._steps for e in s.requests)
-        accepted = sum(e.accepted for s in self._steps for e in s.requests)
-        return drafted, accepted
+            return _totals(self._steps)
 
     def end_phase(self, waves: int, seconds: float) -> dict:
         with self._lock:
             steps = self._steps
-            drafted, accepted = self.phase_totals_locked()
+            drafted, accepted = _totals(steps)
+            start = steps[0].ts if steps else math.nan
+            speculative = [r.tpot_ms for r in self._requests if r.speculative and r.tpot_ms is not None]
+            standard = [r.tpot_ms for r in self._requests if not r.speculative and r.tpot_ms is not None]
             summary = {
                 "name": self.phase,
                 "bundle_id": self.bundle_id,
                 "waves": waves,
                 "steps": len(steps),
+                "requests": len(self._requests),
+                "scopes": [f"{b}/{c}" for b, c in sorted(self._scopes)],
+                "scope_rounds": {f"{b}/{c}": sum(1 for s in steps for e in s.requests
+                                                 if e.drafted and (e.bucket, e.cohort) == (b, c))
+                                 for b, c in sorted(self._scopes)},
+                "scope_requests": {f"{b}/{c}": sum(1 for r in self._requests if (r.bucket, r.cohort) == (b, c))
+                                   for b, c in sorted(self._scopes)},
                 "drafted": drafted,
                 "accepted": accepted,
-                "acceptance": _ratio(accepted, drafted),
-                "draft_ms_per_step": _mean([s.draft_ms for s in steps]),
-                "verify_ms_per_step": _mean([s.verify_ms for s in steps]),
+                # None where undefined (no drafts, no requests of that kind): the summary is JSON
+                "acceptance": _defined(_ratio(accepted, drafted), 4),
+                "draft_ms_per_step": _defined(_mean([s.draft_ms for s in steps]), 3),
+                "verify_ms_per_step": _defined(_mean([s.verify_ms for s in steps]), 3),
+                "estimated_speedup": _defined(_estimated_speedup(steps), 3),
+                "tpot_ms_speculative": _defined(_mean(speculative), 3),
+                "tpot_ms_standard": _defined(_mean(standard), 3),
+                "event_seconds": round(steps[-1].ts - start, 3) if steps else 0.0,
                 "seconds": round(seconds, 1),
+                "actions": [],
             }
-            if self._decision is not None:
-                after = self._after_decision()
-                summary["decision"] = json.loads(self._decision.to_json_line())
-                summary["decision_in_flight_step"] = self.decision_step
-                summary["steps_after_decision"] = len(after)
-                summary["drafted_after_decision"] = sum(e.drafted for s in after for e in s.requests
-                                                        if self._in_scope(e))
-                summary["draft_ms_per_step_after_decision"] = _mean([s.draft_ms for s in after])
+            for i, (decision, applied_at) in enumerate(self._changes):
+                in_flight = self._in_flight(applied_at)
+                # under this decision: from the first step proposed after it to the step in
+                # flight when the next change of the same scope arrived
+                until = next((self._in_flight(at) for later, at in self._changes[i + 1:]
+                              if _covers(later, decision)), None)
+                after = [s for s in self._after(applied_at) if until is None or s.seq <= until]
+                in_scope = [e for s in after for e in s.requests if _covers(decision, e)]
+                before = [s for s in steps if s.ts <= decision.ts]
+                evidence = decision.evidence
+                summary["actions"].append({
+                    "decision_id": decision.id,
+                    "action": decision.action,
+                    "reason": decision.reason,
+                    "detector": decision.detector,
+                    "scope": f"{decision.bucket or '*'}/{decision.cohort or '*'}",
+                    "draft_length": evidence.get("draft_length"),
+                    "metric": evidence.get("metric"),
+                    "value": evidence.get("value"),
+                    "threshold": evidence.get("threshold"),
+                    "after_event_seconds": round(decision.ts - start, 3),
+                    "after_steps": len(before),
+                    "rounds_before": sum(1 for s in before for e in s.requests
+                                         if e.drafted and _covers(decision, e)),
+                    "in_flight_step": in_flight,
+                    "steps_after": len(after),
+                    "entries_after": len(in_scope),
+                    "drafted_after": sum(e.drafted for e in in_scope),
+                    "max_drafted_after": max((e.drafted for e in in_scope), default=None),
+                })
             return summary
 
     def close(self) -> None:
         self._out.close()
+
+
+def _covers(decision: Any, entry: Any) -> bool:
+    """Whether a decision's scope covers a step entry (or the scope of another decision)."""
+    return decision.bucket in (None, entry.bucket) and decision.cohort in (None, entry.cohort)
+
+
+def _disables(phase: dict) -> list[dict]:
+    return [a for a in phase.get("actions", ()) if a["action"] in _DISABLING]
+
+
+def _estimated_speedup(steps: list) -> float:
+    """The speedup gate's estimate over the steps that drafted (the detectors' formula)."""
+    from specwatch.detectors.window import SliceStats
+
+    stats = SliceStats()
+    for step in steps:
+        rounds = [e for e in step.requests if e.drafted]
+        if rounds:
+            for entry in rounds:
+                stats.add_round(entry.drafted, entry.accepted)
+            stats.add_step_time(step.draft_ms, step.verify_ms, step.kv_usage, step.ts)
+    return stats.speedup
+
+
+def _totals(steps: list) -> tuple[int, int]:
+    drafted = sum(e.drafted for s in steps for e in s.requests)
+    accepted = sum(e.accepted for s in steps for e in s.requests)
+    return drafted, accepted
 
 
 def _ratio(accepted: int, drafted: int) -> float:
@@ -293,7 +419,15 @@ def _ratio(accepted: int, drafted: int) -> float:
 
 
 def _mean(values: list[float]) -> float:
-    return round(sum(values) / len(values), 3) if values else float("nan")
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _defined(value: float, digits: int) -> float | None:
+    return None if math.isnan(value) else round(value, digits)
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _spec_label(drafter: Path) -> str:
@@ -306,16 +440,35 @@ def _progress(message: str) -> None:
 
 def _print_report(summary: dict) -> None:
     print("specwatch demo on vLLM (tiny random-weight Llama, CPU)")
+    names = {}
     for phase in summary["phases"]:
-        print(f"  {phase['name']:<15} bundle {phase['bundle_id']}  steps {phase['steps']:>4}  "
-              f"acceptance {phase['accepted']}/{phase['drafted']} = {phase['acceptance']:.3f}  "
-              f"draft {phase['draft_ms_per_step']:.2f} ms/step  verify {phase['verify_ms_per_step']:.2f} ms/step")
-        if "decision" in phase:
-            d = phase["decision"]
-            print(f"    decision: {d['action']} ({d['reason']}, {d['detector']}) during step "
-                  f"{phase['decision_in_flight_step']}; {phase['steps_after_decision']} later steps carried "
-                  f"{phase['drafted_after_decision']} drafted tokens, draft time "
-                  f"{phase['draft_ms_per_step_after_decision']:.2f} ms/step")
+        names[phase["bundle_id"]] = phase["name"]
+        print(f"  {phase['name']:<15} bundle {phase['bundle_id']}  {phase['steps']:>4} steps in "
+              f"{phase['event_seconds']:.1f} s  acceptance {phase['accepted']}/{phase['drafted']} = "
+              f"{_number(phase['acceptance'], 3)}  draft {_number(phase['draft_ms_per_step'], 2)} ms/step  "
+              f"verify {_number(phase['verify_ms_per_step'], 2)} ms/step")
+        standard = (f", {phase['tpot_ms_standard']:.2f} ms on standard decoding"
+                    if phase["tpot_ms_standard"] is not None else "")
+        print(f"    estimated speedup {_number(phase['estimated_speedup'], 2)} while drafting; TPOT "
+              f"{_number(phase['tpot_ms_speculative'], 2)} ms speculative{standard}")
+        if not phase["actions"]:
+            print(f"    no change: all {len(phase['scopes'])} scopes kept speculating at full draft length")
+        if "waves_after_all_off" in phase:
+            print(f"    every scope off: the next {phase['waves_after_all_off']} waves drafted "
+                  f"{phase['vllm_draft_tokens_after_all_off']} tokens by vLLM's own counters")
+        for a in phase["actions"]:
+            if a["action"] == "reduce_draft_length":
+                what = f"{a['action']} to D={a['draft_length']}"
+                effect = f"at most {a['max_drafted_after']} tokens per request"
+            else:
+                what, effect = a["action"], f"{a['drafted_after']} tokens"
+            print(f"    at {a['after_event_seconds']:5.1f} s: {what} {a['scope']}, {a['reason']} "
+                  f"({a['metric']} {a['value']} < {a['threshold']}); {a['steps_after']} later steps drafted "
+                  f"{effect} in scope")
+    print(f"  decisions ({len(summary['decisions'])}):")
+    for d, ident in zip(summary["decisions"], summary["decision_ids"]):
+        print(f"    {ident}  {names.get(d['bundle_id'], d['bundle_id']):<15} {d['bucket'] or '*'}/{d['cohort'] or '*'}"
+              f"  {d['action']}  {d['reason']} ({d['detector']})")
     print(f"  decided by: {summary['decided_by']}; fallback took effect: {summary['fallback_took_effect']}")
     print(f"  greedy text identical with both drafters (lossless): {summary['lossless']}")
     print(f"  collector cost {summary['collector']['cost_us_per_step']} us/step, "

@@ -31,7 +31,8 @@ def register(subparsers) -> None:
     parser.add_argument("--minutes", type=float, default=None, help="simulated minutes (scenario default)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--policy", help="policy TOML file (defaults built in)")
+    parser.add_argument("--policy", help="policy TOML file (defaults built in; with --engine vllm, a policy "
+                                         "whose minimums fit its short run)")
     parser.add_argument("--outdir", default=os.environ.get("SPECWATCH_DEMO_DIR", _DEFAULT_OUTDIR),
                         help="where the timeline picture goes (default ./specwatch-data)")
     parser.add_argument("--archive", default=None,
@@ -211,7 +212,7 @@ def _run(args) -> int:
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     if args.engine == "vllm":
-        return _run_vllm(args, outdir)
+        return _run_vllm(args, outdir, policy if args.policy else None)
     archive = None
     dsn = None
     if not args.no_archive:
@@ -240,14 +241,23 @@ def _run(args) -> int:
     return 0
 
 
-def _run_vllm(args, outdir: Path) -> int:
+def _run_vllm(args, outdir: Path, policy) -> int:
+    """The vLLM engine's telemetry through the embedded pipeline; its decisions reach the engine.
+
+    ``policy`` None: the demo's policy, with minimums scaled to its short run.
+    """
     try:
-        from specwatch.collectors.vllm.demo import run_vllm_demo
+        from specwatch.collectors.vllm.demo import run_vllm_demo, vllm_demo_policy
     except ImportError as error:
         print(f"specwatch demo --engine vllm: the vLLM integration is not available ({error}); "
               "install it with deploy/bootstrap.sh --with-vllm", file=sys.stderr)
         return 2
-    summary = run_vllm_demo(json_output=args.json, workdir=outdir / "vllm")
+    from specwatch.streams.embedded import EmbeddedPipeline
+
+    pipeline = EmbeddedPipeline(policy if policy is not None else vllm_demo_policy())
+    summary = run_vllm_demo(json_output=args.json, workdir=outdir / "vllm", on_record=pipeline.feed,
+                            flags=pipeline.flags, finish=pipeline.finish)
+    summary["counters"] = pipeline.counters.as_dict()
     if args.json:
         print(json.dumps(summary, sort_keys=True, default=str))
     return 0
