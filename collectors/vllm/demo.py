@@ -74,6 +74,10 @@ _DEMO_POLICY = {
     # acts only on a drafter that costs ten times what it gains, and acceptance, which load
     # does not move, makes the demo's decisions.
     "speedup": {"min_speedup": 0.1},
+    # Latency on a shared CPU follows the machine's load more than the decoding path: a tail
+    # learned in a quiet first second can double whenever another process starts. Only a
+    # tenfold tail counts here.
+    "latency": {"p99_factor": 10.0},
 }
 
 
