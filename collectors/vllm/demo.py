@@ -56,7 +56,7 @@ _QUIET_ENVIRONMENT = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext
 # The demo's buckets (the prefixes above) with a pinned acceptance baseline. A drafter that
 # is bad from its first step gives a learned baseline nothing healthy to learn from, so the
 # buckets carry the floor an operator validated drafters at: at D=4, two tokens per round.
-_DEMO_BUCKETS = ("chat", "coding", "extraction", "summarization")
+_DEMO_BUCKETS = sorted({prefix.split(":")[0] for prefix in _PREFIXES})
 _DEMO_PINNED_ACCEPTANCE_LENGTH = 2.0
 # The policy's minimums, scaled from production minutes to the demo's seconds: windows of a
 # few one-second slices holding a few dozen rounds from a handful of finished requests.
