@@ -254,7 +254,8 @@ def _run_vllm(args, outdir: Path, policy) -> int:
         return 2
     from specwatch.streams.embedded import EmbeddedPipeline
 
-    pipeline = EmbeddedPipeline(policy if policy is not None else vllm_demo_policy())
+    # live: the engine stamps records with this clock, so none may come from far ahead of it
+    pipeline = EmbeddedPipeline(policy if policy is not None else vllm_demo_policy(), clock=time.time)
     summary = run_vllm_demo(json_output=args.json, workdir=outdir / "vllm", on_record=pipeline.feed,
                             flags=pipeline.flags, finish=pipeline.finish)
     summary["counters"] = pipeline.counters.as_dict()
