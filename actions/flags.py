@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from specwatch.schemas import Decision
 
-__all__ = ["Scope", "ScopeState", "SpeculationState", "FlagStore", "SPECULATION_ON"]
+__all__ = ["Scope", "ScopeState", "SpeculationState", "AdmissionState", "FlagStore", "SPECULATION_ON", "STAGES"]
 
 Scope = tuple[str, str | None, str | None]  # (bundle_id, bucket or None=all, cohort or None=all)
 
@@ -43,6 +43,54 @@ SPECULATION_ON = SpeculationState(enabled=True)
 
 _DISABLING = {"disable_speculation", "invalidate_bundle"}
 
+STAGES = ("unadmitted", "shadow", "canary", "admitted", "frozen", "invalidated")
+"""Admission stages of a bundle, in the order a healthy one passes them (then the two it can fall to)."""
+# Reasons only admission decisions carry; with `promote` they are what moves a bundle's stage.
+_ADMISSION_REASONS = {"unadmitted_bundle", "canary_judgement"}
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    """A bundle's admission stage as flag clients and routers see it.
+
+    ``cohort`` is the one cohort that speculates while the bundle is in shadow or canary,
+    ``cohort_share`` the share of traffic a router sends it; admitted, every cohort
+    speculates; in any other stage none does.
+
+    >>> canary = AdmissionState("canary", "canary", 0.05)
+    >>> canary.allows("canary"), canary.allows("main"), AdmissionState("frozen").allows("canary")
+    (True, False, False)
+    """
+
+    stage: str
+    cohort: str | None = None
+    cohort_share: float = 0.0
+    reason: str = ""
+    decision_id: str = ""
+    ts: float = 0.0
+    manual_by: str | None = None
+
+    def allows(self, cohort: str) -> bool:
+        if self.stage == "admitted":
+            return True
+        return self.stage in ("shadow", "canary") and cohort == self.cohort
+
+
+def _admission_state(decision: Decision) -> AdmissionState | None:
+    """The stage an admission decision puts its bundle in; None for every other decision."""
+    if decision.bucket is not None or decision.cohort is not None:
+        return None
+    if decision.action != "promote" and decision.reason not in _ADMISSION_REASONS:
+        return None
+    evidence = decision.evidence
+    default = "unadmitted" if decision.reason == "unadmitted_bundle" else "frozen"
+    stage = evidence.get("stage") or (default if decision.action != "promote" else "admitted")
+    if stage not in STAGES:
+        raise ValueError(f"decision {decision.id} names an unknown admission stage {stage!r}")
+    share = evidence.get("cohort_share")
+    return AdmissionState(stage, evidence.get("cohort"), float(share) if share is not None else 0.0,
+                          decision.reason, decision.id, decision.ts)
+
 
 @dataclass
 class FlagStore:
@@ -63,16 +111,30 @@ class FlagStore:
     True
     >>> store.lookup("b-1", "chat", "canary").enabled, store.lookup("b-1", "chat", "main").enabled
     (False, True)
+
+    Admission decisions put a bundle in a stage; only the stage's cohort speculates:
+
+    >>> shadow = Decision(ts=12.0, bundle_id="b-2", action="promote", reason="unadmitted_bundle",
+    ...                   detector="admission", evidence={"stage": "shadow", "cohort": "shadow", "cohort_share": 0.05})
+    >>> store.apply(shadow)
+    True
+    >>> store.admission("b-2").stage, store.lookup("b-2", "chat", "shadow").enabled, store.lookup("b-2", "chat", "main")
+    ('shadow', True, SpeculationState(enabled=False, draft_limit=None, reasons=('unadmitted_bundle',)))
     """
 
     _auto: dict[Scope, ScopeState] = field(default_factory=dict)
     _manual: dict[Scope, ScopeState] = field(default_factory=dict)
+    _stages: dict[str, AdmissionState] = field(default_factory=dict)
+    _manual_stages: dict[str, AdmissionState] = field(default_factory=dict)
     _cache: dict[tuple[str, str, str], SpeculationState] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def apply(self, decision: Decision) -> bool:
         """Fold one decision in; returns whether the state of its scope changed."""
         scope: Scope = (decision.bundle_id, decision.bucket, decision.cohort)
+        admission = _admission_state(decision)
+        if admission is not None:
+            return self._apply_stage(decision.bundle_id, admission)
         with self._lock:
             before = self._auto.get(scope)
             if decision.action in _DISABLING:
@@ -82,11 +144,6 @@ class FlagStore:
                 after = ScopeState(True, limit, decision.reason, decision.id, decision.ts)
             elif decision.action == "restore":
                 after = None
-            elif decision.action == "promote":
-                share = decision.evidence.get("cohort_share")
-                base = before or ScopeState()
-                after = ScopeState(base.enabled, base.draft_limit, base.reason, decision.id, decision.ts,
-                                   None, float(share) if share is not None else None)
             else:  # alerts change nothing on the path
                 return False
             if _same(before, after):
@@ -97,6 +154,43 @@ class FlagStore:
                 self._auto[scope] = after
             self._cache.clear()
             return True
+
+    def _apply_stage(self, bundle_id: str, after: AdmissionState) -> bool:
+        with self._lock:
+            before = self._stages.get(bundle_id)
+            self._stages[bundle_id] = after
+            changed = before is None or (before.stage, before.cohort, before.cohort_share) != (
+                after.stage, after.cohort, after.cohort_share)
+            invalidated = self._auto.get((bundle_id, None, None))
+            if after.stage in ("shadow", "canary", "admitted") and invalidated is not None and (
+                    not invalidated.enabled and invalidated.reason == "bundle_changed"):
+                # Re-validation has begun: the stage, not the invalidation, now says who speculates.
+                del self._auto[(bundle_id, None, None)]
+                changed = True
+            self._cache.clear()
+            return changed
+
+    def set_stage(self, bundle_id: str, stage: str, by: str, reason: str, ts: float,
+                  cohort: str | None = None, cohort_share: float = 0.0) -> None:
+        """Put a bundle in a stage by hand; it beats the automatic stage until cleared."""
+        if not by:
+            raise ValueError("a manual stage change needs the name of who made it (by=...)")
+        if stage not in STAGES:
+            raise ValueError(f"unknown admission stage {stage!r}; choose one of {', '.join(STAGES)}")
+        with self._lock:
+            self._manual_stages[bundle_id] = AdmissionState(stage, cohort, cohort_share, reason, "", ts, by)
+            self._cache.clear()
+
+    def admission(self, bundle_id: str) -> AdmissionState | None:
+        """The bundle's admission stage; None when admission never judged it (speculation as flags say)."""
+        return self._manual_stages.get(bundle_id) or self._stages.get(bundle_id)
+
+    def stages(self) -> dict[str, AdmissionState]:
+        """Every bundle with an admission stage; manual stages shown over automatic ones."""
+        with self._lock:
+            merged = dict(self._stages)
+            merged.update(self._manual_stages)
+            return merged
 
     def override(self, scope: Scope, enabled: bool, by: str, reason: str, ts: float,
                  draft_limit: int | None = None) -> None:
@@ -131,6 +225,10 @@ class FlagStore:
                     reasons.append(state.reason)
                 if state.draft_limit is not None:
                     limit = state.draft_limit if limit is None else min(limit, state.draft_limit)
+            stage = self._manual_stages.get(bundle_id) or self._stages.get(bundle_id)
+            if stage is not None and not stage.allows(cohort):
+                enabled = False
+                reasons.append(stage.reason or stage.stage)
             result = SpeculationState(enabled, limit, tuple(reasons)) if (reasons or limit) else SPECULATION_ON
             self._cache[key] = result
             return result

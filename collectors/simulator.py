@@ -114,9 +114,13 @@ BUCKETS: tuple[BucketProfile, ...] = (
 )
 _BUCKET_INDEX = MappingProxyType({b.name: i for i, b in enumerate(BUCKETS)})
 
-COHORTS: tuple[str, ...] = ("main", "canary", "baseline")
-_COHORT_SHARES = (0.90, 0.05, 0.05)
+# The shadow cohort gets traffic only while admission mirrors it there (its default share is 0).
+COHORTS: tuple[str, ...] = ("main", "canary", "baseline", "shadow")
+_COHORT_SHARES = (0.90, 0.05, 0.05, 0.0)
+_MAIN = COHORTS.index("main")
 _BASELINE = COHORTS.index("baseline")
+_SHADOW_COHORT = COHORTS.index("shadow")
+_COHORT_INDEX = MappingProxyType({name: i for i, name in enumerate(COHORTS)})
 _CUMULATIVE_COHORT_SHARES = tuple(float(x) for x in np.cumsum(_COHORT_SHARES)[:-1])
 
 # Requests differ in how predictable they are even inside one bucket; a few difficulty levels
@@ -281,6 +285,8 @@ _EXPECTED_REASON = MappingProxyType({
     "bundle_change": "bundle_changed",
     "quality_mismatch": "quality_regression",
     "error_burst": "error_rate",
+    "canary_tail": "canary_judgement",
+    "canary_mismatch": "canary_judgement",
 })
 # Default intensity per incident kind, with the range that keeps its meaning.
 _INTENSITY = MappingProxyType({
@@ -292,6 +298,8 @@ _INTENSITY = MappingProxyType({
     "bundle_change": (1.0, 0.0, math.inf, "unused: the card changes, acceptance does not"),
     "quality_mismatch": (0.5, 0.0, 1.0, "fraction of shadow checks that mismatch"),
     "error_burst": (20.0, 1.0, float(_MAX_ERROR_FACTOR), "multiplier on the error and timeout rate"),
+    "canary_tail": (5.0, 1.0, 100.0, "multiplier on e2e and TPOT of the tail requests"),
+    "canary_mismatch": (0.2, 0.0, 1.0, "fraction of shadow checks that mismatch"),
 })
 _LATENCY_TAIL_FRACTION = 0.10
 _DEFAULT_INCIDENT_AT = 240.0
@@ -376,6 +384,21 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
          _Plan("error_burst", 105.0, bucket="extraction"),
          _Plan("kv_pressure", 140.0)),
         incident_at=150.0),
+    # Admission scenarios run closed loop under a policy with [admission] enforce = true: the
+    # fleet deploys a bundle nobody admitted, and the flag source's stage routes its traffic.
+    "admission": _Scenario(
+        "a new bundle, healthy everywhere: it should go shadow -> canary -> admitted by itself", 8.0),
+    "canary_tail": _Scenario(
+        "a new bundle whose structured requests stall on the canary path (10% with e2e and TPOT x intensity, "
+        "default 5) while every other bucket is healthy", 8.0,
+        (_Plan("canary_tail", bucket="structured", cohort="canary"),), incident_at=0.0),
+    "canary_mismatch": _Scenario(
+        "a new bundle whose structured output starts to differ from standard decoding on the canary path "
+        "(intensity = mismatching share of shadow checks, default 0.2)", 8.0,
+        (_Plan("canary_mismatch", bucket="structured", cohort="canary"),), incident_at=0.0),
+    "admission_change": _Scenario(
+        "a new bundle in admission; the tokenizer digest changes over the fleet in 10 s at 330 s", 12.0,
+        (_Plan("bundle_change"),), incident_at=330.0),
 })
 
 SCENARIOS: Mapping[str, str] = MappingProxyType({name: s.description for name, s in _SCENARIO_SPECS.items()})
@@ -450,7 +473,7 @@ class _Conditions:
     acceptance_factor: list[float]
     draft_factor: float = 1.0
     tail: tuple[int, int, float] | None = None  # bucket, cohort, multiplier
-    mismatch: tuple[int, float] | None = None  # bucket, fraction
+    mismatch: tuple[int, float, int | None] | None = None  # bucket, fraction, cohort (None = any)
     error_factor: dict[int, float] = field(default_factory=dict)
     surge_share: float | None = None
 
@@ -556,7 +579,7 @@ class _Worker:
         req.id = f"{self.name}-{self.next_request:07d}"
         self.next_request += 1
         req.bucket = b = bisect.bisect_right(self._cumulative_weights(t), u[0])
-        req.cohort = bisect.bisect_right(_CUMULATIVE_COHORT_SHARES, u[1])
+        req.cohort = self._route(u[1], bisect.bisect_right(_CUMULATIVE_COHORT_SHARES, u[1]))
         req.level = min(len(_DIFFICULTY_LEVELS) - 1, int(u[2] * len(_DIFFICULTY_LEVELS)))
         profile = BUCKETS[b]
         prompt = profile.prompt_median * math.exp(profile.prompt_sigma * z0)
@@ -585,6 +608,23 @@ class _Worker:
         req.remaining = req.output_tokens - 1  # the first token comes out of prefill
         req.kv_tokens = req.prompt_tokens + 1
         return req
+
+    def _route(self, u: float, cohort: int) -> int:
+        """The cohort a router puts a request in, given the bundle's admission stage (if the flag source has one).
+
+        In shadow or canary the stage's share of the non-baseline traffic goes to the stage's
+        cohort and the rest to main; otherwise the fixed split stands. The baseline cohort
+        never moves: it is the standard-decoding comparison on the same hardware.
+        """
+        flags = self.sim.flags
+        stage_of = getattr(flags, "admission", None)
+        if stage_of is None or cohort == _BASELINE:
+            return cohort
+        state = stage_of(self.bundle_id)
+        if state is None or state.stage not in ("shadow", "canary") or state.cohort not in _COHORT_INDEX:
+            return cohort
+        routed = state.cohort_share * (1.0 - _COHORT_SHARES[_BASELINE])
+        return _COHORT_INDEX[state.cohort] if u < routed else _MAIN
 
     def _admit(self, t: float, emitting: bool) -> None:
         target = self._concurrency(t)
@@ -654,13 +694,13 @@ class _Worker:
             return self.card.model_copy(update={"target": target})
         elif plan.kind == "draft_regression":
             c.draft_factor = intensity
-        elif plan.kind == "latency_tail":
+        elif plan.kind in ("latency_tail", "canary_tail"):
             c.tail = (bucket, cohort, intensity)
         elif plan.kind == "kv_pressure":
             c.surge_share = intensity
             self._mix = None
-        elif plan.kind == "quality_mismatch":
-            c.mismatch = (bucket, intensity)
+        elif plan.kind in ("quality_mismatch", "canary_mismatch"):
+            c.mismatch = (bucket, intensity, cohort)
         elif plan.kind == "error_burst":
             c.error_factor[bucket] = intensity
         return None
@@ -836,12 +876,14 @@ class _Worker:
             self.emit_later(end_ts, self.index, [record])
         else:
             out.append(record)
-        if req.speculated and reason in ("stop", "length") and req.shadow_u < _SHADOW_FRACTION:
+        # Mirrored (shadow cohort) requests are all checked: checking them is what they are for.
+        fraction = 1.0 if req.cohort == _SHADOW_COHORT else _SHADOW_FRACTION
+        if req.speculated and reason in ("stop", "length") and req.shadow_u < fraction:
             match = True
             mismatch = self.conditions.mismatch
-            if mismatch is not None and req.bucket == mismatch[0]:
+            if mismatch is not None and req.bucket == mismatch[0] and mismatch[2] in (None, req.cohort):
                 # shadow_u is uniform below the shadow fraction: rescale it for a second draw
-                match = req.shadow_u / _SHADOW_FRACTION >= mismatch[1]
+                match = req.shadow_u / fraction >= mismatch[1]
             shadow_ts = round(end_ts + req.shadow_delay, 6)
             self.emit_later(shadow_ts, self.index, [ShadowRecord(
                 v=1, ts=shadow_ts, bundle_id=self.bundle_id, id=req.id, bucket=BUCKETS[req.bucket].name,

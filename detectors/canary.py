@@ -25,6 +25,7 @@ Outcome = Literal["pass", "marginal", "fail"]
 # Lower is better for every latency; the tail quantiles are what a mean tok/s hides.
 _LATENCY_METRICS = (("ttft", 0.95), ("ttft", 0.99), ("tpot", 0.95), ("tpot", 0.99), ("e2e", 0.99))
 _RANK = {"pass": 0, "marginal": 1, "fail": 2}
+_COMPARISONS = len(_LATENCY_METRICS) + 2  # latencies, error rate, KV peak against the baseline
 
 
 def mann_whitney_greater(x, y) -> float:
@@ -60,13 +61,20 @@ class WindowSample:
     acceptance_length: float
     error_rate: float
     kv_peak: float
-    latency: dict = field(default_factory=dict)  # "tpot_p99" -> ms
+    sketches: dict = field(default_factory=dict)  # "tpot" -> the window's LatencySketch
 
     @classmethod
     def from_stats(cls, stats: SliceStats) -> "WindowSample":
-        latency = {f"{metric}_p{round(q * 100)}": stats.quantile(metric, q) for metric, q in _LATENCY_METRICS}
+        sketches = {m: getattr(stats, m) for m in ("ttft", "tpot", "e2e") if getattr(stats, m) is not None}
         return cls(stats.requests, stats.errors + stats.timeouts, stats.speedup if stats.steps else math.nan,
-                   stats.acceptance_length, stats.error_rate, stats.kv_peak if stats.steps else math.nan, latency)
+                   stats.acceptance_length, stats.error_rate, stats.kv_peak if stats.steps else math.nan, sketches)
+
+    def share_above(self, metric: str, limit: float) -> float:
+        """Share of the window's requests whose ``metric`` is above ``limit``; NaN without any."""
+        sketch = self.sketches.get(metric)
+        if sketch is None or not sketch.count or math.isnan(limit):
+            return math.nan
+        return sketch.count_above(limit) / sketch.count
 
 
 @dataclass(frozen=True)
@@ -131,15 +139,22 @@ class _Side:
     def __init__(self, window_requests: int) -> None:
         self.window_requests = window_requests
         self.pending = SliceStats()
+        self.closed = SliceStats()  # every closed window pooled
         self.windows: list[WindowSample] = []
-        self.requests = 0
 
-    def update(self, stats: SliceStats) -> None:
+    @property
+    def requests(self) -> int:
+        return self.closed.requests + self.pending.requests
+
+    def update(self, stats: SliceStats) -> bool:
+        """Fold one slice in; True when it closed a window."""
         self.pending.merge(stats)
-        self.requests += stats.requests
-        if self.pending.requests >= self.window_requests:
-            self.windows.append(WindowSample.from_stats(self.pending))
-            self.pending = SliceStats()
+        if self.pending.requests < self.window_requests:
+            return False
+        self.windows.append(WindowSample.from_stats(self.pending))
+        self.closed.merge(self.pending)
+        self.pending = SliceStats()
+        return True
 
 
 class CanaryJudge:
@@ -153,9 +168,10 @@ class CanaryJudge:
     Metrics: estimated speedup (the canary alone, against ``min_speedup``, by a sign test);
     TTFT p95/p99, TPOT p95/p99 and e2e p99, error rate and KV peak (canary against
     baseline, one-sided Mann-Whitney); strict shadow mismatches (one is a fail). A metric
-    fails when the canary's median is past its limit *and* the test is significant; past
-    the limit without significance, or with fewer than ``min_windows`` windows, it is
-    marginal: wait for more data.
+    fails when the canary's median is past its limit *and* the test is significant at
+    ``confidence``; past the limit and significant only at ``marginal_confidence``, or with
+    fewer than ``min_windows`` windows, it is marginal: wait for more data. Anything else
+    passes: a difference the test cannot tell from noise is not held against the canary.
 
     Parameters
     ----------
@@ -203,13 +219,15 @@ class CanaryJudge:
         self.baseline = _Side(self.policy.window_requests)
         self.shadow_checks = 0
         self.mismatches: list[tuple[float, str, str]] = []
+        self.version = 0  # counts windows closed and checks seen: a new version may judge differently
         self._judgement: Judgement | None = None
 
     def update(self, side: Literal["canary", "baseline"], stats: SliceStats) -> None:
         if side not in ("canary", "baseline"):
             raise ValueError(f"side must be 'canary' or 'baseline', got {side!r}")
-        (self.canary if side == "canary" else self.baseline).update(stats)
-        self._judgement = None
+        if (self.canary if side == "canary" else self.baseline).update(stats):
+            self.version += 1
+            self._judgement = None
 
     def add_shadow(self, match: bool, check: str, request_id: str, ts: float) -> None:
         """One shadow check of the speculating cohort's output against standard decoding."""
@@ -218,6 +236,7 @@ class CanaryJudge:
         self.shadow_checks += 1
         if not match:
             self.mismatches.append((ts, request_id, check))
+        self.version += 1
         self._judgement = None
 
     @property
@@ -233,17 +252,29 @@ class CanaryJudge:
     def _judge(self) -> Judgement:
         cw, bw = self.canary.windows, self.baseline.windows
         metrics = [self._speedup(cw)]
+        # A tail quantile is read on each side's closed windows pooled, and tested on the share
+        # of each window's requests past the limit (the baseline's quantile plus tolerance).
+        # The canary is normally far faster than standard decoding, so a tail on it shows as
+        # some windows with stalls among many faster ones: per-window p99s ranked against the
+        # baseline's would mix the two and hide it, the shares past the limit do not.
+        canary_pool, baseline_pool = self.canary.closed, self.baseline.closed
         for metric, q in _LATENCY_METRICS:
-            name = f"{metric}_p{round(q * 100)}"
-            metrics.append(self._compare(name, [w.latency[name] for w in cw], [w.latency[name] for w in bw],
-                                         lambda base: base * (1.0 + self.policy.latency_tolerance)))
-        canary_rate = ratio(sum(w.errors for w in cw), sum(w.requests for w in cw))
-        baseline_rate = ratio(sum(w.errors for w in bw), sum(w.requests for w in bw))
-        metrics.append(self._compare("error_rate", [w.error_rate for w in cw], [w.error_rate for w in bw],
-                                     lambda base: base + self.policy.error_tolerance,
-                                     pooled=(canary_rate, baseline_rate)))
-        metrics.append(self._compare("kv_peak", [w.kv_peak for w in cw], [w.kv_peak for w in bw],
-                                     lambda base: base + self.policy.kv_tolerance))
+            observed, base = canary_pool.quantile(metric, q), baseline_pool.quantile(metric, q)
+            limit = base * (1.0 + self.policy.latency_tolerance)
+            sketch = getattr(canary_pool, metric)
+            above = sketch.count_above(limit) if sketch is not None and not math.isnan(limit) else 0.0
+            metrics.append(self._compare(f"{metric}_p{round(q * 100)}", observed, base, limit,
+                                         [w.share_above(metric, limit) for w in cw],
+                                         [w.share_above(metric, limit) for w in bw], above))
+        base_rate = baseline_pool.error_rate
+        metrics.append(self._compare("error_rate", canary_pool.error_rate, base_rate,
+                                     base_rate + self.policy.error_tolerance,
+                                     [w.error_rate for w in cw], [w.error_rate for w in bw]))
+        canary_kv = [w.kv_peak for w in cw if not math.isnan(w.kv_peak)]
+        baseline_kv = [w.kv_peak for w in bw if not math.isnan(w.kv_peak)]
+        base_kv = _median(baseline_kv)
+        metrics.append(self._compare("kv_peak", _median(canary_kv), base_kv, base_kv + self.policy.kv_tolerance,
+                                     canary_kv, baseline_kv))
         metrics.append(self._quality())
         return Judgement(combine(m.outcome for m in metrics), tuple(metrics), self.canary.requests,
                          self.baseline.requests, self.shadow_checks, len(self.mismatches))
@@ -251,8 +282,11 @@ class CanaryJudge:
     def _enough(self, n: int) -> bool:
         return n >= self.policy.min_windows
 
-    def _alpha(self) -> float:
-        return 1.0 - self.policy.confidence
+    def _alpha(self, marginal: bool = False) -> float:
+        """Significance per comparison: Bonferroni over the judge's comparisons, because a
+        judgement is only as trustworthy as its weakest test and it makes seven of them."""
+        confidence = self.policy.marginal_confidence if marginal else self.policy.confidence
+        return (1.0 - confidence) / _COMPARISONS
 
     def _speedup(self, windows: list[WindowSample]) -> MetricVerdict:
         values = [w.speedup for w in windows if not math.isnan(w.speedup)]
@@ -272,21 +306,27 @@ class CanaryJudge:
         outcome = "fail" if p < self._alpha() else "marginal"
         return MetricVerdict("estimated_speedup", outcome, median, math.nan, floor, p, (len(values), 0), note)
 
-    def _compare(self, name: str, canary: list[float], baseline: list[float], limit_of,
-                 pooled: tuple[float, float] | None = None) -> MetricVerdict:
+    def _compare(self, name: str, observed: float, base: float, limit: float, canary: list[float],
+                 baseline: list[float], tail: float | None = None) -> MetricVerdict:
+        """``observed`` against ``limit``; the windows ``canary`` and ``baseline`` carry the test.
+
+        ``tail`` is how many canary requests are past a latency limit: fewer than
+        ``min_tail_requests`` is a few slow requests, not a tail.
+        """
         canary = [v for v in canary if not math.isnan(v)]
         baseline = [v for v in baseline if not math.isnan(v)]
         windows = (len(canary), len(baseline))
-        observed, base = pooled if pooled is not None else (_median(canary), _median(baseline))
-        limit = limit_of(base) if not math.isnan(base) else math.nan
         if not (self._enough(len(canary)) and self._enough(len(baseline))):
             return MetricVerdict(name, "marginal", observed, base, limit, math.nan, windows, "insufficient windows")
         p = mann_whitney_greater(canary, baseline)
-        if not observed > limit:
+        if not observed > limit or not p < self._alpha(marginal=True):
             return MetricVerdict(name, "pass", observed, base, limit, p, windows)
+        if tail is not None and tail < self.policy.min_tail_requests:
+            return MetricVerdict(name, "pass", observed, base, limit, p, windows,
+                                 f"{tail:.0f} requests past the limit, fewer than {self.policy.min_tail_requests}")
         outcome = "fail" if p < self._alpha() else "marginal"
         return MetricVerdict(name, outcome, observed, base, limit, p, windows,
-                             "" if outcome == "fail" else "above the limit, not yet significant")
+                             "" if outcome == "fail" else "past the limit, not yet significant")
 
     def _quality(self) -> MetricVerdict:
         checks, mismatched = self.shadow_checks, len(self.mismatches)

@@ -196,7 +196,11 @@ class AdmissionPolicy(_Section):
     confidence: float = Field(0.99, gt=0.5, lt=1, description="one-sided Mann-Whitney confidence for 'worse'")
     marginal_confidence: float = Field(
         0.95, gt=0.5, lt=1, description="below `confidence` but at least this: a canary past a limit waits")
-    latency_tolerance: float = Field(0.10, ge=0, description="canary median latency may exceed baseline by this")
+    latency_tolerance: float = Field(
+        0.10, ge=0, description="a canary latency quantile may exceed the baseline's by this share")
+    min_tail_requests: int = Field(
+        5, ge=1, description="canary requests past a latency limit before that quantile can be held against it: "
+                             "a p99 of a few hundred requests is a handful of them")
     error_tolerance: float = Field(0.01, ge=0, description="canary error rate may exceed baseline by this much")
     kv_tolerance: float = Field(0.05, ge=0, description="canary KV peak may exceed baseline by this much")
     min_speedup: float = Field(1.0, gt=0, description="median estimated speedup a canary needs")

@@ -12,6 +12,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from specwatch.actions.admission import AdmissionController
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
 from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor, traffic_evidence
@@ -278,6 +279,7 @@ class SliceOutput:
     window_rows: list[dict] = field(default_factory=list)
     bundles: list[dict] = field(default_factory=list)
     late_records: int = 0
+    stage_changes: list = field(default_factory=list)  # admission `StageChange`s, for the bundle registry
 
 
 class Stage2:
@@ -295,6 +297,8 @@ class Stage2:
         self.policy = policy
         self.flags = flags if flags is not None else FlagStore()
         self.fallback = FallbackPolicy(policy, self.flags)
+        # Admission is a policy switch: off, it does not exist, and no decision changes.
+        self.admission = AdmissionController(policy, self.flags) if policy.admission.enforce else None
         self._slice_s = policy.windows.slice_seconds
         self._idle_slices = max(1, int(policy.windows.source_idle_seconds / self._slice_s))
         self._sources: dict[str, int] = {}
@@ -364,6 +368,8 @@ class Stage2:
             self._on_event(event, out)
         for key in sorted(merged, key=lambda k: (k[0], k[1] or "", k[2] or "")):
             self._on_stats(key, merged[key], slice_end, out)
+        if self.admission is not None:
+            self._admit(self.admission.evaluate(slice_end), out)
         if self.policy.actions.restore_after_seconds is not None:
             self._restores(slice_end, out)
         return out
@@ -374,14 +380,22 @@ class Stage2:
             if event["bundle_id"] not in self.cards:
                 out.bundles.append(event)
             self.cards[event["bundle_id"]] = event["card"]
+            if self.admission is not None:
+                self.admission.seen(event["bundle_id"], event["card"], event["ts"])
         elif kind == "bundle_change":
             self.cards[event["bundle_id"]] = event["card"]
+            if self.admission is not None:
+                self.admission.changed(event["bundle_id"], event["previous_bundle_id"], event["changed"],
+                                       event["card"], event["ts"], event["worker"])
             finding = Finding("bundle_changed", "bundle_fingerprint", event["ts"], "card", math.nan, math.nan,
                               math.nan, event["ts"], event["ts"],
                               {"previous_bundle_id": event["previous_bundle_id"], "worker": event["worker"],
                                "changed_fields": event["changed"]})
             self._act(finding, (event["bundle_id"], None, None), None, out, [])
         elif kind == "shadow":
+            if self.admission is not None:
+                self._admit(self.admission.shadow(event["bundle_id"], event["bucket"], event["check"],
+                                                  event["match"], event["id"], event["ts"]), out)
             pair = (event["bundle_id"], event["bucket"])
             self.shadow_counts[pair + ("checks",)] += 1
             if not event["match"]:
@@ -400,13 +414,18 @@ class Stage2:
 
     def _on_stats(self, key: Key, stats: SliceStats, slice_end: float, out: SliceOutput) -> None:
         bundle, bucket, cohort = key
+        if self.admission is not None:
+            speculating = bucket is None or self.flags.lookup(bundle, bucket, cohort).enabled
+            self._admit(self.admission.observe(bundle, bucket, cohort, stats, slice_end, speculating), out)
         monitor = self.monitors.get(key)
         if monitor is None:
             monitor = BundleMonitor(self.policy) if bucket is None else KeyMonitor(self.policy, bucket)
             self.monitors[key] = monitor
         if bucket is None:
             state = self.flags.state((bundle, None, None))
-            speculating = state is None or state.enabled
+            stage = self.flags.admission(bundle)
+            speculating = (state is None or state.enabled) and (
+                stage is None or stage.stage in ("shadow", "canary", "admitted"))
         else:
             speculating = self.flags.lookup(bundle, bucket, cohort).enabled
         findings = monitor.update(stats, slice_end, speculating)
@@ -476,6 +495,32 @@ class Stage2:
             "finding": finding.evidence(),
         }
         out.actions.append(ActionRecord(decision, audit, samples))
+        if self.admission is not None:
+            self._admit(self.admission.vetoed(decision), out)
+
+    def _admit(self, decisions: list[Decision], out: SliceOutput) -> None:
+        """Apply admission decisions and archive them with the judgement behind them."""
+        for decision in decisions:
+            self.flags.apply(decision)
+            if decision.action == "promote":
+                # A new share is a new normal: step cost follows how much of a batch drafts, and
+                # the cohorts that start drafting have no speculative baseline yet. Their
+                # monitors learn afresh; the baseline cohort's stay.
+                for key in [k for k in self.monitors if k[0] == decision.bundle_id
+                            and k[2] != self.policy.baseline_cohort]:
+                    del self.monitors[key]
+            entry = self.admission.bundles[decision.bundle_id]
+            change = next((c for c in reversed(entry.history) if c.decision_id == decision.id), None)
+            audit = {
+                "thresholds": {"admission": self.policy.admission.model_dump(mode="json"),
+                               "baseline_cohort": self.policy.baseline_cohort},
+                "baseline": {},
+                "window": [],
+                "card": self.cards.get(decision.bundle_id),
+                "finding": change.detail if change is not None else decision.evidence,
+            }
+            out.actions.append(ActionRecord(decision, audit, []))
+        out.stage_changes.extend(self.admission.take_changes())
 
     def _thresholds(self, reason: str) -> dict:
         section = {

@@ -1,0 +1,300 @@
+"""Admission: a bundle earns speculation on evidence, stage by stage, and loses it on any change.
+
+Stages: unadmitted (or invalidated, after a fingerprint change) -> shadow (mirrored traffic
+only) -> canary at each share of the cohort schedule -> admitted; a failed judgement or a
+fallback on the speculative path freezes it. Pure: events in, decisions out, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specwatch.detectors.canary import CanaryJudge, Judgement, combine
+from specwatch.detectors.window import SliceStats
+from specwatch.schemas import Decision
+from specwatch.schemas.policy import Policy
+
+from .flags import FlagStore
+
+__all__ = ["AdmissionController", "BundleAdmission", "StageChange"]
+
+_JUDGE = "canary_judge"
+_REGISTRY = "admission_registry"
+_VETO = "fallback_veto"
+# Judging stages: the speculative path runs on one cohort, compared with the baseline cohort.
+_JUDGED = ("shadow", "canary")
+
+
+@dataclass(frozen=True)
+class StageChange:
+    """One row of a bundle's stage history: what changed it, when, on what evidence.
+
+    ``actor`` is ``specwatch`` for automatic changes, ``policy`` for bundles the policy
+    file admits, or the name of the person who made a manual change.
+    """
+
+    bundle_id: str
+    ts: float
+    stage: str
+    previous_stage: str | None
+    cohort_share: float
+    actor: str
+    reason: str
+    decision_id: str | None = None
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class BundleAdmission:
+    """What the controller knows about one bundle: its card, stage and the judges of this stage."""
+
+    bundle_id: str
+    first_seen: float
+    card: dict | None = None
+    stage: str | None = None  # None: seen, not yet decided (its partials have not reached us)
+    stage_since: float = math.nan
+    share_index: int = -1  # index into the cohort schedule while in canary
+    invalidated: dict | None = None  # the fingerprint change that produced this bundle
+    judges: dict[str, CanaryJudge] = field(default_factory=dict)
+    judged_versions: dict[str, int] = field(default_factory=dict)
+    history: list[StageChange] = field(default_factory=list)
+
+    @property
+    def strict(self) -> bool:
+        return bool(self.card) and self.card.get("policy", {}).get("acceptance_rule", "strict") == "strict"
+
+
+class AdmissionController:
+    """Moves bundles through the admission stages; every move is a `Decision` (or a history row).
+
+    Stage 2 feeds it the events and final slices it sees, in event-time order, and applies
+    the decisions it returns to the flag store. Only bundles whose partials reach this
+    controller (its stage-2 partition) get decisions, so a bundle is decided once.
+
+    Parameters
+    ----------
+    policy
+        The whole policy: its ``admission`` section, the baseline cohort name and the
+        strict shadow checks.
+    flags
+        The flag store the caller keeps current; read for the stages it already holds.
+    """
+
+    def __init__(self, policy: Policy, flags: FlagStore) -> None:
+        self.policy = policy
+        self.settings = policy.admission
+        self.flags = flags
+        self.bundles: dict[str, BundleAdmission] = {}
+        self._admitted = frozenset(self.settings.admitted_bundles)
+        self.changes: list[StageChange] = []  # stage changes not yet taken by the caller
+
+    def take_changes(self) -> list[StageChange]:
+        """Stage changes since the last call, oldest first (for the registry in the archive)."""
+        changes, self.changes = self.changes, []
+        return changes
+
+    # -- what stage 2 saw --------------------------------------------------------------------
+    def seen(self, bundle_id: str, card: dict, ts: float) -> None:
+        """A bundle's card was announced."""
+        entry = self._entry(bundle_id, ts)
+        entry.card = card
+
+    def changed(self, bundle_id: str, previous_bundle_id: str, changed_fields: list[str], card: dict,
+                ts: float, worker: str) -> None:
+        """A worker's card changed to ``bundle_id``: whatever the new card's stage was, its evidence is void."""
+        entry = self._entry(bundle_id, ts)
+        entry.card = card
+        previous = self.bundles.get(previous_bundle_id)
+        detail = {"previous_bundle_id": previous_bundle_id, "previous_stage": previous.stage if previous else None,
+                  "changed_fields": list(changed_fields), "worker": worker}
+        if entry.stage is None:
+            entry.invalidated = dict(detail, ts=ts)
+        elif entry.stage != "invalidated":
+            # Seen before (a roll-back to an older card, say): its old evidence is void as well.
+            self._move(entry, "invalidated", ts, "specwatch", "bundle_changed", None, detail)
+
+    def observe(self, bundle_id: str, bucket: str | None, cohort: str | None, stats: SliceStats,
+                slice_end: float, speculating: bool) -> list[Decision]:
+        """One key's final slice, and whether its path speculated; the bundle's own key decides its entry stage.
+
+        In shadow and canary the stage's cohort is the canary side of the judge; every other
+        cohort of the bundle decodes normally (the stage allows none of them to draft), so all
+        of it is the baseline side: standard decoding on the same hardware at the same time.
+        """
+        entry = self.bundles.get(bundle_id)
+        if entry is None:
+            entry = self._entry(bundle_id, stats.max_ts or slice_end)
+        decisions: list[Decision] = []
+        if entry.stage is None:
+            decisions += self._enter(entry)
+        if bucket is None or entry.stage not in _JUDGED:
+            return decisions
+        settings = self.settings
+        side = ("canary" if cohort == self._speculating_cohort(entry)
+                else "baseline" if not speculating and cohort not in (settings.shadow_cohort, settings.canary_cohort)
+                else None)
+        if side is not None:
+            self._judge(entry, bucket).update(side, stats)
+        return decisions
+
+    def shadow(self, bundle_id: str, bucket: str, check: str, match: bool, request_id: str,
+               ts: float) -> list[Decision]:
+        """A shadow check; under the strict rule a single mismatch fails the stage at once."""
+        entry = self.bundles.get(bundle_id)
+        if entry is None or entry.stage not in _JUDGED:
+            return []
+        judge = self._judge(entry, bucket)
+        judge.add_shadow(match, check, request_id, ts)
+        if match or check not in self.policy.quality.strict_checks:
+            return []
+        return [self._freeze(entry, ts, {bucket: judge.judgement}, bucket)]
+
+    def vetoed(self, decision: Decision) -> list[Decision]:
+        """A fallback on the speculative path of a bundle under judgement vetoes its promotion."""
+        entry = self.bundles.get(decision.bundle_id)
+        if entry is None or entry.stage not in _JUDGED or decision.action != "disable_speculation":
+            return []
+        if decision.reason in ("unadmitted_bundle", "canary_judgement"):
+            return []
+        evidence = self._stage_evidence(entry, "frozen")
+        evidence.update(vetoed_by=decision.id, failed_bucket=decision.bucket,
+                        failed_metric=decision.evidence.get("metric", decision.reason), veto_reason=decision.reason)
+        frozen = Decision(ts=decision.ts, bundle_id=entry.bundle_id, action="disable_speculation",
+                          reason="canary_judgement", detector=_VETO, evidence=evidence)
+        self._move(entry, "frozen", decision.ts, "specwatch", "canary_judgement", frozen.id, evidence)
+        return [frozen]
+
+    def evaluate(self, now: float) -> list[Decision]:
+        """Judge every bundle in shadow or canary whose judges saw new windows; pass promotes, fail freezes."""
+        decisions = []
+        for bundle_id in sorted(self.bundles):
+            entry = self.bundles[bundle_id]
+            if entry.stage not in _JUDGED or not entry.judges:
+                continue
+            versions = {b: j.version for b, j in entry.judges.items()}
+            if versions == entry.judged_versions:
+                continue  # nothing new since the last look
+            entry.judged_versions = versions
+            judged = {b: j.judgement for b, j in sorted(entry.judges.items()) if j.baseline.requests}
+            if not judged:
+                continue
+            outcome = combine(j.outcome for j in judged.values())
+            if outcome == "fail":
+                decisions.append(self._freeze(entry, now, judged, None))
+            elif outcome == "pass" and now - entry.stage_since >= self.settings.stage_seconds:
+                decisions.append(self._promote(entry, now, judged))
+        return decisions
+
+    # -- stages ------------------------------------------------------------------------------
+    def _entry(self, bundle_id: str, ts: float) -> BundleAdmission:
+        entry = self.bundles.get(bundle_id)
+        if entry is None:
+            entry = self.bundles[bundle_id] = BundleAdmission(bundle_id, ts)
+        return entry
+
+    def _enter(self, entry: BundleAdmission) -> list[Decision]:
+        """The first decision about a bundle: admitted by policy, or no speculation until it earns it."""
+        ts = entry.first_seen
+        if entry.bundle_id in self._admitted:
+            self._move(entry, "admitted", ts, "policy", "admitted_bundles", None, {})
+            return []
+        decisions = []
+        if entry.invalidated is not None:
+            # The fallback table already invalidated it (reason bundle_changed); the stage follows.
+            ts = entry.invalidated["ts"]
+            self._move(entry, "invalidated", ts, "specwatch", "bundle_changed", None, entry.invalidated)
+        else:
+            evidence = self._stage_evidence(entry, "unadmitted")
+            evidence["card_known"] = entry.card is not None
+            off = Decision(ts=ts, bundle_id=entry.bundle_id, action="disable_speculation",
+                           reason="unadmitted_bundle", detector=_REGISTRY, evidence=evidence)
+            self._move(entry, "unadmitted", ts, "specwatch", "unadmitted_bundle", off.id, evidence)
+            decisions.append(off)
+        if self.settings.auto_shadow and entry.strict:
+            evidence = self._stage_evidence(entry, "shadow")
+            evidence["acceptance_rule"] = "strict"
+            shadow = Decision(ts=ts, bundle_id=entry.bundle_id, action="promote", reason="unadmitted_bundle",
+                              detector=_REGISTRY, evidence=evidence)
+            self._move(entry, "shadow", ts, "specwatch", "unadmitted_bundle", shadow.id, evidence)
+            decisions.append(shadow)
+        return decisions
+
+    def _promote(self, entry: BundleAdmission, now: float, judged: dict[str, Judgement]) -> Decision:
+        schedule = self.settings.cohort_schedule
+        entry.share_index += 1
+        stage = "admitted" if schedule[entry.share_index] >= 1.0 else "canary"
+        evidence = self._stage_evidence(entry, stage)
+        evidence["judgement"] = {b: _summary(j) for b, j in judged.items()}
+        decision = Decision(ts=now, bundle_id=entry.bundle_id, action="promote", reason="canary_judgement",
+                            detector=_JUDGE, evidence=evidence)
+        self._move(entry, stage, now, "specwatch", "canary_judgement", decision.id,
+                   dict(evidence, breakdown={b: j.evidence() for b, j in judged.items()}))
+        return decision
+
+    def _freeze(self, entry: BundleAdmission, ts: float, judged: dict[str, Judgement],
+                bucket: str | None) -> Decision:
+        failing = [(b, m) for b, j in judged.items() for m in j.failing]
+        first_bucket, first_metric = failing[0] if failing else (bucket, None)
+        evidence = self._stage_evidence(entry, "frozen")
+        evidence.update(failed_bucket=first_bucket, failed_metric=first_metric.metric if first_metric else None,
+                        failing=[dict(m.evidence(), bucket=b) for b, m in failing],
+                        judgement={b: _summary(j) for b, j in judged.items()})
+        decision = Decision(ts=ts, bundle_id=entry.bundle_id, action="disable_speculation",
+                            reason="canary_judgement", detector=_JUDGE, evidence=evidence)
+        self._move(entry, "frozen", ts, "specwatch", "canary_judgement", decision.id,
+                   dict(evidence, breakdown={b: j.evidence() for b, j in judged.items()}))
+        return decision
+
+    def _stage_evidence(self, entry: BundleAdmission, stage: str) -> dict:
+        """What a flag client needs from an admission decision, and where the bundle came from."""
+        schedule = self.settings.cohort_schedule
+        if stage == "shadow":
+            cohort, share = self.settings.shadow_cohort, self.settings.shadow_share
+        elif stage == "canary":
+            cohort, share = self.settings.canary_cohort, schedule[entry.share_index]
+        elif stage == "admitted":
+            cohort, share = None, 1.0
+        else:
+            cohort, share = None, 0.0
+        return {"stage": stage, "previous_stage": entry.stage, "cohort": cohort, "cohort_share": share,
+                "previous_cohort_share": self._share(entry), "stage_since": entry.stage_since
+                if not math.isnan(entry.stage_since) else None}
+
+    def _share(self, entry: BundleAdmission) -> float:
+        if entry.stage == "shadow":
+            return self.settings.shadow_share
+        if entry.stage == "canary":
+            return self.settings.cohort_schedule[entry.share_index]
+        return 1.0 if entry.stage == "admitted" else 0.0
+
+    def _speculating_cohort(self, entry: BundleAdmission) -> str:
+        return self.settings.shadow_cohort if entry.stage == "shadow" else self.settings.canary_cohort
+
+    def _judge(self, entry: BundleAdmission, bucket: str) -> CanaryJudge:
+        judge = entry.judges.get(bucket)
+        if judge is None:
+            judge = entry.judges[bucket] = CanaryJudge(self.settings, self.policy.quality.strict_checks,
+                                                       require_shadow_checks=entry.stage == "shadow")
+        return judge
+
+    def _move(self, entry: BundleAdmission, stage: str, ts: float, actor: str, reason: str,
+                decision_id: str | None, detail: dict) -> None:
+        previous = entry.stage
+        if stage not in ("canary", "admitted"):
+            entry.share_index = -1
+        change = StageChange(entry.bundle_id, ts, stage, previous,
+                             detail.get("cohort_share", 1.0 if stage == "admitted" else 0.0),
+                             actor, reason, decision_id, detail)
+        entry.history.append(change)
+        self.changes.append(change)
+        entry.stage = stage
+        entry.stage_since = ts
+        entry.judges = {}  # every stage is judged on its own evidence
+        entry.judged_versions = {}
+
+
+def _summary(judgement: Judgement) -> dict:
+    return {"outcome": judgement.outcome, "canary_requests": judgement.canary_requests,
+            "baseline_requests": judgement.baseline_requests, "shadow_checks": judgement.shadow_checks,
+            "waiting_on": [m.metric for m in judgement.waiting], "failing": [m.metric for m in judgement.failing]}
