@@ -43,6 +43,7 @@ class StageChange:
     reason: str
     decision_id: str | None = None
     detail: dict = field(default_factory=dict)
+    seq: int = 0  # position in the bundle's history: orders changes made at the same event time
 
 
 @dataclass
@@ -285,7 +286,7 @@ class AdmissionController:
             entry.share_index = -1
         change = StageChange(entry.bundle_id, ts, stage, previous,
                              detail.get("cohort_share", 1.0 if stage == "admitted" else 0.0),
-                             actor, reason, decision_id, detail)
+                             actor, reason, decision_id, detail, len(entry.history))
         entry.history.append(change)
         self.changes.append(change)
         entry.stage = stage

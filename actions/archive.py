@@ -182,6 +182,21 @@ _TABLES: dict[str, str] = {
         archived_at DateTime64(6, 'UTC') DEFAULT now64(6)
     ) ENGINE = ReplacingMergeTree
     ORDER BY override_id""",
+    "bundle_stages": """
+        change_id String,
+        ts Float64,
+        bundle_id LowCardinality(String),
+        stage LowCardinality(String),
+        previous_stage LowCardinality(Nullable(String)),
+        cohort_share Float64,
+        actor String,
+        reason String,
+        decision_id Nullable(String),
+        detail String,
+        seq UInt32,
+        archived_at DateTime64(6, 'UTC') DEFAULT now64(6)
+    ) ENGINE = ReplacingMergeTree
+    ORDER BY (bundle_id, change_id)""",
     "rejections": """
         ts Float64,
         source LowCardinality(String),
@@ -216,6 +231,13 @@ _OVERRIDE_SCHEMA = pa.schema([
     ("enabled", pa.bool_()), ("draft_limit", pa.uint16()), ("by", _STR), ("reason", _STR),
     ("cleared", pa.bool_()),
 ])
+_STAGE_SCHEMA = pa.schema([
+    ("change_id", _STR), ("ts", _F64), ("bundle_id", _STR), ("stage", _STR), ("previous_stage", _STR),
+    ("cohort_share", _F64), ("actor", _STR), ("reason", _STR), ("decision_id", _STR), ("detail", _STR),
+    ("seq", pa.uint32()),
+])
+# Who makes stage changes that are not a person's: the admission controller and the policy file.
+_AUTOMATIC_ACTORS = ("specwatch", "policy")
 _REJECTION_SCHEMA = pa.schema([
     ("ts", _F64), ("source", _STR), ("reason", _STR), ("count", pa.uint64()),
 ])
@@ -593,6 +615,41 @@ class Archive:
         self._insert("audit", _AUDIT_SCHEMA, [[v] for v in audit])
         return override_id
 
+    def write_stage_changes(self, changes: Iterable[Any]) -> int:
+        """Record admission stage changes (`StageChange`s or their dicts) in the bundle registry.
+
+        Automatic changes name the decision that made them; its audit row holds the evidence.
+        """
+        rows = [_stage_row(c if isinstance(c, Mapping) else vars(c)) for c in changes]
+        if rows:
+            self._insert("bundle_stages", _STAGE_SCHEMA, [list(col) for col in zip(*rows)])
+        return len(rows)
+
+    def write_manual_stage(self, bundle_id: str, stage: str, by: str, reason: str, ts: float,
+                           previous_stage: str | None = None, cohort_share: float = 0.0,
+                           cohort: str | None = None) -> str:
+        """Record a stage a person put a bundle in, with its audit row; returns the change id."""
+        from specwatch.actions.flags import STAGES
+
+        _require_text(bundle_id, "bundle_id")
+        _require_text(by, "by (who made the change)")
+        if by in _AUTOMATIC_ACTORS:
+            raise ValueError(f"{by!r} names automatic changes; give the name of the person making this one")
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}")
+        ts = _finite(ts, "ts")
+        change = {"bundle_id": bundle_id, "ts": ts, "stage": stage, "previous_stage": previous_stage,
+                  "cohort_share": float(cohort_share), "actor": by, "reason": reason, "decision_id": None,
+                  "detail": {"manual": True, "cohort": cohort}, "seq": len(self.stage_history(bundle_id))}
+        row = _stage_row(change)
+        self._insert("bundle_stages", _STAGE_SCHEMA, [[v] for v in row])
+        audit = [f"a-{row[0]}", ts, "stage_change", by, None, bundle_id, decision_key(bundle_id, None, None),
+                 reason, "", "null", "null", "null", "null",
+                 _json({"stage": stage, "previous_stage": previous_stage, "cohort_share": float(cohort_share),
+                        "cohort": cohort})]
+        self._insert("audit", _AUDIT_SCHEMA, [[v] for v in audit])
+        return row[0]
+
     def write_rejections(self, counts: Mapping[str, int], ts: float, source: str) -> None:
         """Record rejected-record counts by reason, as of `ts`, for one source."""
         _require_text(source, "source")
@@ -671,6 +728,36 @@ class Archive:
             row["card"] = json.loads(row["card"])
         return rows
 
+    def stage_history(self, bundle_id: str | None = None) -> list[dict]:
+        """Admission stage changes in time order (``detail`` parsed): what changed a stage, when, why."""
+        where, params = _filters(bundle_id=bundle_id)
+        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.bundle_stages FINAL{where} "
+                            "ORDER BY ts, seq, archived_at, change_id", params)
+        for row in rows:
+            row["detail"] = json.loads(row["detail"])
+        return rows
+
+    def bundle_registry(self) -> list[dict]:
+        """Every bundle seen, with its current admission stage (None when admission never judged it).
+
+        The stage is the latest change in the registry, a person's or specwatch's.
+        """
+        latest: dict[str, dict] = {}
+        for change in self.stage_history():
+            latest[change["bundle_id"]] = change
+        rows = self.bundles()
+        seen = {row["bundle_id"] for row in rows}
+        rows += [{"bundle_id": b, "card": None, "first_seen": c["ts"], "last_seen": c["ts"], "workers": []}
+                 for b, c in latest.items() if b not in seen]
+        for row in rows:
+            change = latest.get(row["bundle_id"])
+            row.update(stage=change["stage"] if change else None,
+                       cohort_share=change["cohort_share"] if change else None,
+                       stage_since=change["ts"] if change else None,
+                       stage_by=change["actor"] if change else None,
+                       stage_reason=change["reason"] if change else None)
+        return rows
+
     def overrides(self, active_only: bool = True) -> list[dict]:
         """Manual overrides in time order: the one in force per scope, or every event."""
         sql = (f"SELECT * EXCEPT archived_at FROM {self._db}.overrides FINAL "
@@ -706,6 +793,14 @@ class Archive:
             for o in self.overrides(active_only=True):
                 store.override((o["bundle_id"], o["bucket"], o["cohort"]), o["enabled"], o["by"],
                                o["reason"], o["ts"], o["draft_limit"])
+            # A person's stage change holds until a later automatic one moves the bundle on.
+            latest: dict[str, dict] = {}
+            for change in self.stage_history():
+                latest[change["bundle_id"]] = change
+            for bundle_id, change in latest.items():
+                if change["actor"] not in _AUTOMATIC_ACTORS:
+                    store.set_stage(bundle_id, change["stage"], change["actor"], change["reason"], change["ts"],
+                                    change["detail"].get("cohort"), change["cohort_share"])
         return store
 
     def sql(self, statement: str) -> tuple[list[str], list[tuple]]:
@@ -831,6 +926,11 @@ class ArchiveWriter:
 
     def write_bundle(self, bundle_id: str, card: Mapping[str, Any] | Any, ts: float, worker: str) -> None:
         self.archive.write_bundle(bundle_id, card, ts, worker)
+
+    def write_stage_changes(self, changes: Iterable[Any]) -> int:
+        # Rare (a few per bundle): straight through, after the decisions they name.
+        self.flush()
+        return self.archive.write_stage_changes(changes)
 
     def write_override(self, scope: tuple[str, str | None, str | None], enabled: bool,
                        draft_limit: int | None, by: str, reason: str, ts: float,
@@ -967,6 +1067,19 @@ class _DecisionBatch:
 def _append(columns: list[list[Any]], row: Sequence[Any]) -> None:
     for column, value in zip(columns, row):
         column.append(value)
+
+
+def _stage_row(change: Mapping[str, Any]) -> list[Any]:
+    """One registry row; its id is a digest of the change, so writing it twice keeps one."""
+    bundle_id, ts = change["bundle_id"], _finite(change["ts"], "ts")
+    _require_text(bundle_id, "bundle_id")
+    detail = _json(change.get("detail") or {})
+    body = _json({"bundle_id": bundle_id, "ts": ts, "stage": change["stage"], "actor": change["actor"],
+                  "reason": change.get("reason", ""), "decision_id": change.get("decision_id"), "detail": detail})
+    change_id = "s-" + hashlib.sha256(body.encode()).hexdigest()[:16]
+    return [change_id, ts, bundle_id, change["stage"], change.get("previous_stage"),
+            float(change.get("cohort_share") or 0.0), change["actor"], change.get("reason", ""),
+            change.get("decision_id"), detail, int(change.get("seq") or 0)]
 
 
 def _decision_row(decision: Decision, decision_id: str) -> list[Any]:

@@ -147,6 +147,11 @@ class ArchiveSink:
             self._put(self._decision_entry(action.decision, action.audit, action.samples),
                       lambda a, x=action: a.write_decision(x.decision, x.audit, x.samples))
             self.decisions_written += 1
+        stage_changes = [dict(vars(c)) if not isinstance(c, Mapping) else dict(c)
+                         for c in getattr(output, "stage_changes", ())]
+        if stage_changes:
+            self._put({"k": "stages", "changes": stage_changes},
+                      lambda a, rows=stage_changes: a.write_stage_changes(rows))
         self._rows.extend(output.window_rows)
         if len(self._rows) >= self.window_batch:
             self._write_rows()
@@ -262,7 +267,7 @@ class ArchiveSink:
         return True
 
     def _write_entries(self, entries: list[dict]) -> None:
-        """One spool segment into the archive: window stats, bundles, then decisions."""
+        """One spool segment into the archive: window stats, bundles, decisions, then stage changes."""
         rows = [row for e in entries if e.get("k") == "windows" for row in e["rows"]]
         if rows:
             self.archive.write_window_stats(rows)
@@ -273,7 +278,10 @@ class ArchiveSink:
                      for e in entries if e.get("k") == "decision"]
         if decisions:
             self.archive.write_decisions(decisions)
-        unknown = {e.get("k") for e in entries} - {"windows", "bundle", "decision"}
+        stages = [change for e in entries if e.get("k") == "stages" for change in e["changes"]]
+        if stages:
+            self.archive.write_stage_changes(stages)
+        unknown = {e.get("k") for e in entries} - {"windows", "bundle", "decision", "stages"}
         if unknown:
             raise ValueError(f"spool entries of unknown kinds {sorted(map(str, unknown))}")
 

@@ -161,7 +161,11 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     what, measure = _headline(record)
     lines = [f"decision {record['decision_id']}: {what}" + (f":\n  {measure}" if measure else "")]
     lines.append(f"detector: {record['detector']}")
+    judgement = judgement_lines(finding)
+    if judgement:  # an admission decision: the stage move and the judge's per-bucket breakdown
+        finding = {k: v for k, v in finding.items() if k not in ("breakdown", "judgement", "failing")}
     lines.append("finding: " + " ".join(f"{k}={_shown(k, v)}" for k, v in _flatten("", finding)))
+    lines.extend(judgement)
     thresholds = audit.get("thresholds") or {}
     lines.append("thresholds: " + " ".join(f"{k}={_number(v)}" for k, v in _flatten("", thresholds)))
     baseline = audit.get("baseline") or {}
@@ -189,6 +193,45 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     for sample in samples[:10]:
         lines.append(f"  {sample['kind']:<8}{sample['sample_id']:<28}{_sample_detail(sample['record'])}")
     return "\n".join(lines)
+
+
+def judgement_lines(finding: dict) -> list[str]:
+    """The canary judge's breakdown behind an admission decision, one line per bucket and metric.
+
+    >>> finding = {"stage": "frozen", "previous_stage": "canary", "breakdown": {"structured": {
+    ...     "outcome": "fail", "canary_requests": 120, "baseline_requests": 900, "metrics": [
+    ...         {"metric": "tpot_p99", "outcome": "fail", "canary": 19.6, "baseline": 13.6, "limit": 15.0,
+    ...          "p_value": 2.6e-08, "windows": [8, 76]}]}}}
+    >>> for line in judgement_lines(finding):
+    ...     print(line)
+    stage: canary -> frozen
+    judgement (canary against baseline, per bucket):
+      structured      fail      canary 120 requests, baseline 900
+        tpot_p99            fail      canary 19.6  baseline 13.6  limit 15  p 2.6e-08  windows 8/76
+    >>> judgement_lines({"metric": "acceptance_length"})
+    []
+    """
+    breakdown = finding.get("breakdown")
+    if not isinstance(breakdown, dict):
+        return []
+    lines = [f"stage: {finding.get('previous_stage') or '-'} -> {finding.get('stage')}"]
+    if finding.get("vetoed_by"):
+        lines.append(f"vetoed by decision {finding['vetoed_by']} ({finding.get('veto_reason')})")
+    lines.append("judgement (canary against baseline, per bucket):")
+    for bucket, verdict in sorted(breakdown.items()):
+        lines.append(f"  {bucket:<15} {verdict.get('outcome', '?'):<9} canary {verdict.get('canary_requests')} "
+                     f"requests, baseline {verdict.get('baseline_requests')}")
+        for metric in verdict.get("metrics", []):
+            if metric.get("outcome") == "pass" and verdict.get("outcome") == "pass":
+                continue  # a passing bucket is summarized by its line
+            windows = metric.get("windows") or [0, 0]
+            text = (f"    {metric['metric']:<19} {metric['outcome']:<9} canary {_number(metric.get('canary'))}  "
+                    f"baseline {_number(metric.get('baseline'))}  limit {_number(metric.get('limit'))}  "
+                    f"p {_number(metric.get('p_value'))}  windows {windows[0]}/{windows[1]}")
+            if metric.get("note"):
+                text += f"  ({metric['note']})"
+            lines.append(text)
+    return lines
 
 
 def _sample_detail(record: dict) -> str:
@@ -241,7 +284,9 @@ def render_html(record: dict, samples: Sequence[dict]) -> str:
         _row("event time", f"{_utc(record['ts'])} ({record['ts']:.3f})", "ts"),
         "</table>",
         "<h2>Finding and thresholds</h2>",
-        _key_value_table("finding", finding),
+        _key_value_table("finding", {k: v for k, v in finding.items() if k not in ("breakdown", "judgement", "failing")}),
+        *([f'<pre id="judgement">{esc(chr(10).join(judgement_lines(finding)))}</pre>']
+          if judgement_lines(finding) else []),
         f'<p class="muted">Policy settings of the gate that fired ({esc(record["detector"])}):</p>',
         _key_value_table("thresholds", audit.get("thresholds") or {}),
         "<h2>Baseline it was compared to</h2>",

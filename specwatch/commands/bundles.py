@@ -1,0 +1,212 @@
+"""`specwatch bundles`: the bundle registry, each bundle's admission stage and history, and manual moves.
+
+`list` and `show` read the archive; `admit`, `promote` and `freeze` record a person's stage
+change there, with an audit row naming who made it and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
+
+__all__ = ["register", "next_stage"]
+
+_EXIT_NOT_FOUND = 1
+_EXIT_USAGE = 2
+
+
+def next_stage(stage: str | None, share: float | None, schedule: list[float]) -> tuple[str, float]:
+    """The stage (and cohort share) one step after ``stage`` on the cohort ``schedule``.
+
+    >>> schedule = [0.01, 0.05, 0.25, 1.0]
+    >>> next_stage("unadmitted", 0.0, schedule), next_stage("shadow", 0.05, schedule)
+    (('shadow', 0.0), ('canary', 0.01))
+    >>> next_stage("canary", 0.05, schedule), next_stage("canary", 0.25, schedule)
+    (('canary', 0.25), ('admitted', 1.0))
+    >>> next_stage("admitted", 1.0, schedule)
+    Traceback (most recent call last):
+    ...
+    ValueError: the bundle is admitted already: nothing to promote it to
+    """
+    if stage == "admitted":
+        raise ValueError("the bundle is admitted already: nothing to promote it to")
+    if stage in (None, "unadmitted", "invalidated", "frozen"):
+        return "shadow", 0.0
+    if stage == "shadow":
+        share = schedule[0]
+    else:
+        later = [s for s in schedule if s > (share or 0.0)]
+        share = later[0] if later else 1.0
+    return ("admitted", 1.0) if share >= 1.0 else ("canary", share)
+
+
+def register(subparsers) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    add_archive_options(common)
+    change = argparse.ArgumentParser(add_help=False)
+    change.add_argument("bundle_id", help="bundle id (b-...)")
+    change.add_argument("--by", required=True, metavar="NAME", help="who is making the change (audited)")
+    change.add_argument("--reason", required=True, metavar="TEXT", help="why (audited)")
+
+    parser = subparsers.add_parser(
+        "bundles", help="bundle registry: admission stages, their history, manual moves",
+        description="Every bundle (fingerprint card) seen, its admission stage (unadmitted, shadow, canary "
+                    "with a traffic share, admitted, frozen, invalidated) and what changed it, when and on "
+                    "what evidence. admit, promote and freeze record a person's change with an audit row.")
+    sub = parser.add_subparsers(dest="bundles_command", metavar="ACTION", required=True)
+
+    p = sub.add_parser("list", parents=[common], help="every bundle with its stage")
+    p.set_defaults(func=_list)
+    p = sub.add_parser("show", parents=[common], help="one bundle: card and stage history")
+    p.add_argument("bundle_id", help="bundle id (b-...)")
+    p.set_defaults(func=_show)
+    p = sub.add_parser("admit", parents=[common, change], help="admit a bundle by hand (all traffic speculates)")
+    p.set_defaults(func=_admit)
+    p = sub.add_parser("promote", parents=[common, change],
+                       help="move a bundle one step on the cohort schedule by hand")
+    p.add_argument("--policy", help="policy TOML file whose cohort schedule to follow (defaults built in)")
+    p.set_defaults(func=_promote)
+    p = sub.add_parser("freeze", parents=[common, change], help="freeze a bundle: no speculation, no promotion")
+    p.set_defaults(func=_freeze)
+
+
+def _list(args: argparse.Namespace) -> int:
+    archive = open_archive(args)
+    if archive is None:
+        return _EXIT_USAGE
+    with archive:
+        rows = archive.bundle_registry()
+    for row in rows:
+        row["card_summary"] = _card(row["card"])
+    if args.json:
+        print_rows(rows, (), as_json=True)
+        return 0
+    if not rows:
+        print("no bundle in the archive yet")
+        return 0
+    print_rows(rows, [
+        ("bundle_id", "bundle", str), ("stage", "stage", _opt), ("cohort_share", "share", _opt),
+        ("stage_since", "since (UTC)", format_ts), ("stage_by", "by", _opt),
+        ("first_seen", "first seen (UTC)", format_ts), ("card_summary", "card", str),
+    ], as_json=False)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    archive = open_archive(args)
+    if archive is None:
+        return _EXIT_USAGE
+    with archive:
+        row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
+        history = archive.stage_history(args.bundle_id)
+    if row is None:
+        print(f"specwatch: no bundle {args.bundle_id} in the archive", file=sys.stderr)
+        return _EXIT_NOT_FOUND
+    for change in history:
+        change["evidence"] = _evidence(change)
+    if args.json:
+        print_rows([dict(row, history=history)], (), as_json=True)
+        return 0
+    print(f"bundle {row['bundle_id']}: {row['stage'] or 'not judged (admission off)'}"
+          + (f", cohort share {row['cohort_share']:g}" if row["stage"] in ("shadow", "canary") else ""))
+    print(f"  card: {_card(row['card'])}")
+    print(f"  seen: {format_ts(row['first_seen'])} .. {format_ts(row['last_seen'])} on "
+          f"{', '.join(row['workers']) or '-'}")
+    if not history:
+        print("  no stage history")
+        return 0
+    print()
+    print_rows(history, [
+        ("ts", "when (UTC)", format_ts), ("previous_stage", "from", _opt), ("stage", "to", str),
+        ("cohort_share", "share", _opt), ("actor", "by", str), ("reason", "reason", str),
+        ("decision_id", "decision", _opt), ("evidence", "evidence", str),
+    ], as_json=False)
+    return 0
+
+
+def _admit(args: argparse.Namespace) -> int:
+    return _change(args, lambda stage, share, policy: ("admitted", 1.0))
+
+
+def _freeze(args: argparse.Namespace) -> int:
+    return _change(args, lambda stage, share, policy: ("frozen", 0.0))
+
+
+def _promote(args: argparse.Namespace) -> int:
+    return _change(args, lambda stage, share, policy: next_stage(stage, share, policy.admission.cohort_schedule))
+
+
+def _change(args: argparse.Namespace, target) -> int:
+    from specwatch.schemas import PolicyError, load_policy
+
+    by, reason = args.by.strip(), args.reason.strip()
+    if not by or not reason:
+        print("specwatch: --by and --reason must not be empty", file=sys.stderr)
+        return _EXIT_USAGE
+    try:
+        policy = load_policy(getattr(args, "policy", None))
+    except PolicyError as error:
+        print(f"specwatch: {error}", file=sys.stderr)
+        return _EXIT_USAGE
+    archive = open_archive(args)
+    if archive is None:
+        return _EXIT_USAGE
+    with archive:
+        row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
+        if row is None:
+            print(f"specwatch: no bundle {args.bundle_id} in the archive", file=sys.stderr)
+            return _EXIT_NOT_FOUND
+        try:
+            stage, share = target(row["stage"], row["cohort_share"], policy)
+        except ValueError as error:
+            print(f"specwatch: {error}", file=sys.stderr)
+            return _EXIT_USAGE
+        settings = policy.admission
+        cohort = settings.shadow_cohort if stage == "shadow" else settings.canary_cohort if stage == "canary" else None
+        if stage == "shadow":
+            share = settings.shadow_share
+        # never before the change it follows, whatever the clocks say
+        ts = max(time.time(), row["stage_since"] or 0.0)
+        change_id = archive.write_manual_stage(args.bundle_id, stage, by, reason, ts, row["stage"], share, cohort)
+    if args.json:
+        print_rows([{"change_id": change_id, "bundle_id": args.bundle_id, "stage": stage, "previous_stage":
+                     row["stage"], "cohort_share": share, "by": by, "reason": reason, "ts": ts}], (), as_json=True)
+    else:
+        print(f"bundle {args.bundle_id}: {row['stage'] or 'not judged'} -> {stage}"
+              + (f" (cohort share {share:g})" if stage in ("shadow", "canary") else "")
+              + f" by {by}: {reason} ({change_id})")
+    return 0
+
+
+def _evidence(change: dict) -> str:
+    """One line of what moved a stage: the failing bucket and metric, the judged buckets, or a fingerprint change."""
+    detail = change.get("detail") or {}
+    if detail.get("manual"):
+        return "manual"
+    if detail.get("failed_bucket") or detail.get("failed_metric"):
+        text = f"failed: {detail.get('failed_bucket') or '*'} {detail.get('failed_metric')}"
+        if detail.get("vetoed_by"):
+            text += f" (veto by {detail['vetoed_by']})"
+        return text
+    if detail.get("changed_fields"):
+        return f"card changed from {detail.get('previous_bundle_id')}: {', '.join(detail['changed_fields'])}"
+    judged = detail.get("judgement")
+    if judged:
+        requests = sum(j.get("canary_requests", 0) for j in judged.values())
+        return f"{len(judged)} buckets pass, {requests} speculative requests judged"
+    return ""
+
+
+def _card(card) -> str:
+    if not card:
+        return "-"
+    target, drafter = card.get("target", {}), card.get("drafter", {})
+    return (f"{target.get('model_id')}@{target.get('revision')} {drafter.get('mechanism')}@"
+            f"{drafter.get('revision')} D={drafter.get('draft_length')} {card.get('policy', {}).get('acceptance_rule')}")
+
+
+def _opt(value: object) -> str:
+    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
