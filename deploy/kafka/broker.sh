@@ -7,6 +7,8 @@
 #       bootstrap address 127.0.0.1:P on stdout; when one already runs on P it only makes
 #       sure the topics exist and prints the address.
 #   deploy/kafka/broker.sh stop [--port P]      stops it and waits until it is gone
+#   deploy/kafka/broker.sh resume [--port P]    starts a stopped broker again on its own
+#       data (topics, offsets and committed groups kept), as after an outage
 #   deploy/kafka/broker.sh status [--port P]    exit 0 and the address when it runs
 #
 # Progress and errors go to stderr; the broker's own log is <home>/data-P/server.log.
@@ -31,7 +33,7 @@ log() { echo "broker.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
 
 usage() {
-  sed -n '4,15p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '4,17p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -292,19 +294,42 @@ start_broker() {
     --cluster-id "$(cluster_id)" --standalone --ignore-formatted >/dev/null \
     || die "could not format KRaft storage in $data/kraft"
   log "starting Apache Kafka $version on $address (controller on 127.0.0.1:$controller_port)"
+  launch_broker
+  ensure_topics || { stop_broker; exit 1; }
+  log "ready in $((SECONDS - started))s"
+  echo "$address"
+}
+
+launch_broker() {  # runs the JVM on the configured $data and waits until it serves
+  local pid
   # setsid: the broker outlives this script and the terminal or test run that started it;
   # it must not inherit the lock descriptor, or the next start/stop would wait on it.
   KAFKA_LOG4J_OPTS="" setsid "$java" $broker_heap -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
     -Djava.awt.headless=true -Dlog4j2.configurationFile="$data/log4j2.properties" \
     -Dkafka.logs.dir="$data" -cp "$libs/*" kafka.Kafka "$data/server.properties" \
-    > "$data/jvm.out" 2>&1 < /dev/null 9>&- &
+    >> "$data/jvm.out" 2>&1 < /dev/null 9>&- &
   pid=$!
   echo "$pid" > "$pid_file"
   if ! wait_ready "$pid"; then
     stop_broker
     exit 1
   fi
-  ensure_topics || { stop_broker; exit 1; }
+}
+
+resume_broker() {
+  local pid started=$SECONDS
+  if pid=$(broker_pid); then
+    log "a broker already runs on $address (pid $pid)"
+    echo "$address"
+    return 0
+  fi
+  [ -f "$data/server.properties" ] || die "no stopped broker to resume on port $port ($data has no server.properties); use start"
+  listening "$port" && die "port $port is taken by another process"
+  ensure_jars
+  log "resuming Apache Kafka $version on $address with the data in $data"
+  # readiness is read from server.log: the previous run's "started" line must not count
+  mv -f "$data/server.log" "$data/server.log.previous" 2>/dev/null || true
+  launch_broker
   log "ready in $((SECONDS - started))s"
   echo "$address"
 }
@@ -318,6 +343,7 @@ flock -w 300 9 || die "another broker.sh holds $home/broker-$port.lock"
 
 case "$command" in
   start) start_broker ;;
+  resume) resume_broker ;;
   stop) stop_broker ;;
   status)
     if pid=$(broker_pid); then log "running (pid $pid)"; echo "$address"; else log "not running"; exit 1; fi ;;

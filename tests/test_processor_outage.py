@@ -1,0 +1,94 @@
+"""A Kafka outage seen from the stream processors, on a broker this test stops and resumes.
+
+The telemetry is on the broker; a `specwatch run` worker is half way through it when the
+broker goes away for a while and comes back on the same data (topics, offsets, committed
+groups kept). Whatever the worker does meanwhile (wait and reconnect, or stop because a
+write went unacknowledged), a supervisor restarts it if it stopped, and in the end every
+decision the embedded pipeline makes is on the decisions topic exactly once, and in the
+archive exactly once.
+
+The broker runs on its own port so that the shared test broker never notices.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from aiokafka.errors import KafkaError
+
+from specwatch.actions.archive import Archive
+
+from test_kafka_e2e import _DRAIN_TIMEOUT_S, Pipeline, _assert_same_decisions, _make_feed
+
+pytestmark = pytest.mark.kafka
+
+_PORT = int(os.environ.get("SPECWATCH_PROCESSOR_OUTAGE_KAFKA_PORT", "19492"))
+_BROKER = Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "broker.sh"
+_OUTAGE_S = 20.0  # long enough for every client to notice; shorter than the worker's 60 s ack limit
+
+
+def _broker(command: str) -> str:
+    done = subprocess.run([str(_BROKER), command, "--port", str(_PORT), "--partitions", "4"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"broker.sh {command} failed:\n{done.stderr[-3000:]}"
+    return done.stdout.strip()
+
+
+@pytest.fixture
+def own_broker():
+    address = _broker("start")
+    try:
+        yield address
+    finally:
+        _broker("stop")
+
+
+def _progress(pipeline: Pipeline) -> float:
+    try:
+        return pipeline.progress()
+    except KafkaError:  # the group has no coordinator until it first joined
+        return 0.0
+
+
+def test_worker_survives_a_broker_outage_and_decides_each_decision_once(own_broker, tmp_path):
+    feed = _make_feed(own_broker, "acceptance_drop")
+    pipeline = Pipeline(own_broker, feed, tmp_path, archive=True)
+    try:
+        worker = pipeline.start(checkpoint_seconds=2.0)
+        deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+        while _progress(pipeline) < 0.3:
+            assert worker.poll() is None, pipeline.logs()
+            assert time.monotonic() < deadline, pipeline.logs()
+            time.sleep(0.2)
+        assert pipeline.progress() < 1.0, "the outage came too late to test anything"
+
+        _broker("stop")
+        time.sleep(_OUTAGE_S)
+        assert "resuming" not in pipeline.logs()
+        _broker("resume")
+
+        restarts = 0
+        while True:  # a supervisor: restart the worker whenever it stopped, until it is done
+            if worker.poll() is not None:
+                restarts += 1
+                assert restarts <= 3, f"the worker keeps stopping: {pipeline.logs()}"
+                worker = pipeline.start(checkpoint_seconds=2.0)
+            try:
+                pipeline.wait_drained(timeout=30.0)
+                break
+            except (AssertionError, KafkaError):  # not drained yet, or the group still settling
+                assert time.monotonic() < deadline + _DRAIN_TIMEOUT_S, pipeline.logs()
+        published = _assert_same_decisions(pipeline, feed)
+    finally:
+        pipeline.stop()
+    with Archive.open(pipeline.archive, create=False) as archive:
+        archived = archive.decisions(limit=None)
+        assert sorted(r["decision_id"] for r in archived) == sorted(d.id for d in published)
+    first = (tmp_path / "worker-0-0.log").read_text().splitlines()
+    why = [line for line in first if "ERROR" in line or "Stalled" in line][-3:]
+    print(f"\n[processor outage] {_OUTAGE_S:.0f} s outage at 30% of the telemetry; worker restarts: {restarts}; "
+          f"{len(published)} decisions, each once; the first worker's last errors: {why}")
