@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import uuid
+from typing import Iterator
 
 import pytest
 
@@ -18,3 +20,18 @@ def kafka_bootstrap() -> str:
         pytest.fail("SPECWATCH_TEST_BOOTSTRAP is not set: run the tests through deploy/test.sh, "
                     "which starts the real Kafka broker (deploy/kafka/broker.sh start)")
     return address
+
+
+@pytest.fixture
+def compacted_topic(kafka_bootstrap) -> Iterator[str]:
+    """A new one-partition compacted topic on the test broker (a decisions topic), deleted after."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=(4, 0))
+    name = f"test.compacted.{uuid.uuid4().hex[:12]}"
+    try:
+        admin.create_topics([NewTopic(name, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+        yield name
+        admin.delete_topics([name])
+    finally:
+        admin.close()

@@ -14,10 +14,8 @@ the same one.
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
@@ -26,28 +24,20 @@ from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, Telem
 from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
 
+from own_broker import OwnBroker
+
 pytestmark = pytest.mark.kafka
 
 _PORT = int(os.environ.get("SPECWATCH_OUTAGE_KAFKA_PORT", "19392"))
-_BROKER = Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "broker.sh"
+_broker = OwnBroker(_PORT, partitions=2)
 _TOPIC = "specwatch.telemetry"
 _PATIENCE_S = 120.0  # liveness deadline on a busy shared machine, not a performance bound
 
 
-def _broker(command: str) -> str:
-    done = subprocess.run([str(_BROKER), command, "--port", str(_PORT), "--partitions", "2"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"broker.sh {command} failed:\n{done.stderr[-3000:]}"
-    return done.stdout.strip()
-
-
 @pytest.fixture
 def own_broker():
-    address = _broker("start")
-    try:
+    with _broker.running() as address:
         yield address
-    finally:
-        _broker("stop")
 
 
 def _step(worker: str, seq: int) -> StepRecord:

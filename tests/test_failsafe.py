@@ -10,11 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
 
 import pytest
 from kafka import KafkaProducer
-from kafka.admin import KafkaAdminClient, NewTopic
 
 from specwatch.actions.decisions_topic import SILENT_FALLBACK, DecisionPublisher, FlagClient, heartbeat_message
 from specwatch.actions.signing import Keyring
@@ -31,19 +29,9 @@ _PATIENCE_S = 60.0  # a deadline for liveness on a busy machine, not a performan
 _LOGGER = "specwatch.actions.decisions_topic"
 
 
-@pytest.fixture(scope="module")
-def admin(kafka_bootstrap):
-    client = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
-    yield client
-    client.close()
-
-
 @pytest.fixture
-def topic(admin):
-    name = f"test.silence.{uuid.uuid4().hex[:12]}"
-    admin.create_topics([NewTopic(name, 1, 1, topic_configs={"cleanup.policy": "compact"})])
-    yield name
-    admin.delete_topics([name])
+def topic(compacted_topic):
+    return compacted_topic
 
 
 def _until(condition) -> bool:

@@ -13,38 +13,27 @@ The broker runs on its own port so that the shared test broker never notices.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from aiokafka.errors import KafkaError
 
 from specwatch.actions.archive import Archive
 
+from own_broker import OwnBroker
 from test_kafka_e2e import _DRAIN_TIMEOUT_S, Pipeline, _assert_same_decisions, _make_feed
 
 pytestmark = pytest.mark.kafka
 
 _PORT = int(os.environ.get("SPECWATCH_PROCESSOR_OUTAGE_KAFKA_PORT", "19492"))
-_BROKER = Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "broker.sh"
+_broker = OwnBroker(_PORT, partitions=4)
 _OUTAGE_S = 20.0  # long enough for every client to notice; shorter than the worker's 60 s ack limit
-
-
-def _broker(command: str) -> str:
-    done = subprocess.run([str(_BROKER), command, "--port", str(_PORT), "--partitions", "4"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"broker.sh {command} failed:\n{done.stderr[-3000:]}"
-    return done.stdout.strip()
 
 
 @pytest.fixture
 def own_broker():
-    address = _broker("start")
-    try:
+    with _broker.running() as address:
         yield address
-    finally:
-        _broker("stop")
 
 
 def _progress(pipeline: Pipeline) -> float:

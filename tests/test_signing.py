@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaProducer
-from kafka.admin import KafkaAdminClient, NewTopic
 
 from specwatch.actions.decisions_topic import DecisionPublisher, FlagClient, heartbeat_message
 from specwatch.actions.signing import (
@@ -146,19 +145,9 @@ def test_verify_never_raises_and_only_the_signed_line_is_valid(line, other, head
 
 # -- on the real broker ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def admin(kafka_bootstrap):
-    client = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
-    yield client
-    client.close()
-
-
 @pytest.fixture
-def decisions_topic(admin):
-    name = f"test.decisions.{uuid.uuid4().hex[:12]}"
-    admin.create_topics([NewTopic(name, 1, 1, topic_configs={"cleanup.policy": "compact"})])
-    yield name
-    admin.delete_topics([name])
+def decisions_topic(compacted_topic):
+    return compacted_topic
 
 
 @pytest.fixture
