@@ -53,7 +53,8 @@ class BundleAdmission:
     bundle_id: str
     first_seen: float
     card: dict | None = None
-    stage: str | None = None  # None: seen, not yet decided (its partials have not reached us)
+    stage: str | None = None
+    stage_decided: bool = False  # False: seen (or changed to), its partials have not reached us since
     stage_since: float = math.nan
     share_index: int = -1  # index into the cohort schedule while in canary
     invalidated: dict | None = None  # the fingerprint change that produced this bundle
@@ -102,18 +103,26 @@ class AdmissionController:
         entry.card = card
 
     def changed(self, bundle_id: str, previous_bundle_id: str, changed_fields: list[str], card: dict,
-                ts: float, worker: str) -> None:
-        """A worker's card changed to ``bundle_id``: whatever the new card's stage was, its evidence is void."""
+                ts: float, worker: str) -> bool:
+        """A worker's card changed to ``bundle_id``: whatever the new card earned before is void.
+
+        Returns whether the change voids anything: False while the new card is still being
+        validated since an earlier change (the rest of the fleet rolling over to it), so that
+        the rollout does not restart its own validation worker by worker.
+        """
         entry = self._entry(bundle_id, ts)
         entry.card = card
+        if entry.stage in ("unadmitted", "invalidated", "shadow") or (
+                entry.stage is None and entry.invalidated is not None):
+            return False
         previous = self.bundles.get(previous_bundle_id)
-        detail = {"previous_bundle_id": previous_bundle_id, "previous_stage": previous.stage if previous else None,
-                  "changed_fields": list(changed_fields), "worker": worker}
-        if entry.stage is None:
-            entry.invalidated = dict(detail, ts=ts)
-        elif entry.stage != "invalidated":
-            # Seen before (a roll-back to an older card, say): its old evidence is void as well.
-            self._move(entry, "invalidated", ts, "specwatch", "bundle_changed", None, detail)
+        entry.invalidated = {"previous_bundle_id": previous_bundle_id,
+                             "previous_stage": previous.stage if previous else None,
+                             "changed_fields": list(changed_fields), "worker": worker, "ts": ts,
+                             "stage_before": entry.stage}
+        # Decided again, as a new bundle is, when its partials next reach this controller.
+        entry.stage_decided = False
+        return True
 
     def observe(self, bundle_id: str, bucket: str | None, cohort: str | None, stats: SliceStats,
                 slice_end: float, speculating: bool) -> list[Decision]:
@@ -127,7 +136,7 @@ class AdmissionController:
         if entry is None:
             entry = self._entry(bundle_id, stats.max_ts or slice_end)
         decisions: list[Decision] = []
-        if entry.stage is None:
+        if not entry.stage_decided:
             decisions += self._enter(entry)
         if bucket is None or entry.stage not in _JUDGED:
             return decisions
@@ -196,8 +205,9 @@ class AdmissionController:
 
     def _enter(self, entry: BundleAdmission) -> list[Decision]:
         """The first decision about a bundle: admitted by policy, or no speculation until it earns it."""
+        entry.stage_decided = True
         ts = entry.first_seen
-        if entry.bundle_id in self._admitted:
+        if entry.bundle_id in self._admitted and entry.invalidated is None:
             self._move(entry, "admitted", ts, "policy", "admitted_bundles", None, {})
             return []
         decisions = []
@@ -205,6 +215,7 @@ class AdmissionController:
             # The fallback table already invalidated it (reason bundle_changed); the stage follows.
             ts = entry.invalidated["ts"]
             self._move(entry, "invalidated", ts, "specwatch", "bundle_changed", None, entry.invalidated)
+            entry.invalidated = None
         else:
             evidence = self._stage_evidence(entry, "unadmitted")
             evidence["card_known"] = entry.card is not None

@@ -265,6 +265,9 @@ _ERROR_TEXTS = (
 _TIMEOUT_TEXT = "engine step watchdog: no progress for 5.0 s"
 
 _SHADOW_FRACTION = 0.02
+# While a bundle is in canary, a router checks this share of the canary's outputs against
+# standard decoding: the lossless contract is what a canary must show first.
+_CANARY_SHADOW_FRACTION = 0.25
 _SHADOW_DELAY_SECONDS = (0.5, 2.5)  # a shadow re-run with standard decoding finishes later
 _SHADOW_CHECK = "token_exact"
 
@@ -397,7 +400,7 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
         "(intensity = mismatching share of shadow checks, default 0.2)", 8.0,
         (_Plan("canary_mismatch", bucket="structured", cohort="canary"),), incident_at=0.0),
     "admission_change": _Scenario(
-        "a new bundle in admission; the tokenizer digest changes over the fleet in 10 s at 330 s", 12.0,
+        "a new bundle in admission; the tokenizer digest changes over the fleet in 10 s at 330 s", 8.0,
         (_Plan("bundle_change"),), incident_at=330.0),
 })
 
@@ -455,7 +458,7 @@ class _Request:
     __slots__ = ("id", "bucket", "cohort", "level", "prompt_tokens", "output_tokens", "max_tokens",
                  "arrival", "ttft_ms", "fail_u", "fail_remaining", "tail_u", "shadow_u", "shadow_delay",
                  "error_text_u", "sampling", "prompt_sha256", "output_sha256", "entries", "speculated",
-                 "remaining", "kv_tokens")
+                 "remaining", "kv_tokens", "shadow_fraction")
 
     def round_entry(self, code: int, width: int) -> RoundEntry:
         # Round entries are immutable and a request repeats few (drafted, accepted) pairs,
@@ -579,7 +582,7 @@ class _Worker:
         req.id = f"{self.name}-{self.next_request:07d}"
         self.next_request += 1
         req.bucket = b = bisect.bisect_right(self._cumulative_weights(t), u[0])
-        req.cohort = self._route(u[1], bisect.bisect_right(_CUMULATIVE_COHORT_SHARES, u[1]))
+        req.cohort, req.shadow_fraction = self._route(u[1], bisect.bisect_right(_CUMULATIVE_COHORT_SHARES, u[1]))
         req.level = min(len(_DIFFICULTY_LEVELS) - 1, int(u[2] * len(_DIFFICULTY_LEVELS)))
         profile = BUCKETS[b]
         prompt = profile.prompt_median * math.exp(profile.prompt_sigma * z0)
@@ -609,22 +612,25 @@ class _Worker:
         req.kv_tokens = req.prompt_tokens + 1
         return req
 
-    def _route(self, u: float, cohort: int) -> int:
-        """The cohort a router puts a request in, given the bundle's admission stage (if the flag source has one).
+    def _route(self, u: float, cohort: int) -> tuple[int, float]:
+        """The cohort a router puts a request in, given the bundle's admission stage (if the flag
+        source has one), and the share of such requests whose output is shadow-checked.
 
         In shadow or canary the stage's share of the non-baseline traffic goes to the stage's
         cohort and the rest to main; otherwise the fixed split stands. The baseline cohort
-        never moves: it is the standard-decoding comparison on the same hardware.
+        never moves: it is the standard-decoding comparison on the same hardware. Mirrored
+        requests are all checked (that is what they are for), canary requests more often.
         """
         flags = self.sim.flags
         stage_of = getattr(flags, "admission", None)
         if stage_of is None or cohort == _BASELINE:
-            return cohort
+            return cohort, _SHADOW_FRACTION
         state = stage_of(self.bundle_id)
         if state is None or state.stage not in ("shadow", "canary") or state.cohort not in _COHORT_INDEX:
-            return cohort
-        routed = state.cohort_share * (1.0 - _COHORT_SHARES[_BASELINE])
-        return _COHORT_INDEX[state.cohort] if u < routed else _MAIN
+            return cohort, _SHADOW_FRACTION
+        if u >= state.cohort_share * (1.0 - _COHORT_SHARES[_BASELINE]):
+            return _MAIN, _SHADOW_FRACTION
+        return _COHORT_INDEX[state.cohort], 1.0 if state.stage == "shadow" else _CANARY_SHADOW_FRACTION
 
     def _admit(self, t: float, emitting: bool) -> None:
         target = self._concurrency(t)
@@ -876,8 +882,7 @@ class _Worker:
             self.emit_later(end_ts, self.index, [record])
         else:
             out.append(record)
-        # Mirrored (shadow cohort) requests are all checked: checking them is what they are for.
-        fraction = 1.0 if req.cohort == _SHADOW_COHORT else _SHADOW_FRACTION
+        fraction = req.shadow_fraction
         if req.speculated and reason in ("stop", "length") and req.shadow_u < fraction:
             match = True
             mismatch = self.conditions.mismatch

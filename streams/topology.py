@@ -384,9 +384,10 @@ class Stage2:
                 self.admission.seen(event["bundle_id"], event["card"], event["ts"])
         elif kind == "bundle_change":
             self.cards[event["bundle_id"]] = event["card"]
-            if self.admission is not None:
-                self.admission.changed(event["bundle_id"], event["previous_bundle_id"], event["changed"],
-                                       event["card"], event["ts"], event["worker"])
+            if self.admission is not None and not self.admission.changed(
+                    event["bundle_id"], event["previous_bundle_id"], event["changed"], event["card"], event["ts"],
+                    event["worker"]):
+                return  # the fleet rolling over to a card already being validated: nothing new is void
             finding = Finding("bundle_changed", "bundle_fingerprint", event["ts"], "card", math.nan, math.nan,
                               math.nan, event["ts"], event["ts"],
                               {"previous_bundle_id": event["previous_bundle_id"], "worker": event["worker"],

@@ -454,7 +454,7 @@ def test_bad_settings_are_refused_with_a_reason(settings, message):
 def test_scenarios_have_descriptions():
     assert "demo" in SCENARIOS and "healthy" in SCENARIOS
     assert all(description and "\n" not in description for description in SCENARIOS.values())
-    assert COHORTS == ("main", "canary", "baseline")
+    assert COHORTS == ("main", "canary", "baseline", "shadow")
 
 
 def test_simulate_command_writes_contract_lines(tmp_path, capsys):
