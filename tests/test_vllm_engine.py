@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from vllm_scenario import run_scenario
 
 pytestmark = pytest.mark.vllm
 
@@ -160,17 +160,7 @@ def _scenario(out_path: Path) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     """The scenario's results: one engine run per module, in a subprocess."""
-    out = tmp_path_factory.mktemp("vllm-engine") / "result.json"
-    started = time.monotonic()
-    # the collector's Python sink and flags must share a process with vLLM's engine core
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True,
-                          timeout=_SUBPROCESS_TIMEOUT_S, env=env)
-    if proc.returncode != 0:
-        pytest.fail(f"vLLM scenario failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-    result = json.loads(out.read_text())
-    result["wall_s"] = time.monotonic() - started
-    return result
+    return run_scenario(__file__, tmp_path_factory.mktemp("vllm-engine"), _SUBPROCESS_TIMEOUT_S)
 
 
 def _decoded(lines):
