@@ -8,20 +8,24 @@ are exactly those of `codec.decode_line` and `otlp.decode_request`.
 from __future__ import annotations
 
 import math
-from collections import Counter
-from itertools import chain
+import struct
+from collections import Counter, _count_elements  # noqa: PLC2701 - Counter.update's C loop, without its Mapping check
 from dataclasses import dataclass
+from functools import partial
+from itertools import chain
 from operator import gt, itemgetter
 from typing import Any, Callable
 
 import orjson
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord as PbLogRecord
 
 from .codec import MAX_LINE_BYTES, Rejection, decode_line, decode_object
 from .contract import MAX_REQUESTS_PER_STEP, StepRecord, TelemetryRecord
 from .otlp import MAX_REQUEST_BYTES, decode_log_record, decode_request
-from .otlp import _REQUESTS_PREFIX, _py, record_from_attributes  # noqa: PLC2701 - same contract, same package
+from .otlp import _REQUESTS_PREFIX, _attribute  # noqa: PLC2701 - same contract, same package
+from .otlp import _Memo as _WriterMemo  # noqa: PLC2701
 
 __all__ = ["StepColumns", "decode_line_fast", "decode_request_fast", "step_columns"]
 
@@ -172,40 +176,451 @@ def decode_line_fast(line: str | bytes) -> TelemetryRecord | StepColumns | Rejec
     return decode_line(line)
 
 
-def _step_from_log_record(log_record) -> StepColumns | None:
-    if log_record.event_name != "specwatch.step":
+# ---------------------------------------------------------------- OTLP steps from the wire
+#
+# Why a hand-written reader rather than the protobuf classes: reading a step through upb
+# makes a Python object per attribute, per AnyValue and per array element, and that was
+# most of the fast OTLP path's CPU. upb still parses every request first, which proves the
+# bytes are a well-formed ExportLogsServiceRequest (lengths, varints, UTF-8, nesting) and
+# gives the reference path its input; this reader only walks offsets in those bytes. It
+# reads a step in one of two ways, and gives up on the record (which then goes through
+# `otlp.decode_log_record`, the reference) at any shape it does not expect:
+#
+# - `_step_plain`: the layout `otlp.encode_records` writes (the templates below are built
+#   with its own functions), checked piece by piece with a few compares and one struct
+#   unpack per run of fixed-size attributes; ids, buckets and cohorts repeat from step to
+#   step of a worker, so whole column attributes are memoised per request.
+# - `_step_from_wire`: attributes in any order, unknown LogRecord fields, long strings,
+#   keys repeated (the last wins, as upb keeps it).
+#
+# Both never build a Python value per round: the columns are zipped into the tally.
+
+_STEP_EVENT = b"specwatch.step"
+_ATTRIBUTE_PREFIX = b"specwatch."
+_COLUMN_PREFIX = _REQUESTS_PREFIX.encode()
+_COLUMN_PREFIX_LEN = len(_COLUMN_PREFIX)
+_SCALAR_KEYS = {b"specwatch." + name.encode(): name
+                for name in ("v", "ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage")}
+_ROUND_COLUMN_KEYS = (b"id", b"bucket", b"cohort", b"drafted", b"accepted")
+_unpack_double = struct.Struct("<d").unpack_from
+_INT64_SIGN = 1 << 63
+_UINT64_RANGE = 1 << 64
+
+
+class _OddShape(Exception):
+    """Bytes that are valid protobuf but not in a shape this reader reads."""
+
+
+class _Memo:
+    """What repeats across the step records of one request, keyed by the bytes it came from."""
+
+    __slots__ = ("names", "columns", "int_heads", "strings", "bodies")
+
+    def __init__(self) -> None:
+        self.names: dict[bytes, str | None] = {}  # worker / bundle_id attribute -> name, None if not one
+        self.columns: dict[bytes, tuple] = {}  # id / bucket / cohort attribute -> (values, all Names)
+        self.int_heads: dict[tuple, bytes] = {}  # (key, attribute size) -> bytes before the elements
+        self.strings: dict[bytes, str] = {}  # AnyValue -> string_value
+        self.bodies: dict[bytes, tuple] = {}  # ArrayValue of strings -> (values, all Names)
+
+
+def _varint(buf: bytes, p: int) -> tuple[int, int]:
+    """The varint at ``p`` and the position after it."""
+    value = shift = 0
+    while True:
+        byte = buf[p]
+        p += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, p
+        shift += 7
+
+
+def _skip(buf: bytes, p: int, wire_type: int) -> int:
+    """The position after a field's payload, ``p`` just after its tag."""
+    if wire_type == 0:
+        while buf[p] & 0x80:
+            p += 1
+        return p + 1
+    if wire_type == 1:
+        return p + 8
+    if wire_type == 2:
+        size, p = _varint(buf, p)
+        return p + size
+    if wire_type == 5:
+        return p + 4
+    raise _OddShape("group or invalid wire type")
+
+
+def _log_record_spans(buf: bytes) -> list[tuple[int, int]] | None:
+    """(start, end) of every LogRecord, in the order upb lists them; None if groups get in the way.
+
+    resource_logs (1) of the request, scope_logs (2) of a ResourceLogs and log_records (2) of
+    a ScopeLogs, each length-delimited; every other field is skipped as upb skips it
+    (unknown, or a known number with another wire type).
+    """
+    spans: list[tuple[int, int]] = []
+    append = spans.append
+    p, end = 0, len(buf)
+    try:
+        while p < end:
+            tag, p = _varint(buf, p)
+            if tag != 0x0A:
+                p = _skip(buf, p, tag & 7)
+                continue
+            size, p = _varint(buf, p)
+            resource_end = p + size
+            while p < resource_end:
+                tag, p = _varint(buf, p)
+                if tag != 0x12:
+                    p = _skip(buf, p, tag & 7)
+                    continue
+                size, p = _varint(buf, p)
+                scope_end = p + size
+                while p < scope_end:
+                    tag, p = _varint(buf, p)
+                    if tag != 0x12:
+                        p = _skip(buf, p, tag & 7)
+                        continue
+                    size, p = _varint(buf, p)
+                    append((p, p + size))
+                    p += size
+                if p != scope_end:
+                    return None
+            if p != resource_end:
+                return None
+    except (_OddShape, IndexError):
         return None
-    obj: dict[str, Any] = {}
-    columns: dict[str, Any] = {}
-    attributes = {pair.key: _py(pair.value) for pair in log_record.attributes}
-    for key, value in attributes.items():
-        if key.startswith(_REQUESTS_PREFIX):
-            columns[key[len(_REQUESTS_PREFIX):]] = value
-        elif key.startswith("specwatch."):
-            obj[key[10:]] = value
-    if "ts" not in obj:
+    return spans if p == end else None
+
+
+def _key_value(buf: bytes, p: int, end: int) -> tuple[bytes, int, int]:
+    """Key and value span of the KeyValue in buf[p:end]; an absent value is an empty span."""
+    key = b""
+    value = None
+    while p < end:
+        field = buf[p]
+        size = buf[p + 1]
+        p += 2
+        if size & 0x80:
+            size, p = _varint(buf, p - 1)
+        if field == 0x0A:
+            key = buf[p:p + size]
+        elif field == 0x12 and value is None:
+            value = (p, p + size)
+        else:  # unknown field, or a value in two parts that protobuf would merge
+            raise _OddShape("KeyValue other than key + value")
+        p += size
+    if p != end:
+        raise _OddShape("KeyValue overruns")
+    return (key, *value) if value else (key, end, end)
+
+
+def _attribute_end(buf: bytes, p: int) -> int:
+    """The end of the LogRecord attribute (field 6) at ``p``."""
+    if buf[p] != 0x32:
+        raise _OddShape("not an attribute")
+    size = buf[p + 1]
+    if size < 0x80:
+        return p + 2 + size
+    size, q = _varint(buf, p + 1)
+    return q + size
+
+
+def _attribute_value(attribute: bytes, key: bytes) -> tuple[int, int]:
+    """The value span of one serialized attribute (tag, size, KeyValue) holding ``key``."""
+    size, p = _varint(attribute, 1)
+    found, start, end = _key_value(attribute, p, len(attribute))
+    if found != key:
+        raise _OddShape("another attribute here")
+    return start, end
+
+
+def _scalar(buf: bytes, start: int, end: int, strings: dict) -> Any:
+    """The AnyValue in buf[start:end] as `otlp._py` gives it, for a value of one scalar field."""
+    if start == end:
         return None
-    header = _header(obj)
+    tag = buf[start]
+    if tag == 0x21 and end - start == 9:  # double_value
+        return _unpack_double(buf, start + 1)[0]
+    if tag == 0x18:  # int_value: int64, negatives as two's complement
+        value, p = _varint(buf, start + 1)
+        if p != end:
+            raise _OddShape("int_value and more")
+        return value - _UINT64_RANGE if value >= _INT64_SIGN else value
+    if tag == 0x0A:  # string_value
+        encoded = buf[start:end]
+        value = strings.get(encoded)
+        if value is None:
+            size, p = _varint(buf, start + 1)
+            if p + size != end:
+                raise _OddShape("string_value and more")
+            value = strings[encoded] = buf[p:end].decode()
+        return value
+    if tag == 0x10:  # bool_value
+        value, p = _varint(buf, start + 1)
+        if p != end:
+            raise _OddShape("bool_value and more")
+        return value != 0
+    raise _OddShape("not one scalar field")
+
+
+def _array_body(buf: bytes, start: int, end: int) -> tuple[int, int]:
+    """The ArrayValue inside the AnyValue buf[start:end], which must hold nothing else."""
+    if start == end or buf[start] != 0x2A:
+        raise _OddShape("not an array_value")
+    size, p = _varint(buf, start + 1)
+    if p + size != end:
+        raise _OddShape("array_value and more")
+    return p, end
+
+
+def _strings(buf: bytes, start: int, end: int) -> tuple[tuple[str, ...], bool]:
+    """An ArrayValue of plain string elements: the values, and whether every one is a Name."""
+    values: list[str] = []
+    append = values.append
+    p = start
+    while p < end:
+        # element: 0a <size>, then the AnyValue: 0a <length> <utf-8>
+        if buf[p] != 0x0A:
+            raise _OddShape("ArrayValue field other than values")
+        size = buf[p + 1]
+        p += 2
+        if size & 0x80:
+            size, p = _varint(buf, p - 1)
+        element_end = p + size
+        if size == 0 or buf[p] != 0x0A:
+            raise _OddShape("element is not a string")
+        length = buf[p + 1]
+        p += 2
+        if length & 0x80:
+            length, p = _varint(buf, p - 1)
+        if p + length != element_end:
+            raise _OddShape("string element and more")
+        append(buf[p:element_end].decode())
+        p = element_end
+    if p != end:
+        raise _OddShape("element overruns the array")
+    return tuple(values), not values or _names(values)
+
+
+def _small_ints(body: bytes) -> bytes:
+    """An ArrayValue body of int elements in the plain form (0a 02 18 vv): the values vv."""
+    count = len(body) >> 2
+    if len(body) != count << 2 or body[0::4] != b"\x0a" * count or body[1::4] != b"\x02" * count \
+            or body[2::4] != b"\x18" * count:
+        raise _OddShape("not small ints in the plain form")
+    # vv < 0x80 needs no check: drafted <= 64 and accepted <= drafted are checked per round
+    return body[3::4]
+
+
+def _array_count(buf: bytes, start: int, end: int) -> int:
+    """How many elements an ArrayValue holds (a column stage 1 does not read)."""
+    count = 0
+    p = start
+    while p < end:
+        tag, p = _varint(buf, p)
+        if tag == 0x0A:
+            count += 1
+        p = _skip(buf, p, tag & 7)
+    if p != end:
+        raise _OddShape("element overruns the array")
+    return count
+
+
+def _record_at(buf: bytes, start: int, end: int) -> TelemetryRecord | Rejection:
+    return decode_log_record(PbLogRecord.FromString(buf[start:end]))
+
+
+def _step(header: tuple, ids: tuple, ids_named: bool, buckets: tuple, buckets_named: bool, cohorts: tuple,
+          cohorts_named: bool, drafted: bytes, accepted: bytes, build: Callable) -> StepColumns | None:
+    """The step if its rounds pass the checks `_tally` makes, else None (the reference decides)."""
+    n = len(ids)
+    if not (n <= MAX_REQUESTS_PER_STEP and ids_named and buckets_named and cohorts_named and len(buckets) == n
+            and len(cohorts) == n and len(drafted) == n and len(accepted) == n):
+        return None
+    if n and (max(drafted) > _MAX_DRAFT or any(map(gt, accepted, drafted))):
+        return None
+    rounds: Counter = Counter()
+    _count_elements(rounds, zip(buckets, cohorts, drafted, accepted))
+    return StepColumns(*header, rounds, build)
+
+
+# ------------------------------------------------ the layout otlp.encode_records writes
+
+
+def _written(key: str, value: Any) -> bytes:
+    return _attribute(key, value, _WriterMemo())
+
+
+def _head(key: str, value: Any, tail: int) -> bytes:
+    """The bytes the writer puts before the last ``tail`` bytes of this attribute."""
+    return _written(key, value)[:-tail]
+
+
+_STAMP, _OBSERVED = 0x09, 0x59
+_V_TS_HEAD = _written("specwatch.v", 1) + _head("specwatch.ts", 0.5, 8)
+_V_TS = struct.Struct(f"<{len(_V_TS_HEAD)}sd")
+_TIMES_HEADS = tuple(_head(f"specwatch.{name}", 0.5, 8) for name in ("draft_ms", "verify_ms", "kv_usage"))
+_TIMES = struct.Struct("<" + "".join(f"{len(head)}sd" for head in _TIMES_HEADS))
+# seq by the size of its attribute (one byte): the bytes before the varint, and its width
+_SEQ_HEADS = {len(attribute) - 2: (attribute[:-width], width) for width, attribute in (
+    (len(_written("specwatch.seq", value)) - len(_written("specwatch.seq", 0)) + 1, _written("specwatch.seq", value))
+    for value in [1 << 7 * k for k in range(9)] + [-1])}
+_WORKER_KEY, _BUNDLE_KEY = b"specwatch.worker", b"specwatch.bundle_id"
+_COLUMN_KEYS = tuple(b"specwatch.requests." + name for name in _ROUND_COLUMN_KEYS)
+_EVENT_FIELD = b"\x62" + bytes((len(_STEP_EVENT),)) + _STEP_EVENT
+
+
+def _plain_name(attribute: bytes, key: bytes, memo: _Memo) -> str | None:
+    """The worker or bundle id in a serialized attribute, None if not a Name."""
+    start, end = _attribute_value(attribute, key)
+    value = _scalar(attribute, start, end, memo.strings)
+    name = value if _name(value) else None
+    memo.names[attribute] = name
+    return name
+
+
+def _plain_strings(attribute: bytes, key: bytes, memo: _Memo) -> tuple:
+    found = memo.columns[attribute] = _strings(attribute, *_array_body(attribute, *_attribute_value(attribute, key)))
+    return found
+
+
+def _plain_int_head(attribute: bytes, key: bytes, memo: _Memo) -> bytes:
+    start, _ = _array_body(attribute, *_attribute_value(attribute, key))
+    head = memo.int_heads[key, len(attribute)] = attribute[:start]
+    return head
+
+
+def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | None:
+    """A step in the writer's layout, or None if its values fail the checks; `_OddShape` otherwise."""
+    p = start + 9 if buf[start] == _STAMP else start
+    head, ts = _V_TS.unpack_from(buf, p)
+    if head != _V_TS_HEAD:
+        raise _OddShape("not v, ts")
+    p += _V_TS.size
+    q = _attribute_end(buf, p)
+    attribute = buf[p:q]
+    worker = memo.names.get(attribute, _OddShape)
+    if worker is _OddShape:
+        worker = _plain_name(attribute, _WORKER_KEY, memo)
+    head, width = _SEQ_HEADS[buf[q + 1]]
+    if not buf.startswith(head, q):
+        raise _OddShape("not seq")
+    p = q + len(head)
+    seq, q = _varint(buf, p)
+    if q != p + width:
+        raise _OddShape("seq varint")
+    p = q
+    q = _attribute_end(buf, p)
+    attribute = buf[p:q]
+    bundle_id = memo.names.get(attribute, _OddShape)
+    if bundle_id is _OddShape:
+        bundle_id = _plain_name(attribute, _BUNDLE_KEY, memo)
+    draft_head, draft_ms, verify_head, verify_ms, kv_head, kv_usage = _TIMES.unpack_from(buf, q)
+    if (draft_head, verify_head, kv_head) != _TIMES_HEADS:
+        raise _OddShape("not draft_ms, verify_ms, kv_usage")
+    p = q + _TIMES.size
+    columns = memo.columns
+    found = []
+    for key in _COLUMN_KEYS[:3]:
+        q = _attribute_end(buf, p)
+        attribute = buf[p:q]
+        column = columns.get(attribute)
+        found.append(column if column is not None else _plain_strings(attribute, key, memo))
+        p = q
+    (ids, ids_named), (buckets, buckets_named), (cohorts, cohorts_named) = found
+    heads = memo.int_heads
+    for key in _COLUMN_KEYS[3:]:
+        q = _attribute_end(buf, p)
+        attribute = buf[p:q]
+        head = heads.get((key, q - p))
+        if head is None or not attribute.startswith(head):
+            head = _plain_int_head(attribute, key, memo)
+        found.append(_small_ints(attribute[len(head):]))
+        p = q
+    if buf[p] == _OBSERVED:
+        p += 9
+    if p + len(_EVENT_FIELD) != end or not buf.startswith(_EVENT_FIELD, p):
+        raise _OddShape("not the step event name last")
+    if not (0.0 <= ts < _INF and 0.0 <= draft_ms < _INF and 0.0 <= verify_ms < _INF and 0.0 <= kv_usage <= 1.0
+            and seq < _INT64_SIGN and worker is not None and bundle_id is not None):
+        return None
+    return _step((ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage), ids, ids_named, buckets, buckets_named,
+                 cohorts, cohorts_named, found[3], found[4], partial(_record_at, buf, start, end))
+
+
+# ------------------------------------------------ any field order
+
+
+def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | None:
+    """The LogRecord in buf[start:end] as a step, None if it is not a valid one; `_OddShape` if unsure.
+
+    Reads what `otlp.decode_log_record` reads for a step: the event name, the specwatch.*
+    scalars stage 1 needs and every specwatch.requests.* column (extra columns must have
+    the same length); other attributes are skipped unread.
+    """
+    event = None
+    scalars: dict[str, tuple[int, int]] = {}
+    spans: dict[bytes, tuple[int, int]] = {}
+    p = start
+    while p < end:
+        tag = buf[p]
+        if tag == 0x32:  # attributes
+            size, p = _varint(buf, p + 1)
+            pair_end = p + size
+            key, value_start, value_end = _key_value(buf, p, pair_end)
+            p = pair_end
+            if key.startswith(_ATTRIBUTE_PREFIX):
+                name = _SCALAR_KEYS.get(key)
+                if name is not None:
+                    scalars[name] = (value_start, value_end)
+                elif key.startswith(_COLUMN_PREFIX):
+                    spans[key[_COLUMN_PREFIX_LEN:]] = (value_start, value_end)
+        elif tag == _STAMP or tag == _OBSERVED:
+            p += 9
+        elif tag == 0x62:  # event_name
+            size, p = _varint(buf, p + 1)
+            event = buf[p:p + size]
+            p += size
+        else:
+            tag, p = _varint(buf, p)
+            p = _skip(buf, p, tag & 7)
+    if p != end:
+        raise _OddShape("LogRecord overruns")
+    if event != _STEP_EVENT or "ts" not in scalars:
+        return None
+    strings = memo.strings
+    header = _header({name: _scalar(buf, s, e, strings) for name, (s, e) in scalars.items()})
     if header is None:
         return None
     try:
-        ids, buckets, cohorts = columns["id"], columns["bucket"], columns["cohort"]
-        drafted, accepted = columns["drafted"], columns["accepted"]
+        columns = [_array_body(buf, *spans.pop(name)) for name in _ROUND_COLUMN_KEYS]
     except KeyError:
         return None
-    n = len(ids) if type(ids) is list else -1
-    if n > MAX_REQUESTS_PER_STEP or any(type(c) is not list or len(c) != n for c in columns.values()):
-        return None
+    found = []
+    bodies = memo.bodies
+    for s, e in columns[:3]:
+        body = buf[s:e]
+        column = bodies.get(body)
+        if column is None:
+            column = bodies[body] = _strings(buf, s, e)
+        found.append(column)
+    (ids, ids_named), (buckets, buckets_named), (cohorts, cohorts_named) = found
+    for s, e in spans.values():  # columns beyond the contract's: only their lengths matter
+        if _array_count(buf, *_array_body(buf, s, e)) != len(ids):
+            return None
+    return _step(header, ids, ids_named, buckets, buckets_named, cohorts, cohorts_named,
+                 _small_ints(buf[slice(*columns[3])]), _small_ints(buf[slice(*columns[4])]),
+                 partial(_record_at, buf, start, end))
 
-    def build(log_record=log_record, attributes=attributes):
-        return record_from_attributes(log_record.event_name, attributes, log_record.time_unix_nano)
 
-    if n and not _names(ids):
-        return None
-    tally = _tally(list(zip(buckets, cohorts, drafted, accepted)))
-    if tally is None:
-        return None
-    return StepColumns(*header, tally, build)
+def _log_records(request: ExportLogsServiceRequest) -> list:
+    return [log_record for resource_logs in request.resource_logs
+            for scope_logs in resource_logs.scope_logs for log_record in scope_logs.log_records]
+
+
+_NOT_READ = (_OddShape, IndexError, ValueError, TypeError, KeyError, struct.error)
 
 
 def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryRecord | StepColumns | Rejection]:
@@ -216,19 +631,32 @@ def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryR
     """
     if len(data) > MAX_REQUEST_BYTES:
         return decode_request(data)
+    buf = bytes(data)
     request = ExportLogsServiceRequest()
     try:
-        request.ParseFromString(bytes(data))
+        request.ParseFromString(buf)
     except (DecodeError, RecursionError, ValueError, TypeError):
         return decode_request(data)
+    spans = _log_record_spans(buf)
+    if spans is None:
+        return [decode_log_record(log_record) for log_record in _log_records(request)]
+    memo = _Memo()
+    parsed: list | None = None
     out: list = []
     append = out.append
-    for resource_logs in request.resource_logs:
-        for scope_logs in resource_logs.scope_logs:
-            for log_record in scope_logs.log_records:
-                try:
-                    step = _step_from_log_record(log_record)
-                except (TypeError, ValueError, RecursionError):
-                    step = None
-                append(step if step is not None else decode_log_record(log_record))
+    for index, (start, end) in enumerate(spans):
+        try:
+            step = _step_plain(buf, start, end, memo)
+        except _NOT_READ:
+            try:
+                step = _step_from_wire(buf, start, end, memo)
+            except _NOT_READ:
+                step = None
+        if step is None:
+            if parsed is None:
+                parsed = _log_records(request)
+                if len(parsed) != len(spans):  # cannot happen if _log_record_spans reads as upb does
+                    return [decode_log_record(log_record) for log_record in parsed]
+            step = decode_log_record(parsed[index])
+        append(step)
     return out
