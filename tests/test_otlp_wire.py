@@ -1,0 +1,355 @@
+"""The OTLP fast path reads step records from the bytes; every outcome equals `otlp.decode_request`'s.
+
+Other producers may write the same records differently (attributes in any order, unknown
+fields, long strings, overlong varints, keys repeated), and broken ones write broken bytes.
+Requests are built here with a small protobuf writer of their own, independent of
+`otlp.py`'s, then decoded both ways and compared record by record (test_fastpath._same).
+Budget as in test_fuzz_otlp (SPECWATCH_FUZZ_EXAMPLES).
+"""
+
+from __future__ import annotations
+
+import struct
+from functools import lru_cache
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specwatch.collectors.simulator import Simulator
+from specwatch.schemas import Rejection, StepRecord
+from specwatch.schemas.fastdecode import (
+    StepColumns,
+    _log_record_spans,
+    _Memo,
+    _OddShape,
+    _step_from_wire,
+    _step_plain,
+    decode_request_fast,
+)
+from specwatch.schemas.otlp import decode_request, encode_records, log_entry
+
+from test_fastpath import _same
+from test_fuzz_otlp import _FUZZ, _SCALARS, _VALUES
+
+# -- a protobuf writer with knobs ---------------------------------------------------------------
+
+_U64 = (1 << 64) - 1
+
+
+def _varint(n: int, pad: int = 0) -> bytes:
+    """``n`` as a varint; ``pad`` extra bytes make it overlong, which protobuf still reads."""
+    n &= _U64
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    pad = min(pad, 10 - len(out))
+    if pad > 0:
+        out[-1] |= 0x80
+        out += b"\x80" * (pad - 1) + b"\x00"
+    return bytes(out)
+
+
+def _tag(number: int, wire_type: int) -> bytes:
+    return _varint(number << 3 | wire_type)
+
+
+def _ld(number: int, payload: bytes, pad: int = 0) -> bytes:
+    return _tag(number, 2) + _varint(len(payload), pad) + payload
+
+
+def _any(value, pad: int = 0) -> bytes:
+    """A serialized AnyValue; None is the empty one."""
+    if value is None:
+        return b""
+    if isinstance(value, bool):
+        return _tag(2, 0) + _varint(int(value), pad)
+    if isinstance(value, int):
+        return _tag(3, 0) + _varint(value, pad)
+    if isinstance(value, float):
+        return _tag(4, 1) + struct.pack("<d", value)
+    if isinstance(value, str):
+        return _ld(1, value.encode("utf-8", "replace"), pad)
+    if isinstance(value, bytes):
+        return _ld(7, value, pad)
+    if isinstance(value, (list, tuple)):
+        return _ld(5, b"".join(_ld(1, _any(item, pad), pad) for item in value), pad)
+    return _ld(6, b"".join(_ld(1, _key_value(str(k), item, pad)) for k, item in value.items()), pad)
+
+
+def _key_value(key: str, value, pad: int = 0, value_first: bool = False) -> bytes:
+    key_field = _ld(1, key.encode("utf-8", "replace"), pad) if key else b""
+    value_field = _ld(2, _any(value, pad), pad)
+    return value_field + key_field if value_first else key_field + value_field
+
+
+# LogRecord fields a step does not carry, and fields no LogRecord knows; all valid protobuf.
+_OTHER_FIELDS = [
+    _tag(2, 0) + _varint(9),  # severity_number
+    _ld(3, b"INFO"),  # severity_text
+    _ld(5, _any("a body")),  # body
+    _tag(7, 0) + _varint(2),  # dropped_attributes_count
+    _tag(8, 5) + b"\x01\x00\x00\x00",  # flags
+    _ld(9, bytes(16)), _ld(10, bytes(8)),  # trace_id, span_id
+    _tag(99, 0) + _varint(1), _ld(2000, b"unknown"), _tag(77, 5) + bytes(4), _tag(78, 1) + bytes(8),
+    _tag(50, 3) + _tag(1, 0) + _varint(1) + _tag(50, 4),  # an unknown group
+    _tag(6, 0) + _varint(3),  # attributes' number with another wire type: unknown to protobuf
+    _tag(12, 0) + _varint(1),  # event_name's number, likewise
+]
+# Envelope fields a request from another producer may carry.
+_RESOURCE = _ld(1, _ld(1, _key_value("service.name", "engine")) + _tag(2, 0) + _varint(1))
+_SCOPE = _ld(1, _ld(1, b"specwatch") + _ld(2, b"1"))
+
+
+def _log_record(fields: list[bytes]) -> bytes:
+    return b"".join(fields)
+
+
+def _request(log_records: list[bytes], split: int = 0, extras: bool = False) -> bytes:
+    """One ExportLogsServiceRequest; ``split`` > 0 spreads the records over several scopes and resources."""
+    groups = [log_records[i:i + split] for i in range(0, len(log_records), split)] if split else [log_records]
+    resources = []
+    for n, group in enumerate(groups):
+        scope_logs = (_SCOPE if extras or n else b"") + b"".join(_ld(2, r) for r in group)
+        if extras:
+            scope_logs += _ld(3, b"https://schema") + _tag(9, 0) + _varint(4)
+        resource_logs = (_RESOURCE if extras else b"") + _ld(2, scope_logs)
+        if extras:
+            resource_logs += _ld(3, b"https://schema") + _tag(4, 0) + _varint(1)
+        resources.append(_ld(1, resource_logs))
+    body = b"".join(resources)
+    return body + (_tag(2, 0) + _varint(5) if extras else b"")
+
+
+# -- comparing outcomes ---------------------------------------------------------------------------
+
+
+def _identical(payload: bytes) -> list:
+    """Decode both ways; the outcomes must match record by record. Returns the fast ones."""
+    fast, reference = decode_request_fast(payload), decode_request(payload)
+    assert len(fast) == len(reference)
+    for f, r in zip(fast, reference):
+        if isinstance(f, StepColumns):
+            assert isinstance(r, StepRecord), r
+        _same(f, r)
+    return fast
+
+
+# -- steps as attribute lists ---------------------------------------------------------------------
+
+_SHORT_NAMES = st.text(alphabet="abcdefghij-_0123456789", min_size=1, max_size=12)
+# past one length byte and non-ASCII but valid (at most 256 characters), or not Names at all
+_LONG_NAMES = st.one_of(_SHORT_NAMES, st.text(min_size=1, max_size=256), st.just("é" * 256), st.just("x" * 200))
+_ANY_NAMES = st.one_of(_SHORT_NAMES, _LONG_NAMES, st.just(""), st.just("x" * 257), st.text(max_size=300))
+# one kind of names per step: a single bad one among sixty makes the whole step invalid
+_NAME_KINDS = st.sampled_from([_SHORT_NAMES] * 5 + [_LONG_NAMES] * 2 + [_ANY_NAMES])
+_ROUNDS = st.integers(0, 64).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d)))
+_TIMES = st.one_of(st.floats(0, 1e4), st.integers(0, 10_000))
+
+
+@st.composite
+def _step_attributes(draw) -> list[tuple[str, object]]:
+    """A valid step's attributes, in the writer's order."""
+    names = draw(_NAME_KINDS)
+    requests = draw(st.lists(st.tuples(names, names, names, _ROUNDS), max_size=20))
+    return [
+        ("specwatch.v", 1),
+        ("specwatch.ts", draw(st.one_of(st.floats(0, 2e9), st.integers(0, (1 << 53) - 1)))),
+        ("specwatch.worker", draw(names)),
+        ("specwatch.seq", draw(st.one_of(st.integers(0, 1000), st.integers(0, (1 << 63) - 1)))),
+        ("specwatch.bundle_id", draw(names)),
+        ("specwatch.draft_ms", draw(_TIMES)),
+        ("specwatch.verify_ms", draw(_TIMES)),
+        ("specwatch.kv_usage", draw(st.one_of(st.floats(0, 1), st.sampled_from([0, 1])))),
+        ("specwatch.requests.id", [r[0] for r in requests]),
+        ("specwatch.requests.bucket", [r[1] for r in requests]),
+        ("specwatch.requests.cohort", [r[2] for r in requests]),
+        ("specwatch.requests.drafted", [r[3][0] for r in requests]),
+        ("specwatch.requests.accepted", [r[3][1] for r in requests]),
+    ]
+
+
+_EXTRA_KEYS = st.sampled_from(["specwatch.extra", "specwatch.requests.extra", "specwatch.kind", "specwatch.requests",
+                               "specwatch.requests.", "event.name", "service.name", ""])
+_ODD_INTS = st.sampled_from([-1, -(1 << 63), (1 << 63) - 1, 65, 128, 300, 1 << 53])
+
+
+@st.composite
+def _mutated(draw, attributes: list) -> list:
+    """The attributes with a few changes: kept valid, made odd, or made invalid."""
+    attributes = list(attributes)
+    for _ in range(draw(st.integers(0, 3))):
+        n = len(attributes)
+        action = draw(st.sampled_from(["shuffle", "retype", "drop", "repeat", "extra", "extra_column",
+                                       "element", "longer"]))
+        if action == "shuffle":
+            attributes = draw(st.permutations(attributes))
+        elif action == "retype" and n:
+            i = draw(st.integers(0, n - 1))
+            attributes[i] = (attributes[i][0], draw(st.one_of(_SCALARS, _ODD_INTS, _VALUES)))
+        elif action == "drop" and n:
+            del attributes[draw(st.integers(0, n - 1))]
+        elif action == "repeat" and n:  # the same key twice: the later one counts
+            i = draw(st.integers(0, n - 1))
+            position = draw(st.integers(0, n))
+            value = draw(st.one_of(st.just(attributes[i][1]), _SCALARS, _VALUES))
+            attributes.insert(position, (attributes[i][0], value))
+        elif action == "extra":
+            attributes.insert(draw(st.integers(0, n)), (draw(_EXTRA_KEYS), draw(_VALUES)))
+        elif action == "extra_column":
+            rows = len(attributes[-1][1]) if n and isinstance(attributes[-1][1], list) else 0
+            size = draw(st.sampled_from([rows, rows, rows + 1]))
+            column = draw(st.lists(_SCALARS, min_size=size, max_size=size))
+            attributes.insert(draw(st.integers(0, n)), ("specwatch.requests." + draw(_SHORT_NAMES), column))
+        elif action in ("element", "longer"):
+            columns = [i for i, (_, v) in enumerate(attributes) if isinstance(v, list)]
+            if columns:
+                i = draw(st.sampled_from(columns))
+                key, column = attributes[i]
+                column = list(column)
+                if action == "longer" or not column:
+                    column.append(draw(st.one_of(_SCALARS, _ODD_INTS)))
+                else:
+                    column[draw(st.integers(0, len(column) - 1))] = draw(st.one_of(_SCALARS, _ODD_INTS))
+                attributes[i] = (key, column)
+    return attributes
+
+
+@st.composite
+def _step_log_record(draw, attributes: list) -> bytes:
+    """The attributes as a LogRecord, laid out in one of the ways protobuf allows."""
+    pad = draw(st.sampled_from([0, 0, 0, 1, 2]))
+    value_first = draw(st.booleans())
+    fields = [_ld(6, _key_value(key, value, pad, value_first and draw(st.booleans()))) for key, value in attributes]
+    nanos = draw(st.sampled_from([0, 1_700_000_000_000_000_000]))
+    if nanos:
+        fields.insert(0, _tag(1, 1) + struct.pack("<Q", nanos))
+        fields.append(_tag(11, 1) + struct.pack("<Q", nanos))
+    event = draw(st.sampled_from(["specwatch.step"] * 12 + ["specwatch.request", "", "specwatch.step "]))
+    if event:
+        fields.append(_ld(12, event.encode(), pad))
+    if not draw(st.integers(0, 3)):  # the event name first, or twice (the last counts)
+        fields.insert(0, _ld(12, draw(st.sampled_from([b"specwatch.step", b"specwatch.bundle"]))))
+    for _ in range(draw(st.integers(0, 2))):
+        fields.insert(draw(st.integers(0, len(fields))), draw(st.sampled_from(_OTHER_FIELDS)))
+    return _log_record(fields)
+
+
+@lru_cache(maxsize=1)
+def _simulated() -> tuple:
+    return tuple(Simulator("healthy", seed=3, minutes=0.05, workers=2, concurrency=16).records())
+
+
+# -- properties -----------------------------------------------------------------------------------
+
+
+@_FUZZ
+@given(st.data())
+def test_valid_odd_and_invalid_steps_decode_as_the_reference_does(data):
+    steps = data.draw(st.lists(_step_attributes(), min_size=1, max_size=4))
+    log_records = []
+    for attributes in steps:
+        if data.draw(st.booleans()):
+            attributes = data.draw(_mutated(attributes))
+        log_records.append(data.draw(_step_log_record(attributes)))
+    if data.draw(st.booleans()):  # among records the writer wrote
+        position = data.draw(st.integers(0, len(log_records)))
+        first = data.draw(st.integers(0, len(_simulated()) - 3))
+        written = encode_records(_simulated()[first:first + 3])
+        log_records[position:position] = [written[a:b] for a, b in _log_record_spans(written)]
+    payload = _request(log_records, split=data.draw(st.integers(0, 3)), extras=data.draw(st.booleans()))
+    _identical(payload)
+
+
+@_FUZZ
+@given(st.data())
+def test_damaged_requests_decode_as_the_reference_does(data):
+    """Flip, drop, insert and truncate bytes of a request, the writer's or an odd one."""
+    if data.draw(st.booleans()):
+        payload = bytearray(encode_records(_simulated()[:20]))
+    else:
+        attributes = data.draw(_step_attributes())
+        payload = bytearray(_request([data.draw(_step_log_record(attributes))] * 2))
+    for _ in range(data.draw(st.integers(1, 4))):
+        position = data.draw(st.integers(0, max(0, len(payload) - 1)))
+        action = data.draw(st.sampled_from(["flip", "drop", "insert", "truncate"]))
+        if action == "flip" and payload:
+            payload[position] ^= data.draw(st.integers(1, 255))
+        elif action == "drop":
+            del payload[position:position + data.draw(st.integers(1, 8))]
+        elif action == "insert":
+            payload[position:position] = data.draw(st.binary(min_size=1, max_size=8))
+        else:
+            del payload[position:]
+    _identical(bytes(payload))
+
+
+# -- which reader takes which record ---------------------------------------------------------------
+
+
+def _steps_read_by(reader, payload: bytes) -> list:
+    memo = _Memo()
+    return [reader(payload, start, end, memo) for start, end in _log_record_spans(payload)]
+
+
+def test_the_writers_steps_take_the_plain_reader():
+    records = [r for r in _simulated() if r.kind == "step"][:300]
+    payload = encode_records(records)
+    steps = _steps_read_by(_step_plain, payload)
+    assert all(isinstance(step, StepColumns) for step in steps)
+    for step, record in zip(steps, records):
+        _same(step, record)
+    assert all(isinstance(step, StepColumns) for step in _identical(payload))
+
+
+def test_reordered_attributes_take_the_general_reader():
+    record = next(r for r in _simulated() if r.kind == "step")
+    attributes = [(k, list(v) if isinstance(v, tuple) else v) for k, v in reversed(log_entry(record).attributes.items())]
+    payload = _request([_log_record([_ld(12, b"specwatch.step")] + [_ld(6, _key_value(k, v)) for k, v in attributes])])
+    start, end = _log_record_spans(payload)[0]
+    with pytest.raises(_OddShape):
+        _step_plain(payload, start, end, _Memo())
+    (step,) = _steps_read_by(_step_from_wire, payload)
+    _same(step, record)
+    _same(_identical(payload)[0], record)
+
+
+_PLAIN_STEP = {
+    "specwatch.v": 1, "specwatch.ts": 5.0, "specwatch.worker": "w1", "specwatch.seq": 3, "specwatch.bundle_id": "b1",
+    "specwatch.draft_ms": 1.0, "specwatch.verify_ms": 9.0, "specwatch.kv_usage": 0.5,
+    "specwatch.requests.id": ["r1", "r2"], "specwatch.requests.bucket": ["coding", "coding"],
+    "specwatch.requests.cohort": ["main", "main"], "specwatch.requests.drafted": [4, 4],
+    "specwatch.requests.accepted": [3, 0],
+}
+
+
+def _plain_step_request(change: dict) -> bytes:
+    """One step in the writer's attribute order, with ``change`` applied."""
+    attributes = {**_PLAIN_STEP, **change}
+    return _request([_log_record([_ld(6, _key_value(k, v)) for k, v in attributes.items()]
+                                 + [_ld(12, b"specwatch.step")])])
+
+
+@pytest.mark.parametrize("change", [
+    {"specwatch.worker": "w" * 256}, {"specwatch.bundle_id": "é" * 256},
+    {"specwatch.requests.id": ["r" * 200, "é" * 100]}, {"specwatch.seq": (1 << 63) - 1},
+    {"specwatch.ts": 17}, {"specwatch.kv_usage": 1},
+])
+def test_odd_but_valid_steps_still_come_back_as_columns(change):
+    payload = _plain_step_request(change)
+    (step,) = _identical(payload)
+    assert isinstance(step, StepColumns)
+
+
+@pytest.mark.parametrize("change", [
+    {"specwatch.seq": -1}, {"specwatch.v": -1}, {"specwatch.requests.drafted": [65, 4]},
+    {"specwatch.requests.accepted": [-1, 0]}, {"specwatch.requests.id": ["", "r2"]},
+    {"specwatch.worker": "x" * 257}, {"specwatch.requests.bucket": ["coding"]}, {"specwatch.ts": float("nan")},
+    {"specwatch.requests.drafted": [True, 4]}, {"specwatch.requests.accepted": [1 << 40, 0]},
+])
+def test_invalid_steps_get_the_reference_rejection(change):
+    payload = _plain_step_request(change)
+    (result,) = _identical(payload)
+    assert isinstance(result, Rejection)
