@@ -1,0 +1,250 @@
+"""Admission: seeded closed-loop rollouts give exactly the expected stages, and it changes nothing when off.
+
+The simulator runs closed loop (its router reads each bundle's stage from the flag store, as
+a production router reads the decisions topic) under the policy of docs/admission-policy.toml.
+"""
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from specwatch.actions.admission import AdmissionController
+from specwatch.actions.archive import Archive
+from specwatch.actions.flags import FlagStore
+from specwatch.collectors.simulator import Simulator
+from specwatch.detectors.canary import CanaryJudge
+from specwatch.detectors.window import SliceStats
+from specwatch.schemas import Decision
+from specwatch.schemas.policy import AdmissionPolicy, Policy
+from specwatch.streams.embedded import EmbeddedPipeline
+
+SEED = 11
+BUNDLE = "b-4b921f0dfdc6ae8b"  # the simulator's default card
+CHANGED = "b-8661eb35069e2adf"  # the same card with the new tokenizer digest
+POLICY = {"admission": {"enforce": True, "shadow_share": 0.2, "cohort_schedule": [0.1, 0.25, 1.0],
+                        "stage_seconds": 90, "window_requests": 10, "min_windows": 8, "min_shadow_checks": 20}}
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _rollout(scenario, policy=POLICY, minutes=None):
+    flags = FlagStore()
+    changes, actions = [], []
+    pipeline = EmbeddedPipeline(Policy.model_validate(policy), flags=flags,
+                                sinks=[lambda out: (changes.extend(out.stage_changes), actions.extend(out.actions))])
+    pipeline.actions = actions  # the decisions with their audit, as the archive sink receives them
+    sim = Simulator(scenario, seed=SEED, workers=8, minutes=minutes, flags=flags)
+    pipeline.feed_many(sim.records())
+    pipeline.finish()
+    got = [(round(d.ts - sim.start_ts, 2), d.bundle_id, d.action, d.reason, d.bucket, d.evidence.get("stage"),
+            d.evidence.get("cohort_share")) for d in pipeline.decisions]
+    return sim, pipeline, flags, changes, got
+
+
+def test_the_documented_policy_is_the_one_tested():
+    with open(_REPO / "docs" / "admission-policy.toml", "rb") as f:
+        assert tomllib.load(f) == POLICY
+
+
+def test_healthy_new_bundle_goes_shadow_canary_admitted_by_itself():
+    sim, pipeline, flags, changes, got = _rollout("admission")
+    assert got == [
+        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
+        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
+        (115.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        (327.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
+        (423.0, BUNDLE, "promote", "canary_judgement", None, "admitted", 1.0),
+    ]
+    assert [(c.previous_stage, c.stage) for c in changes] == [
+        (None, "unadmitted"), ("unadmitted", "shadow"), ("shadow", "canary"), ("canary", "canary"),
+        ("canary", "admitted")]
+    assert flags.admission(BUNDLE).stage == "admitted"
+    assert flags.lookup(BUNDLE, "coding", "main").enabled
+    # every promotion judged all six buckets and found them passing
+    for decision in pipeline.decisions[2:]:
+        judged = decision.evidence["judgement"]
+        assert sorted(judged) == ["coding", "extraction", "long_context", "reasoning", "structured", "summarization"]
+        assert {j["outcome"] for j in judged.values()} == {"pass"}
+    assert pipeline.counters.rejected.total == 0
+
+
+def test_structured_tail_on_the_canary_freezes_it_naming_bucket_and_metric():
+    sim, pipeline, flags, _, got = _rollout("canary_tail")
+    assert got == [
+        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
+        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
+        (115.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        (300.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
+    ]
+    frozen = pipeline.decisions[-1].evidence
+    assert (frozen["previous_stage"], frozen["failed_bucket"], frozen["failed_metric"]) == (
+        "canary", "structured", "tpot_p95")
+    assert {f["bucket"] for f in frozen["failing"]} == {"structured"}
+    assert {b: j["outcome"] for b, j in frozen["judgement"].items()}["structured"] == "fail"
+    assert "fail" not in {j["outcome"] for b, j in frozen["judgement"].items() if b != "structured"}
+    assert not flags.lookup(BUNDLE, "coding", "canary").enabled  # frozen: nobody speculates
+
+
+def test_structured_mismatch_on_the_canary_freezes_it_at_once():
+    _, pipeline, flags, _, got = _rollout("canary_mismatch")
+    assert got[:3] == [
+        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
+        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
+        (115.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+    ]
+    assert got[3:] == [
+        (216.33, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
+        (216.33, BUNDLE, "disable_speculation", "quality_regression", "structured", None, None),
+    ]
+    frozen = pipeline.decisions[3].evidence
+    assert (frozen["failed_bucket"], frozen["failed_metric"]) == ("structured", "shadow_mismatches")
+    assert flags.admission(BUNDLE).stage == "frozen"
+
+
+def test_fingerprint_change_sends_the_new_card_back_through_admission():
+    _, pipeline, flags, changes, got = _rollout("admission_change")
+    assert got == [
+        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
+        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
+        (115.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        (327.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
+        # the tokenizer changes at 330 s, the fleet rolls over in 10 s: one invalidation, not eight
+        (330.01, CHANGED, "invalidate_bundle", "bundle_changed", None, None, None),
+        (330.01, CHANGED, "promote", "unadmitted_bundle", None, "shadow", 0.2),
+        (460.0, CHANGED, "promote", "canary_judgement", None, "canary", 0.1),
+    ]
+    invalidated = [c for c in changes if c.bundle_id == CHANGED][0]
+    assert (invalidated.stage, invalidated.detail["previous_bundle_id"], invalidated.detail["previous_stage"],
+            invalidated.detail["changed_fields"]) == ("invalidated", BUNDLE, "canary", ["target.tokenizer_digest"])
+
+
+@pytest.mark.parametrize("scenario", ["admission", "canary_tail"])
+def test_with_enforcement_off_admission_decides_nothing(scenario):
+    # The default policy: monitoring only. The new bundle speculates in every cohort at once,
+    # and the healthy fleet gives no decision at all.
+    _, pipeline, flags, changes, got = _rollout(scenario, policy={}, minutes=4.0)
+    assert pipeline.stage2.admission is None
+    assert got == [] and changes == [] and flags.stages() == {}
+
+
+# -- the pieces, on small inputs -------------------------------------------------------------
+
+
+def _slice(tpot, n=10, speculative=True):
+    stats = SliceStats()
+    for i in range(n):
+        stats.add_request(80.0, tpot + i * 0.1, 1000.0 + 50 * tpot + i, speculative, "stop", 1.0)
+    if speculative:
+        stats.add_round(4, 3)
+    stats.add_step_time(1.0 if speculative else 0.0, 10.0, 0.6, 1.0)
+    return stats
+
+
+def test_judge_waits_for_its_minimum_windows_then_passes():
+    judge = CanaryJudge(AdmissionPolicy(window_requests=10, min_windows=8), ["token_exact"])
+    outcomes = []
+    for _ in range(8):
+        judge.update("canary", _slice(6.0))
+        judge.update("baseline", _slice(12.0, speculative=False))
+        outcomes.append(judge.judgement.outcome)
+    assert outcomes == ["marginal"] * 7 + ["pass"]
+
+
+def test_one_strict_mismatch_fails_a_judge_whatever_else_it_saw():
+    judge = CanaryJudge(AdmissionPolicy(window_requests=10, min_windows=3), ["token_exact"])
+    for _ in range(5):
+        judge.update("canary", _slice(6.0))
+        judge.update("baseline", _slice(12.0, speculative=False))
+    judge.add_shadow(False, "length_ratio", "r1", 2.0)  # not a strict check: counted nowhere
+    assert judge.judgement.outcome == "pass" and judge.shadow_checks == 0
+    judge.add_shadow(False, "token_exact", "r2", 3.0)
+    assert judge.judgement.outcome == "fail"
+    assert [m.metric for m in judge.judgement.failing] == ["shadow_mismatches"]
+
+
+def test_a_fallback_on_the_canary_path_vetoes_promotion():
+    policy = Policy.model_validate(POLICY)
+    flags = FlagStore()
+    controller = AdmissionController(policy, flags)
+    controller.seen(BUNDLE, {"policy": {"acceptance_rule": "strict"}}, 10.0)
+    for decision in controller.observe(BUNDLE, None, None, _slice(6.0), 11.0, True):
+        flags.apply(decision)
+    assert flags.admission(BUNDLE).stage == "shadow"
+    slo = Decision(ts=50.0, bundle_id=BUNDLE, bucket="reasoning", cohort="shadow", action="disable_speculation",
+                   reason="latency_slo", detector="latency_p99_gate", evidence={"metric": "e2e_p99_ms"})
+    [frozen] = controller.vetoed(slo)
+    assert (frozen.action, frozen.reason, frozen.evidence["stage"], frozen.evidence["failed_bucket"],
+            frozen.evidence["failed_metric"], frozen.evidence["vetoed_by"]) == (
+        "disable_speculation", "canary_judgement", "frozen", "reasoning", "e2e_p99_ms", slo.id)
+    assert controller.vetoed(slo) == []  # frozen already
+
+
+def test_non_strict_bundle_stays_unadmitted_and_listed_bundles_are_admitted():
+    policy = Policy.model_validate({"admission": {"enforce": True, "admitted_bundles": ["b-old"]}})
+    flags = FlagStore()
+    controller = AdmissionController(policy, flags)
+    controller.seen("b-new", {"policy": {"acceptance_rule": "typical"}}, 5.0)
+    controller.seen("b-old", {"policy": {"acceptance_rule": "strict"}}, 5.0)
+    new = controller.observe("b-new", None, None, _slice(6.0), 6.0, True)
+    old = controller.observe("b-old", None, None, _slice(6.0), 6.0, True)
+    assert [(d.action, d.reason, d.evidence["stage"]) for d in new] == [
+        ("disable_speculation", "unadmitted_bundle", "unadmitted")]
+    assert old == []
+    assert [(c.bundle_id, c.stage, c.actor) for c in controller.take_changes()] == [
+        ("b-new", "unadmitted", "specwatch"), ("b-old", "admitted", "policy")]
+
+
+def test_policy_refuses_a_schedule_that_never_admits():
+    with pytest.raises(ValueError, match="must end at 1.0"):
+        Policy.model_validate({"admission": {"cohort_schedule": [0.01, 0.05]}})
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Policy.model_validate({"admission": {"cohort_schedule": [0.25, 0.05, 1.0]}})
+
+
+# -- registry and command line ------------------------------------------------------------------
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "specwatch.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path):
+    dsn = f"chdb://{tmp_path}/archive"
+    _, pipeline, _, changes, _ = _rollout("canary_tail")
+    with Archive.open(dsn) as archive:
+        archive.write_bundle(BUNDLE, {"policy": {"acceptance_rule": "strict"}}, 1_767_225_600.0, "w1")
+        archive.write_decisions([(a.decision, a.audit, a.samples) for a in pipeline.actions])
+        archive.write_stage_changes(changes)
+        archive.write_stage_changes(changes)  # written twice, kept once
+        assert [r["stage"] for r in archive.stage_history(BUNDLE)] == ["unadmitted", "shadow", "canary", "frozen"]
+        assert archive.flag_store().admission(BUNDLE).stage == "frozen"
+
+    shown = _cli("bundles", "show", BUNDLE, "--archive", dsn)
+    assert shown.returncode == 0, shown.stderr
+    assert "failed: structured tpot_p95" in shown.stdout
+
+    refused = _cli("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
+    assert refused.returncode == 1 and "name of the person" in refused.stderr
+    moved = _cli("bundles", "promote", BUNDLE, "--archive", dsn, "--by", "alice", "--reason", "tail fixed",
+                 "--policy", str(_REPO / "docs" / "admission-policy.toml"), "--json")
+    assert moved.returncode == 0, moved.stderr
+    row = json.loads(moved.stdout)
+    assert (row["previous_stage"], row["stage"], row["cohort_share"], row["by"]) == ("frozen", "shadow", 0.2, "alice")
+
+    listed = [json.loads(line) for line in _cli("bundles", "list", "--archive", dsn, "--json").stdout.splitlines()]
+    assert [(r["bundle_id"], r["stage"], r["stage_by"]) for r in listed] == [(BUNDLE, "shadow", "alice")]
+    with Archive.open(dsn, create=False) as archive:
+        store = archive.flag_store()
+        audit = archive.audit(bundle_id=BUNDLE, kind="stage_change")
+    assert store.admission(BUNDLE).stage == "shadow" and store.admission(BUNDLE).manual_by == "alice"
+    assert store.lookup(BUNDLE, "coding", "shadow").enabled and not store.lookup(BUNDLE, "coding", "main").enabled
+    assert [(a["actor"], a["reason"]) for a in audit] == [("alice", "tail fixed")]
+
+    explained = _cli("explain", pipeline.decisions[-1].id, "--archive", dsn)
+    assert explained.returncode == 0, explained.stderr
+    assert "stage: canary -> frozen" in explained.stdout
+    assert "    tpot_p95            fail" in explained.stdout
