@@ -219,7 +219,7 @@ class _Memo:
     def __init__(self) -> None:
         self.names: dict[bytes, str | None] = {}  # worker / bundle_id attribute -> name, None if not one
         self.columns: dict[bytes, tuple] = {}  # id / bucket / cohort attribute -> (values, all Names)
-        self.int_heads: dict[tuple, bytes] = {}  # (key, attribute size) -> bytes before the elements
+        self.int_heads: dict[int, bytes] = {}  # drafted / accepted attribute size -> bytes before the elements
         self.strings: dict[bytes, str] = {}  # AnyValue -> string_value
         self.bodies: dict[bytes, tuple] = {}  # ArrayValue of strings -> (values, all Names)
 
@@ -323,6 +323,9 @@ def _attribute_end(buf: bytes, p: int) -> int:
     size = buf[p + 1]
     if size < 0x80:
         return p + 2 + size
+    high = buf[p + 2]
+    if high < 0x80:  # columns of a few dozen rounds
+        return p + 3 + ((size & 0x7F) | high << 7)
     size, q = _varint(buf, p + 1)
     return q + size
 
@@ -382,23 +385,22 @@ def _strings(buf: bytes, start: int, end: int) -> tuple[tuple[str, ...], bool]:
     p = start
     while p < end:
         # element: 0a <size>, then the AnyValue: 0a <length> <utf-8>
-        if buf[p] != 0x0A:
-            raise _OddShape("ArrayValue field other than values")
         size = buf[p + 1]
-        p += 2
-        if size & 0x80:
-            size, p = _varint(buf, p - 1)
-        element_end = p + size
-        if size == 0 or buf[p] != 0x0A:
-            raise _OddShape("element is not a string")
-        length = buf[p + 1]
-        p += 2
-        if length & 0x80:
-            length, p = _varint(buf, p - 1)
-        if p + length != element_end:
-            raise _OddShape("string element and more")
-        append(buf[p:element_end].decode())
-        p = element_end
+        length = buf[p + 3]
+        if buf[p] == 0x0A and buf[p + 2] == 0x0A and size == length + 2 and size < 0x80:
+            p += 4
+        else:  # lengths past one byte, or not a plain string element
+            if buf[p] != 0x0A:
+                raise _OddShape("ArrayValue field other than values")
+            size, p = _varint(buf, p + 1)
+            element_end = p + size
+            if size == 0 or buf[p] != 0x0A:
+                raise _OddShape("element is not a string")
+            length, p = _varint(buf, p + 1)
+            if p + length != element_end:
+                raise _OddShape("string element and more")
+        append(buf[p:p + length].decode())
+        p += length
     if p != end:
         raise _OddShape("element overruns the array")
     return tuple(values), not values or _names(values)
@@ -432,16 +434,22 @@ def _record_at(buf: bytes, start: int, end: int) -> TelemetryRecord | Rejection:
     return decode_log_record(PbLogRecord.FromString(buf[start:end]))
 
 
-def _step(header: tuple, ids: tuple, ids_named: bool, buckets: tuple, buckets_named: bool, cohorts: tuple,
-          cohorts_named: bool, drafted: bytes, accepted: bytes, build: Callable) -> StepColumns | None:
-    """The step if its rounds pass the checks `_tally` makes, else None (the reference decides)."""
+def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: bytes, accepted: bytes,
+          build: Callable) -> StepColumns | None:
+    """The step if its rounds pass the checks `_tally` makes, else None (the reference decides).
+
+    ``ids``, ``buckets`` and ``cohorts`` are (values, whether every one is a Name).
+    """
+    ids, ids_named = ids
+    buckets, buckets_named = buckets
+    cohorts, cohorts_named = cohorts
     n = len(ids)
     if not (n <= MAX_REQUESTS_PER_STEP and ids_named and buckets_named and cohorts_named and len(buckets) == n
             and len(cohorts) == n and len(drafted) == n and len(accepted) == n):
         return None
     if n and (max(drafted) > _MAX_DRAFT or any(map(gt, accepted, drafted))):
         return None
-    rounds: Counter = Counter()
+    rounds = _new_counter(Counter)  # what Counter() is, without its Python-level __init__
     _count_elements(rounds, zip(buckets, cohorts, drafted, accepted))
     return StepColumns(*header, rounds, build)
 
@@ -459,17 +467,22 @@ def _head(key: str, value: Any, tail: int) -> bytes:
 
 
 _STAMP, _OBSERVED = 0x09, 0x59
+_MISSING = object()
+_new_counter = Counter.__new__
 _V_TS_HEAD = _written("specwatch.v", 1) + _head("specwatch.ts", 0.5, 8)
 _V_TS = struct.Struct(f"<{len(_V_TS_HEAD)}sd")
-_TIMES_HEADS = tuple(_head(f"specwatch.{name}", 0.5, 8) for name in ("draft_ms", "verify_ms", "kv_usage"))
-_TIMES = struct.Struct("<" + "".join(f"{len(head)}sd" for head in _TIMES_HEADS))
+_V_TS_SIZE = _V_TS.size
+_DRAFT_HEAD, _VERIFY_HEAD, _KV_HEAD = (_head(f"specwatch.{name}", 0.5, 8) for name in ("draft_ms", "verify_ms", "kv_usage"))
+_TIMES = struct.Struct(f"<{len(_DRAFT_HEAD)}sd{len(_VERIFY_HEAD)}sd{len(_KV_HEAD)}sd")
+_TIMES_SIZE = _TIMES.size
 # seq by the size of its attribute (one byte): the bytes before the varint, and its width
 _SEQ_HEADS = {len(attribute) - 2: (attribute[:-width], width) for width, attribute in (
     (len(_written("specwatch.seq", value)) - len(_written("specwatch.seq", 0)) + 1, _written("specwatch.seq", value))
     for value in [1 << 7 * k for k in range(9)] + [-1])}
 _WORKER_KEY, _BUNDLE_KEY = b"specwatch.worker", b"specwatch.bundle_id"
-_COLUMN_KEYS = tuple(b"specwatch.requests." + name for name in _ROUND_COLUMN_KEYS)
+_ID_KEY, _BUCKET_KEY, _COHORT_KEY, _DRAFTED_KEY, _ACCEPTED_KEY = (_COLUMN_PREFIX + name for name in _ROUND_COLUMN_KEYS)
 _EVENT_FIELD = b"\x62" + bytes((len(_STEP_EVENT),)) + _STEP_EVENT
+_EVENT_FIELD_SIZE = len(_EVENT_FIELD)
 
 
 def _plain_name(attribute: bytes, key: bytes, memo: _Memo) -> str | None:
@@ -487,67 +500,83 @@ def _plain_strings(attribute: bytes, key: bytes, memo: _Memo) -> tuple:
 
 
 def _plain_int_head(attribute: bytes, key: bytes, memo: _Memo) -> bytes:
+    """The bytes before the elements of a drafted or accepted attribute."""
     start, _ = _array_body(attribute, *_attribute_value(attribute, key))
-    head = memo.int_heads[key, len(attribute)] = attribute[:start]
+    # keyed by size alone: the key is part of the head, which is compared whole
+    head = memo.int_heads[len(attribute)] = attribute[:start]
     return head
 
 
 def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | None:
     """A step in the writer's layout, or None if its values fail the checks; `_OddShape` otherwise."""
+    # Every piece is read at the offset the one before it ends: a length read from the
+    # bytes, or a fixed layout compared whole. The event name must end the record exactly.
     p = start + 9 if buf[start] == _STAMP else start
     head, ts = _V_TS.unpack_from(buf, p)
     if head != _V_TS_HEAD:
         raise _OddShape("not v, ts")
-    p += _V_TS.size
+    p += _V_TS_SIZE
+    names = memo.names
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
-    worker = memo.names.get(attribute, _OddShape)
-    if worker is _OddShape:
+    worker = names.get(attribute, _MISSING)
+    if worker is _MISSING:
         worker = _plain_name(attribute, _WORKER_KEY, memo)
     head, width = _SEQ_HEADS[buf[q + 1]]
     if not buf.startswith(head, q):
         raise _OddShape("not seq")
     p = q + len(head)
-    seq, q = _varint(buf, p)
-    if q != p + width:
-        raise _OddShape("seq varint")
-    p = q
+    seq = buf[p]
+    if width == 1:
+        p += 1
+        if seq >= 0x80:
+            raise _OddShape("seq varint")
+    else:
+        seq, q = _varint(buf, p)
+        p += width
+        if q != p:
+            raise _OddShape("seq varint")
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
-    bundle_id = memo.names.get(attribute, _OddShape)
-    if bundle_id is _OddShape:
+    bundle_id = names.get(attribute, _MISSING)
+    if bundle_id is _MISSING:
         bundle_id = _plain_name(attribute, _BUNDLE_KEY, memo)
     draft_head, draft_ms, verify_head, verify_ms, kv_head, kv_usage = _TIMES.unpack_from(buf, q)
-    if (draft_head, verify_head, kv_head) != _TIMES_HEADS:
+    if draft_head != _DRAFT_HEAD or verify_head != _VERIFY_HEAD or kv_head != _KV_HEAD:
         raise _OddShape("not draft_ms, verify_ms, kv_usage")
-    p = q + _TIMES.size
+    p = q + _TIMES_SIZE
     columns = memo.columns
-    found = []
-    for key in _COLUMN_KEYS[:3]:
-        q = _attribute_end(buf, p)
-        attribute = buf[p:q]
-        column = columns.get(attribute)
-        found.append(column if column is not None else _plain_strings(attribute, key, memo))
-        p = q
-    (ids, ids_named), (buckets, buckets_named), (cohorts, cohorts_named) = found
+    q = _attribute_end(buf, p)
+    attribute = buf[p:q]
+    ids = columns.get(attribute) or _plain_strings(attribute, _ID_KEY, memo)
+    p = _attribute_end(buf, q)
+    attribute = buf[q:p]
+    buckets = columns.get(attribute) or _plain_strings(attribute, _BUCKET_KEY, memo)
+    q = _attribute_end(buf, p)
+    attribute = buf[p:q]
+    cohorts = columns.get(attribute) or _plain_strings(attribute, _COHORT_KEY, memo)
     heads = memo.int_heads
-    for key in _COLUMN_KEYS[3:]:
-        q = _attribute_end(buf, p)
-        attribute = buf[p:q]
-        head = heads.get((key, q - p))
-        if head is None or not attribute.startswith(head):
-            head = _plain_int_head(attribute, key, memo)
-        found.append(_small_ints(attribute[len(head):]))
-        p = q
-    if buf[p] == _OBSERVED:
-        p += 9
-    if p + len(_EVENT_FIELD) != end or not buf.startswith(_EVENT_FIELD, p):
+    p = _attribute_end(buf, q)
+    attribute = buf[q:p]
+    head = heads.get(p - q)
+    if head is None or not attribute.startswith(head):
+        head = _plain_int_head(attribute, _DRAFTED_KEY, memo)
+    drafted = _small_ints(attribute[len(head):])
+    q = _attribute_end(buf, p)
+    attribute = buf[p:q]
+    head = heads.get(q - p)
+    if head is None or not attribute.startswith(head):
+        head = _plain_int_head(attribute, _ACCEPTED_KEY, memo)
+    accepted = _small_ints(attribute[len(head):])
+    if buf[q] == _OBSERVED:
+        q += 9
+    if q + _EVENT_FIELD_SIZE != end or not buf.startswith(_EVENT_FIELD, q):
         raise _OddShape("not the step event name last")
     if not (0.0 <= ts < _INF and 0.0 <= draft_ms < _INF and 0.0 <= verify_ms < _INF and 0.0 <= kv_usage <= 1.0
             and seq < _INT64_SIGN and worker is not None and bundle_id is not None):
         return None
-    return _step((ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage), ids, ids_named, buckets, buckets_named,
-                 cohorts, cohorts_named, found[3], found[4], partial(_record_at, buf, start, end))
+    return _step((ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage), ids, buckets, cohorts, drafted, accepted,
+                 partial(_record_at, buf, start, end))
 
 
 # ------------------------------------------------ any field order
@@ -606,13 +635,12 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumn
         if column is None:
             column = bodies[body] = _strings(buf, s, e)
         found.append(column)
-    (ids, ids_named), (buckets, buckets_named), (cohorts, cohorts_named) = found
+    ids, buckets, cohorts = found
     for s, e in spans.values():  # columns beyond the contract's: only their lengths matter
-        if _array_count(buf, *_array_body(buf, s, e)) != len(ids):
+        if _array_count(buf, *_array_body(buf, s, e)) != len(ids[0]):
             return None
-    return _step(header, ids, ids_named, buckets, buckets_named, cohorts, cohorts_named,
-                 _small_ints(buf[slice(*columns[3])]), _small_ints(buf[slice(*columns[4])]),
-                 partial(_record_at, buf, start, end))
+    return _step(header, ids, buckets, cohorts, _small_ints(buf[slice(*columns[3])]),
+                 _small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end))
 
 
 def _log_records(request: ExportLogsServiceRequest) -> list:
@@ -648,10 +676,13 @@ def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryR
         try:
             step = _step_plain(buf, start, end, memo)
         except _NOT_READ:
-            try:
-                step = _step_from_wire(buf, start, end, memo)
-            except _NOT_READ:
-                step = None
+            step = None
+            # without those bytes anywhere the event name cannot be a step's (request, bundle)
+            if buf.find(_STEP_EVENT, start, end) >= 0:
+                try:
+                    step = _step_from_wire(buf, start, end, memo)
+                except _NOT_READ:
+                    pass
         if step is None:
             if parsed is None:
                 parsed = _log_records(request)
