@@ -614,6 +614,8 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumn
             p += size
         else:
             tag, p = _varint(buf, p)
+            if tag in _READ_TAGS:  # written overlong: protobuf still reads it as that field
+                raise _OddShape("overlong tag")
             p = _skip(buf, p, tag & 7)
     if p != end:
         raise _OddShape("LogRecord overruns")
@@ -648,6 +650,7 @@ def _log_records(request: ExportLogsServiceRequest) -> list:
             for scope_logs in resource_logs.scope_logs for log_record in scope_logs.log_records]
 
 
+_READ_TAGS = frozenset((0x32, _STAMP, _OBSERVED, 0x62))
 _NOT_READ = (_OddShape, IndexError, ValueError, TypeError, KeyError, struct.error)
 
 

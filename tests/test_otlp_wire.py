@@ -223,6 +223,9 @@ def _step_log_record(draw, attributes: list) -> bytes:
     pad = draw(st.sampled_from([0, 0, 0, 1, 2]))
     value_first = draw(st.booleans())
     fields = [_ld(6, _key_value(key, value, pad, value_first and draw(st.booleans()))) for key, value in attributes]
+    if fields and draw(st.integers(0, 4)) == 0:  # a tag written overlong still names the field
+        i = draw(st.integers(0, len(fields) - 1))
+        fields[i] = b"\xb2\x00" + fields[i][1:]
     nanos = draw(st.sampled_from([0, 1_700_000_000_000_000_000]))
     if nanos:
         fields.insert(0, _tag(1, 1) + struct.pack("<Q", nanos))
@@ -335,7 +338,7 @@ def _plain_step_request(change: dict) -> bytes:
 @pytest.mark.parametrize("change", [
     {"specwatch.worker": "w" * 256}, {"specwatch.bundle_id": "é" * 256},
     {"specwatch.requests.id": ["r" * 200, "é" * 100]}, {"specwatch.seq": (1 << 63) - 1},
-    {"specwatch.ts": 17}, {"specwatch.kv_usage": 1},
+    {"specwatch.ts": 17}, {"specwatch.kv_usage": 1}, {"specwatch.ts": -0.0}, {"specwatch.draft_ms": -0.0},
 ])
 def test_odd_but_valid_steps_still_come_back_as_columns(change):
     payload = _plain_step_request(change)
@@ -353,3 +356,13 @@ def test_invalid_steps_get_the_reference_rejection(change):
     payload = _plain_step_request(change)
     (result,) = _identical(payload)
     assert isinstance(result, Rejection)
+
+
+@pytest.mark.parametrize("late", [("specwatch.seq", 99), ("specwatch.requests.extra", [1, 2, 3]),
+                                  ("specwatch.requests.drafted", [4, 1])])
+def test_an_attribute_behind_an_overlong_tag_still_counts(late):
+    """protobuf reads field 6 written as b2 00 like 32: a reader that skipped it would miss a later value."""
+    fields = [_ld(6, _key_value(k, v)) for k, v in _PLAIN_STEP.items()] + [_ld(12, b"specwatch.step")]
+    fields.append(b"\xb2\x00" + _ld(6, _key_value(*late))[1:])
+    result = _identical(_request([_log_record(fields)]))[0]
+    assert not isinstance(result, StepColumns) or result.record().seq == 99
