@@ -259,3 +259,41 @@ def test_decisions_command_leaves_out_and_reports_what_a_flag_client_would_ignor
 
     assert cli.main(command + ["--unverified"]) == 3
     assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+@pytest.mark.kafka
+def test_manual_override_reaches_flag_clients_signed_and_clearing_returns_the_archived_state(
+        kafka_bootstrap, decisions_topic, monkeypatch, tmp_path):
+    from specwatch import cli
+
+    secret = "a key for manual overrides, 38 bytes.."
+    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", secret)
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    ring = Keyring.from_secrets(secret)
+    dsn = f"chdb://{tmp_path}/archive"
+    scope = ["--archive", dsn, "--bundle", "b-1", "--bucket", "coding", "--by", "alice",
+             "--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]
+    assert cli.main(["flags", "set", *scope, "--off", "--reason", "p99 page", "--create"]) == 2  # no --code
+    assert cli.main(["flags", "set", *scope, "--off", "--reason", "p99 page", "--create", "--code", "latency_slo"]) == 0
+
+    def client_view():
+        with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic, keyring=ring) as client:
+            assert client.wait_until_caught_up(30)
+            return client.lookup("b-1", "coding", "main"), client.lookup("b-1", "chat", "main"), client.stats()
+
+    coding, chat, stats = client_view()
+    assert not coding.enabled and coding.reasons == ("latency_slo",) and chat.enabled
+    assert (stats.applied, stats.forged, stats.unsigned) == (1, 0, 0)
+
+    assert cli.main(["flags", "clear", *scope, "--reason", "fixed", "--code", "latency_slo"]) == 0
+    coding, _, stats = client_view()
+    assert coding.enabled and stats.applied == 2
+
+
+def test_manual_override_codes_are_the_contract_reasons():
+    import typing
+
+    from specwatch.commands.flags import _REASON_CODES
+    from specwatch.schemas.decisions import Reason
+
+    assert set(_REASON_CODES) == set(typing.get_args(Reason))

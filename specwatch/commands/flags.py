@@ -1,7 +1,12 @@
 """`specwatch flags`: the speculative-path state per scope, and manual overrides with audit.
 
 State is rebuilt from the archive (decisions folded in time order, then overrides on top);
-`set` and `clear` record an override and its audit row there.
+`set` and `clear` record an override and its audit row there. With ``--bootstrap`` they
+also publish it, signed, on the decisions topic, so that flag clients (engines, routers)
+follow it within their poll interval: an override is a decision with detector ``manual``
+whose ``reason`` is one of the contract's codes (``--code``, the alert being answered)
+and whose evidence names who made it and why. Clearing publishes what the archived
+decisions alone say for the scope.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ __all__ = ["register", "OverrideChange", "record_override"]
 
 _EXIT_NOT_FOUND = 1
 _EXIT_USAGE = 2
+_EXIT_NOT_PUBLISHED = 3
+_PUBLISH_TIMEOUT_S = 15.0
+_MANUAL_DETECTOR = "manual"
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,71 @@ class OverrideChange:
 
 
 Publisher = Callable[[OverrideChange], None]
+
+# The decisions contract's reason codes (schemas/decisions.py), listed here so that the
+# parser stays light; tests check the two lists agree.
+_REASON_CODES = ("acceptance_drop", "no_speedup", "draft_overhead", "latency_slo", "kv_pressure",
+                 "bundle_changed", "quality_regression", "error_rate", "unadmitted_bundle", "canary_judgement")
+
+
+def override_decision(change: OverrideChange, code: str, automatic=None, override_id: str = ""):
+    """The decision that tells flag clients about ``change``.
+
+    Setting publishes the override's own state; clearing publishes ``automatic``, the
+    `ScopeState` the archived decisions alone give the scope (None: speculation on).
+
+    >>> c = OverrideChange("b-1", "coding", None, False, None, "alice", "p99 page", 100.0)
+    >>> d = override_decision(c, "latency_slo", override_id="o-1")
+    >>> d.action, d.reason, d.detector, d.evidence["by"], d.evidence["note"]
+    ('disable_speculation', 'latency_slo', 'manual', 'alice', 'p99 page')
+    >>> override_decision(OverrideChange("b-1", None, None, True, 2, "bob", "", 101.0), "no_speedup").action
+    'reduce_draft_length'
+    """
+    from specwatch.schemas import Decision
+
+    enabled, limit = change.enabled, change.draft_limit
+    if change.cleared:
+        enabled = automatic is None or automatic.enabled
+        limit = automatic.draft_limit if automatic is not None else None
+    evidence = {"by": change.by, "note": change.reason, "override_id": override_id, "cleared": change.cleared}
+    if not enabled:
+        action = "disable_speculation"
+    elif limit is not None:
+        action = "reduce_draft_length"
+        evidence["draft_length"] = limit
+    else:
+        action = "restore"
+    return Decision(ts=change.ts, bundle_id=change.bundle_id, bucket=change.bucket, cohort=change.cohort,
+                    action=action, reason=code, detector=_MANUAL_DETECTOR, evidence=evidence)
+
+
+def _publish(args: argparse.Namespace, decision) -> bool:
+    """Publish one decision, signed, and wait for the broker; False (and why, on stderr) if not."""
+    from specwatch.actions.decisions_topic import DecisionPublisher
+    from specwatch.collectors.otel import KafkaConfig
+
+    try:
+        publisher = DecisionPublisher(KafkaConfig(args.bootstrap), topic=args.decisions_topic,
+                                      publisher_id=f"manual/{args.by.strip()}")
+    except Exception as error:  # noqa: BLE001 - a bad address, an unreachable cluster, a bad key setting
+        print(f"specwatch: cannot publish on {args.decisions_topic}: {error}", file=sys.stderr)
+        return False
+    try:
+        ok = publisher.publish(decision) and publisher.flush(_PUBLISH_TIMEOUT_S) and publisher.stats()["failed"] == 0
+    finally:
+        publisher.close()
+    if not ok:
+        print(f"specwatch: the decisions topic {args.decisions_topic} did not take decision {decision.id} within "
+              f"{_PUBLISH_TIMEOUT_S:.0f} s; the override is archived but flag clients have not seen it", file=sys.stderr)
+    return ok
+
+
+def _check_publish_args(args: argparse.Namespace) -> bool:
+    if args.bootstrap and not args.code:
+        print("specwatch: --bootstrap needs --code, the contract reason the published decision carries",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def record_override(archive, change: OverrideChange, publishers: Sequence[Publisher] = ()) -> str:
@@ -64,6 +137,13 @@ def register(subparsers) -> None:
     scope.add_argument("--cohort", help="cohort (default: every cohort)")
     scope.add_argument("--by", required=True, metavar="NAME",
                        help="who is making the change (recorded in the audit trail)")
+    scope.add_argument("--bootstrap", metavar="HOST:PORT",
+                       help="also publish the change on the decisions topic of this Kafka cluster")
+    scope.add_argument("--decisions-topic", default="specwatch.decisions", metavar="TOPIC",
+                       help="decisions topic to publish on (default: %(default)s)")
+    scope.add_argument("--code", choices=_REASON_CODES, metavar="REASON",
+                       help="with --bootstrap: the contract reason the published decision carries, the "
+                            "alert being answered (" + ", ".join(_REASON_CODES) + ")")
 
     parser = subparsers.add_parser(
         "flags", help="speculative-path state per scope; manual overrides",
@@ -137,6 +217,8 @@ def _set(args: argparse.Namespace) -> int:
     if not args.by.strip() or not args.reason.strip():
         print("specwatch: --by and --reason must not be empty", file=sys.stderr)
         return _EXIT_USAGE
+    if not _check_publish_args(args):
+        return _EXIT_USAGE
     archive = open_archive(args, create=args.create)
     if archive is None:
         return _EXIT_USAGE
@@ -144,12 +226,16 @@ def _set(args: argparse.Namespace) -> int:
                             args.by.strip(), args.reason.strip(), time.time())
     with archive:
         override_id = record_override(archive, change)
-    return _report(args, change, override_id, "set")
+    published = not args.bootstrap or _publish(args, override_decision(change, args.code, override_id=override_id))
+    _report(args, change, override_id, "set")
+    return 0 if published else _EXIT_NOT_PUBLISHED
 
 
 def _clear(args: argparse.Namespace) -> int:
     if not args.by.strip():
         print("specwatch: --by must not be empty", file=sys.stderr)
+        return _EXIT_USAGE
+    if not _check_publish_args(args):
         return _EXIT_USAGE
     archive = open_archive(args)
     if archive is None:
@@ -166,7 +252,10 @@ def _clear(args: argparse.Namespace) -> int:
                                 # never before the override it clears, whatever the clocks say
                                 max(time.time(), active["ts"]), cleared=True)
         override_id = record_override(archive, change)
-    return _report(args, change, override_id, "cleared")
+        automatic = archive.flag_store(overrides=False).state(scope)
+    published = not args.bootstrap or _publish(args, override_decision(change, args.code, automatic, override_id))
+    _report(args, change, override_id, "cleared")
+    return 0 if published else _EXIT_NOT_PUBLISHED
 
 
 def _report(args: argparse.Namespace, change: OverrideChange, override_id: str, verb: str) -> int:
