@@ -1,8 +1,9 @@
 """Decoding step records without building pydantic objects, for the processing hot path.
 
-A step that passes a few cheap type and range checks becomes a `StepColumns` (its rounds as
-columns); anything else goes through the reference codec, so records and rejection reasons
-are exactly those of `codec.decode_line` and `otlp.decode_request`.
+A step that passes a few cheap type and range checks becomes a `StepColumns` (its rounds
+tallied; on OTLP read straight from the protobuf bytes); anything else goes through the
+reference codec, so records and rejection reasons are exactly those of `codec.decode_line`
+and `otlp.decode_request`.
 """
 
 from __future__ import annotations
