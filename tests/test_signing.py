@@ -297,3 +297,23 @@ def test_manual_override_codes_are_the_contract_reasons():
     from specwatch.schemas.decisions import Reason
 
     assert set(_REASON_CODES) == set(typing.get_args(Reason))
+
+
+@pytest.mark.kafka
+def test_manual_stage_change_reaches_flag_clients(kafka_bootstrap, decisions_topic, monkeypatch, tmp_path):
+    from specwatch import cli
+    from specwatch.actions.archive import Archive
+
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    dsn = f"chdb://{tmp_path}/archive"
+    with Archive.open(dsn) as archive:
+        archive.write_bundle("b-9", {"policy": {"acceptance_rule": "strict"}}, 1_767_225_600.0, "w1")
+    publish = ["--archive", dsn, "--by", "alice", "--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]
+    assert cli.main(["bundles", "promote", "b-9", "--reason", "shadow by hand", *publish]) == 0
+    assert cli.main(["bundles", "freeze", "b-9", "--reason", "tail on the canary", *publish]) == 0
+    with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic, keyring=Keyring()) as client:
+        assert client.wait_until_caught_up(30)
+        assert client.store.admission("b-9").stage == "frozen"
+        assert not client.lookup("b-9", "coding", "main").enabled
+        assert client.stats().applied == 2

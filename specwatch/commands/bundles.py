@@ -10,12 +10,14 @@ import argparse
 import sys
 import time
 
+from specwatch.commands.flags import add_publish_options, publish_manual
 from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
 
 __all__ = ["register", "next_stage"]
 
 _EXIT_NOT_FOUND = 1
 _EXIT_USAGE = 2
+_EXIT_NOT_PUBLISHED = 3
 
 
 def next_stage(stage: str | None, share: float | None, schedule: list[float]) -> tuple[str, float]:
@@ -50,6 +52,7 @@ def register(subparsers) -> None:
     change.add_argument("bundle_id", help="bundle id (b-...)")
     change.add_argument("--by", required=True, metavar="NAME", help="who is making the change (audited)")
     change.add_argument("--reason", required=True, metavar="TEXT", help="why (audited)")
+    add_publish_options(change)
 
     parser = subparsers.add_parser(
         "bundles", help="bundle registry: admission stages, their history, manual moves",
@@ -171,6 +174,8 @@ def _change(args: argparse.Namespace, target) -> int:
         # never before the change it follows, whatever the clocks say
         ts = max(time.time(), row["stage_since"] or 0.0)
         change_id = archive.write_manual_stage(args.bundle_id, stage, by, reason, ts, row["stage"], share, cohort)
+    published = not args.bootstrap or publish_manual(args, stage_decision(
+        args.bundle_id, stage, share, cohort, by, reason, ts, change_id))
     if args.json:
         print_rows([{"change_id": change_id, "bundle_id": args.bundle_id, "stage": stage, "previous_stage":
                      row["stage"], "cohort_share": share, "by": by, "reason": reason, "ts": ts}], (), as_json=True)
@@ -178,7 +183,26 @@ def _change(args: argparse.Namespace, target) -> int:
         print(f"bundle {args.bundle_id}: {row['stage'] or 'not judged'} -> {stage}"
               + (f" (cohort share {share:g})" if stage in ("shadow", "canary") else "")
               + f" by {by}: {reason} ({change_id})")
-    return 0
+    return 0 if published else _EXIT_NOT_PUBLISHED
+
+
+def stage_decision(bundle_id: str, stage: str, share: float, cohort: str | None, by: str, reason: str,
+                   ts: float, change_id: str = ""):
+    """The decision that tells flag clients and routers about a manual stage change.
+
+    >>> d = stage_decision("b-1", "canary", 0.1, "canary", "alice", "judged by hand", 5.0)
+    >>> d.action, d.reason, d.detector, d.evidence["stage"], d.evidence["cohort_share"]
+    ('promote', 'canary_judgement', 'manual', 'canary', 0.1)
+    >>> stage_decision("b-1", "frozen", 0.0, None, "bob", "tail", 6.0).action
+    'disable_speculation'
+    """
+    from specwatch.schemas import Decision
+
+    evidence = {"stage": stage, "cohort_share": share, "cohort": cohort, "by": by, "note": reason,
+                "change_id": change_id}
+    action = "disable_speculation" if stage == "frozen" else "promote"
+    return Decision(ts=ts, bundle_id=bundle_id, bucket=None, cohort=None, action=action,
+                    reason="canary_judgement", detector="manual", evidence=evidence)
 
 
 def _evidence(change: dict) -> str:

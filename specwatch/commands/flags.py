@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
 
-__all__ = ["register", "OverrideChange", "record_override"]
+__all__ = ["register", "OverrideChange", "add_publish_options", "override_decision", "publish_manual",
+           "record_override"]
 
 _EXIT_NOT_FOUND = 1
 _EXIT_USAGE = 2
@@ -86,7 +87,15 @@ def override_decision(change: OverrideChange, code: str, automatic=None, overrid
                     action=action, reason=code, detector=_MANUAL_DETECTOR, evidence=evidence)
 
 
-def _publish(args: argparse.Namespace, decision) -> bool:
+def add_publish_options(parser: argparse.ArgumentParser) -> None:
+    """``--bootstrap`` and ``--decisions-topic``: where a manual change is published."""
+    parser.add_argument("--bootstrap", metavar="HOST:PORT",
+                        help="also publish the change, signed, on the decisions topic of this Kafka cluster")
+    parser.add_argument("--decisions-topic", default="specwatch.decisions", metavar="TOPIC",
+                        help="decisions topic to publish on (default: %(default)s)")
+
+
+def publish_manual(args: argparse.Namespace, decision) -> bool:
     """Publish one decision, signed, and wait for the broker; False (and why, on stderr) if not."""
     from specwatch.actions.decisions_topic import DecisionPublisher
     from specwatch.collectors.otel import KafkaConfig
@@ -137,10 +146,7 @@ def register(subparsers) -> None:
     scope.add_argument("--cohort", help="cohort (default: every cohort)")
     scope.add_argument("--by", required=True, metavar="NAME",
                        help="who is making the change (recorded in the audit trail)")
-    scope.add_argument("--bootstrap", metavar="HOST:PORT",
-                       help="also publish the change on the decisions topic of this Kafka cluster")
-    scope.add_argument("--decisions-topic", default="specwatch.decisions", metavar="TOPIC",
-                       help="decisions topic to publish on (default: %(default)s)")
+    add_publish_options(scope)
     scope.add_argument("--code", choices=_REASON_CODES, metavar="REASON",
                        help="with --bootstrap: the contract reason the published decision carries, the "
                             "alert being answered (" + ", ".join(_REASON_CODES) + ")")
@@ -226,7 +232,7 @@ def _set(args: argparse.Namespace) -> int:
                             args.by.strip(), args.reason.strip(), time.time())
     with archive:
         override_id = record_override(archive, change)
-    published = not args.bootstrap or _publish(args, override_decision(change, args.code, override_id=override_id))
+    published = not args.bootstrap or publish_manual(args, override_decision(change, args.code, override_id=override_id))
     _report(args, change, override_id, "set")
     return 0 if published else _EXIT_NOT_PUBLISHED
 
@@ -253,7 +259,7 @@ def _clear(args: argparse.Namespace) -> int:
                                 max(time.time(), active["ts"]), cleared=True)
         override_id = record_override(archive, change)
         automatic = archive.flag_store(overrides=False).state(scope)
-    published = not args.bootstrap or _publish(args, override_decision(change, args.code, automatic, override_id))
+    published = not args.bootstrap or publish_manual(args, override_decision(change, args.code, automatic, override_id))
     _report(args, change, override_id, "cleared")
     return 0 if published else _EXIT_NOT_PUBLISHED
 
