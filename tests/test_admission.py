@@ -30,7 +30,18 @@ POLICY = {"admission": {"enforce": True, "shadow_share": 0.2, "cohort_schedule":
 _REPO = Path(__file__).resolve().parents[1]
 
 
+_ROLLOUTS: dict = {}
+
+
 def _rollout(scenario, policy=POLICY, minutes=None):
+    """One closed-loop run per (scenario, policy, minutes) for the module: tests only read it."""
+    key = (scenario, json.dumps(policy, sort_keys=True), minutes)
+    if key not in _ROLLOUTS:
+        _ROLLOUTS[key] = _run_rollout(scenario, policy, minutes)
+    return _ROLLOUTS[key]
+
+
+def _run_rollout(scenario, policy, minutes):
     flags = FlagStore()
     changes, actions = [], []
     pipeline = EmbeddedPipeline(Policy.model_validate(policy), flags=flags,
