@@ -52,8 +52,8 @@ def match_incidents(incidents, decisions) -> list[dict]:
         for decision in decisions:
             if decision.reason != incident.expected_reason or decision.ts < incident.start_ts:
                 continue
-            if decision.action == "restore":
-                continue
+            if decision.action in ("restore", "promote"):
+                continue  # only a decision that takes speculation away answers an incident
             if incident.bucket is not None and decision.bucket not in (None, incident.bucket):
                 continue
             if incident.expected_reason == "bundle_changed" and decision.bundle_id != incident.bundle_id:
