@@ -187,13 +187,16 @@ class AdmissionController:
                 continue  # nothing new since the last look
             entry.judged_versions = versions
             judged = {b: j.judgement for b, j in sorted(entry.judges.items()) if j.baseline.requests}
-            if not judged:
-                continue
-            outcome = combine(j.outcome for j in judged.values())
+            outcome = combine(j.outcome for j in judged.values()) if judged else "marginal"
+            waited = now - entry.stage_since
             if outcome == "fail":
                 decisions.append(self._freeze(entry, now, judged, None))
-            elif outcome == "pass" and now - entry.stage_since >= self.settings.stage_seconds:
+            elif outcome == "pass" and waited >= self.settings.stage_seconds:
                 decisions.append(self._promote(entry, now, judged))
+            elif outcome != "pass" and waited >= self.settings.max_stage_seconds:
+                # No verdict in all that time: the canary has cost its traffic without earning
+                # more; it stops speculating until someone looks (specwatch bundles).
+                decisions.append(self._freeze(entry, now, judged, None, inconclusive=True))
         return decisions
 
     # -- stages ------------------------------------------------------------------------------
@@ -245,13 +248,15 @@ class AdmissionController:
         return decision
 
     def _freeze(self, entry: BundleAdmission, ts: float, judged: dict[str, Judgement],
-                bucket: str | None) -> Decision:
+                bucket: str | None, inconclusive: bool = False) -> Decision:
         failing = [(b, m) for b, j in judged.items() for m in j.failing]
         first_bucket, first_metric = failing[0] if failing else (bucket, None)
         evidence = self._stage_evidence(entry, "frozen")
         evidence.update(failed_bucket=first_bucket, failed_metric=first_metric.metric if first_metric else None,
                         failing=[dict(m.evidence(), bucket=b) for b, m in failing],
                         judgement={b: _summary(j) for b, j in judged.items()})
+        if inconclusive:
+            evidence.update(failed_metric="inconclusive", stage_seconds=round(ts - entry.stage_since, 3))
         decision = Decision(ts=ts, bundle_id=entry.bundle_id, action="disable_speculation",
                             reason="canary_judgement", detector=_JUDGE, evidence=evidence)
         self._move(entry, "frozen", ts, "specwatch", "canary_judgement", decision.id,

@@ -191,6 +191,8 @@ class AdmissionPolicy(_Section):
         20, ge=2, description="finished requests in one judge window: equal counts on both sides, so that a "
                               "window's p99 means the same for a 25% canary and a 5% baseline")
     stage_seconds: float = Field(300.0, gt=0, description="least time a bundle spends at each stage")
+    max_stage_seconds: float = Field(
+        21600.0, gt=0, description="a bundle judged this long at one stage without a pass is frozen as inconclusive")
     min_windows: int = Field(8, ge=3, description="judge windows per bucket, on each side, before a verdict")
     min_shadow_checks: int = Field(20, ge=0, description="strict shadow checks per bucket before leaving shadow")
     confidence: float = Field(0.99, gt=0.5, lt=1, description="one-sided Mann-Whitney confidence for 'worse'")
@@ -216,6 +218,9 @@ class AdmissionPolicy(_Section):
         if self.marginal_confidence > self.confidence:
             raise ValueError(f"admission.marginal_confidence ({self.marginal_confidence}) must not exceed "
                              f"admission.confidence ({self.confidence})")
+        if self.max_stage_seconds <= self.stage_seconds:
+            raise ValueError(f"admission.max_stage_seconds ({self.max_stage_seconds}) must exceed "
+                             f"admission.stage_seconds ({self.stage_seconds})")
         if self.shadow_cohort == self.canary_cohort:
             raise ValueError(f"admission.shadow_cohort and canary_cohort must differ, both are {self.canary_cohort!r}")
         return self

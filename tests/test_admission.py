@@ -193,6 +193,23 @@ def test_a_fallback_on_the_canary_path_vetoes_promotion():
     assert controller.vetoed(slo) == []  # frozen already
 
 
+def test_a_stage_without_a_verdict_for_too_long_is_frozen_as_inconclusive():
+    policy = Policy.model_validate({"admission": dict(POLICY["admission"], max_stage_seconds=200)})
+    flags = FlagStore()
+    controller = AdmissionController(policy, flags)
+    controller.seen(BUNDLE, {"policy": {"acceptance_rule": "strict"}}, 10.0)
+    for decision in controller.observe(BUNDLE, None, None, _slice(6.0), 11.0, True):
+        flags.apply(decision)
+    since = flags.admission(BUNDLE).ts
+    got = []
+    for t in range(12, 260, 4):  # healthy windows, but never the 20 shadow checks shadow needs
+        controller.observe(BUNDLE, "coding", "shadow", _slice(6.0), float(t), True)
+        controller.observe(BUNDLE, "coding", "main", _slice(12.0, speculative=False), float(t), False)
+        got += [(t, d.action, d.evidence["stage"], d.evidence["failed_metric"]) for d in controller.evaluate(float(t))]
+    first = next(t for t in range(12, 260, 4) if t - since >= 200)
+    assert got == [(first, "disable_speculation", "frozen", "inconclusive")]
+
+
 def test_non_strict_bundle_stays_unadmitted_and_listed_bundles_are_admitted():
     policy = Policy.model_validate({"admission": {"enforce": True, "admitted_bundles": ["b-old"]}})
     flags = FlagStore()
@@ -209,6 +226,8 @@ def test_non_strict_bundle_stays_unadmitted_and_listed_bundles_are_admitted():
 
 
 def test_policy_refuses_a_schedule_that_never_admits():
+    with pytest.raises(ValueError, match="max_stage_seconds"):
+        Policy.model_validate({"admission": {"stage_seconds": 600, "max_stage_seconds": 300}})
     with pytest.raises(ValueError, match="must end at 1.0"):
         Policy.model_validate({"admission": {"cohort_schedule": [0.01, 0.05]}})
     with pytest.raises(ValueError, match="strictly increasing"):
