@@ -63,6 +63,15 @@ def test_pipeline_decides(demo):
     assert demo["counters"]["decisions"] == len(demo["decisions"])
 
 
+def test_decisions_and_window_stats_are_archived(demo):
+    from specwatch.actions.archive import Archive
+
+    with Archive.open(demo["archive"], create=False) as archive:
+        archived = archive.decisions(limit=None)
+        assert sorted(r["decision_id"] for r in archived) == sorted(demo["decision_ids"])
+        assert archive.timeline(), "window stats were archived"
+
+
 def test_random_drafter_first_cut_then_disabled_in_every_scope(demo, capsys):
     phase = _phase(demo, "random-drafter")
     policy = vllm_demo_policy()

@@ -211,15 +211,20 @@ def _run(args) -> int:
         return 2
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    if args.engine == "vllm":
-        return _run_vllm(args, outdir, policy if args.policy else None)
     archive = None
     dsn = None
     if not args.no_archive:
         from specwatch.actions.archive import Archive
 
-        dsn = args.archive or os.environ.get("SPECWATCH_ARCHIVE") or f"chdb://{outdir / 'archive'}"
+        default = outdir / ("vllm/archive" if args.engine == "vllm" else "archive")
+        dsn = args.archive or os.environ.get("SPECWATCH_ARCHIVE") or f"chdb://{default}"
         archive = Archive.open(dsn)
+    if args.engine == "vllm":
+        try:
+            return _run_vllm(args, outdir, policy if args.policy else None, archive, dsn)
+        finally:
+            if archive is not None:
+                archive.close()
     report = sys.stderr if args.json else sys.stdout
 
     def progress(elapsed, total, pipeline):
@@ -241,10 +246,11 @@ def _run(args) -> int:
     return 0
 
 
-def _run_vllm(args, outdir: Path, policy) -> int:
+def _run_vllm(args, outdir: Path, policy, archive=None, dsn: str | None = None) -> int:
     """The vLLM engine's telemetry through the embedded pipeline; its decisions reach the engine.
 
-    ``policy`` None: the demo's policy, with minimums scaled to its short run.
+    ``policy`` None: the demo's policy, with minimums scaled to its short run. With an
+    ``archive``, window stats, decisions, samples and audit go there as in the simulated demo.
     """
     try:
         from specwatch.collectors.vllm.demo import run_vllm_demo, vllm_demo_policy
@@ -254,11 +260,20 @@ def _run_vllm(args, outdir: Path, policy) -> int:
         return 2
     from specwatch.streams.embedded import EmbeddedPipeline
 
+    from specwatch.actions.handlers import ArchiveSink
+
+    archive_sink = ArchiveSink(archive) if archive is not None else None
     # live: the engine stamps records with this clock, so none may come from far ahead of it
-    pipeline = EmbeddedPipeline(policy if policy is not None else vllm_demo_policy(), clock=time.time)
+    pipeline = EmbeddedPipeline(policy if policy is not None else vllm_demo_policy(), clock=time.time,
+                                sinks=[archive_sink] if archive_sink is not None else [])
     summary = run_vllm_demo(json_output=args.json, workdir=outdir / "vllm", on_record=pipeline.feed,
                             flags=pipeline.flags, finish=pipeline.finish)
     summary["counters"] = pipeline.counters.as_dict()
+    if archive_sink is not None:
+        archive_sink.close()
+        summary["archive"] = dsn
+        if not args.json:
+            print(f"archive: {dsn}   (try: specwatch query decisions --archive {dsn})")
     if args.json:
         print(json.dumps(summary, sort_keys=True, default=str))
     return 0
