@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from opentelemetry.sdk._logs import LoggerProvider, LogRecordProcessor, ReadableLogRecord, ReadWriteLogRecord
@@ -58,6 +60,11 @@ _DEFAULT_DROP_WARNING_INTERVAL_S = 10.0
 _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS = 5_000
 _DEFAULT_SERVICE_NAME = "specwatch"
 _DEFAULT_TELEMETRY_TOPIC = "specwatch.telemetry"
+# SPECWATCH_KAFKA_<name> -> KafkaConfig field (the SASL password may also come from a file)
+_KAFKA_ENV = {"BOOTSTRAP": "bootstrap_servers", "SECURITY_PROTOCOL": "security_protocol",
+              "SASL_MECHANISM": "sasl_mechanism", "SASL_USERNAME": "sasl_username",
+              "SASL_PASSWORD": "sasl_password", "SSL_CAFILE": "ssl_cafile", "SSL_CERTFILE": "ssl_certfile",
+              "SSL_KEYFILE": "ssl_keyfile"}
 # kafka-python needs the broker version up front or it connects while being constructed.
 _DEFAULT_API_VERSION = (4, 0)
 _DEFAULT_LINGER_MS = 20
@@ -504,6 +511,45 @@ class KafkaConfig:
         for name in ("batch_size", "max_request_size", "request_timeout_ms", "delivery_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, bootstrap: str | None = None, environ: Mapping[str, str] | None = None,
+                 **settings: Any) -> "KafkaConfig":
+        """A config from ``SPECWATCH_KAFKA_*`` variables; ``bootstrap`` and ``settings`` win over them.
+
+        ``SPECWATCH_KAFKA_BOOTSTRAP``, ``_SECURITY_PROTOCOL``, ``_SASL_MECHANISM``,
+        ``_SASL_USERNAME``, ``_SASL_PASSWORD`` (or ``_SASL_PASSWORD_FILE``, a file holding it),
+        ``_SSL_CAFILE``, ``_SSL_CERTFILE``, ``_SSL_KEYFILE``. Secrets stay out of repr.
+
+        >>> env = {"SPECWATCH_KAFKA_BOOTSTRAP": "k:9093", "SPECWATCH_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        ...        "SPECWATCH_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "SPECWATCH_KAFKA_SASL_USERNAME": "svc",
+        ...        "SPECWATCH_KAFKA_SASL_PASSWORD": "hunter2"}
+        >>> config = KafkaConfig.from_env(environ=env, topic="t")
+        >>> config.bootstrap_servers, config.sasl_mechanism, config.topic, "hunter2" in repr(config)
+        ('k:9093', 'SCRAM-SHA-512', 't', False)
+        """
+        environ = os.environ if environ is None else environ
+        found: dict[str, Any] = {}
+        for name, field_name in _KAFKA_ENV.items():
+            value = environ.get(f"SPECWATCH_KAFKA_{name}")
+            if value:
+                found[field_name] = value
+        password_file = environ.get("SPECWATCH_KAFKA_SASL_PASSWORD_FILE")
+        if password_file:
+            if "sasl_password" in found:
+                raise ValueError("set either SPECWATCH_KAFKA_SASL_PASSWORD or SPECWATCH_KAFKA_SASL_PASSWORD_FILE, "
+                                 "not both")
+            try:
+                found["sasl_password"] = Path(password_file).read_text().rstrip("\r\n")
+            except OSError as error:
+                raise ValueError(f"cannot read SPECWATCH_KAFKA_SASL_PASSWORD_FILE ({password_file}): "
+                                 f"{error.strerror or error}") from None
+        if bootstrap:
+            found["bootstrap_servers"] = bootstrap
+        if "bootstrap_servers" not in found:
+            raise ValueError("no Kafka bootstrap servers: pass them or set SPECWATCH_KAFKA_BOOTSTRAP")
+        found.update(settings)
+        return cls(**found)
 
     def client_settings(self) -> dict[str, Any]:
         """Connection and security settings shared by producers, consumers and admin clients."""

@@ -92,7 +92,7 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        config = KafkaConfig(args.bootstrap)
+        config = KafkaConfig.from_env(args.bootstrap)
     except ValueError as error:
         print(f"specwatch decisions: {error}", file=sys.stderr)
         return _EXIT_UNREACHABLE

@@ -101,7 +101,7 @@ def publish_manual(args: argparse.Namespace, decision) -> bool:
     from specwatch.collectors.otel import KafkaConfig
 
     try:
-        publisher = DecisionPublisher(KafkaConfig(args.bootstrap), topic=args.decisions_topic,
+        publisher = DecisionPublisher(KafkaConfig.from_env(args.bootstrap), topic=args.decisions_topic,
                                       publisher_id=f"manual/{args.by.strip()}")
     except Exception as error:  # noqa: BLE001 - a bad address, an unreachable cluster, a bad key setting
         print(f"specwatch: cannot publish on {args.decisions_topic}: {error}", file=sys.stderr)

@@ -84,7 +84,7 @@ def send_to_kafka(records: Iterable, bootstrap: str, topic: str = _DEFAULT_TOPIC
 
     if rate < 0:
         raise ValueError(f"rate must be >= 0 records per second, got {rate}")
-    exporter = KafkaTelemetryExporter(KafkaConfig(bootstrap, topic=topic, client_id="specwatch-simulate"))
+    exporter = KafkaTelemetryExporter(KafkaConfig.from_env(bootstrap, topic=topic, client_id="specwatch-simulate"))
     emitter = TelemetryEmitter(exporter, sdk=False)
     counts: Counter = Counter()
     started = time.monotonic()

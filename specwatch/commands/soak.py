@@ -246,13 +246,13 @@ def _soak_kafka(args, sim, out) -> SoakResult:
     from specwatch.schemas.otlp import decode_request
     from specwatch.streams.embedded import EmbeddedPipeline
 
-    config = KafkaConfig(args.bootstrap)
+    config = KafkaConfig.from_env(args.bootstrap)
     topic = args.topic or f"specwatch.soak.{uuid.uuid4().hex[:8]}"
     admin = None
     if not args.topic:
         admin = KafkaAdminClient(**config.client_settings())
         admin.create_topics([NewTopic(topic, 4, 1)])
-    exporter = KafkaTelemetryExporter(KafkaConfig(args.bootstrap, topic=topic))
+    exporter = KafkaTelemetryExporter(KafkaConfig.from_env(args.bootstrap, topic=topic))
     emitter = TelemetryEmitter(exporter, sdk=False)
     lag = _Lag()
     pipeline = EmbeddedPipeline(sinks=[lag], clock=time.time)

@@ -1,0 +1,187 @@
+"""A vLLM engine wired to Kafka the way `vllm serve` is: environment variables and nothing else.
+
+The ready-made factories (collectors/vllm/kafka.py) send the engine's telemetry to a Kafka
+topic and follow a decisions topic. The engine serves a first wave of requests; the test
+reads the bundle id from the telemetry on Kafka and publishes a signed decision that turns
+speculation off for the coding bucket; once the engine's flag client has it, a second wave
+runs. On the topic: the first wave drafted in both buckets, the second drafted for chat
+only, and nothing was rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.kafka]
+
+_KEY = "a signing key for the vLLM Kafka test, 44 bytes"
+_BUCKETS = ["coding", "chat", "coding", "chat"]
+_PROMPTS = [
+    "def parse(line):\n    return line.split(',')\n",
+    "import os\nimport sys\n\nfor name in os.listdir('.'):\n",
+    "class Cache:\n    def __init__(self):\n        self.items = {}\n",
+    "The quick brown fox jumps over the lazy dog.",
+]
+_MAX_TOKENS = 32
+_PATIENCE_S = 300.0  # liveness on a loaded machine, not a performance bound
+_SUBPROCESS_TIMEOUT_S = 900
+
+
+def _wait_for(path: Path, deadline: float, proc: subprocess.Popen) -> str:
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"the engine exited ({proc.returncode}) before {path.name}:\n"
+                        f"{(path.parent / 'engine.log').read_text()[-6000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.1)
+    return path.read_text()
+
+
+def _scenario(out_dir: Path) -> None:
+    """Runs in the subprocess: the plain vLLM LLM API; specwatch comes in through the plugin and env."""
+    from specwatch.collectors.vllm import build_tiny_models
+
+    models = build_tiny_models()
+    from vllm import LLM, SamplingParams
+
+    from specwatch.collectors.vllm.plugin import collector_for
+
+    llm = LLM(model=str(models.target), dtype="float32", enforce_eager=True, max_model_len=512,
+              max_num_seqs=8, seed=0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    params = [SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True,
+                             extra_args={"specwatch_bucket": bucket}) for bucket in _BUCKETS]
+    llm.generate(_PROMPTS, params, use_tqdm=False)
+    collector = collector_for("test")
+    (bundle_id,) = collector.bundles
+    (out_dir / "wave1.json").write_text(json.dumps({"bundle_id": bundle_id, "ts": time.time()}))
+    deadline = time.monotonic() + _PATIENCE_S
+    while collector.flags.lookup(bundle_id, "coding", "main").enabled:  # the decision, from Kafka
+        if time.monotonic() > deadline:
+            raise SystemExit("the engine's flag client never saw the decision")
+        time.sleep(0.1)
+    (out_dir / "wave2.json").write_text(json.dumps({"ts": time.time()}))
+    llm.generate(_PROMPTS, params, use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    # the collector's and the emitter's queues are flushed to Kafka at exit
+
+
+def _telemetry(bootstrap: str, topic: str) -> list:
+    from kafka import KafkaConsumer, TopicPartition
+
+    from specwatch.schemas import Rejection
+    from specwatch.schemas.otlp import decode_request
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=(4, 0), enable_auto_commit=False)
+    try:
+        found = None
+        deadline = time.monotonic() + 60
+        while not found and time.monotonic() < deadline:  # metadata arrives with the first request
+            found = consumer.partitions_for_topic(topic)
+            time.sleep(0 if found else 0.2)
+        partitions = [TopicPartition(topic, p) for p in sorted(found or ())]
+        assert partitions, f"no partitions for {topic}"
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        ends = consumer.end_offsets(partitions)
+        records = []
+        while any(consumer.position(tp) < ends[tp] for tp in partitions):
+            for messages in consumer.poll(timeout_ms=1000).values():
+                for message in messages:
+                    records += decode_request(message.value)
+    finally:
+        consumer.close()
+    assert not [r for r in records if isinstance(r, Rejection)]
+    return records
+
+
+@pytest.fixture(scope="module")
+def run(kafka_bootstrap, tmp_path_factory) -> dict:
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    from specwatch.actions.decisions_topic import DecisionPublisher
+    from specwatch.actions.signing import Keyring
+    from specwatch.collectors.otel import KafkaConfig
+    from specwatch.schemas import Decision
+
+    out = tmp_path_factory.mktemp("vllm-kafka")
+    name = f"test.vllm.{uuid.uuid4().hex[:8]}"
+    telemetry, decisions = f"{name}.telemetry", f"{name}.decisions"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=(4, 0))
+    admin.create_topics([NewTopic(telemetry, 2, 1),
+                         NewTopic(decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+    env = dict(os.environ)
+    env.update({
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "SPECWATCH_VLLM_SINK": "specwatch.collectors.vllm.kafka:telemetry_sink",
+        "SPECWATCH_VLLM_FLAGS": "specwatch.collectors.vllm.kafka:decision_flags",
+        "SPECWATCH_VLLM_WORKER": "serve-0",
+        "SPECWATCH_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "SPECWATCH_TELEMETRY_TOPIC": telemetry,
+        "SPECWATCH_DECISIONS_TOPIC": decisions,
+        "SPECWATCH_SIGNING_KEY": _KEY,
+    })
+    env.pop("SPECWATCH_SIGNING_KEY_FILE", None)
+    log = open(out / "engine.log", "w")  # a file, not a pipe: nobody reads while the engine runs
+    proc = subprocess.Popen([sys.executable, __file__, str(out)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
+    try:
+        deadline = time.monotonic() + _SUBPROCESS_TIMEOUT_S
+        wave1 = json.loads(_wait_for(out / "wave1.json", deadline, proc))
+        off = Decision(ts=time.time(), bundle_id=wave1["bundle_id"], bucket="coding", cohort=None,
+                       action="disable_speculation", reason="acceptance_drop", detector="test", evidence={})
+        with DecisionPublisher(KafkaConfig(kafka_bootstrap), topic=decisions,
+                               keyring=Keyring.from_secrets(_KEY)) as publisher:
+            assert publisher.publish(off) and publisher.flush(30)
+        proc.wait(timeout=_SUBPROCESS_TIMEOUT_S)
+        if proc.returncode != 0:
+            pytest.fail(f"vLLM scenario failed (exit {proc.returncode}):\n{(out / 'engine.log').read_text()[-6000:]}")
+        wave2 = json.loads((out / "wave2.json").read_text())
+        records = _telemetry(kafka_bootstrap, telemetry)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        admin.delete_topics([telemetry, decisions])
+        admin.close()
+    return {"bundle_id": wave1["bundle_id"], "switch_ts": wave2["ts"], "records": records}
+
+
+def _rounds(run, after: bool) -> dict[str, list[int]]:
+    drafted: dict[str, list[int]] = {}
+    for record in run["records"]:
+        if record.kind == "step" and (record.ts > run["switch_ts"]) == after:
+            for entry in record.requests:
+                drafted.setdefault(entry.bucket, []).append(entry.drafted)
+    return drafted
+
+
+def test_telemetry_reaches_kafka_from_an_engine_configured_by_environment(run):
+    kinds = {r.kind for r in run["records"]}
+    assert {"bundle", "step", "request"} <= kinds
+    assert {r.worker for r in run["records"] if r.kind == "step"} == {"serve-0"}
+    before = _rounds(run, after=False)
+    assert sum(before["coding"]) > 0 and sum(before["chat"]) > 0
+
+
+def test_a_signed_decision_on_kafka_turns_the_coding_bucket_off_in_the_engine(run):
+    after = _rounds(run, after=True)
+    assert after["coding"] and set(after["coding"]) == {0}
+    assert sum(after["chat"]) > 0
+    requests = [r for r in run["records"] if r.kind == "request" and r.ts > run["switch_ts"]]
+    assert {r.bucket for r in requests if not r.speculative} == {"coding"}
+
+
+if __name__ == "__main__":
+    _scenario(Path(sys.argv[1]))
