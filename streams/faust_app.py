@@ -39,7 +39,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable, Mapping
 
 import faust
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -76,7 +76,9 @@ __all__ = [
     "StreamApp",
     "StreamSettings",
     "TopicError",
+    "aiokafka_security",
     "create_app",
+    "faust_credentials",
     "prepare_topics",
     "run_worker",
 ]
@@ -170,6 +172,7 @@ class StreamSettings:
     source_silence_seconds: float = _DEFAULT_SOURCE_SILENCE_SECONDS
     session_timeout_seconds: float = _DEFAULT_SESSION_TIMEOUT_SECONDS
     replication_factor: int = 1
+    kafka_security: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.bootstrap or not all(":" in s for s in self.bootstrap.split(",")):
@@ -188,6 +191,10 @@ class StreamSettings:
                              f"got {self.session_timeout_seconds}")
         if self.replication_factor < 1:
             raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
+
+    def client_options(self) -> dict[str, Any]:
+        """Connection options every aiokafka client of the app takes (security included)."""
+        return dict(self.kafka_security)
 
     def checkpoint_topic(self, stage: str) -> str:
         """The compacted topic holding the checkpoints of ``stage`` ("stage1" or "stage2")."""
@@ -209,7 +216,7 @@ async def prepare_topics(settings: StreamSettings, default_partitions: int = _DE
     disagree on their partition count.
     """
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap.split(","),
-                                request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS)
+                                request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS, **settings.client_options())
     try:
         client_log = logging.getLogger("aiokafka")
         level = client_log.level
@@ -279,18 +286,58 @@ async def _partition_counts(admin: AIOKafkaAdminClient, settings: StreamSettings
 # ---------------------------------------------------------------- direct reads
 
 
+def aiokafka_security(config: Any) -> dict[str, Any]:
+    """aiokafka client options for the security settings of a `KafkaConfig`; {} for PLAINTEXT.
+
+    >>> from specwatch.collectors.otel import KafkaConfig
+    >>> aiokafka_security(KafkaConfig("k:9092"))
+    {}
+    >>> options = aiokafka_security(KafkaConfig("k:9093", security_protocol="SASL_PLAINTEXT",
+    ...                                         sasl_mechanism="PLAIN", sasl_username="svc", sasl_password="pw"))
+    >>> options["security_protocol"], options["sasl_mechanism"], options["sasl_plain_username"]
+    ('SASL_PLAINTEXT', 'PLAIN', 'svc')
+    """
+    protocol = config.security_protocol
+    if protocol == "PLAINTEXT":
+        return {}
+    options: dict[str, Any] = {"security_protocol": protocol}
+    if protocol.startswith("SASL_"):
+        options.update(sasl_mechanism=config.sasl_mechanism, sasl_plain_username=config.sasl_username,
+                       sasl_plain_password=config.sasl_password)
+    if protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        context = create_ssl_context(cafile=config.ssl_cafile, certfile=config.ssl_certfile,
+                                     keyfile=config.ssl_keyfile, password=config.ssl_password)
+        context.check_hostname = config.ssl_check_hostname
+        options["ssl_context"] = context
+    return options
+
+
+def faust_credentials(security: Mapping[str, Any]) -> Any:
+    """Faust's broker credentials for the same options (None: PLAINTEXT)."""
+    protocol = security.get("security_protocol", "PLAINTEXT")
+    if protocol == "PLAINTEXT":
+        return None
+    if protocol == "SSL":
+        return faust.SSLCredentials(security["ssl_context"])
+    return faust.SASLCredentials(username=security["sasl_plain_username"], password=security["sasl_plain_password"],
+                                 mechanism=security["sasl_mechanism"], ssl_context=security.get("ssl_context"))
+
+
 class PartitionReader:
     """Reads ranges of partitions outside the consumer group: gaps after a restart, the decisions tail."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, security: Mapping[str, Any] | None = None) -> None:
         self._bootstrap = bootstrap.split(",")
+        self._security = dict(security or {})
         self._partitions: dict[str, list[int]] = {}
 
     async def partitions(self, topic: str) -> list[int]:
         """Partition ids of ``topic`` (asked once: partitions are only ever added by hand)."""
         if topic not in self._partitions:
             admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap,
-                                        request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS)
+                                        request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS, **self._security)
             await admin.start()
             try:
                 described = await admin.describe_topics([topic])
@@ -304,7 +351,8 @@ class PartitionReader:
         return self._partitions[topic]
 
     async def _consumer(self) -> AIOKafkaConsumer:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, group_id=None, enable_auto_commit=False,
+        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, **self._security, group_id=None,
+                                    enable_auto_commit=False,
                                     auto_offset_reset="earliest", isolation_level="read_committed")
         await consumer.start()
         return consumer
@@ -355,7 +403,8 @@ class PartitionReader:
         tps = {source: TopicPartition(*_split_source(source)) for source in sources}
         if not tps:
             return set()
-        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS)
+        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS,
+                                    **self._security)
         await admin.start()
         try:
             committed = await admin.list_consumer_group_offsets(group, partitions=list(tps.values()))
@@ -399,15 +448,17 @@ class KafkaWriter:
     acknowledges with ``acks=all``.
     """
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, security: Mapping[str, Any] | None = None) -> None:
         self._bootstrap = bootstrap.split(",")
+        self._security = dict(security or {})
         self._producer: AIOKafkaProducer | None = None
 
     async def send(self, topic: str, value: bytes, *, key: bytes | None = None, partition: int | None = None,
                    headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
         """Hand one message to the producer; the returned future resolves when the broker acknowledged it."""
         if self._producer is None:
-            producer = AIOKafkaProducer(bootstrap_servers=self._bootstrap, acks="all", enable_idempotence=True,
+            producer = AIOKafkaProducer(bootstrap_servers=self._bootstrap, **self._security, acks="all",
+                                        enable_idempotence=True,
                                         linger_ms=_LINGER_MS, compression_type="lz4",
                                         max_request_size=_MAX_REQUEST_BYTES)
             await producer.start()
@@ -807,6 +858,7 @@ def create_app(settings: StreamSettings) -> StreamApp:
     app = faust.App(
         settings.app_id,
         broker=[f"kafka://{server}" for server in settings.bootstrap.split(",")],
+        broker_credentials=faust_credentials(settings.kafka_security),
         store="memory://",
         datadir=settings.data_dir,
         web_enabled=False,
@@ -829,8 +881,8 @@ def create_app(settings: StreamSettings) -> StreamApp:
     partials = app.topic(settings.partials_topic, partitions=settings.partials_partitions, **raw)
 
     # -- state and outputs: checkpoint topics and the app's own producer ----------------------
-    writer = KafkaWriter(settings.bootstrap)
-    reader = PartitionReader(settings.bootstrap)
+    writer = KafkaWriter(settings.bootstrap, settings.kafka_security)
+    reader = PartitionReader(settings.bootstrap, settings.kafka_security)
     stage1 = Stage1Runner(settings, app, writer, CheckpointLog(settings.checkpoint_topic("stage1"), writer, reader),
                           reader)
     stage2 = Stage2Runner(settings, app, writer, CheckpointLog(settings.checkpoint_topic("stage2"), writer, reader),

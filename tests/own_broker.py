@@ -16,13 +16,15 @@ _BROKER = Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "broker.sh"
 class OwnBroker:
     """``deploy/kafka/broker.sh`` on ``port``: `start` formats fresh storage, `resume` keeps it."""
 
-    def __init__(self, port: int, partitions: int) -> None:
+    def __init__(self, port: int, partitions: int, extra: tuple[str, ...] = ()) -> None:
         self.port = port
         self.partitions = partitions
+        self.extra = extra  # more options for start (e.g. a SASL listener)
 
     def __call__(self, command: str) -> str:
-        done = subprocess.run([str(_BROKER), command, "--port", str(self.port), "--partitions", str(self.partitions)],
-                              capture_output=True, text=True, timeout=600)
+        options = list(self.extra) if command == "start" else []
+        done = subprocess.run([str(_BROKER), command, "--port", str(self.port), "--partitions", str(self.partitions),
+                               *options], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"broker.sh {command} failed:\n{done.stderr[-3000:]}"
         return done.stdout.strip()
 

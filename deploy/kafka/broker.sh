@@ -3,9 +3,11 @@
 # 127.0.0.1 for specwatch's tests and demos, from jars resolved on Maven Central.
 #
 #   deploy/kafka/broker.sh start [--port P] [--partitions N] [--decision-partitions M]
+#                                [--sasl-port S --sasl-user NAME:PASSWORD]
 #       starts a fresh broker (empty data), creates the specwatch topics and prints the
 #       bootstrap address 127.0.0.1:P on stdout; when one already runs on P it only makes
-#       sure the topics exist and prints the address.
+#       sure the topics exist and prints the address. --sasl-port adds a SASL_PLAINTEXT
+#       listener (mechanism PLAIN) on 127.0.0.1:S for that one user.
 #   deploy/kafka/broker.sh stop [--port P]      stops it and waits until it is gone
 #   deploy/kafka/broker.sh resume [--port P]    starts a stopped broker again on its own
 #       data (topics, offsets and committed groups kept), as after an outage
@@ -22,6 +24,8 @@ home=${SPECWATCH_KAFKA_HOME:-$HOME/.cache/specwatch/kafka}
 port=${SPECWATCH_KAFKA_PORT:-19092}
 partitions=4
 decision_partitions=1
+sasl_port=
+sasl_user=
 start_timeout=${SPECWATCH_KAFKA_START_TIMEOUT:-120}
 java=${JAVA_HOME:+$JAVA_HOME/bin/}java
 # Tests run on small shared machines: a bounded heap keeps the broker a good neighbour.
@@ -33,7 +37,7 @@ log() { echo "broker.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
 
 usage() {
-  sed -n '4,17p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '4,19p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -48,10 +52,16 @@ while [ $# -gt 0 ]; do
     --partitions=*) partitions=${1#*=}; shift ;;
     --decision-partitions) decision_partitions=${2:?--decision-partitions needs a value}; shift 2 ;;
     --decision-partitions=*) decision_partitions=${1#*=}; shift ;;
+    --sasl-port) sasl_port=${2:?--sasl-port needs a value}; shift 2 ;;
+    --sasl-user) sasl_user=${2:?--sasl-user needs NAME:PASSWORD}; shift 2 ;;
     -h|--help) usage ;;
     *) log "unknown argument $1"; usage ;;
   esac
 done
+if [ -n "$sasl_port" ]; then
+  [[ "$sasl_port" =~ ^[0-9]+$ ]] || die "--sasl-port expects a port, got '$sasl_port'"
+  [[ "$sasl_user" =~ ^[A-Za-z0-9_.-]+:[^\"]+$ ]] || die "--sasl-port needs --sasl-user NAME:PASSWORD"
+fi
 for value in "$port" "$partitions" "$decision_partitions"; do
   [[ "$value" =~ ^[0-9]+$ ]] && [ "$value" -gt 0 ] || die "expected a positive integer, got '$value'"
 done
@@ -104,11 +114,11 @@ write_configs() {  # $1: controller port
 process.roles=broker,controller
 node.id=1
 controller.quorum.bootstrap.servers=127.0.0.1:$1
-listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$1
-advertised.listeners=PLAINTEXT://127.0.0.1:$port
+listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$1${sasl_port:+,SASL_PLAINTEXT://127.0.0.1:$sasl_port}
+advertised.listeners=PLAINTEXT://127.0.0.1:$port${sasl_port:+,SASL_PLAINTEXT://127.0.0.1:$sasl_port}
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT
 log.dirs=$data/kraft
 num.partitions=$partitions
 default.replication.factor=1
@@ -128,6 +138,12 @@ num.io.threads=4
 num.recovery.threads.per.data.dir=1
 log.retention.hours=24
 EOF
+  if [ -n "$sasl_port" ]; then
+    cat >> "$data/server.properties" <<EOF
+listener.name.sasl_plaintext.sasl.enabled.mechanisms=PLAIN
+listener.name.sasl_plaintext.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_${sasl_user%%:*}="${sasl_user#*:}";
+EOF
+  fi
   cat > "$data/log4j2.properties" <<EOF
 status = warn
 appender.file.type = File

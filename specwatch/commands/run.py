@@ -72,7 +72,9 @@ def _fail(message: str) -> int:
 
 def _run(args) -> int:
     from specwatch.schemas import PolicyError, load_policy
-    from specwatch.streams.faust_app import BrokerUnavailable, StreamSettings, TopicError, prepare_topics, run_worker
+    from specwatch.collectors.otel import KafkaConfig
+    from specwatch.streams.faust_app import (BrokerUnavailable, StreamSettings, TopicError, aiokafka_security,
+                                             prepare_topics, run_worker)
 
     if args.workers < 1:
         return _fail(f"--workers must be >= 1, got {args.workers}")
@@ -86,7 +88,13 @@ def _run(args) -> int:
     except PolicyError as error:
         return _fail(str(error))
     try:
+        # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
+        security = aiokafka_security(KafkaConfig.from_env(args.bootstrap))
+    except ValueError as error:
+        return _fail(str(error))
+    try:
         settings = StreamSettings(
+            kafka_security=security,
             bootstrap=args.bootstrap,
             telemetry_topics=tuple(args.telemetry_topic or (DEFAULT_TELEMETRY_TOPIC,)),
             partials_topic=args.partials_topic,
@@ -103,7 +111,10 @@ def _run(args) -> int:
         )
         settings = asyncio.run(prepare_topics(settings, default_partitions=args.partitions))
     except BrokerUnavailable as error:
-        return _fail(f"{error}\n  is the broker running? (deploy/kafka/broker.sh start)")
+        hint = ("is the broker running, and do the SPECWATCH_KAFKA_* security settings match its listener "
+                f"({security['security_protocol']}, credentials of the user given)?" if security
+                else "is the broker running? (deploy/kafka/broker.sh start)")
+        return _fail(f"{error}\n  {hint}")
     except (TopicError, ValueError) as error:
         return _fail(str(error))
     if args.workers == 1:

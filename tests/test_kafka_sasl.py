@@ -1,0 +1,79 @@
+"""The stream processors on a cluster that wants SASL: credentials from SPECWATCH_KAFKA_*.
+
+The test's own broker has a PLAINTEXT listener (the test's helpers and the telemetry
+producer use it) and a SASL_PLAINTEXT one with one PLAIN user; the `specwatch run` worker
+gets only the SASL address and the credentials in its environment, and must decide what
+the embedded pipeline decides. With a wrong password it must say so and stop.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from own_broker import OwnBroker
+from test_kafka_e2e import Pipeline, _assert_same_decisions, _make_feed
+
+pytestmark = pytest.mark.kafka
+
+_PORT = int(os.environ.get("SPECWATCH_SASL_KAFKA_PORT", "19692"))
+_SASL_PORT = _PORT + 2
+_USER, _PASSWORD = "svc-specwatch", "a sasl password, not logged"
+_broker = OwnBroker(_PORT, partitions=4, extra=("--sasl-port", str(_SASL_PORT), "--sasl-user", f"{_USER}:{_PASSWORD}"))
+
+
+@pytest.fixture(scope="module")
+def sasl_broker():
+    with _broker.running() as address:
+        yield address, f"127.0.0.1:{_SASL_PORT}"
+
+
+class SaslPipeline(Pipeline):
+    """The test's helpers on the PLAINTEXT listener; the worker on the SASL one."""
+
+    def __init__(self, plain: str, sasl: str, *args, **kwargs) -> None:
+        super().__init__(plain, *args, **kwargs)
+        self.sasl = sasl
+
+    def start(self, *args, **kwargs):
+        plain, self.bootstrap = self.bootstrap, self.sasl
+        try:
+            return super().start(*args, **kwargs)
+        finally:
+            self.bootstrap = plain
+
+
+def _credentials(monkeypatch, password: str) -> None:
+    monkeypatch.setenv("SPECWATCH_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("SPECWATCH_KAFKA_SASL_MECHANISM", "PLAIN")
+    monkeypatch.setenv("SPECWATCH_KAFKA_SASL_USERNAME", _USER)
+    monkeypatch.setenv("SPECWATCH_KAFKA_SASL_PASSWORD", password)
+
+
+def test_worker_with_sasl_credentials_decides_as_embedded(sasl_broker, tmp_path, monkeypatch):
+    plain, sasl = sasl_broker
+    feed = _make_feed(plain, "acceptance_drop")
+    _credentials(monkeypatch, _PASSWORD)
+    pipeline = SaslPipeline(plain, sasl, feed, tmp_path)
+    try:
+        pipeline.start()
+        pipeline.wait_drained()
+        _assert_same_decisions(pipeline, feed)
+        assert _PASSWORD not in pipeline.logs()
+    finally:
+        pipeline.stop()
+
+
+def test_wrong_password_is_a_clear_error_not_a_hang(sasl_broker, tmp_path, monkeypatch):
+    _, sasl = sasl_broker
+    _credentials(monkeypatch, "not the password")
+    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "run", "--bootstrap", sasl,
+                           "--app-id", "sasl-refused", "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "not the password" not in done.stderr + done.stdout
+    assert "SPECWATCH_KAFKA_* security settings" in done.stderr
+    print(f"\n[sasl] wrong password: exit {done.returncode}: {done.stderr.strip().splitlines()[-1][:300]}")
