@@ -20,16 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from vllm_scenario import PROMPTS, ngram_llm_and_params
+
 pytestmark = [pytest.mark.vllm, pytest.mark.kafka]
 
 _KEY = "a signing key for the vLLM Kafka test, 44 bytes"
-_BUCKETS = ["coding", "chat", "coding", "chat"]
-_PROMPTS = [
-    "def parse(line):\n    return line.split(',')\n",
-    "import os\nimport sys\n\nfor name in os.listdir('.'):\n",
-    "class Cache:\n    def __init__(self):\n        self.items = {}\n",
-    "The quick brown fox jumps over the lazy dog.",
-]
 _MAX_TOKENS = 32
 _PATIENCE_S = 300.0  # liveness on a loaded machine, not a performance bound
 _SUBPROCESS_TIMEOUT_S = 900
@@ -48,20 +43,10 @@ def _wait_for(path: Path, deadline: float, proc: subprocess.Popen) -> str:
 
 def _scenario(out_dir: Path) -> None:
     """Runs in the subprocess: the plain vLLM LLM API; specwatch comes in through the plugin and env."""
-    from specwatch.collectors.vllm import build_tiny_models
-
-    models = build_tiny_models()
-    from vllm import LLM, SamplingParams
-
     from specwatch.collectors.vllm.plugin import collector_for
 
-    llm = LLM(model=str(models.target), dtype="float32", enforce_eager=True, max_model_len=512,
-              max_num_seqs=8, seed=0,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                  "prompt_lookup_min": 2, "prompt_lookup_max": 3})
-    params = [SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True,
-                             extra_args={"specwatch_bucket": bucket}) for bucket in _BUCKETS]
-    llm.generate(_PROMPTS, params, use_tqdm=False)
+    llm, params = ngram_llm_and_params(_MAX_TOKENS)
+    llm.generate(PROMPTS, params, use_tqdm=False)
     collector = collector_for("test")
     (bundle_id,) = collector.bundles
     (out_dir / "wave1.json").write_text(json.dumps({"bundle_id": bundle_id, "ts": time.time()}))
@@ -71,7 +56,7 @@ def _scenario(out_dir: Path) -> None:
             raise SystemExit("the engine's flag client never saw the decision")
         time.sleep(0.1)
     (out_dir / "wave2.json").write_text(json.dumps({"ts": time.time()}))
-    llm.generate(_PROMPTS, params, use_tqdm=False)
+    llm.generate(PROMPTS, params, use_tqdm=False)
     llm.llm_engine.engine_core.shutdown()
     # the collector's and the emitter's queues are flushed to Kafka at exit
 

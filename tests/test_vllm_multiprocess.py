@@ -15,16 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from vllm_scenario import PROMPTS, ngram_llm_and_params
+
 pytestmark = pytest.mark.vllm
 
 _RECORDS_ENV = "SPECWATCH_TEST_RECORDS"
-_BUCKETS = ["coding", "chat", "coding", "chat"]
-_PROMPTS = [
-    "def parse(line):\n    return line.split(',')\n",
-    "import os\nimport sys\n\nfor name in os.listdir('.'):\n",
-    "class Cache:\n    def __init__(self):\n        self.items = {}\n",
-    "The quick brown fox jumps over the lazy dog.",
-]
 _MAX_TOKENS = 32
 _SUBPROCESS_TIMEOUT_S = 900
 
@@ -54,18 +49,8 @@ class NoCodingFlags:
 
 def _scenario(out_dir: Path) -> None:
     """Runs in the subprocess: the plain vLLM LLM API, nothing from specwatch passed in."""
-    from specwatch.collectors.vllm import build_tiny_models
-
-    models = build_tiny_models()
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(models.target), dtype="float32", enforce_eager=True, max_model_len=512,
-              max_num_seqs=8, seed=0,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                  "prompt_lookup_min": 2, "prompt_lookup_max": 3})
-    params = [SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True,
-                             extra_args={"specwatch_bucket": bucket}) for bucket in _BUCKETS]
-    outputs = llm.generate(_PROMPTS, params, use_tqdm=False)
+    llm, params = ngram_llm_and_params(_MAX_TOKENS)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     (out_dir / "texts.json").write_text(json.dumps([o.outputs[0].text for o in outputs]))
     llm.llm_engine.engine_core.shutdown()
 
@@ -101,7 +86,7 @@ def records(tmp_path_factory) -> list:
 def test_records_come_from_the_engine_process(records):
     kinds = [r.kind for r in records]
     assert kinds[0] == "bundle" and kinds.count("bundle") == 1
-    assert kinds.count("request") == len(_PROMPTS)
+    assert kinds.count("request") == len(PROMPTS)
     assert all(r.worker == "mp-worker" for r in records)
 
 

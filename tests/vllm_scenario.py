@@ -27,3 +27,29 @@ def run_scenario(script: str, out_dir, timeout_s: float) -> dict:
     result = json.loads(out.read_text())
     result["wall_s"] = time.monotonic() - started
     return result
+
+
+BUCKETS = ["coding", "chat", "coding", "chat"]
+PROMPTS = [
+    "def parse(line):\n    return line.split(',')\n",
+    "import os\nimport sys\n\nfor name in os.listdir('.'):\n",
+    "class Cache:\n    def __init__(self):\n        self.items = {}\n",
+    "The quick brown fox jumps over the lazy dog.",
+]
+
+
+def ngram_llm_and_params(max_tokens: int):
+    """vLLM's plain LLM API on the tiny target with ngram speculation (D=4), and greedy
+    sampling parameters for `PROMPTS` labelled with `BUCKETS` (what `vllm serve` sees)."""
+    from vllm import LLM, SamplingParams
+
+    from specwatch.collectors.vllm import build_tiny_models
+
+    models = build_tiny_models()
+    llm = LLM(model=str(models.target), dtype="float32", enforce_eager=True, max_model_len=512,
+              max_num_seqs=8, seed=0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                             extra_args={"specwatch_bucket": bucket}) for bucket in BUCKETS]
+    return llm, params
