@@ -6,6 +6,7 @@ every message was judged: the counters are compared exactly, with no waiting on 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
@@ -317,3 +318,26 @@ def test_manual_stage_change_reaches_flag_clients(kafka_bootstrap, decisions_top
         assert client.store.admission("b-9").stage == "frozen"
         assert not client.lookup("b-9", "coding", "main").enabled
         assert client.stats().applied == 2
+
+
+@pytest.mark.kafka
+def test_flags_list_from_the_decisions_topic_shows_what_the_fleet_follows(
+        kafka_bootstrap, decisions_topic, raw_producer, monkeypatch, capsys):
+    from specwatch import cli
+
+    secret = "a key for listing the fleet's flags, 40 b"
+    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", secret)
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    ring = Keyring.from_secrets(secret)
+    good, forged = _decision(100.0), _decision(110.0, bucket="chat")
+    for decision, keyring in ((good, ring), (forged, Keyring.from_secrets(_OTHER_KEY))):
+        value = decision.to_json_line().encode()
+        raw_producer.send(decisions_topic, key=decision.key.encode(), value=value,
+                          headers=sign_line(value, keyring)).get(timeout=10)
+    assert cli.main(["flags", "list", "--json", "--bootstrap", kafka_bootstrap,
+                     "--decisions-topic", decisions_topic]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert [(r["bundle_id"], r["bucket"], r["speculation"], r["decision_id"]) for r in rows] == [
+        ("b-1", "coding", "off", good.id)]
+    assert "1 forged" in captured.err

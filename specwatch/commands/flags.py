@@ -159,6 +159,11 @@ def register(subparsers) -> None:
 
     p = sub.add_parser("list", parents=[common], help="state per scope (manual overrides marked)")
     p.add_argument("--bundle", help="only this bundle")
+    p.add_argument("--bootstrap", metavar="HOST:PORT",
+                   help="the state flag clients follow: read the decisions topic (verified with the signing key "
+                        "settings) instead of the archive")
+    p.add_argument("--decisions-topic", default="specwatch.decisions", metavar="TOPIC",
+                   help="with --bootstrap: the decisions topic (default: %(default)s)")
     p.set_defaults(func=_list)
 
     p = sub.add_parser("set", parents=[common, scope], help="pin a scope on or off by hand")
@@ -176,12 +181,18 @@ def register(subparsers) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
-    with archive:
-        store = archive.flag_store()
-        automatic = archive.flag_store(overrides=False).scopes()
+    if args.bootstrap:
+        store = _fleet_store(args)
+        if store is None:
+            return _EXIT_NOT_PUBLISHED
+        automatic = store.scopes()
+    else:
+        archive = open_archive(args)
+        if archive is None:
+            return _EXIT_USAGE
+        with archive:
+            store = archive.flag_store()
+            automatic = archive.flag_store(overrides=False).scopes()
     manual = store.overrides()
     rows = []
     for scope, state in sorted(store.scopes().items(), key=lambda item: tuple(p or "" for p in item[0])):
@@ -214,6 +225,30 @@ def _list(args: argparse.Namespace) -> int:
         ("reason", "reason", str), ("source", "source", str),
     ], as_json=False)
     return 0
+
+
+def _fleet_store(args: argparse.Namespace):
+    """The flag store a flag client builds from the decisions topic; None (and why) if unreachable."""
+    from specwatch.actions.decisions_topic import FlagClient
+    from specwatch.collectors.otel import KafkaConfig
+
+    try:
+        client = FlagClient(KafkaConfig.from_env(args.bootstrap), topic=args.decisions_topic, silence_seconds=None)
+    except ValueError as error:
+        print(f"specwatch: {error}", file=sys.stderr)
+        return None
+    with client:
+        if not client.wait_until_caught_up(_PUBLISH_TIMEOUT_S):
+            print(f"specwatch: could not read {args.decisions_topic} at {args.bootstrap} within "
+                  f"{_PUBLISH_TIMEOUT_S:.0f} s", file=sys.stderr)
+            return None
+        stats = client.stats()
+        ignored = stats.forged + stats.unsigned + stats.replayed + stats.misrouted
+        if ignored:
+            print(f"specwatch: {ignored} message(s) on {args.decisions_topic} ignored as a flag client ignores "
+                  f"them ({stats.forged} forged, {stats.unsigned} unsigned, {stats.replayed} replayed, "
+                  f"{stats.misrouted} misrouted)", file=sys.stderr)
+        return client.store
 
 
 def _set(args: argparse.Namespace) -> int:
