@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 __all__ = ["register"]
@@ -87,14 +88,9 @@ def _run(args) -> int:
         policy = load_policy(args.policy)
     except PolicyError as error:
         return _fail(str(error))
-    try:
-        # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
-        security = aiokafka_security(KafkaConfig.from_env(args.bootstrap))
-    except ValueError as error:
-        return _fail(str(error))
+    security: dict = {}
     try:
         settings = StreamSettings(
-            kafka_security=security,
             bootstrap=args.bootstrap,
             telemetry_topics=tuple(args.telemetry_topic or (DEFAULT_TELEMETRY_TOPIC,)),
             partials_topic=args.partials_topic,
@@ -109,6 +105,9 @@ def _run(args) -> int:
             session_timeout_seconds=args.session_timeout,
             replication_factor=args.replication_factor,
         )
+        # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
+        security = aiokafka_security(KafkaConfig.from_env(args.bootstrap))
+        settings = replace(settings, kafka_security=security)
         settings = asyncio.run(prepare_topics(settings, default_partitions=args.partitions))
     except BrokerUnavailable as error:
         hint = ("is the broker running, and do the SPECWATCH_KAFKA_* security settings match its listener "
