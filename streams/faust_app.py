@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterable, Mapping
@@ -671,6 +672,8 @@ class Stage2Runner:
             task = self._tasks[partition] = await self._restore(partition)
             if task.outbox:
                 await self._finish_outbox(task, partition)
+            # a sign of life as soon as a partition is taken over, not only at the next tick
+            await self.heartbeat()
         if message.offset < task.next_offset:
             self.skipped += 1
             return
@@ -946,12 +949,28 @@ class _Progress:
         self._last, self._at = current, now
 
 
+def _log_task_stacks() -> None:
+    import io
+
+    tasks = asyncio.all_tasks()
+    out = io.StringIO()
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        task.print_stack(limit=12, file=out)
+    logger.warning("%d asyncio tasks:\n%s", len(tasks), out.getvalue())
+
+
 def run_worker(settings: StreamSettings, loglevel: str = "warning") -> int:
     """Run one Faust worker in this process until it is stopped (SIGTERM/SIGINT); returns the exit code."""
     stream = create_app(settings)
     stream.stage2.open_archive()  # before joining the group: an archive in use fails fast
     worker = faust.Worker(stream.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
     worker.spinner = None  # a terminal progress spinner has no place in service logs
+
+    @stream.app.task
+    async def dump_tasks_on_sigusr1():
+        # `kill -USR1 <pid>`: every asyncio task's stack to the log, to see what a quiet worker waits for
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _log_task_stacks)
+
     try:
         worker.execute_from_commandline()
     except SystemExit as stop:

@@ -300,6 +300,10 @@ class Stage2Task:
         if source is None or source not in self.watermarks or source in self.retired:
             return []
         self.retired.add(source)
+        # The release was decided when this task had folded less than it has now: stage 1
+        # may have sent every later batch before the release reached this partition, and
+        # no batch would then move the released source on. It starts where the others are.
+        watermark = max(watermark, self.newest_watermark)
         return self.stage.add(SliceBatch(source, watermark, watermark))
 
     def silent_sources(self, is_silent: Callable[[str], bool]) -> list[tuple[str, int]]:

@@ -182,6 +182,18 @@ def test_a_source_that_never_reported_holds_slices_until_released():
     assert [o.slice_index for o in more] == [60]  # a released source no longer holds anything back
 
 
+def test_a_release_decided_early_but_folded_after_every_batch_still_frees_every_slice():
+    """Stage 2 lagged: the release was decided at slice 44, stage 1 had already sent up to 59."""
+    task = Stage2Task(Policy(), ("t/0", "t/1"))
+    stats = SliceStats()
+    stats.add_step_time(1.0, 10.0, 0.5, 40.5)
+    for index in range(40, 60):
+        batch = SliceBatch("t/0", index, index, partials={("b-1", None, None): stats.copy()})
+        task.fold(index, decode_partial(encode_partial(batch)))
+    released = task.fold(60, decode_partial(encode_release("t/1", 44)))
+    assert [o.slice_index for o in released] == list(range(40, 60))
+
+
 def test_invalid_partials_are_counted_not_fatal():
     task = Stage2Task(Policy(), ())
     message = decode_partial(b"\x00not json")
