@@ -97,6 +97,8 @@ _DEFAULT_SOURCE_SILENCE_SECONDS = 10.0
 _DEFAULT_SESSION_TIMEOUT_SECONDS = 30.0
 _DEFAULT_CONNECT_TIMEOUT_MS = 10_000
 _RELEASE_CHECK_SECONDS = 1.0
+# A partition assigned this long without delivering anything is restored and caught up by hand.
+_CATCH_UP_AFTER_S = 3.0
 # Flag clients count three missed heartbeats before they call the topic silent (30 s).
 _HEARTBEAT_SECONDS = 10.0
 # How long a send may wait for the broker's acknowledgement before the worker gives up
@@ -544,6 +546,8 @@ class Stage1Runner:
         self._checkpoints = checkpoints
         self._reader = reader
         self._tasks: dict[tuple[str, int], Stage1Task] = {}
+        self._lock = asyncio.Lock()  # the agent and the catch-up timer never work on a task at once
+        self._assigned_at: dict[tuple[str, int], float] = {}
         self._pending: dict[tuple[str, int], list[asyncio.Future]] = {}
         self._checkpointed_at: dict[tuple[str, int], float] = {}
         self.records = 0
@@ -554,17 +558,46 @@ class Stage1Runner:
     async def handle(self, event: Any) -> None:
         message = event.message
         tp = (message.topic, message.partition)
-        task = self._tasks.get(tp)
-        if task is None:
-            task = self._tasks[tp] = await self._restore(tp)
-        if message.offset < task.next_offset:
-            self.skipped += 1  # folded before the restart
+        async with self._lock:
+            task = self._tasks.get(tp)
+            if task is None:
+                task = self._tasks[tp] = await self._restore(tp)
+            if message.offset < task.next_offset:
+                self.skipped += 1  # folded before the restart
+                return
+            if message.offset > task.next_offset:
+                await self._replay(task, tp, message.offset)
+            await self._fold(task, tp, message.offset, message.key, message.value)
+            if time.monotonic() - self._checkpointed_at.get(tp, 0.0) >= self.settings.checkpoint_seconds:
+                await self._checkpoint(task, tp)
+
+    async def catch_up(self) -> None:
+        """Owned telemetry partitions that delivered nothing since they were assigned: restore
+        their tasks and fold what the checkpoints do not cover. Faust delivers only what is
+        past the group's commit, and a worker killed after committing but before its next
+        checkpoint leaves that gap unread until new telemetry arrives, which it may never."""
+        now = time.monotonic()
+        assigned = {(tp.topic, tp.partition) for tp in self._app.consumer.assignment()
+                    if tp.topic in self.settings.telemetry_topics}
+        for tp in list(self._assigned_at):
+            if tp not in assigned:
+                del self._assigned_at[tp]
+        waiting = [tp for tp in sorted(assigned) if tp not in self._tasks
+                   and now - self._assigned_at.setdefault(tp, now) >= _CATCH_UP_AFTER_S]
+        if not waiting:
             return
-        if message.offset > task.next_offset:
-            await self._replay(task, tp, message.offset)
-        await self._fold(task, tp, message.offset, message.key, message.value)
-        if time.monotonic() - self._checkpointed_at.get(tp, 0.0) >= self.settings.checkpoint_seconds:
-            await self._checkpoint(task, tp)
+        ends: dict[str, dict[int, int]] = {}
+        for tp in waiting:
+            async with self._lock:
+                if tp in self._tasks:
+                    continue  # a message arrived meanwhile
+                task = self._tasks[tp] = await self._restore(tp)
+                if tp[0] not in ends:
+                    ends[tp[0]] = await self._reader.end_offsets(tp[0])
+                end = ends[tp[0]].get(tp[1], 0)
+                if end > task.next_offset:
+                    await self._replay(task, tp, end)
+                    await self._checkpoint(task, tp)
 
     def forget(self, tps: Iterable[Any]) -> None:
         """Partitions taken away: their next owner resumes from the checkpoint."""
@@ -637,6 +670,8 @@ class Stage2Runner:
         self._checkpoints = checkpoints
         self._reader = reader
         self._tasks: dict[int, Stage2Task] = {}
+        self._lock = asyncio.Lock()  # the agent and the timers never work on a task at once
+        self._assigned_at: dict[int, float] = {}
         self._checkpointed_at: dict[int, float] = {}
         self._heard: dict[tuple[int, str], float] = {}
         self._releasing: set[tuple[int, str]] = set()
@@ -667,27 +702,60 @@ class Stage2Runner:
     async def handle(self, event: Any) -> None:
         message = event.message
         partition = message.partition
-        task = self._tasks.get(partition)
-        if task is None:
-            task = self._tasks[partition] = await self._restore(partition)
-            if task.outbox:
-                await self._finish_outbox(task, partition)
-            # a sign of life as soon as a partition is taken over, not only at the next tick
-            await self.heartbeat()
-        if message.offset < task.next_offset:
-            self.skipped += 1
+        async with self._lock:
+            task = self._tasks.get(partition)
+            if task is None:
+                task = await self._take_over(partition)
+            if message.offset < task.next_offset:
+                self.skipped += 1
+                return
+            if message.offset > task.next_offset:
+                await self._read_gap(task, partition, message.offset)
+            await self._apply(task, partition, message.offset, message.value)
+            if time.monotonic() - self._checkpointed_at.get(partition, 0.0) >= self.settings.checkpoint_seconds:
+                await self._checkpoint(task, partition)
+
+    async def _take_over(self, partition: int) -> Stage2Task:
+        task = self._tasks[partition] = await self._restore(partition)
+        if task.outbox:
+            await self._finish_outbox(task, partition)
+        # a sign of life as soon as a partition is taken over, not only at the next tick
+        await self.heartbeat()
+        return task
+
+    async def _read_gap(self, task: Stage2Task, partition: int, upto: int) -> None:
+        start = task.next_offset
+        logger.info("%s reads offsets %d..%d that its checkpoint does not cover",
+                    _task_name("stage2", self.settings.partials_topic, partition), start, upto - 1)
+        async for old in self._reader.iter_range(self.settings.partials_topic, partition, start, upto):
+            await self._apply(task, partition, old.offset, old.value)
+            _acknowledge(self._app, old)
+        task.next_offset = max(task.next_offset, upto)
+
+    async def catch_up(self) -> None:
+        """Owned partials partitions that delivered nothing since they were assigned: restore
+        their tasks (finishing their outbox) and fold what the checkpoints do not cover, as
+        `Stage1Runner.catch_up` does; a task must exist to release silent sources too."""
+        now = time.monotonic()
+        assigned = {tp.partition for tp in self._app.consumer.assignment()
+                    if tp.topic == self.settings.partials_topic}
+        for partition in list(self._assigned_at):
+            if partition not in assigned:
+                del self._assigned_at[partition]
+        waiting = [p for p in sorted(assigned) if p not in self._tasks
+                   and now - self._assigned_at.setdefault(p, now) >= _CATCH_UP_AFTER_S]
+        if not waiting:
             return
-        if message.offset > task.next_offset:
-            start = task.next_offset
-            logger.info("%s reads offsets %d..%d that its checkpoint does not cover",
-                        _task_name("stage2", self.settings.partials_topic, partition), start, message.offset - 1)
-            async for old in self._reader.iter_range(self.settings.partials_topic, partition, start, message.offset):
-                await self._apply(task, partition, old.offset, old.value)
-                _acknowledge(self._app, old)
-            task.next_offset = message.offset
-        await self._apply(task, partition, message.offset, message.value)
-        if time.monotonic() - self._checkpointed_at.get(partition, 0.0) >= self.settings.checkpoint_seconds:
-            await self._checkpoint(task, partition)
+        ends = await self._reader.end_offsets(self.settings.partials_topic)
+        for partition in waiting:
+            async with self._lock:
+                if partition in self._tasks:
+                    continue  # a message arrived meanwhile
+                task = await self._take_over(partition)
+                end = ends.get(partition, 0)
+                if end > task.next_offset:
+                    await self._read_gap(task, partition, end)
+                    await self._checkpoint(task, partition)
 
     def forget(self, tps: Iterable[Any]) -> None:
         for tp in tps:
@@ -905,6 +973,8 @@ def create_app(settings: StreamSettings) -> StreamApp:
     # -- timers and lifecycle ---------------------------------------------------------------
     @app.timer(interval=_RELEASE_CHECK_SECONDS)
     async def release_silent_sources():
+        await stage1.catch_up()
+        await stage2.catch_up()
         await stage2.release_silent_sources()
 
     @app.timer(interval=_HEARTBEAT_SECONDS)
