@@ -576,14 +576,9 @@ class Stage1Runner:
         their tasks and fold what the checkpoints do not cover. Faust delivers only what is
         past the group's commit, and a worker killed after committing but before its next
         checkpoint leaves that gap unread until new telemetry arrives, which it may never."""
-        now = time.monotonic()
         assigned = {(tp.topic, tp.partition) for tp in self._app.consumer.assignment()
                     if tp.topic in self.settings.telemetry_topics}
-        for tp in list(self._assigned_at):
-            if tp not in assigned:
-                del self._assigned_at[tp]
-        waiting = [tp for tp in sorted(assigned) if tp not in self._tasks
-                   and now - self._assigned_at.setdefault(tp, now) >= _CATCH_UP_AFTER_S]
+        waiting = _overdue(assigned, self._tasks, self._assigned_at)
         if not waiting:
             return
         ends: dict[str, dict[int, int]] = {}
@@ -736,14 +731,9 @@ class Stage2Runner:
         """Owned partials partitions that delivered nothing since they were assigned: restore
         their tasks (finishing their outbox) and fold what the checkpoints do not cover, as
         `Stage1Runner.catch_up` does; a task must exist to release silent sources too."""
-        now = time.monotonic()
         assigned = {tp.partition for tp in self._app.consumer.assignment()
                     if tp.topic == self.settings.partials_topic}
-        for partition in list(self._assigned_at):
-            if partition not in assigned:
-                del self._assigned_at[partition]
-        waiting = [p for p in sorted(assigned) if p not in self._tasks
-                   and now - self._assigned_at.setdefault(p, now) >= _CATCH_UP_AFTER_S]
+        waiting = _overdue(assigned, self._tasks, self._assigned_at)
         if not waiting:
             return
         ends = await self._reader.end_offsets(self.settings.partials_topic)
@@ -883,6 +873,25 @@ class Stage2Runner:
             else:
                 logger.info("telemetry partition %s has no telemetry; stage 2 partitions %s do not wait for it",
                             source, ", ".join(map(str, sorted(partitions))))
+
+
+def _overdue(assigned: set, tasks: Mapping, assigned_at: dict, now: float | None = None) -> list:
+    """Assigned partitions without a task for `_CATCH_UP_AFTER_S` since first seen here, in order.
+
+    ``assigned_at`` remembers when each was first seen and forgets those no longer assigned.
+
+    >>> seen = {}
+    >>> _overdue({1, 2}, {2: "task"}, seen, now=10.0), _overdue({1, 2}, {2: "task"}, seen, now=13.0)
+    ([], [1])
+    >>> _overdue({2}, {}, seen, now=14.0), sorted(seen)
+    ([], [2])
+    """
+    now = time.monotonic() if now is None else now
+    for key in list(assigned_at):
+        if key not in assigned:
+            del assigned_at[key]
+    return [key for key in sorted(assigned) if key not in tasks
+            and now - assigned_at.setdefault(key, now) >= _CATCH_UP_AFTER_S]
 
 
 def _acknowledge(app: faust.App, record: Any) -> None:
