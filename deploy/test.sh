@@ -7,9 +7,16 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 venv=$("$here/deploy/bootstrap.sh" --with-vllm)
 "$here/deploy/browser/install.sh" >/dev/null  # chromium for the browser tests
-export SPECWATCH_KAFKA_PORT=${SPECWATCH_KAFKA_PORT:-19092}
+# The broker's port is picked at run time unless one is given: a fixed port that
+# something else on the machine holds would fail the run.
+if [ -z "${SPECWATCH_KAFKA_PORT:-}" ]; then
+  SPECWATCH_KAFKA_PORT=$("$venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
+export SPECWATCH_KAFKA_PORT
 bootstrap=$("$here/deploy/kafka/broker.sh" start --port "$SPECWATCH_KAFKA_PORT" --partitions 4)
 export SPECWATCH_TEST_BOOTSTRAP=$bootstrap
-trap '"$here/deploy/kafka/broker.sh" stop >/dev/null 2>&1 || true' EXIT
+kafka_home=${SPECWATCH_KAFKA_HOME:-$HOME/.cache/specwatch/kafka}
+trap '"$here/deploy/kafka/broker.sh" stop --port "$SPECWATCH_KAFKA_PORT" >/dev/null 2>&1 || true
+      rm -rf "$kafka_home/data-$SPECWATCH_KAFKA_PORT"' EXIT
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
