@@ -22,7 +22,7 @@ from typing import Any
 from opentelemetry._logs import LogRecord
 from opentelemetry.sdk._logs import ReadableLogRecord
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
-from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
+from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from specwatch.collectors.export import ExportResult
@@ -36,6 +36,7 @@ __all__ = [
     "exporter_choice",
     "otlp_log_exporter",
     "resource_from_env",
+    "service_instance_id",
     "telemetry_exporter_from_env",
 ]
 
@@ -90,6 +91,12 @@ def resource_from_env(service_name: str = _DEFAULT_SERVICE_NAME) -> Resource:
     if resource.attributes.get(SERVICE_NAME, "").startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service_name}))
     return resource
+
+
+def service_instance_id() -> str | None:
+    """``service.instance.id`` as ``OTEL_RESOURCE_ATTRIBUTES`` sets it (the SDK's random default does not count)."""
+    value = OTELResourceDetector().detect().attributes.get(SERVICE_INSTANCE_ID)
+    return str(value) if value else None
 
 
 def otlp_log_exporter(environ: Mapping[str, str] | None = None) -> LogRecordExporter:

@@ -153,7 +153,16 @@ class TelemetrySpool:
                     settings[setting] = kind(value)
                 except ValueError:
                     raise ValueError(f"{variable} must be a number, got {value!r}") from None
-        return cls(directory, **settings)
+        try:
+            return cls(directory, **settings)
+        except ValueError:
+            if (environ.get("SPECWATCH_TELEMETRY_SPOOL_DIR") or "").strip():
+                raise  # a directory named on purpose is not replaced behind the operator's back
+        # Two engine processes with the same name on one host: the second gets its own.
+        fallback = f"{directory}-{os.getpid()}"
+        logger.warning("telemetry spool %s is in use by another process; this one spools to %s "
+                       "(name each engine worker to keep its spool across restarts)", directory, fallback)
+        return cls(fallback, **settings)
 
     # ------------------------------------------------------------ opening
 
