@@ -175,11 +175,18 @@ def test_engines_through_the_agent_collector_keyed_by_resource_decide_as_replay(
     _assert_run_decides_as_replay(feed, pipeline)
 
 
-def test_engines_through_the_agent_collector_unkeyed_decide_as_replay(kafka_bootstrap, tmp_path):
+def test_engines_through_the_agent_collector_unkeyed_decide_as_replay(kafka_bootstrap, tmp_path, capsys):
     """The Collector's default, messages with no key: a worker's records spread over partitions."""
     feed, pipeline, messages = _otlp_to_run(tmp_path, kafka_bootstrap, keyed=False)
     assert not [m for m in messages if m.key]
+    partitions = defaultdict(set)
+    for message in messages:
+        for record in decode_request(message.value):
+            partitions[getattr(record, "worker", None)].add(message.partition)
     assert sum(len(decode_request(m.value)) for m in messages) == feed.telemetry_records
+    assert all(len(p) > 1 for w, p in partitions.items() if w), partitions  # what the test is about
+    with capsys.disabled():
+        print(f"\nunkeyed: partitions per worker {dict((w, sorted(p)) for w, p in partitions.items())}")
     _assert_run_decides_as_replay(feed, pipeline)
 
 
@@ -263,3 +270,65 @@ def test_the_agent_config_caps_batches_under_kafkas_message_limit(kafka_bootstra
         print(f"\nbatch cap: {count} step records of 16 requests in one OTLP request; agent config: "
               f"{len(capped['arrived'])} arrived, largest message {capped['largest_message']} bytes; uncapped: "
               f"{len(uncapped['arrived'])} arrived, MESSAGE_TOO_LARGE")
+
+
+# ---------------------------------------------------------------- a real vLLM engine
+
+
+_ENGINE_WORKER = "serve-otlp-0"
+
+
+def _engine_scenario(out_dir: Path) -> None:
+    """Runs in the subprocess: the plain vLLM LLM API; specwatch comes in through the plugin and env."""
+    from vllm_scenario import PROMPTS, ngram_llm_and_params
+
+    from specwatch.collectors.vllm.plugin import collector_for
+
+    llm, params = ngram_llm_and_params(32)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    (out_dir / "engine.json").write_text(json.dumps({"worker": collector_for("test").worker}))
+    llm.llm_engine.engine_core.shutdown()
+    # the collector's queue is exported at exit
+
+
+@pytest.mark.vllm
+def test_a_vllm_engine_exports_otlp_grpc_through_the_collector_to_kafka(kafka_bootstrap, tmp_path):
+    """Standard variables only: OTLP/gRPC to the agent Collector; the worker is service.instance.id."""
+    topic = _topic(kafka_bootstrap, "vllm")
+    collector, _, grpc = _agent(tmp_path, kafka_bootstrap, topic)
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SPECWATCH_VLLM_", "SPECWATCH_KAFKA_", "SPECWATCH_EXPORTER", "OTEL_"))}
+    env.update({
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+        "SPECWATCH_VLLM_SINK": "specwatch.collectors.vllm.sink:telemetry_sink",
+        "SPECWATCH_TELEMETRY_SPOOL_DIR": "none",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": grpc, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={_ENGINE_WORKER},deployment.environment=test",
+    })
+    with collector:
+        with open(tmp_path / "engine.log", "w") as log:
+            done = subprocess.run([sys.executable, __file__, str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
+                                  env=env, timeout=900)
+        assert done.returncode == 0, (tmp_path / "engine.log").read_text()[-6000:]
+        accepted = lambda: collector.metrics().get("otelcol_receiver_accepted_log_records", 0)  # noqa: E731
+        assert accepted() > 0, "the engine sent nothing"
+        collector.wait_for(lambda: collector.metrics().get("otelcol_exporter_sent_log_records", 0) >= accepted(),
+                           "the Collector sending every record it accepted")
+        sent = collector.metrics()["otelcol_exporter_sent_log_records"]
+    assert json.loads((tmp_path / "engine.json").read_text()) == {"worker": _ENGINE_WORKER}
+    records = []
+    for message in _messages(kafka_bootstrap, topic):
+        decoded = decode_request(message.value)
+        (resource,) = _resource(message.value)
+        assert resource["service.instance.id"] == _ENGINE_WORKER and resource["deployment.environment"] == "test"
+        records += decoded
+    assert not [r for r in records if isinstance(r, Rejection)]
+    assert len(records) == sent
+    assert {"bundle", "step", "request"} <= {r.kind for r in records}
+    assert {r.worker for r in records} == {_ENGINE_WORKER}
+    assert sum(e.drafted for r in records if r.kind == "step" for e in r.requests) > 0
+
+
+if __name__ == "__main__":
+    _engine_scenario(Path(sys.argv[1]))
