@@ -1,0 +1,115 @@
+"""OTLP export from the engines through OpenTelemetry's exporters (the real Collector: tests/test_otelcol.py)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
+from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
+from opentelemetry.sdk.resources import Resource
+
+from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.collectors.otlp_export import (
+    OtlpTelemetryExporter,
+    exporter_choice,
+    otlp_log_exporter,
+    resource_from_env,
+    service_instance_id,
+    telemetry_exporter_from_env,
+)
+from specwatch.collectors.simulator import Simulator
+from specwatch.schemas import encode_record
+from specwatch.schemas.otlp import decode_request
+
+
+def test_records_round_trip_through_the_standard_encoder_with_one_resource_per_worker():
+    records = list(Simulator("bundle_change", seed=5, minutes=0.5, workers=3).records())
+    memory = InMemoryLogRecordExporter()
+    exporter = OtlpTelemetryExporter(memory, resource=Resource({"service.name": "engine", "team": "serving"}))
+    assert exporter.export(records).name == "SUCCESS"
+    payload = encode_logs(memory.get_finished_logs()).SerializeToString()
+    decoded = decode_request(payload)
+    assert sorted(map(encode_record, decoded)) == sorted(map(encode_record, records))  # exactly, no rejection
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
+    resources = {}
+    for resource_logs in ExportLogsServiceRequest.FromString(payload).resource_logs:
+        attributes = {kv.key: kv.value.string_value for kv in resource_logs.resource.attributes}
+        workers = {r.worker for r in decode_request(ExportLogsServiceRequest(resource_logs=[resource_logs])
+                                                    .SerializeToString()) if r.kind != "shadow"}
+        resources[attributes.get("service.instance.id")] = (workers, attributes["team"])
+    assert resources == {"w1": ({"w1"}, "serving"), "w2": ({"w2"}, "serving"), "w3": ({"w3"}, "serving"),
+                         None: (set(), "serving")}  # shadow records: the process's resource
+    assert exporter.stats() == {"requests": 1, "records": len(records), "failed_requests": 0, "records_failed": 0}
+
+
+def test_the_choice_of_exporter():
+    assert exporter_choice({"SPECWATCH_EXPORTER": "KAFKA", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == "kafka"
+    assert exporter_choice({"OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": "http://c:4318/v1/logs",
+                            "SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"}) == "otlp"
+    assert exporter_choice({"SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"}) == "kafka"
+    assert exporter_choice({}) == "otlp"
+    with pytest.raises(ValueError, match="SPECWATCH_EXPORTER must be otlp or kafka, got 'otel'"):
+        exporter_choice({"SPECWATCH_EXPORTER": "otel"})
+
+
+def test_protocols_and_resources_come_from_the_standard_variables(monkeypatch):
+    from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcExporter
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HttpExporter
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    exporter = otlp_log_exporter({})
+    assert isinstance(exporter, HttpExporter) and exporter._endpoint == "http://127.0.0.1:4318/v1/logs"
+    exporter.shutdown()
+    exporter = otlp_log_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                                  "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL": "grpc"})  # the logs variant wins
+    assert isinstance(exporter, GrpcExporter)
+    exporter.shutdown()
+    with pytest.raises(ValueError, match="must be http/protobuf or grpc .* got 'http/json'"):
+        otlp_log_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+    assert service_instance_id() is None and resource_from_env().attributes["service.name"] == "specwatch"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=gpu-7,deployment.environment=prod")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "serving")
+    assert service_instance_id() == "gpu-7"
+    assert resource_from_env().attributes["service.name"] == "serving"
+
+    otlp = telemetry_exporter_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
+    assert isinstance(otlp, OtlpTelemetryExporter)
+    otlp.shutdown()
+
+
+def test_the_kafka_choice_builds_the_direct_exporter_with_its_spool(tmp_path):
+    kafka = telemetry_exporter_from_env({"SPECWATCH_KAFKA_BOOTSTRAP": "127.0.0.1:9",
+                                         "SPECWATCH_TELEMETRY_TOPIC": "t.telemetry",
+                                         "SPECWATCH_TELEMETRY_SPOOL_DIR": str(tmp_path / "spool")})
+    try:
+        assert isinstance(kafka, KafkaTelemetryExporter) and kafka.config.topic == "t.telemetry"
+        assert (tmp_path / "spool" / ".lock").exists()
+    finally:
+        kafka.shutdown(timeout_millis=0)
+
+
+def test_a_collector_that_is_away_costs_counted_records_never_the_engine():
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        away = s.getsockname()[1]
+    exporter = OtlpTelemetryExporter(OTLPLogExporter(endpoint=f"http://127.0.0.1:{away}/v1/logs", timeout=0.5))
+    emitter = TelemetryEmitter(exporter, sdk=False, max_queue_size=100, max_batch_size=50,
+                               schedule_delay_millis=10)
+    steps = [r for r in Simulator("healthy", seed=3, minutes=0.2, workers=1).records() if r.kind == "step"][:400]
+    kept = []
+    engine = threading.Thread(target=lambda: kept.extend(emitter.emit(step) for step in steps))
+    engine.start()
+    engine.join(60)
+    assert not engine.is_alive()  # no emit waited for the Collector
+    emitter.force_flush(30_000)
+    emitter.shutdown()
+    stats, emitted = emitter.stats(), exporter.stats()
+    assert stats.dropped == kept.count(False) and stats.exported == 0
+    assert emitted["records"] == 0 and emitted["records_failed"] == stats.failed == kept.count(True)
+    assert stats.failed + stats.dropped == len(steps)  # every record accounted for
