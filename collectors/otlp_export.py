@@ -99,22 +99,25 @@ def service_instance_id() -> str | None:
     return str(value) if value else None
 
 
-def otlp_log_exporter(environ: Mapping[str, str] | None = None) -> LogRecordExporter:
+def otlp_log_exporter(environ: Mapping[str, str] | None = None, *, endpoint: str | None = None) -> LogRecordExporter:
     """OpenTelemetry's OTLP log exporter for ``OTEL_EXPORTER_OTLP_[LOGS_]PROTOCOL``.
 
     The exporter reads its endpoint, headers, timeout, compression and TLS files from the
-    standard variables of the process environment itself.
+    standard variables of the process environment itself; ``endpoint``, when given, is
+    the base endpoint in place of ``OTEL_EXPORTER_OTLP_ENDPOINT``.
     """
     environ = os.environ if environ is None else environ
     protocol = next((environ[name].strip() for name in _PROTOCOL_VARIABLES if environ.get(name)), _PROTOCOLS[0])
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
-    elif protocol == "grpc":
+
+        return OTLPLogExporter(endpoint=f"{endpoint.rstrip('/')}/v1/logs" if endpoint else None)
+    if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
-    else:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL must be {' or '.join(_PROTOCOLS)} "
-                         f"(http/json is not offered by OpenTelemetry's Python exporters), got {protocol!r}")
-    return OTLPLogExporter()
+
+        return OTLPLogExporter(endpoint=endpoint or None)
+    raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL must be {' or '.join(_PROTOCOLS)} "
+                     f"(http/json is not offered by OpenTelemetry's Python exporters), got {protocol!r}")
 
 
 class OtlpTelemetryExporter:

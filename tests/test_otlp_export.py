@@ -25,7 +25,7 @@ from specwatch.schemas.otlp import decode_request
 
 
 def test_records_round_trip_through_the_standard_encoder_with_one_resource_per_worker():
-    records = list(Simulator("bundle_change", seed=5, minutes=0.5, workers=3).records())
+    records = list(Simulator("bundle_change", seed=5, minutes=0.2, workers=3).records())
     memory = InMemoryLogRecordExporter()
     exporter = OtlpTelemetryExporter(memory, resource=Resource({"service.name": "engine", "team": "serving"}))
     assert exporter.export(records).name == "SUCCESS"
@@ -66,6 +66,9 @@ def test_protocols_and_resources_come_from_the_standard_variables(monkeypatch):
     exporter = otlp_log_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                                   "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL": "grpc"})  # the logs variant wins
     assert isinstance(exporter, GrpcExporter)
+    exporter.shutdown()
+    exporter = otlp_log_exporter({}, endpoint="http://collector:4318/")
+    assert exporter._endpoint == "http://collector:4318/v1/logs"  # a base endpoint, as the variable is
     exporter.shutdown()
     with pytest.raises(ValueError, match="must be http/protobuf or grpc .* got 'http/json'"):
         otlp_log_exporter({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
@@ -113,3 +116,22 @@ def test_a_collector_that_is_away_costs_counted_records_never_the_engine():
     assert stats.dropped == kept.count(False) and stats.exported == 0
     assert emitted["records"] == 0 and emitted["records_failed"] == stats.failed == kept.count(True)
     assert stats.failed + stats.dropped == len(steps)  # every record accounted for
+
+
+def test_simulate_takes_one_destination(capsys):
+    from specwatch.cli import main
+
+    assert main(["simulate", "--output", "x.jsonl", "--otlp"]) == 2
+    assert "give --output FILE or --bootstrap HOST:PORT or --otlp [ENDPOINT], one of them" in capsys.readouterr().err
+
+
+def test_simulate_to_a_collector_that_is_away_says_so_and_fails(capsys, monkeypatch):
+    from specwatch.cli import main
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        away = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert main(["simulate", "--otlp", away, "--scenario", "healthy", "--minutes", "0.02", "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"records were not delivered to {away}" in err and "is a Collector listening there?" in err

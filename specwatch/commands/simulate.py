@@ -18,7 +18,7 @@ from collections import Counter
 from contextlib import nullcontext
 from typing import Iterable, TextIO
 
-__all__ = ["register", "build_simulator", "write_json_lines", "send", "send_to_kafka", "summary_line"]
+__all__ = ["register", "build_simulator", "write_json_lines", "send", "send_to_kafka", "send_otlp", "summary_line"]
 
 _EXIT_USAGE = 2
 _EXIT_IO = 1
@@ -126,11 +126,12 @@ def send_to_kafka(records: Iterable, bootstrap: str, topic: str = _DEFAULT_TOPIC
     return send(records, exporter, rate, flush_event_seconds)
 
 
-def send_otlp(records: Iterable, rate: float = 0.0) -> tuple[Counter, dict]:
-    """`send` through OpenTelemetry's OTLP log exporter, configured by the ``OTEL_*`` variables."""
+def send_otlp(records: Iterable, endpoint: str | None = None, rate: float = 0.0) -> tuple[Counter, dict]:
+    """`send` through OpenTelemetry's OTLP log exporter, configured by the ``OTEL_*`` variables
+    (``endpoint`` replaces ``OTEL_EXPORTER_OTLP_ENDPOINT``)."""
     from specwatch.collectors.otlp_export import OtlpTelemetryExporter, otlp_log_exporter
 
-    return send(records, OtlpTelemetryExporter(otlp_log_exporter()), rate)
+    return send(records, OtlpTelemetryExporter(otlp_log_exporter(endpoint=endpoint)), rate)
 
 
 def _reachable(bootstrap: str) -> str | None:
@@ -171,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
         _list_scenarios(sys.stdout)
         return 0
     if sum((bool(args.output), bool(args.bootstrap), args.otlp is not None)) != 1:
-        print("specwatch simulate: error: give one of --output FILE, --bootstrap HOST:PORT or --otlp [ENDPOINT] "
-              "(or --list)", file=sys.stderr)
+        print("specwatch simulate: error: give --output FILE or --bootstrap HOST:PORT or --otlp [ENDPOINT], "
+              "one of them (or --list)", file=sys.stderr)
         return _EXIT_USAGE
     if args.rate < 0:
         print(f"specwatch simulate: error: --rate must be >= 0, got {args.rate}", file=sys.stderr)
@@ -220,12 +221,10 @@ def _run_kafka(args: argparse.Namespace, simulator) -> int:
 
 
 def _run_otlp(args: argparse.Namespace, simulator) -> int:
-    if args.otlp:
-        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp  # the exporter reads the standard variable
-    endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or "the default endpoint")
+    endpoint = (args.otlp or os.environ.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default endpoint")
     try:
-        counts, stats = send_otlp(simulator.records(), args.rate)
+        counts, stats = send_otlp(simulator.records(), args.otlp or None, args.rate)
     except ValueError as error:
         print(f"specwatch simulate: error: {error}", file=sys.stderr)
         return _EXIT_USAGE
