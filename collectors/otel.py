@@ -619,10 +619,12 @@ class KafkaTelemetryExporter:
         self._resource = resource
         # Chunks leave room under the producer's request limit for Kafka's own headers.
         self._max_chunk_bytes = max(1024, config.max_request_size - 16 * 1024)
+        self._new_producer: Callable[[], Any] | None = None
         if producer is None:
             from kafka import KafkaProducer  # imported here: in-process users need no Kafka client
 
-            producer = KafkaProducer(**config.producer_settings())
+            self._new_producer = lambda: KafkaProducer(**config.producer_settings())
+            producer = self._new_producer()
         self._producer = producer
         self._lock = threading.Lock()
         self._counts = collections.Counter()
@@ -753,6 +755,30 @@ class KafkaTelemetryExporter:
                 backoff = self._drain_backoff_s[0]
             else:
                 backoff = min(backoff * 2, self._drain_backoff_s[1])
+                self._renew_producer()
+
+    def _renew_producer(self) -> None:
+        """Replace a producer whose sends failed while spooling.
+
+        An idempotent producer can stay fenced for good by a cluster that lost its state (a
+        broker restarted on empty storage): its sends keep failing after the broker is back.
+        A new producer starts clean. Only the drain thread sends while spooling, and the
+        export thread touches the producer then only under the settle lock.
+        """
+        if self._new_producer is None or self._closed:
+            return
+        with self._settle_lock:
+            old = self._producer
+            try:
+                self._producer = self._new_producer()
+            except Exception as error:  # noqa: BLE001 - keep the old one and try again later
+                logger.debug("could not build a new kafka producer: %s", error)
+                return
+        self._count(producer_renewals=1)
+        try:
+            old.close(timeout=0)
+        except Exception as error:  # noqa: BLE001 - what it still held is in the spool
+            logger.debug("the replaced kafka producer did not close cleanly: %s", error)
 
     def _drain_once(self) -> bool:
         """Send the spool's oldest messages until it is empty; False when Kafka failed one."""
@@ -794,7 +820,8 @@ class KafkaTelemetryExporter:
         (lost); with a spool, what it took, drained and dropped by reason, and what it holds."""
         with self._lock:
             out = {name: self._counts.get(name, 0) for name in
-                   ("messages", "records", "bytes", "send_errors", "delivery_errors", "records_failed")}
+                   ("messages", "records", "bytes", "send_errors", "delivery_errors", "records_failed",
+                    "producer_renewals")}
         spool = self._spool.stats() if self._spool is not None else None
         out.update(spooled=spool.spooled if spool else 0, drained=spool.drained if spool else 0,
                    spool_pending=spool.pending_records if spool else 0,
