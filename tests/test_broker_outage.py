@@ -155,8 +155,9 @@ def test_nothing_is_lost_in_an_outage_shorter_than_the_spools_limits(own_broker,
     with capsys.disabled():
         print(f"\nbroker outage: before={before} delivered; during={during} emitted, 0 dropped at the queue, "
               f"{during_stats['delivery_errors']} delivery errors and {during_stats['send_errors']} send errors, "
-              f"{stats['spooled']} records spooled; after the broker came back {len(spooled)} of {during} arrived "
-              f"once, in order (0 lost); after={after} emitted, {len(arrived)} arrived in order")
+              f"{stats['spooled']} records spooled; after the broker came back ({stats['producer_renewals']} "
+              f"producer renewals) {len(spooled)} of {during} arrived once, in order (0 lost); after={after} "
+              f"emitted, {len(arrived)} arrived in order")
 
 
 _SPOOLING_PROCESS = """
