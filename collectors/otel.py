@@ -1,7 +1,8 @@
 """OpenTelemetry in the engine worker: contract records out as OTel log records, one per step.
 
 Emitting never blocks the engine: records wait in a bounded queue, a background thread
-exports them in batches (in process, or to Kafka as OTLP bytes); overflow is dropped and counted.
+exports them in batches (in process, to Kafka as OTLP bytes, or to an OpenTelemetry Collector
+through `specwatch.collectors.otlp_export`); overflow is dropped and counted.
 
 Two emit paths give the same bytes on the telemetry topic:
 
@@ -607,9 +608,9 @@ class KafkaTelemetryExporter:
     With a `TelemetrySpool`, a failed send or delivery switches the exporter to spooling:
     from then on messages go to local disk in order (the failed ones first), and a drain
     thread sends the spool's head to Kafka once the broker answers, oldest first, then
-    switches back to sending directly. The spool is written on the export thread and the
-    producer's, never on the engine's. Delivery is at least once: a message the broker took
-    just before a failure of an earlier one is sent again with the rest.
+    switches back to sending directly. The spool is written by the export and drain
+    threads, never the engine's. Delivery is at least once: a message the broker took just
+    before a failure of an earlier one is sent again with the rest.
     """
 
     def __init__(self, config: KafkaConfig, *, producer: Any = None,
