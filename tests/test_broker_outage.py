@@ -15,12 +15,14 @@ on clients than a restart of the same one.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
@@ -62,6 +64,10 @@ _PATIENCE_S = 120.0  # liveness deadline on a busy shared machine, not a perform
 def own_broker():
     with _broker.running() as address:
         yield address
+    if not os.environ.get("SPECWATCH_OUTAGE_KAFKA_PORT"):  # a port of this run only: leave nothing behind
+        home = Path(os.environ.get("SPECWATCH_KAFKA_HOME") or Path.home() / ".cache" / "specwatch" / "kafka")
+        shutil.rmtree(home / f"data-{_PORT}", ignore_errors=True)
+        (home / f"broker-{_PORT}.lock").unlink(missing_ok=True)
 
 
 def _step(worker: str, seq: int) -> StepRecord:
