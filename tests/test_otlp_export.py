@@ -135,3 +135,49 @@ def test_simulate_to_a_collector_that_is_away_says_so_and_fails(capsys, monkeypa
     assert main(["simulate", "--otlp", away, "--scenario", "healthy", "--minutes", "0.02", "--workers", "1"]) == 1
     err = capsys.readouterr().err
     assert f"records were not delivered to {away}" in err and "is a Collector listening there?" in err
+
+
+def test_headers_compression_and_the_logs_endpoint_come_from_the_standard_variables(monkeypatch):
+    """A plain OTLP/HTTP endpoint records what arrives: the variables alone shape the requests."""
+    import gzip
+    import http.server
+
+    seen = []
+
+    class Endpoint(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # the logs variant wins
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", f"http://127.0.0.1:{server.server_port}/ingest/logs")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-team=serving,authorization=Bearer%20t0ken")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+        monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=canary")
+        records = [r for r in Simulator("healthy", seed=2, minutes=0.05, workers=2).records()]
+        exporter = telemetry_exporter_from_env({"OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": "set",
+                                                "SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"})
+        assert exporter.export(records).name == "SUCCESS"
+        exporter.shutdown()
+    finally:
+        server.shutdown()
+    ((path, headers, body),) = seen
+    assert path == "/ingest/logs"
+    assert headers["x-team"] == "serving" and headers["authorization"] == "Bearer t0ken"
+    assert headers["content-encoding"] == "gzip" and headers["content-type"] == "application/x-protobuf"
+    payload = gzip.decompress(body)
+    assert sorted(map(encode_record, decode_request(payload))) == sorted(map(encode_record, records))
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
+    environments = {kv.value.string_value for rl in ExportLogsServiceRequest.FromString(payload).resource_logs
+                    for kv in rl.resource.attributes if kv.key == "deployment.environment"}
+    assert environments == {"canary"}
