@@ -59,6 +59,8 @@ def test_protocols_and_resources_come_from_the_standard_variables(monkeypatch):
     from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcExporter
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HttpExporter
 
+    for name in ("OTEL_RESOURCE_ATTRIBUTES", "OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     exporter = otlp_log_exporter({})
     assert isinstance(exporter, HttpExporter) and exporter._endpoint == "http://127.0.0.1:4318/v1/logs"
