@@ -828,6 +828,7 @@ class KafkaTelemetryExporter:
                    spool_pending=spool.pending_records if spool else 0,
                    spool_dropped_full=spool.dropped_full if spool else 0,
                    spool_dropped_expired=spool.dropped_expired if spool else 0,
+                   spool_dropped_unwritable=spool.dropped_unwritable if spool else 0,
                    spool_corrupt_frames=spool.corrupt_frames if spool else 0)
         return out
 

@@ -53,9 +53,10 @@ class SpoolFrame(NamedTuple):
 class SpoolStats:
     """Counters since the spool was opened, and what it holds now (records and bytes).
 
-    ``dropped_full`` and ``dropped_expired`` count records refused because the spool was at
-    its size limit, or drained after its age limit; ``corrupt_frames`` counts frames cut
-    from a segment's torn end at opening.
+    ``dropped_full``, ``dropped_expired`` and ``dropped_unwritable`` count records refused
+    because the spool was at its size limit, found past its age limit when their turn came,
+    or not written because the disk refused; ``corrupt_frames`` counts frames cut from a
+    segment's torn end at opening.
     """
 
     pending_records: int
@@ -64,6 +65,7 @@ class SpoolStats:
     drained: int
     dropped_full: int
     dropped_expired: int
+    dropped_unwritable: int
     corrupt_frames: int
 
 
@@ -118,7 +120,8 @@ class TelemetrySpool:
             self._lock_file.close()
             raise ValueError(f"telemetry spool {self.directory} is in use by another process; "
                              "give each engine process its own SPECWATCH_TELEMETRY_SPOOL_DIR") from None
-        self._counts = dict(spooled=0, drained=0, dropped_full=0, dropped_expired=0, corrupt_frames=0)
+        self._counts = dict(spooled=0, drained=0, dropped_full=0, dropped_expired=0, dropped_unwritable=0,
+                            corrupt_frames=0)
         # pending frames, oldest first: (segment number, offset, frame size, records)
         self._index: list[tuple[int, int, int, int]] = []
         self._head = 0  # index of the oldest pending frame in _index
@@ -171,7 +174,7 @@ class TelemetrySpool:
 
     def _open_existing(self) -> None:
         self._segments = sorted(int(p.name[:-len(_SEGMENT_SUFFIX)]) for p in self.directory.glob("*" + _SEGMENT_SUFFIX)
-                                if p.name[:-len(_SEGMENT_SUFFIX)].isdigit())
+                                if p.name[:-len(_SEGMENT_SUFFIX)].isdigit() and p.is_file())
         start_segment, start_offset = self._read_cursor()
         for number in list(self._segments):
             if number < start_segment:
@@ -226,11 +229,18 @@ class TelemetrySpool:
             if self._pending_bytes + len(frame) > self.max_bytes:
                 self._counts["dropped_full"] += records
                 return False
-            if self._writer is None or self._writer_size + len(frame) > self._segment_bytes and self._writer_size:
-                self._roll()
-            offset = self._writer_size
-            self._writer.write(frame)
-            self._writer.flush()  # in the page cache: a crash of the process loses nothing
+            try:
+                if self._writer is None or self._writer_size + len(frame) > self._segment_bytes and self._writer_size:
+                    self._roll()
+                offset = self._writer_size
+                self._writer.write(frame)
+                self._writer.flush()  # in the page cache: a crash of the process loses nothing
+            except OSError as error:  # a full or failing disk: drop and count, never raise into the exporter
+                self._counts["dropped_unwritable"] += records
+                self._writer, self._writer_size = None, 0  # the next append starts a new segment
+                logger.warning("telemetry spool %s cannot write (%s); %d records dropped",
+                               self.directory, error.strerror or error, records)
+                return False
             self._writer_size += len(frame)
             self._index.append((self._segments[-1], offset, len(frame), records))
             self._pending_bytes += len(frame)
@@ -241,9 +251,10 @@ class TelemetrySpool:
     def _roll(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        self._writer = None
         number = (self._segments[-1] + 1) if self._segments else 1
-        self._segments.append(number)
         self._writer = open(self._segment_path(number), "ab")
+        self._segments.append(number)
         self._writer_size = 0
 
     # ------------------------------------------------------------ draining

@@ -230,3 +230,15 @@ def test_what_is_spooled_at_shutdown_stays_for_the_next_start(tmp_path):
     producer.flush()
     assert _delivered_seqs(producer) == list(range(6))
     exporter.shutdown()
+
+
+def test_a_disk_that_refuses_drops_and_counts(tmp_path):
+    spool = TelemetrySpool(tmp_path, segment_bytes=100)
+    assert spool.append(b"w1", bytes(50), records=3)
+    (tmp_path / f"{2:016d}.seg").mkdir()  # the next segment cannot be opened as a file, even by root
+    assert not spool.append(b"w1", bytes(80), records=4)  # needs the next segment: refused, counted
+    stats = spool.stats()
+    assert (stats.dropped_unwritable, stats.pending_records, stats.spooled) == (4, 3, 3)
+    assert [f.records for f in spool.head(5)] == [3]
+    spool.close()
+    assert TelemetrySpool(tmp_path).stats().pending_records == 3  # and it still opens
