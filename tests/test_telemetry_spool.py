@@ -241,4 +241,6 @@ def test_a_disk_that_refuses_drops_and_counts(tmp_path):
     assert (stats.dropped_unwritable, stats.pending_records, stats.spooled) == (4, 3, 3)
     assert [f.records for f in spool.head(5)] == [3]
     spool.close()
-    assert TelemetrySpool(tmp_path).stats().pending_records == 3  # and it still opens
+    again = TelemetrySpool(tmp_path)
+    assert again.stats().pending_records == 3  # and it still opens
+    again.close()
