@@ -1,7 +1,8 @@
 """OpenTelemetry in the engine worker: contract records out as OTel log records, one per step.
 
 Emitting never blocks the engine: records wait in a bounded queue, a background thread
-exports them in batches (in process, or to Kafka as OTLP bytes); overflow is dropped and counted.
+exports them in batches (in process, to Kafka as OTLP bytes, or to an OpenTelemetry Collector
+through `specwatch.collectors.otlp_export`); overflow is dropped and counted.
 
 Two emit paths give the same bytes on the telemetry topic:
 
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from opentelemetry.sdk._logs import LoggerProvider, LogRecordProcessor, ReadableLogRecord, ReadWriteLogRecord
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
@@ -48,6 +49,9 @@ __all__ = [
     "KafkaConfig",
     "KafkaTelemetryExporter",
 ]
+
+if TYPE_CHECKING:
+    from specwatch.collectors.spool import TelemetrySpool
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,10 @@ _DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 _DEFAULT_MAX_BLOCK_MS = 2_000
 _DEFAULT_REQUEST_TIMEOUT_MS = 10_000
 _DEFAULT_DELIVERY_TIMEOUT_MS = 30_000
+# The spool's drain thread retries a broker that is still away after 1 s, doubling up to 30 s,
+# and sends up to this many spooled messages before it waits for their acknowledgements.
+_DEFAULT_DRAIN_BACKOFF_S = (1.0, 30.0)
+_DRAIN_CHUNK = 64
 _COMPRESSIONS = ("none", "gzip", "lz4", "zstd")  # snappy: no codec installed for kafka-python
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
@@ -594,24 +602,50 @@ class KafkaTelemetryExporter:
     which have none, use their bundle id), so one worker's records stay in order on one
     partition. ``export`` only hands messages to the producer's buffer; delivery errors
     arrive later and are counted in `stats()`. A broker that is down costs at most
-    ``max_block_ms`` per export call, on the export thread, and the records are counted
-    as failed.
+    ``max_block_ms`` per export call, on the export thread.
+
+    Without a ``spool``, records the broker did not take are counted as failed and lost.
+    With a `TelemetrySpool`, a failed send or delivery switches the exporter to spooling:
+    from then on messages go to local disk in order (the failed ones first), and a drain
+    thread sends the spool's head to Kafka once the broker answers, oldest first, then
+    switches back to sending directly. The spool is written by the export and drain
+    threads, never the engine's. Delivery is at least once: a message the broker took just
+    before a failure of an earlier one is sent again with the rest.
     """
 
     def __init__(self, config: KafkaConfig, *, producer: Any = None,
-                 resource: Mapping[str, Any] | None = None) -> None:
+                 resource: Mapping[str, Any] | None = None, spool: "TelemetrySpool | None" = None,
+                 drain_backoff_s: tuple[float, float] = _DEFAULT_DRAIN_BACKOFF_S) -> None:
         self.config = config
         self._resource = resource
         # Chunks leave room under the producer's request limit for Kafka's own headers.
         self._max_chunk_bytes = max(1024, config.max_request_size - 16 * 1024)
+        self._new_producer: Callable[[], Any] | None = None
         if producer is None:
             from kafka import KafkaProducer  # imported here: in-process users need no Kafka client
 
-            producer = KafkaProducer(**config.producer_settings())
+            self._new_producer = lambda: KafkaProducer(**config.producer_settings())
+            producer = self._new_producer()
         self._producer = producer
         self._lock = threading.Lock()
         self._counts = collections.Counter()
         self._closed = False
+        self._spool = spool
+        # Spooling state: set by a failed send (export thread) or delivery (producer thread),
+        # cleared by the drain thread once the spool is empty. What is left from an earlier
+        # process goes before anything new.
+        self._spooling = spool is not None and len(spool) > 0
+        self._route_lock = threading.Lock()  # the switch back and an append never interleave
+        self._settle_lock = threading.Lock()
+        self._settled = True  # no failed delivery waits to be spooled
+        self._sequence = 0
+        self._failed_in_flight: list[tuple[int, bytes, bytes, int]] = []
+        self._drain_backoff_s = drain_backoff_s
+        self._drain_wake = threading.Event()
+        self._drainer: threading.Thread | None = None
+        if spool is not None:
+            self._drainer = threading.Thread(target=self._drain_loop, name="specwatch-telemetry-spool", daemon=True)
+            self._drainer.start()
 
     def export(self, batch: Sequence[TelemetryRecord]) -> ExportResult:
         return self.export_entries([log_entry(record) for record in batch])
@@ -630,18 +664,40 @@ class KafkaTelemetryExporter:
             key_bytes = key.encode("utf-8", "replace")
             for payload, count in iter_encoded_chunks(group, max_bytes=self._max_chunk_bytes,
                                                       resource=self._resource):
-                ok = self._send(key_bytes, payload, count) and ok
+                ok = self._deliver(key_bytes, payload, count) and ok
         return ExportResult.SUCCESS if ok else ExportResult.FAILURE
+
+    def _deliver(self, key: bytes, payload: bytes, count: int) -> bool:
+        if self._spool is None:
+            return self._send(key, payload, count)
+        failed = not self._spooling and not self._send(key, payload, count)
+        if not failed and not self._spooling:
+            return True
+        if failed:
+            self._start_spooling()
+        if not self._settled:
+            self._settle_in_flight()
+        with self._route_lock:
+            if self._spooling or failed:
+                self._spooling = True
+                return self._to_spool(key, payload, count)
+        return self._send(key, payload, count)  # the drain thread switched back meanwhile
 
     def _send(self, key: bytes, payload: bytes, count: int) -> bool:
         try:
             future = self._producer.send(self.config.topic, key=key, value=payload)
         except Exception as error:  # noqa: BLE001 - KafkaTimeoutError, size, closed producer...
-            self._count(send_errors=1, records_failed=count)
+            self._count(send_errors=1, records_failed=0 if self._spool is not None else count)
             logger.debug("kafka send of %d records failed: %s", count, error)
             return False
         self._count(messages=1, records=count, bytes=len(payload))
-        future.add_errback(self._delivery_failed, count)
+        if self._spool is None:
+            future.add_errback(self._delivery_failed, count)
+        else:
+            with self._lock:
+                self._sequence += 1
+                sequence = self._sequence
+            future.add_errback(self._delivery_failed_to_spool, sequence, key, payload, count)
         return True
 
     def _delivery_failed(self, count: int, error: BaseException) -> None:
@@ -649,31 +705,167 @@ class KafkaTelemetryExporter:
         self._count(delivery_errors=1, records_failed=count)
         logger.debug("kafka delivery of %d records failed: %s", count, error)
 
+    def _delivery_failed_to_spool(self, sequence: int, key: bytes, payload: bytes, count: int,
+                                  error: BaseException) -> None:
+        # On the producer's thread: keep the message in memory; the export or drain thread
+        # writes it to the spool in send order (`_settle_in_flight`).
+        with self._lock:
+            self._counts.update(delivery_errors=1)
+            self._failed_in_flight.append((sequence, key, payload, count))
+            self._settled = False
+        self._spooling = True
+        logger.debug("kafka delivery of %d records failed, spooling: %s", count, error)
+
+    def _start_spooling(self) -> None:
+        if not self._spooling:
+            logger.warning("kafka at %s is not taking telemetry; spooling to %s until it does",
+                           self.config.bootstrap_servers, self._spool.directory)
+        self._settled = False
+        self._spooling = True
+
+    def _settle_in_flight(self) -> None:
+        """Wait for messages still in the producer, then spool the failed ones, oldest first."""
+        with self._settle_lock:
+            try:
+                self._producer.flush(timeout=(self.config.delivery_timeout_ms + self.config.request_timeout_ms) / 1000)
+            except Exception as error:  # noqa: BLE001 - KafkaTimeoutError: what is left fails later
+                logger.debug("kafka flush before spooling did not complete: %s", error)
+            with self._lock:
+                failed, self._failed_in_flight = sorted(self._failed_in_flight), []
+                self._settled = True
+            with self._route_lock:
+                for _, key, payload, count in failed:
+                    self._to_spool(key, payload, count)
+
+    def _to_spool(self, key: bytes, payload: bytes, count: int) -> bool:
+        kept = self._spool.append(key, payload, records=count)
+        self._drain_wake.set()
+        return kept
+
+    def _drain_loop(self) -> None:
+        """The drain thread: while spooling, send the spool's head to Kafka in order."""
+        backoff = self._drain_backoff_s[0]
+        while not self._closed:
+            self._drain_wake.wait(backoff)
+            self._drain_wake.clear()
+            if self._closed or not self._spooling:
+                continue
+            if not self._settled or self._failed_in_flight:
+                self._settle_in_flight()
+            if self._drain_once():
+                backoff = self._drain_backoff_s[0]
+            else:
+                backoff = min(backoff * 2, self._drain_backoff_s[1])
+                self._renew_producer()
+
+    def _renew_producer(self) -> None:
+        """Replace a producer whose sends failed while spooling.
+
+        An idempotent producer can stay fenced for good by a cluster that lost its state (a
+        broker restarted on empty storage): its sends keep failing after the broker is back.
+        A new producer starts clean. Only the drain thread sends while spooling, and the
+        export thread touches the producer then only under the settle lock.
+        """
+        if self._new_producer is None or self._closed:
+            return
+        with self._settle_lock:
+            old = self._producer
+            try:
+                self._producer = self._new_producer()
+            except Exception as error:  # noqa: BLE001 - keep the old one and try again later
+                logger.debug("could not build a new kafka producer: %s", error)
+                return
+        self._count(producer_renewals=1)
+        try:
+            old.close(timeout=0)
+        except Exception as error:  # noqa: BLE001 - what it still held is in the spool
+            logger.debug("the replaced kafka producer did not close cleanly: %s", error)
+
+    def _drain_once(self) -> bool:
+        """Send the spool's oldest messages until it is empty; False when Kafka failed one."""
+        spool = self._spool
+        timeout_s = (self.config.delivery_timeout_ms + self.config.request_timeout_ms) / 1000
+        while not self._closed:
+            frames = spool.head(_DRAIN_CHUNK)
+            if not frames:
+                with self._route_lock:
+                    if len(spool) == 0 and not self._failed_in_flight:
+                        self._spooling = False
+                        logger.warning("kafka at %s takes telemetry again; the spool is drained",
+                                       self.config.bootstrap_servers)
+                        return True
+                continue
+            delivered = 0
+            try:
+                futures = [self._producer.send(self.config.topic, key=f.key, value=f.payload) for f in frames]
+                for future in futures:
+                    future.get(timeout=timeout_s)
+                    delivered += 1
+            except Exception as error:  # noqa: BLE001 - the broker is still away
+                logger.debug("spool drain: kafka did not take message %d of %d: %s", delivered + 1, len(frames),
+                             error)
+            spool.commit(delivered)
+            sent = frames[:delivered]
+            self._count(messages=len(sent), records=sum(f.records for f in sent),
+                        bytes=sum(len(f.payload) for f in sent))
+            if delivered < len(frames):
+                return False
+        return True
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             self._counts.update(deltas)
 
     def stats(self) -> dict[str, int]:
-        """messages/records/bytes handed to the producer; send and delivery errors; records_failed."""
+        """messages/records/bytes handed to the producer; send and delivery errors; records_failed
+        (lost); with a spool, what it took, drained and dropped by reason, and what it holds."""
         with self._lock:
-            return {name: self._counts.get(name, 0) for name in
-                    ("messages", "records", "bytes", "send_errors", "delivery_errors", "records_failed")}
+            out = {name: self._counts.get(name, 0) for name in
+                   ("messages", "records", "bytes", "send_errors", "delivery_errors", "records_failed",
+                    "producer_renewals")}
+        spool = self._spool.stats() if self._spool is not None else None
+        out.update(spooled=spool.spooled if spool else 0, drained=spool.drained if spool else 0,
+                   spool_pending=spool.pending_records if spool else 0,
+                   spool_dropped_full=spool.dropped_full if spool else 0,
+                   spool_dropped_expired=spool.dropped_expired if spool else 0,
+                   spool_dropped_unwritable=spool.dropped_unwritable if spool else 0,
+                   spool_corrupt_frames=spool.corrupt_frames if spool else 0)
+        return out
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        """Everything exported so far is in Kafka (spool drained included); False if not within the timeout."""
         if self._closed:
             return True
+        deadline = time.monotonic() + max(timeout_millis, 0) / 1000.0
         try:
             self._producer.flush(timeout=max(timeout_millis, 0) / 1000.0)
         except Exception as error:  # noqa: BLE001 - KafkaTimeoutError when the broker is away
             logger.debug("kafka flush did not complete: %s", error)
             return False
-        return True
+        while self._spooling and time.monotonic() < deadline:
+            self._drain_wake.set()
+            time.sleep(0.05)
+        return not self._spooling
 
     def shutdown(self, timeout_millis: int = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS) -> None:
+        """Close the producer; with a spool, what it holds (and what failed in flight) stays for the next process."""
         if self._closed:
             return
         self._closed = True
+        self._drain_wake.set()
+        if self._drainer is not None:
+            self._drainer.join(max(timeout_millis, 0) / 1000.0 + self.config.request_timeout_ms / 1000.0)
         try:
             self._producer.close(timeout=max(timeout_millis, 0) / 1000.0)
         except Exception as error:  # noqa: BLE001 - closing must not raise into the engine
             logger.warning("kafka producer did not close cleanly: %s", error)
+        if self._spool is not None:
+            with self._lock:
+                failed, self._failed_in_flight = sorted(self._failed_in_flight), []
+            for _, key, payload, count in failed:
+                self._spool.append(key, payload, records=count)
+            pending = len(self._spool)
+            if pending:
+                logger.warning("telemetry spool %s keeps %d messages for the next start",
+                               self._spool.directory, pending)
+            self._spool.close()

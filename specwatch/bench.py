@@ -266,6 +266,14 @@ def bench_collector(quick: bool, smoke: bool) -> dict:
     return out
 
 
+def bench_export(bootstrap: str | None, quick: bool, smoke: bool) -> dict:
+    """Export-thread CPU per step record: OTLP/HTTP through OpenTelemetry's exporter against the direct Kafka path."""
+    from specwatch.bench_export import run_export_bench
+
+    steps = [r for r in _records(16, 0.05 if smoke else (0.2 if quick else 0.5)) if r.kind == "step"]
+    return run_export_bench(steps, bootstrap)
+
+
 def _bench_engine(quick: bool, smoke: bool) -> dict:
     from specwatch.bench_engine import run_engine_bench
 
@@ -465,10 +473,11 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
     """Every section; ``smoke`` shrinks inputs to check the output's shape only."""
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                           "load_average": os.getloadavg(), "quick": quick, "smoke": smoke}}
-    wanted = set(sections) or {"stream", "kafka", "collector", "engine", "archive", "replay", "growth"}
+    wanted = set(sections) or {"stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth"}
     with tempfile.TemporaryDirectory() as tmp:
         steps = [("stream", lambda: bench_stream(quick, smoke)),
                  ("collector", lambda: bench_collector(quick, smoke)),
+                 ("export", lambda: bench_export(bootstrap, quick, smoke)),
                  ("engine", lambda: _bench_engine(quick, smoke)),
                  ("archive", lambda: bench_archive(quick, smoke)),
                  ("replay", lambda: bench_replay(quick, smoke, Path(tmp))),

@@ -1,26 +1,34 @@
 """A Kafka outage seen from the engine side, on a real broker this test starts and stops itself.
 
 While the broker is gone, a simulated worker keeps emitting through TelemetryEmitter and
-KafkaTelemetryExporter: no emit blocks (the worker finishes: that is the proof), and every
-record is accounted for as exported, dropped or failed. After the broker is back, records
-emitted from then on arrive, in order.
+KafkaTelemetryExporter: no emit blocks (the worker finishes: that is the proof). The
+exporter's on-disk spool takes what the broker cannot, and once the broker is back it
+drains, in order: after an outage shorter than the spool's limits nothing is lost. The
+spool also outlives the process that wrote it.
 
-The broker runs on its own port (and so its own data directory) so that the shared test
-broker and colleagues' runs never notice; `broker.sh start` formats fresh storage, so the
-restarted broker is a new, empty cluster, which is harder on clients than a restart of
-the same one.
+The broker runs on ports of its own, picked at run time (and so its own data directory),
+so that the shared test broker and colleagues' runs never notice; `broker.sh start`
+formats fresh storage, so the restarted broker is a new, empty cluster, which is harder
+on clients than a restart of the same one.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
 from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.collectors.spool import TelemetrySpool
 from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
 
@@ -28,7 +36,25 @@ from own_broker import OwnBroker
 
 pytestmark = pytest.mark.kafka
 
-_PORT = int(os.environ.get("SPECWATCH_OUTAGE_KAFKA_PORT", "19392"))
+
+
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too (broker.sh puts the KRaft controller on P + 1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+_PORT = int(os.environ.get("SPECWATCH_OUTAGE_KAFKA_PORT") or _free_port_pair())
 _broker = OwnBroker(_PORT, partitions=2)
 _TOPIC = "specwatch.telemetry"
 _PATIENCE_S = 120.0  # liveness deadline on a busy shared machine, not a performance bound
@@ -38,6 +64,10 @@ _PATIENCE_S = 120.0  # liveness deadline on a busy shared machine, not a perform
 def own_broker():
     with _broker.running() as address:
         yield address
+    if not os.environ.get("SPECWATCH_OUTAGE_KAFKA_PORT"):  # a port of this run only: leave nothing behind
+        home = Path(os.environ.get("SPECWATCH_KAFKA_HOME") or Path.home() / ".cache" / "specwatch" / "kafka")
+        shutil.rmtree(home / f"data-{_PORT}", ignore_errors=True)
+        (home / f"broker-{_PORT}.lock").unlink(missing_ok=True)
 
 
 def _step(worker: str, seq: int) -> StepRecord:
@@ -68,11 +98,12 @@ def _until(condition) -> bool:
     return True
 
 
-def _records_of(address: str, worker: str, expected: int, patience_s: float = _PATIENCE_S) -> list[StepRecord]:
+def _records_of(address: str, worker: str, expected: int, patience_s: float = _PATIENCE_S,
+                topic: str = _TOPIC) -> list[StepRecord]:
     consumer = KafkaConsumer(bootstrap_servers=address, api_version=(4, 0), group_id=None,
                              enable_auto_commit=False, auto_offset_reset="earliest")
     try:
-        partitions = [TopicPartition(_TOPIC, p) for p in sorted(consumer.partitions_for_topic(_TOPIC))]
+        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
         consumer.assign(partitions)
         consumer.seek_to_beginning(*partitions)
         found: list[StepRecord] = []
@@ -86,67 +117,102 @@ def _records_of(address: str, worker: str, expected: int, patience_s: float = _P
         consumer.close()
 
 
-def test_emits_never_block_while_the_broker_is_down_and_flow_resumes_after(own_broker, capsys):
+def test_nothing_is_lost_in_an_outage_shorter_than_the_spools_limits(own_broker, tmp_path, capsys):
     # The default max_block_ms: a fresh broker's first metadata answer can take longer than a
     # short bound on a busy machine. Waits happen on the export thread either way.
     config = KafkaConfig(own_broker, topic=_TOPIC, request_timeout_ms=1_000, delivery_timeout_ms=3_000)
-    exporter = KafkaTelemetryExporter(config)
-    emitter = TelemetryEmitter(exporter, sdk=False, max_queue_size=2_000, max_batch_size=500,
-                               schedule_delay_millis=20, shutdown_timeout_millis=5_000)
+    spool = TelemetrySpool(tmp_path / "spool")
+    exporter = KafkaTelemetryExporter(config, spool=spool, drain_backoff_s=(0.2, 2.0))
+    emitter = TelemetryEmitter(exporter, sdk=False, max_batch_size=500, schedule_delay_millis=20,
+                               shutdown_timeout_millis=5_000)
     before, during, after = 500, 6_000, 800
     try:
         engine, kept = _engine(emitter, "w-before", before)
         engine.join(_PATIENCE_S)
         assert not engine.is_alive() and kept[0] == before
         assert emitter.force_flush(60_000)
-        assert _until(lambda: exporter.stats()["records"] == before), (emitter.stats(), exporter.stats())
         assert len(_records_of(own_broker, "w-before", before)) == before
 
-        messages_before = exporter.stats()["messages"]
         _broker("stop")
         engine, kept = _engine(emitter, "w-during", during)
         engine.join(_PATIENCE_S)  # a blocking emit would hold the worker here for good
         assert not engine.is_alive(), "emit blocked while the broker was down"
-        accepted = kept[0]
-        dropped = emitter.stats().dropped
-        assert dropped == during - accepted  # what the bounded queue could not take is counted
-        # Every accepted record was handed to the producer (or failed at the hand-over), and every
-        # message handed over while the broker was gone failed on delivery, counted.
-        assert _until(lambda: emitter.stats().queued == 0 and emitter.stats().exported + emitter.stats().failed
-                      == before + accepted)
-        assert _until(lambda: exporter.stats()["delivery_errors"] + exporter.stats()["send_errors"]
-                      == exporter.stats()["messages"] - messages_before + exporter.stats()["send_errors"])
+        assert kept[0] == during and emitter.stats().dropped == 0
+        # Everything the broker could not take waits on disk, the failed deliveries included.
+        assert _until(lambda: exporter.stats()["spool_pending"] == during), (emitter.stats(), exporter.stats())
         during_stats = dict(exporter.stats())
-        assert during_stats["delivery_errors"] > 0
-        lost = accepted + dropped  # all of them: the restarted broker is a new, empty cluster
 
-        _broker("start")
-        # The producer finds the new cluster by itself; until its metadata is fresh, sends may
-        # still fail (and are counted). Probe until one record gets through: that is recovery.
-        probes = 0
-        deadline = time.monotonic() + _PATIENCE_S
-        while time.monotonic() < deadline:
-            emitter.emit(_step("w-probe", probes))
-            probes += 1
-            emitter.force_flush(10_000)
-            if _records_of(own_broker, "w-probe", 1, patience_s=3.0):
-                break
-        else:
-            pytest.fail(f"nothing got through in {_PATIENCE_S:.0f} s after the broker came back")
+        _broker("start")  # a new, empty cluster
+        assert _until(lambda: exporter.force_flush(5_000)), exporter.stats()
         engine, kept = _engine(emitter, "w-after", after)
         engine.join(_PATIENCE_S)
         assert not engine.is_alive() and kept[0] == after
-        arrived = _records_of(own_broker, "w-after", after)
-        assert [r.seq for r in arrived] == list(range(after))  # all of them, in order
         assert emitter.force_flush(60_000)
+        spooled = _records_of(own_broker, "w-during", during)
+        arrived = _records_of(own_broker, "w-after", after)
     finally:
         emitter.shutdown()
+    stats = exporter.stats()
+    assert [r.seq for r in spooled] == list(range(during))  # all of them, once, in order: 0 lost of 6,000
+    assert [r.seq for r in arrived] == list(range(after))
+    assert stats["records_failed"] == 0 and stats["spool_pending"] == 0
+    assert (stats["spooled"], stats["drained"]) == (during, during)
+    assert (stats["spool_dropped_full"], stats["spool_dropped_expired"], stats["spool_corrupt_frames"]) == (0, 0, 0)
     with capsys.disabled():
-        print(f"\nbroker outage: before={before} delivered; during={during} emitted, {accepted} queued, "
-              f"{dropped} dropped at the queue, {during_stats['messages'] - messages_before} messages handed "
-              f"to the producer: {during_stats['delivery_errors']} delivery errors, {during_stats['send_errors']} "
-              f"send errors; {lost} records lost in all; recovery after {probes} probe(s); after={after} emitted, "
-              f"{len(arrived)} arrived in order")
+        print(f"\nbroker outage: before={before} delivered; during={during} emitted, 0 dropped at the queue, "
+              f"{during_stats['delivery_errors']} delivery errors and {during_stats['send_errors']} send errors, "
+              f"{stats['spooled']} records spooled; after the broker came back ({stats['producer_renewals']} "
+              f"producer renewals) {len(spooled)} of {during} arrived once, in order (0 lost); after={after} "
+              f"emitted, {len(arrived)} arrived in order")
+
+
+_SPOOLING_PROCESS = """
+import sys
+from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter
+from specwatch.collectors.spool import TelemetrySpool
+from test_broker_outage import _step
+
+address, directory, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+exporter = KafkaTelemetryExporter(KafkaConfig(address, max_block_ms=500), spool=TelemetrySpool(directory))
+for start in range(0, count, 100):
+    exporter.export([_step("w-restart", seq) for seq in range(start, min(start + 100, count))])
+exporter.shutdown()
+print(exporter.stats()["spooled"], exporter.stats()["spool_pending"])
+"""
+
+
+def test_the_spool_outlives_its_process_and_the_next_one_drains_it_in_order(kafka_bootstrap, tmp_path):
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    count = 1_500
+    with socket.socket() as s:  # a port nobody listens on: the broker is away
+        s.bind(("127.0.0.1", 0))
+        away = f"127.0.0.1:{s.getsockname()[1]}"
+    done = subprocess.run([sys.executable, "-c", _SPOOLING_PROCESS, away, str(tmp_path / "spool"), str(count)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(count), str(count)]  # all spooled, all still pending at exit
+
+    topic = f"test.spool.{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=(4, 0))
+    admin.create_topics([NewTopic(topic, 2, 1)])
+    try:
+        exporter = KafkaTelemetryExporter(KafkaConfig(kafka_bootstrap, topic=topic),
+                                          spool=TelemetrySpool(tmp_path / "spool"), drain_backoff_s=(0.2, 2.0))
+        try:
+            assert exporter.stats()["spool_pending"] == count  # found at start
+            exporter.export([_step("w-restart", count)])  # new records queue behind the old ones
+            assert _until(lambda: exporter.force_flush(5_000)), exporter.stats()
+            stats = exporter.stats()
+        finally:
+            exporter.shutdown()
+        arrived = _records_of(kafka_bootstrap, "w-restart", count + 1, topic=topic)
+    finally:
+        admin.delete_topics([topic])
+        admin.close()
+    assert [r.seq for r in arrived] == list(range(count + 1))
+    assert (stats["drained"], stats["spool_pending"], stats["records_failed"]) == (count + 1, 0, 0)
 
 
 def test_failed_deliveries_count_their_records():

@@ -113,6 +113,7 @@ def run(kafka_bootstrap, tmp_path_factory) -> dict:
         "SPECWATCH_VLLM_SINK": "specwatch.collectors.vllm.kafka:telemetry_sink",
         "SPECWATCH_VLLM_FLAGS": "specwatch.collectors.vllm.kafka:decision_flags",
         "SPECWATCH_VLLM_WORKER": "serve-0",
+        "SPECWATCH_TELEMETRY_SPOOL_DIR": str(out / "spool"),  # never a spool left by another run
         "SPECWATCH_KAFKA_BOOTSTRAP": kafka_bootstrap,
         "SPECWATCH_TELEMETRY_TOPIC": telemetry,
         "SPECWATCH_DECISIONS_TOPIC": decisions,

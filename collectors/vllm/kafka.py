@@ -7,7 +7,9 @@ Point the plugin's environment variables at them (see docs/DEPLOY.md)::
     SPECWATCH_KAFKA_BOOTSTRAP=kafka-1:9092,kafka-2:9092
 
 The sink emits through the bounded OpenTelemetry emitter and the Kafka exporter (the
-engine thread only queues); the flags follow the decisions topic in a background thread,
+engine thread only queues), which spools to local disk while the broker is away
+(``SPECWATCH_TELEMETRY_SPOOL_*``); `specwatch.collectors.vllm.sink` exports OTLP to a
+Collector instead. The flags follow the decisions topic in a background thread,
 checking signatures with the ``SPECWATCH_SIGNING_KEY[_FILE]`` settings. Settings:
 
 - ``SPECWATCH_KAFKA_*``: the cluster and its security (`KafkaConfig.from_env`);
@@ -26,19 +28,15 @@ from typing import Any
 
 __all__ = ["decision_flags", "telemetry_sink"]
 
-_DEFAULT_TELEMETRY_TOPIC = "specwatch.telemetry"
 _DEFAULT_DECISIONS_TOPIC = "specwatch.decisions"
 _DEFAULT_SILENCE_SECONDS = 30.0
 
 
 def telemetry_sink(environ: Mapping[str, str] | None = None) -> Any:
-    """A `TelemetryEmitter` exporting to the telemetry topic; its ``emit`` never blocks."""
-    from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
+    """A `TelemetryEmitter` exporting to the telemetry topic, with the on-disk spool; its ``emit`` never blocks."""
+    from .sink import kafka_telemetry_sink
 
-    environ = os.environ if environ is None else environ
-    topic = environ.get("SPECWATCH_TELEMETRY_TOPIC") or _DEFAULT_TELEMETRY_TOPIC
-    config = KafkaConfig.from_env(environ=environ, topic=topic, client_id="specwatch-vllm")
-    return TelemetryEmitter(KafkaTelemetryExporter(config))
+    return kafka_telemetry_sink(environ)
 
 
 def decision_flags(environ: Mapping[str, str] | None = None) -> Any:

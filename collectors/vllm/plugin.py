@@ -85,11 +85,14 @@ def _env_collector() -> Any:
             return None
         from .collector import VllmCollector
 
+        from specwatch.collectors.otlp_export import service_instance_id
+
         labeler_name = os.environ.get(ENV_LABELER, "").strip()
         _from_env = VllmCollector(
             _LazySink(_resolve(ENV_SINK, sink_name)) if sink_name else None,
             flags=_resolve(ENV_FLAGS, flags_name)() if flags_name else None,
-            worker=os.environ.get(ENV_WORKER, "").strip() or None,
+            # the contract's worker is the OTel resource's service.instance.id when not named here
+            worker=os.environ.get(ENV_WORKER, "").strip() or service_instance_id(),
             labeler=_resolve(ENV_LABELER, labeler_name) if labeler_name else None,
         )
         # the emitter is a daemon thread: hand queued records to the sink before the process ends

@@ -16,9 +16,10 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--quick", action="store_true", help="smaller inputs and a 20 s Kafka run")
     parser.add_argument("--smoke", action="store_true", help="tiny inputs: checks the report's shape only")
-    parser.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka broker for the end-to-end section")
+    parser.add_argument("--bootstrap", metavar="HOST:PORT",
+                        help="Kafka broker for the end-to-end section and the export section's direct path")
     parser.add_argument("--section", action="append", default=[],
-                        choices=("stream", "kafka", "collector", "engine", "archive", "replay", "growth"),
+                        choices=("stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth"),
                         help="run only these sections (repeatable)")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the stream and growth figures")
     parser.set_defaults(func=_run)
@@ -38,7 +39,7 @@ def _run(args) -> int:
         print(f"stream {row['encoding']:5} {row['requests_per_step']:5.1f} req/step: "
               f"{row['fast_rounds_per_s']:>11,.0f} rounds/s/core  x{row['speedup_vs_naive']:.1f} vs per-round, "
               f"x{row['speedup_vs_reference']:.2f} vs reference")
-    for name in ("collector", "engine", "archive", "replay", "kafka"):
+    for name in ("collector", "export", "engine", "archive", "replay", "kafka"):
         print(f"{name}: {json.dumps(report.get(name), default=float)}")
     for row in report.get("growth", []) if isinstance(report.get("growth"), list) else []:
         print(f"growth {row['keys']:>6} keys: {row['fast_rounds_per_s']:>11,.0f} rounds/s, "

@@ -1,13 +1,16 @@
-"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines, or send it to Kafka.
+"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines, or send it out.
 
 The simulator is built from the arguments in one place and records go to one sink
-function: a JSON Lines file, or a Kafka topic through the OpenTelemetry Kafka exporter
-(OTLP log records, message key = worker), the way engine workers send them.
+function: a JSON Lines file, or an exporter the way engine workers send them: a Kafka
+topic through specwatch's Kafka exporter (OTLP log records, message key = worker), or an
+OpenTelemetry Collector through OpenTelemetry's OTLP exporter (resource
+``service.instance.id`` = worker).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import time
@@ -15,7 +18,7 @@ from collections import Counter
 from contextlib import nullcontext
 from typing import Iterable, TextIO
 
-__all__ = ["register", "build_simulator", "write_json_lines", "send_to_kafka", "summary_line"]
+__all__ = ["register", "build_simulator", "write_json_lines", "send", "send_to_kafka", "send_otlp", "summary_line"]
 
 _EXIT_USAGE = 2
 _EXIT_IO = 1
@@ -45,10 +48,14 @@ def register(subparsers) -> None:
     parser.add_argument("--bootstrap", metavar="HOST:PORT",
                         help="send to Kafka instead of a file: OTLP log records through the OpenTelemetry "
                              "Kafka exporter, message key = worker")
+    parser.add_argument("--otlp", nargs="?", const="", default=None, metavar="ENDPOINT",
+                        help="send to an OpenTelemetry Collector instead of a file: OTLP through OpenTelemetry's "
+                             "exporter, configured by the standard OTEL_EXPORTER_OTLP_* variables; ENDPOINT, when "
+                             "given, is the base endpoint (OTEL_EXPORTER_OTLP_ENDPOINT)")
     parser.add_argument("--topic", default=_DEFAULT_TOPIC, help=f"telemetry topic (default: {_DEFAULT_TOPIC})")
     parser.add_argument("--rate", type=float, default=0.0, metavar="RECORDS_PER_S",
-                        help="with --bootstrap: at most this many records per second (default 0: as fast as "
-                             "the exporter goes)")
+                        help="with --bootstrap or --otlp: at most this many records per second (default 0: as fast "
+                             "as the exporter goes)")
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
     parser.set_defaults(func=run)
 
@@ -74,17 +81,16 @@ def write_json_lines(records: Iterable, stream: TextIO) -> Counter:
     return counts
 
 
-def send_to_kafka(records: Iterable, bootstrap: str, topic: str = _DEFAULT_TOPIC, rate: float = 0.0,
-                  flush_event_seconds: float = _DEFAULT_FLUSH_EVENT_SECONDS) -> tuple[Counter, dict]:
-    """Emit every record through the OTel Kafka exporter; returns counts by kind and exporter stats.
+def send(records: Iterable, exporter, rate: float = 0.0,
+         flush_event_seconds: float = _DEFAULT_FLUSH_EVENT_SECONDS) -> tuple[Counter, dict]:
+    """Emit every record through ``exporter`` (which this shuts down); counts by kind and exporter stats.
 
     Nothing is dropped: when the emitter's queue is full, the generator waits for it.
     """
-    from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
+    from specwatch.collectors.otel import TelemetryEmitter
 
     if rate < 0:
         raise ValueError(f"rate must be >= 0 records per second, got {rate}")
-    exporter = KafkaTelemetryExporter(KafkaConfig.from_env(bootstrap, topic=topic, client_id="specwatch-simulate"))
     emitter = TelemetryEmitter(exporter, sdk=False)
     counts: Counter = Counter()
     started = time.monotonic()
@@ -106,8 +112,26 @@ def send_to_kafka(records: Iterable, bootstrap: str, topic: str = _DEFAULT_TOPIC
         emitter.force_flush()
     finally:
         emitter.shutdown()
-    stats = dict(exporter.stats(), dropped=emitter.stats().dropped, seconds=round(time.monotonic() - started, 3))
+    stats = dict(exporter.stats(), dropped=emitter.stats().dropped, failed=emitter.stats().failed,
+                 seconds=round(time.monotonic() - started, 3))
     return counts, stats
+
+
+def send_to_kafka(records: Iterable, bootstrap: str, topic: str = _DEFAULT_TOPIC, rate: float = 0.0,
+                  flush_event_seconds: float = _DEFAULT_FLUSH_EVENT_SECONDS) -> tuple[Counter, dict]:
+    """`send` through specwatch's Kafka exporter to ``topic``."""
+    from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter
+
+    exporter = KafkaTelemetryExporter(KafkaConfig.from_env(bootstrap, topic=topic, client_id="specwatch-simulate"))
+    return send(records, exporter, rate, flush_event_seconds)
+
+
+def send_otlp(records: Iterable, endpoint: str | None = None, rate: float = 0.0) -> tuple[Counter, dict]:
+    """`send` through OpenTelemetry's OTLP log exporter, configured by the ``OTEL_*`` variables
+    (``endpoint`` replaces ``OTEL_EXPORTER_OTLP_ENDPOINT``)."""
+    from specwatch.collectors.otlp_export import OtlpTelemetryExporter, otlp_log_exporter
+
+    return send(records, OtlpTelemetryExporter(otlp_log_exporter(endpoint=endpoint)), rate)
 
 
 def _reachable(bootstrap: str) -> str | None:
@@ -147,8 +171,9 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         _list_scenarios(sys.stdout)
         return 0
-    if bool(args.output) == bool(args.bootstrap):
-        print("specwatch simulate: error: give --output FILE or --bootstrap HOST:PORT (or --list)", file=sys.stderr)
+    if sum((bool(args.output), bool(args.bootstrap), args.otlp is not None)) != 1:
+        print("specwatch simulate: error: give --output FILE or --bootstrap HOST:PORT or --otlp [ENDPOINT], "
+              "one of them (or --list)", file=sys.stderr)
         return _EXIT_USAGE
     if args.rate < 0:
         print(f"specwatch simulate: error: --rate must be >= 0, got {args.rate}", file=sys.stderr)
@@ -160,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         return _EXIT_USAGE
     if args.bootstrap:
         return _run_kafka(args, simulator)
+    if args.otlp is not None:
+        return _run_otlp(args, simulator)
     to_stdout = args.output == "-"
     try:
         with (nullcontext(sys.stdout) if to_stdout else open(args.output, "w", encoding="utf-8")) as stream:
@@ -189,5 +216,25 @@ def _run_kafka(args: argparse.Namespace, simulator) -> int:
     if lost:
         print(f"specwatch simulate: error: {lost} records were not delivered "
               f"({stats['send_errors']} send errors, {stats['delivery_errors']} delivery errors)", file=sys.stderr)
+        return _EXIT_IO
+    return 0
+
+
+def _run_otlp(args: argparse.Namespace, simulator) -> int:
+    endpoint = (args.otlp or os.environ.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default endpoint")
+    try:
+        counts, stats = send_otlp(simulator.records(), args.otlp or None, args.rate)
+    except ValueError as error:
+        print(f"specwatch simulate: error: {error}", file=sys.stderr)
+        return _EXIT_USAGE
+    print(summary_line(simulator, counts, f"OTLP {endpoint}"), file=sys.stderr)
+    rate = sum(counts.values()) / max(stats["seconds"], 1e-9)
+    print(f"simulate: {stats['requests']} OTLP requests, {stats['records']} records in {stats['seconds']:g} s "
+          f"({rate:.0f} records/s)", file=sys.stderr)
+    lost = stats["records_failed"] + stats["dropped"]
+    if lost:
+        print(f"specwatch simulate: error: {lost} records were not delivered to {endpoint} "
+              f"({stats['failed_requests']} failed requests); is a Collector listening there?", file=sys.stderr)
         return _EXIT_IO
     return 0

@@ -1,0 +1,347 @@
+"""The engine-side telemetry spool: Kafka messages kept on local disk while the broker is away.
+
+A bounded, append-only queue of ready-encoded messages (key, OTLP payload, record count)
+in segment files, drained in the order they were written. It survives a process restart:
+a new exporter on the same directory drains what the last one left. Limits on size and
+age bound it; what they refuse or expire is counted by reason, never silently lost.
+
+Frame layout (little-endian): ``u32 body length, u32 crc32(body)``, then the body:
+``f64 written at (unix s), u32 records, u16 key length, key, payload``. A frame torn by a
+crash fails its length or checksum; the segment is cut there and the frame counted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+__all__ = ["SpoolFrame", "SpoolStats", "TelemetrySpool"]
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_MAX_BYTES = 256 << 20
+_DEFAULT_MAX_AGE_SECONDS = 6 * 3600.0
+_DEFAULT_SEGMENT_BYTES = 16 << 20
+_HEADER = struct.Struct("<II")
+_META = struct.Struct("<dIH")
+_SEGMENT_SUFFIX = ".seg"
+_CURSOR = "cursor"
+_LOCK = ".lock"
+# SPECWATCH_TELEMETRY_SPOOL_DIR=none turns the spool off.
+_OFF = ("none", "off")
+
+
+class SpoolFrame(NamedTuple):
+    """One spooled Kafka message."""
+
+    key: bytes
+    payload: bytes
+    records: int
+    written_at: float
+
+
+@dataclass(frozen=True)
+class SpoolStats:
+    """Counters since the spool was opened, and what it holds now (records and bytes).
+
+    ``dropped_full``, ``dropped_expired`` and ``dropped_unwritable`` count records refused
+    because the spool was at its size limit, found past its age limit when their turn came,
+    or not written because the disk refused; ``corrupt_frames`` counts frames cut from a
+    segment's torn end at opening.
+    """
+
+    pending_records: int
+    pending_bytes: int
+    spooled: int
+    drained: int
+    dropped_full: int
+    dropped_expired: int
+    dropped_unwritable: int
+    corrupt_frames: int
+
+
+class TelemetrySpool:
+    """A bounded on-disk FIFO of Kafka messages, for one exporter process at a time.
+
+    Parameters
+    ----------
+    directory
+        Where the segments live; created if missing. A second process that opens the same
+        directory gets ``ValueError`` (an exclusive lock): give each engine process its own.
+    max_bytes
+        Size limit of what is pending; a message that would pass it is refused and counted.
+    max_age_seconds
+        Messages older than this when their turn comes are dropped and counted.
+    segment_bytes
+        Segment file size; fully drained segments are deleted.
+    clock
+        Wall-clock seconds (``time.time``); the age limit is in wall time, across restarts.
+
+    >>> import tempfile
+    >>> spool = TelemetrySpool(tempfile.mkdtemp(), max_bytes=200)
+    >>> [spool.append(b"w1", bytes(40), records=3) for _ in range(4)]
+    [True, True, True, False]
+    >>> [(frame.key, frame.records) for frame in spool.head(2)]
+    [(b'w1', 3), (b'w1', 3)]
+    >>> spool.commit(1); s = spool.stats(); s.pending_records, s.drained, s.dropped_full
+    (6, 3, 3)
+    >>> spool.close()
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_bytes: int = _DEFAULT_MAX_BYTES,
+                 max_age_seconds: float = _DEFAULT_MAX_AGE_SECONDS, segment_bytes: int = _DEFAULT_SEGMENT_BYTES,
+                 clock: Callable[[], float] = time.time) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if max_age_seconds <= 0:
+            raise ValueError(f"max_age_seconds must be positive, got {max_age_seconds}")
+        if segment_bytes < 1:
+            raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.max_age_seconds = max_age_seconds
+        self._segment_bytes = segment_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.directory / _LOCK, "a+b")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise ValueError(f"telemetry spool {self.directory} is in use by another process; "
+                             "give each engine process its own SPECWATCH_TELEMETRY_SPOOL_DIR") from None
+        self._counts = dict(spooled=0, drained=0, dropped_full=0, dropped_expired=0, dropped_unwritable=0,
+                            corrupt_frames=0)
+        # pending frames, oldest first: (segment number, offset, frame size, records)
+        self._index: list[tuple[int, int, int, int]] = []
+        self._head = 0  # index of the oldest pending frame in _index
+        self._pending_bytes = 0
+        self._pending_records = 0
+        self._segments: list[int] = []
+        self._writer = None
+        self._writer_size = 0
+        self._reader: tuple[int, object] | None = None
+        self._open_existing()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, name: str) -> "TelemetrySpool | None":
+        """The spool ``SPECWATCH_TELEMETRY_SPOOL_*`` describe; None when it is turned off.
+
+        ``_DIR`` (default ``~/.cache/specwatch/telemetry-spool/<name>``; ``none`` turns it off),
+        ``_MAX_BYTES`` (default 256 MiB) and ``_MAX_AGE_SECONDS`` (default 6 h).
+        """
+        environ = os.environ if environ is None else environ
+        directory = (environ.get("SPECWATCH_TELEMETRY_SPOOL_DIR") or "").strip()
+        if directory.lower() in _OFF:
+            return None
+        if not directory:
+            cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+            directory = os.path.join(cache, "specwatch", "telemetry-spool", name)
+        settings = {}
+        for variable, setting, kind in (("SPECWATCH_TELEMETRY_SPOOL_MAX_BYTES", "max_bytes", int),
+                                        ("SPECWATCH_TELEMETRY_SPOOL_MAX_AGE_SECONDS", "max_age_seconds", float)):
+            value = (environ.get(variable) or "").strip()
+            if value:
+                try:
+                    settings[setting] = kind(value)
+                except ValueError:
+                    raise ValueError(f"{variable} must be a number, got {value!r}") from None
+        try:
+            return cls(directory, **settings)
+        except ValueError:
+            if (environ.get("SPECWATCH_TELEMETRY_SPOOL_DIR") or "").strip():
+                raise  # a directory named on purpose is not replaced behind the operator's back
+        # Two engine processes with the same name on one host: the second gets its own.
+        fallback = f"{directory}-{os.getpid()}"
+        logger.warning("telemetry spool %s is in use by another process; this one spools to %s "
+                       "(name each engine worker to keep its spool across restarts)", directory, fallback)
+        return cls(fallback, **settings)
+
+    # ------------------------------------------------------------ opening
+
+    def _segment_path(self, number: int) -> Path:
+        return self.directory / f"{number:016d}{_SEGMENT_SUFFIX}"
+
+    def _open_existing(self) -> None:
+        self._segments = sorted(int(p.name[:-len(_SEGMENT_SUFFIX)]) for p in self.directory.glob("*" + _SEGMENT_SUFFIX)
+                                if p.name[:-len(_SEGMENT_SUFFIX)].isdigit() and p.is_file())
+        start_segment, start_offset = self._read_cursor()
+        for number in list(self._segments):
+            if number < start_segment:
+                self._segment_path(number).unlink(missing_ok=True)
+                self._segments.remove(number)
+                continue
+            offset = start_offset if number == start_segment else 0
+            end = self._scan(number, offset)
+            size = self._segment_path(number).stat().st_size
+            if end < size:
+                self._counts["corrupt_frames"] += 1
+                logger.warning("telemetry spool %s: segment %d has a torn or corrupt frame at byte %d; "
+                               "cut there", self.directory, number, end)
+                os.truncate(self._segment_path(number), end)
+        if self._index:
+            logger.info("telemetry spool %s: %d records in %d bytes left from before; they go first",
+                        self.directory, self._pending_records, self._pending_bytes)
+
+    def _read_cursor(self) -> tuple[int, int]:
+        try:
+            segment, offset = (int(x) for x in (self.directory / _CURSOR).read_text().split())
+            return segment, offset
+        except (OSError, ValueError):
+            return (self._segments[0] if self._segments else 0), 0
+
+    def _scan(self, number: int, offset: int) -> int:
+        """Index the valid frames of a segment from ``offset``; returns where they end."""
+        with open(self._segment_path(number), "rb") as f:
+            f.seek(offset)
+            while True:
+                header = f.read(_HEADER.size)
+                if len(header) < _HEADER.size:
+                    return offset
+                length, crc = _HEADER.unpack(header)
+                body = f.read(length)
+                if len(body) < length or zlib.crc32(body) != crc or length < _META.size:
+                    return offset
+                _, records, _ = _META.unpack_from(body)
+                size = _HEADER.size + length
+                self._index.append((number, offset, size, records))
+                self._pending_bytes += size
+                self._pending_records += records
+                offset += size
+
+    # ------------------------------------------------------------ writing
+
+    def append(self, key: bytes, payload: bytes, *, records: int) -> bool:
+        """Add one message at the end; False (counted as ``dropped_full``) when it does not fit."""
+        body = _META.pack(self._clock(), records, len(key)) + key + payload
+        frame = _HEADER.pack(len(body), zlib.crc32(body)) + body
+        with self._lock:
+            if self._pending_bytes + len(frame) > self.max_bytes:
+                self._counts["dropped_full"] += records
+                return False
+            try:
+                if self._writer is None or self._writer_size + len(frame) > self._segment_bytes and self._writer_size:
+                    self._roll()
+                offset = self._writer_size
+                self._writer.write(frame)
+                self._writer.flush()  # in the page cache: a crash of the process loses nothing
+            except OSError as error:  # a full or failing disk: drop and count, never raise into the exporter
+                self._counts["dropped_unwritable"] += records
+                self._writer, self._writer_size = None, 0  # the next append starts a new segment
+                logger.warning("telemetry spool %s cannot write (%s); %d records dropped",
+                               self.directory, error.strerror or error, records)
+                return False
+            self._writer_size += len(frame)
+            self._index.append((self._segments[-1], offset, len(frame), records))
+            self._pending_bytes += len(frame)
+            self._pending_records += records
+            self._counts["spooled"] += records
+        return True
+
+    def _roll(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
+        number = (self._segments[-1] + 1) if self._segments else 1
+        self._writer = open(self._segment_path(number), "ab")
+        self._segments.append(number)
+        self._writer_size = 0
+
+    # ------------------------------------------------------------ draining
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index) - self._head
+
+    def head(self, limit: int = 1) -> list[SpoolFrame]:
+        """Up to ``limit`` of the oldest pending frames, in order; expired ones are dropped first."""
+        now = self._clock()
+        frames: list[SpoolFrame] = []
+        with self._lock:
+            position = self._head
+            while position < len(self._index) and len(frames) < limit:
+                number, offset, size, _ = self._index[position]
+                body = self._read(number, offset, size)[_HEADER.size:]
+                written_at, records, key_length = _META.unpack_from(body)
+                if not frames and now - written_at > self.max_age_seconds:
+                    self._counts["dropped_expired"] += records
+                    self._advance(1)
+                    position = self._head
+                    continue
+                start = _META.size
+                frames.append(SpoolFrame(body[start:start + key_length], body[start + key_length:], records,
+                                         written_at))
+                position += 1
+        return frames
+
+    def _read(self, number: int, offset: int, size: int) -> bytes:
+        if self._reader is None or self._reader[0] != number:
+            if self._reader is not None:
+                self._reader[1].close()
+            if self._writer is not None and number == self._segments[-1]:
+                self._writer.flush()
+            self._reader = (number, open(self._segment_path(number), "rb"))
+        reader = self._reader[1]
+        reader.seek(offset)
+        return reader.read(size)
+
+    def commit(self, count: int) -> None:
+        """The oldest ``count`` frames were delivered: forget them (and delete drained segments)."""
+        with self._lock:
+            drained = sum(records for _, _, _, records in self._index[self._head:self._head + count])
+            self._counts["drained"] += drained
+            self._advance(count)
+
+    def _advance(self, count: int) -> None:
+        for _, _, size, records in self._index[self._head:self._head + count]:
+            self._pending_bytes -= size
+            self._pending_records -= records
+        self._head += count
+        if self._head == len(self._index):
+            self._index, self._head = [], 0
+            cursor = (self._segments[-1], self._writer_size) if self._writer is not None and self._segments else None
+            if cursor is None and self._segments:
+                cursor = (self._segments[-1], self._segment_path(self._segments[-1]).stat().st_size)
+        else:
+            cursor = self._index[self._head][:2]
+            if self._head > 4096:  # keep the index from growing with what is already gone
+                self._index, self._head = self._index[self._head:], 0
+        if cursor is None:
+            return
+        self._write_cursor(*cursor)
+        for number in [n for n in self._segments if n < cursor[0]]:
+            if self._reader is not None and self._reader[0] == number:
+                self._reader[1].close()
+                self._reader = None
+            self._segment_path(number).unlink(missing_ok=True)
+            self._segments.remove(number)
+
+    def _write_cursor(self, segment: int, offset: int) -> None:
+        temporary = self.directory / (_CURSOR + ".tmp")
+        temporary.write_text(f"{segment} {offset}\n")
+        os.replace(temporary, self.directory / _CURSOR)
+
+    # ------------------------------------------------------------ the rest
+
+    def stats(self) -> SpoolStats:
+        with self._lock:
+            return SpoolStats(self._pending_records, self._pending_bytes, **self._counts)
+
+    def close(self) -> None:
+        """Close the files and release the directory; what is pending stays for the next process."""
+        with self._lock:
+            for handle in (self._writer, self._reader[1] if self._reader else None):
+                if handle is not None:
+                    handle.close()
+            self._writer, self._reader = None, None
+            self._lock_file.close()
