@@ -7,6 +7,7 @@ Rejection never raises: every bad line becomes a `Rejection` with a short reason
 from __future__ import annotations
 
 import gzip
+import io
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -167,12 +168,12 @@ def read_json_lines(stream: BinaryIO) -> Iterator[bytes]:
     byte order mark; neither is part of a record. A damaged gzip stream raises
     `gzip.BadGzipFile` or `EOFError` where the damage is found.
 
-    >>> import io
     >>> list(read_json_lines(io.BytesIO(gzip.compress(b'\\xef\\xbb\\xbf{"a":1}\\n{"b":2}\\n'))))
     [b'{"a":1}\\n', b'{"b":2}\\n']
     """
-    head = stream.peek(len(_GZIP_MAGIC))[:len(_GZIP_MAGIC)] if hasattr(stream, "peek") else b""
-    if head == _GZIP_MAGIC:
+    if not hasattr(stream, "peek"):
+        stream = io.BufferedReader(stream)
+    if stream.peek(len(_GZIP_MAGIC))[:len(_GZIP_MAGIC)] == _GZIP_MAGIC:
         stream = gzip.GzipFile(fileobj=stream, mode="rb")
     lines = iter(stream)
     first = next(lines, None)

@@ -155,3 +155,48 @@ def test_an_empty_input_is_no_error(capsys, tmp_path):
     code, out, _ = _run(capsys, "replay", empty, "--output", tmp_path / "d.jsonl", "--json")
     assert code == 0 and json.loads(out)["lines"] == 0
     assert (tmp_path / "d.jsonl").read_text() == ""
+
+
+# -- item 5: one check of --archive for every command, before any work ---------------------------
+
+_BAD_DSNS = {
+    "nonsense://x": "archive DSN scheme 'nonsense' is not one of chdb, http, https (from --archive)",
+    "chdb://": "archive DSN 'chdb://' is not chdb:///abs/path, chdb://relative/path or "
+               "http(s)://[user[:password]@]host[:port][/database] (from --archive)",
+    "foo": "archive DSN 'foo' is not chdb:///abs/path, chdb://relative/path or "
+           "http(s)://[user[:password]@]host[:port][/database] (from --archive)",
+    "https://[::1": "archive DSN 'https://[::1' is not a URL (Invalid IPv6 URL) (from --archive)",
+    "http://ops:hunter2@ch:99999/db": "archive DSN 'http://ops:***@ch:99999/db' is not a URL "
+                                      "(Port out of range 0-65535) (from --archive)",
+}
+_ARCHIVE_COMMANDS = {
+    "replay": ["replay", "{telemetry}", "--output", "{tmp}/decisions.jsonl"],
+    "demo": ["demo", "--minutes", "0.1", "--outdir", "{tmp}/demo"],
+    "query": ["query", "decisions"],
+    "explain": ["explain", "d-000000000000"],
+    "flags": ["flags", "list"],
+    "bundles": ["bundles", "list"],
+    "run": ["run", "--bootstrap", "127.0.0.1:9"],
+}
+
+
+@pytest.mark.parametrize("dsn", list(_BAD_DSNS))
+@pytest.mark.parametrize("command", list(_ARCHIVE_COMMANDS))
+def test_every_command_refuses_a_bad_archive_dsn_with_one_line(capsys, telemetry, tmp_path, monkeypatch, command, dsn):
+    monkeypatch.chdir(tmp_path)
+    argv = [a.format(telemetry=telemetry, tmp=tmp_path) for a in _ARCHIVE_COMMANDS[command]]
+    code, out, err = _run(capsys, *argv, "--archive", dsn)
+    assert code == 2
+    assert err == f"specwatch {command}: {_BAD_DSNS[dsn]}\n"
+    assert out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["telemetry.jsonl"]  # no work was started
+
+
+def test_a_bad_archive_dsn_in_the_environment_is_named_as_such(capsys, telemetry, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECWATCH_ARCHIVE", "foo")
+    code, _, err = _run(capsys, "query", "decisions")
+    assert code == 2 and err.endswith("(from $SPECWATCH_ARCHIVE)\n")
+    code, _, err = _run(capsys, "replay", telemetry, "--output", tmp_path / "d.jsonl", "--archive", "")
+    assert code == 2
+    assert err == ("specwatch replay: --archive is empty: give chdb:///abs/path, chdb://relative/path or "
+                   "http(s)://host[:port][/database]\n")

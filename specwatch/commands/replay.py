@@ -68,9 +68,13 @@ def _run(args) -> int:
     archive = None
     if args.archive:
         from specwatch.actions.handlers import ArchiveSink
-        from specwatch.actions.archive import Archive
+        from specwatch.actions.archive import Archive, ArchiveError
 
-        archive = Archive.open(args.archive)
+        try:
+            archive = Archive.open(args.archive)
+        except (ArchiveError, ValueError) as error:
+            print(f"specwatch replay: {error}", file=sys.stderr)
+            return _EXIT_USAGE
         sinks.append(ArchiveSink(archive))
     # same decisions as EmbeddedPipeline (tests/test_fastpath.py), without pydantic per step
     pipeline = FastPipeline(policy, sinks=sinks)
