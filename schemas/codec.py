@@ -121,7 +121,8 @@ def decode_object(obj: object, raw: str = "") -> TelemetryRecord | Rejection:
     if not isinstance(kind, str) or kind not in _KINDS:  # a list or dict kind is not even hashable
         return Rejection("unknown_kind", f"kind {str(kind)[:100]!r} is not one of {sorted(_KINDS)}", raw)
     try:
-        return _KINDS[kind].model_validate(obj)
+        # strict: the contract is JSON, so "4" is no count, true no time and 1 no boolean
+        return _KINDS[kind].model_validate(obj, strict=True)
     except ValidationError as error:
         reason, detail = _reason_from_validation(error)
         return Rejection(reason, f"{kind}: {detail}", raw)
