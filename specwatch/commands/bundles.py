@@ -99,9 +99,6 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    keyring = publish_keyring(args) if args.bootstrap else None
-    if args.bootstrap and keyring is None:
-        return _EXIT_USAGE
     archive = open_archive(args)
     if archive is None:
         return _EXIT_USAGE
