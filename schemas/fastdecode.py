@@ -75,7 +75,8 @@ def _time(x: Any) -> bool:
 
 
 def _name(x: Any) -> bool:
-    return type(x) is str and 0 < len(x) <= _MAX_NAME and printable(x)
+    # isprintable() in C settles nearly every name; `printable` only looks closer when it is False
+    return type(x) is str and 0 < len(x) <= _MAX_NAME and (x.isprintable() or printable(x))
 
 
 def _names(column: Any) -> bool:
@@ -83,7 +84,10 @@ def _names(column: Any) -> bool:
     if set(map(type, column)) != _STR:
         return False
     lengths = set(map(len, column))
-    return min(lengths) > 0 and max(lengths) <= _MAX_NAME and printable("".join(column))
+    if min(lengths) == 0 or max(lengths) > _MAX_NAME:
+        return False
+    joined = "".join(column)
+    return joined.isprintable() or printable(joined)
 
 
 def _scope_names(column: Any) -> bool:
@@ -101,7 +105,7 @@ def _tally(rounds: list) -> Counter | None:
         return tally
     # checked over the distinct rounds, column by column, in C
     buckets, cohorts, drafted, accepted = zip(*tally)
-    if not (_scope_names(buckets) and _scope_names(cohorts) and set(map(type, drafted)) == _INT
+    if not (_scope_names(buckets + cohorts) and set(map(type, drafted)) == _INT
             and set(map(type, accepted)) == _INT and min(accepted) >= 0 and max(drafted) <= _MAX_DRAFT
             and not any(map(gt, accepted, drafted))):
         return None
