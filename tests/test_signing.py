@@ -419,3 +419,14 @@ def test_flags_list_exits_3_on_unsigned_messages_as_decisions_does(
     assert "1 unsigned" in captured.err and "b-1" in captured.out and "chat" not in captured.out
     assert cli.main(["decisions", "--bootstrap", kafka_bootstrap, "--topic", decisions_topic]) == 3
     assert capsys.readouterr().out.splitlines() == [good.to_json_line()]
+
+
+@pytest.mark.parametrize("command", [["run", "--bootstrap", "127.0.0.1:9"], ["decisions", "--bootstrap", "127.0.0.1:9"]])
+def test_commands_refuse_an_empty_key_setting_before_any_work(monkeypatch, capsys, command):
+    from specwatch import cli
+
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", "")
+    assert cli.main(command) == 2
+    assert capsys.readouterr().err == (f"specwatch {command[0]}: SPECWATCH_SIGNING_KEY is set but empty: give it "
+                                       "the key, or unset it to run without signing\n")
