@@ -63,7 +63,10 @@ def atomic_output(path: str, *, inputs: Sequence[str | None] = (), encoding: str
         return
     check_not_an_input(path, inputs)
     target = Path(os.path.realpath(path))
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as error:  # name the file asked for, not the temporary one
+        raise OSError(error.errno, error.strerror, path) from None
     try:
         try:
             mode = os.stat(target).st_mode & 0o7777

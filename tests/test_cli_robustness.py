@@ -81,6 +81,12 @@ def test_a_failed_replay_leaves_the_previous_output_in_place(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decisions.jsonl", "picture.png"]  # no temp file left
 
 
+def test_an_output_that_cannot_be_written_is_named_as_given(capsys, telemetry, tmp_path):
+    output = tmp_path / "missing" / "decisions.jsonl"
+    code, _, err = _run(capsys, "replay", telemetry, "--output", output)
+    assert (code, err) == (2, f"specwatch replay: {output}: No such file or directory\n")
+
+
 def test_atomic_output_replaces_only_on_success_and_keeps_the_mode(tmp_path):
     target = tmp_path / "out.jsonl"
     target.write_text("old\n")

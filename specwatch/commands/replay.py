@@ -93,17 +93,17 @@ def _run(args) -> int:
               f"{pipeline.counters.lines} lines; nothing was written to {args.output}", file=sys.stderr)
         return _EXIT_NO_TELEMETRY
     except _NotTelemetry:
-        summary = pipeline.counters.as_dict()
-    if archive is not None:
-        for sink in sinks:
-            sink.close()
-        archive.close()
-    if summary["records"] == 0 and summary["rejected"]:
-        reasons = ", ".join(f"{count} {reason}" for reason, count in summary["rejected_by_reason"].items())
-        print(f"specwatch replay: {args.input} is not JSON Lines telemetry: none of its {summary['lines']} lines "
+        counters = pipeline.counters.as_dict()
+        reasons = ", ".join(f"{count} {reason}" for reason, count in counters["rejected_by_reason"].items())
+        print(f"specwatch replay: {args.input} is not JSON Lines telemetry: none of its {counters['lines']} lines "
               f"is a contract-v1 record ({reasons}); give one JSON object per line, plain or gzipped; "
               f"nothing was written to {args.output}", file=sys.stderr)
         return _EXIT_NO_TELEMETRY
+    finally:
+        for sink in sinks:
+            sink.close()
+        if archive is not None:
+            archive.close()
     summary["output"] = args.output
     if args.json:
         print(json.dumps(summary, sort_keys=True), file=sys.stderr if args.output == "-" else sys.stdout)
