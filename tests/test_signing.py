@@ -430,3 +430,15 @@ def test_commands_refuse_an_empty_key_setting_before_any_work(monkeypatch, capsy
     assert cli.main(command) == 2
     assert capsys.readouterr().err == (f"specwatch {command[0]}: SPECWATCH_SIGNING_KEY is set but empty: give it "
                                        "the key, or unset it to run without signing\n")
+
+
+def test_a_stage_change_without_a_key_is_refused_before_the_archive_is_touched(monkeypatch, capsys, tmp_path):
+    from specwatch import cli
+
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
+    assert cli.main(["bundles", "promote", "b-9", "--by", "alice", "--reason", "shadow by hand",
+                     "--archive", f"chdb://{tmp_path}/archive", "--bootstrap", "127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err.startswith("specwatch: no signing key, so flag clients that hold one would "
+                                              "ignore this change")
+    assert not (tmp_path / "archive").exists()
