@@ -39,6 +39,7 @@ __all__ = [
     "ArchiveNotFoundError",
     "ArchiveWriter",
     "archive_dsn",
+    "check_archive_dsn",
 ]
 
 logger = logging.getLogger(__name__)
@@ -315,7 +316,11 @@ def _parse_dsn(dsn: str, cwd: str | None = None) -> tuple[_Location, str | None]
         return _Location("chdb", path=os.path.normpath(path)), None
     if scheme not in ("http", "https"):
         raise ValueError(f"archive DSN scheme {scheme!r} is not one of chdb, http, https")
-    parts = urlsplit(dsn)
+    try:
+        parts = urlsplit(dsn)
+        parts.port  # noqa: B018 - parsed lazily; a port that is not a number raises here
+    except ValueError as error:  # "Invalid IPv6 URL", "Port out of range 0-65535"
+        raise ValueError(f"archive DSN {_redact(dsn)!r} is not a URL ({error})") from None
     if not parts.hostname:
         raise ValueError(f"archive DSN {_redact(dsn)!r} has no host")
     secure = scheme == "https"
@@ -325,6 +330,21 @@ def _parse_dsn(dsn: str, cwd: str | None = None) -> tuple[_Location, str | None]
     location = _Location("server", host=parts.hostname, port=parts.port or (8443 if secure else 8123),
                          secure=secure, database=database, username=unquote(parts.username or ""))
     return location, unquote(parts.password) if parts.password is not None else None
+
+
+def check_archive_dsn(dsn: str) -> str:
+    """``dsn`` as it may be shown (no password) if it names an archive; ValueError saying why not.
+
+    Nothing is opened or created: commands call this before they start any work.
+
+    >>> check_archive_dsn("http://ops:hunter2@ch:8123/db")
+    'http://ch:8123/db'
+    >>> check_archive_dsn("https://[::1")
+    Traceback (most recent call last):
+    ...
+    ValueError: archive DSN 'https://[::1' is not a URL (Invalid IPv6 URL)
+    """
+    return _parse_dsn(dsn)[0].label
 
 
 def _redact(dsn: str) -> str:

@@ -104,6 +104,10 @@ class Keyring:
     (True, True)
     >>> Keyring.from_env({}).enabled
     False
+    >>> Keyring.from_env({"SPECWATCH_SIGNING_KEY": ""})
+    Traceback (most recent call last):
+    ...
+    ValueError: SPECWATCH_SIGNING_KEY is set but empty: give it the key, or unset it to run without signing
     """
 
     current: SigningKey | None = None
@@ -135,8 +139,8 @@ class Keyring:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Keyring":
         """Keys from ``$SPECWATCH_SIGNING_KEY_FILE`` or ``$SPECWATCH_SIGNING_KEY``, and the
         ``_PREVIOUS_`` pair for rotation. A file holds the key alone (a trailing newline
-        is ignored). Raises ValueError when a setting is ambiguous, unreadable or weak;
-        the message never contains the key.
+        is ignored). Raises ValueError when a setting is empty, ambiguous, unreadable or
+        weak; the message never contains the key. No setting at all is insecure mode.
         """
         environ = os.environ if environ is None else environ
         current = _secret_from(environ, SIGNING_KEY_FILE_ENV, SIGNING_KEY_ENV)
@@ -153,6 +157,12 @@ class Keyring:
 
 def _secret_from(environ: Mapping[str, str], file_var: str, value_var: str) -> bytes | None:
     path, value = environ.get(file_var), environ.get(value_var)
+    for name, setting in ((file_var, path), (value_var, value)):
+        # An empty setting is a key that did not arrive (a missing secret, a typo in a
+        # unit file); reading it as "no key" would silently switch signing off.
+        if setting is not None and not setting.strip():
+            raise ValueError(f"{name} is set but empty: give it the key{' file' if name == file_var else ''}, "
+                             "or unset it to run without signing")
     if path and value:
         raise ValueError(f"set either {file_var} or {value_var}, not both")
     if value:

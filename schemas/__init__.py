@@ -1,6 +1,7 @@
 """Contract-v1 telemetry records, decisions and policy configuration, with their codecs."""
 
-from .codec import MAX_LINE_BYTES, Rejection, RejectionCounter, decode_line, decode_object, encode_record
+from .codec import (MAX_LINE_BYTES, Rejection, RejectionCounter, decode_line, decode_object, encode_record,
+                    read_json_lines)
 from .contract import (
     CONTRACT_VERSION,
     MAX_REQUESTS_PER_STEP,
@@ -50,6 +51,7 @@ __all__ = [
     "decision_id",
     "decision_key",
     "decode_line",
+    "read_json_lines",
     "decode_object",
     "encode_record",
     "load_policy",

@@ -6,9 +6,12 @@ Rejection never raises: every bad line becomes a `Rejection` with a short reason
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import BinaryIO, Iterator
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -22,12 +25,15 @@ __all__ = [
     "decode_line",
     "decode_object",
     "encode_record",
+    "read_json_lines",
 ]
 
 # A step with MAX_REQUESTS_PER_STEP entries is ~400 KB of JSON; lines beyond this are
 # rejected before parsing so a runaway producer cannot make the processor allocate GBs.
 MAX_LINE_BYTES = 1 << 20
 
+_GZIP_MAGIC = b"\x1f\x8b"
+_UTF8_BOM = b"\xef\xbb\xbf"
 _KINDS = {"bundle": BundleRecord, "step": StepRecord, "request": RequestRecord, "shadow": ShadowRecord}
 _ADAPTER: TypeAdapter = TypeAdapter(TelemetryRecord)
 
@@ -115,7 +121,8 @@ def decode_object(obj: object, raw: str = "") -> TelemetryRecord | Rejection:
     if not isinstance(kind, str) or kind not in _KINDS:  # a list or dict kind is not even hashable
         return Rejection("unknown_kind", f"kind {str(kind)[:100]!r} is not one of {sorted(_KINDS)}", raw)
     try:
-        return _KINDS[kind].model_validate(obj)
+        # strict: the contract is JSON, so "4" is no count, true no time and 1 no boolean
+        return _KINDS[kind].model_validate(obj, strict=True)
     except ValidationError as error:
         reason, detail = _reason_from_validation(error)
         return Rejection(reason, f"{kind}: {detail}", raw)
@@ -153,3 +160,25 @@ def decode_line(line: str | bytes) -> TelemetryRecord | Rejection | None:
 def encode_record(record: TelemetryRecord) -> str:
     """One compact JSON line (no newline) in contract form."""
     return record.model_dump_json(exclude_none=False)
+
+
+def read_json_lines(stream: BinaryIO) -> Iterator[bytes]:
+    """The lines of a JSON Lines byte stream, gunzipped if it is gzip, without a leading BOM.
+
+    Telemetry is often kept gzipped, and editors on some systems start a UTF-8 file with a
+    byte order mark; neither is part of a record. A damaged gzip stream raises
+    `gzip.BadGzipFile` or `EOFError` where the damage is found.
+
+    >>> list(read_json_lines(io.BytesIO(gzip.compress(b'\\xef\\xbb\\xbf{"a":1}\\n{"b":2}\\n'))))
+    [b'{"a":1}\\n', b'{"b":2}\\n']
+    """
+    if not hasattr(stream, "peek"):
+        stream = io.BufferedReader(stream)
+    if stream.peek(len(_GZIP_MAGIC))[:len(_GZIP_MAGIC)] == _GZIP_MAGIC:
+        stream = gzip.GzipFile(fileobj=stream, mode="rb")
+    lines = iter(stream)
+    first = next(lines, None)
+    if first is None:
+        return
+    yield first[len(_UTF8_BOM):] if first.startswith(_UTF8_BOM) else first
+    yield from lines

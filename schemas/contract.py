@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "CONTRACT_VERSION",
@@ -30,6 +32,8 @@ __all__ = [
     "TelemetryRecord",
     "bundle_digest",
     "card_differences",
+    "printable",
+    "scope_name_ok",
 ]
 
 CONTRACT_VERSION = 1
@@ -38,9 +42,61 @@ CONTRACT_VERSION = 1
 MAX_REQUESTS_PER_STEP = 4096
 _MAX_ID_CHARS = 256
 
+# Names reach terminals, logs and dashboards: control characters (C0, DEL and C1, the
+# ANSI escape among them), line and paragraph separators and bidirectional overrides
+# could rewrite what an operator sees there.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# Decision scope keys are bundle/bucket/cohort with "*" for "every": a bucket or cohort
+# named "*", or holding a "/", would collide with another scope's key.
+_SCOPE_WILDCARD = "*"
+_SCOPE_SEPARATOR = "/"
+
+
+def printable(text: str) -> bool:
+    """Whether ``text`` holds none of the characters a name may not hold.
+
+    >>> printable("coding"), printable("r\u00e9sum\u00e9 \u2764"), printable("x\x1b[31m"), printable("a\u202eb")
+    (True, True, False, False)
+    """
+    # isprintable() is False for every character the pattern matches, and fast on ASCII
+    return text.isprintable() or _UNPRINTABLE.search(text) is None
+
+
+def scope_name_ok(text: str) -> bool:
+    """Whether a bucket or cohort name can stand in a decision scope key.
+
+    >>> scope_name_ok("coding"), scope_name_ok("*"), scope_name_ok("a/b"), scope_name_ok("**")
+    (True, False, False, True)
+    """
+    return text != _SCOPE_WILDCARD and _SCOPE_SEPARATOR not in text
+
+
+def _printable(value: str) -> str:
+    if not printable(value):
+        raise ValueError(f"{value[:64]!r} holds a control character, line separator or bidirectional override")
+    return value
+
+
+def _scope_name(value: str) -> str:
+    if not scope_name_ok(value):
+        raise ValueError(f"{value[:64]!r} cannot name a bucket or cohort: '*' means every one in decision "
+                         "scopes, and '/' separates their parts")
+    return value
+
+
+def _only_version_one(value: object) -> object:
+    # Literal[1] alone would take true and 1.0, which equal 1 in Python but not in JSON.
+    if type(value) is not int:
+        raise PydanticCustomError("literal_error", "Input should be the JSON number 1, got {value}",
+                                  {"value": repr(value)})
+    return value
+
+
 Timestamp = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Millis = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Name = Annotated[str, Field(min_length=1, max_length=_MAX_ID_CHARS)]
+Name = Annotated[str, Field(min_length=1, max_length=_MAX_ID_CHARS), AfterValidator(_printable)]
+ScopeName = Annotated[Name, AfterValidator(_scope_name)]
+Text = Annotated[str, AfterValidator(_printable)]
 
 
 class _Part(BaseModel):
@@ -49,26 +105,26 @@ class _Part(BaseModel):
 
 class TargetCard(_Part):
     model_id: Name
-    revision: str = ""
-    tokenizer_digest: str = ""
-    quantization: str = "none"
+    revision: Text = ""
+    tokenizer_digest: Text = ""
+    quantization: Text = "none"
 
 
 class DrafterCard(_Part):
     mechanism: Literal["ngram", "eagle3", "mtp", "dflash", "dspark", "external"]
-    revision: str = ""
+    revision: Text = ""
     draft_length: int = Field(ge=1, le=64)
 
 
 class RuntimeCard(_Part):
-    engine: str = ""
-    gpu: str = ""
-    parallelism: str = ""
+    engine: Text = ""
+    gpu: Text = ""
+    parallelism: Text = ""
 
 
 class PolicyCard(_Part):
-    acceptance_rule: str = "strict"
-    fallback: str = "standard"
+    acceptance_rule: Text = "strict"
+    fallback: Text = "standard"
 
 
 class BundleCard(_Part):
@@ -108,7 +164,7 @@ def card_differences(old: BundleCard, new: BundleCard) -> list[str]:
 class _Record(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    v: Literal[1]
+    v: Annotated[Literal[1], BeforeValidator(_only_version_one)]
     ts: Timestamp
 
 
@@ -125,8 +181,8 @@ class RoundEntry(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     id: Name
-    bucket: Name
-    cohort: Name
+    bucket: ScopeName
+    cohort: ScopeName
     drafted: int = Field(ge=0, le=64)
     accepted: int = Field(ge=0, le=64)
 
@@ -173,8 +229,8 @@ class RequestRecord(_Record):
     worker: Name
     bundle_id: Name
     id: Name
-    bucket: Name
-    cohort: Name
+    bucket: ScopeName
+    cohort: ScopeName
     speculative: bool
     ttft_ms: Millis
     tpot_ms: Millis | None
@@ -193,7 +249,7 @@ class ShadowRecord(_Record):
     kind: Literal["shadow"] = "shadow"
     bundle_id: Name
     id: Name
-    bucket: Name
+    bucket: ScopeName
     check: Name
     match: bool
 

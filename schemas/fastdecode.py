@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord as PbLogRecord
 
 from .codec import MAX_LINE_BYTES, Rejection, decode_line, decode_object
-from .contract import MAX_REQUESTS_PER_STEP, StepRecord, TelemetryRecord
+from .contract import MAX_REQUESTS_PER_STEP, StepRecord, TelemetryRecord, printable, scope_name_ok
 from .otlp import MAX_REQUEST_BYTES, decode_log_record, decode_request
 from .otlp import _REQUESTS_PREFIX, _attribute  # noqa: PLC2701 - same contract, same package
 from .otlp import _Memo as _WriterMemo  # noqa: PLC2701
@@ -75,7 +75,8 @@ def _time(x: Any) -> bool:
 
 
 def _name(x: Any) -> bool:
-    return type(x) is str and 0 < len(x) <= _MAX_NAME
+    # isprintable() in C settles nearly every name; `printable` only looks closer when it is False
+    return type(x) is str and 0 < len(x) <= _MAX_NAME and (x.isprintable() or printable(x))
 
 
 def _names(column: Any) -> bool:
@@ -83,7 +84,15 @@ def _names(column: Any) -> bool:
     if set(map(type, column)) != _STR:
         return False
     lengths = set(map(len, column))
-    return min(lengths) > 0 and max(lengths) <= _MAX_NAME
+    if min(lengths) == 0 or max(lengths) > _MAX_NAME:
+        return False
+    joined = "".join(column)
+    return joined.isprintable() or printable(joined)
+
+
+def _scope_names(column: Any) -> bool:
+    """`_names`, and every one fit for a decision scope key (buckets, cohorts)."""
+    return _names(column) and all(map(scope_name_ok, set(column)))
 
 
 def _tally(rounds: list) -> Counter | None:
@@ -96,7 +105,7 @@ def _tally(rounds: list) -> Counter | None:
         return tally
     # checked over the distinct rounds, column by column, in C
     buckets, cohorts, drafted, accepted = zip(*tally)
-    if not (_names(buckets) and _names(cohorts) and set(map(type, drafted)) == _INT
+    if not (_scope_names(buckets + cohorts) and set(map(type, drafted)) == _INT
             and set(map(type, accepted)) == _INT and min(accepted) >= 0 and max(drafted) <= _MAX_DRAFT
             and not any(map(gt, accepted, drafted))):
         return None
@@ -219,10 +228,10 @@ class _Memo:
 
     def __init__(self) -> None:
         self.names: dict[bytes, str | None] = {}  # worker / bundle_id attribute -> name, None if not one
-        self.columns: dict[bytes, tuple] = {}  # id / bucket / cohort attribute -> (values, all Names)
+        self.columns: dict[bytes, tuple] = {}  # id / bucket / cohort attribute -> what _strings gives
         self.int_heads: dict[int, bytes] = {}  # drafted / accepted attribute size -> bytes before the elements
         self.strings: dict[bytes, str] = {}  # AnyValue -> string_value
-        self.bodies: dict[bytes, tuple] = {}  # ArrayValue of strings -> (values, all Names)
+        self.bodies: dict[bytes, tuple] = {}  # ArrayValue of strings -> what _strings gives
 
 
 def _varint(buf: bytes, p: int) -> tuple[int, int]:
@@ -379,8 +388,9 @@ def _array_body(buf: bytes, start: int, end: int) -> tuple[int, int]:
     return p, end
 
 
-def _strings(buf: bytes, start: int, end: int) -> tuple[tuple[str, ...], bool]:
-    """An ArrayValue of plain string elements: the values, and whether every one is a Name."""
+def _strings(buf: bytes, start: int, end: int) -> tuple[tuple[str, ...], bool, bool]:
+    """An ArrayValue of plain string elements: the values, whether every one is a Name, and
+    whether every one is a Name fit for a scope key (a bucket or cohort)."""
     values: list[str] = []
     append = values.append
     p = start
@@ -404,7 +414,8 @@ def _strings(buf: bytes, start: int, end: int) -> tuple[tuple[str, ...], bool]:
         p += length
     if p != end:
         raise _OddShape("element overruns the array")
-    return tuple(values), not values or _names(values)
+    named = not values or _names(values)
+    return tuple(values), named, named and all(map(scope_name_ok, set(values)))
 
 
 def _small_ints(body: bytes) -> bytes:
@@ -439,13 +450,13 @@ def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: by
           build: Callable) -> StepColumns | None:
     """The step if its rounds pass the checks `_tally` makes, else None (the reference decides).
 
-    ``ids``, ``buckets`` and ``cohorts`` are (values, whether every one is a Name).
+    ``ids``, ``buckets`` and ``cohorts`` are what `_strings` gives.
     """
-    ids, ids_named = ids
-    buckets, buckets_named = buckets
-    cohorts, cohorts_named = cohorts
+    ids, ids_named, _ = ids
+    buckets, _, buckets_scoped = buckets
+    cohorts, _, cohorts_scoped = cohorts
     n = len(ids)
-    if not (n <= MAX_REQUESTS_PER_STEP and ids_named and buckets_named and cohorts_named and len(buckets) == n
+    if not (n <= MAX_REQUESTS_PER_STEP and ids_named and buckets_scoped and cohorts_scoped and len(buckets) == n
             and len(cohorts) == n and len(drafted) == n and len(accepted) == n):
         return None
     if n and (max(drafted) > _MAX_DRAFT or any(map(gt, accepted, drafted))):

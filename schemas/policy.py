@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .contract import Name, ScopeName
 from .decisions import Reason
 
 __all__ = [
@@ -36,50 +38,79 @@ class PolicyError(ValueError):
     """The policy file cannot be used; the message says which setting and why."""
 
 
+# Bounds beyond which a setting makes no sense: a wait of more than a month is "never",
+# a window of more than an hour of slices is memory nobody meant to spend.
+_HOUR = 3_600.0
+_DAY = 86_400.0
+_MONTH = 30 * _DAY
+_MAX_SLICES = 3_600
+_MAX_CONSECUTIVE = 1_000
+_MAX_COUNT = 1_000_000
+_MAX_FACTOR = 1_000.0
+# A step proposes at most 64 draft tokens (the contract's bound), so one target pass
+# yields at most 65 tokens: no acceptance length or speedup can exceed that.
+_MAX_TOKENS_PER_PASS = 65.0
+_MAX_MS = _DAY * 1_000
+
+Seconds = Annotated[float, Field(ge=0, le=_MONTH)]  # a wait: 0 means none
+Duration = Annotated[float, Field(gt=0, le=_MONTH)]
+Slices = Annotated[int, Field(ge=1, le=_MAX_SLICES)]
+Consecutive = Annotated[int, Field(ge=1, le=_MAX_CONSECUTIVE)]
+Count = Annotated[int, Field(ge=1, le=_MAX_COUNT)]
+Factor = Annotated[float, Field(gt=1, le=_MAX_FACTOR)]
+Share = Annotated[float, Field(ge=0, le=1)]
+Speedup = Annotated[float, Field(gt=0, le=_MAX_TOKENS_PER_PASS)]
+LatencyMs = Annotated[float, Field(gt=0, le=_MAX_MS)]
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: TOML has booleans, integers and floats, and `watermark = true` is a mistake,
+    # not 1.0; allow_inf_nan: `1e400` reads as infinity, which no setting means
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class WindowPolicy(_Section):
-    slice_seconds: float = Field(1.0, gt=0, le=60, description="event-time slice of partial aggregates")
+    slice_seconds: float = Field(
+        1.0, ge=0.1, le=60, description="event-time slice of partial aggregates; below 0.1 s a slice holds too few "
+                                        "engine steps for any window to reach its minimums")
     lateness_seconds: float = Field(1.0, ge=0, le=300, description="how long a slice waits for late records")
     max_ahead_seconds: float = Field(
-        300.0, gt=0, description="live processors reject records whose ts is further ahead of their clock"
+        300.0, gt=0, le=_DAY, description="live processors reject records whose ts is further ahead of their clock"
     )
     source_idle_seconds: float = Field(
-        10.0, gt=0, description="a source silent this long (event time) no longer holds back windows"
+        10.0, gt=0, le=_HOUR, description="a source silent this long (event time) no longer holds back windows"
     )
 
 
 class PinnedBaseline(_Section):
-    acceptance_length: float | None = Field(None, ge=1)
-    draft_to_verify: float | None = Field(None, gt=0, description="draft ms per verify ms")
-    e2e_p99_ms: float | None = Field(None, gt=0)
-    tpot_p99_ms: float | None = Field(None, gt=0)
-    error_rate: float | None = Field(None, ge=0, le=1)
+    acceptance_length: float | None = Field(None, ge=1, le=_MAX_TOKENS_PER_PASS)
+    draft_to_verify: float | None = Field(None, gt=0, le=_MAX_FACTOR, description="draft ms per verify ms")
+    e2e_p99_ms: LatencyMs | None = None
+    tpot_p99_ms: LatencyMs | None = None
+    error_rate: Share | None = None
 
 
 class BaselinePolicy(_Section):
-    learn_seconds: float = Field(60.0, gt=0, description="healthy event time learned per key before gates arm")
-    min_rounds: int = Field(500, ge=1)
-    min_requests: int = Field(50, ge=1)
-    pinned: dict[str, PinnedBaseline] = Field(
+    learn_seconds: float = Field(60.0, gt=0, le=_DAY, description="healthy event time learned per key before gates arm")
+    min_rounds: Count = 500
+    min_requests: Count = 50
+    pinned: dict[ScopeName, PinnedBaseline] = Field(
         default_factory=dict, description="per-bucket baselines that replace learning"
     )
 
 
 class AcceptancePolicy(_Section):
     tolerance: float = Field(0.15, gt=0, lt=1, description="AL below baseline*(1-tolerance) is a breach")
-    window_slices: int = Field(5, ge=1)
-    consecutive: int = Field(3, ge=1)
-    min_rounds: int = Field(100, ge=1, description="rounds a window needs before it is judged")
-    min_requests: int = Field(
-        10, ge=1, description="finished requests a window needs: rounds of a few requests move together, so a "
+    window_slices: Slices = 5
+    consecutive: Consecutive = 3
+    min_rounds: Count = Field(100, description="rounds a window needs before it is judged")
+    min_requests: Count = Field(
+        10, description="finished requests a window needs: rounds of a few requests move together, so a "
                               "quiet key's window widens until it holds this many"
     )
-    max_window_slices: int = Field(60, ge=1, description="widest window a quiet key is judged over")
+    max_window_slices: Slices = Field(60, description="widest window a quiet key is judged over")
     reduce_first: bool = True
-    settle_seconds: float = Field(15.0, ge=0, description="wait after lowering D before judging again")
+    settle_seconds: Seconds = Field(15.0, description="wait after lowering D before judging again")
 
     @model_validator(mode="after")
     def _widening(self) -> "AcceptancePolicy":
@@ -90,68 +121,68 @@ class AcceptancePolicy(_Section):
 
 
 class DraftOverheadPolicy(_Section):
-    factor: float = Field(1.5, gt=1, description="draft time per verify time above baseline*factor is a breach")
-    window_slices: int = Field(5, ge=1)
-    consecutive: int = Field(5, ge=1)
+    factor: Factor = Field(1.5, description="draft time per verify time above baseline*factor is a breach")
+    window_slices: Slices = 5
+    consecutive: Consecutive = 5
 
 
 class SpeedupPolicy(_Section):
-    min_speedup: float = Field(1.0, gt=0, description="estimated speedup below this is no speedup")
-    window_slices: int = Field(10, ge=1)
-    consecutive: int = Field(5, ge=1)
-    min_baseline_requests: int = Field(5, ge=1)
+    min_speedup: Speedup = Field(1.0, description="estimated speedup below this is no speedup")
+    window_slices: Slices = 10
+    consecutive: Consecutive = 5
+    min_baseline_requests: Count = 5
 
 
 class LatencyPolicy(_Section):
-    window_slices: int = Field(60, ge=1)
-    consecutive: int = Field(3, ge=1)
-    min_requests: int = Field(200, ge=1)
-    p99_factor: float = Field(2.0, gt=1, description="p99 above learned baseline p99*factor breaches")
+    window_slices: Slices = 60
+    consecutive: Consecutive = 3
+    min_requests: Count = 200
+    p99_factor: Factor = Field(2.0, description="p99 above learned baseline p99*factor breaches")
     tail_share: float = Field(
         0.03, gt=0, lt=1, description="and at least this share of the window's requests must be above that "
                                       "limit: a p99 is a handful of requests, and a few stalled ones (KV "
                                       "preemption at peak load) must not switch a cohort off"
     )
-    min_tail_requests: int = Field(5, ge=1, description="and at least this many requests above the limit")
-    e2e_p99_slo_ms: float | None = Field(None, gt=0, description="absolute SLO; None = relative only")
-    tpot_p99_slo_ms: float | None = Field(None, gt=0)
-    evaluate_every_slices: int = Field(5, ge=1)
+    min_tail_requests: Count = Field(5, description="and at least this many requests above the limit")
+    e2e_p99_slo_ms: LatencyMs | None = Field(None, description="absolute SLO; None = relative only")
+    tpot_p99_slo_ms: LatencyMs | None = None
+    evaluate_every_slices: Slices = 5
 
 
 class KvPolicy(_Section):
     watermark: float = Field(0.92, gt=0, le=1)
-    consecutive: int = Field(3, ge=1)
+    consecutive: Consecutive = 3
 
 
 class ErrorPolicy(_Section):
-    window_slices: int = Field(60, ge=1)
-    consecutive: int = Field(3, ge=1)
-    factor: float = Field(10.0, gt=1, description="error rate above baseline*factor breaches")
-    floor_rate: float = Field(0.01, ge=0, le=1, description="never breach below this rate")
-    min_requests: int = Field(100, ge=1)
-    min_errors: int = Field(5, ge=1)
+    window_slices: Slices = 60
+    consecutive: Consecutive = 3
+    factor: Factor = Field(10.0, description="error rate above baseline*factor breaches")
+    floor_rate: Share = Field(0.01, description="never breach below this rate")
+    min_requests: Count = 100
+    min_errors: Count = 5
 
 
 class QualityPolicy(_Section):
-    strict_checks: list[str] = Field(
+    strict_checks: list[Name] = Field(
         default_factory=lambda: ["token_exact", "logprob_exact", "tool_call", "json_schema", "safety"],
         description="shadow checks whose single mismatch breaks the lossless contract",
     )
 
 
 class ActionPolicy(_Section):
-    cooldown_seconds: float = Field(300.0, ge=0, description="minimum time between decisions on one key")
-    min_draft_length: int = Field(1, ge=1)
-    alert_repeat_seconds: float = Field(600.0, ge=0)
-    restore_after_seconds: float | None = Field(
-        None, gt=0, description="auto-restore after this long disabled; None = manual restore only"
+    cooldown_seconds: Seconds = Field(300.0, description="minimum time between decisions on one key")
+    min_draft_length: int = Field(1, ge=1, le=64)
+    alert_repeat_seconds: Seconds = 600.0
+    restore_after_seconds: Duration | None = Field(
+        None, description="auto-restore after this long disabled; None = manual restore only"
     )
     restore_backoff: float = Field(
-        2.0, ge=1, description="each earlier disable of a scope multiplies its wait before a restore by this"
+        2.0, ge=1, le=100, description="each earlier disable of a scope multiplies its wait before a restore by this"
     )
-    restore_max_seconds: float = Field(86_400.0, gt=0, description="longest wait before a restore")
+    restore_max_seconds: Duration = Field(86_400.0, description="longest wait before a restore")
     restore_evidence_seconds: float = Field(
-        60.0, gt=0, description="clean standard-decoding evidence a restore needs, just before it"
+        60.0, gt=0, le=_DAY, description="clean standard-decoding evidence a restore needs, just before it"
     )
     restore_reasons: list[Reason] = Field(
         default_factory=lambda: ["acceptance_drop", "no_speedup", "latency_slo", "kv_pressure", "error_rate"],
@@ -181,31 +212,31 @@ class AdmissionPolicy(_Section):
     cohort_schedule: list[float] = Field(
         default_factory=lambda: [0.01, 0.05, 0.25, 1.0],
         description="canary traffic shares a bundle is promoted through; the last must be 1.0 (admitted)")
-    admitted_bundles: list[str] = Field(
+    admitted_bundles: list[Name] = Field(
         default_factory=list, description="bundle ids admitted before enforcement began (the running fleet)")
     auto_shadow: bool = Field(True, description="start a new strict-rule bundle in shadow by itself")
     shadow_share: float = Field(0.05, gt=0, le=1, description="share of traffic mirrored to the shadow cohort")
-    shadow_cohort: str = Field("shadow", min_length=1)
-    canary_cohort: str = Field("canary", min_length=1)
+    shadow_cohort: ScopeName = "shadow"
+    canary_cohort: ScopeName = "canary"
     window_requests: int = Field(
-        20, ge=2, description="finished requests in one judge window: equal counts on both sides, so that a "
+        20, ge=2, le=_MAX_COUNT, description="finished requests in one judge window: equal counts on both sides, so that a "
                               "window's p99 means the same for a 25% canary and a 5% baseline")
-    stage_seconds: float = Field(300.0, gt=0, description="least time a bundle spends at each stage")
+    stage_seconds: Duration = Field(300.0, description="least time a bundle spends at each stage")
     max_stage_seconds: float = Field(
-        21600.0, gt=0, description="a bundle judged this long at one stage without a pass is frozen as inconclusive")
-    min_windows: int = Field(8, ge=3, description="judge windows per bucket, on each side, before a verdict")
-    min_shadow_checks: int = Field(20, ge=0, description="strict shadow checks per bucket before leaving shadow")
+        21600.0, gt=0, le=12 * _MONTH, description="a bundle judged this long at one stage without a pass is frozen as inconclusive")
+    min_windows: int = Field(8, ge=3, le=_MAX_COUNT, description="judge windows per bucket, on each side, before a verdict")
+    min_shadow_checks: int = Field(20, ge=0, le=_MAX_COUNT, description="strict shadow checks per bucket before leaving shadow")
     confidence: float = Field(0.99, gt=0.5, lt=1, description="one-sided Mann-Whitney confidence for 'worse'")
     marginal_confidence: float = Field(
         0.95, gt=0.5, lt=1, description="below `confidence` but at least this: a canary past a limit waits")
     latency_tolerance: float = Field(
-        0.10, ge=0, description="a canary latency quantile may exceed the baseline's by this share")
-    min_tail_requests: int = Field(
-        5, ge=1, description="canary requests past a latency limit before that quantile can be held against it: "
+        0.10, ge=0, le=_MAX_FACTOR, description="a canary latency quantile may exceed the baseline's by this share")
+    min_tail_requests: Count = Field(
+        5, description="canary requests past a latency limit before that quantile can be held against it: "
                              "a p99 of a few hundred requests is a handful of them")
-    error_tolerance: float = Field(0.01, ge=0, description="canary error rate may exceed baseline by this much")
-    kv_tolerance: float = Field(0.05, ge=0, description="canary KV peak may exceed baseline by this much")
-    min_speedup: float = Field(1.0, gt=0, description="median estimated speedup a canary needs")
+    error_tolerance: Share = Field(0.01, description="canary error rate may exceed baseline by this much")
+    kv_tolerance: Share = Field(0.05, description="canary KV peak may exceed baseline by this much")
+    min_speedup: Speedup = Field(1.0, description="median estimated speedup a canary needs")
 
     @model_validator(mode="after")
     def _schedule(self) -> "AdmissionPolicy":
@@ -240,7 +271,7 @@ class Policy(_Section):
     ...
     """
 
-    baseline_cohort: str = Field("baseline", min_length=1)
+    baseline_cohort: ScopeName = "baseline"
     windows: WindowPolicy = WindowPolicy()
     baseline: BaselinePolicy = BaselinePolicy()
     acceptance: AcceptancePolicy = AcceptancePolicy()
@@ -289,7 +320,29 @@ def load_policy(path: str | Path | None) -> Policy:
     try:
         return Policy.model_validate(data)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in error.errors(include_url=False)
-        )
+        problems = "; ".join(_problem(e) for e in error.errors(include_url=False))
         raise PolicyError(f"policy file {path}: {problems}") from None
+
+
+def _problem(error: dict) -> str:
+    """One validation error as ``setting: what is wrong (got value)``, the value as TOML spells it.
+
+    >>> _problem({"loc": ("kv", "watermark"), "msg": "Input should be a valid number", "input": True})
+    'kv.watermark: Input should be a valid number (got true)'
+    >>> _problem({"loc": ("actions", "cooldown_seconds"), "msg": "Input should be a finite number",
+    ...           "input": float("inf")})
+    'actions.cooldown_seconds: Input should be a finite number (got inf)'
+    """
+    where = ".".join(str(p) for p in error["loc"]) or "(top)"
+    value = error.get("input")
+    if isinstance(value, bool):
+        shown = "true" if value else "false"
+    elif isinstance(value, float) and value != value:
+        shown = "nan"
+    elif isinstance(value, float) and value in (float("inf"), float("-inf")):
+        shown = "inf" if value > 0 else "-inf"
+    elif isinstance(value, (int, float, str)):
+        shown = repr(value)[:40]
+    else:
+        return f"{where}: {error['msg']}"
+    return f"{where}: {error['msg']} (got {shown})"

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 import sys
 
 from specwatch import __version__, commands
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "archive_problem"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +39,36 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    problem = archive_problem(args, os.environ)
+    if problem is not None:
+        print(f"specwatch {args.command}: {problem}", file=sys.stderr)
+        return 2
     return int(args.func(args) or 0)
+
+
+def archive_problem(args: argparse.Namespace, environ) -> str | None:
+    """Why the archive DSN a command was given cannot name an archive, or None.
+
+    Every command that takes ``--archive`` is checked here, the same way, before it starts
+    any work; ``$SPECWATCH_ARCHIVE`` is checked when it stands in for the option.
+    """
+    if not hasattr(args, "archive") or getattr(args, "no_archive", False):
+        return None
+    from specwatch.actions.archive import ARCHIVE_ENV, check_archive_dsn
+
+    if args.archive is not None:
+        dsn, origin = args.archive, "--archive"
+    else:
+        dsn, origin = environ.get(ARCHIVE_ENV) or None, f"${ARCHIVE_ENV}"
+        if dsn is None:
+            return None
+    try:
+        check_archive_dsn(dsn)
+    except ValueError as error:
+        if not dsn:
+            return f"{origin} is empty: give chdb:///abs/path, chdb://relative/path or http(s)://host[:port][/database]"
+        return f"{error} (from {origin})"
+    return None
 
 
 if __name__ == "__main__":

@@ -32,7 +32,34 @@ BAD_LINES = {
     "too_many_requests": [_step(1004, requests=[{"id": f"r{i}", "bucket": "b", "cohort": "c", "drafted": 1,
                                                   "accepted": 1} for i in range(5000)])],
     "not_an_object": ["[1, 2, 3]", "42"],
-    "unsupported_version": [_step(1005, v=2)],
+    "unsupported_version": [_step(1005, v=2), _step(1006, v=True), _step(1007, v=1.0)],
+    # the contract is JSON: a count is a JSON integer, a time a JSON number, a flag a JSON
+    # boolean; names hold no control characters, and no bucket or cohort can pass for a
+    # decision scope's wildcard or separator
+    "invalid_value": [
+        _step(1008, draft_ms=True), json.dumps({**json.loads(_step(1009)), "seq": 3.0}), _step(1010, kv_usage=False),
+        _step(1011, requests=[{"id": "r", "bucket": "b", "cohort": "c", "drafted": "4", "accepted": 3}]),
+        _step(1012, requests=[{"id": "r", "bucket": "*", "cohort": "c", "drafted": 4, "accepted": 3}]),
+        _step(1013, requests=[{"id": "r", "bucket": "b", "cohort": "*", "drafted": 4, "accepted": 3}]),
+        _step(1014, requests=[{"id": "r", "bucket": "a/b", "cohort": "c", "drafted": 4, "accepted": 3}]),
+        _step(1015, worker="w1\x1b[2J\x1b[H"), _step(1016, bundle_id="b1\n"),
+        _step(1017, requests=[{"id": "r\u202e", "bucket": "b", "cohort": "c", "drafted": 4, "accepted": 3}]),
+        _step(1018, requests=[{"id": "r", "bucket": "b\x07", "cohort": "c", "drafted": 4, "accepted": 3}]),
+        json.dumps({"kind": "request", "v": 1, "ts": 1.0, "worker": "w1", "bundle_id": "b1", "id": "r1",
+                    "bucket": "coding", "cohort": "main", "speculative": 1, "ttft_ms": 1.0, "tpot_ms": 1.0,
+                    "e2e_ms": 2.0, "output_tokens": 4, "finish_reason": "stop"}),
+        json.dumps({"kind": "request", "v": 1, "ts": 1.0, "worker": "w1", "bundle_id": "b1", "id": "r1",
+                    "bucket": "coding", "cohort": "main", "speculative": True, "ttft_ms": "1.0", "tpot_ms": 1.0,
+                    "e2e_ms": 2.0, "output_tokens": 4, "finish_reason": "stop"}),
+        json.dumps({"kind": "shadow", "v": 1, "ts": 1.0, "bundle_id": "b1", "id": "r1", "bucket": "*",
+                    "check": "token_exact", "match": False}),
+        json.dumps({"kind": "shadow", "v": 1, "ts": 1.0, "bundle_id": "b1", "id": "r1", "bucket": "coding",
+                    "check": "token_exact", "match": "false"}),
+        json.dumps({"kind": "bundle", "v": 1, "ts": 1.0, "worker": "w1", "bundle_id": "b1",
+                    "card": {**CARD, "drafter": {**CARD["drafter"], "draft_length": "4"}}}),
+        json.dumps({"kind": "bundle", "v": 1, "ts": 1.0, "worker": "w1", "bundle_id": "b1",
+                    "card": {**CARD, "target": {**CARD["target"], "revision": "r1\x1b]0;owned\x07"}}}),
+    ],
 }
 
 

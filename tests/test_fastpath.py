@@ -53,6 +53,11 @@ ODD_LINES = [
     '{"kind": "step", "v": 1, "ts": NaN}', '{"kind": "step", "ts": 1e999}', "", "   ", "\ufeff{}",
     '{"kind": "step", "v": 1, "ts": 123456789012345678901234567890}', '{"a": "\\ud800"}',
     json.dumps({"kind": "request", "v": 1, "ts": 1.0}),
+    _step(22, v=1.0), _step(23, worker="w\x1b[31m"), _step(24, bundle_id="b\u2028"), _step(25, worker="w\u00e9\u2764"),
+    _step(26, requests=[{"id": "r", "bucket": "*", "cohort": "c", "drafted": 2, "accepted": 1}]),
+    _step(27, requests=[{"id": "r", "bucket": "b", "cohort": "c/d", "drafted": 2, "accepted": 1}]),
+    _step(28, requests=[{"id": "r\x00", "bucket": "b", "cohort": "c", "drafted": 2, "accepted": 1}]),
+    _step(29, requests=[{"id": "r", "bucket": "**", "cohort": "c*", "drafted": 2, "accepted": 1}]),
 ]
 
 
@@ -86,6 +91,35 @@ def test_otlp_decodes_identically():
     assert steps > 100
     for bad in (b"\xff\xff not protobuf", b"", payload[:-3]):
         assert decode_request_fast(bad) == decode_request(bad)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("worker", "w\x1b[2J"), ("bundle_id", "b\u202e"), ("id", "r\x9b"), ("bucket", "*"), ("bucket", "a/b"),
+    ("cohort", "*"), ("cohort", "c\n"), ("bucket", "b\u00e9"), ("cohort", "**"), ("seq", 2.0), ("v", True),
+])
+def test_otlp_names_and_types_decode_identically(field, value):
+    """A name or type the reference rejects is never let through by the wire reader, in either layout."""
+    from specwatch.schemas import StepRecord
+    from specwatch.schemas.contract import RoundEntry
+
+    rounds = [RoundEntry.model_construct(id="r1", bucket="coding", cohort="main", drafted=4, accepted=3),
+              RoundEntry.model_construct(id="r2", bucket="chat", cohort="main", drafted=4, accepted=4)]
+    fields = dict(v=1, ts=10.0, worker="w1", seq=3, bundle_id="b1", draft_ms=1.0, verify_ms=9.0, kv_usage=0.5)
+    if field in fields:
+        fields[field] = value
+    else:
+        rounds[1] = rounds[1].model_copy(update={field: value})
+    step = StepRecord.model_construct(**fields, requests=rounds)
+    good = StepRecord.model_construct(**dict(fields, worker="w1", bundle_id="b1", seq=3, v=1), requests=rounds[:1])
+    payload = encode_records([good, step, good])
+    fast, reference = decode_request_fast(payload), decode_request(payload)
+    assert len(fast) == len(reference) == 3
+    for f, r in zip(fast, reference):
+        _same(f, r)
+    valid = value in ("b\u00e9", "**")
+    assert isinstance(reference[1], Rejection) is not valid
+    if not valid:
+        assert reference[1].reason == ("unsupported_version" if field == "v" else "invalid_value")
 
 
 @pytest.mark.parametrize("scenario", ["acceptance_drop", "demo"])

@@ -79,6 +79,8 @@ def _check_invariants(policy: Policy) -> None:
     assert 0 < policy.acceptance.tolerance < 1
     for value in (policy.baseline.learn_seconds, policy.actions.cooldown_seconds, policy.latency.p99_factor):
         assert math.isfinite(value)
+    assert policy.windows.slice_seconds >= 0.1 and policy.actions.cooldown_seconds <= 30 * 86_400
+    assert type(policy.acceptance.reduce_first) is bool and type(policy.acceptance.consecutive) is int
     # An accepted policy survives its own JSON form: what replay records is what ran.
     assert Policy.model_validate_json(policy.model_dump_json()) == policy
 
@@ -100,6 +102,9 @@ def test_the_readme_example_loads(policy_dir):
 @example(b"[baseline.pinned.coding]\nacceptance_length = -inf\n")
 @example(b"[actions]\nrestore_reasons = [\"nope\"]\n")
 @example(b"baseline_cohort = \"\"\n")
+@example(b"[windows]\nslice_seconds = 1e-9\n")
+@example(b"[actions]\ncooldown_seconds = 1e400\n")
+@example(b"[kv]\nwatermark = true\n")
 def test_any_file_content_loads_or_is_refused_with_the_file_named(policy_dir, content):
     _load(policy_dir, content)
 
@@ -167,3 +172,84 @@ def test_an_unreadable_or_missing_file_is_a_policy_error(tmp_path):
         load_policy(tmp_path / "missing.toml")
     with pytest.raises(PolicyError, match="cannot read policy file"):
         load_policy(tmp_path)  # a directory
+
+
+# -- every setting has sane bounds, and TOML types are not coerced ---------------------------------
+
+def _number_settings():
+    """(dotted setting, annotation) for every number or boolean setting, nested sections included."""
+    import typing
+
+    from pydantic import BaseModel
+
+    def walk(model, prefix):
+        for name, field in model.model_fields.items():
+            kinds = [a for a in typing.get_args(field.annotation) if a is not type(None)] or [field.annotation]
+            kind = kinds[0]
+            if typing.get_origin(kind) is typing.Annotated:  # `float | None` with bounds
+                kind = typing.get_args(kind)[0]
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                yield from walk(kind, f"{prefix}{name}.")
+            elif kind in (int, float, bool):
+                yield f"{prefix}{name}", kind
+    yield from walk(Policy, "")
+    from specwatch.schemas.policy import PinnedBaseline
+    yield from walk(PinnedBaseline, "baseline.pinned.coding.")
+
+
+def _toml(setting: str, value: str) -> bytes:
+    *sections, name = setting.split(".")
+    header = f"[{'.'.join(sections)}]\n" if sections else ""
+    return f"{header}{name} = {value}\n".encode()
+
+
+_NUMBER_SETTINGS = sorted(_number_settings())
+
+
+def test_the_audit_covers_every_section():
+    assert {s.split(".")[0] for s, _ in _NUMBER_SETTINGS} == {
+        "windows", "baseline", "acceptance", "draft_overhead", "speedup", "latency", "kv", "errors", "actions",
+        "admission"}
+    assert len(_NUMBER_SETTINGS) == 67
+
+
+@pytest.mark.parametrize("setting, kind", _NUMBER_SETTINGS)
+def test_no_setting_takes_the_wrong_toml_type_infinity_or_an_absurd_size(policy_dir, setting, kind):
+    wrong = ["1"] if kind is bool else ["true", "false", '"1"']
+    absurd = [] if kind is bool else ["1e400", "-1e400", "nan", "1e300" if kind is float else str(10 ** 18),
+                                      "-1e300" if kind is float else str(-10 ** 18)]
+    if kind is int:
+        wrong.append("2.0")
+    for value in wrong + absurd:
+        result = _load(policy_dir, _toml(setting, value))
+        assert isinstance(result, PolicyError), (setting, value)
+        assert f": {setting}: " in str(result), str(result)
+
+
+_IMPOSSIBLE = {
+    b"[windows]\nslice_seconds = 1e-9\n":
+        "windows.slice_seconds: Input should be greater than or equal to 0.1 (got 1e-09)",
+    b"[actions]\ncooldown_seconds = 1e400\n": "actions.cooldown_seconds: Input should be a finite number (got inf)",
+    b"[kv]\nwatermark = true\n": "kv.watermark: Input should be a valid number (got true)",
+    b"[acceptance]\nreduce_first = 1\n": "acceptance.reduce_first: Input should be a valid boolean (got 1)",
+    b"[acceptance]\nconsecutive = 3.0\n": "acceptance.consecutive: Input should be a valid integer (got 3.0)",
+    b'[baseline.pinned."*"]\nacceptance_length = 2.5\n':
+        "baseline.pinned.*.[key]: Value error, '*' cannot name a bucket or cohort: '*' means every one in "
+        "decision scopes, and '/' separates their parts (got '*')",
+    b'[admission]\ncanary_cohort = "canary\\u001b[0m"\n':
+        "admission.canary_cohort: Value error, 'canary\\x1b[0m' holds a control character, line separator or "
+        "bidirectional override (got 'canary\\x1b[0m')",
+}
+
+
+@pytest.mark.parametrize("content", list(_IMPOSSIBLE))
+def test_impossible_values_are_refused_with_the_setting_named(policy_dir, content):
+    result = _load(policy_dir, content)
+    assert isinstance(result, PolicyError)
+    assert str(result) == f"policy file {policy_dir / 'policy.toml'}: {_IMPOSSIBLE[content]}"
+
+
+def test_integers_stand_for_floats_and_the_bounds_admit_the_defaults(policy_dir):
+    policy = _load(policy_dir, b"[actions]\ncooldown_seconds = 30\n[windows]\nslice_seconds = 0.1\n")
+    assert isinstance(policy, Policy) and policy.actions.cooldown_seconds == 30.0
+    assert Policy.model_validate_json(Policy().model_dump_json()) == Policy()

@@ -26,6 +26,7 @@ from specwatch.schemas import (
     bundle_digest,
     encode_record,
 )
+from specwatch.schemas.contract import printable, scope_name_ok
 from specwatch.schemas.otlp import (
     MAX_REQUEST_BYTES,
     decode_request,
@@ -266,7 +267,8 @@ def test_unknown_attributes_are_ignored_and_time_falls_back_to_the_record_time()
     assert record == RECORDS["shadow"]
 
 
-_names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=200)
+_names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=200).filter(printable)
+_scope_names = _names.filter(scope_name_ok)
 _millis = st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False)
 
 
@@ -275,7 +277,7 @@ def _steps(draw):
     rounds = []
     for _ in range(draw(st.integers(0, 40))):
         drafted = draw(st.integers(0, 64))
-        rounds.append(RoundEntry(id=draw(_names), bucket=draw(_names), cohort=draw(_names), drafted=drafted,
+        rounds.append(RoundEntry(id=draw(_names), bucket=draw(_scope_names), cohort=draw(_scope_names), drafted=drafted,
                                  accepted=draw(st.integers(0, drafted))))
     return StepRecord(v=1, ts=draw(st.floats(0, 4e9)), worker=draw(_names), seq=draw(st.integers(0, 2**63 - 1)),
                       bundle_id=draw(_names), draft_ms=draw(_millis), verify_ms=draw(_millis),

@@ -310,7 +310,8 @@ def test_manual_stage_change_reaches_flag_clients(kafka_bootstrap, decisions_top
     dsn = f"chdb://{tmp_path}/archive"
     with Archive.open(dsn) as archive:
         archive.write_bundle("b-9", {"policy": {"acceptance_rule": "strict"}}, 1_767_225_600.0, "w1")
-    publish = ["--archive", dsn, "--by", "alice", "--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]
+    publish = ["--archive", dsn, "--by", "alice", "--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic,
+               "--unsigned"]  # this fleet's flag clients run without a key
     assert cli.main(["bundles", "promote", "b-9", "--reason", "shadow by hand", *publish]) == 0
     assert cli.main(["bundles", "freeze", "b-9", "--reason", "tail on the canary", *publish]) == 0
     with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic, keyring=Keyring()) as client:
@@ -335,9 +336,109 @@ def test_flags_list_from_the_decisions_topic_shows_what_the_fleet_follows(
         raw_producer.send(decisions_topic, key=decision.key.encode(), value=value,
                           headers=sign_line(value, keyring)).get(timeout=10)
     assert cli.main(["flags", "list", "--json", "--bootstrap", kafka_bootstrap,
-                     "--decisions-topic", decisions_topic]) == 0
+                     "--decisions-topic", decisions_topic]) == 3  # as `specwatch decisions` on a forgery
     captured = capsys.readouterr()
     rows = [json.loads(line) for line in captured.out.splitlines()]
     assert [(r["bundle_id"], r["bucket"], r["speculation"], r["decision_id"]) for r in rows] == [
         ("b-1", "coding", "off", good.id)]
     assert "1 forged" in captured.err
+
+
+# -- a manual change engines would ignore is never reported as a success ----------------------
+
+def test_an_empty_key_setting_is_an_error_not_insecure_mode(tmp_path):
+    for environ in ({"SPECWATCH_SIGNING_KEY": ""}, {"SPECWATCH_SIGNING_KEY_FILE": ""},
+                    {"SPECWATCH_SIGNING_KEY": "  "}, {"SPECWATCH_SIGNING_PREVIOUS_KEY": ""},
+                    {"SPECWATCH_SIGNING_KEY": "", "SPECWATCH_SIGNING_KEY_FILE": str(tmp_path / "k")}):
+        with pytest.raises(ValueError, match="is set but empty"):
+            Keyring.from_env(environ)
+    assert not Keyring.from_env({}).enabled  # unset: insecure mode, as before
+
+
+def _override(dsn: str, kafka_bootstrap: str, topic: str, *extra: str) -> list[str]:
+    return ["flags", "set", "--archive", dsn, "--bundle", "b-1", "--bucket", "coding", "--by", "alice",
+            "--off", "--reason", "p99 page", "--create", "--code", "latency_slo", "--bootstrap", kafka_bootstrap,
+            "--decisions-topic", topic, *extra]
+
+
+@pytest.mark.kafka
+def test_an_override_without_a_key_is_refused_before_anything_is_recorded(
+        kafka_bootstrap, decisions_topic, monkeypatch, tmp_path, capsys):
+    from specwatch import cli
+
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
+    dsn = f"chdb://{tmp_path}/archive"
+    assert cli.main(_override(dsn, kafka_bootstrap, decisions_topic)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specwatch: no signing key, so flag clients that hold one would ignore this change")
+    assert "--unsigned" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "archive").exists()  # nothing archived, nothing published
+
+    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", "")
+    assert cli.main(_override(dsn, kafka_bootstrap, decisions_topic)) == 2
+    assert capsys.readouterr().err == ("specwatch: SPECWATCH_SIGNING_KEY is set but empty: give it the key, or unset "
+                                       "it to run without signing\n")
+    assert cli.main(["flags", "list", "--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]) == 2
+    assert "is set but empty" in capsys.readouterr().err
+    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", "a key that is set, 33 bytes long")
+    assert cli.main(_override(dsn, kafka_bootstrap, decisions_topic, "--unsigned")) == 2
+    assert "--unsigned, but a signing key is configured" in capsys.readouterr().err
+    assert not (tmp_path / "archive").exists()
+
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY")
+    assert cli.main(_override(dsn, kafka_bootstrap, decisions_topic, "--unsigned")) == 0
+    assert "override set" in capsys.readouterr().out
+    with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic, keyring=Keyring()) as client:
+        assert client.wait_until_caught_up(30)
+        assert not client.lookup("b-1", "coding", "main").enabled
+        assert (client.stats().applied, client.stats().unsigned) == (1, 0)
+    with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic,
+                    keyring=Keyring.from_secrets(_KEY)) as client:  # what an engine with a key does
+        assert client.wait_until_caught_up(30)
+        assert client.lookup("b-1", "coding", "main").enabled
+        assert (client.stats().applied, client.stats().unsigned) == (0, 1)
+
+
+@pytest.mark.kafka
+def test_flags_list_exits_3_on_unsigned_messages_as_decisions_does(
+        kafka_bootstrap, decisions_topic, raw_producer, monkeypatch, capsys):
+    from specwatch import cli
+
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", _KEY.hex())
+    ring = Keyring.from_secrets(_KEY.hex())
+    good, unsigned = _decision(100.0), _decision(110.0, bucket="chat")
+    for decision, headers in ((good, sign_line), (unsigned, lambda value, ring: [])):
+        value = decision.to_json_line().encode()
+        raw_producer.send(decisions_topic, key=decision.key.encode(), value=value,
+                          headers=headers(value, ring)).get(timeout=10)
+    listing = ["--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]
+    assert cli.main(["flags", "list", *listing]) == 3
+    captured = capsys.readouterr()
+    assert "1 unsigned" in captured.err and "b-1" in captured.out and "chat" not in captured.out
+    assert cli.main(["decisions", "--bootstrap", kafka_bootstrap, "--topic", decisions_topic]) == 3
+    assert capsys.readouterr().out.splitlines() == [good.to_json_line()]
+
+
+@pytest.mark.parametrize("command", [["run", "--bootstrap", "127.0.0.1:9"], ["decisions", "--bootstrap", "127.0.0.1:9"]])
+def test_commands_refuse_an_empty_key_setting_before_any_work(monkeypatch, capsys, command):
+    from specwatch import cli
+
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", "")
+    assert cli.main(command) == 2
+    assert capsys.readouterr().err == (f"specwatch {command[0]}: SPECWATCH_SIGNING_KEY is set but empty: give it "
+                                       "the key, or unset it to run without signing\n")
+
+
+def test_a_stage_change_without_a_key_is_refused_before_the_archive_is_touched(monkeypatch, capsys, tmp_path):
+    from specwatch import cli
+
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
+    assert cli.main(["bundles", "promote", "b-9", "--by", "alice", "--reason", "shadow by hand",
+                     "--archive", f"chdb://{tmp_path}/archive", "--bootstrap", "127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err.startswith("specwatch: no signing key, so flag clients that hold one would "
+                                              "ignore this change")
+    assert not (tmp_path / "archive").exists()

@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from specwatch.commands.flags import add_publish_options, publish_manual
+from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
 from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
 
 __all__ = ["register", "next_stage"]
@@ -154,6 +154,9 @@ def _change(args: argparse.Namespace, target) -> int:
     except PolicyError as error:
         print(f"specwatch: {error}", file=sys.stderr)
         return _EXIT_USAGE
+    keyring = publish_keyring(args) if args.bootstrap else None
+    if args.bootstrap and keyring is None:
+        return _EXIT_USAGE
     archive = open_archive(args)
     if archive is None:
         return _EXIT_USAGE
@@ -175,7 +178,7 @@ def _change(args: argparse.Namespace, target) -> int:
         ts = max(time.time(), row["stage_since"] or 0.0)
         change_id = archive.write_manual_stage(args.bundle_id, stage, by, reason, ts, row["stage"], share, cohort)
     published = not args.bootstrap or publish_manual(args, stage_decision(
-        args.bundle_id, stage, share, cohort, by, reason, ts, change_id))
+        args.bundle_id, stage, share, cohort, by, reason, ts, change_id), keyring)
     if args.json:
         print_rows([{"change_id": change_id, "bundle_id": args.bundle_id, "stage": stage, "previous_stage":
                      row["stage"], "cohort_share": share, "by": by, "reason": reason, "ts": ts}], (), as_json=True)

@@ -214,11 +214,15 @@ def _run(args) -> int:
     archive = None
     dsn = None
     if not args.no_archive:
-        from specwatch.actions.archive import Archive
+        from specwatch.actions.archive import Archive, ArchiveError
 
         default = outdir / ("vllm/archive" if args.engine == "vllm" else "archive")
         dsn = args.archive or os.environ.get("SPECWATCH_ARCHIVE") or f"chdb://{default}"
-        archive = Archive.open(dsn)
+        try:
+            archive = Archive.open(dsn)
+        except (ArchiveError, ValueError) as error:
+            print(f"specwatch demo: {error}", file=sys.stderr)
+            return 2
     if args.engine == "vllm":
         try:
             return _run_vllm(args, outdir, policy if args.policy else None, archive, dsn)

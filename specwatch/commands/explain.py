@@ -6,7 +6,6 @@ Reads the archive (decision, audit evidence, samples); the page is self-containe
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 __all__ = ["register"]
 
@@ -27,6 +26,7 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from specwatch.actions.archive import Archive, ArchiveError
+    from specwatch.outputs import atomic_output
     from specwatch.postmortem import render_html, render_text
 
     try:
@@ -48,7 +48,8 @@ def _run(args) -> int:
         sys.stdout.write(page)
         return 0
     try:
-        Path(args.html).write_text(page, encoding="utf-8")
+        with atomic_output(args.html) as out:
+            out.write(page)
     except OSError as error:
         print(f"specwatch explain: cannot write {args.html}: {error.strerror or error}", file=sys.stderr)
         return 2

@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 
 from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
 
-__all__ = ["register", "OverrideChange", "add_publish_options", "override_decision", "publish_manual",
-           "record_override"]
+__all__ = ["register", "OverrideChange", "add_publish_options", "override_decision", "publish_keyring",
+           "publish_manual", "record_override"]
 
 _EXIT_NOT_FOUND = 1
 _EXIT_USAGE = 2
@@ -88,21 +88,50 @@ def override_decision(change: OverrideChange, code: str, automatic=None, overrid
 
 
 def add_publish_options(parser: argparse.ArgumentParser) -> None:
-    """``--bootstrap`` and ``--decisions-topic``: where a manual change is published."""
+    """``--bootstrap``, ``--decisions-topic`` and ``--unsigned``: where and how a manual change is published."""
     parser.add_argument("--bootstrap", metavar="HOST:PORT",
                         help="also publish the change, signed, on the decisions topic of this Kafka cluster")
     parser.add_argument("--decisions-topic", default="specwatch.decisions", metavar="TOPIC",
                         help="decisions topic to publish on (default: %(default)s)")
+    parser.add_argument("--unsigned", action="store_true",
+                        help="with --bootstrap and no signing key: publish unsigned, for a fleet whose flag "
+                             "clients run without a key (any client that holds one ignores the change)")
 
 
-def publish_manual(args: argparse.Namespace, decision) -> bool:
-    """Publish one decision, signed, and wait for the broker; False (and why, on stderr) if not."""
+def publish_keyring(args: argparse.Namespace):
+    """The `Keyring` a manual change is published with; None (and why, on stderr) when it must not be.
+
+    Without a key a change goes out unsigned, and every flag client that holds a key
+    ignores it: that is refused unless ``--unsigned`` says the fleet runs without keys.
+    Called before anything is recorded, so a refused change leaves no trace.
+    """
+    from specwatch.actions.signing import Keyring
+
+    try:
+        keyring = Keyring.from_env()
+    except ValueError as error:
+        print(f"specwatch: {error}", file=sys.stderr)
+        return None
+    if keyring.enabled and args.unsigned:
+        print("specwatch: --unsigned, but a signing key is configured; drop --unsigned to publish signed",
+              file=sys.stderr)
+        return None
+    if not keyring.enabled and not args.unsigned:
+        print("specwatch: no signing key, so flag clients that hold one would ignore this change; set "
+              "SPECWATCH_SIGNING_KEY_FILE (or SPECWATCH_SIGNING_KEY) to the fleet's key, or pass --unsigned "
+              "if its flag clients run without one", file=sys.stderr)
+        return None
+    return keyring
+
+
+def publish_manual(args: argparse.Namespace, decision, keyring) -> bool:
+    """Publish one decision, signed with ``keyring``, and wait for the broker; False (and why, on stderr) if not."""
     from specwatch.actions.decisions_topic import DecisionPublisher
     from specwatch.collectors.otel import KafkaConfig
 
     try:
         publisher = DecisionPublisher(KafkaConfig.from_env(args.bootstrap), topic=args.decisions_topic,
-                                      publisher_id=f"manual/{args.by.strip()}")
+                                      keyring=keyring, publisher_id=f"manual/{args.by.strip()}")
     except Exception as error:  # noqa: BLE001 - a bad address, an unreachable cluster, a bad key setting
         print(f"specwatch: cannot publish on {args.decisions_topic}: {error}", file=sys.stderr)
         return False
@@ -181,10 +210,12 @@ def register(subparsers) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
+    ignored = 0
     if args.bootstrap:
-        store = _fleet_store(args)
-        if store is None:
-            return _EXIT_NOT_PUBLISHED
+        found = _fleet_store(args)
+        if isinstance(found, int):
+            return found
+        store, ignored = found
         automatic = store.scopes()
     else:
         archive = open_archive(args)
@@ -208,12 +239,15 @@ def _list(args: argparse.Namespace) -> int:
             "decision_id": state.decision_id or None,
             "automatic": None if auto is None else ("on" if auto.enabled else "off"),
         })
+    # like `specwatch decisions`: messages flag clients ignore for their signature mean
+    # someone other than the key holders writes the topic
+    code = _EXIT_NOT_PUBLISHED if ignored else 0
     if args.json:
         print_rows(rows, (), as_json=True)
-        return 0
+        return code
     if not rows:
         print("speculation on everywhere: no decision or override in force")
-        return 0
+        return code
     for row in rows:
         row["source"] = f"manual by {row['by']}" if row["manual"] else (row["decision_id"] or "")
         if row["manual"] and row["automatic"]:
@@ -224,11 +258,12 @@ def _list(args: argparse.Namespace) -> int:
         ("cohort_share", "share", _opt), ("since", "since (UTC)", format_ts),
         ("reason", "reason", str), ("source", "source", str),
     ], as_json=False)
-    return 0
+    return code
 
 
 def _fleet_store(args: argparse.Namespace):
-    """The flag store a flag client builds from the decisions topic; None (and why) if unreachable."""
+    """(the flag store a flag client builds from the decisions topic, how many messages failed the
+    signature check), or the exit code (and why, on stderr) when the topic cannot be read."""
     from specwatch.actions.decisions_topic import FlagClient
     from specwatch.collectors.otel import KafkaConfig
 
@@ -236,19 +271,19 @@ def _fleet_store(args: argparse.Namespace):
         client = FlagClient(KafkaConfig.from_env(args.bootstrap), topic=args.decisions_topic, silence_seconds=None)
     except ValueError as error:
         print(f"specwatch: {error}", file=sys.stderr)
-        return None
+        return _EXIT_USAGE
     with client:
         if not client.wait_until_caught_up(_PUBLISH_TIMEOUT_S):
             print(f"specwatch: could not read {args.decisions_topic} at {args.bootstrap} within "
                   f"{_PUBLISH_TIMEOUT_S:.0f} s", file=sys.stderr)
-            return None
+            return _EXIT_NOT_PUBLISHED
         stats = client.stats()
         ignored = stats.forged + stats.unsigned + stats.replayed + stats.misrouted
         if ignored:
             print(f"specwatch: {ignored} message(s) on {args.decisions_topic} ignored as a flag client ignores "
-                  f"them ({stats.forged} forged, {stats.unsigned} unsigned, {stats.replayed} replayed, "
-                  f"{stats.misrouted} misrouted)", file=sys.stderr)
-        return client.store
+                  f"them ({stats.forged} forged or signed with an unknown key, {stats.unsigned} unsigned, "
+                  f"{stats.replayed} replayed, {stats.misrouted} misrouted)", file=sys.stderr)
+        return client.store, stats.forged + stats.unsigned
 
 
 def _set(args: argparse.Namespace) -> int:
@@ -260,6 +295,9 @@ def _set(args: argparse.Namespace) -> int:
         return _EXIT_USAGE
     if not _check_publish_args(args):
         return _EXIT_USAGE
+    keyring = publish_keyring(args) if args.bootstrap else None
+    if args.bootstrap and keyring is None:
+        return _EXIT_USAGE
     archive = open_archive(args, create=args.create)
     if archive is None:
         return _EXIT_USAGE
@@ -267,7 +305,8 @@ def _set(args: argparse.Namespace) -> int:
                             args.by.strip(), args.reason.strip(), time.time())
     with archive:
         override_id = record_override(archive, change)
-    published = not args.bootstrap or publish_manual(args, override_decision(change, args.code, override_id=override_id))
+    published = not args.bootstrap or publish_manual(
+        args, override_decision(change, args.code, override_id=override_id), keyring)
     _report(args, change, override_id, "set")
     return 0 if published else _EXIT_NOT_PUBLISHED
 
@@ -277,6 +316,9 @@ def _clear(args: argparse.Namespace) -> int:
         print("specwatch: --by must not be empty", file=sys.stderr)
         return _EXIT_USAGE
     if not _check_publish_args(args):
+        return _EXIT_USAGE
+    keyring = publish_keyring(args) if args.bootstrap else None
+    if args.bootstrap and keyring is None:
         return _EXIT_USAGE
     archive = open_archive(args)
     if archive is None:
@@ -294,7 +336,8 @@ def _clear(args: argparse.Namespace) -> int:
                                 max(time.time(), active["ts"]), cleared=True)
         override_id = record_override(archive, change)
         automatic = archive.flag_store(overrides=False).state(scope)
-    published = not args.bootstrap or publish_manual(args, override_decision(change, args.code, automatic, override_id))
+    published = not args.bootstrap or publish_manual(
+        args, override_decision(change, args.code, automatic, override_id), keyring)
     _report(args, change, override_id, "cleared")
     return 0 if published else _EXIT_NOT_PUBLISHED
 

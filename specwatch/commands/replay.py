@@ -13,13 +13,16 @@ from pathlib import Path
 
 __all__ = ["register", "replay_file"]
 
+_EXIT_NO_TELEMETRY = 1
+_EXIT_USAGE = 2
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "replay", help="replay contract-v1 JSON Lines and write the decisions",
         description="Replay contract-v1 telemetry (JSON Lines) through the detectors and write "
                     "the decisions as JSON Lines in event-time order.")
-    parser.add_argument("input", help="telemetry file (JSON Lines), or - for stdin")
+    parser.add_argument("input", help="telemetry file (JSON Lines, plain or gzipped), or - for stdin")
     parser.add_argument("--output", "-o", required=True, help="where to write decisions (JSON Lines), - for stdout")
     parser.add_argument("--policy", help="policy TOML file (defaults built in)")
     parser.add_argument("--archive", help="also archive decisions, evidence and samples to this DSN "
@@ -38,40 +41,69 @@ def replay_file(source, output, pipeline) -> dict:
     return pipeline.counters.as_dict()
 
 
+class _NotTelemetry(Exception):
+    """Lines were read and not one of them is a contract-v1 record."""
+
+
 def _run(args) -> int:
     # imported here: the detectors pull in river (and scipy), which every other
     # subcommand's start-up should not pay for
-    from specwatch.schemas import PolicyError, load_policy
+    import gzip
+
+    from specwatch.outputs import OutputClashError, atomic_output, check_not_an_input
+    from specwatch.schemas import PolicyError, load_policy, read_json_lines
     from specwatch.streams.fastpath import FastPipeline
 
+    try:
+        check_not_an_input(args.output, [args.input, args.policy])
+    except OutputClashError as error:
+        print(f"specwatch replay: {error}", file=sys.stderr)
+        return _EXIT_USAGE
     try:
         policy = load_policy(args.policy)
     except PolicyError as error:
         print(f"specwatch replay: {error}", file=sys.stderr)
-        return 2
+        return _EXIT_USAGE
     sinks = []
     archive = None
     if args.archive:
         from specwatch.actions.handlers import ArchiveSink
-        from specwatch.actions.archive import Archive
+        from specwatch.actions.archive import Archive, ArchiveError
 
-        archive = Archive.open(args.archive)
+        try:
+            archive = Archive.open(args.archive)
+        except (ArchiveError, ValueError) as error:
+            print(f"specwatch replay: {error}", file=sys.stderr)
+            return _EXIT_USAGE
         sinks.append(ArchiveSink(archive))
     # same decisions as EmbeddedPipeline (tests/test_fastpath.py), without pydantic per step
     pipeline = FastPipeline(policy, sinks=sinks)
-    with contextlib.ExitStack() as stack:
-        try:
+    try:
+        with contextlib.ExitStack() as stack:
             source = sys.stdin.buffer if args.input == "-" else stack.enter_context(open(args.input, "rb"))
-            out = sys.stdout if args.output == "-" else stack.enter_context(
-                open(args.output, "w", encoding="utf-8"))
-        except OSError as error:
-            print(f"specwatch replay: {error.filename}: {error.strerror}", file=sys.stderr)
-            return 2
-        summary = replay_file(source, out, pipeline)
-    if archive is not None:
+            out = stack.enter_context(atomic_output(args.output, inputs=[args.input, args.policy]))
+            summary = replay_file(read_json_lines(source), out, pipeline)
+            if summary["records"] == 0 and summary["rejected"]:
+                raise _NotTelemetry  # leaves any earlier output file as it was
+    except OSError as error:
+        print(f"specwatch replay: {error.filename or args.output}: {error.strerror or error}", file=sys.stderr)
+        return _EXIT_USAGE
+    except (gzip.BadGzipFile, EOFError) as error:
+        print(f"specwatch replay: {args.input} is a damaged gzip file ({error or 'it ends early'}) after "
+              f"{pipeline.counters.lines} lines; nothing was written to {args.output}", file=sys.stderr)
+        return _EXIT_NO_TELEMETRY
+    except _NotTelemetry:
+        counters = pipeline.counters.as_dict()
+        reasons = ", ".join(f"{count} {reason}" for reason, count in counters["rejected_by_reason"].items())
+        print(f"specwatch replay: {args.input} is not JSON Lines telemetry: none of its {counters['lines']} lines "
+              f"is a contract-v1 record ({reasons}); give one JSON object per line, plain or gzipped; "
+              f"nothing was written to {args.output}", file=sys.stderr)
+        return _EXIT_NO_TELEMETRY
+    finally:
         for sink in sinks:
             sink.close()
-        archive.close()
+        if archive is not None:
+            archive.close()
     summary["output"] = args.output
     if args.json:
         print(json.dumps(summary, sort_keys=True), file=sys.stderr if args.output == "-" else sys.stdout)

@@ -90,6 +90,9 @@ def _run(args) -> int:
         return _fail(str(error))
     security: dict = {}
     try:
+        from specwatch.actions.signing import Keyring
+
+        Keyring.from_env()  # an empty, weak or unreadable key setting stops here, before any topic is touched
         settings = StreamSettings(
             bootstrap=args.bootstrap,
             telemetry_topics=tuple(args.telemetry_topic or (DEFAULT_TELEMETRY_TOPIC,)),

@@ -15,7 +15,6 @@ import socket
 import sys
 import time
 from collections import Counter
-from contextlib import nullcontext
 from typing import Iterable, TextIO
 
 __all__ = ["register", "build_simulator", "write_json_lines", "send", "send_to_kafka", "send_otlp", "summary_line"]
@@ -187,9 +186,11 @@ def run(args: argparse.Namespace) -> int:
         return _run_kafka(args, simulator)
     if args.otlp is not None:
         return _run_otlp(args, simulator)
+    from specwatch.outputs import atomic_output
+
     to_stdout = args.output == "-"
     try:
-        with (nullcontext(sys.stdout) if to_stdout else open(args.output, "w", encoding="utf-8")) as stream:
+        with atomic_output(args.output) as stream:
             counts = write_json_lines(simulator.records(), stream)
     except OSError as error:
         print(f"specwatch simulate: error: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
