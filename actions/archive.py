@@ -6,6 +6,7 @@ The pipeline writes it, `specwatch query`, `specwatch flags` and postmortems rea
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import itertools
@@ -362,16 +363,22 @@ class _ChdbClients:
                 return self._client
             import clickhouse_connect  # heavy; only archive users pay for it
 
+            # Both asked first: the engine would print its own error straight to stderr.
+            holder = _chdb_holder(path)
+            if holder:
+                raise ArchiveError(_in_use(path, holder))
+            try:
+                os.close(os.open(os.path.join(path, "status"), os.O_WRONLY | os.O_CREAT, 0o644))
+            except OSError as exc:
+                raise ArchiveError(f"the chDB archive at {path} cannot be written: "
+                                   f"{exc.strerror or exc} ({exc.filename})") from exc
             try:
                 client = clickhouse_connect.get_client(interface="chdb", path=path)
             except Exception as exc:
                 holder = _chdb_holder(path)
                 if holder:
                     # chDB's own message here is an empty "Error initializing EmbeddedServer".
-                    raise ArchiveError(
-                        f"the chDB archive at {path} is in use by process {holder}: a chDB "
-                        "directory opens in one process at a time (use a ClickHouse server DSN "
-                        "to read while the pipeline writes)") from exc
+                    raise ArchiveError(_in_use(path, holder)) from exc
                 raise ArchiveError(f"cannot open the chDB archive at {path}: {exc}") from exc
             self._path, self._client, self._users = path, client, 1
             return client
@@ -386,11 +393,24 @@ class _ChdbClients:
                 client.close()
 
 
+def _in_use(path: str, holder: str) -> str:
+    return (f"the chDB archive at {path} is in use by process {holder}: a chDB directory opens in one "
+            "process at a time (use a ClickHouse server DSN to read while the pipeline writes)")
+
+
 def _chdb_holder(path: str) -> str | None:
-    """The pid another running engine wrote into the directory's lock file, if any."""
+    """The pid of another running engine that holds the directory's lock file, if any."""
     try:
         with open(os.path.join(path, "status"), encoding="utf-8", errors="replace") as status:
             text = status.read(4096)
+            try:  # the engine holds an exclusive flock on it while it runs
+                fcntl.flock(status.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(status.fileno(), fcntl.LOCK_UN)
+                return None
+            except BlockingIOError:
+                pass
+            except OSError:
+                pass  # no flock here: the pid alone has to tell
     except OSError:
         return None
     found = re.search(r"PID:\s*(\d+)", text)
@@ -490,8 +510,11 @@ class Archive:
                     host=location.host, port=location.port, username=username, password=password,
                     secure=location.secure)
             except Exception as exc:
-                # The driver's message names host and user, never the password.
-                raise ArchiveError(f"cannot connect to the archive at {location.label}: {exc}") from exc
+                # The driver's message names host and user, never the password; the socket's own
+                # reason ("[Errno 111] Connection refused") says it in one line when it is there.
+                reason = re.search(r"\[Errno -?\d+\][^'\")]*", str(exc))
+                raise ArchiveError(f"cannot connect to the archive at {location.label}: "
+                                   f"{reason.group(0).strip() if reason else exc}") from exc
             release = client.close
         archive = cls(client, location.database, sample_text)
         archive._label = location.label

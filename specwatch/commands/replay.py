@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
-from pathlib import Path
 
 
 __all__ = ["register", "replay_file"]
+
+# The decisions are written, but some archive rows reached neither the archive nor its spool.
+_EXIT_ARCHIVE_ROWS_LOST = 3
 
 
 def register(subparsers) -> None:
@@ -23,7 +26,8 @@ def register(subparsers) -> None:
     parser.add_argument("--output", "-o", required=True, help="where to write decisions (JSON Lines), - for stdout")
     parser.add_argument("--policy", help="policy TOML file (defaults built in)")
     parser.add_argument("--archive", help="also archive decisions, evidence and samples to this DSN "
-                                          "(e.g. chdb://specwatch-data/archive)")
+                                          "(e.g. chdb://specwatch-data/archive); when it is unreachable "
+                                          "the rows spool to local disk and the run still exits 0")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.set_defaults(func=_run)
 
@@ -49,17 +53,21 @@ def _run(args) -> int:
     except PolicyError as error:
         print(f"specwatch replay: {error}", file=sys.stderr)
         return 2
-    sinks = []
-    archive = None
+    sink = None
     if args.archive:
         from specwatch.actions.handlers import ArchiveSink
-        from specwatch.actions.archive import Archive
 
-        archive = Archive.open(args.archive)
-        sinks.append(ArchiveSink(archive))
+        # Opens the archive when it can, spools when it cannot: the decisions never wait on it.
+        try:
+            sink = ArchiveSink.open(args.archive, outage_log_level=logging.INFO)
+        except ValueError as error:
+            print(f"specwatch replay: {error}", file=sys.stderr)
+            return 2
     # same decisions as EmbeddedPipeline (tests/test_fastpath.py), without pydantic per step
-    pipeline = FastPipeline(policy, sinks=sinks)
+    pipeline = FastPipeline(policy, sinks=[sink] if sink is not None else [])
     with contextlib.ExitStack() as stack:
+        if sink is not None:
+            stack.callback(sink.close)
         try:
             source = sys.stdin.buffer if args.input == "-" else stack.enter_context(open(args.input, "rb"))
             out = sys.stdout if args.output == "-" else stack.enter_context(
@@ -68,11 +76,12 @@ def _run(args) -> int:
             print(f"specwatch replay: {error.filename}: {error.strerror}", file=sys.stderr)
             return 2
         summary = replay_file(source, out, pipeline)
-    if archive is not None:
-        for sink in sinks:
-            sink.close()
-        archive.close()
+    note = sink.delivery_note() if sink is not None else None
+    if note:
+        print(f"specwatch replay: {note}", file=sys.stderr)
     summary["output"] = args.output
+    if sink is not None:
+        summary["archive"] = sink.stats()
     if args.json:
         print(json.dumps(summary, sort_keys=True), file=sys.stderr if args.output == "-" else sys.stdout)
     else:
@@ -84,4 +93,4 @@ def _run(args) -> int:
         if summary["late_records"]:
             print(f"late records folded forward: {summary['late_records']}", file=stream)
         print(f"decisions: {summary['decisions']} -> {args.output}", file=stream)
-    return 0
+    return _EXIT_ARCHIVE_ROWS_LOST if sink is not None and sink.stats()["dropped_entries"] else 0
