@@ -38,6 +38,9 @@ __all__ = [
     "Archive",
     "ArchiveError",
     "ArchiveNotFoundError",
+    "ArchiveQueryLimit",
+    "DEFAULT_SQL_MAX_ROWS",
+    "DEFAULT_SQL_MAX_SECONDS",
     "ArchiveWriter",
     "archive_dsn",
 ]
@@ -69,6 +72,11 @@ _INSERT_SETTINGS = {"optimize_on_insert": 0}
 # `_read_only_statement` refuses early and also covers what readonly lets through
 # (INTO OUTFILE writes files, several statements in one string).
 _SQL_SETTINGS = {"readonly": 1}
+# Ad-hoc SQL is bounded by the engine: a runaway scan stops with a message, not a kill -9.
+DEFAULT_SQL_MAX_SECONDS = 30.0
+DEFAULT_SQL_MAX_ROWS = 100_000
+# ClickHouse error codes that mean "a limit of ours was hit", and which limit.
+_LIMIT_CODES = {159: "max_execution_time", 396: "max_result_rows"}
 _READ_ONLY_KEYWORDS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC")
 _SAMPLE_KINDS = ("request", "step", "shadow")
 
@@ -252,6 +260,17 @@ class ArchiveError(RuntimeError):
 
 class ArchiveNotFoundError(ArchiveError):
     """No archive at that DSN (and the caller did not ask to create one)."""
+
+
+class ArchiveQueryLimit(ArchiveError):
+    """An ad-hoc query hit one of its limits: ``setting`` (``max_execution_time`` or
+    ``max_result_rows``) at ``limit``."""
+
+    def __init__(self, setting: str, limit: float) -> None:
+        what = f"ran longer than {limit:g} s" if setting == "max_execution_time" else f"returns more than {limit:g} rows"
+        super().__init__(f"query stopped: it {what} ({setting})")
+        self.setting = setting
+        self.limit = limit
 
 
 def archive_dsn(environ: Mapping[str, str] | None = None) -> str:
@@ -751,6 +770,14 @@ class Archive:
             row["card"] = json.loads(row["card"])
         return rows
 
+    def knows_bundle(self, bundle_id: str) -> bool:
+        """Whether anything in the archive names this bundle: a sighting, window stats or a decision."""
+        tables = ("bundles", "window_stats", "decisions")
+        found = self._select("SELECT " + " OR ".join(
+            f"(SELECT count() FROM {self._db}.{table} WHERE bundle_id = {{id:String}}) > 0" for table in tables)
+            + " AS known", {"id": bundle_id})
+        return bool(found[0]["known"])
+
     def stage_history(self, bundle_id: str | None = None) -> list[dict]:
         """Admission stage changes in time order (``detail`` parsed): what changed a stage, when, why."""
         where, params = _filters(bundle_id=bundle_id)
@@ -826,21 +853,40 @@ class Archive:
                                     change["detail"].get("cohort"), change["cohort_share"])
         return store
 
-    def sql(self, statement: str) -> tuple[list[str], list[tuple]]:
+    def sql(self, statement: str, max_seconds: float = DEFAULT_SQL_MAX_SECONDS,
+            max_rows: int = DEFAULT_SQL_MAX_ROWS) -> tuple[list[str], list[tuple]]:
         """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows).
 
-        Anything else raises ValueError before it reaches the engine, which runs it
-        with ``readonly=1`` as well; an engine error raises `ArchiveError`.
+        Names without a database resolve in the archive's database (``SHOW TABLES`` lists
+        the archive's tables). Anything but a read raises ValueError before it reaches the
+        engine, which runs it with ``readonly=1`` as well. The engine stops the statement
+        after ``max_seconds`` or past ``max_rows`` result rows (`ArchiveQueryLimit`); any
+        other engine error raises `ArchiveError`. An empty result may have no column names.
         """
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
+        if not max_seconds > 0 or not math.isfinite(max_seconds):
+            raise ValueError(f"max_seconds must be a positive number of seconds, not {max_seconds!r}")
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be a positive whole number, not {max_rows!r}")
         statement = _read_only_statement(statement)
+        limits = {"max_execution_time": max_seconds, "max_result_rows": max_rows}
+        settings = dict(_SQL_SETTINGS, result_overflow_mode="throw", **limits)
         try:
             with self._lock:
-                result = self._client.query(statement, settings=_SQL_SETTINGS)
+                current = getattr(self._client, "database", None)
+                self._client.database = self._db
+                try:
+                    result = self._client.query(statement, settings=settings)
+                finally:
+                    self._client.database = current
         except ClickHouseError as exc:
             # The engine's first line says what is wrong; the rest is its stack trace.
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            code = re.search(r"Code: (\d+)", message)
+            setting = _LIMIT_CODES.get(int(code.group(1))) if code else None
+            if setting is not None:
+                raise ArchiveQueryLimit(setting, limits[setting]) from exc
             raise ArchiveError(f"query failed: {message}") from exc
         return list(result.column_names), list(result.result_rows)
 
