@@ -177,6 +177,14 @@ _TABLES: dict[str, str] = {
         workers SimpleAggregateFunction(groupUniqArrayArray, Array(String))
     ) ENGINE = AggregatingMergeTree
     ORDER BY bundle_id""",
+    # Every worker's span of running a bundle; rewritten as it grows (min/max keep it whole).
+    "bundle_sightings": """
+        bundle_id String,
+        worker String,
+        first_seen SimpleAggregateFunction(min, Float64),
+        last_seen SimpleAggregateFunction(max, Float64)
+    ) ENGINE = AggregatingMergeTree
+    ORDER BY (bundle_id, worker)""",
     "overrides": """
         override_id String,
         ts Float64,
@@ -234,6 +242,9 @@ _SAMPLE_SCHEMA = pa.schema([
 _BUNDLE_SCHEMA = pa.schema([
     ("bundle_id", _STR), ("card", _STR), ("first_seen", _F64), ("last_seen", _F64),
     ("workers", pa.list_(_STR)),
+])
+_SIGHTING_SCHEMA = pa.schema([
+    ("bundle_id", _STR), ("worker", _STR), ("first_seen", _F64), ("last_seen", _F64),
 ])
 _OVERRIDE_SCHEMA = pa.schema([
     ("override_id", _STR), ("ts", _F64), ("bundle_id", _STR), ("bucket", _STR), ("cohort", _STR),
@@ -628,11 +639,30 @@ class Archive:
 
     def write_bundle(self, bundle_id: str, card: Mapping[str, Any] | Any, ts: float,
                      worker: str) -> None:
-        """Record a sighting of a bundle: its card, and first/last seen times and workers."""
+        """Record a bundle's card, seen on ``worker`` at ``ts`` (a sighting too)."""
         _require_text(bundle_id, "bundle_id")
         ts = _finite(ts, "ts")
         self._insert("bundles", _BUNDLE_SCHEMA,
                      [[bundle_id], [_json(card)], [ts], [ts], [[worker] if worker else []]])
+        if worker:
+            self.write_sightings([{"bundle_id": bundle_id, "worker": worker, "first_seen": ts, "last_seen": ts}])
+
+    def write_sightings(self, sightings: Sequence[Mapping[str, Any]]) -> int:
+        """Record spans of workers running bundles (``bundle_id``, ``worker``, ``first_seen``,
+        ``last_seen``); returns how many. A span written again, or grown, keeps its earliest
+        first and latest last sighting."""
+        columns: list[list[Any]] = [[], [], [], []]
+        for row in sightings:
+            _require_text(row["bundle_id"], "bundle_id")
+            _require_text(row["worker"], "worker")
+            first, last = _finite(row["first_seen"], "first_seen"), _finite(row["last_seen"], "last_seen")
+            if first > last:
+                raise ValueError(f"sighting of {row['bundle_id']} on {row['worker']}: first_seen {first} "
+                                 f"is after last_seen {last}")
+            _append(columns, (row["bundle_id"], row["worker"], first, last))
+        if columns[0]:
+            self._insert("bundle_sightings", _SIGHTING_SCHEMA, columns)
+        return len(columns[0])
 
     def write_override(self, scope: tuple[str, str | None, str | None], enabled: bool,
                        draft_limit: int | None, by: str, reason: str, ts: float,
@@ -761,14 +791,34 @@ class Archive:
         return rows
 
     def bundles(self) -> list[dict]:
-        """Every bundle seen: card, first/last seen and the workers that ran it."""
-        rows = self._select(
+        """Every bundle seen: card, first/last seen and the workers that ran it, and each
+        worker's own span under ``sightings`` (``worker``, ``first_seen``, ``last_seen``)."""
+        cards = self._select(
             "SELECT bundle_id, any(card) AS card, min(first_seen) AS first_seen, "
             "max(last_seen) AS last_seen, arraySort(groupUniqArrayArray(workers)) AS workers "
-            f"FROM {self._db}.bundles GROUP BY bundle_id ORDER BY first_seen, bundle_id")
-        for row in rows:
+            f"FROM {self._db}.bundles GROUP BY bundle_id")
+        # An archive written before per-worker sightings has only the card table.
+        spans = self._select(
+            "SELECT bundle_id, worker, min(first_seen) AS first_seen, max(last_seen) AS last_seen "
+            f"FROM {self._db}.bundle_sightings GROUP BY bundle_id, worker ORDER BY bundle_id, worker"
+        ) if self._select(f"EXISTS TABLE {self._db}.bundle_sightings")[0]["result"] else []
+        by_bundle: dict[str, dict] = {}
+        for row in cards:
             row["card"] = json.loads(row["card"])
-        return rows
+            row["sightings"] = []
+            by_bundle[row["bundle_id"]] = row
+        for span in spans:
+            # A bundle seen only in steps so far (its card not yet archived) is listed without one.
+            row = by_bundle.setdefault(span["bundle_id"], {
+                "bundle_id": span["bundle_id"], "card": None, "first_seen": span["first_seen"],
+                "last_seen": span["last_seen"], "workers": [], "sightings": []})
+            row["sightings"].append({"worker": span["worker"], "first_seen": span["first_seen"],
+                                     "last_seen": span["last_seen"]})
+            row["first_seen"] = min(row["first_seen"], span["first_seen"])
+            row["last_seen"] = max(row["last_seen"], span["last_seen"])
+            if span["worker"] not in row["workers"]:
+                row["workers"] = sorted([*row["workers"], span["worker"]])
+        return sorted(by_bundle.values(), key=lambda row: (row["first_seen"], row["bundle_id"]))
 
     def knows_bundle(self, bundle_id: str) -> bool:
         """Whether anything in the archive names this bundle: a sighting, window stats or a decision."""
@@ -797,7 +847,8 @@ class Archive:
             latest[change["bundle_id"]] = change
         rows = self.bundles()
         seen = {row["bundle_id"] for row in rows}
-        rows += [{"bundle_id": b, "card": None, "first_seen": c["ts"], "last_seen": c["ts"], "workers": []}
+        rows += [{"bundle_id": b, "card": None, "first_seen": c["ts"], "last_seen": c["ts"], "workers": [],
+                  "sightings": []}
                  for b, c in latest.items() if b not in seen]
         for row in rows:
             change = latest.get(row["bundle_id"])

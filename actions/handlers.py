@@ -1,7 +1,7 @@
 """Action handlers: what happens to each final slice's decisions beyond the flag store.
 
 The archive handler writes decisions with their audit evidence and samples, window
-statistics for timelines, and every bundle card seen. When the archive fails, it spools
+statistics for timelines, every bundle card seen, and each worker's span of running a bundle. When the archive fails, it spools
 everything to local disk and replays it, oldest first, once the archive takes writes again.
 """
 
@@ -123,6 +123,10 @@ class ArchiveSink:
         self.window_batch = window_batch
         self._sample_text = getattr(archive, "sample_text", sample_text) if opener is None else sample_text
         self._rows: list[dict] = []
+        # (bundle_id, worker) -> [first, last] seen, in memory; spans that grew since they were
+        # last written go out with the next batch of window rows, new ones at once.
+        self._spans: dict[tuple[str, str], list[float]] = {}
+        self._grown: set[tuple[str, str]] = set()
         self._clock = clock
         self._first_backoff = retry_backoff_s
         self._max_backoff = max_retry_backoff_s
@@ -161,6 +165,7 @@ class ArchiveSink:
             self._put({"k": "bundle", "bundle_id": bundle["bundle_id"], "card": bundle["card"],
                        "ts": bundle["ts"], "worker": bundle["worker"]},
                       lambda a, b=bundle: a.write_bundle(b["bundle_id"], b["card"], b["ts"], b["worker"]))
+        self._sighted(output.sightings)
         for action in output.actions:
             self._put(self._decision_entry(action.decision, action.audit, action.samples),
                       lambda a, x=action: a.write_decision(x.decision, x.audit, x.samples))
@@ -237,6 +242,29 @@ class ArchiveSink:
         if self._rows:
             rows, self._rows = self._rows, []
             self._put({"k": "windows", "rows": rows}, lambda a: a.write_window_stats(rows))
+        self._write_spans(self._grown)
+
+    def _sighted(self, sightings) -> None:
+        new = set()
+        for event in sightings:
+            pair = (event["bundle_id"], event["worker"])
+            span = self._spans.get(pair)
+            if span is None:
+                self._spans[pair] = [event["first_seen"], event["ts"]]
+                new.add(pair)
+                continue
+            if event["first_seen"] < span[0] or event["ts"] > span[1]:
+                span[0], span[1] = min(span[0], event["first_seen"]), max(span[1], event["ts"])
+                self._grown.add(pair)
+        self._write_spans(new)
+
+    def _write_spans(self, pairs: set[tuple[str, str]]) -> None:
+        if not pairs:
+            return
+        rows = [{"bundle_id": b, "worker": w, "first_seen": self._spans[(b, w)][0], "last_seen": self._spans[(b, w)][1]}
+                for b, w in sorted(pairs)]
+        self._grown -= pairs
+        self._put({"k": "sightings", "rows": rows}, lambda a: a.write_sightings(rows))
 
     def _decision_entry(self, decision: Decision, audit: Mapping[str, Any] | None, samples) -> dict:
         records = []
@@ -310,13 +338,16 @@ class ArchiveSink:
         return True
 
     def _write_entries(self, entries: list[dict]) -> None:
-        """One spool segment into the archive: window stats, bundles, decisions, then stage changes."""
+        """One spool segment into the archive: window stats, bundles and sightings, decisions, then stage changes."""
         rows = [row for e in entries if e.get("k") == "windows" for row in e["rows"]]
         if rows:
             self.archive.write_window_stats(rows)
         for e in entries:
             if e.get("k") == "bundle":
                 self.archive.write_bundle(e["bundle_id"], e["card"], e["ts"], e["worker"])
+        sightings = [row for e in entries if e.get("k") == "sightings" for row in e["rows"]]
+        if sightings:
+            self.archive.write_sightings(sightings)
         decisions = [(Decision.model_validate_json(e["line"]), e.get("audit"), e.get("samples") or [])
                      for e in entries if e.get("k") == "decision"]
         if decisions:
@@ -324,7 +355,7 @@ class ArchiveSink:
         stages = [change for e in entries if e.get("k") == "stages" for change in e["changes"]]
         if stages:
             self.archive.write_stage_changes(stages)
-        unknown = {e.get("k") for e in entries} - {"windows", "bundle", "decision", "stages"}
+        unknown = {e.get("k") for e in entries} - {"windows", "bundle", "sightings", "decision", "stages"}
         if unknown:
             raise ValueError(f"spool entries of unknown kinds {sorted(map(str, unknown))}")
 

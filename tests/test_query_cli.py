@@ -177,7 +177,9 @@ def test_bundles(capsys, dsn):
     code, out, _ = cli(capsys, "query", "bundles", "--json", "--archive", dsn)
     assert code == 0
     assert json_lines(out) == [{"bundle_id": "b-1", "card": CARD, "first_seen": _T0, "last_seen": _T0 + 190,
-                                "workers": ["w1", "w2"]}]
+                                "workers": ["w1", "w2"],
+                                "sightings": [{"worker": "w1", "first_seen": _T0, "last_seen": _T0},
+                                              {"worker": "w2", "first_seen": _T0 + 190, "last_seen": _T0 + 190}]}]
     code, out, _ = cli(capsys, "query", "bundles", "--archive", dsn)
     assert "b-1" in out and "eagle3@e1 D=4" in out
 
