@@ -228,7 +228,7 @@ class ArchiveSink:
                     else f"the archive {self._label()} was unreachable ({why})")
             parts.append(f"warning: {away}; {stats['spool_pending_bytes']} bytes of archive rows wait in the spool "
                          f"{self.spool.directory} and go to the archive at the next run that reaches it, "
-                         "or with `specwatch archive flush`")
+                         f"or with `specwatch archive flush --archive {self._label()}`")
         if stats["dropped_entries"]:
             parts.append(f"error: {stats['dropped_entries']} archive entries ({stats['dropped_rows']} rows) were LOST: "
                          f"the spool {self.spool.directory} could not take them")

@@ -18,6 +18,7 @@ from pathlib import Path
 from test_archive_outage import _unwritable
 
 from specwatch.actions.archive import Archive
+from specwatch.actions.handlers import spool_dir_for
 from specwatch.collectors.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 
@@ -77,6 +78,10 @@ def _archived_once(dsn: str) -> list[str]:
     return [row[0] for row in lines]
 
 
+def _spool_of(tmp_path: Path, dsn: str) -> Path:
+    return spool_dir_for(dsn, {"SPECWATCH_ARCHIVE_SPOOL": str(tmp_path / "spool")})
+
+
 def _spooled(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "spool").glob("*/spool-*.log"))
 
@@ -98,7 +103,8 @@ def test_a_chdb_archive_held_by_another_process_costs_no_decision(tmp_path):
     assert done.returncode == 0
     assert (tmp_path / "decisions.jsonl").read_text().splitlines() == expected
     warning = _one_warning(done.stderr)
-    assert f"in use by process {holder.pid}" in warning and str(tmp_path / "spool") in warning
+    assert f"(the chDB archive at {path} is in use by process {holder.pid}: " in warning
+    assert f" bytes of archive rows wait in the spool {_spool_of(tmp_path, dsn)} and go to " in warning
     assert _spooled(tmp_path)
 
     # The holder is gone: the next run delivers the spool by itself, and its own rows, once each.
@@ -147,7 +153,10 @@ def test_an_http_archive_nobody_listens_on_costs_no_decision(tmp_path):
     assert done.returncode == 0
     assert (tmp_path / "decisions.jsonl").read_text().splitlines() == expected
     warning = _one_warning(done.stderr)
-    assert f"cannot connect to the archive at {dsn}: [Errno 111] Connection refused" in warning
+    assert warning.startswith(f"specwatch replay: warning: the archive was unreachable (cannot connect to the "
+                              f"archive at {dsn}: [Errno 111] Connection refused); ")
+    assert warning.endswith(f" bytes of archive rows wait in the spool {_spool_of(tmp_path, dsn)} and go to the "
+                            f"archive at the next run that reaches it, or with `specwatch archive flush --archive {dsn}`")
     segments = _spooled(tmp_path)
     assert len(segments) == 1
     # What waits is every decision, with its samples redacted as the archive would keep them.
