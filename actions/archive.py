@@ -988,9 +988,9 @@ class ArchiveWriter:
     Rows are checked and converted when written, so a bad row fails at its source
     and never poisons a later flush. Automatic flushes (on a write or `flush_if_due`)
     log a failure, keep the rows and retry after `max_delay`; `flush()` and `close()`
-    raise it. Bundles, overrides and rejection counts are rare and go straight
-    through. `flush()` writes window stats before decisions, so the slices around a
-    decision are archived by the time the decision is.
+    raise it. Bundles, sightings, overrides and rejection counts are rare and go
+    straight through. `flush()` writes window stats before decisions, so the slices
+    around a decision are archived by the time the decision is.
     """
 
     def __init__(self, archive: Archive, *, max_rows: int = _DEFAULT_WRITER_MAX_ROWS,
@@ -1046,6 +1046,9 @@ class ArchiveWriter:
 
     def write_bundle(self, bundle_id: str, card: Mapping[str, Any] | Any, ts: float, worker: str) -> None:
         self.archive.write_bundle(bundle_id, card, ts, worker)
+
+    def write_sightings(self, sightings: Sequence[Mapping[str, Any]]) -> int:
+        return self.archive.write_sightings(sightings)
 
     def write_stage_changes(self, changes: Iterable[Any]) -> int:
         # Rare (a few per bundle): straight through, after the decisions they name.
