@@ -1,8 +1,9 @@
 """Action handlers: what happens to each final slice's decisions beyond the flag store.
 
 The archive handler writes decisions with their audit evidence and samples, window
-statistics for timelines, every bundle card seen, and each worker's span of running a bundle. When the archive fails, it spools
-everything to local disk and replays it, oldest first, once the archive takes writes again.
+statistics for timelines, every bundle card seen, and each worker's span of running a bundle.
+When the archive fails, it spools everything to local disk and replays it, oldest first,
+once the archive takes writes again.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class ArchiveSink:
     outage_log_level
         Level of the log lines about an outage and the spool. A one-shot command that
         prints `delivery_note()` itself passes ``logging.INFO`` to keep them out of its output.
+    archive_label
+        How messages name an archive opened later by ``archive`` (never with credentials).
     """
 
     def __init__(self, archive: Any, window_batch: int = _DEFAULT_WINDOW_BATCH, *,
@@ -261,8 +264,8 @@ class ArchiveSink:
     def _write_spans(self, pairs: set[tuple[str, str]]) -> None:
         if not pairs:
             return
-        rows = [{"bundle_id": b, "worker": w, "first_seen": self._spans[(b, w)][0], "last_seen": self._spans[(b, w)][1]}
-                for b, w in sorted(pairs)]
+        rows = [{"bundle_id": bundle_id, "worker": worker, "first_seen": first, "last_seen": last}
+                for (bundle_id, worker), (first, last) in ((pair, self._spans[pair]) for pair in sorted(pairs))]
         self._grown -= pairs
         self._put({"k": "sightings", "rows": rows}, lambda a: a.write_sightings(rows))
 
@@ -324,7 +327,8 @@ class ArchiveSink:
             return
         self._backoff = self._first_backoff
         if self._outage or replayed:
-            _LOG.log(self._outage_log_level, "the archive %s takes writes again: %d spooled entries replayed", self._label(), replayed)
+            _LOG.log(self._outage_log_level, "the archive %s takes writes again: %d spooled entries replayed",
+                     self._label(), replayed)
         self._outage = False
 
     def _try_open(self) -> bool:

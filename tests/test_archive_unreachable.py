@@ -156,7 +156,8 @@ def test_an_http_archive_nobody_listens_on_costs_no_decision(tmp_path):
     assert warning.startswith(f"specwatch replay: warning: the archive was unreachable (cannot connect to the "
                               f"archive at {dsn}: [Errno 111] Connection refused); ")
     assert warning.endswith(f" bytes of archive rows wait in the spool {_spool_of(tmp_path, dsn)} and go to the "
-                            f"archive at the next run that reaches it, or with `specwatch archive flush --archive {dsn}`")
+                            "archive at the next run that reaches it, or with "
+                            f"`specwatch archive flush --archive {dsn}`")
     segments = _spooled(tmp_path)
     assert len(segments) == 1
     # What waits is every decision, with its samples redacted as the archive would keep them.
