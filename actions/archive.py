@@ -6,6 +6,7 @@ The pipeline writes it, `specwatch query`, `specwatch flags` and postmortems rea
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import itertools
@@ -37,6 +38,9 @@ __all__ = [
     "Archive",
     "ArchiveError",
     "ArchiveNotFoundError",
+    "ArchiveQueryLimit",
+    "DEFAULT_SQL_MAX_ROWS",
+    "DEFAULT_SQL_MAX_SECONDS",
     "ArchiveWriter",
     "archive_dsn",
     "check_archive_dsn",
@@ -69,6 +73,11 @@ _INSERT_SETTINGS = {"optimize_on_insert": 0}
 # `_read_only_statement` refuses early and also covers what readonly lets through
 # (INTO OUTFILE writes files, several statements in one string).
 _SQL_SETTINGS = {"readonly": 1}
+# Ad-hoc SQL is bounded by the engine: a runaway scan stops with a message, not a kill -9.
+DEFAULT_SQL_MAX_SECONDS = 30.0
+DEFAULT_SQL_MAX_ROWS = 100_000
+# ClickHouse error codes that mean "a limit of ours was hit", and which limit.
+_LIMIT_CODES = {159: "max_execution_time", 396: "max_result_rows"}
 _READ_ONLY_KEYWORDS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC")
 _SAMPLE_KINDS = ("request", "step", "shadow")
 
@@ -169,6 +178,14 @@ _TABLES: dict[str, str] = {
         workers SimpleAggregateFunction(groupUniqArrayArray, Array(String))
     ) ENGINE = AggregatingMergeTree
     ORDER BY bundle_id""",
+    # Every worker's span of running a bundle; rewritten as it grows (min/max keep it whole).
+    "bundle_sightings": """
+        bundle_id String,
+        worker String,
+        first_seen SimpleAggregateFunction(min, Float64),
+        last_seen SimpleAggregateFunction(max, Float64)
+    ) ENGINE = AggregatingMergeTree
+    ORDER BY (bundle_id, worker)""",
     "overrides": """
         override_id String,
         ts Float64,
@@ -227,6 +244,9 @@ _BUNDLE_SCHEMA = pa.schema([
     ("bundle_id", _STR), ("card", _STR), ("first_seen", _F64), ("last_seen", _F64),
     ("workers", pa.list_(_STR)),
 ])
+_SIGHTING_SCHEMA = pa.schema([
+    ("bundle_id", _STR), ("worker", _STR), ("first_seen", _F64), ("last_seen", _F64),
+])
 _OVERRIDE_SCHEMA = pa.schema([
     ("override_id", _STR), ("ts", _F64), ("bundle_id", _STR), ("bucket", _STR), ("cohort", _STR),
     ("enabled", pa.bool_()), ("draft_limit", pa.uint16()), ("by", _STR), ("reason", _STR),
@@ -252,6 +272,17 @@ class ArchiveError(RuntimeError):
 
 class ArchiveNotFoundError(ArchiveError):
     """No archive at that DSN (and the caller did not ask to create one)."""
+
+
+class ArchiveQueryLimit(ArchiveError):
+    """An ad-hoc query hit one of its limits: ``setting`` (``max_execution_time`` or
+    ``max_result_rows``) at ``limit``."""
+
+    def __init__(self, setting: str, limit: float) -> None:
+        what = f"ran longer than {limit:g} s" if setting == "max_execution_time" else f"returns more than {limit:g} rows"
+        super().__init__(f"query stopped: it {what} ({setting})")
+        self.setting = setting
+        self.limit = limit
 
 
 def archive_dsn(environ: Mapping[str, str] | None = None) -> str:
@@ -382,16 +413,22 @@ class _ChdbClients:
                 return self._client
             import clickhouse_connect  # heavy; only archive users pay for it
 
+            # Both asked first: the engine would print its own error straight to stderr.
+            holder = _chdb_holder(path)
+            if holder:
+                raise ArchiveError(_in_use(path, holder))
+            try:
+                os.close(os.open(os.path.join(path, "status"), os.O_WRONLY | os.O_CREAT, 0o644))
+            except OSError as exc:
+                raise ArchiveError(f"the chDB archive at {path} cannot be written: "
+                                   f"{exc.strerror or exc} ({exc.filename})") from exc
             try:
                 client = clickhouse_connect.get_client(interface="chdb", path=path)
             except Exception as exc:
                 holder = _chdb_holder(path)
                 if holder:
                     # chDB's own message here is an empty "Error initializing EmbeddedServer".
-                    raise ArchiveError(
-                        f"the chDB archive at {path} is in use by process {holder}: a chDB "
-                        "directory opens in one process at a time (use a ClickHouse server DSN "
-                        "to read while the pipeline writes)") from exc
+                    raise ArchiveError(_in_use(path, holder)) from exc
                 raise ArchiveError(f"cannot open the chDB archive at {path}: {exc}") from exc
             self._path, self._client, self._users = path, client, 1
             return client
@@ -406,11 +443,24 @@ class _ChdbClients:
                 client.close()
 
 
+def _in_use(path: str, holder: str) -> str:
+    return (f"the chDB archive at {path} is in use by process {holder}: a chDB directory opens in one "
+            "process at a time (use a ClickHouse server DSN to read while the pipeline writes)")
+
+
 def _chdb_holder(path: str) -> str | None:
-    """The pid another running engine wrote into the directory's lock file, if any."""
+    """The pid of another running engine that holds the directory's lock file, if any."""
     try:
         with open(os.path.join(path, "status"), encoding="utf-8", errors="replace") as status:
             text = status.read(4096)
+            try:  # the engine holds an exclusive flock on it while it runs
+                fcntl.flock(status.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(status.fileno(), fcntl.LOCK_UN)
+                return None
+            except BlockingIOError:
+                pass
+            except OSError:
+                pass  # no flock here: the pid alone has to tell
     except OSError:
         return None
     found = re.search(r"PID:\s*(\d+)", text)
@@ -510,8 +560,11 @@ class Archive:
                     host=location.host, port=location.port, username=username, password=password,
                     secure=location.secure)
             except Exception as exc:
-                # The driver's message names host and user, never the password.
-                raise ArchiveError(f"cannot connect to the archive at {location.label}: {exc}") from exc
+                # The driver's message names host and user, never the password; the socket's own
+                # reason ("[Errno 111] Connection refused") says it in one line when it is there.
+                reason = re.search(r"\[Errno -?\d+\][^'\")]*", str(exc))
+                raise ArchiveError(f"cannot connect to the archive at {location.label}: "
+                                   f"{reason.group(0).strip() if reason else exc}") from exc
             release = client.close
         archive = cls(client, location.database, sample_text)
         archive._label = location.label
@@ -606,11 +659,30 @@ class Archive:
 
     def write_bundle(self, bundle_id: str, card: Mapping[str, Any] | Any, ts: float,
                      worker: str) -> None:
-        """Record a sighting of a bundle: its card, and first/last seen times and workers."""
+        """Record a bundle's card, seen on ``worker`` at ``ts`` (a sighting too)."""
         _require_text(bundle_id, "bundle_id")
         ts = _finite(ts, "ts")
         self._insert("bundles", _BUNDLE_SCHEMA,
                      [[bundle_id], [_json(card)], [ts], [ts], [[worker] if worker else []]])
+        if worker:
+            self.write_sightings([{"bundle_id": bundle_id, "worker": worker, "first_seen": ts, "last_seen": ts}])
+
+    def write_sightings(self, sightings: Sequence[Mapping[str, Any]]) -> int:
+        """Record spans of workers running bundles (``bundle_id``, ``worker``, ``first_seen``,
+        ``last_seen``); returns how many. A span written again, or grown, keeps its earliest
+        first and latest last sighting."""
+        columns: list[list[Any]] = [[], [], [], []]
+        for row in sightings:
+            _require_text(row["bundle_id"], "bundle_id")
+            _require_text(row["worker"], "worker")
+            first, last = _finite(row["first_seen"], "first_seen"), _finite(row["last_seen"], "last_seen")
+            if first > last:
+                raise ValueError(f"sighting of {row['bundle_id']} on {row['worker']}: first_seen {first} "
+                                 f"is after last_seen {last}")
+            _append(columns, (row["bundle_id"], row["worker"], first, last))
+        if columns[0]:
+            self._insert("bundle_sightings", _SIGHTING_SCHEMA, columns)
+        return len(columns[0])
 
     def write_override(self, scope: tuple[str, str | None, str | None], enabled: bool,
                        draft_limit: int | None, by: str, reason: str, ts: float,
@@ -739,14 +811,42 @@ class Archive:
         return rows
 
     def bundles(self) -> list[dict]:
-        """Every bundle seen: card, first/last seen and the workers that ran it."""
-        rows = self._select(
+        """Every bundle seen: card, first/last seen and the workers that ran it, and each
+        worker's own span under ``sightings`` (``worker``, ``first_seen``, ``last_seen``)."""
+        cards = self._select(
             "SELECT bundle_id, any(card) AS card, min(first_seen) AS first_seen, "
             "max(last_seen) AS last_seen, arraySort(groupUniqArrayArray(workers)) AS workers "
-            f"FROM {self._db}.bundles GROUP BY bundle_id ORDER BY first_seen, bundle_id")
-        for row in rows:
+            f"FROM {self._db}.bundles GROUP BY bundle_id")
+        # An archive written before per-worker sightings has only the card table.
+        spans = self._select(
+            "SELECT bundle_id, worker, min(first_seen) AS first_seen, max(last_seen) AS last_seen "
+            f"FROM {self._db}.bundle_sightings GROUP BY bundle_id, worker ORDER BY bundle_id, worker"
+        ) if self._select(f"EXISTS TABLE {self._db}.bundle_sightings")[0]["result"] else []
+        by_bundle: dict[str, dict] = {}
+        for row in cards:
             row["card"] = json.loads(row["card"])
-        return rows
+            row["sightings"] = []
+            by_bundle[row["bundle_id"]] = row
+        for span in spans:
+            # A bundle seen only in steps so far (its card not yet archived) is listed without one.
+            row = by_bundle.setdefault(span["bundle_id"], {
+                "bundle_id": span["bundle_id"], "card": None, "first_seen": span["first_seen"],
+                "last_seen": span["last_seen"], "workers": [], "sightings": []})
+            row["sightings"].append({"worker": span["worker"], "first_seen": span["first_seen"],
+                                     "last_seen": span["last_seen"]})
+            row["first_seen"] = min(row["first_seen"], span["first_seen"])
+            row["last_seen"] = max(row["last_seen"], span["last_seen"])
+            if span["worker"] not in row["workers"]:
+                row["workers"] = sorted([*row["workers"], span["worker"]])
+        return sorted(by_bundle.values(), key=lambda row: (row["first_seen"], row["bundle_id"]))
+
+    def knows_bundle(self, bundle_id: str) -> bool:
+        """Whether anything in the archive names this bundle: a sighting, window stats or a decision."""
+        tables = ("bundles", "window_stats", "decisions")
+        found = self._select("SELECT " + " OR ".join(
+            f"(SELECT count() FROM {self._db}.{table} WHERE bundle_id = {{id:String}}) > 0" for table in tables)
+            + " AS known", {"id": bundle_id})
+        return bool(found[0]["known"])
 
     def stage_history(self, bundle_id: str | None = None) -> list[dict]:
         """Admission stage changes in time order (``detail`` parsed): what changed a stage, when, why."""
@@ -767,7 +867,8 @@ class Archive:
             latest[change["bundle_id"]] = change
         rows = self.bundles()
         seen = {row["bundle_id"] for row in rows}
-        rows += [{"bundle_id": b, "card": None, "first_seen": c["ts"], "last_seen": c["ts"], "workers": []}
+        rows += [{"bundle_id": b, "card": None, "first_seen": c["ts"], "last_seen": c["ts"], "workers": [],
+                  "sightings": []}
                  for b, c in latest.items() if b not in seen]
         for row in rows:
             change = latest.get(row["bundle_id"])
@@ -823,21 +924,40 @@ class Archive:
                                     change["detail"].get("cohort"), change["cohort_share"])
         return store
 
-    def sql(self, statement: str) -> tuple[list[str], list[tuple]]:
+    def sql(self, statement: str, max_seconds: float = DEFAULT_SQL_MAX_SECONDS,
+            max_rows: int = DEFAULT_SQL_MAX_ROWS) -> tuple[list[str], list[tuple]]:
         """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows).
 
-        Anything else raises ValueError before it reaches the engine, which runs it
-        with ``readonly=1`` as well; an engine error raises `ArchiveError`.
+        Names without a database resolve in the archive's database (``SHOW TABLES`` lists
+        the archive's tables). Anything but a read raises ValueError before it reaches the
+        engine, which runs it with ``readonly=1`` as well. The engine stops the statement
+        after ``max_seconds`` or past ``max_rows`` result rows (`ArchiveQueryLimit`); any
+        other engine error raises `ArchiveError`. An empty result may have no column names.
         """
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
+        if not max_seconds > 0 or not math.isfinite(max_seconds):
+            raise ValueError(f"max_seconds must be a positive number of seconds, not {max_seconds!r}")
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be a positive whole number, not {max_rows!r}")
         statement = _read_only_statement(statement)
+        limits = {"max_execution_time": max_seconds, "max_result_rows": max_rows}
+        settings = dict(_SQL_SETTINGS, result_overflow_mode="throw", **limits)
         try:
             with self._lock:
-                result = self._client.query(statement, settings=_SQL_SETTINGS)
+                current = getattr(self._client, "database", None)
+                self._client.database = self._db
+                try:
+                    result = self._client.query(statement, settings=settings)
+                finally:
+                    self._client.database = current
         except ClickHouseError as exc:
             # The engine's first line says what is wrong; the rest is its stack trace.
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            code = re.search(r"Code: (\d+)", message)
+            setting = _LIMIT_CODES.get(int(code.group(1))) if code else None
+            if setting is not None:
+                raise ArchiveQueryLimit(setting, limits[setting]) from exc
             raise ArchiveError(f"query failed: {message}") from exc
         return list(result.column_names), list(result.result_rows)
 
@@ -888,9 +1008,9 @@ class ArchiveWriter:
     Rows are checked and converted when written, so a bad row fails at its source
     and never poisons a later flush. Automatic flushes (on a write or `flush_if_due`)
     log a failure, keep the rows and retry after `max_delay`; `flush()` and `close()`
-    raise it. Bundles, overrides and rejection counts are rare and go straight
-    through. `flush()` writes window stats before decisions, so the slices around a
-    decision are archived by the time the decision is.
+    raise it. Bundles, sightings, overrides and rejection counts are rare and go
+    straight through. `flush()` writes window stats before decisions, so the slices
+    around a decision are archived by the time the decision is.
     """
 
     def __init__(self, archive: Archive, *, max_rows: int = _DEFAULT_WRITER_MAX_ROWS,
@@ -946,6 +1066,9 @@ class ArchiveWriter:
 
     def write_bundle(self, bundle_id: str, card: Mapping[str, Any] | Any, ts: float, worker: str) -> None:
         self.archive.write_bundle(bundle_id, card, ts, worker)
+
+    def write_sightings(self, sightings: Sequence[Mapping[str, Any]]) -> int:
+        return self.archive.write_sightings(sightings)
 
     def write_stage_changes(self, changes: Iterable[Any]) -> int:
         # Rare (a few per bundle): straight through, after the decisions they name.

@@ -1,8 +1,9 @@
 """Action handlers: what happens to each final slice's decisions beyond the flag store.
 
 The archive handler writes decisions with their audit evidence and samples, window
-statistics for timelines, and every bundle card seen. When the archive fails, it spools
-everything to local disk and replays it, oldest first, once the archive takes writes again.
+statistics for timelines, every bundle card seen, and each worker's span of running a bundle.
+When the archive fails, it spools everything to local disk and replays it, oldest first,
+once the archive takes writes again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specwatch.schemas import Decision
 from specwatch.schemas.redaction import redact_record
 from specwatch.streams.topology import SliceOutput
 
-__all__ = ["ARCHIVE_SPOOL_ENV", "ArchiveSink", "default_spool_dir"]
+__all__ = ["ARCHIVE_SPOOL_ENV", "ArchiveSink", "default_spool_dir", "spool_dir_for"]
 
 _LOG = logging.getLogger(__name__)
 # Window rows arrive one per key per slice; inserting them in large batches is what
@@ -42,6 +43,19 @@ def default_spool_dir(archive_label: str, environ: Mapping[str, str] | None = No
     environ = os.environ if environ is None else environ
     base = Path(environ.get(ARCHIVE_SPOOL_ENV) or _DEFAULT_SPOOL_BASE).expanduser()
     return base / ("a-" + hashlib.sha256(archive_label.encode("utf-8")).hexdigest()[:16])
+
+
+def spool_dir_for(dsn: str | None = None, environ: Mapping[str, str] | None = None) -> Path:
+    """The spool directory of the archive at ``dsn`` (default: `archive_dsn`); ValueError for a bad DSN.
+
+    >>> env = {"SPECWATCH_ARCHIVE_SPOOL": "/var/spool/specwatch"}
+    >>> spool_dir_for("chdb:///srv/a", env) == default_spool_dir("chdb:///srv/a", env)
+    True
+    """
+    from specwatch.actions.archive import _parse_dsn, archive_dsn
+
+    environ = os.environ if environ is None else environ
+    return default_spool_dir(_parse_dsn(dsn or archive_dsn(environ))[0].label, environ)
 
 
 def _is_data_error(error: BaseException) -> bool:
@@ -80,13 +94,19 @@ class ArchiveSink:
         First and longest wait between replay attempts.
     clock
         Monotonic clock, passed in so tests can drive the backoff.
+    outage_log_level
+        Level of the log lines about an outage and the spool. A one-shot command that
+        prints `delivery_note()` itself passes ``logging.INFO`` to keep them out of its output.
+    archive_label
+        How messages name an archive opened later by ``archive`` (never with credentials).
     """
 
     def __init__(self, archive: Any, window_batch: int = _DEFAULT_WINDOW_BATCH, *,
                  spool: Spool | str | os.PathLike | None = None, sample_text: str = "hashes",
                  retry_backoff_s: float = _DEFAULT_RETRY_BACKOFF_S,
                  max_retry_backoff_s: float = _DEFAULT_MAX_RETRY_BACKOFF_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 outage_log_level: int = logging.WARNING, archive_label: str | None = None) -> None:
         if window_batch < 1:
             raise ValueError(f"window_batch must be at least 1, got {window_batch}")
         if not 0 < retry_backoff_s <= max_retry_backoff_s:
@@ -106,6 +126,10 @@ class ArchiveSink:
         self.window_batch = window_batch
         self._sample_text = getattr(archive, "sample_text", sample_text) if opener is None else sample_text
         self._rows: list[dict] = []
+        # (bundle_id, worker) -> [first, last] seen, in memory; spans that grew since they were
+        # last written go out with the next batch of window rows, new ones at once.
+        self._spans: dict[tuple[str, str], list[float]] = {}
+        self._grown: set[tuple[str, str]] = set()
         self._clock = clock
         self._first_backoff = retry_backoff_s
         self._max_backoff = max_retry_backoff_s
@@ -115,7 +139,10 @@ class ArchiveSink:
         self.decisions_written = 0
         self._written = self._spooled = self._dropped = self._dropped_rows = self._outages = 0
         self._failed_replays = 0
-        self._archive_label = getattr(archive, "label", None) if opener is None else None
+        self._outage_log_level = outage_log_level
+        self._first_error: str | None = None
+        self._pending_at_start = 0 if self.spool.empty else self.spool.pending_bytes
+        self._archive_label = getattr(archive, "label", None) if opener is None else archive_label
         if opener is not None:
             self._try_open()
 
@@ -130,11 +157,9 @@ class ArchiveSink:
         dsn = dsn or archive_dsn(environ)
         label = _parse_dsn(dsn)[0].label  # checks the DSN now; never holds the password
         sample_text = settings.pop("sample_text", None) or environ.get("SPECWATCH_ARCHIVE_SAMPLE_TEXT") or "hashes"
-        sink = cls(lambda: Archive.open(dsn, environ=environ, sample_text=sample_text),
+        return cls(lambda: Archive.open(dsn, environ=environ, sample_text=sample_text),
                    spool=spool if spool is not None else default_spool_dir(label, environ),
-                   sample_text=sample_text, **settings)
-        sink._archive_label = label
-        return sink
+                   sample_text=sample_text, archive_label=label, **settings)
 
     # -- the handler -----------------------------------------------------------------------
     def __call__(self, output: SliceOutput) -> None:
@@ -143,6 +168,7 @@ class ArchiveSink:
             self._put({"k": "bundle", "bundle_id": bundle["bundle_id"], "card": bundle["card"],
                        "ts": bundle["ts"], "worker": bundle["worker"]},
                       lambda a, b=bundle: a.write_bundle(b["bundle_id"], b["card"], b["ts"], b["worker"]))
+        self._sighted(output.sightings)
         for action in output.actions:
             self._put(self._decision_entry(action.decision, action.audit, action.samples),
                       lambda a, x=action: a.write_decision(x.decision, x.audit, x.samples))
@@ -172,8 +198,8 @@ class ArchiveSink:
         if not self.spool.empty:
             self.retry()
         if not self.spool.empty:
-            _LOG.warning("%d bytes of archive rows stay in the spool %s; they are replayed when a sink for "
-                         "this archive starts again", self.spool.pending_bytes, self.spool.directory)
+            _LOG.log(self._outage_log_level, "%d bytes of archive rows stay in the spool %s; they are replayed "
+                     "when a sink for this archive starts again", self.spool.pending_bytes, self.spool.directory)
         self.spool.close()
         if self._owned and self.archive is not None:
             self.archive.close()
@@ -190,11 +216,58 @@ class ArchiveSink:
                 "replayed": spool.replayed, "spool_pending_bytes": spool.pending_bytes,
                 "spool_corrupt": spool.corrupt, "spool_quarantined": spool.quarantined}
 
+    def delivery_note(self) -> str | None:
+        """One line on what did not go straight to the archive, for a command to print after
+        `close`; None when everything did.
+
+        Says where rows wait when the archive was away, how many were lost when the spool
+        could not take them, and what an earlier run's spool delivered.
+        """
+        stats = self.stats()
+        parts = []
+        if stats["spool_pending_bytes"]:
+            why = self._first_error or "it refused writes"
+            away = (f"the archive was unreachable ({why})" if self._label() in why
+                    else f"the archive {self._label()} was unreachable ({why})")
+            parts.append(f"warning: {away}; {stats['spool_pending_bytes']} bytes of archive rows wait in the spool "
+                         f"{self.spool.directory} and go to the archive at the next run that reaches it, "
+                         f"or with `specwatch archive flush --archive {self._label()}`")
+        if stats["dropped_entries"]:
+            parts.append(f"error: {stats['dropped_entries']} archive entries ({stats['dropped_rows']} rows) were LOST: "
+                         f"the spool {self.spool.directory} could not take them")
+        if stats["replayed"] and not stats["spool_pending_bytes"]:
+            earlier = " from an earlier run" if self._pending_at_start else ""
+            parts.append(f"{stats['replayed']} spooled entries{earlier} were delivered to the archive {self._label()}")
+        return "; ".join(parts) or None
+
     # -- writing ---------------------------------------------------------------------------
     def _write_rows(self) -> None:
         if self._rows:
             rows, self._rows = self._rows, []
             self._put({"k": "windows", "rows": rows}, lambda a: a.write_window_stats(rows))
+        self._write_spans(self._grown)
+
+    def _sighted(self, sightings) -> None:
+        new = set()
+        for event in sightings:
+            pair = (event["bundle_id"], event["worker"])
+            span = self._spans.get(pair)
+            if span is None:
+                self._spans[pair] = [event["first_seen"], event["ts"]]
+                new.add(pair)
+                continue
+            if event["first_seen"] < span[0] or event["ts"] > span[1]:
+                span[0], span[1] = min(span[0], event["first_seen"]), max(span[1], event["ts"])
+                self._grown.add(pair)
+        self._write_spans(new)
+
+    def _write_spans(self, pairs: set[tuple[str, str]]) -> None:
+        if not pairs:
+            return
+        rows = [{"bundle_id": bundle_id, "worker": worker, "first_seen": first, "last_seen": last}
+                for (bundle_id, worker), (first, last) in ((pair, self._spans[pair]) for pair in sorted(pairs))]
+        self._grown -= pairs
+        self._put({"k": "sightings", "rows": rows}, lambda a: a.write_sightings(rows))
 
     def _decision_entry(self, decision: Decision, audit: Mapping[str, Any] | None, samples) -> dict:
         records = []
@@ -233,8 +306,9 @@ class ArchiveSink:
         if not self._outage:
             self._outage = True
             self._outages += 1
-            _LOG.warning("the archive %s is not taking writes (%s): spooling to %s and retrying with backoff",
-                         self._label(), _first_line(error), self.spool.directory)
+            self._first_error = self._first_error or _first_line(error)
+            _LOG.log(self._outage_log_level, "the archive %s is not taking writes (%s): spooling to %s and "
+                     "retrying with backoff", self._label(), _first_line(error), self.spool.directory)
         self._backoff = self._first_backoff
         self._retry_at = self._clock() + self._backoff
 
@@ -253,7 +327,8 @@ class ArchiveSink:
             return
         self._backoff = self._first_backoff
         if self._outage or replayed:
-            _LOG.warning("the archive %s takes writes again: %d spooled entries replayed", self._label(), replayed)
+            _LOG.log(self._outage_log_level, "the archive %s takes writes again: %d spooled entries replayed",
+                     self._label(), replayed)
         self._outage = False
 
     def _try_open(self) -> bool:
@@ -267,13 +342,16 @@ class ArchiveSink:
         return True
 
     def _write_entries(self, entries: list[dict]) -> None:
-        """One spool segment into the archive: window stats, bundles, decisions, then stage changes."""
+        """One spool segment into the archive: window stats, bundles and sightings, decisions, then stage changes."""
         rows = [row for e in entries if e.get("k") == "windows" for row in e["rows"]]
         if rows:
             self.archive.write_window_stats(rows)
         for e in entries:
             if e.get("k") == "bundle":
                 self.archive.write_bundle(e["bundle_id"], e["card"], e["ts"], e["worker"])
+        sightings = [row for e in entries if e.get("k") == "sightings" for row in e["rows"]]
+        if sightings:
+            self.archive.write_sightings(sightings)
         decisions = [(Decision.model_validate_json(e["line"]), e.get("audit"), e.get("samples") or [])
                      for e in entries if e.get("k") == "decision"]
         if decisions:
@@ -281,7 +359,7 @@ class ArchiveSink:
         stages = [change for e in entries if e.get("k") == "stages" for change in e["changes"]]
         if stages:
             self.archive.write_stage_changes(stages)
-        unknown = {e.get("k") for e in entries} - {"windows", "bundle", "decision", "stages"}
+        unknown = {e.get("k") for e in entries} - {"windows", "bundle", "sightings", "decision", "stages"}
         if unknown:
             raise ValueError(f"spool entries of unknown kinds {sorted(map(str, unknown))}")
 

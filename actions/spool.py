@@ -129,7 +129,7 @@ class Spool:
             for index, path in self._segments():
                 self._sizes[index] = path.stat().st_size
             if self._sizes:
-                logger.warning("archive spool %s holds %d bytes from an earlier run; they will be replayed",
+                logger.info("archive spool %s holds %d bytes from an earlier run; they will be replayed",
                                self.directory, sum(self._sizes.values()))
         self._next_index = max(self._sizes, default=-1) + 1
 

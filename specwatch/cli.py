@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not args.verbose:
+        # The archive's HTTP driver logs every failed attempt; specwatch says once what failed.
+        for name in ("urllib3.connectionpool", "clickhouse_connect.driver"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

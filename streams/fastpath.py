@@ -24,6 +24,7 @@ def fold_step(stage: Stage1, step: StepColumns) -> None:
         stage._max_ts = ts
     batch: SliceBatch = stage._slice(ts)
     bundle = step.bundle_id
+    batch.sighted(bundle, step.worker, ts)
     tallies = batch.round_tallies
     seen: dict = {}
     # the tally keeps first-seen order, so keys (and their partials) appear in the order

@@ -77,6 +77,31 @@ class SliceBatch:
     events: list[dict] = field(default_factory=list)
     late_records: int = 0
     round_tallies: dict[Key, dict[tuple[int, int], int]] = field(default_factory=dict, repr=False)
+    # (bundle_id, worker) -> [first, last] event time this slice saw the worker run the bundle;
+    # turned into one "sighting" event per pair when the slice closes.
+    sightings: dict[tuple[str, str], list[float]] = field(default_factory=dict, repr=False)
+
+    def __setstate__(self, state: dict) -> None:
+        # A stage-1 checkpoint written before sightings existed still restores.
+        self.__dict__.update(state)
+        self.__dict__.setdefault("sightings", {})
+
+    def sighted(self, bundle_id: str, worker: str, ts: float) -> None:
+        """A record of ``worker`` running ``bundle_id`` at ``ts`` (a step or a bundle card)."""
+        span = self.sightings.get((bundle_id, worker))
+        if span is None:
+            self.sightings[(bundle_id, worker)] = [ts, ts]
+        elif ts < span[0]:
+            span[0] = ts
+        elif ts > span[1]:
+            span[1] = ts
+
+    def fold_sightings(self) -> None:
+        """The slice's sightings as events: one per (bundle, worker), however many records it saw."""
+        for (bundle_id, worker), (first, last) in sorted(self.sightings.items()):
+            self.events.append({"type": "sighting", "ts": last, "first_seen": first, "worker": worker,
+                                "bundle_id": bundle_id})
+        self.sightings = {}
 
     def fold_tallies(self) -> None:
         """Fold stage 1's per-pair round tallies into the partials (and the bundle totals)."""
@@ -203,6 +228,7 @@ class Stage1:
         # per-position arrays once per slice: one dict increment per round instead of
         # a loop over draft positions, the hot path of the whole processor.
         bundle = step.bundle_id
+        batch.sighted(bundle, step.worker, step.ts)
         tallies = batch.round_tallies
         seen: dict[Key, SliceStats] = {}
         for entry in step.requests:
@@ -224,6 +250,7 @@ class Stage1:
                                                                 step.ts)
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
+        batch.sighted(record.bundle_id, record.worker, record.ts)
         previous = self._worker_cards.get(record.worker)
         self._worker_cards[record.worker] = (record.bundle_id, record.card)
         card = record.card.model_dump(mode="json")
@@ -254,6 +281,7 @@ class Stage1:
             batch = self._open.pop(index)
             batch.watermark = limit
             batch.fold_tallies()
+            batch.fold_sightings()
             out.append(batch)
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
@@ -278,6 +306,7 @@ class SliceOutput:
     actions: list[ActionRecord] = field(default_factory=list)
     window_rows: list[dict] = field(default_factory=list)
     bundles: list[dict] = field(default_factory=list)
+    sightings: list[dict] = field(default_factory=list)  # "sighting" events: bundle, worker, first_seen, ts (last)
     late_records: int = 0
     stage_changes: list = field(default_factory=list)  # admission `StageChange`s, for the bundle registry
 
@@ -382,6 +411,8 @@ class Stage2:
             self.cards[event["bundle_id"]] = event["card"]
             if self.admission is not None:
                 self.admission.seen(event["bundle_id"], event["card"], event["ts"])
+        elif kind == "sighting":
+            out.sightings.append(event)
         elif kind == "bundle_change":
             self.cards[event["bundle_id"]] = event["card"]
             if self.admission is not None and not self.admission.changed(

@@ -177,7 +177,9 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
 
     assert nan_safe(got["timeline"]) == nan_safe(expected_window)
     assert got["bundles"] == [{"bundle_id": "b-1", "card": CARD, "first_seen": 50.0, "last_seen": 150.0,
-                               "workers": ["w1", "w2"]}]
+                               "workers": ["w1", "w2"],
+                               "sightings": [{"worker": "w1", "first_seen": 50.0, "last_seen": 50.0},
+                                             {"worker": "w2", "first_seen": 150.0, "last_seen": 150.0}]}]
     assert [(o["bucket"], o["enabled"], o["by"]) for o in got["overrides"]] == [("chat", False, "alice")]
     assert got["rejections"] == [
         {"ts": 130.0, "source": "w1", "reason": "accepted_exceeds_drafted", "count": 3},
@@ -232,8 +234,8 @@ def test_schema_creation_is_idempotent(archive):
     archive.ensure_schema()
     archive.ensure_schema()
     _, rows = archive.sql("SHOW TABLES FROM specwatch")
-    assert sorted(r[0] for r in rows) == ["audit", "bundle_stages", "bundles", "decisions", "overrides",
-                                          "rejections", "samples", "window_stats"]
+    assert sorted(r[0] for r in rows) == ["audit", "bundle_sightings", "bundle_stages", "bundles", "decisions",
+                                          "overrides", "rejections", "samples", "window_stats"]
 
 
 # -- idempotency ---------------------------------------------------------------------------

@@ -65,7 +65,9 @@ def _unwritable(*roots: Path):
     as_root = os.geteuid() == 0
     if as_root:
         assert shutil.which("chattr"), "chattr (e2fsprogs) is needed to make a directory unwritable for root"
-        subprocess.run(["chattr", "+i", *map(str, directories)], check=True)
+        # A background merge may remove its temporary directory between the walk and chattr:
+        # that one is gone, and chattr still marks the others (an insert needs its table's).
+        subprocess.run(["chattr", "+i", *map(str, directories)], stderr=subprocess.DEVNULL)
     else:
         modes = {d: d.stat().st_mode for d in directories}
         for d in directories:
@@ -74,7 +76,7 @@ def _unwritable(*roots: Path):
         yield
     finally:
         if as_root:
-            subprocess.run(["chattr", "-i", *map(str, directories)], check=True)
+            subprocess.run(["chattr", "-i", *(str(d) for d in directories if d.exists())], check=True)
         else:
             for d, mode in modes.items():
                 d.chmod(mode)

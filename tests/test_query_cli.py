@@ -177,7 +177,9 @@ def test_bundles(capsys, dsn):
     code, out, _ = cli(capsys, "query", "bundles", "--json", "--archive", dsn)
     assert code == 0
     assert json_lines(out) == [{"bundle_id": "b-1", "card": CARD, "first_seen": _T0, "last_seen": _T0 + 190,
-                                "workers": ["w1", "w2"]}]
+                                "workers": ["w1", "w2"],
+                                "sightings": [{"worker": "w1", "first_seen": _T0, "last_seen": _T0},
+                                              {"worker": "w2", "first_seen": _T0 + 190, "last_seen": _T0 + 190}]}]
     code, out, _ = cli(capsys, "query", "bundles", "--archive", dsn)
     assert "b-1" in out and "eagle3@e1 D=4" in out
 
@@ -197,6 +199,71 @@ def test_sql_reads_and_refuses_writes(capsys, dsn):
     code, out, _ = cli(capsys, "query", "sql", "SELECT count() AS n FROM specwatch.decisions FINAL",
                        "--archive", dsn)
     assert out.split() == ["n", "3"]
+
+
+def test_sql_resolves_names_in_the_archive_database_and_says_when_nothing_came_back(capsys, dsn):
+    code, out, _ = cli(capsys, "query", "sql", "SHOW TABLES", "--archive", dsn)
+    assert code == 0
+    assert out.split()[0] == "name" and {"decisions", "samples", "window_stats", "bundles"} <= set(out.split())
+    code, out, _ = cli(capsys, "query", "sql", "SELECT count() AS n FROM decisions FINAL", "--archive", dsn)
+    assert out.split() == ["n", "3"]
+    code, out, _ = cli(capsys, "query", "sql", "SELECT * FROM decisions WHERE reason = 'none'", "--archive", dsn)
+    assert code == 0 and out == "0 rows\n"
+    code, out, _ = cli(capsys, "query", "sql", "SELECT * FROM decisions WHERE reason = 'none'", "--json",
+                       "--archive", dsn)
+    assert code == 0 and out == ""  # JSON Lines of no rows: no lines
+
+
+def test_sql_is_stopped_by_its_time_and_row_limits(capsys, dsn):
+    code, out, err = cli(capsys, "query", "sql", "SELECT count() FROM system.numbers", "--max-seconds", "0.5",
+                         "--archive", dsn)
+    assert code == 1 and out == ""
+    assert err == ("specwatch: query stopped: it ran longer than 0.5 s (max_execution_time); narrow the "
+                   "statement or raise --max-seconds\n")
+    code, out, err = cli(capsys, "query", "sql", "SELECT number FROM system.numbers LIMIT 11", "--max-rows", "10",
+                         "--archive", dsn)
+    assert code == 1 and out == ""
+    assert err == ("specwatch: query stopped: it returns more than 10 rows (max_result_rows); narrow the "
+                   "statement or raise --max-rows\n")
+    code, out, _ = cli(capsys, "query", "sql", "SELECT number FROM system.numbers LIMIT 10", "--max-rows", "10",
+                       "--json", "--archive", dsn)
+    assert code == 0 and [row["number"] for row in json_lines(out)] == list(range(10))
+    code, _, err = cli(capsys, "query", "sql", "SELECT 1", "--max-rows", "0", "--archive", dsn)
+    assert code == 2 and err.startswith("specwatch: refused: max_rows must be a positive whole number")
+
+
+@pytest.mark.parametrize("argv", [["decision", "d-nope"], ["samples", "d-nope"], ["timeline", "--around", "d-nope"],
+                                  ["samples", "d-nope", "--json"]])
+def test_an_unknown_decision_id_is_one_line_and_exit_1(capsys, dsn, argv):
+    code, out, err = cli(capsys, "query", *argv, "--archive", dsn)
+    assert (code, out, err) == (1, "", "specwatch: no decision 'd-nope' in the archive\n")
+
+
+def test_unknown_bundles_and_empty_results_say_so(capsys, dsn, tmp_path):
+    code, out, err = cli(capsys, "query", "timeline", "--bundle", "b-nope", "--archive", dsn)
+    assert (code, out, err) == (1, "", "specwatch: no bundle 'b-nope' in the archive\n")
+    code, out, _ = cli(capsys, "query", "timeline", "--bundle", "b-2", "--archive", dsn)  # decided on, no slices
+    assert (code, out) == (0, "0 rows\n")
+    code, out, _ = cli(capsys, "query", "samples", SLO.id, "--archive", dsn)  # a decision with no samples
+    assert (code, out) == (0, f"no samples archived with decision {SLO.id}\n")
+    code, out, _ = cli(capsys, "query", "decisions", "--reason", "kv_pressure", "--archive", dsn)
+    assert (code, out) == (0, "0 rows\n")
+
+    empty = f"chdb://{tmp_path}/empty"
+    Archive.open(empty).close()
+    for argv, said in ((["decisions"], "0 rows\n"), (["bundles"], "no bundle in the archive yet\n")):
+        code, out, err = cli(capsys, "query", *argv, "--archive", empty)
+        assert (code, out, err) == (0, said, "")
+
+
+def test_explain_says_in_one_line_when_the_archive_or_the_decision_is_missing(capsys, dsn, tmp_path):
+    code, out, err = cli(capsys, "explain", "d-nope", "--archive", dsn)
+    assert (code, out) == (1, "") and err.startswith("specwatch explain: no decision 'd-nope' in the archive")
+    assert len(err.splitlines()) == 1
+    code, out, err = cli(capsys, "explain", "d-nope", "--archive", f"chdb://{tmp_path}/nothing")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1
+    assert err.startswith(f"specwatch explain: no archive at chdb://{tmp_path}/nothing")
+    assert not (tmp_path / "nothing").exists()
 
 
 @pytest.mark.parametrize("argv", [["decisions"], ["decision", "d-1"], ["samples", "d-1"],

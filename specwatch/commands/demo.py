@@ -7,6 +7,7 @@ the archive and a timeline picture, and prints what happened.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -74,11 +75,13 @@ def match_incidents(incidents, decisions) -> list[dict]:
 
 
 def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | None = None, workers: int = 8,
-                       policy=None, archive=None, picture: Path | None = None, progress=None,
+                       policy=None, archive_sink=None, picture: Path | None = None, progress=None,
                        sdk: bool = False) -> dict:
-    """Simulate, detect, act (closed loop), archive and draw. Returns a summary dict."""
+    """Simulate, detect, act (closed loop), archive and draw. Returns a summary dict.
+
+    ``archive_sink`` (an `ArchiveSink`) receives every slice's output; the caller closes it.
+    """
     from specwatch.actions.flags import FlagStore
-    from specwatch.actions.handlers import ArchiveSink
     from specwatch.collectors.export import CallbackExporter
     from specwatch.collectors.otel import TelemetryEmitter
     from specwatch.collectors.simulator import Simulator
@@ -87,7 +90,6 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     flags = FlagStore()
     rows: list[dict] = []
     sinks = [lambda out: rows.extend(out.window_rows)]
-    archive_sink = ArchiveSink(archive) if archive is not None else None
     if archive_sink is not None:
         sinks.append(archive_sink)
     pipeline = EmbeddedPipeline(policy, flags=flags, sinks=sinks)
@@ -111,8 +113,6 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     emitter.shutdown()
     dropped = emitter.stats().dropped
     pipeline.finish()
-    if archive_sink is not None:
-        archive_sink.close()
     wall = time.monotonic() - started
     decisions = pipeline.decisions
     matched = match_incidents(sim.incidents, decisions)
@@ -211,24 +211,21 @@ def _run(args) -> int:
         return 2
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    archive = None
+    archive_sink = None
     dsn = None
     if not args.no_archive:
-        from specwatch.actions.archive import Archive, ArchiveError
+        from specwatch.actions.handlers import ArchiveSink
 
         default = outdir / ("vllm/archive" if args.engine == "vllm" else "archive")
         dsn = args.archive or os.environ.get("SPECWATCH_ARCHIVE") or f"chdb://{default}"
         try:
-            archive = Archive.open(dsn)
-        except (ArchiveError, ValueError) as error:
+            # Spools while the archive is away: the demo's decisions never wait on it.
+            archive_sink = ArchiveSink.open(dsn, outage_log_level=logging.INFO)
+        except ValueError as error:
             print(f"specwatch demo: {error}", file=sys.stderr)
             return 2
     if args.engine == "vllm":
-        try:
-            return _run_vllm(args, outdir, policy if args.policy else None, archive, dsn)
-        finally:
-            if archive is not None:
-                archive.close()
+        return _run_vllm(args, outdir, policy if args.policy else None, archive_sink, dsn)
     report = sys.stderr if args.json else sys.stdout
 
     def progress(elapsed, total, pipeline):
@@ -236,11 +233,14 @@ def _run(args) -> int:
         print(f"  t={elapsed:6.0f}/{total:.0f} s  records={counters.records:>8}  decisions={counters.decisions}",
               file=sys.stderr, flush=True)
 
-    summary = run_simulated_demo(args.scenario, args.seed, args.minutes, args.workers, policy, archive,
-                                 outdir / "timeline.png", progress, sdk=args.otel_sdk)
-    if archive is not None:
-        archive.close()
-        summary["archive"] = dsn
+    try:
+        summary = run_simulated_demo(args.scenario, args.seed, args.minutes, args.workers, policy, archive_sink,
+                                     outdir / "timeline.png", progress, sdk=args.otel_sdk)
+    finally:
+        if archive_sink is not None:
+            archive_sink.close()
+    if archive_sink is not None:
+        summary["archive"] = _archived_at(archive_sink, dsn)
     _print_report(summary, report)
     if args.json:
         print(json.dumps({"decisions": summary["decisions"], "decision_ids": summary["decision_ids"],
@@ -250,11 +250,19 @@ def _run(args) -> int:
     return 0
 
 
-def _run_vllm(args, outdir: Path, policy, archive=None, dsn: str | None = None) -> int:
+def _archived_at(archive_sink, dsn: str) -> str | None:
+    """The DSN when the archive holds the whole run; else None, after saying on stderr where the rows are."""
+    note = archive_sink.delivery_note()
+    if note:
+        print(f"specwatch demo: {note}", file=sys.stderr)
+    return None if archive_sink.stats()["spool_pending_bytes"] or archive_sink.stats()["dropped_entries"] else dsn
+
+
+def _run_vllm(args, outdir: Path, policy, archive_sink=None, dsn: str | None = None) -> int:
     """The vLLM engine's telemetry through the embedded pipeline; its decisions reach the engine.
 
     ``policy`` None: the demo's policy, with minimums scaled to its short run. With an
-    ``archive``, window stats, decisions, samples and audit go there as in the simulated demo.
+    ``archive_sink``, window stats, decisions, samples and audit go there as in the simulated demo.
     """
     try:
         from specwatch.collectors.vllm.demo import run_vllm_demo, vllm_demo_policy
@@ -264,19 +272,19 @@ def _run_vllm(args, outdir: Path, policy, archive=None, dsn: str | None = None) 
         return 2
     from specwatch.streams.embedded import EmbeddedPipeline
 
-    from specwatch.actions.handlers import ArchiveSink
-
-    archive_sink = ArchiveSink(archive) if archive is not None else None
     # live: the engine stamps records with this clock, so none may come from far ahead of it
     pipeline = EmbeddedPipeline(policy if policy is not None else vllm_demo_policy(), clock=time.time,
                                 sinks=[archive_sink] if archive_sink is not None else [])
-    summary = run_vllm_demo(json_output=args.json, workdir=outdir / "vllm", on_record=pipeline.feed,
-                            flags=pipeline.flags, finish=pipeline.finish)
+    try:
+        summary = run_vllm_demo(json_output=args.json, workdir=outdir / "vllm", on_record=pipeline.feed,
+                                flags=pipeline.flags, finish=pipeline.finish)
+    finally:
+        if archive_sink is not None:
+            archive_sink.close()
     summary["counters"] = pipeline.counters.as_dict()
     if archive_sink is not None:
-        archive_sink.close()
-        summary["archive"] = dsn
-        if not args.json:
+        summary["archive"] = _archived_at(archive_sink, dsn)
+        if not args.json and summary["archive"]:
             print(f"archive: {dsn}   (try: specwatch query decisions --archive {dsn})")
     if args.json:
         print(json.dumps(summary, sort_keys=True, default=str))

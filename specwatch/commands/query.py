@@ -66,9 +66,14 @@ def register(subparsers) -> None:
     p.set_defaults(func=_bundles)
 
     p = sub.add_parser("sql", parents=[common], help="one read-only SQL statement",
-                       description="Run one SELECT, WITH, SHOW or DESCRIBE statement on the archive "
-                                   "(tables live in the `specwatch` database).")
+                       description="Run one SELECT, WITH, SHOW or DESCRIBE statement on the archive. "
+                                   "Table names resolve in the archive's database (`specwatch` unless "
+                                   "the DSN names another), so SHOW TABLES lists the archive's tables.")
     p.add_argument("statement")
+    p.add_argument("--max-seconds", type=float, metavar="S",
+                   help="stop the statement after S seconds (ClickHouse max_execution_time; default 30)")
+    p.add_argument("--max-rows", type=int, metavar="N",
+                   help="refuse a result of more than N rows (ClickHouse max_result_rows; default 100000)")
     p.set_defaults(func=_sql)
 
 
@@ -176,15 +181,12 @@ def _decisions(args: argparse.Namespace) -> int:
         rows = archive.decisions(bundle_id=args.bundle, bucket=args.bucket, reason=args.reason,
                                  action=args.action, since=args.since, until=args.until,
                                  limit=args.limit or None)
-    if args.json:
-        print_rows(rows, (), as_json=True)
-        return 0
-    print_rows(rows, [
+    _table(rows, [
         ("ts", "time (UTC)", format_ts), ("decision_id", "decision", str), ("bundle_id", "bundle", str),
         ("bucket", "bucket", _scope), ("cohort", "cohort", _scope), ("action", "action", str),
         ("reason", "reason", str), ("detector", "detector", str),
         ("evidence", "evidence", lambda e: _pairs(e, limit=4)),
-    ], as_json=False)
+    ], args.json)
     return 0
 
 
@@ -196,8 +198,7 @@ def _decision(args: argparse.Namespace) -> int:
         found = archive.decision(args.decision_id)
         samples = archive.samples(args.decision_id) if found else []
     if found is None:
-        print(f"specwatch: no decision {args.decision_id!r} in the archive", file=sys.stderr)
-        return _EXIT_NOT_FOUND
+        return _no_decision(args.decision_id)
     found["sample_counts"] = dict(Counter(s["kind"] for s in samples))
     if args.json:
         print_rows([found], (), as_json=True)
@@ -231,17 +232,18 @@ def _samples(args: argparse.Namespace) -> int:
     if archive is None:
         return _EXIT_USAGE
     with archive:
+        known = archive.decision(args.decision_id) is not None
         rows = archive.samples(args.decision_id)
-    if args.json:
-        print_rows(rows, (), as_json=True)
-        return 0
+    if not known and not rows:
+        return _no_decision(args.decision_id)
     for row in rows:
-        row["summary"] = _record_summary(row["record"])
-    print_rows(rows, [
+        if not args.json:
+            row["summary"] = _record_summary(row["record"])
+    _table(rows, [
         ("ts", "time (UTC)", format_ts), ("kind", "kind", str), ("sample_id", "sample", str),
         ("worker", "worker", _scope), ("bucket", "bucket", _scope), ("cohort", "cohort", _scope),
         ("summary", "what", str),
-    ], as_json=False)
+    ], args.json, empty=f"no samples archived with decision {args.decision_id}")
     return 0
 
 
@@ -254,8 +256,7 @@ def _timeline(args: argparse.Namespace) -> int:
         if args.around:
             found = archive.decision(args.around)
             if found is None:
-                print(f"specwatch: no decision {args.around!r} in the archive", file=sys.stderr)
-                return _EXIT_NOT_FOUND
+                return _no_decision(args.around)
             center = found["ts"]
             bundle = bundle or found["bundle_id"]
             if bucket is None and found["bucket"] is not None:
@@ -267,6 +268,9 @@ def _timeline(args: argparse.Namespace) -> int:
             return _EXIT_USAGE
         rows = archive.timeline(bundle_id=bundle, bucket=bucket, cohort=args.cohort, since=since,
                                 until=until)
+        if not rows and not archive.knows_bundle(bundle):
+            print(f"specwatch: no bundle {bundle!r} in the archive", file=sys.stderr)
+            return _EXIT_NOT_FOUND
     if center is not None:
         # The first slice ending at or after the decision is the one that tipped it.
         tipping = next((row["ts"] for row in rows if row["ts"] >= center), None)
@@ -285,8 +289,8 @@ def _timeline(args: argparse.Namespace) -> int:
     ]
     if center is not None:
         columns.append(("mark", "", str))
-    print_rows(rows, columns, as_json=False)
-    if center is not None and not args.json:
+    _table(rows, columns, as_json=False)
+    if center is not None and rows:
         print(f"(< marks the slice that tipped the decision at {format_ts(center)} UTC)")
     return 0
 
@@ -303,32 +307,51 @@ def _bundles(args: argparse.Namespace) -> int:
     for row in rows:
         row["summary"] = _card_summary(row["card"])
         row["worker_count"] = len(row["workers"])
-    print_rows(rows, [
+    _table(rows, [
         ("bundle_id", "bundle", str), ("first_seen", "first seen (UTC)", format_ts),
         ("last_seen", "last seen (UTC)", format_ts), ("worker_count", "workers", str),
         ("summary", "card", str),
-    ], as_json=False)
+    ], as_json=False, empty="no bundle in the archive yet")
     return 0
 
 
 def _sql(args: argparse.Namespace) -> int:
-    from specwatch.actions.archive import ArchiveError
+    from specwatch.actions.archive import ArchiveError, ArchiveQueryLimit
 
     archive = open_archive(args)
     if archive is None:
         return _EXIT_USAGE
+    limits = {name: value for name, value in (("max_seconds", args.max_seconds), ("max_rows", args.max_rows))
+              if value is not None}
     with archive:
         try:
-            names, rows = archive.sql(args.statement)
+            names, rows = archive.sql(args.statement, **limits)
         except ValueError as exc:
             print(f"specwatch: refused: {exc}", file=sys.stderr)
             return _EXIT_USAGE
+        except ArchiveQueryLimit as exc:
+            option = "--max-seconds" if exc.setting == "max_execution_time" else "--max-rows"
+            print(f"specwatch: {exc}; narrow the statement or raise {option}", file=sys.stderr)
+            return _EXIT_NOT_FOUND
         except ArchiveError as exc:
             print(f"specwatch: {exc}", file=sys.stderr)
             return _EXIT_NOT_FOUND
     dicts = [dict(zip(names, row)) for row in rows]
-    print_rows(dicts, [(name, name, _cell) for name in names], as_json=args.json)
+    _table(dicts, [(name, name, _cell) for name in names], as_json=args.json)
     return 0
+
+
+def _table(rows: list[dict], columns: Sequence[Column], as_json: bool, empty: str = "0 rows") -> None:
+    """`print_rows`, or ``empty`` as the text form of no rows (JSON Lines of no rows are no lines)."""
+    if rows or as_json:
+        print_rows(rows, columns, as_json)
+    else:
+        print(empty)
+
+
+def _no_decision(decision_id: str) -> int:
+    print(f"specwatch: no decision {decision_id!r} in the archive", file=sys.stderr)
+    return _EXIT_NOT_FOUND
 
 
 # -- formatting -------------------------------------------------------------------------

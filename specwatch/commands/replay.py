@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
-from pathlib import Path
 
 
 __all__ = ["register", "replay_file"]
 
 _EXIT_NO_TELEMETRY = 1
 _EXIT_USAGE = 2
+# The decisions are written, but some archive rows reached neither the archive nor its spool.
+_EXIT_ARCHIVE_ROWS_LOST = 3
 
 
 def register(subparsers) -> None:
@@ -26,7 +28,8 @@ def register(subparsers) -> None:
     parser.add_argument("--output", "-o", required=True, help="where to write decisions (JSON Lines), - for stdout")
     parser.add_argument("--policy", help="policy TOML file (defaults built in)")
     parser.add_argument("--archive", help="also archive decisions, evidence and samples to this DSN "
-                                          "(e.g. chdb://specwatch-data/archive)")
+                                          "(e.g. chdb://specwatch-data/archive); when it is unreachable "
+                                          "the rows spool to local disk and the run still exits 0")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.set_defaults(func=_run)
 
@@ -64,22 +67,22 @@ def _run(args) -> int:
     except PolicyError as error:
         print(f"specwatch replay: {error}", file=sys.stderr)
         return _EXIT_USAGE
-    sinks = []
-    archive = None
+    sink = None
     if args.archive:
         from specwatch.actions.handlers import ArchiveSink
-        from specwatch.actions.archive import Archive, ArchiveError
 
+        # Opens the archive when it can, spools when it cannot: the decisions never wait on it.
         try:
-            archive = Archive.open(args.archive)
-        except (ArchiveError, ValueError) as error:
+            sink = ArchiveSink.open(args.archive, outage_log_level=logging.INFO)
+        except ValueError as error:
             print(f"specwatch replay: {error}", file=sys.stderr)
             return _EXIT_USAGE
-        sinks.append(ArchiveSink(archive))
     # same decisions as EmbeddedPipeline (tests/test_fastpath.py), without pydantic per step
-    pipeline = FastPipeline(policy, sinks=sinks)
+    pipeline = FastPipeline(policy, sinks=[sink] if sink is not None else [])
     try:
         with contextlib.ExitStack() as stack:
+            if sink is not None:
+                stack.callback(sink.close)
             source = sys.stdin.buffer if args.input == "-" else stack.enter_context(open(args.input, "rb"))
             out = stack.enter_context(atomic_output(args.output, inputs=[args.input, args.policy]))
             summary = replay_file(read_json_lines(source), out, pipeline)
@@ -99,12 +102,12 @@ def _run(args) -> int:
               f"is a contract-v1 record ({reasons}); give one JSON object per line, plain or gzipped; "
               f"nothing was written to {args.output}", file=sys.stderr)
         return _EXIT_NO_TELEMETRY
-    finally:
-        for sink in sinks:
-            sink.close()
-        if archive is not None:
-            archive.close()
+    note = sink.delivery_note() if sink is not None else None
+    if note:
+        print(f"specwatch replay: {note}", file=sys.stderr)
     summary["output"] = args.output
+    if sink is not None:
+        summary["archive"] = sink.stats()
     if args.json:
         print(json.dumps(summary, sort_keys=True), file=sys.stderr if args.output == "-" else sys.stdout)
     else:
@@ -116,4 +119,4 @@ def _run(args) -> int:
         if summary["late_records"]:
             print(f"late records folded forward: {summary['late_records']}", file=stream)
         print(f"decisions: {summary['decisions']} -> {args.output}", file=stream)
-    return 0
+    return _EXIT_ARCHIVE_ROWS_LOST if sink is not None and sink.stats()["dropped_entries"] else 0

@@ -1,0 +1,51 @@
+"""`specwatch archive flush`: deliver the rows an earlier run spooled while its archive was unreachable.
+
+Every run that writes an archive replays that archive's spool by itself; this is for when
+no such run is due (a postmortem wants the rows now).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+__all__ = ["register"]
+
+_EXIT_STILL_SPOOLED = 1
+_EXIT_USAGE = 2
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "archive", help="deliver archive rows spooled while the archive was unreachable",
+        description="Rows that `replay`, `demo` or `run` could not write to the archive wait in a local "
+                    "spool (one per archive, under $SPECWATCH_ARCHIVE_SPOOL or "
+                    "~/.cache/specwatch/archive-spool). The next run with the same archive delivers them; "
+                    "`flush` delivers them now.")
+    sub = parser.add_subparsers(dest="archive_command", metavar="ACTION", required=True)
+    p = sub.add_parser("flush", help="write the spooled rows to the archive now (idempotent)")
+    p.add_argument("--archive", metavar="DSN",
+                   help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)")
+    p.set_defaults(func=_flush)
+
+
+def _flush(args) -> int:
+    from specwatch.actions.handlers import ArchiveSink, spool_dir_for
+    from specwatch.actions.spool import Spool
+
+    try:
+        spool = Spool(spool_dir_for(args.archive))
+    except ValueError as error:
+        print(f"specwatch archive flush: {error}", file=sys.stderr)
+        return _EXIT_USAGE
+    if spool.empty:  # nothing to deliver: do not create an archive for it
+        print(f"nothing spooled in {spool.directory}")
+        return 0
+    sink = ArchiveSink.open(args.archive, spool=spool, outage_log_level=logging.INFO)
+    sink.close()
+    stats = sink.stats()
+    if stats["spool_pending_bytes"]:
+        print(f"specwatch archive flush: {sink.delivery_note()}", file=sys.stderr)
+        return _EXIT_STILL_SPOOLED
+    print(f"{stats['replayed']} spooled entries delivered to the archive")
+    return 0

@@ -1,0 +1,186 @@
+"""`specwatch replay` and `specwatch demo` with an archive they cannot write: the decisions still come out,
+one warning line says where the archive rows wait, and a later run delivers them exactly once.
+
+Each case is real: a chDB directory held open by another process, a directory nobody may
+write to, and an http DSN on a free port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from test_archive_outage import _unwritable
+
+from specwatch.actions.archive import Archive
+from specwatch.actions.handlers import spool_dir_for
+from specwatch.collectors.simulator import Simulator
+from specwatch.schemas.codec import encode_record
+
+_POLICY_TOML = "[baseline]\nlearn_seconds = 10\n"
+
+
+@lru_cache(maxsize=1)
+def _telemetry() -> str:
+    """90 s of the seeded demo fleet, 2 workers, an incident at 20 s: three decisions with this policy."""
+    records = Simulator("demo", seed=3, minutes=1.5, workers=2, concurrency=4, incident_at=20.0).records()
+    return "".join(encode_record(record) + "\n" for record in records)
+
+
+def _specwatch(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SPECWATCH_ARCHIVE_SPOOL=str(tmp_path / "spool"))
+    env.pop("SPECWATCH_ARCHIVE", None)
+    return subprocess.run([sys.executable, "-m", "specwatch.cli", *argv], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
+
+
+def _replay(tmp_path: Path, dsn: str | None, output: str) -> subprocess.CompletedProcess:
+    telemetry, policy = tmp_path / "telemetry.jsonl", tmp_path / "policy.toml"
+    if not telemetry.exists():
+        telemetry.write_text(_telemetry())
+        policy.write_text(_POLICY_TOML)
+    archive = ["--archive", dsn] if dsn else []
+    return _specwatch(tmp_path, "replay", str(telemetry), "--output", str(tmp_path / output), "--policy",
+                      str(policy), *archive)
+
+
+def _expected(tmp_path: Path) -> list[str]:
+    """The decisions of the same replay without an archive."""
+    done = _replay(tmp_path, None, "expected.jsonl")
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "expected.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    return lines
+
+
+def _one_warning(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("specwatch replay: warning: ") and "Traceback" not in stderr
+    return lines[0]
+
+
+def _archived_once(dsn: str) -> list[str]:
+    """The archived decision lines in time order; every decision, audit and sample row once under FINAL."""
+    with Archive.open(dsn, create=False) as archive:
+        for table, key in (("decisions", "decision_id"), ("audit", "audit_id"),
+                           ("samples", "decision_id, kind, sample_id")):
+            _, counts = archive.sql(f"SELECT count() FROM specwatch.{table} FINAL GROUP BY {key}")
+            assert counts and {row[0] for row in counts} == {1}, table
+        _, lines = archive.sql("SELECT line FROM specwatch.decisions FINAL ORDER BY ts, decision_id")
+        _, windows = archive.sql("SELECT count() FROM specwatch.window_stats FINAL")
+        assert windows[0][0] > 0
+    return [row[0] for row in lines]
+
+
+def _spool_of(tmp_path: Path, dsn: str) -> Path:
+    return spool_dir_for(dsn, {"SPECWATCH_ARCHIVE_SPOOL": str(tmp_path / "spool")})
+
+
+def _spooled(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "spool").glob("*/spool-*.log"))
+
+
+def test_a_chdb_archive_held_by_another_process_costs_no_decision(tmp_path):
+    expected = _expected(tmp_path)
+    path = tmp_path / "archive"
+    dsn = f"chdb://{path}"
+    Archive.open(dsn).close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom specwatch.actions.archive import Archive\n"
+         f"archive = Archive.open({dsn!r})\nprint('holding', flush=True)\nsys.stdin.read()\narchive.close()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        done = _replay(tmp_path, dsn, "decisions.jsonl")
+    finally:
+        holder.communicate("", timeout=60)
+    assert done.returncode == 0
+    assert (tmp_path / "decisions.jsonl").read_text().splitlines() == expected
+    warning = _one_warning(done.stderr)
+    assert f"(the chDB archive at {path} is in use by process {holder.pid}: " in warning
+    assert f" bytes of archive rows wait in the spool {_spool_of(tmp_path, dsn)} and go to " in warning
+    assert _spooled(tmp_path)
+
+    # The holder is gone: the next run delivers the spool by itself, and its own rows, once each.
+    waiting = sum(len(segment.read_bytes().splitlines()) for segment in _spooled(tmp_path))
+    again = _replay(tmp_path, dsn, "again.jsonl")
+    assert again.returncode == 0
+    assert again.stderr == (f"specwatch replay: {waiting} spooled entries from an earlier run were delivered "
+                            f"to the archive {dsn}\n")
+    assert (tmp_path / "again.jsonl").read_text().splitlines() == expected
+    assert not _spooled(tmp_path)
+    assert _archived_once(dsn) == expected
+
+
+def test_a_read_only_chdb_directory_costs_no_decision_and_flush_delivers_later(tmp_path):
+    expected = _expected(tmp_path)
+    path = tmp_path / "archive"
+    dsn = f"chdb://{path}"
+    Archive.open(dsn).close()
+    with _unwritable(path):
+        done = _replay(tmp_path, dsn, "decisions.jsonl")
+    assert done.returncode == 0
+    assert (tmp_path / "decisions.jsonl").read_text().splitlines() == expected
+    assert str(tmp_path / "spool") in _one_warning(done.stderr)
+    with Archive.open(dsn, create=False) as archive:
+        assert archive.decisions() == []
+    assert _spooled(tmp_path)
+
+    flushed = _specwatch(tmp_path, "archive", "flush", "--archive", dsn)
+    assert flushed.returncode == 0, flushed.stderr
+    assert flushed.stdout.endswith("spooled entries delivered to the archive\n")
+    assert not _spooled(tmp_path)
+    assert _archived_once(dsn) == expected
+    # Delivered again (a crash right after a delivery would do that): still once each.
+    nothing = _specwatch(tmp_path, "archive", "flush", "--archive", dsn)
+    assert nothing.returncode == 0 and nothing.stdout.startswith("nothing spooled in ")
+    assert _archived_once(dsn) == expected
+
+
+def test_an_http_archive_nobody_listens_on_costs_no_decision(tmp_path):
+    expected = _expected(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dsn = f"http://127.0.0.1:{port}/specwatch"
+    done = _replay(tmp_path, dsn, "decisions.jsonl")
+    assert done.returncode == 0
+    assert (tmp_path / "decisions.jsonl").read_text().splitlines() == expected
+    warning = _one_warning(done.stderr)
+    assert warning.startswith(f"specwatch replay: warning: the archive was unreachable (cannot connect to the "
+                              f"archive at {dsn}: [Errno 111] Connection refused); ")
+    assert warning.endswith(f" bytes of archive rows wait in the spool {_spool_of(tmp_path, dsn)} and go to the "
+                            "archive at the next run that reaches it, or with "
+                            f"`specwatch archive flush --archive {dsn}`")
+    segments = _spooled(tmp_path)
+    assert len(segments) == 1
+    # What waits is every decision, with its samples redacted as the archive would keep them.
+    spooled = [json.loads(line.split(b" ", 2)[2]) for line in segments[0].read_bytes().splitlines()]
+    assert [e["line"] for e in spooled if e["k"] == "decision"] == expected
+
+    still = _specwatch(tmp_path, "archive", "flush", "--archive", dsn)
+    assert still.returncode == 1 and len(still.stderr.strip().splitlines()) == 1
+    assert _spooled(tmp_path) == segments
+
+
+def test_demo_with_an_unreachable_archive_still_reports_every_decision(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dsn = f"http://127.0.0.1:{port}/specwatch"
+    fleet = ("demo", "--json", "--scenario", "acceptance_drop", "--minutes", "5", "--workers", "2")
+    reached = _specwatch(tmp_path, *fleet, "--no-archive", "--outdir", str(tmp_path / "a"))
+    away = _specwatch(tmp_path, *fleet, "--archive", dsn, "--outdir", str(tmp_path / "b"))
+    assert reached.returncode == 0 and away.returncode == 0, away.stderr
+    summary, expected = json.loads(away.stdout.splitlines()[-1]), json.loads(reached.stdout.splitlines()[-1])
+    assert len(expected["decision_ids"]) == 3 and summary["decision_ids"] == expected["decision_ids"]
+    assert summary["archive"] is None  # not in the archive yet: the warning says where the rows are
+    warnings = [line for line in away.stderr.splitlines() if "warning" in line or "Traceback" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("specwatch demo: warning: ")
+    assert len(_spooled(tmp_path)) == 1
