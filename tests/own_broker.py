@@ -6,11 +6,48 @@ The shared test broker (conftest.kafka_bootstrap) must never notice a test's out
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import socket
 import subprocess
 from pathlib import Path
 from typing import Iterator
 
 _BROKER = Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "broker.sh"
+
+
+def free_port_run(length: int = 2) -> int:
+    """A port P with P + 1 .. P + length - 1 free too (broker.sh puts the KRaft controller on P + 1).
+
+    Picked at run time: a fixed port that something else on the machine holds fails the run.
+    """
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + length - 1 > 65535:
+            continue
+        try:
+            for offset in range(1, length):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no {length} consecutive free ports")
+
+
+def port_from_env(variable: str, length: int = 2) -> tuple[int, bool]:
+    """The port ``variable`` names, or a free one of this run only (second item: True when picked)."""
+    given = os.environ.get(variable)
+    return (int(given), False) if given else (free_port_run(length), True)
+
+
+def forget_broker_data(port: int) -> None:
+    """Removes the data a broker of this run only left behind."""
+    home = Path(os.environ.get("SPECWATCH_KAFKA_HOME") or Path.home() / ".cache" / "specwatch" / "kafka")
+    shutil.rmtree(home / f"data-{port}", ignore_errors=True)
+    (home / f"broker-{port}.lock").unlink(missing_ok=True)
 
 
 class OwnBroker:

@@ -15,14 +15,12 @@ on clients than a restart of the same one.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
@@ -32,29 +30,13 @@ from specwatch.collectors.spool import TelemetrySpool
 from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
 
-from own_broker import OwnBroker
+from own_broker import OwnBroker, forget_broker_data, port_from_env
 
 pytestmark = pytest.mark.kafka
 
 
 
-def _free_port_pair() -> int:
-    """A port P with P + 1 free too (broker.sh puts the KRaft controller on P + 1)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 1))
-                    return port
-                except OSError:
-                    continue
-    raise RuntimeError("no two consecutive free ports")
-
-
-_PORT = int(os.environ.get("SPECWATCH_OUTAGE_KAFKA_PORT") or _free_port_pair())
+_PORT, _PORT_OF_THIS_RUN = port_from_env("SPECWATCH_OUTAGE_KAFKA_PORT")
 _broker = OwnBroker(_PORT, partitions=2)
 _TOPIC = "specwatch.telemetry"
 _PATIENCE_S = 120.0  # liveness deadline on a busy shared machine, not a performance bound
@@ -64,10 +46,8 @@ _PATIENCE_S = 120.0  # liveness deadline on a busy shared machine, not a perform
 def own_broker():
     with _broker.running() as address:
         yield address
-    if not os.environ.get("SPECWATCH_OUTAGE_KAFKA_PORT"):  # a port of this run only: leave nothing behind
-        home = Path(os.environ.get("SPECWATCH_KAFKA_HOME") or Path.home() / ".cache" / "specwatch" / "kafka")
-        shutil.rmtree(home / f"data-{_PORT}", ignore_errors=True)
-        (home / f"broker-{_PORT}.lock").unlink(missing_ok=True)
+    if _PORT_OF_THIS_RUN:  # leave nothing behind
+        forget_broker_data(_PORT)
 
 
 def _step(worker: str, seq: int) -> StepRecord:

@@ -8,18 +8,18 @@ the embedded pipeline decides. With a wrong password it must say so and stop.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from own_broker import OwnBroker
+from own_broker import OwnBroker, forget_broker_data, port_from_env
 from test_kafka_e2e import Pipeline, _assert_same_decisions, _make_feed
 
 pytestmark = pytest.mark.kafka
 
-_PORT = int(os.environ.get("SPECWATCH_SASL_KAFKA_PORT", "19692"))
+# P: PLAINTEXT, P + 1: the KRaft controller, P + 2: SASL_PLAINTEXT
+_PORT, _PORT_OF_THIS_RUN = port_from_env("SPECWATCH_SASL_KAFKA_PORT", length=3)
 _SASL_PORT = _PORT + 2
 _USER, _PASSWORD = "svc-specwatch", "a sasl password, not logged"
 _broker = OwnBroker(_PORT, partitions=4, extra=("--sasl-port", str(_SASL_PORT), "--sasl-user", f"{_USER}:{_PASSWORD}"))
@@ -29,6 +29,8 @@ _broker = OwnBroker(_PORT, partitions=4, extra=("--sasl-port", str(_SASL_PORT), 
 def sasl_broker():
     with _broker.running() as address:
         yield address, f"127.0.0.1:{_SASL_PORT}"
+    if _PORT_OF_THIS_RUN:
+        forget_broker_data(_PORT)
 
 
 class SaslPipeline(Pipeline):

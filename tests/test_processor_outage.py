@@ -12,7 +12,6 @@ The broker runs on its own port so that the shared test broker never notices.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -20,12 +19,12 @@ from aiokafka.errors import KafkaError
 
 from specwatch.actions.archive import Archive
 
-from own_broker import OwnBroker
+from own_broker import OwnBroker, forget_broker_data, port_from_env
 from test_kafka_e2e import _DRAIN_TIMEOUT_S, Pipeline, _assert_same_decisions, _make_feed
 
 pytestmark = pytest.mark.kafka
 
-_PORT = int(os.environ.get("SPECWATCH_PROCESSOR_OUTAGE_KAFKA_PORT", "19492"))
+_PORT, _PORT_OF_THIS_RUN = port_from_env("SPECWATCH_PROCESSOR_OUTAGE_KAFKA_PORT")
 _broker = OwnBroker(_PORT, partitions=4)
 _OUTAGE_S = 20.0  # long enough for every client to notice; shorter than the worker's 60 s ack limit
 
@@ -34,6 +33,8 @@ _OUTAGE_S = 20.0  # long enough for every client to notice; shorter than the wor
 def own_broker():
     with _broker.running() as address:
         yield address
+    if _PORT_OF_THIS_RUN:
+        forget_broker_data(_PORT)
 
 
 def _progress(pipeline: Pipeline) -> float:
