@@ -19,6 +19,7 @@ __all__ = [
     "DraftLengthCurve",
     "PositionSurvival",
     "StepCost",
+    "curve_from_slices",
     "draft_length_curve",
     "starting_draft_length",
     "tile_draft_lengths",
@@ -411,3 +412,10 @@ def _round(value, digits: int = 6):
             return None
         return float(f"{value:.{digits}g}")
     return value
+
+
+def curve_from_slices(key_slices: Iterable[SliceStats], bundle_slices: Iterable[SliceStats], mechanism: str,
+                      min_rounds: int = _DEFAULT_MIN_ROUNDS) -> DraftLengthCurve:
+    """The curve of one key: its slices' position counts, priced by its bundle's step-cost model."""
+    survival = PositionSurvival.from_stats(merge_all(key_slices, sketches=False))
+    return draft_length_curve(survival, StepCost.fit(bundle_slices, mechanism), min_rounds)
