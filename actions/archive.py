@@ -1150,7 +1150,8 @@ def _window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Ta
     """Window-stats rows as an Arrow table, with the checks a ClickHouse insert would not do.
 
     >>> row = dict.fromkeys(WINDOW_STATS_FIELDS, 1)
-    >>> row.update(ts=10.0, bundle_id="b-1", bucket="coding", cohort=None, speedup=float("nan"))
+    >>> row.update(ts=10.0, bundle_id="b-1", bucket="coding", cohort=None, speedup=float("nan"),
+    ...            accepted_at_least=[1], drafted_at_least=[1])
     >>> table = _window_stats_table([row], 0)
     >>> table.column("speedup").null_count, table.column("rounds").type
     (1, DataType(uint64))

@@ -145,24 +145,29 @@ class PositionSurvival:
 class StepCost:
     """Draft and verify time of one engine step as functions of D, fitted per bundle.
 
-    Draft time is regressed on drafted tokens per step for serial drafters, on blocks
-    (drafting requests) per step for parallel ones; verify time on verified tokens per step.
-    A slope is fitted (Theil-Sen, robust to outlying slices) only where the regressor spreads
-    enough; otherwise draft time is taken as proportional to its regressor and verify time as
-    flat, which is the AL / (1 + rho*D) model of `SliceStats.speedup`.
+    A serial drafter runs one pass per drafted position, so its draft time is D passes, each
+    costing ``draft_intercept + draft_slope * drafting`` (drafting requests per step); a
+    parallel drafter drafts a whole block in one such pass, whatever D. Verify time is
+    ``verify_intercept + verify_per_request * requests + verify_per_draft_token * draft tokens``
+    per step. Coefficients are fitted (Theil-Sen for the pass cost, Huber-loss least squares for
+    verify, both robust to outlying slices) only where the data can tell them apart: the pass
+    cost needs spread in batch size, the per-draft-token verify cost needs slices drafting at
+    different D. Otherwise the pass cost is the mean and verify is taken as flat in D (a
+    memory-bound verify pass), which is the AL / (1 + rho*D) model of `SliceStats.speedup`.
 
     >>> slices = []
     >>> for i, d in enumerate([4, 4, 3, 3, 2, 2, 1, 1]):
-    ...     s = SliceStats(); s.steps = 10; s.rounds = 160; s.drafted_tokens = 160 * d
-    ...     s.draft_ms = 10 * (0.6 * d + 0.025 * 16 * d); s.verify_ms = 10 * (7.2 + 0.015 * 16 * (1 + d))
+    ...     b = 12 + i
+    ...     s = SliceStats(); s.steps = 10; s.rounds = 10 * b; s.drafted_tokens = 10 * b * d
+    ...     s.draft_ms = 10 * d * (0.6 + 0.025 * b); s.verify_ms = 10 * (7.2 + 0.015 * b * (1 + d))
     ...     slices.append(s)
     >>> cost = StepCost.fit(slices, "eagle3")
-    >>> cost.draft_fit, cost.verify_fit, round(cost.draft_ms(4), 3), round(cost.verify_ms(2), 3)
-    ('theil_sen', 'theil_sen', 4.0, 7.92)
-    >>> round(cost.standard_ms, 3)
-    7.44
-    >>> StepCost.fit(slices[:2], "dflash").draft_fit
-    'proportional'
+    >>> cost.draft_fit, cost.verify_fit, round(cost.draft_slope, 4), round(cost.verify_per_draft_token, 4)
+    ('theil_sen', 'huber', 0.025, 0.015)
+    >>> round(cost.draft_ms(4), 3), round(cost.verify_ms(2), 3), round(cost.standard_ms, 3)
+    (3.95, 7.897, 7.432)
+    >>> StepCost.fit(slices[:2], "dflash").draft_fit, StepCost.fit(slices[:2], "dflash").verify_fit
+    ('mean', 'flat')
     """
 
     mechanism: str
@@ -170,7 +175,8 @@ class StepCost:
     draft_intercept: float
     draft_slope: float
     verify_intercept: float
-    verify_slope: float
+    verify_per_request: float
+    verify_per_draft_token: float
     requests_per_step: float
     drafting_per_step: float
     slices: int
@@ -186,40 +192,35 @@ class StepCost:
         steps = total.steps
         requests = ratio(total.rounds + total.plain_entries, steps)
         drafting = ratio(total.rounds, steps)
-        if kind == "serial":
-            draft_x = [s.drafted_tokens / s.steps for s in timed]
-            draft_x_total = total.drafted_tokens
-        else:
-            draft_x = [s.rounds / s.steps for s in timed]
-            draft_x_total = total.rounds
-        draft_y = [s.draft_ms / s.steps for s in timed]
-        verify_x = [(s.drafted_tokens + s.rounds + s.plain_entries) / s.steps for s in timed]
-        verify_y = [s.verify_ms / s.steps for s in timed]
-        fitted = _robust_line(draft_x, draft_y)
+        # Passes per step: a serial drafter's mean D per drafting request, a parallel one's single pass.
+        passes = [s.drafted_tokens / s.rounds if kind == "serial" else 1.0 for s in timed]
+        drafting_x = [s.rounds / s.steps for s in timed]
+        pass_ms = [s.draft_ms / s.steps / n for s, n in zip(timed, passes)]
+        fitted = _theil_sen(drafting_x, pass_ms)
         if fitted is None:
-            draft = (0.0, ratio(total.draft_ms, draft_x_total), "proportional")
+            all_passes = sum(s.steps * n for s, n in zip(timed, passes))
+            draft = (ratio(total.draft_ms, all_passes), 0.0, "mean")
         else:
             draft = (*fitted, "theil_sen")
-        fitted = _robust_line(verify_x, verify_y)
-        if fitted is None:
-            verify = (ratio(total.verify_ms, steps), 0.0, "flat")
+        verify = _verify_fit(timed)
+        if verify is None:
+            verify = (ratio(total.verify_ms, steps), 0.0, 0.0, "flat")
         else:
-            verify = (*fitted, "theil_sen")
-        return cls(mechanism, kind, draft[0], draft[1], verify[0], verify[1], requests, drafting,
-                   len(timed), steps, draft[2], verify[2])
+            verify = (*verify, "huber")
+        return cls(mechanism, kind, draft[0], draft[1], verify[0], verify[1], verify[2], requests, drafting,
+                   len(timed), steps, draft[2], verify[3])
 
     def draft_ms(self, draft_length: int) -> float:
-        blocks = self.drafting_per_step * (draft_length if self.kind == "serial" else 1)
-        return self.draft_intercept + self.draft_slope * blocks
+        per_pass = self.draft_intercept + self.draft_slope * self.drafting_per_step
+        return per_pass * (draft_length if self.kind == "serial" else 1)
 
     def verify_ms(self, draft_length: int) -> float:
-        return self.verify_intercept + self.verify_slope * (self.requests_per_step
-                                                            + self.drafting_per_step * draft_length)
+        return self.standard_ms + self.verify_per_draft_token * self.drafting_per_step * draft_length
 
     @property
     def standard_ms(self) -> float:
         """A standard decoding step of the same batch: every request verifies one token."""
-        return self.verify_intercept + self.verify_slope * self.requests_per_step
+        return self.verify_intercept + self.verify_per_request * self.requests_per_step
 
     def speedup_factor(self, draft_length: int) -> float:
         """Speedup per token of acceptance length at D': t_standard / (t_draft + t_verify)."""
@@ -229,12 +230,17 @@ class StepCost:
         return {k: _round(v) for k, v in self.__dict__.items()}
 
 
-def _robust_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
-    """Theil-Sen (intercept, slope) when ``xs`` spread enough and the slope is not negative."""
+def _spread(xs: list[float]) -> float:
+    """Relative spread (max - min) / mean; 0 for fewer than the slices a fit needs."""
     if len(xs) < _MIN_FIT_SLICES:
-        return None
+        return 0.0
     mean = sum(xs) / len(xs)
-    if not mean > 0 or (max(xs) - min(xs)) / mean < _MIN_RELATIVE_SPREAD:
+    return (max(xs) - min(xs)) / mean if mean > 0 else 0.0
+
+
+def _theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """Theil-Sen (intercept, slope) when ``xs`` spread enough and the slope is not negative."""
+    if _spread(xs) < _MIN_RELATIVE_SPREAD:
         return None
     from scipy.stats import theilslopes
 
@@ -242,6 +248,26 @@ def _robust_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None
     if not slope >= 0 or not math.isfinite(intercept):
         return None
     return float(intercept), float(slope)
+
+
+def _verify_fit(timed: list[SliceStats]) -> tuple[float, float, float] | None:
+    """Verify ms per step = a + b * requests + c * draft tokens (per step), when D varied enough.
+
+    Slices at one D cannot separate the cost of a draft token from the cost of a request
+    (both grow with the batch), so the fit needs slices whose mean D differs.
+    """
+    if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
+        return None
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    x = np.array([[(s.rounds + s.plain_entries) / s.steps, s.drafted_tokens / s.steps] for s in timed])
+    y = np.array([s.verify_ms / s.steps for s in timed])
+    scale = max(float(np.median(np.abs(y - np.median(y)))), 1e-3)
+    fit = least_squares(lambda p: p[0] + x @ p[1:] - y, x0=[float(np.median(y)), 0.0, 0.0],
+                        bounds=([-np.inf, 0.0, 0.0], [np.inf, np.inf, np.inf]), loss="huber", f_scale=scale)
+    a, per_request, per_token = (float(v) for v in fit.x)
+    return (a, per_request, per_token) if fit.success and math.isfinite(a) else None
 
 
 @dataclass(frozen=True)

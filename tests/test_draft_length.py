@@ -34,14 +34,19 @@ def _rounds(rates, n, seed, draft_length=4):
     return out
 
 
-def _step_slices(draft_lengths, batch=16, draft_ms_per_position=1.0, verify_base=9.0, verify_per_token=0.015):
-    """Per-slice bundle statistics of a serial drafter whose step times are exact linear functions."""
+def _step_slices(draft_lengths, batches=None, pass_ms=0.6, pass_ms_per_request=0.025, verify_base=7.2,
+                 verify_per_token=0.015):
+    """Per-slice bundle statistics of a serial drafter whose step times are exact linear functions.
+
+    Each step runs D drafter passes costing ``pass_ms + pass_ms_per_request * batch`` each, and
+    one verify pass costing ``verify_base + verify_per_token * batch * (1 + D)``.
+    """
     out = []
-    for d in draft_lengths:
+    for d, b in zip(draft_lengths, batches or [16] * len(draft_lengths)):
         s = SliceStats()
-        s.steps, s.rounds, s.drafted_tokens = 10, 10 * batch, 10 * batch * d
-        s.draft_ms = 10 * draft_ms_per_position * d
-        s.verify_ms = 10 * (verify_base + verify_per_token * batch * (1 + d))
+        s.steps, s.rounds, s.drafted_tokens = 10, 10 * b, 10 * b * d
+        s.draft_ms = 10 * d * (pass_ms + pass_ms_per_request * b)
+        s.verify_ms = 10 * (verify_base + verify_per_token * b * (1 + d))
         out.append(s)
     return out
 
@@ -83,17 +88,19 @@ def test_acceptance_interval_covers_the_truth_and_narrows_with_evidence():
 
 
 def test_step_cost_model_recovers_serial_and_parallel_costs():
-    serial = StepCost.fit(_step_slices([4, 4, 3, 3, 2, 2, 1, 1]), "eagle3")
-    assert (serial.kind, serial.draft_fit, serial.verify_fit) == ("serial", "theil_sen", "theil_sen")
-    assert serial.draft_ms(3) == pytest.approx(3.0)
-    assert serial.verify_ms(3) == pytest.approx(9.0 + 0.015 * 16 * 4)
-    assert serial.standard_ms == pytest.approx(9.0 + 0.015 * 16)
+    batches = [12, 13, 14, 15, 16, 17, 18, 19]
+    serial = StepCost.fit(_step_slices([4, 4, 3, 3, 2, 2, 1, 1], batches), "eagle3")
+    assert (serial.kind, serial.draft_fit, serial.verify_fit) == ("serial", "theil_sen", "huber")
+    batch = sum(batches) / len(batches)
+    assert serial.draft_ms(3) == pytest.approx(3 * (0.6 + 0.025 * batch))
+    assert serial.verify_ms(3) == pytest.approx(7.2 + 0.015 * batch * 4, rel=1e-4)
+    assert serial.standard_ms == pytest.approx(7.2 + 0.015 * batch, rel=1e-4)
     # a parallel drafter drafts a block in one pass: its draft time does not grow with D
     parallel = StepCost.fit(_step_slices([4] * 6), "dflash")
     assert parallel.kind == "parallel" and parallel.draft_ms(1) == parallel.draft_ms(8) == pytest.approx(4.0)
-    # one D only: draft proportional to drafted tokens, verify flat (the AL / (1 + rho*D) model)
+    # one D and one batch size: pass cost is the mean, verify flat (the AL / (1 + rho*D) model)
     fixed = StepCost.fit(_step_slices([4] * 6), "mtp")
-    assert (fixed.draft_fit, fixed.verify_fit) == ("proportional", "flat")
+    assert (fixed.draft_fit, fixed.verify_fit) == ("mean", "flat")
     assert fixed.draft_ms(2) == pytest.approx(2.0) and fixed.verify_ms(1) == fixed.verify_ms(4)
 
 
@@ -145,10 +152,11 @@ def test_without_a_curve_the_table_halves_as_before():
 
 
 # The pinned acceptance-drop scenario of tests/test_scenarios.py: same decisions at the same
-# times; each lowered D is now the best predicted below 4 (3 in both cohorts) instead of 2.
+# times; each lowered D is the best predicted below 4: 3 for main (halving said 2), 2 for the
+# canary (as halving, now on evidence).
 EXPECTED_LOWERED = [
     (123.99, "coding", "main", 4, 3),
-    (148.99, "coding", "canary", 4, 3),
+    (148.99, "coding", "canary", 4, 2),
 ]
 
 
@@ -165,3 +173,55 @@ def test_pinned_acceptance_drop_lowers_to_the_best_predicted_d():
         below = [p for p in d.evidence["draft_length_curve"] if p["d"] < d.evidence["previous_draft_length"]]
         assert max(below, key=lambda p: (p["speedup"], -p["d"]))["d"] == d.evidence["draft_length"]
         assert d.evidence["step_cost"]["mechanism"] == "eagle3"
+
+
+# -- the simulator's draft-length scenarios and the evaluation that scores the advice ------------
+
+def _position_rates(records, start, bucket):
+    stats = {True: SliceStats(), False: SliceStats()}
+    draft_ms = {True: [], False: []}
+    for r in records:
+        if r.kind != "step":
+            continue
+        after = r.ts >= start
+        draft_ms[after].append(r.draft_ms / max(1, max(e.drafted for e in r.requests)))
+        for e in r.requests:
+            if e.bucket == bucket:
+                stats[after].add_round(e.drafted, e.accepted)
+    return ([round(x, 2) for x in stats[False].position_rates()], [round(x, 2) for x in stats[True].position_rates()],
+            sum(draft_ms[True]) / len(draft_ms[True]) / (sum(draft_ms[False]) / len(draft_ms[False])))
+
+
+def test_late_acceptance_decay_hits_only_the_later_positions_of_its_bucket():
+    sim = Simulator("late_acceptance_decay", seed=SEED, workers=2, minutes=1.0, incident_at=30.0)
+    before, after, draft = _position_rates(list(sim.records()), sim.start_ts + 30.0, "coding")
+    assert after[:2] == pytest.approx(before[:2], abs=0.02)
+    # P(accepted >= k) for k >= 3 also loses the factor at every late position passed
+    assert after[2] == pytest.approx(before[2] * 0.3, abs=0.03)
+    assert after[3] == pytest.approx(before[3] * 0.3 * 0.3, abs=0.02)
+    assert draft == pytest.approx(1.0, abs=0.05)
+    [incident] = sim.incidents
+    assert (incident.kind, incident.bucket) == ("late_acceptance_decay", "coding")
+
+
+def test_draft_cost_doubles_doubles_draft_time_per_position():
+    sim = Simulator("draft_cost_doubles", seed=SEED, workers=2, minutes=1.0, incident_at=30.0)
+    before, after, draft = _position_rates(list(sim.records()), sim.start_ts + 30.0, "coding")
+    assert draft == pytest.approx(2.0, abs=0.1)
+    assert after == pytest.approx(before, abs=0.02)
+
+
+def test_advised_d_reaches_95_percent_of_the_best_within_the_target():
+    from specwatch.evaluation.draft_length import CASES, TARGET_SECONDS, run_draft_length
+
+    results = {case.scenario: run_draft_length(case, SEED) for case in CASES}
+    assert {name: r["settled_after_s"] for name, r in results.items()} == {
+        "draft_cost_doubles": 5.0, "late_acceptance_decay": 15.0, "context_shift": 5.0}
+    assert all(r["met"] and r["settled_after_s"] <= TARGET_SECONDS for r in results.values())
+    # the best D moved and the advice followed it
+    cost = results["draft_cost_doubles"]
+    assert cost["best_d_before"]["summarization"]["best_d"] == 3 and cost["final"]["summarization"] == {
+        "advised_d": 2, "best_d": 2, "ratio": 1.0}
+    late = results["late_acceptance_decay"]
+    assert late["best_d_before"]["coding"]["best_d"] == 4 and late["final"]["coding"] == {
+        "advised_d": 2, "best_d": 2, "ratio": 1.0}
