@@ -727,7 +727,14 @@ class Archive:
         """Window-stats rows in slice order (``bucket``/``cohort`` ``"*"`` = whole-bundle rows)."""
         where, params = _filters(bundle_id=bundle_id, bucket=bucket, cohort=cohort, since=since,
                                  until=until)
-        rows = self._select(f"SELECT {', '.join(WINDOW_STATS_FIELDS)} FROM {self._db}.window_stats "
+        present = {r["name"] for r in self._select(
+            "SELECT name FROM system.columns WHERE database = {db:String} AND table = 'window_stats'",
+            {"db": self._db})}
+        # An archive opened read-only from before the added columns reads them as empty.
+        columns = ", ".join(name if name in present else
+                            f"{'emptyArrayUInt64()' if name in _WINDOW_ARRAYS else 'toUInt64(0)'} AS {name}"
+                            for name in WINDOW_STATS_FIELDS)
+        rows = self._select(f"SELECT {columns} FROM {self._db}.window_stats "
                             f"FINAL{where} ORDER BY ts, bundle_id, bucket, cohort", params)
         nan = math.nan
         for row in rows:

@@ -586,6 +586,12 @@ def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path
             archive._client.command(f"ALTER TABLE specwatch.window_stats DROP COLUMN {name}")
         _, described = archive.sql("DESCRIBE TABLE specwatch.window_stats")
         assert "drafted_at_least" not in [r[0] for r in described]
+        old_row = {k: v for k, v in stats_row(1).items() if k not in ("steps", "plain_entries", "accepted_at_least",
+                                                                      "drafted_at_least")}
+        archive._client.insert("specwatch.window_stats", [list(old_row.values())], column_names=list(old_row))
+    with Archive.open(dsn, create=False) as archive:  # read-only: the old rows read with empty counts
+        [row] = archive.timeline()
+        assert (row["steps"], row["accepted_at_least"], row["rounds"]) == (0, [], 7)
     with Archive.open(dsn) as archive:
         archive.write_window_stats([stats_row(1, accepted_at_least=[9, 5, 2], drafted_at_least=[10, 10, 10])])
         [row] = archive.timeline()
