@@ -146,32 +146,35 @@ class StepCost:
     """Draft and verify time of one engine step as functions of D, fitted per bundle.
 
     A serial drafter runs one pass per drafted position, so its draft time is D passes, each
-    costing ``draft_intercept + draft_slope * drafting`` (drafting requests per step); a
-    parallel drafter drafts a whole block in one such pass, whatever D. Verify time is
+    costing ``draft_intercept + draft_slope * drafting`` (drafting requests per step), plus
+    ``draft_per_step`` that does not grow with D (catching the drafter up on the tokens just
+    accepted); a parallel drafter drafts a whole block in one such pass, whatever D. Verify time is
     ``verify_intercept + verify_per_request * requests + verify_per_draft_token * draft tokens``
     per step. Coefficients are fitted (Theil-Sen for the pass cost, Huber-loss least squares for
-    verify, both robust to outlying slices) only where the data can tell them apart: the pass
-    cost needs spread in batch size, the per-draft-token verify cost needs slices drafting at
-    different D. Otherwise the pass cost is the mean and verify is taken as flat in D (a
+    verify and for a serial drafter's per-step cost, all robust to outlying slices) only where
+    the data can tell them apart: the pass cost needs spread in batch size, the per-step draft
+    cost and the per-draft-token verify cost need slices drafting at different D. Otherwise the
+    pass cost is the mean, nothing is spent per step, and verify is taken as flat in D (a
     memory-bound verify pass), which is the AL / (1 + rho*D) model of `SliceStats.speedup`.
 
     >>> slices = []
     >>> for i, d in enumerate([4, 4, 3, 3, 2, 2, 1, 1]):
     ...     b = 12 + i
     ...     s = SliceStats(); s.steps = 10; s.rounds = 10 * b; s.drafted_tokens = 10 * b * d
-    ...     s.draft_ms = 10 * d * (0.6 + 0.025 * b); s.verify_ms = 10 * (7.2 + 0.015 * b * (1 + d))
+    ...     s.draft_ms = 10 * (1.5 + d * (0.6 + 0.025 * b)); s.verify_ms = 10 * (7.2 + 0.015 * b * (1 + d))
     ...     slices.append(s)
     >>> cost = StepCost.fit(slices, "eagle3")
-    >>> cost.draft_fit, cost.verify_fit, round(cost.draft_slope, 4), round(cost.verify_per_draft_token, 4)
-    ('theil_sen', 'huber', 0.025, 0.015)
+    >>> cost.draft_fit, cost.verify_fit, round(cost.draft_per_step, 4), round(cost.draft_slope, 4)
+    ('huber', 'huber', 1.5, 0.025)
     >>> round(cost.draft_ms(4), 3), round(cost.verify_ms(2), 3), round(cost.standard_ms, 3)
-    (3.95, 7.897, 7.432)
+    (5.45, 7.897, 7.432)
     >>> StepCost.fit(slices[:2], "dflash").draft_fit, StepCost.fit(slices[:2], "dflash").verify_fit
     ('mean', 'flat')
     """
 
     mechanism: str
     kind: str
+    draft_per_step: float
     draft_intercept: float
     draft_slope: float
     verify_intercept: float
@@ -197,22 +200,25 @@ class StepCost:
         drafting_x = [s.rounds / s.steps for s in timed]
         pass_ms = [s.draft_ms / s.steps / n for s, n in zip(timed, passes)]
         fitted = _theil_sen(drafting_x, pass_ms)
-        if fitted is None:
+        serial_fit = _serial_draft_fit(timed) if kind == "serial" else None
+        if serial_fit is not None:
+            draft = (*serial_fit, "huber")
+        elif fitted is None:
             all_passes = sum(s.steps * n for s, n in zip(timed, passes))
-            draft = (ratio(total.draft_ms, all_passes), 0.0, "mean")
+            draft = (0.0, ratio(total.draft_ms, all_passes), 0.0, "mean")
         else:
-            draft = (*fitted, "theil_sen")
+            draft = (0.0, *fitted, "theil_sen")
         verify = _verify_fit(timed)
         if verify is None:
             verify = (ratio(total.verify_ms, steps), 0.0, 0.0, "flat")
         else:
             verify = (*verify, "huber")
-        return cls(mechanism, kind, draft[0], draft[1], verify[0], verify[1], verify[2], requests, drafting,
-                   len(timed), steps, draft[2], verify[3])
+        return cls(mechanism, kind, draft[0], draft[1], draft[2], verify[0], verify[1], verify[2], requests,
+                   drafting, len(timed), steps, draft[3], verify[3])
 
     def draft_ms(self, draft_length: int) -> float:
         per_pass = self.draft_intercept + self.draft_slope * self.drafting_per_step
-        return per_pass * (draft_length if self.kind == "serial" else 1)
+        return self.draft_per_step + per_pass * (draft_length if self.kind == "serial" else 1)
 
     def verify_ms(self, draft_length: int) -> float:
         return self.standard_ms + self.verify_per_draft_token * self.drafting_per_step * draft_length
@@ -250,6 +256,36 @@ def _theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return float(intercept), float(slope)
 
 
+def _huber_nonnegative(features, y) -> list[float] | None:
+    """Least squares with a Huber loss, every coefficient >= 0; None when it does not converge."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    x, y = np.asarray(features, dtype=float), np.asarray(y, dtype=float)
+    scale = max(float(np.median(np.abs(y - np.median(y)))), 1e-3)
+    # Started from the ordinary least-squares answer moved inside the bounds: from the bound
+    # itself the solver stops at once.
+    start = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 1e-6, None)
+    fit = least_squares(lambda p: x @ p - y, x0=start, bounds=(0.0, np.inf), loss="huber", f_scale=scale)
+    coefficients = [float(v) for v in fit.x]
+    return coefficients if fit.success and all(math.isfinite(c) for c in coefficients) else None
+
+
+def _serial_draft_fit(timed: list[SliceStats]) -> tuple[float, float, float] | None:
+    """Serial draft ms per step = per-step cost + passes * (per pass + per pass per drafting request).
+
+    Only slices at different D separate the per-step cost from the passes.
+    """
+    if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
+        return None
+    features = []
+    for s in timed:
+        passes = s.drafted_tokens / s.rounds
+        features.append([1.0, passes, passes * s.rounds / s.steps])
+    fitted = _huber_nonnegative(features, [s.draft_ms / s.steps for s in timed])
+    return None if fitted is None else (fitted[0], fitted[1], fitted[2])
+
+
 def _verify_fit(timed: list[SliceStats]) -> tuple[float, float, float] | None:
     """Verify ms per step = a + b * requests + c * draft tokens (per step), when D varied enough.
 
@@ -258,16 +294,9 @@ def _verify_fit(timed: list[SliceStats]) -> tuple[float, float, float] | None:
     """
     if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
         return None
-    import numpy as np
-    from scipy.optimize import least_squares
-
-    x = np.array([[(s.rounds + s.plain_entries) / s.steps, s.drafted_tokens / s.steps] for s in timed])
-    y = np.array([s.verify_ms / s.steps for s in timed])
-    scale = max(float(np.median(np.abs(y - np.median(y)))), 1e-3)
-    fit = least_squares(lambda p: p[0] + x @ p[1:] - y, x0=[float(np.median(y)), 0.0, 0.0],
-                        bounds=([-np.inf, 0.0, 0.0], [np.inf, np.inf, np.inf]), loss="huber", f_scale=scale)
-    a, per_request, per_token = (float(v) for v in fit.x)
-    return (a, per_request, per_token) if fit.success and math.isfinite(a) else None
+    features = [[1.0, (s.rounds + s.plain_entries) / s.steps, s.drafted_tokens / s.steps] for s in timed]
+    fitted = _huber_nonnegative(features, [s.verify_ms / s.steps for s in timed])
+    return None if fitted is None else (fitted[0], fitted[1], fitted[2])
 
 
 @dataclass(frozen=True)

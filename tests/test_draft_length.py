@@ -35,7 +35,7 @@ def _rounds(rates, n, seed, draft_length=4):
 
 
 def _step_slices(draft_lengths, batches=None, pass_ms=0.6, pass_ms_per_request=0.025, verify_base=7.2,
-                 verify_per_token=0.015):
+                 verify_per_token=0.015, draft_per_step=0.0):
     """Per-slice bundle statistics of a serial drafter whose step times are exact linear functions.
 
     Each step runs D drafter passes costing ``pass_ms + pass_ms_per_request * batch`` each, and
@@ -45,7 +45,7 @@ def _step_slices(draft_lengths, batches=None, pass_ms=0.6, pass_ms_per_request=0
     for d, b in zip(draft_lengths, batches or [16] * len(draft_lengths)):
         s = SliceStats()
         s.steps, s.rounds, s.drafted_tokens = 10, 10 * b, 10 * b * d
-        s.draft_ms = 10 * d * (pass_ms + pass_ms_per_request * b)
+        s.draft_ms = 10 * (draft_per_step + d * (pass_ms + pass_ms_per_request * b))
         s.verify_ms = 10 * (verify_base + verify_per_token * b * (1 + d))
         out.append(s)
     return out
@@ -89,10 +89,14 @@ def test_acceptance_interval_covers_the_truth_and_narrows_with_evidence():
 
 def test_step_cost_model_recovers_serial_and_parallel_costs():
     batches = [12, 13, 14, 15, 16, 17, 18, 19]
-    serial = StepCost.fit(_step_slices([4, 4, 3, 3, 2, 2, 1, 1], batches), "eagle3")
-    assert (serial.kind, serial.draft_fit, serial.verify_fit) == ("serial", "theil_sen", "huber")
+    serial = StepCost.fit(_step_slices([4, 4, 3, 3, 2, 2, 1, 1], batches, draft_per_step=2.0), "eagle3")
+    assert (serial.kind, serial.draft_fit, serial.verify_fit) == ("serial", "huber", "huber")
     batch = sum(batches) / len(batches)
-    assert serial.draft_ms(3) == pytest.approx(3 * (0.6 + 0.025 * batch))
+    assert serial.draft_ms(3) == pytest.approx(2.0 + 3 * (0.6 + 0.025 * batch), rel=1e-4)
+    # at one D but several batch sizes: the pass cost against the batch, nothing per step
+    one_d = StepCost.fit(_step_slices([4] * 8, batches), "eagle3")
+    assert (one_d.draft_fit, one_d.draft_per_step) == ("theil_sen", 0.0)
+    assert (one_d.draft_intercept, one_d.draft_slope) == (pytest.approx(0.6), pytest.approx(0.025))
     assert serial.verify_ms(3) == pytest.approx(7.2 + 0.015 * batch * 4, rel=1e-4)
     assert serial.standard_ms == pytest.approx(7.2 + 0.015 * batch, rel=1e-4)
     # a parallel drafter drafts a block in one pass: its draft time does not grow with D

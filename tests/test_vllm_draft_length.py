@@ -166,16 +166,18 @@ def test_fading_drafter_gets_a_shorter_draft_and_the_engine_drafts_no_further(ru
     # step time: printed beside the model's prediction, never asserted (a shared CPU sets it)
     full_d, advised_d = coding["curve"][_DRAFT_LENGTH - 1], coding["curve"][advised - 1]
     predicted = (advised_d["draft_ms"] + advised_d["verify_ms"]) / (full_d["draft_ms"] + full_d["verify_ms"])
-    measured = {}
+    measured, parts = {}, {}
     for name in ("full", "advised"):
         from specwatch.schemas import decode_line
 
         steps = [r for r in map(decode_line, run[name]["records"]) if r.kind == "step"]
         measured[name] = sum(s.draft_ms + s.verify_ms for s in steps) / len(steps)
+        parts[name] = (f"draft {sum(s.draft_ms for s in steps) / len(steps):.1f} + verify "
+                       f"{sum(s.verify_ms for s in steps) / len(steps):.1f} ms")
     with capsys.disabled():
         print(f"\n[vllm draft length] rates {[round(r, 3) for r in rates]}; advised D {advised} "
               f"(predicted speedup {advised_d['speedup']:.3f} vs {full_d['speedup']:.3f} at D=4); step time "
-              f"D=4 {measured['full']:.1f} ms, D={advised} {measured['advised']:.1f} ms: ratio "
+              f"D=4 {parts['full']}, D={advised} {parts['advised']}: ratio "
               f"{measured['advised'] / measured['full']:.2f}, predicted {predicted:.2f}; output tokens/s "
               f"{run['full']['output_tokens'] / run['full']['wall_s']:.0f} -> "
               f"{run['advised']['output_tokens'] / run['advised']['wall_s']:.0f}")
