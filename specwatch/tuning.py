@@ -16,11 +16,13 @@ from typing import Mapping, Sequence
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.draft_length import (
     DraftLengthCurve,
-    curve_from_slices,
+    PositionSurvival,
+    StepCost,
+    draft_length_curve,
     starting_draft_length,
     tile_draft_lengths,
 )
-from specwatch.detectors.window import SliceStats
+from specwatch.detectors.window import SliceStats, merge_all
 
 __all__ = ["DEFAULT_WINDOW_SECONDS", "heads_per_kv_head", "render_html", "render_text", "tune_report"]
 
@@ -71,7 +73,7 @@ def tune_report(rows: Sequence[Mapping], card: Mapping, bundle_id: str, flags: F
     recent = [r for r in rows if r["ts"] > newest - window_seconds]
     drafter = card.get("drafter") or {}
     mechanism, deployed = drafter.get("mechanism", "external"), int(drafter.get("draft_length") or 0)
-    costs = [_slice(r) for r in recent if r["bucket"] is None and r["cohort"] is None]
+    cost = StepCost.fit([_slice(r) for r in recent if r["bucket"] is None and r["cohort"] is None], mechanism)
     by_bucket: dict[str, list[Mapping]] = defaultdict(list)
     for r in recent:
         if r["bucket"] is not None:
@@ -81,7 +83,8 @@ def tune_report(rows: Sequence[Mapping], card: Mapping, bundle_id: str, flags: F
     buckets = []
     for bucket in sorted(by_bucket):
         bucket_rows = by_bucket[bucket]
-        curve = curve_from_slices([_slice(r) for r in bucket_rows], costs, mechanism)
+        survival = PositionSurvival.from_stats(merge_all((_slice(r) for r in bucket_rows), sketches=False))
+        curve = draft_length_curve(survival, cost)
         current = _current_draft_length(bucket_rows, bundle_id, bucket, deployed, flags)
         buckets.append(_bucket_report(bucket, curve, current, start, tiles))
     return {
@@ -92,7 +95,7 @@ def tune_report(rows: Sequence[Mapping], card: Mapping, bundle_id: str, flags: F
                    "seconds": window_seconds},
         "heads_per_kv_head": heads_per_kv,
         "starting_draft_length": start,
-        "step_cost": curve.cost.to_dict() if buckets else None,
+        "step_cost": cost.to_dict(),
         "buckets": buckets,
     }
 
