@@ -31,10 +31,13 @@ class ScopeMemory:
 
     ``disables`` counts every automatic disable of the scope, restored or not: it sets
     the backoff of the next restore. ``disabled_at`` is None while the path is on.
+    ``lowered_to`` is the last D the policy lowered the scope to: a restore brings the path
+    back at that D, since the standard decoding seen meanwhile is no evidence for a longer one.
     """
 
     last_decision_ts: float | None = None
     reduced_at: float | None = None
+    lowered_to: int | None = None
     last_alert_ts: float | None = None
     frozen: bool = False
     disables: int = 0
@@ -129,6 +132,7 @@ class FallbackPolicy:
                     return None  # the lower D has not had time to show its effect
             elif self.policy.acceptance.reduce_first and limit and limit > actions.min_draft_length:
                 new_limit = self._lower_draft_length(limit, curve, evidence)
+                memory.lowered_to = new_limit
                 memory.reduced_at = finding.ts
                 memory.last_decision_ts = finding.ts
                 evidence["draft_length"] = new_limit
@@ -237,6 +241,8 @@ class FallbackPolicy:
             "last_strict_mismatch_ts": last_mismatch_ts,
             "evidence": [e.evidence() for e in evidence],
         }
+        if memory.lowered_to is not None:
+            body["draft_length"] = memory.lowered_to
         memory.restores += 1
         memory.disabled_at = None
         memory.last_decision_ts = now
