@@ -111,6 +111,12 @@ def _scenario(out_path: Path) -> None:
                          action="reduce_draft_length", reason="acceptance_drop", detector="tune",
                          evidence={"draft_length": advised}))
     phase("advised")
+    # with steps at two D, the cost model can separate the drafter's per-step cost from its passes
+    rows = []
+    pipeline = EmbeddedPipeline(sinks=[lambda output: rows.extend(output.window_rows)])
+    pipeline.feed_many(records)
+    pipeline.finish()
+    result["report_both"] = tune_report(rows, card, bundle_id, None, window_seconds=24 * 3600.0)
     collector.close()
     close_engine(engine)
     out_path.write_text(json.dumps(result))
@@ -181,6 +187,14 @@ def test_fading_drafter_gets_a_shorter_draft_and_the_engine_drafts_no_further(ru
               f"{measured['advised'] / measured['full']:.2f}, predicted {predicted:.2f}; output tokens/s "
               f"{run['full']['output_tokens'] / run['full']['wall_s']:.0f} -> "
               f"{run['advised']['output_tokens'] / run['advised']['wall_s']:.0f}")
+        both = run["report_both"]
+        refit = next(b for b in both["buckets"] if b["bucket"] == "coding")
+        at = {p["d"]: p["draft_ms"] + p["verify_ms"] for p in refit["curve"]}
+        cost = both["step_cost"]
+        print(f"[vllm draft length] refit on both D: draft {cost['draft_fit']} (per step "
+              f"{cost['draft_per_step']:.1f} ms, per pass {cost['draft_intercept']:.1f} + "
+              f"{cost['draft_slope']:.2f} x requests ms), verify {cost['verify_fit']}; step time ratio "
+              f"D={advised}/D=4 now predicted {at[advised] / at[_DRAFT_LENGTH]:.2f}; best D {refit['best_d']}")
 
 
 if __name__ == "__main__":
