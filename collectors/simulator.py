@@ -355,7 +355,7 @@ _INTENSITY = MappingProxyType({
     "canary_mismatch": (0.2, 0.0, 1.0, "fraction of shadow checks that mismatch"),
     "draft_cost_doubles": (2.0, 1.0, 100.0, "multiplier on draft time"),
     "late_acceptance_decay": (0.3, 0.0, 1.0, "multiplier on acceptance at the third draft position and later"),
-    "context_shift": (4.0, 1.0, 20.0, "multiplier on the bucket's prompt lengths"),
+    "context_shift": (10.0, 1.0, 20.0, "multiplier on the bucket's prompt lengths"),
 })
 _LATENCY_TAIL_FRACTION = 0.10
 _DEFAULT_INCIDENT_AT = 240.0
@@ -460,7 +460,7 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
         "coding drafts stay good at positions 1-2; later positions are accepted x intensity (default 0.3) "
         "as often", 6.0, (_Plan("late_acceptance_decay", bucket="coding"),)),
     "context_shift": _Scenario(
-        "summarization prompts grow x intensity (default 4): more KV per step, slower verify passes", 6.0,
+        "summarization prompts grow x intensity (default 10): more KV per step, slower verify passes", 6.0,
         (_Plan("context_shift", bucket="summarization"),)),
     "admission_change": _Scenario(
         "a new bundle in admission; the tokenizer digest changes over the fleet in 10 s at 330 s", 8.0,

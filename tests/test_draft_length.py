@@ -226,6 +226,9 @@ def test_advised_d_reaches_95_percent_of_the_best_within_the_target():
     cost = results["draft_cost_doubles"]
     assert cost["best_d_before"]["summarization"]["best_d"] == 3 and cost["final"]["summarization"] == {
         "advised_d": 2, "best_d": 2, "ratio": 1.0}
+    shift = results["context_shift"]
+    assert shift["best_d_before"]["reasoning"]["best_d"] == 2 and shift["final"]["reasoning"] == {
+        "advised_d": 3, "best_d": 3, "ratio": 1.0}
     late = results["late_acceptance_decay"]
     assert late["best_d_before"]["coding"]["best_d"] == 4 and late["final"]["coding"] == {
         "advised_d": 2, "best_d": 2, "ratio": 1.0}

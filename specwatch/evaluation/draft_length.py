@@ -44,7 +44,7 @@ class DraftLengthCase:
 CASES = (
     DraftLengthCase("draft_cost_doubles", 2.0, draft_factor=2.0),
     DraftLengthCase("late_acceptance_decay", 0.3, late_factor=0.3, late_bucket="coding"),
-    DraftLengthCase("context_shift", 4.0),
+    DraftLengthCase("context_shift", 10.0),
 )
 
 
