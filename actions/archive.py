@@ -82,7 +82,10 @@ _READ_ONLY_KEYWORDS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC")
 _SAMPLE_KINDS = ("request", "step", "shadow")
 
 _WINDOW_COUNTS = ("rounds", "drafted_tokens", "accepted_tokens", "requests", "errors",
-                  "shadow_checks", "shadow_mismatches")
+                  "shadow_checks", "shadow_mismatches", "steps", "plain_entries")
+# Per-draft-position survival counts (`SliceStats.accepted_at_least` / `drafted_at_least`):
+# what `specwatch tune` predicts acceptance at every D from.
+_WINDOW_ARRAYS = ("accepted_at_least", "drafted_at_least")
 _WINDOW_FLOATS = ("acceptance_length", "draft_overhead", "speedup", "draft_ms", "verify_ms",
                   "error_rate", "ttft_p50", "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95",
                   "tpot_p99", "e2e_p50", "e2e_p95", "e2e_p99", "kv_peak")
@@ -91,22 +94,41 @@ WINDOW_STATS_FIELDS = (
     "acceptance_length", "draft_overhead", "speedup", "draft_ms", "verify_ms", "requests",
     "errors", "error_rate", "ttft_p50", "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95",
     "tpot_p99", "e2e_p50", "e2e_p95", "e2e_p99", "kv_peak", "shadow_checks",
-    "shadow_mismatches", "speculation_on",
+    "shadow_mismatches", "speculation_on", "steps", "plain_entries", "accepted_at_least",
+    "drafted_at_least",
 )
 """The keys of one window-stats row, in table column order."""
+# Columns added after the first release: an archive created before gets them on open.
+_WINDOW_ADDED = ("steps", "plain_entries", "accepted_at_least", "drafted_at_least")
 
 _FLOAT_SET = frozenset(_WINDOW_FLOATS)
 _WINDOW_FIELD_SET = frozenset(WINDOW_STATS_FIELDS)
 _WINDOW_TEXT = ("bundle_id", "bucket", "cohort")
 # Every number (counts and the flag too) is unpacked as float64 first, so None, NaN,
 # fractions and negatives can be told apart and refused or kept as the field needs.
-_WINDOW_NUMBERS = tuple(name for name in WINDOW_STATS_FIELDS if name not in _WINDOW_TEXT)
+_WINDOW_NUMBERS = tuple(name for name in WINDOW_STATS_FIELDS if name not in _WINDOW_TEXT + _WINDOW_ARRAYS)
 _WINDOW_NUMBER_VALUES = operator.itemgetter(*_WINDOW_NUMBERS)
 _WINDOW_EXPECTED = {name: "a count" if name in _WINDOW_COUNTS else "a number or NaN"
                     for name in WINDOW_STATS_FIELDS}
 _WINDOW_EXPECTED.update(ts="a finite slice end time", bundle_id="a bundle id string",
                         bucket="a string or None", cohort="a string or None",
-                        speculation_on="a bool")
+                        speculation_on="a bool", accepted_at_least="a list of counts",
+                        drafted_at_least="a list of counts")
+
+
+def _window_column_type(name: str) -> str:
+    """The ClickHouse type of one window-stats column."""
+    if name == "ts":
+        return "Float64"
+    if name == "bundle_id":
+        return "LowCardinality(String)"
+    if name in _WINDOW_TEXT:
+        return "LowCardinality(Nullable(String))"
+    if name == "speculation_on":
+        return "Bool"
+    if name in _WINDOW_ARRAYS:
+        return "Array(UInt64)"
+    return "UInt64" if name in _WINDOW_COUNTS else "Nullable(Float64)"
 
 # Scope columns (bucket, cohort) are Nullable because NULL means "every bucket/cohort"
 # in decisions; the same convention holds in every table, so sorting keys that contain
@@ -158,14 +180,7 @@ _TABLES: dict[str, str] = {
     ) ENGINE = ReplacingMergeTree
     ORDER BY (decision_id, kind, sample_id)""",
     "window_stats": """
-        ts Float64,
-        bundle_id LowCardinality(String),
-        bucket LowCardinality(Nullable(String)),
-        cohort LowCardinality(Nullable(String)),
-        """ + ",\n        ".join(
-        f"{name} UInt64" if name in _WINDOW_COUNTS else f"{name} Nullable(Float64)"
-        for name in WINDOW_STATS_FIELDS[4:-1]) + """,
-        speculation_on Bool
+        """ + ",\n        ".join(f"{name} {_window_column_type(name)}" for name in WINDOW_STATS_FIELDS) + """
     ) ENGINE = ReplacingMergeTree
     PARTITION BY toYYYYMM(toDateTime(toUInt32(ts), 'UTC'))
     ORDER BY (bundle_id, bucket, cohort, ts)
@@ -606,6 +621,9 @@ class Archive:
         self._client.command(f"CREATE DATABASE IF NOT EXISTS {self._db}")
         for table, body in _TABLES.items():
             self._client.command(f"CREATE TABLE IF NOT EXISTS {self._db}.{table} ({body}")
+        for name in _WINDOW_ADDED:
+            self._client.command(f"ALTER TABLE {self._db}.window_stats ADD COLUMN IF NOT EXISTS "
+                                 f"{name} {_window_column_type(name)}")
 
     def exists(self) -> bool:
         """Whether the archive tables are there (an archive was created at this place)."""
@@ -801,7 +819,14 @@ class Archive:
         """Window-stats rows in slice order (``bucket``/``cohort`` ``"*"`` = whole-bundle rows)."""
         where, params = _filters(bundle_id=bundle_id, bucket=bucket, cohort=cohort, since=since,
                                  until=until)
-        rows = self._select(f"SELECT {', '.join(WINDOW_STATS_FIELDS)} FROM {self._db}.window_stats "
+        present = {r["name"] for r in self._select(
+            "SELECT name FROM system.columns WHERE database = {db:String} AND table = 'window_stats'",
+            {"db": self._db})}
+        # An archive opened read-only from before the added columns reads them as empty.
+        columns = ", ".join(name if name in present else
+                            f"{'emptyArrayUInt64()' if name in _WINDOW_ARRAYS else 'toUInt64(0)'} AS {name}"
+                            for name in WINDOW_STATS_FIELDS)
+        rows = self._select(f"SELECT {columns} FROM {self._db}.window_stats "
                             f"FINAL{where} ORDER BY ts, bundle_id, bucket, cohort", params)
         nan = math.nan
         for row in rows:
@@ -1275,7 +1300,8 @@ def _window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Ta
     """Window-stats rows as an Arrow table, with the checks a ClickHouse insert would not do.
 
     >>> row = dict.fromkeys(WINDOW_STATS_FIELDS, 1)
-    >>> row.update(ts=10.0, bundle_id="b-1", bucket="coding", cohort=None, speedup=float("nan"))
+    >>> row.update(ts=10.0, bundle_id="b-1", bucket="coding", cohort=None, speedup=float("nan"),
+    ...            accepted_at_least=[1], drafted_at_least=[1])
     >>> table = _window_stats_table([row], 0)
     >>> table.column("speedup").null_count, table.column("rounds").type
     (1, DataType(uint64))
@@ -1297,7 +1323,9 @@ def _window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Ta
     columns = dict(zip(_WINDOW_NUMBERS, np.ascontiguousarray(matrix.T)))
     arrays = []
     for name in WINDOW_STATS_FIELDS:
-        if name in _WINDOW_TEXT:
+        if name in _WINDOW_ARRAYS:
+            array, bad = _count_lists(rows, name)
+        elif name in _WINDOW_TEXT:
             try:
                 array = pa.array(texts[name], type=_STR)
             except pa.ArrowException:
@@ -1325,6 +1353,14 @@ def _window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Ta
     return pa.Table.from_arrays(arrays, names=list(WINDOW_STATS_FIELDS))
 
 
+def _count_lists(rows: Sequence[Mapping[str, Any]], name: str) -> tuple[pa.Array | None, list[int]]:
+    """One list-of-counts column, or the rows whose value is not a list of whole numbers >= 0."""
+    values = [row[name] for row in rows]
+    bad = [i for i, v in enumerate(values) if not isinstance(v, (list, tuple))
+           or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v)]
+    return (None if bad else pa.array(values, type=pa.list_(pa.uint64()))), bad
+
+
 def _window_culprit(rows: Sequence[Mapping[str, Any]], offset: int) -> ValueError:
     """The error naming the first row or value that would not convert."""
     for index, row in enumerate(rows):
@@ -1337,6 +1373,8 @@ def _window_culprit(rows: Sequence[Mapping[str, Any]], offset: int) -> ValueErro
             value = row[name]
             if name in _WINDOW_TEXT:
                 fits = isinstance(value, str) or (value is None and name != "bundle_id")
+            elif name in _WINDOW_ARRAYS:
+                fits = True  # checked column by column in `_count_lists`
             else:
                 try:
                     float(value)

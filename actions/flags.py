@@ -143,7 +143,10 @@ class FlagStore:
                 limit = int(decision.evidence.get("draft_length", 1))
                 after = ScopeState(True, limit, decision.reason, decision.id, decision.ts)
             elif decision.action == "restore":
-                after = None
+                # a restore naming a D brings the path back at that D, not at the card's
+                limit = decision.evidence.get("draft_length")
+                after = None if limit is None else ScopeState(True, int(limit), decision.reason, decision.id,
+                                                              decision.ts)
             else:  # alerts change nothing on the path
                 return False
             if _same(before, after):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specwatch.detectors.draft_length import DraftLengthCurve
 from specwatch.detectors.monitor import Finding, RecoveryEvidence
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import Policy
@@ -30,10 +31,13 @@ class ScopeMemory:
 
     ``disables`` counts every automatic disable of the scope, restored or not: it sets
     the backoff of the next restore. ``disabled_at`` is None while the path is on.
+    ``lowered_to`` is the last D the policy lowered the scope to: a restore brings the path
+    back at that D, since the standard decoding seen meanwhile is no evidence for a longer one.
     """
 
     last_decision_ts: float | None = None
     reduced_at: float | None = None
+    lowered_to: int | None = None
     last_alert_ts: float | None = None
     frozen: bool = False
     disables: int = 0
@@ -95,7 +99,13 @@ class FallbackPolicy:
         return None if state is None else state.draft_limit
 
     def decide(self, finding: Finding, scope: Scope, draft_length: int | None,
-               sample_ids: list[str] | None = None, extra_evidence: dict | None = None) -> Decision | None:
+               sample_ids: list[str] | None = None, extra_evidence: dict | None = None,
+               curve: DraftLengthCurve | None = None) -> Decision | None:
+        """At most one decision for ``finding`` on ``scope``.
+
+        ``curve`` is the scope's predicted speedup per draft length; with enough evidence in
+        it, lowering D names the best D below the current one instead of halving.
+        """
         if self._is_off(scope):
             return None  # already on standard decoding here or above: nothing more to say
         memory = self.memory.setdefault(scope, ScopeMemory())
@@ -121,7 +131,8 @@ class FallbackPolicy:
                 if finding.ts - memory.reduced_at < self.policy.acceptance.settle_seconds:
                     return None  # the lower D has not had time to show its effect
             elif self.policy.acceptance.reduce_first and limit and limit > actions.min_draft_length:
-                new_limit = max(actions.min_draft_length, limit // 2)
+                new_limit = self._lower_draft_length(limit, curve, evidence)
+                memory.lowered_to = new_limit
                 memory.reduced_at = finding.ts
                 memory.last_decision_ts = finding.ts
                 evidence["draft_length"] = new_limit
@@ -137,6 +148,24 @@ class FallbackPolicy:
         memory.disabled_at, memory.disabled_reason, memory.disabled_decision_id = finding.ts, reason, decision.id
         memory.reduced_at = None  # after a restore, the table's order starts over: lower D first
         return decision
+
+    def _lower_draft_length(self, limit: int, curve: DraftLengthCurve | None, evidence: dict) -> int:
+        """The D to lower to: the best predicted below ``limit``, or half of it on thin evidence.
+
+        Without a curve (a reason that is not about acceptance, such as KV pressure) the
+        table's halving stands and the evidence says nothing more.
+        """
+        floor = self.policy.actions.min_draft_length
+        halved = max(floor, limit // 2)
+        if curve is None:
+            return halved
+        thin = curve.thin
+        best = curve.best(floor, limit - 1) if thin is None else None
+        if best is None:
+            evidence["draft_length_basis"] = f"halving: {thin or 'no prediction below D=' + str(limit)}"
+            return halved
+        evidence.update(curve.evidence(best.draft_length, min(limit, len(curve.points))))
+        return best.draft_length
 
     # -- restore ---------------------------------------------------------------------------
     def restore_wait(self, scope: Scope) -> float | None:
@@ -212,6 +241,8 @@ class FallbackPolicy:
             "last_strict_mismatch_ts": last_mismatch_ts,
             "evidence": [e.evidence() for e in evidence],
         }
+        if memory.lowered_to is not None:
+            body["draft_length"] = memory.lowered_to
         memory.restores += 1
         memory.disabled_at = None
         memory.last_decision_ts = now

@@ -42,7 +42,9 @@ __all__ = [
     "Incident",
     "Simulator",
     "acceptance_length",
+    "bucket_acceptance_length",
     "step_timing",
+    "true_speedup",
 ]
 
 DEFAULT_START_TS = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -134,31 +136,59 @@ _SHIFTED_WEIGHTS = MappingProxyType({
 })
 
 
-def acceptance_length(position_acceptance: float, draft_length: int, decay: float = 0.97) -> float:
+# Positions from this one on (counting from 0) are the "late" ones a late-decay incident hits.
+_LATE_POSITION = 2
+
+
+def _position_probability(position_acceptance: float, k: int, decay: float, late_factor: float) -> float:
+    """Probability that draft position ``k`` (from 0) is accepted, given the positions before it were."""
+    return min(1.0, position_acceptance * decay**k * (late_factor if k >= _LATE_POSITION else 1.0))
+
+
+def acceptance_length(position_acceptance: float, draft_length: int, decay: float = 0.97,
+                      late_factor: float = 1.0) -> float:
     """Expected acceptance length (accepted drafts + the target's own token) of one round.
 
     Position ``k`` (from 0) is accepted with probability ``position_acceptance * decay**k``
-    and a round keeps the leading run of accepted positions, so AL is in [1, 1 + D].
+    (times ``late_factor`` from the third position on) and a round keeps the leading run of
+    accepted positions, so AL is in [1, 1 + D].
 
     >>> round(acceptance_length(0.8, 4), 3)
     3.229
     >>> acceptance_length(0.0, 4), acceptance_length(1.0, 4, decay=1.0)
     (1.0, 5.0)
+    >>> round(acceptance_length(0.8, 4, late_factor=0.3), 3)
+    2.592
     """
     if not 0.0 <= position_acceptance <= 1.0:
         raise ValueError(f"position_acceptance must be in [0, 1], got {position_acceptance}")
     expected, run = 1.0, 1.0
     for k in range(draft_length):
-        run *= min(1.0, position_acceptance * decay**k)
+        run *= _position_probability(position_acceptance, k, decay, late_factor)
         expected += run
     return expected
 
 
-def _accepted_cdf(position_acceptance: float, draft_length: int, decay: float) -> list[float]:
+def bucket_acceptance_length(bucket: str, draft_length: int, late_factor: float = 1.0) -> float:
+    """The true AL of a healthy bucket's rounds at D (requests' difficulty levels averaged).
+
+    What the simulator draws from, so evaluations can score advice against the truth.
+
+    >>> round(bucket_acceptance_length("coding", 4), 3), round(bucket_acceptance_length("coding", 1), 3)
+    (3.237, 1.8)
+    """
+    profile = BUCKETS[_BUCKET_INDEX[bucket]]
+    return sum(acceptance_length(min(0.99, profile.position_acceptance * level), draft_length,
+                                 profile.acceptance_decay, late_factor)
+               for level in _DIFFICULTY_LEVELS) / len(_DIFFICULTY_LEVELS)
+
+
+def _accepted_cdf(position_acceptance: float, draft_length: int, decay: float,
+                  late_factor: float = 1.0) -> list[float]:
     """P(accepted <= j) for j in 0..D-1: thresholds for drawing a round's accepted run."""
     cdf, run, total = [], 1.0, 0.0
     for k in range(draft_length):
-        p = min(1.0, position_acceptance * decay**k)
+        p = _position_probability(position_acceptance, k, decay, late_factor)
         total += run * (1.0 - p)
         run *= p
         cdf.append(total)
@@ -226,6 +256,23 @@ def step_timing(requests: int, drafting: int, max_drafted: int, drafted_tokens: 
     return draft * draft_factor, verify
 
 
+def true_speedup(bucket: str, draft_length: int, requests: float, drafting: float, kv_tokens: float,
+                 draft_factor: float = 1.0, late_factor: float = 1.0) -> float:
+    """A bucket's speedup at D over standard decoding, as the simulator runs it: the oracle.
+
+    Steps of ``requests`` requests, ``drafting`` of them drafting D tokens, holding
+    ``kv_tokens`` of KV cache; the mean scheduling gap between steps counts on both sides
+    (telemetry does not report it, so an advisor cannot see it).
+
+    >>> round(true_speedup("coding", 4, 16, 15, 96_000), 3), round(true_speedup("coding", 2, 16, 15, 96_000), 3)
+    (2.168, 1.943)
+    """
+    draft, verify = step_timing(requests, drafting, draft_length, drafting * draft_length, kv_tokens, draft_factor)
+    standard = step_timing(requests, 0, 0, 0, kv_tokens)[1]
+    gap = _SCHEDULE_GAP_MS * 1.5  # mean of the uniform gap 0.25 * (1 + u)
+    return bucket_acceptance_length(bucket, draft_length, late_factor) * (standard + gap) / (draft + verify + gap)
+
+
 # Prefill runs on its own lane (chunked/disaggregated); it sets TTFT but not decode step time.
 _PREFILL_BASE_MS = 12.0
 _PREFILL_MS_PER_TOKEN = 0.011
@@ -290,6 +337,9 @@ _EXPECTED_REASON = MappingProxyType({
     "error_burst": "error_rate",
     "canary_tail": "canary_judgement",
     "canary_mismatch": "canary_judgement",
+    "draft_cost_doubles": "draft_overhead",
+    "late_acceptance_decay": "acceptance_drop",
+    "context_shift": "draft_overhead",
 })
 # Default intensity per incident kind, with the range that keeps its meaning.
 _INTENSITY = MappingProxyType({
@@ -303,6 +353,9 @@ _INTENSITY = MappingProxyType({
     "error_burst": (20.0, 1.0, float(_MAX_ERROR_FACTOR), "multiplier on the error and timeout rate"),
     "canary_tail": (5.0, 1.0, 100.0, "multiplier on e2e and TPOT of the tail requests"),
     "canary_mismatch": (0.2, 0.0, 1.0, "fraction of shadow checks that mismatch"),
+    "draft_cost_doubles": (2.0, 1.0, 100.0, "multiplier on draft time"),
+    "late_acceptance_decay": (0.3, 0.0, 1.0, "multiplier on acceptance at the third draft position and later"),
+    "context_shift": (10.0, 1.0, 20.0, "multiplier on the bucket's prompt lengths"),
 })
 _LATENCY_TAIL_FRACTION = 0.10
 _DEFAULT_INCIDENT_AT = 240.0
@@ -399,6 +452,16 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
         "a new bundle whose structured output starts to differ from standard decoding on the canary path "
         "(intensity = mismatching share of shadow checks, default 0.2)", 8.0,
         (_Plan("canary_mismatch", bucket="structured", cohort="canary"),), incident_at=0.0),
+    # Draft-length scenarios: the best D moves (`specwatch.evaluation.draft_length` scores the advice).
+    "draft_cost_doubles": _Scenario(
+        "draft time x intensity (default 2) on every worker: shorter drafts pay better", 6.0,
+        (_Plan("draft_cost_doubles"),)),
+    "late_acceptance_decay": _Scenario(
+        "coding drafts stay good at positions 1-2; later positions are accepted x intensity (default 0.3) "
+        "as often", 6.0, (_Plan("late_acceptance_decay", bucket="coding"),)),
+    "context_shift": _Scenario(
+        "summarization prompts grow x intensity (default 10): more KV per step, slower verify passes", 6.0,
+        (_Plan("context_shift", bucket="summarization"),)),
     "admission_change": _Scenario(
         "a new bundle in admission; the tokenizer digest changes over the fleet in 10 s at 330 s", 8.0,
         (_Plan("bundle_change"),), incident_at=330.0),
@@ -479,6 +542,8 @@ class _Conditions:
     mismatch: tuple[int, float, int | None] | None = None  # bucket, fraction, cohort (None = any)
     error_factor: dict[int, float] = field(default_factory=dict)
     surge_share: float | None = None
+    late_acceptance: dict[int, float] = field(default_factory=dict)  # bucket -> factor on late positions
+    prompt_factor: dict[int, float] = field(default_factory=dict)  # bucket -> multiplier on prompt length
 
 
 # Columns of a worker's slot table: one row per running request, the numbers every step touches.
@@ -528,9 +593,10 @@ class _Worker:
         rows = []
         for b, profile in enumerate(BUCKETS):
             scale = _scale_for_acceptance_length(profile, self.draft_length, self.conditions.acceptance_factor[b])
+            late = self.conditions.late_acceptance.get(b, 1.0)
             for level in _DIFFICULTY_LEVELS:
                 p = min(0.99, profile.position_acceptance * level * scale)
-                rows.append(_accepted_cdf(p, self.draft_length, profile.acceptance_decay))
+                rows.append(_accepted_cdf(p, self.draft_length, profile.acceptance_decay, late))
         table = np.array(rows, dtype=np.float64)
         return (table + np.arange(len(rows), dtype=np.float64)[:, None]).ravel()
 
@@ -588,6 +654,7 @@ class _Worker:
         prompt = profile.prompt_median * math.exp(profile.prompt_sigma * z0)
         if self.conditions.surge_share is not None and b == _BUCKET_INDEX["long_context"]:
             prompt *= 1.5  # the surge brings longer documents, not just more of them
+        prompt *= self.conditions.prompt_factor.get(b, 1.0)
         req.prompt_tokens = int(min(120_000, max(16, prompt)))
         output = profile.output_median * math.exp(profile.output_sigma * z1)
         req.max_tokens = profile.max_tokens
@@ -698,8 +765,13 @@ class _Worker:
         elif plan.kind == "bundle_change":
             target = self.card.target.model_copy(update={"tokenizer_digest": _UPDATED_TOKENIZER_DIGEST})
             return self.card.model_copy(update={"target": target})
-        elif plan.kind == "draft_regression":
+        elif plan.kind in ("draft_regression", "draft_cost_doubles"):
             c.draft_factor = intensity
+        elif plan.kind == "late_acceptance_decay":
+            c.late_acceptance[bucket] = intensity
+            self.thresholds = self._acceptance_table()
+        elif plan.kind == "context_shift":
+            c.prompt_factor[bucket] = intensity
         elif plan.kind in ("latency_tail", "canary_tail"):
             c.tail = (bucket, cohort, intensity)
         elif plan.kind == "kv_pressure":

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from specwatch.actions.admission import AdmissionController
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
+from specwatch.detectors.draft_length import DraftLengthCurve, curve_from_slices
 from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor, traffic_evidence
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import (
@@ -462,7 +463,9 @@ class Stage2:
             speculating = self.flags.lookup(bundle, bucket, cohort).enabled
         findings = monitor.update(stats, slice_end, speculating)
         row = stats.summary()
-        row.update(ts=slice_end, bundle_id=bundle, bucket=bucket, cohort=cohort, speculation_on=speculating)
+        row.update(ts=slice_end, bundle_id=bundle, bucket=bucket, cohort=cohort, speculation_on=speculating,
+                   steps=stats.steps, plain_entries=stats.plain_entries,
+                   accepted_at_least=list(stats.accepted_at_least), drafted_at_least=list(stats.drafted_at_least))
         out.window_rows.append(row)
         for finding in findings:
             self._act(finding, key, monitor, out, [])
@@ -505,6 +508,17 @@ class Stage2:
         card = self.cards.get(bundle)
         return card["drafter"]["draft_length"] if card else None
 
+    def _draft_length_curve(self, finding: Finding, scope: Key, monitor) -> DraftLengthCurve | None:
+        """A key's predicted speedup per D: the gate's window of acceptance, the bundle's step costs."""
+        card = self.cards.get(scope[0])
+        bundle_monitor = self.monitors.get((scope[0], None, None))
+        if finding.reason != "acceptance_drop" or not isinstance(monitor, KeyMonitor) or card is None \
+                or bundle_monitor is None:
+            return None
+        window = [s for end, s in monitor.history if finding.window_start <= end <= finding.window_end]
+        costs = [s for end, s in bundle_monitor.history if end > bundle_monitor.floor]
+        return curve_from_slices(window, costs, card["drafter"]["mechanism"])
+
     def _act(self, finding: Finding, scope: Key, monitor, out: SliceOutput, extra_samples: list[dict]) -> None:
         samples = list(extra_samples)
         if monitor is not None:
@@ -513,7 +527,8 @@ class Stage2:
         samples = [{k: v for k, v in s.items() if k != "_important"} for s in samples]
         samples = _pick_samples(samples)
         sample_ids = [_sample_id(s) for s in samples]
-        decision = self.fallback.decide(finding, scope, self._draft_length(scope[0]), sample_ids)
+        decision = self.fallback.decide(finding, scope, self._draft_length(scope[0]), sample_ids,
+                                        curve=self._draft_length_curve(finding, scope, monitor))
         if decision is None:
             return
         self.flags.apply(decision)

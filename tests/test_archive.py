@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -27,13 +28,14 @@ from specwatch.actions.archive import (
 from specwatch.schemas import Decision
 
 _COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
-           "shadow_mismatches"}
+           "shadow_mismatches", "steps", "plain_entries"}
+_POSITIONS = {"accepted_at_least", "drafted_at_least"}
 
 
 # -- shared inputs ------------------------------------------------------------------------
 
 def stats_row(ts, bundle="b-1", bucket="coding", cohort="main", **changes):
-    row = {name: (7 if name in _COUNTS else 0.25) for name in WINDOW_STATS_FIELDS}
+    row = {name: ([7, 3] if name in _POSITIONS else 7 if name in _COUNTS else 0.25) for name in WINDOW_STATS_FIELDS}
     row.update(ts=float(ts), bundle_id=bundle, bucket=bucket, cohort=cohort, speculation_on=True,
                acceptance_length=2.5 + ts / 1000, speedup=1.4, tpot_p99=11.5)
     row.update(changes)
@@ -422,9 +424,12 @@ def test_sql_runs_read_only_statements_and_the_engine_enforces_readonly(archive)
     ({"speedup": "fast"}, "row 1: 'speedup' is a number or NaN, not 'fast'"),
     ({"speculation_on": 2}, "row 1: 'speculation_on' is a bool, not 2"),
     ({"speculation_on": None}, "row 1: 'speculation_on' is a bool, not None"),
+    ({"steps": 1.5}, "row 1: 'steps' is a count, not 1.5"),
+    ({"accepted_at_least": [3, -1]}, "row 1: 'accepted_at_least' is a list of counts, not [3, -1]"),
+    ({"drafted_at_least": 4}, "row 1: 'drafted_at_least' is a list of counts, not 4"),
 ])
 def test_bad_window_stats_are_refused_with_the_row_and_field(archive, change, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         archive.write_window_stats([stats_row(1), dict(stats_row(2), **change)])
     assert archive.timeline() == []
 
@@ -436,7 +441,7 @@ def test_window_stats_rows_must_be_complete_dicts(archive):
         archive.write_window_stats([stats_row(1), incomplete])
     with pytest.raises(ValueError, match="row 0 is a tuple"):
         archive.write_window_stats([tuple(stats_row(1).values())])
-    extra = dict(stats_row(3), steps=12)  # unknown keys are ignored
+    extra = dict(stats_row(3), merged_slices=12)  # unknown keys are ignored
     assert archive.write_window_stats([extra]) == 1
 
 
@@ -573,3 +578,23 @@ def test_window_stats_insert_rate(archive):
     assert rate > 25_000, f"{rate:,.0f} window-stats rows/s"
     _, counted = archive.sql("SELECT count() FROM specwatch.window_stats FINAL")
     assert counted == [(120_000,)]
+
+
+def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path):
+    """An archive whose window_stats lacks the per-position columns is brought up to date."""
+    dsn = f"chdb://{tmp_path / 'old'}"
+    with Archive.open(dsn) as archive:
+        for name in ("steps", "plain_entries", "accepted_at_least", "drafted_at_least"):
+            archive._client.command(f"ALTER TABLE specwatch.window_stats DROP COLUMN {name}")
+        _, described = archive.sql("DESCRIBE TABLE specwatch.window_stats")
+        assert "drafted_at_least" not in [r[0] for r in described]
+        old_row = {k: v for k, v in stats_row(1).items() if k not in ("steps", "plain_entries", "accepted_at_least",
+                                                                      "drafted_at_least")}
+        archive._client.insert("specwatch.window_stats", [list(old_row.values())], column_names=list(old_row))
+    with Archive.open(dsn, create=False) as archive:  # read-only: the old rows read with empty counts
+        [row] = archive.timeline()
+        assert (row["steps"], row["accepted_at_least"], row["rounds"]) == (0, [], 7)
+    with Archive.open(dsn) as archive:
+        archive.write_window_stats([stats_row(1, accepted_at_least=[9, 5, 2], drafted_at_least=[10, 10, 10])])
+        [row] = archive.timeline()
+        assert (row["steps"], row["accepted_at_least"], row["drafted_at_least"]) == (7, [9, 5, 2], [10, 10, 10])

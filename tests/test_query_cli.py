@@ -21,7 +21,8 @@ from specwatch.schemas import Decision
 
 _T0 = 1_717_000_000.0
 _COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
-           "shadow_mismatches"}
+           "shadow_mismatches", "steps", "plain_entries"}
+_POSITIONS = {"accepted_at_least", "drafted_at_least"}
 CARD = {"target": {"model_id": "llama-8b", "revision": "r2", "tokenizer_digest": "t1", "quantization": "fp8"},
         "drafter": {"mechanism": "eagle3", "revision": "e1", "draft_length": 4},
         "runtime": {"engine": "vllm-0.32", "gpu": "L4", "parallelism": "tp1"},
@@ -29,7 +30,7 @@ CARD = {"target": {"model_id": "llama-8b", "revision": "r2", "tokenizer_digest":
 
 
 def slice_row(i, bucket="coding", cohort="main", bundle="b-1"):
-    row = {name: (10 if name in _COUNTS else 1.0) for name in WINDOW_STATS_FIELDS}
+    row = {name: ([10, 4] if name in _POSITIONS else 10 if name in _COUNTS else 1.0) for name in WINDOW_STATS_FIELDS}
     dropped = i >= 12
     row.update(ts=_T0 + 10 * i, bundle_id=bundle, bucket=bucket, cohort=cohort, rounds=100 + i,
                acceptance_length=1.3 if dropped else 3.1, speedup=0.9 if dropped else 1.6,

@@ -107,7 +107,9 @@ def test_policy_file_error_names_the_restore_setting(tmp_path):
 
 def test_closed_loop_restores_with_backoff_and_never_flaps():
     # The coding drafter stays broken: each restore is a trial the gates fail again, so the
-    # path comes back after 60 s, then 120 s, then 240 s -- never in a tight loop.
+    # path comes back after 60 s, then 120 s, then 240 s -- never in a tight loop. A restore
+    # brings the path back at the D it was last lowered to, never longer: the first at D 2,
+    # which the gates lower to 1, the second at D 1, which they can only disable.
     policy = _policy(restore_after_seconds=60)
     flags = FlagStore()
     pipeline = EmbeddedPipeline(policy, flags=flags)
@@ -119,16 +121,19 @@ def test_closed_loop_restores_with_backoff_and_never_flaps():
         (95.0, "reduce_draft_length", "coding", "main"),
         (113.0, "disable_speculation", "coding", "main"),
         (184.0, "restore", "coding", "main"),
-        (190.99, "reduce_draft_length", "coding", "main"),
-        (205.99, "disable_speculation", "coding", "main"),
-        (254.0, "reduce_draft_length", "coding", "canary"),
-        (271.99, "disable_speculation", "coding", "canary"),
+        (191.0, "reduce_draft_length", "coding", "main"),
+        (206.0, "disable_speculation", "coding", "main"),
+        (256.99, "reduce_draft_length", "coding", "canary"),
+        (278.99, "disable_speculation", "coding", "canary"),
         (326.0, "restore", "coding", "main"),
-        (333.0, "reduce_draft_length", "coding", "main"),
-        (351.0, "disable_speculation", "coding", "main"),
+        (333.0, "disable_speculation", "coding", "main"),
     ]
     restores = [d for d in pipeline.decisions if d.action == "restore"]
     assert [d.evidence["waited_for_seconds"] for d in restores] == [60.0, 120.0]
+    assert [d.evidence["draft_length"] for d in restores] == [2, 1]
+    lowered = [d.evidence["draft_length"] for d in pipeline.decisions
+               if d.action == "reduce_draft_length" and d.cohort == "main"]
+    assert lowered == [2, 1]
     assert all(d.reason == "acceptance_drop" and d.detector == "restore_policy" for d in restores)
     # every restore was judged on standard-decoding traffic only, and found clean
     for d in restores:
@@ -137,3 +142,20 @@ def test_closed_loop_restores_with_backoff_and_never_flaps():
     # the quiet canary cohort never had enough standard traffic to judge: it stays off
     assert not flags.lookup(sim.initial_bundle_id, "coding", "canary").enabled
     assert not flags.lookup(sim.initial_bundle_id, "coding", "main").enabled
+
+
+def test_a_restore_after_a_lowered_d_comes_back_at_that_d():
+    fp = FallbackPolicy(_policy(restore_after_seconds=60), FlagStore())
+    scope = ("b-1", "coding", "main")
+    drop = Finding("acceptance_drop", "acceptance_gate", 10.0, "acceptance_length", 2.0, 2.5, 3.0, 5.0, 10.0)
+    lowered = fp.decide(drop, scope, draft_length=4)
+    assert lowered.evidence["draft_length"] == 2
+    fp.flags.apply(lowered)
+    still = Finding("acceptance_drop", "acceptance_gate", 40.0, "acceptance_length", 1.5, 2.0, 2.4, 35.0, 40.0)
+    fp.flags.apply(fp.decide(still, scope, draft_length=4))
+    assert not fp.flags.lookup("b-1", "coding", "main").enabled
+    restored = fp.restore(scope, 200.0, [CLEAN])
+    assert restored.action == "restore" and restored.evidence["draft_length"] == 2
+    fp.flags.apply(restored)
+    state = fp.flags.lookup("b-1", "coding", "main")
+    assert state.enabled and state.draft_limit == 2

@@ -58,10 +58,14 @@ def _run(args) -> int:
 
     results = run_suite(cases, settings, policy, processes=args.processes, progress=progress)
     summary = summarize(results, settings.to_dict(), "quick" if args.quick else "full")
+    from specwatch.evaluation.draft_length import CASES, format_draft_length, run_draft_length
+
+    summary["draft_length"] = [run_draft_length(case, args.seed) for case in CASES]
     summary["wall_seconds"] = round(time.monotonic() - started, 1)
     if args.json:
         print(json.dumps(summary, sort_keys=True, allow_nan=False, default=str))
     else:
         print(format_report(summary))
+        print(format_draft_length(summary["draft_length"]))
         print(f"\n{len(cases)} cases in {summary['wall_seconds']:.0f} s", file=sys.stdout)
     return 0
