@@ -63,7 +63,7 @@ def register(subparsers) -> None:
                         help="replication of the checkpoint topics it creates (default 1)")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                         help="worker log level (default warning; info adds progress and every decision)")
-    parser.add_argument("--web-port", type=int, default=int(os.environ.get("SPECWATCH_WEB_PORT", _DEFAULT_WEB_PORT)),
+    parser.add_argument("--web-port", type=int, default=os.environ.get("SPECWATCH_WEB_PORT") or str(_DEFAULT_WEB_PORT),
                         metavar="PORT",
                         help="port of the web server serving /metrics, /healthz, /readyz and the Alertmanager "
                              f"webhook; worker i uses PORT+i (default $SPECWATCH_WEB_PORT or {_DEFAULT_WEB_PORT}; "
