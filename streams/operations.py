@@ -93,11 +93,11 @@ class Operations:
         self.ledger = WebhookLedger()
         self.webhook_alerts: Counter = Counter()  # outcome -> alerts
         self.webhook_requests: Counter = Counter()  # HTTP status -> requests
-        self._health = health
+        self.health = health
         self.registry = metrics_registry(MetricsCollector(self.view, self._full_health, clock))
 
     def _full_health(self) -> ServiceHealth:
-        health = self._health()
+        health = self.health()
         counters = dict(health.extra_counters)
         counters["specwatch_webhook_alerts"] = (
             "Alerts received on the Alertmanager webhook, by outcome",
