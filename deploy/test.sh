@@ -7,6 +7,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 venv=$("$here/deploy/bootstrap.sh" --with-vllm)
 "$here/deploy/browser/install.sh" >/dev/null  # chromium for the browser tests
+"$here/deploy/prometheus/install.sh" >/dev/null  # Prometheus, promtool, Alertmanager for the operations tests
 export SPECWATCH_KAFKA_PORT=${SPECWATCH_KAFKA_PORT:-19092}
 bootstrap=$("$here/deploy/kafka/broker.sh" start --port "$SPECWATCH_KAFKA_PORT" --partitions 4)
 export SPECWATCH_TEST_BOOTSTRAP=$bootstrap
