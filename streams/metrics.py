@@ -12,7 +12,7 @@ import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, get_args
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.window import ratio
+from specwatch.schemas.decisions import Action, Reason
 
 from .topology import Key, SliceOutput
 
@@ -291,8 +292,10 @@ class MetricsCollector:
     def _decisions(self) -> Iterator:
         family = CounterMetricFamily("specwatch_decisions", "Decisions decided, by action and reason",
                                      labels=("action", "reason"))
-        for (action, reason), n in sorted(self.view.decisions.items()):
-            family.add_metric([action, reason], n)
+        # Every pair from zero: a counter born at 1 shows no increase, and the first decision would not page.
+        for action in get_args(Action):
+            for reason in get_args(Reason):
+                family.add_metric([action, reason], self.view.decisions.get((action, reason), 0))
         yield family
 
     # -- the service itself ----------------------------------------------------------
