@@ -402,6 +402,67 @@ def bench_growth(quick: bool, smoke: bool) -> list[dict]:
     return out
 
 
+def _stage2_batches(lines: list[bytes]) -> list[dict]:
+    """What stage 1 sends stage 2 for ``lines``, as wire dicts (each run rebuilds fresh batches)."""
+    from specwatch.schemas.fastdecode import decode_line_fast
+    from specwatch.streams.fastpath import fold_record
+
+    stage = Stage1(Policy(), source="bench")
+    batches: list[dict] = []
+    for line in lines:
+        record = decode_line_fast(line)
+        if record is not None and not isinstance(record, Rejection):
+            fold_record(stage, record)
+            batches.extend(b.to_dict() for b in stage.close_ready())
+    batches.extend(b.to_dict() for b in stage.close_ready(final=True))
+    return batches
+
+
+def bench_metrics(quick: bool, smoke: bool) -> dict:
+    """Stage 2 with the metrics view fed every final slice, beside stage 2 without it, on the same batches.
+
+    Runs alternate (off, on) and the fastest of each counts, so load from elsewhere on the
+    machine falls on both alike. "With" includes folding the queued rows into per-key state;
+    rendering the exposition is timed on its own: it runs when Prometheus asks, not per slice.
+    """
+    from specwatch.streams.metrics import ServiceHealth
+    from specwatch.streams.operations import Operations, OperationsSettings
+    from specwatch.streams.topology import SliceBatch, Stage2
+
+    keys = 50 if smoke else (500 if quick else 1_000)
+    slices = 6 if smoke else 20
+    lines, rounds = _growth_lines(keys, slices)
+    wire = _stage2_batches(lines)
+    operations = Operations(OperationsSettings(web_port=None, max_metric_keys=keys * 2), ServiceHealth)
+
+    def run(metrics: bool) -> float:
+        batches = [SliceBatch.from_dict(b) for b in wire]
+        stage = Stage2(Policy())
+        view = operations.view
+
+        def go():
+            for batch in batches:
+                for output in stage.add(batch):
+                    if metrics:
+                        view.observe(output, stage.flags, stage.cards)
+            for output in stage.flush():
+                if metrics:
+                    view.observe(output, stage.flags, stage.cards)
+            if metrics:
+                len(view.keys)  # the rows folded into per-key state, as a scrape would
+        return _cpu(go)[0]
+
+    off, on = [], []
+    for _ in range(1 if smoke else 5):
+        off.append(run(False))
+        on.append(run(True))
+    scrape_s, text = _cpu(operations.render)
+    return {"keys": keys, "slices": slices, "rounds": rounds, "batches": len(wire),
+            "stage2_off_s": min(off), "stage2_on_s": min(on),
+            "overhead_ratio": min(on) / min(off) - 1.0,
+            "scrape_ms": scrape_s * 1000.0, "scrape_bytes": len(text)}
+
+
 def bench_kafka(bootstrap: str | None, quick: bool, smoke: bool) -> dict:
     if not bootstrap:
         return {"skipped": "no --bootstrap given (start one with deploy/kafka/broker.sh start --port P)"}
@@ -465,7 +526,7 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
     """Every section; ``smoke`` shrinks inputs to check the output's shape only."""
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                           "load_average": os.getloadavg(), "quick": quick, "smoke": smoke}}
-    wanted = set(sections) or {"stream", "kafka", "collector", "engine", "archive", "replay", "growth"}
+    wanted = set(sections) or {"stream", "kafka", "collector", "engine", "archive", "replay", "growth", "metrics"}
     with tempfile.TemporaryDirectory() as tmp:
         steps = [("stream", lambda: bench_stream(quick, smoke)),
                  ("collector", lambda: bench_collector(quick, smoke)),
@@ -473,6 +534,7 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
                  ("archive", lambda: bench_archive(quick, smoke)),
                  ("replay", lambda: bench_replay(quick, smoke, Path(tmp))),
                  ("growth", lambda: bench_growth(quick, smoke)),
+                 ("metrics", lambda: bench_metrics(quick, smoke)),
                  ("kafka", lambda: bench_kafka(bootstrap, quick, smoke))]
         for name, fn in steps:
             if name in wanted:

@@ -38,6 +38,8 @@ __all__ = [
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Label cardinality bound: keys beyond this many are not exported, and counted.
 DEFAULT_MAX_KEYS = 2000
+# Slices queued before the view folds them without waiting for a scrape (bounds memory).
+_MAX_PENDING_SLICES = 300
 # Engine workers tracked for heartbeat age; more are counted as overflow too.
 DEFAULT_MAX_WORKERS = 2000
 # Seconds; from a slice closing in well under a second to a stream minutes behind.
@@ -114,8 +116,9 @@ class MetricsView:
             raise ValueError(f"max_keys and max_workers must be >= 1, got {max_keys} and {max_workers}")
         self.max_keys = max_keys
         self.max_workers = max_workers
-        self.keys: dict[Key, _KeyState] = {}
-        self.keys_dropped = 0
+        self._keys: dict[Key, _KeyState] = {}
+        self._keys_dropped = 0
+        self._pending: list[tuple[list[dict], FlagStore, Mapping[str, dict] | None]] = []
         self.decisions: Counter = Counter()  # (action, reason) -> decisions decided
         self.slice_close_delay = LatencyHistogram()
         self.decision_latency = LatencyHistogram()
@@ -124,24 +127,50 @@ class MetricsView:
 
     def observe(self, output: SliceOutput, flags: FlagStore, cards: Mapping[str, dict] | None = None,
                 now: float | None = None) -> None:
-        """Fold one final slice; ``now`` (wall clock) also times how late the slice closed."""
-        keys = self.keys
-        for row in output.window_rows:
-            key = (row["bundle_id"], row["bucket"], row["cohort"])
-            state = keys.get(key)
-            if state is None:
-                if len(keys) >= self.max_keys:
-                    self.keys_dropped += 1
-                    continue
-                card = (cards or {}).get(key[0])
-                keys[key] = _KeyState(row, flags, card["drafter"]["draft_length"] if card else None)
-            else:
-                state.row = row
-                state.flags = flags
+        """Take one final slice; ``now`` (wall clock) also times how late the slice closed.
+
+        The slice's rows are only queued here; they are folded into per-key state when
+        read (a scrape), or once `_MAX_PENDING_SLICES` wait, so stage 2 pays next to nothing.
+        """
+        if output.window_rows:
+            self._pending.append((output.window_rows, flags, cards))
+            if len(self._pending) >= _MAX_PENDING_SLICES:
+                self._fold_pending()
         for action in output.actions:
             self.decisions[(action.decision.action, action.decision.reason)] += 1
         if now is not None:
             self.slice_close_delay.observe(now - output.slice_end)
+
+    @property
+    def keys(self) -> dict[Key, _KeyState]:
+        """The newest state of every exported key."""
+        if self._pending:
+            self._fold_pending()
+        return self._keys
+
+    @property
+    def keys_dropped(self) -> int:
+        """Window rows of keys beyond ``max_keys``, not exported."""
+        if self._pending:
+            self._fold_pending()
+        return self._keys_dropped
+
+    def _fold_pending(self) -> None:
+        keys = self._keys
+        for rows, flags, cards in self._pending:
+            for row in rows:
+                key = (row["bundle_id"], row["bucket"], row["cohort"])
+                state = keys.get(key)
+                if state is None:
+                    if len(keys) >= self.max_keys:
+                        self._keys_dropped += 1
+                        continue
+                    card = (cards or {}).get(key[0])
+                    keys[key] = _KeyState(row, flags, card["drafter"]["draft_length"] if card else None)
+                else:
+                    state.row = row
+                    state.flags = flags
+        self._pending.clear()
 
     def published(self, decision_ts: float, now: float) -> None:
         """A decision reached the decisions topic at wall time ``now``."""
@@ -157,9 +186,6 @@ class MetricsView:
             if at > last.get(worker, -math.inf):
                 last[worker] = at
 
-    def forget_bundle(self, bundle_id: str) -> None:
-        for key in [k for k in self.keys if k[0] == bundle_id]:
-            del self.keys[key]
 
 
 @dataclass
