@@ -313,6 +313,7 @@ class AlertRequest:
     reason: str
     draft_limit: int | None
     audit: dict
+    ident: tuple = ()
 
 
 def resolve_scopes(labels: Mapping[str, str], cards: Mapping[str, dict]) -> list[tuple[str, str | None, str | None]]:
@@ -342,25 +343,35 @@ def resolve_scopes(labels: Mapping[str, str], cards: Mapping[str, dict]) -> list
 
 
 class WebhookLedger:
-    """Alerts already handled, by (fingerprint, startsAt, status): a re-sent alert changes nothing."""
+    """Alerts already handled, by (fingerprint, startsAt, status): a re-sent alert changes nothing.
+
+    An alert is recorded only once its decisions are published, so a request that failed
+    half way is handled in full when Alertmanager retries it.
+
+    >>> ledger = WebhookLedger(size=1)
+    >>> ledger.handled(("f1", "t", "firing")), ledger.record(("f1", "t", "firing")), ledger.handled(("f1", "t", "firing"))
+    (False, None, True)
+    """
 
     def __init__(self, size: int = _LEDGER_SIZE) -> None:
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._size = size
 
-    def first_time(self, ident: tuple) -> bool:
-        if ident in self._seen:
-            self._seen.move_to_end(ident)
-            return False
+    def handled(self, ident: tuple) -> bool:
+        return ident in self._seen
+
+    def record(self, ident: tuple) -> None:
         self._seen[ident] = None
+        self._seen.move_to_end(ident)
         if len(self._seen) > self._size:
             self._seen.popitem(last=False)
-        return True
 
 
 def read_webhook(payload: object, cards: Mapping[str, dict], policy: RollbackPolicy,
                  ledger: WebhookLedger) -> tuple[list[AlertRequest], Counter]:
     """The rollbacks one webhook payload asks for, and a count of every alert by outcome.
+
+    Record each request's ``ident`` in ``ledger`` once its decision is published.
 
     Outcomes: ``applied``, ``duplicate`` (already handled), ``unknown_scope``, ``no_scope``,
     ``no_reason``, ``not_restored`` (resolved, and the policy does not restore it). Raises
@@ -393,7 +404,8 @@ def read_webhook(payload: object, cards: Mapping[str, dict], policy: RollbackPol
         if restore and not policy.restores(name):
             outcomes["not_restored"] += 1
             continue
-        if not ledger.first_time((alert.get("fingerprint"), alert.get("startsAt"), status)):
+        ident = (alert.get("fingerprint"), alert.get("startsAt"), status)
+        if ledger.handled(ident):
             outcomes["duplicate"] += 1
             continue
         limit = labels.get("draft_length")
@@ -402,6 +414,6 @@ def read_webhook(payload: object, cards: Mapping[str, dict], policy: RollbackPol
                  "generator_url": alert.get("generatorURL"), "starts_at": alert.get("startsAt"),
                  "status": status}
         for scope in scopes:
-            requests.append(AlertRequest(scope, restore, reason, draft_limit, audit))
+            requests.append(AlertRequest(scope, restore, reason, draft_limit, audit, ident))
         outcomes["applied"] += 1
     return requests, outcomes

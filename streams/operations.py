@@ -174,7 +174,11 @@ class Operations:
     async def webhook(self, authorization: str | None, body: bytes, cards: dict,
                       publish: Callable[[list[Decision]], Any], automatic: Callable[[tuple], Any]) -> tuple[int, dict]:
         """Handle one webhook request; returns (HTTP status, JSON body)."""
-        status, reply = await self._webhook(authorization, body, cards, publish, automatic)
+        try:
+            status, reply = await self._webhook(authorization, body, cards, publish, automatic)
+        except Exception as error:  # noqa: BLE001 - the broker did not take the decisions; Alertmanager retries 5xx
+            logger.error("alert rollback not published: %s", error)
+            status, reply = 503, {"error": f"the decisions topic did not take the rollback: {error}"}
         self.webhook_requests[status] += 1
         return status, reply
 
@@ -205,7 +209,9 @@ class Operations:
                                                automatic(request.scope) if request.restore else None,
                                                detector="alertmanager", audit=request.audit))
         if decisions:
-            await publish(decisions)
+            await publish(decisions)  # raises when the broker does not take them: Alertmanager retries
+        for request in requests:
+            self.ledger.record(request.ident)
             for decision in decisions:
                 logger.warning("alert rollback %s %s %s reason=%s from %s", decision.id, decision.action,
                                decision.key, decision.reason, decision.evidence.get("alertname"))

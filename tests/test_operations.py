@@ -249,6 +249,10 @@ def test_webhook_reads_scopes_reasons_and_refusals():
     assert requests[0].audit == {"alertname": "VLLMHighTPOT", "fingerprint": "a",
                                  "generator_url": "http://prom/graph?g0.expr=x",
                                  "starts_at": "2026-12-01T10:00:00Z", "status": "firing"}
+    again, _ = read_webhook(payload, _CARDS, policy, ledger)
+    assert again == requests  # nothing was published yet: a retry asks for the same
+    for request in requests:
+        ledger.record(request.ident)
     again, outcomes = read_webhook(payload, _CARDS, policy, ledger)
     assert again == [] and outcomes["duplicate"] == 3
 
@@ -295,6 +299,15 @@ def test_operations_webhook_authenticates_and_builds_signed_overrides():
     assert decision.evidence["by"] == "alertmanager" and decision.evidence["fingerprint"] == "f1"
     assert reply["decisions"] == [decision.id]
     assert call("Bearer t0k") == (200, {"outcomes": {"duplicate": 1}, "decisions": []})
+    failing = Operations(settings, clock=lambda: 5000.0)
+
+    async def broker_away(decisions):
+        raise ConnectionError("broker away")
+
+    status, reply = asyncio.run(failing.webhook("Bearer t0k", body, _CARDS, broker_away, lambda scope: None))
+    assert status == 503 and "broker away" in reply["error"]
+    status, reply = asyncio.run(failing.webhook("Bearer t0k", body, _CARDS, publish, lambda scope: None))
+    assert status == 200 and reply["outcomes"] == {"applied": 1}  # the retry is not taken for a duplicate
     assert operations.webhook_requests == Counter({401: 2, 400: 1, 200: 2})
     off = Operations(OperationsSettings(web_port=None))
     assert asyncio.run(off.webhook("Bearer x", body, _CARDS, publish, lambda s: None))[0] == 403
