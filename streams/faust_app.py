@@ -806,7 +806,7 @@ class Stage2Runner:
             if self._archive_sink is not None:
                 self._archive_sink(output)  # idempotent: a replayed slice writes the same rows
             if self.operations is not None:
-                self.operations.view.observe(output, task.stage.flags, task.stage.cards, now=time.time())
+                self.operations.view.observe(output, now=time.time())
             actions.extend(output.actions)
         if actions:
             # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
@@ -853,6 +853,10 @@ class Stage2Runner:
             if scope[0] in task.stage.cards:
                 return task.stage.flags.state(scope)
         return None
+
+    def stages(self) -> list:
+        """The `Stage2` of every task this worker holds (what the metrics view reads)."""
+        return [task.stage for _, task in sorted(self._tasks.items())]
 
     def health(self, now: float, consumer: Any) -> dict:
         """Lag and checkpoint age per partials partition, the outbox, the archive spool."""
@@ -1050,7 +1054,7 @@ def create_app(settings: StreamSettings) -> StreamApp:
     async def publish_heartbeats():
         await stage2.heartbeat()
 
-    operations = Operations(settings.operations, lambda: _service_health(app, stage1, stage2))
+    operations = Operations(settings.operations, lambda: _service_health(app, stage1, stage2), stages=stage2.stages)
     stage2.operations = operations
     if settings.operations.web_port is not None:
         operations.install(app, ready=lambda: _ready(app), cards=stage2.cards, publish=stage2.publish_decisions,

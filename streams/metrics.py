@@ -1,7 +1,8 @@
-"""Prometheus metrics: a metrics view fed once per final slice, rendered at scrape time.
+"""Prometheus metrics: a metrics view over stage 2, rendered at scrape time.
 
-`MetricsView` keeps the newest window row of each (bundle, bucket, cohort) key, decision
-counts and the service's latency histograms; it is pure and does no per-record work.
+`MetricsView` reads the newest window of each (bundle, bucket, cohort) key from the stage-2
+monitors when scraped, and counts decisions and the service's latencies per final slice;
+it is pure and does no per-record work.
 `MetricsCollector` turns a view and a health snapshot into Prometheus metric families
 when a scrape asks (prometheus-client, on a registry of its own).
 """
@@ -12,7 +13,7 @@ import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, get_args
+from typing import Callable, Iterable, Iterator, Mapping, get_args
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -22,7 +23,7 @@ from specwatch.actions.flags import FlagStore
 from specwatch.detectors.window import ratio
 from specwatch.schemas.decisions import Action, Reason
 
-from .topology import Key, SliceOutput
+from .topology import Key, SliceOutput, Stage2
 
 __all__ = [
     "CONTENT_TYPE",
@@ -38,8 +39,6 @@ __all__ = [
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Label cardinality bound: keys beyond this many are not exported, and counted.
 DEFAULT_MAX_KEYS = 2000
-# Slices queued before the view folds them without waiting for a scrape (bounds memory).
-_MAX_PENDING_SLICES = 300
 # Engine workers tracked for heartbeat age; more are counted as overflow too.
 DEFAULT_MAX_WORKERS = 2000
 # Seconds; from a slice closing in well under a second to a stream minutes behind.
@@ -82,95 +81,71 @@ class LatencyHistogram:
         return out
 
 
-@dataclass
-class _KeyState:
-    row: dict
-    flags: FlagStore
-    draft_length: int | None
-
-
 class MetricsView:
-    """What the stage-2 outputs say now, per key, with bounded label cardinality.
+    """What stage 2 knows now, per key, with bounded label cardinality; decisions; latencies.
 
-    Fed by `observe` once per final slice (a few dictionary writes per key and slice);
-    flag state and admission stage are read from the stage's `FlagStore` when scraped.
+    Per-key values are read when scraped from the stages themselves: each key monitor's
+    newest slice, the stage's `FlagStore` and bundle cards. So stage 2 does no metric work
+    per record or per key; `observe` takes one final slice and only counts its decisions.
 
     Parameters
     ----------
+    stages
+        Called at scrape time: the `Stage2` objects to read (one per stage-2 task).
     max_keys
-        At most this many (bundle, bucket, cohort) keys are exported; rows of further keys
-        are counted in ``keys_dropped`` and not kept.
+        At most this many (bundle, bucket, cohort) keys are exported, the first in sorted
+        order; how many more there are is ``keys_overflow``.
 
-    >>> from specwatch.streams.topology import SliceOutput
-    >>> view = MetricsView(max_keys=1)
-    >>> out = SliceOutput(3, 4.0, window_rows=[
-    ...     {"bundle_id": "b", "bucket": "coding", "cohort": "main", "acceptance_length": 2.5},
-    ...     {"bundle_id": "b", "bucket": "chat", "cohort": "main", "acceptance_length": 1.5}])
-    >>> view.observe(out, FlagStore())
-    >>> sorted(view.keys), view.keys_dropped
-    ([('b', 'coding', 'main')], 1)
+    >>> from specwatch.detectors.window import SliceStats
+    >>> from specwatch.schemas import Policy
+    >>> from specwatch.streams.topology import SliceBatch, Stage2
+    >>> stage = Stage2(Policy())
+    >>> batch = SliceBatch("s", 0, 0)
+    >>> for bucket in ("chat", "coding"):
+    ...     batch.partials[("b", bucket, "main")] = SliceStats()
+    ...     batch.partials[("b", bucket, "main")].add_round(4, 3)
+    >>> outputs = stage.add(batch)
+    >>> view = MetricsView(lambda: [stage], max_keys=1)
+    >>> [(key, row["acceptance_length"]) for key, row, _, _ in view.rows()], view.keys_overflow
+    ([(('b', 'chat', 'main'), 4.0)], 1)
     """
 
-    def __init__(self, max_keys: int = DEFAULT_MAX_KEYS, max_workers: int = DEFAULT_MAX_WORKERS) -> None:
+    def __init__(self, stages: Callable[[], Iterable[Stage2]] = tuple, max_keys: int = DEFAULT_MAX_KEYS,
+                 max_workers: int = DEFAULT_MAX_WORKERS) -> None:
         if max_keys < 1 or max_workers < 1:
             raise ValueError(f"max_keys and max_workers must be >= 1, got {max_keys} and {max_workers}")
+        self.stages = stages
         self.max_keys = max_keys
         self.max_workers = max_workers
-        self._keys: dict[Key, _KeyState] = {}
-        self._keys_dropped = 0
-        self._pending: list[tuple[list[dict], FlagStore, Mapping[str, dict] | None]] = []
+        self.keys_overflow = 0
         self.decisions: Counter = Counter()  # (action, reason) -> decisions decided
         self.slice_close_delay = LatencyHistogram()
         self.decision_latency = LatencyHistogram()
         self.engine_last_seen: dict[str, float] = {}  # engine worker -> wall time of its newest record
         self.workers_dropped = 0
 
-    def observe(self, output: SliceOutput, flags: FlagStore, cards: Mapping[str, dict] | None = None,
-                now: float | None = None) -> None:
-        """Take one final slice; ``now`` (wall clock) also times how late the slice closed.
-
-        The slice's rows are only queued here; they are folded into per-key state when
-        read (a scrape), or once `_MAX_PENDING_SLICES` wait, so stage 2 pays next to nothing.
-        """
-        if output.window_rows:
-            self._pending.append((output.window_rows, flags, cards))
-            if len(self._pending) >= _MAX_PENDING_SLICES:
-                self._fold_pending()
+    def observe(self, output: SliceOutput, now: float | None = None) -> None:
+        """Count one final slice's decisions; ``now`` (wall clock) also times how late it closed."""
         for action in output.actions:
             self.decisions[(action.decision.action, action.decision.reason)] += 1
         if now is not None:
             self.slice_close_delay.observe(now - output.slice_end)
 
-    @property
-    def keys(self) -> dict[Key, _KeyState]:
-        """The newest state of every exported key."""
-        if self._pending:
-            self._fold_pending()
-        return self._keys
-
-    @property
-    def keys_dropped(self) -> int:
-        """Window rows of keys beyond ``max_keys``, not exported."""
-        if self._pending:
-            self._fold_pending()
-        return self._keys_dropped
-
-    def _fold_pending(self) -> None:
-        keys = self._keys
-        for rows, flags, cards in self._pending:
-            for row in rows:
-                key = (row["bundle_id"], row["bucket"], row["cohort"])
-                state = keys.get(key)
-                if state is None:
-                    if len(keys) >= self.max_keys:
-                        self._keys_dropped += 1
-                        continue
-                    card = (cards or {}).get(key[0])
-                    keys[key] = _KeyState(row, flags, card["drafter"]["draft_length"] if card else None)
-                else:
-                    state.row = row
-                    state.flags = flags
-        self._pending.clear()
+    def rows(self) -> list[tuple[Key, dict, FlagStore, int | None]]:
+        """(key, newest window row, the stage's flags, the card's D) of the exported keys, sorted."""
+        found = []
+        for stage in self.stages():
+            for key, monitor in list(stage.monitors.items()):
+                if monitor.history:
+                    found.append((key, monitor, stage))
+        found.sort(key=lambda item: _sort_key(item[0]))
+        self.keys_overflow = max(0, len(found) - self.max_keys)
+        out = []
+        for key, monitor, stage in found[:self.max_keys]:
+            card = stage.cards.get(key[0])
+            out.append((key, monitor.history[-1][1].summary(), stage.flags,
+                        card["drafter"]["draft_length"] if card else None))
+        return out
 
     def published(self, decision_ts: float, now: float) -> None:
         """A decision reached the decisions topic at wall time ``now``."""
@@ -280,9 +255,9 @@ class MetricsCollector:
         stages = GaugeMetricFamily("specwatch_admission_stage", "1 for the admission stage a bundle is in",
                                    labels=("bundle", "stage"))
         staged: set[str] = set()
-        for (bundle, bucket, cohort), state in sorted(self.view.keys.items(), key=lambda i: _sort_key(i[0])):
+        rows = self.view.rows()
+        for (bundle, bucket, cohort), row, flags, card_draft_length in rows:
             labels = [bundle, _label(bucket), _label(cohort)]
-            row = state.row
             values = dict(row)
             values["acceptance_rate"] = ratio(row.get("accepted_tokens", 0), row.get("drafted_tokens", 0))
             values["window_end"] = row.get("ts")
@@ -295,25 +270,25 @@ class MetricsCollector:
                     if _finite(value):
                         family.add_metric([*labels, str(q)], value / 1000.0)
             if bucket is not None:
-                answer = state.flags.lookup(bundle, bucket, cohort or "")
+                answer = flags.lookup(bundle, bucket, cohort or "")
                 enabled.add_metric(labels, 1.0 if answer.enabled else 0.0)
-                limit = answer.draft_limit if answer.draft_limit is not None else state.draft_length
+                limit = answer.draft_limit if answer.draft_limit is not None else card_draft_length
                 if answer.enabled and limit is not None:
                     draft_length.add_metric(labels, float(limit))
                 for reason in sorted(set(answer.reasons)):
                     off.add_metric([*labels, reason], 1.0)
             if bundle not in staged:
                 staged.add(bundle)
-                stage = state.flags.admission(bundle)
+                stage = flags.admission(bundle)
                 if stage is not None:
                     stages.add_metric([bundle, stage.stage], 1.0)
         yield from gauges.values()
         yield from latency.values()
         yield from (enabled, draft_length, off, stages)
         yield GaugeMetricFamily("specwatch_metric_keys", "Keys exported (bounded by the key cap)",
-                                value=len(self.view.keys))
-        yield CounterMetricFamily("specwatch_metric_keys_dropped", "Window rows of keys beyond the key cap, "
-                                  "not exported", value=self.view.keys_dropped)
+                                value=len(rows))
+        yield GaugeMetricFamily("specwatch_metric_keys_overflow", "Keys beyond the key cap, not exported",
+                                value=self.view.keys_overflow)
 
     def _decisions(self) -> Iterator:
         family = CounterMetricFamily("specwatch_decisions", "Decisions decided, by action and reason",

@@ -11,7 +11,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from specwatch.actions.alertmanager import (
     AlertSender,
@@ -80,13 +80,15 @@ class Operations:
         The service's own health, asked once per scrape.
     clock
         Unix wall clock.
+    stages
+        The `Stage2` objects whose keys the metrics show, asked once per scrape.
     """
 
     def __init__(self, settings: OperationsSettings, health: Callable[[], ServiceHealth] = ServiceHealth,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, stages: Callable[[], Iterable] = tuple) -> None:
         self.settings = settings
         self.clock = clock
-        self.view = MetricsView(max_keys=settings.max_metric_keys)
+        self.view = MetricsView(stages, max_keys=settings.max_metric_keys)
         self.sender = (AlertSender(settings.alertmanager_url, resend_seconds=settings.alertmanager_resend_seconds,
                                    explain_archive=settings.explain_archive)
                        if settings.alertmanager_url else None)

@@ -46,11 +46,11 @@ def _samples(text: bytes) -> dict[tuple, float]:
 @pytest.fixture(scope="module")
 def incident():
     """A seeded acceptance-drop incident through the embedded pipeline, with a metrics view fed per slice."""
-    operations = Operations(OperationsSettings(web_port=None, max_metric_keys=10_000))
     rows: list[dict] = []
     pipeline = EmbeddedPipeline()
-    pipeline.sinks = [lambda out: operations.view.observe(out, pipeline.flags, pipeline.stage2.cards),
-                      lambda out: rows.extend(out.window_rows)]
+    operations = Operations(OperationsSettings(web_port=None, max_metric_keys=10_000),
+                            stages=lambda: [pipeline.stage2])
+    pipeline.sinks = [operations.view.observe, lambda out: rows.extend(out.window_rows)]
     operations.health = lambda: ServiceHealth(records_read=pipeline.counters.records,
                                               records_rejected=pipeline.counters.rejected.as_dict())
     sim = Simulator("acceptance_drop", seed=_SEED, workers=3, minutes=2.5, incident_at=90.0)
@@ -67,7 +67,7 @@ def test_metrics_are_the_newest_window_of_each_key(incident):
     for row in rows:
         newest[(row["bundle_id"], row["bucket"] or "*", row["cohort"] or "*")] = row
     assert samples[("specwatch_metric_keys", ())] == len(newest)
-    assert samples[("specwatch_metric_keys_dropped_total", ())] == 0
+    assert samples[("specwatch_metric_keys_overflow", ())] == 0
     checked = 0
     for (bundle, bucket, cohort), row in newest.items():
         labels = (("bucket", bucket), ("bundle", bundle), ("cohort", cohort))
@@ -116,25 +116,14 @@ def test_flag_state_and_decision_counts(incident):
 
 def test_key_cap_bounds_cardinality_and_counts_the_rest(incident):
     _, pipeline, rows = incident
-    capped = Operations(OperationsSettings(web_port=None, max_metric_keys=3))
-    from specwatch.streams.topology import SliceOutput
-
-    by_slice: dict[float, list] = {}
-    for row in rows:
-        by_slice.setdefault(row["ts"], []).append(row)
-    for ts in sorted(by_slice):
-        capped.view.observe(SliceOutput(0, ts, window_rows=by_slice[ts]), pipeline.flags)
-    first_keys = []
-    for row in rows:
-        key = (row["bundle_id"], row["bucket"], row["cohort"])
-        if key not in first_keys:
-            first_keys.append(key)
-    kept = set(first_keys[:3])
+    capped = Operations(OperationsSettings(web_port=None, max_metric_keys=3), stages=lambda: [pipeline.stage2])
+    every = sorted({(r["bundle_id"], r["bucket"] or "", r["cohort"] or "") for r in rows})
     samples = _samples(capped.render())
-    assert set(capped.view.keys) == kept
+    exported = {(dict(labels)["bundle"], dict(labels)["bucket"].replace("*", ""), dict(labels)["cohort"].replace("*", ""))
+                for (name, labels), _ in samples.items() if name == "specwatch_window_end_timestamp_seconds"}
+    assert exported == set(every[:3])
     assert samples[("specwatch_metric_keys", ())] == 3
-    assert samples[("specwatch_metric_keys_dropped_total", ())] == sum(
-        1 for r in rows if (r["bundle_id"], r["bucket"], r["cohort"]) not in kept)
+    assert samples[("specwatch_metric_keys_overflow", ())] == len(every) - 3
 
 
 # ---------------------------------------------------------------- Alertmanager, outbound

@@ -41,8 +41,9 @@ def _run(args) -> int:
     metrics = report.get("metrics")
     if isinstance(metrics, dict) and "overhead_ratio" in metrics:
         print(f"metrics view: stage 2 over {metrics['keys']} keys {metrics['stage2_on_s']:.3f} s with it, "
-              f"{metrics['stage2_off_s']:.3f} s without ({metrics['overhead_ratio'] * 100:+.2f} %); "
-              f"a scrape {metrics['scrape_ms']:.1f} ms")
+              f"{metrics['stage2_off_s']:.3f} s without ({metrics['overhead_ratio'] * 100:+.2f} %), the view's part alone "
+              f"{metrics['observe_share_of_stage2'] * 100:.4f} %; a scrape "
+              f"{metrics['scrape_ms']:.1f} ms, every 15 s {metrics['scrape_core_share_at_15s'] * 100:.2f} % of a core")
     for name in ("collector", "engine", "archive", "replay", "kafka"):
         print(f"{name}: {json.dumps(report.get(name), default=float)}")
     for row in report.get("growth", []) if isinstance(report.get("growth"), list) else []:

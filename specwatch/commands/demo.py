@@ -101,8 +101,9 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     if operations is not None:
         from specwatch.streams.metrics import ServiceHealth
 
-        sinks.append(lambda out: operations.view.observe(out, flags, pipeline.stage2.cards))
+        sinks.append(operations.view.observe)
         pipeline.sinks = sinks
+        operations.view.stages = lambda: [pipeline.stage2]
         operations.health = lambda: ServiceHealth(records_read=pipeline.counters.records,
                                                   records_rejected=pipeline.counters.rejected.as_dict(),
                                                   decisions_published=pipeline.counters.decisions)

@@ -71,8 +71,8 @@ def register(subparsers) -> None:
     parser.add_argument("--web-bind", default="0.0.0.0", metavar="ADDRESS",
                         help="interface the web server listens on (default 0.0.0.0)")
     parser.add_argument("--max-metric-keys", type=int, default=2000, metavar="N",
-                        help="export per-key metrics for at most N (bundle, bucket, cohort) keys; rows of "
-                             "further keys are counted in specwatch_metric_keys_dropped_total (default 2000)")
+                        help="export per-key metrics for at most N (bundle, bucket, cohort) keys; how many more "
+                             "there are is specwatch_metric_keys_overflow (default 2000)")
     parser.add_argument("--alertmanager-url", default=os.environ.get("SPECWATCH_ALERTMANAGER_URL"), metavar="URL",
                         help="post decisions as alerts to this Alertmanager (default $SPECWATCH_ALERTMANAGER_URL)")
     parser.add_argument("--webhook-token-file", default=os.environ.get("SPECWATCH_WEBHOOK_TOKEN_FILE"),
