@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import stat, statetimeline, timeseries
+from grafana_foundation_sdk.builders import statetimeline, timeseries
 from grafana_foundation_sdk.builders.dashboard import (
     AnnotationQuery,
     Dashboard,
