@@ -394,3 +394,13 @@ def test_dashboard_regenerates_byte_for_byte():
     assert {"Acceptance length (tokens per round)", "Draft overhead (share of step time)", "Estimated speedup",
             "e2e p50 / p99", "Speculation on (1) / off (0)", "Consumer lag (messages)"} <= set(titles)
     assert dashboard["annotations"]["list"][0]["expr"].startswith("changes(specwatch_decisions_total")
+
+
+def test_bench_reports_stage2_with_and_without_the_metrics_view():
+    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "bench", "--section", "metrics", "--smoke", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    metrics = json.loads(done.stdout.strip().splitlines()[-1])["metrics"]
+    assert {"stage2_off_s", "stage2_on_s", "overhead_ratio", "observe_share_of_stage2", "scrape_ms",
+            "scrape_core_share_at_15s"} <= set(metrics)
+    assert (metrics["keys"], metrics["slices"]) == (50, 6)
