@@ -8,6 +8,7 @@ cd "$here"
 venv=$("$here/deploy/bootstrap.sh" --with-vllm)
 "$here/deploy/browser/install.sh" >/dev/null  # chromium for the browser tests
 "$here/deploy/otelcol/build.sh" >/dev/null  # the OpenTelemetry Collector for tests/test_otelcol.py (cached)
+"$here/deploy/prometheus/install.sh" >/dev/null  # Prometheus, promtool, Alertmanager for the operations tests
 # The broker's port is picked at run time unless one is given: a fixed port that
 # something else on the machine holds would fail the run.
 if [ -z "${SPECWATCH_KAFKA_PORT:-}" ]; then

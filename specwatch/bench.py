@@ -410,6 +410,81 @@ def bench_growth(quick: bool, smoke: bool) -> list[dict]:
     return out
 
 
+def _stage2_batches(lines: list[bytes]) -> list[dict]:
+    """What stage 1 sends stage 2 for ``lines``, as wire dicts (each run rebuilds fresh batches)."""
+    from specwatch.schemas.fastdecode import decode_line_fast
+    from specwatch.streams.fastpath import fold_record
+
+    stage = Stage1(Policy(), source="bench")
+    batches: list[dict] = []
+    for line in lines:
+        record = decode_line_fast(line)
+        if record is not None and not isinstance(record, Rejection):
+            fold_record(stage, record)
+            batches.extend(b.to_dict() for b in stage.close_ready())
+    batches.extend(b.to_dict() for b in stage.close_ready(final=True))
+    return batches
+
+
+def bench_metrics(quick: bool, smoke: bool) -> dict:
+    """Stage 2 with the metrics view fed every final slice, beside stage 2 without it, on the same batches.
+
+    Runs alternate (off, on, then on, off) and the fastest of each counts, so load from
+    elsewhere on the machine falls on both alike. A scrape reads every key's newest window
+    from stage 2 and renders the exposition; it runs when Prometheus asks, so it is timed
+    on its own; at a 15 s scrape interval it takes ``scrape_s / 15`` of the worker's core,
+    which is the share of stage-2 throughput a saturated worker loses to it.
+    """
+    from specwatch.streams.metrics import ServiceHealth
+    from specwatch.streams.operations import Operations, OperationsSettings
+    from specwatch.streams.topology import SliceBatch, Stage2
+
+    keys = 50 if smoke else (500 if quick else 1_000)
+    slices = 6 if smoke else 20
+    lines, rounds = _growth_lines(keys, slices)
+    wire = _stage2_batches(lines)
+    stages: list = []
+    operations = Operations(OperationsSettings(web_port=None, max_metric_keys=keys * 2), ServiceHealth,
+                            stages=lambda: stages[-1:])
+
+    outputs: list = []
+
+    def run(metrics: bool) -> float:
+        batches = [SliceBatch.from_dict(b) for b in wire]
+        stage = Stage2(Policy())
+        stages.append(stage)
+        observe = operations.view.observe
+        outputs.clear()
+
+        def go():
+            for batch in batches:
+                for output in stage.add(batch):
+                    if metrics:
+                        observe(output)
+                    outputs.append(output)
+            for output in stage.flush():
+                if metrics:
+                    observe(output)
+                outputs.append(output)
+        return _cpu(go)[0]
+
+    off, on = [], []
+    for i in range(1 if smoke else 5):
+        for metrics in ((False, True) if i % 2 == 0 else (True, False)):  # neither always runs second
+            (on if metrics else off).append(run(metrics))
+    # the view's per-slice work by itself, over the same outputs: below the noise of whole runs
+    fresh = Operations(OperationsSettings(web_port=None), ServiceHealth).view
+    observe_s = min(_cpu(lambda: [fresh.observe(o) for o in outputs])[0] for _ in range(5))
+    scrapes = [_cpu(operations.render) for _ in range(1 if smoke else 3)]
+    scrape_s, text = min(scrapes, key=lambda item: item[0])
+    return {"keys": keys, "slices": slices, "rounds": rounds, "batches": len(wire),
+            "stage2_off_s": min(off), "stage2_on_s": min(on),
+            "overhead_ratio": min(on) / min(off) - 1.0,
+            "observe_s": observe_s, "observe_share_of_stage2": observe_s / min(off),
+            "scrape_ms": scrape_s * 1000.0, "scrape_bytes": len(text),
+            "scrape_core_share_at_15s": scrape_s / 15.0}
+
+
 def bench_kafka(bootstrap: str | None, quick: bool, smoke: bool) -> dict:
     if not bootstrap:
         return {"skipped": "no --bootstrap given (start one with deploy/kafka/broker.sh start --port P)"}
@@ -473,7 +548,7 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
     """Every section; ``smoke`` shrinks inputs to check the output's shape only."""
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                           "load_average": os.getloadavg(), "quick": quick, "smoke": smoke}}
-    wanted = set(sections) or {"stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth"}
+    wanted = set(sections) or {"stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth", "metrics"}
     with tempfile.TemporaryDirectory() as tmp:
         steps = [("stream", lambda: bench_stream(quick, smoke)),
                  ("collector", lambda: bench_collector(quick, smoke)),
@@ -482,6 +557,7 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
                  ("archive", lambda: bench_archive(quick, smoke)),
                  ("replay", lambda: bench_replay(quick, smoke, Path(tmp))),
                  ("growth", lambda: bench_growth(quick, smoke)),
+                 ("metrics", lambda: bench_metrics(quick, smoke)),
                  ("kafka", lambda: bench_kafka(bootstrap, quick, smoke))]
         for name, fn in steps:
             if name in wanted:

@@ -147,7 +147,8 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
                "--telemetry-topic", f"{run}.telemetry", "--partials-topic", f"{run}.partials",
                "--decisions-topic", f"{run}.decisions", "--deadletter-topic", f"{run}.deadletter",
                "--app-id", run, "--data-dir", f"{tmp.name}/data", "--workers", str(workers),
-               "--source-silence", "5", "--session-timeout", "6"]
+               "--source-silence", "5", "--session-timeout", "6",
+               "--web-port", "0"]  # no web server: the bench must not collide with a running worker's port
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         time.sleep(8.0)  # group join and assignment before the clock starts

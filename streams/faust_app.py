@@ -39,6 +39,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterable, Mapping
 
@@ -54,6 +55,8 @@ from specwatch.actions.decisions_topic import heartbeat_message
 from specwatch.actions.signing import Keyring, sign_line
 from specwatch.schemas import Policy, Rejection
 
+from .metrics import ServiceHealth
+from .operations import Operations, OperationsSettings
 from .faust_tasks import (
     CheckpointError,
     Stage1Task,
@@ -158,6 +161,8 @@ class StreamSettings:
         Kafka consumer session timeout: how soon a dead worker's partitions move.
     replication_factor
         Of the changelog topics Faust creates.
+    operations
+        The web server (metrics, health, Alertmanager webhook) and where decisions go as alerts.
     """
 
     bootstrap: str
@@ -176,6 +181,7 @@ class StreamSettings:
     session_timeout_seconds: float = _DEFAULT_SESSION_TIMEOUT_SECONDS
     replication_factor: int = 1
     kafka_security: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    operations: OperationsSettings = field(default_factory=OperationsSettings)
 
     def __post_init__(self) -> None:
         if not self.bootstrap or not all(":" in s for s in self.bootstrap.split(",")):
@@ -552,6 +558,8 @@ class Stage1Runner:
         self._checkpointed_at: dict[tuple[str, int], float] = {}
         self.records = 0
         self.rejected = 0
+        self.rejected_by_reason: Counter = Counter()
+        self.engines_seen: dict[str, float] = {}  # engine worker -> wall time of its newest record
         self.batches_sent = 0
         self.skipped = 0
 
@@ -630,17 +638,32 @@ class Stage1Runner:
     async def _fold(self, task: Stage1Task, tp: tuple[str, int], offset: int, key: bytes | None,
                     value: bytes) -> None:
         before = task.records
-        rejections, closed = task.fold(offset, value or b"", now=time.time())
+        rejections, closed = task.fold(offset, value or b"", now=time.time(), seen=self.engines_seen)
         self.records += task.records - before
         pending = self._pending.setdefault(tp, [])
         for rejection in rejections:
             self.rejected += 1
+            self.rejected_by_reason[rejection.reason] += 1
             pending.append(await self._writer.send(self.settings.deadletter_topic,
                                                    dead_letter(rejection, tp[0], tp[1], offset), key=key))
         for partition, batch in route_batches(closed, self.settings.partials_partitions):
             pending.append(await self._writer.send(self.settings.partials_topic, encode_partial(batch),
                                                    key=batch.source.encode(), partition=partition))
             self.batches_sent += 1
+
+    def health(self, now: float, consumer: Any) -> dict[str, dict]:
+        """Lag, watermark delay and checkpoint age of every task this worker holds."""
+        slice_seconds = self.settings.policy.windows.slice_seconds
+        lag, delay, age = {}, {}, {}
+        for (topic, partition), task in sorted(self._tasks.items()):
+            highwater = consumer.highwater(TP(topic, partition))
+            if highwater is not None and task.next_offset is not None:
+                lag[(topic, partition)] = max(0, highwater - task.next_offset)
+            if task.stage.watermark >= 0:
+                delay[(topic, partition)] = now - (task.stage.watermark + 1) * slice_seconds
+            if (topic, partition) in self._checkpointed_at:
+                age[("stage1", partition)] = time.monotonic() - self._checkpointed_at[(topic, partition)]
+        return {"lag": lag, "delay": delay, "age": age}
 
     async def _checkpoint(self, task: Stage1Task, tp: tuple[str, int]) -> None:
         await acknowledged(self._pending.pop(tp, []), "slice batches")  # what the checkpoint says was sent, was
@@ -674,6 +697,7 @@ class Stage2Runner:
         self._beats = 0
         self._archive = None
         self._archive_sink = None
+        self.operations: Operations | None = None  # fed every final slice and every published decision
         self.decisions = 0
         self.slices = 0
         self.skipped = 0
@@ -781,6 +805,8 @@ class Stage2Runner:
             self.slices += 1
             if self._archive_sink is not None:
                 self._archive_sink(output)  # idempotent: a replayed slice writes the same rows
+            if self.operations is not None:
+                self.operations.view.observe(output, now=time.time())
             actions.extend(output.actions)
         if actions:
             # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
@@ -797,18 +823,53 @@ class Stage2Runner:
         await self._publish(task, missing)
 
     async def _publish(self, task: Stage2Task, actions: list) -> None:
-        sent = []
-        for action in actions:
-            key, value = decision_message(action.decision)
-            sent.append(await self._writer.send(self.settings.decisions_topic, value, key=key,
-                                                headers=sign_line(value, self._keyring)))
-            logger.info("decision %s %s %s/%s/%s reason=%s ts=%.3f", action.decision.id, action.decision.action,
-                        action.decision.bundle_id, action.decision.bucket or "*", action.decision.cohort or "*",
-                        action.decision.reason, action.decision.ts)
-        await acknowledged(sent, "decisions")
-        self.decisions += len(sent)
+        await self.publish_decisions([action.decision for action in actions])
         task.outbox = []
         task.outbox_mark = {}
+
+    async def publish_decisions(self, decisions: list) -> None:
+        """Sign and publish decisions on the decisions topic; return once the broker has them all."""
+        sent = []
+        for decision in decisions:
+            key, value = decision_message(decision)
+            sent.append(await self._writer.send(self.settings.decisions_topic, value, key=key,
+                                                headers=sign_line(value, self._keyring)))
+            logger.info("decision %s %s %s/%s/%s reason=%s ts=%.3f", decision.id, decision.action,
+                        decision.bundle_id, decision.bucket or "*", decision.cohort or "*", decision.reason,
+                        decision.ts)
+        await acknowledged(sent, "decisions")
+        self.decisions += len(sent)
+        if self.operations is not None:
+            self.operations.published(decisions)
+
+    # -- what operations read -----------------------------------------------------------
+    def cards(self) -> dict[str, dict]:
+        """Bundle id -> card of every bundle the stage-2 tasks of this worker have seen."""
+        return {bundle: card for task in self._tasks.values() for bundle, card in task.stage.cards.items()}
+
+    def automatic(self, scope: tuple) -> Any:
+        """The `ScopeState` this worker's decisions alone give ``scope`` (None: speculation on)."""
+        for task in self._tasks.values():
+            if scope[0] in task.stage.cards:
+                return task.stage.flags.state(scope)
+        return None
+
+    def stages(self) -> list:
+        """The `Stage2` of every task this worker holds (what the metrics view reads)."""
+        return [task.stage for _, task in sorted(self._tasks.items())]
+
+    def health(self, now: float, consumer: Any) -> dict:
+        """Lag and checkpoint age per partials partition, the outbox, the archive spool."""
+        lag, age = {}, {}
+        for partition, task in sorted(self._tasks.items()):
+            highwater = consumer.highwater(TP(self.settings.partials_topic, partition))
+            if highwater is not None and task.next_offset is not None:
+                lag[(self.settings.partials_topic, partition)] = max(0, highwater - task.next_offset)
+            if partition in self._checkpointed_at:
+                age[("stage2", partition)] = time.monotonic() - self._checkpointed_at[partition]
+        spool = self._archive_sink.spool.pending_bytes if self._archive_sink is not None else None
+        return {"lag": lag, "age": age, "outbox": sum(len(t.outbox) for t in self._tasks.values()),
+                "spool": spool}
 
     async def _checkpoint(self, task: Stage2Task, partition: int) -> None:
         if self._archive_sink is not None:
@@ -925,6 +986,7 @@ class StreamApp:
     app: faust.App
     stage1: Stage1Runner
     stage2: Stage2Runner
+    operations: Operations
 
 
 def create_app(settings: StreamSettings) -> StreamApp:
@@ -941,7 +1003,9 @@ def create_app(settings: StreamSettings) -> StreamApp:
         broker_credentials=faust_credentials(settings.kafka_security),
         store="memory://",
         datadir=settings.data_dir,
-        web_enabled=False,
+        web_enabled=settings.operations.web_port is not None,
+        web_port=settings.operations.web_port or 6066,
+        web_bind=settings.operations.web_bind,
         autodiscover=False,
         topic_replication_factor=settings.replication_factor,
         topic_partitions=settings.partials_partitions,
@@ -990,6 +1054,12 @@ def create_app(settings: StreamSettings) -> StreamApp:
     async def publish_heartbeats():
         await stage2.heartbeat()
 
+    operations = Operations(settings.operations, lambda: _service_health(app, stage1, stage2), stages=stage2.stages)
+    stage2.operations = operations
+    if settings.operations.web_port is not None:
+        operations.install(app, ready=lambda: _ready(app), cards=stage2.cards, publish=stage2.publish_decisions,
+                           automatic=stage2.automatic)
+
     progress = _Progress(stage1, stage2)
 
     @app.timer(interval=_PROGRESS_LOG_SECONDS)
@@ -1005,7 +1075,24 @@ def create_app(settings: StreamSettings) -> StreamApp:
     async def on_shutdown(app, **kwargs):
         await writer.stop()
 
-    return StreamApp(app, stage1, stage2)
+    return StreamApp(app, stage1, stage2, operations)
+
+
+def _ready(app: faust.App) -> bool:
+    """Ready once the worker holds partitions and is not rebalancing."""
+    return bool(app.consumer.assignment()) and not app.rebalancing
+
+
+def _service_health(app: faust.App, stage1: Stage1Runner, stage2: Stage2Runner) -> ServiceHealth:
+    now = time.time()
+    first = stage1.health(now, app.consumer)
+    second = stage2.health(now, app.consumer)
+    stage2.operations.view.engines_seen(stage1.engines_seen)
+    return ServiceHealth(records_read=stage1.records, records_rejected=dict(stage1.rejected_by_reason),
+                         consumer_lag={**first["lag"], **second["lag"]}, watermark_delay=first["delay"],
+                         checkpoint_age={**first["age"], **second["age"]},
+                         archive_spool_bytes=second["spool"], decisions_published=stage2.decisions,
+                         decisions_outbox=second["outbox"], ready=_ready(app))
 
 
 class _Progress:
@@ -1050,10 +1137,12 @@ def run_worker(settings: StreamSettings, loglevel: str = "warning") -> int:
         # `kill -USR1 <pid>`: every asyncio task's stack to the log, to see what a quiet worker waits for
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _log_task_stacks)
 
+    stream.operations.start()
     try:
         worker.execute_from_commandline()
     except SystemExit as stop:
         return int(stop.code or 0)
     finally:
+        stream.operations.stop()
         stream.stage2.close_archive()
     return 0

@@ -211,11 +211,13 @@ class Stage1Task:
     def records(self) -> int:
         return self.stage.records
 
-    def fold(self, offset: int, payload: bytes, now: float | None = None) -> tuple[list[Rejection], list[SliceBatch]]:
+    def fold(self, offset: int, payload: bytes, now: float | None = None,
+             seen: dict[str, float] | None = None) -> tuple[list[Rejection], list[SliceBatch]]:
         """Fold one OTLP message; returns its rejected records and the slices it closed.
 
         ``now`` is the processor's wall clock: records further ahead of it than
         ``windows.max_ahead_seconds`` are rejected (None: no check, as in a replay).
+        ``seen`` (engine worker -> wall time) learns when each worker was last heard from.
         """
         rejections: list[Rejection] = []
         closed: list[SliceBatch] = []
@@ -230,6 +232,8 @@ class Stage1Task:
                 self.rejected[item.reason] += 1
                 continue
             fold_record(stage, item)
+            if seen is not None and item.kind != "shadow":
+                seen[item.worker] = now
             # closing after every record, as the embedded pipeline does, keeps lateness identical
             closed.extend(stage.close_ready())
         self.messages += 1

@@ -9,6 +9,18 @@ from typing import Iterator
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_fixed_web_port() -> Iterator[None]:
+    """`specwatch run` workers started by tests serve no web port unless a test picks a free one."""
+    previous = os.environ.get("SPECWATCH_WEB_PORT")
+    os.environ["SPECWATCH_WEB_PORT"] = "0"
+    yield
+    if previous is None:
+        os.environ.pop("SPECWATCH_WEB_PORT", None)
+    else:
+        os.environ["SPECWATCH_WEB_PORT"] = previous
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> str:
     """Bootstrap address of the real broker that deploy/test.sh started.

@@ -19,7 +19,7 @@ def register(subparsers) -> None:
     parser.add_argument("--bootstrap", metavar="HOST:PORT",
                         help="Kafka broker for the end-to-end section and the export section's direct path")
     parser.add_argument("--section", action="append", default=[],
-                        choices=("stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth"),
+                        choices=("stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth", "metrics"),
                         help="run only these sections (repeatable)")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the stream and growth figures")
     parser.set_defaults(func=_run)
@@ -39,6 +39,12 @@ def _run(args) -> int:
         print(f"stream {row['encoding']:5} {row['requests_per_step']:5.1f} req/step: "
               f"{row['fast_rounds_per_s']:>11,.0f} rounds/s/core  x{row['speedup_vs_naive']:.1f} vs per-round, "
               f"x{row['speedup_vs_reference']:.2f} vs reference")
+    metrics = report.get("metrics")
+    if isinstance(metrics, dict) and "overhead_ratio" in metrics:
+        print(f"metrics view: stage 2 over {metrics['keys']} keys {metrics['stage2_on_s']:.3f} s with it, "
+              f"{metrics['stage2_off_s']:.3f} s without ({metrics['overhead_ratio'] * 100:+.2f} %), the view's part alone "
+              f"{metrics['observe_share_of_stage2'] * 100:.4f} %; a scrape "
+              f"{metrics['scrape_ms']:.1f} ms, every 15 s {metrics['scrape_core_share_at_15s'] * 100:.2f} % of a core")
     for name in ("collector", "export", "engine", "archive", "replay", "kafka"):
         print(f"{name}: {json.dumps(report.get(name), default=float)}")
     for row in report.get("growth", []) if isinstance(report.get("growth"), list) else []:

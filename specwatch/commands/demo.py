@@ -42,6 +42,9 @@ def register(subparsers) -> None:
     parser.add_argument("--otel-sdk", action="store_true",
                         help="emit through the OpenTelemetry SDK LoggerProvider (slower) instead of the "
                              "emitter's direct path; both produce the same records")
+    parser.add_argument("--serve", type=int, metavar="PORT",
+                        help="serve the Prometheus metrics a `specwatch run` worker serves on "
+                             "http://127.0.0.1:PORT/metrics while the demo runs, and after it until interrupted")
     parser.set_defaults(func=_run)
 
 
@@ -76,10 +79,12 @@ def match_incidents(incidents, decisions) -> list[dict]:
 
 def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | None = None, workers: int = 8,
                        policy=None, archive_sink=None, picture: Path | None = None, progress=None,
-                       sdk: bool = False) -> dict:
+                       sdk: bool = False, operations=None) -> dict:
     """Simulate, detect, act (closed loop), archive and draw. Returns a summary dict.
 
     ``archive_sink`` (an `ArchiveSink`) receives every slice's output; the caller closes it.
+    ``operations`` (a `streams.operations.Operations`) gets every final slice and the
+    pipeline's counters, as a worker's metrics view does.
     """
     from specwatch.actions.flags import FlagStore
     from specwatch.collectors.export import CallbackExporter
@@ -93,6 +98,15 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     if archive_sink is not None:
         sinks.append(archive_sink)
     pipeline = EmbeddedPipeline(policy, flags=flags, sinks=sinks)
+    if operations is not None:
+        from specwatch.streams.metrics import ServiceHealth
+
+        sinks.append(operations.view.observe)
+        pipeline.sinks = sinks
+        operations.view.stages = lambda: [pipeline.stage2]
+        operations.health = lambda: ServiceHealth(records_read=pipeline.counters.records,
+                                                  records_rejected=pipeline.counters.rejected.as_dict(),
+                                                  decisions_published=pipeline.counters.decisions)
     sim = Simulator(scenario, seed=seed, minutes=minutes, workers=workers, flags=flags)
     # The simulated workers emit through the OpenTelemetry LoggerProvider exactly as a
     # worker's collector does; in-process, the exporter hands batches to stage 1. The
@@ -233,9 +247,12 @@ def _run(args) -> int:
         print(f"  t={elapsed:6.0f}/{total:.0f} s  records={counters.records:>8}  decisions={counters.decisions}",
               file=sys.stderr, flush=True)
 
+    operations = _serve(args.serve) if args.serve is not None else None
+    if args.serve is not None and operations is None:
+        return 2
     try:
         summary = run_simulated_demo(args.scenario, args.seed, args.minutes, args.workers, policy, archive_sink,
-                                     outdir / "timeline.png", progress, sdk=args.otel_sdk)
+                                     outdir / "timeline.png", progress, sdk=args.otel_sdk, operations=operations)
     finally:
         if archive_sink is not None:
             archive_sink.close()
@@ -247,6 +264,14 @@ def _run(args) -> int:
                           "incidents": summary["incidents"], "archive": summary.get("archive"),
                           "picture": summary.get("picture"), "counters": summary["counters"],
                           "buckets": summary["buckets"]}, sort_keys=True))
+    if operations is not None:
+        print(f"serving metrics on http://127.0.0.1:{args.serve}/metrics until interrupted (Ctrl-C)",
+              file=sys.stderr, flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -256,6 +281,21 @@ def _archived_at(archive_sink, dsn: str) -> str | None:
     if note:
         print(f"specwatch demo: {note}", file=sys.stderr)
     return None if archive_sink.stats()["spool_pending_bytes"] or archive_sink.stats()["dropped_entries"] else dsn
+
+
+def _serve(port: int):
+    """An `Operations` whose metrics prometheus-client serves on ``port``; None (and why) if it cannot."""
+    from prometheus_client import start_http_server
+
+    from specwatch.streams.operations import Operations, OperationsSettings
+
+    operations = Operations(OperationsSettings(web_port=None))
+    try:
+        start_http_server(port, addr="127.0.0.1", registry=operations.registry)
+    except (OSError, OverflowError) as error:
+        print(f"specwatch demo: cannot serve metrics on port {port}: {error}; pick a free port", file=sys.stderr)
+        return None
+    return operations
 
 
 def _run_vllm(args, outdir: Path, policy, archive_sink=None, dsn: str | None = None) -> int:

@@ -56,11 +56,14 @@ _REASON_CODES = ("acceptance_drop", "no_speedup", "draft_overhead", "latency_slo
                  "bundle_changed", "quality_regression", "error_rate", "unadmitted_bundle", "canary_judgement")
 
 
-def override_decision(change: OverrideChange, code: str, automatic=None, override_id: str = ""):
+def override_decision(change: OverrideChange, code: str, automatic=None, override_id: str = "", *,
+                      detector: str = _MANUAL_DETECTOR, audit: dict | None = None):
     """The decision that tells flag clients about ``change``.
 
     Setting publishes the override's own state; clearing publishes ``automatic``, the
     `ScopeState` the archived decisions alone give the scope (None: speculation on).
+    ``detector`` names where the override came from (an Alertmanager rollback says
+    ``alertmanager``); ``audit`` adds to its evidence.
 
     >>> c = OverrideChange("b-1", "coding", None, False, None, "alice", "p99 page", 100.0)
     >>> d = override_decision(c, "latency_slo", override_id="o-1")
@@ -76,6 +79,7 @@ def override_decision(change: OverrideChange, code: str, automatic=None, overrid
         enabled = automatic is None or automatic.enabled
         limit = automatic.draft_limit if automatic is not None else None
     evidence = {"by": change.by, "note": change.reason, "override_id": override_id, "cleared": change.cleared}
+    evidence.update(audit or {})
     if not enabled:
         action = "disable_speculation"
     elif limit is not None:
@@ -84,7 +88,7 @@ def override_decision(change: OverrideChange, code: str, automatic=None, overrid
     else:
         action = "restore"
     return Decision(ts=change.ts, bundle_id=change.bundle_id, bucket=change.bucket, cohort=change.cohort,
-                    action=action, reason=code, detector=_MANUAL_DETECTOR, evidence=evidence)
+                    action=action, reason=code, detector=detector, evidence=evidence)
 
 
 def add_publish_options(parser: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ DEFAULT_PARTIALS_TOPIC = "specwatch.partials"
 DEFAULT_DECISIONS_TOPIC = "specwatch.decisions"
 DEFAULT_DEADLETTER_TOPIC = "specwatch.deadletter"
 _SUPERVISE_POLL_S = 0.5
+_DEFAULT_WEB_PORT = 6066
 _STOP_GRACE_S = 30.0
 
 
@@ -62,6 +63,24 @@ def register(subparsers) -> None:
                         help="replication of the checkpoint topics it creates (default 1)")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                         help="worker log level (default warning; info adds progress and every decision)")
+    parser.add_argument("--web-port", type=int, default=os.environ.get("SPECWATCH_WEB_PORT") or str(_DEFAULT_WEB_PORT),
+                        metavar="PORT",
+                        help="port of the web server serving /metrics, /healthz, /readyz and the Alertmanager "
+                             f"webhook; worker i uses PORT+i (default $SPECWATCH_WEB_PORT or {_DEFAULT_WEB_PORT}; "
+                             "0: no web server)")
+    parser.add_argument("--web-bind", default="0.0.0.0", metavar="ADDRESS",
+                        help="interface the web server listens on (default 0.0.0.0)")
+    parser.add_argument("--max-metric-keys", type=int, default=2000, metavar="N",
+                        help="export per-key metrics for at most N (bundle, bucket, cohort) keys; how many more "
+                             "there are is specwatch_metric_keys_overflow (default 2000)")
+    parser.add_argument("--alertmanager-url", default=os.environ.get("SPECWATCH_ALERTMANAGER_URL"), metavar="URL",
+                        help="post decisions as alerts to this Alertmanager (default $SPECWATCH_ALERTMANAGER_URL)")
+    parser.add_argument("--webhook-token-file", default=os.environ.get("SPECWATCH_WEBHOOK_TOKEN_FILE"),
+                        metavar="FILE", help="bearer token the Alertmanager webhook demands (default "
+                                             "$SPECWATCH_WEBHOOK_TOKEN_FILE; without it the webhook refuses)")
+    parser.add_argument("--rollback-policy", metavar="FILE",
+                        help="TOML: which alert names map to which reason, and which resolved alerts restore "
+                             "(docs/OPERATIONS.md)")
     parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     parser.set_defaults(func=_run)
 
@@ -74,8 +93,10 @@ def _fail(message: str) -> int:
 def _run(args) -> int:
     from specwatch.schemas import PolicyError, load_policy
     from specwatch.collectors.otel import KafkaConfig
+    from specwatch.actions.alertmanager import load_rollback_policy, read_token_file
     from specwatch.streams.faust_app import (BrokerUnavailable, StreamSettings, TopicError, aiokafka_security,
                                              prepare_topics, run_worker)
+    from specwatch.streams.operations import OperationsSettings
 
     if args.workers < 1:
         return _fail(f"--workers must be >= 1, got {args.workers}")
@@ -87,6 +108,20 @@ def _run(args) -> int:
     try:
         policy = load_policy(args.policy)
     except PolicyError as error:
+        return _fail(str(error))
+    if not 0 <= args.web_port < 65536 - args.workers:
+        return _fail(f"--web-port must be between 0 and {65535 - args.workers}, got {args.web_port}")
+    try:
+        operations = OperationsSettings(
+            web_port=args.web_port + args.worker_index if args.web_port else None, web_bind=args.web_bind,
+            max_metric_keys=args.max_metric_keys, alertmanager_url=args.alertmanager_url or None,
+            webhook_token=read_token_file(args.webhook_token_file) if args.webhook_token_file else None,
+            rollback=load_rollback_policy(args.rollback_policy), explain_archive=args.archive)
+        if operations.alertmanager_url:
+            from specwatch.actions.alertmanager import AlertSender
+
+            AlertSender(operations.alertmanager_url)  # the URL is checked before anything starts
+    except ValueError as error:
         return _fail(str(error))
     security: dict = {}
     try:
@@ -107,6 +142,7 @@ def _run(args) -> int:
             source_silence_seconds=args.source_silence,
             session_timeout_seconds=args.session_timeout,
             replication_factor=args.replication_factor,
+            operations=operations,
         )
         # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
         security = aiokafka_security(KafkaConfig.from_env(args.bootstrap))
@@ -142,7 +178,15 @@ def _worker_command(args, index: int) -> list[str]:
                 "--deadletter-topic", args.deadletter_topic, "--app-id", args.app_id, "--data-dir", args.data_dir,
                 "--partitions", str(args.partitions), "--checkpoint-seconds", str(args.checkpoint_seconds),
                 "--source-silence", str(args.source_silence), "--session-timeout", str(args.session_timeout),
-                "--replication-factor", str(args.replication_factor), "--log-level", args.log_level]
+                "--replication-factor", str(args.replication_factor), "--log-level", args.log_level,
+                "--web-port", str(args.web_port), "--web-bind", args.web_bind,
+                "--max-metric-keys", str(args.max_metric_keys)]
+    if args.alertmanager_url:
+        command += ["--alertmanager-url", args.alertmanager_url]
+    if args.webhook_token_file:
+        command += ["--webhook-token-file", args.webhook_token_file]
+    if args.rollback_policy:
+        command += ["--rollback-policy", args.rollback_policy]
     for topic in args.telemetry_topic or ():
         command += ["--telemetry-topic", topic]
     if args.policy:

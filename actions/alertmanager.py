@@ -1,0 +1,419 @@
+"""Alertmanager in both directions: decisions out as alerts, firing alerts in as rollbacks.
+
+Out: `AlertSender` posts each decision that changes a speculative path to Alertmanager's
+v2 API from a background thread with a bounded queue, re-sends the alerts in force so they
+stay firing, and resolves them (``endsAt``) when the scope is restored. In: `read_webhook`
+turns Alertmanager's webhook payload (version 4) into the manual overrides it asks for;
+whoever serves the webhook publishes them as signed decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+from specwatch.schemas import Decision
+
+__all__ = [
+    "ALERTMANAGER_URL_ENV",
+    "WEBHOOK_TOKEN_FILE_ENV",
+    "AlertRequest",
+    "AlertSender",
+    "RollbackPolicy",
+    "WebhookLedger",
+    "bearer_token_ok",
+    "decision_alert",
+    "load_rollback_policy",
+    "read_token_file",
+    "read_webhook",
+    "resolve_scopes",
+]
+
+logger = logging.getLogger(__name__)
+
+ALERTMANAGER_URL_ENV = "SPECWATCH_ALERTMANAGER_URL"
+WEBHOOK_TOKEN_FILE_ENV = "SPECWATCH_WEBHOOK_TOKEN_FILE"
+ALERT_NAME = "SpecwatchDecision"
+_DEFAULT_QUEUE = 1000
+_DEFAULT_RESEND_S = 60.0
+_DEFAULT_TIMEOUT_S = 5.0
+_DEFAULT_RETRIES = 5
+_DEFAULT_BACKOFF_S = 0.5
+# Idempotence memory of the webhook: alerts (fingerprint, startsAt, status) handled.
+_LEDGER_SIZE = 10_000
+_TAKING_AWAY = ("disable_speculation", "invalidate_bundle", "reduce_draft_length")
+_REASON_CODES = ("acceptance_drop", "no_speedup", "draft_overhead", "latency_slo", "kv_pressure", "bundle_changed",
+                 "quality_regression", "error_rate", "unadmitted_bundle", "canary_judgement")
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _scope_labels(bundle: str, bucket: str | None, cohort: str | None) -> dict[str, str]:
+    return {"bundle": bundle, "bucket": bucket or "*", "cohort": cohort or "*"}
+
+
+def decision_alert(decision: Decision, now: float, ends_at: float, explain_archive: str | None = None) -> dict:
+    """One Alertmanager v2 alert for ``decision``, in force until ``ends_at`` (unix seconds).
+
+    >>> d = Decision(ts=10.0, bundle_id="b-1", bucket="coding", cohort=None, action="disable_speculation",
+    ...              reason="acceptance_drop", detector="acceptance_gate")
+    >>> alert = decision_alert(d, now=100.0, ends_at=400.0)
+    >>> alert["labels"]
+    {'alertname': 'SpecwatchDecision', 'bundle': 'b-1', 'bucket': 'coding', 'cohort': '*', 'action': 'disable_speculation', 'reason': 'acceptance_drop', 'severity': 'page'}
+    >>> alert["annotations"]["explain"] == f"specwatch explain {d.id}", alert["endsAt"]
+    (True, '1970-01-01T00:06:40.000000Z')
+    """
+    labels = {"alertname": ALERT_NAME, **_scope_labels(decision.bundle_id, decision.bucket, decision.cohort),
+              "action": decision.action, "reason": decision.reason,
+              "severity": "page" if decision.action in ("disable_speculation", "invalidate_bundle") else "ticket"}
+    explain = f"specwatch explain {decision.id}"
+    if explain_archive:
+        explain += f" --archive {explain_archive}"
+    scope = f"{decision.bundle_id}/{decision.bucket or '*'}/{decision.cohort or '*'}"
+    return {
+        "labels": labels,
+        "annotations": {
+            "decision_id": decision.id,
+            "summary": f"specwatch {decision.action} on {scope}: {decision.reason} ({decision.detector})",
+            "explain": explain,
+        },
+        "startsAt": _iso(min(decision.ts, now)),
+        "endsAt": _iso(ends_at),
+    }
+
+
+class AlertSender:
+    """Posts decisions to Alertmanager (POST /api/v2/alerts) from a background thread.
+
+    `submit` never blocks: a full queue drops the decision and counts it. Alerts in force
+    are re-sent every ``resend_seconds`` (Alertmanager resolves an alert it stops hearing
+    about); a ``restore`` of a scope resolves every alert in force on that scope. Failed
+    posts are retried with backoff, then counted.
+
+    Parameters
+    ----------
+    url
+        Alertmanager's base URL, e.g. ``http://alertmanager:9093``.
+    resend_seconds
+        How often alerts in force are sent again; each carries ``endsAt`` four intervals ahead.
+    post
+        ``post(url, body_bytes, timeout)``; urllib by default (tests may pass a recorder).
+    clock
+        Unix wall clock.
+    """
+
+    def __init__(self, url: str, *, queue_size: int = _DEFAULT_QUEUE, resend_seconds: float = _DEFAULT_RESEND_S,
+                 timeout_s: float = _DEFAULT_TIMEOUT_S, retries: int = _DEFAULT_RETRIES,
+                 backoff_s: float = _DEFAULT_BACKOFF_S, explain_archive: str | None = None,
+                 post: Callable[[str, bytes, float], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"Alertmanager URL must start with http:// or https://, got {url!r}")
+        if not resend_seconds > 0 or queue_size < 1 or retries < 0:
+            raise ValueError("resend_seconds must be > 0, queue_size >= 1 and retries >= 0")
+        self.url = url.rstrip("/") + "/api/v2/alerts"
+        self.resend_seconds = resend_seconds
+        self._timeout_s = timeout_s
+        self._retries = retries
+        self._backoff_s = backoff_s
+        self._explain_archive = explain_archive
+        self._post = post or _http_post
+        self._clock = clock
+        self._queue: queue.Queue[Decision] = queue.Queue(maxsize=queue_size)
+        self._active: dict[tuple, dict[tuple, Decision]] = {}  # scope -> alert labels -> decision
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.counts: Counter = Counter()  # sent, failed, dropped, resolved
+
+    # -- the stream's side: never blocks ----------------------------------------------
+    def submit(self, decision: Decision) -> bool:
+        """Queue one decision; False (and counted as dropped) when the queue is full."""
+        if decision.action not in (*_TAKING_AWAY, "restore"):
+            return True  # alerts and promotions change no path: nothing to page about
+        try:
+            self._queue.put_nowait(decision)
+            return True
+        except queue.Full:
+            self.counts["dropped"] += 1
+            return False
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    # -- the sender's thread -------------------------------------------------------------
+    def start(self) -> "AlertSender":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specwatch-alertmanager", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        next_resend = self._clock() + self.resend_seconds
+        while not self._stop.is_set():
+            try:
+                decision = self._queue.get(timeout=min(1.0, self.resend_seconds))
+            except queue.Empty:
+                decision = None
+            batch = [] if decision is None else [decision]
+            while len(batch) < 100:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if batch:
+                self.send_now(batch)
+            if self._clock() >= next_resend:
+                self.resend()
+                next_resend = self._clock() + self.resend_seconds
+
+    def send_now(self, decisions: Iterable[Decision]) -> None:
+        """Fold decisions into the alerts in force and post what changed (the thread's work)."""
+        now = self._clock()
+        alerts = []
+        for decision in decisions:
+            scope = (decision.bundle_id, decision.bucket, decision.cohort)
+            if decision.action == "restore":
+                for old in self._active.pop(scope, {}).values():
+                    alerts.append(decision_alert(old, now, now, self._explain_archive))
+                    self.counts["resolved"] += 1
+                continue
+            alert = decision_alert(decision, now, now + 4 * self.resend_seconds, self._explain_archive)
+            self._active.setdefault(scope, {})[tuple(sorted(alert["labels"].items()))] = decision
+            alerts.append(alert)
+        self._deliver(alerts)
+
+    def resend(self) -> None:
+        now = self._clock()
+        alerts = [decision_alert(d, now, now + 4 * self.resend_seconds, self._explain_archive)
+                  for by_labels in self._active.values() for d in by_labels.values()]
+        self._deliver(alerts)
+
+    def _deliver(self, alerts: list[dict]) -> None:
+        if not alerts:
+            return
+        body = json.dumps(alerts).encode()
+        for attempt in range(self._retries + 1):
+            try:
+                self._post(self.url, body, self._timeout_s)
+                self.counts["sent"] += len(alerts)
+                return
+            except Exception as error:  # noqa: BLE001 - any failure is retried, then counted
+                if attempt == self._retries or self._stop.wait(self._backoff_s * 2 ** attempt):
+                    self.counts["failed"] += len(alerts)
+                    logger.warning("Alertmanager at %s did not take %d alerts: %s", self.url, len(alerts), error)
+                    return
+
+
+def _http_post(url: str, body: bytes, timeout: float) -> None:
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        if response.status >= 300:
+            raise urllib.error.HTTPError(url, response.status, response.reason, response.headers, None)
+
+
+# ---------------------------------------------------------------- the webhook
+
+
+@dataclass(frozen=True)
+class RollbackPolicy:
+    """How firing alerts become rollbacks.
+
+    Parameters
+    ----------
+    reasons
+        Alert name -> contract reason, for alerts without a ``reason`` label.
+    restore_on_resolve
+        Alert names whose resolution restores the scope they disabled (``"*"``: every alert).
+    """
+
+    reasons: Mapping[str, str] = field(default_factory=dict)
+    restore_on_resolve: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        bad = {name: code for name, code in self.reasons.items() if code not in _REASON_CODES}
+        if bad:
+            raise ValueError(f"alert reasons must be contract reason codes ({', '.join(_REASON_CODES)}), got {bad}")
+
+    def restores(self, alertname: str) -> bool:
+        return "*" in self.restore_on_resolve or alertname in self.restore_on_resolve
+
+
+def load_rollback_policy(path: str | Path | None) -> RollbackPolicy:
+    """Read a rollback policy TOML file (None: no mapping, nothing restored on resolve).
+
+    The file has ``restore_on_resolve = ["AlertName", ...]`` and a ``[reasons]`` table of
+    ``AlertName = "reason_code"``; anything else is refused by name.
+    """
+    if path is None:
+        return RollbackPolicy()
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ValueError(f"cannot read the rollback policy {path}: {error}") from error
+    unknown = set(data) - {"reasons", "restore_on_resolve"}
+    if unknown:
+        raise ValueError(f"rollback policy {path}: unknown settings {sorted(unknown)}; "
+                         "allowed: reasons, restore_on_resolve")
+    restore = data.get("restore_on_resolve", [])
+    if not isinstance(restore, list) or not all(isinstance(n, str) for n in restore):
+        raise ValueError(f"rollback policy {path}: restore_on_resolve must be a list of alert names")
+    return RollbackPolicy(dict(data.get("reasons", {})), frozenset(restore))
+
+
+def read_token_file(path: str | Path) -> str:
+    """The bearer token in ``path`` (surrounding whitespace removed); ValueError when empty or unreadable."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise ValueError(f"cannot read the webhook token file {path}: {error}") from error
+    if not token:
+        raise ValueError(f"the webhook token file {path} is empty")
+    return token
+
+
+def bearer_token_ok(header: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <token>`` (constant-time compare).
+
+    >>> bearer_token_ok("Bearer s3cret", "s3cret"), bearer_token_ok("Bearer nope", "s3cret"), bearer_token_ok(None, "x")
+    (True, False, False)
+    """
+    import hmac
+
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[len("Bearer "):].strip().encode(), token.encode())
+
+
+@dataclass(frozen=True)
+class AlertRequest:
+    """What one alert of a webhook asks: disable (or restore) ``scope`` for ``reason``."""
+
+    scope: tuple[str, str | None, str | None]
+    restore: bool
+    reason: str
+    draft_limit: int | None
+    audit: dict
+    ident: tuple = ()
+
+
+def resolve_scopes(labels: Mapping[str, str], cards: Mapping[str, dict]) -> list[tuple[str, str | None, str | None]]:
+    """The scopes an alert's labels name, among known bundles (``cards``: bundle id -> card).
+
+    ``bundle`` names one bundle; otherwise vLLM's ``model_name`` names every bundle whose
+    card's ``target.model_id`` equals it. ``bucket`` and ``cohort`` narrow the scope.
+
+    >>> cards = {"b-1": {"target": {"model_id": "llama"}}, "b-2": {"target": {"model_id": "llama"}}}
+    >>> resolve_scopes({"model_name": "llama", "bucket": "coding"}, cards)
+    [('b-1', 'coding', None), ('b-2', 'coding', None)]
+    >>> resolve_scopes({"bundle": "b-9"}, cards)
+    []
+    """
+    bucket = labels.get("bucket") or None
+    cohort = labels.get("cohort") or None
+    bucket = None if bucket == "*" else bucket
+    cohort = None if cohort == "*" else cohort
+    if labels.get("bundle"):
+        bundles = [labels["bundle"]] if labels["bundle"] in cards else []
+    elif labels.get("model_name"):
+        bundles = sorted(b for b, card in cards.items()
+                         if (card or {}).get("target", {}).get("model_id") == labels["model_name"])
+    else:
+        bundles = []
+    return [(bundle, bucket, cohort) for bundle in bundles]
+
+
+class WebhookLedger:
+    """Alerts already handled, by (fingerprint, startsAt, status): a re-sent alert changes nothing.
+
+    An alert is recorded only once its decisions are published, so a request that failed
+    half way is handled in full when Alertmanager retries it.
+
+    >>> ledger = WebhookLedger(size=1)
+    >>> ledger.handled(("f1", "t", "firing")), ledger.record(("f1", "t", "firing")), ledger.handled(("f1", "t", "firing"))
+    (False, None, True)
+    """
+
+    def __init__(self, size: int = _LEDGER_SIZE) -> None:
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._size = size
+
+    def handled(self, ident: tuple) -> bool:
+        return ident in self._seen
+
+    def record(self, ident: tuple) -> None:
+        self._seen[ident] = None
+        self._seen.move_to_end(ident)
+        if len(self._seen) > self._size:
+            self._seen.popitem(last=False)
+
+
+def read_webhook(payload: object, cards: Mapping[str, dict], policy: RollbackPolicy,
+                 ledger: WebhookLedger) -> tuple[list[AlertRequest], Counter]:
+    """The rollbacks one webhook payload asks for, and a count of every alert by outcome.
+
+    Record each request's ``ident`` in ``ledger`` once its decision is published.
+
+    Outcomes: ``applied``, ``duplicate`` (already handled), ``unknown_scope``, ``no_scope``,
+    ``no_reason``, ``not_restored`` (resolved, and the policy does not restore it). Raises
+    ValueError when the payload is not Alertmanager's webhook version 4.
+    """
+    if not isinstance(payload, dict) or str(payload.get("version")) != "4" or not isinstance(
+            payload.get("alerts"), list):
+        raise ValueError("not an Alertmanager webhook payload (version 4 with an alerts list)")
+    requests: list[AlertRequest] = []
+    outcomes: Counter = Counter()
+    for alert in payload["alerts"]:
+        if not isinstance(alert, dict) or not isinstance(alert.get("labels"), dict):
+            outcomes["no_scope"] += 1
+            continue
+        labels = {str(k): str(v) for k, v in alert["labels"].items()}
+        status = alert.get("status") or payload.get("status")
+        name = labels.get("alertname", "")
+        if not (labels.get("bundle") or labels.get("model_name")):
+            outcomes["no_scope"] += 1
+            continue
+        scopes = resolve_scopes(labels, cards)
+        if not scopes:
+            outcomes["unknown_scope"] += 1
+            continue
+        reason = labels.get("reason") if labels.get("reason") in _REASON_CODES else policy.reasons.get(name)
+        if reason is None:
+            outcomes["no_reason"] += 1
+            continue
+        restore = status == "resolved"
+        if restore and not policy.restores(name):
+            outcomes["not_restored"] += 1
+            continue
+        ident = (alert.get("fingerprint"), alert.get("startsAt"), status)
+        if ledger.handled(ident):
+            outcomes["duplicate"] += 1
+            continue
+        limit = labels.get("draft_length")
+        draft_limit = int(limit) if limit and limit.isdigit() and int(limit) >= 1 else None
+        audit = {"alertname": name, "fingerprint": alert.get("fingerprint"),
+                 "generator_url": alert.get("generatorURL"), "starts_at": alert.get("startsAt"),
+                 "status": status}
+        for scope in scopes:
+            requests.append(AlertRequest(scope, restore, reason, draft_limit, audit, ident))
+        outcomes["applied"] += 1
+    return requests, outcomes

@@ -1,0 +1,353 @@
+"""Operations against the real servers: Prometheus scrapes a live `specwatch run` worker, Alertmanager both ways.
+
+One seeded incident scenario goes through Kafka into a worker with its web server, an
+Alertmanager and a Prometheus of the test's own (Debian packages, installed by
+deploy/prometheus/install.sh), each on a free port with its own data directory:
+
+- every dashboard panel's PromQL returns series from that Prometheus;
+- a drill rule fires, Alertmanager posts it to the worker's webhook, the rollback decision
+  reaches the decisions topic and a `FlagClient` applies it; the rule resolving restores it;
+- specwatch's decisions appear as alerts in Alertmanager's API, and the rollback's alert is
+  resolved once the scope is restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from specwatch.actions.decisions_topic import FlagClient
+from specwatch.collectors.otel import KafkaConfig
+from specwatch.collectors.simulator import Simulator
+from specwatch.schemas import Decision
+from specwatch.schemas.otlp import encode_entries, log_entry
+from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.faust_app import PartitionReader
+
+pytestmark = pytest.mark.kafka
+
+_REPO = Path(__file__).resolve().parents[1]
+_DASHBOARD = _REPO / "deploy" / "grafana" / "specwatch.json"
+_RULES = _REPO / "deploy" / "prometheus" / "specwatch-rules.yml"
+SEED, WORKERS, MINUTES, INCIDENT_AT, PARTITIONS = 11, 3, 2.5, 90.0, 4
+_TAIL_SECONDS = 5.0
+_WAIT_S = 600.0  # a liveness bound for loaded 2-core machines, not a speed claim
+_DRILL = "ExtractionTPOTDrill"
+_TOKEN = "drill-token-" + uuid.uuid4().hex
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get_json(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _wait_for(what: str, condition, logs, timeout: float = _WAIT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+        except OSError:
+            value = None
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s\n{logs()}")
+
+
+async def _topics(bootstrap: str, create: list[NewTopic], delete_prefix: str | None = None) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        if create:
+            await admin.create_topics(create)
+        if delete_prefix:
+            names = [n for n in await admin.list_topics() if n.startswith(delete_prefix)]
+            if names:
+                await admin.delete_topics(names)
+    finally:
+        await admin.close()
+
+
+class Servers:
+    """The worker, Alertmanager and Prometheus of one test, with their logs."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, name: str, command: list[str]) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.processes.append(process)
+        return process
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def servers(tmp_path):
+    made = Servers(tmp_path)
+    yield made
+    made.stop()
+
+
+async def _send_bad_records(bootstrap: str, topic: str) -> None:
+    """Bytes that are not OTLP, and a step whose rounds accept more than they drafted."""
+    step = next(r for r in Simulator("healthy", seed=SEED, workers=1, minutes=0.05).records() if r.kind == "step")
+    entry = log_entry(step)
+    attributes = dict(entry.attributes)
+    attributes["specwatch.requests.accepted"] = tuple(d + 1 for d in attributes["specwatch.requests.drafted"])
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, b"\xff\xff not protobuf", key=b"w1")
+        await producer.send_and_wait(topic, encode_entries([entry._replace(attributes=attributes)]), key=b"w2")
+    finally:
+        await producer.stop()
+
+
+def _decisions(bootstrap: str, topic: str) -> list[Decision]:
+    reader = PartitionReader(bootstrap)
+    ends = asyncio.run(reader.end_offsets(topic))
+    out = []
+    for partition, end in sorted(ends.items()):
+        for message in asyncio.run(reader.read(topic, partition, 0, end)):
+            if not message.key.startswith(b"__heartbeat__/"):
+                out.append(Decision.model_validate_json(message.value))
+    return out
+
+
+def _panel_queries() -> list[str]:
+    """Every PromQL expression of the dashboard (panels and annotations), variables set to "all"."""
+    dashboard = json.loads(_DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets") or []]
+    exprs += [a["expr"] for a in dashboard["annotations"]["list"]]
+    return [re.sub(r"\$(bundle|bucket)", ".*", e).replace("$__rate_interval", "15s") for e in exprs]
+
+
+def _alerts(am_port: int) -> list[dict]:
+    query = urllib.parse.urlencode({"filter": 'alertname="SpecwatchDecision"'})
+    return _get_json(f"http://127.0.0.1:{am_port}/api/v2/alerts?{query}")
+
+
+def test_prometheus_alertmanager_and_a_live_worker(kafka_bootstrap, servers, tmp_path):
+    for binary in ("prometheus", "prometheus-alertmanager"):
+        assert shutil.which(binary), f"{binary} is missing: deploy/prometheus/install.sh installs it"
+    run = f"swops-{uuid.uuid4().hex[:8]}"
+    telemetry, partials, decisions, deadletter = (f"{run}.{t}" for t in
+                                                  ("telemetry", "partials", "decisions", "deadletter"))
+    asyncio.run(_topics(kafka_bootstrap, [NewTopic(telemetry, PARTITIONS, 1), NewTopic(partials, PARTITIONS, 1),
+                                          NewTopic(deadletter, PARTITIONS, 1),
+                                          NewTopic(decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})]))
+    try:
+        _scenario(kafka_bootstrap, servers, tmp_path, run, telemetry, partials, decisions, deadletter)
+    finally:
+        servers.stop()
+        asyncio.run(_topics(kafka_bootstrap, [], delete_prefix=run))
+
+
+def _scenario(bootstrap, servers, tmp, run, telemetry, partials, decisions, deadletter):
+    web, am, prom, drill_port = _free_port(), _free_port(), _free_port(), _free_port()
+    token_file = tmp / "webhook.token"
+    token_file.write_text(_TOKEN + "\n")
+    (tmp / "rollback.toml").write_text(f'restore_on_resolve = ["{_DRILL}"]\n')
+
+    # -- the drill switch: a target of the test's own that the drill rule reads ----------
+    registry = CollectorRegistry()
+    drill = Gauge("rollback_drill", "1 while the rollback drill is on", registry=registry)
+    drill.set(1)
+    drill_server, _ = start_http_server(drill_port, addr="127.0.0.1", registry=registry)
+
+    # -- Alertmanager: the drill goes to specwatch's webhook, everything else nowhere ----
+    (tmp / "alertmanager.yml").write_text(f"""
+route:
+  receiver: nowhere
+  group_by: ['...']
+  group_wait: 1s
+  group_interval: 1s
+  repeat_interval: 1h
+  routes:
+    - matchers: ['alertname="{_DRILL}"']
+      receiver: specwatch
+receivers:
+  - name: nowhere
+  - name: specwatch
+    webhook_configs:
+      - url: http://127.0.0.1:{web}/alertmanager/webhook
+        http_config:
+          authorization:
+            credentials_file: {token_file}
+""")
+    servers.start("alertmanager", ["prometheus-alertmanager", f"--config.file={tmp / 'alertmanager.yml'}",
+                                   f"--storage.path={tmp / 'am-data'}", f"--web.listen-address=127.0.0.1:{am}",
+                                   "--cluster.listen-address=", "--log.level=warn"])
+
+    # -- the worker, with its web server and both Alertmanager directions ----------------
+    servers.start("worker", [sys.executable, "-m", "specwatch.cli", "run", "--bootstrap", bootstrap,
+                             "--telemetry-topic", telemetry, "--partials-topic", partials,
+                             "--decisions-topic", decisions, "--deadletter-topic", deadletter, "--app-id", run,
+                             "--data-dir", str(tmp / "data"), "--archive", f"chdb://{tmp}/archive",
+                             "--session-timeout", "6", "--source-silence", "5", "--checkpoint-seconds", "1",
+                             "--web-port", str(web), "--web-bind", "127.0.0.1",
+                             "--alertmanager-url", f"http://127.0.0.1:{am}",
+                             "--webhook-token-file", str(token_file), "--rollback-policy", str(tmp / "rollback.toml"),
+                             "--log-level", "info"])
+
+    # -- Prometheus: scrapes the worker and the drill switch, evaluates every second -------
+    (tmp / "drill-rules.yml").write_text(f"""
+groups:
+  - name: drill
+    rules:
+      - alert: {_DRILL}
+        expr: max_over_time(specwatch_tpot_seconds{{bucket="extraction", cohort="main", quantile="0.99"}}[10m]) > 0
+              and on() rollback_drill == 1
+        labels:
+          reason: latency_slo
+""")
+    (tmp / "prometheus.yml").write_text(f"""
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+rule_files: ["{_RULES}", "{tmp / 'drill-rules.yml'}"]
+alerting:
+  alertmanagers:
+    - static_configs: [{{targets: ["127.0.0.1:{am}"]}}]
+scrape_configs:
+  - job_name: specwatch
+    static_configs: [{{targets: ["127.0.0.1:{web}"]}}]
+  - job_name: drill
+    static_configs: [{{targets: ["127.0.0.1:{drill_port}"]}}]
+""")
+    servers.start("prometheus", ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp / 'prom-data'}", f"--web.listen-address=127.0.0.1:{prom}",
+                                 "--log.level=warn"])
+    started = time.time()
+
+    # -- the seeded incident, through Kafka; the embedded pipeline decides the same ------
+    feed = subprocess.run([sys.executable, "-m", "specwatch.cli", "simulate", "--bootstrap", bootstrap, "--topic",
+                           telemetry, "--scenario", "acceptance_drop", "--seed", str(SEED), "--workers", str(WORKERS),
+                           "--minutes", str(MINUTES), "--incident-at", str(INCIDENT_AT)],
+                          capture_output=True, text=True, timeout=600)
+    assert feed.returncode == 0, feed.stderr
+    asyncio.run(_send_bad_records(bootstrap, telemetry))
+    sim = Simulator("acceptance_drop", seed=SEED, workers=WORKERS, minutes=MINUTES, incident_at=INCIDENT_AT)
+    embedded = EmbeddedPipeline()
+    embedded.feed_many(sim.records())
+    cutoff = sim.end_ts - _TAIL_SECONDS
+    expected = sorted((d.ts, d.key, d.action, d.reason) for d in embedded.decisions if d.ts < cutoff)
+    assert expected, "the scenario decides nothing"
+    bundle = embedded.decisions[0].bundle_id
+
+    def automatic():
+        return sorted((d.ts, d.key, d.action, d.reason) for d in _decisions(bootstrap, decisions)
+                      if d.detector != "alertmanager" and d.ts < cutoff)
+
+    _wait_for("the worker publishes the scenario's decisions", lambda: automatic() == expected, servers.logs)
+
+    # -- alert-driven rollback: the drill rule fires, the webhook disables the scope ------
+    def rollbacks(action):
+        return [d for d in _decisions(bootstrap, decisions) if d.detector == "alertmanager" and d.action == action]
+
+    disabled = _wait_for("the drill alert reaches the webhook and its rollback the decisions topic",
+                         lambda: rollbacks("disable_speculation"), servers.logs)
+    assert len(disabled) == 1, f"the same alert, sent again, decided again: {disabled}"
+    rollback = disabled[0]
+    assert (rollback.bundle_id, rollback.bucket, rollback.cohort, rollback.reason) == (
+        bundle, "extraction", "main", "latency_slo")
+    assert rollback.evidence["alertname"] == _DRILL and rollback.evidence["fingerprint"]
+    assert rollback.evidence["generator_url"].startswith("http") and rollback.evidence["starts_at"]
+    with FlagClient(KafkaConfig(bootstrap), topic=decisions, silence_seconds=None) as client:
+        assert client.wait_until_caught_up(60)
+        extraction = client.lookup(bundle, "extraction", "main")
+        assert (extraction.enabled, extraction.reasons) == (False, ("latency_slo",))
+        assert client.lookup(bundle, "extraction", "canary").enabled
+        assert client.stats().forged == 0
+
+    # -- decisions as alerts in Alertmanager ------------------------------------------------
+    published = {d.id: d for d in _decisions(bootstrap, decisions)}
+
+    def decision_alerts():
+        alerts = _alerts(am)
+        keys = {(a["labels"]["bucket"], a["labels"]["cohort"], a["labels"]["action"], a["labels"]["reason"])
+                for a in alerts}
+        wanted = {(d.bucket or "*", d.cohort or "*", d.action, d.reason) for d in published.values()}
+        return alerts if keys == wanted else None
+
+    alerts = _wait_for("every decision is an alert in Alertmanager", decision_alerts, servers.logs)
+    for alert in alerts:
+        decision = published[alert["annotations"]["decision_id"]]
+        assert alert["labels"]["bundle"] == decision.bundle_id
+        assert alert["annotations"]["explain"].startswith(f"specwatch explain {decision.id}")
+
+    # -- every dashboard query returns series over the run ------------------------------
+    def instant(expr: str) -> list:
+        query = urllib.parse.urlencode({"query": expr})
+        return _get_json(f"http://127.0.0.1:{prom}/api/v1/query?{query}")["data"]["result"]
+
+    # the two bad records come last: wait until they are folded and scraped a few times
+    _wait_for("Prometheus scrapes the rejected records", lambda: len(instant(
+        "count_over_time(specwatch_records_rejected_total[1m]) >= 3")) == 2, servers.logs)
+    end = time.time()
+    missing = []
+    for expr in _panel_queries():
+        query = urllib.parse.urlencode({"query": expr, "start": started, "end": end, "step": "1"})
+        body = _get_json(f"http://127.0.0.1:{prom}/api/v1/query_range?{query}")
+        assert body["status"] == "success", (expr, body)
+        if not body["data"]["result"]:
+            missing.append(expr)
+    assert not missing, f"dashboard queries without series: {missing}\n{servers.logs()}"
+
+    # -- the drill ends: the rule resolves, the policy restores, the alert resolves -------
+    drill.set(0)
+    restored = _wait_for("the resolved drill restores the scope", lambda: rollbacks("restore"), servers.logs)
+    assert len(restored) == 1 and restored[0].reason == "latency_slo"
+    with FlagClient(KafkaConfig(bootstrap), topic=decisions, silence_seconds=None) as client:
+        assert client.wait_until_caught_up(60)
+        assert client.lookup(bundle, "extraction", "main").enabled
+        assert not client.lookup(bundle, "coding", "main").enabled  # the scenario's own decision stands
+    _wait_for("the rollback's alert is resolved in Alertmanager",
+              lambda: not [a for a in _alerts(am) if a["labels"]["bucket"] == "extraction"], servers.logs)
+    remaining = {(a["labels"]["bucket"], a["labels"]["action"]) for a in _alerts(am)}
+    assert ("coding", "disable_speculation") in remaining
+
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{web}/metrics", timeout=10).read().decode()
+    assert 'specwatch_webhook_alerts_total{outcome="applied"} 2.0' in metrics
+    assert 'specwatch_records_rejected_total{reason="accepted_exceeds_drafted"} 1.0' in metrics
+    assert 'specwatch_records_rejected_total{reason="invalid_otlp"} 1.0' in metrics
+    assert f"specwatch_records_read_total {float(embedded.counters.records)}" in metrics
+    drill_server.shutdown()
