@@ -27,6 +27,8 @@ from specwatch.schemas import Decision
 
 __all__ = [
     "ALERTMANAGER_URL_ENV",
+    "SENDER_RESULTS",
+    "WEBHOOK_OUTCOMES",
     "WEBHOOK_TOKEN_FILE_ENV",
     "AlertRequest",
     "AlertSender",
@@ -39,6 +41,11 @@ __all__ = [
     "read_webhook",
     "resolve_scopes",
 ]
+
+# What a sender does with an alert, and what the webhook does with one it receives: the
+# label values of specwatch_alertmanager_alerts_total and specwatch_webhook_alerts_total.
+SENDER_RESULTS = ("sent", "failed", "dropped", "resolved")
+WEBHOOK_OUTCOMES = ("applied", "duplicate", "no_scope", "unknown_scope", "no_reason", "not_restored")
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +143,8 @@ class AlertSender:
         self._active: dict[tuple, dict[tuple, Decision]] = {}  # scope -> alert labels -> decision
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.counts: Counter = Counter()  # sent, failed, dropped, resolved
+        # every result from the start at 0: Prometheus' increase() needs the series before its first event
+        self.counts: Counter = Counter(dict.fromkeys(SENDER_RESULTS, 0))
 
     # -- the stream's side: never blocks ----------------------------------------------
     def submit(self, decision: Decision) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from specwatch.actions.alertmanager import (
+    WEBHOOK_OUTCOMES,
     AlertSender,
     RollbackPolicy,
     WebhookLedger,
@@ -93,7 +94,8 @@ class Operations:
                                    explain_archive=settings.explain_archive)
                        if settings.alertmanager_url else None)
         self.ledger = WebhookLedger()
-        self.webhook_alerts: Counter = Counter()  # outcome -> alerts
+        # every outcome from the start at 0: Prometheus' increase() needs the series before its first event
+        self.webhook_alerts: Counter = Counter(dict.fromkeys(WEBHOOK_OUTCOMES, 0))
         self.webhook_requests: Counter = Counter()  # HTTP status -> requests
         self.health = health
         self.registry = metrics_registry(MetricsCollector(self.view, self._full_health, clock))
