@@ -16,12 +16,12 @@ from .topology import SliceBatch, Stage1
 __all__ = ["FastPipeline", "fold_step", "fold_record"]
 
 
-def fold_step(stage: Stage1, step: StepColumns) -> None:
+def fold_step(stage: Stage1, step: StepColumns) -> Rejection | None:
     """Fold one step into ``stage`` exactly as ``stage.add(step.record())`` would."""
-    stage.records += 1
     ts = step.ts
-    if ts > stage._max_ts:
-        stage._max_ts = ts
+    rejection = stage.admit("step", ts, (step.worker, step.seq))
+    if rejection is not None:
+        return rejection
     batch: SliceBatch = stage._slice(ts)
     bundle = step.bundle_id
     tallies = batch.round_tallies
@@ -45,14 +45,14 @@ def fold_step(stage: Stage1, step: StepColumns) -> None:
             trace = trace or step.record().model_dump(mode="json")
             stats.offer_sample(trace)
     Stage1._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+    return None
 
 
-def fold_record(stage: Stage1, record) -> None:
+def fold_record(stage: Stage1, record) -> Rejection | None:
     """`Stage1.add` for either a `StepColumns` or a reference record."""
     if type(record) is StepColumns:
-        fold_step(stage, record)
-    else:
-        stage.add(record)
+        return fold_step(stage, record)
+    return stage.add(record)
 
 
 class FastPipeline(EmbeddedPipeline):
@@ -66,11 +66,9 @@ class FastPipeline(EmbeddedPipeline):
         if type(record) is StepColumns:
             if self._ahead_of_clock(record.ts):
                 return []
-            self.counters.records += 1
-            fold_step(self.stage1, record)
-            return self._drain(self.stage1.close_ready())
+            return self._fold(fold_step, record)
         if isinstance(record, Rejection):
-            self.counters.rejected.add(record)
+            self.reject(record)
             return []
         return self.feed(record)
 
@@ -79,11 +77,9 @@ class FastPipeline(EmbeddedPipeline):
         decided = []
         for record in decode_request_fast(payload):
             if isinstance(record, Rejection):
-                self.counters.rejected.add(record)
+                self.reject(record)
                 continue
             if self._ahead_of_clock(record.ts):
                 continue
-            self.counters.records += 1
-            fold_record(self.stage1, record)
-            decided += self._drain(self.stage1.close_ready())
+            decided += self._fold(fold_record, record)
         return decided

@@ -225,11 +225,12 @@ class Stage1Task:
         for item in decode_request_fast(payload):
             if not isinstance(item, Rejection) and now is not None:
                 item = ahead_of_clock(item.ts, now, max_ahead) or item
-            if isinstance(item, Rejection):
+            if not isinstance(item, Rejection):
+                item = fold_record(stage, item)
+            if item is not None:
                 rejections.append(item)
                 self.rejected[item.reason] += 1
                 continue
-            fold_record(stage, item)
             # closing after every record, as the embedded pipeline does, keeps lateness identical
             closed.extend(stage.close_ready())
         self.messages += 1

@@ -21,12 +21,15 @@ from specwatch.schemas import (
     BundleCard,
     BundleRecord,
     Decision,
+    Rejection,
     RequestRecord,
     ShadowRecord,
     StepRecord,
     card_differences,
 )
 from specwatch.schemas.policy import Policy
+
+from .intake import DuplicateFilter, EventClock, duplicate
 
 __all__ = [
     "Key",
@@ -44,6 +47,9 @@ Key = tuple[str, str | None, str | None]  # (bundle_id, bucket, cohort); None = 
 # Evidence windows archived with a decision: this many slices before it.
 _EVIDENCE_SLICES = 30
 _MAX_SAMPLES_PER_DECISION = 12
+# How long (event time) after its slice closed a record is still recognised as a duplicate;
+# a later copy is folded forward as a late record.
+_DUPLICATE_HORIZON_SECONDS = 60.0
 
 
 def key_to_str(key: Key) -> str:
@@ -147,11 +153,26 @@ class Stage1:
         self._slice_s = policy.windows.slice_seconds
         self._lateness = policy.windows.lateness_seconds
         self._open: dict[int, SliceBatch] = {}
-        self._max_ts = -math.inf
+        self.clock = EventClock(policy.windows.max_ahead_seconds)
+        self._folded = DuplicateFilter(math.ceil((self._lateness + _DUPLICATE_HORIZON_SECONDS) / self._slice_s))
         self.watermark = -1  # highest closed slice index
         self._worker_cards: dict[str, tuple[str, BundleCard]] = {}
         self.late_records = 0
         self.records = 0
+
+    def admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
+        """Whether a record may be folded: within the clock-skew bound, and not folded before.
+
+        ``identity`` is (worker or bundle, seq or id); None for records that are never
+        counted twice whatever their copies (bundle cards).
+        """
+        rejection = self.clock.admit(ts)
+        if rejection is not None:
+            return rejection
+        if identity is not None and not self._folded.first(int(ts // self._slice_s), identity):
+            return duplicate(kind, identity)
+        self.records += 1
+        return None
 
     def _slice(self, ts: float) -> SliceBatch:
         index = int(ts // self._slice_s)
@@ -176,11 +197,19 @@ class Stage1:
             stats = batch.partials[key] = SliceStats()
         return stats
 
-    def add(self, record) -> None:
-        """Fold one validated contract-v1 record."""
-        self.records += 1
-        if record.ts > self._max_ts:
-            self._max_ts = record.ts
+    def add(self, record) -> Rejection | None:
+        """Fold one validated contract-v1 record, or say why it is not folded."""
+        if isinstance(record, StepRecord):
+            identity = (record.worker, record.seq)
+        elif isinstance(record, RequestRecord):
+            identity = (record.worker, record.id)
+        elif isinstance(record, ShadowRecord):
+            identity = (record.bundle_id, record.id)
+        else:
+            identity = None
+        rejection = self.admit(record.kind, record.ts, identity)
+        if rejection is not None:
+            return rejection
         batch = self._slice(record.ts)
         if isinstance(record, StepRecord):
             self._add_step(batch, record)
@@ -197,6 +226,7 @@ class Stage1:
                                  "match": record.match})
         elif isinstance(record, BundleRecord):
             self._add_bundle(batch, record)
+        return None
 
     def _add_step(self, batch: SliceBatch, step: StepRecord) -> None:
         # Rounds are tallied as (drafted, accepted) pair counts and folded into the
@@ -243,12 +273,15 @@ class Stage1:
         """
         if final:
             limit = max(self._open, default=self.watermark)
+        elif self.clock.now == -math.inf:
+            return []  # too few records yet to tell this source's event time
         else:
-            limit = int((self._max_ts - self._lateness) // self._slice_s) - 1
+            limit = int((self.clock.now - self._lateness) // self._slice_s) - 1
         if limit <= self.watermark:
             return []
         ready = sorted(i for i in self._open if i <= limit)
         self.watermark = limit
+        self._folded.expire(limit)
         out = []
         for index in ready:
             batch = self._open.pop(index)

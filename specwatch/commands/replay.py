@@ -83,5 +83,10 @@ def _run(args) -> int:
             print(f"  rejected {reason}: {count}", file=stream)
         if summary["late_records"]:
             print(f"late records folded forward: {summary['late_records']}", file=stream)
+        for flagged in summary["flagged"]:
+            print(f"  line {flagged['line']}: {flagged['reason']}: {flagged['detail']}", file=stream)
+        shown = len(summary["flagged"])
+        if shown < summary["rejected"] + summary["late_records"]:
+            print(f"  ({summary['rejected'] + summary['late_records'] - shown} more not listed)", file=stream)
         print(f"decisions: {summary['decisions']} -> {args.output}", file=stream)
     return 0
