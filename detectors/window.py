@@ -8,16 +8,50 @@ from __future__ import annotations
 
 import base64
 import math
+import zlib
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .sketch import LatencySketch
 
-__all__ = ["SliceStats", "merge_all", "ratio"]
+__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "sample_order"]
 
-# Samples kept per key per slice: enough to reproduce what a decision saw without
-# turning partial aggregates into a copy of the raw stream.
-_MAX_SAMPLES_PER_SLICE = 6
+# Samples kept per key per slice, by why they were kept: the records that show a problem
+# (failures, the slowest requests, the steps that accepted least) and two healthy controls
+# of each record kind. Enough to reproduce what a decision saw without turning partial
+# aggregates into a copy of the raw stream.
+SAMPLE_KINDS = {"error": 3, "timeout": 3, "slowest": 2, "lowest_acceptance": 2,
+                "control_request": 2, "control_step": 2}
+
+
+def sample_order(sample_id: str) -> int:
+    """A fixed pseudo-random rank of a sample id (CRC-32).
+
+    Ties and controls are chosen by it, never by arrival: every partitioning and every
+    order of the same records keeps the same samples.
+
+    >>> sample_order("w1:17"), sample_order("r-9")
+    (2336573335, 1497466447)
+    """
+    return zlib.crc32(sample_id.encode("utf-8"))
+
+
+def _merge_ranked(into: list, other: list, quota: int) -> list:
+    """The first ``quota`` of both lists by (rank, id), each id once; both are so ordered."""
+    merged = sorted(into + other, key=_ranked)
+    out, ids = [], set()
+    for sample in merged:
+        ident = sample["_rank"][-1]
+        if ident not in ids:
+            ids.add(ident)
+            out.append(sample)
+            if len(out) == quota:
+                break
+    return out
+
+
+def _ranked(sample: dict) -> list:
+    return sample["_rank"]
 
 
 def ratio(numerator: float, denominator: float) -> float:
@@ -72,7 +106,7 @@ class SliceStats:
     e2e: LatencySketch | None = None
     shadow_checks: int = 0
     shadow_mismatches: int = 0
-    samples: list[dict] = field(default_factory=list)
+    samples: dict[str, list[dict]] = field(default_factory=dict)  # by SAMPLE_KINDS, each in rank order
 
     # -- folding raw telemetry -------------------------------------------------------
     def add_round(self, drafted: int, accepted: int) -> None:
@@ -149,18 +183,32 @@ class SliceStats:
         if ts > self.max_ts:
             self.max_ts = ts
 
-    def offer_sample(self, record: dict, important: bool = False) -> None:
-        """Keep a bounded, deterministic set of raw records for reproduction."""
-        if len(self.samples) < _MAX_SAMPLES_PER_SLICE:
-            self.samples.append(record)
-        elif important:
-            # failures displace the oldest ordinary sample, never another failure
-            for i, kept in enumerate(self.samples):
-                if not kept.get("_important"):
-                    self.samples[i] = record
-                    break
-        if important:
-            record["_important"] = True
+    def offer_sample(self, kind: str, rank: tuple, make: Callable[[], dict]) -> None:
+        """Keep a record as a ``kind`` sample if it is among the first of its kind by ``rank``.
+
+        ``rank`` orders by severity first and ends with the sample id (so it is total);
+        ``make`` builds the record only when it is kept.
+
+        >>> s = SliceStats()
+        >>> for e2e, rid in ((900.0, "r1"), (4000.0, "r2"), (2500.0, "r3")):
+        ...     s.offer_sample("slowest", (-e2e, sample_order(rid), rid), lambda rid=rid: {"id": rid})
+        >>> [sample["id"] for sample in s.samples["slowest"]]
+        ['r2', 'r3']
+        """
+        kept = self.samples.get(kind)
+        if kept is None:
+            kept = self.samples[kind] = []
+        quota = SAMPLE_KINDS[kind]
+        rank = list(rank)
+        if len(kept) == quota and rank >= kept[-1]["_rank"]:
+            return
+        if any(sample["_rank"][-1] == rank[-1] for sample in kept):
+            return
+        record = make()
+        record["_rank"] = rank
+        kept.append(record)
+        kept.sort(key=_ranked)
+        del kept[quota:]
 
     # -- merging ---------------------------------------------------------------------
     def merge(self, other: "SliceStats", sketches: bool = True) -> None:
@@ -197,9 +245,9 @@ class SliceStats:
                 setattr(self, name, theirs.copy())
             else:
                 mine.merge(theirs)
-        room = _MAX_SAMPLES_PER_SLICE * 4 - len(self.samples)
-        if room > 0:
-            self.samples.extend(other.samples[:room])
+        for kind, theirs in other.samples.items():
+            mine = self.samples.get(kind)
+            self.samples[kind] = list(theirs) if mine is None else _merge_ranked(mine, theirs, SAMPLE_KINDS[kind])
 
     def copy(self) -> "SliceStats":
         out = SliceStats()
@@ -300,7 +348,7 @@ class SliceStats:
             setattr(out, name, data.get(name, 0))
         out.accepted_at_least = list(data.get("accepted_at_least", []))
         out.drafted_at_least = list(data.get("drafted_at_least", []))
-        out.samples = list(data.get("samples", []))
+        out.samples = {kind: list(kept) for kind, kept in data.get("samples", {}).items()}
         for name in ("ttft", "tpot", "e2e"):
             if data.get(name):
                 setattr(out, name, LatencySketch.from_bytes(base64.b64decode(data[name])))

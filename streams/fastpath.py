@@ -11,7 +11,7 @@ from specwatch.schemas import Rejection
 from specwatch.schemas.fastdecode import StepColumns, decode_line_fast, decode_request_fast
 
 from .embedded import EmbeddedPipeline
-from .topology import SliceBatch, Stage1
+from .topology import SliceBatch, Stage1, fold_step_times
 
 __all__ = ["FastPipeline", "fold_step", "fold_record"]
 
@@ -25,7 +25,7 @@ def fold_step(stage: Stage1, step: StepColumns) -> Rejection | None:
     batch: SliceBatch = stage._slice(ts)
     bundle = step.bundle_id
     tallies = batch.round_tallies
-    seen: dict = {}
+    tokens: dict = {}
     # the tally keeps first-seen order, so keys (and their partials) appear in the order
     # the reference loop meets them
     for (bucket, cohort, drafted, accepted), n in step.rounds.items():
@@ -35,16 +35,14 @@ def fold_step(stage: Stage1, step: StepColumns) -> Rejection | None:
             tally = tallies[key] = {}
         pair = (drafted, accepted)
         tally[pair] = tally.get(pair, 0) + n
-        seen[key] = None
-    trace = None
-    draft_ms, verify_ms, kv_usage = step.draft_ms, step.verify_ms, step.kv_usage
-    for key in seen:
-        stats = Stage1._stats(batch, key)
-        stats.add_step_time(draft_ms, verify_ms, kv_usage, ts)
-        if not stats.samples:
-            trace = trace or step.record().model_dump(mode="json")
-            stats.offer_sample(trace)
-    Stage1._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+        drafted_accepted = tokens.get(key)
+        if drafted_accepted is None:
+            tokens[key] = [drafted * n, accepted * n]
+        else:
+            drafted_accepted[0] += drafted * n
+            drafted_accepted[1] += accepted * n
+    fold_step_times(batch, bundle, tokens, step.worker, step.seq, step.draft_ms, step.verify_ms, step.kv_usage, ts,
+                    lambda: step.record().model_dump(mode="json"))
     return None
 
 

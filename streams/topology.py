@@ -16,7 +16,7 @@ from specwatch.actions.admission import AdmissionController
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
 from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor, traffic_evidence
-from specwatch.detectors.window import SliceStats
+from specwatch.detectors.window import SliceStats, sample_order
 from specwatch.schemas import (
     BundleCard,
     BundleRecord,
@@ -46,7 +46,19 @@ Key = tuple[str, str | None, str | None]  # (bundle_id, bucket, cohort); None = 
 
 # Evidence windows archived with a decision: this many slices before it.
 _EVIDENCE_SLICES = 30
-_MAX_SAMPLES_PER_DECISION = 12
+# Samples archived with a decision: the records that show the problem, then healthy
+# controls of the same scope, from the slices of the finding's window (or the last few).
+_PROBLEM_SAMPLES = 9
+_CONTROL_SAMPLES = 3
+_SAMPLE_SLICES = 10
+_SAMPLES_FOR = {
+    "error_rate": (("error", "timeout"), "control_request"),
+    "latency_slo": (("slowest",), "control_request"),
+    "acceptance_drop": (("lowest_acceptance",), "control_step"),
+    "no_speedup": (("lowest_acceptance",), "control_step"),
+    "quality_regression": (("mismatch",), "control_request"),
+}
+_SAMPLES_FOR_OTHERS = (("error", "timeout", "lowest_acceptance", "slowest"), "control_step")
 # How long (event time) after its slice closed a record is still recognised as a duplicate;
 # a later copy is folded forward as a late record.
 _DUPLICATE_HORIZON_SECONDS = 60.0
@@ -217,9 +229,7 @@ class Stage1:
             stats = self._stats(batch, (record.bundle_id, record.bucket, record.cohort))
             stats.add_request(record.ttft_ms, record.tpot_ms, record.e2e_ms, record.speculative,
                               record.finish_reason, record.ts)
-            important = record.failed
-            if important or len(stats.samples) < 4:
-                stats.offer_sample(record.model_dump(mode="json"), important)
+            _offer_request(stats, record)
         elif isinstance(record, ShadowRecord):
             batch.events.append({"type": "shadow", "ts": record.ts, "bundle_id": record.bundle_id,
                                  "bucket": record.bucket, "id": record.id, "check": record.check,
@@ -234,7 +244,7 @@ class Stage1:
         # a loop over draft positions, the hot path of the whole processor.
         bundle = step.bundle_id
         tallies = batch.round_tallies
-        seen: dict[Key, SliceStats] = {}
+        tokens: dict[Key, list[int]] = {}
         for entry in step.requests:
             key = (bundle, entry.bucket, entry.cohort)
             tally = tallies.get(key)
@@ -242,16 +252,11 @@ class Stage1:
                 tally = tallies[key] = {}
             pair = (entry.drafted, entry.accepted)
             tally[pair] = tally.get(pair, 0) + 1
-            if key not in seen:
-                seen[key] = self._stats(batch, key)
-        trace = None
-        for stats in seen.values():
-            stats.add_step_time(step.draft_ms, step.verify_ms, step.kv_usage, step.ts)
-            if not stats.samples:
-                trace = trace or step.model_dump(mode="json")
-                stats.offer_sample(trace)
-        self._stats(batch, (bundle, None, None)).add_step_time(step.draft_ms, step.verify_ms, step.kv_usage,
-                                                                step.ts)
+            drafted_accepted = tokens.setdefault(key, [0, 0])
+            drafted_accepted[0] += entry.drafted
+            drafted_accepted[1] += entry.accepted
+        fold_step_times(batch, bundle, tokens, step.worker, step.seq, step.draft_ms, step.verify_ms, step.kv_usage,
+                        step.ts, lambda: step.model_dump(mode="json"))
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
         previous = self._worker_cards.get(record.worker)
@@ -291,6 +296,47 @@ class Stage1:
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
         return out
+
+
+def fold_step_times(batch: SliceBatch, bundle: str, tokens: dict[Key, list[int]], worker: str, seq: int,
+                    draft_ms: float, verify_ms: float, kv_usage: float, ts: float, make) -> None:
+    """A step's timings into each key it served and its bundle, and the step as a sample of each key.
+
+    ``tokens`` maps every key of the step to its [drafted, accepted] tokens in this step;
+    ``make()`` builds the step's record, only if some key keeps it.
+    """
+    sample_id = f"{worker}:{seq}"
+    order = sample_order(sample_id)
+    record = None
+
+    def build() -> dict:
+        nonlocal record
+        if record is None:
+            record = make()
+        return dict(record)
+
+    for key, (drafted, accepted) in tokens.items():
+        stats = Stage1._stats(batch, key)
+        stats.add_step_time(draft_ms, verify_ms, kv_usage, ts)
+        if drafted:
+            stats.offer_sample("lowest_acceptance", (accepted / drafted, order, sample_id), build)
+        stats.offer_sample("control_step", (order, sample_id), build)
+    Stage1._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+
+
+def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
+    """A finished request as a sample: of its failure, or as a healthy control; and by its latency."""
+    rid = record.id
+    order = sample_order(rid)
+
+    def build() -> dict:
+        return record.model_dump(mode="json")
+
+    if record.failed:
+        stats.offer_sample(record.finish_reason, (order, rid), build)
+    else:
+        stats.offer_sample("control_request", (order, rid), build)
+    stats.offer_sample("slowest", (-record.e2e_ms, order, rid), build)
 
 
 @dataclass
@@ -508,14 +554,20 @@ class Stage2:
         return card["drafter"]["draft_length"] if card else None
 
     def _act(self, finding: Finding, scope: Key, monitor, out: SliceOutput, extra_samples: list[dict]) -> None:
-        samples = list(extra_samples)
+        candidates: dict[str, list[dict]] = {"mismatch": [
+            {**s, "_rank": [sample_order(_sample_id(s)), _sample_id(s)]} for s in extra_samples]}
         if monitor is not None:
-            for _, stats in list(monitor.history)[-10:]:
-                samples.extend(stats.samples)
-        samples = [{k: v for k, v in s.items() if k != "_important"} for s in samples]
-        samples = _pick_samples(samples)
+            # the slices of the finding's own window (at least the last few)
+            history = list(monitor.history)
+            recent = [stats for end, stats in history if end > finding.window_start] or \
+                [stats for _, stats in history[-_SAMPLE_SLICES:]]
+            for stats in recent:
+                for kind, kept in stats.samples.items():
+                    candidates.setdefault(kind, []).extend(kept)
+        samples, reasons = _pick_samples(finding.reason, candidates)
         sample_ids = [_sample_id(s) for s in samples]
-        decision = self.fallback.decide(finding, scope, self._draft_length(scope[0]), sample_ids)
+        decision = self.fallback.decide(finding, scope, self._draft_length(scope[0]), sample_ids,
+                                        {"sample_reasons": reasons} if reasons else None)
         if decision is None:
             return
         self.flags.apply(decision)
@@ -573,11 +625,31 @@ def _sample_id(sample: dict) -> str:
     return str(sample.get("id"))
 
 
-def _pick_samples(samples: list[dict]) -> list[dict]:
-    """Failures first, then the rest in time order; unique ids; bounded."""
-    unique: dict[str, dict] = {}
-    for s in sorted(samples, key=lambda s: (s.get("finish_reason") not in ("error", "timeout"), s.get("ts", 0))):
-        unique.setdefault(_sample_id(s), s)
-        if len(unique) >= _MAX_SAMPLES_PER_DECISION:
+def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[dict], dict[str, str]]:
+    """The samples that show a finding, then healthy controls; and why each was chosen.
+
+    Chosen by kind, then rank (severity, then `sample_order`), each id once: a total order
+    on record content, so the same records give the same samples however they arrived.
+    """
+    problems, control = _SAMPLES_FOR.get(reason, _SAMPLES_FOR_OTHERS)
+    chosen: dict[str, dict] = {}
+    reasons: dict[str, str] = {}
+    ranked = sorted(((index, sample) for index, kind in enumerate(problems) for sample in candidates.get(kind, ())),
+                    key=lambda pair: (pair[0], pair[1]["_rank"]))
+    for index, sample in ranked:
+        if len(chosen) == _PROBLEM_SAMPLES:
             break
-    return list(unique.values())
+        ident = _sample_id(sample)
+        if ident not in chosen:
+            chosen[ident] = sample
+            reasons[ident] = problems[index]
+    controls = 0
+    for sample in sorted(candidates.get(control, ()), key=lambda s: s["_rank"]):
+        if controls == _CONTROL_SAMPLES:
+            break
+        ident = _sample_id(sample)
+        if ident not in chosen:
+            chosen[ident] = sample
+            reasons[ident] = "control"
+            controls += 1
+    return [{k: v for k, v in s.items() if not k.startswith("_")} for s in chosen.values()], reasons
