@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specwatch.actions.admission import AdmissionController
 from specwatch.actions.flags import FlagStore
@@ -168,7 +169,6 @@ class Stage1:
         self.clock = EventClock(policy.windows.max_ahead_seconds)
         self._folded = DuplicateFilter(math.ceil((self._lateness + _DUPLICATE_HORIZON_SECONDS) / self._slice_s))
         self.watermark = -1  # highest closed slice index
-        self._worker_cards: dict[str, tuple[str, BundleCard]] = {}
         self.late_records = 0
         self.records = 0
 
@@ -259,16 +259,10 @@ class Stage1:
                         step.ts, lambda: step.model_dump(mode="json"))
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
-        previous = self._worker_cards.get(record.worker)
-        self._worker_cards[record.worker] = (record.bundle_id, record.card)
-        card = record.card.model_dump(mode="json")
-        if previous is None or previous[0] != record.bundle_id:
-            batch.events.append({"type": "bundle", "ts": record.ts, "worker": record.worker,
-                                 "bundle_id": record.bundle_id, "card": card})
-        if previous is not None and previous[0] != record.bundle_id:
-            batch.events.append({"type": "bundle_change", "ts": record.ts, "worker": record.worker,
-                                 "bundle_id": record.bundle_id, "previous_bundle_id": previous[0],
-                                 "changed": card_differences(previous[1], record.card), "card": card})
+        # Every card goes on: whether it changed is a question about the worker's previous
+        # card, which may have reached another source. Stage 2 answers it in event-time order.
+        batch.events.append({"type": "bundle", "ts": record.ts, "worker": record.worker,
+                             "bundle_id": record.bundle_id, "card": record.card.model_dump(mode="json")})
 
     def close_ready(self, final: bool = False) -> list[SliceBatch]:
         """Slices whose end is more than the allowed lateness behind the newest record.
@@ -372,8 +366,10 @@ class Stage2:
         The speculative-path state it keeps current (and reads to avoid repeating itself).
     """
 
-    def __init__(self, policy: Policy, flags: FlagStore | None = None) -> None:
+    def __init__(self, policy: Policy, flags: FlagStore | None = None,
+                 owns: Callable[[str], bool] | None = None) -> None:
         self.policy = policy
+        self.owns = owns
         self.flags = flags if flags is not None else FlagStore()
         self.fallback = FallbackPolicy(policy, self.flags)
         # Admission is a policy switch: off, it does not exist, and no decision changes.
@@ -385,6 +381,7 @@ class Stage2:
         self.finalized = -1
         self.monitors: dict[Key, KeyMonitor | BundleMonitor] = {}
         self.cards: dict[str, dict] = {}
+        self.worker_cards: dict[str, tuple[str, dict]] = {}  # worker -> its latest (bundle_id, card)
         self.shadow_counts: Counter = Counter()
         self.last_mismatch: dict[tuple[str, str], float] = {}  # (bundle, bucket) -> latest strict mismatch ts
         self.late_batches = 0
@@ -456,22 +453,7 @@ class Stage2:
     def _on_event(self, event: dict, out: SliceOutput) -> None:
         kind = event["type"]
         if kind == "bundle":
-            if event["bundle_id"] not in self.cards:
-                out.bundles.append(event)
-            self.cards[event["bundle_id"]] = event["card"]
-            if self.admission is not None:
-                self.admission.seen(event["bundle_id"], event["card"], event["ts"])
-        elif kind == "bundle_change":
-            self.cards[event["bundle_id"]] = event["card"]
-            if self.admission is not None and not self.admission.changed(
-                    event["bundle_id"], event["previous_bundle_id"], event["changed"], event["card"], event["ts"],
-                    event["worker"]):
-                return  # the fleet rolling over to a card already being validated: nothing new is void
-            finding = Finding("bundle_changed", "bundle_fingerprint", event["ts"], "card", math.nan, math.nan,
-                              math.nan, event["ts"], event["ts"],
-                              {"previous_bundle_id": event["previous_bundle_id"], "worker": event["worker"],
-                               "changed_fields": event["changed"]})
-            self._act(finding, (event["bundle_id"], None, None), None, out, [])
+            self._on_card(event, out)
         elif kind == "shadow":
             if self.admission is not None:
                 self._admit(self.admission.shadow(event["bundle_id"], event["bucket"], event["check"],
@@ -491,6 +473,31 @@ class Stage2:
                     sample = {"kind": "shadow", "v": 1, **{k: event[k] for k in
                               ("ts", "bundle_id", "id", "bucket", "check", "match")}}
                     self._act(finding, (event["bundle_id"], event["bucket"], None), None, out, [sample])
+
+    def _on_card(self, event: dict, out: SliceOutput) -> None:
+        """A worker's card, in event-time order: a new bundle, or the worker's change to another."""
+        bundle, worker, card = event["bundle_id"], event["worker"], event["card"]
+        previous = self.worker_cards.get(worker)
+        self.worker_cards[worker] = (bundle, card)
+        if previous is not None and previous[0] == bundle:
+            return  # the same card again (a heartbeat)
+        if self.owns is not None and not self.owns(bundle):
+            return  # another partition's bundle: only the worker's latest card matters here
+        if bundle not in self.cards:
+            out.bundles.append(event)
+        self.cards[bundle] = card
+        if self.admission is not None:
+            self.admission.seen(bundle, card, event["ts"])
+        if previous is None:
+            return
+        changed = card_differences(BundleCard.model_validate(previous[1]), BundleCard.model_validate(card))
+        if self.admission is not None and not self.admission.changed(bundle, previous[0], changed, card,
+                                                                     event["ts"], worker):
+            return  # the fleet rolling over to a card already being validated: nothing new is void
+        finding = Finding("bundle_changed", "bundle_fingerprint", event["ts"], "card", math.nan, math.nan,
+                          math.nan, event["ts"], event["ts"],
+                          {"previous_bundle_id": previous[0], "worker": worker, "changed_fields": changed})
+        self._act(finding, (bundle, None, None), None, out, [])
 
     def _on_stats(self, key: Key, stats: SliceStats, slice_end: float, out: SliceOutput) -> None:
         bundle, bucket, cohort = key
