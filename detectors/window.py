@@ -7,21 +7,24 @@ overhead, estimated speedup, error rate) is computed where it is read, by one fo
 from __future__ import annotations
 
 import base64
+import heapq
 import math
 import zlib
+from functools import partial
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from .sketch import LatencySketch
 
-__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "sample_order"]
+__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "sample_order", "sample_record"]
 
 # Samples kept per key per slice, by why they were kept: the records that show a problem
-# (failures, the slowest requests, the steps that accepted least) and two healthy controls
-# of each record kind. Enough to reproduce what a decision saw without turning partial
+# (failures, the slowest requests, the step that accepted least) and healthy controls of
+# each record kind. Stage 1 holds one step of each kind per key while it folds. Enough to reproduce what a decision saw without turning partial
 # aggregates into a copy of the raw stream.
-SAMPLE_KINDS = {"error": 3, "timeout": 3, "slowest": 2, "lowest_acceptance": 2,
-                "control_request": 2, "control_step": 2}
+SAMPLE_KINDS = {"error": 3, "timeout": 3, "slowest": 2, "lowest_acceptance": 1,
+                "control_request": 2, "control_step": 1}
 
 
 def sample_order(sample_id: str) -> int:
@@ -31,7 +34,7 @@ def sample_order(sample_id: str) -> int:
     order of the same records keeps the same samples.
 
     >>> sample_order("w1:17"), sample_order("r-9")
-    (2336573335, 1497466447)
+    (2455475965, 3608917963)
     """
     return zlib.crc32(sample_id.encode("utf-8"))
 
@@ -52,6 +55,16 @@ def _merge_ranked(into: list, other: list, quota: int) -> list:
 
 def _ranked(sample: dict) -> list:
     return sample["_rank"]
+
+
+_first = itemgetter(0)
+
+
+def sample_record(sample: dict) -> dict:
+    """The telemetry record a kept sample stands for, without the ranking it was kept by."""
+    lazy = sample.get("_lazy")
+    record = lazy() if lazy is not None else sample
+    return {k: v for k, v in record.items() if not k.startswith("_")}
 
 
 def ratio(numerator: float, denominator: float) -> float:
@@ -210,6 +223,24 @@ class SliceStats:
         kept.sort(key=_ranked)
         del kept[quota:]
 
+    def keep_samples(self, kind: str, candidates: list[tuple[tuple, object]], make: Callable[[object], dict]) -> None:
+        """Keep the first of ``candidates`` ((rank, item) pairs) by rank as ``kind`` samples; ``make(item)`` builds one.
+
+        >>> s = SliceStats()
+        >>> s.keep_samples("slowest", [((-50.0, 9, "r1"), 1), ((-90.0, 7, "r2"), 2), ((-10.0, 1, "r3"), 3)],
+        ...                lambda item: {"id": f"r{item}"})
+        >>> [sample_record(sample)["id"] for sample in s.samples["slowest"]]
+        ['r2', 'r1']
+        """
+        quota = SAMPLE_KINDS[kind]
+        chosen = heapq.nsmallest(quota, candidates, key=_first)
+        if not chosen:
+            return
+        # built only when a decision or a partials message needs them (`sample_record`)
+        fresh = [{"_rank": list(rank), "_lazy": partial(make, item)} for rank, item in chosen]
+        mine = self.samples.get(kind)
+        self.samples[kind] = fresh if mine is None else _merge_ranked(mine, fresh, quota)
+
     # -- merging ---------------------------------------------------------------------
     def merge(self, other: "SliceStats", sketches: bool = True) -> None:
         """Add ``other``'s counts in; ``sketches=False`` skips latency sketches and samples.
@@ -331,7 +362,9 @@ class SliceStats:
             "verify_ms": self.verify_ms, "kv_peak": self.kv_peak, "requests": self.requests,
             "speculative_requests": self.speculative_requests, "errors": self.errors,
             "timeouts": self.timeouts, "shadow_checks": self.shadow_checks,
-            "shadow_mismatches": self.shadow_mismatches, "samples": self.samples,
+            "shadow_mismatches": self.shadow_mismatches,
+            "samples": {kind: [{**sample_record(s), "_rank": s["_rank"]} for s in kept]
+                        for kind, kept in self.samples.items()},
         }
         for name in ("ttft", "tpot", "e2e"):
             sketch = getattr(self, name)

@@ -41,8 +41,7 @@ def fold_step(stage: Stage1, step: StepColumns) -> Rejection | None:
         else:
             drafted_accepted[0] += drafted * n
             drafted_accepted[1] += accepted * n
-    fold_step_times(batch, bundle, tokens, step.worker, step.seq, step.draft_ms, step.verify_ms, step.kv_usage, ts,
-                    lambda: step.record().model_dump(mode="json"))
+    fold_step_times(batch, bundle, tokens, step, step.draft_ms, step.verify_ms, step.kv_usage, ts)
     return None
 
 

@@ -17,7 +17,7 @@ from specwatch.actions.admission import AdmissionController
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
 from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor, traffic_evidence
-from specwatch.detectors.window import SliceStats, sample_order
+from specwatch.detectors.window import SliceStats, sample_order, sample_record
 from specwatch.schemas import (
     BundleCard,
     BundleRecord,
@@ -96,9 +96,15 @@ class SliceBatch:
     events: list[dict] = field(default_factory=list)
     late_records: int = 0
     round_tallies: dict[Key, dict[tuple[int, int], int]] = field(default_factory=dict, repr=False)
+    # per key: [(rank, step) of its lowest-acceptance step, (rank, step) of its step control] so far
+    step_candidates: dict[Key, list[tuple]] = field(default_factory=dict, repr=False)
 
     def fold_tallies(self) -> None:
-        """Fold stage 1's per-pair round tallies into the partials (and the bundle totals)."""
+        """Fold stage 1's per-pair round tallies into the partials (and the bundle totals),
+        and keep the samples among the slice's steps."""
+        if self.step_candidates:
+            _keep_step_samples(self.partials, self.step_candidates)
+            self.step_candidates = {}
         for key, tally in self.round_tallies.items():
             self.partials[key].add_round_counts(tally)
             whole = self.partials[(key[0], None, None)]
@@ -255,8 +261,7 @@ class Stage1:
             drafted_accepted = tokens.setdefault(key, [0, 0])
             drafted_accepted[0] += entry.drafted
             drafted_accepted[1] += entry.accepted
-        fold_step_times(batch, bundle, tokens, step.worker, step.seq, step.draft_ms, step.verify_ms, step.kv_usage,
-                        step.ts, lambda: step.model_dump(mode="json"))
+        fold_step_times(batch, bundle, tokens, step, step.draft_ms, step.verify_ms, step.kv_usage, step.ts)
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
         # Every card goes on: whether it changed is a question about the worker's previous
@@ -292,30 +297,45 @@ class Stage1:
         return out
 
 
-def fold_step_times(batch: SliceBatch, bundle: str, tokens: dict[Key, list[int]], worker: str, seq: int,
-                    draft_ms: float, verify_ms: float, kv_usage: float, ts: float, make) -> None:
-    """A step's timings into each key it served and its bundle, and the step as a sample of each key.
+def fold_step_times(batch: SliceBatch, bundle: str, tokens: dict[Key, list[int]], step,
+                    draft_ms: float, verify_ms: float, kv_usage: float, ts: float) -> None:
+    """A step's timings into each key it served and its bundle; the step becomes a sample candidate of each key.
 
     ``tokens`` maps every key of the step to its [drafted, accepted] tokens in this step;
-    ``make()`` builds the step's record, only if some key keeps it.
+    ``step`` is the `StepRecord` or `StepColumns`, turned into a record only if kept.
     """
-    sample_id = f"{worker}:{seq}"
+    candidates = batch.step_candidates
+    sample_id = f"{step.worker}:{step.seq}"
     order = sample_order(sample_id)
-    record = None
-
-    def build() -> dict:
-        nonlocal record
-        if record is None:
-            record = make()
-        return dict(record)
-
+    # Only the best step of each kind per key is held until the slice closes: holding every
+    # step (and what it was decoded from) would cost more than the fold itself.
     for key, (drafted, accepted) in tokens.items():
-        stats = Stage1._stats(batch, key)
-        stats.add_step_time(draft_ms, verify_ms, kv_usage, ts)
+        Stage1._stats(batch, key).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+        held = candidates.get(key)
+        if held is None:
+            candidates[key] = [((accepted / drafted, order, sample_id), step) if drafted else None,
+                               ((order, sample_id), step)]
+            continue
         if drafted:
-            stats.offer_sample("lowest_acceptance", (accepted / drafted, order, sample_id), build)
-        stats.offer_sample("control_step", (order, sample_id), build)
+            rank = (accepted / drafted, order, sample_id)
+            if held[0] is None or rank < held[0][0]:
+                held[0] = (rank, step)
+        if (order, sample_id) < held[1][0]:
+            held[1] = ((order, sample_id), step)
     Stage1._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+
+
+def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:
+    """Each key's lowest-acceptance step and step control among a slice's steps, ranked by content."""
+    for key, (lowest, control) in candidates.items():
+        stats = partials[key]
+        if lowest is not None:
+            stats.keep_samples("lowest_acceptance", [lowest], _step_record)
+        stats.keep_samples("control_step", [control], _step_record)
+
+
+def _step_record(step) -> dict:
+    return (step if isinstance(step, StepRecord) else step.record()).model_dump(mode="json")
 
 
 def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
@@ -646,7 +666,7 @@ def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[
     for index, sample in ranked:
         if len(chosen) == _PROBLEM_SAMPLES:
             break
-        ident = _sample_id(sample)
+        ident = sample["_rank"][-1]
         if ident not in chosen:
             chosen[ident] = sample
             reasons[ident] = problems[index]
@@ -654,9 +674,9 @@ def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[
     for sample in sorted(candidates.get(control, ()), key=lambda s: s["_rank"]):
         if controls == _CONTROL_SAMPLES:
             break
-        ident = _sample_id(sample)
+        ident = sample["_rank"][-1]
         if ident not in chosen:
             chosen[ident] = sample
             reasons[ident] = "control"
             controls += 1
-    return [{k: v for k, v in s.items() if not k.startswith("_")} for s in chosen.values()], reasons
+    return [sample_record(s) for s in chosen.values()], reasons
