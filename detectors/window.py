@@ -7,17 +7,64 @@ overhead, estimated speedup, error rate) is computed where it is read, by one fo
 from __future__ import annotations
 
 import base64
+import heapq
 import math
+import zlib
+from functools import partial
+from operator import itemgetter
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .sketch import LatencySketch
 
-__all__ = ["SliceStats", "merge_all", "ratio"]
+__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "sample_order", "sample_record"]
 
-# Samples kept per key per slice: enough to reproduce what a decision saw without
-# turning partial aggregates into a copy of the raw stream.
-_MAX_SAMPLES_PER_SLICE = 6
+# Samples kept per key per slice, by why they were kept: the records that show a problem
+# (failures, the slowest requests, the step that accepted least) and healthy controls of
+# each record kind. Stage 1 holds one step of each kind per key while it folds. Enough to reproduce what a decision saw without turning partial
+# aggregates into a copy of the raw stream.
+SAMPLE_KINDS = {"error": 3, "timeout": 3, "slowest": 2, "lowest_acceptance": 1,
+                "control_request": 2, "control_step": 1}
+
+
+def sample_order(sample_id: str) -> int:
+    """A fixed pseudo-random rank of a sample id (CRC-32).
+
+    Ties and controls are chosen by it, never by arrival: every partitioning and every
+    order of the same records keeps the same samples.
+
+    >>> sample_order("w1:17"), sample_order("r-9")
+    (2455475965, 3608917963)
+    """
+    return zlib.crc32(sample_id.encode("utf-8"))
+
+
+def _merge_ranked(into: list, other: list, quota: int) -> list:
+    """The first ``quota`` of both lists by (rank, id), each id once; both are so ordered."""
+    merged = sorted(into + other, key=_ranked)
+    out, ids = [], set()
+    for sample in merged:
+        ident = sample["_rank"][-1]
+        if ident not in ids:
+            ids.add(ident)
+            out.append(sample)
+            if len(out) == quota:
+                break
+    return out
+
+
+def _ranked(sample: dict) -> list:
+    return sample["_rank"]
+
+
+_first = itemgetter(0)
+
+
+def sample_record(sample: dict) -> dict:
+    """The telemetry record a kept sample stands for, without the ranking it was kept by."""
+    lazy = sample.get("_lazy")
+    record = lazy() if lazy is not None else sample
+    return {k: v for k, v in record.items() if not k.startswith("_")}
 
 
 def ratio(numerator: float, denominator: float) -> float:
@@ -72,7 +119,7 @@ class SliceStats:
     e2e: LatencySketch | None = None
     shadow_checks: int = 0
     shadow_mismatches: int = 0
-    samples: list[dict] = field(default_factory=list)
+    samples: dict[str, list[dict]] = field(default_factory=dict)  # by SAMPLE_KINDS, each in rank order
 
     # -- folding raw telemetry -------------------------------------------------------
     def add_round(self, drafted: int, accepted: int) -> None:
@@ -149,18 +196,50 @@ class SliceStats:
         if ts > self.max_ts:
             self.max_ts = ts
 
-    def offer_sample(self, record: dict, important: bool = False) -> None:
-        """Keep a bounded, deterministic set of raw records for reproduction."""
-        if len(self.samples) < _MAX_SAMPLES_PER_SLICE:
-            self.samples.append(record)
-        elif important:
-            # failures displace the oldest ordinary sample, never another failure
-            for i, kept in enumerate(self.samples):
-                if not kept.get("_important"):
-                    self.samples[i] = record
-                    break
-        if important:
-            record["_important"] = True
+    def offer_sample(self, kind: str, rank: tuple, make: Callable[[], dict]) -> None:
+        """Keep a record as a ``kind`` sample if it is among the first of its kind by ``rank``.
+
+        ``rank`` orders by severity first and ends with the sample id (so it is total);
+        ``make`` builds the record only when it is kept.
+
+        >>> s = SliceStats()
+        >>> for e2e, rid in ((900.0, "r1"), (4000.0, "r2"), (2500.0, "r3")):
+        ...     s.offer_sample("slowest", (-e2e, sample_order(rid), rid), lambda rid=rid: {"id": rid})
+        >>> [sample["id"] for sample in s.samples["slowest"]]
+        ['r2', 'r3']
+        """
+        kept = self.samples.get(kind)
+        if kept is None:
+            kept = self.samples[kind] = []
+        quota = SAMPLE_KINDS[kind]
+        rank = list(rank)
+        if len(kept) == quota and rank >= kept[-1]["_rank"]:
+            return
+        if any(sample["_rank"][-1] == rank[-1] for sample in kept):
+            return
+        record = make()
+        record["_rank"] = rank
+        kept.append(record)
+        kept.sort(key=_ranked)
+        del kept[quota:]
+
+    def keep_samples(self, kind: str, candidates: list[tuple[tuple, object]], make: Callable[[object], dict]) -> None:
+        """Keep the first of ``candidates`` ((rank, item) pairs) by rank as ``kind`` samples; ``make(item)`` builds one.
+
+        >>> s = SliceStats()
+        >>> s.keep_samples("slowest", [((-50.0, 9, "r1"), 1), ((-90.0, 7, "r2"), 2), ((-10.0, 1, "r3"), 3)],
+        ...                lambda item: {"id": f"r{item}"})
+        >>> [sample_record(sample)["id"] for sample in s.samples["slowest"]]
+        ['r2', 'r1']
+        """
+        quota = SAMPLE_KINDS[kind]
+        chosen = heapq.nsmallest(quota, candidates, key=_first)
+        if not chosen:
+            return
+        # built only when a decision or a partials message needs them (`sample_record`)
+        fresh = [{"_rank": list(rank), "_lazy": partial(make, item)} for rank, item in chosen]
+        mine = self.samples.get(kind)
+        self.samples[kind] = fresh if mine is None else _merge_ranked(mine, fresh, quota)
 
     # -- merging ---------------------------------------------------------------------
     def merge(self, other: "SliceStats", sketches: bool = True) -> None:
@@ -197,9 +276,9 @@ class SliceStats:
                 setattr(self, name, theirs.copy())
             else:
                 mine.merge(theirs)
-        room = _MAX_SAMPLES_PER_SLICE * 4 - len(self.samples)
-        if room > 0:
-            self.samples.extend(other.samples[:room])
+        for kind, theirs in other.samples.items():
+            mine = self.samples.get(kind)
+            self.samples[kind] = list(theirs) if mine is None else _merge_ranked(mine, theirs, SAMPLE_KINDS[kind])
 
     def copy(self) -> "SliceStats":
         out = SliceStats()
@@ -283,7 +362,9 @@ class SliceStats:
             "verify_ms": self.verify_ms, "kv_peak": self.kv_peak, "requests": self.requests,
             "speculative_requests": self.speculative_requests, "errors": self.errors,
             "timeouts": self.timeouts, "shadow_checks": self.shadow_checks,
-            "shadow_mismatches": self.shadow_mismatches, "samples": self.samples,
+            "shadow_mismatches": self.shadow_mismatches,
+            "samples": {kind: [{**sample_record(s), "_rank": s["_rank"]} for s in kept]
+                        for kind, kept in self.samples.items()},
         }
         for name in ("ttft", "tpot", "e2e"):
             sketch = getattr(self, name)
@@ -300,7 +381,7 @@ class SliceStats:
             setattr(out, name, data.get(name, 0))
         out.accepted_at_least = list(data.get("accepted_at_least", []))
         out.drafted_at_least = list(data.get("drafted_at_least", []))
-        out.samples = list(data.get("samples", []))
+        out.samples = {kind: list(kept) for kind, kept in data.get("samples", {}).items()}
         for name in ("ttft", "tpot", "e2e"):
             if data.get(name):
                 setattr(out, name, LatencySketch.from_bytes(base64.b64decode(data[name])))

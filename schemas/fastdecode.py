@@ -479,6 +479,25 @@ def _head(key: str, value: Any, tail: int) -> bytes:
 
 
 _STAMP, _OBSERVED = 0x09, 0x59
+_BODY = 0x2A
+# Fields between the attributes and the event name that a step never reads, as the
+# Collector re-encodes them: flags (8, fixed32), trace_id (9) and span_id (10), short
+# length-delimited, and observed_time_unix_nano (11, fixed64).
+_FLAGS, _TRACE_ID, _SPAN_ID = 0x45, 0x4A, 0x52
+
+
+def _after_unread_fields(buf: bytes, p: int) -> int:
+    """The position after any flags, trace id, span id and observed time at ``p``, in field order."""
+    if buf[p] == _FLAGS:
+        p += 5
+    if buf[p] == _TRACE_ID and buf[p + 1] < 0x80:
+        p += 2 + buf[p + 1]
+    if buf[p] == _SPAN_ID and buf[p + 1] < 0x80:
+        p += 2 + buf[p + 1]
+    if buf[p] == _OBSERVED:
+        p += 9
+    return p
+
 _MISSING = object()
 _new_counter = Counter.__new__
 _V_TS_HEAD = _written("specwatch.v", 1) + _head("specwatch.ts", 0.5, 8)
@@ -524,6 +543,8 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | 
     # Every piece is read at the offset the one before it ends: a length read from the
     # bytes, or a fixed layout compared whole. The event name must end the record exactly.
     p = start + 9 if buf[start] == _STAMP else start
+    if buf[p] == _BODY and buf[p + 1] == 0:
+        p += 2  # the empty body the OpenTelemetry Collector writes into every record it re-encodes
     head, ts = _V_TS.unpack_from(buf, p)
     if head != _V_TS_HEAD:
         raise _OddShape("not v, ts")
@@ -580,8 +601,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | 
     if head is None or not attribute.startswith(head):
         head = _plain_int_head(attribute, _ACCEPTED_KEY, memo)
     accepted = _small_ints(attribute[len(head):])
-    if buf[q] == _OBSERVED:
-        q += 9
+    q = _after_unread_fields(buf, q)
     if q + _EVENT_FIELD_SIZE != end or not buf.startswith(_EVENT_FIELD, q):
         raise _OddShape("not the step event name last")
     if not (0.0 <= ts < _INF and 0.0 <= draft_ms < _INF and 0.0 <= verify_ms < _INF and 0.0 <= kv_usage <= 1.0

@@ -112,8 +112,8 @@ class NaiveRoundPipeline(EmbeddedPipeline):
     def feed_round(self, body: dict) -> list:
         round_ = RoundRecord.model_validate(body)
         stage: Stage1 = self.stage1
-        stage.records += 1
-        stage._max_ts = max(stage._max_ts, round_.ts)
+        if stage.admit("round", round_.ts, None) is not None:
+            return []
         batch = stage._slice(round_.ts)
         key = (round_.bundle_id, round_.bucket, round_.cohort)
         stats = Stage1._stats(batch, key)

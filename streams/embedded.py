@@ -16,15 +16,26 @@ from .topology import SliceOutput, Stage1, Stage2
 
 __all__ = ["EmbeddedPipeline", "PipelineCounters"]
 
+# Rejected and late records listed by line; the counts go on past this.
+_MAX_FLAGGED_LINES = 100
+
 
 @dataclass
 class PipelineCounters:
+    """What went in and what came out; ``flagged`` names the first rejected or late records by line."""
+
     lines: int = 0
     records: int = 0
     rejected: RejectionCounter = field(default_factory=RejectionCounter)
     late_records: int = 0
     decisions: int = 0
     slices: int = 0
+    flagged: list[dict] = field(default_factory=list)
+
+    def flag(self, reason: str, detail: str) -> None:
+        """Note the current line (0 when records come without lines) as rejected or late."""
+        if len(self.flagged) < _MAX_FLAGGED_LINES:
+            self.flagged.append({"line": self.lines, "reason": reason, "detail": detail})
 
     def as_dict(self) -> dict:
         return {
@@ -35,6 +46,7 @@ class PipelineCounters:
             "late_records": self.late_records,
             "decisions": self.decisions,
             "slices": self.slices,
+            "flagged": list(self.flagged),
         }
 
 
@@ -73,7 +85,7 @@ class EmbeddedPipeline:
         if record is None:
             return []
         if isinstance(record, Rejection):
-            self.counters.rejected.add(record)
+            self.reject(record)
             return []
         return self.feed(record)
 
@@ -83,15 +95,27 @@ class EmbeddedPipeline:
             return False
         rejection = ahead_of_clock(ts, self._clock(), self.policy.windows.max_ahead_seconds)
         if rejection is not None:
-            self.counters.rejected.add(rejection)
+            self.reject(rejection)
         return rejection is not None
 
     def feed(self, record) -> list[Decision]:
         if self._ahead_of_clock(record.ts):
             return []
+        return self._fold(Stage1.add, record)
+
+    def _fold(self, fold: Callable[[Stage1, object], Rejection | None], record) -> list[Decision]:
+        """``fold(stage1, record)``, then count what became of the record and close what is ready."""
+        stage = self.stage1
+        late = stage.late_records
+        rejection = fold(stage, record)
+        if rejection is not None:
+            self.reject(rejection)
+            return []
         self.counters.records += 1
-        self.stage1.add(record)
-        return self._drain(self.stage1.close_ready())
+        if stage.late_records != late:
+            self.counters.flag("late", f"ts {record.ts:.3f} is behind the slices its source has closed: "
+                                       "folded into the oldest open slice")
+        return self._drain(stage.close_ready())
 
     def feed_many(self, records: Iterable) -> list[Decision]:
         out: list[Decision] = []
@@ -101,6 +125,7 @@ class EmbeddedPipeline:
 
     def reject(self, rejection: Rejection) -> None:
         self.counters.rejected.add(rejection)
+        self.counters.flag(rejection.reason, rejection.detail)
 
     def finish(self) -> list[Decision]:
         """End of input: close and decide every open slice."""

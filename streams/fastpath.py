@@ -11,22 +11,22 @@ from specwatch.schemas import Rejection
 from specwatch.schemas.fastdecode import StepColumns, decode_line_fast, decode_request_fast
 
 from .embedded import EmbeddedPipeline
-from .topology import SliceBatch, Stage1
+from .topology import SliceBatch, Stage1, fold_step_times
 
 __all__ = ["FastPipeline", "fold_step", "fold_record"]
 
 
-def fold_step(stage: Stage1, step: StepColumns) -> None:
+def fold_step(stage: Stage1, step: StepColumns) -> Rejection | None:
     """Fold one step into ``stage`` exactly as ``stage.add(step.record())`` would."""
-    stage.records += 1
     ts = step.ts
-    if ts > stage._max_ts:
-        stage._max_ts = ts
+    rejection = stage.admit("step", ts, (step.worker, step.seq))
+    if rejection is not None:
+        return rejection
     batch: SliceBatch = stage._slice(ts)
     bundle = step.bundle_id
     batch.sighted(bundle, step.worker, ts)
     tallies = batch.round_tallies
-    seen: dict = {}
+    tokens: dict = {}
     # the tally keeps first-seen order, so keys (and their partials) appear in the order
     # the reference loop meets them
     for (bucket, cohort, drafted, accepted), n in step.rounds.items():
@@ -36,24 +36,21 @@ def fold_step(stage: Stage1, step: StepColumns) -> None:
             tally = tallies[key] = {}
         pair = (drafted, accepted)
         tally[pair] = tally.get(pair, 0) + n
-        seen[key] = None
-    trace = None
-    draft_ms, verify_ms, kv_usage = step.draft_ms, step.verify_ms, step.kv_usage
-    for key in seen:
-        stats = Stage1._stats(batch, key)
-        stats.add_step_time(draft_ms, verify_ms, kv_usage, ts)
-        if not stats.samples:
-            trace = trace or step.record().model_dump(mode="json")
-            stats.offer_sample(trace)
-    Stage1._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+        drafted_accepted = tokens.get(key)
+        if drafted_accepted is None:
+            tokens[key] = [drafted * n, accepted * n]
+        else:
+            drafted_accepted[0] += drafted * n
+            drafted_accepted[1] += accepted * n
+    fold_step_times(batch, bundle, tokens, step, step.draft_ms, step.verify_ms, step.kv_usage, ts)
+    return None
 
 
-def fold_record(stage: Stage1, record) -> None:
+def fold_record(stage: Stage1, record) -> Rejection | None:
     """`Stage1.add` for either a `StepColumns` or a reference record."""
     if type(record) is StepColumns:
-        fold_step(stage, record)
-    else:
-        stage.add(record)
+        return fold_step(stage, record)
+    return stage.add(record)
 
 
 class FastPipeline(EmbeddedPipeline):
@@ -67,11 +64,9 @@ class FastPipeline(EmbeddedPipeline):
         if type(record) is StepColumns:
             if self._ahead_of_clock(record.ts):
                 return []
-            self.counters.records += 1
-            fold_step(self.stage1, record)
-            return self._drain(self.stage1.close_ready())
+            return self._fold(fold_step, record)
         if isinstance(record, Rejection):
-            self.counters.rejected.add(record)
+            self.reject(record)
             return []
         return self.feed(record)
 
@@ -80,11 +75,9 @@ class FastPipeline(EmbeddedPipeline):
         decided = []
         for record in decode_request_fast(payload):
             if isinstance(record, Rejection):
-                self.counters.rejected.add(record)
+                self.reject(record)
                 continue
             if self._ahead_of_clock(record.ts):
                 continue
-            self.counters.records += 1
-            fold_record(self.stage1, record)
-            decided += self._drain(self.stage1.close_ready())
+            decided += self._fold(fold_record, record)
         return decided

@@ -58,6 +58,7 @@ from specwatch.schemas import Policy, Rejection
 from .metrics import ServiceHealth
 from .operations import Operations, OperationsSettings
 from .faust_tasks import (
+    BundleOwner,
     CheckpointError,
     Stage1Task,
     Stage2Task,
@@ -785,7 +786,8 @@ class Stage2Runner:
             logger.info("%s resumes from its checkpoint at offset %d", name, task.next_offset)
             self._checkpointed_at[partition] = now
         else:
-            task = Stage2Task(self.settings.policy, self.settings.sources)
+            task = Stage2Task(self.settings.policy, self.settings.sources,
+                              BundleOwner(partition, self.settings.partials_partitions))
             task.next_offset = await self._reader.beginning_offset(self.settings.partials_topic, partition)
         for source in task.watermarks:
             self._heard[(partition, source)] = now  # silence is counted from this worker's start

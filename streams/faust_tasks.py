@@ -33,6 +33,7 @@ from .fastpath import fold_record
 from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2
 
 __all__ = [
+    "BundleOwner",
     "CheckpointError",
     "PartialMessage",
     "Stage1Task",
@@ -86,7 +87,8 @@ def stage2_partition(bundle_id: str, partitions: int) -> int:
 def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[int, SliceBatch]]:
     """Split one close of stage 1 into what each stage-2 partition receives, in send order.
 
-    Partials and events go to their bundle's partition. A partition that gets nothing from
+    Partials and events go to their bundle's partition, bundle cards to every partition
+    (stage 2 follows each worker's card there). A partition that gets nothing from
     this close still gets one empty batch at the close's watermark, so every stage 2 learns
     that this source has moved on. Per (source, partition) slice indexes strictly increase,
     which is what stage 2 deduplicates on.
@@ -110,11 +112,15 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
                 part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
             part.partials[key] = stats
         for event in batch.events:
-            target = stage2_partition(event["bundle_id"], partitions)
-            part = parts.get(target)
-            if part is None:
-                part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
-            part.events.append(event)
+            # A card goes to every partition: a worker's change from a bundle of one partition
+            # to a bundle of another is seen where the new bundle is decided.
+            targets = range(partitions) if event["type"] == "bundle" else (stage2_partition(event["bundle_id"],
+                                                                                              partitions),)
+            for target in targets:
+                part = parts.get(target)
+                if part is None:
+                    part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
+                part.events.append(event)
         if batch.late_records:
             target = min(parts) if parts else 0
             part = parts.get(target)
@@ -227,18 +233,31 @@ class Stage1Task:
         for item in decode_request_fast(payload):
             if not isinstance(item, Rejection) and now is not None:
                 item = ahead_of_clock(item.ts, now, max_ahead) or item
-            if isinstance(item, Rejection):
+            if not isinstance(item, Rejection):
+                record = item
+                item = fold_record(stage, record)
+                if item is None and seen is not None and record.kind != "shadow":
+                    seen[record.worker] = now
+            if item is not None:
                 rejections.append(item)
                 self.rejected[item.reason] += 1
                 continue
-            fold_record(stage, item)
-            if seen is not None and item.kind != "shadow":
-                seen[item.worker] = now
             # closing after every record, as the embedded pipeline does, keeps lateness identical
             closed.extend(stage.close_ready())
         self.messages += 1
         self.next_offset = offset + 1
         return rejections, closed
+
+
+@dataclass(frozen=True)
+class BundleOwner:
+    """Whether a bundle is decided on stage-2 partition ``partition`` of ``partitions`` (picklable)."""
+
+    partition: int
+    partitions: int
+
+    def __call__(self, bundle_id: str) -> bool:
+        return stage2_partition(bundle_id, self.partitions) == self.partition
 
 
 @dataclass
@@ -254,6 +273,7 @@ class Stage2Task:
 
     policy: Policy
     sources: tuple[str, ...] = ()
+    owner: BundleOwner | None = None
     stage: Stage2 = field(init=False)
     next_offset: int | None = None
     last_slice: dict[str, int] = field(default_factory=dict)
@@ -266,7 +286,7 @@ class Stage2Task:
     invalid: int = 0
 
     def __post_init__(self) -> None:
-        self.stage = Stage2(distributed_policy(self.policy))
+        self.stage = Stage2(distributed_policy(self.policy), owns=self.owner)
         # Every telemetry partition is expected from the start: a partition whose first
         # batch arrives after the others' would otherwise find its first slices decided.
         for source in self.sources:

@@ -11,23 +11,27 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specwatch.actions.admission import AdmissionController
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
 from specwatch.detectors.draft_length import DraftLengthCurve, curve_from_slices
 from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor, traffic_evidence
-from specwatch.detectors.window import SliceStats
+from specwatch.detectors.window import SliceStats, sample_order, sample_record
 from specwatch.schemas import (
     BundleCard,
     BundleRecord,
     Decision,
+    Rejection,
     RequestRecord,
     ShadowRecord,
     StepRecord,
     card_differences,
 )
 from specwatch.schemas.policy import Policy
+
+from .intake import DuplicateFilter, EventClock, duplicate
 
 __all__ = [
     "Key",
@@ -44,7 +48,22 @@ Key = tuple[str, str | None, str | None]  # (bundle_id, bucket, cohort); None = 
 
 # Evidence windows archived with a decision: this many slices before it.
 _EVIDENCE_SLICES = 30
-_MAX_SAMPLES_PER_DECISION = 12
+# Samples archived with a decision: the records that show the problem, then healthy
+# controls of the same scope, from the slices of the finding's window (or the last few).
+_PROBLEM_SAMPLES = 9
+_CONTROL_SAMPLES = 3
+_SAMPLE_SLICES = 10
+_SAMPLES_FOR = {
+    "error_rate": (("error", "timeout"), "control_request"),
+    "latency_slo": (("slowest",), "control_request"),
+    "acceptance_drop": (("lowest_acceptance",), "control_step"),
+    "no_speedup": (("lowest_acceptance",), "control_step"),
+    "quality_regression": (("mismatch",), "control_request"),
+}
+_SAMPLES_FOR_OTHERS = (("error", "timeout", "lowest_acceptance", "slowest"), "control_step")
+# How long (event time) after its slice closed a record is still recognised as a duplicate;
+# a later copy is folded forward as a late record.
+_DUPLICATE_HORIZON_SECONDS = 60.0
 
 
 def key_to_str(key: Key) -> str:
@@ -103,9 +122,15 @@ class SliceBatch:
             self.events.append({"type": "sighting", "ts": last, "first_seen": first, "worker": worker,
                                 "bundle_id": bundle_id})
         self.sightings = {}
+    # per key: [(rank, step) of its lowest-acceptance step, (rank, step) of its step control] so far
+    step_candidates: dict[Key, list[tuple]] = field(default_factory=dict, repr=False)
 
     def fold_tallies(self) -> None:
-        """Fold stage 1's per-pair round tallies into the partials (and the bundle totals)."""
+        """Fold stage 1's per-pair round tallies into the partials (and the bundle totals),
+        and keep the samples among the slice's steps."""
+        if self.step_candidates:
+            _keep_step_samples(self.partials, self.step_candidates)
+            self.step_candidates = {}
         for key, tally in self.round_tallies.items():
             self.partials[key].add_round_counts(tally)
             whole = self.partials[(key[0], None, None)]
@@ -173,11 +198,25 @@ class Stage1:
         self._slice_s = policy.windows.slice_seconds
         self._lateness = policy.windows.lateness_seconds
         self._open: dict[int, SliceBatch] = {}
-        self._max_ts = -math.inf
+        self.clock = EventClock(policy.windows.max_ahead_seconds)
+        self._folded = DuplicateFilter(math.ceil((self._lateness + _DUPLICATE_HORIZON_SECONDS) / self._slice_s))
         self.watermark = -1  # highest closed slice index
-        self._worker_cards: dict[str, tuple[str, BundleCard]] = {}
         self.late_records = 0
         self.records = 0
+
+    def admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
+        """Whether a record may be folded: within the clock-skew bound, and not folded before.
+
+        ``identity`` is (worker or bundle, seq or id); None for records that are never
+        counted twice whatever their copies (bundle cards).
+        """
+        rejection = self.clock.admit(ts)
+        if rejection is not None:
+            return rejection
+        if identity is not None and not self._folded.first(int(ts // self._slice_s), identity):
+            return duplicate(kind, identity)
+        self.records += 1
+        return None
 
     def _slice(self, ts: float) -> SliceBatch:
         index = int(ts // self._slice_s)
@@ -202,11 +241,19 @@ class Stage1:
             stats = batch.partials[key] = SliceStats()
         return stats
 
-    def add(self, record) -> None:
-        """Fold one validated contract-v1 record."""
-        self.records += 1
-        if record.ts > self._max_ts:
-            self._max_ts = record.ts
+    def add(self, record) -> Rejection | None:
+        """Fold one validated contract-v1 record, or say why it is not folded."""
+        if isinstance(record, StepRecord):
+            identity = (record.worker, record.seq)
+        elif isinstance(record, RequestRecord):
+            identity = (record.worker, record.id)
+        elif isinstance(record, ShadowRecord):
+            identity = (record.bundle_id, record.id)
+        else:
+            identity = None
+        rejection = self.admit(record.kind, record.ts, identity)
+        if rejection is not None:
+            return rejection
         batch = self._slice(record.ts)
         if isinstance(record, StepRecord):
             self._add_step(batch, record)
@@ -214,15 +261,14 @@ class Stage1:
             stats = self._stats(batch, (record.bundle_id, record.bucket, record.cohort))
             stats.add_request(record.ttft_ms, record.tpot_ms, record.e2e_ms, record.speculative,
                               record.finish_reason, record.ts)
-            important = record.failed
-            if important or len(stats.samples) < 4:
-                stats.offer_sample(record.model_dump(mode="json"), important)
+            _offer_request(stats, record)
         elif isinstance(record, ShadowRecord):
             batch.events.append({"type": "shadow", "ts": record.ts, "bundle_id": record.bundle_id,
                                  "bucket": record.bucket, "id": record.id, "check": record.check,
                                  "match": record.match})
         elif isinstance(record, BundleRecord):
             self._add_bundle(batch, record)
+        return None
 
     def _add_step(self, batch: SliceBatch, step: StepRecord) -> None:
         # Rounds are tallied as (drafted, accepted) pair counts and folded into the
@@ -231,7 +277,7 @@ class Stage1:
         bundle = step.bundle_id
         batch.sighted(bundle, step.worker, step.ts)
         tallies = batch.round_tallies
-        seen: dict[Key, SliceStats] = {}
+        tokens: dict[Key, list[int]] = {}
         for entry in step.requests:
             key = (bundle, entry.bucket, entry.cohort)
             tally = tallies.get(key)
@@ -239,29 +285,17 @@ class Stage1:
                 tally = tallies[key] = {}
             pair = (entry.drafted, entry.accepted)
             tally[pair] = tally.get(pair, 0) + 1
-            if key not in seen:
-                seen[key] = self._stats(batch, key)
-        trace = None
-        for stats in seen.values():
-            stats.add_step_time(step.draft_ms, step.verify_ms, step.kv_usage, step.ts)
-            if not stats.samples:
-                trace = trace or step.model_dump(mode="json")
-                stats.offer_sample(trace)
-        self._stats(batch, (bundle, None, None)).add_step_time(step.draft_ms, step.verify_ms, step.kv_usage,
-                                                                step.ts)
+            drafted_accepted = tokens.setdefault(key, [0, 0])
+            drafted_accepted[0] += entry.drafted
+            drafted_accepted[1] += entry.accepted
+        fold_step_times(batch, bundle, tokens, step, step.draft_ms, step.verify_ms, step.kv_usage, step.ts)
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
         batch.sighted(record.bundle_id, record.worker, record.ts)
-        previous = self._worker_cards.get(record.worker)
-        self._worker_cards[record.worker] = (record.bundle_id, record.card)
-        card = record.card.model_dump(mode="json")
-        if previous is None or previous[0] != record.bundle_id:
-            batch.events.append({"type": "bundle", "ts": record.ts, "worker": record.worker,
-                                 "bundle_id": record.bundle_id, "card": card})
-        if previous is not None and previous[0] != record.bundle_id:
-            batch.events.append({"type": "bundle_change", "ts": record.ts, "worker": record.worker,
-                                 "bundle_id": record.bundle_id, "previous_bundle_id": previous[0],
-                                 "changed": card_differences(previous[1], record.card), "card": card})
+        # Every card goes on: whether it changed is a question about the worker's previous
+        # card, which may have reached another source. Stage 2 answers it in event-time order.
+        batch.events.append({"type": "bundle", "ts": record.ts, "worker": record.worker,
+                             "bundle_id": record.bundle_id, "card": record.card.model_dump(mode="json")})
 
     def close_ready(self, final: bool = False) -> list[SliceBatch]:
         """Slices whose end is more than the allowed lateness behind the newest record.
@@ -271,12 +305,15 @@ class Stage1:
         """
         if final:
             limit = max(self._open, default=self.watermark)
+        elif self.clock.now == -math.inf:
+            return []  # too few records yet to tell this source's event time
         else:
-            limit = int((self._max_ts - self._lateness) // self._slice_s) - 1
+            limit = int((self.clock.now - self._lateness) // self._slice_s) - 1
         if limit <= self.watermark:
             return []
         ready = sorted(i for i in self._open if i <= limit)
         self.watermark = limit
+        self._folded.expire(limit)
         out = []
         for index in ready:
             batch = self._open.pop(index)
@@ -287,6 +324,62 @@ class Stage1:
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
         return out
+
+
+def fold_step_times(batch: SliceBatch, bundle: str, tokens: dict[Key, list[int]], step,
+                    draft_ms: float, verify_ms: float, kv_usage: float, ts: float) -> None:
+    """A step's timings into each key it served and its bundle; the step becomes a sample candidate of each key.
+
+    ``tokens`` maps every key of the step to its [drafted, accepted] tokens in this step;
+    ``step`` is the `StepRecord` or `StepColumns`, turned into a record only if kept.
+    """
+    candidates = batch.step_candidates
+    sample_id = f"{step.worker}:{step.seq}"
+    order = sample_order(sample_id)
+    # Only the best step of each kind per key is held until the slice closes: holding every
+    # step (and what it was decoded from) would cost more than the fold itself.
+    for key, (drafted, accepted) in tokens.items():
+        Stage1._stats(batch, key).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+        held = candidates.get(key)
+        if held is None:
+            candidates[key] = [((accepted / drafted, order, sample_id), step) if drafted else None,
+                               ((order, sample_id), step)]
+            continue
+        if drafted:
+            rank = (accepted / drafted, order, sample_id)
+            if held[0] is None or rank < held[0][0]:
+                held[0] = (rank, step)
+        if (order, sample_id) < held[1][0]:
+            held[1] = ((order, sample_id), step)
+    Stage1._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+
+
+def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:
+    """Each key's lowest-acceptance step and step control among a slice's steps, ranked by content."""
+    for key, (lowest, control) in candidates.items():
+        stats = partials[key]
+        if lowest is not None:
+            stats.keep_samples("lowest_acceptance", [lowest], _step_record)
+        stats.keep_samples("control_step", [control], _step_record)
+
+
+def _step_record(step) -> dict:
+    return (step if isinstance(step, StepRecord) else step.record()).model_dump(mode="json")
+
+
+def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
+    """A finished request as a sample: of its failure, or as a healthy control; and by its latency."""
+    rid = record.id
+    order = sample_order(rid)
+
+    def build() -> dict:
+        return record.model_dump(mode="json")
+
+    if record.failed:
+        stats.offer_sample(record.finish_reason, (order, rid), build)
+    else:
+        stats.offer_sample("control_request", (order, rid), build)
+    stats.offer_sample("slowest", (-record.e2e_ms, order, rid), build)
 
 
 @dataclass
@@ -323,8 +416,10 @@ class Stage2:
         The speculative-path state it keeps current (and reads to avoid repeating itself).
     """
 
-    def __init__(self, policy: Policy, flags: FlagStore | None = None) -> None:
+    def __init__(self, policy: Policy, flags: FlagStore | None = None,
+                 owns: Callable[[str], bool] | None = None) -> None:
         self.policy = policy
+        self.owns = owns
         self.flags = flags if flags is not None else FlagStore()
         self.fallback = FallbackPolicy(policy, self.flags)
         # Admission is a policy switch: off, it does not exist, and no decision changes.
@@ -336,6 +431,7 @@ class Stage2:
         self.finalized = -1
         self.monitors: dict[Key, KeyMonitor | BundleMonitor] = {}
         self.cards: dict[str, dict] = {}
+        self.worker_cards: dict[str, tuple[str, dict]] = {}  # worker -> its latest (bundle_id, card)
         self.shadow_counts: Counter = Counter()
         self.last_mismatch: dict[tuple[str, str], float] = {}  # (bundle, bucket) -> latest strict mismatch ts
         self.late_batches = 0
@@ -407,24 +503,9 @@ class Stage2:
     def _on_event(self, event: dict, out: SliceOutput) -> None:
         kind = event["type"]
         if kind == "bundle":
-            if event["bundle_id"] not in self.cards:
-                out.bundles.append(event)
-            self.cards[event["bundle_id"]] = event["card"]
-            if self.admission is not None:
-                self.admission.seen(event["bundle_id"], event["card"], event["ts"])
+            self._on_card(event, out)
         elif kind == "sighting":
             out.sightings.append(event)
-        elif kind == "bundle_change":
-            self.cards[event["bundle_id"]] = event["card"]
-            if self.admission is not None and not self.admission.changed(
-                    event["bundle_id"], event["previous_bundle_id"], event["changed"], event["card"], event["ts"],
-                    event["worker"]):
-                return  # the fleet rolling over to a card already being validated: nothing new is void
-            finding = Finding("bundle_changed", "bundle_fingerprint", event["ts"], "card", math.nan, math.nan,
-                              math.nan, event["ts"], event["ts"],
-                              {"previous_bundle_id": event["previous_bundle_id"], "worker": event["worker"],
-                               "changed_fields": event["changed"]})
-            self._act(finding, (event["bundle_id"], None, None), None, out, [])
         elif kind == "shadow":
             if self.admission is not None:
                 self._admit(self.admission.shadow(event["bundle_id"], event["bucket"], event["check"],
@@ -444,6 +525,31 @@ class Stage2:
                     sample = {"kind": "shadow", "v": 1, **{k: event[k] for k in
                               ("ts", "bundle_id", "id", "bucket", "check", "match")}}
                     self._act(finding, (event["bundle_id"], event["bucket"], None), None, out, [sample])
+
+    def _on_card(self, event: dict, out: SliceOutput) -> None:
+        """A worker's card, in event-time order: a new bundle, or the worker's change to another."""
+        bundle, worker, card = event["bundle_id"], event["worker"], event["card"]
+        previous = self.worker_cards.get(worker)
+        self.worker_cards[worker] = (bundle, card)
+        if previous is not None and previous[0] == bundle:
+            return  # the same card again (a heartbeat)
+        if self.owns is not None and not self.owns(bundle):
+            return  # another partition's bundle: only the worker's latest card matters here
+        if bundle not in self.cards:
+            out.bundles.append(event)
+        self.cards[bundle] = card
+        if self.admission is not None:
+            self.admission.seen(bundle, card, event["ts"])
+        if previous is None:
+            return
+        changed = card_differences(BundleCard.model_validate(previous[1]), BundleCard.model_validate(card))
+        if self.admission is not None and not self.admission.changed(bundle, previous[0], changed, card,
+                                                                     event["ts"], worker):
+            return  # the fleet rolling over to a card already being validated: nothing new is void
+        finding = Finding("bundle_changed", "bundle_fingerprint", event["ts"], "card", math.nan, math.nan,
+                          math.nan, event["ts"], event["ts"],
+                          {"previous_bundle_id": previous[0], "worker": worker, "changed_fields": changed})
+        self._act(finding, (bundle, None, None), None, out, [])
 
     def _on_stats(self, key: Key, stats: SliceStats, slice_end: float, out: SliceOutput) -> None:
         bundle, bucket, cohort = key
@@ -520,14 +626,20 @@ class Stage2:
         return curve_from_slices(window, costs, card["drafter"]["mechanism"])
 
     def _act(self, finding: Finding, scope: Key, monitor, out: SliceOutput, extra_samples: list[dict]) -> None:
-        samples = list(extra_samples)
+        candidates: dict[str, list[dict]] = {"mismatch": [
+            {**s, "_rank": [sample_order(_sample_id(s)), _sample_id(s)]} for s in extra_samples]}
         if monitor is not None:
-            for _, stats in list(monitor.history)[-10:]:
-                samples.extend(stats.samples)
-        samples = [{k: v for k, v in s.items() if k != "_important"} for s in samples]
-        samples = _pick_samples(samples)
+            # the slices of the finding's own window (at least the last few)
+            history = list(monitor.history)
+            recent = [stats for end, stats in history if end > finding.window_start] or \
+                [stats for _, stats in history[-_SAMPLE_SLICES:]]
+            for stats in recent:
+                for kind, kept in stats.samples.items():
+                    candidates.setdefault(kind, []).extend(kept)
+        samples, reasons = _pick_samples(finding.reason, candidates)
         sample_ids = [_sample_id(s) for s in samples]
         decision = self.fallback.decide(finding, scope, self._draft_length(scope[0]), sample_ids,
+                                        {"sample_reasons": reasons} if reasons else None,
                                         curve=self._draft_length_curve(finding, scope, monitor))
         if decision is None:
             return
@@ -586,11 +698,31 @@ def _sample_id(sample: dict) -> str:
     return str(sample.get("id"))
 
 
-def _pick_samples(samples: list[dict]) -> list[dict]:
-    """Failures first, then the rest in time order; unique ids; bounded."""
-    unique: dict[str, dict] = {}
-    for s in sorted(samples, key=lambda s: (s.get("finish_reason") not in ("error", "timeout"), s.get("ts", 0))):
-        unique.setdefault(_sample_id(s), s)
-        if len(unique) >= _MAX_SAMPLES_PER_DECISION:
+def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[dict], dict[str, str]]:
+    """The samples that show a finding, then healthy controls; and why each was chosen.
+
+    Chosen by kind, then rank (severity, then `sample_order`), each id once: a total order
+    on record content, so the same records give the same samples however they arrived.
+    """
+    problems, control = _SAMPLES_FOR.get(reason, _SAMPLES_FOR_OTHERS)
+    chosen: dict[str, dict] = {}
+    reasons: dict[str, str] = {}
+    ranked = sorted(((index, sample) for index, kind in enumerate(problems) for sample in candidates.get(kind, ())),
+                    key=lambda pair: (pair[0], pair[1]["_rank"]))
+    for index, sample in ranked:
+        if len(chosen) == _PROBLEM_SAMPLES:
             break
-    return list(unique.values())
+        ident = sample["_rank"][-1]
+        if ident not in chosen:
+            chosen[ident] = sample
+            reasons[ident] = problems[index]
+    controls = 0
+    for sample in sorted(candidates.get(control, ()), key=lambda s: s["_rank"]):
+        if controls == _CONTROL_SAMPLES:
+            break
+        ident = sample["_rank"][-1]
+        if ident not in chosen:
+            chosen[ident] = sample
+            reasons[ident] = "control"
+            controls += 1
+    return [sample_record(s) for s in chosen.values()], reasons

@@ -19,6 +19,7 @@ from specwatch.schemas import Decision, Policy, Rejection
 from specwatch.schemas.otlp import encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.faust_tasks import (
+    BundleOwner,
     CheckpointError,
     PartialMessage,
     Stage1Task,
@@ -106,7 +107,7 @@ def _run(log, seed, restart_every=0):
     # Telemetry partitions no worker writes to are released, as the app does once they are drained.
     releases = [encode_release(f"t/{p}", -1) for p in range(PARTITIONS) if not log.get(p)]
     for q in range(PARTITIONS):
-        task = Stage2Task(Policy(), sources)
+        task = Stage2Task(Policy(), sources, BundleOwner(q, PARTITIONS))
         for offset, value in enumerate(releases + partials[q]):
             for output in task.fold(offset, decode_partial(value)):
                 decided += [a.decision for a in output.actions]

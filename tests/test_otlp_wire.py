@@ -366,3 +366,59 @@ def test_an_attribute_behind_an_overlong_tag_still_counts(late):
     fields.append(b"\xb2\x00" + _ld(6, _key_value(*late))[1:])
     result = _identical(_request([_log_record(fields)]))[0]
     assert not isinstance(result, StepColumns) or result.record().seq == 99
+
+
+def _recoded_by_collector(payload: bytes, observed: bool, flags: int, trace: bytes, span: bytes) -> bytes:
+    """``payload`` as the Collector's kafka exporter re-encodes it: an empty body in every record,
+    and the optional fields it may set; every field in field-number order, as pdata writes them."""
+    fields_by_record = []
+    for start, end in _log_record_spans(payload):
+        record = payload[start:end]
+        stamp, rest = (record[:9], record[9:]) if record[0] == 0x09 else (b"", record)
+        event_at = rest.rindex(b"\x62\x0especwatch.step")
+        attributes, event = rest[:event_at], rest[event_at:]
+        if attributes[-9] == 0x59:  # the writer's own observed time: re-placed below
+            attributes = attributes[:-9]
+        fields = [stamp, _ld(5, b""), attributes]
+        if flags:
+            fields.append(_tag(8, 5) + struct.pack("<I", flags))
+        if trace is not None:
+            fields.append(_ld(9, trace))
+        if span is not None:
+            fields.append(_ld(10, span))
+        if observed:
+            fields.append(_tag(11, 1) + struct.pack("<Q", 1_800_000_000_123_456_789))
+        fields.append(event)
+        fields_by_record.append(_log_record(fields))
+    return _request(fields_by_record, extras=True)
+
+
+@pytest.mark.parametrize("observed,flags,trace,span", [
+    (False, 0, None, None),  # the empty body alone
+    (True, 0, None, None),
+    (True, 1, None, None),
+    (True, 1, b"", b""),  # trace ids present but empty
+    (True, 0, bytes(range(16)), bytes(range(8))),
+    (False, 1, bytes(16), None),
+])
+def test_steps_recoded_by_the_collector_take_the_plain_reader(observed, flags, trace, span):
+    records = [r for r in _simulated() if r.kind == "step"][:200]
+    payload = _recoded_by_collector(encode_records(records), observed, flags, trace, span)
+    steps = _steps_read_by(_step_plain, payload)
+    assert len(steps) == len(records) and all(isinstance(step, StepColumns) for step in steps)
+    for step, record in zip(_identical(payload), records):
+        assert isinstance(step, StepColumns)
+        _same(step, record)
+
+
+def test_a_body_with_content_is_not_read_as_the_empty_one():
+    record = next(r for r in _simulated() if r.kind == "step")
+    payload = encode_records([record])
+    start, end = _log_record_spans(payload)[0]
+    inner = payload[start:end]
+    stamp, rest = inner[:9], inner[9:]
+    payload = _request([_log_record([stamp, _ld(5, _any("a body")), rest])])
+    start, end = _log_record_spans(payload)[0]
+    with pytest.raises(_OddShape):
+        _step_plain(payload, start, end, _Memo())
+    _same(_identical(payload)[0], record)

@@ -118,5 +118,10 @@ def _run(args) -> int:
             print(f"  rejected {reason}: {count}", file=stream)
         if summary["late_records"]:
             print(f"late records folded forward: {summary['late_records']}", file=stream)
+        for flagged in summary["flagged"]:
+            print(f"  line {flagged['line']}: {flagged['reason']}: {flagged['detail']}", file=stream)
+        shown = len(summary["flagged"])
+        if shown < summary["rejected"] + summary["late_records"]:
+            print(f"  ({summary['rejected'] + summary['late_records'] - shown} more not listed)", file=stream)
         print(f"decisions: {summary['decisions']} -> {args.output}", file=stream)
     return _EXIT_ARCHIVE_ROWS_LOST if sink is not None and sink.stats()["dropped_entries"] else 0

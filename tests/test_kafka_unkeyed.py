@@ -1,0 +1,92 @@
+"""`specwatch run` on telemetry sent with no key, as the OpenTelemetry Collector's kafka exporter sends it.
+
+Each exporter batch (one worker's records over half a second of event time) goes to a
+seeded random partition, so one worker's records, its bundle cards included, spread over
+every partition. The decisions on the topic must be the embedded pipeline's, line for
+line: the same ids, evidence and samples, the bundle change included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections import defaultdict
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import NewTopic
+
+from specwatch.collectors.simulator import Simulator
+from specwatch.schemas.otlp import encode_records
+from specwatch.streams.embedded import EmbeddedPipeline
+
+from test_kafka_e2e import PARTITIONS, Feed, _async, _create_topics, _delete_topics, _key
+from test_kafka_e2e import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
+
+pytestmark = pytest.mark.kafka
+
+SEED = 11
+_FLUSH_EVENT_SECONDS = 0.5
+_TAIL_SECONDS = 5.0
+_RUN = uuid.uuid4().hex[:8]
+
+
+async def _send_unkeyed(bootstrap: str, topic: str, records, seed: int) -> int:
+    """Exporter batches to seeded random partitions, no key; returns how many messages were sent."""
+    rng = random.Random(seed)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_request_size=4 << 20)
+    await producer.start()
+    sent = 0
+    try:
+        pending: dict[str, list] = defaultdict(list)
+        futures = []
+
+        async def flush():
+            nonlocal sent
+            for chunk in pending.values():
+                futures.append(await producer.send(topic, encode_records(chunk), key=None,
+                                                   partition=rng.randrange(PARTITIONS)))
+                sent += 1
+            pending.clear()
+
+        next_flush = None
+        for record in records:
+            if next_flush is None or record.ts >= next_flush:
+                await flush()
+                next_flush = record.ts + _FLUSH_EVENT_SECONDS
+            pending[getattr(record, "worker", None) or record.bundle_id].append(record)
+        await flush()
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+    return sent
+
+
+@pytest.fixture
+def unkeyed_feed(kafka_bootstrap):
+    sim = Simulator("bundle_change", seed=SEED, workers=3, minutes=2.5, incident_at=90.0)
+    records = list(sim.records())
+    topic = f"swtest-unkeyed-{_RUN}.telemetry"
+    _async(_create_topics(kafka_bootstrap, NewTopic(topic, PARTITIONS, 1)))
+    try:
+        assert _async(_send_unkeyed(kafka_bootstrap, topic, records, seed=3)) > 100
+        pipeline = EmbeddedPipeline()
+        pipeline.feed_many(records)
+        pipeline.finish()
+        cutoff = sim.end_ts - _TAIL_SECONDS
+        decided = [d for d in pipeline.decisions if d.ts < cutoff]
+        assert any(d.action == "invalidate_bundle" for d in decided)
+        yield Feed("bundle_change", topic, cutoff, sorted(_key(d) for d in decided), {}, len(records)), \
+            sorted(d.to_json_line() for d in decided)
+    finally:
+        _async(_delete_topics(kafka_bootstrap, f"swtest-unkeyed-{_RUN}"))
+
+
+def test_unkeyed_telemetry_gives_the_embedded_decisions_byte_for_byte(unkeyed_feed, pipeline_factory):
+    feed, expected_lines = unkeyed_feed
+    pipeline = pipeline_factory(feed)
+    pipeline.start()
+    pipeline.wait_drained()
+    published = [d for d in pipeline.published() if d.ts < feed.cutoff]
+    assert sorted(d.to_json_line() for d in published) == expected_lines, pipeline.logs()
