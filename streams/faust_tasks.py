@@ -88,9 +88,9 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
     """Split one close of stage 1 into what each stage-2 partition receives, in send order.
 
     Partials and events go to their bundle's partition, bundle cards to every partition
-    (stage 2 follows each worker's card there). A partition that gets nothing from
-    this close still gets one empty batch at the close's watermark, so every stage 2 learns
-    that this source has moved on. Per (source, partition) slice indexes strictly increase,
+    (stage 2 follows each worker's card there). A partition whose parts of this close do
+    not carry the close's watermark (it got nothing, or only earlier slices) gets one empty
+    batch at it last, so every stage 2 learns that this source has moved on. Per (source, partition) slice indexes strictly increase,
     which is what stage 2 deduplicates on.
 
     >>> from specwatch.detectors.window import SliceStats
@@ -102,7 +102,7 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
     if not batches:
         return []
     out: list[tuple[int, SliceBatch]] = []
-    touched: set[int] = set()
+    vouched: dict[int, int] = {}  # partition -> the watermark its latest part carries
     for batch in batches:
         parts: dict[int, SliceBatch] = {}
         for key, stats in batch.partials.items():
@@ -129,10 +129,10 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
             part.late_records = batch.late_records
         for target in sorted(parts):
             out.append((target, parts[target]))
-            touched.add(target)
+            vouched[target] = parts[target].watermark
     last = batches[-1]
     for target in range(partitions):
-        if target not in touched:
+        if vouched.get(target, -1) < last.watermark:
             out.append((target, SliceBatch(last.source, last.watermark, last.watermark)))
     return out
 

@@ -317,7 +317,11 @@ class Stage1:
         out = []
         for index in ready:
             batch = self._open.pop(index)
-            batch.watermark = limit
+            # A batch vouches only for the slices sent so far: the last one of this close for
+            # every slice up to the limit, an earlier one for its own. Stage 2 may finalize a
+            # slice as soon as every source vouches for it, so a batch that vouched for the
+            # close's limit would let a later batch of the same close arrive too late.
+            batch.watermark = limit if index == ready[-1] else index
             batch.fold_tallies()
             batch.fold_sightings()
             out.append(batch)

@@ -30,9 +30,10 @@ def _replay(lines) -> tuple[bytes, dict]:
     return out.getvalue().encode(), summary
 
 
-def _shifted(line: str, seconds: float) -> str:
+def _shifted(line: str, seconds: float, seq_offset: int = 0) -> str:
     body = json.loads(line)
     body["ts"] += seconds
+    body["seq"] += seq_offset
     return json.dumps(body)
 
 
@@ -53,13 +54,14 @@ def acceptance_drop():
 def test_one_record_an_hour_off_is_refused_by_line_and_changes_no_decision(acceptance_drop, seconds, reason):
     lines, expected = acceptance_drop
     at = _middle_step(lines)
+    # one more step, a copy of a real one under a new seq, stamped an hour off
     rogue = list(lines)
-    rogue[at] = _shifted(lines[at], seconds)
+    rogue.insert(at, _shifted(lines[at], seconds, seq_offset=10**9))
     decisions, summary = _replay(rogue)
     assert decisions == expected
     assert summary["rejected_by_reason"] == {reason: 1} and summary["late_records"] == 0
     assert [(f["line"], f["reason"]) for f in summary["flagged"]] == [(at + 1, reason)]
-    assert summary["records"] == len(lines) - 1
+    assert summary["records"] == len(lines)
 
 
 def test_a_late_record_is_folded_and_named_by_its_line(acceptance_drop):

@@ -31,6 +31,10 @@ from specwatch.streams.faust_tasks import (
 )
 
 _FLUSH_EVENT_SECONDS = 0.5  # how much event time one exporter batch holds
+# How far in event time one stage-1 partition may run ahead of another: consumers that keep
+# up, as the guarantee requires (every record within the policy's lateness, 1 s). A partition
+# left further behind is a lagging consumer, whose late slices stage 2 folds forward.
+_MAX_CONSUMER_SKEW_SECONDS = 0.5
 _STAGE2_PARTITIONS = 3
 
 
@@ -40,10 +44,11 @@ def _records(scenario: str) -> tuple:
     return tuple(sim.records())
 
 
-def _telemetry_log(records, keying: str, partitions: int, seed: int = 7) -> dict[int, list[bytes]]:
-    """OTLP messages per partition: one per worker (or bundle, for shadows) per flush interval."""
+def _telemetry_log(records, keying: str, partitions: int, seed: int = 7) -> dict[int, list[tuple[float, bytes]]]:
+    """OTLP messages per partition, each with its first event time: one per worker (or bundle,
+    for shadows) per flush interval."""
     rng = random.Random(seed)
-    log: dict[int, list[bytes]] = defaultdict(list)
+    log: dict[int, list[tuple[float, bytes]]] = defaultdict(list)
     pending: dict[str, list] = defaultdict(list)
 
     def partition(source: str) -> int:
@@ -54,7 +59,7 @@ def _telemetry_log(records, keying: str, partitions: int, seed: int = 7) -> dict
 
     def flush():
         for source, chunk in pending.items():
-            log[partition(source)].append(encode_records(chunk))
+            log[partition(source)].append((chunk[0].ts, encode_records(chunk)))
         pending.clear()
 
     next_flush = None
@@ -67,8 +72,9 @@ def _telemetry_log(records, keying: str, partitions: int, seed: int = 7) -> dict
     return log
 
 
-def _distributed(log: dict[int, list[bytes]], partitions: int, seed: int) -> list[str]:
-    """Decision lines of the per-partition tasks over ``log``, in a seeded interleaving, to the end."""
+def _distributed(log: dict[int, list[tuple[float, bytes]]], partitions: int, seed: int) -> list[str]:
+    """Decision lines of the per-partition tasks over ``log``, to the end, in a seeded interleaving
+    of partitions that stay within `_MAX_CONSUMER_SKEW_SECONDS` of each other."""
     rng = random.Random(seed)
     sources = tuple(f"t/{p}" for p in range(partitions))
     stage1 = {p: Stage1Task(Policy(), f"t/{p}") for p in range(partitions)}
@@ -80,8 +86,10 @@ def _distributed(log: dict[int, list[bytes]], partitions: int, seed: int) -> lis
             partials[q].append(encode_partial(batch))
 
     while any(position[p] < len(log[p]) for p in range(partitions)):
-        p = rng.choice([p for p in range(partitions) if position[p] < len(log[p])])
-        _, closed = stage1[p].fold(position[p], log[p][position[p]])
+        waiting = {p: log[p][position[p]][0] for p in range(partitions) if position[p] < len(log[p])}
+        oldest = min(waiting.values())
+        p = rng.choice([p for p, ts in waiting.items() if ts <= oldest + _MAX_CONSUMER_SKEW_SECONDS])
+        _, closed = stage1[p].fold(position[p], log[p][position[p]][1])
         send(closed)
         position[p] += 1
     for p in range(partitions):  # the end of the stream: every open slice closes
@@ -129,9 +137,9 @@ def test_a_bundle_change_split_over_partitions_is_decided_at_the_change():
     cards = [r for r in records if r.kind == "bundle"]
     changed = next(r for r in cards if r.bundle_id != cards[0].bundle_id)
     before = [r for r in cards if r.worker == changed.worker and r.ts < changed.ts][-1]
-    log: dict[int, list[bytes]] = defaultdict(list)
+    log: dict[int, list[tuple[float, bytes]]] = defaultdict(list)
     for record in records:
         # the worker's cards alternate partitions; everything else on partition 0
-        log[1 if record is changed else 0].append(encode_records([record]))
+        log[1 if record is changed else 0].append((record.ts, encode_records([record])))
     assert before is not changed
     assert expected in _distributed(log, 2, seed=1)
