@@ -103,19 +103,21 @@ class SpeedupPolicy(_Section):
 
 
 class LatencyPolicy(_Section):
-    window_slices: int = Field(60, ge=1)
-    consecutive: int = Field(3, ge=1)
-    min_requests: int = Field(200, ge=1)
-    p99_factor: float = Field(2.0, gt=1, description="p99 above learned baseline p99*factor breaches")
+    window_slices: int = Field(60, ge=1, description="slices a finding's evidence quantiles span")
+    consecutive: int = Field(3, ge=1, description="unused: the tail test is sequential (kept for old files)")
+    min_requests: int = Field(200, ge=1, description="unused: the tail test is sequential (kept for old files)")
+    p99_factor: float = Field(2.0, gt=1, description="latency limit: learned baseline p99 * factor (e2e, TPOT)")
     tail_share: float = Field(
-        0.03, gt=0, lt=1, description="and at least this share of the window's requests must be above that "
-                                      "limit: a p99 is a handful of requests, and a few stalled ones (KV "
+        0.03, gt=0, lt=1, description="share of requests past the limit the sequential test is tuned to catch "
+                                      "(at least 4x the baseline's share): a few stalled requests (KV "
                                       "preemption at peak load) must not switch a cohort off"
     )
-    min_tail_requests: int = Field(5, ge=1, description="and at least this many requests above the limit")
+    min_tail_requests: int = Field(5, ge=1, description="and at least this many requests past the limit")
+    false_alarms_per_key_hour: float = Field(
+        1e-3, gt=0, lt=1, description="false-alarm budget of the sequential tail test, per key and hour")
     e2e_p99_slo_ms: float | None = Field(None, gt=0, description="absolute SLO; None = relative only")
     tpot_p99_slo_ms: float | None = Field(None, gt=0)
-    evaluate_every_slices: int = Field(5, ge=1)
+    evaluate_every_slices: int = Field(5, ge=1, description="unused: the tail test reads every slice")
 
 
 class KvPolicy(_Section):
@@ -124,12 +126,15 @@ class KvPolicy(_Section):
 
 
 class ErrorPolicy(_Section):
-    window_slices: int = Field(60, ge=1)
-    consecutive: int = Field(3, ge=1)
-    factor: float = Field(10.0, gt=1, description="error rate above baseline*factor breaches")
-    floor_rate: float = Field(0.01, ge=0, le=1, description="never breach below this rate")
-    min_requests: int = Field(100, ge=1)
-    min_errors: int = Field(5, ge=1)
+    window_slices: int = Field(60, ge=1, description="slices a finding's evidence window spans")
+    consecutive: int = Field(3, ge=1, description="unused: the error test is sequential (kept for old files)")
+    factor: float = Field(5.0, gt=1, description="the sequential test is tuned to catch max(floor_rate, "
+                                                  "baseline*factor)")
+    floor_rate: float = Field(0.01, ge=0, lt=1, description="smallest error rate the sequential test is tuned to")
+    min_requests: int = Field(100, ge=1, description="requests a restore's evidence needs")
+    min_errors: int = Field(5, ge=1, description="failures the sequential test needs before it fires")
+    false_alarms_per_key_hour: float = Field(
+        1e-3, gt=0, lt=1, description="false-alarm budget of the sequential error test, per key and hour")
 
 
 class QualityPolicy(_Section):

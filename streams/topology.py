@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from specwatch.actions.admission import AdmissionController
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
+from specwatch.detectors.baseline import BaselinePool
 from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor, traffic_evidence
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import (
@@ -305,6 +306,7 @@ class Stage2:
         self._pending: dict[int, dict[str, list[SliceBatch]]] = defaultdict(dict)
         self.finalized = -1
         self.monitors: dict[Key, KeyMonitor | BundleMonitor] = {}
+        self.pools: dict[str, BaselinePool] = {}  # per bundle: what quiet keys borrow baselines from
         self.cards: dict[str, dict] = {}
         self.shadow_counts: Counter = Counter()
         self.last_mismatch: dict[tuple[str, str], float] = {}  # (bundle, bucket) -> latest strict mismatch ts
@@ -420,7 +422,13 @@ class Stage2:
             self._admit(self.admission.observe(bundle, bucket, cohort, stats, slice_end, speculating), out)
         monitor = self.monitors.get(key)
         if monitor is None:
-            monitor = BundleMonitor(self.policy) if bucket is None else KeyMonitor(self.policy, bucket)
+            if bucket is None:
+                monitor = BundleMonitor(self.policy)
+            else:
+                pool = self.pools.get(bundle)
+                if pool is None:
+                    pool = self.pools[bundle] = BaselinePool()
+                monitor = KeyMonitor(self.policy, bucket, pool)
             self.monitors[key] = monitor
         if bucket is None:
             state = self.flags.state((bundle, None, None))
