@@ -148,7 +148,9 @@ def traffic_evidence(monitors: list["KeyMonitor"], since: float, seconds: float)
 _TRAFFIC_HEADROOM = 4.0
 # A latency limit from an absolute SLO is read as a p99: 1% of requests may pass it.
 _SLO_SHARE = 0.01
-# The sequential tail test is tuned to at least this multiple of the baseline's share.
+# The sequential tail test is tuned to at least this multiple of the baseline's share, and
+# treats the baseline's share as at least its target over this: one slow request then adds at
+# most ln(4) nats, so a handful stalled together (KV preemption at peak load) decide nothing.
 _TAIL_RISE = 4.0
 _UNKNOWN_TRAFFIC_PER_SECOND = 1.0
 
@@ -399,7 +401,8 @@ class KeyMonitor(_Windowed):
         if self._tail_tests is None:
             self._tail_tests = {}
             for metric, (limit, share) in self._tail_limits().items():
-                test = _rate_test(share, max(cfg.tail_share, share * _TAIL_RISE), self.baseline.requests_per_second,
+                p1 = max(cfg.tail_share, share * _TAIL_RISE)
+                test = _rate_test(max(share, p1 / _TAIL_RISE), p1, self.baseline.requests_per_second,
                                   cfg.false_alarms_per_key_hour, cfg.min_tail_requests)
                 if test is not None:
                     self._tail_tests[metric] = (test, limit)
