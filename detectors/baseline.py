@@ -8,6 +8,7 @@ key borrows its latency and error baselines from its bucket or bundle (`Baseline
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from specwatch.schemas.policy import BaselinePolicy, PinnedBaseline
@@ -180,6 +181,7 @@ class BaselineLearner:
     def _reset(self) -> None:
         self.baseline = Baseline()
         self._acc = SliceStats()
+        self._draft_costs: list[float] = []  # per slice: one absurd step must not set the baseline
         self._start: float | None = None
         self.acceptance_ready = False
         self.latency_ready = False
@@ -228,6 +230,8 @@ class BaselineLearner:
         if self._start is None:
             self._start = slice_end
         self._acc.merge(stats)
+        if not self.acceptance_ready and stats.verify_ms > 0:
+            self._draft_costs.append(stats.draft_to_verify)
         if self.pool is not None and not self.latency_ready:
             self.pool.add(self.bucket, stats)
         elapsed = slice_end - self._start
@@ -240,7 +244,7 @@ class BaselineLearner:
             if acc.rounds >= self.policy.min_rounds and broad:
                 b.position_rates = acc.position_rates()
                 b.acceptance_length = acc.acceptance_length
-                b.draft_to_verify = acc.draft_to_verify
+                b.draft_to_verify = statistics.median(self._draft_costs) if self._draft_costs else math.nan
                 b.learned_from, b.learned_until = self._start, slice_end
                 self.acceptance_ready = True
             elif acc.rounds == 0 and elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS:
@@ -257,3 +261,4 @@ class BaselineLearner:
             if self.pinned is not None:
                 self._apply_pins()  # pinned values always win over learned ones
             self._acc = SliceStats()  # learning is over: free the accumulated sketches
+            self._draft_costs = []
