@@ -198,7 +198,7 @@ class CanaryJudge:
     >>> judge.judgement.outcome
     'pass'
     >>> judge = CanaryJudge(policy, ["token_exact"])  # the next stage starts afresh
-    >>> for _ in range(6):
+    >>> for _ in range(12):  # the third look (3, 6, 12 windows a side) spends enough alpha for this
     ...     judge.update("baseline", slice_of(12.0, speculative=False)); judge.update("canary", slice_of(30.0))
     >>> verdict = judge.judgement
     >>> verdict.outcome, [m.metric for m in verdict.failing]
@@ -219,15 +219,17 @@ class CanaryJudge:
         self.baseline = _Side(self.policy.window_requests)
         self.shadow_checks = 0
         self.mismatches: list[tuple[float, str, str]] = []
-        self.version = 0  # counts windows closed and checks seen: a new version may judge differently
+        self.version = 0  # counts windows closed and checks seen: time-based rules are read again
         self._judgement: Judgement | None = None
+        self._judged_look = -1
 
     def update(self, side: Literal["canary", "baseline"], stats: SliceStats) -> None:
         if side not in ("canary", "baseline"):
             raise ValueError(f"side must be 'canary' or 'baseline', got {side!r}")
         if (self.canary if side == "canary" else self.baseline).update(stats):
             self.version += 1
-            self._judgement = None
+            if self.look != self._judged_look:
+                self._judgement = None
 
     def add_shadow(self, match: bool, check: str, request_id: str, ts: float) -> None:
         """One shadow check of the speculating cohort's output against standard decoding."""
@@ -246,6 +248,7 @@ class CanaryJudge:
     @property
     def judgement(self) -> Judgement:
         if self._judgement is None:
+            self._judged_look = self.look
             self._judgement = self._judge()
         return self._judgement
 
@@ -282,11 +285,35 @@ class CanaryJudge:
     def _enough(self, n: int) -> bool:
         return n >= self.policy.min_windows
 
+    @property
+    def look(self) -> int:
+        """Which look at the evidence the tests are on: 0 before either side has ``min_windows``.
+
+        The tests look again each time the side with fewer windows doubles its count
+        (``min_windows``, twice that, four times...), not after every window: a judge that
+        re-tests growing windows at every slice fails a healthy canary far more often than
+        one test's alpha. Between looks the last verdict on the tests stands.
+        """
+        fewer = min(len(self.canary.windows), len(self.baseline.windows))
+        if fewer < self.policy.min_windows:
+            return 0
+        return int(math.log2(fewer / self.policy.min_windows)) + 1
+
     def _alpha(self, marginal: bool = False) -> float:
-        """Significance per comparison: Bonferroni over the judge's comparisons, because a
-        judgement is only as trustworthy as its weakest test and it makes seven of them."""
+        """Significance per comparison at this look.
+
+        Bonferroni over the judge's comparisons, because a judgement is only as trustworthy
+        as its weakest test and it makes seven of them; and alpha spending over looks: look
+        k spends ``6 / (pi**2 k**2)`` of the budget, which sums to 1 over every look, so the
+        false-fail rate over a whole stage stays within ``1 - confidence`` however long it runs.
+
+        >>> from specwatch.schemas.policy import AdmissionPolicy
+        >>> judge = CanaryJudge(AdmissionPolicy(), [])
+        >>> round(judge._alpha(), 6), round(judge._alpha(marginal=True), 6)
+        (0.000868, 0.004342)
+        """
         confidence = self.policy.marginal_confidence if marginal else self.policy.confidence
-        return (1.0 - confidence) / _COMPARISONS
+        return (1.0 - confidence) / _COMPARISONS * 6.0 / (math.pi ** 2 * max(1, self.look) ** 2)
 
     def _speedup(self, windows: list[WindowSample]) -> MetricVerdict:
         values = [w.speedup for w in windows if not math.isnan(w.speedup)]
