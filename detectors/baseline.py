@@ -32,6 +32,7 @@ class Baseline:
     position_rates: list[float] = field(default_factory=list)
     acceptance_length: float = math.nan
     draft_to_verify: float = math.nan
+    draft_ms_per_drafted_token: float = math.nan
     e2e_p99_ms: float = math.nan
     tpot_p99_ms: float = math.nan
     error_rate: float = math.nan
@@ -73,6 +74,7 @@ class Baseline:
             "acceptance_length": self.acceptance_length,
             "position_rates": self.position_rates,
             "draft_to_verify": self.draft_to_verify,
+            "draft_ms_per_drafted_token": self.draft_ms_per_drafted_token,
             "e2e_p99_ms": self.e2e_p99_ms,
             "tpot_p99_ms": self.tpot_p99_ms,
             "error_rate": self.error_rate,
@@ -182,6 +184,7 @@ class BaselineLearner:
         self.baseline = Baseline()
         self._acc = SliceStats()
         self._draft_costs: list[float] = []  # per slice: one absurd step must not set the baseline
+        self._token_costs: list[float] = []
         self._start: float | None = None
         self.acceptance_ready = False
         self.latency_ready = False
@@ -232,6 +235,8 @@ class BaselineLearner:
         self._acc.merge(stats)
         if not self.acceptance_ready and stats.verify_ms > 0:
             self._draft_costs.append(stats.draft_to_verify)
+            if stats.drafted_tokens:
+                self._token_costs.append(stats.draft_ms / stats.drafted_tokens)
         if self.pool is not None and not self.latency_ready:
             self.pool.add(self.bucket, stats)
         elapsed = slice_end - self._start
@@ -245,6 +250,8 @@ class BaselineLearner:
                 b.position_rates = acc.position_rates()
                 b.acceptance_length = acc.acceptance_length
                 b.draft_to_verify = statistics.median(self._draft_costs) if self._draft_costs else math.nan
+                b.draft_ms_per_drafted_token = (statistics.median(self._token_costs) if self._token_costs
+                                                else math.nan)
                 b.learned_from, b.learned_until = self._start, slice_end
                 self.acceptance_ready = True
             elif acc.rounds == 0 and elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS:
@@ -261,4 +268,4 @@ class BaselineLearner:
             if self.pinned is not None:
                 self._apply_pins()  # pinned values always win over learned ones
             self._acc = SliceStats()  # learning is over: free the accumulated sketches
-            self._draft_costs = []
+            self._draft_costs, self._token_costs = [], []

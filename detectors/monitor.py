@@ -498,11 +498,19 @@ class BundleMonitor(_Windowed):
         window, start, end = self.window(cfg.window_slices, sketches=False, trim=_draft_cost)
         if speculating and self.learner.acceptance_ready and not math.isnan(base) and window.rounds:
             value = window.draft_to_verify
-            self.draft_gate.update(value > base * cfg.factor)
+            # Draft time per verify time also grows with the share of a batch that drafts (a
+            # rollout's next stage); the cost per drafted token then falls. A drafter that got
+            # slower costs more on both counts, so both must be past the factor.
+            per_token_base = self.baseline.draft_ms_per_drafted_token
+            per_token = window.draft_ms / window.drafted_tokens if window.drafted_tokens else math.nan
+            costlier = math.isnan(per_token_base) or per_token > per_token_base * cfg.factor
+            self.draft_gate.update(value > base * cfg.factor and costlier)
             if self.draft_gate.drift_detected:
                 findings.append(Finding("draft_overhead", "draft_cost_gate", stats.max_ts, "draft_to_verify",
                                         value, base * cfg.factor, base, start, end,
                                         {"draft_overhead": window.draft_overhead,
                                          "draft_ms_per_step": window.draft_ms / window.steps,
+                                         "draft_ms_per_drafted_token": per_token,
+                                         "baseline_draft_ms_per_drafted_token": per_token_base,
                                          "speedup": window.speedup}))
         return findings

@@ -29,7 +29,9 @@ __all__ = [
     "calibrate",
     "full_suite",
     "quick_suite",
+    "rollout_cases",
     "run_case",
+    "run_rollout",
     "run_suite",
 ]
 
@@ -472,3 +474,67 @@ def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy 
                 if progress is not None:
                     progress(result)
     return [results[i] for i in range(len(cases))]
+
+
+# -- rollouts under admission -----------------------------------------------------------------
+
+# The documented admission policy (docs/admission-policy.toml; tests/test_admission.py checks
+# they agree): shares and stage times sized so a whole rollout fits in minutes of the default fleet.
+ROLLOUT_POLICY = {"admission": {"enforce": True, "shadow_share": 0.2, "cohort_schedule": [0.1, 0.25, 1.0],
+                                "stage_seconds": 90, "window_requests": 10, "min_windows": 8,
+                                "min_shadow_checks": 20}}
+# Rollout scenarios and whether the new bundle must end frozen by its judge.
+_ROLLOUTS = {"admission": False, "admission_change": False, "canary_tail": True, "canary_mismatch": True}
+_ROLLOUT_MINUTES = 8.0
+
+
+def rollout_cases(healthy_seeds: int, frozen_seeds: int, first_seed: int = _DEFAULT_SEED) -> list[Case]:
+    """Healthy rollouts and card changes on ``healthy_seeds`` seeds, the canary incidents on ``frozen_seeds``."""
+    out = []
+    for scenario, frozen in _ROLLOUTS.items():
+        for seed in range(first_seed, first_seed + (frozen_seeds if frozen else healthy_seeds)):
+            out.append(Case(scenario, None, "rollout under admission", _ROLLOUT_MINUTES, seed=seed,
+                            compare_baselines=False))
+    return out
+
+
+def run_rollout(case: Case) -> dict:
+    """One closed-loop rollout under `ROLLOUT_POLICY`: the stages it went through, freezes and alerts.
+
+    A healthy rollout (or card change) must never be frozen by its judge nor page anyone; a
+    canary incident must end frozen, naming the structured bucket. The run stops once a
+    canary incident is frozen.
+    """
+    from specwatch.actions.flags import FlagStore
+
+    started = time.monotonic()
+    flags = FlagStore()
+    pipeline = EmbeddedPipeline(Policy.model_validate(ROLLOUT_POLICY), flags=flags)
+    sim = Simulator(case.scenario, seed=case.seed, workers=case.workers, minutes=case.minutes, flags=flags,
+                    concurrency=case.concurrency)
+    expect_freeze = _ROLLOUTS[case.scenario]
+    frozen = False
+    for record in sim.records():
+        pipeline.feed(record)
+        if expect_freeze and pipeline.decisions and any(d.reason == "canary_judgement" and
+                                                        d.evidence.get("stage") == "frozen"
+                                                        for d in pipeline.decisions):
+            frozen = True
+            break
+    pipeline.finish()
+    decisions = [{"ts": round(d.ts - sim.start_ts, 2), "action": d.action, "reason": d.reason,
+                  "bucket": d.bucket, "stage": d.evidence.get("stage"), "bundle_id": d.bundle_id}
+                 for d in pipeline.decisions]
+    freezes = [d for d in decisions if d["reason"] == "canary_judgement" and d["stage"] == "frozen"]
+    alerts = [d for d in decisions if d["action"] == "alert"]
+    # Anything that switches speculation off for a cause other than the scripted card change.
+    fallbacks = [d for d in decisions if d["action"] in ("disable_speculation", "reduce_draft_length")
+                 and d["reason"] not in ("canary_judgement", "unadmitted_bundle")]
+    if expect_freeze:
+        ok = bool(freezes) and all(d["bucket"] in (None, "structured") for d in freezes)
+    else:
+        ok = not freezes and not alerts and not fallbacks
+    return {"case": case.name, "scenario": case.scenario, "seed": case.seed, "expect_freeze": expect_freeze,
+            "ok": ok, "frozen": bool(freezes) or frozen, "freezes": freezes, "alerts": alerts,
+            "fallbacks": fallbacks, "decisions": decisions,
+            "simulated_seconds": round(sim.duration, 1), "wall_seconds": round(time.monotonic() - started, 2)}
