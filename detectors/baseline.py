@@ -23,6 +23,12 @@ _MAX_LEARN_PERIODS = 5
 # A key's error rate is shrunk toward its bundle's: this many failures' worth of prior. A
 # quiet key's own first minute holds a fraction of one expected failure, which says little.
 _PRIOR_FAILURES = 2.0
+# The bundle's rate is that prior once the bundle has this many requests (a few expected
+# failures at the rates engines see), or once learning runs out of time.
+_PRIOR_REQUESTS = 1000
+# A quiet key with neither 50 requests nor a bucket that has them, after the longest learning,
+# takes its latency limits from its own requests if it has at least this many.
+_MIN_OWN_REQUESTS = 10
 
 
 @dataclass
@@ -41,7 +47,7 @@ class Baseline:
     requests_per_second: float = math.nan  # the key's own traffic while it learned
     e2e_tail_share: float = math.nan  # share of the learned requests past the latency limit (smoothed)
     tpot_tail_share: float = math.nan
-    latency_source: str = ""  # "key", or what a quiet key borrowed from: "bucket" or "bundle"
+    latency_source: str = ""  # "key", or "bucket" when a quiet key borrowed its bucket's
     learned_from: float = math.nan
     learned_until: float = math.nan
     pinned: bool = False
@@ -93,17 +99,18 @@ class Baseline:
 class BaselinePool:
     """Healthy traffic of every key of one bundle while it learned, by bucket and in total.
 
-    Keys feed it during their learning period; a key with too few requests of its own
-    borrows its bucket's (every cohort), else the bundle's. Stage 2 routes a whole bundle
-    to one place, so every key of a bundle sees the same pool.
+    Keys feed it during their learning period. A key with too few requests of its own
+    borrows its bucket's latency (every cohort); every key's error rate leans on the
+    bundle's counts. Stage 2 routes a whole bundle to one place, so every key of a bundle
+    sees the same pool.
 
     >>> pool = BaselinePool()
     >>> s = SliceStats(); s.add_request(80.0, 9.0, 900.0, True, "stop", 1.0)
     >>> pool.add("coding", s); pool.add("reasoning", s)
-    >>> pool.borrow("coding", min_requests=2)[1], pool.borrow("coding", min_requests=1)[1]
-    ('bundle', 'bucket')
-    >>> pool.borrow("structured", min_requests=3), pool.bundle.requests
-    ((None, ''), 2)
+    >>> pool.borrow("coding", min_requests=2), pool.borrow("coding", min_requests=1)[1]
+    ((None, ''), 'bucket')
+    >>> pool.bundle.requests
+    2
     """
 
     def __init__(self) -> None:
@@ -120,12 +127,10 @@ class BaselinePool:
         self.bundle.merge(stats, sketches=False)  # across buckets, only counts mean the same
 
     def borrow(self, bucket: str, min_requests: int) -> tuple[SliceStats | None, str]:
-        """The bucket's learned traffic if it holds ``min_requests``, else the bundle's counts."""
+        """The bucket's learned traffic if it holds ``min_requests`` finished requests."""
         mine = self.buckets.get(bucket)
         if mine is not None and mine.requests >= min_requests:
             return mine, "bucket"
-        if self.bundle.requests >= min_requests:
-            return self.bundle, "bundle"
         return None, ""
 
 
@@ -212,7 +217,7 @@ class BaselineLearner:
         """Latency limits from ``source`` (own or borrowed), the error rate from own counts and a prior."""
         b = self.baseline
         b.latency_source = name
-        if source.e2e is not None:  # a bundle's pool keeps counts only: latency differs by bucket
+        if source.e2e is not None:
             b.e2e_p99_ms = source.quantile("e2e", 0.99)
             b.tpot_p99_ms = source.quantile("tpot", 0.99)
             b.e2e_tail_share = tail_share(source, "e2e", b.e2e_p99_ms * self.tail_factor)
@@ -257,10 +262,14 @@ class BaselineLearner:
             elif acc.rounds == 0 and elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS:
                 self.acceptance_ready = True  # a key that never drafts has no acceptance baseline
         if not self.latency_ready and elapsed >= self.policy.learn_seconds:
+            out_of_time = elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS
             source, name = (acc, "key") if acc.requests >= self.policy.min_requests else (None, "")
             if source is None and self.pool is not None:
                 source, name = self.pool.borrow(self.bucket, self.policy.min_requests)
-            if source is not None or elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS:
+            if source is None and out_of_time and acc.requests >= _MIN_OWN_REQUESTS:
+                source, name = acc, "key"
+            prior_known = self.pool is None or self.pool.bundle.requests >= _PRIOR_REQUESTS
+            if (source is not None and prior_known) or out_of_time:
                 if source is not None:
                     self._learn_requests(acc, source, name, elapsed)
                 self.latency_ready = True

@@ -39,6 +39,7 @@ DETECTORS = ("specwatch", "kill_switch", "prometheus")
 
 # Incidents start after the baselines are learned (60 s of event time) with room to spare.
 _INCIDENT_AT = 90.0
+_QUIET_INCIDENT_AT = 300.0
 _DEFAULT_SEED = 11
 _CALIBRATION_SEED = 5
 _CALIBRATION_MINUTES = 3.0
@@ -108,6 +109,7 @@ class Case:
     seed: int = _DEFAULT_SEED
     target_intensity: bool = False  # the intensity a detection target is stated for
     compare_baselines: bool = True  # False: stop once specwatch decided; the baselines are not judged
+    incident_at: float = _INCIDENT_AT
 
     @property
     def healthy(self) -> bool:
@@ -137,9 +139,13 @@ def _watch_seconds(scenario: str, intensity: float | None, workers: int, concurr
 def _incident_case(scenario: str, intensity: float | None, label: str, target: bool = False,
                    level: tuple[int, int] = _DEFAULT_LEVEL, compare_baselines: bool = True) -> Case:
     workers, concurrency = level
-    minutes = (_INCIDENT_AT + _watch_seconds(scenario, intensity, workers, concurrency)) / 60.0
+    # A small fleet's keys learn for longer (until their baselines hold enough requests): its
+    # incidents start once the longest learning is over, so they never teach a baseline.
+    start = _INCIDENT_AT if workers * concurrency >= 64 else _QUIET_INCIDENT_AT
+    minutes = (start + _watch_seconds(scenario, intensity, workers, concurrency)) / 60.0
     return Case(scenario, intensity, label, minutes, workers=workers, concurrency=concurrency,
-                target_intensity=target and level == _DEFAULT_LEVEL, compare_baselines=compare_baselines)
+                target_intensity=target and level == _DEFAULT_LEVEL, compare_baselines=compare_baselines,
+                incident_at=start)
 
 
 _INCIDENT_CASES = (
@@ -341,7 +347,7 @@ class _Watch:
 
 def _simulator(case: Case) -> Simulator:
     return Simulator(case.scenario, seed=case.seed, minutes=case.minutes, workers=case.workers,
-                     intensity=case.intensity, incident_at=None if case.healthy else _INCIDENT_AT,
+                     intensity=case.intensity, incident_at=None if case.healthy else case.incident_at,
                      concurrency=case.concurrency)
 
 
