@@ -138,21 +138,26 @@ def test_information_bound_of_an_error_burst():
 
 def test_suites_cover_every_row_of_the_fallback_table():
     full, quick = full_suite(), quick_suite()
-    incident_kinds = {c.scenario for c in full if not c.healthy}
+    incident_kinds = {c.scenario for c in full if not c.healthy and not c.rollout}
     assert incident_kinds == {"acceptance_drop", "target_update", "bundle_change", "draft_regression",
                               "latency_tail", "kv_pressure", "quality_mismatch", "error_burst"}
-    assert {c.scenario for c in quick if not c.healthy} == incident_kinds
+    assert {c.scenario for c in quick if not c.healthy and not c.rollout} == incident_kinds
+    # rollouts under admission: at least 20 healthy ones and 20 card changes across seeds
+    rollouts = [(c.scenario, c.seed) for c in full if c.rollout]
+    assert sum(s == "admission" for s, _ in rollouts) >= 20 and sum(s == "admission_change" for s, _ in rollouts) >= 20
+    assert {"canary_tail", "canary_mismatch"} <= {s for s, _ in rollouts}
     assert {c.scenario for c in full if c.healthy} == {"healthy", "diurnal", "mix_shift"}
     for level in LEVELS:
         # at every fleet size: every incident kind, errors x5 among them, and 24 key-hours
         # (18 bucket/cohort keys) of incident-free traffic
-        here = [c for c in full if (c.workers, c.concurrency) == level]
+        here = [c for c in full if (c.workers, c.concurrency) == level and not c.rollout]
         assert {c.scenario for c in here if not c.healthy} == incident_kinds
         assert ("error_burst", 5.0) in {(c.scenario, c.intensity) for c in here}
         assert sum(c.minutes for c in here if c.healthy) / 60 * 18 >= 24
     assert {(1, 4), (2, 8), (8, 16), (32, 16)} <= set(LEVELS)
     # targets and the baselines are judged at the default fleet
     assert all(c.workers == 8 for c in full if c.target_intensity or (c.compare_baselines and not c.healthy))
+    assert all(not c.compare_baselines for c in full if c.rollout)
 
 
 def test_calibration_measures_the_healthy_fleet():

@@ -19,7 +19,9 @@ _DETECTOR_TITLES = {"specwatch": "specwatch", "kill_switch": "kill switch (TRT-L
 
 
 def summarize(results: list[dict], baselines: dict, mode: str) -> dict:
-    """One JSON object: settings, the per-incident table, false-alarm rates and targets."""
+    """One JSON object: settings, the per-incident table, false-alarm rates, targets and rollouts."""
+    rollouts = [r for r in results if "expect_freeze" in r]
+    results = [r for r in results if "expect_freeze" not in r]
     table = []
     for result in results:
         for row in result["incidents"]:
@@ -61,6 +63,23 @@ def summarize(results: list[dict], baselines: dict, mode: str) -> dict:
             for r in results if r["healthy"]],
         "cases": results,
         "notes": _notes(results),
+        "rollouts": _rollouts(rollouts),
+    }
+
+
+def _rollouts(runs: list[dict]) -> dict:
+    """Closed-loop rollouts under admission: false freezes and alerts, incidents frozen."""
+    healthy = [r for r in runs if not r["expect_freeze"]]
+    incidents = [r for r in runs if r["expect_freeze"]]
+    return {
+        "healthy_runs": {s: sum(r["scenario"] == s for r in healthy) for s in sorted({r["scenario"] for r in healthy})},
+        "false_freezes": sum(len(r["freezes"]) for r in healthy),
+        "false_alerts": sum(len(r["alerts"]) for r in healthy),
+        "false_fallbacks": sum(len(r["fallbacks"]) for r in healthy),
+        "incidents": {s: [sum(r["scenario"] == s and r["ok"] for r in incidents), sum(r["scenario"] == s
+                                                                                   for r in incidents)]
+                      for s in sorted({r["scenario"] for r in incidents})},
+        "runs": runs,
     }
 
 
@@ -173,6 +192,14 @@ def format_report(summary: dict) -> str:
         row = fa[detector]
         lines.append(f"{_DETECTOR_TITLES[detector]:<24}{row['incident_free_runs']:>14}{row['before_incidents']:>14}"
                      f"{row['per_hour']:>10.3f}{row['wrong_during_incidents']:>24}")
+    ro = summary.get("rollouts") or {}
+    if ro.get("runs"):
+        lines.append("")
+        lines.append("rollouts under admission (closed loop, the documented admission policy):")
+        lines.append(f"  healthy: {ro['healthy_runs']}: false freezes {ro['false_freezes']}, false alerts "
+                     f"{ro['false_alerts']}, other fallbacks {ro['false_fallbacks']}")
+        for scenario, (frozen, total) in ro["incidents"].items():
+            lines.append(f"  {scenario}: frozen in {frozen} of {total} runs")
     lines.append("")
     lines.append("incident-free runs:")
     for note in summary.get("notes", []):

@@ -112,6 +112,11 @@ class Case:
     incident_at: float = _INCIDENT_AT
 
     @property
+    def rollout(self) -> bool:
+        """A closed-loop rollout under admission (`run_rollout`), not an open-loop incident run."""
+        return self.scenario in _ROLLOUTS
+
+    @property
     def healthy(self) -> bool:
         return self.scenario in ("healthy", "diurnal", "mix_shift")
 
@@ -213,8 +218,10 @@ _QUICK_SWEEP = (
 
 
 def full_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
-    """Every fallback-table row at three intensities against the baselines, the traffic sweep, 4 x 80 min healthy."""
-    return [replace(c, seed=seed) for c in _INCIDENT_CASES + _SWEEP_CASES + _HEALTHY_CASES]
+    """Every fallback-table row at three intensities against the baselines, the traffic sweep,
+    4 x 80 min healthy, and 20 healthy rollouts, 20 card changes and 3 of each canary incident."""
+    return ([replace(c, seed=seed) for c in _INCIDENT_CASES + _SWEEP_CASES + _HEALTHY_CASES]
+            + rollout_cases(20, 3, seed))
 
 
 def quick_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
@@ -222,7 +229,8 @@ def quick_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
     cases = [replace(c, compare_baselines=False) for c in _INCIDENT_CASES if c.target_intensity]
     cases += [_incident_case(kind, intensity, label, level=level, compare_baselines=False)
               for kind, intensity, label, level in _QUICK_SWEEP]
-    return [replace(c, seed=seed) for c in cases + list(_QUICK_HEALTHY_CASES)]
+    return ([replace(c, seed=seed) for c in cases + list(_QUICK_HEALTHY_CASES)]
+            + [c for c in rollout_cases(0, 1, seed) if c.scenario == "canary_mismatch"])
 
 
 # -- the baselines' settings ---------------------------------------------------------------------
@@ -453,6 +461,8 @@ def _result(case: Case, sim: Simulator, incidents, alarms: dict[str, list[Alarm]
 
 def _run_one(job: tuple[int, Case, BaselineSettings, Policy | None]) -> tuple[int, dict]:
     index, case, settings, policy = job
+    if case.rollout:
+        return index, run_rollout(case)
     return index, run_case(case, settings, policy)
 
 
@@ -461,7 +471,8 @@ def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy 
     """Run every case (on ``processes`` worker processes); results come back in case order."""
     cases = list(cases)
     for case in cases:  # settings the simulator refuses fail here, before minutes of running
-        _simulator(case)
+        if not case.rollout:
+            _simulator(case)
     # Longest first, so the pool does not end waiting on one long run.
     order = sorted(range(len(cases)), key=lambda i: -cases[i].minutes * cases[i].workers)
     jobs = [(i, cases[i], settings, policy) for i in order]
