@@ -137,7 +137,7 @@ def traffic_evidence(monitors: list["KeyMonitor"], since: float, seconds: float)
     window = merge_all(p[0] for p in parts)
     cfg = monitors[0].policy.errors
     base = weighted / weight if weight else math.nan
-    limit = max(cfg.floor_rate, base * cfg.factor if not math.isnan(base) else cfg.floor_rate)
+    limit = _error_rate_limit(cfg, base)
     return RecoveryEvidence("traffic", min(p[1] for p in parts), max(p[2] for p in parts),
                             requests=window.requests, speculative_requests=window.speculative_requests,
                             error_rate=window.error_rate, error_limit=limit)
@@ -153,6 +153,16 @@ _SLO_SHARE = 0.01
 # most ln(4) nats, so a handful stalled together (KV preemption at peak load) decide nothing.
 _TAIL_RISE = 4.0
 _UNKNOWN_TRAFFIC_PER_SECOND = 1.0
+
+
+def _error_rate_limit(cfg, base: float) -> float:
+    """The error rate that matters: what the error test is tuned to, and what a restore must stay under.
+
+    >>> from specwatch.schemas.policy import ErrorPolicy
+    >>> _error_rate_limit(ErrorPolicy(), 0.004), _error_rate_limit(ErrorPolicy(), math.nan)
+    (0.02, 0.01)
+    """
+    return max(cfg.floor_rate, base * cfg.factor) if not math.isnan(base) else cfg.floor_rate
 
 
 def _rate_test(p0: float, p1: float, requests_per_second: float, false_alarms_per_hour: float,
@@ -430,7 +440,7 @@ class KeyMonitor(_Windowed):
         cfg = self.policy.errors
         if self._error_test is None:
             base = self.baseline.error_rate
-            self._error_test = _rate_test(base, max(cfg.floor_rate, base * cfg.factor),
+            self._error_test = _rate_test(base, _error_rate_limit(cfg, base),
                                           self.baseline.requests_per_second, cfg.false_alarms_per_key_hour,
                                           cfg.min_errors)
             if self._error_test is None:
