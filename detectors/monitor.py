@@ -153,6 +153,8 @@ _SLO_SHARE = 0.01
 # most ln(4) nats, so a handful stalled together (KV preemption at peak load) decide nothing.
 _TAIL_RISE = 4.0
 _UNKNOWN_TRAFFIC_PER_SECOND = 1.0
+# The error test's second alternative: a burst this many times the rate that matters.
+_BURST_RISE = 4.0
 
 
 def _error_rate_limit(cfg, base: float) -> float:
@@ -305,7 +307,7 @@ class KeyMonitor(_Windowed):
         self.acceptance_gate = ConsecutiveGate(p.acceptance.consecutive)
         self.acceptance_drift = DropDetector(min_drop=p.acceptance.tolerance)
         self.speedup_gate = ConsecutiveGate(p.speedup.consecutive)
-        self._error_test: BernoulliCusum | None = None
+        self._error_tests: list[BernoulliCusum] | None = None
         self._tail_tests: dict[str, tuple[BernoulliCusum, float]] | None = None  # metric -> (test, limit ms)
 
     @property
@@ -438,17 +440,23 @@ class KeyMonitor(_Windowed):
 
     def _errors(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.errors
-        if self._error_test is None:
+        if self._error_tests is None:
+            # Two tests, each with half the false-alarm budget: one tuned to the smallest rise
+            # that matters, one to a burst _BURST_RISE times larger, which it decides in about
+            # two thirds of the requests the first would need.
             base = self.baseline.error_rate
-            self._error_test = _rate_test(base, _error_rate_limit(cfg, base),
-                                          self.baseline.requests_per_second, cfg.false_alarms_per_key_hour,
-                                          cfg.min_errors)
-            if self._error_test is None:
-                return []
-        test = self._error_test
-        test.update(stats.requests, stats.errors + stats.timeouts, slice_end)
-        if not test.drift_detected:
+            limit = _error_rate_limit(cfg, base)
+            tests = [_rate_test(base, p1, self.baseline.requests_per_second, cfg.false_alarms_per_key_hour / 2,
+                                cfg.min_errors) for p1 in (limit, limit * _BURST_RISE)]
+            self._error_tests = [t for t in tests if t is not None]
+        fired = None
+        for test in self._error_tests:
+            test.update(stats.requests, stats.errors + stats.timeouts, slice_end)
+            if test.drift_detected and fired is None:
+                fired = test
+        if fired is None:
             return []
+        test = fired
         return [Finding("error_rate", "error_rate_cusum", stats.max_ts, "error_rate", test.hits / test.trials,
                         test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds, slice_end,
                         {"requests": test.trials, "failures": test.hits, "evidence_nats": test.statistic,

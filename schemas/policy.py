@@ -134,7 +134,8 @@ class ErrorPolicy(_Section):
     min_requests: int = Field(100, ge=1, description="requests a restore's evidence needs")
     min_errors: int = Field(5, ge=1, description="failures the sequential test needs before it fires")
     false_alarms_per_key_hour: float = Field(
-        1e-3, gt=0, lt=1, description="false-alarm budget of the sequential error test, per key and hour")
+        1e-2, gt=0, lt=1, description="false-alarm budget of the sequential error tests, per key and hour "
+                                      "(a circuit breaker must act within a minute on a busy key)")
 
 
 class QualityPolicy(_Section):

@@ -84,10 +84,11 @@ def _rollouts(runs: list[dict]) -> dict:
 
 
 def _notes(results: list[dict]) -> list[str]:
-    """What the reader must know to weigh the numbers: runs on a smaller fleet than the default."""
-    small = sorted({(r["workers"], r["concurrency"]) for r in results if r["healthy"] and r["workers"] < 8})
-    return [f"the long incident-free runs use {w} workers x {c} running requests instead of the default "
-            f"8 x 16 (a fraction of the traffic per key), to keep the suite to minutes" for w, c in small]
+    """What the reader must know to weigh the numbers: the fleet sizes the incident-free runs cover."""
+    levels = sorted({(r["workers"], r["concurrency"]) for r in results if r["healthy"]})
+    hours = {level: sum(r["simulated_seconds"] for r in results if r["healthy"]
+                        and (r["workers"], r["concurrency"]) == level) / _SECONDS_PER_HOUR for level in levels}
+    return [f"incident-free: {hours[(w, c)]:.2f} h on {w} workers x {c} running requests" for w, c in levels]
 
 
 def _within_bound(entry: dict) -> bool | None:
