@@ -25,7 +25,7 @@ def _decisions(records, sim):
 @pytest.mark.parametrize("scenario,intensity,expected", [
     # errors x20 in extraction: before, no decision in ten minutes (the gate needed 100
     # requests in its 60 s window)
-    ("error_burst", 20.0, [(238.0, "disable_speculation", "error_rate", "extraction", "main")]),
+    ("error_burst", 20.0, [(158.99, "disable_speculation", "error_rate", "extraction", "main")]),
     # one reasoning/main request in ten runs x5 slower: before, the latency gate needed 200
     ("latency_tail", 5.0, [(197.0, "disable_speculation", "latency_slo", "reasoning", "main")]),
 ])
