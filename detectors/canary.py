@@ -269,10 +269,7 @@ class CanaryJudge:
             metrics.append(self._compare(f"{metric}_p{round(q * 100)}", observed, base, limit,
                                          [w.share_above(metric, limit) for w in cw],
                                          [w.share_above(metric, limit) for w in bw], above))
-        base_rate = baseline_pool.error_rate
-        metrics.append(self._compare("error_rate", canary_pool.error_rate, base_rate,
-                                     base_rate + self.policy.error_tolerance,
-                                     [w.error_rate for w in cw], [w.error_rate for w in bw]))
+        metrics.append(self._error_rate(canary_pool, baseline_pool, len(cw), len(bw)))
         canary_kv = [w.kv_peak for w in cw if not math.isnan(w.kv_peak)]
         baseline_kv = [w.kv_peak for w in bw if not math.isnan(w.kv_peak)]
         base_kv = _median(baseline_kv)
@@ -353,6 +350,30 @@ class CanaryJudge:
                                  f"{tail:.0f} requests past the limit, fewer than {self.policy.min_tail_requests}")
         outcome = "fail" if p < self._alpha() else "marginal"
         return MetricVerdict(name, outcome, observed, base, limit, p, windows,
+                             "" if outcome == "fail" else "past the limit, not yet significant")
+
+    def _error_rate(self, canary: SliceStats, baseline: SliceStats, canary_windows: int,
+                    baseline_windows: int) -> MetricVerdict:
+        """The canary's failures against the limit rate, by a one-sided binomial test on counts.
+
+        Failures are rare: most windows on both sides hold none, and a rank test on window
+        rates then calls two failed canary requests against a baseline of all-zero windows
+        significant (a healthy canary was frozen that way). The count test asks how likely
+        that many failures are if the canary fails at the limit rate.
+        """
+        windows = (canary_windows, baseline_windows)
+        base = baseline.error_rate
+        limit = base + self.policy.error_tolerance
+        observed = canary.error_rate
+        if not (self._enough(canary_windows) and self._enough(baseline_windows)) or math.isnan(limit):
+            return MetricVerdict("error_rate", "marginal", observed, base, limit, math.nan, windows,
+                                 "insufficient windows")
+        failures = canary.errors + canary.timeouts
+        p = float(binom.sf(failures - 1, canary.requests, min(1.0, limit))) if failures else 1.0
+        if not observed > limit or not p < self._alpha(marginal=True):
+            return MetricVerdict("error_rate", "pass", observed, base, limit, p, windows)
+        outcome = "fail" if p < self._alpha() else "marginal"
+        return MetricVerdict("error_rate", outcome, observed, base, limit, p, windows,
                              "" if outcome == "fail" else "past the limit, not yet significant")
 
     def _quality(self) -> MetricVerdict:
