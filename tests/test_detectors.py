@@ -182,3 +182,27 @@ def test_one_huge_latency_or_rejected_step_moves_no_gate():
     for _ in range(4096):  # one step of 4096 rounds with nothing accepted
         slices[160].add_round(4, 0)
     assert _run(KeyMonitor(Policy(), "coding"), slices) == []
+
+
+def _share_slice(drafting):
+    """One slice of a bundle where ``drafting`` of 16 running requests draft 4 tokens each step."""
+    stats = SliceStats()
+    for _ in range(60):
+        for _ in range(drafting):
+            stats.add_round(4, 2)
+        stats.add_step_time(4 * (0.6 + 0.025 * drafting), 10.0, 0.5, 0.0)
+    return stats
+
+
+def test_draft_cost_alert_ignores_a_larger_drafting_share():
+    # a rollout stage: 2 of 16 requests drafted while the baseline was learned, then all 16
+    # do: draft time per verify time rises by half, draft time per drafted token falls 5x
+    slices = [_share_slice(2) for _ in range(120)] + [_share_slice(16) for _ in range(60)]
+    assert _run(BundleMonitor(Policy()), slices) == []
+    # the same drafter three times slower at the same share is an alert
+    slow = [_share_slice(2) for _ in range(120)]
+    for _ in range(60):
+        stats = _share_slice(2)
+        stats.draft_ms *= 3
+        slow.append(stats)
+    assert _run(BundleMonitor(Policy()), slow)[0] == (126, "draft_overhead", "draft_cost_gate")
