@@ -1,23 +1,34 @@
 """Per-key baselines: learned from the first healthy minutes of a key, or pinned by policy.
 
 A baseline is what "normal" means for one bundle/bucket/cohort: per-position acceptance,
-draft cost, latency percentiles and error rate. Gates compare windows against it.
+draft cost, latency percentiles and error rate. Gates compare windows against it. A quiet
+key borrows its latency and error baselines from its bucket or bundle (`BaselinePool`).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from specwatch.schemas.policy import BaselinePolicy, PinnedBaseline
 
 from .window import SliceStats, ratio
 
-__all__ = ["Baseline", "BaselineLearner"]
+__all__ = ["Baseline", "BaselineLearner", "BaselinePool"]
 
 # Baselines need enough requests, not only rounds; a key with little traffic keeps
 # learning for up to this many learning periods.
 _MAX_LEARN_PERIODS = 5
+# A key's error rate is shrunk toward its bundle's: this many failures' worth of prior. A
+# quiet key's own first minute holds a fraction of one expected failure, which says little.
+_PRIOR_FAILURES = 2.0
+# The bundle's rate is that prior once the bundle has this many requests (a few expected
+# failures at the rates engines see), or once learning runs out of time.
+_PRIOR_REQUESTS = 1000
+# A quiet key with neither 50 requests nor a bucket that has them, after the longest learning,
+# takes its latency limits from its own requests if it has at least this many.
+_MIN_OWN_REQUESTS = 10
 
 
 @dataclass
@@ -27,9 +38,16 @@ class Baseline:
     position_rates: list[float] = field(default_factory=list)
     acceptance_length: float = math.nan
     draft_to_verify: float = math.nan
+    draft_ms_per_drafted_token: float = math.nan
     e2e_p99_ms: float = math.nan
     tpot_p99_ms: float = math.nan
     error_rate: float = math.nan
+    requests: int = 0  # finished requests the latency and error baselines were learned from
+    failures: int = 0
+    requests_per_second: float = math.nan  # the key's own traffic while it learned
+    e2e_tail_share: float = math.nan  # share of the learned requests past the latency limit (smoothed)
+    tpot_tail_share: float = math.nan
+    latency_source: str = ""  # "key", or "bucket" when a quiet key borrowed its bucket's
     learned_from: float = math.nan
     learned_until: float = math.nan
     pinned: bool = False
@@ -62,13 +80,75 @@ class Baseline:
             "acceptance_length": self.acceptance_length,
             "position_rates": self.position_rates,
             "draft_to_verify": self.draft_to_verify,
+            "draft_ms_per_drafted_token": self.draft_ms_per_drafted_token,
             "e2e_p99_ms": self.e2e_p99_ms,
             "tpot_p99_ms": self.tpot_p99_ms,
             "error_rate": self.error_rate,
+            "requests": self.requests,
+            "failures": self.failures,
+            "requests_per_second": self.requests_per_second,
+            "e2e_tail_share": self.e2e_tail_share,
+            "tpot_tail_share": self.tpot_tail_share,
+            "latency_source": self.latency_source,
             "learned_from": self.learned_from,
             "learned_until": self.learned_until,
             "pinned": self.pinned,
         }
+
+
+class BaselinePool:
+    """Healthy traffic of every key of one bundle while it learned, by bucket and in total.
+
+    Keys feed it during their learning period. A key with too few requests of its own
+    borrows its bucket's latency (every cohort); every key's error rate leans on the
+    bundle's counts. Stage 2 routes a whole bundle to one place, so every key of a bundle
+    sees the same pool.
+
+    >>> pool = BaselinePool()
+    >>> s = SliceStats(); s.add_request(80.0, 9.0, 900.0, True, "stop", 1.0)
+    >>> pool.add("coding", s); pool.add("reasoning", s)
+    >>> pool.borrow("coding", min_requests=2), pool.borrow("coding", min_requests=1)[1]
+    ((None, ''), 'bucket')
+    >>> pool.bundle.requests
+    2
+    """
+
+    def __init__(self) -> None:
+        self.buckets: dict[str, SliceStats] = {}
+        self.bundle = SliceStats()
+
+    def add(self, bucket: str, stats: SliceStats) -> None:
+        if not stats.requests:
+            return
+        mine = self.buckets.get(bucket)
+        if mine is None:
+            mine = self.buckets[bucket] = SliceStats()
+        mine.merge(stats)
+        self.bundle.merge(stats, sketches=False)  # across buckets, only counts mean the same
+
+    def borrow(self, bucket: str, min_requests: int) -> tuple[SliceStats | None, str]:
+        """The bucket's learned traffic if it holds ``min_requests`` finished requests."""
+        mine = self.buckets.get(bucket)
+        if mine is not None and mine.requests >= min_requests:
+            return mine, "bucket"
+        return None, ""
+
+
+def tail_share(stats: SliceStats, metric: str, limit: float) -> float:
+    """Share of ``stats``' requests past ``limit`` in ``metric``, smoothed by one request each way.
+
+    A baseline of n requests with none past its limit does not prove a rate of zero; the
+    smoothing keeps a sequential test from treating one slow request as impossible.
+
+    >>> s = SliceStats()
+    >>> for ms in (10.0, 11.0, 12.0, 40.0): s.add_request(5.0, ms, 100.0, True, "stop", 0.0)
+    >>> round(tail_share(s, "tpot", 30.0), 3)
+    0.333
+    """
+    sketch = getattr(stats, metric)
+    if sketch is None or math.isnan(limit):
+        return math.nan
+    return (sketch.count_past(limit) + 1.0) / (sketch.count + 2.0)
 
 
 class BaselineLearner:
@@ -79,7 +159,10 @@ class BaselineLearner:
     (quiet keys wait longer).
     Pinned values from the policy replace learned ones. ``broad_acceptance`` says the
     rounds always come from many requests (a whole bundle's steps), so no request count
-    is needed for them.
+    is needed for them. With a ``pool``, the key feeds it while learning; without enough
+    requests of its own after ``learn_seconds``, it borrows latency from its bucket (or
+    bundle), and its error rate always leans on the bundle's (``_PRIOR_FAILURES``).
+    ``tail_factor`` times a learned p99 is the latency limit whose baseline share is kept.
 
     >>> from specwatch.schemas.policy import BaselinePolicy
     >>> learner = BaselineLearner(BaselinePolicy(learn_seconds=3, min_rounds=2, min_requests=1))
@@ -92,15 +175,21 @@ class BaselineLearner:
     """
 
     def __init__(self, policy: BaselinePolicy, pinned: PinnedBaseline | None = None,
-                 broad_acceptance: bool = False) -> None:
+                 broad_acceptance: bool = False, pool: BaselinePool | None = None, bucket: str = "",
+                 tail_factor: float = 2.0) -> None:
         self.policy = policy
         self.pinned = pinned
         self.broad_acceptance = broad_acceptance
+        self.pool = pool
+        self.bucket = bucket
+        self.tail_factor = tail_factor
         self._reset()
 
     def _reset(self) -> None:
         self.baseline = Baseline()
         self._acc = SliceStats()
+        self._draft_costs: list[float] = []  # per slice: one absurd step must not set the baseline
+        self._token_costs: list[float] = []
         self._start: float | None = None
         self.acceptance_ready = False
         self.latency_ready = False
@@ -124,6 +213,21 @@ class BaselineLearner:
         if pin.e2e_p99_ms is not None or pin.tpot_p99_ms is not None:
             self.latency_ready = True
 
+    def _learn_requests(self, own: SliceStats, source: SliceStats, name: str, elapsed: float) -> None:
+        """Latency limits from ``source`` (own or borrowed), the error rate from own counts and a prior."""
+        b = self.baseline
+        b.latency_source = name
+        if source.e2e is not None:
+            b.e2e_p99_ms = source.quantile("e2e", 0.99)
+            b.tpot_p99_ms = source.quantile("tpot", 0.99)
+            b.e2e_tail_share = tail_share(source, "e2e", b.e2e_p99_ms * self.tail_factor)
+            b.tpot_tail_share = tail_share(source, "tpot", b.tpot_p99_ms * self.tail_factor)
+        b.requests, b.failures = own.requests, own.errors + own.timeouts
+        b.requests_per_second = own.requests / max(elapsed, self.policy.learn_seconds)
+        pool = self.pool.bundle if self.pool is not None else own
+        prior_rate = (pool.errors + pool.timeouts + 1.0) / (pool.requests + 1.0)
+        b.error_rate = (b.failures + _PRIOR_FAILURES) / (b.requests + _PRIOR_FAILURES / prior_rate)
+
     @property
     def done(self) -> bool:
         return self.acceptance_ready and self.latency_ready
@@ -134,6 +238,12 @@ class BaselineLearner:
         if self._start is None:
             self._start = slice_end
         self._acc.merge(stats)
+        if not self.acceptance_ready and stats.verify_ms > 0:
+            self._draft_costs.append(stats.draft_to_verify)
+            if stats.drafted_tokens:
+                self._token_costs.append(stats.draft_ms / stats.drafted_tokens)
+        if self.pool is not None and not self.latency_ready:
+            self.pool.add(self.bucket, stats)
         elapsed = slice_end - self._start
         b, acc = self.baseline, self._acc
         if not self.acceptance_ready and elapsed >= self.policy.learn_seconds:
@@ -144,20 +254,27 @@ class BaselineLearner:
             if acc.rounds >= self.policy.min_rounds and broad:
                 b.position_rates = acc.position_rates()
                 b.acceptance_length = acc.acceptance_length
-                b.draft_to_verify = acc.draft_to_verify
+                b.draft_to_verify = statistics.median(self._draft_costs) if self._draft_costs else math.nan
+                b.draft_ms_per_drafted_token = (statistics.median(self._token_costs) if self._token_costs
+                                                else math.nan)
                 b.learned_from, b.learned_until = self._start, slice_end
                 self.acceptance_ready = True
             elif acc.rounds == 0 and elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS:
                 self.acceptance_ready = True  # a key that never drafts has no acceptance baseline
         if not self.latency_ready and elapsed >= self.policy.learn_seconds:
-            enough = acc.requests >= self.policy.min_requests
-            if enough or elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS:
-                if enough:
-                    b.e2e_p99_ms = acc.quantile("e2e", 0.99)
-                    b.tpot_p99_ms = acc.quantile("tpot", 0.99)
-                    b.error_rate = ratio(acc.errors + acc.timeouts, acc.requests)
+            out_of_time = elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS
+            source, name = (acc, "key") if acc.requests >= self.policy.min_requests else (None, "")
+            if source is None and self.pool is not None:
+                source, name = self.pool.borrow(self.bucket, self.policy.min_requests)
+            if source is None and out_of_time and acc.requests >= _MIN_OWN_REQUESTS:
+                source, name = acc, "key"
+            prior_known = self.pool is None or self.pool.bundle.requests >= _PRIOR_REQUESTS
+            if (source is not None and prior_known) or out_of_time:
+                if source is not None:
+                    self._learn_requests(acc, source, name, elapsed)
                 self.latency_ready = True
         if self.done:
             if self.pinned is not None:
                 self._apply_pins()  # pinned values always win over learned ones
             self._acc = SliceStats()  # learning is over: free the accumulated sketches
+            self._draft_costs, self._token_costs = [], []

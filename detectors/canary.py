@@ -198,7 +198,7 @@ class CanaryJudge:
     >>> judge.judgement.outcome
     'pass'
     >>> judge = CanaryJudge(policy, ["token_exact"])  # the next stage starts afresh
-    >>> for _ in range(6):
+    >>> for _ in range(12):  # the third look (3, 6, 12 windows a side) spends enough alpha for this
     ...     judge.update("baseline", slice_of(12.0, speculative=False)); judge.update("canary", slice_of(30.0))
     >>> verdict = judge.judgement
     >>> verdict.outcome, [m.metric for m in verdict.failing]
@@ -219,15 +219,17 @@ class CanaryJudge:
         self.baseline = _Side(self.policy.window_requests)
         self.shadow_checks = 0
         self.mismatches: list[tuple[float, str, str]] = []
-        self.version = 0  # counts windows closed and checks seen: a new version may judge differently
+        self.version = 0  # counts windows closed and checks seen: time-based rules are read again
         self._judgement: Judgement | None = None
+        self._judged_look = -1
 
     def update(self, side: Literal["canary", "baseline"], stats: SliceStats) -> None:
         if side not in ("canary", "baseline"):
             raise ValueError(f"side must be 'canary' or 'baseline', got {side!r}")
         if (self.canary if side == "canary" else self.baseline).update(stats):
             self.version += 1
-            self._judgement = None
+            if self.look != self._judged_look:
+                self._judgement = None
 
     def add_shadow(self, match: bool, check: str, request_id: str, ts: float) -> None:
         """One shadow check of the speculating cohort's output against standard decoding."""
@@ -246,6 +248,7 @@ class CanaryJudge:
     @property
     def judgement(self) -> Judgement:
         if self._judgement is None:
+            self._judged_look = self.look
             self._judgement = self._judge()
         return self._judgement
 
@@ -266,10 +269,7 @@ class CanaryJudge:
             metrics.append(self._compare(f"{metric}_p{round(q * 100)}", observed, base, limit,
                                          [w.share_above(metric, limit) for w in cw],
                                          [w.share_above(metric, limit) for w in bw], above))
-        base_rate = baseline_pool.error_rate
-        metrics.append(self._compare("error_rate", canary_pool.error_rate, base_rate,
-                                     base_rate + self.policy.error_tolerance,
-                                     [w.error_rate for w in cw], [w.error_rate for w in bw]))
+        metrics.append(self._error_rate(canary_pool, baseline_pool, len(cw), len(bw)))
         canary_kv = [w.kv_peak for w in cw if not math.isnan(w.kv_peak)]
         baseline_kv = [w.kv_peak for w in bw if not math.isnan(w.kv_peak)]
         base_kv = _median(baseline_kv)
@@ -282,11 +282,35 @@ class CanaryJudge:
     def _enough(self, n: int) -> bool:
         return n >= self.policy.min_windows
 
+    @property
+    def look(self) -> int:
+        """Which look at the evidence the tests are on: 0 before either side has ``min_windows``.
+
+        The tests look again each time the side with fewer windows doubles its count
+        (``min_windows``, twice that, four times...), not after every window: a judge that
+        re-tests growing windows at every slice fails a healthy canary far more often than
+        one test's alpha. Between looks the last verdict on the tests stands.
+        """
+        fewer = min(len(self.canary.windows), len(self.baseline.windows))
+        if fewer < self.policy.min_windows:
+            return 0
+        return int(math.log2(fewer / self.policy.min_windows)) + 1
+
     def _alpha(self, marginal: bool = False) -> float:
-        """Significance per comparison: Bonferroni over the judge's comparisons, because a
-        judgement is only as trustworthy as its weakest test and it makes seven of them."""
+        """Significance per comparison at this look.
+
+        Bonferroni over the judge's comparisons, because a judgement is only as trustworthy
+        as its weakest test and it makes seven of them; and alpha spending over looks: look
+        k spends ``6 / (pi**2 k**2)`` of the budget, which sums to 1 over every look, so the
+        false-fail rate over a whole stage stays within ``1 - confidence`` however long it runs.
+
+        >>> from specwatch.schemas.policy import AdmissionPolicy
+        >>> judge = CanaryJudge(AdmissionPolicy(), [])
+        >>> round(judge._alpha(), 6), round(judge._alpha(marginal=True), 6)
+        (0.000868, 0.004342)
+        """
         confidence = self.policy.marginal_confidence if marginal else self.policy.confidence
-        return (1.0 - confidence) / _COMPARISONS
+        return (1.0 - confidence) / _COMPARISONS * 6.0 / (math.pi ** 2 * max(1, self.look) ** 2)
 
     def _speedup(self, windows: list[WindowSample]) -> MetricVerdict:
         values = [w.speedup for w in windows if not math.isnan(w.speedup)]
@@ -326,6 +350,30 @@ class CanaryJudge:
                                  f"{tail:.0f} requests past the limit, fewer than {self.policy.min_tail_requests}")
         outcome = "fail" if p < self._alpha() else "marginal"
         return MetricVerdict(name, outcome, observed, base, limit, p, windows,
+                             "" if outcome == "fail" else "past the limit, not yet significant")
+
+    def _error_rate(self, canary: SliceStats, baseline: SliceStats, canary_windows: int,
+                    baseline_windows: int) -> MetricVerdict:
+        """The canary's failures against the limit rate, by a one-sided binomial test on counts.
+
+        Failures are rare: most windows on both sides hold none, and a rank test on window
+        rates then calls two failed canary requests against a baseline of all-zero windows
+        significant (a healthy canary was frozen that way). The count test asks how likely
+        that many failures are if the canary fails at the limit rate.
+        """
+        windows = (canary_windows, baseline_windows)
+        base = baseline.error_rate
+        limit = base + self.policy.error_tolerance
+        observed = canary.error_rate
+        if not (self._enough(canary_windows) and self._enough(baseline_windows)) or math.isnan(limit):
+            return MetricVerdict("error_rate", "marginal", observed, base, limit, math.nan, windows,
+                                 "insufficient windows")
+        failures = canary.errors + canary.timeouts
+        p = float(binom.sf(failures - 1, canary.requests, min(1.0, limit))) if failures else 1.0
+        if not observed > limit or not p < self._alpha(marginal=True):
+            return MetricVerdict("error_rate", "pass", observed, base, limit, p, windows)
+        outcome = "fail" if p < self._alpha() else "marginal"
+        return MetricVerdict("error_rate", outcome, observed, base, limit, p, windows,
                              "" if outcome == "fail" else "past the limit, not yet significant")
 
     def _quality(self) -> MetricVerdict:

@@ -1,4 +1,4 @@
-"""Gates: threshold tests with consecutive-window counters, and a drift detector on ratios.
+"""Gates: threshold tests with consecutive-window counters, sequential tests, and a drift detector.
 
 Each follows river's protocol: ``update(x)`` then read ``drift_detected``; settings are
 stored under their own names and derived state is built in ``_reset()``.
@@ -10,7 +10,7 @@ import math
 
 from river.drift import ADWIN
 
-__all__ = ["ConsecutiveGate", "DropDetector"]
+__all__ = ["BernoulliCusum", "ConsecutiveGate", "DropDetector", "cusum_threshold"]
 
 
 class ConsecutiveGate:
@@ -57,6 +57,103 @@ class ConsecutiveGate:
 
     def rearm(self) -> None:
         """Start counting afresh (after an action changed what is being measured)."""
+        self._reset()
+
+
+def cusum_threshold(observations_per_hour: float, false_alarms_per_hour: float) -> float:
+    """Decision threshold of a CUSUM on log-likelihood ratios, from a false-alarm budget.
+
+    A CUSUM with threshold ``h`` runs at least ``e**h`` in-control observations between
+    false alarms (Lorden 1971), so ``h = ln(observations per hour / false alarms per hour)``
+    keeps a key's false alarms under the budget at that traffic. Busier keys get a higher
+    threshold and still decide sooner, because their evidence grows faster.
+
+    >>> round(cusum_threshold(3600.0, 1e-3), 2)
+    15.1
+    >>> cusum_threshold(0.0, 1e-3) == cusum_threshold(1.0, 1e-3)
+    True
+    """
+    return math.log(max(1.0, observations_per_hour) / false_alarms_per_hour)
+
+
+class BernoulliCusum:
+    """CUSUM for a rise in a rate: each observation is one trial that hits or misses.
+
+    The statistic adds each trial's log-likelihood ratio of ``p1`` (the rate worth acting
+    on) against ``p0`` (the baseline), floored at zero, and fires once it reaches
+    ``threshold``; ``statistic``, ``trials`` and ``hits`` then hold the evidence, and the
+    next update starts afresh. One trial adds at most ``ln(p1 / p0)``, so no single request decides:
+    an outlier is one hit like any other. Trials arrive in batches (a slice's requests),
+    counted by ``update(trials, hits)``; ``hits`` may be fractional (a sketch's estimate).
+
+    Parameters
+    ----------
+    p0
+        In-control rate (the baseline).
+    p1
+        Out-of-control rate the test is tuned to; must exceed ``p0``.
+    threshold
+        Evidence needed, in nats (see `cusum_threshold`).
+    min_hits
+        And at least this many hits since the statistic last stood at zero: a baseline
+        rate near zero makes each hit weigh a lot, and a few remain a few.
+
+    >>> import random
+    >>> rng = random.Random(4)
+    >>> cusum = BernoulliCusum(p0=0.002, p1=0.01, threshold=10.0)
+    >>> fired = []
+    >>> for t in range(400):
+    ...     rate = 0.002 if t < 200 else 0.04
+    ...     cusum.update(20, sum(rng.random() < rate for _ in range(20)))
+    ...     if cusum.drift_detected and not fired:
+    ...         fired.append((t, cusum.trials, cusum.hits))
+    >>> fired
+    [(216, 280, 8.0)]
+    """
+
+    def __init__(self, p0: float, p1: float, threshold: float, min_hits: float = 1.0) -> None:
+        if not 0 < p0 < p1 < 1:
+            raise ValueError(f"need 0 < p0 < p1 < 1, got p0={p0}, p1={p1}")
+        if threshold <= 0:
+            raise ValueError(f"threshold must be > 0, got {threshold}")
+        self.p0 = p0
+        self.p1 = p1
+        self.threshold = threshold
+        self.min_hits = min_hits
+        self._reset()
+
+    def _reset(self) -> None:
+        self._hit_llr = math.log(self.p1 / self.p0)
+        self._miss_llr = math.log((1.0 - self.p1) / (1.0 - self.p0))
+        self.statistic = 0.0
+        self.trials = 0  # since the statistic last stood at zero: the evidence a finding cites
+        self.hits = 0.0
+        self.started_at = math.nan  # event time of the first update since then
+        self.drift_detected = False
+
+    @property
+    def kl_per_trial(self) -> float:
+        """Expected evidence per trial when the rate is ``p1``: KL(p1 || p0), in nats."""
+        return self.p1 * self._hit_llr + (1.0 - self.p1) * self._miss_llr
+
+    def update(self, trials: int, hits: float, at: float = math.nan) -> None:
+        if self.drift_detected:  # a firing starts the next round of evidence from zero
+            self.statistic, self.trials, self.hits = 0.0, 0, 0.0
+        self.drift_detected = False
+        if trials <= 0:
+            return
+        hits = min(float(trials), max(0.0, hits))
+        self.statistic += hits * self._hit_llr + (trials - hits) * self._miss_llr
+        if self.statistic <= 0.0:
+            self.statistic, self.trials, self.hits = 0.0, 0, 0.0
+            return
+        if not self.trials:
+            self.started_at = at
+        self.trials += trials
+        self.hits += hits
+        self.drift_detected = self.statistic >= self.threshold and self.hits >= self.min_hits
+
+    def rearm(self) -> None:
         self._reset()
 
 

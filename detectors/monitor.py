@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from specwatch.schemas.policy import Policy
 
-from .baseline import Baseline, BaselineLearner
-from .gates import ConsecutiveGate, DropDetector
+from .baseline import Baseline, BaselineLearner, BaselinePool
+from .gates import BernoulliCusum, ConsecutiveGate, DropDetector, cusum_threshold
 from .window import SliceStats, merge_all
 
 __all__ = ["Finding", "KeyMonitor", "BundleMonitor", "RecoveryEvidence", "traffic_evidence"]
@@ -137,10 +137,69 @@ def traffic_evidence(monitors: list["KeyMonitor"], since: float, seconds: float)
     window = merge_all(p[0] for p in parts)
     cfg = monitors[0].policy.errors
     base = weighted / weight if weight else math.nan
-    limit = max(cfg.floor_rate, base * cfg.factor if not math.isnan(base) else cfg.floor_rate)
+    limit = _error_rate_limit(cfg, base)
     return RecoveryEvidence("traffic", min(p[1] for p in parts), max(p[2] for p in parts),
                             requests=window.requests, speculative_requests=window.speculative_requests,
                             error_rate=window.error_rate, error_limit=limit)
+
+
+# Sequential tests size their threshold for traffic up to this multiple of what a key had
+# while it learned (a day's peak over its trough, a cohort's share growing).
+_TRAFFIC_HEADROOM = 4.0
+# A latency limit from an absolute SLO is read as a p99: 1% of requests may pass it.
+_SLO_SHARE = 0.01
+# The sequential tail test is tuned to at least this multiple of the baseline's share, and
+# treats the baseline's share as at least its target over this: one slow request then adds at
+# most ln(4) nats, so a handful stalled together (KV preemption at peak load) decide nothing.
+_TAIL_RISE = 4.0
+_UNKNOWN_TRAFFIC_PER_SECOND = 1.0
+# The error test's second alternative: a burst this many times the rate that matters.
+_BURST_RISE = 4.0
+
+
+def _error_rate_limit(cfg, base: float) -> float:
+    """The error rate that matters: what the error test is tuned to, and what a restore must stay under.
+
+    >>> from specwatch.schemas.policy import ErrorPolicy
+    >>> _error_rate_limit(ErrorPolicy(), 0.004), _error_rate_limit(ErrorPolicy(), math.nan)
+    (0.02, 0.01)
+    """
+    return max(cfg.floor_rate, base * cfg.factor) if not math.isnan(base) else cfg.floor_rate
+
+
+def _rate_test(p0: float, p1: float, requests_per_second: float, false_alarms_per_hour: float,
+               min_hits: int) -> BernoulliCusum | None:
+    """A Bernoulli CUSUM from p0 to p1 with its threshold from the false-alarm budget; None if p0 unknown."""
+    if math.isnan(p0):
+        return None
+    p0 = min(max(p0, 1e-6), 0.5)
+    p1 = min(max(p1, p0 * 1.01), 0.99)
+    rate = requests_per_second if requests_per_second > 0 else _UNKNOWN_TRAFFIC_PER_SECOND
+    threshold = cusum_threshold(rate * 3600.0 * _TRAFFIC_HEADROOM, false_alarms_per_hour)
+    return BernoulliCusum(p0, p1, threshold, min_hits)
+
+
+def _trimmed(slices: list[SliceStats], damage) -> list[SliceStats]:
+    """The slices without the one that does the most ``damage``: one record decides nothing.
+
+    A window judged over overlapping slices would otherwise let a single absurd record
+    (a draft time of seconds, a step of thousands of rejected rounds) breach every window
+    that holds it, and so satisfy 'several windows running' alone.
+
+    >>> a, b, c = SliceStats(), SliceStats(), SliceStats()
+    >>> a.draft_ms, b.draft_ms, c.draft_ms = 1.0, 5000.0, 2.0
+    >>> [s.draft_ms for s in _trimmed([a, b, c], lambda s: s.draft_ms)]
+    [1.0, 2.0]
+    """
+    if len(slices) < 2:
+        return slices
+    worst = max(range(len(slices)), key=lambda i: damage(slices[i]))
+    return slices[:worst] + slices[worst + 1:]
+
+
+def _draft_cost(stats: SliceStats) -> float:
+    value = stats.draft_to_verify
+    return -math.inf if math.isnan(value) else value
 
 
 def _evidence_slices(policy: Policy) -> int:
@@ -163,23 +222,27 @@ class _Windowed:
     def push(self, slice_end: float, stats: SliceStats) -> None:
         self.history.append((slice_end, stats))
 
-    def window(self, slices: int, sketches: bool = True) -> tuple[SliceStats, float, float]:
+    def window(self, slices: int, sketches: bool = True, trim=None) -> tuple[SliceStats, float, float]:
         """The last ``slices`` slices merged (without latency sketches if not needed).
 
+        With ``trim`` (a damage score per slice), the most damaging slice is left out.
         Gates judging the same window in one update share one merge.
         """
-        ident = (slices, sketches, self.floor, len(self.history), self.history[-1][0])
+        ident = (slices, sketches, trim, self.floor, len(self.history), self.history[-1][0])
         if self._last_window is not None and self._last_window[0] == ident:
             return self._last_window[1]
         recent = list(self.history)[-slices:]
         if recent[0][0] <= self.floor:
             recent = [item for item in recent if item[0] > self.floor] or recent[-1:]
-        merged = merge_all((s for _, s in recent), sketches), recent[0][0], recent[-1][0]
+        parts = [s for _, s in recent]
+        if trim is not None:
+            parts = _trimmed(parts, trim)
+        merged = merge_all(parts, sketches), recent[0][0], recent[-1][0]
         self._last_window = (ident, merged)
         return merged
 
-    def window_of_requests(self, slices: int, min_requests: int,
-                           max_slices: int) -> tuple[SliceStats, float, float] | None:
+    def window_of_requests(self, slices: int, min_requests: int, max_slices: int,
+                           trim=None) -> tuple[SliceStats, float, float] | None:
         """The last ``slices`` slices, widened up to ``max_slices`` until they hold ``min_requests``.
 
         Rounds of one request move together (its prompt sets how predictable it is), so a
@@ -193,7 +256,7 @@ class _Windowed:
             count += 1
             requests += stats.requests
             if count >= slices and requests >= min_requests:
-                return self.window(count, sketches=False)
+                return self.window(count, sketches=False, trim=trim)
         return None
 
     def since(self, after: float, seconds: float) -> tuple[SliceStats, float, float] | None:
@@ -220,15 +283,23 @@ class KeyMonitor(_Windowed):
         The policy the gates are tuned by.
     bucket
         Used to look up a pinned baseline for this bucket.
+    pool
+        The bundle's `BaselinePool`: this key feeds it while learning and borrows from it
+        when its own traffic is too thin for a baseline.
+
+    Latency and errors are judged by Bernoulli CUSUMs on every slice's finished requests
+    (is it a failure; is it past the latency limit), each with its threshold set from a
+    false-alarm budget per key-hour: evidence decides, not a request count.
     """
 
-    def __init__(self, policy: Policy, bucket: str) -> None:
+    def __init__(self, policy: Policy, bucket: str, pool: BaselinePool | None = None) -> None:
         self.policy = policy
         self.bucket = bucket
         p = policy
         super().__init__(max(p.latency.window_slices, p.errors.window_slices, p.acceptance.max_window_slices,
                              p.speedup.window_slices, _evidence_slices(p), 30))
-        self.learner = BaselineLearner(p.baseline, p.baseline.pinned.get(bucket))
+        self.learner = BaselineLearner(p.baseline, p.baseline.pinned.get(bucket), pool=pool, bucket=bucket,
+                                       tail_factor=p.latency.p99_factor)
         self._reset()
 
     def _reset(self) -> None:
@@ -236,9 +307,8 @@ class KeyMonitor(_Windowed):
         self.acceptance_gate = ConsecutiveGate(p.acceptance.consecutive)
         self.acceptance_drift = DropDetector(min_drop=p.acceptance.tolerance)
         self.speedup_gate = ConsecutiveGate(p.speedup.consecutive)
-        self.latency_gate = ConsecutiveGate(p.latency.consecutive)
-        self.error_gate = ConsecutiveGate(p.errors.consecutive)
-        self._slices_seen = 0
+        self._error_tests: list[BernoulliCusum] | None = None
+        self._tail_tests: dict[str, tuple[BernoulliCusum, float]] | None = None  # metric -> (test, limit ms)
 
     @property
     def baseline(self) -> Baseline:
@@ -260,18 +330,15 @@ class KeyMonitor(_Windowed):
 
     def update(self, stats: SliceStats, slice_end: float, speculating: bool = True) -> list[Finding]:
         self.push(slice_end, stats)
-        self._slices_seen += 1
         if not self.learner.done:
             self.learner.update(stats, slice_end)
         findings: list[Finding] = []
         if speculating:
             findings += self._acceptance(stats.max_ts)
             findings += self._speedup(stats.max_ts)
-        evaluate_requests = self._slices_seen % self.policy.latency.evaluate_every_slices == 0
-        if evaluate_requests and speculating:
-            findings += self._latency(stats.max_ts)
-        if evaluate_requests and speculating:
-            findings += self._errors(stats.max_ts)
+            if self.learner.latency_ready:
+                findings += self._latency(stats, slice_end)
+                findings += self._errors(stats, slice_end)
         return findings
 
     # -- acceptance length against the learned per-position rates ------------------------
@@ -279,7 +346,8 @@ class KeyMonitor(_Windowed):
         cfg = self.policy.acceptance
         if not self.learner.acceptance_ready:
             return []
-        found = self.window_of_requests(cfg.window_slices, cfg.min_requests, cfg.max_window_slices)
+        found = self.window_of_requests(cfg.window_slices, cfg.min_requests, cfg.max_window_slices,
+                                        trim=self._acceptance_deficit)
         if found is None or found[0].rounds < cfg.min_rounds:
             self.acceptance_gate.update(None)
             return []
@@ -303,11 +371,17 @@ class KeyMonitor(_Windowed):
                          "mean_draft_length": window.drafted_tokens / window.rounds,
                          "consecutive": self.acceptance_gate.streak})]
 
+    def _acceptance_deficit(self, stats: SliceStats) -> float:
+        """Accepted tokens a slice fell short of what the baseline predicts for its rounds."""
+        rates = self.baseline.position_rates
+        expected = sum(d * r for d, r in zip(stats.drafted_at_least, rates) if not math.isnan(r))
+        return expected - stats.accepted_tokens
+
     def _speedup(self, ts: float) -> list[Finding]:
         cfg = self.policy.speedup
         acceptance = self.policy.acceptance
         found = self.window_of_requests(cfg.window_slices, acceptance.min_requests,
-                                        max(cfg.window_slices, acceptance.max_window_slices))
+                                        max(cfg.window_slices, acceptance.max_window_slices), trim=_draft_cost)
         if found is None or found[0].rounds < acceptance.min_rounds or found[0].steps == 0:
             self.speedup_gate.update(None)
             return []
@@ -321,52 +395,73 @@ class KeyMonitor(_Windowed):
                         {"acceptance_length": window.acceptance_length,
                          "draft_overhead": window.draft_overhead, "rounds": window.rounds})]
 
-    def _latency(self, ts: float) -> list[Finding]:
-        cfg = self.policy.latency
-        window, start, end = self.window(cfg.window_slices)
-        if window.requests < cfg.min_requests:
-            self.latency_gate.update(None)
-            return []
-        checks = []
-        for metric, slo, base in (("e2e", cfg.e2e_p99_slo_ms, self.baseline.e2e_p99_ms),
-                                  ("tpot", cfg.tpot_p99_slo_ms, self.baseline.tpot_p99_ms)):
-            p99 = window.quantile(metric, 0.99)
-            limits = [x for x in (slo, base * cfg.p99_factor if not math.isnan(base) else None) if x]
-            if limits and not math.isnan(p99):
-                sketch = getattr(window, metric)
-                above = sketch.count_above(min(limits))
-                # The tail counts when it is more than a few stalled requests: enough of the
-                # window's requests are past the limit, not only its p99.
-                broad = above >= max(cfg.min_tail_requests, cfg.tail_share * sketch.count)
-                checks.append((p99 / min(limits), broad, metric, p99, min(limits), base, above))
-        if not checks:
-            self.latency_gate.update(None)
-            return []
-        worst = max(checks, key=lambda c: (c[0] > 1.0 and c[1], c[0]))
-        self.latency_gate.update(worst[0] > 1.0 and worst[1])
-        if not self.latency_gate.drift_detected:
-            return []
-        _, _, metric, p99, limit, base, above = worst
-        return [Finding("latency_slo", "latency_p99_gate", ts, f"{metric}_p99_ms", p99, limit, base, start, end,
-                        {"requests": window.requests, f"{metric}_p50_ms": window.quantile(metric, 0.5),
-                         f"{metric}_p95_ms": window.quantile(metric, 0.95),
-                         "requests_above_limit": round(above, 1)})]
+    def _tail_limits(self) -> dict[str, tuple[float, float]]:
+        """Latency limit (ms) and the baseline's share past it, per metric with a limit."""
+        cfg, b = self.policy.latency, self.baseline
+        out = {}
+        for metric, slo, base, share in (("e2e", cfg.e2e_p99_slo_ms, b.e2e_p99_ms, b.e2e_tail_share),
+                                         ("tpot", cfg.tpot_p99_slo_ms, b.tpot_p99_ms, b.tpot_tail_share)):
+            relative = base * cfg.p99_factor if not math.isnan(base) else math.inf
+            if slo is not None and slo < relative:
+                out[metric] = (slo, _SLO_SHARE)
+            elif math.isfinite(relative):
+                out[metric] = (relative, share if not math.isnan(share) else _SLO_SHARE)
+        return out
 
-    def _errors(self, ts: float) -> list[Finding]:
+    def _latency(self, stats: SliceStats, slice_end: float) -> list[Finding]:
+        cfg = self.policy.latency
+        if self._tail_tests is None:
+            self._tail_tests = {}
+            for metric, (limit, share) in self._tail_limits().items():
+                p1 = max(cfg.tail_share, share * _TAIL_RISE)
+                test = _rate_test(max(share, p1 / _TAIL_RISE), p1, self.baseline.requests_per_second,
+                                  cfg.false_alarms_per_key_hour, cfg.min_tail_requests)
+                if test is not None:
+                    self._tail_tests[metric] = (test, limit)
+        fired = []
+        for metric, (test, limit) in self._tail_tests.items():
+            sketch = getattr(stats, metric)
+            if sketch is None:
+                continue
+            test.update(sketch.count, sketch.count_past(limit), slice_end)
+            if test.drift_detected:
+                fired.append((test.statistic, metric, test, limit))
+        if not fired:
+            return []
+        _, metric, test, limit = max(fired, key=lambda f: f[0])
+        window, _, end = self.window(cfg.window_slices)
+        return [Finding("latency_slo", "latency_tail_cusum", stats.max_ts, f"{metric}_tail_share",
+                        test.hits / test.trials, test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds,
+                        end, {"limit_ms": limit, "requests": test.trials, "requests_above_limit": test.hits,
+                              "evidence_nats": test.statistic, "evidence_threshold_nats": test.threshold,
+                              f"{metric}_p99_ms": window.quantile(metric, 0.99),
+                              f"{metric}_p50_ms": window.quantile(metric, 0.5),
+                              "baseline_source": self.baseline.latency_source})]
+
+    def _errors(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.errors
-        window, start, end = self.window(cfg.window_slices)
-        failures = window.errors + window.timeouts
-        if window.requests < cfg.min_requests:
-            self.error_gate.update(None)
+        if self._error_tests is None:
+            # Two tests, each with half the false-alarm budget: one tuned to the smallest rise
+            # that matters, one to a burst _BURST_RISE times larger, which it decides in about
+            # two thirds of the requests the first would need.
+            base = self.baseline.error_rate
+            limit = _error_rate_limit(cfg, base)
+            tests = [_rate_test(base, p1, self.baseline.requests_per_second, cfg.false_alarms_per_key_hour / 2,
+                                cfg.min_errors) for p1 in (limit, limit * _BURST_RISE)]
+            self._error_tests = [t for t in tests if t is not None]
+        fired = None
+        for test in self._error_tests:
+            test.update(stats.requests, stats.errors + stats.timeouts, slice_end)
+            if test.drift_detected and fired is None:
+                fired = test
+        if fired is None:
             return []
-        base = self.baseline.error_rate
-        limit = max(cfg.floor_rate, base * cfg.factor if not math.isnan(base) else cfg.floor_rate)
-        rate = window.error_rate
-        self.error_gate.update(rate > limit and failures >= cfg.min_errors)
-        if not self.error_gate.drift_detected:
-            return []
-        return [Finding("error_rate", "error_rate_gate", ts, "error_rate", rate, limit, base, start, end,
-                        {"requests": window.requests, "errors": window.errors, "timeouts": window.timeouts})]
+        test = fired
+        return [Finding("error_rate", "error_rate_cusum", stats.max_ts, "error_rate", test.hits / test.trials,
+                        test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds, slice_end,
+                        {"requests": test.trials, "failures": test.hits, "evidence_nats": test.statistic,
+                         "evidence_threshold_nats": test.threshold,
+                         "baseline_requests": self.baseline.requests, "baseline_failures": self.baseline.failures})]
 
 
 class BundleMonitor(_Windowed):
@@ -418,14 +513,22 @@ class BundleMonitor(_Windowed):
                                     {"consecutive": self.kv_gate.streak}))
         cfg = self.policy.draft_overhead
         base = self.baseline.draft_to_verify
-        window, start, end = self.window(cfg.window_slices, sketches=False)
+        window, start, end = self.window(cfg.window_slices, sketches=False, trim=_draft_cost)
         if speculating and self.learner.acceptance_ready and not math.isnan(base) and window.rounds:
             value = window.draft_to_verify
-            self.draft_gate.update(value > base * cfg.factor)
+            # Draft time per verify time also grows with the share of a batch that drafts (a
+            # rollout's next stage); the cost per drafted token then falls. A drafter that got
+            # slower costs more on both counts, so both must be past the factor.
+            per_token_base = self.baseline.draft_ms_per_drafted_token
+            per_token = window.draft_ms / window.drafted_tokens if window.drafted_tokens else math.nan
+            costlier = math.isnan(per_token_base) or per_token > per_token_base * cfg.factor
+            self.draft_gate.update(value > base * cfg.factor and costlier)
             if self.draft_gate.drift_detected:
                 findings.append(Finding("draft_overhead", "draft_cost_gate", stats.max_ts, "draft_to_verify",
                                         value, base * cfg.factor, base, start, end,
                                         {"draft_overhead": window.draft_overhead,
                                          "draft_ms_per_step": window.draft_ms / window.steps,
+                                         "draft_ms_per_drafted_token": per_token,
+                                         "baseline_draft_ms_per_drafted_token": per_token_base,
                                          "speedup": window.speedup}))
         return findings

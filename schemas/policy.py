@@ -134,19 +134,21 @@ class SpeedupPolicy(_Section):
 
 
 class LatencyPolicy(_Section):
-    window_slices: Slices = 60
-    consecutive: Consecutive = 3
-    min_requests: Count = 200
-    p99_factor: Factor = Field(2.0, description="p99 above learned baseline p99*factor breaches")
+    window_slices: Slices = Field(60, description="slices a finding's evidence quantiles span")
+    consecutive: Consecutive = Field(3, description="unused: the tail test is sequential (kept for old files)")
+    min_requests: Count = Field(200, description="unused: the tail test is sequential (kept for old files)")
+    p99_factor: Factor = Field(2.0, description="latency limit: learned baseline p99 * factor (e2e, TPOT)")
     tail_share: float = Field(
-        0.03, gt=0, lt=1, description="and at least this share of the window's requests must be above that "
-                                      "limit: a p99 is a handful of requests, and a few stalled ones (KV "
+        0.03, gt=0, lt=1, description="share of requests past the limit the sequential test is tuned to catch "
+                                      "(at least 4x the baseline's share): a few stalled requests (KV "
                                       "preemption at peak load) must not switch a cohort off"
     )
-    min_tail_requests: Count = Field(5, description="and at least this many requests above the limit")
+    min_tail_requests: Count = Field(5, description="and at least this many requests past the limit")
+    false_alarms_per_key_hour: float = Field(
+        1e-3, gt=0, lt=1, description="false-alarm budget of the sequential tail test, per key and hour")
     e2e_p99_slo_ms: LatencyMs | None = Field(None, description="absolute SLO; None = relative only")
     tpot_p99_slo_ms: LatencyMs | None = None
-    evaluate_every_slices: Slices = 5
+    evaluate_every_slices: Slices = Field(5, description="unused: the tail test reads every slice")
 
 
 class KvPolicy(_Section):
@@ -155,12 +157,15 @@ class KvPolicy(_Section):
 
 
 class ErrorPolicy(_Section):
-    window_slices: Slices = 60
-    consecutive: Consecutive = 3
-    factor: Factor = Field(10.0, description="error rate above baseline*factor breaches")
-    floor_rate: Share = Field(0.01, description="never breach below this rate")
-    min_requests: Count = 100
-    min_errors: Count = 5
+    window_slices: Slices = Field(60, description="slices a finding's evidence window spans")
+    consecutive: Consecutive = Field(3, description="unused: the error test is sequential (kept for old files)")
+    factor: Factor = Field(5.0, description="the sequential test is tuned to catch max(floor_rate, baseline*factor)")
+    floor_rate: float = Field(0.01, ge=0, lt=1, description="smallest error rate the sequential test is tuned to")
+    min_requests: Count = Field(100, description="requests a restore's evidence needs")
+    min_errors: Count = Field(5, description="failures the sequential test needs before it fires")
+    false_alarms_per_key_hour: float = Field(
+        1e-2, gt=0, lt=1, description="false-alarm budget of the sequential error tests, per key and hour "
+                                      "(a circuit breaker must act within a minute on a busy key)")
 
 
 class QualityPolicy(_Section):

@@ -32,6 +32,9 @@ _METRIC_PLOT = {
     "draft_to_verify": ("draft_overhead", None),
     "e2e_p99_ms": ("e2e_latency", "e2e_p99"),
     "tpot_p99_ms": ("tpot_latency", "tpot_p99"),
+    # the tail test's value is a share of requests past a limit: no line in milliseconds
+    "e2e_tail_share": ("e2e_latency", None),
+    "tpot_tail_share": ("tpot_latency", None),
     "error_rate": ("error_rate", "error_rate"),
     "kv_peak": ("kv_peak", "kv_peak"),
     "shadow_mismatches": ("mismatch_rate", None),

@@ -17,6 +17,7 @@ from specwatch.actions.admission import AdmissionController
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
 from specwatch.detectors.draft_length import DraftLengthCurve, curve_from_slices
+from specwatch.detectors.baseline import BaselinePool
 from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor, traffic_evidence
 from specwatch.detectors.window import SliceStats, sample_order, sample_record
 from specwatch.schemas import (
@@ -434,6 +435,7 @@ class Stage2:
         self._pending: dict[int, dict[str, list[SliceBatch]]] = defaultdict(dict)
         self.finalized = -1
         self.monitors: dict[Key, KeyMonitor | BundleMonitor] = {}
+        self.pools: dict[str, BaselinePool] = {}  # per bundle: what quiet keys borrow baselines from
         self.cards: dict[str, dict] = {}
         self.worker_cards: dict[str, tuple[str, dict]] = {}  # worker -> its latest (bundle_id, card)
         self.shadow_counts: Counter = Counter()
@@ -562,7 +564,13 @@ class Stage2:
             self._admit(self.admission.observe(bundle, bucket, cohort, stats, slice_end, speculating), out)
         monitor = self.monitors.get(key)
         if monitor is None:
-            monitor = BundleMonitor(self.policy) if bucket is None else KeyMonitor(self.policy, bucket)
+            if bucket is None:
+                monitor = BundleMonitor(self.policy)
+            else:
+                pool = self.pools.get(bundle)
+                if pool is None:
+                    pool = self.pools[bundle] = BaselinePool()
+                monitor = KeyMonitor(self.policy, bucket, pool)
             self.monitors[key] = monitor
         if bucket is None:
             state = self.flags.state((bundle, None, None))

@@ -144,10 +144,11 @@ def test_with_enforcement_off_admission_decides_nothing(scenario):
 # -- the pieces, on small inputs -------------------------------------------------------------
 
 
-def _slice(tpot, n=10, speculative=True):
+def _slice(tpot, n=10, speculative=True, failures=0):
     stats = SliceStats()
     for i in range(n):
-        stats.add_request(80.0, tpot + i * 0.1, 1000.0 + 50 * tpot + i, speculative, "stop", 1.0)
+        stats.add_request(80.0, tpot + i * 0.1, 1000.0 + 50 * tpot + i, speculative,
+                          "error" if i < failures else "stop", 1.0)
     if speculative:
         stats.add_round(4, 3)
     stats.add_step_time(1.0 if speculative else 0.0, 10.0, 0.6, 1.0)
@@ -278,3 +279,14 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
     assert explained.returncode == 0, explained.stderr
     assert "stage: canary -> frozen" in explained.stdout
     assert "    tpot_p95            fail" in explained.stdout
+
+
+def test_two_failures_among_many_clean_windows_fail_no_canary():
+    # most windows hold no failure: the rank test on window rates called 2 failed canary
+    # requests in 160 against all-zero baseline windows significant, and froze a healthy card
+    judge = CanaryJudge(AdmissionPolicy(window_requests=10, min_windows=8), ["token_exact"])
+    for i in range(16):
+        judge.update("baseline", _slice(12.0, speculative=False))
+        judge.update("canary", _slice(6.0, failures=1 if i in (3, 9) else 0))
+    verdict = {m.metric: m for m in judge.judgement.metrics}["error_rate"]
+    assert verdict.outcome == "pass" and verdict.p_value > 0.1

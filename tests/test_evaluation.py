@@ -12,13 +12,17 @@ import sys
 import pytest
 
 from specwatch.evaluation import (
+    LEVELS,
     AcceptanceKillSwitch,
     BaselineSettings,
     Case,
     PrometheusRatioAlert,
     calibrate,
+    bernoulli_kl,
     format_report,
     full_suite,
+    information_bound,
+    plot_sweep,
     quick_suite,
     run_suite,
     summarize,
@@ -55,12 +59,13 @@ def _alarms(result, detector):
 
 def test_acceptance_drop_in_one_bucket(results):
     r = results["acceptance_drop"]
-    # specwatch lowers D for the coding bucket, in its own scope, within seconds
-    assert _outcome(r, "specwatch") == ("right", 5.0, "reduce_draft_length", "coding", "main", None)
+    # specwatch lowers D for the coding bucket, in its own scope, within seconds (a slice
+    # later than with whole windows: the window leaves out its most damaging slice)
+    assert _outcome(r, "specwatch") == ("right", 6.0, "reduce_draft_length", "coding", "main", None)
     # the quiet canary cohort (a few requests a minute here) is not judged on so little evidence
     assert _alarms(r, "specwatch") == [
-        (95.0, "reduce_draft_length", "coding", "main", None),
-        (110.0, "disable_speculation", "coding", "main", None),
+        (96.0, "reduce_draft_length", "coding", "main", None),
+        (111.0, "disable_speculation", "coding", "main", None),
     ]
     # all traffic mixed, a quarter of it degraded stays above both acceptance thresholds
     assert _outcome(r, "kill_switch")[0] == "missed"
@@ -106,19 +111,53 @@ def test_summary_is_one_json_object_and_a_table(results):
     assert all(fa[d]["per_hour"] == 0.0 for d in ("specwatch", "kill_switch", "prometheus"))
     report = format_report(summary)
     assert "kill switch: rolling mean of per-iteration acceptance over 1000 iterations < 0.25" in report
-    assert "target_update     new target, AL -50%           2.0s right              5.2s right" in report
+    assert [line.rstrip() for line in report.splitlines() if line.startswith("target_update")] == [
+        "target_update     new target, AL -50%          2x16       0      2.0s right                  -     -"
+        "      5.2s right        missed"]
+    # acceptance evidence grows with the rounds of the coding/main key: its bound is far under a slice
+    (acceptance,) = [e for e in summary["table"] if e["scenario"] == "acceptance_drop"]
+    assert acceptance["bound"]["seconds"] < 1.0 and acceptance["within_bound"] is None
+
+
+def test_plot_of_delay_against_traffic(results, tmp_path):
+    summary = summarize([results[c.scenario] for c in CASES], SETTINGS.to_dict(), "test")
+    path = tmp_path / "sweep.png"
+    plot_sweep(summary, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_information_bound_of_an_error_burst():
+    # errors x5 (0.2% to 1%) on a key finishing 2 requests a second: an ideal CUSUM with a
+    # false alarm per 1000 key-hours needs ln(7.2e6) / KL = 1943 requests, 16 minutes
+    bound = information_bound("error_burst", 5.0, 2.0, 1e-3)
+    assert bound == {"kl_per_observation": 0.00813, "observations": 1943.0, "observations_per_second": 2.0,
+                     "seconds": 971.5}
+    assert information_bound("kv_pressure", 0.6, 2.0, 1e-3) is None  # decided by one slice
+    assert math.isclose(bernoulli_kl(0.04, 0.002), 0.0826, abs_tol=1e-4)
 
 
 def test_suites_cover_every_row_of_the_fallback_table():
     full, quick = full_suite(), quick_suite()
-    incident_kinds = {c.scenario for c in full if not c.healthy}
+    incident_kinds = {c.scenario for c in full if not c.healthy and not c.rollout}
     assert incident_kinds == {"acceptance_drop", "target_update", "bundle_change", "draft_regression",
                               "latency_tail", "kv_pressure", "quality_mismatch", "error_burst"}
-    assert {c.scenario for c in quick if not c.healthy} == incident_kinds
-    healthy_hours = sum(c.minutes for c in full if c.healthy) / 60
-    assert healthy_hours * 6 >= 24  # bucket-hours of incident-free traffic
+    assert {c.scenario for c in quick if not c.healthy and not c.rollout} == incident_kinds
+    # rollouts under admission: at least 20 healthy ones and 20 card changes across seeds
+    rollouts = [(c.scenario, c.seed) for c in full if c.rollout]
+    assert sum(s == "admission" for s, _ in rollouts) >= 20 and sum(s == "admission_change" for s, _ in rollouts) >= 20
+    assert {"canary_tail", "canary_mismatch"} <= {s for s, _ in rollouts}
     assert {c.scenario for c in full if c.healthy} == {"healthy", "diurnal", "mix_shift"}
-    assert all(c.workers == 8 for c in full if not c.healthy)  # targets hold at the default fleet
+    for level in LEVELS:
+        # at every fleet size: every incident kind, errors x5 among them, and 24 key-hours
+        # (18 bucket/cohort keys) of incident-free traffic
+        here = [c for c in full if (c.workers, c.concurrency) == level and not c.rollout]
+        assert {c.scenario for c in here if not c.healthy} == incident_kinds
+        assert ("error_burst", 5.0) in {(c.scenario, c.intensity) for c in here}
+        assert sum(c.minutes for c in here if c.healthy) / 60 * 18 >= 24
+    assert {(1, 4), (2, 8), (8, 16), (32, 16)} <= set(LEVELS)
+    # targets and the baselines are judged at the default fleet
+    assert all(c.workers == 8 for c in full if c.target_intensity or (c.compare_baselines and not c.healthy))
+    assert all(not c.compare_baselines for c in full if c.rollout)
 
 
 def test_calibration_measures_the_healthy_fleet():

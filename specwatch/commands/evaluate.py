@@ -27,11 +27,15 @@ def register(subparsers) -> None:
     parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
                         help="cases run in parallel on this many processes (default: up to 2)")
     parser.add_argument("--policy", help="policy TOML file (defaults built in)")
+    parser.add_argument("--plot", default="specwatch-data/evaluation.png",
+                        help="PNG of delay against each incident key's traffic, with the information bound "
+                             "(default specwatch-data/evaluation.png)")
     parser.set_defaults(func=_run)
 
 
 def _run(args) -> int:
-    from specwatch.evaluation import calibrate, format_report, full_suite, quick_suite, run_suite, summarize
+    from specwatch.evaluation import (calibrate, format_report, full_suite, plot_sweep, quick_suite, run_suite,
+                                      summarize)
     from specwatch.schemas import PolicyError, load_policy
 
     try:
@@ -62,6 +66,14 @@ def _run(args) -> int:
 
     summary["draft_length"] = [run_draft_length(case, args.seed) for case in CASES]
     summary["wall_seconds"] = round(time.monotonic() - started, 1)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        plot_sweep(summary, args.plot)
+        summary["plot"] = args.plot
+    except OSError as error:
+        print(f"specwatch evaluate: cannot write the plot {args.plot}: {error.strerror or error}; "
+              "pass --plot with a writable path", file=sys.stderr)
+        summary["plot"] = None
     if args.json:
         print(json.dumps(summary, sort_keys=True, allow_nan=False, default=str))
     else:

@@ -4,11 +4,13 @@
 """
 
 from .baselines import AcceptanceKillSwitch, PrometheusRatioAlert
-from .report import format_report, summarize
+from .bounds import bernoulli_kl, information_bound
+from .report import format_report, plot_sweep, summarize
 from .scoring import Alarm, Verdict, judge, stray_alarms
-from .suite import TARGETS, BaselineSettings, Case, calibrate, full_suite, quick_suite, run_case, run_suite
+from .suite import LEVELS, TARGETS, BaselineSettings, Case, calibrate, full_suite, quick_suite, run_case, run_suite
 
 __all__ = [
+    "LEVELS",
     "TARGETS",
     "AcceptanceKillSwitch",
     "Alarm",
@@ -17,7 +19,10 @@ __all__ = [
     "PrometheusRatioAlert",
     "Verdict",
     "calibrate",
+    "bernoulli_kl",
     "format_report",
+    "information_bound",
+    "plot_sweep",
     "full_suite",
     "judge",
     "quick_suite",

@@ -13,21 +13,25 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from specwatch.collectors.simulator import BUCKETS, Simulator
-from specwatch.schemas import Policy, ShadowRecord, StepRecord
+from specwatch.schemas import Policy, RequestRecord, ShadowRecord, StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
 
 from .baselines import AcceptanceKillSwitch, PrometheusRatioAlert
+from .bounds import information_bound
 from .scoring import BASELINE_REASON, Alarm, judge, stray_alarms
 
 __all__ = [
     "DETECTORS",
+    "LEVELS",
     "TARGETS",
     "Case",
     "BaselineSettings",
     "calibrate",
     "full_suite",
     "quick_suite",
+    "rollout_cases",
     "run_case",
+    "run_rollout",
     "run_suite",
 ]
 
@@ -35,6 +39,7 @@ DETECTORS = ("specwatch", "kill_switch", "prometheus")
 
 # Incidents start after the baselines are learned (60 s of event time) with room to spare.
 _INCIDENT_AT = 90.0
+_QUIET_INCIDENT_AT = 300.0
 _DEFAULT_SEED = 11
 _CALIBRATION_SEED = 5
 _CALIBRATION_MINUTES = 3.0
@@ -74,6 +79,19 @@ TARGETS = {
 }
 
 
+# Fleet sizes of the traffic sweep (workers x running requests per worker): from one small
+# engine to four times the default fleet. Each key's traffic grows with their product.
+LEVELS = ((1, 4), (2, 8), (8, 16), (32, 16))
+_DEFAULT_LEVEL = (8, 16)
+# Finished requests per minute of a bucket's main cohort per running-request slot of the
+# fleet (measured: 2 x 16 healthy, seed 11), to size how long a slow incident is watched.
+_REQUESTS_PER_MINUTE_PER_SLOT = {"extraction": 4.2, "reasoning": 5.4}
+# A weak incident is watched for this multiple of its information bound (the target is 2x),
+# up to the cap: beyond it the suite reports the bound and 'missed' within the watch.
+_WATCH_BOUNDS = 2.5
+_WATCH_CAP_SECONDS = 1800.0
+
+
 @dataclass(frozen=True)
 class Case:
     """One seeded simulator run of the suite.
@@ -90,6 +108,13 @@ class Case:
     concurrency: int = 16
     seed: int = _DEFAULT_SEED
     target_intensity: bool = False  # the intensity a detection target is stated for
+    compare_baselines: bool = True  # False: stop once specwatch decided; the baselines are not judged
+    incident_at: float = _INCIDENT_AT
+
+    @property
+    def rollout(self) -> bool:
+        """A closed-loop rollout under admission (`run_rollout`), not an open-loop incident run."""
+        return self.scenario in _ROLLOUTS
 
     @property
     def healthy(self) -> bool:
@@ -101,9 +126,31 @@ class Case:
         return f"{self.scenario}{suffix}/w{self.workers}c{self.concurrency}/s{self.seed}"
 
 
-def _incident_case(scenario: str, intensity: float | None, label: str, target: bool = False) -> Case:
-    minutes = (_INCIDENT_AT + _OBSERVE_SECONDS[scenario]) / 60.0
-    return Case(scenario, intensity, label, minutes, target_intensity=target)
+def _watch_seconds(scenario: str, intensity: float | None, workers: int, concurrency: int,
+                   policy: Policy | None = None) -> float:
+    """How long an incident is watched: its fixed span, longer where the bound says it must be."""
+    seconds = _OBSERVE_SECONDS[scenario]
+    per_slot = _REQUESTS_PER_MINUTE_PER_SLOT.get({"error_burst": "extraction", "latency_tail": "reasoning"}.get(
+        scenario, ""))
+    if per_slot is None:
+        return seconds
+    budget = (policy or Policy()).errors.false_alarms_per_key_hour
+    bound = information_bound(scenario, intensity, per_slot * workers * concurrency / 60.0, budget)
+    if bound is None:
+        return seconds
+    return max(seconds, min(_WATCH_CAP_SECONDS, _WATCH_BOUNDS * bound["seconds"] + 30.0))
+
+
+def _incident_case(scenario: str, intensity: float | None, label: str, target: bool = False,
+                   level: tuple[int, int] = _DEFAULT_LEVEL, compare_baselines: bool = True) -> Case:
+    workers, concurrency = level
+    # A small fleet's keys learn for longer (until their baselines hold enough requests): its
+    # incidents start once the longest learning is over, so they never teach a baseline.
+    start = _INCIDENT_AT if workers * concurrency >= 64 else _QUIET_INCIDENT_AT
+    minutes = (start + _watch_seconds(scenario, intensity, workers, concurrency)) / 60.0
+    return Case(scenario, intensity, label, minutes, workers=workers, concurrency=concurrency,
+                target_intensity=target and level == _DEFAULT_LEVEL, compare_baselines=compare_baselines,
+                incident_at=start)
 
 
 _INCIDENT_CASES = (
@@ -130,30 +177,60 @@ _INCIDENT_CASES = (
     _incident_case("error_burst", 40.0, "extraction errors x40"),  # the simulator allows up to x48
 )
 
-# Incident-free runs. The default fleet for ten minutes each, then the long runs: a day
-# compressed into two hours, and a slow drift of the traffic mix, on a smaller fleet (two
-# workers: a quarter of the default fleet's traffic per key) to keep the suite to minutes.
-_HEALTHY_CASES = (
-    Case("healthy", None, "steady load and mix", 10.0),
-    Case("mix_shift", None, "mix drifts to reasoning/long context", 10.0),
-    Case("diurnal", None, "one day-shaped load cycle", 120.0, workers=2),
-    Case("mix_shift", None, "mix drifts to reasoning/long context", 120.0, workers=2),
+# The sweep below the default fleet and above it: every kind at two intensities, the weak
+# one included (errors x5). Only specwatch is judged there; the baselines are compared at
+# the default fleet, above.
+_SWEEP_INTENSITIES = (
+    ("acceptance_drop", 0.25, "coding AL -25%"), ("acceptance_drop", 0.40, "coding AL -40%"),
+    ("target_update", 0.50, "new target, AL -50%"), ("bundle_change", None, "tokenizer digest"),
+    ("draft_regression", 2.0, "draft time x2"), ("draft_regression", 3.0, "draft time x3"),
+    ("latency_tail", 3.0, "10% reasoning/main x3"), ("latency_tail", 10.0, "10% reasoning/main x10"),
+    ("kv_pressure", 0.6, "long-context surge 60%"), ("kv_pressure", 0.8, "long-context surge 80%"),
+    ("quality_mismatch", 0.2, "20% shadow mismatches"), ("quality_mismatch", 0.5, "50% shadow mismatches"),
+    ("error_burst", 5.0, "extraction errors x5"), ("error_burst", 20.0, "extraction errors x20"),
 )
-_QUICK_HEALTHY_CASES = (
-    Case("healthy", None, "steady load and mix", 5.0),
-    Case("diurnal", None, "one day-shaped load cycle", 30.0, workers=2),
+_SWEEP_CASES = tuple(_incident_case(kind, intensity, label, level=level, compare_baselines=False)
+                     for level in LEVELS if level != _DEFAULT_LEVEL
+                     for kind, intensity, label in _SWEEP_INTENSITIES)
+
+
+def _healthy_cases(level: tuple[int, int], minutes: tuple[float, float, float]) -> tuple[Case, ...]:
+    """Incident-free runs on one fleet size: steady, a day-shaped load cycle, a drifting mix."""
+    workers, concurrency = level
+    steady, day, drift = minutes
+    return (
+        Case("healthy", None, "steady load and mix", steady, workers=workers, concurrency=concurrency),
+        Case("diurnal", None, "one day-shaped load cycle", day, workers=workers, concurrency=concurrency),
+        Case("mix_shift", None, "mix drifts to reasoning/long context", drift, workers=workers,
+             concurrency=concurrency),
+    )
+
+
+# Incident-free runs at every fleet size: 80 simulated minutes each, which is 24 key-hours
+# over the 18 bucket/cohort keys that carry traffic (the benign changes included).
+_HEALTHY_CASES = tuple(c for level in LEVELS for c in _healthy_cases(level, (20.0, 40.0, 20.0)))
+_QUICK_HEALTHY_CASES = _healthy_cases((2, 8), (5.0, 5.0, 5.0)) + _healthy_cases((1, 4), (10.0, 0.0, 0.0))[:1]
+# --quick: the target cases at the default fleet and the weakest kinds on small fleets,
+# each stopped once specwatch has decided.
+_QUICK_SWEEP = (
+    ("error_burst", 20.0, "extraction errors x20", (2, 8)), ("latency_tail", 5.0, "10% reasoning/main x5", (2, 8)),
 )
 
 
 def full_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
-    """Every fallback-table row at three intensities (one for card changes), plus >= 4 h incident-free."""
-    return [replace(c, seed=seed) for c in _INCIDENT_CASES + _HEALTHY_CASES]
+    """Every fallback-table row at three intensities against the baselines, the traffic sweep,
+    4 x 80 min healthy, and 20 healthy rollouts, 20 card changes and 3 of each canary incident."""
+    return ([replace(c, seed=seed) for c in _INCIDENT_CASES + _SWEEP_CASES + _HEALTHY_CASES]
+            + rollout_cases(20, 3, seed))
 
 
 def quick_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
-    """One run per fallback-table row at the intensity its target is stated for, and 35 healthy minutes."""
-    return [replace(c, seed=seed) for c in _INCIDENT_CASES if c.target_intensity] + [
-        replace(c, seed=seed) for c in _QUICK_HEALTHY_CASES]
+    """Each row at its target intensity (specwatch only), two small-fleet cases, 25 healthy minutes."""
+    cases = [replace(c, compare_baselines=False) for c in _INCIDENT_CASES if c.target_intensity]
+    cases += [_incident_case(kind, intensity, label, level=level, compare_baselines=False)
+              for kind, intensity, label, level in _QUICK_SWEEP]
+    return ([replace(c, seed=seed) for c in cases + list(_QUICK_HEALTHY_CASES)]
+            + [c for c in rollout_cases(0, 1, seed) if c.scenario == "canary_mismatch"])
 
 
 # -- the baselines' settings ---------------------------------------------------------------------
@@ -228,6 +305,10 @@ class _Watch:
     lowest_switch_rate: float = math.inf
     lowest_alert_ratio: float = math.inf
     silent: set[str] = field(default_factory=lambda: set(DETECTORS))  # no alarm since watch_from yet
+    # The incident key's traffic before the incident: finished requests and speculative rounds.
+    key: tuple[str, str] | None = None
+    key_requests: int = 0
+    key_rounds: int = 0
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -236,9 +317,12 @@ class _Watch:
 
     def step(self, record: StepRecord) -> None:
         accepted = drafted = 0
+        key, before = self.key, record.ts < self.watch_from
         for entry in record.requests:
             accepted += entry.accepted
             drafted += entry.drafted
+            if before and entry.drafted and key is not None and entry.bucket == key[0] and entry.cohort == key[1]:
+                self.key_rounds += 1
         switch = self.switches.get(record.worker)
         if switch is None:
             switch = self.switches[record.worker] = AcceptanceKillSwitch(self.settings.kill_switch_window,
@@ -271,7 +355,7 @@ class _Watch:
 
 def _simulator(case: Case) -> Simulator:
     return Simulator(case.scenario, seed=case.seed, minutes=case.minutes, workers=case.workers,
-                     intensity=case.intensity, incident_at=None if case.healthy else _INCIDENT_AT,
+                     intensity=case.intensity, incident_at=None if case.healthy else case.incident_at,
                      concurrency=case.concurrency)
 
 
@@ -286,6 +370,10 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
     first_start = min((i.start_ts for i in incidents), default=math.inf)
     policy = policy or Policy()
     watch = _Watch(settings, watch_from=first_start, lateness=policy.windows.lateness_seconds)
+    if not case.compare_baselines:
+        watch.silent = {"specwatch"}
+    if incidents and incidents[0].bucket is not None:
+        watch.key = (incidents[0].bucket, incidents[0].cohort or "main")
     pipeline = EmbeddedPipeline(policy, sinks=[watch.released])
     first_mismatch: float | None = None
     last_ts = sim.start_ts
@@ -295,6 +383,9 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
         last_ts = record.ts
         if isinstance(record, StepRecord):
             watch.step(record)
+        elif isinstance(record, RequestRecord):
+            if record.ts < first_start and watch.key == (record.bucket, record.cohort):
+                watch.key_requests += 1
         elif (isinstance(record, ShadowRecord) and not record.match and first_mismatch is None
               and record.ts >= first_start):
             first_mismatch = record.ts
@@ -304,6 +395,13 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
     pipeline.finish()
     result = _result(case, sim, incidents, watch.alarms, first_mismatch, last_ts, records,
                      time.monotonic() - started)
+    before = first_start - sim.start_ts
+    for row in result["incidents"]:
+        per_second = (watch.key_rounds if row["kind"] == "acceptance_drop" else watch.key_requests) / before
+        row["key_requests_per_minute"] = round(watch.key_requests / before * 60.0, 1)
+        row["bound"] = information_bound(row["kind"], case.intensity, per_second,
+                                         policy.errors.false_alarms_per_key_hour, row["bucket"])
+        row["watched_s"] = round(last_ts - incidents[0].start_ts, 1)
     result["baseline_headroom"] = {
         "kill_switch_lowest_rolling_rate": _finite_or_none(watch.lowest_switch_rate),
         "kill_switch_threshold": settings.kill_switch_threshold,
@@ -323,6 +421,7 @@ def _result(case: Case, sim: Simulator, incidents, alarms: dict[str, list[Alarm]
     covered = last_ts - sim.start_ts
     out = {
         "case": case.name,
+        "compare_baselines": case.compare_baselines,
         "scenario": case.scenario,
         "intensity": case.intensity,
         "label": case.label,
@@ -362,6 +461,8 @@ def _result(case: Case, sim: Simulator, incidents, alarms: dict[str, list[Alarm]
 
 def _run_one(job: tuple[int, Case, BaselineSettings, Policy | None]) -> tuple[int, dict]:
     index, case, settings, policy = job
+    if case.rollout:
+        return index, run_rollout(case)
     return index, run_case(case, settings, policy)
 
 
@@ -370,7 +471,8 @@ def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy 
     """Run every case (on ``processes`` worker processes); results come back in case order."""
     cases = list(cases)
     for case in cases:  # settings the simulator refuses fail here, before minutes of running
-        _simulator(case)
+        if not case.rollout:
+            _simulator(case)
     # Longest first, so the pool does not end waiting on one long run.
     order = sorted(range(len(cases)), key=lambda i: -cases[i].minutes * cases[i].workers)
     jobs = [(i, cases[i], settings, policy) for i in order]
@@ -389,3 +491,67 @@ def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy 
                 if progress is not None:
                     progress(result)
     return [results[i] for i in range(len(cases))]
+
+
+# -- rollouts under admission -----------------------------------------------------------------
+
+# The documented admission policy (docs/admission-policy.toml; tests/test_admission.py checks
+# they agree): shares and stage times sized so a whole rollout fits in minutes of the default fleet.
+ROLLOUT_POLICY = {"admission": {"enforce": True, "shadow_share": 0.2, "cohort_schedule": [0.1, 0.25, 1.0],
+                                "stage_seconds": 90, "window_requests": 10, "min_windows": 8,
+                                "min_shadow_checks": 20}}
+# Rollout scenarios and whether the new bundle must end frozen by its judge.
+_ROLLOUTS = {"admission": False, "admission_change": False, "canary_tail": True, "canary_mismatch": True}
+_ROLLOUT_MINUTES = 8.0
+
+
+def rollout_cases(healthy_seeds: int, frozen_seeds: int, first_seed: int = _DEFAULT_SEED) -> list[Case]:
+    """Healthy rollouts and card changes on ``healthy_seeds`` seeds, the canary incidents on ``frozen_seeds``."""
+    out = []
+    for scenario, frozen in _ROLLOUTS.items():
+        for seed in range(first_seed, first_seed + (frozen_seeds if frozen else healthy_seeds)):
+            out.append(Case(scenario, None, "rollout under admission", _ROLLOUT_MINUTES, seed=seed,
+                            compare_baselines=False))
+    return out
+
+
+def run_rollout(case: Case) -> dict:
+    """One closed-loop rollout under `ROLLOUT_POLICY`: the stages it went through, freezes and alerts.
+
+    A healthy rollout (or card change) must never be frozen by its judge nor page anyone; a
+    canary incident must end frozen, naming the structured bucket. The run stops once a
+    canary incident is frozen.
+    """
+    from specwatch.actions.flags import FlagStore
+
+    started = time.monotonic()
+    flags = FlagStore()
+    pipeline = EmbeddedPipeline(Policy.model_validate(ROLLOUT_POLICY), flags=flags)
+    sim = Simulator(case.scenario, seed=case.seed, workers=case.workers, minutes=case.minutes, flags=flags,
+                    concurrency=case.concurrency)
+    expect_freeze = _ROLLOUTS[case.scenario]
+    frozen = False
+    for record in sim.records():
+        pipeline.feed(record)
+        if expect_freeze and pipeline.decisions and any(d.reason == "canary_judgement" and
+                                                        d.evidence.get("stage") == "frozen"
+                                                        for d in pipeline.decisions):
+            frozen = True
+            break
+    pipeline.finish()
+    decisions = [{"ts": round(d.ts - sim.start_ts, 2), "action": d.action, "reason": d.reason,
+                  "bucket": d.bucket, "stage": d.evidence.get("stage"), "bundle_id": d.bundle_id}
+                 for d in pipeline.decisions]
+    freezes = [d for d in decisions if d["reason"] == "canary_judgement" and d["stage"] == "frozen"]
+    alerts = [d for d in decisions if d["action"] == "alert"]
+    # Anything that switches speculation off for a cause other than the scripted card change.
+    fallbacks = [d for d in decisions if d["action"] in ("disable_speculation", "reduce_draft_length")
+                 and d["reason"] not in ("canary_judgement", "unadmitted_bundle")]
+    if expect_freeze:
+        ok = bool(freezes) and all(d["bucket"] in (None, "structured") for d in freezes)
+    else:
+        ok = not freezes and not alerts and not fallbacks
+    return {"case": case.name, "scenario": case.scenario, "seed": case.seed, "expect_freeze": expect_freeze,
+            "ok": ok, "frozen": bool(freezes) or frozen, "freezes": freezes, "alerts": alerts,
+            "fallbacks": fallbacks, "decisions": decisions,
+            "simulated_seconds": round(sim.duration, 1), "wall_seconds": round(time.monotonic() - started, 2)}
