@@ -10,7 +10,7 @@ import hashlib
 import json
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 __all__ = [
     "CONTRACT_VERSION",
@@ -37,6 +37,7 @@ CONTRACT_VERSION = 1
 # larger is a broken or hostile producer, rejected rather than buffered.
 MAX_REQUESTS_PER_STEP = 4096
 _MAX_ID_CHARS = 256
+_MAX_SEALED_CHARS = 1 << 20
 
 Timestamp = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Millis = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -166,6 +167,17 @@ class Sample(_Part):
     prompt_sha256: str | None = None
     output_sha256: str | None = None
     sampling: Sampling | None = None
+    # Optional and additive: the request's token ids sealed for postmortems (see
+    # schemas/sealed.py). Left out of the serialized form when absent, so records without
+    # it keep the exact bytes they always had.
+    sealed: str | None = Field(default=None, max_length=_MAX_SEALED_CHARS)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_seal(self, handler):
+        data = handler(self)
+        if self.sealed is None and isinstance(data, dict):
+            data.pop("sealed", None)
+        return data
 
 
 class RequestRecord(_Record):
