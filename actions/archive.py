@@ -502,6 +502,7 @@ class Archive:
         if sample_text not in SAMPLE_TEXT_MODES:
             raise ValueError(f"{_SAMPLE_TEXT_ENV} must be one of {', '.join(SAMPLE_TEXT_MODES)}, "
                              f"got {sample_text!r}")
+        retention_days = _retention_days(environ)
         location, password = _parse_dsn(dsn or archive_dsn(environ))
         if location.engine == "chdb":
             # Checked before the engine starts: opening a directory makes chDB lay out
@@ -527,7 +528,7 @@ class Archive:
                 raise ArchiveError(f"cannot connect to the archive at {location.label}: {exc}") from exc
             release = client.close
         archive = cls(client, location.database, sample_text)
-        archive.sealed_retention_days = _retention_days(environ)
+        archive.sealed_retention_days = retention_days
         archive._label = location.label
         archive._release = release
         try:
