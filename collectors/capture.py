@@ -78,19 +78,25 @@ class SampleCapture:
             return None
         return cls(policy, SampleKey.from_env(environ))
 
+    def wants(self, request_id: str, bucket: str, prompt_tokens: int, output_tokens: int) -> bool:
+        """Whether the policy takes this request (a chosen one that is too long is counted)."""
+        if self._sealer is None:
+            return False
+        if (self._buckets and bucket not in self._buckets) or not captured(request_id, self.policy.rate):
+            return False
+        if prompt_tokens > self.policy.max_prompt_tokens or output_tokens > self.policy.max_output_tokens:
+            self._too_long += 1
+            return False
+        return True
+
     def seal(self, request_id: str, bucket: str, prompt_ids: Sequence[int] | None,
              output_ids: Sequence[int] | None) -> str | None:
         """The sealed token ids of a finished request, or None when the policy does not take it."""
-        sealer = self._sealer
-        if sealer is None or prompt_ids is None or output_ids is None:
-            return None
-        if (self._buckets and bucket not in self._buckets) or not captured(request_id, self.policy.rate):
-            return None
-        if len(prompt_ids) > self.policy.max_prompt_tokens or len(output_ids) > self.policy.max_output_tokens:
-            self._too_long += 1
+        if prompt_ids is None or output_ids is None or not self.wants(request_id, bucket, len(prompt_ids),
+                                                                      len(output_ids)):
             return None
         start = time.perf_counter_ns()
-        sealed = sealer.seal(prompt_ids, output_ids)
+        sealed = self._sealer.seal(prompt_ids, output_ids)
         self._seal_ns += time.perf_counter_ns() - start
         self._sealed += 1
         return sealed

@@ -234,3 +234,37 @@ def test_reproduce_flow_audits_refuses_and_archives(tmp_path):
             ("ops", decision.id, "opened", _KEY.key_id), ("ops", decision.id, "opened", _KEY.key_id),
             ("ops", decision.id, "opened", _KEY.key_id)]
         assert [r["verdict"] for r in archive.reproductions(decision.id)] == ["reproduced", "bundle differs"]
+
+
+def test_explain_page_links_to_the_archived_reproduction(tmp_path):
+    from specwatch.postmortem import render_html
+    from specwatch.schemas import BundleCard
+
+    archive, decision, _ = _archive_with_sealed_decision(tmp_path)
+    with archive:
+        card = BundleCard.model_validate(archive.decision(decision.id)["audit"]["card"])
+        outcome = RerunOutcome(standard_ids=list(_OUTPUT), speculative_ids=list(_OUTPUT), rounds=[(4, 4)])
+        result = reproduce_decision(archive, decision.id, _KEY, _Runner(card, [outcome]), "ops", lambda: 5.0)
+        page = render_html(archive.decision(decision.id), archive.samples(decision.id),
+                           archive.reproductions(decision.id))
+    ident = result["reproduction_id"]
+    assert f'<a href="#{ident}">{ident} (reproduced)</a>' in page
+    assert f'<tr id="{ident}" data-verdict="reproduced">' in page
+    assert "r1: reproduced, first divergence -, acceptance by position 1 1 1 1" in page
+
+
+def test_simulator_capture_seals_only_what_it_takes():
+    from specwatch.collectors.simulator import Simulator
+
+    plain = list(Simulator("healthy", seed=3, minutes=0.3).records())
+    capture = SampleCapture(CapturePolicy(enabled=True, rate=0.05), _KEY)
+    captured = list(Simulator("healthy", seed=3, minutes=0.3, capture=capture).records())
+    assert len(plain) == len(captured)
+    changed = [(a, b) for a, b in zip(plain, captured) if a != b]
+    stats = capture.stats()
+    assert len(changed) == stats.sealed > 0 and stats.too_long > 0
+    for before, after in changed:
+        assert before.model_copy(update={"sample": None}) == after.model_copy(update={"sample": None})
+        opened = open_sealed(after.sample.sealed, _KEY, after.sample.prompt_sha256, after.sample.output_sha256)
+        assert len(opened.output_ids) == after.output_tokens
+        assert after.sample.sampling == before.sample.sampling
