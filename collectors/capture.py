@@ -33,11 +33,11 @@ def captured(request_id: str, rate: float) -> bool:
 
 @dataclass(frozen=True)
 class CaptureStats:
-    """What a capture did: requests sealed, and the ones chosen but too long to keep."""
+    """What a capture did: requests sealed, the ones chosen but too long to keep, time in `seal` calls."""
 
     sealed: int
     too_long: int
-    seal_s: float
+    capture_s: float
 
 
 class SampleCapture:
@@ -68,7 +68,7 @@ class SampleCapture:
         self._buckets = frozenset(policy.buckets)
         self._sealed = 0
         self._too_long = 0
-        self._seal_ns = 0
+        self._capture_ns = 0
 
     @classmethod
     def from_policy(cls, policy: CapturePolicy,
@@ -92,14 +92,14 @@ class SampleCapture:
     def seal(self, request_id: str, bucket: str, prompt_ids: Sequence[int] | None,
              output_ids: Sequence[int] | None) -> str | None:
         """The sealed token ids of a finished request, or None when the policy does not take it."""
-        if prompt_ids is None or output_ids is None or not self.wants(request_id, bucket, len(prompt_ids),
-                                                                      len(output_ids)):
-            return None
         start = time.perf_counter_ns()
-        sealed = self._sealer.seal(prompt_ids, output_ids)
-        self._seal_ns += time.perf_counter_ns() - start
-        self._sealed += 1
+        sealed = None
+        if prompt_ids is not None and output_ids is not None and self.wants(request_id, bucket, len(prompt_ids),
+                                                                            len(output_ids)):
+            sealed = self._sealer.seal(prompt_ids, output_ids)
+            self._sealed += 1
+        self._capture_ns += time.perf_counter_ns() - start
         return sealed
 
     def stats(self) -> CaptureStats:
-        return CaptureStats(self._sealed, self._too_long, self._seal_ns / 1e9)
+        return CaptureStats(self._sealed, self._too_long, self._capture_ns / 1e9)
