@@ -7,6 +7,7 @@ configuration before any model loads, so a refused run costs no engine start.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,10 @@ from specwatch.schemas import BundleCard
 from specwatch.schemas.rerun import RerunOutcome, RerunRequest
 
 __all__ = ["VllmRerunner", "speculative_config_for"]
+
+# vLLM logs to stdout by default, which must stay clean for `reproduce --json`.
+_QUIET_ENVIRONMENT = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+                      "TQDM_DISABLE": "1"}
 
 
 def speculative_config_for(card: BundleCard) -> dict:
@@ -54,6 +59,8 @@ class VllmRerunner:
     """
 
     def __init__(self, target: str | Path, speculative_config: dict) -> None:
+        for name, value in _QUIET_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)  # before vLLM is first imported
         self.target = str(target)
         self.speculative_config = dict(speculative_config)
 
@@ -77,9 +84,10 @@ class VllmRerunner:
         try:
             for i, request in enumerate(requests):
                 request_id = f"reproduce-{i}"
+                rounds.take()  # nothing from before this request
                 run = run_to_completion(engine, [(request_id, _prompt(request), _params(request))])
                 collector.flush()
-                speculative.append((list(run.outputs[request_id].outputs[0].token_ids), rounds.take(request_id)))
+                speculative.append((list(run.outputs[request_id].outputs[0].token_ids), rounds.take()))
         finally:
             collector.close()
             close_engine(engine)
@@ -100,27 +108,34 @@ class VllmRerunner:
 
 
 class _Rounds:
-    """The collector's sink here: each request's (drafted, accepted) per step, and step times."""
+    """The collector's sink here: the (drafted, accepted) of every step and the step times.
+
+    Requests run one at a time, so everything since the last `take` belongs to one request
+    (vLLM adds a suffix of its own to request ids, so they are not matched by id).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_request: dict[str, list] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._rounds: list[tuple[int, int]] = []
+        self._draft_ms = 0.0
+        self._verify_ms = 0.0
 
     def emit(self, record: Any) -> None:
         if record.kind != "step":
             return
         with self._lock:
-            for entry in record.requests:
-                steps = self._by_request.setdefault(entry.id, [[], 0.0, 0.0])
-                steps[0].append((entry.drafted, entry.accepted))
-                # one request per engine step here: the step's times are the request's
-                steps[1] += record.draft_ms
-                steps[2] += record.verify_ms
+            self._rounds.extend((entry.drafted, entry.accepted) for entry in record.requests)
+            self._draft_ms += record.draft_ms
+            self._verify_ms += record.verify_ms
 
-    def take(self, request_id: str) -> tuple[list, float, float]:
+    def take(self) -> tuple[list, float, float]:
         with self._lock:
-            steps = self._by_request.pop(request_id, [[], 0.0, 0.0])
-        return steps[0], steps[1], steps[2]
+            taken = (self._rounds, self._draft_ms, self._verify_ms)
+            self._reset()
+        return taken
 
 
 def _prompt(request: RerunRequest) -> dict:
