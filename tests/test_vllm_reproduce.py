@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from specwatch.reproduce import render_result
 from vllm_scenario import run_scenario
 
 pytestmark = pytest.mark.vllm
@@ -185,9 +186,8 @@ def test_bad_drafter_reproduce_shows_low_acceptance_by_position(scenario, capsys
     assert [(o["actor"], o["detail"]["outcome"]) for o in opens if o["decision_id"] == decision["id"]] == [
         ("postmortem-test", "opened")]
     assert [r["reproduction_id"] for r in runs] == [result["reproduction_id"]]
-    text = _reproduce(scenario, decision["id"])
     with capsys.disabled():
-        print("\n[reproduce, bad drafter]\n" + text.stdout)
+        print("\n[reproduce, bad drafter]\n" + render_result(result))
 
 
 def test_divergence_found_where_the_shadow_check_saw_it(scenario, capsys):
@@ -209,7 +209,7 @@ def test_divergence_found_where_the_shadow_check_saw_it(scenario, capsys):
         assert report["first_divergence"] == seen and report["archived_vs_standard"] == seen, report
     assert any(r["first_divergence"] is not None for r in result["requests"])
     with capsys.disabled():
-        print("\n[reproduce, divergence]\n" + _reproduce(scenario, decision["id"]).stdout)
+        print("\n[reproduce, divergence]\n" + render_result(result))
 
 
 def test_wrong_or_missing_key_opens_nothing(scenario, tmp_path):
