@@ -30,6 +30,7 @@ import pyarrow as pa
 from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Decision, decision_key
 from specwatch.schemas.redaction import SAMPLE_TEXT_MODES, redact_record
+from specwatch.schemas.sealed import sealed_key_id
 
 __all__ = [
     "ARCHIVE_ENV",
@@ -278,6 +279,37 @@ _REJECTION_SCHEMA = pa.schema([
     ("ts", _F64), ("source", _STR), ("reason", _STR), ("count", pa.uint64()),
 ])
 _DECISION_COLUMNS = ", ".join(_DECISION_SCHEMA.names)
+
+# Sealed samples (key id and ciphertext, never clear text) and `specwatch reproduce` results.
+# Each column list is written once and gives both the table and its insert schema.
+_SEALED_COLUMNS = (("decision_id", "String"), ("sample_id", "String"), ("ts", "Float64"),
+                   ("bundle_id", "LowCardinality(String)"), ("key_id", "LowCardinality(String)"),
+                   ("prompt_sha256", "String"), ("output_sha256", "String"), ("sealed", "String"))
+_REPRODUCTION_COLUMNS = (("reproduction_id", "String"), ("decision_id", "String"), ("ts", "Float64"),
+                         ("actor", "String"), ("verdict", "LowCardinality(String)"), ("result", "String"))
+_SEALED_RETENTION_ENV = "SPECWATCH_SEALED_SAMPLE_DAYS"
+# Sealed token ids are kept this long after they were archived, then ClickHouse drops them
+# (a TTL on the table); the hashes in `samples` stay with the decision.
+_DEFAULT_SEALED_RETENTION_DAYS = 30
+
+
+def _column_table(columns: Sequence[tuple[str, str]], tail: str) -> str:
+    return ",\n        ".join(f"{name} {kind}" for name, kind in columns) + ",\n        " + tail
+
+
+def _column_schema(columns: Sequence[tuple[str, str]]) -> pa.Schema:
+    return pa.schema([(name, _F64 if kind == "Float64" else _STR) for name, kind in columns])
+
+
+_TABLES["sealed_samples"] = _column_table(_SEALED_COLUMNS, f"""archived_at DateTime DEFAULT now()
+    ) ENGINE = ReplacingMergeTree
+    ORDER BY (decision_id, sample_id)
+    TTL archived_at + INTERVAL {_DEFAULT_SEALED_RETENTION_DAYS} DAY""")
+_TABLES["reproductions"] = _column_table(_REPRODUCTION_COLUMNS, """archived_at DateTime64(6, 'UTC') DEFAULT now64(6)
+    ) ENGINE = ReplacingMergeTree
+    ORDER BY (decision_id, reproduction_id)""")
+_SEALED_SCHEMA = _column_schema(_SEALED_COLUMNS)
+_REPRODUCTION_SCHEMA = _column_schema(_REPRODUCTION_COLUMNS)
 _AUDIT_JSON = ("thresholds", "baseline", "window", "card", "detail")
 
 
@@ -532,6 +564,7 @@ class Archive:
         if sample_text not in SAMPLE_TEXT_MODES:
             raise ValueError(f"sample_text must be one of {', '.join(SAMPLE_TEXT_MODES)}, got {sample_text!r}")
         self.sample_text = sample_text
+        self.sealed_retention_days = _DEFAULT_SEALED_RETENTION_DAYS
         self._client = client
         self._db = database
         self._label = f"{type(client).__name__}/{database}"
@@ -554,6 +587,7 @@ class Archive:
         if sample_text not in SAMPLE_TEXT_MODES:
             raise ValueError(f"{_SAMPLE_TEXT_ENV} must be one of {', '.join(SAMPLE_TEXT_MODES)}, "
                              f"got {sample_text!r}")
+        retention_days = _retention_days(environ)
         location, password = _parse_dsn(dsn or archive_dsn(environ))
         if location.engine == "chdb":
             # Checked before the engine starts: opening a directory makes chDB lay out
@@ -582,6 +616,7 @@ class Archive:
                                    f"{reason.group(0).strip() if reason else exc}") from exc
             release = client.close
         archive = cls(client, location.database, sample_text)
+        archive.sealed_retention_days = retention_days
         archive._label = location.label
         archive._release = release
         try:
@@ -624,6 +659,16 @@ class Archive:
         for name in _WINDOW_ADDED:
             self._client.command(f"ALTER TABLE {self._db}.window_stats ADD COLUMN IF NOT EXISTS "
                                  f"{name} {_window_column_type(name)}")
+        self._apply_sealed_retention()
+
+    def _apply_sealed_retention(self) -> None:
+        # The TTL is part of the table: changed in place when the setting differs from it.
+        ttl = f"toIntervalDay({int(self.sealed_retention_days)})"
+        rows = self._select("SELECT engine_full FROM system.tables WHERE database = {db:String} "
+                            "AND name = 'sealed_samples'", {"db": self._db})
+        if rows and ttl not in rows[0]["engine_full"]:
+            self._client.command(f"ALTER TABLE {self._db}.sealed_samples MODIFY TTL "
+                                 f"archived_at + INTERVAL {int(self.sealed_retention_days)} DAY")
 
     def exists(self) -> bool:
         """Whether the archive tables are there (an archive was created at this place)."""
@@ -811,6 +856,43 @@ class Archive:
                             {"id": decision_id})
         for row in rows:
             row["record"] = json.loads(row["record"])
+        return rows
+
+    def sealed_samples(self, decision_id: str) -> list[dict]:
+        """The sealed samples of a decision: key id, digests and ciphertext (nothing is opened here)."""
+        names = ", ".join(name for name, _ in _SEALED_COLUMNS)
+        return self._select(f"SELECT {names} FROM {self._db}.sealed_samples FINAL "
+                            "WHERE decision_id = {id:String} ORDER BY ts, sample_id", {"id": decision_id})
+
+    def write_sample_opening(self, decision_id: str, bundle_id: str, actor: str, ts: float,
+                             detail: Mapping[str, Any]) -> str:
+        """Audit one attempt to open a decision's sealed samples (who, when, which, outcome)."""
+        _require_text(actor, "actor (who opens the samples)")
+        ts = _finite(ts, "ts")
+        body = _json({"decision_id": decision_id, "actor": actor, "ts": ts, "detail": detail})
+        audit_id = "a-open-" + hashlib.sha256(body.encode()).hexdigest()[:16]
+        row = [audit_id, ts, "sample_open", actor, decision_id, bundle_id, "", "", "", "null", "null",
+               "null", "null", _json(detail)]
+        self._insert("audit", _AUDIT_SCHEMA, [[v] for v in row])
+        return audit_id
+
+    def write_reproduction(self, decision_id: str, actor: str, ts: float, verdict: str,
+                           result: Mapping[str, Any]) -> str:
+        """Archive a `specwatch reproduce` result beside its decision; returns its id."""
+        _require_text(actor, "actor")
+        ts = _finite(ts, "ts")
+        text = _json(result)
+        reproduction_id = "r-" + hashlib.sha256(f"{decision_id}\0{actor}\0{ts!r}\0{text}".encode()).hexdigest()[:16]
+        self._insert("reproductions", _REPRODUCTION_SCHEMA,
+                     [[v] for v in (reproduction_id, decision_id, ts, actor, verdict, text)])
+        return reproduction_id
+
+    def reproductions(self, decision_id: str) -> list[dict]:
+        """The `specwatch reproduce` results archived for a decision, oldest first, ``result`` parsed."""
+        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.reproductions FINAL "
+                            "WHERE decision_id = {id:String} ORDER BY ts, reproduction_id", {"id": decision_id})
+        for row in rows:
+            row["result"] = json.loads(row["result"])
         return rows
 
     def timeline(self, bundle_id: str | None = None, bucket: str | None = None,
@@ -1001,6 +1083,8 @@ class Archive:
         # Samples and audit go first: a decision row present means its evidence is too.
         if batch.samples[0]:
             self._insert("samples", _SAMPLE_SCHEMA, batch.samples)
+        if batch.sealed[0]:
+            self._insert("sealed_samples", _SEALED_SCHEMA, batch.sealed)
         self._insert("audit", _AUDIT_SCHEMA, batch.audits)
         self._insert("decisions", _DECISION_SCHEMA, batch.decisions)
         return batch.count
@@ -1205,6 +1289,7 @@ class _DecisionBatch:
         self.decisions: list[list[Any]] = [[] for _ in _DECISION_SCHEMA]
         self.audits: list[list[Any]] = [[] for _ in _AUDIT_SCHEMA]
         self.samples: list[list[Any]] = [[] for _ in _SAMPLE_SCHEMA]
+        self.sealed: list[list[Any]] = [[] for _ in _SEALED_SCHEMA]
         self.count = 0
 
     def add(self, decision: Decision, audit: Mapping[str, Any] | None,
@@ -1215,16 +1300,20 @@ class _DecisionBatch:
         # a half-recorded decision behind.
         decision_id = decision.id  # a digest of the canonical line: computed once
         rows = _decision_row(decision, decision_id), _decision_audit_row(decision, decision_id, audit or {})
-        sample_rows = [_sample_row(decision_id, sample, self.sample_text) for sample in samples]
+        unsealed = [_unsealed(decision_id, sample) for sample in samples]
+        sample_rows = [_sample_row(decision_id, record, self.sample_text) for record, _ in unsealed]
         _append(self.decisions, rows[0])
         _append(self.audits, rows[1])
         for row in sample_rows:
             _append(self.samples, row)
+        for _, sealed_row in unsealed:
+            if sealed_row is not None:
+                _append(self.sealed, sealed_row)
         self.count += 1
 
     def extend(self, other: "_DecisionBatch") -> None:
         for mine, theirs in ((self.decisions, other.decisions), (self.audits, other.audits),
-                             (self.samples, other.samples)):
+                             (self.samples, other.samples), (self.sealed, other.sealed)):
             for column, more in zip(mine, theirs):
                 column.extend(more)
         self.count += other.count
@@ -1266,6 +1355,31 @@ def _decision_audit_row(decision: Decision, decision_id: str, audit: Mapping[str
             decision.key, decision.reason, decision.detector, _json(audit.get("thresholds")),
             _json(audit.get("baseline")), _json(audit.get("window")), _json(audit.get("card")),
             _json(extra or None)]
+
+
+def _unsealed(decision_id: str, sample: Mapping[str, Any] | Any) -> tuple[Any, list[Any] | None]:
+    """A sample without its sealed token ids, and the sealed-samples row that keeps them apart."""
+    record = sample.model_dump(mode="json") if hasattr(sample, "model_dump") else sample
+    inner = record.get("sample") if isinstance(record, abc.Mapping) else None
+    sealed = inner.get("sealed") if isinstance(inner, abc.Mapping) else None
+    if sealed is None:
+        return record, None
+    key_id = sealed_key_id(sealed)  # a malformed payload is a bad sample: refused here
+    try:
+        row = [decision_id, str(record["id"]), _finite(record["ts"], "sample ts"), record["bundle_id"], key_id,
+               inner.get("prompt_sha256") or "", inner.get("output_sha256") or "", sealed]
+    except KeyError as exc:
+        raise ValueError(f"sealed sample for {decision_id} has no {exc.args[0]!r}") from None
+    return {**record, "sample": {k: v for k, v in inner.items() if k != "sealed"}}, row
+
+
+def _retention_days(environ: Mapping[str, str]) -> int:
+    text = environ.get(_SEALED_RETENTION_ENV, "").strip()
+    if not text:
+        return _DEFAULT_SEALED_RETENTION_DAYS
+    if not text.isdigit() or not 1 <= int(text) <= 36500:
+        raise ValueError(f"{_SEALED_RETENTION_ENV} must be a whole number of days from 1 to 36500, got {text!r}")
+    return int(text)
 
 
 def _sample_row(decision_id: str, sample: Mapping[str, Any] | Any,

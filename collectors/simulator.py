@@ -15,6 +15,9 @@ from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from specwatch.collectors.capture import SampleCapture
+from specwatch.schemas.sealed import token_digest
+
 from specwatch.schemas import (
     BundleCard,
     BundleRecord,
@@ -65,6 +68,8 @@ DEFAULT_CARD = BundleCard(
 # tokenizer fix (special tokens) that leaves acceptance alone but still voids the evidence.
 _UPDATED_REVISION = "5f0b02c7"
 _UPDATED_TOKENIZER_DIGEST = "sha256:a4e27d1c95f3086b"
+# Token ids of captured requests are drawn from a vocabulary of this size.
+_CAPTURE_VOCAB = 32_000
 
 
 # -- task buckets and cohorts ------------------------------------------------------------------
@@ -947,7 +952,7 @@ class _Worker:
             bucket=BUCKETS[req.bucket].name, cohort=COHORTS[req.cohort], speculative=req.speculated,
             ttft_ms=round(req.ttft_ms, 3), tpot_ms=None if tpot_ms is None else round(tpot_ms, 3),
             e2e_ms=round(e2e_ms, 3), output_tokens=tokens, finish_reason=reason, error=error,
-            sample=Sample(prompt_sha256=req.prompt_sha256, output_sha256=req.output_sha256, sampling=req.sampling),
+            sample=self._sample(req, tokens),
         )
         out: list[TelemetryRecord] = []
         if delayed:
@@ -966,6 +971,18 @@ class _Worker:
                 v=1, ts=shadow_ts, bundle_id=self.bundle_id, id=req.id, bucket=BUCKETS[req.bucket].name,
                 check=_SHADOW_CHECK, match=match)])
         return out
+
+    def _sample(self, req: _Request, output_tokens: int) -> Sample:
+        capture = self.sim.capture
+        bucket = BUCKETS[req.bucket].name
+        if capture is None or not capture.wants(req.id, bucket, req.prompt_tokens, output_tokens):
+            return Sample(prompt_sha256=req.prompt_sha256, output_sha256=req.output_sha256, sampling=req.sampling)
+        # A captured request gets token ids of its own (seeded by its id) and digests over them.
+        rng = np.random.default_rng([self.sim.seed, *req.id.encode()])
+        prompt_ids = rng.integers(0, _CAPTURE_VOCAB, req.prompt_tokens).tolist()
+        output_ids = rng.integers(0, _CAPTURE_VOCAB, output_tokens).tolist()
+        return Sample(prompt_sha256=token_digest(prompt_ids), output_sha256=token_digest(output_ids),
+                      sampling=req.sampling, sealed=capture.seal(req.id, bucket, prompt_ids, output_ids))
 
     def _preempt(self) -> None:
         """Out of KV blocks: the newest requests go back to the queue (recompute), as vLLM does."""
@@ -1049,6 +1066,9 @@ class Simulator:
         150 s for the demo), leaving a clean first minute for baselines.
     concurrency
         Mean running requests per worker at load factor 1.
+    capture
+        Optional `SampleCapture`: the requests it takes get seeded token ids, sealed into
+        their samples. None (the default) leaves every record as it was.
 
     >>> sim = Simulator("acceptance_drop", seed=1, minutes=0.05)
     >>> [i.kind for i in sim.incidents], sim.bundle_cards == {sim.initial_bundle_id: DEFAULT_CARD}
@@ -1066,7 +1086,7 @@ class Simulator:
     def __init__(self, scenario: str = "demo", seed: int = 7, minutes: float | None = None,
                  workers: int = _DEFAULT_WORKERS, intensity: float | None = None, flags: FlagSource | None = None,
                  start_ts: float = DEFAULT_START_TS, incident_at: float | None = None,
-                 concurrency: int = _DEFAULT_CONCURRENCY) -> None:
+                 concurrency: int = _DEFAULT_CONCURRENCY, capture: SampleCapture | None = None) -> None:
         if scenario not in _SCENARIO_SPECS:
             raise ValueError(f"unknown scenario {scenario!r}; choose one of: {', '.join(_SCENARIO_SPECS)}")
         spec = _SCENARIO_SPECS[scenario]
@@ -1103,6 +1123,7 @@ class Simulator:
         self.start_ts = float(start_ts)
         self.incident_at = spec.incident_at if incident_at is None else float(incident_at)
         self.concurrency = int(concurrency)
+        self.capture = capture
         self._scenario = spec
 
     @property

@@ -11,7 +11,7 @@ import json
 import re
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -41,6 +41,7 @@ CONTRACT_VERSION = 1
 # larger is a broken or hostile producer, rejected rather than buffered.
 MAX_REQUESTS_PER_STEP = 4096
 _MAX_ID_CHARS = 256
+_MAX_SEALED_CHARS = 1 << 20
 
 # Names reach terminals, logs and dashboards: control characters (C0, DEL and C1, the
 # ANSI escape among them), line and paragraph separators and bidirectional overrides
@@ -222,6 +223,17 @@ class Sample(_Part):
     prompt_sha256: str | None = None
     output_sha256: str | None = None
     sampling: Sampling | None = None
+    # Optional and additive: the request's token ids sealed for postmortems (see
+    # schemas/sealed.py). Left out of the serialized form when absent, so records without
+    # it keep the exact bytes they always had.
+    sealed: str | None = Field(default=None, max_length=_MAX_SEALED_CHARS)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_seal(self, handler):
+        data = handler(self)
+        if self.sealed is None and isinstance(data, dict):
+            data.pop("sealed", None)
+        return data
 
 
 class RequestRecord(_Record):

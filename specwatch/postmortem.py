@@ -258,8 +258,11 @@ def _sample_detail(record: dict) -> str:
 
 # -- HTML ---------------------------------------------------------------------------------------
 
-def render_html(record: dict, samples: Sequence[dict]) -> str:
+def render_html(record: dict, samples: Sequence[dict], reproductions: Sequence[dict] = ()) -> str:
     """A self-contained postmortem page (inline SVG plots, no external resources).
+
+    ``reproductions`` are the archived `specwatch reproduce` results of the decision
+    (`Archive.reproductions`); the page links to each from its summary.
 
     >>> page = render_html({"decision_id": "d-1", "ts": 100.0, "bundle_id": "b-1", "bucket": None,
     ...                     "cohort": None, "action": "alert", "reason": "draft_overhead",
@@ -279,6 +282,8 @@ def render_html(record: dict, samples: Sequence[dict]) -> str:
         f'data-reason="{esc(record["reason"])}" data-action="{esc(record["action"])}">',
         f'<h1>Decision <span id="decision-id">{esc(record["decision_id"])}</span></h1>',
         f'<p id="summary">{esc(": ".join(p for p in _headline(record) if p))}</p>',
+        *([f'<p id="reproduced">Reproduced: {" ".join(_reproduction_link(r) for r in reproductions)}</p>']
+          if reproductions else []),
         '<table id="decision">',
         _row("action", record["action"], "action"),
         _row("reason", record["reason"], "reason"),
@@ -313,6 +318,9 @@ def render_html(record: dict, samples: Sequence[dict]) -> str:
     parts.append(_key_value_table("card", card) if card else '<p id="card" class="muted">Not archived.</p>')
     parts.append(f"<h2>Samples ({len(samples)})</h2>")
     parts.append(_samples_table(samples))
+    if reproductions:
+        parts.append(f"<h2>Reproductions ({len(reproductions)})</h2>")
+        parts.append(_reproductions_table(reproductions))
     parts.append("</main></body></html>")
     return "\n".join(parts)
 
@@ -347,6 +355,28 @@ def _samples_table(samples: Sequence[dict]) -> str:
         more = f'<p class="muted">{len(samples) - _MAX_SAMPLE_ROWS} more not shown.</p>'
     return ('<table id="samples"><tr><th>kind</th><th>id</th><th>event time</th><th>what</th><th>raw</th></tr>'
             + "".join(rows) + "</table>" + more)
+
+
+def _reproduction_link(reproduction: dict) -> str:
+    ident = html.escape(reproduction["reproduction_id"])
+    return f'<a href="#{ident}">{ident} ({html.escape(reproduction["verdict"])})</a>'
+
+
+def _reproductions_table(reproductions: Sequence[dict]) -> str:
+    rows = []
+    for reproduction in reproductions:
+        result = reproduction["result"]
+        requests = "; ".join(
+            f"{r['sample_id']}: {r['verdict']}, first divergence {_number(r['first_divergence'])}, acceptance by "
+            f"position {' '.join(_number(x) for x in r['position_acceptance'])}"
+            for r in result.get("requests", ()))
+        rows.append(
+            f'<tr id="{html.escape(reproduction["reproduction_id"])}" data-verdict="{html.escape(reproduction["verdict"])}">'
+            f"<td><code>{html.escape(reproduction['reproduction_id'])}</code></td>"
+            f"<td>{html.escape(_utc(reproduction['ts']))}</td><td>{html.escape(reproduction['actor'])}</td>"
+            f"<td>{html.escape(reproduction['verdict'])}</td><td>{html.escape(requests)}</td></tr>")
+    return ('<table id="reproductions"><tr><th>id</th><th>when</th><th>who</th><th>verdict</th><th>requests</th></tr>'
+            + "".join(rows) + "</table>")
 
 
 def _plot(plot, rows: list[dict], record: dict, finding: dict) -> str:

@@ -237,7 +237,8 @@ def test_schema_creation_is_idempotent(archive):
     archive.ensure_schema()
     _, rows = archive.sql("SHOW TABLES FROM specwatch")
     assert sorted(r[0] for r in rows) == ["audit", "bundle_sightings", "bundle_stages", "bundles", "decisions",
-                                          "overrides", "rejections", "samples", "window_stats"]
+                                          "overrides", "rejections", "reproductions", "samples", "sealed_samples",
+                                          "window_stats"]
 
 
 # -- idempotency ---------------------------------------------------------------------------

@@ -7,11 +7,9 @@ turns them into validated records and calls ``sink.emit(record)``, so no engine 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -27,6 +25,8 @@ from specwatch.schemas import (
     StepRecord,
     bundle_digest,
 )
+from specwatch.collectors.capture import SampleCapture
+from specwatch.schemas.sealed import token_digest
 
 from .labels import Labeler
 
@@ -109,6 +109,9 @@ class VllmCollector:
         built-in ones (see labels.request_labels).
     queue_size
         Records held for the sink before new ones are dropped (and counted).
+    capture
+        Optional `SampleCapture`: finished requests it takes carry their token ids sealed in
+        ``sample.sealed``. Sealing runs in the emitter thread, never in the engine step.
 
     Example, with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
 
@@ -123,7 +126,7 @@ class VllmCollector:
 
     def __init__(self, sink: RecordSink | None = None, *, flags: FlagView | None = None,
                  worker: str | None = None, labeler: Labeler | None = None,
-                 queue_size: int = _DEFAULT_QUEUE_SIZE) -> None:
+                 queue_size: int = _DEFAULT_QUEUE_SIZE, capture: SampleCapture | None = None) -> None:
         if sink is not None and not callable(getattr(sink, "emit", None)):
             raise ValueError(f"sink must have an emit(record) method, got {type(sink).__name__}")
         if flags is not None and not callable(getattr(flags, "lookup", None)):
@@ -138,6 +141,7 @@ class VllmCollector:
         self.flags = flags
         self.worker = worker
         self.labeler = labeler
+        self.capture = capture
         self._queue_size = queue_size
         self._enabled = True
         self._bundles: dict[str, BundleCard] = {}
@@ -331,7 +335,7 @@ class VllmCollector:
             if kind == "step":
                 return _step_record(self.worker, payload)
             if kind == "request":
-                return _request_record(self.worker, payload)
+                return _request_record(self.worker, payload, self.capture)
             _, ts, bundle_id, card = payload
             return BundleRecord(v=1, ts=ts, worker=self.worker, bundle_id=bundle_id, card=card)
         except Exception as error:  # a payload that breaks the contract is a bug: count, say so
@@ -374,18 +378,7 @@ def split_entries(entries: Sequence[tuple]) -> list[Sequence[tuple]]:
     return [entries[i:i + MAX_REQUESTS_PER_STEP] for i in range(0, len(entries), MAX_REQUESTS_PER_STEP)]
 
 
-def token_digest(token_ids: Sequence[int] | None) -> str | None:
-    """sha256 of token ids packed as little-endian uint32: what a replay feeds the engine back.
-
-    >>> token_digest([1, 2, 3]) == hashlib.sha256(bytes([1,0,0,0, 2,0,0,0, 3,0,0,0])).hexdigest()
-    True
-    """
-    if token_ids is None:
-        return None
-    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
-
-
-def _request_record(worker: str, payload: tuple) -> RequestRecord:
+def _request_record(worker: str, payload: tuple, capture: SampleCapture | None = None) -> RequestRecord:
     (_, ts, bundle_id, rid, bucket, cohort, speculative, arrival, first_ts, last_ts, n_out,
      finish_reason, error, prompt_ids, output_ids, sampling) = payload
     first_ts = first_ts if first_ts is not None else ts
@@ -393,14 +386,15 @@ def _request_record(worker: str, payload: tuple) -> RequestRecord:
     tpot_ms = (max(0.0, (last_ts - first_ts) * 1e3 / (n_out - 1))
                if n_out > 1 and last_ts is not None else None)
     temperature, top_p, seed, max_tokens = sampling
+    sample = {"prompt_sha256": token_digest(prompt_ids), "output_sha256": token_digest(output_ids),
+              "sampling": {"temperature": temperature, "top_p": top_p, "seed": seed, "max_tokens": max_tokens}}
+    if capture is not None:
+        sample["sealed"] = capture.seal(rid, bucket, prompt_ids, output_ids)
     return RequestRecord.model_validate({
         "v": 1, "ts": ts, "worker": worker, "bundle_id": bundle_id, "id": _short(rid),
         "bucket": bucket, "cohort": cohort, "speculative": speculative,
         "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2e_ms": max(0.0, (ts - arrival) * 1e3),
         "output_tokens": n_out, "finish_reason": _FINISH_REASONS.get(finish_reason, "error"),
         "error": error,
-        "sample": {"prompt_sha256": token_digest(prompt_ids),
-                   "output_sha256": token_digest(output_ids),
-                   "sampling": {"temperature": temperature, "top_p": top_p, "seed": seed,
-                                "max_tokens": max_tokens}},
+        "sample": sample,
     })

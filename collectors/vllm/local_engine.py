@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["configure_cpu_environment", "new_engine", "close_engine", "EngineRun",
+__all__ = ["configure_cpu_environment", "new_engine", "engine_args", "close_engine", "EngineRun",
            "run_to_completion", "spec_decode_counters"]
 
 _LOG = logging.getLogger(__name__)
@@ -47,13 +47,21 @@ def new_engine(model: Path | str, speculative_config: dict | None, *, seed: int 
     """An `LLMEngine` on a local model, float32, eager, stat logging on (for vLLM's counters)."""
     configure_cpu_environment()
     _make_llvmlite_scan_safe()
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    args = EngineArgs(model=str(model), dtype="float32", enforce_eager=True, seed=seed,
+    return LLMEngine.from_engine_args(engine_args(model, speculative_config, seed=seed, max_num_seqs=max_num_seqs,
+                                                  max_model_len=max_model_len, log_stats=log_stats))
+
+
+def engine_args(model: Path | str, speculative_config: dict | None, *, seed: int = 0,
+                max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS, max_model_len: int = _DEFAULT_MAX_MODEL_LEN,
+                log_stats: bool = True) -> Any:
+    """The `EngineArgs` new_engine starts from; ``create_engine_config()`` gives the config without a model."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), dtype="float32", enforce_eager=True, seed=seed,
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                       speculative_config=speculative_config, disable_log_stats=not log_stats)
-    return LLMEngine.from_engine_args(args)
 
 
 def close_engine(engine: Any) -> None:

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 __all__ = ["register", "push_collector", "pop_collector", "collector_for", "ENV_SINK", "ENV_FLAGS",
-           "ENV_WORKER", "ENV_LABELER"]
+           "ENV_WORKER", "ENV_LABELER", "ENV_POLICY"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -26,6 +26,8 @@ ENV_SINK = "SPECWATCH_VLLM_SINK"
 ENV_FLAGS = "SPECWATCH_VLLM_FLAGS"
 ENV_LABELER = "SPECWATCH_VLLM_LABELER"  # names the labeler itself, not a factory
 ENV_WORKER = "SPECWATCH_VLLM_WORKER"
+# A policy file whose [capture] section turns sealed sample capture on (key: SPECWATCH_SAMPLE_KEY_FILE).
+ENV_POLICY = "SPECWATCH_VLLM_POLICY"
 
 # Module-level state, which a plugin registration needs and nothing else:
 #   _installed  the hooks are wrapped around vLLM's classes once per process;
@@ -88,12 +90,20 @@ def _env_collector() -> Any:
         from specwatch.collectors.otlp_export import service_instance_id
 
         labeler_name = os.environ.get(ENV_LABELER, "").strip()
+        policy_path = os.environ.get(ENV_POLICY, "").strip()
+        capture = None
+        if policy_path and sink_name:
+            from specwatch.collectors.capture import SampleCapture
+            from specwatch.schemas import load_policy
+
+            capture = SampleCapture.from_policy(load_policy(policy_path).capture)
         _from_env = VllmCollector(
             _LazySink(_resolve(ENV_SINK, sink_name)) if sink_name else None,
             flags=_resolve(ENV_FLAGS, flags_name)() if flags_name else None,
             # the contract's worker is the OTel resource's service.instance.id when not named here
             worker=os.environ.get(ENV_WORKER, "").strip() or service_instance_id(),
             labeler=_resolve(ENV_LABELER, labeler_name) if labeler_name else None,
+            capture=capture,
         )
         # the emitter is a daemon thread: hand queued records to the sink before the process ends
         atexit.register(_from_env.close)

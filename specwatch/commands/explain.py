@@ -40,10 +40,11 @@ def _run(args) -> int:
             print(f"specwatch explain: no decision {args.decision_id!r} in the archive {archive!r}", file=sys.stderr)
             return 1
         samples = archive.samples(args.decision_id)
+        reproductions = archive.reproductions(args.decision_id)
     if args.html is None:
         print(render_text(record, samples))
         return 0
-    page = render_html(record, samples)
+    page = render_html(record, samples, reproductions)
     if args.html == "-":
         sys.stdout.write(page)
         return 0

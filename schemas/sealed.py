@@ -1,0 +1,265 @@
+"""Sealed samples: a request's prompt and output token ids under envelope encryption.
+
+A data key (AES-256-GCM) encrypts each sample and is replaced after every batch of samples;
+a key-encryption key, which only engines and postmortems hold, wraps it (RFC 3394 key wrap).
+Pure code: keys are passed in (`SampleKey.from_env` reads the environment once, at start).
+
+A sealed sample is one ASCII string, ``sw1.<key id>.<wrapped data key>.<nonce + ciphertext>``
+(the last two base64url, unpadded), so it travels as one more field of a request record's
+``sample`` and names the key that opens it without revealing anything else.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
+
+__all__ = [
+    "SAMPLE_KEY_ENV",
+    "SAMPLE_KEY_FILE_ENV",
+    "SealedSampleError",
+    "SampleKey",
+    "OpenedSample",
+    "Sealer",
+    "sealed_key_id",
+    "open_sealed",
+    "token_digest",
+]
+
+SAMPLE_KEY_ENV = "SPECWATCH_SAMPLE_KEY"
+SAMPLE_KEY_FILE_ENV = "SPECWATCH_SAMPLE_KEY_FILE"
+
+_VERSION = "sw1"
+# 128 bits: the secret is stretched to an AES-256 key, but cannot hold more entropy than it has.
+_MIN_KEY_BYTES = 16
+_MAX_KEY_BYTES = 4096
+_KEY_ID_CHARS = 12
+_NONCE_BYTES = 12
+_DATA_KEY_BYTES = 32
+# Samples sealed under one data key before a new one is drawn: a batch of the collector's
+# captures. One wrap per batch keeps sealing cheap; a leaked data key opens one batch only.
+_DEFAULT_BATCH_SAMPLES = 256
+# A sealed sample is at most this long (the contract's line limit bounds it further).
+_MAX_SEALED_CHARS = 1 << 20
+_KEK_INFO = b"specwatch sample key-encryption key v1"
+_KEY_ID_SALT = b"specwatch sample key id v1\0"
+_SEALED_RE = re.compile(r"sw1\.(k-[0-9a-f]{12})\.([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)")
+
+
+class SealedSampleError(ValueError):
+    """A sealed sample cannot be opened; the message says why (never with key material)."""
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """The key-encryption key for sealed samples. Neither secret nor derived key shows in a repr.
+
+    ``key_id`` is a digest of the secret, so nothing but the secret needs configuring and a
+    payload names the key that opens it.
+
+    >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
+    >>> key.key_id, "0123" in repr(key)
+    ('k-dba05dc9fc20', False)
+    """
+
+    key_id: str
+    kek: bytes = field(repr=False)
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> "SampleKey":
+        if not isinstance(secret, bytes):
+            raise TypeError("a sample key secret must be bytes")
+        if not _MIN_KEY_BYTES <= len(secret) <= _MAX_KEY_BYTES:
+            raise ValueError(f"a sample key must be {_MIN_KEY_BYTES} to {_MAX_KEY_BYTES} bytes long, "
+                             f"got {len(secret)}: generate one with `head -c 32 /dev/urandom | base64`")
+        kek = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_KEK_INFO).derive(secret)
+        key_id = "k-" + hashlib.sha256(_KEY_ID_SALT + secret).hexdigest()[:_KEY_ID_CHARS]
+        return cls(key_id, kek)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "SampleKey | None":
+        """The key named by ``$SPECWATCH_SAMPLE_KEY_FILE`` (preferred) or ``$SPECWATCH_SAMPLE_KEY``.
+
+        None when neither is set. Raises ValueError naming the variable (never the key) when
+        the file cannot be read or the key is too short.
+        """
+        environ = os.environ if environ is None else environ
+        path = environ.get(SAMPLE_KEY_FILE_ENV, "").strip()
+        if path:
+            try:
+                secret = Path(path).read_bytes().strip()
+            except OSError as error:
+                raise ValueError(f"{SAMPLE_KEY_FILE_ENV}={path}: cannot read the sample key file: "
+                                 f"{error.strerror or error}") from None
+            source = f"{SAMPLE_KEY_FILE_ENV}={path}"
+        elif environ.get(SAMPLE_KEY_ENV, "").strip():
+            secret = environ[SAMPLE_KEY_ENV].strip().encode()
+            source = SAMPLE_KEY_ENV
+        else:
+            return None
+        try:
+            return cls.from_secret(secret)
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
+
+
+@dataclass(frozen=True)
+class OpenedSample:
+    """The clear token ids of one sealed sample, checked against the record's digests."""
+
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+
+
+def token_digest(token_ids: Sequence[int] | None) -> str | None:
+    """sha256 of token ids packed as little-endian uint32: the contract's prompt/output digest.
+
+    >>> token_digest([1, 2, 3]) == hashlib.sha256(bytes([1,0,0,0, 2,0,0,0, 3,0,0,0])).hexdigest()
+    True
+    """
+    if token_ids is None:
+        return None
+    return hashlib.sha256(_pack(token_ids)).hexdigest()
+
+
+class Sealer:
+    """Seals samples under one key-encryption key, drawing a new data key every batch.
+
+    Parameters
+    ----------
+    key
+        The key-encryption key.
+    batch_samples
+        Samples sealed under one data key.
+    random_bytes
+        Source of keys and nonces (``os.urandom``); passed in so tests can fix it.
+
+    >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
+    >>> sealed = Sealer(key).seal([5, 6, 7], [8, 9])
+    >>> sealed.startswith("sw1.k-dba05dc9fc20."), sealed_key_id(sealed)
+    (True, 'k-dba05dc9fc20')
+    >>> opened = open_sealed(sealed, key, token_digest([5, 6, 7]), token_digest([8, 9]))
+    >>> opened.prompt_ids, opened.output_ids
+    ((5, 6, 7), (8, 9))
+    """
+
+    def __init__(self, key: SampleKey, *, batch_samples: int = _DEFAULT_BATCH_SAMPLES,
+                 random_bytes: Callable[[int], bytes] = os.urandom) -> None:
+        if not isinstance(key, SampleKey):
+            raise TypeError(f"key must be a SampleKey, not {type(key).__name__}")
+        if batch_samples < 1:
+            raise ValueError(f"batch_samples must be >= 1, got {batch_samples}")
+        self.key_id = key.key_id
+        self._kek = key.kek
+        self._batch_samples = batch_samples
+        self._random = random_bytes
+        self._aad = _aad(key.key_id)
+        self._left = 0
+        self._cipher: AESGCM | None = None
+        self._wrapped = ""
+
+    def seal(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
+        """The sealed form of one request's prompt and output token ids."""
+        if self._left == 0:
+            data_key = self._random(_DATA_KEY_BYTES)
+            self._cipher = AESGCM(data_key)
+            self._wrapped = _b64(aes_key_wrap(self._kek, data_key))
+            self._left = self._batch_samples
+        self._left -= 1
+        nonce = self._random(_NONCE_BYTES)
+        clear = struct.pack("<I", len(prompt_ids)) + _pack(prompt_ids) + _pack(output_ids)
+        body = self._cipher.encrypt(nonce, clear, self._aad)
+        return f"{_VERSION}.{self.key_id}.{self._wrapped}.{_b64(nonce + body)}"
+
+
+def sealed_key_id(sealed: str) -> str:
+    """The id of the key a sealed sample was sealed with; SealedSampleError if malformed."""
+    return _parse(sealed)[0]
+
+
+def open_sealed(sealed: str, key: SampleKey | None, prompt_sha256: str | None,
+                output_sha256: str | None) -> OpenedSample:
+    """Open a sealed sample and check its token ids against the record's digests.
+
+    Raises `SealedSampleError` when there is no key, when the key is not the one it was
+    sealed with, when the payload was altered, or when the ids do not match the digests.
+
+    >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
+    >>> other = SampleKey.from_secret(b"another key, sixteen bytes or more")
+    >>> sealed = Sealer(key).seal([1], [2])
+    >>> try:
+    ...     open_sealed(sealed, other, None, None)
+    ... except SealedSampleError as error:
+    ...     print(error)
+    the sample was sealed with key k-dba05dc9fc20 and the key given is k-9e7fc274de8e; set SPECWATCH_SAMPLE_KEY_FILE to the file of key k-dba05dc9fc20
+    """
+    key_id, wrapped, body = _parse(sealed)
+    if key is None:
+        raise SealedSampleError(f"no sample key: set {SAMPLE_KEY_FILE_ENV} (or {SAMPLE_KEY_ENV}) to the "
+                                f"key {key_id} the samples were sealed with")
+    if key.key_id != key_id:
+        raise SealedSampleError(f"the sample was sealed with key {key_id} and the key given is {key.key_id}; "
+                                f"set {SAMPLE_KEY_FILE_ENV} to the file of key {key_id}")
+    try:
+        data_key = aes_key_unwrap(key.kek, wrapped)
+        clear = AESGCM(data_key).decrypt(body[:_NONCE_BYTES], body[_NONCE_BYTES:], _aad(key_id))
+    except (InvalidUnwrap, InvalidTag, ValueError):
+        raise SealedSampleError(f"the sealed sample does not open with key {key_id}: it was altered "
+                                "or its key id was forged") from None
+    if len(clear) < 4 or (len(clear) - 4) % 4:
+        raise SealedSampleError("the sealed sample opened but holds no token ids (malformed plaintext)")
+    (n_prompt,) = struct.unpack_from("<I", clear)
+    ids = struct.unpack_from(f"<{(len(clear) - 4) // 4}I", clear, 4)
+    if n_prompt > len(ids):
+        raise SealedSampleError("the sealed sample opened but its prompt length exceeds its token ids")
+    opened = OpenedSample(tuple(ids[:n_prompt]), tuple(ids[n_prompt:]))
+    for name, expected, token_ids in (("prompt", prompt_sha256, opened.prompt_ids),
+                                      ("output", output_sha256, opened.output_ids)):
+        if expected is not None and token_digest(token_ids) != expected:
+            raise SealedSampleError(f"the sealed sample's {name} token ids do not match the record's "
+                                    f"{name}_sha256: the sample belongs to another request")
+    return opened
+
+
+def _parse(sealed: str) -> tuple[str, bytes, bytes]:
+    if not isinstance(sealed, str) or len(sealed) > _MAX_SEALED_CHARS:
+        raise SealedSampleError("a sealed sample must be a string of at most 1 MiB")
+    found = _SEALED_RE.fullmatch(sealed)
+    if found is None:
+        raise SealedSampleError("not a sealed sample (expected sw1.<key id>.<wrapped key>.<ciphertext>)")
+    try:
+        wrapped, body = _unb64(found.group(2)), _unb64(found.group(3))
+    except ValueError:
+        raise SealedSampleError("a sealed sample's key or ciphertext is not base64url") from None
+    if len(body) <= _NONCE_BYTES:
+        raise SealedSampleError("a sealed sample's ciphertext is too short")
+    return found.group(1), wrapped, body
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def _aad(key_id: str) -> bytes:
+    # Binds the ciphertext to its format version and key id: neither can be edited unnoticed.
+    return f"{_VERSION}.{key_id}".encode()
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))

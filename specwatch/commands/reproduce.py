@@ -1,0 +1,93 @@
+"""`specwatch reproduce DECISION_ID`: re-run a decision's sealed requests on standard and speculative decoding.
+
+Opens the samples with the sample key (audited), checks the local engine's bundle card against
+the decision's, re-runs, prints the report and archives it beside the decision.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import sys
+import time
+
+__all__ = ["register"]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "reproduce", help="re-run a decision's sealed requests on standard and speculative decoding",
+        description="Open the sealed samples of an archived decision with the sample key "
+                    "($SPECWATCH_SAMPLE_KEY_FILE or $SPECWATCH_SAMPLE_KEY), check that the local engine's "
+                    "bundle card matches the decision's, and run each request twice under its archived "
+                    "sampling settings and seed: on the target with standard decoding and with the bundle's "
+                    "drafter. Reports, per request, the first divergent token, acceptance by draft position, "
+                    "draft and verify time and a verdict; the result is archived beside the decision. Every "
+                    "opening is audited. Exit 0 when it ran, 1 when the decision or its samples are missing, "
+                    "2 on bad arguments, 3 when it refused (key, bundle).")
+    parser.add_argument("decision_id", help="the decision's id (d-...), as `specwatch query decisions` shows it")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.add_argument("--engine", choices=["vllm"], default="vllm", help="the local engine (default: vllm)")
+    parser.add_argument("--model", default=None,
+                        help="the target model to load (default: the model id on the decision's bundle card)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="vLLM's speculative_config (default: derived from the card's drafter)")
+    parser.add_argument("--archive", default=None,
+                        help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)")
+    parser.add_argument("--force", action="store_true",
+                        help="run even when the local bundle card differs (verdicts say 'bundle differs')")
+    parser.add_argument("--actor", default=None, help="who opens the samples, for the audit (default: the user)")
+    parser.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from specwatch.actions.archive import Archive, ArchiveError
+    from specwatch.reproduce import ReproduceError, render_result, reproduce_decision
+    from specwatch.schemas.sealed import SampleKey
+
+    try:
+        key = SampleKey.from_env()
+        speculative_config = json.loads(args.speculative_config) if args.speculative_config else None
+    except ValueError as error:
+        print(f"specwatch reproduce: {error}", file=sys.stderr)
+        return 2
+    if speculative_config is not None and not isinstance(speculative_config, dict):
+        print("specwatch reproduce: --speculative-config must be a JSON object", file=sys.stderr)
+        return 2
+    try:
+        archive = Archive.open(args.archive, create=False)
+    except (ArchiveError, ValueError) as error:
+        print(f"specwatch reproduce: {error}", file=sys.stderr)
+        return 2
+
+    def rerunner_for(card):
+        try:
+            from specwatch.collectors.vllm.rerun import VllmRerunner, speculative_config_for
+        except ImportError as error:
+            raise ReproduceError(f"the vLLM integration is not available ({error}); install it with "
+                                 "deploy/bootstrap.sh --with-vllm", 2) from None
+        try:
+            config = speculative_config if speculative_config is not None else speculative_config_for(card)
+        except ValueError as error:
+            raise ReproduceError(str(error), 2) from None
+        return VllmRerunner(args.model or card.target.model_id, config)
+
+    with archive:
+        try:
+            result = reproduce_decision(archive, args.decision_id, key, None, args.actor or _user(), time.time,
+                                        force=args.force, rerunner_for=rerunner_for)
+        except ReproduceError as error:
+            print(f"specwatch reproduce: {error}", file=sys.stderr)
+            return error.exit_code
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        print(render_result(result))
+    return 0
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
