@@ -65,9 +65,9 @@ def test_healthy_new_bundle_goes_shadow_canary_admitted_by_itself():
     assert got == [
         (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
         (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (115.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
-        (327.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
-        (423.0, BUNDLE, "promote", "canary_judgement", None, "admitted", 1.0),
+        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        (322.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
+        (433.0, BUNDLE, "promote", "canary_judgement", None, "admitted", 1.0),
     ]
     assert [(c.previous_stage, c.stage) for c in changes] == [
         (None, "unadmitted"), ("unadmitted", "shadow"), ("shadow", "canary"), ("canary", "canary"),
@@ -87,12 +87,12 @@ def test_structured_tail_on_the_canary_freezes_it_naming_bucket_and_metric():
     assert got == [
         (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
         (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (115.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
-        (300.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
+        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        (306.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
     ]
     frozen = pipeline.decisions[-1].evidence
     assert (frozen["previous_stage"], frozen["failed_bucket"], frozen["failed_metric"]) == (
-        "canary", "structured", "tpot_p95")
+        "canary", "structured", "tpot_p99")
     assert {f["bucket"] for f in frozen["failing"]} == {"structured"}
     assert {b: j["outcome"] for b, j in frozen["judgement"].items()}["structured"] == "fail"
     assert "fail" not in {j["outcome"] for b, j in frozen["judgement"].items() if b != "structured"}
@@ -104,11 +104,11 @@ def test_structured_mismatch_on_the_canary_freezes_it_at_once():
     assert got[:3] == [
         (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
         (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (115.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
     ]
     assert got[3:] == [
-        (216.33, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
-        (216.33, BUNDLE, "disable_speculation", "quality_regression", "structured", None, None),
+        (200.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
+        (200.0, BUNDLE, "disable_speculation", "quality_regression", "structured", None, None),
     ]
     frozen = pipeline.decisions[3].evidence
     assert (frozen["failed_bucket"], frozen["failed_metric"]) == ("structured", "shadow_mismatches")
@@ -120,12 +120,12 @@ def test_fingerprint_change_sends_the_new_card_back_through_admission():
     assert got == [
         (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
         (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (115.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
-        (327.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
+        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        (322.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
         # the tokenizer changes at 330 s, the fleet rolls over in 10 s: one invalidation, not eight
-        (330.01, CHANGED, "invalidate_bundle", "bundle_changed", None, None, None),
-        (330.01, CHANGED, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (460.0, CHANGED, "promote", "canary_judgement", None, "canary", 0.1),
+        (330.0, CHANGED, "invalidate_bundle", "bundle_changed", None, None, None),
+        (330.0, CHANGED, "promote", "unadmitted_bundle", None, "shadow", 0.2),
+        (476.0, CHANGED, "promote", "canary_judgement", None, "canary", 0.1),
     ]
     invalidated = [c for c in changes if c.bundle_id == CHANGED][0]
     assert (invalidated.stage, invalidated.detail["previous_bundle_id"], invalidated.detail["previous_stage"],
@@ -256,7 +256,7 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
 
     shown = _cli("bundles", "show", BUNDLE, "--archive", dsn)
     assert shown.returncode == 0, shown.stderr
-    assert "failed: structured tpot_p95" in shown.stdout
+    assert "failed: structured tpot_p99" in shown.stdout
 
     refused = _cli("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
     assert refused.returncode == 1 and "name of the person" in refused.stderr
@@ -278,7 +278,7 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
     explained = _cli("explain", pipeline.decisions[-1].id, "--archive", dsn)
     assert explained.returncode == 0, explained.stderr
     assert "stage: canary -> frozen" in explained.stdout
-    assert "    tpot_p95            fail" in explained.stdout
+    assert "    tpot_p99            fail" in explained.stdout
 
 
 def test_two_failures_among_many_clean_windows_fail_no_canary():

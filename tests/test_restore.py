@@ -122,11 +122,11 @@ def test_closed_loop_restores_with_backoff_and_never_flaps():
         (113.0, "disable_speculation", "coding", "main"),
         (184.0, "restore", "coding", "main"),
         (191.0, "reduce_draft_length", "coding", "main"),
-        (206.0, "disable_speculation", "coding", "main"),
-        (256.99, "reduce_draft_length", "coding", "canary"),
-        (278.99, "disable_speculation", "coding", "canary"),
-        (326.0, "restore", "coding", "main"),
-        (333.0, "disable_speculation", "coding", "main"),
+        (209.0, "disable_speculation", "coding", "main"),
+        (241.99, "reduce_draft_length", "coding", "canary"),
+        (259.0, "disable_speculation", "coding", "canary"),
+        (329.0, "restore", "coding", "main"),
+        (337.0, "disable_speculation", "coding", "main"),
     ]
     restores = [d for d in pipeline.decisions if d.action == "restore"]
     assert [d.evidence["waited_for_seconds"] for d in restores] == [60.0, 120.0]

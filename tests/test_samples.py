@@ -48,7 +48,7 @@ def test_error_rate_samples_are_the_failed_requests_and_healthy_controls():
     assert sorted(by_id) == sorted(decision.sample_ids) == sorted(reasons)
     failures = [i for i, why in reasons.items() if why in ("error", "timeout")]
     controls = [i for i, why in reasons.items() if why == "control"]
-    assert len(failures) == 9 and len(controls) == 3
+    assert len(failures) == 7 and len(controls) == 3
     for ident in failures:
         assert by_id[ident]["finish_reason"] == reasons[ident]
     for ident in controls:
