@@ -1,12 +1,12 @@
 """`specwatch explain`: the postmortem of an archived decision, checked in a real headless browser."""
 
-import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
+
+from headless import chromium, headless
 
 from specwatch.actions.archive import Archive
 from specwatch.actions.handlers import ArchiveSink
@@ -66,20 +66,6 @@ def test_unknown_decision_and_missing_archive_are_clear_errors(archived, tmp_pat
     assert proc.returncode == 2 and "no archive at" in proc.stderr
 
 
-def _chromium() -> str:
-    found = os.environ.get("SPECWATCH_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if not found:
-        pytest.fail("chromium is not installed: run deploy/browser/install.sh (deploy/test.sh does)")
-    return found
-
-
-def _headless(browser: str, profile, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}", *args],
-        capture_output=True, text=True, timeout=180)
-
-
 @pytest.mark.browser
 def test_postmortem_page_renders_in_a_headless_browser(archived, tmp_path):
     dsn, decisions = archived
@@ -87,8 +73,8 @@ def test_postmortem_page_renders_in_a_headless_browser(archived, tmp_path):
     page = tmp_path / "postmortem.html"
     proc = _explain(decision.id, "--archive", dsn, "--html", str(page))
     assert proc.returncode == 0, proc.stderr
-    browser = _chromium()
-    proc = _headless(browser, tmp_path / "profile", "--dump-dom", page.as_uri())
+    browser = chromium()
+    proc = headless(browser, tmp_path / "profile", "--dump-dom", page.as_uri())
     assert proc.returncode == 0, proc.stderr
     dom = proc.stdout
     assert f'<span id="decision-id">{decision.id}</span>' in dom
@@ -112,7 +98,7 @@ def test_postmortem_page_renders_in_a_headless_browser(archived, tmp_path):
     assert dom.count("<tr data-sample-id=") >= 1
     # and it paints: a screenshot of the page is a real picture
     shot = tmp_path / "postmortem.png"
-    proc = _headless(browser, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,2400",
+    proc = headless(browser, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,2400",
                      page.as_uri())
     assert proc.returncode == 0, proc.stderr
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

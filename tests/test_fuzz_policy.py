@@ -209,8 +209,8 @@ _NUMBER_SETTINGS = sorted(_number_settings())
 def test_the_audit_covers_every_section():
     assert {s.split(".")[0] for s, _ in _NUMBER_SETTINGS} == {
         "windows", "baseline", "acceptance", "draft_overhead", "speedup", "latency", "kv", "errors", "actions",
-        "admission"}
-    assert len(_NUMBER_SETTINGS) == 67
+        "admission", "capture"}
+    assert len(_NUMBER_SETTINGS) == 73
 
 
 @pytest.mark.parametrize("setting, kind", _NUMBER_SETTINGS)

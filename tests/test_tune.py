@@ -1,14 +1,14 @@
 """`specwatch tune`: the per-bucket draft-length report from an archive, as text, JSON and a browser-checked page."""
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from collections import defaultdict
 
 import pytest
+
+from headless import chromium, headless
 
 from specwatch.actions.archive import Archive
 from specwatch.actions.handlers import ArchiveSink
@@ -111,20 +111,6 @@ def test_missing_archive_and_bad_model_config(tmp_path):
     assert proc.returncode == 2 and "no num_attention_heads: pass --heads-per-kv G instead" in proc.stderr
 
 
-def _chromium() -> str:
-    found = os.environ.get("SPECWATCH_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if not found:
-        pytest.fail("chromium is not installed: run deploy/browser/install.sh (deploy/test.sh does)")
-    return found
-
-
-def _headless(browser: str, profile, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}", *args],
-        capture_output=True, text=True, timeout=180)
-
-
 @pytest.mark.browser
 def test_tune_page_renders_in_a_headless_browser(archived, tmp_path):
     dsn, _, _ = archived
@@ -132,8 +118,8 @@ def test_tune_page_renders_in_a_headless_browser(archived, tmp_path):
     proc = _tune("--archive", dsn, "--heads-per-kv", "8", "--html", str(page), "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    browser = _chromium()
-    proc = _headless(browser, tmp_path / "profile", "--dump-dom", page.as_uri())
+    browser = chromium()
+    proc = headless(browser, tmp_path / "profile", "--dump-dom", page.as_uri())
     assert proc.returncode == 0, proc.stderr
     dom = proc.stdout
     assert f'data-bundle-id="{report["bundle_id"]}"' in dom
@@ -147,7 +133,7 @@ def test_tune_page_renders_in_a_headless_browser(archived, tmp_path):
         assert html.count("<tr data-d=") == 4
         assert ("class=\"warning\"" in html) == (bucket["warning"] is not None)
     shot = tmp_path / "tune.png"
-    proc = _headless(browser, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,3000",
+    proc = headless(browser, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,3000",
                      page.as_uri())
     assert proc.returncode == 0, proc.stderr
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
