@@ -48,7 +48,12 @@ def test_error_rate_samples_are_the_failed_requests_and_healthy_controls():
     assert sorted(by_id) == sorted(decision.sample_ids) == sorted(reasons)
     failures = [i for i, why in reasons.items() if why in ("error", "timeout")]
     controls = [i for i, why in reasons.items() if why == "control"]
-    assert len(failures) == 7 and len(controls) == 3
+    # every failed request of the key in the finding's window, up to the 9 a decision keeps
+    sim = Simulator("error_burst", seed=SEED, workers=8, minutes=4.0, incident_at=120.0)
+    window = (decision.evidence["window_start"], decision.evidence["window_end"])
+    failed = [r for r in sim.records() if r.kind == "request" and (r.bucket, r.cohort) == (decision.bucket, decision.cohort)
+              and window[0] <= r.ts < window[1] and r.finish_reason in ("error", "timeout")]
+    assert len(failures) == min(9, len(failed)) and len(failed) >= 5 and len(controls) == 3
     for ident in failures:
         assert by_id[ident]["finish_reason"] == reasons[ident]
     for ident in controls:
