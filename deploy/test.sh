@@ -12,7 +12,8 @@ venv=$("$here/deploy/bootstrap.sh" --with-vllm)
 # The broker's port is picked at run time unless one is given: a fixed port that
 # something else on the machine holds would fail the run.
 if [ -z "${SPECWATCH_KAFKA_PORT:-}" ]; then
-  SPECWATCH_KAFKA_PORT=$("$venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # below the ephemeral range, where client connections cannot take it before the broker starts
+  SPECWATCH_KAFKA_PORT=$(PYTHONPATH="$here/tests" "$venv/bin/python" -c 'from own_broker import free_port_run; print(free_port_run(2))')
 fi
 export SPECWATCH_KAFKA_PORT
 bootstrap=$("$here/deploy/kafka/broker.sh" start --port "$SPECWATCH_KAFKA_PORT" --partitions 4)

@@ -62,6 +62,10 @@ _SAMPLES_FOR = {
     "quality_regression": (("mismatch",), "control_request"),
 }
 _SAMPLES_FOR_OTHERS = (("error", "timeout", "lowest_acceptance", "slowest"), "control_step")
+# Acceptance is measured on steps, but a request is what can be re-run (`specwatch
+# reproduce`): these findings also keep a few finished requests of the scope and window,
+# each of which drafted on the path under suspicion.
+_SERVED_REQUESTS_FOR = frozenset({"acceptance_drop", "no_speedup"})
 # How long (event time) after its slice closed a record is still recognised as a duplicate;
 # a later copy is folded forward as a late record.
 _DUPLICATE_HORIZON_SECONDS = 60.0
@@ -728,6 +732,16 @@ def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[
         if ident not in chosen:
             chosen[ident] = sample
             reasons[ident] = problems[index]
+    if reason in _SERVED_REQUESTS_FOR:
+        served = 0
+        for sample in sorted(candidates.get("control_request", ()), key=lambda s: s["_rank"]):
+            if served == _CONTROL_SAMPLES:
+                break
+            ident = sample["_rank"][-1]
+            if ident not in chosen:
+                chosen[ident] = sample
+                reasons[ident] = "served_request"
+                served += 1
     controls = 0
     for sample in sorted(candidates.get(control, ()), key=lambda s: s["_rank"]):
         if controls == _CONTROL_SAMPLES:

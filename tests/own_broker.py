@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -19,22 +20,30 @@ _BROKER = Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "broker.sh"
 def free_port_run(length: int = 2) -> int:
     """A port P with P + 1 .. P + length - 1 free too (broker.sh puts the KRaft controller on P + 1).
 
-    Picked at run time: a fixed port that something else on the machine holds fails the run.
+    Picked at run time, below the kernel's ephemeral range: a fixed port that something
+    else holds fails the run, and a port from the ephemeral range can be taken by any
+    client connection between the pick and the broker's start.
     """
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + length - 1 > 65535:
-            continue
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20_000, max(20_001, low - length))
         try:
-            for offset in range(1, length):
+            for offset in range(length):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port + offset))
             return port
         except OSError:
             continue
-    raise RuntimeError(f"no {length} consecutive free ports")
+    raise RuntimeError(f"no {length} consecutive free ports below {low}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def port_from_env(variable: str, length: int = 2) -> tuple[int, bool]:

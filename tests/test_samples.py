@@ -72,8 +72,11 @@ def test_acceptance_samples_are_the_steps_that_accepted_least():
         lowest = [_acceptance(by_id[i], decision.bucket, decision.cohort)
                   for i, why in reasons.items() if why == "lowest_acceptance"]
         controls = [i for i, why in reasons.items() if why == "control"]
-        assert 0 < len(lowest) <= 9 and 0 < len(controls) <= 3
-        assert all(by_id[i]["kind"] == "step" for i in reasons)
+        served = [i for i, why in reasons.items() if why == "served_request"]
+        assert 0 < len(lowest) <= 9 and 0 < len(controls) <= 3 and 0 < len(served) <= 3
+        assert all(by_id[i]["kind"] == ("request" if reasons[i] == "served_request" else "step") for i in reasons)
+        # the requests to re-run are of the decision's own scope
+        assert all((by_id[i]["bucket"], by_id[i]["cohort"]) == (decision.bucket, decision.cohort) for i in served)
         assert max(lowest) <= min(_acceptance(by_id[i], decision.bucket, decision.cohort) for i in controls)
 
 

@@ -72,6 +72,19 @@ def test_decisions_and_window_stats_are_archived(demo):
         assert archive.timeline(), "window stats were archived"
 
 
+def _lowered_to(decisions, scope: str) -> int:
+    """The D a scope's reduce_draft_length must name for a drafter that accepts nothing.
+
+    Every predicted acceptance length is 1, so the shortest draft costs least: D 1 once the
+    evidence suffices for a curve; a halving (4 to 2) while it is thin, and the evidence says which.
+    """
+    (lowered,) = [d for _, d in decisions if f"{d['bucket']}/{d['cohort']}" == scope
+                  and d["action"] == "reduce_draft_length"]
+    basis = lowered["evidence"]["draft_length_basis"]
+    assert basis == "best_predicted_speedup" or basis.startswith("halving: "), basis
+    return 1 if basis == "best_predicted_speedup" else 2
+
+
 def test_random_drafter_first_cut_then_disabled_in_every_scope(demo, capsys):
     phase = _phase(demo, "random-drafter")
     policy = vllm_demo_policy()
@@ -86,7 +99,7 @@ def test_random_drafter_first_cut_then_disabled_in_every_scope(demo, capsys):
             (d["action"], d["reason"], d["detector"], d["evidence"].get("draft_length")))
     assert sorted(by_scope) == phase["scopes"]
     for scope, actions in by_scope.items():
-        assert actions == [("reduce_draft_length", "acceptance_drop", "acceptance_gate", 2),
+        assert actions == [("reduce_draft_length", "acceptance_drop", "acceptance_gate", _lowered_to(mine, scope)),
                            ("disable_speculation", "acceptance_drop", "acceptance_gate", None)], scope
     pinned = policy.baseline.pinned["coding"].acceptance_length
     for _, d in mine:
@@ -141,7 +154,8 @@ def test_engine_follows_each_decision(demo):
         assert any(e.drafted == 4 for e in earlier)
         assert action["steps_after"] > 0 and action["entries_after"] > 0
         if action["action"] == "reduce_draft_length":
-            assert action["max_drafted_after"] == 2, action
+            decided = [d for i, d in zip(demo["decision_ids"], demo["decisions"]) if i == action["decision_id"]]
+            assert action["max_drafted_after"] == decided[0]["evidence"]["draft_length"], action
         else:
             assert later and all(e.drafted == 0 for e in later)
             assert action["drafted_after"] == 0 and action["entries_after"] == len(later)
