@@ -127,16 +127,16 @@ def feed(kafka_bootstrap):
     _async(_delete_topics(kafka_bootstrap, f"swtest-{_RUN}-"))
 
 
-def _make_feed(kafka_bootstrap: str, scenario: str) -> Feed:
-    topic = f"swtest-{_RUN}-{scenario}.telemetry"
+def _make_feed(kafka_bootstrap: str, scenario: str, workers: int = WORKERS) -> Feed:
+    topic = f"swtest-{_RUN}-{scenario}-{workers}.telemetry"
     _async(_create_topics(kafka_bootstrap, NewTopic(topic, PARTITIONS, 1)))
     producer = subprocess.Popen(
         [sys.executable, "-m", "specwatch.cli", "simulate", "--bootstrap", kafka_bootstrap, "--topic", topic,
-         "--scenario", scenario, "--seed", str(SEED), "--workers", str(WORKERS), "--minutes", str(MINUTES),
+         "--scenario", scenario, "--seed", str(SEED), "--workers", str(workers), "--minutes", str(MINUTES),
          "--incident-at", str(INCIDENT_AT)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # The embedded run over the same records, meanwhile, on the other core.
-    sim = Simulator(scenario, seed=SEED, workers=WORKERS, minutes=MINUTES, incident_at=INCIDENT_AT)
+    sim = Simulator(scenario, seed=SEED, workers=workers, minutes=MINUTES, incident_at=INCIDENT_AT)
     pipeline = EmbeddedPipeline()
     pipeline.feed_many(sim.records())
     pipeline.finish()

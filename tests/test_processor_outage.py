@@ -45,7 +45,9 @@ def _progress(pipeline: Pipeline) -> float:
 
 
 def test_worker_survives_a_broker_outage_and_decides_each_decision_once(own_broker, tmp_path):
-    feed = _make_feed(own_broker, "acceptance_drop")
+    # a fleet large enough that the worker is still reading when the broker goes: it reads
+    # the 3-worker feed of the other tests within one commit interval
+    feed = _make_feed(own_broker, "acceptance_drop", workers=12)
     pipeline = Pipeline(own_broker, feed, tmp_path, archive=True)
     try:
         worker = pipeline.start(checkpoint_seconds=2.0)
@@ -53,7 +55,7 @@ def test_worker_survives_a_broker_outage_and_decides_each_decision_once(own_brok
         while _progress(pipeline) < 0.3:
             assert worker.poll() is None, pipeline.logs()
             assert time.monotonic() < deadline, pipeline.logs()
-            time.sleep(0.2)
+            time.sleep(0.1)
         assert pipeline.progress() < 1.0, "the outage came too late to test anything"
 
         _broker("stop")
