@@ -714,6 +714,19 @@ def _sample_id(sample: dict) -> str:
     return str(sample.get("id"))
 
 
+def _take_unchosen(candidates, why: str, chosen: dict[str, dict], reasons: dict[str, str]) -> None:
+    """Adds up to `_CONTROL_SAMPLES` of ``candidates`` not chosen yet, by rank, as ``why``."""
+    taken = 0
+    for sample in sorted(candidates, key=lambda s: s["_rank"]):
+        if taken == _CONTROL_SAMPLES:
+            break
+        ident = sample["_rank"][-1]
+        if ident not in chosen:
+            chosen[ident] = sample
+            reasons[ident] = why
+            taken += 1
+
+
 def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[dict], dict[str, str]]:
     """The samples that show a finding, then healthy controls; and why each was chosen.
 
@@ -733,22 +746,6 @@ def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[
             chosen[ident] = sample
             reasons[ident] = problems[index]
     if reason in _SERVED_REQUESTS_FOR:
-        served = 0
-        for sample in sorted(candidates.get("control_request", ()), key=lambda s: s["_rank"]):
-            if served == _CONTROL_SAMPLES:
-                break
-            ident = sample["_rank"][-1]
-            if ident not in chosen:
-                chosen[ident] = sample
-                reasons[ident] = "served_request"
-                served += 1
-    controls = 0
-    for sample in sorted(candidates.get(control, ()), key=lambda s: s["_rank"]):
-        if controls == _CONTROL_SAMPLES:
-            break
-        ident = sample["_rank"][-1]
-        if ident not in chosen:
-            chosen[ident] = sample
-            reasons[ident] = "control"
-            controls += 1
+        _take_unchosen(candidates.get("control_request", ()), "served_request", chosen, reasons)
+    _take_unchosen(candidates.get(control, ()), "control", chosen, reasons)
     return [sample_record(s) for s in chosen.values()], reasons
