@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from specwatch.actions.spool import Spool, SpoolFull, SpoolStats
+from specwatch.archive.spool import Spool, SpoolFull, SpoolStats
 from specwatch.schemas import Decision
 from specwatch.schemas.redaction import redact_record
-from specwatch.streams.topology import SliceOutput
+from specwatch.schemas.outputs import SliceOutput
 
 __all__ = ["ARCHIVE_SPOOL_ENV", "ArchiveSink", "default_spool_dir", "spool_dir_for"]
 
@@ -52,7 +52,7 @@ def spool_dir_for(dsn: str | None = None, environ: Mapping[str, str] | None = No
     >>> spool_dir_for("chdb:///srv/a", env) == default_spool_dir("chdb:///srv/a", env)
     True
     """
-    from specwatch.actions.archive import _parse_dsn, archive_dsn
+    from specwatch.archive.store import _parse_dsn, archive_dsn
 
     environ = os.environ if environ is None else environ
     return default_spool_dir(_parse_dsn(dsn or archive_dsn(environ))[0].label, environ)
@@ -151,7 +151,7 @@ class ArchiveSink:
              environ: Mapping[str, str] | None = None, **settings: Any) -> "ArchiveSink":
         """A sink for the archive at ``dsn`` that starts even when the archive is away,
         spooling until it can be opened; it closes the archive it opened."""
-        from specwatch.actions.archive import Archive, _parse_dsn, archive_dsn
+        from specwatch.archive.store import Archive, _parse_dsn, archive_dsn
 
         environ = os.environ if environ is None else environ
         dsn = dsn or archive_dsn(environ)

@@ -706,7 +706,7 @@ class Stage2Runner:
     # -- archive ------------------------------------------------------------------------
     def open_archive(self) -> None:
         if self.settings.archive_dsn and self._archive is None:
-            from specwatch.actions.archive import Archive
+            from specwatch.archive.store import Archive
             from specwatch.actions.handlers import ArchiveSink
 
             self._archive = Archive.open(self.settings.archive_dsn)

@@ -30,6 +30,7 @@ from specwatch.schemas import (
     StepRecord,
     card_differences,
 )
+from specwatch.schemas.outputs import ActionRecord, SliceOutput
 from specwatch.schemas.policy import Policy
 
 from .intake import DuplicateFilter, EventClock, duplicate
@@ -389,29 +390,6 @@ def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
     else:
         stats.offer_sample("control_request", (order, rid), build)
     stats.offer_sample("slowest", (-record.e2e_ms, order, rid), build)
-
-
-@dataclass
-class ActionRecord:
-    """A decision with what the archive keeps beside it: audit evidence and raw samples."""
-
-    decision: Decision
-    audit: dict
-    samples: list[dict]
-
-
-@dataclass
-class SliceOutput:
-    """Everything stage 2 produced when one slice became final."""
-
-    slice_index: int
-    slice_end: float
-    actions: list[ActionRecord] = field(default_factory=list)
-    window_rows: list[dict] = field(default_factory=list)
-    bundles: list[dict] = field(default_factory=list)
-    sightings: list[dict] = field(default_factory=list)  # "sighting" events: bundle, worker, first_seen, ts (last)
-    late_records: int = 0
-    stage_changes: list = field(default_factory=list)  # admission `StageChange`s, for the bundle registry
 
 
 class Stage2:

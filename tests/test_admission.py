@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from specwatch.actions.admission import AdmissionController
-from specwatch.actions.archive import Archive
+from specwatch.archive.store import Archive
 from specwatch.actions.flags import FlagStore
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.detectors.canary import CanaryJudge
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from specwatch.actions.archive import (
+from specwatch.archive.store import (
     WINDOW_STATS_FIELDS,
     Archive,
     ArchiveError,
@@ -133,7 +133,7 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
 
     out = run_python("""
         import json, sys
-        from specwatch.actions.archive import Archive
+        from specwatch.archive.store import Archive
         with Archive.open(sys.argv[1], create=False) as archive:
             ids = [d["decision_id"] for d in archive.decisions()]
             print(json.dumps({
@@ -195,7 +195,7 @@ def test_what_was_written_survives_a_killed_writer(tmp_path):
     dsn = f"chdb://{tmp_path}/archive"
     killed = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import os, signal, sys
-        from specwatch.actions.archive import Archive
+        from specwatch.archive.store import Archive
         from specwatch.schemas import Decision
         archive = Archive.open(sys.argv[1])
         archive.write_decision(Decision(ts=1.0, bundle_id="b-1", action="disable_speculation",
@@ -205,7 +205,7 @@ def test_what_was_written_survives_a_killed_writer(tmp_path):
     assert killed.returncode == -9
     out = run_python("""
         import sys
-        from specwatch.actions.archive import Archive
+        from specwatch.archive.store import Archive
         with Archive.open(sys.argv[1], create=False) as archive:
             print([d["reason"] for d in archive.decisions()])
     """, dsn)
@@ -489,7 +489,7 @@ def test_a_chdb_archive_in_use_by_another_process_says_so(tmp_path):
     with Archive.open(dsn):
         out = run_python("""
             import sys
-            from specwatch.actions.archive import Archive, ArchiveError
+            from specwatch.archive.store import Archive, ArchiveError
             try:
                 Archive.open(sys.argv[1], create=False)
             except ArchiveError as exc:

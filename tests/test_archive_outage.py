@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from specwatch.actions.archive import Archive
+from specwatch.archive.store import Archive
 from specwatch.actions.handlers import ArchiveSink
-from specwatch.actions.spool import Spool
-from specwatch.collectors.simulator import Simulator
+from specwatch.archive.spool import Spool
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.topology import ActionRecord, SliceOutput
+from specwatch.schemas.outputs import ActionRecord, SliceOutput
 
 _POLICY = Policy.model_validate({"baseline": {"learn_seconds": 10}})
 

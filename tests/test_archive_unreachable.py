@@ -17,9 +17,9 @@ from pathlib import Path
 
 from test_archive_outage import _unwritable
 
-from specwatch.actions.archive import Archive
+from specwatch.archive.store import Archive
 from specwatch.actions.handlers import spool_dir_for
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 
 _POLICY_TOML = "[baseline]\nlearn_seconds = 10\n"
@@ -92,7 +92,7 @@ def test_a_chdb_archive_held_by_another_process_costs_no_decision(tmp_path):
     dsn = f"chdb://{path}"
     Archive.open(dsn).close()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom specwatch.actions.archive import Archive\n"
+        [sys.executable, "-c", "import sys\nfrom specwatch.archive.store import Archive\n"
          f"archive = Archive.open({dsn!r})\nprint('holding', flush=True)\nsys.stdin.read()\narchive.close()\n"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specwatch.bench_kafka import run_kafka_bench
+from specwatch.bench.kafka_path import run_kafka_bench
 
 
 @pytest.mark.kafka

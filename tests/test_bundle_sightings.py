@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from specwatch.actions.archive import Archive
+from specwatch.archive.store import Archive
 from specwatch.actions.handlers import ArchiveSink
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 from specwatch.streams.embedded import EmbeddedPipeline
 

@@ -7,7 +7,7 @@ import pytest
 
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.detectors.draft_length import (
     PositionSurvival,
     StepCost,

@@ -8,10 +8,10 @@ import pytest
 
 from headless import chromium, headless
 
-from specwatch.actions.archive import Archive
+from specwatch.archive.store import Archive
 from specwatch.actions.handlers import ArchiveSink
-from specwatch.collectors.simulator import Simulator
-from specwatch.postmortem import PLOTS
+from specwatch.simulation.simulator import Simulator
+from specwatch.analysis.postmortem import PLOTS
 from specwatch.streams.embedded import EmbeddedPipeline
 
 SEED = 11

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy, Rejection, decode_line
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import StepColumns, decode_line_fast, decode_request_fast

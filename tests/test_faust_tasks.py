@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 from kafka.partitioner.default import murmur2
 
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision, Policy, Rejection
 from specwatch.schemas.otlp import encode_records

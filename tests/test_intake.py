@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import pytest
 
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 from specwatch.commands.replay import replay_file
 from specwatch.streams.fastpath import FastPipeline

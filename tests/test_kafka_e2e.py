@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from specwatch.actions.flags import FlagStore
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.schemas.otlp import encode_entries, log_entry
 from specwatch.streams.embedded import EmbeddedPipeline
@@ -277,7 +277,7 @@ def _assert_same_decisions(pipeline: Pipeline, feed: Feed) -> list[Decision]:
 @pytest.mark.parametrize("scenario", ["acceptance_drop", "kv_pressure", "bundle_change"])
 def test_faust_decides_as_embedded(scenario, feed, pipeline_factory, kafka_bootstrap):
     """(a) OTel -> Kafka -> Faust -> decisions topic -> flag client and archive, equal to embedded."""
-    from specwatch.actions.archive import Archive
+    from specwatch.archive.store import Archive
     from specwatch.actions.decisions_topic import FlagClient
     from specwatch.collectors.otel import KafkaConfig
 
@@ -321,7 +321,7 @@ def test_killed_worker_loses_nothing_and_repeats_nothing(feed, pipeline_factory)
     The first kill lands while stage 1 is half way through the telemetry, the second right
     after the first decision went out, when the next ones may be half way through the outbox.
     """
-    from specwatch.actions.archive import Archive
+    from specwatch.archive.store import Archive
 
     data = feed("acceptance_drop")
     pipeline = pipeline_factory(data, archive=True)

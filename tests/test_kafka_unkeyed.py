@@ -17,7 +17,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import NewTopic
 
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.otlp import encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 

@@ -25,7 +25,7 @@ from specwatch.actions.alertmanager import (
     read_token_file,
     read_webhook,
 )
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.metrics import ServiceHealth

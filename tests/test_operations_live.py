@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from specwatch.actions.decisions_topic import FlagClient
 from specwatch.collectors.otel import KafkaConfig
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.schemas.otlp import encode_entries, log_entry
 from specwatch.streams.embedded import EmbeddedPipeline

@@ -110,7 +110,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 def _replayed(tmp_path: Path, scenario: str) -> tuple[int, float, list[Decision]]:
     """The scenario's records through `specwatch replay`: record count, cutoff, decisions."""
-    from specwatch.collectors.simulator import Simulator
+    from specwatch.simulation.simulator import Simulator
 
     records = tmp_path / "telemetry.jsonl"
     _cli("simulate", "--output", str(records), "--scenario", scenario, "--seed", str(SEED), "--workers",

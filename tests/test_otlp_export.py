@@ -19,7 +19,7 @@ from specwatch.collectors.otlp_export import (
     service_instance_id,
     telemetry_exporter_from_env,
 )
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import encode_record
 from specwatch.schemas.otlp import decode_request
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 import pytest
 from kafka.partitioner.default import murmur2
 
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy
 from specwatch.schemas.otlp import encode_records
 from specwatch.streams.embedded import EmbeddedPipeline

@@ -17,7 +17,7 @@ import time
 import pytest
 from aiokafka.errors import KafkaError
 
-from specwatch.actions.archive import Archive
+from specwatch.archive.store import Archive
 
 from own_broker import OwnBroker, forget_broker_data, port_from_env
 from test_kafka_e2e import _DRAIN_TIMEOUT_S, Pipeline, _assert_same_decisions, _make_feed

@@ -18,7 +18,7 @@ from functools import lru_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specwatch.collectors.simulator import BUCKETS, Simulator
+from specwatch.simulation.simulator import BUCKETS, Simulator
 from specwatch.schemas.contract import RequestRecord, StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
 

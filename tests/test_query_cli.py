@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from specwatch.actions.archive import WINDOW_STATS_FIELDS, Archive
+from specwatch.archive.store import WINDOW_STATS_FIELDS, Archive
 from specwatch.cli import main
 from specwatch.schemas import Decision
 

@@ -4,7 +4,7 @@ import pytest
 
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.detectors.monitor import Finding, RecoveryEvidence
 from specwatch.schemas import Policy, PolicyError
 from specwatch.streams.embedded import EmbeddedPipeline

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
 SEED = 11

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from specwatch.actions.archive import Archive
+from specwatch.archive.store import Archive
 from specwatch.collectors.capture import SampleCapture
-from specwatch.reproduce import ReproduceError, reproduce_decision
+from specwatch.analysis.reproduce import ReproduceError, reproduce_decision
 from specwatch.schemas import Decision, PolicyError, RequestRecord, decode_line, encode_record, load_policy
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.schemas.policy import CapturePolicy
@@ -237,7 +237,7 @@ def test_reproduce_flow_audits_refuses_and_archives(tmp_path):
 
 
 def test_explain_page_links_to_the_archived_reproduction(tmp_path):
-    from specwatch.postmortem import render_html
+    from specwatch.analysis.postmortem import render_html
     from specwatch.schemas import BundleCard
 
     archive, decision, _ = _archive_with_sealed_decision(tmp_path)
@@ -254,7 +254,7 @@ def test_explain_page_links_to_the_archived_reproduction(tmp_path):
 
 
 def test_simulator_capture_seals_only_what_it_takes():
-    from specwatch.collectors.simulator import Simulator
+    from specwatch.simulation.simulator import Simulator
 
     plain = list(Simulator("healthy", seed=3, minutes=0.3).records())
     capture = SampleCapture(CapturePolicy(enabled=True, rate=0.05), _KEY)

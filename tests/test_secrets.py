@@ -15,15 +15,15 @@ import socket
 
 import pytest
 
-from specwatch.actions.archive import Archive, ArchiveError
+from specwatch.archive.store import Archive, ArchiveError
 from specwatch.actions.decisions_topic import DecisionPublisher, FlagClient
 from specwatch.actions.handlers import ArchiveSink
 from specwatch.actions.signing import Keyring
 from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy, RequestRecord
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.topology import ActionRecord, SliceOutput
+from specwatch.schemas.outputs import ActionRecord, SliceOutput
 
 
 def _secret(prefix: str) -> str:

@@ -303,7 +303,7 @@ def test_manual_override_codes_are_the_contract_reasons():
 @pytest.mark.kafka
 def test_manual_stage_change_reaches_flag_clients(kafka_bootstrap, decisions_topic, monkeypatch, tmp_path):
     from specwatch import cli
-    from specwatch.actions.archive import Archive
+    from specwatch.archive.store import Archive
 
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)

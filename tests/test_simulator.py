@@ -14,7 +14,7 @@ import pytest
 
 from specwatch.actions.flags import FlagStore
 from specwatch.cli import main
-from specwatch.collectors.simulator import (
+from specwatch.simulation.simulator import (
     BUCKETS,
     COHORTS,
     DEFAULT_CARD,

@@ -10,9 +10,9 @@ import pytest
 
 from headless import chromium, headless
 
-from specwatch.actions.archive import Archive
+from specwatch.archive.store import Archive
 from specwatch.actions.handlers import ArchiveSink
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
 

@@ -64,7 +64,7 @@ def test_pipeline_decides(demo):
 
 
 def test_decisions_and_window_stats_are_archived(demo):
-    from specwatch.actions.archive import Archive
+    from specwatch.archive.store import Archive
 
     with Archive.open(demo["archive"], create=False) as archive:
         archived = archive.decisions(limit=None)

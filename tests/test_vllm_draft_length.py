@@ -59,7 +59,7 @@ def _scenario(out_path: Path) -> None:
     from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion, spec_decode_counters
     from specwatch.schemas import Decision, encode_record
     from specwatch.streams.embedded import EmbeddedPipeline
-    from specwatch.tuning import tune_report
+    from specwatch.analysis.tuning import tune_report
 
     models = build_tiny_models()
     drafter = _noisy_drafter(models.target, out_path.parent / "noisy-drafter")

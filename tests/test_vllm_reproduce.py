@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from specwatch.reproduce import render_result
+from specwatch.analysis.reproduce import render_result
 from vllm_scenario import run_scenario
 
 pytestmark = pytest.mark.vllm
@@ -48,7 +48,7 @@ def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: both phases through the pipeline into the archive; facts to JSON."""
     from vllm import SamplingParams
 
-    from specwatch.actions.archive import Archive
+    from specwatch.archive.store import Archive
     from specwatch.actions.handlers import ArchiveSink
     from specwatch.collectors.capture import SampleCapture
     from specwatch.collectors.vllm import VllmCollector, build_tiny_models
@@ -156,7 +156,7 @@ def _decision(scenario, bucket):
 
 
 def _archive_rows(scenario, decision_id):
-    from specwatch.actions.archive import Archive
+    from specwatch.archive.store import Archive
 
     with Archive.open(scenario["archive"], create=False) as archive:
         return (archive.sealed_samples(decision_id), archive.audit(kind="sample_open"),

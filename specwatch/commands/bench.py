@@ -26,7 +26,7 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from specwatch.bench import plot_report, run_bench
+    from specwatch.bench.suite import plot_report, run_bench
 
     report = run_bench(quick=args.quick, smoke=args.smoke, bootstrap=args.bootstrap,
                        sections=tuple(args.section), log=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -89,7 +89,7 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     from specwatch.actions.flags import FlagStore
     from specwatch.collectors.export import CallbackExporter
     from specwatch.collectors.otel import TelemetryEmitter
-    from specwatch.collectors.simulator import Simulator
+    from specwatch.simulation.simulator import Simulator
     from specwatch.streams.embedded import EmbeddedPipeline
 
     flags = FlagStore()
@@ -143,7 +143,7 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
         "start_ts": sim.start_ts,
     }
     if picture is not None:
-        from specwatch.timeline import render_timeline
+        from specwatch.analysis.timeline import render_timeline
 
         render_timeline(rows, decisions, picture, incidents=sim.incidents,
                         title=f"specwatch demo: scenario '{scenario}', seed {seed}")

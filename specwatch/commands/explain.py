@@ -25,9 +25,9 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from specwatch.actions.archive import Archive, ArchiveError
+    from specwatch.archive.store import Archive, ArchiveError
     from specwatch.outputs import atomic_output
-    from specwatch.postmortem import render_html, render_text
+    from specwatch.analysis.postmortem import render_html, render_text
 
     try:
         archive = Archive.open(args.archive, create=False)

@@ -86,7 +86,7 @@ def add_archive_options(parser: argparse.ArgumentParser) -> None:
 
 def open_archive(args: argparse.Namespace, create: bool = False):
     """Open the archive named by ``args.archive``; on failure print why and return None."""
-    from specwatch.actions.archive import Archive, ArchiveError, ArchiveNotFoundError
+    from specwatch.archive.store import Archive, ArchiveError, ArchiveNotFoundError
 
     try:
         return Archive.open(args.archive, create=create)
@@ -316,7 +316,7 @@ def _bundles(args: argparse.Namespace) -> int:
 
 
 def _sql(args: argparse.Namespace) -> int:
-    from specwatch.actions.archive import ArchiveError, ArchiveQueryLimit
+    from specwatch.archive.store import ArchiveError, ArchiveQueryLimit
 
     archive = open_archive(args)
     if archive is None:

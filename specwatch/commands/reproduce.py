@@ -41,8 +41,8 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from specwatch.actions.archive import Archive, ArchiveError
-    from specwatch.reproduce import ReproduceError, render_result, reproduce_decision
+    from specwatch.archive.store import Archive, ArchiveError
+    from specwatch.analysis.reproduce import ReproduceError, render_result, reproduce_decision
     from specwatch.schemas.sealed import SampleKey
 
     try:

@@ -61,7 +61,7 @@ def register(subparsers) -> None:
 
 def build_simulator(args: argparse.Namespace, flags=None):
     """The `Simulator` the arguments describe; raises ValueError with a message for people."""
-    from specwatch.collectors.simulator import Simulator
+    from specwatch.simulation.simulator import Simulator
 
     return Simulator(args.scenario, seed=args.seed, minutes=args.minutes, workers=args.workers,
                      intensity=args.intensity, incident_at=args.incident_at, flags=flags)
@@ -159,7 +159,7 @@ def summary_line(simulator, counts: Counter, destination: str) -> str:
 
 
 def _list_scenarios(stream: TextIO) -> None:
-    from specwatch.collectors.simulator import SCENARIOS
+    from specwatch.simulation.simulator import SCENARIOS
 
     width = max(len(name) for name in SCENARIOS)
     for name, description in SCENARIOS.items():

@@ -153,7 +153,7 @@ def register(subparsers) -> None:
 
 
 def _workers_for(rate: float, seed: int) -> int:
-    from specwatch.collectors.simulator import Simulator
+    from specwatch.simulation.simulator import Simulator
 
     sim = Simulator("healthy", seed=seed, minutes=_CALIBRATION_MINUTES, workers=_CALIBRATION_WORKERS)
     per_worker = sum(1 for _ in sim.records()) / (_CALIBRATION_MINUTES * 60.0) / _CALIBRATION_WORKERS
@@ -311,7 +311,7 @@ def _soak_kafka(args, sim, out) -> SoakResult:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from specwatch.collectors.simulator import Simulator
+    from specwatch.simulation.simulator import Simulator
 
     if not (args.minutes > 0 and math.isfinite(args.minutes)):
         print("specwatch soak: --minutes must be a positive number", file=sys.stderr)

@@ -1,6 +1,6 @@
 """`specwatch tune`: the best draft length per bucket, predicted from the archive's window stats.
 
-Reads the archive (window stats, bundle cards, decisions); the model is `specwatch.tuning`.
+Reads the archive (window stats, bundle cards, decisions); the model is `specwatch.analysis.tuning`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def _fail(message: str) -> int:
 
 
 def _run(args) -> int:
-    from specwatch.actions.archive import Archive, ArchiveError
-    from specwatch.tuning import DEFAULT_WINDOW_SECONDS, heads_per_kv_head, render_html, render_text, tune_report
+    from specwatch.archive.store import Archive, ArchiveError
+    from specwatch.analysis.tuning import DEFAULT_WINDOW_SECONDS, heads_per_kv_head, render_html, render_text, tune_report
 
     window = DEFAULT_WINDOW_SECONDS if args.window is None else args.window
     if not window > 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from specwatch.collectors import simulator as sim
+from specwatch.simulation import simulator as sim
 
 __all__ = ["bernoulli_kl", "information_bound", "BOUND_KINDS"]
 

@@ -2,7 +2,7 @@
 
 Seeded simulator runs in which one thing changes the best draft length (draft cost doubles,
 late positions stop being accepted, a bucket's prompts grow). Every few seconds of event time
-the advisor (`specwatch.tuning`, as `specwatch tune` runs it) names a D per bucket from the last
+the advisor (`specwatch.analysis.tuning`, as `specwatch tune` runs it) names a D per bucket from the last
 window of stats; the simulator's own cost and acceptance (`true_speedup`) score that D
 against the best one.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specwatch.collectors.simulator import DEFAULT_CARD, Simulator, true_speedup
+from specwatch.simulation.simulator import DEFAULT_CARD, Simulator, true_speedup
 from specwatch.schemas import StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.tuning import tune_report
+from specwatch.analysis.tuning import tune_report
 
 __all__ = ["CASES", "TARGET_RATIO", "TARGET_SECONDS", "DraftLengthCase", "format_draft_length", "run_draft_length"]
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from specwatch.collectors.simulator import BUCKETS, Simulator
+from specwatch.simulation.simulator import BUCKETS, Simulator
 from specwatch.schemas import Policy, RequestRecord, ShadowRecord, StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
 

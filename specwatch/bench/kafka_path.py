@@ -107,7 +107,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
 
     from specwatch.actions.decisions_topic import HEARTBEAT_KEY_PREFIX
     from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter
-    from specwatch.collectors.simulator import Simulator
+    from specwatch.simulation.simulator import Simulator
     from specwatch.schemas import Decision
     from specwatch.streams.fastpath import FastPipeline
 

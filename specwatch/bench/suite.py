@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specwatch.collectors.simulator import Simulator
+from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy, Rejection, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.otlp import decode_request, encode_records
@@ -269,21 +269,21 @@ def bench_collector(quick: bool, smoke: bool) -> dict:
 
 def bench_export(bootstrap: str | None, quick: bool, smoke: bool) -> dict:
     """Export-thread CPU per step record: OTLP/HTTP through OpenTelemetry's exporter against the direct Kafka path."""
-    from specwatch.bench_export import run_export_bench
+    from specwatch.bench.export import run_export_bench
 
     steps = [r for r in _records(16, 0.05 if smoke else (0.2 if quick else 0.5)) if r.kind == "step"]
     return run_export_bench(steps, bootstrap)
 
 
 def _bench_engine(quick: bool, smoke: bool) -> dict:
-    from specwatch.bench_engine import run_engine_bench
+    from specwatch.bench.engine import run_engine_bench
 
     return run_engine_bench(quick, smoke)
 
 
 def bench_archive(quick: bool, smoke: bool) -> dict:
     """Window-stats rows/s through the action path's writer vs one INSERT per row."""
-    from specwatch.actions.archive import Archive, ArchiveWriter
+    from specwatch.archive.store import Archive, ArchiveWriter
 
     pipeline = FastPipeline()
     rows: list[dict] = []
@@ -489,7 +489,7 @@ def bench_metrics(quick: bool, smoke: bool) -> dict:
 def bench_kafka(bootstrap: str | None, quick: bool, smoke: bool) -> dict:
     if not bootstrap:
         return {"skipped": "no --bootstrap given (start one with deploy/kafka/broker.sh start --port P)"}
-    from specwatch.bench_kafka import run_kafka_bench
+    from specwatch.bench.kafka_path import run_kafka_bench
 
     seconds = 20 if quick else 60
     # Flat out with one worker and with two (the group splits the partitions), then one

@@ -40,7 +40,7 @@ def run_engine_bench(quick: bool = False, smoke: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine.json"
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        done = subprocess.run([sys.executable, "-m", "specwatch.bench_engine", str(out), str(rounds)],
+        done = subprocess.run([sys.executable, "-m", "specwatch.bench.engine", str(out), str(rounds)],
                               capture_output=True, text=True, timeout=_TIMEOUT_S, env=env)
         if done.returncode != 0:
             return {"error": f"the engine run failed (exit {done.returncode}): {done.stderr[-2000:]}"}

@@ -1,0 +1,1 @@
+"""The ClickHouse archive: decisions, samples, audit and window statistics, for postmortems and replay."""

@@ -1,0 +1,1 @@
+"""A simulated fleet of speculative engine workers: the load generator behind demo, simulate, soak, evaluate and bench."""
