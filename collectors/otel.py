@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from opentelemetry.sdk._logs import LoggerProvider, LogRecordProcessor, ReadableLogRecord, ReadWriteLogRecord
@@ -40,13 +38,13 @@ from opentelemetry.sdk.resources import Resource
 from specwatch.collectors.export import ExportResult, TelemetryExporter
 from specwatch.schemas import CONTRACT_VERSION, Rejection, TelemetryRecord
 from specwatch.schemas.otlp import EVENT_PREFIX, LogEntry, iter_encoded_chunks, log_entry, record_from_attributes
+from specwatch.transport.config import KafkaConfig
 
 __all__ = [
     "EmitterStats",
     "TelemetryEmitter",
     "BoundedLogRecordProcessor",
     "TelemetryLogExporter",
-    "KafkaConfig",
     "KafkaTelemetryExporter",
 ]
 
@@ -63,29 +61,10 @@ _DEFAULT_SCHEDULE_DELAY_MILLIS = 200
 _DEFAULT_DROP_WARNING_INTERVAL_S = 10.0
 _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS = 5_000
 _DEFAULT_SERVICE_NAME = "specwatch"
-_DEFAULT_TELEMETRY_TOPIC = "specwatch.telemetry"
-# SPECWATCH_KAFKA_<name> -> KafkaConfig field (the SASL password may also come from a file)
-_KAFKA_ENV = {"BOOTSTRAP": "bootstrap_servers", "SECURITY_PROTOCOL": "security_protocol",
-              "SASL_MECHANISM": "sasl_mechanism", "SASL_USERNAME": "sasl_username",
-              "SASL_PASSWORD": "sasl_password", "SSL_CAFILE": "ssl_cafile", "SSL_CERTFILE": "ssl_certfile",
-              "SSL_KEYFILE": "ssl_keyfile"}
-# kafka-python needs the broker version up front or it connects while being constructed.
-_DEFAULT_API_VERSION = (4, 0)
-_DEFAULT_LINGER_MS = 20
-_DEFAULT_BATCH_BYTES = 512 * 1024
-_DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
-# How long a send may wait for metadata or buffer space. It runs on the export thread,
-# never the engine's; while it waits, the queue absorbs records and then drops them.
-_DEFAULT_MAX_BLOCK_MS = 2_000
-_DEFAULT_REQUEST_TIMEOUT_MS = 10_000
-_DEFAULT_DELIVERY_TIMEOUT_MS = 30_000
 # The spool's drain thread retries a broker that is still away after 1 s, doubling up to 30 s,
 # and sends up to this many spooled messages before it waits for their acknowledgements.
 _DEFAULT_DRAIN_BACKOFF_S = (1.0, 30.0)
 _DRAIN_CHUNK = 64
-_COMPRESSIONS = ("none", "gzip", "lz4", "zstd")  # snappy: no codec installed for kafka-python
-_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
-_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
 
 Item = TypeVar("Item")
 
@@ -450,149 +429,6 @@ class TelemetryEmitter:
 
 
 # ---------------------------------------------------------------- Kafka
-
-
-@dataclass(frozen=True)
-class KafkaConfig:
-    """How to reach a Kafka cluster; validated once, secrets kept out of repr and logs.
-
-    ``client_settings()`` are the connection and security settings every kafka-python
-    client takes; ``producer_settings()`` adds the producer's; ``extra`` is passed to
-    producers as is (any other kafka-python producer setting).
-
-    >>> KafkaConfig("127.0.0.1:19092", compression_type="zstd").producer_settings()["compression_type"]
-    'zstd'
-    >>> secured = KafkaConfig("k:9093", security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
-    ...                       sasl_username="svc", sasl_password="hunter2")
-    >>> "hunter2" in repr(secured), secured.producer_settings()["sasl_plain_password"]
-    (False, 'hunter2')
-    >>> KafkaConfig("k:9092", acks=2)
-    Traceback (most recent call last):
-    ...
-    ValueError: acks must be 0, 1 or 'all', got 2
-    """
-
-    bootstrap_servers: str
-    topic: str = _DEFAULT_TELEMETRY_TOPIC
-    client_id: str = "specwatch"
-    acks: int | str = "all"
-    linger_ms: int = _DEFAULT_LINGER_MS
-    batch_size: int = _DEFAULT_BATCH_BYTES
-    compression_type: str = "lz4"
-    max_request_size: int = _DEFAULT_MAX_REQUEST_BYTES
-    max_block_ms: int = _DEFAULT_MAX_BLOCK_MS
-    request_timeout_ms: int = _DEFAULT_REQUEST_TIMEOUT_MS
-    delivery_timeout_ms: int = _DEFAULT_DELIVERY_TIMEOUT_MS
-    api_version: tuple[int, ...] = _DEFAULT_API_VERSION
-    security_protocol: str = "PLAINTEXT"
-    sasl_mechanism: str | None = None
-    sasl_username: str | None = None
-    sasl_password: str | None = field(default=None, repr=False)
-    ssl_cafile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_password: str | None = field(default=None, repr=False)
-    ssl_check_hostname: bool = True
-    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        if not self.bootstrap_servers or not all(":" in s for s in self.bootstrap_servers.split(",")):
-            raise ValueError(f"bootstrap_servers must be HOST:PORT[,HOST:PORT...], got {self.bootstrap_servers!r}")
-        if self.acks not in (0, 1, -1, "all", "0", "1"):
-            raise ValueError(f"acks must be 0, 1 or 'all', got {self.acks!r}")
-        if self.compression_type not in _COMPRESSIONS:
-            raise ValueError(f"compression_type must be one of {', '.join(_COMPRESSIONS)}, "
-                             f"got {self.compression_type!r}")
-        if self.security_protocol not in _SECURITY_PROTOCOLS:
-            raise ValueError(f"security_protocol must be one of {', '.join(_SECURITY_PROTOCOLS)}, "
-                             f"got {self.security_protocol!r}")
-        if self.security_protocol.startswith("SASL_"):
-            if self.sasl_mechanism not in _SASL_MECHANISMS:
-                raise ValueError(f"{self.security_protocol} needs sasl_mechanism, one of "
-                                 f"{', '.join(_SASL_MECHANISMS)}; got {self.sasl_mechanism!r}")
-            if self.sasl_mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512") and not (
-                    self.sasl_username and self.sasl_password):
-                raise ValueError(f"sasl_mechanism {self.sasl_mechanism} needs sasl_username and sasl_password")
-        for name in ("linger_ms", "max_block_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("batch_size", "max_request_size", "request_timeout_ms", "delivery_timeout_ms"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @classmethod
-    def from_env(cls, bootstrap: str | None = None, environ: Mapping[str, str] | None = None,
-                 **settings: Any) -> "KafkaConfig":
-        """A config from ``SPECWATCH_KAFKA_*`` variables; ``bootstrap`` and ``settings`` win over them.
-
-        ``SPECWATCH_KAFKA_BOOTSTRAP``, ``_SECURITY_PROTOCOL``, ``_SASL_MECHANISM``,
-        ``_SASL_USERNAME``, ``_SASL_PASSWORD`` (or ``_SASL_PASSWORD_FILE``, a file holding it),
-        ``_SSL_CAFILE``, ``_SSL_CERTFILE``, ``_SSL_KEYFILE``. Secrets stay out of repr.
-
-        >>> env = {"SPECWATCH_KAFKA_BOOTSTRAP": "k:9093", "SPECWATCH_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
-        ...        "SPECWATCH_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "SPECWATCH_KAFKA_SASL_USERNAME": "svc",
-        ...        "SPECWATCH_KAFKA_SASL_PASSWORD": "hunter2"}
-        >>> config = KafkaConfig.from_env(environ=env, topic="t")
-        >>> config.bootstrap_servers, config.sasl_mechanism, config.topic, "hunter2" in repr(config)
-        ('k:9093', 'SCRAM-SHA-512', 't', False)
-        """
-        environ = os.environ if environ is None else environ
-        found: dict[str, Any] = {}
-        for name, field_name in _KAFKA_ENV.items():
-            value = environ.get(f"SPECWATCH_KAFKA_{name}")
-            if value:
-                found[field_name] = value
-        password_file = environ.get("SPECWATCH_KAFKA_SASL_PASSWORD_FILE")
-        if password_file:
-            if "sasl_password" in found:
-                raise ValueError("set either SPECWATCH_KAFKA_SASL_PASSWORD or SPECWATCH_KAFKA_SASL_PASSWORD_FILE, "
-                                 "not both")
-            try:
-                found["sasl_password"] = Path(password_file).read_text().rstrip("\r\n")
-            except OSError as error:
-                raise ValueError(f"cannot read SPECWATCH_KAFKA_SASL_PASSWORD_FILE ({password_file}): "
-                                 f"{error.strerror or error}") from None
-        if bootstrap:
-            found["bootstrap_servers"] = bootstrap
-        if "bootstrap_servers" not in found:
-            raise ValueError("no Kafka bootstrap servers: pass them or set SPECWATCH_KAFKA_BOOTSTRAP")
-        found.update(settings)
-        return cls(**found)
-
-    def client_settings(self) -> dict[str, Any]:
-        """Connection and security settings shared by producers, consumers and admin clients."""
-        settings: dict[str, Any] = {
-            "bootstrap_servers": self.bootstrap_servers.split(","),
-            "client_id": self.client_id,
-            "api_version": tuple(self.api_version),
-            "request_timeout_ms": self.request_timeout_ms,
-            "security_protocol": self.security_protocol,
-        }
-        if self.security_protocol.startswith("SASL_"):
-            settings.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
-                            sasl_plain_password=self.sasl_password)
-        if self.security_protocol in ("SSL", "SASL_SSL"):
-            settings.update(ssl_cafile=self.ssl_cafile, ssl_certfile=self.ssl_certfile,
-                            ssl_keyfile=self.ssl_keyfile, ssl_password=self.ssl_password,
-                            ssl_check_hostname=self.ssl_check_hostname)
-        return settings
-
-    def producer_settings(self) -> dict[str, Any]:
-        acks = "all" if self.acks in (-1, "all") else int(self.acks)
-        settings = self.client_settings()
-        settings.update(
-            acks=acks,
-            linger_ms=self.linger_ms,
-            batch_size=self.batch_size,
-            compression_type=None if self.compression_type == "none" else self.compression_type,
-            max_request_size=self.max_request_size,
-            max_block_ms=self.max_block_ms,
-            delivery_timeout_ms=max(self.delivery_timeout_ms, self.request_timeout_ms + self.linger_ms),
-            # Idempotence keeps per-key order through retries; it needs acks=all.
-            enable_idempotence=acks == "all",
-        )
-        settings.update(self.extra)
-        return settings
 
 
 class KafkaTelemetryExporter:

@@ -213,7 +213,8 @@ def telemetry_exporter_from_env(environ: Mapping[str, str] | None = None, *, cli
     environ = os.environ if environ is None else environ
     if exporter_choice(environ) == "otlp":
         return OtlpTelemetryExporter(otlp_log_exporter(environ))
-    from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter
+    from specwatch.collectors.otel import KafkaTelemetryExporter
+    from specwatch.transport.config import KafkaConfig
     from specwatch.collectors.spool import TelemetrySpool
 
     topic = topic or environ.get("SPECWATCH_TELEMETRY_TOPIC") or None

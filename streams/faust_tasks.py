@@ -42,7 +42,6 @@ __all__ = [
     "decode_checkpoint",
     "decode_partial",
     "dead_letter",
-    "decision_message",
     "decisions_in",
     "distributed_policy",
     "encode_checkpoint",
@@ -178,11 +177,6 @@ def decode_partial(data: bytes) -> PartialMessage | Rejection:
                          bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
     return Rejection("invalid_partial", "partials message is neither a batch nor a release",
                      bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
-
-
-def decision_message(decision: Decision) -> tuple[bytes, bytes]:
-    """Key and value of a decision on the compacted decisions topic."""
-    return decision.key.encode("utf-8"), decision.to_json_line().encode("utf-8")
 
 
 def dead_letter(rejection: Rejection, topic: str, partition: int, offset: int) -> bytes:

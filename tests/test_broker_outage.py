@@ -25,7 +25,8 @@ import uuid
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
-from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.transport.config import KafkaConfig
 from specwatch.collectors.spool import TelemetrySpool
 from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
@@ -148,7 +149,8 @@ def test_nothing_is_lost_in_an_outage_shorter_than_the_spools_limits(own_broker,
 
 _SPOOLING_PROCESS = """
 import sys
-from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter
+from specwatch.collectors.otel import KafkaTelemetryExporter
+from specwatch.transport.config import KafkaConfig
 from specwatch.collectors.spool import TelemetrySpool
 from test_broker_outage import _step
 

@@ -14,9 +14,11 @@ import time
 import pytest
 from kafka import KafkaProducer
 
-from specwatch.actions.decisions_topic import SILENT_FALLBACK, DecisionPublisher, FlagClient, heartbeat_message
-from specwatch.actions.signing import Keyring
-from specwatch.collectors.otel import KafkaConfig
+from specwatch.actions.decisions_topic import DecisionPublisher
+from specwatch.collectors.flag_client import SILENT_FALLBACK, FlagClient
+from specwatch.transport.codec import heartbeat_message
+from specwatch.transport.signing import Keyring
+from specwatch.transport.config import KafkaConfig
 from specwatch.schemas import Decision
 
 pytestmark = pytest.mark.kafka
@@ -26,7 +28,7 @@ _RING = Keyring.from_secrets(os.urandom(32))
 _SILENCE_S = 3.0  # 15 heartbeats: a busy shared machine never misses that many
 _BEAT_S = 0.2
 _PATIENCE_S = 60.0  # a deadline for liveness on a busy machine, not a performance bound
-_LOGGER = "specwatch.actions.decisions_topic"
+_LOGGER = "specwatch.collectors.flag_client"
 
 
 @pytest.fixture

@@ -2,110 +2,24 @@
 
 Every comparison is with the embedded pipeline over the same seeded records. A stream has no
 end, so the last seconds of event time (slices still waiting for lateness) are left out of
-the comparison: everything decided before ``end - _TAIL_SECONDS`` must be equal.
+the comparison: everything decided before ``end - TAIL_SECONDS`` must be equal.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
-import uuid
-from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from specwatch.actions.flags import FlagStore
-from specwatch.simulation.simulator import Simulator
-from specwatch.schemas import Decision
-from specwatch.schemas.otlp import encode_entries, log_entry
-from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.faust_app import PartitionReader
+from kafka_helpers import (DRAIN_TIMEOUT_S, RUN, TAIL_SECONDS, Feed, Pipeline, assert_same_decisions, delete_topics,
+                           flag_view, make_feed, run_async)
+from kafka_helpers import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
 
 pytestmark = pytest.mark.kafka
-
-SEED = 11
-WORKERS = 3
-MINUTES = 2.5
-INCIDENT_AT = 90.0
-PARTITIONS = 4
-_TAIL_SECONDS = 5.0
-_DRAIN_TIMEOUT_S = 600.0  # a liveness bound, not a speed claim: loaded 2-core CI machines are slow
-_RUN = uuid.uuid4().hex[:8]
-
-
-def _async(coro):
-    return asyncio.run(coro)
-
-
-async def _create_topics(bootstrap: str, *topics: NewTopic) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics(list(topics))
-    finally:
-        await admin.close()
-
-
-async def _delete_topics(bootstrap: str, prefix: str) -> None:
-    """Drop every topic whose name starts with ``prefix`` (the broker outlives the test run)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        names = [name for name in await admin.list_topics() if name.startswith(prefix)]
-        if names:
-            await admin.delete_topics(names)
-    finally:
-        await admin.close()
-
-
-async def _committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(
-            group, partitions=[TopicPartition(topic, p) for p in range(PARTITIONS)])
-    finally:
-        await admin.close()
-    return {tp.partition: max(meta.offset, 0) for tp, meta in offsets.items()}
-
-
-async def _send_raw(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]]) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
-    await producer.start()
-    try:
-        for key, value in messages:
-            await producer.send_and_wait(topic, value, key=key)
-    finally:
-        await producer.stop()
-
-
-def _key(decision: Decision) -> tuple:
-    return (decision.ts, decision.bundle_id, decision.bucket, decision.cohort, decision.action, decision.reason)
-
-
-@dataclass
-class Feed:
-    """One scenario's telemetry on its own topic, and what the embedded pipeline decides on it."""
-
-    scenario: str
-    topic: str
-    cutoff: float
-    expected: list[tuple]
-    expected_flags: dict
-    telemetry_records: int
-
-
-def _flag_view(store: FlagStore) -> dict:
-    return {scope: (s.enabled, s.draft_limit, s.reason, s.ts) for scope, s in store.scopes().items()}
 
 
 @pytest.fixture(scope="module")
@@ -120,180 +34,33 @@ def feed(kafka_bootstrap):
 
     def get(scenario: str) -> Feed:
         if scenario not in feeds:
-            feeds[scenario] = _make_feed(kafka_bootstrap, scenario)
+            feeds[scenario] = make_feed(kafka_bootstrap, scenario)
         return feeds[scenario]
 
     yield get
-    _async(_delete_topics(kafka_bootstrap, f"swtest-{_RUN}-"))
-
-
-def _make_feed(kafka_bootstrap: str, scenario: str, workers: int = WORKERS) -> Feed:
-    topic = f"swtest-{_RUN}-{scenario}-{workers}.telemetry"
-    _async(_create_topics(kafka_bootstrap, NewTopic(topic, PARTITIONS, 1)))
-    producer = subprocess.Popen(
-        [sys.executable, "-m", "specwatch.cli", "simulate", "--bootstrap", kafka_bootstrap, "--topic", topic,
-         "--scenario", scenario, "--seed", str(SEED), "--workers", str(workers), "--minutes", str(MINUTES),
-         "--incident-at", str(INCIDENT_AT)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # The embedded run over the same records, meanwhile, on the other core.
-    sim = Simulator(scenario, seed=SEED, workers=workers, minutes=MINUTES, incident_at=INCIDENT_AT)
-    pipeline = EmbeddedPipeline()
-    pipeline.feed_many(sim.records())
-    pipeline.finish()
-    _, err = producer.communicate(timeout=300)
-    assert producer.returncode == 0, err
-    # Two records no processor may fold: bytes that are not OTLP, and a step that breaks the contract.
-    step = next(r for r in Simulator(scenario, seed=SEED, workers=1, minutes=0.05).records() if r.kind == "step")
-    entry = log_entry(step)
-    attributes = dict(entry.attributes)
-    attributes["specwatch.requests.accepted"] = tuple(d + 1 for d in attributes["specwatch.requests.drafted"])
-    bad_step = encode_entries([entry._replace(attributes=attributes)])
-    _async(_send_raw(kafka_bootstrap, topic, [(b"w1", b"\xff\xff not protobuf"), (b"w2", bad_step)]))
-    cutoff = sim.end_ts - _TAIL_SECONDS
-    expected = sorted(_key(d) for d in pipeline.decisions if d.ts < cutoff)
-    flags = FlagStore()
-    for decision in pipeline.decisions:
-        if decision.ts < cutoff:
-            flags.apply(decision)
-    assert expected, f"scenario {scenario} decides nothing: the comparison would be empty"
-    return Feed(scenario, topic, cutoff, expected, _flag_view(flags), pipeline.counters.records)
-
-
-class Pipeline:
-    """A test's own topics and consumer group, and its `specwatch run` worker processes."""
-
-    def __init__(self, bootstrap: str, feed: Feed, tmp_path: Path, archive: bool = False) -> None:
-        self.bootstrap = bootstrap
-        self.feed = feed
-        self.tmp_path = tmp_path
-        name = f"swtest-{_RUN}-{uuid.uuid4().hex[:6]}"
-        self.app_id = name
-        self.partials = f"{name}.partials"
-        self.decisions = f"{name}.decisions"
-        self.deadletter = f"{name}.deadletter"
-        self.archive = f"chdb://{tmp_path}/archive" if archive else None
-        self.processes: list[subprocess.Popen] = []
-        _async(_create_topics(
-            bootstrap, NewTopic(self.partials, PARTITIONS, 1), NewTopic(self.deadletter, PARTITIONS, 1),
-            NewTopic(self.decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})))
-
-    def start(self, index: int = 0, workers: int = 1, checkpoint_seconds: float = 1.0) -> subprocess.Popen:
-        command = [sys.executable, "-m", "specwatch.cli", "run", "--bootstrap", self.bootstrap,
-                   "--telemetry-topic", self.feed.topic, "--partials-topic", self.partials,
-                   "--decisions-topic", self.decisions, "--deadletter-topic", self.deadletter,
-                   "--app-id", self.app_id, "--data-dir", str(self.tmp_path / "data"),
-                   "--workers", str(workers), "--worker-index", str(index),
-                   "--session-timeout", "6", "--source-silence", "5",
-                   "--checkpoint-seconds", str(checkpoint_seconds), "--log-level", "info"]
-        if self.archive:
-            command += ["--archive", self.archive]
-        log = open(self.tmp_path / f"worker-{index}-{len(self.processes)}.log", "w")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        self.processes.append(process)
-        return process
-
-    def progress(self) -> float:
-        """Share of the telemetry the group has committed."""
-        reader = PartitionReader(self.bootstrap)
-        ends = _async(reader.end_offsets(self.feed.topic))
-        committed = _async(_committed(self.bootstrap, self.app_id, self.feed.topic))
-        return sum(committed.get(p, 0) for p in ends) / max(1, sum(ends.values()))
-
-    def wait_drained(self, timeout: float = _DRAIN_TIMEOUT_S) -> None:
-        """Until the group has committed every telemetry and partials message and the decisions are out.
-
-        Committed offsets alone do not say that stage 2 has finished: it may still wait for a
-        silent partition, so the expected number of decisions is awaited too; a decision too
-        many still fails the comparison afterwards.
-        """
-        reader = PartitionReader(self.bootstrap)
-        sources = [f"{topic}/{p}" for topic in (self.feed.topic, self.partials) for p in range(PARTITIONS)]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for process in self.processes[-1:]:
-                assert process.poll() is None, f"worker exited with {process.returncode}: {self.logs()}"
-            decided = [d for d in self.published() if d.ts < self.feed.cutoff]
-            if len(decided) >= len(self.feed.expected) and _async(reader.drained(self.app_id, sources)) == set(sources):
-                return
-            time.sleep(1.0)
-        raise AssertionError(f"the pipeline did not drain within {timeout:.0f} s: {self.logs()}")
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    def topic_values(self, topic: str) -> list[tuple[bytes | None, bytes]]:
-        reader = PartitionReader(self.bootstrap)
-        ends = _async(reader.end_offsets(topic))
-        out = []
-        for partition, end in sorted(ends.items()):
-            out += [(m.key, m.value) for m in _async(reader.read(topic, partition, 0, end))]
-        return out
-
-    def published(self) -> list[Decision]:
-        """Every decision on the decisions topic, in order (heartbeats left out)."""
-        return [Decision.model_validate_json(value) for key, value in self.topic_values(self.decisions)
-                if not key.startswith(b"__heartbeat__/")]
-
-    def heartbeats(self) -> list[dict]:
-        return [json.loads(value) for key, value in self.topic_values(self.decisions)
-                if key.startswith(b"__heartbeat__/")]
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(self.tmp_path.glob("worker-*.log")))
-
-
-@pytest.fixture
-def pipeline_factory(kafka_bootstrap, tmp_path):
-    made: list[Pipeline] = []
-
-    def make(feed: Feed, archive: bool = False) -> Pipeline:
-        pipeline = Pipeline(kafka_bootstrap, feed, tmp_path, archive=archive)
-        made.append(pipeline)
-        return pipeline
-
-    yield make
-    for pipeline in made:
-        pipeline.stop()
-
-
-def _assert_same_decisions(pipeline: Pipeline, feed: Feed) -> list[Decision]:
-    published = pipeline.published()
-    ids = Counter(d.id for d in published)
-    assert not [i for i, n in ids.items() if n > 1], "a decision reached the decisions topic twice"
-    got = sorted(_key(d) for d in published if d.ts < feed.cutoff)
-    assert got == feed.expected, pipeline.logs()
-    return published
+    run_async(delete_topics(kafka_bootstrap, f"swtest-{RUN}-"))
 
 
 @pytest.mark.parametrize("scenario", ["acceptance_drop", "kv_pressure", "bundle_change"])
 def test_faust_decides_as_embedded(scenario, feed, pipeline_factory, kafka_bootstrap):
     """(a) OTel -> Kafka -> Faust -> decisions topic -> flag client and archive, equal to embedded."""
     from specwatch.archive.store import Archive
-    from specwatch.actions.decisions_topic import FlagClient
-    from specwatch.collectors.otel import KafkaConfig
+    from specwatch.collectors.flag_client import FlagClient
+    from specwatch.transport.config import KafkaConfig
 
     data = feed(scenario)
     pipeline = pipeline_factory(data, archive=True)
     pipeline.start()
     pipeline.wait_drained()
-    published = _assert_same_decisions(pipeline, data)
+    published = assert_same_decisions(pipeline, data)
 
     with FlagClient(KafkaConfig(kafka_bootstrap), topic=pipeline.decisions) as client:
         assert client.wait_until_caught_up(60)
-        assert _flag_view(client.store) == data.expected_flags
+        assert flag_view(client.store) == data.expected_flags
     beats = pipeline.heartbeats()
     assert beats and all(b["publisher"].startswith(f"{pipeline.app_id}/stage2-") for b in beats)
     # the watermark is event time decided up to: never past the telemetry
-    assert all(b["watermark"] is None or b["watermark"] <= data.cutoff + _TAIL_SECONDS for b in beats)
+    assert all(b["watermark"] is None or b["watermark"] <= data.cutoff + TAIL_SECONDS for b in beats)
 
     dead = [json.loads(value) for _, value in pipeline.topic_values(pipeline.deadletter)]
     assert sorted(d["reason"] for d in dead) == ["accepted_exceeds_drafted", "invalid_otlp"]
@@ -312,7 +79,7 @@ def test_two_workers_decide_as_one(feed, pipeline_factory):
     pipeline = pipeline_factory(data)
     pipeline.start(workers=2)
     pipeline.wait_drained()
-    _assert_same_decisions(pipeline, data)
+    assert_same_decisions(pipeline, data)
 
 
 def test_killed_worker_loses_nothing_and_repeats_nothing(feed, pipeline_factory):
@@ -332,7 +99,7 @@ def test_killed_worker_loses_nothing_and_repeats_nothing(feed, pipeline_factory)
     _kill_when(pipeline, worker, lambda: bool(pipeline.published()))
     pipeline.start(checkpoint_seconds=5.0)
     pipeline.wait_drained()
-    published = _assert_same_decisions(pipeline, data)
+    published = assert_same_decisions(pipeline, data)
     assert "resumes from its checkpoint" in pipeline.logs()
     pipeline.stop()
     with Archive.open(pipeline.archive, create=False) as archive:
@@ -341,7 +108,7 @@ def test_killed_worker_loses_nothing_and_repeats_nothing(feed, pipeline_factory)
 
 
 def _kill_when(pipeline: Pipeline, worker: subprocess.Popen, condition) -> None:
-    deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while not condition():
         assert worker.poll() is None, pipeline.logs()
         assert time.monotonic() < deadline, pipeline.logs()

@@ -15,8 +15,11 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 
 from specwatch import cli
-from specwatch.actions.decisions_topic import DecisionPublisher, DecisionReader, FlagClient
-from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.actions.decisions_topic import DecisionPublisher
+from specwatch.collectors.flag_client import FlagClient
+from specwatch.transport.decisions import DecisionReader
+from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.transport.config import KafkaConfig
 from specwatch.schemas import (
     BundleCard,
     BundleRecord,

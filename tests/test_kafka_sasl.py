@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from own_broker import OwnBroker, forget_broker_data, port_from_env
-from test_kafka_e2e import Pipeline, _assert_same_decisions, _make_feed
+from kafka_helpers import Pipeline, assert_same_decisions, make_feed
 
 pytestmark = pytest.mark.kafka
 
@@ -57,13 +57,13 @@ def _credentials(monkeypatch, password: str) -> None:
 
 def test_worker_with_sasl_credentials_decides_as_embedded(sasl_broker, tmp_path, monkeypatch):
     plain, sasl = sasl_broker
-    feed = _make_feed(plain, "acceptance_drop")
+    feed = make_feed(plain, "acceptance_drop")
     _credentials(monkeypatch, _PASSWORD)
     pipeline = SaslPipeline(plain, sasl, feed, tmp_path)
     try:
         pipeline.start()
         pipeline.wait_drained()
-        _assert_same_decisions(pipeline, feed)
+        assert_same_decisions(pipeline, feed)
         assert _PASSWORD not in pipeline.logs()
     finally:
         pipeline.stop()

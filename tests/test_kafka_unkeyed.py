@@ -21,8 +21,8 @@ from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.otlp import encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 
-from test_kafka_e2e import PARTITIONS, Feed, _async, _create_topics, _delete_topics, _key
-from test_kafka_e2e import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
+from kafka_helpers import PARTITIONS, Feed, create_topics, decision_key, delete_topics, run_async
+from kafka_helpers import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
 
 pytestmark = pytest.mark.kafka
 
@@ -68,19 +68,19 @@ def unkeyed_feed(kafka_bootstrap):
     sim = Simulator("bundle_change", seed=SEED, workers=3, minutes=2.5, incident_at=90.0)
     records = list(sim.records())
     topic = f"swtest-unkeyed-{_RUN}.telemetry"
-    _async(_create_topics(kafka_bootstrap, NewTopic(topic, PARTITIONS, 1)))
+    run_async(create_topics(kafka_bootstrap, NewTopic(topic, PARTITIONS, 1)))
     try:
-        assert _async(_send_unkeyed(kafka_bootstrap, topic, records, seed=3)) > 100
+        assert run_async(_send_unkeyed(kafka_bootstrap, topic, records, seed=3)) > 100
         pipeline = EmbeddedPipeline()
         pipeline.feed_many(records)
         pipeline.finish()
         cutoff = sim.end_ts - _TAIL_SECONDS
         decided = [d for d in pipeline.decisions if d.ts < cutoff]
         assert any(d.action == "invalidate_bundle" for d in decided)
-        yield Feed("bundle_change", topic, cutoff, sorted(_key(d) for d in decided), {}, len(records)), \
+        yield Feed("bundle_change", topic, cutoff, sorted(decision_key(d) for d in decided), {}, len(records)), \
             sorted(d.to_json_line() for d in decided)
     finally:
-        _async(_delete_topics(kafka_bootstrap, f"swtest-unkeyed-{_RUN}"))
+        run_async(delete_topics(kafka_bootstrap, f"swtest-unkeyed-{_RUN}"))
 
 
 def test_unkeyed_telemetry_gives_the_embedded_decisions_byte_for_byte(unkeyed_feed, pipeline_factory):

@@ -32,13 +32,13 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from specwatch.actions.decisions_topic import FlagClient
-from specwatch.collectors.otel import KafkaConfig
+from specwatch.collectors.flag_client import FlagClient
+from specwatch.transport.config import KafkaConfig
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.schemas.otlp import encode_entries, log_entry
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.faust_app import PartitionReader
+from specwatch.transport.kafka_io import PartitionReader
 
 pytestmark = pytest.mark.kafka
 

@@ -13,7 +13,8 @@ from opentelemetry.sdk._logs import LogRecordProcessor
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 
 from specwatch.collectors.export import ExportResult, InMemoryExporter
-from specwatch.collectors.otel import BoundedLogRecordProcessor, KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.collectors.otel import BoundedLogRecordProcessor, KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.transport.config import KafkaConfig
 from specwatch.schemas import RequestRecord, RoundEntry, Sample, Sampling, ShadowRecord, StepRecord
 from specwatch.schemas.otlp import decode_request
 

@@ -32,7 +32,7 @@ from specwatch.schemas import Decision, Rejection, RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
 
 from otelcol import CONFIGS, Collector, free_port
-from test_kafka_e2e import PARTITIONS, Feed, Pipeline, _async, _create_topics, _delete_topics, _flag_view, _key
+from kafka_helpers import PARTITIONS, Feed, Pipeline, create_topics, decision_key, delete_topics, run_async
 
 pytestmark = pytest.mark.kafka
 
@@ -48,12 +48,12 @@ _PATIENCE_S = 300.0  # liveness on a loaded 2-core machine, not a performance bo
 @pytest.fixture(scope="module", autouse=True)
 def _topics_cleaned(kafka_bootstrap):
     yield
-    _async(_delete_topics(kafka_bootstrap, f"swotel-{_RUN}-"))
+    run_async(delete_topics(kafka_bootstrap, f"swotel-{_RUN}-"))
 
 
 def _topic(bootstrap: str, name: str, partitions: int = PARTITIONS) -> str:
     topic = f"swotel-{_RUN}-{name}-{uuid.uuid4().hex[:4]}.telemetry"
-    _async(_create_topics(bootstrap, NewTopic(topic, partitions, 1)))
+    run_async(create_topics(bootstrap, NewTopic(topic, partitions, 1)))
     return topic
 
 
@@ -126,7 +126,7 @@ def _otlp_to_run(tmp_path: Path, bootstrap: str, keyed: bool) -> tuple[Feed, Pip
     """simulator -> OTLP/HTTP -> the agent Collector -> Kafka -> `specwatch run`; and what replay decides."""
     scenario = "acceptance_drop"
     count, cutoff, replayed = _replayed(tmp_path, scenario)
-    expected = sorted(_key(d) for d in replayed if d.ts < cutoff)
+    expected = sorted(decision_key(d) for d in replayed if d.ts < cutoff)
     assert expected, "replay decides nothing: the comparison would be empty"
     topic = _topic(bootstrap, "keyed" if keyed else "unkeyed")
     replace = None if keyed else {"partition_logs_by_resource_attributes: true":
@@ -149,7 +149,7 @@ def _assert_run_decides_as_replay(feed: Feed, pipeline: Pipeline) -> None:
     try:
         pipeline.start()
         pipeline.wait_drained()
-        got = sorted(_key(d) for d in pipeline.published() if d.ts < feed.cutoff)
+        got = sorted(decision_key(d) for d in pipeline.published() if d.ts < feed.cutoff)
         assert got == feed.expected, pipeline.logs()
     finally:
         pipeline.stop()
@@ -191,7 +191,8 @@ def test_engines_through_the_agent_collector_unkeyed_decide_as_replay(kafka_boot
 
 
 def test_specwatch_topic_through_the_kafka_receiver_reaches_the_file_exporter_whole(kafka_bootstrap, tmp_path):
-    from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter
+    from specwatch.collectors.otel import KafkaTelemetryExporter
+    from specwatch.transport.config import KafkaConfig
 
     topic = _topic(kafka_bootstrap, "receiver")
     steps = [_step(f"w{w}", seq) for w in range(3) for seq in range(700)]

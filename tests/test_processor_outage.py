@@ -20,7 +20,7 @@ from aiokafka.errors import KafkaError
 from specwatch.archive.store import Archive
 
 from own_broker import OwnBroker, forget_broker_data, port_from_env
-from test_kafka_e2e import _DRAIN_TIMEOUT_S, Pipeline, _assert_same_decisions, _make_feed
+from kafka_helpers import DRAIN_TIMEOUT_S, Pipeline, assert_same_decisions, make_feed
 
 pytestmark = pytest.mark.kafka
 
@@ -47,11 +47,11 @@ def _progress(pipeline: Pipeline) -> float:
 def test_worker_survives_a_broker_outage_and_decides_each_decision_once(own_broker, tmp_path):
     # a fleet large enough that the worker is still reading when the broker goes: it reads
     # the 3-worker feed of the other tests within one commit interval
-    feed = _make_feed(own_broker, "acceptance_drop", workers=12)
+    feed = make_feed(own_broker, "acceptance_drop", workers=12)
     pipeline = Pipeline(own_broker, feed, tmp_path, archive=True)
     try:
         worker = pipeline.start(checkpoint_seconds=2.0)
-        deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while _progress(pipeline) < 0.3:
             assert worker.poll() is None, pipeline.logs()
             assert time.monotonic() < deadline, pipeline.logs()
@@ -73,8 +73,8 @@ def test_worker_survives_a_broker_outage_and_decides_each_decision_once(own_brok
                 pipeline.wait_drained(timeout=30.0)
                 break
             except (AssertionError, KafkaError):  # not drained yet, or the group still settling
-                assert time.monotonic() < deadline + _DRAIN_TIMEOUT_S, pipeline.logs()
-        published = _assert_same_decisions(pipeline, feed)
+                assert time.monotonic() < deadline + DRAIN_TIMEOUT_S, pipeline.logs()
+        published = assert_same_decisions(pipeline, feed)
     finally:
         pipeline.stop()
     with Archive.open(pipeline.archive, create=False) as archive:

@@ -16,10 +16,12 @@ import socket
 import pytest
 
 from specwatch.archive.store import Archive, ArchiveError
-from specwatch.actions.decisions_topic import DecisionPublisher, FlagClient
+from specwatch.actions.decisions_topic import DecisionPublisher
+from specwatch.collectors.flag_client import FlagClient
 from specwatch.actions.handlers import ArchiveSink
-from specwatch.actions.signing import Keyring
-from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.transport.signing import Keyring
+from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.transport.config import KafkaConfig
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy, RequestRecord
 from specwatch.streams.embedded import EmbeddedPipeline

@@ -16,8 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaProducer
 
-from specwatch.actions.decisions_topic import DecisionPublisher, FlagClient, heartbeat_message
-from specwatch.actions.signing import (
+from specwatch.actions.decisions_topic import DecisionPublisher
+from specwatch.collectors.flag_client import FlagClient
+from specwatch.transport.codec import heartbeat_message
+from specwatch.transport.signing import (
     SIGNATURE_HEADER,
     Keyring,
     SigningKey,
@@ -25,7 +27,7 @@ from specwatch.actions.signing import (
     sign_line,
     verify,
 )
-from specwatch.collectors.otel import KafkaConfig
+from specwatch.transport.config import KafkaConfig
 from specwatch.schemas import Decision
 
 _API_VERSION = (4, 0)
@@ -182,7 +184,7 @@ def test_flag_client_acts_only_on_signed_fresh_decisions(kafka_bootstrap, decisi
     send(_decision(250.0, action="reduce_draft_length", bucket="extraction"),
          lambda value: sign_line(value, ring))                                      # legitimate
 
-    with caplog.at_level(logging.WARNING, logger="specwatch.actions.decisions_topic"):
+    with caplog.at_level(logging.WARNING, logger="specwatch.collectors.flag_client"):
         with FlagClient(config, topic=decisions_topic, keyring=ring) as client:
             assert client.wait_until_caught_up(30)
             stats = client.stats()

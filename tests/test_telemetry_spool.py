@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter
+from specwatch.collectors.otel import KafkaTelemetryExporter
+from specwatch.transport.config import KafkaConfig
 from specwatch.collectors.spool import TelemetrySpool
 from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request

@@ -95,8 +95,8 @@ def run(kafka_bootstrap, tmp_path_factory) -> dict:
     from kafka.admin import KafkaAdminClient, NewTopic
 
     from specwatch.actions.decisions_topic import DecisionPublisher
-    from specwatch.actions.signing import Keyring
-    from specwatch.collectors.otel import KafkaConfig
+    from specwatch.transport.signing import Keyring
+    from specwatch.transport.config import KafkaConfig
     from specwatch.schemas import Decision
 
     out = tmp_path_factory.mktemp("vllm-kafka")

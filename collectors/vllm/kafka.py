@@ -26,9 +26,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from specwatch.transport.topics import DECISIONS_TOPIC
+
 __all__ = ["decision_flags", "telemetry_sink"]
 
-_DEFAULT_DECISIONS_TOPIC = "specwatch.decisions"
 _DEFAULT_SILENCE_SECONDS = 30.0
 
 
@@ -41,12 +42,12 @@ def telemetry_sink(environ: Mapping[str, str] | None = None) -> Any:
 
 def decision_flags(environ: Mapping[str, str] | None = None) -> Any:
     """A started `FlagClient` on the decisions topic; the collector asks it per step."""
-    from specwatch.actions.decisions_topic import FlagClient
-    from specwatch.actions.signing import Keyring
-    from specwatch.collectors.otel import KafkaConfig
+    from specwatch.collectors.flag_client import FlagClient
+    from specwatch.transport.signing import Keyring
+    from specwatch.transport.config import KafkaConfig
 
     environ = os.environ if environ is None else environ
-    topic = environ.get("SPECWATCH_DECISIONS_TOPIC") or _DEFAULT_DECISIONS_TOPIC
+    topic = environ.get("SPECWATCH_DECISIONS_TOPIC") or DECISIONS_TOPIC
     silence = environ.get("SPECWATCH_SILENCE_SECONDS")
     try:
         silence_seconds = float(silence) if silence else _DEFAULT_SILENCE_SECONDS

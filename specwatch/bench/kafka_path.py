@@ -50,7 +50,7 @@ async def _create_topics(bootstrap: str, names: dict[str, int]) -> None:
 
 def _lag(bootstrap: str, group: str, topic: str) -> int | None:
     """Telemetry messages not yet committed by ``group``; None while that cannot be read."""
-    from specwatch.streams.faust_app import PartitionReader
+    from specwatch.transport.kafka_io import PartitionReader
 
     async def run():
         from aiokafka import TopicPartition
@@ -105,8 +105,9 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     """One end-to-end run; ``rate`` paces the producer at that many rounds/s (None: flat out)."""
     from kafka import KafkaConsumer
 
-    from specwatch.actions.decisions_topic import HEARTBEAT_KEY_PREFIX
-    from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter
+    from specwatch.transport.codec import HEARTBEAT_KEY_PREFIX
+    from specwatch.collectors.otel import KafkaTelemetryExporter
+    from specwatch.transport.config import KafkaConfig
     from specwatch.simulation.simulator import Simulator
     from specwatch.schemas import Decision
     from specwatch.streams.fastpath import FastPipeline

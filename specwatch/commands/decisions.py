@@ -18,9 +18,10 @@ from typing import TextIO
 
 from collections import Counter
 
-from specwatch.actions.decisions_topic import DEFAULT_DECISIONS_TOPIC, BrokerUnavailable, DecisionReader
-from specwatch.actions.signing import Keyring, Verdict, verify
-from specwatch.collectors.otel import KafkaConfig
+from specwatch.transport.config import BrokerUnavailable, KafkaConfig
+from specwatch.transport.decisions import DecisionReader
+from specwatch.transport.topics import DECISIONS_TOPIC
+from specwatch.transport.signing import Keyring, Verdict, verify
 
 __all__ = ["register", "print_decisions"]
 
@@ -42,7 +43,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--bootstrap", required=True, metavar="HOST:PORT",
                         help="Kafka bootstrap servers, comma separated")
-    parser.add_argument("--topic", default=DEFAULT_DECISIONS_TOPIC, help="decisions topic (default: %(default)s)")
+    parser.add_argument("--topic", default=DECISIONS_TOPIC, help="decisions topic (default: %(default)s)")
     parser.add_argument("--follow", action="store_true", help="keep printing new decisions until interrupted")
     parser.add_argument("--unverified", action="store_true",
                         help="also print decisions whose signature does not check out (they are still reported)")

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
+from specwatch.transport.topics import DECISIONS_TOPIC
 
 __all__ = ["register", "OverrideChange", "add_publish_options", "override_decision", "publish_keyring",
            "publish_manual", "record_override"]
@@ -95,7 +96,7 @@ def add_publish_options(parser: argparse.ArgumentParser) -> None:
     """``--bootstrap``, ``--decisions-topic`` and ``--unsigned``: where and how a manual change is published."""
     parser.add_argument("--bootstrap", metavar="HOST:PORT",
                         help="also publish the change, signed, on the decisions topic of this Kafka cluster")
-    parser.add_argument("--decisions-topic", default="specwatch.decisions", metavar="TOPIC",
+    parser.add_argument("--decisions-topic", default=DECISIONS_TOPIC, metavar="TOPIC",
                         help="decisions topic to publish on (default: %(default)s)")
     parser.add_argument("--unsigned", action="store_true",
                         help="with --bootstrap and no signing key: publish unsigned, for a fleet whose flag "
@@ -109,7 +110,7 @@ def publish_keyring(args: argparse.Namespace):
     ignores it: that is refused unless ``--unsigned`` says the fleet runs without keys.
     Called before anything is recorded, so a refused change leaves no trace.
     """
-    from specwatch.actions.signing import Keyring
+    from specwatch.transport.signing import Keyring
 
     try:
         keyring = Keyring.from_env()
@@ -131,7 +132,7 @@ def publish_keyring(args: argparse.Namespace):
 def publish_manual(args: argparse.Namespace, decision, keyring) -> bool:
     """Publish one decision, signed with ``keyring``, and wait for the broker; False (and why, on stderr) if not."""
     from specwatch.actions.decisions_topic import DecisionPublisher
-    from specwatch.collectors.otel import KafkaConfig
+    from specwatch.transport.config import KafkaConfig
 
     try:
         publisher = DecisionPublisher(KafkaConfig.from_env(args.bootstrap), topic=args.decisions_topic,
@@ -195,7 +196,7 @@ def register(subparsers) -> None:
     p.add_argument("--bootstrap", metavar="HOST:PORT",
                    help="the state flag clients follow: read the decisions topic (verified with the signing key "
                         "settings) instead of the archive")
-    p.add_argument("--decisions-topic", default="specwatch.decisions", metavar="TOPIC",
+    p.add_argument("--decisions-topic", default=DECISIONS_TOPIC, metavar="TOPIC",
                    help="with --bootstrap: the decisions topic (default: %(default)s)")
     p.set_defaults(func=_list)
 
@@ -268,8 +269,8 @@ def _list(args: argparse.Namespace) -> int:
 def _fleet_store(args: argparse.Namespace):
     """(the flag store a flag client builds from the decisions topic, how many messages failed the
     signature check), or the exit code (and why, on stderr) when the topic cannot be read."""
-    from specwatch.actions.decisions_topic import FlagClient
-    from specwatch.collectors.otel import KafkaConfig
+    from specwatch.collectors.flag_client import FlagClient
+    from specwatch.transport.config import KafkaConfig
 
     try:
         client = FlagClient(KafkaConfig.from_env(args.bootstrap), topic=args.decisions_topic, silence_seconds=None)

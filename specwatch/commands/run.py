@@ -16,14 +16,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from specwatch.transport.topics import DEADLETTER_TOPIC, DECISIONS_TOPIC, PARTIALS_TOPIC, TELEMETRY_TOPIC
+
 __all__ = ["register"]
 
 _DEFAULT_DATA_DIR = "specwatch-data/faust"
-# The names deploy/kafka/broker.sh creates (Faust is imported only when the command runs).
-DEFAULT_TELEMETRY_TOPIC = "specwatch.telemetry"
-DEFAULT_PARTIALS_TOPIC = "specwatch.partials"
-DEFAULT_DECISIONS_TOPIC = "specwatch.decisions"
-DEFAULT_DEADLETTER_TOPIC = "specwatch.deadletter"
 _SUPERVISE_POLL_S = 0.5
 _DEFAULT_WEB_PORT = 6066
 _STOP_GRACE_S = 30.0
@@ -42,10 +39,10 @@ def register(subparsers) -> None:
                         help="archive decisions, evidence, samples and window stats (e.g. chdb://specwatch-data/"
                              "archive, or a ClickHouse server http://user@host:8123/db)")
     parser.add_argument("--telemetry-topic", action="append", metavar="TOPIC",
-                        help=f"telemetry topic (repeatable; default {DEFAULT_TELEMETRY_TOPIC})")
-    parser.add_argument("--partials-topic", default=DEFAULT_PARTIALS_TOPIC, metavar="TOPIC")
-    parser.add_argument("--decisions-topic", default=DEFAULT_DECISIONS_TOPIC, metavar="TOPIC")
-    parser.add_argument("--deadletter-topic", default=DEFAULT_DEADLETTER_TOPIC, metavar="TOPIC")
+                        help=f"telemetry topic (repeatable; default {TELEMETRY_TOPIC})")
+    parser.add_argument("--partials-topic", default=PARTIALS_TOPIC, metavar="TOPIC")
+    parser.add_argument("--decisions-topic", default=DECISIONS_TOPIC, metavar="TOPIC")
+    parser.add_argument("--deadletter-topic", default=DEADLETTER_TOPIC, metavar="TOPIC")
     parser.add_argument("--app-id", default="specwatch",
                         help="consumer group and prefix of the checkpoint topics (default specwatch)")
     parser.add_argument("--data-dir", default=_DEFAULT_DATA_DIR,
@@ -92,10 +89,11 @@ def _fail(message: str) -> int:
 
 def _run(args) -> int:
     from specwatch.schemas import PolicyError, load_policy
-    from specwatch.collectors.otel import KafkaConfig
+    from specwatch.transport.config import KafkaConfig
     from specwatch.actions.alertmanager import load_rollback_policy, read_token_file
-    from specwatch.streams.faust_app import (BrokerUnavailable, StreamSettings, TopicError, aiokafka_security,
-                                             prepare_topics, run_worker)
+    from specwatch.streams.faust_app import TopicError, prepare_topics, run_worker
+    from specwatch.streams.runner import StreamSettings
+    from specwatch.transport.config import BrokerUnavailable
     from specwatch.streams.operations import OperationsSettings
 
     if args.workers < 1:
@@ -123,14 +121,14 @@ def _run(args) -> int:
             AlertSender(operations.alertmanager_url)  # the URL is checked before anything starts
     except ValueError as error:
         return _fail(str(error))
-    security: dict = {}
+    kafka = None
     try:
-        from specwatch.actions.signing import Keyring
+        from specwatch.transport.signing import Keyring
 
         Keyring.from_env()  # an empty, weak or unreadable key setting stops here, before any topic is touched
         settings = StreamSettings(
             bootstrap=args.bootstrap,
-            telemetry_topics=tuple(args.telemetry_topic or (DEFAULT_TELEMETRY_TOPIC,)),
+            telemetry_topics=tuple(args.telemetry_topic or (TELEMETRY_TOPIC,)),
             partials_topic=args.partials_topic,
             decisions_topic=args.decisions_topic,
             deadletter_topic=args.deadletter_topic,
@@ -145,12 +143,13 @@ def _run(args) -> int:
             operations=operations,
         )
         # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
-        security = aiokafka_security(KafkaConfig.from_env(args.bootstrap))
-        settings = replace(settings, kafka_security=security)
+        kafka = KafkaConfig.from_env(args.bootstrap)
+        settings = replace(settings, kafka=kafka)
         settings = asyncio.run(prepare_topics(settings, default_partitions=args.partitions))
     except BrokerUnavailable as error:
         hint = ("is the broker running, and do the SPECWATCH_KAFKA_* security settings match its listener "
-                f"({security['security_protocol']}, credentials of the user given)?" if security
+                f"({kafka.security_protocol}, credentials of the user given)?"
+                if kafka is not None and kafka.security_protocol != "PLAINTEXT"
                 else "is the broker running? (deploy/kafka/broker.sh start)")
         return _fail(f"{error}\n  {hint}")
     except (TopicError, ValueError) as error:

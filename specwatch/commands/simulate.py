@@ -17,11 +17,12 @@ import time
 from collections import Counter
 from typing import Iterable, TextIO
 
+from specwatch.transport.topics import TELEMETRY_TOPIC
+
 __all__ = ["register", "build_simulator", "write_json_lines", "send", "send_to_kafka", "send_otlp", "summary_line"]
 
 _EXIT_USAGE = 2
 _EXIT_IO = 1
-_DEFAULT_TOPIC = "specwatch.telemetry"
 # Engines export continuously; a generator running faster than real time must not let one
 # worker's records run far ahead of another's on a shared partition (stage 1 closes slices
 # by event time), so it flushes this often in event time.
@@ -51,7 +52,7 @@ def register(subparsers) -> None:
                         help="send to an OpenTelemetry Collector instead of a file: OTLP through OpenTelemetry's "
                              "exporter, configured by the standard OTEL_EXPORTER_OTLP_* variables; ENDPOINT, when "
                              "given, is the base endpoint (OTEL_EXPORTER_OTLP_ENDPOINT)")
-    parser.add_argument("--topic", default=_DEFAULT_TOPIC, help=f"telemetry topic (default: {_DEFAULT_TOPIC})")
+    parser.add_argument("--topic", default=TELEMETRY_TOPIC, help=f"telemetry topic (default: {TELEMETRY_TOPIC})")
     parser.add_argument("--rate", type=float, default=0.0, metavar="RECORDS_PER_S",
                         help="with --bootstrap or --otlp: at most this many records per second (default 0: as fast "
                              "as the exporter goes)")
@@ -116,10 +117,11 @@ def send(records: Iterable, exporter, rate: float = 0.0,
     return counts, stats
 
 
-def send_to_kafka(records: Iterable, bootstrap: str, topic: str = _DEFAULT_TOPIC, rate: float = 0.0,
+def send_to_kafka(records: Iterable, bootstrap: str, topic: str = TELEMETRY_TOPIC, rate: float = 0.0,
                   flush_event_seconds: float = _DEFAULT_FLUSH_EVENT_SECONDS) -> tuple[Counter, dict]:
     """`send` through specwatch's Kafka exporter to ``topic``."""
-    from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter
+    from specwatch.collectors.otel import KafkaTelemetryExporter
+    from specwatch.transport.config import KafkaConfig
 
     exporter = KafkaTelemetryExporter(KafkaConfig.from_env(bootstrap, topic=topic, client_id="specwatch-simulate"))
     return send(records, exporter, rate, flush_event_seconds)

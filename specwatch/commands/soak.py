@@ -241,7 +241,8 @@ def _soak_kafka(args, sim, out) -> SoakResult:
     from kafka import KafkaConsumer, TopicPartition
     from kafka.admin import KafkaAdminClient, NewTopic
 
-    from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
+    from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+    from specwatch.transport.config import KafkaConfig
     from specwatch.schemas import Rejection
     from specwatch.schemas.otlp import decode_request
     from specwatch.streams.embedded import EmbeddedPipeline

@@ -31,6 +31,7 @@ __all__ = [
     "Verdict",
     "sign_line",
     "verify",
+    "warn_unsigned",
 ]
 
 logger = logging.getLogger(__name__)
@@ -256,3 +257,10 @@ def _check(line: bytes, header: bytes | None, keyring: Keyring) -> Verdict:
     if hmac.compare_digest(_mac(key.secret, line), digest):
         return Verdict.VALID
     return Verdict.FORGED
+
+
+def warn_unsigned(role: str) -> None:
+    """Say, once per publisher or client, that messages on the decisions topic go unchecked."""
+    logger.warning("%s runs WITHOUT a signing key: anyone who can write the decisions topic can switch "
+                   "speculation off or on. Set SPECWATCH_SIGNING_KEY_FILE (or SPECWATCH_SIGNING_KEY) on "
+                   "publishers and flag clients alike.", role)

@@ -1,0 +1,629 @@
+"""The partition runner: one task per input partition, restored, fed in offset order, checkpointed.
+
+`PartitionRunner` is the state machine both stages run on Kafka: restore a task from its
+checkpoint (or start at the partition's beginning), skip what it folded before, read
+directly from the log what the consumer group skipped (a gap), catch up a partition that
+delivers nothing, checkpoint now and then, forget revoked partitions. `Stage1Runner` and
+`Stage2Runner` fill in what to fold, what to emit and what to do before a checkpoint.
+Nothing here imports Faust: the reader, the writer, the assignment and the
+acknowledgement are passed in (`streams/faust_app.py` wires them to Faust;
+`specwatch.transport.memory` is their twin in unit tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from specwatch.schemas import Policy, Rejection
+from specwatch.transport.codec import decision_message, heartbeat_message
+from specwatch.transport.config import KafkaConfig
+from specwatch.transport.kafka_io import acknowledged
+from specwatch.transport.signing import Keyring
+from specwatch.transport.topics import DEADLETTER_TOPIC, DECISIONS_TOPIC, PARTIALS_TOPIC, TELEMETRY_TOPIC
+
+from .faust_tasks import (
+    BundleOwner,
+    CheckpointError,
+    Stage1Task,
+    Stage2Task,
+    checkpoint_entries,
+    dead_letter,
+    decisions_in,
+    decode_checkpoint,
+    decode_partial,
+    encode_checkpoint,
+    encode_partial,
+    encode_release,
+    outbox_pending,
+    read_checkpoint,
+    route_batches,
+)
+from .operations import Operations, OperationsSettings
+
+__all__ = ["CheckpointLog", "PartitionRunner", "Stage1Runner", "Stage2Runner", "StreamSettings"]
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_APP_ID = "specwatch"
+_DEFAULT_CHECKPOINT_SECONDS = 2.0
+_DEFAULT_SOURCE_SILENCE_SECONDS = 10.0
+_DEFAULT_SESSION_TIMEOUT_SECONDS = 30.0
+# A partition assigned this long without delivering anything is restored and caught up by hand.
+_CATCH_UP_AFTER_S = 3.0
+
+TopicPartition = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """Everything a worker needs; validated once, before Faust starts.
+
+    Parameters
+    ----------
+    bootstrap
+        ``HOST:PORT[,HOST:PORT...]`` of the Kafka cluster.
+    telemetry_topics
+        Topics of OTLP telemetry (one `Stage1Task` per partition of each).
+    partials_topic, decisions_topic, deadletter_topic
+        Stage 1 -> stage 2 batches; decisions (compacted); rejected records.
+    app_id
+        Consumer group and prefix of the checkpoint topics.
+    policy
+        Windows, gates and actions.
+    archive_dsn
+        Where stage 2 archives decisions, samples and window stats; None = no archive.
+    data_dir
+        This worker's local directory (Faust's datadir).
+    telemetry_partitions, partials_partitions
+        Partition counts, read from the cluster by `prepare_topics`.
+    checkpoint_seconds
+        Wall-clock interval between checkpoints of a busy task (decisions checkpoint at once).
+    source_silence_seconds
+        A telemetry partition that sent nothing for this long, while behind the others by
+        more than the policy's ``source_idle_seconds`` of event time and with nothing left to
+        read, stops holding slices back.
+    session_timeout_seconds
+        Kafka consumer session timeout: how soon a dead worker's partitions move.
+    replication_factor
+        Of the changelog topics Faust creates.
+    kafka
+        Security settings of the cluster (TLS, SASL); None: PLAINTEXT.
+    operations
+        The web server (metrics, health, Alertmanager webhook) and where decisions go as alerts.
+    """
+
+    bootstrap: str
+    telemetry_topics: tuple[str, ...] = (TELEMETRY_TOPIC,)
+    partials_topic: str = PARTIALS_TOPIC
+    decisions_topic: str = DECISIONS_TOPIC
+    deadletter_topic: str = DEADLETTER_TOPIC
+    app_id: str = _DEFAULT_APP_ID
+    policy: Policy = field(default_factory=Policy)
+    archive_dsn: str | None = None
+    data_dir: str = "specwatch-data/faust/worker-0"
+    telemetry_partitions: int = 0
+    partials_partitions: int = 0
+    checkpoint_seconds: float = _DEFAULT_CHECKPOINT_SECONDS
+    source_silence_seconds: float = _DEFAULT_SOURCE_SILENCE_SECONDS
+    session_timeout_seconds: float = _DEFAULT_SESSION_TIMEOUT_SECONDS
+    replication_factor: int = 1
+    kafka: KafkaConfig | None = field(default=None, repr=False)
+    operations: OperationsSettings = field(default_factory=OperationsSettings)
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap or not all(":" in s for s in self.bootstrap.split(",")):
+            raise ValueError(f"bootstrap must be HOST:PORT[,HOST:PORT...], got {self.bootstrap!r}")
+        if not self.telemetry_topics:
+            raise ValueError("at least one telemetry topic is needed")
+        names = [*self.telemetry_topics, self.partials_topic, self.decisions_topic, self.deadletter_topic]
+        if len(set(names)) != len(names):
+            raise ValueError(f"telemetry, partials, decisions and dead-letter topics must differ, got {names}")
+        if not self.checkpoint_seconds > 0:
+            raise ValueError(f"checkpoint_seconds must be > 0, got {self.checkpoint_seconds}")
+        if not self.source_silence_seconds > 0:
+            raise ValueError(f"source_silence_seconds must be > 0, got {self.source_silence_seconds}")
+        if not self.session_timeout_seconds >= 6:
+            raise ValueError("session_timeout_seconds must be >= 6 (the broker's minimum session), "
+                             f"got {self.session_timeout_seconds}")
+        if self.replication_factor < 1:
+            raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
+
+    def client_options(self) -> dict[str, Any]:
+        """Security options every aiokafka client of the app takes ({} for PLAINTEXT)."""
+        return self.kafka.aiokafka_security() if self.kafka is not None else {}
+
+    def checkpoint_topic(self, stage: str) -> str:
+        """The compacted topic holding the checkpoints of ``stage`` ("stage1" or "stage2")."""
+        return f"{self.app_id}.{stage}-checkpoints"
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Every telemetry partition, named as stage 2 knows it."""
+        return tuple(f"{topic}/{p}" for topic in self.telemetry_topics for p in range(self.telemetry_partitions))
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class CheckpointLog:
+    """Task checkpoints on a compacted topic, in the partition of the task's input partition.
+
+    A save returns once the broker acknowledged every chunk, so a checkpoint that exists
+    was whole when anything after it was sent. A load reads the partition from its start
+    (compaction keeps it short) and takes the newest whole checkpoint.
+    """
+
+    def __init__(self, topic: str, writer: Any, reader: Any) -> None:
+        self.topic = topic
+        self._writer = writer
+        self._reader = reader
+        self._sequence: dict[str, int] = {}
+
+    async def load(self, name: str, partition: int) -> Stage1Task | Stage2Task | None:
+        prefix = f"{name}#".encode()
+        latest: dict[str, bytes] = {}
+        begin = await self._reader.beginning_offset(self.topic, partition)
+        end = (await self._reader.end_offsets(self.topic)).get(partition, begin)
+        async for message in self._reader.iter_range(self.topic, partition, begin, end):
+            if message.key and message.key.startswith(prefix) and message.value is not None:
+                latest[message.key.decode()] = message.value
+        found = read_checkpoint(name, latest.get)
+        if found is None:
+            return None
+        sequence, data = found
+        self._sequence[name] = sequence
+        try:
+            return decode_checkpoint(data)
+        except CheckpointError as error:
+            logger.error("checkpoint %s is unusable (%s); the task rebuilds from its partition", name, error)
+            return None
+
+    async def save(self, name: str, partition: int, task: Stage1Task | Stage2Task) -> int:
+        """Write a checkpoint and wait until the broker has all of it; returns its size in bytes."""
+        sequence = self._sequence.get(name, 0) + 1
+        data = encode_checkpoint(task)
+        sent = [await self._writer.send(self.topic, value, key=key.encode(), partition=partition)
+                for key, value in checkpoint_entries(name, sequence, data)]
+        await acknowledged(sent, "checkpoint chunks")
+        self._sequence[name] = sequence
+        return len(data)
+
+
+# ---------------------------------------------------------------- the runner
+
+
+def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
+    """Assigned partitions without a task for `_CATCH_UP_AFTER_S` since first seen here, in order.
+
+    ``assigned_at`` remembers when each was first seen and forgets those no longer assigned.
+
+    >>> seen = {}
+    >>> _overdue({1, 2}, {2: "task"}, seen, now=10.0), _overdue({1, 2}, {2: "task"}, seen, now=13.0)
+    ([], [1])
+    >>> _overdue({2}, {}, seen, now=14.0), sorted(seen)
+    ([], [2])
+    """
+    for key in list(assigned_at):
+        if key not in assigned:
+            del assigned_at[key]
+    return [key for key in sorted(assigned) if key not in tasks
+            and now - assigned_at.setdefault(key, now) >= _CATCH_UP_AFTER_S]
+
+
+class PartitionRunner:
+    """One task per owned input partition, fed in offset order whatever the consumer delivers.
+
+    A task resumes from its checkpoint, which says the offset of the next message it has to
+    fold: messages below it are skipped (folded before), a message beyond it first makes the
+    runner read the messages in between from the log (the consumer group committed past them
+    without delivering). Subclasses say what a task is and what folding a message does.
+
+    Parameters
+    ----------
+    settings
+        The worker's settings.
+    writer, reader
+        A `KafkaWriter` and a `PartitionReader` (or their in-memory twins).
+    checkpoints
+        Where tasks are saved and restored from.
+    assignment
+        The (topic, partition) pairs this worker owns now.
+    acknowledge
+        Marks a message read outside the consumer as done in it.
+    clock
+        Monotonic seconds: paces checkpoints and catch-up, never a decision.
+    """
+
+    stage = ""
+    task_type: type = object
+
+    def __init__(self, settings: StreamSettings, writer: Any, reader: Any, checkpoints: CheckpointLog, *,
+                 assignment: Callable[[], Iterable[TopicPartition]],
+                 acknowledge: Callable[[Any], None] = lambda message: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self._writer = writer
+        self._reader = reader
+        self._checkpoints = checkpoints
+        self._assignment = assignment
+        self._acknowledge = acknowledge
+        self._clock = clock
+        self._tasks: dict[TopicPartition, Any] = {}
+        self._lock = asyncio.Lock()  # the agent and the timers never work on a task at once
+        self._assigned_at: dict[TopicPartition, float] = {}
+        self._checkpointed_at: dict[TopicPartition, float] = {}
+        self.skipped = 0
+
+    # -- hooks --------------------------------------------------------------------------
+    def inputs(self) -> tuple[str, ...]:
+        """The topics whose partitions this runner folds."""
+        raise NotImplementedError
+
+    def new_task(self, tp: TopicPartition) -> Any:
+        """A task for a partition without a checkpoint."""
+        raise NotImplementedError
+
+    async def fold(self, task: Any, tp: TopicPartition, message: Any) -> None:
+        """Fold one message into its task (the task advances its ``next_offset``)."""
+        raise NotImplementedError
+
+    async def taken_over(self, task: Any, tp: TopicPartition) -> None:
+        """Called once a task is restored or new, before it folds anything."""
+
+    async def before_checkpoint(self, task: Any, tp: TopicPartition) -> None:
+        """Make what the checkpoint claims true (sent, archived) before it is written."""
+
+    def forgotten(self, tp: TopicPartition) -> None:
+        """A partition was taken away."""
+
+    # -- the state machine --------------------------------------------------------------
+    def task_name(self, tp: TopicPartition) -> str:
+        return f"{self.stage}/{tp[0]}/{tp[1]}"
+
+    async def handle(self, message: Any) -> None:
+        """One message the consumer delivered."""
+        tp = (message.topic, message.partition)
+        async with self._lock:
+            task = self._tasks.get(tp)
+            if task is None:
+                task = await self._take_over(tp)
+            if message.offset < task.next_offset:
+                self.skipped += 1  # folded before the restart
+                return
+            if message.offset > task.next_offset:
+                await self._read_gap(task, tp, message.offset)
+            await self.fold(task, tp, message)
+            if self._clock() - self._checkpointed_at.get(tp, 0.0) >= self.settings.checkpoint_seconds:
+                await self.checkpoint(task, tp)
+
+    async def catch_up(self) -> None:
+        """Owned partitions that delivered nothing since they were assigned: restore their
+        tasks and fold what the checkpoints do not cover. The consumer delivers only what is
+        past the group's commit, and a worker killed after committing but before its next
+        checkpoint leaves that gap unread until a new message arrives, which it may never."""
+        inputs = self.inputs()
+        assigned = {(topic, partition) for topic, partition in self._assignment() if topic in inputs}
+        waiting = _overdue(assigned, self._tasks, self._assigned_at, self._clock())
+        ends: dict[str, dict[int, int]] = {}
+        for tp in waiting:
+            async with self._lock:
+                if tp in self._tasks:
+                    continue  # a message arrived meanwhile
+                task = await self._take_over(tp)
+                if tp[0] not in ends:
+                    ends[tp[0]] = await self._reader.end_offsets(tp[0])
+                end = ends[tp[0]].get(tp[1], 0)
+                if end > task.next_offset:
+                    await self._read_gap(task, tp, end)
+                    await self.checkpoint(task, tp)
+
+    def forget(self, tps: Iterable[TopicPartition]) -> None:
+        """Partitions taken away: their next owner resumes from the checkpoint."""
+        inputs = self.inputs()
+        for topic, partition in tps:
+            if topic in inputs:
+                self._tasks.pop((topic, partition), None)
+                self.forgotten((topic, partition))
+
+    async def checkpoint(self, task: Any, tp: TopicPartition) -> None:
+        await self.before_checkpoint(task, tp)
+        await self._checkpoints.save(self.task_name(tp), tp[1], task)
+        self._checkpointed_at[tp] = self._clock()
+
+    async def _take_over(self, tp: TopicPartition) -> Any:
+        name = self.task_name(tp)
+        task = await self._checkpoints.load(name, tp[1])
+        if isinstance(task, self.task_type):
+            logger.info("%s resumes from its checkpoint at offset %d", name, task.next_offset)
+            self._checkpointed_at[tp] = self._clock()
+        else:
+            # No checkpoint: the state is whatever the partition holds, from its first message,
+            # wherever the group's committed offset points.
+            task = self.new_task(tp)
+            task.next_offset = await self._reader.beginning_offset(*tp)
+        self._tasks[tp] = task
+        await self.taken_over(task, tp)
+        return task
+
+    async def _read_gap(self, task: Any, tp: TopicPartition, upto: int) -> None:
+        name = self.task_name(tp)
+        logger.info("%s reads offsets %d..%d that its checkpoint does not cover", name, task.next_offset, upto - 1)
+        async for message in self._reader.iter_range(tp[0], tp[1], task.next_offset, upto):
+            if message.offset > task.next_offset:
+                logger.warning("%s: offsets %d..%d are gone from the log (retention); what they held is lost",
+                               name, task.next_offset, message.offset - 1)
+            await self.fold(task, tp, message)
+            self._acknowledge(message)
+        task.next_offset = max(task.next_offset, upto)
+
+    def _lag_and_age(self, highwater: Callable[[str, int], int | None]) -> tuple[dict, dict]:
+        lag, age = {}, {}
+        for tp, task in sorted(self._tasks.items()):
+            mark = highwater(*tp)
+            if mark is not None and task.next_offset is not None:
+                lag[tp] = max(0, mark - task.next_offset)
+            if tp in self._checkpointed_at:
+                age[(self.stage, tp[1])] = self._clock() - self._checkpointed_at[tp]
+        return lag, age
+
+
+# ---------------------------------------------------------------- stage 1
+
+
+class Stage1Runner(PartitionRunner):
+    """Stage 1 on Kafka: decode and fold telemetry, send slice batches and dead letters.
+
+    A checkpoint is written only after the broker acknowledged the batches it covers.
+    """
+
+    stage = "stage1"
+    task_type = Stage1Task
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: dict[TopicPartition, list[asyncio.Future]] = {}
+        self.records = 0
+        self.rejected = 0
+        self.rejected_by_reason: Counter = Counter()
+        self.engines_seen: dict[str, float] = {}  # engine worker -> wall time of its newest record
+        self.batches_sent = 0
+
+    def inputs(self) -> tuple[str, ...]:
+        return self.settings.telemetry_topics
+
+    def new_task(self, tp: TopicPartition) -> Stage1Task:
+        return Stage1Task(self.settings.policy, f"{tp[0]}/{tp[1]}")
+
+    async def fold(self, task: Stage1Task, tp: TopicPartition, message: Any) -> None:
+        before = task.records
+        rejections, closed = task.fold(message.offset, message.value or b"", now=time.time(), seen=self.engines_seen)
+        self.records += task.records - before
+        pending = self._pending.setdefault(tp, [])
+        for rejection in rejections:
+            self.rejected += 1
+            self.rejected_by_reason[rejection.reason] += 1
+            pending.append(await self._writer.send(self.settings.deadletter_topic,
+                                                   dead_letter(rejection, tp[0], tp[1], message.offset),
+                                                   key=message.key))
+        for partition, batch in route_batches(closed, self.settings.partials_partitions):
+            pending.append(await self._writer.send(self.settings.partials_topic, encode_partial(batch),
+                                                   key=batch.source.encode(), partition=partition))
+            self.batches_sent += 1
+
+    async def before_checkpoint(self, task: Stage1Task, tp: TopicPartition) -> None:
+        await acknowledged(self._pending.pop(tp, []), "slice batches")  # what the checkpoint says was sent, was
+
+    def forgotten(self, tp: TopicPartition) -> None:
+        self._pending.pop(tp, None)
+
+    def health(self, now: float, highwater: Callable[[str, int], int | None]) -> dict[str, dict]:
+        """Lag, watermark delay and checkpoint age of every task this worker holds."""
+        slice_seconds = self.settings.policy.windows.slice_seconds
+        lag, age = self._lag_and_age(highwater)
+        delay = {tp: now - (task.stage.watermark + 1) * slice_seconds
+                 for tp, task in sorted(self._tasks.items()) if task.stage.watermark >= 0}
+        return {"lag": lag, "delay": delay, "age": age}
+
+
+# ---------------------------------------------------------------- stage 2
+
+
+class Stage2Runner(PartitionRunner):
+    """Stage 2 on Kafka: merge and decide, publish decisions through the outbox, archive, release silent sources."""
+
+    stage = "stage2"
+    task_type = Stage2Task
+
+    def __init__(self, *args: Any, keyring: Keyring | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Flag clients verify every decision against this keyring (see transport/signing.py);
+        # without a configured key decisions go out unsigned and clients say so.
+        self._keyring = keyring if keyring is not None else Keyring.from_env()
+        self._heard: dict[tuple[int, str], float] = {}
+        self._releasing: set[tuple[int, str]] = set()
+        self._drain_checked_at = -float("inf")
+        self._beats = 0
+        self._archive = None
+        self._archive_sink = None
+        self.operations: Operations | None = None  # fed every final slice and every published decision
+        self.decisions = 0
+        self.slices = 0
+
+    def inputs(self) -> tuple[str, ...]:
+        return (self.settings.partials_topic,)
+
+    def new_task(self, tp: TopicPartition) -> Stage2Task:
+        return Stage2Task(self.settings.policy, self.settings.sources,
+                          BundleOwner(tp[1], self.settings.partials_partitions))
+
+    # -- archive ------------------------------------------------------------------------
+    def open_archive(self) -> None:
+        if self.settings.archive_dsn and self._archive is None:
+            from specwatch.archive.store import Archive
+            from specwatch.actions.handlers import ArchiveSink
+
+            self._archive = Archive.open(self.settings.archive_dsn)
+            self._archive_sink = ArchiveSink(self._archive)
+
+    def close_archive(self) -> None:
+        if self._archive is not None:
+            self._archive_sink.close()
+            self._archive.close()
+            self._archive = self._archive_sink = None
+
+    # -- hooks --------------------------------------------------------------------------
+    async def taken_over(self, task: Stage2Task, tp: TopicPartition) -> None:
+        now = self._clock()
+        for source in task.watermarks:
+            self._heard[(tp[1], source)] = now  # silence is counted from this worker's start
+        if task.outbox:
+            await self._finish_outbox(task, tp)
+        # a sign of life as soon as a partition is taken over, not only at the next tick
+        await self.heartbeat()
+
+    async def fold(self, task: Stage2Task, tp: TopicPartition, message: Any) -> None:
+        partition = tp[1]
+        partial = decode_partial(message.value or b"")
+        if isinstance(partial, Rejection):
+            logger.warning("partials %d@%d dropped: %s", partition, message.offset, partial.detail)
+        elif partial.batch is not None:
+            key = (partition, partial.batch.source)
+            self._heard[key] = self._clock()
+            self._releasing.discard(key)
+        outputs = task.fold(message.offset, partial)
+        actions = []
+        for output in outputs:
+            self.slices += 1
+            if self._archive_sink is not None:
+                self._archive_sink(output)  # idempotent: a replayed slice writes the same rows
+            if self.operations is not None:
+                self.operations.view.observe(output, now=time.time())
+            actions.extend(output.actions)
+        if actions:
+            # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
+            task.outbox = actions
+            task.outbox_mark = await self._reader.end_offsets(self.settings.decisions_topic)
+            await self.checkpoint(task, tp)
+            await self._publish(task, actions)
+
+    async def before_checkpoint(self, task: Stage2Task, tp: TopicPartition) -> None:
+        if self._archive_sink is not None:
+            self._archive_sink.flush()  # the archive holds everything the checkpoint covers
+
+    def forgotten(self, tp: TopicPartition) -> None:
+        self._releasing = {k for k in self._releasing if k[0] != tp[1]}
+
+    # -- decisions ----------------------------------------------------------------------
+    async def _finish_outbox(self, task: Stage2Task, tp: TopicPartition) -> None:
+        published = decisions_in(await self._reader.values_since(self.settings.decisions_topic, task.outbox_mark))
+        missing = outbox_pending(task.outbox, published)
+        logger.info("%s restarted with %d decisions in its outbox, %d not yet published",
+                    self.task_name(tp), len(task.outbox), len(missing))
+        await self._publish(task, missing)
+
+    async def _publish(self, task: Stage2Task, actions: list) -> None:
+        await self.publish_decisions([action.decision for action in actions])
+        task.outbox = []
+        task.outbox_mark = {}
+
+    async def publish_decisions(self, decisions: list) -> None:
+        """Sign and publish decisions on the decisions topic; return once the broker has them all."""
+        sent = []
+        for decision in decisions:
+            key, value, headers = decision_message(decision, self._keyring)
+            sent.append(await self._writer.send(self.settings.decisions_topic, value, key=key, headers=headers))
+            logger.info("decision %s %s %s/%s/%s reason=%s ts=%.3f", decision.id, decision.action,
+                        decision.bundle_id, decision.bucket or "*", decision.cohort or "*", decision.reason,
+                        decision.ts)
+        await acknowledged(sent, "decisions")
+        self.decisions += len(sent)
+        if self.operations is not None:
+            self.operations.published(decisions)
+
+    # -- what operations read -----------------------------------------------------------
+    def cards(self) -> dict[str, dict]:
+        """Bundle id -> card of every bundle the stage-2 tasks of this worker have seen."""
+        return {bundle: card for task in self._tasks.values() for bundle, card in task.stage.cards.items()}
+
+    def automatic(self, scope: tuple) -> Any:
+        """The `ScopeState` this worker's decisions alone give ``scope`` (None: speculation on)."""
+        for task in self._tasks.values():
+            if scope[0] in task.stage.cards:
+                return task.stage.flags.state(scope)
+        return None
+
+    def stages(self) -> list:
+        """The `Stage2` of every task this worker holds (what the metrics view reads)."""
+        return [task.stage for _, task in sorted(self._tasks.items())]
+
+    def health(self, now: float, highwater: Callable[[str, int], int | None]) -> dict:
+        """Lag and checkpoint age per partials partition, the outbox, the archive spool."""
+        lag, age = self._lag_and_age(highwater)
+        spool = self._archive_sink.spool.pending_bytes if self._archive_sink is not None else None
+        return {"lag": lag, "age": age, "outbox": sum(len(t.outbox) for t in self._tasks.values()),
+                "spool": spool}
+
+    # -- signs of life ------------------------------------------------------------------
+    async def heartbeat(self) -> None:
+        """One signed heartbeat per partials partition this worker owns, with the event time decided up to.
+
+        Flag clients tell a quiet fleet from a monitor that is gone by these; the publisher
+        id is the partition, so a moved partition keeps its one compacted key.
+        """
+        slice_seconds = self.settings.policy.windows.slice_seconds
+        for tp in sorted(self._assignment()):
+            if tp[0] != self.settings.partials_topic:
+                continue
+            task = self._tasks.get(tp)
+            finalized = task.stage.finalized if task is not None else -1
+            self._beats += 1
+            key, value, headers = heartbeat_message(
+                f"{self.settings.app_id}/stage2-{tp[1]}", self._beats,
+                (finalized + 1) * slice_seconds if finalized >= 0 else None, keyring=self._keyring)
+            await self._writer.send(self.settings.decisions_topic, value, key=key, headers=headers)
+
+    # -- silent sources -----------------------------------------------------------------
+    async def release_silent_sources(self) -> None:
+        """Release telemetry partitions that hold slices back, sent nothing for a while, and have no data waiting.
+
+        A partition with data waiting is never released, however long it is silent: its
+        worker is restarting or behind, and its slices will come.
+        """
+        now = self._clock()
+        silence = self.settings.source_silence_seconds
+        candidates = []
+        for (_, partition), task in list(self._tasks.items()):
+            def silent(source: str, partition: int = partition) -> bool:
+                return now - self._heard.get((partition, source), now) >= silence
+            candidates += [(partition, source, watermark) for source, watermark in task.silent_sources(silent)
+                           if (partition, source) not in self._releasing]
+        if not candidates or now - self._drain_checked_at < silence / 2:
+            return
+        self._drain_checked_at = now
+        drained = await self._reader.drained(self.settings.app_id, {source for _, source, _ in candidates})
+        released: dict[str, list[int]] = {}
+        reported: set[str] = set()
+        for partition, source, watermark in candidates:
+            if source not in drained:
+                continue
+            self._releasing.add((partition, source))
+            released.setdefault(source, []).append(partition)
+            if source in self._tasks[(self.settings.partials_topic, partition)].last_slice:
+                reported.add(source)
+            await self._writer.send(self.settings.partials_topic, encode_release(source, watermark),
+                                    key=source.encode(), partition=partition)
+        for source, partitions in sorted(released.items()):
+            if source in reported:
+                logger.warning("telemetry partition %s went silent with nothing left to read, %.0f s ago; stage 2 "
+                               "partitions %s stop waiting for it (its later telemetry counts as late)",
+                               source, silence, ", ".join(map(str, sorted(partitions))))
+            else:
+                logger.info("telemetry partition %s has no telemetry; stage 2 partitions %s do not wait for it",
+                            source, ", ".join(map(str, sorted(partitions))))
+
+

@@ -1,0 +1,131 @@
+"""Messages of the decisions topic: signed decisions and heartbeats, encoded and decoded in one place.
+
+A decision's key is its scope and its value the contract line; a heartbeat's key is
+``__heartbeat__/<publisher>``. Both are signed over the exact value (`transport.signing`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specwatch.schemas import Decision
+
+from .signing import Keyring, sign_line
+
+__all__ = [
+    "HEARTBEAT_KEY_PREFIX",
+    "Heartbeat",
+    "Message",
+    "decision_message",
+    "decode_decision",
+    "decode_heartbeat",
+    "heartbeat_message",
+    "is_heartbeat_key",
+]
+
+HEARTBEAT_KEY_PREFIX = "__heartbeat__/"
+MAX_PUBLISHER_ID_CHARS = 200
+
+Message = tuple[bytes, bytes, list[tuple[str, bytes]]]
+"""Key, value and headers, ready for any Kafka producer."""
+
+
+def decision_message(decision: Decision, keyring: Keyring) -> Message:
+    """Key, value and signature headers of one decision on the compacted decisions topic.
+
+    >>> decision = Decision(ts=1.0, bundle_id="b-1", bucket="coding", action="alert",
+    ...                     reason="draft_overhead", detector="cost")
+    >>> key, value, headers = decision_message(decision, Keyring())
+    >>> key, decode_decision(value) == decision, headers
+    (b'b-1/coding/*', True, [])
+    """
+    value = decision.to_json_line().encode("utf-8")
+    return decision.key.encode("utf-8"), value, sign_line(value, keyring)
+
+
+def decode_decision(value: bytes | str | None) -> Decision | None:
+    """A decision from a message value; None for a tombstone or anything that is not one.
+
+    >>> line = Decision(ts=1.0, bundle_id="b-1", action="alert", reason="draft_overhead",
+    ...                 detector="cost").to_json_line()
+    >>> decode_decision(line.encode()).action, decode_decision(b"{oops"), decode_decision(None)
+    ('alert', None, None)
+    """
+    if value is None:
+        return None
+    try:
+        return Decision.model_validate_json(value)
+    except (ValidationError, ValueError):
+        return None
+
+
+class Heartbeat(BaseModel):
+    """A publisher's sign of life on the decisions topic, signed like a decision.
+
+    ``wall_time`` is the publisher's clock when it sent it (clients judge silence by it);
+    ``watermark`` the event time the publisher's pipeline has reached (lag = wall - watermark).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    v: Literal[1] = 1
+    publisher: str = Field(min_length=1, max_length=MAX_PUBLISHER_ID_CHARS)
+    seq: int = Field(ge=0)
+    wall_time: float = Field(ge=0, allow_inf_nan=False)
+    watermark: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+    def to_json_line(self) -> str:
+        return self.model_dump_json()
+
+    @property
+    def key(self) -> str:
+        return HEARTBEAT_KEY_PREFIX + self.publisher
+
+
+def decode_heartbeat(value: bytes | str | None) -> Heartbeat | None:
+    """A heartbeat from a message value; None for anything that is not one.
+
+    >>> key, value, headers = heartbeat_message("stage2-0", 3, 1700.5, keyring=Keyring(), wall_time=1800.0)
+    >>> key, decode_heartbeat(value).watermark, headers
+    (b'__heartbeat__/stage2-0', 1700.5, [])
+    """
+    if value is None:
+        return None
+    try:
+        return Heartbeat.model_validate_json(value)
+    except (ValidationError, ValueError):
+        return None
+
+
+def heartbeat_message(publisher_id: str, seq: int, watermark: float | None, *, keyring: Keyring,
+                      wall_time: float | None = None) -> Message:
+    """Key, value and signature headers of one heartbeat, ready for any Kafka producer.
+
+    Parameters
+    ----------
+    publisher_id
+        Names the publisher; one compacted key per publisher keeps the topic small.
+    seq
+        Heartbeats sent by this publisher so far (informational).
+    watermark
+        Event time the publisher's pipeline has reached, or None before any.
+    keyring
+        Signs the value (no headers without a key).
+    wall_time
+        The send time; now by default.
+    """
+    if watermark is not None and not math.isfinite(watermark):
+        watermark = None
+    beat = Heartbeat(publisher=publisher_id, seq=seq, watermark=watermark,
+                     wall_time=time.time() if wall_time is None else wall_time)
+    value = beat.to_json_line().encode("utf-8")
+    return beat.key.encode("utf-8"), value, sign_line(value, keyring)
+
+
+def is_heartbeat_key(key: bytes | None) -> bool:
+    return key is not None and key.startswith(HEARTBEAT_KEY_PREFIX.encode())

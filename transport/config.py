@@ -1,0 +1,235 @@
+"""How to reach the Kafka cluster: one validated config, and its security settings for every client library.
+
+`KafkaConfig` is read once (arguments or ``SPECWATCH_KAFKA_*``); kafka-python, aiokafka
+and Faust each get the same protocol, SASL and TLS settings from it, in their own form.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .topics import TELEMETRY_TOPIC
+
+__all__ = ["BrokerUnavailable", "KafkaConfig"]
+
+
+class BrokerUnavailable(ConnectionError):
+    """Kafka could not be reached, or did not answer, within the connect timeout."""
+
+
+# SPECWATCH_KAFKA_<name> -> KafkaConfig field (the SASL password may also come from a file)
+_KAFKA_ENV = {"BOOTSTRAP": "bootstrap_servers", "SECURITY_PROTOCOL": "security_protocol",
+              "SASL_MECHANISM": "sasl_mechanism", "SASL_USERNAME": "sasl_username",
+              "SASL_PASSWORD": "sasl_password", "SSL_CAFILE": "ssl_cafile", "SSL_CERTFILE": "ssl_certfile",
+              "SSL_KEYFILE": "ssl_keyfile"}
+# kafka-python needs the broker version up front or it connects while being constructed.
+_DEFAULT_API_VERSION = (4, 0)
+_DEFAULT_LINGER_MS = 20
+_DEFAULT_BATCH_BYTES = 512 * 1024
+_DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
+# How long a send may wait for metadata or buffer space. It runs on the export thread,
+# never the engine's; while it waits, the queue absorbs records and then drops them.
+_DEFAULT_MAX_BLOCK_MS = 2_000
+_DEFAULT_REQUEST_TIMEOUT_MS = 10_000
+_DEFAULT_DELIVERY_TIMEOUT_MS = 30_000
+_COMPRESSIONS = ("none", "gzip", "lz4", "zstd")  # snappy: no codec installed for kafka-python
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    """How to reach a Kafka cluster; validated once, secrets kept out of repr and logs.
+
+    ``client_settings()`` are the connection and security settings every kafka-python
+    client takes; ``producer_settings()`` adds the producer's; ``extra`` is passed to
+    producers as is (any other kafka-python producer setting).
+
+    >>> KafkaConfig("127.0.0.1:19092", compression_type="zstd").producer_settings()["compression_type"]
+    'zstd'
+    >>> secured = KafkaConfig("k:9093", security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
+    ...                       sasl_username="svc", sasl_password="hunter2")
+    >>> "hunter2" in repr(secured), secured.producer_settings()["sasl_plain_password"]
+    (False, 'hunter2')
+    >>> KafkaConfig("k:9092", acks=2)
+    Traceback (most recent call last):
+    ...
+    ValueError: acks must be 0, 1 or 'all', got 2
+    """
+
+    bootstrap_servers: str
+    topic: str = TELEMETRY_TOPIC
+    client_id: str = "specwatch"
+    acks: int | str = "all"
+    linger_ms: int = _DEFAULT_LINGER_MS
+    batch_size: int = _DEFAULT_BATCH_BYTES
+    compression_type: str = "lz4"
+    max_request_size: int = _DEFAULT_MAX_REQUEST_BYTES
+    max_block_ms: int = _DEFAULT_MAX_BLOCK_MS
+    request_timeout_ms: int = _DEFAULT_REQUEST_TIMEOUT_MS
+    delivery_timeout_ms: int = _DEFAULT_DELIVERY_TIMEOUT_MS
+    api_version: tuple[int, ...] = _DEFAULT_API_VERSION
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_password: str | None = field(default=None, repr=False)
+    ssl_check_hostname: bool = True
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap_servers or not all(":" in s for s in self.bootstrap_servers.split(",")):
+            raise ValueError(f"bootstrap_servers must be HOST:PORT[,HOST:PORT...], got {self.bootstrap_servers!r}")
+        if self.acks not in (0, 1, -1, "all", "0", "1"):
+            raise ValueError(f"acks must be 0, 1 or 'all', got {self.acks!r}")
+        if self.compression_type not in _COMPRESSIONS:
+            raise ValueError(f"compression_type must be one of {', '.join(_COMPRESSIONS)}, "
+                             f"got {self.compression_type!r}")
+        if self.security_protocol not in _SECURITY_PROTOCOLS:
+            raise ValueError(f"security_protocol must be one of {', '.join(_SECURITY_PROTOCOLS)}, "
+                             f"got {self.security_protocol!r}")
+        if self.security_protocol.startswith("SASL_"):
+            if self.sasl_mechanism not in _SASL_MECHANISMS:
+                raise ValueError(f"{self.security_protocol} needs sasl_mechanism, one of "
+                                 f"{', '.join(_SASL_MECHANISMS)}; got {self.sasl_mechanism!r}")
+            if self.sasl_mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512") and not (
+                    self.sasl_username and self.sasl_password):
+                raise ValueError(f"sasl_mechanism {self.sasl_mechanism} needs sasl_username and sasl_password")
+        for name in ("linger_ms", "max_block_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("batch_size", "max_request_size", "request_timeout_ms", "delivery_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, bootstrap: str | None = None, environ: Mapping[str, str] | None = None,
+                 **settings: Any) -> "KafkaConfig":
+        """A config from ``SPECWATCH_KAFKA_*`` variables; ``bootstrap`` and ``settings`` win over them.
+
+        ``SPECWATCH_KAFKA_BOOTSTRAP``, ``_SECURITY_PROTOCOL``, ``_SASL_MECHANISM``,
+        ``_SASL_USERNAME``, ``_SASL_PASSWORD`` (or ``_SASL_PASSWORD_FILE``, a file holding it),
+        ``_SSL_CAFILE``, ``_SSL_CERTFILE``, ``_SSL_KEYFILE``. Secrets stay out of repr.
+
+        >>> env = {"SPECWATCH_KAFKA_BOOTSTRAP": "k:9093", "SPECWATCH_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        ...        "SPECWATCH_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "SPECWATCH_KAFKA_SASL_USERNAME": "svc",
+        ...        "SPECWATCH_KAFKA_SASL_PASSWORD": "hunter2"}
+        >>> config = KafkaConfig.from_env(environ=env, topic="t")
+        >>> config.bootstrap_servers, config.sasl_mechanism, config.topic, "hunter2" in repr(config)
+        ('k:9093', 'SCRAM-SHA-512', 't', False)
+        """
+        environ = os.environ if environ is None else environ
+        found: dict[str, Any] = {}
+        for name, field_name in _KAFKA_ENV.items():
+            value = environ.get(f"SPECWATCH_KAFKA_{name}")
+            if value:
+                found[field_name] = value
+        password_file = environ.get("SPECWATCH_KAFKA_SASL_PASSWORD_FILE")
+        if password_file:
+            if "sasl_password" in found:
+                raise ValueError("set either SPECWATCH_KAFKA_SASL_PASSWORD or SPECWATCH_KAFKA_SASL_PASSWORD_FILE, "
+                                 "not both")
+            try:
+                found["sasl_password"] = Path(password_file).read_text().rstrip("\r\n")
+            except OSError as error:
+                raise ValueError(f"cannot read SPECWATCH_KAFKA_SASL_PASSWORD_FILE ({password_file}): "
+                                 f"{error.strerror or error}") from None
+        if bootstrap:
+            found["bootstrap_servers"] = bootstrap
+        if "bootstrap_servers" not in found:
+            raise ValueError("no Kafka bootstrap servers: pass them or set SPECWATCH_KAFKA_BOOTSTRAP")
+        found.update(settings)
+        return cls(**found)
+
+    def client_settings(self) -> dict[str, Any]:
+        """Connection and security settings shared by kafka-python producers, consumers and admin clients."""
+        settings: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers.split(","),
+            "client_id": self.client_id,
+            "api_version": tuple(self.api_version),
+            "request_timeout_ms": self.request_timeout_ms,
+            "security_protocol": self.security_protocol,
+            **self._sasl_settings(),
+        }
+        if self._uses_tls():
+            settings.update(ssl_cafile=self.ssl_cafile, ssl_certfile=self.ssl_certfile,
+                            ssl_keyfile=self.ssl_keyfile, ssl_password=self.ssl_password,
+                            ssl_check_hostname=self.ssl_check_hostname)
+        return settings
+
+    def aiokafka_security(self) -> dict[str, Any]:
+        """The same security settings for aiokafka clients (TLS as an SSL context); {} for PLAINTEXT.
+
+        >>> KafkaConfig("k:9092").aiokafka_security()
+        {}
+        >>> options = KafkaConfig("k:9093", security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
+        ...                       sasl_username="svc", sasl_password="pw").aiokafka_security()
+        >>> options["security_protocol"], options["sasl_mechanism"], options["sasl_plain_username"]
+        ('SASL_PLAINTEXT', 'PLAIN', 'svc')
+        """
+        if self.security_protocol == "PLAINTEXT":
+            return {}
+        options: dict[str, Any] = {"security_protocol": self.security_protocol, **self._sasl_settings()}
+        if self._uses_tls():
+            options["ssl_context"] = self._ssl_context()
+        return options
+
+    def faust_credentials(self) -> Any:
+        """The same security settings as Faust broker credentials (None for PLAINTEXT).
+
+        >>> KafkaConfig("k:9092").faust_credentials() is None
+        True
+        >>> KafkaConfig("k:9093", security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
+        ...             sasl_username="svc", sasl_password="pw").faust_credentials().username
+        'svc'
+        """
+        if self.security_protocol == "PLAINTEXT":
+            return None
+        import faust  # the worker's dependency; engines never get here
+
+        if self.security_protocol == "SSL":
+            return faust.SSLCredentials(self._ssl_context())
+        return faust.SASLCredentials(username=self.sasl_username, password=self.sasl_password,
+                                     mechanism=self.sasl_mechanism,
+                                     ssl_context=self._ssl_context() if self._uses_tls() else None)
+
+    def _uses_tls(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
+    def _sasl_settings(self) -> dict[str, Any]:
+        if not self.security_protocol.startswith("SASL_"):
+            return {}
+        return {"sasl_mechanism": self.sasl_mechanism, "sasl_plain_username": self.sasl_username,
+                "sasl_plain_password": self.sasl_password}
+
+    def _ssl_context(self) -> Any:
+        from aiokafka.helpers import create_ssl_context
+
+        context = create_ssl_context(cafile=self.ssl_cafile, certfile=self.ssl_certfile,
+                                     keyfile=self.ssl_keyfile, password=self.ssl_password)
+        context.check_hostname = self.ssl_check_hostname
+        return context
+
+    def producer_settings(self) -> dict[str, Any]:
+        acks = "all" if self.acks in (-1, "all") else int(self.acks)
+        settings = self.client_settings()
+        settings.update(
+            acks=acks,
+            linger_ms=self.linger_ms,
+            batch_size=self.batch_size,
+            compression_type=None if self.compression_type == "none" else self.compression_type,
+            max_request_size=self.max_request_size,
+            max_block_ms=self.max_block_ms,
+            delivery_timeout_ms=max(self.delivery_timeout_ms, self.request_timeout_ms + self.linger_ms),
+            # Idempotence keeps per-key order through retries; it needs acks=all.
+            enable_idempotence=acks == "all",
+        )
+        settings.update(self.extra)
+        return settings
