@@ -1,8 +1,11 @@
 """The Faust app: the processing topology on Kafka, the same stages the embedded pipeline runs.
 
-Agent ``combine`` folds each telemetry partition in a `Stage1Task` and sends slice batches
-to the partials topic, routed by bundle; agent ``decide`` merges them per partials
-partition in a `Stage2Task` and publishes decisions to the compacted decisions topic.
+This module is the Faust wiring only: topics, agents, timers, web routes, the worker. The
+partition runners it drives (`streams/runner.py`) hold the state machine and no Faust.
+Agent ``combine`` hands each telemetry message to `Stage1Runner`, which folds it in its
+partition's `Stage1Task` and sends slice batches to the partials topic, routed by bundle;
+agent ``decide`` hands partials to `Stage2Runner`, which merges them per partials partition
+in a `Stage2Task` and publishes decisions to the compacted decisions topic.
 
 State and guarantees
 --------------------

@@ -30,7 +30,7 @@ from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.fastdecode import decode_request_fast
 
 from .fastpath import fold_record
-from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2
+from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2, idle_slices
 
 __all__ = [
     "BundleOwner",
@@ -65,10 +65,24 @@ _MAX_RAW_CHARS = 2048
 def distributed_policy(policy: Policy) -> Policy:
     """The policy stage 2 runs with on Kafka: the same, except that sources never go idle by lag.
 
-    In one process every source advances together; on Kafka a partition can lag minutes of
-    event time behind the others while its worker restarts or catches up, and treating it as
-    idle would fold its slices forward and change decisions. Silence is decided by the app
-    (wall clock) and written into the partials log, so a replay decides the same.
+    Why the two paths cannot share one idle-source rule with the same decisions:
+
+    - Embedded, a source is an engine worker and every record passes through one loop in
+      arrival order, so a source that lags the newest by ``source_idle_seconds`` of event
+      time has sent nothing for that long: lag is idleness, and the rule is a function of
+      the input alone, so a replay releases it at the same slice.
+    - On Kafka, a source is a telemetry partition folded by its own task, on any worker, at
+      its own speed. Its lag at stage 2 is also processing lag (a restart, a catch-up, a
+      rebalance): releasing it by lag would decide its slices without it and fold its
+      telemetry forward as late, so decisions would depend on how fast workers ran.
+    - The wall clock cannot serve the embedded path: it replays hours of telemetry in
+      seconds, and a release must fall on the same slice in every replay.
+
+    So both paths share the lag condition (`Stage2Task.silent_sources` applies the same
+    `idle_slices` as `Stage2`), and on Kafka the runner adds two more before it releases a
+    source: silence on the wall clock (``source_silence_seconds``) and nothing left to read
+    in the partition. It writes the release into the partials log, so a replay of that log
+    decides the same.
     """
     windows = policy.windows.model_copy(update={"source_idle_seconds": _NEVER_IDLE_SECONDS})
     return policy.model_copy(update={"windows": windows})
@@ -327,9 +341,9 @@ class Stage2Task:
     def silent_sources(self, is_silent: Callable[[str], bool]) -> list[tuple[str, int]]:
         """Sources that hold slices back and have sent nothing for long: (source, release watermark)."""
         newest = self.newest_watermark
-        idle_slices = max(1, int(self.policy.windows.source_idle_seconds / self.policy.windows.slice_seconds))
+        lag = idle_slices(self.policy.windows)
         return [(source, newest) for source, mark in sorted(self.watermarks.items())
-                if source not in self.retired and newest - mark > idle_slices and is_silent(source)]
+                if source not in self.retired and newest - mark > lag and is_silent(source)]
 
 
 # ---------------------------------------------------------------- checkpoints

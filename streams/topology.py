@@ -31,7 +31,7 @@ from specwatch.schemas import (
     card_differences,
 )
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
-from specwatch.schemas.policy import Policy
+from specwatch.schemas.policy import Policy, WindowPolicy
 
 from .intake import DuplicateFilter, EventClock, duplicate
 
@@ -44,6 +44,7 @@ __all__ = [
     "SliceOutput",
     "key_to_str",
     "key_from_str",
+    "idle_slices",
 ]
 
 Key = tuple[str, str | None, str | None]  # (bundle_id, bucket, cohort); None = whole bundle
@@ -392,6 +393,11 @@ def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
     stats.offer_sample("slowest", (-record.e2e_ms, order, rid), build)
 
 
+def idle_slices(windows: WindowPolicy) -> int:
+    """How many slices a source may lag the newest before stage 2 stops waiting for it (at least one)."""
+    return max(1, int(windows.source_idle_seconds / windows.slice_seconds))
+
+
 class Stage2:
     """Merges partials per slice once every live source has passed it; detects and decides.
 
@@ -412,7 +418,7 @@ class Stage2:
         # Admission is a policy switch: off, it does not exist, and no decision changes.
         self.admission = AdmissionController(policy, self.flags) if policy.admission.enforce else None
         self._slice_s = policy.windows.slice_seconds
-        self._idle_slices = max(1, int(policy.windows.source_idle_seconds / self._slice_s))
+        self._idle_slices = idle_slices(policy.windows)
         self._sources: dict[str, int] = {}
         self._pending: dict[int, dict[str, list[SliceBatch]]] = defaultdict(dict)
         self.finalized = -1

@@ -1,0 +1,219 @@
+"""The partition runner on the in-memory twin of Kafka: restore, skip, gap read, catch-up, revocation, release.
+
+The runners are the ones the Faust workers run (`streams/runner.py`); only the reader, the
+writer, the assignment and the clock are the twin's. Decisions must be the embedded
+pipeline's, whatever restarts and redeliveries happen on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import pytest
+
+from specwatch.schemas import Decision, Policy
+from specwatch.schemas.otlp import encode_records
+from specwatch.simulation.simulator import Simulator
+from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
+from specwatch.transport.codec import decode_decision, is_heartbeat_key
+from specwatch.transport.memory import MemoryKafka, MemoryReader, MemoryWriter
+from specwatch.transport.signing import Keyring
+
+PARTITIONS = 4
+_FLUSH_EVENT_SECONDS = 0.5  # as `specwatch simulate --bootstrap` flushes
+_SETTINGS = StreamSettings(bootstrap="memory:0", telemetry_topics=("t",), partials_topic="p", decisions_topic="d",
+                           deadletter_topic="dl", app_id="sw", telemetry_partitions=PARTITIONS,
+                           partials_partitions=PARTITIONS, checkpoint_seconds=5.0, policy=Policy())
+
+
+def _key(decision: Decision) -> tuple:
+    return (decision.ts, decision.bundle_id, decision.bucket, decision.cohort, decision.action, decision.reason)
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    sim = Simulator("kv_pressure", seed=11, workers=3, minutes=1.0, incident_at=30.0)
+    records = list(sim.records())
+    embedded = EmbeddedPipeline()
+    embedded.feed_many(records)
+    embedded.finish()
+    cutoff = sim.end_ts - 5.0
+    expected = sorted(_key(d) for d in embedded.decisions if d.ts < cutoff)
+    assert expected
+    # OTLP chunks keyed by worker, as the OTel Kafka exporter writes them
+    chunks: list[tuple[bytes, bytes]] = []
+    pending: dict[str, list] = defaultdict(list)
+    next_flush = None
+    for record in records:
+        if next_flush is None or record.ts >= next_flush:
+            chunks += [(key.encode(), encode_records(chunk)) for key, chunk in pending.items()]
+            pending.clear()
+            next_flush = record.ts + _FLUSH_EVENT_SECONDS
+        pending[getattr(record, "worker", None) or record.bundle_id].append(record)
+    chunks += [(key.encode(), encode_records(chunk)) for key, chunk in pending.items()]
+    return chunks, cutoff, expected
+
+
+class Rig:
+    """Topics in memory, a hand-driven clock, and the runners of one worker that owns every partition."""
+
+    def __init__(self, chunks: list[tuple[bytes, bytes]]) -> None:
+        self.kafka = MemoryKafka({"t": PARTITIONS, "p": PARTITIONS, "dl": PARTITIONS, "d": 1,
+                                  "sw.stage1-checkpoints": PARTITIONS, "sw.stage2-checkpoints": PARTITIONS})
+        for key, value in chunks:
+            self.kafka.append("t", value, key=key)
+        self.now = 0.0
+        self.acknowledged: list[tuple[str, int, int]] = []
+        self.assigned = {(topic, p) for topic in ("t", "p") for p in range(PARTITIONS)}
+        self._loop = asyncio.new_event_loop()  # one loop: sends' futures are awaited at the next checkpoint
+
+    def run(self, coroutine):
+        return self._loop.run_until_complete(coroutine)
+
+    def runner(self, kind: type) -> Stage1Runner | Stage2Runner:
+        writer, reader = MemoryWriter(self.kafka), MemoryReader(self.kafka)
+        options = {"keyring": Keyring()} if kind is Stage2Runner else {}
+        return kind(_SETTINGS, writer, reader, CheckpointLog(_SETTINGS.checkpoint_topic(kind.stage), writer, reader),
+                    assignment=lambda: self.assigned, clock=lambda: self.now,
+                    acknowledge=lambda m: self.acknowledged.append((m.topic, m.partition, m.offset)), **options)
+
+    def deliver(self, runner, topic: str, partition: int, start: int = 0, tick: float = 1.0) -> None:
+        """Hand the runner every message of a partition from ``start``, as the consumer would, one clock tick apart."""
+        for record in self.kafka.records(topic, partition):
+            if record.offset >= start:
+                self.now += tick
+                self.run(runner.handle(record))
+
+    def partials(self) -> set[bytes]:
+        return {record.value for record in self.kafka.topic_records("p")}
+
+    def decide(self) -> list[Decision]:
+        """Stage 2 catches up on every partials partition, releases the silent sources, folds the releases."""
+        stage2 = self.runner(Stage2Runner)
+        self.run(stage2.catch_up())  # assigned now; overdue 3 s later
+        self.now += 3.0
+        self.run(stage2.catch_up())
+        ends = {p: len(self.kafka.records("p", p)) for p in range(PARTITIONS)}
+        self.now += _SETTINGS.source_silence_seconds
+        self.run(stage2.release_silent_sources())
+        for p in range(PARTITIONS):
+            self.deliver(stage2, "p", p, start=ends[p])
+        decisions = [decode_decision(r.value) for r in self.kafka.topic_records("d") if not is_heartbeat_key(r.key)]
+        assert len({d.id for d in decisions}) == len(decisions), "a decision was published twice"
+        return decisions
+
+
+def _straight(chunks) -> Rig:
+    rig = Rig(chunks)
+    stage1 = rig.runner(Stage1Runner)
+    for p in range(PARTITIONS):
+        rig.deliver(stage1, "t", p)
+    return rig
+
+
+@pytest.fixture(scope="module")
+def straight(scenario):
+    """The partials stage 1 sends when nothing goes wrong."""
+    return _straight(scenario[0]).partials()
+
+
+def _busiest(rig: Rig) -> int:
+    return max(range(PARTITIONS), key=lambda p: len(rig.kafka.records("t", p)))
+
+
+def test_runners_on_the_twin_decide_as_embedded(scenario):
+    """Catch-up reads every partials partition, silent telemetry partitions are released: embedded's decisions."""
+    chunks, cutoff, expected = scenario
+    rig = _straight(chunks)
+    silent = [p for p in range(PARTITIONS) if not rig.kafka.records("t", p)]
+    assert silent, "the scenario leaves no telemetry partition empty: the release path would go untested"
+    decided = rig.decide()
+    assert sorted(_key(d) for d in decided if d.ts < cutoff) == expected
+
+
+def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, straight):
+    chunks, cutoff, expected = scenario
+    rig = Rig(chunks)
+    busiest = _busiest(rig)
+    first = rig.runner(Stage1Runner)
+    rig.deliver(first, "t", busiest)
+    saved = rig.run(first._checkpoints.load(first.task_name(("t", busiest)), busiest))
+    # one tick a message, a checkpoint every 5 s of clock: the last one covers all but the tail
+    total = len(rig.kafka.records("t", busiest))
+    assert saved.next_offset == total - total % 5
+    restarted = rig.runner(Stage1Runner)  # the worker died; the group redelivers from its committed offset 0
+    for p in range(PARTITIONS):
+        rig.deliver(restarted, "t", p)
+    assert restarted.skipped == saved.next_offset
+    assert rig.partials() == straight
+    assert sorted(_key(d) for d in rig.decide() if d.ts < cutoff) == expected
+
+
+def test_what_the_consumer_skipped_is_read_from_the_log(scenario, straight):
+    chunks, _, _ = scenario
+    rig = Rig(chunks)
+    busiest = _busiest(rig)
+    first = rig.runner(Stage1Runner)
+    for record in rig.kafka.records("t", busiest)[:12]:
+        rig.now += 1.0
+        rig.run(first.handle(record))
+    restarted = rig.runner(Stage1Runner)
+    rig.deliver(restarted, "t", busiest, start=17)  # the group committed up to 17 without delivering 10..16
+    assert rig.acknowledged == [("t", busiest, offset) for offset in range(10, 17)]
+    assert restarted.skipped == 0
+    for p in range(PARTITIONS):
+        if p != busiest:
+            rig.deliver(restarted, "t", p)
+    assert rig.partials() == straight
+
+
+def test_a_partition_that_delivers_nothing_is_caught_up_after_a_while(scenario, straight):
+    chunks, _, _ = scenario
+    rig = Rig(chunks)
+    runner = rig.runner(Stage1Runner)
+    rig.assigned = {("t", p) for p in range(PARTITIONS)} | {("other", 0)}
+    rig.run(runner.catch_up())
+    assert runner._tasks == {}  # just assigned: the consumer may still deliver
+    rig.now += 3.0
+    rig.run(runner.catch_up())
+    assert sorted(runner._tasks) == [("t", p) for p in range(PARTITIONS)]
+    for p in range(PARTITIONS):
+        end = len(rig.kafka.records("t", p))
+        assert runner._tasks[("t", p)].next_offset == end
+        if end:  # read to its end and checkpointed there
+            saved = rig.run(runner._checkpoints.load(runner.task_name(("t", p)), p))
+            assert saved.next_offset == end
+    assert rig.partials() == straight
+
+
+def test_a_revoked_partition_is_rebuilt_from_its_checkpoint_not_from_memory(scenario, straight):
+    chunks, _, _ = scenario
+    rig = Rig(chunks)
+    busiest = _busiest(rig)
+    runner = rig.runner(Stage1Runner)
+    records = rig.kafka.records("t", busiest)
+    for record in records[:8]:  # checkpointed at the 5th message (offset 4), so it resumes at 5
+        rig.now += 1.0
+        rig.run(runner.handle(record))
+    runner.forget([("p", busiest), ("t", busiest)])
+    assert ("t", busiest) not in runner._tasks
+    rig.deliver(runner, "t", busiest, start=8)
+    assert rig.acknowledged == [("t", busiest, offset) for offset in (5, 6, 7)]
+    for p in range(PARTITIONS):
+        if p != busiest:
+            rig.deliver(runner, "t", p)
+    assert rig.partials() == straight
+
+
+def test_messages_gone_to_retention_are_skipped_with_a_warning(scenario, caplog):
+    chunks, _, _ = scenario
+    rig = Rig(chunks)
+    busiest = _busiest(rig)
+    runner = rig.runner(Stage1Runner)
+    rig.run(runner.handle(rig.kafka.records("t", busiest)[0]))
+    rig.kafka.expire("t", busiest, 4)
+    rig.deliver(runner, "t", busiest, start=6)
+    assert rig.acknowledged == [("t", busiest, 4), ("t", busiest, 5)]
+    assert "offsets 1..3 are gone from the log" in caplog.text
