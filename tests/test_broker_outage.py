@@ -27,6 +27,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig
+from specwatch.transport.topics import TELEMETRY_TOPIC
 from specwatch.collectors.spool import TelemetrySpool
 from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.kafka
 
 _PORT, _PORT_OF_THIS_RUN = port_from_env("SPECWATCH_OUTAGE_KAFKA_PORT")
 _broker = OwnBroker(_PORT, partitions=2)
-_TOPIC = "specwatch.telemetry"
+_TOPIC = TELEMETRY_TOPIC
 _PATIENCE_S = 120.0  # liveness deadline on a busy shared machine, not a performance bound
 
 

@@ -15,6 +15,7 @@ from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogR
 from specwatch.collectors.export import ExportResult, InMemoryExporter
 from specwatch.collectors.otel import BoundedLogRecordProcessor, KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig
+from specwatch.transport.topics import TELEMETRY_TOPIC
 from specwatch.schemas import RequestRecord, RoundEntry, Sample, Sampling, ShadowRecord, StepRecord
 from specwatch.schemas.otlp import decode_request
 
@@ -249,7 +250,7 @@ def _closed_port() -> int:
 
 
 def test_a_down_broker_only_counts_failures():
-    config = KafkaConfig(f"127.0.0.1:{_closed_port()}", topic="specwatch.telemetry", max_block_ms=200,
+    config = KafkaConfig(f"127.0.0.1:{_closed_port()}", topic=TELEMETRY_TOPIC, max_block_ms=200,
                          request_timeout_ms=500, delivery_timeout_ms=1_000)
     exporter = KafkaTelemetryExporter(config)  # api_version is set: no bootstrap round trip here
     emitter = TelemetryEmitter(exporter, sdk=False, schedule_delay_millis=20, shutdown_timeout_millis=2_000)
