@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TextIO
-
 from collections import Counter
+from typing import TYPE_CHECKING, TextIO
 
-from specwatch.actions.decisions_topic import DEFAULT_DECISIONS_TOPIC, BrokerUnavailable, DecisionReader
-from specwatch.actions.signing import Keyring, Verdict, verify
-from specwatch.collectors.otel import KafkaConfig
+if TYPE_CHECKING:  # the Kafka client and the signing code load when the command runs
+    from specwatch.actions.decisions_topic import DecisionReader
+    from specwatch.actions.signing import Keyring
 
 __all__ = ["register", "print_decisions"]
 
@@ -42,7 +41,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--bootstrap", required=True, metavar="HOST:PORT",
                         help="Kafka bootstrap servers, comma separated")
-    parser.add_argument("--topic", default=DEFAULT_DECISIONS_TOPIC, help="decisions topic (default: %(default)s)")
+    parser.add_argument("--topic", help="decisions topic (default: specwatch.decisions)")
     parser.add_argument("--follow", action="store_true", help="keep printing new decisions until interrupted")
     parser.add_argument("--unverified", action="store_true",
                         help="also print decisions whose signature does not check out (they are still reported)")
@@ -58,6 +57,8 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
     Returns (printed, skipped undecodable, decisions by failed `Verdict` value). Without a
     ``keyring`` (or with an empty one) nothing is checked.
     """
+    from specwatch.actions.signing import Keyring, verify
+
     keyring = keyring if keyring is not None else Keyring()
     printed = skipped = 0
     unverified: Counter = Counter()
@@ -91,6 +92,10 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
 
 
 def _run(args: argparse.Namespace) -> int:
+    from specwatch.actions.decisions_topic import DEFAULT_DECISIONS_TOPIC, BrokerUnavailable, DecisionReader
+    from specwatch.actions.signing import Keyring
+    from specwatch.collectors.otel import KafkaConfig
+
     try:
         config = KafkaConfig.from_env(args.bootstrap)
     except ValueError as error:
@@ -103,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
         return _EXIT_UNREACHABLE
     if not keyring.enabled:
         logger.warning("no signing key configured: decisions are printed unchecked")
-    reader = DecisionReader(config, topic=args.topic, connect_timeout_s=args.timeout)
+    reader = DecisionReader(config, topic=args.topic or DEFAULT_DECISIONS_TOPIC, connect_timeout_s=args.timeout)
     try:
         reader.connect()
     except BrokerUnavailable as error:
