@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["CommandError", "EXIT_USAGE", "add_archive_option", "add_json_option", "add_policy_option",
-           "load_policy"]
+__all__ = ["CommandError", "EXIT_USAGE", "add_archive_option", "add_archive_options", "add_json_option",
+           "add_policy_option", "load_policy", "open_archive"]
 
 EXIT_USAGE = 2
 _ARCHIVE_HELP = "archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)"
@@ -26,6 +26,24 @@ class CommandError(Exception):
 def add_archive_option(parser: argparse.ArgumentParser, help: str = _ARCHIVE_HELP) -> None:  # noqa: A002
     """``--archive DSN``; `specwatch.cli` checks the DSN before the command runs."""
     parser.add_argument("--archive", metavar="DSN", default=None, help=help)
+
+
+def add_archive_options(parser: argparse.ArgumentParser) -> None:
+    """What every archive-reading subcommand takes: ``--archive`` and ``--json`` (JSON Lines)."""
+    add_archive_option(parser)
+    add_json_option(parser, help="JSON Lines instead of a table")
+
+
+def open_archive(dsn: str | None, create: bool = False):
+    """The `Archive` at ``dsn`` (None: the default); one that cannot be opened raises `CommandError`."""
+    from specwatch.archive.store import Archive, ArchiveError, ArchiveNotFoundError
+
+    try:
+        return Archive.open(dsn, create=create)
+    except ArchiveNotFoundError as error:
+        raise CommandError(f"{error} (point --archive or $SPECWATCH_ARCHIVE at an existing archive)") from None
+    except (ArchiveError, ValueError) as error:
+        raise CommandError(str(error)) from None
 
 
 def add_policy_option(parser: argparse.ArgumentParser, help: str = _POLICY_HELP) -> None:  # noqa: A002

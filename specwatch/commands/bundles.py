@@ -10,9 +10,10 @@ import argparse
 import sys
 import time
 
-from specwatch.commands._arguments import CommandError, add_policy_option, load_policy
+from specwatch.commands._arguments import (CommandError, add_archive_options, add_policy_option, load_policy,
+                                           open_archive)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
-from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
+from specwatch.commands.query import format_ts, print_rows
 
 __all__ = ["register"]
 
@@ -53,9 +54,7 @@ def register(subparsers) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
+    archive = open_archive(args.archive)
     with archive:
         rows = archive.bundle_registry()
     for row in rows:
@@ -75,9 +74,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
+    archive = open_archive(args.archive)
     with archive:
         row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
         history = archive.stage_history(args.bundle_id)
@@ -115,9 +112,7 @@ def _change(args: argparse.Namespace) -> int:
         raise CommandError("--by and --reason must not be empty")
     settings = load_policy(getattr(args, "policy", None)).admission
     keyring = publish_keyring(args)
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
+    archive = open_archive(args.archive)
     with archive:
         row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
         if row is None:

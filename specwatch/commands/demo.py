@@ -15,6 +15,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, add_policy_option,
+                                           load_policy)
+
 __all__ = ["register", "run_simulated_demo", "match_incidents"]
 
 _DEFAULT_OUTDIR = "specwatch-data"
@@ -25,19 +28,18 @@ def register(subparsers) -> None:
         "demo", help="run a simulated fleet with incidents through the whole pipeline",
         description="Simulate a fleet of speculative engine workers with scripted incidents, detect them, "
                     "switch the affected paths to standard decoding, archive the evidence and draw a timeline.")
-    parser.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
+    add_json_option(parser, help="end with one JSON object on stdout")
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",
                         help="sim: simulated fleet (default); vllm: a real vLLM engine on tiny models")
     parser.add_argument("--scenario", default="demo", help="simulator scenario (see `specwatch simulate --list`)")
     parser.add_argument("--minutes", type=float, default=None, help="simulated minutes (scenario default)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--policy", help="policy TOML file (defaults built in; with --engine vllm, a policy "
-                                         "whose minimums fit its short run)")
+    add_policy_option(parser, help="policy TOML file (defaults built in; with --engine vllm, a policy whose "
+                                   "minimums fit its short run)")
     parser.add_argument("--outdir", default=os.environ.get("SPECWATCH_DEMO_DIR", _DEFAULT_OUTDIR),
                         help="where the timeline picture goes (default ./specwatch-data)")
-    parser.add_argument("--archive", default=None,
-                        help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://<outdir>/archive)")
+    add_archive_option(parser, help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://<outdir>/archive)")
     parser.add_argument("--no-archive", action="store_true", help="skip the ClickHouse archive")
     parser.add_argument("--otel-sdk", action="store_true",
                         help="emit through the OpenTelemetry SDK LoggerProvider (slower) instead of the "
@@ -216,13 +218,7 @@ def _print_report(summary: dict, stream) -> None:
 
 
 def _run(args) -> int:
-    from specwatch.schemas import PolicyError, load_policy
-
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as error:
-        print(f"specwatch demo: {error}", file=sys.stderr)
-        return 2
+    policy = load_policy(args.policy)
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     archive_sink = None
@@ -236,8 +232,7 @@ def _run(args) -> int:
             # Spools while the archive is away: the demo's decisions never wait on it.
             archive_sink = ArchiveSink.open(dsn, outage_log_level=logging.INFO)
         except ValueError as error:
-            print(f"specwatch demo: {error}", file=sys.stderr)
-            return 2
+            raise CommandError(str(error)) from None
     if args.engine == "vllm":
         return _run_vllm(args, outdir, policy if args.policy else None, archive_sink, dsn)
     report = sys.stderr if args.json else sys.stdout

@@ -16,8 +16,8 @@ import sys
 import time
 from dataclasses import asdict
 
-from specwatch.commands._arguments import CommandError
-from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
+from specwatch.commands._arguments import CommandError, add_archive_options, open_archive
+from specwatch.commands.query import format_ts, print_rows
 
 __all__ = ["register", "add_publish_options", "publish_keyring", "publish_manual"]
 
@@ -149,9 +149,7 @@ def _list(args: argparse.Namespace) -> int:
         store, ignored = found
         automatic = store.scopes()
     else:
-        archive = open_archive(args)
-        if archive is None:
-            return _EXIT_USAGE
+        archive = open_archive(args.archive)
         with archive:
             store = archive.flag_store()
             automatic = archive.flag_store(overrides=False).scopes()
@@ -223,9 +221,7 @@ def _set(args: argparse.Namespace) -> int:
     if not args.by.strip() or not args.reason.strip():
         raise CommandError("--by and --reason must not be empty")
     keyring = _override_keyring(args)
-    archive = open_archive(args, create=args.create)
-    if archive is None:
-        return _EXIT_USAGE
+    archive = open_archive(args.archive, create=args.create)
     from specwatch.actions.flags import OverrideChange, override_decision
 
     change = OverrideChange(args.bundle, args.bucket, args.cohort, args.enabled, args.draft_length,
@@ -240,9 +236,7 @@ def _set(args: argparse.Namespace) -> int:
 
 def _clear(args: argparse.Namespace) -> int:
     keyring = _override_keyring(args)
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
+    archive = open_archive(args.archive)
     from specwatch.actions.flags import OverrideChange, override_decision
 
     scope = (args.bundle, args.bucket, args.cohort)
