@@ -18,7 +18,7 @@ from pathlib import Path
 from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, add_policy_option,
                                            load_policy)
 
-__all__ = ["register", "run_simulated_demo", "match_incidents"]
+__all__ = ["register", "run_simulated_demo"]
 
 _DEFAULT_OUTDIR = "specwatch-data"
 
@@ -50,35 +50,6 @@ def register(subparsers) -> None:
     parser.set_defaults(func=_run)
 
 
-def match_incidents(incidents, decisions) -> list[dict]:
-    """Pair each scripted incident with the first decision of the expected reason in scope."""
-    rows = []
-    for incident in incidents:
-        hit = None
-        for decision in decisions:
-            if decision.reason != incident.expected_reason or decision.ts < incident.start_ts:
-                continue
-            if decision.action in ("restore", "promote"):
-                continue  # only a decision that takes speculation away answers an incident
-            if incident.bucket is not None and decision.bucket not in (None, incident.bucket):
-                continue
-            if incident.expected_reason == "bundle_changed" and decision.bundle_id != incident.bundle_id:
-                continue
-            hit = decision
-            break
-        rows.append({
-            "incident": incident.kind,
-            "bucket": incident.bucket,
-            "cohort": incident.cohort,
-            "start_ts": incident.start_ts,
-            "expected_reason": incident.expected_reason,
-            "decision_id": hit.id if hit else None,
-            "action": hit.action if hit else None,
-            "detection_delay_s": round(hit.ts - incident.start_ts, 3) if hit else None,
-        })
-    return rows
-
-
 def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | None = None, workers: int = 8,
                        policy=None, archive_sink=None, picture: Path | None = None, progress=None,
                        sdk: bool = False, operations=None) -> dict:
@@ -91,6 +62,7 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     from specwatch.actions.flags import FlagStore
     from specwatch.collectors.export import CallbackExporter
     from specwatch.collectors.otel import TelemetryEmitter
+    from specwatch.evaluation.scoring import decision_alarm, match_incidents
     from specwatch.simulation.simulator import Simulator
     from specwatch.streams.embedded import EmbeddedPipeline
 
@@ -131,7 +103,7 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     pipeline.finish()
     wall = time.monotonic() - started
     decisions = pipeline.decisions
-    matched = match_incidents(sim.incidents, decisions)
+    matched = match_incidents(sim.incidents, [decision_alarm(d) for d in decisions])
     summary = {
         "scenario": scenario,
         "seed": seed,
@@ -203,7 +175,8 @@ def _print_report(summary: dict, stream) -> None:
     for row in summary["incidents"]:
         scope = f"{row['bucket'] or '*'}/{row['cohort'] or '*'}"
         delay = f"{row['detection_delay_s']:.1f}" if row["detection_delay_s"] is not None else "missed"
-        caught = row["expected_reason"] if row["decision_id"] else "-"
+        caught = "-" if row["decision_id"] is None else (
+            row["reason"] if row["verdict"] == "right" else f"{row['reason']} ({row['verdict']})")
         print(f"{row['incident']:<18}{scope:<22}{row['start_ts'] - start:>11.1f}  {caught:<20}{delay:>10}",
               file=stream)
     counters = summary["counters"]

@@ -7,7 +7,6 @@ partitions through the consumer group, and stops them together.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import subprocess
@@ -87,6 +86,8 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
+    import asyncio
+
     from specwatch.collectors.otel import KafkaConfig
     from specwatch.actions.alertmanager import load_rollback_policy, read_token_file
     from specwatch.streams.faust_app import (BrokerUnavailable, StreamSettings, TopicError, aiokafka_security,
