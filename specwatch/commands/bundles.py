@@ -18,7 +18,6 @@ from specwatch.commands.query import format_ts, print_rows
 __all__ = ["register"]
 
 _EXIT_NOT_FOUND = 1
-_EXIT_USAGE = 2
 _EXIT_NOT_PUBLISHED = 3
 
 
@@ -54,8 +53,7 @@ def register(subparsers) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
-    archive = open_archive(args.archive)
-    with archive:
+    with open_archive(args.archive) as archive:
         rows = archive.bundle_registry()
     for row in rows:
         row["card_summary"] = _card(row["card"])
@@ -74,8 +72,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    archive = open_archive(args.archive)
-    with archive:
+    with open_archive(args.archive) as archive:
         row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
         history = archive.stage_history(args.bundle_id)
     if row is None:
@@ -112,8 +109,7 @@ def _change(args: argparse.Namespace) -> int:
         raise CommandError("--by and --reason must not be empty")
     settings = load_policy(getattr(args, "policy", None)).admission
     keyring = publish_keyring(args)
-    archive = open_archive(args.archive)
-    with archive:
+    with open_archive(args.archive) as archive:
         row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
         if row is None:
             raise CommandError(f"no bundle {args.bundle_id} in the archive", _EXIT_NOT_FOUND)

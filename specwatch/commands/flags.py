@@ -149,8 +149,7 @@ def _list(args: argparse.Namespace) -> int:
         store, ignored = found
         automatic = store.scopes()
     else:
-        archive = open_archive(args.archive)
-        with archive:
+        with open_archive(args.archive) as archive:
             store = archive.flag_store()
             automatic = archive.flag_store(overrides=False).scopes()
     manual = store.overrides()
@@ -220,13 +219,12 @@ def _set(args: argparse.Namespace) -> int:
         raise CommandError("--draft-length needs --on and a value of at least 1")
     if not args.by.strip() or not args.reason.strip():
         raise CommandError("--by and --reason must not be empty")
-    keyring = _override_keyring(args)
-    archive = open_archive(args.archive, create=args.create)
     from specwatch.actions.flags import OverrideChange, override_decision
 
+    keyring = _override_keyring(args)
     change = OverrideChange(args.bundle, args.bucket, args.cohort, args.enabled, args.draft_length,
                             args.by.strip(), args.reason.strip(), time.time())
-    with archive:
+    with open_archive(args.archive, create=args.create) as archive:
         override_id = _record(archive, change)
     published = not args.bootstrap or publish_manual(
         args, override_decision(change, args.code, override_id=override_id), keyring)
@@ -235,12 +233,11 @@ def _set(args: argparse.Namespace) -> int:
 
 
 def _clear(args: argparse.Namespace) -> int:
-    keyring = _override_keyring(args)
-    archive = open_archive(args.archive)
     from specwatch.actions.flags import OverrideChange, override_decision
 
+    keyring = _override_keyring(args)
     scope = (args.bundle, args.bucket, args.cohort)
-    with archive:
+    with open_archive(args.archive) as archive:
         active = next((o for o in archive.overrides(active_only=True)
                        if (o["bundle_id"], o["bucket"], o["cohort"]) == scope), None)
         if active is None:

@@ -155,8 +155,7 @@ def _write_rows(rows: list[dict], columns: Sequence[Column], as_json: bool, out:
 # -- subcommands ----------------------------------------------------------------------
 
 def _decisions(args: argparse.Namespace) -> int:
-    archive = open_archive(args.archive)
-    with archive:
+    with open_archive(args.archive) as archive:
         rows = archive.decisions(bundle_id=args.bundle, bucket=args.bucket, reason=args.reason,
                                  action=args.action, since=args.since, until=args.until,
                                  limit=args.limit or None)
@@ -170,8 +169,7 @@ def _decisions(args: argparse.Namespace) -> int:
 
 
 def _decision(args: argparse.Namespace) -> int:
-    archive = open_archive(args.archive)
-    with archive:
+    with open_archive(args.archive) as archive:
         found = archive.decision(args.decision_id)
         samples = archive.samples(args.decision_id) if found else []
     if found is None:
@@ -205,8 +203,7 @@ def _decision(args: argparse.Namespace) -> int:
 
 
 def _samples(args: argparse.Namespace) -> int:
-    archive = open_archive(args.archive)
-    with archive:
+    with open_archive(args.archive) as archive:
         known = archive.decision(args.decision_id) is not None
         rows = archive.samples(args.decision_id)
     if not known and not rows:
@@ -223,8 +220,7 @@ def _samples(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    archive = open_archive(args.archive)
-    with archive:
+    with open_archive(args.archive) as archive:
         bundle, bucket, since, until, center = args.bundle, args.bucket, args.since, args.until, None
         if args.around:
             found = archive.decision(args.around)
@@ -269,8 +265,7 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _bundles(args: argparse.Namespace) -> int:
-    archive = open_archive(args.archive)
-    with archive:
+    with open_archive(args.archive) as archive:
         rows = archive.bundles()
     if args.json:
         print_rows(rows, (), as_json=True)
