@@ -13,17 +13,105 @@ from dataclasses import dataclass, field
 from specwatch.detectors.canary import CanaryJudge, Judgement, combine
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision
-from specwatch.schemas.policy import Policy
+from specwatch.schemas.policy import AdmissionPolicy, Policy
 
 from .flags import FlagStore
 
-__all__ = ["AdmissionController", "BundleAdmission", "StageChange"]
+__all__ = ["AdmissionController", "BundleAdmission", "StageChange", "MANUAL_MOVES", "manual_stage",
+           "manual_stage_decision", "next_stage", "stage_placement"]
 
 _JUDGE = "canary_judge"
+_MANUAL = "manual"
 _REGISTRY = "admission_registry"
 _VETO = "fallback_veto"
 # Judging stages: the speculative path runs on one cohort, compared with the baseline cohort.
 _JUDGED = ("shadow", "canary")
+
+
+def next_stage(stage: str | None, share: float | None, schedule: list[float]) -> tuple[str, float]:
+    """The stage (and cohort share) one step after ``stage`` on the cohort ``schedule``.
+
+    >>> schedule = [0.01, 0.05, 0.25, 1.0]
+    >>> next_stage("unadmitted", 0.0, schedule), next_stage("shadow", 0.05, schedule)
+    (('shadow', 0.0), ('canary', 0.01))
+    >>> next_stage("canary", 0.05, schedule), next_stage("canary", 0.25, schedule)
+    (('canary', 0.25), ('admitted', 1.0))
+    >>> next_stage("admitted", 1.0, schedule)
+    Traceback (most recent call last):
+    ...
+    ValueError: the bundle is admitted already: nothing to promote it to
+    """
+    if stage == "admitted":
+        raise ValueError("the bundle is admitted already: nothing to promote it to")
+    if stage in (None, "unadmitted", "invalidated", "frozen"):
+        return "shadow", 0.0
+    if stage == "shadow":
+        share = schedule[0]
+    else:
+        later = [s for s in schedule if s > (share or 0.0)]
+        share = later[0] if later else 1.0
+    return ("admitted", 1.0) if share >= 1.0 else ("canary", share)
+
+
+def stage_placement(settings: AdmissionPolicy, stage: str | None, canary_share: float | None = None,
+                    ) -> tuple[str | None, float]:
+    """(the one cohort that speculates, its traffic share) in ``stage``; admitted, every cohort does.
+
+    >>> settings = AdmissionPolicy()
+    >>> stage_placement(settings, "shadow"), stage_placement(settings, "canary", 0.05)
+    (('shadow', 0.05), ('canary', 0.05))
+    >>> stage_placement(settings, "admitted"), stage_placement(settings, "frozen")
+    ((None, 1.0), (None, 0.0))
+    """
+    if stage == "shadow":
+        return settings.shadow_cohort, settings.shadow_share
+    if stage == "canary":
+        return settings.canary_cohort, canary_share
+    return None, 1.0 if stage == "admitted" else 0.0
+
+
+MANUAL_MOVES = ("admit", "promote", "freeze")
+"""What a person can do to a bundle's stage by hand (`specwatch bundles`)."""
+
+
+def manual_stage(move: str, stage: str | None, share: float | None,
+                 settings: AdmissionPolicy) -> tuple[str, str | None, float]:
+    """(stage, speculating cohort, share) after a person's ``move`` from ``stage`` at ``share``.
+
+    Raises ValueError when the move goes nowhere (promoting an admitted bundle).
+
+    >>> settings = AdmissionPolicy()
+    >>> manual_stage("promote", "unadmitted", 0.0, settings), manual_stage("promote", "canary", 0.05, settings)
+    (('shadow', 'shadow', 0.05), ('canary', 'canary', 0.25))
+    >>> manual_stage("admit", "shadow", 0.05, settings), manual_stage("freeze", "canary", 0.25, settings)
+    (('admitted', None, 1.0), ('frozen', None, 0.0))
+    """
+    if move == "admit":
+        target = "admitted", 1.0
+    elif move == "freeze":
+        target = "frozen", 0.0
+    elif move == "promote":
+        target = next_stage(stage, share, settings.cohort_schedule)
+    else:
+        raise ValueError(f"unknown stage move {move!r}: one of {', '.join(MANUAL_MOVES)}")
+    return (target[0], *stage_placement(settings, *target))
+
+
+def manual_stage_decision(bundle_id: str, stage: str, share: float, cohort: str | None, by: str, reason: str,
+                          ts: float, change_id: str = "") -> Decision:
+    """The decision that tells flag clients and routers about a manual stage change.
+
+    >>> d = manual_stage_decision("b-1", "canary", 0.1, "canary", "alice", "judged by hand", 5.0)
+    >>> d.action, d.reason, d.detector, d.evidence["stage"], d.evidence["cohort_share"]
+    ('promote', 'canary_judgement', 'manual', 'canary', 0.1)
+    >>> manual_stage_decision("b-1", "frozen", 0.0, None, "bob", "tail", 6.0).action
+    'disable_speculation'
+    """
+    evidence = {"stage": stage, "cohort_share": share, "cohort": cohort, "by": by, "note": reason,
+                "change_id": change_id}
+    action = "disable_speculation" if stage == "frozen" else "promote"
+    return Decision(ts=ts, bundle_id=bundle_id, bucket=None, cohort=None, action=action,
+                    reason="canary_judgement", detector=_MANUAL, evidence=evidence)
 
 
 @dataclass(frozen=True)
@@ -237,8 +325,8 @@ class AdmissionController:
 
     def _promote(self, entry: BundleAdmission, now: float, judged: dict[str, Judgement]) -> Decision:
         schedule = self.settings.cohort_schedule
-        entry.share_index += 1
-        stage = "admitted" if schedule[entry.share_index] >= 1.0 else "canary"
+        stage, share = next_stage(entry.stage, self._share(entry), schedule)
+        entry.share_index = schedule.index(share)
         evidence = self._stage_evidence(entry, stage)
         evidence["judgement"] = {b: _summary(j) for b, j in judged.items()}
         decision = Decision(ts=now, bundle_id=entry.bundle_id, action="promote", reason="canary_judgement",
@@ -265,28 +353,19 @@ class AdmissionController:
 
     def _stage_evidence(self, entry: BundleAdmission, stage: str) -> dict:
         """What a flag client needs from an admission decision, and where the bundle came from."""
-        schedule = self.settings.cohort_schedule
-        if stage == "shadow":
-            cohort, share = self.settings.shadow_cohort, self.settings.shadow_share
-        elif stage == "canary":
-            cohort, share = self.settings.canary_cohort, schedule[entry.share_index]
-        elif stage == "admitted":
-            cohort, share = None, 1.0
-        else:
-            cohort, share = None, 0.0
+        cohort, share = stage_placement(self.settings, stage, self._canary_share(entry))
         return {"stage": stage, "previous_stage": entry.stage, "cohort": cohort, "cohort_share": share,
                 "previous_cohort_share": self._share(entry), "stage_since": entry.stage_since
                 if not math.isnan(entry.stage_since) else None}
 
     def _share(self, entry: BundleAdmission) -> float:
-        if entry.stage == "shadow":
-            return self.settings.shadow_share
-        if entry.stage == "canary":
-            return self.settings.cohort_schedule[entry.share_index]
-        return 1.0 if entry.stage == "admitted" else 0.0
+        return stage_placement(self.settings, entry.stage, self._canary_share(entry))[1]
+
+    def _canary_share(self, entry: BundleAdmission) -> float | None:
+        return self.settings.cohort_schedule[entry.share_index] if entry.share_index >= 0 else None
 
     def _speculating_cohort(self, entry: BundleAdmission) -> str:
-        return self.settings.shadow_cohort if entry.stage == "shadow" else self.settings.canary_cohort
+        return stage_placement(self.settings, entry.stage)[0]
 
     def _judge(self, entry: BundleAdmission, bucket: str) -> CanaryJudge:
         judge = entry.judges.get(bucket)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from specwatch.schemas import Decision
 
-__all__ = ["Scope", "ScopeState", "SpeculationState", "AdmissionState", "FlagStore", "SPECULATION_ON", "STAGES"]
+__all__ = ["Scope", "ScopeState", "SpeculationState", "AdmissionState", "FlagStore", "OverrideChange",
+           "override_decision", "SPECULATION_ON", "STAGES"]
 
 Scope = tuple[str, str | None, str | None]  # (bundle_id, bucket or None=all, cohort or None=all)
 
@@ -256,3 +257,59 @@ def _same(a: ScopeState | None, b: ScopeState | None) -> bool:
     if a is None or b is None:
         return a is b
     return (a.enabled, a.draft_limit, a.cohort_share) == (b.enabled, b.draft_limit, b.cohort_share)
+
+
+_MANUAL_DETECTOR = "manual"
+
+
+@dataclass(frozen=True)
+class OverrideChange:
+    """A manual override being set (``cleared=False``) or cleared, as recorded and published."""
+
+    bundle_id: str
+    bucket: str | None
+    cohort: str | None
+    enabled: bool
+    draft_limit: int | None
+    by: str
+    reason: str
+    ts: float
+    cleared: bool = False
+
+    @property
+    def scope(self) -> Scope:
+        return self.bundle_id, self.bucket, self.cohort
+
+
+def override_decision(change: OverrideChange, code: str, automatic: ScopeState | None = None,
+                      override_id: str = "", *, detector: str = _MANUAL_DETECTOR,
+                      audit: dict | None = None) -> Decision:
+    """The decision that tells flag clients about ``change``, with contract reason ``code``.
+
+    Setting publishes the override's own state; clearing publishes ``automatic``, the
+    state the archived decisions alone give the scope (None: speculation on).
+    ``detector`` names where the override came from (an Alertmanager rollback says
+    ``alertmanager``); ``audit`` adds to its evidence.
+
+    >>> c = OverrideChange("b-1", "coding", None, False, None, "alice", "p99 page", 100.0)
+    >>> d = override_decision(c, "latency_slo", override_id="o-1")
+    >>> d.action, d.reason, d.detector, d.evidence["by"], d.evidence["note"]
+    ('disable_speculation', 'latency_slo', 'manual', 'alice', 'p99 page')
+    >>> override_decision(OverrideChange("b-1", None, None, True, 2, "bob", "", 101.0), "no_speedup").action
+    'reduce_draft_length'
+    """
+    enabled, limit = change.enabled, change.draft_limit
+    if change.cleared:
+        enabled = automatic is None or automatic.enabled
+        limit = automatic.draft_limit if automatic is not None else None
+    evidence = {"by": change.by, "note": change.reason, "override_id": override_id, "cleared": change.cleared}
+    evidence.update(audit or {})
+    if not enabled:
+        action = "disable_speculation"
+    elif limit is not None:
+        action = "reduce_draft_length"
+        evidence["draft_length"] = limit
+    else:
+        action = "restore"
+    return Decision(ts=change.ts, bundle_id=change.bundle_id, bucket=change.bucket, cohort=change.cohort,
+                    action=action, reason=code, detector=detector, evidence=evidence)

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-from scipy.stats import binom, mannwhitneyu
 
 from specwatch.schemas.policy import AdmissionPolicy
 
@@ -48,7 +47,16 @@ def mann_whitney_greater(x, y) -> float:
         return math.nan
     if len(set(x) | set(y)) == 1:
         return 1.0  # every value tied: no evidence either way (scipy would divide by zero)
+    from scipy.stats import mannwhitneyu  # only a judged bundle pays scipy's import
+
     return float(mannwhitneyu(x, y, alternative="greater", method="asymptotic", use_continuity=True).pvalue)
+
+
+def _binomial_sf(k: int, n: int, p: float) -> float:
+    """P(X > k) for X ~ Binomial(n, p)."""
+    from scipy.stats import binom  # only a judged bundle pays scipy's import
+
+    return float(binom.sf(k, n, p))
 
 
 @dataclass(frozen=True)
@@ -326,7 +334,7 @@ class CanaryJudge:
                                  (len(values), 0), note)
         # Sign test: are windows below the floor more often than a coin would put them there?
         below = sum(v < floor for v in values)
-        p = float(binom.sf(below - 1, len(values), 0.5))
+        p = _binomial_sf(below - 1, len(values), 0.5)
         outcome = "fail" if p < self._alpha() else "marginal"
         return MetricVerdict("estimated_speedup", outcome, median, math.nan, floor, p, (len(values), 0), note)
 
@@ -369,7 +377,7 @@ class CanaryJudge:
             return MetricVerdict("error_rate", "marginal", observed, base, limit, math.nan, windows,
                                  "insufficient windows")
         failures = canary.errors + canary.timeouts
-        p = float(binom.sf(failures - 1, canary.requests, min(1.0, limit))) if failures else 1.0
+        p = _binomial_sf(failures - 1, canary.requests, min(1.0, limit)) if failures else 1.0
         if not observed > limit or not p < self._alpha(marginal=True):
             return MetricVerdict("error_rate", "pass", observed, base, limit, p, windows)
         outcome = "fail" if p < self._alpha() else "marginal"

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-from river.drift import ADWIN
+# river's ADWIN is a thin wrapper around this core; `river.drift` itself also imports
+# KSWIN and with it scipy, which a replay would otherwise pay for at start-up.
+from river._river_rust.drift import AdaptiveWindowing
 
 __all__ = ["BernoulliCusum", "ConsecutiveGate", "DropDetector", "cusum_threshold"]
 
@@ -157,11 +159,18 @@ class BernoulliCusum:
         self._reset()
 
 
+# river.drift.ADWIN's defaults for what DropDetector does not set
+_ADWIN_MAX_BUCKETS = 5
+_ADWIN_MIN_WINDOW = 5
+_ADWIN_GRACE_PERIOD = 10
+
+
 class DropDetector:
     """ADWIN on a ratio to its baseline (1.0 = as learned); flags downward changes only.
 
     river's ADWIN keeps an adaptive window and signals when two sub-windows differ
-    significantly; this wrapper only reports it when the recent level is also below
+    significantly (its core, with ADWIN's defaults, restarted after each change as ADWIN
+    does); this wrapper only reports it when the recent level is also below
     ``1 - min_drop``, so upward drift (a drafter getting better) never fires.
 
     Parameters
@@ -196,19 +205,26 @@ class DropDetector:
         self._reset()
 
     def _reset(self) -> None:
-        self._adwin = ADWIN(delta=self.delta, clock=self.clock)
+        self._restart_window()
         self._recent: list[float] = []
         self.drift_detected = False
+
+    def _restart_window(self) -> None:
+        self._window = AdaptiveWindowing(delta=self.delta, clock=self.clock, max_buckets=_ADWIN_MAX_BUCKETS,
+                                         min_window_length=_ADWIN_MIN_WINDOW, grace_period=_ADWIN_GRACE_PERIOD)
+        self._window_changed = False
 
     def update(self, x: float) -> None:
         self.drift_detected = False
         if math.isnan(x):
             return
-        self._adwin.update(x)
+        if self._window_changed:
+            self._restart_window()
+        self._window_changed = self._window.update(x)
         self._recent.append(x)
         if len(self._recent) > 5:
             del self._recent[0]
-        if self._adwin.drift_detected:
+        if self._window_changed:
             recent = sum(self._recent) / len(self._recent)
             if recent < 1.0 - self.min_drop:
                 self.drift_detected = True

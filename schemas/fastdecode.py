@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 from operator import gt, itemgetter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import orjson
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
-from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord as PbLogRecord
+
+if TYPE_CHECKING:  # the protobuf classes load when OTLP is read, not for JSON Lines
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from .codec import MAX_LINE_BYTES, Rejection, decode_line, decode_object
 from .contract import MAX_REQUESTS_PER_STEP, StepRecord, TelemetryRecord, printable, scope_name_ok
@@ -443,7 +444,9 @@ def _array_count(buf: bytes, start: int, end: int) -> int:
 
 
 def _record_at(buf: bytes, start: int, end: int) -> TelemetryRecord | Rejection:
-    return decode_log_record(PbLogRecord.FromString(buf[start:end]))
+    from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
+
+    return decode_log_record(LogRecord.FromString(buf[start:end]))
 
 
 def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: bytes, accepted: bytes,
@@ -694,6 +697,8 @@ def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryR
     """
     if len(data) > MAX_REQUEST_BYTES:
         return decode_request(data)
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
     buf = bytes(data)
     request = ExportLogsServiceRequest()
     try:

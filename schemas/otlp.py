@@ -30,12 +30,13 @@ import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
-from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord as PbLogRecord
+
+if TYPE_CHECKING:  # the protobuf classes load when OTLP is read, not for JSON Lines
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+    from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord as PbLogRecord
 
 from .codec import Rejection, decode_object
 from .contract import (
@@ -552,6 +553,8 @@ def decode_request(data: bytes | bytearray | memoryview) -> list[TelemetryRecord
     """
     if len(data) > MAX_REQUEST_BYTES:
         return [Rejection("message_too_large", f"OTLP request of {len(data)} bytes > {MAX_REQUEST_BYTES}")]
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
     request = ExportLogsServiceRequest()
     try:
         request.ParseFromString(bytes(data))

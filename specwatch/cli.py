@@ -10,6 +10,7 @@ import pkgutil
 import sys
 
 from specwatch import __version__, commands
+from specwatch.commands._arguments import CommandError
 
 __all__ = ["main", "build_parser", "archive_problem"]
 
@@ -23,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue  # shared by the commands, not one of them
         module = importlib.import_module(f"{commands.__name__}.{info.name}")
         module.register(subparsers)
     return parser
@@ -47,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"specwatch {args.command}: {problem}", file=sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except CommandError as error:
+        print(f"specwatch {args.command}: {error}", file=sys.stderr)
+        return error.exit_code
 
 
 def archive_problem(args: argparse.Namespace, environ) -> str | None:

@@ -21,6 +21,7 @@ from specwatch.actions.alertmanager import (
     bearer_token_ok,
     read_webhook,
 )
+from specwatch.actions.flags import OverrideChange, override_decision
 from specwatch.schemas import Decision
 
 from .metrics import CONTENT_TYPE, MetricsCollector, MetricsView, ServiceHealth, metrics_registry, render_metrics
@@ -187,8 +188,6 @@ class Operations:
         return status, reply
 
     async def _webhook(self, authorization, body, cards, publish, automatic) -> tuple[int, dict]:
-        from specwatch.commands.flags import OverrideChange, override_decision
-
         token = self.settings.webhook_token
         if token is None:
             return 403, {"error": "the webhook is off: start the worker with --webhook-token-file"}

@@ -39,6 +39,29 @@ def test_drop_detector_golden_drop():
     assert hits[0] == 334
 
 
+def test_drop_detector_changes_where_rivers_adwin_does():
+    """DropDetector runs ADWIN's core without `river.drift` (whose import pulls in scipy):
+    on a stream with repeated drops and recoveries it must fire exactly where the same
+    rule over river's public ADWIN fires, restarts after each change included."""
+    from river.drift import ADWIN
+
+    class Reference:
+        def __init__(self, min_drop):
+            self.min_drop, self.adwin, self.recent, self.drift_detected = min_drop, ADWIN(clock=1), [], False
+
+        def update(self, x):
+            self.adwin.update(x)
+            self.recent = (self.recent + [x])[-5:]
+            self.drift_detected = self.adwin.drift_detected and sum(self.recent) / len(self.recent) < 1 - self.min_drop
+
+    rng = random.Random(21)
+    levels = [1.0, 0.7, 1.0, 0.5, 0.9, 0.6]
+    stream = [levels[i // 250] + rng.gauss(0, 0.05) for i in range(1500)]
+    expected = detections(Reference(0.15), stream)
+    assert len(expected) >= 3
+    assert detections(DropDetector(0.15), stream) == expected
+
+
 def _slice(rng, alpha, rounds=300, draft_length=4, e2e=1000.0, tail=0.0, kv=0.5, errors=0, requests=20):
     stats = SliceStats()
     for _ in range(rounds):

@@ -373,13 +373,14 @@ def test_an_override_without_a_key_is_refused_before_anything_is_recorded(
     dsn = f"chdb://{tmp_path}/archive"
     assert cli.main(_override(dsn, kafka_bootstrap, decisions_topic)) == 2
     err = capsys.readouterr().err
-    assert err.startswith("specwatch: no signing key, so flag clients that hold one would ignore this change")
+    assert err.startswith("specwatch flags: no signing key, so flag clients that hold one would ignore this change")
     assert "--unsigned" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "archive").exists()  # nothing archived, nothing published
 
     monkeypatch.setenv("SPECWATCH_SIGNING_KEY", "")
     assert cli.main(_override(dsn, kafka_bootstrap, decisions_topic)) == 2
-    assert capsys.readouterr().err == ("specwatch: SPECWATCH_SIGNING_KEY is set but empty: give it the key, or unset "
+    assert capsys.readouterr().err == ("specwatch flags: SPECWATCH_SIGNING_KEY is set but empty: give it the key, "
+                                       "or unset "
                                        "it to run without signing\n")
     assert cli.main(["flags", "list", "--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]) == 2
     assert "is set but empty" in capsys.readouterr().err
@@ -441,6 +442,6 @@ def test_a_stage_change_without_a_key_is_refused_before_the_archive_is_touched(m
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
     assert cli.main(["bundles", "promote", "b-9", "--by", "alice", "--reason", "shadow by hand",
                      "--archive", f"chdb://{tmp_path}/archive", "--bootstrap", "127.0.0.1:9"]) == 2
-    assert capsys.readouterr().err.startswith("specwatch: no signing key, so flag clients that hold one would "
-                                              "ignore this change")
+    assert capsys.readouterr().err.startswith("specwatch bundles: no signing key, so flag clients that hold one "
+                                              "would ignore this change")
     assert not (tmp_path / "archive").exists()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from specwatch.commands._arguments import add_archive_option
+
 __all__ = ["register"]
 
 _EXIT_STILL_SPOOLED = 1
@@ -24,8 +26,7 @@ def register(subparsers) -> None:
                     "`flush` delivers them now.")
     sub = parser.add_subparsers(dest="archive_command", metavar="ACTION", required=True)
     p = sub.add_parser("flush", help="write the spooled rows to the archive now (idempotent)")
-    p.add_argument("--archive", metavar="DSN",
-                   help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)")
+    add_archive_option(p)
     p.set_defaults(func=_flush)
 
 

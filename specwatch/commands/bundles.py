@@ -10,39 +10,15 @@ import argparse
 import sys
 import time
 
+from specwatch.commands._arguments import (CommandError, add_archive_options, add_policy_option, load_policy,
+                                           open_archive)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
-from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
+from specwatch.commands.query import format_ts, print_rows
 
-__all__ = ["register", "next_stage"]
+__all__ = ["register"]
 
 _EXIT_NOT_FOUND = 1
-_EXIT_USAGE = 2
 _EXIT_NOT_PUBLISHED = 3
-
-
-def next_stage(stage: str | None, share: float | None, schedule: list[float]) -> tuple[str, float]:
-    """The stage (and cohort share) one step after ``stage`` on the cohort ``schedule``.
-
-    >>> schedule = [0.01, 0.05, 0.25, 1.0]
-    >>> next_stage("unadmitted", 0.0, schedule), next_stage("shadow", 0.05, schedule)
-    (('shadow', 0.0), ('canary', 0.01))
-    >>> next_stage("canary", 0.05, schedule), next_stage("canary", 0.25, schedule)
-    (('canary', 0.25), ('admitted', 1.0))
-    >>> next_stage("admitted", 1.0, schedule)
-    Traceback (most recent call last):
-    ...
-    ValueError: the bundle is admitted already: nothing to promote it to
-    """
-    if stage == "admitted":
-        raise ValueError("the bundle is admitted already: nothing to promote it to")
-    if stage in (None, "unadmitted", "invalidated", "frozen"):
-        return "shadow", 0.0
-    if stage == "shadow":
-        share = schedule[0]
-    else:
-        later = [s for s in schedule if s > (share or 0.0)]
-        share = later[0] if later else 1.0
-    return ("admitted", 1.0) if share >= 1.0 else ("canary", share)
 
 
 def register(subparsers) -> None:
@@ -67,20 +43,17 @@ def register(subparsers) -> None:
     p.add_argument("bundle_id", help="bundle id (b-...)")
     p.set_defaults(func=_show)
     p = sub.add_parser("admit", parents=[common, change], help="admit a bundle by hand (all traffic speculates)")
-    p.set_defaults(func=_admit)
+    p.set_defaults(func=_change, move="admit")
     p = sub.add_parser("promote", parents=[common, change],
                        help="move a bundle one step on the cohort schedule by hand")
-    p.add_argument("--policy", help="policy TOML file whose cohort schedule to follow (defaults built in)")
-    p.set_defaults(func=_promote)
+    add_policy_option(p, help="policy TOML file whose cohort schedule to follow (defaults built in)")
+    p.set_defaults(func=_change, move="promote")
     p = sub.add_parser("freeze", parents=[common, change], help="freeze a bundle: no speculation, no promotion")
-    p.set_defaults(func=_freeze)
+    p.set_defaults(func=_change, move="freeze")
 
 
 def _list(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
-    with archive:
+    with open_archive(args.archive) as archive:
         rows = archive.bundle_registry()
     for row in rows:
         row["card_summary"] = _card(row["card"])
@@ -99,10 +72,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
-    with archive:
+    with open_archive(args.archive) as archive:
         row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
         history = archive.stage_history(args.bundle_id)
     if row is None:
@@ -130,54 +100,27 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admit(args: argparse.Namespace) -> int:
-    return _change(args, lambda stage, share, policy: ("admitted", 1.0))
-
-
-def _freeze(args: argparse.Namespace) -> int:
-    return _change(args, lambda stage, share, policy: ("frozen", 0.0))
-
-
-def _promote(args: argparse.Namespace) -> int:
-    return _change(args, lambda stage, share, policy: next_stage(stage, share, policy.admission.cohort_schedule))
-
-
-def _change(args: argparse.Namespace, target) -> int:
-    from specwatch.schemas import PolicyError, load_policy
+def _change(args: argparse.Namespace) -> int:
+    """A person's admit, promote or freeze: the stage rules are admission's, the record the archive's."""
+    from specwatch.actions.admission import manual_stage, manual_stage_decision
 
     by, reason = args.by.strip(), args.reason.strip()
     if not by or not reason:
-        print("specwatch: --by and --reason must not be empty", file=sys.stderr)
-        return _EXIT_USAGE
-    try:
-        policy = load_policy(getattr(args, "policy", None))
-    except PolicyError as error:
-        print(f"specwatch: {error}", file=sys.stderr)
-        return _EXIT_USAGE
-    keyring = publish_keyring(args) if args.bootstrap else None
-    if args.bootstrap and keyring is None:
-        return _EXIT_USAGE
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
-    with archive:
+        raise CommandError("--by and --reason must not be empty")
+    settings = load_policy(getattr(args, "policy", None)).admission
+    keyring = publish_keyring(args)
+    with open_archive(args.archive) as archive:
         row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
         if row is None:
-            print(f"specwatch: no bundle {args.bundle_id} in the archive", file=sys.stderr)
-            return _EXIT_NOT_FOUND
+            raise CommandError(f"no bundle {args.bundle_id} in the archive", _EXIT_NOT_FOUND)
         try:
-            stage, share = target(row["stage"], row["cohort_share"], policy)
+            stage, cohort, share = manual_stage(args.move, row["stage"], row["cohort_share"], settings)
         except ValueError as error:
-            print(f"specwatch: {error}", file=sys.stderr)
-            return _EXIT_USAGE
-        settings = policy.admission
-        cohort = settings.shadow_cohort if stage == "shadow" else settings.canary_cohort if stage == "canary" else None
-        if stage == "shadow":
-            share = settings.shadow_share
+            raise CommandError(str(error)) from None
         # never before the change it follows, whatever the clocks say
         ts = max(time.time(), row["stage_since"] or 0.0)
         change_id = archive.write_manual_stage(args.bundle_id, stage, by, reason, ts, row["stage"], share, cohort)
-    published = not args.bootstrap or publish_manual(args, stage_decision(
+    published = not args.bootstrap or publish_manual(args, manual_stage_decision(
         args.bundle_id, stage, share, cohort, by, reason, ts, change_id), keyring)
     if args.json:
         print_rows([{"change_id": change_id, "bundle_id": args.bundle_id, "stage": stage, "previous_stage":
@@ -187,25 +130,6 @@ def _change(args: argparse.Namespace, target) -> int:
               + (f" (cohort share {share:g})" if stage in ("shadow", "canary") else "")
               + f" by {by}: {reason} ({change_id})")
     return 0 if published else _EXIT_NOT_PUBLISHED
-
-
-def stage_decision(bundle_id: str, stage: str, share: float, cohort: str | None, by: str, reason: str,
-                   ts: float, change_id: str = ""):
-    """The decision that tells flag clients and routers about a manual stage change.
-
-    >>> d = stage_decision("b-1", "canary", 0.1, "canary", "alice", "judged by hand", 5.0)
-    >>> d.action, d.reason, d.detector, d.evidence["stage"], d.evidence["cohort_share"]
-    ('promote', 'canary_judgement', 'manual', 'canary', 0.1)
-    >>> stage_decision("b-1", "frozen", 0.0, None, "bob", "tail", 6.0).action
-    'disable_speculation'
-    """
-    from specwatch.schemas import Decision
-
-    evidence = {"stage": stage, "cohort_share": share, "cohort": cohort, "by": by, "note": reason,
-                "change_id": change_id}
-    action = "disable_speculation" if stage == "frozen" else "promote"
-    return Decision(ts=ts, bundle_id=bundle_id, bucket=None, cohort=None, action=action,
-                    reason="canary_judgement", detector="manual", evidence=evidence)
 
 
 def _evidence(change: dict) -> str:

@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TextIO
-
 from collections import Counter
+from typing import TYPE_CHECKING, TextIO
 
-from specwatch.transport.config import BrokerUnavailable, KafkaConfig
-from specwatch.transport.decisions import DecisionReader
-from specwatch.transport.topics import DECISIONS_TOPIC
-from specwatch.transport.signing import Keyring, Verdict, verify
+if TYPE_CHECKING:  # the Kafka client and the signing code load when the command runs
+    from specwatch.transport.decisions import DecisionReader
+    from specwatch.transport.signing import Keyring
 
 __all__ = ["register", "print_decisions"]
 
@@ -43,7 +41,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--bootstrap", required=True, metavar="HOST:PORT",
                         help="Kafka bootstrap servers, comma separated")
-    parser.add_argument("--topic", default=DECISIONS_TOPIC, help="decisions topic (default: %(default)s)")
+    parser.add_argument("--topic", help="decisions topic (default: specwatch.decisions)")
     parser.add_argument("--follow", action="store_true", help="keep printing new decisions until interrupted")
     parser.add_argument("--unverified", action="store_true",
                         help="also print decisions whose signature does not check out (they are still reported)")
@@ -59,6 +57,8 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
     Returns (printed, skipped undecodable, decisions by failed `Verdict` value). Without a
     ``keyring`` (or with an empty one) nothing is checked.
     """
+    from specwatch.transport.signing import Keyring, verify
+
     keyring = keyring if keyring is not None else Keyring()
     printed = skipped = 0
     unverified: Counter = Counter()
@@ -92,6 +92,11 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
 
 
 def _run(args: argparse.Namespace) -> int:
+    from specwatch.transport.config import BrokerUnavailable, KafkaConfig
+    from specwatch.transport.decisions import DecisionReader
+    from specwatch.transport.signing import Keyring
+    from specwatch.transport.topics import DECISIONS_TOPIC
+
     try:
         config = KafkaConfig.from_env(args.bootstrap)
     except ValueError as error:
@@ -104,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
         return _EXIT_UNREACHABLE
     if not keyring.enabled:
         logger.warning("no signing key configured: decisions are printed unchecked")
-    reader = DecisionReader(config, topic=args.topic, connect_timeout_s=args.timeout)
+    reader = DecisionReader(config, topic=args.topic or DECISIONS_TOPIC, connect_timeout_s=args.timeout)
     try:
         reader.connect()
     except BrokerUnavailable as error:

@@ -15,7 +15,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["register", "run_simulated_demo", "match_incidents"]
+from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, add_policy_option,
+                                           load_policy)
+
+__all__ = ["register", "run_simulated_demo"]
 
 _DEFAULT_OUTDIR = "specwatch-data"
 
@@ -25,19 +28,18 @@ def register(subparsers) -> None:
         "demo", help="run a simulated fleet with incidents through the whole pipeline",
         description="Simulate a fleet of speculative engine workers with scripted incidents, detect them, "
                     "switch the affected paths to standard decoding, archive the evidence and draw a timeline.")
-    parser.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
+    add_json_option(parser, help="end with one JSON object on stdout")
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",
                         help="sim: simulated fleet (default); vllm: a real vLLM engine on tiny models")
     parser.add_argument("--scenario", default="demo", help="simulator scenario (see `specwatch simulate --list`)")
     parser.add_argument("--minutes", type=float, default=None, help="simulated minutes (scenario default)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--policy", help="policy TOML file (defaults built in; with --engine vllm, a policy "
-                                         "whose minimums fit its short run)")
+    add_policy_option(parser, help="policy TOML file (defaults built in; with --engine vllm, a policy whose "
+                                   "minimums fit its short run)")
     parser.add_argument("--outdir", default=os.environ.get("SPECWATCH_DEMO_DIR", _DEFAULT_OUTDIR),
                         help="where the timeline picture goes (default ./specwatch-data)")
-    parser.add_argument("--archive", default=None,
-                        help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://<outdir>/archive)")
+    add_archive_option(parser, help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://<outdir>/archive)")
     parser.add_argument("--no-archive", action="store_true", help="skip the ClickHouse archive")
     parser.add_argument("--otel-sdk", action="store_true",
                         help="emit through the OpenTelemetry SDK LoggerProvider (slower) instead of the "
@@ -46,35 +48,6 @@ def register(subparsers) -> None:
                         help="serve the Prometheus metrics a `specwatch run` worker serves on "
                              "http://127.0.0.1:PORT/metrics while the demo runs, and after it until interrupted")
     parser.set_defaults(func=_run)
-
-
-def match_incidents(incidents, decisions) -> list[dict]:
-    """Pair each scripted incident with the first decision of the expected reason in scope."""
-    rows = []
-    for incident in incidents:
-        hit = None
-        for decision in decisions:
-            if decision.reason != incident.expected_reason or decision.ts < incident.start_ts:
-                continue
-            if decision.action in ("restore", "promote"):
-                continue  # only a decision that takes speculation away answers an incident
-            if incident.bucket is not None and decision.bucket not in (None, incident.bucket):
-                continue
-            if incident.expected_reason == "bundle_changed" and decision.bundle_id != incident.bundle_id:
-                continue
-            hit = decision
-            break
-        rows.append({
-            "incident": incident.kind,
-            "bucket": incident.bucket,
-            "cohort": incident.cohort,
-            "start_ts": incident.start_ts,
-            "expected_reason": incident.expected_reason,
-            "decision_id": hit.id if hit else None,
-            "action": hit.action if hit else None,
-            "detection_delay_s": round(hit.ts - incident.start_ts, 3) if hit else None,
-        })
-    return rows
 
 
 def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | None = None, workers: int = 8,
@@ -89,6 +62,7 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     from specwatch.actions.flags import FlagStore
     from specwatch.collectors.export import CallbackExporter
     from specwatch.collectors.otel import TelemetryEmitter
+    from specwatch.evaluation.scoring import decision_alarm, match_incidents
     from specwatch.simulation.simulator import Simulator
     from specwatch.streams.embedded import EmbeddedPipeline
 
@@ -129,7 +103,7 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     pipeline.finish()
     wall = time.monotonic() - started
     decisions = pipeline.decisions
-    matched = match_incidents(sim.incidents, decisions)
+    matched = match_incidents(sim.incidents, [decision_alarm(d) for d in decisions])
     summary = {
         "scenario": scenario,
         "seed": seed,
@@ -201,7 +175,8 @@ def _print_report(summary: dict, stream) -> None:
     for row in summary["incidents"]:
         scope = f"{row['bucket'] or '*'}/{row['cohort'] or '*'}"
         delay = f"{row['detection_delay_s']:.1f}" if row["detection_delay_s"] is not None else "missed"
-        caught = row["expected_reason"] if row["decision_id"] else "-"
+        caught = "-" if row["decision_id"] is None else (
+            row["reason"] if row["verdict"] == "right" else f"{row['reason']} ({row['verdict']})")
         print(f"{row['incident']:<18}{scope:<22}{row['start_ts'] - start:>11.1f}  {caught:<20}{delay:>10}",
               file=stream)
     counters = summary["counters"]
@@ -216,13 +191,7 @@ def _print_report(summary: dict, stream) -> None:
 
 
 def _run(args) -> int:
-    from specwatch.schemas import PolicyError, load_policy
-
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as error:
-        print(f"specwatch demo: {error}", file=sys.stderr)
-        return 2
+    policy = load_policy(args.policy)
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     archive_sink = None
@@ -236,8 +205,7 @@ def _run(args) -> int:
             # Spools while the archive is away: the demo's decisions never wait on it.
             archive_sink = ArchiveSink.open(dsn, outage_log_level=logging.INFO)
         except ValueError as error:
-            print(f"specwatch demo: {error}", file=sys.stderr)
-            return 2
+            raise CommandError(str(error)) from None
     if args.engine == "vllm":
         return _run_vllm(args, outdir, policy if args.policy else None, archive_sink, dsn)
     report = sys.stderr if args.json else sys.stdout

@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from specwatch.commands._arguments import CommandError, add_json_option, add_policy_option, load_policy
+
 __all__ = ["register"]
 
 
@@ -20,13 +22,13 @@ def register(subparsers) -> None:
                     "intensities, plus long incident-free runs, through specwatch and the two baselines "
                     "operators use today (an engine kill switch on rolling acceptance, a Prometheus alert "
                     "on vLLM counters) on the same telemetry; print delays, verdicts and false alarms.")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_json_option(parser, help="print one JSON object instead of the table")
     parser.add_argument("--quick", action="store_true",
                         help="one intensity per row (the one its target is stated for) and shorter healthy runs")
     parser.add_argument("--seed", type=int, default=11, help="simulator seed of every case (default 11)")
     parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
                         help="cases run in parallel on this many processes (default: up to 2)")
-    parser.add_argument("--policy", help="policy TOML file (defaults built in)")
+    add_policy_option(parser)
     parser.add_argument("--plot", default="specwatch-data/evaluation.png",
                         help="PNG of delay against each incident key's traffic, with the information bound "
                              "(default specwatch-data/evaluation.png)")
@@ -36,16 +38,9 @@ def register(subparsers) -> None:
 def _run(args) -> int:
     from specwatch.evaluation import (calibrate, format_report, full_suite, plot_sweep, quick_suite, run_suite,
                                       summarize)
-    from specwatch.schemas import PolicyError, load_policy
-
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as error:
-        print(f"specwatch evaluate: {error}", file=sys.stderr)
-        return 2
+    policy = load_policy(args.policy)
     if args.seed < 0 or args.processes < 1:
-        print("specwatch evaluate: --seed must be >= 0 and --processes >= 1", file=sys.stderr)
-        return 2
+        raise CommandError("--seed must be >= 0 and --processes >= 1")
     cases = quick_suite(args.seed) if args.quick else full_suite(args.seed)
     started = time.monotonic()
     settings = calibrate()

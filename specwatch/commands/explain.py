@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import sys
 
+from specwatch.commands._arguments import CommandError, add_archive_option, open_archive
+
 __all__ = ["register"]
+
+_EXIT_NOT_FOUND = 1
 
 
 def register(subparsers) -> None:
@@ -18,27 +22,19 @@ def register(subparsers) -> None:
                     "rates) as plots, the baseline it was compared to, the bundle card, the detector and "
                     "thresholds that fired, and the archived samples. Without --html a text summary is printed.")
     parser.add_argument("decision_id", help="the decision's id (d-...), as `specwatch query decisions` shows it")
-    parser.add_argument("--archive", default=None,
-                        help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)")
+    add_archive_option(parser)
     parser.add_argument("--html", metavar="FILE", help="write the postmortem page to FILE (- for stdout)")
     parser.set_defaults(func=_run)
 
 
 def _run(args) -> int:
-    from specwatch.archive.store import Archive, ArchiveError
-    from specwatch.outputs import atomic_output
     from specwatch.analysis.postmortem import render_html, render_text
+    from specwatch.outputs import atomic_output
 
-    try:
-        archive = Archive.open(args.archive, create=False)
-    except (ArchiveError, ValueError) as error:
-        print(f"specwatch explain: {error}", file=sys.stderr)
-        return 2
-    with archive:
+    with open_archive(args.archive) as archive:
         record = archive.decision(args.decision_id)
         if record is None:
-            print(f"specwatch explain: no decision {args.decision_id!r} in the archive {archive!r}", file=sys.stderr)
-            return 1
+            raise CommandError(f"no decision {args.decision_id!r} in the archive {archive!r}", _EXIT_NOT_FOUND)
         samples = archive.samples(args.decision_id)
         reproductions = archive.reproductions(args.decision_id)
     if args.html is None:
@@ -52,7 +48,6 @@ def _run(args) -> int:
         with atomic_output(args.html) as out:
             out.write(page)
     except OSError as error:
-        print(f"specwatch explain: cannot write {args.html}: {error.strerror or error}", file=sys.stderr)
-        return 2
+        raise CommandError(f"cannot write {args.html}: {error.strerror or error}") from None
     print(f"postmortem of {args.decision_id} written to {args.html}", file=sys.stderr)
     return 0

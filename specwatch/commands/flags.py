@@ -14,82 +14,23 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from dataclasses import asdict
 
-from specwatch.commands.query import add_archive_options, format_ts, open_archive, print_rows
+from specwatch.commands._arguments import CommandError, add_archive_options, open_archive
+from specwatch.commands.query import format_ts, print_rows
 from specwatch.transport.topics import DECISIONS_TOPIC
 
-__all__ = ["register", "OverrideChange", "add_publish_options", "override_decision", "publish_keyring",
-           "publish_manual", "record_override"]
+__all__ = ["register", "add_publish_options", "publish_keyring", "publish_manual"]
 
 _EXIT_NOT_FOUND = 1
 _EXIT_USAGE = 2
 _EXIT_NOT_PUBLISHED = 3
 _PUBLISH_TIMEOUT_S = 15.0
-_MANUAL_DETECTOR = "manual"
-
-
-@dataclass(frozen=True)
-class OverrideChange:
-    """A manual override being set (``cleared=False``) or cleared, as recorded and published."""
-
-    bundle_id: str
-    bucket: str | None
-    cohort: str | None
-    enabled: bool
-    draft_limit: int | None
-    by: str
-    reason: str
-    ts: float
-    cleared: bool = False
-
-    @property
-    def scope(self) -> tuple[str, str | None, str | None]:
-        return self.bundle_id, self.bucket, self.cohort
-
-
-Publisher = Callable[[OverrideChange], None]
 
 # The decisions contract's reason codes (schemas/decisions.py), listed here so that the
 # parser stays light; tests check the two lists agree.
 _REASON_CODES = ("acceptance_drop", "no_speedup", "draft_overhead", "latency_slo", "kv_pressure",
                  "bundle_changed", "quality_regression", "error_rate", "unadmitted_bundle", "canary_judgement")
-
-
-def override_decision(change: OverrideChange, code: str, automatic=None, override_id: str = "", *,
-                      detector: str = _MANUAL_DETECTOR, audit: dict | None = None):
-    """The decision that tells flag clients about ``change``.
-
-    Setting publishes the override's own state; clearing publishes ``automatic``, the
-    `ScopeState` the archived decisions alone give the scope (None: speculation on).
-    ``detector`` names where the override came from (an Alertmanager rollback says
-    ``alertmanager``); ``audit`` adds to its evidence.
-
-    >>> c = OverrideChange("b-1", "coding", None, False, None, "alice", "p99 page", 100.0)
-    >>> d = override_decision(c, "latency_slo", override_id="o-1")
-    >>> d.action, d.reason, d.detector, d.evidence["by"], d.evidence["note"]
-    ('disable_speculation', 'latency_slo', 'manual', 'alice', 'p99 page')
-    >>> override_decision(OverrideChange("b-1", None, None, True, 2, "bob", "", 101.0), "no_speedup").action
-    'reduce_draft_length'
-    """
-    from specwatch.schemas import Decision
-
-    enabled, limit = change.enabled, change.draft_limit
-    if change.cleared:
-        enabled = automatic is None or automatic.enabled
-        limit = automatic.draft_limit if automatic is not None else None
-    evidence = {"by": change.by, "note": change.reason, "override_id": override_id, "cleared": change.cleared}
-    evidence.update(audit or {})
-    if not enabled:
-        action = "disable_speculation"
-    elif limit is not None:
-        action = "reduce_draft_length"
-        evidence["draft_length"] = limit
-    else:
-        action = "restore"
-    return Decision(ts=change.ts, bundle_id=change.bundle_id, bucket=change.bucket, cohort=change.cohort,
-                    action=action, reason=code, detector=detector, evidence=evidence)
 
 
 def add_publish_options(parser: argparse.ArgumentParser) -> None:
@@ -104,28 +45,26 @@ def add_publish_options(parser: argparse.ArgumentParser) -> None:
 
 
 def publish_keyring(args: argparse.Namespace):
-    """The `Keyring` a manual change is published with; None (and why, on stderr) when it must not be.
+    """The `Keyring` a manual change is published with, None without ``--bootstrap``.
 
     Without a key a change goes out unsigned, and every flag client that holds a key
-    ignores it: that is refused unless ``--unsigned`` says the fleet runs without keys.
-    Called before anything is recorded, so a refused change leaves no trace.
+    ignores it: that raises `CommandError` unless ``--unsigned`` says the fleet runs
+    without keys. Called before anything is recorded, so a refused change leaves no trace.
     """
+    if not args.bootstrap:
+        return None
     from specwatch.transport.signing import Keyring
 
     try:
         keyring = Keyring.from_env()
     except ValueError as error:
-        print(f"specwatch: {error}", file=sys.stderr)
-        return None
+        raise CommandError(str(error)) from None
     if keyring.enabled and args.unsigned:
-        print("specwatch: --unsigned, but a signing key is configured; drop --unsigned to publish signed",
-              file=sys.stderr)
-        return None
+        raise CommandError("--unsigned, but a signing key is configured; drop --unsigned to publish signed")
     if not keyring.enabled and not args.unsigned:
-        print("specwatch: no signing key, so flag clients that hold one would ignore this change; set "
-              "SPECWATCH_SIGNING_KEY_FILE (or SPECWATCH_SIGNING_KEY) to the fleet's key, or pass --unsigned "
-              "if its flag clients run without one", file=sys.stderr)
-        return None
+        raise CommandError("no signing key, so flag clients that hold one would ignore this change; set "
+                           "SPECWATCH_SIGNING_KEY_FILE (or SPECWATCH_SIGNING_KEY) to the fleet's key, or pass "
+                           "--unsigned if its flag clients run without one")
     return keyring
 
 
@@ -150,25 +89,13 @@ def publish_manual(args: argparse.Namespace, decision, keyring) -> bool:
     return ok
 
 
-def _check_publish_args(args: argparse.Namespace) -> bool:
+def _override_keyring(args: argparse.Namespace):
+    """`publish_keyring`, once the override's arguments are known to be whole."""
+    if not args.by.strip():
+        raise CommandError("--by must not be empty")
     if args.bootstrap and not args.code:
-        print("specwatch: --bootstrap needs --code, the contract reason the published decision carries",
-              file=sys.stderr)
-        return False
-    return True
-
-
-def record_override(archive, change: OverrideChange, publishers: Sequence[Publisher] = ()) -> str:
-    """Record an override change in the archive (the system of record), then publish it.
-
-    Publishers (e.g. to the decisions topic, so flag clients see it) run after the
-    archive write succeeded; returns the archived override id.
-    """
-    override_id = archive.write_override(change.scope, change.enabled, change.draft_limit, change.by,
-                                         change.reason, change.ts, cleared=change.cleared)
-    for publish in publishers:
-        publish(change)
-    return override_id
+        raise CommandError("--bootstrap needs --code, the contract reason the published decision carries")
+    return publish_keyring(args)
 
 
 def register(subparsers) -> None:
@@ -223,10 +150,7 @@ def _list(args: argparse.Namespace) -> int:
         store, ignored = found
         automatic = store.scopes()
     else:
-        archive = open_archive(args)
-        if archive is None:
-            return _EXIT_USAGE
-        with archive:
+        with open_archive(args.archive) as archive:
             store = archive.flag_store()
             automatic = archive.flag_store(overrides=False).scopes()
     manual = store.overrides()
@@ -293,23 +217,16 @@ def _fleet_store(args: argparse.Namespace):
 
 def _set(args: argparse.Namespace) -> int:
     if args.draft_length is not None and (not args.enabled or args.draft_length < 1):
-        print("specwatch: --draft-length needs --on and a value of at least 1", file=sys.stderr)
-        return _EXIT_USAGE
+        raise CommandError("--draft-length needs --on and a value of at least 1")
     if not args.by.strip() or not args.reason.strip():
-        print("specwatch: --by and --reason must not be empty", file=sys.stderr)
-        return _EXIT_USAGE
-    if not _check_publish_args(args):
-        return _EXIT_USAGE
-    keyring = publish_keyring(args) if args.bootstrap else None
-    if args.bootstrap and keyring is None:
-        return _EXIT_USAGE
-    archive = open_archive(args, create=args.create)
-    if archive is None:
-        return _EXIT_USAGE
+        raise CommandError("--by and --reason must not be empty")
+    from specwatch.actions.flags import OverrideChange, override_decision
+
+    keyring = _override_keyring(args)
     change = OverrideChange(args.bundle, args.bucket, args.cohort, args.enabled, args.draft_length,
                             args.by.strip(), args.reason.strip(), time.time())
-    with archive:
-        override_id = record_override(archive, change)
+    with open_archive(args.archive, create=args.create) as archive:
+        override_id = _record(archive, change)
     published = not args.bootstrap or publish_manual(
         args, override_decision(change, args.code, override_id=override_id), keyring)
     _report(args, change, override_id, "set")
@@ -317,29 +234,20 @@ def _set(args: argparse.Namespace) -> int:
 
 
 def _clear(args: argparse.Namespace) -> int:
-    if not args.by.strip():
-        print("specwatch: --by must not be empty", file=sys.stderr)
-        return _EXIT_USAGE
-    if not _check_publish_args(args):
-        return _EXIT_USAGE
-    keyring = publish_keyring(args) if args.bootstrap else None
-    if args.bootstrap and keyring is None:
-        return _EXIT_USAGE
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
+    from specwatch.actions.flags import OverrideChange, override_decision
+
+    keyring = _override_keyring(args)
     scope = (args.bundle, args.bucket, args.cohort)
-    with archive:
+    with open_archive(args.archive) as archive:
         active = next((o for o in archive.overrides(active_only=True)
                        if (o["bundle_id"], o["bucket"], o["cohort"]) == scope), None)
         if active is None:
-            print(f"specwatch: no manual override on {_key(scope)}", file=sys.stderr)
-            return _EXIT_NOT_FOUND
+            raise CommandError(f"no manual override on {_key(scope)}", _EXIT_NOT_FOUND)
         change = OverrideChange(args.bundle, args.bucket, args.cohort, active["enabled"],
                                 active["draft_limit"], args.by.strip(), args.reason.strip(),
                                 # never before the override it clears, whatever the clocks say
                                 max(time.time(), active["ts"]), cleared=True)
-        override_id = record_override(archive, change)
+        override_id = _record(archive, change)
         automatic = archive.flag_store(overrides=False).state(scope)
     published = not args.bootstrap or publish_manual(
         args, override_decision(change, args.code, automatic, override_id), keyring)
@@ -347,7 +255,13 @@ def _clear(args: argparse.Namespace) -> int:
     return 0 if published else _EXIT_NOT_PUBLISHED
 
 
-def _report(args: argparse.Namespace, change: OverrideChange, override_id: str, verb: str) -> int:
+def _record(archive, change) -> str:
+    """Write an override change to the archive, the system of record; returns its id."""
+    return archive.write_override(change.scope, change.enabled, change.draft_limit, change.by, change.reason,
+                                  change.ts, cleared=change.cleared)
+
+
+def _report(args: argparse.Namespace, change, override_id: str, verb: str) -> int:
     if args.json:
         print_rows([dict(asdict(change), override_id=override_id)], (), as_json=True)
     elif change.cleared:

@@ -14,7 +14,9 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
-__all__ = ["register", "add_archive_options", "open_archive", "parse_time", "print_rows", "format_ts"]
+from specwatch.commands._arguments import add_archive_options, open_archive
+
+__all__ = ["register", "parse_time", "print_rows", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
 _TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
@@ -75,27 +77,6 @@ def register(subparsers) -> None:
     p.add_argument("--max-rows", type=int, metavar="N",
                    help="refuse a result of more than N rows (ClickHouse max_result_rows; default 100000)")
     p.set_defaults(func=_sql)
-
-
-def add_archive_options(parser: argparse.ArgumentParser) -> None:
-    """The options every archive-reading command takes: ``--archive`` and ``--json``."""
-    parser.add_argument("--archive", metavar="DSN",
-                        help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)")
-    parser.add_argument("--json", action="store_true", help="JSON Lines instead of a table")
-
-
-def open_archive(args: argparse.Namespace, create: bool = False):
-    """Open the archive named by ``args.archive``; on failure print why and return None."""
-    from specwatch.archive.store import Archive, ArchiveError, ArchiveNotFoundError
-
-    try:
-        return Archive.open(args.archive, create=create)
-    except ArchiveNotFoundError as exc:
-        print(f"specwatch: {exc} (point --archive or $SPECWATCH_ARCHIVE at an existing archive)",
-              file=sys.stderr)
-    except (ArchiveError, ValueError) as exc:
-        print(f"specwatch: {exc}", file=sys.stderr)
-    return None
 
 
 def parse_time(text: str) -> float:
@@ -174,10 +155,7 @@ def _write_rows(rows: list[dict], columns: Sequence[Column], as_json: bool, out:
 # -- subcommands ----------------------------------------------------------------------
 
 def _decisions(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
-    with archive:
+    with open_archive(args.archive) as archive:
         rows = archive.decisions(bundle_id=args.bundle, bucket=args.bucket, reason=args.reason,
                                  action=args.action, since=args.since, until=args.until,
                                  limit=args.limit or None)
@@ -191,10 +169,7 @@ def _decisions(args: argparse.Namespace) -> int:
 
 
 def _decision(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
-    with archive:
+    with open_archive(args.archive) as archive:
         found = archive.decision(args.decision_id)
         samples = archive.samples(args.decision_id) if found else []
     if found is None:
@@ -228,10 +203,7 @@ def _decision(args: argparse.Namespace) -> int:
 
 
 def _samples(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
-    with archive:
+    with open_archive(args.archive) as archive:
         known = archive.decision(args.decision_id) is not None
         rows = archive.samples(args.decision_id)
     if not known and not rows:
@@ -248,10 +220,7 @@ def _samples(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
-    with archive:
+    with open_archive(args.archive) as archive:
         bundle, bucket, since, until, center = args.bundle, args.bucket, args.since, args.until, None
         if args.around:
             found = archive.decision(args.around)
@@ -296,10 +265,7 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _bundles(args: argparse.Namespace) -> int:
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
-    with archive:
+    with open_archive(args.archive) as archive:
         rows = archive.bundles()
     if args.json:
         print_rows(rows, (), as_json=True)
@@ -318,9 +284,7 @@ def _bundles(args: argparse.Namespace) -> int:
 def _sql(args: argparse.Namespace) -> int:
     from specwatch.archive.store import ArchiveError, ArchiveQueryLimit
 
-    archive = open_archive(args)
-    if archive is None:
-        return _EXIT_USAGE
+    archive = open_archive(args.archive)
     limits = {name: value for name, value in (("max_seconds", args.max_seconds), ("max_rows", args.max_rows))
               if value is not None}
     with archive:

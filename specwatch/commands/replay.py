@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 
+from specwatch.commands._arguments import add_archive_option, add_json_option, add_policy_option, load_policy
 
 __all__ = ["register", "replay_file"]
 
@@ -26,11 +27,11 @@ def register(subparsers) -> None:
                     "the decisions as JSON Lines in event-time order.")
     parser.add_argument("input", help="telemetry file (JSON Lines, plain or gzipped), or - for stdin")
     parser.add_argument("--output", "-o", required=True, help="where to write decisions (JSON Lines), - for stdout")
-    parser.add_argument("--policy", help="policy TOML file (defaults built in)")
-    parser.add_argument("--archive", help="also archive decisions, evidence and samples to this DSN "
-                                          "(e.g. chdb://specwatch-data/archive); when it is unreachable "
-                                          "the rows spool to local disk and the run still exits 0")
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_policy_option(parser)
+    add_archive_option(parser, help="also archive decisions, evidence and samples to this DSN (e.g. "
+                                    "chdb://specwatch-data/archive); when it is unreachable the rows spool to "
+                                    "local disk and the run still exits 0")
+    add_json_option(parser, help="print the summary as one JSON object")
     parser.set_defaults(func=_run)
 
 
@@ -54,7 +55,7 @@ def _run(args) -> int:
     import gzip
 
     from specwatch.outputs import OutputClashError, atomic_output, check_not_an_input
-    from specwatch.schemas import PolicyError, load_policy, read_json_lines
+    from specwatch.schemas import read_json_lines
     from specwatch.streams.fastpath import FastPipeline
 
     try:
@@ -62,11 +63,7 @@ def _run(args) -> int:
     except OutputClashError as error:
         print(f"specwatch replay: {error}", file=sys.stderr)
         return _EXIT_USAGE
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as error:
-        print(f"specwatch replay: {error}", file=sys.stderr)
-        return _EXIT_USAGE
+    policy = load_policy(args.policy)
     sink = None
     if args.archive:
         from specwatch.actions.handlers import ArchiveSink

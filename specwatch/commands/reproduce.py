@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import getpass
 import json
-import sys
 import time
+
+from specwatch.commands._arguments import CommandError, add_archive_option, add_json_option, open_archive
 
 __all__ = ["register"]
 
@@ -26,14 +27,13 @@ def register(subparsers) -> None:
                     "opening is audited. Exit 0 when it ran, 1 when the decision or its samples are missing, "
                     "2 on bad arguments, 3 when it refused (key, bundle).")
     parser.add_argument("decision_id", help="the decision's id (d-...), as `specwatch query decisions` shows it")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_json_option(parser, help="print the result as one JSON object")
     parser.add_argument("--engine", choices=["vllm"], default="vllm", help="the local engine (default: vllm)")
     parser.add_argument("--model", default=None,
                         help="the target model to load (default: the model id on the decision's bundle card)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="vLLM's speculative_config (default: derived from the card's drafter)")
-    parser.add_argument("--archive", default=None,
-                        help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)")
+    add_archive_option(parser)
     parser.add_argument("--force", action="store_true",
                         help="run even when the local bundle card differs (verdicts say 'bundle differs')")
     parser.add_argument("--actor", default=None, help="who opens the samples, for the audit (default: the user)")
@@ -41,7 +41,6 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from specwatch.archive.store import Archive, ArchiveError
     from specwatch.analysis.reproduce import ReproduceError, render_result, reproduce_decision
     from specwatch.schemas.sealed import SampleKey
 
@@ -49,16 +48,10 @@ def _run(args) -> int:
         key = SampleKey.from_env()
         speculative_config = json.loads(args.speculative_config) if args.speculative_config else None
     except ValueError as error:
-        print(f"specwatch reproduce: {error}", file=sys.stderr)
-        return 2
+        raise CommandError(str(error)) from None
     if speculative_config is not None and not isinstance(speculative_config, dict):
-        print("specwatch reproduce: --speculative-config must be a JSON object", file=sys.stderr)
-        return 2
-    try:
-        archive = Archive.open(args.archive, create=False)
-    except (ArchiveError, ValueError) as error:
-        print(f"specwatch reproduce: {error}", file=sys.stderr)
-        return 2
+        raise CommandError("--speculative-config must be a JSON object")
+    archive = open_archive(args.archive)
 
     def rerunner_for(card):
         try:
@@ -77,8 +70,7 @@ def _run(args) -> int:
             result = reproduce_decision(archive, args.decision_id, key, None, args.actor or _user(), time.time,
                                         force=args.force, rerunner_for=rerunner_for)
         except ReproduceError as error:
-            print(f"specwatch reproduce: {error}", file=sys.stderr)
-            return error.exit_code
+            raise CommandError(str(error), error.exit_code) from None
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:

@@ -7,7 +7,6 @@ partitions through the consumer group, and stops them together.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from specwatch.commands._arguments import CommandError, add_archive_option, add_policy_option, load_policy
 from specwatch.transport.topics import DEADLETTER_TOPIC, DECISIONS_TOPIC, PARTIALS_TOPIC, TELEMETRY_TOPIC
 
 __all__ = ["register"]
@@ -34,10 +34,9 @@ def register(subparsers) -> None:
                     "checkpointed to Kafka: a restarted or replaced worker resumes where it left off.")
     parser.add_argument("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap servers")
     parser.add_argument("--workers", type=int, default=1, help="worker processes to start here (default 1)")
-    parser.add_argument("--policy", help="policy TOML file (defaults built in)")
-    parser.add_argument("--archive", metavar="DSN",
-                        help="archive decisions, evidence, samples and window stats (e.g. chdb://specwatch-data/"
-                             "archive, or a ClickHouse server http://user@host:8123/db)")
+    add_policy_option(parser)
+    add_archive_option(parser, help="archive decisions, evidence, samples and window stats (e.g. "
+                                    "chdb://specwatch-data/archive, or a ClickHouse server http://user@host:8123/db)")
     parser.add_argument("--telemetry-topic", action="append", metavar="TOPIC",
                         help=f"telemetry topic (repeatable; default {TELEMETRY_TOPIC})")
     parser.add_argument("--partials-topic", default=PARTIALS_TOPIC, metavar="TOPIC")
@@ -82,33 +81,25 @@ def register(subparsers) -> None:
     parser.set_defaults(func=_run)
 
 
-def _fail(message: str) -> int:
-    print(f"specwatch run: {message}", file=sys.stderr)
-    return 2
-
-
 def _run(args) -> int:
-    from specwatch.schemas import PolicyError, load_policy
-    from specwatch.transport.config import KafkaConfig
+    import asyncio
+
     from specwatch.actions.alertmanager import load_rollback_policy, read_token_file
     from specwatch.streams.faust_app import TopicError, prepare_topics, run_worker
-    from specwatch.streams.runner import StreamSettings
-    from specwatch.transport.config import BrokerUnavailable
     from specwatch.streams.operations import OperationsSettings
+    from specwatch.streams.runner import StreamSettings
+    from specwatch.transport.config import BrokerUnavailable, KafkaConfig
 
     if args.workers < 1:
-        return _fail(f"--workers must be >= 1, got {args.workers}")
+        raise CommandError(f"--workers must be >= 1, got {args.workers}")
     if args.partitions < 1:
-        return _fail(f"--partitions must be >= 1, got {args.partitions}")
+        raise CommandError(f"--partitions must be >= 1, got {args.partitions}")
     if args.workers > 1 and args.archive and args.archive.startswith("chdb:"):
-        return _fail("a chDB archive opens in one process only; with --workers > 1 use a ClickHouse server "
+        raise CommandError("a chDB archive opens in one process only; with --workers > 1 use a ClickHouse server "
                      "DSN, or run one worker per archive")
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as error:
-        return _fail(str(error))
+    policy = load_policy(args.policy)
     if not 0 <= args.web_port < 65536 - args.workers:
-        return _fail(f"--web-port must be between 0 and {65535 - args.workers}, got {args.web_port}")
+        raise CommandError(f"--web-port must be between 0 and {65535 - args.workers}, got {args.web_port}")
     try:
         operations = OperationsSettings(
             web_port=args.web_port + args.worker_index if args.web_port else None, web_bind=args.web_bind,
@@ -120,7 +111,7 @@ def _run(args) -> int:
 
             AlertSender(operations.alertmanager_url)  # the URL is checked before anything starts
     except ValueError as error:
-        return _fail(str(error))
+        raise CommandError(str(error))
     kafka = None
     try:
         from specwatch.transport.signing import Keyring
@@ -151,9 +142,9 @@ def _run(args) -> int:
                 f"({kafka.security_protocol}, credentials of the user given)?"
                 if kafka is not None and kafka.security_protocol != "PLAINTEXT"
                 else "is the broker running? (deploy/kafka/broker.sh start)")
-        return _fail(f"{error}\n  {hint}")
+        raise CommandError(f"{error}\n  {hint}")
     except (TopicError, ValueError) as error:
-        return _fail(str(error))
+        raise CommandError(str(error))
     if args.workers == 1:
         os.makedirs(settings.data_dir, exist_ok=True)
         level = "debug" if getattr(args, "verbose", False) else args.log_level
@@ -163,7 +154,7 @@ def _run(args) -> int:
             from specwatch.archive.store import ArchiveError
 
             if isinstance(error, ArchiveError):
-                return _fail(str(error))
+                raise CommandError(str(error))
             raise
     return _supervise(args)
 

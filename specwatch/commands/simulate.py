@@ -15,13 +15,14 @@ import socket
 import sys
 import time
 from collections import Counter
+from functools import partial
 from typing import Iterable, TextIO
 
+from specwatch.commands._arguments import CommandError
 from specwatch.transport.topics import TELEMETRY_TOPIC
 
 __all__ = ["register", "build_simulator", "write_json_lines", "send", "send_to_kafka", "send_otlp", "summary_line"]
 
-_EXIT_USAGE = 2
 _EXIT_IO = 1
 # Engines export continuously; a generator running faster than real time must not let one
 # worker's records run far ahead of another's on a shared partition (stage 1 closes slices
@@ -173,21 +174,16 @@ def run(args: argparse.Namespace) -> int:
         _list_scenarios(sys.stdout)
         return 0
     if sum((bool(args.output), bool(args.bootstrap), args.otlp is not None)) != 1:
-        print("specwatch simulate: error: give --output FILE or --bootstrap HOST:PORT or --otlp [ENDPOINT], "
-              "one of them (or --list)", file=sys.stderr)
-        return _EXIT_USAGE
+        raise CommandError("error: give --output FILE or --bootstrap HOST:PORT or --otlp [ENDPOINT], one of them "
+                           "(or --list)")
     if args.rate < 0:
-        print(f"specwatch simulate: error: --rate must be >= 0, got {args.rate}", file=sys.stderr)
-        return _EXIT_USAGE
+        raise CommandError(f"error: --rate must be >= 0, got {args.rate}")
     try:
         simulator = build_simulator(args)
     except ValueError as error:
-        print(f"specwatch simulate: error: {error}", file=sys.stderr)
-        return _EXIT_USAGE
-    if args.bootstrap:
-        return _run_kafka(args, simulator)
-    if args.otlp is not None:
-        return _run_otlp(args, simulator)
+        raise CommandError(f"error: {error}") from None
+    if args.bootstrap or args.otlp is not None:
+        return _run_exporter(args, simulator)
     from specwatch.outputs import atomic_output
 
     to_stdout = args.output == "-"
@@ -195,49 +191,38 @@ def run(args: argparse.Namespace) -> int:
         with atomic_output(args.output) as stream:
             counts = write_json_lines(simulator.records(), stream)
     except OSError as error:
-        print(f"specwatch simulate: error: cannot write {args.output}: {error.strerror or error}", file=sys.stderr)
-        return _EXIT_IO
+        raise CommandError(f"error: cannot write {args.output}: {error.strerror or error}", _EXIT_IO) from None
     print(summary_line(simulator, counts, "stdout" if to_stdout else args.output), file=sys.stderr)
     return 0
 
 
-def _run_kafka(args: argparse.Namespace, simulator) -> int:
-    problem = _reachable(args.bootstrap)
-    if problem is not None:
-        print(f"specwatch simulate: error: cannot reach Kafka at {args.bootstrap} ({problem})", file=sys.stderr)
-        return _EXIT_USAGE
+def _run_exporter(args: argparse.Namespace, simulator) -> int:
+    """Send to Kafka (``--bootstrap``) or to an OpenTelemetry Collector (``--otlp``); report what arrived."""
+    if args.bootstrap:
+        problem = _reachable(args.bootstrap)
+        if problem is not None:
+            raise CommandError(f"error: cannot reach Kafka at {args.bootstrap} ({problem})")
+        destination, where = f"kafka {args.bootstrap} topic {args.topic}", ""
+        send_all = partial(send_to_kafka, bootstrap=args.bootstrap, topic=args.topic, rate=args.rate)
+    else:
+        endpoint = (args.otlp or os.environ.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")
+                    or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default endpoint")
+        destination, where = f"OTLP {endpoint}", f" to {endpoint}"
+        send_all = partial(send_otlp, endpoint=args.otlp or None, rate=args.rate)
     try:
-        counts, stats = send_to_kafka(simulator.records(), args.bootstrap, args.topic, args.rate)
+        counts, stats = send_all(simulator.records())
     except ValueError as error:
-        print(f"specwatch simulate: error: {error}", file=sys.stderr)
-        return _EXIT_USAGE
-    print(summary_line(simulator, counts, f"kafka {args.bootstrap} topic {args.topic}"), file=sys.stderr)
+        raise CommandError(f"error: {error}") from None
+    print(summary_line(simulator, counts, destination), file=sys.stderr)
     rate = sum(counts.values()) / max(stats["seconds"], 1e-9)
-    print(f"simulate: {stats['messages']} messages, {stats['bytes']} bytes in {stats['seconds']:g} s "
-          f"({rate:.0f} records/s)", file=sys.stderr)
+    if args.bootstrap:
+        sent = f"{stats['messages']} messages, {stats['bytes']} bytes"
+        failures = f"({stats['send_errors']} send errors, {stats['delivery_errors']} delivery errors)"
+    else:
+        sent = f"{stats['requests']} OTLP requests, {stats['records']} records"
+        failures = f"({stats['failed_requests']} failed requests); is a Collector listening there?"
+    print(f"simulate: {sent} in {stats['seconds']:g} s ({rate:.0f} records/s)", file=sys.stderr)
     lost = stats["records_failed"] + stats["dropped"]
     if lost:
-        print(f"specwatch simulate: error: {lost} records were not delivered "
-              f"({stats['send_errors']} send errors, {stats['delivery_errors']} delivery errors)", file=sys.stderr)
-        return _EXIT_IO
-    return 0
-
-
-def _run_otlp(args: argparse.Namespace, simulator) -> int:
-    endpoint = (args.otlp or os.environ.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default endpoint")
-    try:
-        counts, stats = send_otlp(simulator.records(), args.otlp or None, args.rate)
-    except ValueError as error:
-        print(f"specwatch simulate: error: {error}", file=sys.stderr)
-        return _EXIT_USAGE
-    print(summary_line(simulator, counts, f"OTLP {endpoint}"), file=sys.stderr)
-    rate = sum(counts.values()) / max(stats["seconds"], 1e-9)
-    print(f"simulate: {stats['requests']} OTLP requests, {stats['records']} records in {stats['seconds']:g} s "
-          f"({rate:.0f} records/s)", file=sys.stderr)
-    lost = stats["records_failed"] + stats["dropped"]
-    if lost:
-        print(f"specwatch simulate: error: {lost} records were not delivered to {endpoint} "
-              f"({stats['failed_requests']} failed requests); is a Collector listening there?", file=sys.stderr)
-        return _EXIT_IO
+        raise CommandError(f"error: {lost} records were not delivered{where} {failures}", _EXIT_IO)
     return 0

@@ -1,9 +1,6 @@
 """`specwatch soak`: steady simulated load for minutes or hours, watching memory and lag stay flat.
 
-A seeded healthy fleet emits in real time (event time = wall time) into the embedded
-pipeline, or through Kafka first with --bootstrap. Every few seconds the command samples
-the process's RSS, how far event time is behind wall time, and the queues in between;
-at the end it fits a line to each and says whether they stayed flat.
+The run is `specwatch.bench.soak`; this parses its settings and prints what it found.
 """
 
 from __future__ import annotations
@@ -12,127 +9,15 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
-import threading
-import time
-import uuid
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator
+from dataclasses import asdict
 
-__all__ = ["register", "Sample", "SoakResult", "slope_per_minute", "summarize"]
+from specwatch.commands._arguments import CommandError, add_json_option
+
+__all__ = ["register"]
 
 _DEFAULT_SAMPLE_SECONDS = 5.0
 _DEFAULT_RATE = 400.0  # records/s: a few busy engine workers
-# Calibration: how many records/s one simulated worker emits, measured over this much event time.
-_CALIBRATION_MINUTES = 0.1
-_CALIBRATION_WORKERS = 2
-# The first part of a run warms caches, baselines and sketches: slopes are fitted after it.
-_WARMUP_SHARE = 0.2
-# Flat means: memory grows less than this per minute, and lag neither grows by more than
-# this per minute nor exceeds the bound at any sample after the warm-up.
-_FLAT_RSS_MB_PER_MIN = 1.0
-_FLAT_LAG_S_PER_MIN = 0.05
-_MAX_STEADY_LAG_S = 10.0
-_KAFKA_POLL_MS = 200
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One observation: seconds since start, RSS (MB), the worst lag of a decided slice behind
-    wall time in the interval (s), records in, and the queues between (Kafka mode)."""
-
-    t: float
-    rss_mb: float
-    lag_s: float
-    records: int
-    emit_queue: int = 0
-    consumer_lag: int = 0
-
-
-@dataclass(frozen=True)
-class SoakResult:
-    mode: str
-    minutes: float
-    rate_target: float
-    rate_achieved: float
-    records: int
-    rejected: int
-    decisions: int
-    samples: int
-    rss_start_mb: float
-    rss_end_mb: float
-    rss_max_mb: float
-    rss_slope_mb_per_min: float
-    lag_mean_s: float
-    lag_max_s: float
-    lag_slope_s_per_min: float
-    max_emit_queue: int
-    max_consumer_lag: int
-    dropped: int
-    failed: int
-    memory_flat: bool
-    lag_flat: bool
-
-
-def slope_per_minute(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys over xs (seconds), per minute; nan with fewer than 2 points.
-
-    >>> slope_per_minute([0.0, 60.0, 120.0], [10.0, 11.0, 12.0])
-    1.0
-    """
-    n = len(xs)
-    if n < 2:
-        return math.nan
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    if var == 0:
-        return math.nan
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var * 60.0
-
-
-def summarize(mode: str, minutes: float, rate: float, samples: list[Sample], counters: dict,
-              dropped: int = 0, failed: int = 0) -> SoakResult:
-    """Fit the samples after the warm-up and judge whether memory and lag stayed flat."""
-    steady = [s for s in samples if s.t >= samples[-1].t * _WARMUP_SHARE] if samples else []
-    if len(steady) < 2:
-        steady = samples
-    ts = [s.t for s in steady]
-    rss_slope = slope_per_minute(ts, [s.rss_mb for s in steady])
-    lag_slope = slope_per_minute(ts, [s.lag_s for s in steady])
-    lags = [s.lag_s for s in steady]
-    elapsed = samples[-1].t if samples else 0.0
-    records = counters.get("records", 0)
-    return SoakResult(
-        mode=mode, minutes=minutes, rate_target=rate,
-        rate_achieved=round(records / elapsed, 1) if elapsed else 0.0,
-        records=records, rejected=counters.get("rejected", 0), decisions=counters.get("decisions", 0),
-        samples=len(samples),
-        rss_start_mb=samples[0].rss_mb if samples else math.nan,
-        rss_end_mb=samples[-1].rss_mb if samples else math.nan,
-        rss_max_mb=max((s.rss_mb for s in samples), default=math.nan),
-        rss_slope_mb_per_min=round(rss_slope, 3),
-        lag_mean_s=round(sum(lags) / len(lags), 3) if lags else math.nan,
-        lag_max_s=round(max(lags), 3) if lags else math.nan,
-        lag_slope_s_per_min=round(lag_slope, 4),
-        max_emit_queue=max((s.emit_queue for s in samples), default=0),
-        max_consumer_lag=max((s.consumer_lag for s in samples), default=0),
-        dropped=dropped, failed=failed,
-        memory_flat=not math.isnan(rss_slope) and rss_slope < _FLAT_RSS_MB_PER_MIN,
-        lag_flat=not math.isnan(lag_slope) and lag_slope < _FLAT_LAG_S_PER_MIN
-        and bool(lags) and max(lags) < _MAX_STEADY_LAG_S,
-    )
-
-
-def _rss_mb() -> float:
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # peak, not current: a fallback
 
 
 def register(subparsers) -> None:
@@ -148,187 +33,24 @@ def register(subparsers) -> None:
     parser.add_argument("--sample-seconds", type=float, default=_DEFAULT_SAMPLE_SECONDS,
                         help="seconds between samples (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_json_option(parser, help="print the summary as one JSON object")
     parser.set_defaults(func=_run)
 
 
-def _workers_for(rate: float, seed: int) -> int:
-    from specwatch.simulation.simulator import Simulator
-
-    sim = Simulator("healthy", seed=seed, minutes=_CALIBRATION_MINUTES, workers=_CALIBRATION_WORKERS)
-    per_worker = sum(1 for _ in sim.records()) / (_CALIBRATION_MINUTES * 60.0) / _CALIBRATION_WORKERS
-    return max(1, min(4096, round(rate / per_worker)))
-
-
-def _paced(records: Iterator, stop: threading.Event) -> Iterator:
-    """Records when the wall clock reaches their event time: a fleet running now."""
-    for record in records:
-        delay = record.ts - time.time()
-        if delay > 0 and stop.wait(delay):
-            return
-        if stop.is_set():
-            return
-        yield record
-
-
-class _Sampler:
-    def __init__(self, every_s: float, probe: Callable[[], Sample], out) -> None:
-        self.every_s = every_s
-        self.samples: list[Sample] = []
-        self._probe = probe
-        self._out = out
-        self._next = time.monotonic()
-
-    def tick(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now >= self._next:
-            self._next = now + self.every_s
-            sample = self._probe()
-            self.samples.append(sample)
-            if self._out is not None:
-                print(f"  t={sample.t:7.1f}s  rss={sample.rss_mb:7.1f} MB  lag={sample.lag_s:6.2f}s  "
-                      f"records={sample.records:>9}  emit_queue={sample.emit_queue:>6}  "
-                      f"consumer_lag={sample.consumer_lag:>6}", file=self._out, flush=True)
-
-
-class _Lag:
-    """How far behind wall time each slice was decided, worst per sampling interval.
-
-    Measured at the output, when a slice is final: it includes the slice length, the
-    lateness wait and any backlog, not only the input. Sampled between slices it would
-    saw-tooth over one slice length instead.
-    """
-
-    def __init__(self) -> None:
-        self._worst = 0.0
-        self._last = 0.0
-
-    def __call__(self, output) -> None:  # a pipeline sink
-        lag = max(0.0, time.time() - output.slice_end)
-        self._worst = max(self._worst, lag)
-        self._last = lag
-
-    def take(self) -> float:
-        """The worst lag since the last call (the latest one when no slice was decided since)."""
-        worst, self._worst = (self._worst or self._last), 0.0
-        return worst
-
-
-def _soak_embedded(args, sim, out) -> SoakResult:
-    from specwatch.streams.embedded import EmbeddedPipeline
-
-    lag = _Lag()
-    pipeline = EmbeddedPipeline(sinks=[lag], clock=time.time)
-    started, stop = time.monotonic(), threading.Event()
-
-    def probe() -> Sample:
-        return Sample(round(time.monotonic() - started, 2), round(_rss_mb(), 1), round(lag.take(), 3),
-                      pipeline.counters.records)
-
-    sampler = _Sampler(args.sample_seconds, probe, out)
-    deadline = started + args.minutes * 60.0
-    for record in _paced(sim.records(), stop):
-        pipeline.feed(record)
-        sampler.tick()
-        if time.monotonic() >= deadline:
-            break
-    sampler.tick(force=True)
-    pipeline.finish()
-    return summarize("embedded", args.minutes, args.rate, sampler.samples, pipeline.counters.as_dict())
-
-
-def _soak_kafka(args, sim, out) -> SoakResult:
-    from kafka import KafkaConsumer, TopicPartition
-    from kafka.admin import KafkaAdminClient, NewTopic
-
-    from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
-    from specwatch.transport.config import KafkaConfig
-    from specwatch.schemas import Rejection
-    from specwatch.schemas.otlp import decode_request
-    from specwatch.streams.embedded import EmbeddedPipeline
-
-    config = KafkaConfig.from_env(args.bootstrap)
-    topic = args.topic or f"specwatch.soak.{uuid.uuid4().hex[:8]}"
-    admin = None
-    if not args.topic:
-        admin = KafkaAdminClient(**config.client_settings())
-        admin.create_topics([NewTopic(topic, 4, 1)])
-    exporter = KafkaTelemetryExporter(KafkaConfig.from_env(args.bootstrap, topic=topic))
-    emitter = TelemetryEmitter(exporter, sdk=False)
-    lag = _Lag()
-    pipeline = EmbeddedPipeline(sinks=[lag], clock=time.time)
-    consumer = KafkaConsumer(**config.client_settings(), group_id=None, enable_auto_commit=False,
-                             auto_offset_reset="earliest")
-    stop = threading.Event()
-    started = time.monotonic()
-
-    def load() -> None:
-        for record in _paced(sim.records(), stop):
-            emitter.emit(record)
-        stop.set()
-
-    producer_thread = threading.Thread(target=load, name="soak-load", daemon=True)
-    partitions: list = []
-
-    def probe() -> Sample:
-        ends = consumer.end_offsets(partitions) if partitions else {}
-        behind = sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
-        return Sample(round(time.monotonic() - started, 2), round(_rss_mb(), 1), round(lag.take(), 3),
-                      pipeline.counters.records, emitter.stats().queued, behind)
-
-    sampler = _Sampler(args.sample_seconds, probe, out)
-    try:
-        deadline = time.monotonic() + 30
-        while not consumer.partitions_for_topic(topic) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(partitions)
-        producer_thread.start()
-        end_at = started + args.minutes * 60.0
-        while time.monotonic() < end_at and not (stop.is_set() and not emitter.stats().queued):
-            for batch in consumer.poll(timeout_ms=_KAFKA_POLL_MS).values():
-                for message in batch:
-                    for record in decode_request(message.value):
-                        if isinstance(record, Rejection):
-                            pipeline.reject(record)
-                        else:
-                            pipeline.feed(record)
-            sampler.tick()
-        sampler.tick(force=True)
-    finally:
-        stop.set()
-        producer_thread.join(10) if producer_thread.is_alive() else None
-        emitter.shutdown()
-        consumer.close()
-        if admin is not None:
-            try:
-                admin.delete_topics([topic])
-            finally:
-                admin.close()
-    pipeline.finish()
-    stats = emitter.stats()
-    return summarize("kafka", args.minutes, args.rate, sampler.samples, pipeline.counters.as_dict(),
-                     dropped=stats.dropped, failed=stats.failed + exporter.stats()["delivery_errors"])
-
-
 def _run(args: argparse.Namespace) -> int:
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.bench.soak import run_soak, workers_for
 
     if not (args.minutes > 0 and math.isfinite(args.minutes)):
-        print("specwatch soak: --minutes must be a positive number", file=sys.stderr)
-        return 2
+        raise CommandError("--minutes must be a positive number")
     if not args.rate > 0 or not args.sample_seconds > 0:
-        print("specwatch soak: --rate and --sample-seconds must be positive", file=sys.stderr)
-        return 2
-    workers = _workers_for(args.rate, args.seed)
-    # A little more event time than wall time, so the load never runs out before the end.
-    sim = Simulator("healthy", seed=args.seed, minutes=args.minutes + 1, workers=workers, start_ts=time.time())
+        raise CommandError("--rate and --sample-seconds must be positive")
+    workers = workers_for(args.rate, args.seed)
     out = None if args.json else sys.stdout
     if out is not None:
-        print(f"soak: {args.minutes:g} min, ~{args.rate:g} records/s from {workers} simulated workers, "
-              f"{'through Kafka at ' + args.bootstrap if args.bootstrap else 'embedded'}; pid {os.getpid()}",
-              flush=True)
-    result = _soak_kafka(args, sim, out) if args.bootstrap else _soak_embedded(args, sim, out)
+        print(f"soak: {args.minutes:g} min, ~{args.rate:g} records/s from {workers} simulated workers, {'through Kafka at ' + args.bootstrap if args.bootstrap else 'embedded'}; "
+              f"pid {os.getpid()}", flush=True)
+    result = run_soak(args.minutes, args.rate, args.seed, args.sample_seconds, workers, bootstrap=args.bootstrap,
+                      topic=args.topic, out=out)
     if args.json:
         print(json.dumps(asdict(result)))
     else:
@@ -336,7 +58,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if result.memory_flat and result.lag_flat else 1
 
 
-def _print_summary(r: SoakResult) -> None:
+def _print_summary(r) -> None:
     print(f"\n{r.mode}: {r.records} records in {r.minutes:g} min ({r.rate_achieved}/s, target {r.rate_target:g}/s), "
           f"{r.rejected} rejected, {r.decisions} decisions, {r.samples} samples")
     print(f"  memory: {r.rss_start_mb:.1f} -> {r.rss_end_mb:.1f} MB (max {r.rss_max_mb:.1f}), "

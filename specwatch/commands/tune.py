@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from specwatch.commands._arguments import CommandError, add_archive_option, add_json_option, open_archive
+
 __all__ = ["register"]
 
 
@@ -20,54 +22,45 @@ def register(subparsers) -> None:
                     "bundle's measured draft and verify times; show the best D, the current D, the expected "
                     "gain with its 95%% interval, the 128/G - 1 starting point and the tile-boundary candidates.")
     parser.add_argument("--bundle", help="bundle id (default: the bundle seen last)")
-    parser.add_argument("--archive", default=None,
-                        help="archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)")
+    add_archive_option(parser)
     parser.add_argument("--window", type=float, default=None, metavar="SECONDS",
                         help="evidence: the last SECONDS of event time before the newest slice (default 300)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--model-config", metavar="FILE",
                        help="the target's Hugging Face config.json: G = num_attention_heads / num_key_value_heads")
     group.add_argument("--heads-per-kv", type=int, metavar="G", help="query heads per KV head of the target")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_option(parser, help="print one JSON object")
     parser.add_argument("--html", metavar="FILE", help="write the page with the plotted curves to FILE (- for stdout)")
     parser.set_defaults(func=_run)
 
 
-def _fail(message: str) -> int:
-    print(f"specwatch tune: {message}", file=sys.stderr)
-    return 2
-
-
 def _run(args) -> int:
-    from specwatch.archive.store import Archive, ArchiveError
     from specwatch.analysis.tuning import DEFAULT_WINDOW_SECONDS, heads_per_kv_head, render_html, render_text, tune_report
 
     window = DEFAULT_WINDOW_SECONDS if args.window is None else args.window
     if not window > 0:
-        return _fail(f"--window must be a positive number of seconds, got {args.window}")
+        raise CommandError(f"--window must be a positive number of seconds, got {args.window}")
     heads = args.heads_per_kv
     if heads is not None and heads < 1:
-        return _fail(f"--heads-per-kv must be at least 1, got {heads}")
+        raise CommandError(f"--heads-per-kv must be at least 1, got {heads}")
     if args.model_config:
         try:
             heads = heads_per_kv_head(json.loads(Path(args.model_config).read_text(encoding="utf-8")))
         except OSError as error:
-            return _fail(f"cannot read {args.model_config}: {error.strerror or error}")
+            raise CommandError(f"cannot read {args.model_config}: {error.strerror or error}")
         except (ValueError, AttributeError) as error:
-            return _fail(f"{args.model_config}: {error}")
-    try:
-        archive = Archive.open(args.archive, create=False)
-    except (ArchiveError, ValueError) as error:
-        return _fail(str(error))
-    with archive:
+            raise CommandError(f"{args.model_config}: {error}")
+    with open_archive(args.archive) as archive:
         cards = {b["bundle_id"]: (b["card"], b["last_seen"]) for b in archive.bundles()}
         bundle = args.bundle
         if bundle is None:
             if not cards:
-                return _fail(f"no bundle in the archive {archive!r}: run `specwatch replay` or `run` into it first")
+                raise CommandError(f"no bundle in the archive {archive!r}: run `specwatch replay` or `run` into it "
+                                   "first")
             bundle = max(sorted(cards), key=lambda b: cards[b][1])  # the bundle seen last
         if bundle not in cards:
-            return _fail(f"no bundle {bundle!r} in the archive {archive!r} (`specwatch query bundles` lists them)")
+            raise CommandError(f"no bundle {bundle!r} in the archive {archive!r} (`specwatch query bundles` lists "
+                               "them)")
         rows = archive.timeline(bundle_id=bundle)
         flags = archive.flag_store()
     report = tune_report(rows, cards[bundle][0], bundle, flags, heads, window)
@@ -79,7 +72,7 @@ def _run(args) -> int:
         try:
             Path(args.html).write_text(page, encoding="utf-8")
         except OSError as error:
-            return _fail(f"cannot write {args.html}: {error.strerror or error}")
+            raise CommandError(f"cannot write {args.html}: {error.strerror or error}")
         print(f"draft-length report of {bundle} written to {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, sort_keys=True))

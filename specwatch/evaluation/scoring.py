@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["Alarm", "Verdict", "judge", "stray_alarms", "BASELINE_REASON"]
+__all__ = ["Alarm", "Verdict", "decision_alarm", "judge", "match_incidents", "stray_alarms", "BASELINE_REASON"]
 
 # What the two acceptance-rate baselines would say if they could say why: acceptance fell.
 BASELINE_REASON = "acceptance_drop"
@@ -20,6 +20,9 @@ _ALSO_RIGHT = {
     "target_update": frozenset({"acceptance_drop", "no_speedup"}),
     "draft_regression": frozenset({"no_speedup"}),
 }
+
+# Decisions that give speculation back (or widen it) never answer an incident.
+_GIVING_BACK = frozenset({"restore", "promote"})
 
 RIGHT = "right"
 WRONG_SCOPE = "wrong scope"
@@ -50,6 +53,12 @@ class Alarm:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def decision_alarm(decision, ts: float | None = None) -> Alarm:
+    """A specwatch `Decision` as an alarm, available to act on at ``ts`` (default: its own time)."""
+    return Alarm("specwatch", decision.ts if ts is None else ts, decision.reason, decision.bundle_id,
+                 decision.bucket, decision.cohort, action=decision.action, decision_id=decision.id)
 
 
 @dataclass(frozen=True)
@@ -98,7 +107,8 @@ def judge(incident, alarms: list[Alarm], reference_ts: float | None = None) -> V
     incident's scope makes it ``right``; its delay is measured from ``reference_ts``
     (default: the incident start). Failing that, the first alarm with a right reason
     anywhere is ``wrong scope``, the first alarm inside the scope with another reason
-    ``wrong reason``; no alarm after the start is ``missed``.
+    ``wrong reason``; no alarm after the start is ``missed``. Alarms that give speculation
+    back (``restore``, ``promote``) are never an answer.
 
     >>> from types import SimpleNamespace as I
     >>> drop = I(kind="acceptance_drop", start_ts=100.0, bundle_id="b-1", bucket="coding", cohort=None,
@@ -112,7 +122,7 @@ def judge(incident, alarms: list[Alarm], reference_ts: float | None = None) -> V
     """
     start = incident.start_ts
     reference = start if reference_ts is None else reference_ts
-    after = sorted((a for a in alarms if a.ts >= start), key=lambda a: a.ts)
+    after = sorted((a for a in alarms if a.ts >= start and a.action not in _GIVING_BACK), key=lambda a: a.ts)
     right = _right_reasons(incident)
     picks = (
         (RIGHT, [a for a in after if a.reason in right and _scope(incident, a) == "inside"]),
@@ -129,7 +139,8 @@ def stray_alarms(incidents, alarms: list[Alarm]) -> list[Alarm]:
     """Alarms that are false: before every incident, or not right for any incident running.
 
     An alarm after an incident started is fine only if it names that incident's reason
-    inside its scope (later escalations of a right decision included).
+    inside its scope (later escalations of a right decision included). Giving speculation
+    back is no alarm.
 
     >>> from types import SimpleNamespace as I
     >>> burst = I(kind="error_burst", start_ts=100.0, bundle_id="b-1", bucket="extraction", cohort=None,
@@ -142,8 +153,40 @@ def stray_alarms(incidents, alarms: list[Alarm]) -> list[Alarm]:
     """
     stray = []
     for alarm in alarms:
+        if alarm.action in _GIVING_BACK:
+            continue
         explained = any(alarm.ts >= incident.start_ts and alarm.reason in _right_reasons(incident)
                         and _scope(incident, alarm) == "inside" for incident in incidents)
         if not explained:
             stray.append(alarm)
     return stray
+
+
+def match_incidents(incidents, alarms: list[Alarm]) -> list[dict]:
+    """One row per incident: the verdict of ``alarms`` on it (`judge`), with the alarm that decided it.
+
+    >>> from types import SimpleNamespace as I
+    >>> tail = I(kind="latency_tail", start_ts=100.0, bundle_id="b-1", bucket="reasoning", cohort="main",
+    ...          expected_reason="latency_slo", workers=())
+    >>> row, = match_incidents([tail], [Alarm("specwatch", 130.0, "latency_slo", "b-1", "reasoning", "main",
+    ...                                       action="disable_speculation", decision_id="d-1")])
+    >>> row["verdict"], row["decision_id"], row["detection_delay_s"]
+    ('right', 'd-1', 30.0)
+    """
+    rows = []
+    for incident in incidents:
+        verdict = judge(incident, alarms)
+        alarm = verdict.alarm
+        rows.append({
+            "incident": incident.kind,
+            "bucket": incident.bucket,
+            "cohort": incident.cohort,
+            "start_ts": incident.start_ts,
+            "expected_reason": incident.expected_reason,
+            "verdict": verdict.verdict,
+            "reason": alarm.reason if alarm else None,
+            "decision_id": alarm.decision_id if alarm else None,
+            "action": alarm.action if alarm else None,
+            "detection_delay_s": verdict.delay_s,
+        })
+    return rows

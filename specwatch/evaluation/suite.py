@@ -18,7 +18,7 @@ from specwatch.streams.embedded import EmbeddedPipeline
 
 from .baselines import AcceptanceKillSwitch, PrometheusRatioAlert
 from .bounds import information_bound
-from .scoring import BASELINE_REASON, Alarm, judge, stray_alarms
+from .scoring import BASELINE_REASON, Alarm, decision_alarm, judge, stray_alarms
 
 __all__ = [
     "DETECTORS",
@@ -344,8 +344,7 @@ class _Watch:
         """Stage-2 output sink: a decision can be acted on once its slice closed, at the watermark."""
         for action in output.actions:
             d = action.decision
-            self._add(Alarm("specwatch", max(d.ts, output.slice_end + self.lateness), d.reason, d.bundle_id,
-                            d.bucket, d.cohort, action=d.action, decision_id=d.id))
+            self._add(decision_alarm(d, max(d.ts, output.slice_end + self.lateness)))
 
     def _add(self, alarm: Alarm) -> None:
         self.alarms[alarm.detector].append(alarm)

@@ -1,0 +1,66 @@
+"""Options more than one command takes, written once, and the error that ends a command with one line.
+
+Stays light: the command line is parsed before any command's libraries load.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["CommandError", "EXIT_USAGE", "add_archive_option", "add_archive_options", "add_json_option",
+           "add_policy_option", "load_policy", "open_archive"]
+
+EXIT_USAGE = 2
+_ARCHIVE_HELP = "archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)"
+_POLICY_HELP = "policy TOML file (defaults built in)"
+
+
+class CommandError(Exception):
+    """Stops a command: `specwatch.cli.main` prints ``specwatch COMMAND: message`` and exits with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def add_archive_option(parser: argparse.ArgumentParser, help: str = _ARCHIVE_HELP) -> None:  # noqa: A002
+    """``--archive DSN``; `specwatch.cli` checks the DSN before the command runs."""
+    parser.add_argument("--archive", metavar="DSN", default=None, help=help)
+
+
+def add_archive_options(parser: argparse.ArgumentParser) -> None:
+    """What every archive-reading subcommand takes: ``--archive`` and ``--json`` (JSON Lines)."""
+    add_archive_option(parser)
+    add_json_option(parser, help="JSON Lines instead of a table")
+
+
+def open_archive(dsn: str | None, create: bool = False):
+    """The `Archive` at ``dsn`` (None: the default); one that cannot be opened raises `CommandError`."""
+    from specwatch.archive.store import Archive, ArchiveError, ArchiveNotFoundError
+
+    try:
+        return Archive.open(dsn, create=create)
+    except ArchiveNotFoundError as error:
+        raise CommandError(f"{error} (point --archive or $SPECWATCH_ARCHIVE at an existing archive)") from None
+    except (ArchiveError, ValueError) as error:
+        raise CommandError(str(error)) from None
+
+
+def add_policy_option(parser: argparse.ArgumentParser, help: str = _POLICY_HELP) -> None:  # noqa: A002
+    """``--policy FILE``; `load_policy` reads it."""
+    parser.add_argument("--policy", metavar="FILE", help=help)
+
+
+def add_json_option(parser: argparse.ArgumentParser, help: str) -> None:  # noqa: A002
+    """``--json``: one JSON object (or JSON Lines) instead of text for people."""
+    parser.add_argument("--json", action="store_true", help=help)
+
+
+def load_policy(path: str | None):
+    """The `Policy` in ``path`` (None: the defaults); a file that is not one raises `CommandError`."""
+    from specwatch.schemas import PolicyError, load_policy as read_policy
+
+    try:
+        return read_policy(path)
+    except PolicyError as error:
+        raise CommandError(str(error)) from None

@@ -1,0 +1,128 @@
+"""Imports point only down the pipeline.
+
+Each package of the product sits on a layer; a module may import its own layer and the
+layers below it, never one above, and the packages that share a layer never import each
+other. The layers, top to bottom:
+
+- ``specwatch``: the command line and what only it runs (simulation, bench, evaluation,
+  offline analysis);
+- ``specwatch.streams``: the stream processors (embedded and Faust) that run the stages;
+- ``specwatch.actions.sinks`` | ``specwatch.collectors``: where decisions go (archive,
+  decisions topic, Alertmanager) | the engine side, which emits telemetry and obeys flags;
+- ``specwatch.archive`` | ``specwatch.transport``: the two I/O boundaries, ClickHouse and Kafka;
+- ``specwatch.actions``: pure decision logic (fallback policy, flags, admission, signing);
+- ``specwatch.detectors``: statistics and drift detectors;
+- ``specwatch.schemas``: the telemetry contract, decisions, policy and stage outputs.
+
+The test reads every module's imports with ``ast`` (function-level imports included:
+a lazy import is still a dependency), so it needs nothing installed beyond the tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (package prefix, layer); the longest matching prefix places a module.
+LAYERS: tuple[tuple[str, int], ...] = (
+    ("specwatch.schemas", 0),
+    ("specwatch.detectors", 1),
+    ("specwatch.actions", 2),
+    ("specwatch.archive", 3),
+    ("specwatch.transport", 3),
+    ("specwatch.collectors", 4),
+    ("specwatch.actions.sinks", 4),
+    ("specwatch.streams", 5),
+    ("specwatch", 6),
+)
+
+
+def _package_dirs() -> dict[str, Path]:
+    """Import package -> folder, as pyproject.toml maps them."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    mapping = config["tool"]["setuptools"]["package-dir"]
+    return {package: ROOT / folder for package, folder in mapping.items()}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the product by its import name."""
+    dirs = _package_dirs()
+    modules: dict[str, Path] = {}
+    # the most specific folder names a file: walk the deepest mappings last
+    for package, folder in sorted(dirs.items(), key=lambda item: len(item[0])):
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def _layer(module: str) -> tuple[str, int]:
+    best = max((prefix for prefix, _ in LAYERS if module == prefix or module.startswith(prefix + ".")),
+               key=len)
+    return best, dict(LAYERS)[best]
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.add(name)
+            # `from specwatch.x import y` may import the submodule y
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return {name for name in found if name == "specwatch" or name.startswith("specwatch.")}
+
+
+def _violations() -> list[str]:
+    modules = _modules()
+    wrong: list[str] = []
+    for module, path in sorted(modules.items()):
+        own_prefix, own = _layer(module)
+        for target in sorted(_imports(module, path)):
+            if target not in modules:
+                continue  # a name inside a module, not a module
+            prefix, layer = _layer(target)
+            if layer > own or (layer == own and prefix != own_prefix and own_prefix != "specwatch"):
+                wrong.append(f"{module} imports {target} ({prefix} is not below {own_prefix})")
+    return wrong
+
+
+def test_every_module_is_placed_on_a_layer():
+    modules = _modules()
+    assert "specwatch.streams.topology" in modules and "specwatch.schemas.contract" in modules
+    assert all(_layer(module)[0] for module in modules)
+
+
+def test_imports_point_only_down_the_pipeline():
+    assert _violations() == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The rule itself: a schema importing a stream is reported."""
+    folder = tmp_path / "schemas"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "bad.py").write_text("from specwatch.streams.topology import Stage1\n")
+    (tmp_path / "streams").mkdir()
+    (tmp_path / "streams" / "__init__.py").write_text("")
+    (tmp_path / "streams" / "topology.py").write_text("from ..schemas import bad\n")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackage-dir = { "specwatch.schemas" = "schemas", "specwatch.streams" = "streams" }\n')
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _violations() == [
+        "specwatch.schemas.bad imports specwatch.streams.topology (specwatch.streams is not below specwatch.schemas)"]
