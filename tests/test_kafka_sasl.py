@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from own_broker import OwnBroker, forget_broker_data, port_from_env
+from specwatch.bench.broker import OwnBroker, forget_broker_data, port_from_env
+
 from test_kafka_e2e import Pipeline, _assert_same_decisions, _make_feed
 
 pytestmark = pytest.mark.kafka

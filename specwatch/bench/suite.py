@@ -6,6 +6,7 @@ simpler or reference path measured in the same run; the ratios are what carry ov
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specwatch.bench.broker import OwnBroker
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy, Rejection, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
@@ -486,9 +488,7 @@ def bench_metrics(quick: bool, smoke: bool) -> dict:
             "scrape_core_share_at_15s": scrape_s / 15.0}
 
 
-def bench_kafka(bootstrap: str | None, quick: bool, smoke: bool) -> dict:
-    if not bootstrap:
-        return {"skipped": "no --bootstrap given (start one with deploy/kafka/broker.sh start --port P)"}
+def bench_kafka(bootstrap: str, quick: bool, smoke: bool) -> dict:
     from specwatch.bench.kafka_path import run_kafka_bench
 
     seconds = 20 if quick else 60
@@ -550,11 +550,26 @@ def _targets(report: dict) -> list[dict]:
 
 def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = None,
               sections: tuple[str, ...] = (), log=lambda msg: None) -> dict:
-    """Every section; ``smoke`` shrinks inputs to check the output's shape only."""
+    """Every section; ``smoke`` shrinks inputs to check the output's shape only.
+
+    Without ``bootstrap``, the sections that need Kafka (kafka, export) run against a broker
+    of this run's own (`OwnBroker.of_this_run`), stopped and removed at the end.
+    """
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                           "load_average": os.getloadavg(), "quick": quick, "smoke": smoke}}
     wanted = set(sections) or {"stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth", "metrics"}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        broker_error = None
+        if bootstrap:
+            report["machine"]["broker"] = {"bootstrap": bootstrap, "own": False}
+        elif wanted & {"kafka", "export"}:
+            log("bench: starting a Kafka broker of this run (deploy/kafka/broker.sh) ...")
+            try:
+                bootstrap = stack.enter_context(OwnBroker.of_this_run())
+                report["machine"]["broker"] = {"bootstrap": bootstrap, "own": True}
+            except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+                broker_error = f"no broker: --bootstrap was not given and one could not be started: {error}"
+                report["machine"]["broker"] = {"error": broker_error}
         steps = [("stream", lambda: bench_stream(quick, smoke)),
                  ("collector", lambda: bench_collector(quick, smoke)),
                  ("export", lambda: bench_export(bootstrap, quick, smoke)),
@@ -563,7 +578,7 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
                  ("replay", lambda: bench_replay(quick, smoke, Path(tmp))),
                  ("growth", lambda: bench_growth(quick, smoke)),
                  ("metrics", lambda: bench_metrics(quick, smoke)),
-                 ("kafka", lambda: bench_kafka(bootstrap, quick, smoke))]
+                 ("kafka", lambda: bench_kafka(bootstrap, quick, smoke) if bootstrap else {"error": broker_error})]
         for name, fn in steps:
             if name in wanted:
                 log(f"bench: {name} ...")
