@@ -6,8 +6,10 @@ see the same batch sizes and the same CPU contention. A warm-up wave runs first 
 not counted (the engine's first steps are slow whatever the collector does), and waves
 start alternately on and off, so prefill steps fall on both sides alike. Step time is
 reported as median, mean and p99 per mode, each with its on/off ratio, beside the
-machine's load average; the collector's own time on the engine thread is its
-`CollectorStats.cost_s`. It runs in a process of its own, because the collector must
+machine's load average. The collector's time on the engine thread is given twice: its
+own account (`CollectorStats.cost_s`, wall time of the hooks that do per-request work),
+and the thread CPU time of the whole hook path, the measured steps replayed through it
+on stand-in engine objects (`specwatch.bench.hook_path`). It runs in a process of its own, because the collector must
 share a process with vLLM's engine core (no V1 multiprocessing).
 """
 
@@ -35,6 +37,7 @@ _PROMPTS = [
 _BLOCK_STEPS = 4  # steps per on/off block
 # pairs of measured waves (one starting on, one off); each wave is about 70 engine steps
 _ROUNDS = {"smoke": 1, "quick": 4, "full": 12}
+_HOOK_PATH_REPEAT = 10
 _TIMEOUT_S = 900
 
 
@@ -58,21 +61,29 @@ def _measure(out_path: Path, rounds: int) -> None:
     from vllm import SamplingParams
 
     from specwatch.actions.flags import FlagStore
+    from specwatch.bench.hook_path import replay_hook_path
     from specwatch.collectors.capture import SampleCapture
     from specwatch.collectors.vllm import VllmCollector, build_tiny_models
     from specwatch.schemas.policy import CapturePolicy
     from specwatch.schemas.sealed import SampleKey, Sealer
     from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
 
-    class _Discard:
+    class _Steps:
+        """Keeps the step records: their shapes are replayed through the hook path afterwards."""
+
+        def __init__(self) -> None:
+            self.steps: list = []
+
         def emit(self, record) -> None:
-            pass
+            if record.kind == "step":
+                self.steps.append(record)
 
     models = build_tiny_models()
     # sealed capture on, at the policy's default rate (the emitter thread seals; the step does not wait)
     key = SampleKey.from_secret(os.urandom(32))
     capture = SampleCapture(CapturePolicy(enabled=True), key)
-    collector = VllmCollector(_Discard(), flags=FlagStore(), worker="bench", capture=capture)
+    sink = _Steps()
+    collector = VllmCollector(sink, flags=FlagStore(), worker="bench", capture=capture)
     started = time.monotonic()
     with collector.watching():
         engine = new_engine(models.target, _NGRAM)
@@ -95,6 +106,8 @@ def _measure(out_path: Path, rounds: int) -> None:
     # Warm-up, not counted: the engine's first steps (allocation, JIT, caches) are slow in
     # either mode, and whichever mode got them would look slower.
     run_wave(-1, True)
+    collector.flush()
+    sink.steps.clear()  # the warm-up's steps are not replayed either
     before, captured_before = collector.stats(), capture.stats()
     load_before = os.getloadavg()
     for wave in range(2 * rounds):
@@ -108,6 +121,9 @@ def _measure(out_path: Path, rounds: int) -> None:
     collector.flush()  # every request record emitted (and sealed, where chosen) before counting
     after = collector.stats()
     collector.close()
+    # The same steps through the hook path alone (stand-in runner and scheduler, no vLLM work):
+    # every wrapper and tap, timed or not, in thread CPU time.
+    hook_path = replay_hook_path(engine.vllm_config, sink.steps, flags=FlagStore(), repeat=_HOOK_PATH_REPEAT)
     close_engine(engine)
     steps = max(1, after.steps - before.steps)
     cost_us = (after.cost_s - before.cost_s) / steps * 1e6
@@ -132,6 +148,11 @@ def _measure(out_path: Path, rounds: int) -> None:
         "load_average_before": load_before, "load_average_after": load_after,
         **figures,
         "collector_us_per_step": cost_us,
+        "hook_path_steps": hook_path.steps,
+        "hook_path_us_per_step": hook_path.collector_us,
+        "hook_path_off_us_per_step": hook_path.collector_off_us,
+        "hook_path_self_timed_us_per_step": hook_path.self_timed_us,
+        "requests_per_step": sum(len(s.requests) for s in sink.steps) / max(1, len(sink.steps)),
         "collector_share_of_step": cost_us / 1e3 / figures["step_ms_mean_on"],
         "capture_rate": capture.policy.rate,
         "capture_sealed": captured_after.sealed - captured_before.sealed,
