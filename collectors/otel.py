@@ -13,7 +13,7 @@ Two emit paths give the same bytes on the telemetry topic:
   it on the export thread.
 
 Measured with 16-request steps (`specwatch bench --section collector`): the direct path
-takes about 0.5 us of the caller's CPU per record; the SDK path 30-40 us, 60-100x that.
+takes under 0.5 us of the caller's CPU per record; the SDK path 30-40 us, 60-250x that.
 Most of it is OpenTelemetry's own floor, which no caller can cut: ``Logger.emit`` of
 ready-made attributes to a processor that does nothing costs 23-26 us, nearly all of it
 the SDK cleaning every attribute value, each element of the request arrays included.
