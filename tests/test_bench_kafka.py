@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from specwatch.bench.broker import broker_data_dir
 from specwatch.bench.kafka_path import run_kafka_bench
 
 
@@ -15,3 +22,24 @@ def test_paced_smoke_run_drains_and_times_every_decision(kafka_bootstrap):
     assert report["evidence_latency_p50_s"] is not None and report["evidence_latency_max_s"] >= 0
     assert report["paced_rounds_per_s"] == 20_000.0
     assert report["producer_rounds_per_s"] <= 20_000.0 * 1.05
+
+
+@pytest.mark.kafka
+def test_bench_without_bootstrap_starts_a_broker_of_its_own_and_stops_it():
+    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "bench", "--section", "kafka", "--smoke", "--json"],
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    broker = report["machine"]["broker"]
+    assert broker["own"] is True, broker
+    host, port = broker["bootstrap"].rsplit(":", 1)
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert host == "127.0.0.1" and 20_000 <= int(port) < ephemeral_low
+    for run in ("flat_out", "two_workers", "paced"):
+        measured = report["kafka"][run]
+        assert measured["drained"], run
+        assert measured["decisions"] == measured["embedded_decisions"] > 0, run
+    # stopped at the end: nothing answers on its port, and its data is gone
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", int(port))) != 0
+    assert not broker_data_dir(int(port)).exists()

@@ -25,14 +25,13 @@ import uuid
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
+from specwatch.bench.broker import OwnBroker, forget_broker_data, port_from_env
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.topics import TELEMETRY_TOPIC
 from specwatch.collectors.spool import TelemetrySpool
 from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
-
-from own_broker import OwnBroker, forget_broker_data, port_from_env
 
 pytestmark = pytest.mark.kafka
 

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from own_broker import OwnBroker, forget_broker_data, port_from_env
+from specwatch.bench.broker import OwnBroker, forget_broker_data, port_from_env
+
 from kafka_helpers import Pipeline, assert_same_decisions, make_feed
 
 pytestmark = pytest.mark.kafka

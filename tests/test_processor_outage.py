@@ -18,8 +18,8 @@ import pytest
 from aiokafka.errors import KafkaError
 
 from specwatch.archive.store import Archive
+from specwatch.bench.broker import OwnBroker, forget_broker_data, port_from_env
 
-from own_broker import OwnBroker, forget_broker_data, port_from_env
 from kafka_helpers import DRAIN_TIMEOUT_S, Pipeline, assert_same_decisions, make_feed
 
 pytestmark = pytest.mark.kafka

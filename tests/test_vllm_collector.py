@@ -81,7 +81,11 @@ def test_collector_rejects_bad_configuration(kwargs, message):
 
 
 def _step(seq, entries, ts=100.0):
-    return ("step", ts + seq, seq, _BUNDLE, 0.001, 0.010, 0.5, entries)
+    """A step payload as the scheduler tap hands it over: ids, labels, rounds by id."""
+    ids = [rid for rid, *_ in entries]
+    labels = [(bucket, cohort) for _, bucket, cohort, _, _ in entries]
+    rounds = {rid: (drafted, accepted) for rid, _, _, drafted, accepted in entries if drafted}
+    return ("step", ts + seq, seq, _BUNDLE, 0.001, 0.010, 0.5, ids, labels, rounds)
 
 
 def _request(rid, n_out=3, reason="length"):

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -360,10 +360,18 @@ def _short(request_id: str) -> str:
     return request_id if len(request_id) <= _MAX_ID_CHARS else request_id[-_MAX_ID_CHARS:]
 
 
+_NO_ROUND = (0, 0)
+
+
 def _step_record(worker: str, payload: tuple) -> StepRecord:
-    _, ts, seq, bundle_id, draft_s, verify_s, kv_usage, entries = payload
-    requests = [{"id": _short(rid), "bucket": bucket, "cohort": cohort, "drafted": drafted,
-                 "accepted": accepted} for rid, bucket, cohort, drafted, accepted in entries]
+    # The engine thread hands the batch over as columns (ids, their labels, rounds by id) and
+    # the per-request rows are built here, on the emitter thread.
+    _, ts, seq, bundle_id, draft_s, verify_s, kv_usage, ids, labels, rounds = payload
+    requests = []
+    for rid, (bucket, cohort) in zip(ids, labels):
+        drafted, accepted = rounds.get(rid, _NO_ROUND)
+        requests.append({"id": _short(rid), "bucket": bucket, "cohort": cohort, "drafted": drafted,
+                         "accepted": accepted})
     return StepRecord.model_validate({
         "v": 1, "ts": ts, "worker": worker, "seq": seq, "bundle_id": bundle_id,
         "draft_ms": draft_s * 1e3, "verify_ms": verify_s * 1e3,
@@ -371,11 +379,16 @@ def _step_record(worker: str, payload: tuple) -> StepRecord:
     })
 
 
-def split_entries(entries: Sequence[tuple]) -> list[Sequence[tuple]]:
-    """Split a step's entries into contract-sized parts (a batch above MAX_REQUESTS_PER_STEP)."""
-    if len(entries) <= MAX_REQUESTS_PER_STEP:
-        return [entries]
-    return [entries[i:i + MAX_REQUESTS_PER_STEP] for i in range(0, len(entries), MAX_REQUESTS_PER_STEP)]
+def split_step(ids: list[str], labels: list[tuple[str, str]]) -> list[tuple[list[str], list[tuple[str, str]]]]:
+    """A step's (ids, labels) columns in contract-sized parts (a batch above MAX_REQUESTS_PER_STEP).
+
+    >>> [len(part_ids) for part_ids, _ in split_step(["r"] * (MAX_REQUESTS_PER_STEP + 1), [("b", "c")] * 4097)]
+    [4096, 1]
+    """
+    if len(ids) <= MAX_REQUESTS_PER_STEP:
+        return [(ids, labels)]
+    return [(ids[i:i + MAX_REQUESTS_PER_STEP], labels[i:i + MAX_REQUESTS_PER_STEP])
+            for i in range(0, len(ids), MAX_REQUESTS_PER_STEP)]
 
 
 def _request_record(worker: str, payload: tuple, capture: SampleCapture | None = None) -> RequestRecord:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from .taps import RunnerTap, SchedulerTap, cut_drafts
 
-__all__ = ["install", "TESTED_VLLM", "RUNNER_ATTR", "SCHEDULER_ATTR"]
+__all__ = ["install", "wrap_classes", "TESTED_VLLM", "RUNNER_ATTR", "SCHEDULER_ATTR"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -38,6 +38,16 @@ def install(collector_for: Callable[[str], Any]) -> None:
     if not str(vllm.__version__).startswith(TESTED_VLLM):
         _LOG.warning("specwatch's vLLM hooks were written for vLLM %sx, this is %s: telemetry "
                      "or fallback may be incomplete", TESTED_VLLM, vllm.__version__)
+    wrap_classes(GPUModelRunner, Scheduler, collector_for, where=f"vLLM {vllm.__version__}")
+
+
+def wrap_classes(runner_cls: type, scheduler_cls: type, collector_for: Callable[[str], Any],
+                 where: str = "vLLM") -> None:
+    """Wrap the hooked methods of a model runner class and a scheduler class; idempotent.
+
+    `install` passes vLLM's own classes; the collector's hook-path benchmark passes
+    stand-ins with the same methods, so both run exactly these wrappers.
+    """
     runner_hooks = {
         "__init__": _runner_init(collector_for),
         "execute_model": _execute_model,
@@ -55,12 +65,12 @@ def install(collector_for: Callable[[str], Any]) -> None:
         "_free_request": _free_request,
         "shutdown": _scheduler_shutdown,
     }
-    for cls, hooks in ((GPUModelRunner, runner_hooks), (Scheduler, scheduler_hooks)):
+    for cls, hooks in ((runner_cls, runner_hooks), (scheduler_cls, scheduler_hooks)):
         for name, make in hooks.items():
             original = cls.__dict__.get(name)
             if original is None:
-                _LOG.warning("vLLM %s has no %s.%s: that part of specwatch's telemetry is off",
-                             vllm.__version__, cls.__name__, name)
+                _LOG.warning("%s has no %s.%s: that part of specwatch's telemetry is off",
+                             where, cls.__name__, name)
                 continue
             if getattr(original, _WRAPPED, False):
                 continue

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .collector import VllmCollector, split_entries
+from .collector import VllmCollector, split_step
 from .labels import request_labels
 
 __all__ = ["StepFrame", "RunnerTap", "SchedulerTap", "FRAME_ATTR", "cut_drafts"]
@@ -32,10 +32,11 @@ class StepFrame:
     draft_ns: int = 0
     verify_ns: int = 0
     cost_ns: int = 0
-    # request id -> draft limit applied to its proposal in this step (0: drafting off)
-    gated: dict[str, int] = field(default_factory=dict)
+    # request id -> draft limit applied to its proposal in this step (0: drafting off); None
+    # until the gate ran. Neither container is built for a step that does not need it.
+    gated: dict[str, int] | None = None
     # CUDA events (start, end, is_draft) resolved when the step's results reach the host
-    events: list = field(default_factory=list)
+    events: list | None = None
 
 
 class RunnerTap:
@@ -66,30 +67,33 @@ class RunnerTap:
         if not self.collector.enabled:
             self.frame = None
             return
-        start = _perf_ns()
-        for request_id in scheduler_output.finished_req_ids:
-            self._labels.pop(request_id, None)
-            self._stale.discard(request_id)
-        self.frame = StepFrame()
-        self.frame.cost_ns += _perf_ns() - start
+        # Only hooks with per-request work time themselves: a clock read costs about as much
+        # as the constant work of a hook.
+        frame = self.frame = StepFrame()
+        finished = scheduler_output.finished_req_ids
+        if finished:
+            start = _perf_ns()
+            for request_id in finished:
+                self._labels.pop(request_id, None)
+                self._stale.discard(request_id)
+            frame.cost_ns += _perf_ns() - start
 
     def close_frame(self, output: Any) -> None:
         frame, self.frame = self.frame, None
         if frame is None or output is None:
             return
-        start = _perf_ns()
         if frame.events:
+            start = _perf_ns()
             for begin, end, is_draft in frame.events:
                 elapsed_ns = int(begin.elapsed_time(end) * 1e6)
                 if is_draft:
                     frame.draft_ns += elapsed_ns
                 else:
                     frame.verify_ns += elapsed_ns
-            frame.events = []
+            frame.events = None
+            frame.cost_ns += _perf_ns() - start
         # async scheduling wraps the real output; the scheduler receives the inner one
-        target = getattr(output, "_model_runner_output", output)
-        frame.cost_ns += _perf_ns() - start
-        setattr(target, FRAME_ATTR, frame)
+        setattr(getattr(output, "_model_runner_output", output), FRAME_ATTR, frame)
 
     def discard_frame(self) -> None:
         self.frame = None
@@ -113,6 +117,8 @@ class RunnerTap:
 
             end = torch.cuda.Event(enable_timing=True)
             end.record()
+            if frame.events is None:
+                frame.events = []
             frame.events.append((begin, end, is_draft))
         elif is_draft:
             frame.draft_ns += _perf_ns() - begin
@@ -129,24 +135,23 @@ class RunnerTap:
             return {}
         start = _perf_ns()
         bundle_id = self._bundle()
+        label_of = self._labels
+        labels = list(map(label_of.get, req_ids))  # one C-level pass; new requests are None
+        if None in labels:
+            for index, request_id in enumerate(req_ids):
+                if labels[index] is None:
+                    params = getattr(requests.get(request_id), "sampling_params", None)
+                    labels[index] = label_of[request_id] = request_labels(
+                        request_id, getattr(params, "extra_args", None), self.collector.labeler)
+        # the flags are asked once per label pair of the batch, in the batch's order
+        limits = {pair: self._limit(flags, bundle_id, pair) for pair in dict.fromkeys(labels)}
+        stale = self._stale
         gated: dict[str, int] = {}
-        by_labels: dict[tuple[str, str], int | None] = {}
-        for request_id in req_ids:
-            labels = self._labels.get(request_id)
-            if labels is None:
-                state = requests.get(request_id)
-                params = getattr(state, "sampling_params", None)
-                labels = request_labels(request_id, getattr(params, "extra_args", None),
-                                        self.collector.labeler)
-                self._labels[request_id] = labels
-            if labels in by_labels:
-                limit = by_labels[labels]
-            else:
-                limit = by_labels[labels] = self._limit(flags, bundle_id, labels)
-            if request_id in self._stale:
-                limit = 0
-            if limit is not None:
-                gated[request_id] = limit
+        if stale or any(limit is not None for limit in limits.values()):
+            for request_id, pair in zip(req_ids, labels):
+                limit = 0 if request_id in stale else limits[pair]
+                if limit is not None:
+                    gated[request_id] = limit
         frame.gated = gated
         self.pending_gate = gated or None
         frame.cost_ns += _perf_ns() - start
@@ -201,6 +206,10 @@ class SchedulerTap:
         self.collector = collector
         self.bundle_id, card = collector.bundle_for(vllm_config)
         self._requests: dict[str, _RequestState] = {}
+        # (bucket, cohort) of every tracked request, read as a column at the end of each step
+        self._labels: dict[str, tuple[str, str]] = {}
+        # tracked requests that have not produced a token yet: most steps have none
+        self._awaiting_first: set[str] = set()
         self._rounds: dict[str, tuple[int, int]] = {}
         self._finished: list[tuple] = []
         self._frame: StepFrame | None = None
@@ -215,20 +224,23 @@ class SchedulerTap:
         bucket, cohort = request_labels(request.request_id, getattr(params, "extra_args", None),
                                         self.collector.labeler)
         self._requests[request.request_id] = _RequestState(bucket, cohort, request.arrival_time)
+        self._labels[request.request_id] = (bucket, cohort)
+        self._awaiting_first.add(request.request_id)
 
     def begin_step(self, scheduler_output: Any, model_runner_output: Any) -> None:
         self._in_step = self.collector.enabled
         if not self._in_step:
             return
-        start = _perf_ns()
         self._rounds = {}
+        self._cost_ns = 0
         frame = self._frame = getattr(model_runner_output, FRAME_ATTR, None)
-        if frame is not None:
+        if frame is not None and frame.gated:
+            start = _perf_ns()
             for request_id, limit in frame.gated.items():
                 state = self._requests.get(request_id)
                 if state is not None and limit == 0:
                     state.speculative = False
-        self._cost_ns = _perf_ns() - start
+            self._cost_ns = _perf_ns() - start
 
     def on_round(self, request_id: str, drafted: int, accepted: int) -> None:
         if self._in_step:
@@ -236,6 +248,8 @@ class SchedulerTap:
 
     def on_finished(self, request: Any) -> None:
         state = self._requests.pop(request.request_id, None)
+        self._labels.pop(request.request_id, None)
+        self._awaiting_first.discard(request.request_id)
         if state is None or not self.collector.enabled:
             return
         start = _perf_ns()
@@ -263,37 +277,40 @@ class SchedulerTap:
         self._in_step = False
         start = _perf_ns()
         now = time.time()
-        for engine_outputs in outputs.values():
-            for output in engine_outputs.outputs:
-                if output.new_token_ids:
-                    state = self._requests.get(output.request_id)
-                    if state is not None and state.first_token_ts is None:
-                        state.first_token_ts = now
-        # requests that finished in this step are no longer tracked, but were in its batch
-        finished = {p[3]: (p[4], p[5]) for p in self._finished}
-        entries = []
-        for request_id in scheduler_output.num_scheduled_tokens:
-            state = self._requests.get(request_id)
-            bucket_cohort = (state.bucket, state.cohort) if state is not None else finished.get(request_id)
-            if bucket_cohort is None:
-                continue
-            drafted, accepted = self._rounds.get(request_id, (0, 0))
-            entries.append((request_id, bucket_cohort[0], bucket_cohort[1], drafted, accepted))
+        awaiting = self._awaiting_first
+        if awaiting:
+            for engine_outputs in outputs.values():
+                for output in engine_outputs.outputs:
+                    if output.new_token_ids and output.request_id in awaiting:
+                        awaiting.discard(output.request_id)
+                        self._requests[output.request_id].first_token_ts = now
+        # The batch as columns: request ids, their labels, and this step's rounds by id; the
+        # emitter thread builds the record from them.
+        ids = list(scheduler_output.num_scheduled_tokens)
+        labels = list(map(self._labels.get, ids))
+        if None in labels:
+            # requests that finished in this step are no longer tracked, but were in its batch;
+            # requests never seen (added before the collector) are left out
+            finished = {p[3]: (p[4], p[5]) for p in self._finished}
+            kept = [(i, pair if pair is not None else finished.get(i)) for i, pair in zip(ids, labels)]
+            ids = [i for i, pair in kept if pair is not None]
+            labels = [pair for _, pair in kept if pair is not None]
         frame = self._frame
         draft_ns = frame.draft_ns if frame is not None else 0
         verify_ns = frame.verify_ns if frame is not None else 0
-        if entries:
+        if ids:
             kv_usage = scheduler.kv_cache_manager.usage
-            for part in split_entries(entries):
+            rounds = self._rounds
+            for part_ids, part_labels in split_step(ids, labels):
                 self.collector.submit(("step", now, self._seq, self.bundle_id, draft_ns / 1e9,
-                                       verify_ns / 1e9, kv_usage, part))
+                                       verify_ns / 1e9, kv_usage, part_ids, part_labels, rounds))
                 self._seq += 1
                 draft_ns = verify_ns = 0  # a split step's times are on its first part
         for payload in self._finished:
             self.collector.submit(payload)
-        self._finished = []
+        if self._finished:
+            self._finished = []
         self._frame = None
-        self._rounds = {}
         cost = self._cost_ns + (_perf_ns() - start) + (frame.cost_ns if frame is not None else 0)
         self.collector.account_step(cost, timed=frame is not None)
 

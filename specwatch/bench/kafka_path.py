@@ -34,6 +34,7 @@ __all__ = ["run_kafka_bench"]
 _PARTITIONS = 4
 _BATCH = 200
 _DRAIN_TIMEOUT_S = 300.0
+_SETTLE_TIMEOUT_S = 60.0
 
 
 async def _create_topics(bootstrap: str, names: dict[str, int]) -> None:
@@ -190,6 +191,11 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
                 break
             time.sleep(1.0)
         drained_s = time.time() - t0
+        # Stage 2 decides the last slices after the telemetry is committed: wait for as many
+        # decisions as the embedded pipeline made (bounded), and a little longer for any extra.
+        settle_until = time.time() + _SETTLE_TIMEOUT_S
+        while len(received) < len(embedded.decisions) and time.time() < settle_until and process.poll() is None:
+            time.sleep(0.5)
         time.sleep(3.0)
         exporter.shutdown()
     finally:
@@ -217,7 +223,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         "rounds_per_s": rounds / drained_s, "producer_rounds_per_s": rounds / produced_s,
         "embedded_fast_rounds_per_s": rounds / embedded_s,
         "kafka_over_embedded": (rounds / drained_s) / (rounds / embedded_s),
-        "lag_samples": lag_samples, "decisions": len(received),
+        "lag_samples": lag_samples, "decisions": len(received), "embedded_decisions": len(embedded.decisions),
         "same_decisions_as_embedded": embedded_lines == kafka_lines,
         "decision_latency_s": latencies, "decision_latency_p50_s": _percentile(latencies, 0.5),
         "decision_latency_p99_s": _percentile(latencies, 0.99), "workers": workers,

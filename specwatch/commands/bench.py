@@ -17,7 +17,8 @@ def register(subparsers) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller inputs and a 20 s Kafka run")
     parser.add_argument("--smoke", action="store_true", help="tiny inputs: checks the report's shape only")
     parser.add_argument("--bootstrap", metavar="HOST:PORT",
-                        help="Kafka broker for the end-to-end section and the export section's direct path")
+                        help="Kafka broker for the end-to-end section and the export section's direct path "
+                             "(default: a broker of this run's own, started with deploy/kafka/broker.sh)")
     parser.add_argument("--section", action="append", default=[],
                         choices=("stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth", "metrics"),
                         help="run only these sections (repeatable)")

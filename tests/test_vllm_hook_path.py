@@ -1,0 +1,88 @@
+"""The collector's hook path replayed on recorded step shapes gives back exactly those steps.
+
+The replay (specwatch/bench/hook_path.py) drives the same wrappers and taps vLLM runs, on
+stand-in engine objects; it needs a real speculative vLLM configuration for the bundle, so
+it runs in a subprocess (this file run as a script), keeping vLLM's process-wide state out of
+the test process. No engine is started.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+_SUBPROCESS_TIMEOUT_S = 600
+
+
+def _replay(out_path: Path) -> None:
+    from specwatch.actions.flags import FlagStore
+    from specwatch.bench.hook_path import replay_hook_path
+    from specwatch.collectors.vllm import build_tiny_models
+    from specwatch.collectors.vllm.local_engine import configure_cpu_environment, engine_args
+    from specwatch.schemas import Decision
+    from specwatch.simulation.simulator import Simulator
+
+    configure_cpu_environment()
+    config = engine_args(build_tiny_models().target, {"method": "ngram", "num_speculative_tokens": 4,
+                                                      "prompt_lookup_min": 2, "prompt_lookup_max": 3}).create_engine_config()
+    steps = [r for r in Simulator("healthy", seed=17, minutes=0.05, workers=1, concurrency=6).records()
+             if r.kind == "step"][:60]
+    flags = FlagStore()
+    first = replay_hook_path(config, steps, flags=flags, repeat=1)
+    bundle_id = first.records[0].bundle_id
+    off_bucket = steps[0].requests[0].bucket
+    flags.apply(Decision(ts=1.0, bundle_id=bundle_id, bucket=off_bucket, cohort=None, action="disable_speculation",
+                         reason="acceptance_drop", detector="test"))
+    gated = replay_hook_path(config, steps, flags=flags, repeat=2)
+    out_path.write_text(json.dumps({
+        "steps": [s.model_dump(mode="json") for s in steps],
+        "off_bucket": off_bucket,
+        "runs": [{"records": [r.model_dump(mode="json") for r in run.records], "steps": run.steps,
+                  "collector_us": run.collector_us, "self_timed_us": run.self_timed_us}
+                 for run in (first, gated)],
+    }))
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hook-path") / "replay.json"
+    done = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True,
+                          timeout=_SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _rows(step: dict) -> list[tuple]:
+    return [(e["id"], e["bucket"], e["cohort"], e["drafted"], e["accepted"]) for e in step["requests"]]
+
+
+def test_replay_gives_back_every_recorded_step_and_request(replayed):
+    recorded = replayed["steps"]
+    ids = {e["id"] for s in recorded for e in s["requests"]}
+    for run, repeat in zip(replayed["runs"], (1, 2)):
+        records = run["records"]
+        assert records[0]["kind"] == "bundle" and run["steps"] == len(recorded) * repeat
+        steps = [r for r in records if r["kind"] == "step"]
+        assert [s["seq"] for s in steps] == list(range(len(recorded) * repeat))
+        assert [_rows(s) for s in steps] == [_rows(s) for s in recorded] * repeat
+        requests = [r for r in records if r["kind"] == "request"]
+        assert sorted(r["id"] for r in requests) == sorted(list(ids) * repeat)
+
+
+def test_gate_turns_off_exactly_the_disabled_bucket(replayed):
+    first, gated = replayed["runs"]
+    assert all(r["speculative"] for r in first["records"] if r["kind"] == "request")
+    speculative = {(r["bucket"], r["speculative"]) for r in gated["records"] if r["kind"] == "request"}
+    off = replayed["off_bucket"]
+    assert (off, False) in speculative and (off, True) not in speculative
+    assert all(flag for bucket, flag in speculative if bucket != off)
+
+
+if __name__ == "__main__":
+    _replay(Path(sys.argv[1]))
