@@ -18,7 +18,7 @@ from pathlib import Path
 from test_archive_outage import _unwritable
 
 from specwatch.archive.store import Archive
-from specwatch.actions.handlers import spool_dir_for
+from specwatch.archive.sink import spool_dir_for
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 

@@ -15,9 +15,10 @@ import socket
 
 import pytest
 
-from specwatch.archive.store import Archive, ArchiveError
+from specwatch.archive.errors import ArchiveError
+from specwatch.archive.store import Archive
 from specwatch.actions.decisions_topic import DecisionPublisher, FlagClient
-from specwatch.actions.handlers import ArchiveSink
+from specwatch.archive.sink import ArchiveSink
 from specwatch.actions.signing import Keyring
 from specwatch.collectors.otel import KafkaConfig, KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.simulation.simulator import Simulator

@@ -25,7 +25,8 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from specwatch.archive.store import Archive, ArchiveError
+    from specwatch.archive.errors import ArchiveError
+    from specwatch.archive.store import Archive
     from specwatch.outputs import atomic_output
     from specwatch.analysis.postmortem import render_html, render_text
 

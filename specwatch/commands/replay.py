@@ -69,7 +69,7 @@ def _run(args) -> int:
         return _EXIT_USAGE
     sink = None
     if args.archive:
-        from specwatch.actions.handlers import ArchiveSink
+        from specwatch.archive.sink import ArchiveSink
 
         # Opens the archive when it can, spools when it cannot: the decisions never wait on it.
         try:

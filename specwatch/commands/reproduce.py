@@ -41,7 +41,8 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from specwatch.archive.store import Archive, ArchiveError
+    from specwatch.archive.errors import ArchiveError
+    from specwatch.archive.store import Archive
     from specwatch.analysis.reproduce import ReproduceError, render_result, reproduce_decision
     from specwatch.schemas.sealed import SampleKey
 

@@ -39,7 +39,8 @@ def _fail(message: str) -> int:
 
 
 def _run(args) -> int:
-    from specwatch.archive.store import Archive, ArchiveError
+    from specwatch.archive.errors import ArchiveError
+    from specwatch.archive.store import Archive
     from specwatch.analysis.tuning import DEFAULT_WINDOW_SECONDS, heads_per_kv_head, render_html, render_text, tune_report
 
     window = DEFAULT_WINDOW_SECONDS if args.window is None else args.window
