@@ -572,3 +572,15 @@ def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path
         archive.write_window_stats([stats_row(1, accepted_at_least=[9, 5, 2], drafted_at_least=[10, 10, 10])])
         [row] = archive.timeline()
         assert (row["steps"], row["accepted_at_least"], row["drafted_at_least"]) == (7, [9, 5, 2], [10, 10, 10])
+
+
+def test_the_bench_measures_the_sink_beside_direct_writes_and_single_row_inserts():
+    """`specwatch bench --section archive`: the action path (`ArchiveSink`), with its two alternatives, in one run."""
+    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "bench", "--section", "archive", "--smoke", "--json"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)["archive"]
+    assert (report["rows"], report["naive_rows"]) == (20_000, 50)
+    assert 0 < report["slices"] < report["rows"]
+    assert report["sink_over_direct"] == report["sink_rows_per_s"] / report["direct_rows_per_s"]
+    assert report["speedup_vs_naive"] == report["sink_rows_per_s"] / report["naive_rows_per_s"]
