@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -22,14 +21,13 @@ from specwatch.archive.client import connect
 from specwatch.archive.columns import (AUDIT, BUNDLE_SIGHTINGS, BUNDLE_STAGES, BUNDLES, DECISIONS,
                                        DEFAULT_SEALED_RETENTION_DAYS, OVERRIDES, REJECTIONS, REPRODUCTIONS,
                                        SAMPLES, SEALED_SAMPLES, TABLES, WINDOW_ADDED, WINDOW_STATS,
-                                       WINDOW_STATS_FIELDS, Table)
+                                       Table)
 from specwatch.archive.dsn import DEFAULT_DATABASE, archive_dsn, check_database_name, parse_archive_dsn
 from specwatch.archive.errors import ArchiveNotFoundError
 from specwatch.archive.jsonvalue import canonical_json
-from specwatch.archive.queries import (DEFAULT_SQL_MAX_ROWS, DEFAULT_SQL_MAX_SECONDS, read_only_query,
-                                       where_clause)
-from specwatch.archive.rows import (DEFAULT_SAMPLE_TEXT, WINDOW_ARRAYS, WINDOW_RATIOS, DecisionBatch, append_row,
-                                    audit_out, decision_out, finite, require_text, stage_row, window_stats_table)
+from specwatch.archive.queries import PostmortemQueries, where_clause
+from specwatch.archive.rows import (DEFAULT_SAMPLE_TEXT, DecisionBatch, append_row, audit_out, finite, require_text,
+                                    stage_row, window_stats_table)
 from specwatch.schemas import Decision, decision_key
 from specwatch.schemas.redaction import SAMPLE_TEXT_MODES
 
@@ -41,7 +39,6 @@ logger = logging.getLogger(__name__)
 # deployment opts in to a redacted form; never as it came (it may quote a prompt).
 _SAMPLE_TEXT_ENV = "SPECWATCH_ARCHIVE_SAMPLE_TEXT"
 _SEALED_RETENTION_ENV = "SPECWATCH_SEALED_SAMPLE_DAYS"
-_DEFAULT_DECISIONS_LIMIT = 100
 # One insert is one part on disk: big enough to amortize, small enough to bound memory
 # and to overlap converting one chunk with inserting the previous one.
 _DEFAULT_INSERT_CHUNK_ROWS = 65_536
@@ -50,10 +47,9 @@ _DEFAULT_INSERT_CHUNK_ROWS = 65_536
 _INSERT_SETTINGS = {"optimize_on_insert": 0}
 # Who makes stage changes that are not a person's: the admission controller and the policy file.
 _AUTOMATIC_ACTORS = ("specwatch", "policy")
-_DECISION_COLUMNS = ", ".join(DECISIONS.insert_names)
 
 
-class Archive:
+class Archive(PostmortemQueries):
     """Decisions, audit rows, samples, window stats, bundles and overrides in ClickHouse.
 
     Parameters
@@ -67,7 +63,9 @@ class Archive:
         ``"redacted"`` (quoted spans and long numbers removed); see `specwatch.schemas.redaction`.
 
     Writes are idempotent: rows carry stable ids, tables are ReplacingMergeTree, and
-    reads use FINAL, so writing the same decision twice leaves one.
+    reads use FINAL, so writing the same decision twice leaves one. The postmortem queries
+    (`decisions`, `decision`, `samples`, `timeline`, `bundles`, `sql`) come from its base,
+    `PostmortemQueries`.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp, Archive.open(f"chdb://{tmp}/a") as archive:
@@ -320,48 +318,6 @@ class Archive:
                           [int(counts[r]) for r in reasons]])
 
     # -- reads -------------------------------------------------------------------------
-    def decisions(self, bundle_id: str | None = None, bucket: str | None = None,
-                  reason: str | None = None, action: str | None = None,
-                  since: float | None = None, until: float | None = None,
-                  limit: int | None = _DEFAULT_DECISIONS_LIMIT) -> list[dict]:
-        """The most recent `limit` matching decisions, oldest first.
-
-        ``bucket="*"`` selects whole-bundle decisions; ``since``/``until`` are
-        inclusive unix seconds; ``limit=None`` returns every match.
-        """
-        where, params = where_clause(bundle_id=bundle_id, bucket=bucket, reason=reason, action=action,
-                                 since=since, until=until)
-        sql = (f"SELECT {_DECISION_COLUMNS} FROM {self._db}.decisions FINAL{where} "
-               "ORDER BY ts DESC, archived_at DESC, decision_id DESC")
-        if limit is not None:
-            if limit < 0:
-                raise ValueError(f"limit must be >= 0 (or None for every match), not {limit}")
-            sql += f" LIMIT {int(limit)}"
-        rows = [decision_out(r) for r in self._select(sql, params)]
-        rows.reverse()
-        return rows
-
-    def decision(self, decision_id: str) -> dict | None:
-        """One decision with its audit row (JSON fields parsed) under ``"audit"``."""
-        rows = self._select(f"SELECT {_DECISION_COLUMNS} FROM {self._db}.decisions FINAL "
-                            "WHERE decision_id = {id:String} LIMIT 1", {"id": decision_id})
-        if not rows:
-            return None
-        out = decision_out(rows[0])
-        audit = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.audit FINAL "
-                             "WHERE audit_id = {id:String} LIMIT 1", {"id": f"a-{decision_id}"})
-        out["audit"] = audit_out(audit[0]) if audit else None
-        return out
-
-    def samples(self, decision_id: str) -> list[dict]:
-        """The samples archived with a decision, ``record`` parsed back to a dict."""
-        rows = self._select(f"SELECT * FROM {self._db}.samples FINAL "
-                            "WHERE decision_id = {id:String} ORDER BY ts, kind, sample_id",
-                            {"id": decision_id})
-        for row in rows:
-            row["record"] = json.loads(row["record"])
-        return rows
-
     def sealed_samples(self, decision_id: str) -> list[dict]:
         """The sealed samples of a decision: key id, digests and ciphertext (nothing is opened here)."""
         names = ", ".join(SEALED_SAMPLES.insert_names)
@@ -398,66 +354,6 @@ class Archive:
         for row in rows:
             row["result"] = json.loads(row["result"])
         return rows
-
-    def timeline(self, bundle_id: str | None = None, bucket: str | None = None,
-                 cohort: str | None = None, since: float | None = None,
-                 until: float | None = None) -> list[dict]:
-        """Window-stats rows in slice order (``bucket``/``cohort`` ``"*"`` = whole-bundle rows)."""
-        where, params = where_clause(bundle_id=bundle_id, bucket=bucket, cohort=cohort, since=since,
-                                 until=until)
-        present = {r["name"] for r in self._select(
-            "SELECT name FROM system.columns WHERE database = {db:String} AND table = 'window_stats'",
-            {"db": self._db})}
-        # An archive opened read-only from before the added columns reads them as empty.
-        columns = ", ".join(name if name in present else
-                            f"{'emptyArrayUInt64()' if name in WINDOW_ARRAYS else 'toUInt64(0)'} AS {name}"
-                            for name in WINDOW_STATS_FIELDS)
-        rows = self._select(f"SELECT {columns} FROM {self._db}.window_stats "
-                            f"FINAL{where} ORDER BY ts, bundle_id, bucket, cohort", params)
-        nan = math.nan
-        for row in rows:
-            for name in WINDOW_RATIOS:
-                if row[name] is None:
-                    row[name] = nan
-        return rows
-
-    def bundles(self) -> list[dict]:
-        """Every bundle seen: card, first/last seen and the workers that ran it, and each
-        worker's own span under ``sightings`` (``worker``, ``first_seen``, ``last_seen``)."""
-        cards = self._select(
-            "SELECT bundle_id, any(card) AS card, min(first_seen) AS first_seen, "
-            "max(last_seen) AS last_seen, arraySort(groupUniqArrayArray(workers)) AS workers "
-            f"FROM {self._db}.bundles GROUP BY bundle_id")
-        # An archive written before per-worker sightings has only the card table.
-        spans = self._select(
-            "SELECT bundle_id, worker, min(first_seen) AS first_seen, max(last_seen) AS last_seen "
-            f"FROM {self._db}.bundle_sightings GROUP BY bundle_id, worker ORDER BY bundle_id, worker"
-        ) if self._select(f"EXISTS TABLE {self._db}.bundle_sightings")[0]["result"] else []
-        by_bundle: dict[str, dict] = {}
-        for row in cards:
-            row["card"] = json.loads(row["card"])
-            row["sightings"] = []
-            by_bundle[row["bundle_id"]] = row
-        for span in spans:
-            # A bundle seen only in steps so far (its card not yet archived) is listed without one.
-            row = by_bundle.setdefault(span["bundle_id"], {
-                "bundle_id": span["bundle_id"], "card": None, "first_seen": span["first_seen"],
-                "last_seen": span["last_seen"], "workers": [], "sightings": []})
-            row["sightings"].append({"worker": span["worker"], "first_seen": span["first_seen"],
-                                     "last_seen": span["last_seen"]})
-            row["first_seen"] = min(row["first_seen"], span["first_seen"])
-            row["last_seen"] = max(row["last_seen"], span["last_seen"])
-            if span["worker"] not in row["workers"]:
-                row["workers"] = sorted([*row["workers"], span["worker"]])
-        return sorted(by_bundle.values(), key=lambda row: (row["first_seen"], row["bundle_id"]))
-
-    def knows_bundle(self, bundle_id: str) -> bool:
-        """Whether anything in the archive names this bundle: a sighting, window stats or a decision."""
-        tables = ("bundles", "window_stats", "decisions")
-        found = self._select("SELECT " + " OR ".join(
-            f"(SELECT count() FROM {self._db}.{table} WHERE bundle_id = {{id:String}}) > 0" for table in tables)
-            + " AS known", {"id": bundle_id})
-        return bool(found[0]["known"])
 
     def stage_history(self, bundle_id: str | None = None) -> list[dict]:
         """Admission stage changes in time order (``detail`` parsed): what changed a stage, when, why."""
@@ -534,19 +430,6 @@ class Archive:
                     store.set_stage(bundle_id, change["stage"], change["actor"], change["reason"], change["ts"],
                                     change["detail"].get("cohort"), change["cohort_share"])
         return store
-
-    def sql(self, statement: str, max_seconds: float = DEFAULT_SQL_MAX_SECONDS,
-            max_rows: int = DEFAULT_SQL_MAX_ROWS) -> tuple[list[str], list[tuple]]:
-        """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows).
-
-        Names without a database resolve in the archive's database (``SHOW TABLES`` lists
-        the archive's tables). Anything but a read raises ValueError before it reaches the
-        engine, which runs it with ``readonly=1`` as well. The engine stops the statement
-        after ``max_seconds`` or past ``max_rows`` result rows (`ArchiveQueryLimit`); any
-        other engine error raises `ArchiveError`. An empty result may have no column names.
-        """
-        return read_only_query(self._client, self._db, statement, self._lock, max_seconds=max_seconds,
-                               max_rows=max_rows)
 
     # -- plumbing ----------------------------------------------------------------------
     def _insert(self, table: Table, columns: list[list[Any]]) -> None:
