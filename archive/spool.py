@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specwatch.archive.jsonvalue import plain
+
 __all__ = ["Spool", "SpoolFull", "SpoolStats"]
 
 logger = logging.getLogger(__name__)
@@ -51,22 +53,18 @@ class SpoolStats:
     pending_bytes: int
 
 
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    if hasattr(value, "tolist") and callable(value.tolist):  # numpy scalars and arrays
-        return value.tolist()
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    if isinstance(value, Mapping):
-        return dict(value)
-    raise TypeError(f"cannot spool a {type(value).__name__}")
-
-
 def _frame(entry: Mapping[str, Any]) -> bytes:
     # allow_nan: window stats carry NaN for undefined ratios, and must come back as NaN.
-    payload = json.dumps(entry, separators=(",", ":"), allow_nan=True, default=_jsonable).encode("utf-8")
+    try:  # most entries are plain already: one C-level pass
+        text = json.dumps(entry, separators=(",", ":"), allow_nan=True)
+    except TypeError:
+        text = json.dumps(plain(entry, keep_nan=True), separators=(",", ":"), allow_nan=True, default=_refuse)
+    payload = text.encode("utf-8")
     return b"%08x %d " % (zlib.crc32(payload), len(payload)) + payload + b"\n"
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"cannot spool a {type(value).__name__}")
 
 
 def _unframe(line: bytes) -> dict | None:

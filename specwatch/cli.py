@@ -65,7 +65,7 @@ def archive_problem(args: argparse.Namespace, environ) -> str | None:
     """
     if not hasattr(args, "archive") or getattr(args, "no_archive", False):
         return None
-    from specwatch.archive.store import ARCHIVE_ENV, check_archive_dsn
+    from specwatch.archive.dsn import ARCHIVE_ENV, check_archive_dsn
 
     if args.archive is not None:
         dsn, origin = args.archive, "--archive"

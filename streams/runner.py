@@ -448,7 +448,6 @@ class Stage2Runner(PartitionRunner):
         self._releasing: set[tuple[int, str]] = set()
         self._drain_checked_at = -float("inf")
         self._beats = 0
-        self._archive = None
         self._archive_sink = None
         self.operations: Operations | None = None  # fed every final slice and every published decision
         self.decisions = 0
@@ -463,18 +462,15 @@ class Stage2Runner(PartitionRunner):
 
     # -- archive ------------------------------------------------------------------------
     def open_archive(self) -> None:
-        if self.settings.archive_dsn and self._archive is None:
-            from specwatch.archive.store import Archive
-            from specwatch.actions.handlers import ArchiveSink
+        if self.settings.archive_dsn and self._archive_sink is None:
+            from specwatch.archive.sink import ArchiveSink
 
-            self._archive = Archive.open(self.settings.archive_dsn)
-            self._archive_sink = ArchiveSink(self._archive)
+            self._archive_sink = ArchiveSink.open(self.settings.archive_dsn, require_archive=True)
 
     def close_archive(self) -> None:
-        if self._archive is not None:
-            self._archive_sink.close()
-            self._archive.close()
-            self._archive = self._archive_sink = None
+        if self._archive_sink is not None:
+            self._archive_sink.close()  # closes the archive it opened
+            self._archive_sink = None
 
     # -- hooks --------------------------------------------------------------------------
     async def taken_over(self, task: Stage2Task, tp: TopicPartition) -> None:

@@ -13,19 +13,17 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
+from pathlib import Path
 
 import pytest
 
-from specwatch.archive.store import (
-    WINDOW_STATS_FIELDS,
-    Archive,
-    ArchiveError,
-    ArchiveNotFoundError,
-    ArchiveWriter,
-    archive_dsn,
-)
+from specwatch.archive.columns import TABLES, WINDOW_STATS_FIELDS
+from specwatch.archive.dsn import archive_dsn
+from specwatch.archive.errors import ArchiveError, ArchiveNotFoundError
+from specwatch.archive.sink import ArchiveSink
+from specwatch.archive.store import Archive
 from specwatch.schemas import Decision
+from specwatch.schemas.outputs import SliceOutput
 
 _COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
            "shadow_mismatches", "steps", "plain_entries"}
@@ -489,7 +487,8 @@ def test_a_chdb_archive_in_use_by_another_process_says_so(tmp_path):
     with Archive.open(dsn):
         out = run_python("""
             import sys
-            from specwatch.archive.store import Archive, ArchiveError
+            from specwatch.archive.errors import ArchiveError
+            from specwatch.archive.store import Archive
             try:
                 Archive.open(sys.argv[1], create=False)
             except ArchiveError as exc:
@@ -515,70 +514,52 @@ def test_server_dsn_errors_never_show_the_password(caplog, monkeypatch):
 
 # -- batching ------------------------------------------------------------------------------------
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_writer_buffers_until_size_or_age_and_writes_stats_before_decisions(archive):
-    clock = FakeClock()
-    writer = ArchiveWriter(archive, max_rows=10, max_delay=2.0, clock=clock)
-    writer.write_window_stats([stats_row(ts) for ts in range(4)])
-    writer.write_decision(decision(3.5), audit_for([]), [request(3.4)])
-    assert writer.pending == 5 and archive.timeline() == [] and archive.decisions() == []
-    clock.now += 1.9
-    assert not writer.flush_if_due()
-    clock.now += 0.2
-    assert writer.flush_if_due()
-    assert writer.pending == 0 and len(archive.timeline()) == 4 and len(archive.decisions()) == 1
-    writer.write_window_stats([stats_row(ts) for ts in range(10, 21)])  # 11 >= max_rows: flushes now
-    assert writer.pending == 0 and len(archive.timeline()) == 15
-    with pytest.raises(ValueError, match="'rounds' is a count"):
-        writer.write_window_stats([stats_row(30, rounds=-3)])  # refused at the source
-    assert writer.pending == 0
-    writer.write_window_stats([stats_row(31)])
-    writer.close()
-    assert len(archive.timeline()) == 16
-
-
-def test_writer_keeps_rows_while_the_archive_refuses_them_and_drops_the_oldest_past_the_cap(tmp_path, caplog):
-    with Archive.open(f"chdb://{tmp_path}/archive") as opened:
-        missing = Archive(opened._client, database="not_there_yet")  # real engine, no tables yet
-        clock = FakeClock()
-        writer = ArchiveWriter(missing, max_rows=2, max_buffered=4, max_delay=5.0, clock=clock)
-        writer.write_window_stats([stats_row(1), stats_row(2)])  # due, fails, logged, kept
-        assert writer.pending == 2 and "not_there_yet" in str(writer.last_error)
-        assert "archive writer could not flush" in caplog.text
-        writer.write_decision(decision(2.5), {}, [])
-        writer.write_window_stats([stats_row(3), stats_row(4), stats_row(5)])  # no retry before 5 s
-        assert writer.pending == 3 + 1 and writer.dropped_rows == 2  # rows 1, 2 dropped; decision kept
-        with pytest.raises(Exception, match="not_there_yet"):
-            writer.flush()  # an explicit flush says why
-        missing.ensure_schema()
-        assert writer.flush() == 4 and writer.last_error is None
-        assert [r["ts"] for r in missing.timeline()] == [3.0, 4.0, 5.0]
-        assert len(missing.decisions()) == 1
-        assert opened.timeline() == []
-
-
-def test_window_stats_insert_rate(archive):
-    """A floor far below the measured rate, to catch a batching regression, not to benchmark."""
+def test_window_stats_reach_the_archive_directly_and_through_the_sink_in_slice_sized_writes(archive, tmp_path):
+    """The batching the bench measures: big direct writes (chunked) and one slice's rows at a time through the sink."""
     rows = [stats_row(i, bucket=("coding", "chat", "summarization")[i % 3], cohort=("main", "canary")[i % 2],
                       speedup=math.nan if i % 7 == 0 else 1.3)
-            for i in range(60_000)]
-    start = time.process_time()
-    archive.write_window_stats(rows)
-    writer = ArchiveWriter(archive, max_rows=20_000)
+            for i in range(70_000)]  # more than one insert chunk
+    assert archive.write_window_stats(rows) == 70_000
+    sink = ArchiveSink(archive, window_batch=20_000, spool=tmp_path / "spool")
     for i in range(0, len(rows), 50):
-        writer.write_window_stats([dict(r, ts=r["ts"] + 100_000) for r in rows[i:i + 50]])
-    writer.close()
-    rate = 2 * len(rows) / (time.process_time() - start)
-    assert rate > 25_000, f"{rate:,.0f} window-stats rows/s"
-    _, counted = archive.sql("SELECT count() FROM specwatch.window_stats FINAL")
-    assert counted == [(120_000,)]
+        sink(SliceOutput(slice_index=i, slice_end=float(i),
+                         window_rows=[dict(r, ts=r["ts"] + 100_000) for r in rows[i:i + 50]]))
+    sink.close()
+    assert sink.stats()["written"] == 4 and sink.stats()["spooled"] == 0  # 3 full batches and the rest
+    _, counted = archive.sql("SELECT count(), countIf(speedup IS NULL) FROM specwatch.window_stats FINAL")
+    assert counted == [(140_000, 2 * 10_000)]
+
+
+def test_the_tables_are_created_exactly_as_pinned(archive):
+    """Every table as the engine reports it (columns in order, types, defaults; engine, partitioning,
+    ORDER BY, TTL, settings), and every insert's Arrow columns, stay as pinned (archive_schema.txt)."""
+    _, engines = archive.sql("SELECT name, engine_full FROM system.tables WHERE database = 'specwatch'")
+    _, columns = archive.sql("SELECT table, name, type, default_kind, default_expression FROM system.columns "
+                             "WHERE database = 'specwatch' ORDER BY table, position")
+    engines = dict(engines)
+    created = [f"{table.name}: " + ", ".join(f"{name} {kind}" + (f" {default} {expression}" if default else "")
+                                             for where, name, kind, default, expression in columns
+                                             if where == table.name) + f" | {engines.pop(table.name)}"
+               for table in TABLES]
+    assert engines == {}  # no table the spec does not name
+    assert created == (Path(__file__).parent / "archive_schema.txt").read_text().splitlines()
+    inserts = {table.name: " ".join(f"{f.name}:{f.type}" for f in table.insert_schema) for table in TABLES}
+    assert inserts == _PINNED_INSERT_COLUMNS
+
+
+_PINNED_INSERT_COLUMNS = {
+    "decisions": "decision_id:string ts:double bundle_id:string bucket:string cohort:string action:string reason:string detector:string evidence:string sample_ids:list<item: string> line:string",
+    "audit": "audit_id:string ts:double kind:string actor:string decision_id:string bundle_id:string scope:string reason:string detector:string thresholds:string baseline:string window:string card:string detail:string",
+    "samples": "decision_id:string kind:string sample_id:string ts:double bundle_id:string bucket:string cohort:string worker:string record:string",
+    "window_stats": "ts:double bundle_id:string bucket:string cohort:string rounds:uint64 drafted_tokens:uint64 accepted_tokens:uint64 acceptance_length:double draft_overhead:double speedup:double draft_ms:double verify_ms:double requests:uint64 errors:uint64 error_rate:double ttft_p50:double ttft_p95:double ttft_p99:double tpot_p50:double tpot_p95:double tpot_p99:double e2e_p50:double e2e_p95:double e2e_p99:double kv_peak:double shadow_checks:uint64 shadow_mismatches:uint64 speculation_on:bool steps:uint64 plain_entries:uint64 accepted_at_least:list<item: uint64> drafted_at_least:list<item: uint64>",
+    "bundles": "bundle_id:string card:string first_seen:double last_seen:double workers:list<item: string>",
+    "bundle_sightings": "bundle_id:string worker:string first_seen:double last_seen:double",
+    "overrides": "override_id:string ts:double bundle_id:string bucket:string cohort:string enabled:bool draft_limit:uint16 by:string reason:string cleared:bool",
+    "bundle_stages": "change_id:string ts:double bundle_id:string stage:string previous_stage:string cohort_share:double actor:string reason:string decision_id:string detail:string seq:uint32",
+    "rejections": "ts:double source:string reason:string count:uint64",
+    "sealed_samples": "decision_id:string sample_id:string ts:double bundle_id:string key_id:string prompt_sha256:string output_sha256:string sealed:string",
+    "reproductions": "reproduction_id:string decision_id:string ts:double actor:string verdict:string result:string",
+}
 
 
 def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path):
@@ -599,3 +580,15 @@ def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path
         archive.write_window_stats([stats_row(1, accepted_at_least=[9, 5, 2], drafted_at_least=[10, 10, 10])])
         [row] = archive.timeline()
         assert (row["steps"], row["accepted_at_least"], row["drafted_at_least"]) == (7, [9, 5, 2], [10, 10, 10])
+
+
+def test_the_bench_measures_the_sink_beside_direct_writes_and_single_row_inserts():
+    """`specwatch bench --section archive`: the action path (`ArchiveSink`), with its two alternatives, in one run."""
+    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "bench", "--section", "archive", "--smoke", "--json"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)["archive"]
+    assert (report["rows"], report["naive_rows"]) == (20_000, 50)
+    assert 0 < report["slices"] < report["rows"]
+    assert report["sink_over_direct"] == report["sink_rows_per_s"] / report["direct_rows_per_s"]
+    assert report["speedup_vs_naive"] == report["sink_rows_per_s"] / report["naive_rows_per_s"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from specwatch.archive.store import Archive
-from specwatch.actions.handlers import ArchiveSink
+from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.spool import Spool
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy
@@ -119,7 +119,7 @@ def test_an_unwritable_chdb_archive_spools_and_every_row_arrives_exactly_once(tm
             sink(output)
         assert sink.stats()["spooled"] == 0
 
-        with caplog.at_level(logging.WARNING, logger="specwatch.actions.handlers"), _unwritable(path):
+        with caplog.at_level(logging.WARNING, logger="specwatch.archive.sink"), _unwritable(path):
             for output in outputs[40:60]:  # two decisions and their samples in here
                 sink(output)
                 clock.now += 1.0  # replays are tried, with backoff, and fail while it lasts
@@ -215,7 +215,7 @@ def test_a_full_spool_drops_counts_and_says_so(tmp_path, caplog):
     spool = Spool(tmp_path / "spool", max_bytes=4096, fsync=False)
     sink = ArchiveSink(lambda: (_ for _ in ()).throw(ConnectionError("archive away")), spool=spool,
                        clock=_Clock())
-    with caplog.at_level(logging.ERROR, logger="specwatch.actions.handlers"):
+    with caplog.at_level(logging.ERROR, logger="specwatch.archive.sink"):
         for output in _outputs()[50:70]:
             sink(output)
         sink.flush()

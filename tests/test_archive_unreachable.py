@@ -7,6 +7,7 @@ write to, and an http DSN on a free port nobody listens on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -14,11 +15,15 @@ import subprocess
 import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 from test_archive_outage import _unwritable
 
+from specwatch.archive.errors import ArchiveError
+from specwatch.archive.sink import ArchiveSink, spool_dir_for
 from specwatch.archive.store import Archive
-from specwatch.actions.handlers import spool_dir_for
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 
@@ -86,24 +91,31 @@ def _spooled(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "spool").glob("*/spool-*.log"))
 
 
-def test_a_chdb_archive_held_by_another_process_costs_no_decision(tmp_path):
-    expected = _expected(tmp_path)
-    path = tmp_path / "archive"
-    dsn = f"chdb://{path}"
-    Archive.open(dsn).close()
+@contextlib.contextmanager
+def _held_by_another_process(dsn: str) -> Iterator[int]:
+    """The archive at ``dsn`` open in another process for the time of the block; yields its pid."""
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys\nfrom specwatch.archive.store import Archive\n"
          f"archive = Archive.open({dsn!r})\nprint('holding', flush=True)\nsys.stdin.read()\narchive.close()\n"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "holding"
-        done = _replay(tmp_path, dsn, "decisions.jsonl")
+        yield holder.pid
     finally:
         holder.communicate("", timeout=60)
+
+
+def test_a_chdb_archive_held_by_another_process_costs_no_decision(tmp_path):
+    expected = _expected(tmp_path)
+    path = tmp_path / "archive"
+    dsn = f"chdb://{path}"
+    Archive.open(dsn).close()
+    with _held_by_another_process(dsn) as holder:
+        done = _replay(tmp_path, dsn, "decisions.jsonl")
     assert done.returncode == 0
     assert (tmp_path / "decisions.jsonl").read_text().splitlines() == expected
     warning = _one_warning(done.stderr)
-    assert f"(the chDB archive at {path} is in use by process {holder.pid}: " in warning
+    assert f"(the chDB archive at {path} is in use by process {holder}: " in warning
     assert f" bytes of archive rows wait in the spool {_spool_of(tmp_path, dsn)} and go to " in warning
     assert _spooled(tmp_path)
 
@@ -184,3 +196,33 @@ def test_demo_with_an_unreachable_archive_still_reports_every_decision(tmp_path)
     warnings = [line for line in away.stderr.splitlines() if "warning" in line or "Traceback" in line]
     assert len(warnings) == 1 and warnings[0].startswith("specwatch demo: warning: ")
     assert len(_spooled(tmp_path)) == 1
+
+
+def test_a_worker_sink_refuses_a_held_archive_at_start_and_closes_the_archive_it_opened(tmp_path):
+    """`specwatch run` opens its sink the way the one-shot commands do, but needs the archive at start:
+    a chDB directory held by another process fails then, naming the holder, and nothing is spooled."""
+    dsn = f"chdb://{tmp_path / 'archive'}"
+    Archive.open(dsn).close()
+    with _held_by_another_process(dsn) as holder:
+        with pytest.raises(ArchiveError, match=f"is in use by process {holder}: "):
+            ArchiveSink.open(dsn, spool=tmp_path / "spool", require_archive=True)
+    assert not (tmp_path / "spool").exists()
+    sink = ArchiveSink.open(dsn, spool=tmp_path / "spool", require_archive=True)
+    assert sink.archive.label == f"chdb://{tmp_path / 'archive'}" and not sink.stats()["archive_down"]
+    sink.close()
+    assert sink.archive is None
+    Archive.open(f"chdb://{tmp_path / 'other'}").close()  # the engine was released: another path opens here
+
+
+def test_an_unknown_sample_text_mode_is_refused_at_start_not_taken_for_an_outage(tmp_path):
+    """A setting the archive would refuse on every open is one line and exit 2, never rows spooled as if it were away."""
+    telemetry = tmp_path / "telemetry.jsonl"
+    telemetry.write_text(_telemetry())
+    env = dict(os.environ, SPECWATCH_ARCHIVE_SPOOL=str(tmp_path / "spool"), SPECWATCH_ARCHIVE_SAMPLE_TEXT="clear")
+    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "replay", str(telemetry), "--output",
+                           str(tmp_path / "decisions.jsonl"), "--archive", f"chdb://{tmp_path / 'archive'}"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert done.returncode == 2
+    assert done.stderr == ("specwatch replay: SPECWATCH_ARCHIVE_SAMPLE_TEXT must be one of hashes, redacted, "
+                           "got 'clear'\n")
+    assert not (tmp_path / "spool").exists() and not (tmp_path / "decisions.jsonl").exists()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from specwatch.archive.store import Archive
-from specwatch.actions.handlers import ArchiveSink
+from specwatch.archive.sink import ArchiveSink
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 from specwatch.streams.embedded import EmbeddedPipeline

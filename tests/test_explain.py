@@ -9,7 +9,7 @@ import pytest
 from headless import chromium, headless
 
 from specwatch.archive.store import Archive
-from specwatch.actions.handlers import ArchiveSink
+from specwatch.archive.sink import ArchiveSink
 from specwatch.simulation.simulator import Simulator
 from specwatch.analysis.postmortem import PLOTS
 from specwatch.streams.embedded import EmbeddedPipeline

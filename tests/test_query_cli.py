@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from specwatch.archive.store import WINDOW_STATS_FIELDS, Archive
+from specwatch.archive.columns import WINDOW_STATS_FIELDS
+from specwatch.archive.store import Archive
 from specwatch.cli import main
 from specwatch.schemas import Decision
 

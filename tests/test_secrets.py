@@ -15,10 +15,11 @@ import socket
 
 import pytest
 
-from specwatch.archive.store import Archive, ArchiveError
+from specwatch.archive.errors import ArchiveError
+from specwatch.archive.store import Archive
 from specwatch.actions.decisions_topic import DecisionPublisher
 from specwatch.collectors.flag_client import FlagClient
-from specwatch.actions.handlers import ArchiveSink
+from specwatch.archive.sink import ArchiveSink
 from specwatch.transport.signing import Keyring
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig

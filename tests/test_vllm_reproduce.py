@@ -49,7 +49,7 @@ def _scenario(out_path: Path) -> None:
     from vllm import SamplingParams
 
     from specwatch.archive.store import Archive
-    from specwatch.actions.handlers import ArchiveSink
+    from specwatch.archive.sink import ArchiveSink
     from specwatch.collectors.capture import SampleCapture
     from specwatch.collectors.vllm import VllmCollector, build_tiny_models
     from specwatch.collectors.vllm.demo import vllm_demo_policy

@@ -36,7 +36,8 @@ def add_archive_options(parser: argparse.ArgumentParser) -> None:
 
 def open_archive(dsn: str | None, create: bool = False):
     """The `Archive` at ``dsn`` (None: the default); one that cannot be opened raises `CommandError`."""
-    from specwatch.archive.store import Archive, ArchiveError, ArchiveNotFoundError
+    from specwatch.archive.errors import ArchiveError, ArchiveNotFoundError
+    from specwatch.archive.store import Archive
 
     try:
         return Archive.open(dsn, create=create)

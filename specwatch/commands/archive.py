@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def _flush(args) -> int:
-    from specwatch.actions.handlers import ArchiveSink, spool_dir_for
+    from specwatch.archive.sink import ArchiveSink, spool_dir_for
     from specwatch.archive.spool import Spool
 
     try:

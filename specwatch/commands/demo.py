@@ -197,7 +197,7 @@ def _run(args) -> int:
     archive_sink = None
     dsn = None
     if not args.no_archive:
-        from specwatch.actions.handlers import ArchiveSink
+        from specwatch.archive.sink import ArchiveSink
 
         default = outdir / ("vllm/archive" if args.engine == "vllm" else "archive")
         dsn = args.archive or os.environ.get("SPECWATCH_ARCHIVE") or f"chdb://{default}"

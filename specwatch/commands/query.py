@@ -133,8 +133,11 @@ def print_rows(rows: Iterable[dict], columns: Sequence[Column], as_json: bool,
 
 def _write_rows(rows: list[dict], columns: Sequence[Column], as_json: bool, out: TextIO) -> None:
     if as_json:
+        from specwatch.archive.jsonvalue import plain
+
         for row in rows:
-            out.write(json.dumps(_json_safe(row), separators=(",", ":"), default=str) + "\n")
+            # NaN and infinities as null: JSON Lines readers choke on bare NaN.
+            out.write(json.dumps(plain(row), separators=(",", ":"), default=str) + "\n")
         return
     headers = [header for _, header, _ in columns]
     cells = [[fmt(row.get(key)) for key, _, fmt in columns] for row in rows]
@@ -282,7 +285,7 @@ def _bundles(args: argparse.Namespace) -> int:
 
 
 def _sql(args: argparse.Namespace) -> int:
-    from specwatch.archive.store import ArchiveError, ArchiveQueryLimit
+    from specwatch.archive.errors import ArchiveError, ArchiveQueryLimit
 
     archive = open_archive(args.archive)
     limits = {name: value for name, value in (("max_seconds", args.max_seconds), ("max_rows", args.max_rows))
@@ -446,13 +449,3 @@ def _record_summary(record: dict) -> str:
         return f"{record.get('check')} {'match' if record.get('match') else 'MISMATCH'}"
     return kind or "?"
 
-
-def _json_safe(value: Any) -> Any:
-    """NaN and infinities as null: JSON Lines readers choke on bare NaN."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value

@@ -66,7 +66,7 @@ def _run(args) -> int:
     policy = load_policy(args.policy)
     sink = None
     if args.archive:
-        from specwatch.actions.handlers import ArchiveSink
+        from specwatch.archive.sink import ArchiveSink
 
         # Opens the archive when it can, spools when it cannot: the decisions never wait on it.
         try:

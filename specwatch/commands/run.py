@@ -151,7 +151,7 @@ def _run(args) -> int:
         try:
             return run_worker(settings, loglevel=level)
         except Exception as error:  # noqa: BLE001 - e.g. the archive is held by another process
-            from specwatch.archive.store import ArchiveError
+            from specwatch.archive.errors import ArchiveError
 
             if isinstance(error, ArchiveError):
                 raise CommandError(str(error))

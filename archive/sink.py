@@ -1,9 +1,9 @@
-"""Action handlers: what happens to each final slice's decisions beyond the flag store.
+"""The archive sink: each final slice's output into the archive, through a local spool while it is away.
 
-The archive handler writes decisions with their audit evidence and samples, window
-statistics for timelines, every bundle card seen, and each worker's span of running a bundle.
-When the archive fails, it spools everything to local disk and replays it, oldest first,
-once the archive takes writes again.
+It writes decisions with their audit evidence and samples, window statistics for timelines,
+every bundle card seen, and each worker's span of running a bundle. When the archive fails,
+it spools everything to local disk and replays it, oldest first, once the archive takes
+writes again.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from specwatch.archive.dsn import archive_dsn, parse_archive_dsn
 from specwatch.archive.spool import Spool, SpoolFull, SpoolStats
+from specwatch.archive.rows import DEFAULT_SAMPLE_TEXT
+from specwatch.archive.store import Archive, sample_text_mode
 from specwatch.schemas import Decision
 from specwatch.schemas.redaction import redact_record
 from specwatch.schemas.outputs import SliceOutput
@@ -52,10 +55,8 @@ def spool_dir_for(dsn: str | None = None, environ: Mapping[str, str] | None = No
     >>> spool_dir_for("chdb:///srv/a", env) == default_spool_dir("chdb:///srv/a", env)
     True
     """
-    from specwatch.archive.store import _parse_dsn, archive_dsn
-
     environ = os.environ if environ is None else environ
-    return default_spool_dir(_parse_dsn(dsn or archive_dsn(environ))[0].label, environ)
+    return default_spool_dir(parse_archive_dsn(dsn or archive_dsn(environ))[0].label, environ)
 
 
 def _is_data_error(error: BaseException) -> bool:
@@ -102,7 +103,7 @@ class ArchiveSink:
     """
 
     def __init__(self, archive: Any, window_batch: int = _DEFAULT_WINDOW_BATCH, *,
-                 spool: Spool | str | os.PathLike | None = None, sample_text: str = "hashes",
+                 spool: Spool | str | os.PathLike | None = None, sample_text: str = DEFAULT_SAMPLE_TEXT,
                  retry_backoff_s: float = _DEFAULT_RETRY_BACKOFF_S,
                  max_retry_backoff_s: float = _DEFAULT_MAX_RETRY_BACKOFF_S,
                  clock: Callable[[], float] = time.monotonic,
@@ -148,18 +149,32 @@ class ArchiveSink:
 
     @classmethod
     def open(cls, dsn: str | None = None, *, spool: Spool | str | os.PathLike | None = None,
-             environ: Mapping[str, str] | None = None, **settings: Any) -> "ArchiveSink":
-        """A sink for the archive at ``dsn`` that starts even when the archive is away,
-        spooling until it can be opened; it closes the archive it opened."""
-        from specwatch.archive.store import Archive, _parse_dsn, archive_dsn
+             environ: Mapping[str, str] | None = None, require_archive: bool = False,
+             **settings: Any) -> "ArchiveSink":
+        """The sink for the archive at ``dsn`` (default: `archive_dsn`), with that archive's
+        spool (`default_spool_dir`); it closes the archive it opened.
 
+        It starts even when the archive is away, spooling until it can be opened; with
+        ``require_archive`` it opens the archive now and raises `ArchiveError` when it cannot
+        (a long-running worker fails at start rather than on a path held by another process).
+        A DSN that names no archive raises ValueError at once.
+        """
         environ = os.environ if environ is None else environ
         dsn = dsn or archive_dsn(environ)
-        label = _parse_dsn(dsn)[0].label  # checks the DSN now; never holds the password
-        sample_text = settings.pop("sample_text", None) or environ.get("SPECWATCH_ARCHIVE_SAMPLE_TEXT") or "hashes"
-        return cls(lambda: Archive.open(dsn, environ=environ, sample_text=sample_text),
-                   spool=spool if spool is not None else default_spool_dir(label, environ),
-                   sample_text=sample_text, archive_label=label, **settings)
+        label = parse_archive_dsn(dsn)[0].label  # checks the DSN now; never holds the password
+        sample_text = sample_text_mode(environ, settings.pop("sample_text", None))
+        spool = spool if spool is not None else default_spool_dir(label, environ)
+        if not require_archive:
+            return cls(lambda: Archive.open(dsn, environ=environ, sample_text=sample_text), spool=spool,
+                       sample_text=sample_text, archive_label=label, **settings)
+        archive = Archive.open(dsn, environ=environ, sample_text=sample_text)
+        try:
+            sink = cls(archive, spool=spool, **settings)
+        except BaseException:
+            archive.close()
+            raise
+        sink._owned = True
+        return sink
 
     # -- the handler -----------------------------------------------------------------------
     def __call__(self, output: SliceOutput) -> None:

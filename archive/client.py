@@ -1,0 +1,150 @@
+"""Clients for an archive location: the per-process chDB engine, or a ClickHouse server.
+
+chDB hosts one engine path per process; the pool here shares it and says who holds a
+directory when another process does.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import re
+import threading
+from typing import Any, Callable, Mapping
+
+from specwatch.archive.dsn import ArchiveLocation
+from specwatch.archive.errors import ArchiveError, ArchiveNotFoundError
+
+__all__ = ["connect"]
+
+_USER_ENV = "SPECWATCH_CLICKHOUSE_USER"
+_PASSWORD_ENV = "SPECWATCH_CLICKHOUSE_PASSWORD"
+
+
+def connect(location: ArchiveLocation, password: str | None, *, create: bool,
+            environ: Mapping[str, str]) -> tuple[Any, Callable[[], None]]:
+    """A clickhouse-connect client for ``location`` and the function that releases it.
+
+    A chDB directory that holds no archive raises `ArchiveNotFoundError` unless ``create``;
+    a server's credentials come from the DSN, else from ``$SPECWATCH_CLICKHOUSE_USER`` /
+    ``_PASSWORD``.
+    """
+    if location.engine == "chdb":
+        # Checked before the engine starts: opening a directory makes chDB lay out
+        # its store there, which a read-only command must not do to a wrong path.
+        if not create and not os.path.isdir(os.path.join(location.path, "metadata")):
+            raise ArchiveNotFoundError(f"no archive at {location.label}")
+        if create:
+            os.makedirs(location.path, exist_ok=True)
+        client = _CHDB_CLIENTS.acquire(location.path)
+        return client, functools.partial(_CHDB_CLIENTS.release, client)
+    import clickhouse_connect  # heavy; only archive users pay for it
+
+    username = location.username or environ.get(_USER_ENV) or "default"
+    if password is None:
+        password = environ.get(_PASSWORD_ENV, "")
+    try:
+        client = clickhouse_connect.get_client(
+            host=location.host, port=location.port, username=username, password=password,
+            secure=location.secure)
+    except Exception as exc:
+        # The driver's message names host and user, never the password; the socket's own
+        # reason ("[Errno 111] Connection refused") says it in one line when it is there.
+        reason = re.search(r"\[Errno -?\d+\][^'\")]*", str(exc))
+        raise ArchiveError(f"cannot connect to the archive at {location.label}: "
+                           f"{reason.group(0).strip() if reason else exc}") from exc
+    return client, client.close
+
+
+class _ChdbClients:
+    """The per-process cache of chDB clients.
+
+    chDB hosts one engine path per process, so every archive opened on that path in
+    this process shares one client; the engine is released when the last one closes,
+    after which another path may be opened.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._path: str | None = None
+        self._client: Any = None
+        self._users = 0
+
+    def acquire(self, path: str) -> Any:
+        path = os.path.realpath(path)
+        with self._lock:
+            if self._client is not None:
+                if path != self._path:
+                    raise ArchiveError(
+                        f"chDB hosts one archive per process: {self._path} is open here, so "
+                        f"{path} cannot be; close the other archive or use another process")
+                self._users += 1
+                return self._client
+            import clickhouse_connect  # heavy; only archive users pay for it
+
+            # Both asked first: the engine would print its own error straight to stderr.
+            holder = _chdb_holder(path)
+            if holder:
+                raise ArchiveError(_in_use(path, holder))
+            try:
+                os.close(os.open(os.path.join(path, "status"), os.O_WRONLY | os.O_CREAT, 0o644))
+            except OSError as exc:
+                raise ArchiveError(f"the chDB archive at {path} cannot be written: "
+                                   f"{exc.strerror or exc} ({exc.filename})") from exc
+            try:
+                client = clickhouse_connect.get_client(interface="chdb", path=path)
+            except Exception as exc:
+                holder = _chdb_holder(path)
+                if holder:
+                    # chDB's own message here is an empty "Error initializing EmbeddedServer".
+                    raise ArchiveError(_in_use(path, holder)) from exc
+                raise ArchiveError(f"cannot open the chDB archive at {path}: {exc}") from exc
+            self._path, self._client, self._users = path, client, 1
+            return client
+
+    def release(self, client: Any) -> None:
+        with self._lock:
+            if client is not self._client:
+                return
+            self._users -= 1
+            if self._users == 0:
+                self._client, self._path = None, None
+                client.close()
+
+
+def _in_use(path: str, holder: str) -> str:
+    return (f"the chDB archive at {path} is in use by process {holder}: a chDB directory opens in one "
+            "process at a time (use a ClickHouse server DSN to read while the pipeline writes)")
+
+
+def _chdb_holder(path: str) -> str | None:
+    """The pid of another running engine that holds the directory's lock file, if any."""
+    try:
+        with open(os.path.join(path, "status"), encoding="utf-8", errors="replace") as status:
+            text = status.read(4096)
+            try:  # the engine holds an exclusive flock on it while it runs
+                fcntl.flock(status.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(status.fileno(), fcntl.LOCK_UN)
+                return None
+            except BlockingIOError:
+                pass
+            except OSError:
+                pass  # no flock here: the pid alone has to tell
+    except OSError:
+        return None
+    found = re.search(r"PID:\s*(\d+)", text)
+    if not found or int(found.group(1)) == os.getpid():
+        return None
+    try:
+        os.kill(int(found.group(1)), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return None  # a stale file left by an engine that crashed
+    except PermissionError:
+        pass
+    return found.group(1)
+
+
+# The one piece of module-level mutable state: chDB's one-engine-per-process rule
+# makes the engine a process resource, so its clients are shared per process.
+_CHDB_CLIENTS = _ChdbClients()
