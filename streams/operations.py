@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from specwatch.actions.alertmanager import (
+from specwatch.actions.sinks.alertmanager import (
     WEBHOOK_OUTCOMES,
     AlertSender,
     RollbackPolicy,

@@ -14,7 +14,7 @@ import time
 import pytest
 from kafka import KafkaProducer
 
-from specwatch.actions.decisions_topic import DecisionPublisher
+from specwatch.actions.sinks.publisher import DecisionPublisher
 from specwatch.collectors.flag_client import SILENT_FALLBACK, FlagClient
 from specwatch.transport.codec import heartbeat_message
 from specwatch.transport.signing import Keyring

@@ -15,7 +15,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 
 from specwatch import cli
-from specwatch.actions.decisions_topic import DecisionPublisher
+from specwatch.actions.sinks.publisher import DecisionPublisher
 from specwatch.collectors.flag_client import FlagClient
 from specwatch.transport.decisions import DecisionReader
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter

@@ -102,6 +102,22 @@ def _violations() -> list[str]:
     return wrong
 
 
+def test_kafka_is_one_boundary_that_knows_only_the_contract():
+    """transport/ may import the contract and itself, nothing else of the product."""
+    modules = _modules()
+    wrong = {module: sorted(target for target in _imports(module, path) if target in modules
+                            and not target.startswith(("specwatch.schemas", "specwatch.transport")))
+             for module, path in modules.items() if module.startswith("specwatch.transport")}
+    assert {module: targets for module, targets in wrong.items() if targets} == {}
+
+
+def test_the_partition_runner_runs_without_faust():
+    tree = ast.parse((ROOT / "streams" / "runner.py").read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not [name for name in names if name.split(".")[0] in ("faust", "mode", "aiokafka")], names
+
+
 def test_every_module_is_placed_on_a_layer():
     modules = _modules()
     assert "specwatch.streams.topology" in modules and "specwatch.schemas.contract" in modules

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specwatch.actions.alertmanager import (
+from specwatch.actions.sinks.alertmanager import (
     AlertSender,
     RollbackPolicy,
     WebhookLedger,

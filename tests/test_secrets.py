@@ -17,7 +17,7 @@ import pytest
 
 from specwatch.archive.errors import ArchiveError
 from specwatch.archive.store import Archive
-from specwatch.actions.decisions_topic import DecisionPublisher
+from specwatch.actions.sinks.publisher import DecisionPublisher
 from specwatch.collectors.flag_client import FlagClient
 from specwatch.archive.sink import ArchiveSink
 from specwatch.transport.signing import Keyring

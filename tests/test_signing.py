@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaProducer
 
-from specwatch.actions.decisions_topic import DecisionPublisher
+from specwatch.actions.sinks.publisher import DecisionPublisher
 from specwatch.collectors.flag_client import FlagClient
 from specwatch.transport.codec import heartbeat_message
 from specwatch.transport.signing import (

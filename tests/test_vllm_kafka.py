@@ -94,7 +94,7 @@ def _telemetry(bootstrap: str, topic: str) -> list:
 def run(kafka_bootstrap, tmp_path_factory) -> dict:
     from kafka.admin import KafkaAdminClient, NewTopic
 
-    from specwatch.actions.decisions_topic import DecisionPublisher
+    from specwatch.actions.sinks.publisher import DecisionPublisher
     from specwatch.transport.signing import Keyring
     from specwatch.transport.config import KafkaConfig
     from specwatch.schemas import Decision

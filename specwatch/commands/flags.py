@@ -70,7 +70,7 @@ def publish_keyring(args: argparse.Namespace):
 
 def publish_manual(args: argparse.Namespace, decision, keyring) -> bool:
     """Publish one decision, signed with ``keyring``, and wait for the broker; False (and why, on stderr) if not."""
-    from specwatch.actions.decisions_topic import DecisionPublisher
+    from specwatch.actions.sinks.publisher import DecisionPublisher
     from specwatch.transport.config import KafkaConfig
 
     try:

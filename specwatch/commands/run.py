@@ -84,7 +84,7 @@ def register(subparsers) -> None:
 def _run(args) -> int:
     import asyncio
 
-    from specwatch.actions.alertmanager import load_rollback_policy, read_token_file
+    from specwatch.actions.sinks.alertmanager import load_rollback_policy, read_token_file
     from specwatch.streams.faust_app import TopicError, prepare_topics, run_worker
     from specwatch.streams.operations import OperationsSettings
     from specwatch.streams.runner import StreamSettings
@@ -107,7 +107,7 @@ def _run(args) -> int:
             webhook_token=read_token_file(args.webhook_token_file) if args.webhook_token_file else None,
             rollback=load_rollback_policy(args.rollback_policy), explain_archive=args.archive)
         if operations.alertmanager_url:
-            from specwatch.actions.alertmanager import AlertSender
+            from specwatch.actions.sinks.alertmanager import AlertSender
 
             AlertSender(operations.alertmanager_url)  # the URL is checked before anything starts
     except ValueError as error:
