@@ -39,7 +39,6 @@ import asyncio
 import logging
 import signal
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterable, Mapping
 
@@ -53,7 +52,7 @@ from mode import CrashingSupervisor
 
 from specwatch.actions.decisions_topic import heartbeat_message
 from specwatch.actions.signing import Keyring, sign_line
-from specwatch.schemas import Policy, Rejection
+from specwatch.schemas import Policy, Rejection, RejectionCounter
 
 from .metrics import ServiceHealth
 from .operations import Operations, OperationsSettings
@@ -558,8 +557,7 @@ class Stage1Runner:
         self._pending: dict[tuple[str, int], list[asyncio.Future]] = {}
         self._checkpointed_at: dict[tuple[str, int], float] = {}
         self.records = 0
-        self.rejected = 0
-        self.rejected_by_reason: Counter = Counter()
+        self.rejected = RejectionCounter()
         self.engines_seen: dict[str, float] = {}  # engine worker -> wall time of its newest record
         self.batches_sent = 0
         self.skipped = 0
@@ -643,8 +641,7 @@ class Stage1Runner:
         self.records += task.records - before
         pending = self._pending.setdefault(tp, [])
         for rejection in rejections:
-            self.rejected += 1
-            self.rejected_by_reason[rejection.reason] += 1
+            self.rejected.add(rejection)
             pending.append(await self._writer.send(self.settings.deadletter_topic,
                                                    dead_letter(rejection, tp[0], tp[1], offset), key=key))
         for partition, batch in route_batches(closed, self.settings.partials_partitions):
@@ -1090,7 +1087,7 @@ def _service_health(app: faust.App, stage1: Stage1Runner, stage2: Stage2Runner) 
     first = stage1.health(now, app.consumer)
     second = stage2.health(now, app.consumer)
     stage2.operations.view.engines_seen(stage1.engines_seen)
-    return ServiceHealth(records_read=stage1.records, records_rejected=dict(stage1.rejected_by_reason),
+    return ServiceHealth(records_read=stage1.records, records_rejected=stage1.rejected.as_dict(),
                          consumer_lag={**first["lag"], **second["lag"]}, watermark_delay=first["delay"],
                          checkpoint_age={**first["age"], **second["age"]},
                          archive_spool_bytes=second["spool"], decisions_published=stage2.decisions,
@@ -1113,7 +1110,7 @@ class _Progress:
             records = current[0] - self._last[0]
             logger.info("%d records folded (%.0f/s), %d slices decided, %d decisions, %d rejected",
                         records, records / max(now - self._at, 1e-9), current[1] - self._last[1],
-                        current[2] - self._last[2], self._stage1.rejected)
+                        current[2] - self._last[2], self._stage1.rejected.total)
         self._last, self._at = current, now
 
 
