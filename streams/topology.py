@@ -398,6 +398,10 @@ class Stage2:
         Gates, windows and actions.
     flags
         The speculative-path state it keeps current (and reads to avoid repeating itself).
+    owns
+        Whether a bundle is decided here (a stage-2 partition on Kafka: every key of a
+        bundle and its events are routed to one partition, cards to all, see
+        `route_batches`); None: every bundle.
     """
 
     def __init__(self, policy: Policy, flags: FlagStore | None = None,
@@ -470,7 +474,9 @@ class Stage2:
                         merged[key] = stats.copy()
                 for event in batch.events:
                     ident = (event["type"], event["ts"], event.get("worker"), event.get("id"), event.get("bundle_id"))
-                    if ident not in seen_events:  # events reach every partition; count each once
+                    # a card re-sent (cards are never deduplicated by stage 1), or an event read
+                    # through two telemetry partitions, is taken once
+                    if ident not in seen_events:
                         seen_events.add(ident)
                         events.append(event)
         out = SliceOutput(index, slice_end, late_records=late)
