@@ -273,7 +273,8 @@ class Stage1:
         # per-position arrays once per slice: one dict increment per distinct round instead
         # of a loop over draft positions, the hot path of the whole processor. The fast
         # decoders hand the step over already counted by (bucket, cohort, drafted, accepted).
-        rounds = step.rounds if type(step) is StepColumns else _count_rounds(step)
+        rounds = step.rounds if type(step) is StepColumns else \
+            Counter([(e.bucket, e.cohort, e.drafted, e.accepted) for e in step.requests])
         bundle, ts = step.bundle_id, step.ts
         batch.sighted(bundle, step.worker, ts)
         tallies = batch.round_tallies
@@ -353,12 +354,6 @@ class Stage1:
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
         return out
-
-
-def _count_rounds(step: StepRecord) -> Counter:
-    """A reference step's rounds counted by (bucket, cohort, drafted, accepted), in first-seen order,
-    as the fast decoders count them (`StepColumns.rounds`)."""
-    return Counter([(e.bucket, e.cohort, e.drafted, e.accepted) for e in step.requests])
 
 
 def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:

@@ -15,7 +15,6 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
