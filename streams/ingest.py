@@ -90,7 +90,7 @@ class Ingest:
         worker was last heard from.
         """
         stage = self.stage
-        max_ahead = stage.policy.windows.max_ahead_seconds
+        max_ahead = None if now is None else stage.policy.windows.max_ahead_seconds
         rejections: list[Rejection] = []
         late: list[float] = []
         closed: list[SliceBatch] = []

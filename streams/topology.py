@@ -241,8 +241,8 @@ class Stage1:
         """
         kind = record.kind
         if kind == "step":
-            identity = (record.worker, record.seq)
-        elif kind == "request":
+            return self._add_step(record)
+        if kind == "request":
             identity = (record.worker, record.id)
         elif kind == "shadow":
             identity = (record.bundle_id, record.id)
@@ -253,9 +253,7 @@ class Stage1:
         if rejection is not None:
             return rejection
         batch = self._slice(ts)
-        if kind == "step":
-            self._add_step(batch, record)
-        elif kind == "request":
+        if kind == "request":
             stats = self._stats(batch, (record.bundle_id, record.bucket, record.cohort))
             stats.add_request(record.ttft_ms, record.tpot_ms, record.e2e_ms, record.speculative,
                               record.finish_reason, ts)
@@ -268,14 +266,19 @@ class Stage1:
             self._add_bundle(batch, record)
         return None
 
-    def _add_step(self, batch: SliceBatch, step: StepRecord | StepColumns) -> None:
+    def _add_step(self, step: StepRecord | StepColumns) -> Rejection | None:
+        ts = step.ts
+        rejection = self._admit("step", ts, (step.worker, step.seq))
+        if rejection is not None:
+            return rejection
+        batch = self._slice(ts)
         # Rounds are tallied as (drafted, accepted) pair counts and folded into the
         # per-position arrays once per slice: one dict increment per distinct round instead
         # of a loop over draft positions, the hot path of the whole processor. The fast
         # decoders hand the step over already counted by (bucket, cohort, drafted, accepted).
         rounds = step.rounds if type(step) is StepColumns else \
             Counter([(e.bucket, e.cohort, e.drafted, e.accepted) for e in step.requests])
-        bundle, ts = step.bundle_id, step.ts
+        bundle = step.bundle_id
         batch.sighted(bundle, step.worker, ts)
         tallies = batch.round_tallies
         tokens: dict[Key, list[int]] = {}
@@ -315,6 +318,7 @@ class Stage1:
             if (order, sample_id) < held[1][0]:
                 held[1] = ((order, sample_id), step)
         self._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+        return None
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
         batch.sighted(record.bundle_id, record.worker, record.ts)
