@@ -1,4 +1,4 @@
-"""The topology in one process, no broker: decode, stage 1, stage 2, action handlers.
+"""The topology in one process, no broker: the ingest step, stage 1, stage 2, action handlers.
 
 This is `specwatch demo` and `specwatch replay`; the Faust app runs the same stages.
 """
@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from specwatch.actions.flags import FlagStore
-from specwatch.schemas import Decision, Policy, Rejection, RejectionCounter, decode_line
-from specwatch.schemas.codec import ahead_of_clock
+from specwatch.schemas import Decision, Policy, RejectionCounter, decode_line
 
+from .ingest import Decoder, Ingest, Ingested
 from .topology import SliceOutput, Stage1, Stage2
 
 __all__ = ["EmbeddedPipeline", "PipelineCounters"]
@@ -65,67 +65,50 @@ class EmbeddedPipeline:
         Wall clock of a live pipeline: records further ahead of it than
         ``windows.max_ahead_seconds`` are rejected (``ts_in_future``). None (replays,
         simulated time): no check.
+    decode
+        What `feed_line` decodes lines with: ``decode_line`` (the reference codec) or
+        ``decode_line_fast`` (the fast path: the same records, rejections and decisions,
+        without a pydantic object per step).
     """
 
     def __init__(self, policy: Policy | None = None, flags: FlagStore | None = None,
                  sinks: Iterable[Callable[[SliceOutput], None]] = (),
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, decode: Decoder = decode_line) -> None:
         self.policy = policy or Policy()
         self._clock = clock
         self.flags = flags if flags is not None else FlagStore()
         self.stage1 = Stage1(self.policy, source="embedded")
         self.stage2 = Stage2(self.policy, self.flags)
+        self.ingest = Ingest(self.stage1, decode)
         self.sinks = list(sinks)
-        self.counters = PipelineCounters()
+        self.counters = PipelineCounters(rejected=self.ingest.rejected)
         self.decisions: list[Decision] = []
 
     def feed_line(self, line: str | bytes) -> list[Decision]:
+        """One JSON line; rejected and late records are flagged by its number."""
         self.counters.lines += 1
-        record = decode_line(line)
-        if record is None:
-            return []
-        if isinstance(record, Rejection):
-            self.reject(record)
-            return []
-        return self.feed(record)
-
-    def _ahead_of_clock(self, ts: float) -> bool:
-        """True (and counted as rejected) when a live pipeline gets a record from too far ahead."""
-        if self._clock is None:
-            return False
-        rejection = ahead_of_clock(ts, self._clock(), self.policy.windows.max_ahead_seconds)
-        if rejection is not None:
-            self.reject(rejection)
-        return rejection is not None
+        return self._take(self.ingest(line, self._now()))
 
     def feed(self, record) -> list[Decision]:
-        if self._ahead_of_clock(record.ts):
-            return []
-        return self._fold(Stage1.add, record)
-
-    def _fold(self, fold: Callable[[Stage1, object], Rejection | None], record) -> list[Decision]:
-        """``fold(stage1, record)``, then count what became of the record and close what is ready."""
-        stage = self.stage1
-        late = stage.late_records
-        rejection = fold(stage, record)
-        if rejection is not None:
-            self.reject(rejection)
-            return []
-        self.counters.records += 1
-        if stage.late_records != late:
-            self.counters.flag("late", f"ts {record.ts:.3f} is behind the slices its source has closed: "
-                                       "folded into the oldest open slice")
-        return self._drain(stage.close_ready())
+        return self.feed_many((record,))
 
     def feed_many(self, records: Iterable) -> list[Decision]:
-        out: list[Decision] = []
-        for record in records:
-            out.extend(self.feed(record))
-        return out
+        """Decoded records in order, e.g. what an OTLP decoder made of a request (its rejections are counted)."""
+        return self._take(self.ingest.records(records, self._now()))
 
-    def reject(self, rejection: Rejection) -> None:
-        self.counters.rejected.add(rejection)
-        self.counters.flag(rejection.reason, rejection.detail)
+    def _now(self) -> float | None:
+        return None if self._clock is None else self._clock()
+
+    def _take(self, ingested: Ingested) -> list[Decision]:
+        """Flag what was rejected or late, and decide the slices it closed."""
+        counters = self.counters
+        counters.records = self.stage1.records
+        for rejection in ingested.rejections:
+            counters.flag(rejection.reason, rejection.detail)
+        for ts in ingested.late:
+            counters.flag("late", f"ts {ts:.3f} is behind the slices its source has closed: "
+                                  "folded into the oldest open slice")
+        return self._drain(ingested.closed)
 
     def finish(self) -> list[Decision]:
         """End of input: close and decide every open slice."""

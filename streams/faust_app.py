@@ -286,7 +286,7 @@ def _service_health(app: faust.App, stage1: Stage1Runner, stage2: Stage2Runner) 
     first = stage1.health(now, highwater)
     second = stage2.health(now, highwater)
     stage2.operations.view.engines_seen(stage1.engines_seen)
-    return ServiceHealth(records_read=stage1.records, records_rejected=dict(stage1.rejected_by_reason),
+    return ServiceHealth(records_read=stage1.records, records_rejected=stage1.rejected.as_dict(),
                          consumer_lag={**first["lag"], **second["lag"]}, watermark_delay=first["delay"],
                          checkpoint_age={**first["age"], **second["age"]},
                          archive_spool_bytes=second["spool"], decisions_published=stage2.decisions,
@@ -309,7 +309,7 @@ class _Progress:
             records = current[0] - self._last[0]
             logger.info("%d records folded (%.0f/s), %d slices decided, %d decisions, %d rejected",
                         records, records / max(now - self._at, 1e-9), current[1] - self._last[1],
-                        current[2] - self._last[2], self._stage1.rejected)
+                        current[2] - self._last[2], self._stage1.rejected.total)
         self._last, self._at = current, now
 
 

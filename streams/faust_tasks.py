@@ -19,17 +19,15 @@ import io
 import json
 import pickle
 import zlib
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.sketch import LatencySketch
-from specwatch.schemas import Decision, Policy, Rejection
-from specwatch.schemas.codec import ahead_of_clock
+from specwatch.schemas import Decision, Policy, Rejection, RejectionCounter
 from specwatch.schemas.fastdecode import decode_request_fast
 
-from .fastpath import fold_record
+from .ingest import Ingest
 from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2, idle_slices
 
 __all__ = [
@@ -217,41 +215,35 @@ class Stage1Task:
     def __init__(self, policy: Policy, source: str) -> None:
         self.source = source
         self.stage = Stage1(policy, source=source)
+        self.ingest = Ingest(self.stage, decode_request_fast)
         self.next_offset: int | None = None
         self.messages = 0
-        self.rejected: Counter = Counter()
+
+    def __setstate__(self, state: dict) -> None:
+        # A checkpoint written before the ingest step kept its own count of rejections.
+        by_reason = state.pop("rejected", None)
+        self.__dict__.update(state)
+        if "ingest" not in state:
+            self.ingest = Ingest(self.stage, decode_request_fast)
+            self.ingest.rejected.by_reason.update(by_reason or {})
 
     @property
     def records(self) -> int:
         return self.stage.records
 
+    @property
+    def rejected(self) -> RejectionCounter:
+        return self.ingest.rejected
+
     def fold(self, offset: int, payload: bytes, now: float | None = None,
-             seen: dict[str, float] | None = None) -> tuple[list[Rejection], list[SliceBatch]]:
+             seen: dict[str, float] | None = None) -> tuple[Sequence[Rejection], Sequence[SliceBatch]]:
         """Fold one OTLP message; returns its rejected records and the slices it closed.
 
         ``now`` is the processor's wall clock: records further ahead of it than
         ``windows.max_ahead_seconds`` are rejected (None: no check, as in a replay).
         ``seen`` (engine worker -> wall time) learns when each worker was last heard from.
         """
-        rejections: list[Rejection] = []
-        closed: list[SliceBatch] = []
-        stage = self.stage
-        max_ahead = stage.policy.windows.max_ahead_seconds
-        # steps decode straight into round tallies; same partials as decode_request + stage.add
-        for item in decode_request_fast(payload):
-            if not isinstance(item, Rejection) and now is not None:
-                item = ahead_of_clock(item.ts, now, max_ahead) or item
-            if not isinstance(item, Rejection):
-                record = item
-                item = fold_record(stage, record)
-                if item is None and seen is not None and record.kind != "shadow":
-                    seen[record.worker] = now
-            if item is not None:
-                rejections.append(item)
-                self.rejected[item.reason] += 1
-                continue
-            # closing after every record, as the embedded pipeline does, keeps lateness identical
-            closed.extend(stage.close_ready())
+        rejections, _, closed = self.ingest(payload, now, seen)
         self.messages += 1
         self.next_offset = offset + 1
         return rejections, closed

@@ -15,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from specwatch.schemas import Policy, Rejection
+from specwatch.schemas import Policy, Rejection, RejectionCounter
 from specwatch.transport.codec import decision_message, heartbeat_message
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.kafka_io import acknowledged
@@ -388,8 +387,7 @@ class Stage1Runner(PartitionRunner):
         super().__init__(*args, **kwargs)
         self._pending: dict[TopicPartition, list[asyncio.Future]] = {}
         self.records = 0
-        self.rejected = 0
-        self.rejected_by_reason: Counter = Counter()
+        self.rejected = RejectionCounter()
         self.engines_seen: dict[str, float] = {}  # engine worker -> wall time of its newest record
         self.batches_sent = 0
 
@@ -405,8 +403,7 @@ class Stage1Runner(PartitionRunner):
         self.records += task.records - before
         pending = self._pending.setdefault(tp, [])
         for rejection in rejections:
-            self.rejected += 1
-            self.rejected_by_reason[rejection.reason] += 1
+            self.rejected.add(rejection)
             pending.append(await self._writer.send(self.settings.deadletter_topic,
                                                    dead_letter(rejection, tp[0], tp[1], message.offset),
                                                    key=message.key))

@@ -1,9 +1,10 @@
 """The processing topology, written once: stage 1 combines, stage 2 merges, detects and decides.
 
 Stage 1 (one per source: a worker partition) folds validated records into per-(key,
-slice) partial aggregates. Stage 2 (keyed by bundle/bucket/cohort) merges the partials of
-every source once event time has passed a slice, runs the monitors and the fallback
-policy. Both are pure and deterministic, so embedded runs and Faust runs decide alike.
+slice) partial aggregates. Stage 2 (one in a process, or one per partition of bundles on
+Kafka: see `route_batches`) merges the partials of every source once event time has passed
+a slice, runs the monitors and the fallback policy. Both are pure and deterministic, so
+embedded runs and Faust runs decide alike.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from specwatch.schemas import (
     Decision,
     Rejection,
     RequestRecord,
-    ShadowRecord,
     StepRecord,
+    TelemetryRecord,
     card_differences,
 )
+from specwatch.schemas.fastdecode import StepColumns
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
 from specwatch.schemas.policy import Policy, WindowPolicy
 
@@ -171,22 +173,6 @@ class SliceBatch:
             late_records=int(data.get("late_records", 0)),
         )
 
-    def split(self, route) -> dict[object, "SliceBatch"]:
-        """Split by ``route(key)`` (e.g. a stage-2 partition); every route gets the events.
-
-        Events are small and rare; sending them to every stage-2 partition lets each
-        partition see bundle cards without a broadcast channel.
-        """
-        parts: dict[object, SliceBatch] = {}
-        for key, stats in self.partials.items():
-            target = route(key)
-            if target not in parts:
-                parts[target] = SliceBatch(self.source, self.slice_index, self.watermark)
-            parts[target].partials[key] = stats
-        for part in parts.values():
-            part.events = self.events
-        return parts
-
 
 class Stage1:
     """Folds one source's records into per-(key, slice) partials; closes slices by event time.
@@ -211,7 +197,7 @@ class Stage1:
         self.late_records = 0
         self.records = 0
 
-    def admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
+    def _admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
         """Whether a record may be folded: within the clock-skew bound, and not folded before.
 
         ``identity`` is (worker or bundle, seq or id); None for records that are never
@@ -248,54 +234,92 @@ class Stage1:
             stats = batch.partials[key] = SliceStats()
         return stats
 
-    def add(self, record) -> Rejection | None:
-        """Fold one validated contract-v1 record, or say why it is not folded."""
-        if isinstance(record, StepRecord):
-            identity = (record.worker, record.seq)
-        elif isinstance(record, RequestRecord):
+    def add(self, record: TelemetryRecord | StepColumns) -> Rejection | None:
+        """Fold one validated contract-v1 record, or say why it is not folded.
+
+        A step may come as the reference `StepRecord` or as the fast decoders' `StepColumns`:
+        both fold through the same tallies and give the same partials.
+        """
+        kind = record.kind
+        if kind == "step":
+            return self._add_step(record)
+        if kind == "request":
             identity = (record.worker, record.id)
-        elif isinstance(record, ShadowRecord):
+        elif kind == "shadow":
             identity = (record.bundle_id, record.id)
         else:
             identity = None
-        rejection = self.admit(record.kind, record.ts, identity)
+        ts = record.ts
+        rejection = self._admit(kind, ts, identity)
         if rejection is not None:
             return rejection
-        batch = self._slice(record.ts)
-        if isinstance(record, StepRecord):
-            self._add_step(batch, record)
-        elif isinstance(record, RequestRecord):
+        batch = self._slice(ts)
+        if kind == "request":
             stats = self._stats(batch, (record.bundle_id, record.bucket, record.cohort))
             stats.add_request(record.ttft_ms, record.tpot_ms, record.e2e_ms, record.speculative,
-                              record.finish_reason, record.ts)
+                              record.finish_reason, ts)
             _offer_request(stats, record)
-        elif isinstance(record, ShadowRecord):
-            batch.events.append({"type": "shadow", "ts": record.ts, "bundle_id": record.bundle_id,
+        elif kind == "shadow":
+            batch.events.append({"type": "shadow", "ts": ts, "bundle_id": record.bundle_id,
                                  "bucket": record.bucket, "id": record.id, "check": record.check,
                                  "match": record.match})
-        elif isinstance(record, BundleRecord):
+        elif kind == "bundle":
             self._add_bundle(batch, record)
         return None
 
-    def _add_step(self, batch: SliceBatch, step: StepRecord) -> None:
+    def _add_step(self, step: StepRecord | StepColumns) -> Rejection | None:
+        ts = step.ts
+        rejection = self._admit("step", ts, (step.worker, step.seq))
+        if rejection is not None:
+            return rejection
+        batch = self._slice(ts)
         # Rounds are tallied as (drafted, accepted) pair counts and folded into the
-        # per-position arrays once per slice: one dict increment per round instead of
-        # a loop over draft positions, the hot path of the whole processor.
+        # per-position arrays once per slice: one dict increment per distinct round instead
+        # of a loop over draft positions, the hot path of the whole processor. The fast
+        # decoders hand the step over already counted by (bucket, cohort, drafted, accepted).
+        rounds = step.rounds if type(step) is StepColumns else \
+            Counter([(e.bucket, e.cohort, e.drafted, e.accepted) for e in step.requests])
         bundle = step.bundle_id
-        batch.sighted(bundle, step.worker, step.ts)
+        batch.sighted(bundle, step.worker, ts)
         tallies = batch.round_tallies
         tokens: dict[Key, list[int]] = {}
-        for entry in step.requests:
-            key = (bundle, entry.bucket, entry.cohort)
+        # first-seen order: keys (and their partials) appear in the order the step lists them
+        for (bucket, cohort, drafted, accepted), n in rounds.items():
+            key = (bundle, bucket, cohort)
             tally = tallies.get(key)
             if tally is None:
                 tally = tallies[key] = {}
-            pair = (entry.drafted, entry.accepted)
-            tally[pair] = tally.get(pair, 0) + 1
-            drafted_accepted = tokens.setdefault(key, [0, 0])
-            drafted_accepted[0] += entry.drafted
-            drafted_accepted[1] += entry.accepted
-        fold_step_times(batch, bundle, tokens, step, step.draft_ms, step.verify_ms, step.kv_usage, step.ts)
+            pair = (drafted, accepted)
+            tally[pair] = tally.get(pair, 0) + n
+            drafted_accepted = tokens.get(key)
+            if drafted_accepted is None:
+                tokens[key] = [drafted * n, accepted * n]
+            else:
+                drafted_accepted[0] += drafted * n
+                drafted_accepted[1] += accepted * n
+        # The step's timings go to each key it served and to its bundle, and the step is a
+        # sample candidate of each key. Only the best step of each kind per key is held until
+        # the slice closes: holding every step (and what it was decoded from) would cost more
+        # than the fold itself.
+        draft_ms, verify_ms, kv_usage = step.draft_ms, step.verify_ms, step.kv_usage
+        candidates = batch.step_candidates
+        sample_id = f"{step.worker}:{step.seq}"
+        order = sample_order(sample_id)
+        for key, (drafted, accepted) in tokens.items():
+            self._stats(batch, key).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+            held = candidates.get(key)
+            if held is None:
+                candidates[key] = [((accepted / drafted, order, sample_id), step) if drafted else None,
+                                   ((order, sample_id), step)]
+                continue
+            if drafted:
+                rank = (accepted / drafted, order, sample_id)
+                if held[0] is None or rank < held[0][0]:
+                    held[0] = (rank, step)
+            if (order, sample_id) < held[1][0]:
+                held[1] = ((order, sample_id), step)
+        self._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+        return None
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
         batch.sighted(record.bundle_id, record.worker, record.ts)
@@ -335,34 +359,6 @@ class Stage1:
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
         return out
-
-
-def fold_step_times(batch: SliceBatch, bundle: str, tokens: dict[Key, list[int]], step,
-                    draft_ms: float, verify_ms: float, kv_usage: float, ts: float) -> None:
-    """A step's timings into each key it served and its bundle; the step becomes a sample candidate of each key.
-
-    ``tokens`` maps every key of the step to its [drafted, accepted] tokens in this step;
-    ``step`` is the `StepRecord` or `StepColumns`, turned into a record only if kept.
-    """
-    candidates = batch.step_candidates
-    sample_id = f"{step.worker}:{step.seq}"
-    order = sample_order(sample_id)
-    # Only the best step of each kind per key is held until the slice closes: holding every
-    # step (and what it was decoded from) would cost more than the fold itself.
-    for key, (drafted, accepted) in tokens.items():
-        Stage1._stats(batch, key).add_step_time(draft_ms, verify_ms, kv_usage, ts)
-        held = candidates.get(key)
-        if held is None:
-            candidates[key] = [((accepted / drafted, order, sample_id), step) if drafted else None,
-                               ((order, sample_id), step)]
-            continue
-        if drafted:
-            rank = (accepted / drafted, order, sample_id)
-            if held[0] is None or rank < held[0][0]:
-                held[0] = (rank, step)
-        if (order, sample_id) < held[1][0]:
-            held[1] = ((order, sample_id), step)
-    Stage1._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
 
 
 def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:
@@ -407,6 +403,10 @@ class Stage2:
         Gates, windows and actions.
     flags
         The speculative-path state it keeps current (and reads to avoid repeating itself).
+    owns
+        Whether a bundle is decided here (a stage-2 partition on Kafka: every key of a
+        bundle and its events are routed to one partition, cards to all, see
+        `route_batches`); None: every bundle.
     """
 
     def __init__(self, policy: Policy, flags: FlagStore | None = None,
@@ -479,7 +479,9 @@ class Stage2:
                         merged[key] = stats.copy()
                 for event in batch.events:
                     ident = (event["type"], event["ts"], event.get("worker"), event.get("id"), event.get("bundle_id"))
-                    if ident not in seen_events:  # events reach every partition; count each once
+                    # a card re-sent (cards are never deduplicated by stage 1), or an event read
+                    # through two telemetry partitions, is taken once
+                    if ident not in seen_events:
                         seen_events.add(ident)
                         events.append(event)
         out = SliceOutput(index, slice_end, late_records=late)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from specwatch.simulation.simulator import Simulator
-from specwatch.schemas import Policy
+from specwatch.schemas import Policy, decode_line
 from specwatch.schemas.codec import encode_record
+from specwatch.schemas.fastdecode import decode_line_fast
 from specwatch.schemas.otlp import encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.fastpath import FastPipeline
 from specwatch.streams.faust_tasks import Stage1Task
 
 
@@ -23,8 +23,8 @@ def test_embedded_and_fast_pipelines_reject_only_the_far_future_record():
     records = _records()
     now = records[-1].ts + 1.0  # the clock of a live run that has just received the last record
     rogue = _shifted(records[len(records) // 2], 3600.0)
-    for make in (EmbeddedPipeline, FastPipeline):
-        checked, plain = make(clock=lambda: now), make()
+    for decode in (decode_line, decode_line_fast):
+        checked, plain = EmbeddedPipeline(clock=lambda: now, decode=decode), EmbeddedPipeline(decode=decode)
         for record in records[: len(records) // 2] + [rogue] + records[len(records) // 2:]:
             checked.feed(record)
             plain.feed(record)
@@ -38,7 +38,7 @@ def test_embedded_and_fast_pipelines_reject_only_the_far_future_record():
 
 def test_fast_pipeline_checks_json_lines_too():
     records = _records(0.2)
-    pipeline = FastPipeline(clock=lambda: records[-1].ts)
+    pipeline = EmbeddedPipeline(clock=lambda: records[-1].ts, decode=decode_line_fast)
     rogue = _shifted(records[0], 301.0 + records[-1].ts - records[0].ts)
     for record in [rogue] + records:
         pipeline.feed_line(encode_record(record))

@@ -13,7 +13,6 @@ from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import StepColumns, decode_line_fast, decode_request_fast
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.fastpath import FastPipeline
 from specwatch.streams.faust_tasks import Stage1Task
 from specwatch.streams.topology import Stage1
 
@@ -126,8 +125,8 @@ def test_otlp_names_and_types_decode_identically(field, value):
 def test_pipeline_decisions_are_byte_identical(scenario):
     lines = _lines(scenario, seed=5, minutes=6.0) + ODD_LINES
     runs = []
-    for cls in (EmbeddedPipeline, FastPipeline):
-        pipeline, slices = cls(Policy()), []
+    for decode in (decode_line, decode_line_fast):
+        pipeline, slices = EmbeddedPipeline(Policy(), decode=decode), []
         pipeline.sinks.append(lambda out, slices=slices: slices.append(json.dumps(  # NaN-safe comparison
             (out.slice_index, out.window_rows, [a.audit for a in out.actions], [a.samples for a in out.actions]),
             sort_keys=True, default=repr)))

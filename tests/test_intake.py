@@ -13,7 +13,8 @@ import pytest
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 from specwatch.commands.replay import replay_file
-from specwatch.streams.fastpath import FastPipeline
+from specwatch.schemas.fastdecode import decode_line_fast
+from specwatch.streams.embedded import EmbeddedPipeline
 
 SEED = 11
 
@@ -26,7 +27,7 @@ def _lines(scenario: str, minutes: float = 4.0, workers: int = 4) -> tuple[str, 
 
 def _replay(lines) -> tuple[bytes, dict]:
     out = io.StringIO()
-    summary = replay_file(io.BytesIO("".join(line + "\n" for line in lines).encode()), out, FastPipeline())
+    summary = replay_file(io.BytesIO("".join(line + "\n" for line in lines).encode()), out, EmbeddedPipeline(decode=decode_line_fast))
     return out.getvalue().encode(), summary
 
 

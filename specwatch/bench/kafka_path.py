@@ -111,7 +111,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     from specwatch.transport.config import KafkaConfig
     from specwatch.simulation.simulator import Simulator
     from specwatch.schemas import Decision
-    from specwatch.streams.fastpath import FastPipeline
+    from specwatch.streams.embedded import EmbeddedPipeline
 
     run = f"swbench-{uuid.uuid4().hex[:6]}"
     topics = {f"{run}.telemetry": _PARTITIONS, f"{run}.partials": _PARTITIONS, f"{run}.deadletter": _PARTITIONS,
@@ -122,7 +122,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     sim = Simulator("demo", seed=17, minutes=minutes, workers=4, concurrency=16, incident_at=45.0 if smoke else 60.0)
     records = list(sim.records())
     rounds = sum(len(r.requests) for r in records if r.kind == "step")
-    embedded = FastPipeline()
+    embedded = EmbeddedPipeline()
     start = time.perf_counter()
     for record in records:
         embedded.feed(record)

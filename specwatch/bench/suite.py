@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specwatch.bench.broker import OwnBroker
 from specwatch.simulation.simulator import Simulator
-from specwatch.schemas import Policy, Rejection, StepRecord, decode_line
+from specwatch.schemas import Policy, RoundEntry, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
+from specwatch.schemas.fastdecode import decode_line_fast, decode_request_fast
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.fastpath import FastPipeline
+from specwatch.streams.ingest import Ingest
 from specwatch.streams.topology import Stage1
 
 __all__ = ["run_bench", "plot_report", "NaiveRoundPipeline", "TARGETS"]
@@ -103,39 +103,43 @@ def per_round_otlp(rounds: list[dict]) -> bytes:
 
 
 class NaiveRoundPipeline(EmbeddedPipeline):
-    """The straightforward processor: a validated object per round, stats updated per round.
+    """The straightforward processor: one record per round, each decoded and validated on its own.
 
-    Rounds land in the same per-(key, slice) `SliceStats` as the step path, and the same
-    stage 2 (detectors, policy) runs over them; other record kinds use the reference path.
+    The rounds of a step arrive one after another; they are gathered back into the step,
+    which stage 1's own fold takes (so the two designs differ in their records, not in their
+    folds), and the same stage 2 (detectors, policy) runs over them. Other record kinds use
+    the reference path.
     """
 
     def __init__(self, policy: Policy | None = None) -> None:
         super().__init__(policy)
-        self._last_step: dict[str, tuple] = {}
+        self._rounds: list[RoundRecord] = []
 
     def feed_round(self, body: dict) -> list:
         round_ = RoundRecord.model_validate(body)
-        stage: Stage1 = self.stage1
-        if stage.admit("round", round_.ts, None) is not None:
+        decided = []
+        if self._rounds and (self._rounds[0].worker, self._rounds[0].seq) != (round_.worker, round_.seq):
+            decided = self._fold_step()
+        self._rounds.append(round_)
+        return decided
+
+    def _fold_step(self) -> list:
+        """The rounds gathered so far, folded as their step (already validated, round by round)."""
+        rounds, self._rounds = self._rounds, []
+        if not rounds:
             return []
-        batch = stage._slice(round_.ts)
-        key = (round_.bundle_id, round_.bucket, round_.cohort)
-        stats = Stage1._stats(batch, key)
-        stats.add_round(round_.drafted, round_.accepted)
-        Stage1._stats(batch, (round_.bundle_id, None, None)).add_round(round_.drafted, round_.accepted)
-        step = (round_.worker, round_.seq)
-        if self._last_step.get(round_.worker) != step:  # first round of a step: its timings once
-            self._last_step[round_.worker] = step
-            Stage1._stats(batch, (round_.bundle_id, None, None)).add_step_time(
-                round_.draft_ms, round_.verify_ms, round_.kv_usage, round_.ts)
-        stats.add_step_time(round_.draft_ms, round_.verify_ms, round_.kv_usage, round_.ts)
-        return self._drain(stage.close_ready())
+        first = rounds[0]
+        requests = [RoundEntry.model_construct(id=r.id, bucket=r.bucket, cohort=r.cohort, drafted=r.drafted,
+                                               accepted=r.accepted) for r in rounds]
+        return self.feed(StepRecord.model_construct(
+            kind="step", v=1, ts=first.ts, worker=first.worker, seq=first.seq, bundle_id=first.bundle_id,
+            draft_ms=first.draft_ms, verify_ms=first.verify_ms, kv_usage=first.kv_usage, requests=requests))
 
     def feed_round_line(self, line: bytes) -> list:
         body = json.loads(line)
         if body.get("kind") == "round":
             return self.feed_round(body)
-        return self.feed_line(line)
+        return self._fold_step() + self.feed_line(line)
 
     def feed_round_otlp(self, payload: bytes) -> list:
         from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
@@ -151,7 +155,10 @@ class NaiveRoundPipeline(EmbeddedPipeline):
                         which = pair.value.WhichOneof("value")
                         body[pair.key[10:]] = getattr(pair.value, which)
                     decided += self.feed_round(body)
-        return decided
+        return decided + self._fold_step()
+
+    def finish(self) -> list:
+        return self._fold_step() + super().finish()
 
 
 # ------------------------------------------------------------------ inputs
@@ -196,27 +203,18 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
             naive_otlp.append((per_round_otlp(bodies), encode_records([r for r in chunk if r.kind != "step"])))
         for encoding in ("jsonl", "otlp"):
             def fast():
-                p = FastPipeline()
-                if encoding == "jsonl":
-                    for line in lines:
-                        p.feed_line(line)
-                else:
-                    for payload in otlp:
-                        p.feed_otlp(payload)
-                return [d.to_json_line() for d in p.decisions + p.finish()]
+                return _decisions(EmbeddedPipeline(decode=decode_line_fast), decode_request_fast)
 
             def reference():
-                p = EmbeddedPipeline()
+                return _decisions(EmbeddedPipeline(), decode_request)
+
+            def _decisions(p: EmbeddedPipeline, decode_otlp) -> list[str]:
                 if encoding == "jsonl":
                     for line in lines:
                         p.feed_line(line)
                 else:
                     for payload in otlp:
-                        for item in decode_request(payload):
-                            if isinstance(item, Rejection):
-                                p.reject(item)
-                            else:
-                                p.feed(item)
+                        p.feed_many(decode_otlp(payload))
                 return [d.to_json_line() for d in p.decisions + p.finish()]
 
             def naive():
@@ -336,7 +334,7 @@ def bench_archive(quick: bool, smoke: bool) -> dict:
     from specwatch.archive.store import Archive
     from specwatch.schemas.outputs import SliceOutput
 
-    pipeline = FastPipeline()
+    pipeline = EmbeddedPipeline()
     rows: list[dict] = []
     pipeline.sinks.append(lambda out: rows.extend(out.window_rows))
     for record in _records(16, 0.2, workers=2):
@@ -454,18 +452,18 @@ def bench_growth(quick: bool, smoke: bool) -> list[dict]:
     for keys in sizes:
         lines, rounds = _growth_lines(keys, slices)
 
-        def run(cls):
-            pipeline = cls()
+        def run(decode):
+            pipeline = EmbeddedPipeline(decode=decode)
             for line in lines:
                 pipeline.feed_line(line)
             return pipeline
 
-        t_fast, _ = _cpu(lambda: run(FastPipeline))
-        t_ref, _ = _cpu(lambda: run(EmbeddedPipeline))
+        t_fast, _ = _cpu(lambda: run(decode_line_fast))
+        t_ref, _ = _cpu(lambda: run(decode_line))
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        pipeline = run(FastPipeline)
+        pipeline = run(decode_line_fast)
         pipeline.stage1.close_ready(final=True)
         gc.collect()
         state = tracemalloc.get_traced_memory()[0] - base
@@ -479,16 +477,11 @@ def bench_growth(quick: bool, smoke: bool) -> list[dict]:
 
 def _stage2_batches(lines: list[bytes]) -> list[dict]:
     """What stage 1 sends stage 2 for ``lines``, as wire dicts (each run rebuilds fresh batches)."""
-    from specwatch.schemas.fastdecode import decode_line_fast
-    from specwatch.streams.fastpath import fold_record
-
     stage = Stage1(Policy(), source="bench")
+    ingest = Ingest(stage, decode_line_fast)
     batches: list[dict] = []
     for line in lines:
-        record = decode_line_fast(line)
-        if record is not None and not isinstance(record, Rejection):
-            fold_record(stage, record)
-            batches.extend(b.to_dict() for b in stage.close_ready())
+        batches.extend(b.to_dict() for b in ingest(line).closed)
     batches.extend(b.to_dict() for b in stage.close_ready(final=True))
     return batches
 

@@ -56,7 +56,8 @@ def _run(args) -> int:
 
     from specwatch.outputs import OutputClashError, atomic_output, check_not_an_input
     from specwatch.schemas import read_json_lines
-    from specwatch.streams.fastpath import FastPipeline
+    from specwatch.schemas.fastdecode import decode_line_fast
+    from specwatch.streams.embedded import EmbeddedPipeline
 
     try:
         check_not_an_input(args.output, [args.input, args.policy])
@@ -74,8 +75,8 @@ def _run(args) -> int:
         except ValueError as error:
             print(f"specwatch replay: {error}", file=sys.stderr)
             return _EXIT_USAGE
-    # same decisions as EmbeddedPipeline (tests/test_fastpath.py), without pydantic per step
-    pipeline = FastPipeline(policy, sinks=[sink] if sink is not None else [])
+    # the fast decoder: same decisions as the reference one (tests/test_fastpath.py), without pydantic per step
+    pipeline = EmbeddedPipeline(policy, sinks=[sink] if sink is not None else [], decode=decode_line_fast)
     try:
         with contextlib.ExitStack() as stack:
             if sink is not None:

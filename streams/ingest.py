@@ -1,0 +1,114 @@
+"""The one way into stage 1: decode, clock check, count, fold, close.
+
+The embedded pipeline, its fast path and the Faust stage-1 task all take records in here;
+they differ only in the decoder they pass and in what they do with what comes out.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, NamedTuple, Sequence, Union
+
+from specwatch.schemas import Rejection, RejectionCounter, TelemetryRecord
+from specwatch.schemas.codec import ahead_of_clock
+from specwatch.schemas.fastdecode import StepColumns
+
+from .topology import SliceBatch, Stage1
+
+__all__ = ["Decoded", "Decoder", "Ingest", "Ingested"]
+
+Decoded = Union[TelemetryRecord, StepColumns, Rejection]
+# One payload (a JSON line, an OTLP request) to what it holds: one item, a list of them
+# (an OTLP request), or None (a blank line: nothing).
+Decoder = Callable[[Union[bytes, str]], Union[Decoded, list, None]]
+
+
+class Ingested(NamedTuple):
+    """What one payload (or one run of decoded records) did, in record order within each field."""
+
+    rejections: Sequence[Rejection]  # records not folded (already counted in `Ingest.rejected`)
+    late: Sequence[float]  # event times of records folded into a later slice than their own
+    closed: Sequence[SliceBatch]  # slices the records let stage 1 close, for stage 2
+
+
+_NOTHING = Ingested((), (), ())
+
+
+class Ingest:
+    """One source's way into stage 1: decode, clock check, count, fold, close.
+
+    Parameters
+    ----------
+    stage
+        The source's stage 1; only it touches its slices.
+    decode
+        A payload to records: ``decode_line`` (the reference codec), ``decode_line_fast``
+        (steps as `StepColumns`, same records otherwise), or ``decode_request_fast`` (an
+        OTLP request: a list of them).
+
+    ``rejected`` counts every record that was not folded, by reason: the decoder's, the
+    wall-clock bound's (``ts_in_future``) and stage 1's own (clock skew, duplicates).
+    Slices are closed after every record, so lateness (and so every partial) is the same
+    however the records were grouped into payloads.
+
+    >>> from specwatch.schemas import Policy
+    >>> from specwatch.schemas.fastdecode import decode_line_fast
+    >>> ingest = Ingest(Stage1(Policy(), source="w1"), decode_line_fast)
+    >>> step = ('{"kind":"step","v":1,"ts":%s,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
+    ...         '"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
+    ...         '"drafted":4,"accepted":3}]}')
+    >>> [[(b.slice_index, len(b.partials)) for b in ingest(step % (ts, seq)).closed]
+    ...  for seq, ts in enumerate((10.0, 10.5, 13.0, 13.5, 14.0))]
+    [[], [], [(8, 0)], [], [(10, 2)]]
+    >>> ingest(step % (13.5, 3)).rejections[0].reason, ingest(b"{").rejections[0].reason
+    ('duplicate', 'invalid_json')
+    >>> ingest(step % (10.2, 7)).late, ingest("").closed, ingest.rejected.as_dict()
+    ([10.2], (), {'duplicate': 1, 'invalid_json': 1})
+    """
+
+    __slots__ = ("stage", "decode", "rejected")
+
+    def __init__(self, stage: Stage1, decode: Decoder) -> None:
+        self.stage = stage
+        self.decode = decode
+        self.rejected = RejectionCounter()
+
+    def __call__(self, payload: bytes | str, now: float | None = None,
+                 seen: dict[str, float] | None = None) -> Ingested:
+        """Decode one payload and fold every record it holds (see `records`)."""
+        decoded = self.decode(payload)
+        if decoded is None:
+            return _NOTHING
+        return self.records(decoded if type(decoded) is list else (decoded,), now, seen)
+
+    def records(self, items: Iterable[Decoded], now: float | None = None,
+                seen: dict[str, float] | None = None) -> Ingested:
+        """Fold decoded records in order (rejections among them are counted), closing what each makes ready.
+
+        ``now`` is the wall clock of a live source: records further ahead of it than
+        ``windows.max_ahead_seconds`` are rejected (``ts_in_future``). None (a replay,
+        simulated time): no check. ``seen`` (engine worker -> ``now``) learns when each
+        worker was last heard from.
+        """
+        stage = self.stage
+        max_ahead = None if now is None else stage.policy.windows.max_ahead_seconds
+        rejections: list[Rejection] = []
+        late: list[float] = []
+        closed: list[SliceBatch] = []
+        for item in items:
+            if type(item) is Rejection:
+                rejection = item
+            else:
+                rejection = None if now is None else ahead_of_clock(item.ts, now, max_ahead)
+                if rejection is None:
+                    late_records = stage.late_records
+                    rejection = stage.add(item)
+            if rejection is not None:
+                self.rejected.add(rejection)
+                rejections.append(rejection)
+                continue
+            if stage.late_records != late_records:
+                late.append(item.ts)
+            if seen is not None and item.kind != "shadow":
+                seen[item.worker] = now
+            closed += stage.close_ready()
+        return Ingested(rejections, late, closed)

@@ -1,0 +1,114 @@
+"""One ingest step and one stage-1 fold serve every path: reference, fast, Faust and the bench's per-round processor."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from functools import lru_cache
+
+from specwatch.bench.suite import NaiveRoundPipeline, per_round_lines
+from specwatch.schemas import Policy, decode_line
+from specwatch.schemas.codec import encode_record
+from specwatch.schemas.fastdecode import StepColumns, decode_line_fast
+from specwatch.schemas.otlp import decode_request, encode_records
+from specwatch.simulation.simulator import Simulator
+from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.faust_tasks import Stage1Task, decode_checkpoint, encode_checkpoint
+from specwatch.streams.ingest import Ingest
+from specwatch.streams.topology import Stage1
+
+from test_bad_input import BAD_LINES
+
+
+@lru_cache(maxsize=None)
+def _records(scenario: str = "acceptance_drop", minutes: float = 3.0) -> tuple:
+    return tuple(Simulator(scenario, seed=7, minutes=minutes, workers=2, concurrency=12, incident_at=60.0).records())
+
+
+def _batches(batches) -> list[str]:
+    return [json.dumps(b.to_dict(), sort_keys=True) for b in batches]
+
+
+def test_stage1_folds_step_columns_as_it_folds_reference_steps():
+    records = _records()
+    lines = [encode_record(r) for r in records]
+    folded = {}
+    for decode in (decode_line, decode_line_fast):
+        stage = Stage1(Policy(), source="w")
+        closed = []
+        for line in lines:
+            assert stage.add(decode(line)) is None
+            closed += stage.close_ready()
+        folded[decode] = closed + stage.close_ready(final=True)
+    assert sum(type(decode_line_fast(line)) is StepColumns for line in lines) > 1000
+    assert _batches(folded[decode_line_fast]) == _batches(folded[decode_line])
+    # every round of every step is in a partial of its key
+    entries = sum(stats.rounds + stats.plain_entries for batch in folded[decode_line_fast]
+                  for key, stats in batch.partials.items() if key[1] is not None)
+    assert entries == sum(len(r.requests) for r in records if r.kind == "step") > 10_000
+
+
+def _bad_payloads() -> list[bytes]:
+    records = list(_records(minutes=1.0))
+    payloads = [encode_records(records[i:i + 50]) for i in range(0, len(records), 50)]
+    again = encode_records(records[100:103])  # delivered twice: three duplicates
+    return payloads[:3] + [again, b"\x00 not protobuf"] + payloads[3:]
+
+
+def test_every_path_counts_rejections_in_one_counter_by_reason():
+    payloads = _bad_payloads()
+    task = Stage1Task(Policy(), "t/0")
+    for offset, payload in enumerate(payloads):
+        task.fold(offset, payload)
+    embedded = EmbeddedPipeline()
+    for payload in payloads:
+        embedded.feed_many(decode_request(payload))
+    assert task.rejected.as_dict() == embedded.counters.rejected.as_dict() == {"duplicate": 3, "invalid_otlp": 1}
+    lines = [line for lines in BAD_LINES.values() for line in lines]
+    for decode in (decode_line, decode_line_fast):
+        ingest = Ingest(Stage1(Policy(), source="w"), decode)
+        for line in lines:
+            ingest(line)
+        assert ingest.rejected.as_dict() == dict(sorted(Counter(
+            {reason: len(bad) for reason, bad in BAD_LINES.items()}).items()))
+
+
+def test_a_stage1_checkpoint_from_before_the_ingest_step_restores_with_its_counts():
+    payloads = _bad_payloads()
+    old, fresh = Stage1Task(Policy(), "t/0"), Stage1Task(Policy(), "t/0")
+    for offset, payload in enumerate(payloads[:4]):
+        old.fold(offset, payload)
+        fresh.fold(offset, payload)
+    # as such a checkpoint was pickled: the task counted rejections in a Counter of its own
+    counts = old.rejected.by_reason
+    del old.__dict__["ingest"]
+    old.__dict__["rejected"] = Counter(counts)
+    restored = decode_checkpoint(encode_checkpoint(old))
+    assert restored.rejected.as_dict() == {"duplicate": 3}
+    for offset, payload in enumerate(payloads[4:], start=4):
+        assert _batches(restored.fold(offset, payload)[1]) == _batches(fresh.fold(offset, payload)[1])
+    assert restored.rejected.as_dict() == fresh.rejected.as_dict() == {"duplicate": 3, "invalid_otlp": 1}
+    assert restored.records == fresh.records and restored.ingest.stage is restored.stage
+
+
+def _run(pipeline, feed, items) -> tuple:
+    slices = []
+    pipeline.sinks.append(lambda out: slices.append(json.dumps(
+        (out.slice_index, out.window_rows, [a.decision.to_json_line() for a in out.actions]),
+        sort_keys=True, default=repr)))
+    for item in items:
+        feed(pipeline, item)
+    pipeline.finish()
+    return [d.to_json_line() for d in pipeline.decisions], slices
+
+
+def test_the_per_round_processor_folds_through_stage1_and_decides_as_the_reference():
+    records = _records()
+    lines = [encode_record(r).encode() for r in records]
+    naive_lines = [line for record, encoded in zip(records, lines)
+                   for line in (per_round_lines(record) if record.kind == "step" else [encoded])]
+    assert len(naive_lines) > 2 * len(lines)
+    reference = _run(EmbeddedPipeline(), EmbeddedPipeline.feed_line, lines)
+    per_round = _run(NaiveRoundPipeline(), NaiveRoundPipeline.feed_round_line, naive_lines)
+    assert len(reference[0]) > 0
+    assert per_round == reference
