@@ -93,8 +93,18 @@ class EmbeddedPipeline:
         return self.feed_many((record,))
 
     def feed_many(self, records: Iterable) -> list[Decision]:
-        """Decoded records in order, e.g. what an OTLP decoder made of a request (its rejections are counted)."""
-        return self._take(self.ingest.records(records, self._now()))
+        """Decoded records in order, e.g. what an OTLP decoder made of a request (its rejections are counted).
+
+        Each slice is decided as soon as the record that closes it is folded, before the
+        next record is taken: a closed-loop source (the simulator reading the flags) sees
+        every decision from the record after it, as it would fed one record at a time.
+        """
+        now = self._now()
+        ingest = self.ingest
+        decided: list[Decision] = []
+        for record in records:
+            decided += self._take(ingest.records((record,), now))
+        return decided
 
     def _now(self) -> float | None:
         return None if self._clock is None else self._clock()
