@@ -136,6 +136,18 @@ def test_information_bound_of_an_error_burst():
     assert math.isclose(bernoulli_kl(0.04, 0.002), 0.0826, abs_tol=1e-4)
 
 
+def test_information_bound_of_a_tail_counts_records_when_they_arrive():
+    # 10% of a key's requests (10 a second) stall x5. Were every slow record seen at once, an
+    # ideal CUSUM with a false alarm per 1000 key-hours would need ln(3.6e7) / (10 x 0.2233
+    # nats) = 7.8 s; a stall holds each record back by 4 times its decode time, so with decodes
+    # of 2 s and 8 s half the slow records arrive after 8 s and the rest after 32 s.
+    at_once = information_bound("latency_tail", 5.0, 10.0, 1e-3)
+    held_back = information_bound("latency_tail", 5.0, 10.0, 1e-3, decode_seconds=[2.0, 8.0])
+    assert (at_once["kl_per_observation"], at_once["seconds"]) == (0.2233, 7.8)
+    assert held_back["seconds"] == 27.8  # 0.4 nats by 8 s, then 0.86 nats a second
+    assert held_back["median_decode_s"] == 8.0
+
+
 def test_suites_cover_every_row_of_the_fallback_table():
     full, quick = full_suite(), quick_suite()
     incident_kinds = {c.scenario for c in full if not c.healthy and not c.rollout}

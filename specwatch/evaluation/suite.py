@@ -134,11 +134,16 @@ def _watch_seconds(scenario: str, intensity: float | None, workers: int, concurr
         scenario, ""))
     if per_slot is None:
         return seconds
-    budget = (policy or Policy()).errors.false_alarms_per_key_hour
-    bound = information_bound(scenario, intensity, per_slot * workers * concurrency / 60.0, budget)
+    bound = information_bound(scenario, intensity, per_slot * workers * concurrency / 60.0,
+                              _budget(policy or Policy(), scenario))
     if bound is None:
         return seconds
     return max(seconds, min(_WATCH_CAP_SECONDS, _WATCH_BOUNDS * bound["seconds"] + 30.0))
+
+
+def _budget(policy: Policy, kind: str) -> float:
+    """False alarms per key-hour of the gate that decides ``kind``: its bound is held to the same."""
+    return policy.latency.false_alarms_per_key_hour if kind == "latency_tail" else policy.errors.false_alarms_per_key_hour
 
 
 def _incident_case(scenario: str, intensity: float | None, label: str, target: bool = False,
@@ -309,6 +314,7 @@ class _Watch:
     key: tuple[str, str] | None = None
     key_requests: int = 0
     key_rounds: int = 0
+    key_decode_seconds: list[float] = field(default_factory=list)  # how long a stall would hold each back
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -386,6 +392,8 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
         elif isinstance(record, RequestRecord):
             if record.ts < first_start and watch.key == (record.bucket, record.cohort):
                 watch.key_requests += 1
+                if record.e2e_ms is not None and record.ttft_ms is not None:
+                    watch.key_decode_seconds.append((record.e2e_ms - record.ttft_ms) / 1000.0)
         elif (isinstance(record, ShadowRecord) and not record.match and first_mismatch is None
               and record.ts >= first_start):
             first_mismatch = record.ts
@@ -399,8 +407,8 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
     for row in result["incidents"]:
         per_second = (watch.key_rounds if row["kind"] == "acceptance_drop" else watch.key_requests) / before
         row["key_requests_per_minute"] = round(watch.key_requests / before * 60.0, 1)
-        row["bound"] = information_bound(row["kind"], case.intensity, per_second,
-                                         policy.errors.false_alarms_per_key_hour, row["bucket"])
+        row["bound"] = information_bound(row["kind"], case.intensity, per_second, _budget(policy, row["kind"]),
+                                         row["bucket"], watch.key_decode_seconds)
         row["watched_s"] = round(last_ts - incidents[0].start_ts, 1)
     result["baseline_headroom"] = {
         "kill_switch_lowest_rolling_rate": _finite_or_none(watch.lowest_switch_rate),
