@@ -28,6 +28,8 @@ from specwatch.evaluation import (
     summarize,
 )
 
+from specwatch.evaluation.suite import incident_kind
+
 SETTINGS = BaselineSettings.from_healthy_rate(0.348)  # what `specwatch evaluate` calibrates: thresholds 0.25
 START = 1_767_225_600.0
 
@@ -150,10 +152,15 @@ def test_information_bound_of_a_tail_counts_records_when_they_arrive():
 
 def test_suites_cover_every_row_of_the_fallback_table():
     full, quick = full_suite(), quick_suite()
-    incident_kinds = {c.scenario for c in full if not c.healthy and not c.rollout}
+    incident_kinds = {incident_kind(c.scenario) for c in full if not c.healthy and not c.rollout}
     assert incident_kinds == {"acceptance_drop", "target_update", "bundle_change", "draft_regression",
                               "latency_tail", "kv_pressure", "quality_mismatch", "error_burst"}
     assert {c.scenario for c in quick if not c.healthy and not c.rollout} == incident_kinds
+    # quiet keys inside the big fleet: a bucket with about 3 % of the traffic, the canary cohort
+    quiet = {(c.scenario, c.intensity) for c in full if (c.workers, c.concurrency) == (32, 16)}
+    for kind in ("error_burst", "latency_tail"):
+        for where in ("quiet_bucket", "quiet_cohort"):
+            assert len({i for s, i in quiet if s == f"{kind}_{where}"}) == 2
     # rollouts under admission: at least 20 healthy ones and 20 card changes across seeds
     rollouts = [(c.scenario, c.seed) for c in full if c.rollout]
     assert sum(s == "admission" for s, _ in rollouts) >= 20 and sum(s == "admission_change" for s, _ in rollouts) >= 20
@@ -163,7 +170,7 @@ def test_suites_cover_every_row_of_the_fallback_table():
         # at every fleet size: every incident kind, errors x5 among them, and 24 key-hours
         # (18 bucket/cohort keys) of incident-free traffic
         here = [c for c in full if (c.workers, c.concurrency) == level and not c.rollout]
-        assert {c.scenario for c in here if not c.healthy} == incident_kinds
+        assert {incident_kind(c.scenario) for c in here if not c.healthy} == incident_kinds
         assert ("error_burst", 5.0) in {(c.scenario, c.intensity) for c in here}
         assert sum(c.minutes for c in here if c.healthy) / 60 * 18 >= 24
     assert {(1, 4), (2, 8), (8, 16), (32, 16)} <= set(LEVELS)

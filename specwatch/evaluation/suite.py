@@ -31,6 +31,7 @@ __all__ = [
     "BaselineSettings",
     "calibrate",
     "full_suite",
+    "incident_kind",
     "quick_suite",
     "rollout_cases",
     "run_case",
@@ -143,8 +144,8 @@ def _watch_seconds(scenario: str, intensity: float | None, workers: int, concurr
     per_slot = _REQUESTS_PER_MINUTE_PER_SLOT.get(scenario)
     if per_slot is None:
         return seconds
-    bound = information_bound(kind, intensity, per_slot * workers * concurrency / 60.0, _budget(policy or Policy(), kind),
-                              decode_seconds=(_REASONING_DECODE_SECONDS,))
+    bound = information_bound(kind, intensity, per_slot * workers * concurrency / 60.0,
+                              _budget(policy or Policy(), kind), decode_seconds=(_REASONING_DECODE_SECONDS,))
     if bound is None:
         return seconds
     return max(seconds, min(_WATCH_CAP_SECONDS, _WATCH_BOUNDS * bound["seconds"] + 30.0))
@@ -161,7 +162,8 @@ def incident_kind(scenario: str) -> str:
 
 def _budget(policy: Policy, kind: str) -> float:
     """False alarms per key-hour of the gate that decides ``kind``: its bound is held to the same."""
-    return policy.latency.false_alarms_per_key_hour if kind == "latency_tail" else policy.errors.false_alarms_per_key_hour
+    gate = policy.latency if kind == "latency_tail" else policy.errors
+    return gate.false_alarms_per_key_hour
 
 
 def _incident_case(scenario: str, intensity: float | None, label: str, target: bool = False,
@@ -248,7 +250,10 @@ def _healthy_cases(level: tuple[int, int], minutes: tuple[float, float, float]) 
 # Incident-free runs at every fleet size: 80 simulated minutes each, which is 24 key-hours
 # over the 18 bucket/cohort keys that carry traffic (the benign changes included).
 _HEALTHY_CASES = tuple(c for level in LEVELS for c in _healthy_cases(level, (20.0, 40.0, 20.0)))
-_QUICK_HEALTHY_CASES = _healthy_cases((2, 8), (5.0, 5.0, 5.0)) + _healthy_cases((1, 4), (10.0, 0.0, 0.0))[:1]
+# --quick runs no steady healthy run at 2 x 8: its incident runs there are one, up to their
+# incident at 300 s (a seeded simulator writes the same records before its incident), and that
+# time counts as incident-free.
+_QUICK_HEALTHY_CASES = _healthy_cases((2, 8), (0.0, 5.0, 5.0))[1:] + _healthy_cases((1, 4), (10.0, 0.0, 0.0))[:1]
 # --quick: the target cases at the default fleet and the weakest kinds on small fleets,
 # each stopped once specwatch has decided.
 _QUICK_SWEEP = (
@@ -258,13 +263,14 @@ _QUICK_SWEEP = (
 
 def full_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
     """Every fallback-table row at three intensities against the baselines, the traffic sweep,
-    quiet keys in the default and the big fleet, 4 x 80 min healthy, and 20 healthy rollouts, 20 card changes and 3 of each canary incident."""
+    quiet keys in the default and the big fleet, 4 x 80 min healthy, and 20 healthy rollouts,
+    20 card changes and 3 of each canary incident."""
     return ([replace(c, seed=seed) for c in _INCIDENT_CASES + _SWEEP_CASES + _QUIET_CASES + _HEALTHY_CASES]
             + rollout_cases(20, 3, seed))
 
 
 def quick_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
-    """Each row at its target intensity (specwatch only), two small-fleet cases, 25 healthy minutes."""
+    """Each row at its target intensity (specwatch only), two small-fleet cases, 20 healthy minutes."""
     cases = [replace(c, compare_baselines=False) for c in _INCIDENT_CASES if c.target_intensity]
     cases += [_incident_case(kind, intensity, label, level=level, compare_baselines=False)
               for kind, intensity, label, level in _QUICK_SWEEP]

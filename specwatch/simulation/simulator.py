@@ -403,7 +403,7 @@ class _Scenario:
     incident_at: float = _DEFAULT_INCIDENT_AT
     mix_shift: bool = False
     diurnal: bool = False
-    bucket_weights: Mapping[str, float] = field(default_factory=dict)  # shares of new requests that differ from BUCKETS'
+    bucket_weights: Mapping[str, float] = field(default_factory=dict)  # weights that differ from BUCKETS'
 
 
 # Bucket weights that make one bucket quiet (3 % of new requests before the others' weights
