@@ -99,9 +99,9 @@ class Baseline:
 class BaselinePool:
     """Healthy traffic of every key of one bundle while it learned, by bucket and in total.
 
-    Keys feed it during their learning period. A key with too few requests of its own
-    borrows its bucket's latency (every cohort); every key's error rate leans on the
-    bundle's counts. Stage 2 routes a whole bundle to one place, so every key of a bundle
+    Keys feed it during their learning period, with slices that hold speculative requests.
+    A key with too few requests of its own borrows its bucket's latency (every speculating
+    cohort); every key's error rate leans on the bundle's counts. Stage 2 routes a whole bundle to one place, so every key of a bundle
     sees the same pool.
 
     >>> pool = BaselinePool()
@@ -111,6 +111,9 @@ class BaselinePool:
     ((None, ''), 'bucket')
     >>> pool.bundle.requests
     2
+    >>> control = SliceStats(); control.add_request(80.0, 30.0, 3000.0, False, "stop", 1.0)
+    >>> pool.add("coding", control); pool.bundle.requests  # standard decoding is not pooled
+    2
     """
 
     def __init__(self) -> None:
@@ -118,7 +121,10 @@ class BaselinePool:
         self.bundle = SliceStats()
 
     def add(self, bucket: str, stats: SliceStats) -> None:
-        if not stats.requests:
+        # Only speculative traffic: what a quiet key borrows is a limit for its speculative
+        # path. A control cohort on standard decoding is slower, and pooled it loosened the
+        # limit so far that a canary tail of x3 never crossed it.
+        if not stats.requests or not stats.speculative_requests:
             return
         mine = self.buckets.get(bucket)
         if mine is None:

@@ -150,10 +150,11 @@ _TRAFFIC_HEADROOM = 4.0
 _SLO_SHARE = 0.01
 # The sequential tail test is tuned to at least this multiple of the baseline's share, and
 # treats the baseline's share as at least its target over this: one slow request then adds at
-# most ln(4) nats, so a handful stalled together (KV preemption at peak load) decide nothing.
+# most ln(4) nats to that test (ln(16) to its burst test), so a handful stalled together (KV
+# preemption at peak load) decide nothing.
 _TAIL_RISE = 4.0
 _UNKNOWN_TRAFFIC_PER_SECOND = 1.0
-# The error test's second alternative: a burst this many times the rate that matters.
+# The error and tail tests' second alternative: a burst this many times the rise that matters.
 _BURST_RISE = 4.0
 
 
@@ -167,16 +168,37 @@ def _error_rate_limit(cfg, base: float) -> float:
     return max(cfg.floor_rate, base * cfg.factor) if not math.isnan(base) else cfg.floor_rate
 
 
-def _rate_test(p0: float, p1: float, requests_per_second: float, false_alarms_per_hour: float,
-               min_hits: int) -> BernoulliCusum | None:
-    """A Bernoulli CUSUM from p0 to p1 with its threshold from the false-alarm budget; None if p0 unknown."""
+def _rate_tests(p0: float, p1: float, requests_per_second: float, false_alarms_per_hour: float,
+                min_hits: int) -> list[BernoulliCusum]:
+    """Bernoulli CUSUMs for a rise from p0, thresholds from the false-alarm budget; none if p0 unknown.
+
+    Two tests, each with half the budget: one tuned to ``p1``, the smallest rise that
+    matters, one to a burst ``_BURST_RISE`` times larger. A CUSUM gathers evidence fastest
+    at the rise it is tuned to; the burst test decides a large rise in about half the
+    requests the first would need, and costs the first ln 2 nats of threshold.
+
+    >>> [(round(t.p0, 4), round(t.p1, 4), round(t.threshold, 2)) for t in _rate_tests(0.002, 0.01, 10.0, 1e-2, 5)]
+    [(0.002, 0.01, 17.18), (0.002, 0.04, 17.18)]
+    >>> _rate_tests(math.nan, 0.01, 10.0, 1e-2, 5)
+    []
+    """
     if math.isnan(p0):
-        return None
+        return []
     p0 = min(max(p0, 1e-6), 0.5)
-    p1 = min(max(p1, p0 * 1.01), 0.99)
     rate = requests_per_second if requests_per_second > 0 else _UNKNOWN_TRAFFIC_PER_SECOND
-    threshold = cusum_threshold(rate * 3600.0 * _TRAFFIC_HEADROOM, false_alarms_per_hour)
-    return BernoulliCusum(p0, p1, threshold, min_hits)
+    threshold = cusum_threshold(rate * 3600.0 * _TRAFFIC_HEADROOM, false_alarms_per_hour / 2)
+    return [BernoulliCusum(p0, min(max(alternative, p0 * 1.01), 0.99), threshold, min_hits)
+            for alternative in (p1, p1 * _BURST_RISE)]
+
+
+def _first_to_fire(tests: list[BernoulliCusum], trials: int, hits: float, at: float) -> BernoulliCusum | None:
+    """Feed one slice's trials to every test; the first (in order) that fired, if any."""
+    fired = None
+    for test in tests:
+        test.update(trials, hits, at)
+        if test.drift_detected and fired is None:
+            fired = test
+    return fired
 
 
 def _trimmed(slices: list[SliceStats], damage) -> list[SliceStats]:
@@ -308,7 +330,7 @@ class KeyMonitor(_Windowed):
         self.acceptance_drift = DropDetector(min_drop=p.acceptance.tolerance)
         self.speedup_gate = ConsecutiveGate(p.speedup.consecutive)
         self._error_tests: list[BernoulliCusum] | None = None
-        self._tail_tests: dict[str, tuple[BernoulliCusum, float]] | None = None  # metric -> (test, limit ms)
+        self._tail_tests: dict[str, tuple[list[BernoulliCusum], float]] | None = None  # metric -> (tests, limit ms)
 
     @property
     def baseline(self) -> Baseline:
@@ -336,7 +358,9 @@ class KeyMonitor(_Windowed):
         if speculating:
             findings += self._acceptance(stats.max_ts)
             findings += self._speedup(stats.max_ts)
-            if self.learner.latency_ready:
+            # Tails and failures of a slice with no speculative request (a control cohort on
+            # standard decoding) say nothing about speculation, and there is none to switch off.
+            if self.learner.latency_ready and stats.speculative_requests:
                 findings += self._latency(stats, slice_end)
                 findings += self._errors(stats, slice_end)
         return findings
@@ -414,17 +438,17 @@ class KeyMonitor(_Windowed):
             self._tail_tests = {}
             for metric, (limit, share) in self._tail_limits().items():
                 p1 = max(cfg.tail_share, share * _TAIL_RISE)
-                test = _rate_test(max(share, p1 / _TAIL_RISE), p1, self.baseline.requests_per_second,
-                                  cfg.false_alarms_per_key_hour, cfg.min_tail_requests)
-                if test is not None:
-                    self._tail_tests[metric] = (test, limit)
+                tests = _rate_tests(max(share, p1 / _TAIL_RISE), p1, self.baseline.requests_per_second,
+                                    cfg.false_alarms_per_key_hour, cfg.min_tail_requests)
+                if tests:
+                    self._tail_tests[metric] = (tests, limit)
         fired = []
-        for metric, (test, limit) in self._tail_tests.items():
+        for metric, (tests, limit) in self._tail_tests.items():
             sketch = getattr(stats, metric)
             if sketch is None:
                 continue
-            test.update(sketch.count, sketch.count_past(limit), slice_end)
-            if test.drift_detected:
+            test = _first_to_fire(tests, sketch.count, sketch.count_past(limit), slice_end)
+            if test is not None:
                 fired.append((test.statistic, metric, test, limit))
         if not fired:
             return []
@@ -441,22 +465,12 @@ class KeyMonitor(_Windowed):
     def _errors(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.errors
         if self._error_tests is None:
-            # Two tests, each with half the false-alarm budget: one tuned to the smallest rise
-            # that matters, one to a burst _BURST_RISE times larger, which it decides in about
-            # two thirds of the requests the first would need.
             base = self.baseline.error_rate
-            limit = _error_rate_limit(cfg, base)
-            tests = [_rate_test(base, p1, self.baseline.requests_per_second, cfg.false_alarms_per_key_hour / 2,
-                                cfg.min_errors) for p1 in (limit, limit * _BURST_RISE)]
-            self._error_tests = [t for t in tests if t is not None]
-        fired = None
-        for test in self._error_tests:
-            test.update(stats.requests, stats.errors + stats.timeouts, slice_end)
-            if test.drift_detected and fired is None:
-                fired = test
-        if fired is None:
+            self._error_tests = _rate_tests(base, _error_rate_limit(cfg, base), self.baseline.requests_per_second,
+                                            cfg.false_alarms_per_key_hour, cfg.min_errors)
+        test = _first_to_fire(self._error_tests, stats.requests, stats.errors + stats.timeouts, slice_end)
+        if test is None:
             return []
-        test = fired
         return [Finding("error_rate", "error_rate_cusum", stats.max_ts, "error_rate", test.hits / test.trials,
                         test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds, slice_end,
                         {"requests": test.trials, "failures": test.hits, "evidence_nats": test.statistic,

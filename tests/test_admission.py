@@ -132,13 +132,20 @@ def test_fingerprint_change_sends_the_new_card_back_through_admission():
             invalidated.detail["changed_fields"]) == ("invalidated", BUNDLE, "canary", ["target.tokenizer_digest"])
 
 
-@pytest.mark.parametrize("scenario", ["admission", "canary_tail"])
-def test_with_enforcement_off_admission_decides_nothing(scenario):
-    # The default policy: monitoring only. The new bundle speculates in every cohort at once,
-    # and the healthy fleet gives no decision at all.
+@pytest.mark.parametrize("scenario,expected", [
+    ("admission", []),
+    # the canary cohort's structured tail (10 % x5) is a real incident: with no judge, the
+    # key's own tail gate takes it off speculation (before the burst test and a baseline pool
+    # of speculative traffic only, nothing decided it)
+    ("canary_tail", [(131.77, BUNDLE, "disable_speculation", "latency_slo", "structured", None, None)]),
+])
+def test_with_enforcement_off_admission_decides_nothing(scenario, expected):
+    # The default policy: monitoring only. The new bundle speculates in every cohort at once;
+    # nothing is promoted or frozen, and the healthy fleet gives no decision at all.
     _, pipeline, flags, changes, got = _rollout(scenario, policy={}, minutes=4.0)
     assert pipeline.stage2.admission is None
-    assert got == [] and changes == [] and flags.stages() == {}
+    assert got == expected and changes == [] and flags.stages() == {}
+    assert all(d.cohort == "canary" for d in pipeline.decisions)
 
 
 # -- the pieces, on small inputs -------------------------------------------------------------

@@ -28,6 +28,8 @@ from specwatch.evaluation import (
     summarize,
 )
 
+from specwatch.evaluation.suite import incident_kind
+
 SETTINGS = BaselineSettings.from_healthy_rate(0.348)  # what `specwatch evaluate` calibrates: thresholds 0.25
 START = 1_767_225_600.0
 
@@ -136,12 +138,29 @@ def test_information_bound_of_an_error_burst():
     assert math.isclose(bernoulli_kl(0.04, 0.002), 0.0826, abs_tol=1e-4)
 
 
+def test_information_bound_of_a_tail_counts_records_when_they_arrive():
+    # 10% of a key's requests (10 a second) stall x5. Were every slow record seen at once, an
+    # ideal CUSUM with a false alarm per 1000 key-hours would need ln(3.6e7) / (10 x 0.2233
+    # nats) = 7.8 s; a stall holds each record back by 4 times its decode time, so with decodes
+    # of 2 s and 8 s half the slow records arrive after 8 s and the rest after 32 s.
+    at_once = information_bound("latency_tail", 5.0, 10.0, 1e-3)
+    held_back = information_bound("latency_tail", 5.0, 10.0, 1e-3, decode_seconds=[2.0, 8.0])
+    assert (at_once["kl_per_observation"], at_once["seconds"]) == (0.2233, 7.8)
+    assert held_back["seconds"] == 27.8  # 0.4 nats by 8 s, then 0.86 nats a second
+    assert held_back["median_decode_s"] == 8.0
+
+
 def test_suites_cover_every_row_of_the_fallback_table():
     full, quick = full_suite(), quick_suite()
-    incident_kinds = {c.scenario for c in full if not c.healthy and not c.rollout}
+    incident_kinds = {incident_kind(c.scenario) for c in full if not c.healthy and not c.rollout}
     assert incident_kinds == {"acceptance_drop", "target_update", "bundle_change", "draft_regression",
                               "latency_tail", "kv_pressure", "quality_mismatch", "error_burst"}
     assert {c.scenario for c in quick if not c.healthy and not c.rollout} == incident_kinds
+    # quiet keys inside the big fleet: a bucket with about 3 % of the traffic, the canary cohort
+    quiet = {(c.scenario, c.intensity) for c in full if (c.workers, c.concurrency) == (32, 16)}
+    for kind in ("error_burst", "latency_tail"):
+        for where in ("quiet_bucket", "quiet_cohort"):
+            assert len({i for s, i in quiet if s == f"{kind}_{where}"}) == 2
     # rollouts under admission: at least 20 healthy ones and 20 card changes across seeds
     rollouts = [(c.scenario, c.seed) for c in full if c.rollout]
     assert sum(s == "admission" for s, _ in rollouts) >= 20 and sum(s == "admission_change" for s, _ in rollouts) >= 20
@@ -151,7 +170,7 @@ def test_suites_cover_every_row_of_the_fallback_table():
         # at every fleet size: every incident kind, errors x5 among them, and 24 key-hours
         # (18 bucket/cohort keys) of incident-free traffic
         here = [c for c in full if (c.workers, c.concurrency) == level and not c.rollout]
-        assert {c.scenario for c in here if not c.healthy} == incident_kinds
+        assert {incident_kind(c.scenario) for c in here if not c.healthy} == incident_kinds
         assert ("error_burst", 5.0) in {(c.scenario, c.intensity) for c in here}
         assert sum(c.minutes for c in here if c.healthy) / 60 * 18 >= 24
     assert {(1, 4), (2, 8), (8, 16), (32, 16)} <= set(LEVELS)

@@ -26,8 +26,9 @@ def _decisions(records, sim):
     # errors x20 in extraction: before, no decision in ten minutes (the gate needed 100
     # requests in its 60 s window)
     ("error_burst", 20.0, [(158.99, "disable_speculation", "error_rate", "extraction", "main")]),
-    # one reasoning/main request in ten runs x5 slower: before, the latency gate needed 200
-    ("latency_tail", 5.0, [(197.0, "disable_speculation", "latency_slo", "reasoning", "main")]),
+    # one reasoning/main request in ten runs x5 slower: before, the latency gate needed 200;
+    # the test tuned to 3 % past the limit alone decided at 197 s, its burst test at 182 s
+    ("latency_tail", 5.0, [(181.99, "disable_speculation", "latency_slo", "reasoning", "main")]),
 ])
 def test_two_worker_fleet_decides(scenario, intensity, expected):
     sim = Simulator(scenario, seed=SEED, workers=2, minutes=6.0, intensity=intensity, incident_at=120.0)

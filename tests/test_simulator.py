@@ -226,8 +226,10 @@ def test_healthy_fleet_is_plausible(healthy_run):
 
 
 # Admission scenarios without an incident of their own kind: a clean rollout, and a card change.
+# A quiet-bucket scenario changes the mix from the start (tested below).
 INCIDENT_SCENARIOS = [name for name in SCENARIOS
-                      if name not in ("healthy", "mix_shift", "diurnal", "demo", "admission", "admission_change")]
+                      if name not in ("healthy", "mix_shift", "diurnal", "demo", "admission", "admission_change")
+                      and not name.endswith("_quiet_bucket")]
 
 
 @pytest.mark.parametrize("scenario", INCIDENT_SCENARIOS)
@@ -239,7 +241,25 @@ def test_nothing_changes_before_the_incident(scenario, healthy_run):
     assert after
     [incident] = sim.incidents
     assert isinstance(incident, Incident)
-    assert incident.start_ts == sim.start_ts + INCIDENT_AT and incident.kind == scenario
+    assert incident.start_ts == sim.start_ts + INCIDENT_AT and scenario.startswith(incident.kind)
+
+
+def test_quiet_keys_carry_a_few_percent_and_only_theirs_is_hit():
+    _, records = _run("error_burst_quiet_bucket", intensity=40.0, minutes=3.0)
+    requests = [r for r in records if r.kind == "request"]
+    share = sum(r.bucket == "extraction" for r in requests) / len(requests)
+    assert 0.025 < share < 0.045  # 3 / 88 of the weights
+    sim, records = _run("error_burst_quiet_cohort", intensity=40.0, minutes=3.0)
+    [incident] = sim.incidents
+    assert (incident.bucket, incident.cohort, incident.expected_reason) == ("extraction", "canary", "error_rate")
+    _, after = _split(sim, records)
+    failed = defaultdict(int)
+    for r in after:
+        if r.kind == "request" and r.bucket == "extraction" and r.speculative:
+            failed[r.cohort, r.finish_reason in ("error", "timeout")] += 1
+    # x40 on canary (0.2% to 8%), main as before
+    assert failed["canary", True] / (failed["canary", True] + failed["canary", False]) > 0.04
+    assert failed["main", True] / (failed["main", True] + failed["main", False]) < 0.01
 
 
 def test_acceptance_drop_lowers_one_bucket_by_the_intensity():

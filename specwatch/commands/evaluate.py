@@ -38,6 +38,8 @@ def register(subparsers) -> None:
 def _run(args) -> int:
     from specwatch.evaluation import (calibrate, format_report, full_suite, plot_sweep, quick_suite, run_suite,
                                       summarize)
+    from specwatch.evaluation.draft_length import CASES, format_draft_length
+
     policy = load_policy(args.policy)
     if args.seed < 0 or args.processes < 1:
         raise CommandError("--seed must be >= 0 and --processes >= 1")
@@ -45,21 +47,22 @@ def _run(args) -> int:
     started = time.monotonic()
     settings = calibrate()
     print(f"calibrated: healthy acceptance rate {settings.healthy_rate:.3f}, baseline thresholds "
-          f"{settings.kill_switch_threshold:.2f}; running {len(cases)} cases on {args.processes} processes",
+          f"{settings.kill_switch_threshold:.2f}; running {len(cases) + len(CASES)} cases on {args.processes} "
+          "processes",
           file=sys.stderr, flush=True)
     done = 0
 
     def progress(result: dict) -> None:
         nonlocal done
         done += 1
-        print(f"  [{done:>2}/{len(cases)}] {result['case']:<40} {result['simulated_seconds'] / 60:6.1f} sim-min "
+        print(f"  [{done:>2}/{len(cases) + len(CASES)}] {result['case']:<40} "
+              f"{result['simulated_seconds'] / 60:6.1f} sim-min "
               f"in {result['wall_seconds']:6.1f} s", file=sys.stderr, flush=True)
 
-    results = run_suite(cases, settings, policy, processes=args.processes, progress=progress)
-    summary = summarize(results, settings.to_dict(), "quick" if args.quick else "full")
-    from specwatch.evaluation.draft_length import CASES, format_draft_length, run_draft_length
-
-    summary["draft_length"] = [run_draft_length(case, args.seed) for case in CASES]
+    results = run_suite(cases, settings, policy, processes=args.processes, progress=progress,
+                        draft_length=CASES, draft_length_seed=args.seed)
+    summary = summarize(results[:len(cases)], settings.to_dict(), "quick" if args.quick else "full")
+    summary["draft_length"] = results[len(cases):]
     summary["wall_seconds"] = round(time.monotonic() - started, 1)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)

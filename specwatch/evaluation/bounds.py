@@ -5,11 +5,18 @@ observations to decide, where ARL is the number of in-control observations betwe
 alarms and KL the divergence per observation (Lorden 1971). Each bound here is computed from
 the scenario's known parameters (the simulator's rates, not what a run happened to draw) and
 the key's observed traffic, so delays can be read against it.
+
+Evidence counts when its record arrives. A stalled request's record leaves when the stall
+ends, so the tail's evidence reaches any detector of request records late, by the stall
+itself: the tail bound accumulates the information of the record streams over time, with
+each slow record held back by its own stall, instead of dividing by a steady rate.
 """
 
 from __future__ import annotations
 
 import math
+
+from typing import Sequence
 
 from specwatch.simulation import simulator as sim
 
@@ -21,7 +28,7 @@ __all__ = ["bernoulli_kl", "information_bound", "BOUND_KINDS"]
 BOUND_KINDS = ("error_burst", "latency_tail", "acceptance_drop")
 # The tail scenario slows this share of its cohort's requests; each of them passes the
 # latency limit (2x the baseline p99 of TPOT) at every intensity the suite runs (>= 3).
-_TAIL_SHARE = 0.10
+_TAIL_SHARE = sim._LATENCY_TAIL_FRACTION
 # The share of requests past the limit in healthy traffic a test can assume at best.
 _HEALTHY_TAIL_SHARE = 0.005
 
@@ -33,6 +40,48 @@ def bernoulli_kl(p1: float, p0: float) -> float:
     0.00813
     """
     return p1 * math.log(p1 / p0) + (1.0 - p1) * math.log((1.0 - p1) / (1.0 - p0))
+
+
+def _poisson_kl_rate(after: float, before: float) -> float:
+    """KL per second between Poisson streams of rates ``after`` and ``before`` (same unit).
+
+    >>> _poisson_kl_rate(2.0, 2.0), round(_poisson_kl_rate(2.0, 1.0), 4)
+    (0.0, 0.3863)
+    """
+    if after <= 0.0:
+        return before
+    return after * math.log(after / before) - after + before
+
+
+def _tail_seconds(threshold: float, requests_per_second: float, intensity: float,
+                  decode_seconds: Sequence[float], step: float = 0.1, cap: float = 4 * 3600.0) -> float:
+    """Seconds until the tail's record streams hold ``threshold`` nats of information.
+
+    Requests finish at ``requests_per_second``; after the start a share ``_TAIL_SHARE`` of them
+    stall, their decode taking ``intensity`` times as long, so each slow record arrives
+    ``decode * (intensity - 1)`` after it would have. Records past the latency limit form one
+    Poisson stream (healthy rate ``p0``, then the slow ones as they arrive), records within it
+    another (fewer of them: the slow ones moved out); the information is the KL between both
+    streams' laws after and before, integrated over time.
+
+    >>> round(_tail_seconds(15.0, 10.0, 5.0, [0.0]), 1)  # records at once: ln(ARL) / (rate * KL)
+    6.8
+    >>> round(_tail_seconds(15.0, 10.0, 5.0, [5.0]), 1)  # every slow record 20 s late
+    26.2
+    """
+    p0, q, r = _HEALTHY_TAIL_SHARE, _TAIL_SHARE, requests_per_second
+    delays = sorted(max(0.0, d) * (intensity - 1.0) for d in decode_seconds) or [0.0]
+    within = _poisson_kl_rate(r * (1.0 - q) * (1.0 - p0), r * (1.0 - p0))
+    information, t, arrived = 0.0, 0.0, 0
+    while t < cap:
+        t += step
+        while arrived < len(delays) and delays[arrived] <= t:
+            arrived += 1
+        past = r * ((1.0 - q) * p0 + q * arrived / len(delays))
+        information += (_poisson_kl_rate(past, r * p0) + within) * step
+        if information >= threshold:
+            return t
+    return math.inf
 
 
 def _round_pmf(position_acceptance: float, draft_length: int, decay: float) -> list[float]:
@@ -58,11 +107,15 @@ def _acceptance_kl(bucket: str, drop: float, draft_length: int = 4) -> float:
 
 
 def information_bound(kind: str, intensity: float | None, observations_per_second: float,
-                      false_alarms_per_key_hour: float, bucket: str | None = None) -> dict | None:
+                      false_alarms_per_key_hour: float, bucket: str | None = None,
+                      decode_seconds: Sequence[float] = ()) -> dict | None:
     """Seconds an ideal CUSUM would need on this incident, with its inputs; None if not applicable.
 
     ``observations_per_second`` is the incident key's finished requests per second (errors,
-    tail) or speculative rounds per second (acceptance), measured before the incident.
+    tail) or speculative rounds per second (acceptance), measured before the incident;
+    ``false_alarms_per_key_hour`` is the budget of the gate that decides this kind.
+    ``decode_seconds`` (tail only) are the key's decode times before the incident: how long
+    each stall holds its record back. Without them every record counts at once.
 
     >>> b = information_bound("error_burst", 5.0, 10.0, 1e-3)
     >>> b["kl_per_observation"], b["observations"], b["seconds"]
@@ -74,11 +127,17 @@ def information_bound(kind: str, intensity: float | None, observations_per_secon
         p0 = sim._ERROR_RATE + sim._TIMEOUT_RATE
         kl = bernoulli_kl(min(0.99, p0 * intensity), p0)
     elif kind == "latency_tail":
-        kl = bernoulli_kl(_HEALTHY_TAIL_SHARE + _TAIL_SHARE, _HEALTHY_TAIL_SHARE)
+        p0 = _HEALTHY_TAIL_SHARE
+        kl = bernoulli_kl((1.0 - _TAIL_SHARE) * p0 + _TAIL_SHARE, p0)
     else:
         kl = _acceptance_kl(bucket or "coding", intensity)
     arl = observations_per_second * 3600.0 / false_alarms_per_key_hour
     observations = math.log(arl) / kl
-    return {"kl_per_observation": round(kl, 5), "observations": round(observations, 1),
-            "observations_per_second": round(observations_per_second, 3),
-            "seconds": round(observations / observations_per_second, 1)}
+    out = {"kl_per_observation": round(kl, 5), "observations": round(observations, 1),
+           "observations_per_second": round(observations_per_second, 3),
+           "seconds": round(observations / observations_per_second, 1)}
+    if kind == "latency_tail" and decode_seconds:
+        seconds = _tail_seconds(math.log(arl), observations_per_second, intensity, decode_seconds)
+        out.update(seconds=round(seconds, 1), records_held_back=True,
+                   median_decode_s=round(sorted(decode_seconds)[len(decode_seconds) // 2], 2))
+    return out

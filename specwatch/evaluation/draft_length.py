@@ -23,8 +23,8 @@ __all__ = ["CASES", "TARGET_RATIO", "TARGET_SECONDS", "DraftLengthCase", "format
 TARGET_RATIO = 0.95
 TARGET_SECONDS = 60.0
 _CHANGE_AT = 90.0
-_MINUTES = 3.5
-_WORKERS = 4
+MINUTES = 3.5
+WORKERS = 4
 _EVIDENCE_SECONDS = 30.0
 _CHECK_EVERY_SECONDS = 5.0
 _KV_CAPACITY_TOKENS = 196_608  # the simulated worker's KV cache, to turn kv_usage back into tokens
@@ -58,7 +58,7 @@ def _oracle(case: DraftLengthCase, bucket: str, changed: bool, load: tuple[float
 
 def run_draft_length(case: DraftLengthCase, seed: int = 11) -> dict:
     """Run one case; per check time, the advised and the best D per bucket and the speedup ratio."""
-    sim = Simulator(case.scenario, seed=seed, workers=_WORKERS, minutes=_MINUTES, incident_at=_CHANGE_AT,
+    sim = Simulator(case.scenario, seed=seed, workers=WORKERS, minutes=MINUTES, incident_at=_CHANGE_AT,
                     intensity=case.intensity)
     rows: list[dict] = []
     pipeline = EmbeddedPipeline(sinks=[lambda output: rows.extend(output.window_rows)])

@@ -10,7 +10,7 @@ import math
 import multiprocessing
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from specwatch.simulation.simulator import BUCKETS, Simulator
 from specwatch.schemas import Policy, RequestRecord, ShadowRecord, StepRecord
@@ -18,6 +18,9 @@ from specwatch.streams.embedded import EmbeddedPipeline
 
 from .baselines import AcceptanceKillSwitch, PrometheusRatioAlert
 from .bounds import information_bound
+from .draft_length import MINUTES as DRAFT_LENGTH_MINUTES
+from .draft_length import WORKERS as DRAFT_LENGTH_WORKERS
+from .draft_length import DraftLengthCase, run_draft_length
 from .scoring import BASELINE_REASON, Alarm, decision_alarm, judge, stray_alarms
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "BaselineSettings",
     "calibrate",
     "full_suite",
+    "incident_kind",
     "quick_suite",
     "rollout_cases",
     "run_case",
@@ -83,9 +87,15 @@ TARGETS = {
 # engine to four times the default fleet. Each key's traffic grows with their product.
 LEVELS = ((1, 4), (2, 8), (8, 16), (32, 16))
 _DEFAULT_LEVEL = (8, 16)
-# Finished requests per minute of a bucket's main cohort per running-request slot of the
-# fleet (measured: 2 x 16 healthy, seed 11), to size how long a slow incident is watched.
-_REQUESTS_PER_MINUTE_PER_SLOT = {"extraction": 4.2, "reasoning": 5.4}
+# Finished requests per minute of the incident key per running-request slot of the fleet, to
+# size how long a slow incident is watched (measured on healthy traffic, seed 11: main cohorts
+# at 2 x 16, quiet keys at 8 x 16).
+_REQUESTS_PER_MINUTE_PER_SLOT = {"error_burst": 4.2, "latency_tail": 5.4,
+                                 "error_burst_quiet_bucket": 0.71, "latency_tail_quiet_bucket": 1.19,
+                                 "error_burst_quiet_cohort": 0.26, "latency_tail_quiet_cohort": 0.21}
+# Median decode time of a reasoning request (measured, seed 11): how long a stall holds a
+# tail's records back, for the watch's estimate of the bound.
+_REASONING_DECODE_SECONDS = 3.7
 # A weak incident is watched for this multiple of its information bound (the target is 2x),
 # up to the cap: beyond it the suite reports the bound and 'missed' within the watch.
 _WATCH_BOUNDS = 2.5
@@ -129,16 +139,31 @@ class Case:
 def _watch_seconds(scenario: str, intensity: float | None, workers: int, concurrency: int,
                    policy: Policy | None = None) -> float:
     """How long an incident is watched: its fixed span, longer where the bound says it must be."""
-    seconds = _OBSERVE_SECONDS[scenario]
-    per_slot = _REQUESTS_PER_MINUTE_PER_SLOT.get({"error_burst": "extraction", "latency_tail": "reasoning"}.get(
-        scenario, ""))
+    kind = incident_kind(scenario)
+    seconds = _OBSERVE_SECONDS[kind]
+    per_slot = _REQUESTS_PER_MINUTE_PER_SLOT.get(scenario)
     if per_slot is None:
         return seconds
-    budget = (policy or Policy()).errors.false_alarms_per_key_hour
-    bound = information_bound(scenario, intensity, per_slot * workers * concurrency / 60.0, budget)
+    bound = information_bound(kind, intensity, per_slot * workers * concurrency / 60.0,
+                              _budget(policy or Policy(), kind), decode_seconds=(_REASONING_DECODE_SECONDS,))
     if bound is None:
         return seconds
     return max(seconds, min(_WATCH_CAP_SECONDS, _WATCH_BOUNDS * bound["seconds"] + 30.0))
+
+
+def incident_kind(scenario: str) -> str:
+    """The incident kind a scenario scripts: its quiet-key variants share their kind's watch and bound.
+
+    >>> incident_kind("error_burst_quiet_cohort"), incident_kind("kv_pressure")
+    ('error_burst', 'kv_pressure')
+    """
+    return scenario.split("_quiet_")[0]
+
+
+def _budget(policy: Policy, kind: str) -> float:
+    """False alarms per key-hour of the gate that decides ``kind``: its bound is held to the same."""
+    gate = policy.latency if kind == "latency_tail" else policy.errors
+    return gate.false_alarms_per_key_hour
 
 
 def _incident_case(scenario: str, intensity: float | None, label: str, target: bool = False,
@@ -192,6 +217,22 @@ _SWEEP_INTENSITIES = (
 _SWEEP_CASES = tuple(_incident_case(kind, intensity, label, level=level, compare_baselines=False)
                      for level in LEVELS if level != _DEFAULT_LEVEL
                      for kind, intensity, label in _SWEEP_INTENSITIES)
+# Quiet keys inside the default and the big fleet: a bucket with about 3 % of the traffic and
+# the canary cohort (5 %), for the kinds whose evidence grows with a key's traffic.
+_QUIET_LEVELS = (_DEFAULT_LEVEL, (32, 16))
+_QUIET_INTENSITIES = (
+    ("error_burst_quiet_bucket", 5.0, "quiet extraction (3%) errors x5"),
+    ("error_burst_quiet_bucket", 20.0, "quiet extraction (3%) errors x20"),
+    ("error_burst_quiet_cohort", 5.0, "extraction/canary (5%) errors x5"),
+    ("error_burst_quiet_cohort", 20.0, "extraction/canary (5%) errors x20"),
+    ("latency_tail_quiet_bucket", 3.0, "10% of quiet reasoning (3%)/main x3"),
+    ("latency_tail_quiet_bucket", 10.0, "10% of quiet reasoning (3%)/main x10"),
+    ("latency_tail_quiet_cohort", 3.0, "10% of reasoning/canary (5%) x3"),
+    ("latency_tail_quiet_cohort", 10.0, "10% of reasoning/canary (5%) x10"),
+    ("acceptance_drop_quiet_bucket", 0.25, "quiet coding (3%) AL -25%"),
+)
+_QUIET_CASES = tuple(_incident_case(scenario, intensity, label, level=level, compare_baselines=False)
+                     for level in _QUIET_LEVELS for scenario, intensity, label in _QUIET_INTENSITIES)
 
 
 def _healthy_cases(level: tuple[int, int], minutes: tuple[float, float, float]) -> tuple[Case, ...]:
@@ -209,7 +250,10 @@ def _healthy_cases(level: tuple[int, int], minutes: tuple[float, float, float]) 
 # Incident-free runs at every fleet size: 80 simulated minutes each, which is 24 key-hours
 # over the 18 bucket/cohort keys that carry traffic (the benign changes included).
 _HEALTHY_CASES = tuple(c for level in LEVELS for c in _healthy_cases(level, (20.0, 40.0, 20.0)))
-_QUICK_HEALTHY_CASES = _healthy_cases((2, 8), (5.0, 5.0, 5.0)) + _healthy_cases((1, 4), (10.0, 0.0, 0.0))[:1]
+# --quick runs no steady healthy run at 2 x 8: its incident runs there are one, up to their
+# incident at 300 s (a seeded simulator writes the same records before its incident), and that
+# time counts as incident-free.
+_QUICK_HEALTHY_CASES = _healthy_cases((2, 8), (0.0, 5.0, 5.0))[1:] + _healthy_cases((1, 4), (10.0, 0.0, 0.0))[:1]
 # --quick: the target cases at the default fleet and the weakest kinds on small fleets,
 # each stopped once specwatch has decided.
 _QUICK_SWEEP = (
@@ -219,13 +263,14 @@ _QUICK_SWEEP = (
 
 def full_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
     """Every fallback-table row at three intensities against the baselines, the traffic sweep,
-    4 x 80 min healthy, and 20 healthy rollouts, 20 card changes and 3 of each canary incident."""
-    return ([replace(c, seed=seed) for c in _INCIDENT_CASES + _SWEEP_CASES + _HEALTHY_CASES]
+    quiet keys in the default and the big fleet, 4 x 80 min healthy, and 20 healthy rollouts,
+    20 card changes and 3 of each canary incident."""
+    return ([replace(c, seed=seed) for c in _INCIDENT_CASES + _SWEEP_CASES + _QUIET_CASES + _HEALTHY_CASES]
             + rollout_cases(20, 3, seed))
 
 
 def quick_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
-    """Each row at its target intensity (specwatch only), two small-fleet cases, 25 healthy minutes."""
+    """Each row at its target intensity (specwatch only), two small-fleet cases, 20 healthy minutes."""
     cases = [replace(c, compare_baselines=False) for c in _INCIDENT_CASES if c.target_intensity]
     cases += [_incident_case(kind, intensity, label, level=level, compare_baselines=False)
               for kind, intensity, label, level in _QUICK_SWEEP]
@@ -305,10 +350,12 @@ class _Watch:
     lowest_switch_rate: float = math.inf
     lowest_alert_ratio: float = math.inf
     silent: set[str] = field(default_factory=lambda: set(DETECTORS))  # no alarm since watch_from yet
+    baselines: bool = True  # False: the case does not judge the baselines, so they are not fed
     # The incident key's traffic before the incident: finished requests and speculative rounds.
     key: tuple[str, str] | None = None
     key_requests: int = 0
     key_rounds: int = 0
+    key_decode_seconds: list[float] = field(default_factory=list)  # how long a stall would hold each back
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -316,8 +363,13 @@ class _Watch:
                                           s.alert_interval_seconds)
 
     def step(self, record: StepRecord) -> None:
-        accepted = drafted = 0
         key, before = self.key, record.ts < self.watch_from
+        if not self.baselines:  # only the incident key's rounds are counted, for its bound
+            if before and key is not None:
+                self.key_rounds += sum(1 for e in record.requests
+                                       if e.drafted and e.bucket == key[0] and e.cohort == key[1])
+            return
+        accepted = drafted = 0
         for entry in record.requests:
             accepted += entry.accepted
             drafted += entry.drafted
@@ -371,6 +423,7 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
     watch = _Watch(settings, watch_from=first_start, lateness=policy.windows.lateness_seconds)
     if not case.compare_baselines:
         watch.silent = {"specwatch"}
+        watch.baselines = False
     if incidents and incidents[0].bucket is not None:
         watch.key = (incidents[0].bucket, incidents[0].cohort or "main")
     pipeline = EmbeddedPipeline(policy, sinks=[watch.released])
@@ -385,6 +438,8 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
         elif isinstance(record, RequestRecord):
             if record.ts < first_start and watch.key == (record.bucket, record.cohort):
                 watch.key_requests += 1
+                if record.e2e_ms is not None and record.ttft_ms is not None:
+                    watch.key_decode_seconds.append((record.e2e_ms - record.ttft_ms) / 1000.0)
         elif (isinstance(record, ShadowRecord) and not record.match and first_mismatch is None
               and record.ts >= first_start):
             first_mismatch = record.ts
@@ -398,8 +453,8 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
     for row in result["incidents"]:
         per_second = (watch.key_rounds if row["kind"] == "acceptance_drop" else watch.key_requests) / before
         row["key_requests_per_minute"] = round(watch.key_requests / before * 60.0, 1)
-        row["bound"] = information_bound(row["kind"], case.intensity, per_second,
-                                         policy.errors.false_alarms_per_key_hour, row["bucket"])
+        row["bound"] = information_bound(row["kind"], case.intensity, per_second, _budget(policy, row["kind"]),
+                                         row["bucket"], watch.key_decode_seconds)
         row["watched_s"] = round(last_ts - incidents[0].start_ts, 1)
     result["baseline_headroom"] = {
         "kill_switch_lowest_rolling_rate": _finite_or_none(watch.lowest_switch_rate),
@@ -458,23 +513,40 @@ def _result(case: Case, sim: Simulator, incidents, alarms: dict[str, list[Alarm]
     return out
 
 
-def _run_one(job: tuple[int, Case, BaselineSettings, Policy | None]) -> tuple[int, dict]:
-    index, case, settings, policy = job
+def _run_one(job: tuple[int, Case | DraftLengthCase, BaselineSettings, Policy | None, int]) -> tuple[int, dict]:
+    index, case, settings, policy, seed = job
+    if isinstance(case, DraftLengthCase):
+        started = time.monotonic()
+        result = run_draft_length(case, seed)
+        return index, {**result, "case": f"draft_length/{case.scenario}/s{seed}",
+                       "simulated_seconds": DRAFT_LENGTH_MINUTES * 60.0,
+                       "wall_seconds": round(time.monotonic() - started, 2)}
     if case.rollout:
         return index, run_rollout(case)
     return index, run_case(case, settings, policy)
 
 
+def _work(case: Case | DraftLengthCase) -> float:
+    """Simulated worker-minutes of one job: the pool starts the longest first."""
+    if isinstance(case, DraftLengthCase):
+        return DRAFT_LENGTH_MINUTES * DRAFT_LENGTH_WORKERS
+    return case.minutes * case.workers
+
+
 def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy | None = None,
-              processes: int = 1, progress: Callable[[dict], None] | None = None) -> list[dict]:
-    """Run every case (on ``processes`` worker processes); results come back in case order."""
-    cases = list(cases)
+              processes: int = 1, progress: Callable[[dict], None] | None = None,
+              draft_length: Sequence[DraftLengthCase] = (), draft_length_seed: int = _DEFAULT_SEED) -> list[dict]:
+    """Run every case (on ``processes`` worker processes); results come back in case order.
+
+    ``draft_length`` cases run in the same pool; their results follow the cases' in that order.
+    """
+    cases = list(cases) + list(draft_length)
     for case in cases:  # settings the simulator refuses fail here, before minutes of running
-        if not case.rollout:
+        if isinstance(case, Case) and not case.rollout:
             _simulator(case)
     # Longest first, so the pool does not end waiting on one long run.
-    order = sorted(range(len(cases)), key=lambda i: -cases[i].minutes * cases[i].workers)
-    jobs = [(i, cases[i], settings, policy) for i in order]
+    order = sorted(range(len(cases)), key=lambda i: -_work(cases[i]))
+    jobs = [(i, cases[i], settings, policy, draft_length_seed) for i in order]
     results: dict[int, dict] = {}
     if processes <= 1:
         done = map(_run_one, jobs)

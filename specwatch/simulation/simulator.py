@@ -403,7 +403,15 @@ class _Scenario:
     incident_at: float = _DEFAULT_INCIDENT_AT
     mix_shift: bool = False
     diurnal: bool = False
+    bucket_weights: Mapping[str, float] = field(default_factory=dict)  # weights that differ from BUCKETS'
 
+
+# Bucket weights that make one bucket quiet (3 % of new requests before the others' weights
+# are scaled to fill the rest: 3.4-3.9 % of all), the others as in BUCKETS.
+_QUIET_SHARE = 0.03
+_QUIET_CODING = MappingProxyType({"coding": _QUIET_SHARE})
+_QUIET_EXTRACTION = MappingProxyType({"extraction": _QUIET_SHARE})
+_QUIET_REASONING = MappingProxyType({"reasoning": _QUIET_SHARE})
 
 _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
     "healthy": _Scenario("no incident: steady mix and load", 5.0),
@@ -431,6 +439,23 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
     "error_burst": _Scenario(
         "errors and timeouts x intensity (default 20) for speculative extraction requests", 8.0,
         (_Plan("error_burst", bucket="extraction"),)),
+    # Quiet keys inside a big fleet: a bucket with 3 % of the traffic, a cohort with 5 %.
+    "error_burst_quiet_bucket": _Scenario(
+        "extraction carries about 3% of requests; errors and timeouts x intensity (default 20) for its speculative "
+        "requests", 8.0, (_Plan("error_burst", bucket="extraction"),), bucket_weights=_QUIET_EXTRACTION),
+    "error_burst_quiet_cohort": _Scenario(
+        "errors and timeouts x intensity (default 20) for speculative extraction requests of the canary "
+        "cohort (5% of traffic)", 8.0, (_Plan("error_burst", bucket="extraction", cohort="canary"),)),
+    "latency_tail_quiet_bucket": _Scenario(
+        "reasoning carries about 3% of requests; 10% of reasoning/main requests stall: e2e and TPOT x intensity "
+        "(default 5)", 8.0, (_Plan("latency_tail", bucket="reasoning", cohort="main"),),
+        bucket_weights=_QUIET_REASONING),
+    "latency_tail_quiet_cohort": _Scenario(
+        "10% of reasoning/canary requests (the canary cohort carries 5% of traffic) stall: e2e and TPOT x "
+        "intensity (default 5)", 8.0, (_Plan("latency_tail", bucket="reasoning", cohort="canary"),)),
+    "acceptance_drop_quiet_bucket": _Scenario(
+        "coding carries about 3% of requests; its drafter misaligns: coding AL drops by intensity (default 0.4) "
+        "in every cohort", 8.0, (_Plan("acceptance_drop", bucket="coding"),), bucket_weights=_QUIET_CODING),
     "mix_shift": _Scenario(
         "benign: traffic moves from easy buckets toward reasoning and long_context over the run", 10.0,
         mix_shift=True),
@@ -545,7 +570,7 @@ class _Conditions:
     draft_factor: float = 1.0
     tail: tuple[int, int, float] | None = None  # bucket, cohort, multiplier
     mismatch: tuple[int, float, int | None] | None = None  # bucket, fraction, cohort (None = any)
-    error_factor: dict[int, float] = field(default_factory=dict)
+    error_factor: dict[tuple[int, int | None], float] = field(default_factory=dict)  # (bucket, cohort or None)
     surge_share: float | None = None
     late_acceptance: dict[int, float] = field(default_factory=dict)  # bucket -> factor on late positions
     prompt_factor: dict[int, float] = field(default_factory=dict)  # bucket -> multiplier on prompt length
@@ -619,7 +644,7 @@ class _Worker:
         shifting = self.sim._scenario.mix_shift
         if self._mix is not None and not shifting:
             return self._mix
-        weights = [b.weight for b in BUCKETS]
+        weights = [self.sim._scenario.bucket_weights.get(b.name, b.weight) for b in BUCKETS]
         if shifting:
             progress = min(1.0, max(0.0, (t - 60.0) / max(1.0, self.sim.duration - 60.0)))
             weights = [w + progress * (_SHIFTED_WEIGHTS[b.name] - w) for w, b in zip(weights, BUCKETS)]
@@ -785,7 +810,7 @@ class _Worker:
         elif plan.kind in ("quality_mismatch", "canary_mismatch"):
             c.mismatch = (bucket, intensity, cohort)
         elif plan.kind == "error_burst":
-            c.error_factor[bucket] = intensity
+            c.error_factor[(bucket, cohort)] = intensity
         return None
 
     # -- one block of steps -------------------------------------------------------------------
@@ -917,7 +942,8 @@ class _Worker:
     def _failure(self, req: _Request) -> str | None:
         factor = 1.0
         if req.speculated:
-            factor = self.conditions.error_factor.get(req.bucket, 1.0)
+            factor = self.conditions.error_factor.get((req.bucket, req.cohort),
+                                                      self.conditions.error_factor.get((req.bucket, None), 1.0))
         error, timeout = _ERROR_RATE * factor, _TIMEOUT_RATE * factor
         u = req.fail_u
         if u < error:
