@@ -28,6 +28,8 @@ from specwatch.schemas.otlp import encode_entries, log_entry
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.transport.kafka_io import PartitionReader
 
+from telemetry_log import decision_key
+
 SEED = 11
 WORKERS = 3
 MINUTES = 2.5
@@ -84,8 +86,17 @@ async def send_raw(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes
         await producer.stop()
 
 
-def decision_key(decision: Decision) -> tuple:
-    return (decision.ts, decision.bundle_id, decision.bucket, decision.cohort, decision.action, decision.reason)
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to every process still running, then wait for each (killed after 60 s)."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @dataclass
@@ -197,15 +208,7 @@ class Pipeline:
         raise AssertionError(f"the pipeline did not drain within {timeout:.0f} s: {self.logs()}")
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes)
 
     def topic_values(self, topic: str) -> list[tuple[bytes | None, bytes]]:
         reader = PartitionReader(self.bootstrap)

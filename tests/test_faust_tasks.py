@@ -16,8 +16,6 @@ from kafka.partitioner.default import murmur2
 from specwatch.simulation.simulator import Simulator
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision, Policy, Rejection
-from specwatch.schemas.otlp import encode_records
-from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.faust_tasks import (
     BundleOwner,
     CheckpointError,
@@ -36,45 +34,28 @@ from specwatch.streams.faust_tasks import (
 )
 from specwatch.streams.topology import ActionRecord, SliceBatch
 
+from telemetry_log import decision_key, embedded_decisions, exporter_batches
+
 PARTITIONS = 4
-_FLUSH_EVENT_SECONDS = 0.5  # as `specwatch simulate --bootstrap` flushes
 
 
 def _telemetry_log(records, partitions=PARTITIONS) -> dict[int, list[bytes]]:
     """Records as the OTel Kafka exporter writes them: OTLP chunks keyed by worker, Kafka's partitioner."""
     log: dict[int, list[bytes]] = defaultdict(list)
-    pending: dict[str, list] = defaultdict(list)
-
-    def flush():
-        for key, chunk in pending.items():
-            log[(murmur2(key.encode()) & 0x7FFFFFFF) % partitions].append(encode_records(chunk))
-        pending.clear()
-
-    next_flush = None
-    for record in records:
-        if next_flush is None or record.ts >= next_flush:
-            flush()
-            next_flush = record.ts + _FLUSH_EVENT_SECONDS
-        pending[getattr(record, "worker", None) or record.bundle_id].append(record)
-    flush()
+    for source, _, chunk in exporter_batches(records):
+        log[(murmur2(source.encode()) & 0x7FFFFFFF) % partitions].append(chunk)
     return log
 
 
-def _key(decision: Decision) -> tuple:
-    return (decision.ts, decision.bundle_id, decision.bucket, decision.cohort, decision.action, decision.reason)
+_key = decision_key
 
 
 @pytest.fixture(scope="module", params=["kv_pressure", "bundle_change"])
 def scenario(request):
     sim = Simulator(request.param, seed=11, workers=2, minutes=2.0, incident_at=75.0)
     records = list(sim.records())
-    embedded = EmbeddedPipeline()
-    embedded.feed_many(records)
-    embedded.finish()
     cutoff = sim.end_ts - 5.0
-    expected = sorted(_key(d) for d in embedded.decisions if d.ts < cutoff)
-    assert expected
-    return _telemetry_log(records), cutoff, expected
+    return _telemetry_log(records), cutoff, embedded_decisions(records, cutoff)
 
 
 def _run(log, seed, restart_every=0):

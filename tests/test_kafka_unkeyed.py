@@ -21,7 +21,8 @@ from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.otlp import encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 
-from kafka_helpers import PARTITIONS, Feed, create_topics, decision_key, delete_topics, run_async
+from kafka_helpers import PARTITIONS, Feed, create_topics, delete_topics, run_async
+from telemetry_log import decision_key
 from kafka_helpers import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
 
 pytestmark = pytest.mark.kafka

@@ -17,7 +17,6 @@ import asyncio
 import json
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from specwatch.schemas import Decision
 from specwatch.schemas.otlp import encode_entries, log_entry
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.transport.kafka_io import PartitionReader
+
+from kafka_helpers import stop_processes
 
 pytestmark = pytest.mark.kafka
 
@@ -108,15 +109,7 @@ class Servers:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.tmp.glob("*.log")))
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes)
 
 
 @pytest.fixture

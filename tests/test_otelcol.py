@@ -32,7 +32,8 @@ from specwatch.schemas import Decision, Rejection, RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
 
 from otelcol import CONFIGS, Collector, free_port
-from kafka_helpers import PARTITIONS, Feed, Pipeline, create_topics, decision_key, delete_topics, run_async
+from kafka_helpers import PARTITIONS, Feed, Pipeline, create_topics, delete_topics, run_async
+from telemetry_log import decision_key
 
 pytestmark = pytest.mark.kafka
 

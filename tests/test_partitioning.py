@@ -30,6 +30,8 @@ from specwatch.streams.faust_tasks import (
     route_batches,
 )
 
+from telemetry_log import exporter_batches
+
 _FLUSH_EVENT_SECONDS = 0.5  # how much event time one exporter batch holds
 # How far in event time one stage-1 partition may run ahead of another: consumers that keep
 # up, as the guarantee requires (every record within the policy's lateness, 1 s). A partition
@@ -49,7 +51,6 @@ def _telemetry_log(records, keying: str, partitions: int, seed: int = 7) -> dict
     for shadows) per flush interval."""
     rng = random.Random(seed)
     log: dict[int, list[tuple[float, bytes]]] = defaultdict(list)
-    pending: dict[str, list] = defaultdict(list)
 
     def partition(source: str) -> int:
         if keying == "unkeyed":
@@ -57,18 +58,8 @@ def _telemetry_log(records, keying: str, partitions: int, seed: int = 7) -> dict
         key = source if keying == "worker" else f"service.name=engine,service.instance.id={source}"
         return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
 
-    def flush():
-        for source, chunk in pending.items():
-            log[partition(source)].append((chunk[0].ts, encode_records(chunk)))
-        pending.clear()
-
-    next_flush = None
-    for record in records:
-        if next_flush is None or record.ts >= next_flush:
-            flush()
-            next_flush = record.ts + _FLUSH_EVENT_SECONDS
-        pending[getattr(record, "worker", None) or record.bundle_id].append(record)
-    flush()
+    for source, first_ts, chunk in exporter_batches(records, _FLUSH_EVENT_SECONDS):
+        log[partition(source)].append((first_ts, chunk))
     return log
 
 

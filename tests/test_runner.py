@@ -8,52 +8,35 @@ pipeline's, whatever restarts and redeliveries happen on the way.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 
 import pytest
 
 from specwatch.schemas import Decision, Policy
-from specwatch.schemas.otlp import encode_records
 from specwatch.simulation.simulator import Simulator
-from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
 from specwatch.transport.codec import decode_decision, is_heartbeat_key
 from specwatch.transport.memory import MemoryKafka, MemoryReader, MemoryWriter
 from specwatch.transport.signing import Keyring
 
+from telemetry_log import decision_key, embedded_decisions, exporter_batches
+
 PARTITIONS = 4
-_FLUSH_EVENT_SECONDS = 0.5  # as `specwatch simulate --bootstrap` flushes
 _SETTINGS = StreamSettings(bootstrap="memory:0", telemetry_topics=("t",), partials_topic="p", decisions_topic="d",
                            deadletter_topic="dl", app_id="sw", telemetry_partitions=PARTITIONS,
                            partials_partitions=PARTITIONS, checkpoint_seconds=5.0, policy=Policy())
 
 
-def _key(decision: Decision) -> tuple:
-    return (decision.ts, decision.bundle_id, decision.bucket, decision.cohort, decision.action, decision.reason)
+_key = decision_key
 
 
 @pytest.fixture(scope="module")
 def scenario():
     sim = Simulator("kv_pressure", seed=11, workers=3, minutes=1.0, incident_at=30.0)
     records = list(sim.records())
-    embedded = EmbeddedPipeline()
-    embedded.feed_many(records)
-    embedded.finish()
     cutoff = sim.end_ts - 5.0
-    expected = sorted(_key(d) for d in embedded.decisions if d.ts < cutoff)
-    assert expected
     # OTLP chunks keyed by worker, as the OTel Kafka exporter writes them
-    chunks: list[tuple[bytes, bytes]] = []
-    pending: dict[str, list] = defaultdict(list)
-    next_flush = None
-    for record in records:
-        if next_flush is None or record.ts >= next_flush:
-            chunks += [(key.encode(), encode_records(chunk)) for key, chunk in pending.items()]
-            pending.clear()
-            next_flush = record.ts + _FLUSH_EVENT_SECONDS
-        pending[getattr(record, "worker", None) or record.bundle_id].append(record)
-    chunks += [(key.encode(), encode_records(chunk)) for key, chunk in pending.items()]
-    return chunks, cutoff, expected
+    chunks = [(source.encode(), chunk) for source, _, chunk in exporter_batches(records)]
+    return chunks, cutoff, embedded_decisions(records, cutoff)
 
 
 class Rig:
