@@ -86,6 +86,12 @@ async def send_raw(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes
         await producer.stop()
 
 
+def start_logged(command: list[str], log_path: Path) -> subprocess.Popen:
+    """``command`` started with its stdout and stderr in ``log_path``."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
 def stop_processes(processes: list[subprocess.Popen]) -> None:
     """SIGTERM to every process still running, then wait for each (killed after 60 s)."""
     for process in processes:
@@ -175,9 +181,7 @@ class Pipeline:
                    "--checkpoint-seconds", str(checkpoint_seconds), "--log-level", "info"]
         if self.archive:
             command += ["--archive", self.archive]
-        log = open(self.tmp_path / f"worker-{index}-{len(self.processes)}.log", "w")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        process = start_logged(command, self.tmp_path / f"worker-{index}-{len(self.processes)}.log")
         self.processes.append(process)
         return process
 

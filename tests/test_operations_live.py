@@ -39,7 +39,7 @@ from specwatch.schemas.otlp import encode_entries, log_entry
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.transport.kafka_io import PartitionReader
 
-from kafka_helpers import stop_processes
+from kafka_helpers import start_logged, stop_processes
 
 pytestmark = pytest.mark.kafka
 
@@ -99,9 +99,7 @@ class Servers:
         self.processes: list[subprocess.Popen] = []
 
     def start(self, name: str, command: list[str]) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "w")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        process = start_logged(command, self.tmp / f"{name}.log")
         self.processes.append(process)
         return process
 

@@ -69,6 +69,12 @@ class Rig:
                 self.now += tick
                 self.run(runner.handle(record))
 
+    def deliver_others(self, runner, busiest: int) -> None:
+        """`deliver` every telemetry partition but ``busiest``."""
+        for p in range(PARTITIONS):
+            if p != busiest:
+                self.deliver(runner, "t", p)
+
     def partials(self) -> set[bytes]:
         return {record.value for record in self.kafka.topic_records("p")}
 
@@ -146,9 +152,7 @@ def test_what_the_consumer_skipped_is_read_from_the_log(scenario, straight):
     rig.deliver(restarted, "t", busiest, start=17)  # the group committed up to 17 without delivering 10..16
     assert rig.acknowledged == [("t", busiest, offset) for offset in range(10, 17)]
     assert restarted.skipped == 0
-    for p in range(PARTITIONS):
-        if p != busiest:
-            rig.deliver(restarted, "t", p)
+    rig.deliver_others(restarted, busiest)
     assert rig.partials() == straight
 
 
@@ -184,9 +188,7 @@ def test_a_revoked_partition_is_rebuilt_from_its_checkpoint_not_from_memory(scen
     assert ("t", busiest) not in runner._tasks
     rig.deliver(runner, "t", busiest, start=8)
     assert rig.acknowledged == [("t", busiest, offset) for offset in (5, 6, 7)]
-    for p in range(PARTITIONS):
-        if p != busiest:
-            rig.deliver(runner, "t", p)
+    rig.deliver_others(runner, busiest)
     assert rig.partials() == straight
 
 
