@@ -99,12 +99,9 @@ class EmbeddedPipeline:
         next record is taken: a closed-loop source (the simulator reading the flags) sees
         every decision from the record after it, as it would fed one record at a time.
         """
-        now = self._now()
-        ingest = self.ingest
         decided: list[Decision] = []
-        for record in records:
-            decided += self._take(ingest.records((record,), now))
-        return decided
+        ingested = self.ingest.records(records, self._now(), on_closed=lambda ready: decided.extend(self._drain(ready)))
+        return decided + self._take(ingested)
 
     def _now(self) -> float | None:
         return None if self._clock is None else self._clock()

@@ -81,19 +81,23 @@ class Ingest:
         return self.records(decoded if type(decoded) is list else (decoded,), now, seen)
 
     def records(self, items: Iterable[Decoded], now: float | None = None,
-                seen: dict[str, float] | None = None) -> Ingested:
+                seen: dict[str, float] | None = None,
+                on_closed: Callable[[list[SliceBatch]], object] | None = None) -> Ingested:
         """Fold decoded records in order (rejections among them are counted), closing what each makes ready.
 
         ``now`` is the wall clock of a live source: records further ahead of it than
         ``windows.max_ahead_seconds`` are rejected (``ts_in_future``). None (a replay,
         simulated time): no check. ``seen`` (engine worker -> ``now``) learns when each
-        worker was last heard from.
+        worker was last heard from. ``on_closed`` takes the slices each record closes as soon
+        as it closes them (a closed loop acts on them before the next record); without it
+        they come back in ``closed``.
         """
         stage = self.stage
         max_ahead = None if now is None else stage.policy.windows.max_ahead_seconds
-        rejections: list[Rejection] = []
-        late: list[float] = []
-        closed: list[SliceBatch] = []
+        # lists only once something lands in them: most records are folded and close nothing
+        rejections: list[Rejection] | tuple = ()
+        late: list[float] | tuple = ()
+        closed: list[SliceBatch] | tuple = ()
         for item in items:
             if type(item) is Rejection:
                 rejection = item
@@ -104,11 +108,24 @@ class Ingest:
                     rejection = stage.add(item)
             if rejection is not None:
                 self.rejected.add(rejection)
+                if not rejections:
+                    rejections = []
                 rejections.append(rejection)
                 continue
             if stage.late_records != late_records:
+                if not late:
+                    late = []
                 late.append(item.ts)
             if seen is not None and item.kind != "shadow":
                 seen[item.worker] = now
-            closed += stage.close_ready()
+            ready = stage.close_ready()
+            if ready:
+                if on_closed is not None:
+                    on_closed(ready)
+                elif closed:
+                    closed += ready
+                else:
+                    closed = ready
+        if not (rejections or late or closed):
+            return _NOTHING
         return Ingested(rejections, late, closed)
