@@ -129,7 +129,7 @@ class BaselinePool:
         mine = self.buckets.get(bucket)
         if mine is None:
             mine = self.buckets[bucket] = SliceStats()
-        mine.merge(stats)
+        mine.merge(stats, samples=False)  # what a quiet key borrows is read for quantiles only
         self.bundle.merge(stats, sketches=False)  # across buckets, only counts mean the same
 
     def borrow(self, bucket: str, min_requests: int) -> tuple[SliceStats | None, str]:
@@ -243,7 +243,7 @@ class BaselineLearner:
             return
         if self._start is None:
             self._start = slice_end
-        self._acc.merge(stats)
+        self._acc.merge(stats, samples=False)
         if not self.acceptance_ready and stats.verify_ms > 0:
             self._draft_costs.append(stats.draft_to_verify)
             if stats.drafted_tokens:

@@ -240,9 +240,26 @@ class _Windowed:
         self.history: deque[tuple[float, SliceStats]] = deque(maxlen=size)
         self.floor = -math.inf
         self._last_window: tuple[tuple, tuple[SliceStats, float, float]] | None = None
+        self._count_requests()
+
+    def _count_requests(self) -> None:
+        """A running count of finished requests beside the history: the requests of the last
+        k slices are ``_requests_pushed - _requests_before[-k]``, without a walk over them."""
+        self._requests_before: deque[int] = deque(maxlen=self.history.maxlen)
+        self._requests_pushed = 0
+        for _, stats in self.history:
+            self._requests_before.append(self._requests_pushed)
+            self._requests_pushed += stats.requests
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "_requests_before" not in state:  # a checkpoint written before the running count
+            self._count_requests()
 
     def push(self, slice_end: float, stats: SliceStats) -> None:
         self.history.append((slice_end, stats))
+        self._requests_before.append(self._requests_pushed)
+        self._requests_pushed += stats.requests
 
     def window(self, slices: int, sketches: bool = True, trim=None) -> tuple[SliceStats, float, float]:
         """The last ``slices`` slices merged (without latency sketches if not needed).
@@ -271,6 +288,9 @@ class _Windowed:
         window's evidence is only as broad as the requests in it; None when even the widest
         window has too few finished requests.
         """
+        newest = min(max_slices, len(self.history))
+        if not newest or self._requests_pushed - self._requests_before[-newest] < min_requests:
+            return None  # not even the widest window holds enough: a quiet key's usual answer, in O(1)
         count, requests = 0, 0
         for end, stats in reversed(self.history):
             if end <= self.floor or count >= max_slices:

@@ -10,7 +10,6 @@ import base64
 import heapq
 import math
 import zlib
-from functools import partial
 from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -62,8 +61,12 @@ _first = itemgetter(0)
 
 def sample_record(sample: dict) -> dict:
     """The telemetry record a kept sample stands for, without the ranking it was kept by."""
-    lazy = sample.get("_lazy")
-    record = lazy() if lazy is not None else sample
+    make = sample.get("_make")
+    if make is not None:
+        record = make(sample["_item"])
+    else:
+        lazy = sample.get("_lazy")  # as a checkpoint written before "_make" holds it
+        record = lazy() if lazy is not None else sample
     return {k: v for k, v in record.items() if not k.startswith("_")}
 
 
@@ -74,6 +77,18 @@ def ratio(numerator: float, denominator: float) -> float:
     (1.5, True)
     """
     return numerator / denominator if denominator else math.nan
+
+
+# summary() field names of each latency sketch's quantiles, in (ttft, tpot, e2e) order
+_QUANTILE_FIELDS = tuple(tuple(f"{metric}_{name}" for name in ("p50", "p95", "p99")) for metric in ("ttft", "tpot", "e2e"))
+
+
+def _merged_sketch(mine: LatencySketch | None, theirs: LatencySketch) -> LatencySketch:
+    """``mine`` with ``theirs`` added in, or a copy of ``theirs`` when there is none yet."""
+    if mine is None:
+        return theirs.copy()
+    mine.merge(theirs)
+    return mine
 
 
 def _add_lists(into: list[int], other: list[int]) -> None:
@@ -233,32 +248,38 @@ class SliceStats:
         ['r2', 'r1']
         """
         quota = SAMPLE_KINDS[kind]
-        chosen = heapq.nsmallest(quota, candidates, key=_first)
+        chosen = sorted(candidates, key=_first) if len(candidates) <= quota else heapq.nsmallest(quota, candidates, key=_first)
         if not chosen:
             return
-        # built only when a decision or a partials message needs them (`sample_record`)
-        fresh = [{"_rank": list(rank), "_lazy": partial(make, item)} for rank, item in chosen]
+        # built only when a decision or a partials message needs them (`sample_record`); the
+        # builder and its item sit in the sample itself, with no closure per sample to keep
+        fresh = [{"_rank": list(rank), "_make": make, "_item": item} for rank, item in chosen]
         mine = self.samples.get(kind)
         self.samples[kind] = fresh if mine is None else _merge_ranked(mine, fresh, quota)
 
     # -- merging ---------------------------------------------------------------------
-    def merge(self, other: "SliceStats", sketches: bool = True) -> None:
+    def merge(self, other: "SliceStats", sketches: bool = True, samples: bool = True) -> None:
         """Add ``other``'s counts in; ``sketches=False`` skips latency sketches and samples.
 
         Gates that read only counts (acceptance, cost) merge without sketches: the
-        sketches are most of a merge's cost, and the counts come out the same.
+        sketches are most of a merge's cost, and the counts come out the same. What only
+        reads counts and quantiles (a baseline being learned) merges with ``samples=False``.
         """
-        self.max_ts = max(self.max_ts, other.max_ts)
+        if other.max_ts > self.max_ts:
+            self.max_ts = other.max_ts
         self.steps += other.steps
         self.rounds += other.rounds
         self.plain_entries += other.plain_entries
         self.drafted_tokens += other.drafted_tokens
         self.accepted_tokens += other.accepted_tokens
-        _add_lists(self.accepted_at_least, other.accepted_at_least)
-        _add_lists(self.drafted_at_least, other.drafted_at_least)
+        if other.accepted_at_least:
+            _add_lists(self.accepted_at_least, other.accepted_at_least)
+        if other.drafted_at_least:
+            _add_lists(self.drafted_at_least, other.drafted_at_least)
         self.draft_ms += other.draft_ms
         self.verify_ms += other.verify_ms
-        self.kv_peak = max(self.kv_peak, other.kv_peak)
+        if other.kv_peak > self.kv_peak:
+            self.kv_peak = other.kv_peak
         self.requests += other.requests
         self.speculative_requests += other.speculative_requests
         self.errors += other.errors
@@ -267,18 +288,16 @@ class SliceStats:
         self.shadow_mismatches += other.shadow_mismatches
         if not sketches:
             return
-        for name in ("ttft", "tpot", "e2e"):
-            theirs = getattr(other, name)
-            if theirs is None:
-                continue
-            mine = getattr(self, name)
-            if mine is None:
-                setattr(self, name, theirs.copy())
-            else:
-                mine.merge(theirs)
-        for kind, theirs in other.samples.items():
-            mine = self.samples.get(kind)
-            self.samples[kind] = list(theirs) if mine is None else _merge_ranked(mine, theirs, SAMPLE_KINDS[kind])
+        if other.ttft is not None:
+            self.ttft = _merged_sketch(self.ttft, other.ttft)
+        if other.tpot is not None:
+            self.tpot = _merged_sketch(self.tpot, other.tpot)
+        if other.e2e is not None:
+            self.e2e = _merged_sketch(self.e2e, other.e2e)
+        if samples and other.samples:
+            for kind, theirs in other.samples.items():
+                mine = self.samples.get(kind)
+                self.samples[kind] = list(theirs) if mine is None else _merge_ranked(mine, theirs, SAMPLE_KINDS[kind])
 
     def copy(self) -> "SliceStats":
         out = SliceStats()
@@ -347,9 +366,11 @@ class SliceStats:
             "shadow_checks": self.shadow_checks,
             "shadow_mismatches": self.shadow_mismatches,
         }
-        for metric in ("ttft", "tpot", "e2e"):
-            for q, name in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
-                out[f"{metric}_{name}"] = self.quantile(metric, q)
+        for (p50, p95, p99), sketch in zip(_QUANTILE_FIELDS, (self.ttft, self.tpot, self.e2e)):
+            if sketch is None:
+                out[p50] = out[p95] = out[p99] = math.nan
+            else:
+                out[p50], out[p95], out[p99] = sketch.quantile(0.5), sketch.quantile(0.95), sketch.quantile(0.99)
         return out
 
     # -- serialization for changelog-backed tables and partial-aggregate messages -------

@@ -466,6 +466,7 @@ class Stage2:
     def _finalize(self, index: int, by_source: dict[str, list[SliceBatch]]) -> SliceOutput:
         slice_end = (index + 1) * self._slice_s
         merged: dict[Key, SliceStats] = {}
+        copied: set[Key] = set()  # keys whose merged stats are this slice's own, not a batch's partial
         events: list[dict] = []
         late = 0
         seen_events = set()
@@ -473,10 +474,17 @@ class Stage2:
             for batch in by_source[source]:
                 late += batch.late_records
                 for key, stats in batch.partials.items():
-                    if key in merged:
-                        merged[key].merge(stats)
-                    else:
-                        merged[key] = stats.copy()
+                    mine = merged.get(key)
+                    if mine is None:
+                        # a key one partial holds (the usual case) takes that partial as it is;
+                        # a batch's partials are never written to, so it is copied once a
+                        # second partial of the same key has to be added in
+                        merged[key] = stats
+                        continue
+                    if key not in copied:
+                        copied.add(key)
+                        mine = merged[key] = mine.copy()
+                    mine.merge(stats)
                 for event in batch.events:
                     ident = (event["type"], event["ts"], event.get("worker"), event.get("id"), event.get("bundle_id"))
                     # a card re-sent (cards are never deduplicated by stage 1), or an event read

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from specwatch.bench.broker import OwnBroker
+from specwatch.bench.keys import bench_keys, step_lines
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
@@ -43,6 +44,7 @@ TARGETS = {
     "engine_on_over_off": 1.02,
     "capture_share_of_collector": 0.05,
     "state_bytes_per_key": 64 * 1024,
+    "us_per_key_slice": 10.0,
     "archive_rows_per_s": 300_000,
     "replay_70mb_s": 10.0,
 }
@@ -424,24 +426,8 @@ def _time_json_loads(path: Path) -> float:
 
 
 def _growth_lines(keys: int, slices: int, requests_per_step: int = 16) -> tuple[list[bytes], int]:
-    bundle = next(r for r in Simulator("healthy", seed=_SEED, minutes=0.01).records() if r.kind == "bundle")
-    lines = [encode_record(bundle).encode()]
-    steps_per_slice = max(20, -(-keys // requests_per_step))
-    rounds, seq, k = 0, 0, 0
-    for s in range(slices):
-        for i in range(steps_per_slice):
-            ts = bundle.ts + s + i / steps_per_slice
-            requests = []
-            for _ in range(requests_per_step):
-                requests.append({"id": f"r{seq}-{k}", "bucket": f"bucket{k % keys}", "cohort": "main",
-                                 "drafted": 4, "accepted": (seq + k) % 5})
-                k += 1
-            lines.append(json.dumps({"kind": "step", "v": 1, "ts": ts, "worker": "w1", "seq": seq,
-                                     "bundle_id": bundle.bundle_id, "draft_ms": 1.0, "verify_ms": 10.0,
-                                     "kv_usage": 0.5, "requests": requests}).encode())
-            rounds += requests_per_step
-            seq += 1
-    return lines, rounds
+    """Steps of ``requests_per_step`` over ``keys`` keys, at least 20 steps a slice."""
+    return step_lines(keys, slices, requests_per_step * max(20, -(-keys // requests_per_step)), requests_per_step)
 
 
 def bench_growth(quick: bool, smoke: bool) -> list[dict]:
@@ -601,6 +587,12 @@ def _targets(report: dict) -> list[dict]:
     worst = max(r["state_bytes_per_key"] for r in report["growth"] if r["keys"] >= 10)
     rows.append({"target": "state bytes per key (worst, >= 10 keys)", "goal": TARGETS["state_bytes_per_key"],
                  "measured": worst, "met": worst <= TARGETS["state_bytes_per_key"]})
+    keys = report.get("keys")
+    if isinstance(keys, dict) and "curve" in keys:
+        widest = keys["curve"][-1]
+        rows.append({"target": f"us per key-slice at {widest['keys']:,} keys (1 round per key-slice)",
+                     "goal": TARGETS["us_per_key_slice"], "measured": widest["us_per_key_slice"],
+                     "met": widest["us_per_key_slice"] <= TARGETS["us_per_key_slice"]})
     archive = report["archive"]
     rows.append({"target": "archive rows/s", "goal": TARGETS["archive_rows_per_s"],
                  "measured": archive["sink_rows_per_s"],
@@ -623,7 +615,8 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
     """
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                           "load_average": os.getloadavg(), "quick": quick, "smoke": smoke}}
-    wanted = set(sections) or {"stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth", "metrics"}
+    wanted = set(sections) or {"stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth", "keys",
+                               "metrics"}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         broker_error = None
         if bootstrap:
@@ -643,6 +636,7 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
                  ("archive", lambda: bench_archive(quick, smoke)),
                  ("replay", lambda: bench_replay(quick, smoke, Path(tmp))),
                  ("growth", lambda: bench_growth(quick, smoke)),
+                 ("keys", lambda: bench_keys(quick, smoke)),
                  ("metrics", lambda: bench_metrics(quick, smoke)),
                  ("kafka", lambda: bench_kafka(bootstrap, quick, smoke) if bootstrap else {"error": broker_error})]
         for name, fn in steps:
@@ -657,7 +651,16 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
 
 
 def plot_report(report: dict, path: str | os.PathLike) -> None:
-    """Rounds/s per core of the fast, reference and per-round paths, and growth with keys, as a PNG."""
+    """Rounds/s per core of the fast, reference and per-round paths, and growth with keys, as a PNG.
+
+    With a keys section, its picture goes beside it: ``benchmarks.png`` -> ``benchmarks-keys.png``.
+    """
+    if isinstance(report.get("keys"), dict) and "curve" in report["keys"]:
+        from specwatch.bench.keys import plot_keys
+
+        plot_keys(report["keys"], Path(path).with_name(f"{Path(path).stem}-keys.png"))
+    if not (isinstance(report.get("stream"), list) and isinstance(report.get("growth"), list)):
+        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -20,9 +20,11 @@ def register(subparsers) -> None:
                         help="Kafka broker for the end-to-end section and the export section's direct path "
                              "(default: a broker of this run's own, started with deploy/kafka/broker.sh)")
     parser.add_argument("--section", action="append", default=[],
-                        choices=("stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth", "metrics"),
+                        choices=("stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth", "keys",
+                                 "metrics"),
                         help="run only these sections (repeatable)")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw the stream and growth figures")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw the stream and growth figures, and the keys figure beside them (FILE-keys.png)")
     parser.set_defaults(func=_run)
 
 
@@ -31,7 +33,7 @@ def _run(args) -> int:
 
     report = run_bench(quick=args.quick, smoke=args.smoke, bootstrap=args.bootstrap,
                        sections=tuple(args.section), log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    if args.plot and isinstance(report.get("stream"), list) and isinstance(report.get("growth"), list):
+    if args.plot:
         plot_report(report, args.plot)
     if args.json:
         print(json.dumps(report, sort_keys=True, default=float))
@@ -51,6 +53,11 @@ def _run(args) -> int:
     for row in report.get("growth", []) if isinstance(report.get("growth"), list) else []:
         print(f"growth {row['keys']:>6} keys: {row['fast_rounds_per_s']:>11,.0f} rounds/s, "
               f"{row['state_bytes_per_key']:>9,.0f} B/key")
+    keys = report.get("keys")
+    for row in keys.get("curve", []) if isinstance(keys, dict) else []:
+        print(f"keys {row['keys']:>6}, 1 round per key-slice: {row['rounds_per_s']:>9,.0f} rounds/s, "
+              f"{row['us_per_key_slice']:6.1f} us per key-slice ({row['stage2_us_per_key_slice']:.1f} in stage 2), "
+              f"x{row['over_one_key_rate']:.3f} of the 1-key rate ({keys['one_key_rounds_per_s']:,.0f})")
     for row in report.get("targets", []):
         print(f"target {row['target']}: {row['measured']:,.2f} ({row['goal_is']} {row['goal']:,}) "
               f"{'met' if row['met'] else 'NOT met'}")

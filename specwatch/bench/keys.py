@@ -1,0 +1,206 @@
+"""The keys section of `specwatch bench`: what one (bundle, bucket, cohort) key costs per slice.
+
+Every key gets exactly one round per 1 s slice, in steps of up to 16 requests, so a run of
+N keys and S slices holds N x S key-slices and as many rounds. Each key count is measured
+three ways, over the same records:
+
+- **pipeline**: decode (fast path) + stage 1 + stage 2 + detectors, as `bench_growth` runs it;
+- **stage 2**: stage 2 and the detectors alone, fed the batches stage 1 closed (built once,
+  outside the timing): the per-key work this section is about;
+- **stage 2, collector off**: the same with Python's cyclic garbage collector paused, which
+  shows how much of the per-key cost is the collector walking every key's retained slices.
+
+Beside them, in the same run: the 1-key rate of the stream processor (one key, 16 requests
+per step, 20 steps per slice), and what keys with no traffic cost (stage 2 knowing 10,000
+keys of which one has traffic, against stage 2 knowing that one key only).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from typing import Callable
+
+from specwatch.schemas import Policy
+from specwatch.schemas.codec import encode_record
+from specwatch.schemas.fastdecode import decode_line_fast
+from specwatch.simulation.simulator import Simulator
+from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.ingest import Ingest
+from specwatch.streams.topology import SliceBatch, Stage1, Stage2
+
+__all__ = ["step_lines", "bench_keys", "plot_keys"]
+
+_SEED = 17
+_REQUESTS_PER_STEP = 16
+# The 1-key alternative: the stream section's shape (16 requests per step, 20 steps a slice).
+_ONE_KEY_ROUNDS_PER_SLICE = 20 * _REQUESTS_PER_STEP
+_IDLE_KEYS = 10_000
+
+
+def step_lines(keys: int, slices: int, rounds_per_slice: int,
+               requests_per_step: int = _REQUESTS_PER_STEP) -> tuple[list[bytes], int]:
+    """A bundle card, then ``slices`` 1 s slices of step records: ``rounds_per_slice`` rounds
+    each, in steps of up to ``requests_per_step``, the n-th round of the run on key
+    ``bucket{n % keys}``. With ``rounds_per_slice == keys`` every key has one round a slice.
+
+    >>> lines, rounds = step_lines(keys=20, slices=2, rounds_per_slice=20)
+    >>> len(lines), rounds, [len(json.loads(line)["requests"]) for line in lines[1:3]]
+    (5, 40, [16, 4])
+    """
+    bundle = next(r for r in Simulator("healthy", seed=_SEED, minutes=0.01).records() if r.kind == "bundle")
+    lines = [encode_record(bundle).encode()]
+    steps_per_slice = -(-rounds_per_slice // requests_per_step)
+    rounds, seq, k = 0, 0, 0
+    for s in range(slices):
+        left = rounds_per_slice
+        for i in range(steps_per_slice):
+            ts = bundle.ts + s + i / steps_per_slice
+            requests = []
+            for _ in range(min(requests_per_step, left)):
+                requests.append({"id": f"r{seq}-{k}", "bucket": f"bucket{k % keys}", "cohort": "main",
+                                 "drafted": 4, "accepted": (seq + k) % 5})
+                k += 1
+            left -= len(requests)
+            lines.append(json.dumps({"kind": "step", "v": 1, "ts": ts, "worker": "w1", "seq": seq,
+                                     "bundle_id": bundle.bundle_id, "draft_ms": 1.0, "verify_ms": 10.0,
+                                     "kv_usage": 0.5, "requests": requests}).encode())
+            rounds += len(requests)
+            seq += 1
+    return lines, rounds
+
+
+def _cpu(fn: Callable[[], object], collector: bool = True) -> float:
+    """CPU seconds of ``fn()``, after a full collection; ``collector=False`` pauses the cyclic collector."""
+    gc.collect()
+    if not collector:
+        gc.disable()
+    try:
+        start = time.process_time()
+        fn()
+        return max(time.process_time() - start, 1e-9)
+    finally:
+        gc.enable()
+
+
+def _pipeline(lines: list[bytes]) -> None:
+    pipeline = EmbeddedPipeline(decode=decode_line_fast)
+    for line in lines:
+        pipeline.feed_line(line)
+    pipeline.finish()
+
+
+def _closed_batches(lines: list[bytes]) -> list[SliceBatch]:
+    """The batches stage 1 closes for ``lines``, all of them (stage 2 reads them, never writes them)."""
+    stage = Stage1(Policy(), source="bench")
+    ingest = Ingest(stage, decode_line_fast)
+    batches: list[SliceBatch] = []
+    for line in lines:
+        batches.extend(ingest(line).closed)
+    batches.extend(stage.close_ready(final=True))
+    return batches
+
+
+def _stage2(batches: list[SliceBatch]) -> Stage2:
+    stage = Stage2(Policy())
+    for batch in batches:
+        stage.add(batch)
+    stage.flush()
+    return stage
+
+
+def _idle_keys(idle: int, slices: int) -> dict:
+    """Stage 2 per slice with one busy key, knowing ``idle`` more keys (one slice of all) or none.
+
+    The busy key's steps come from a second worker, from the slice after the one that
+    introduced every key; ``key_updates`` count the keys stage 2 judged (window rows).
+    """
+    warm, _ = step_lines(idle, 1, idle)
+    busy, _ = step_lines(1, slices + 1, 1)
+    later = [json.dumps({**json.loads(line), "worker": "w2"}).encode() for line in busy[2:]]
+    first_slice = int(json.loads(warm[1])["ts"])
+
+    def run(lines: list[bytes]) -> tuple[float, int]:
+        batches = _closed_batches(lines)
+        stage = _stage2([b for b in batches if b.slice_index <= first_slice])
+        gc.collect()
+        updates = 0
+        start = time.process_time()
+        for batch in batches:
+            if batch.slice_index > first_slice:
+                updates += sum(len(output.window_rows) for output in stage.add(batch))
+        updates += sum(len(output.window_rows) for output in stage.flush())
+        return time.process_time() - start, updates
+
+    timings: dict[str, list[tuple[float, int]]] = {"all": [], "one": []}
+    for turn in range(3):  # alternated, so load falls on both alike
+        for name in (("all", "one") if turn % 2 == 0 else ("one", "all")):
+            timings[name].append(run(warm + later if name == "all" else busy[:1] + later))
+    all_s, all_updates = min(timings["all"])
+    one_s, one_updates = min(timings["one"])
+    return {"idle_keys": idle, "slices": slices, "us_per_slice_with_idle_keys": all_s / slices * 1e6,
+            "us_per_slice_without": one_s / slices * 1e6, "with_over_without": all_s / max(one_s, 1e-9),
+            "key_updates_with_idle_keys": all_updates, "key_updates_without": one_updates}
+
+
+def bench_keys(quick: bool, smoke: bool) -> dict:
+    """Rounds/s and us per key-slice at 1 .. 10,000 keys with one round per key-slice, beside the 1-key rate."""
+    sizes = (1, 10, 100) if smoke else (1, 10, 100, 1_000, 10_000)
+    slices = 4 if smoke else 12
+    repeats = 1 if smoke or quick else 2
+    one_key_lines, one_key_rounds = step_lines(1, slices, _ONE_KEY_ROUNDS_PER_SLICE)
+    one_key: list[float] = []
+    curve = []
+    for keys in sizes:
+        lines, rounds = step_lines(keys, slices, keys)
+        batches = _closed_batches(lines)
+        pipeline, stage2, stage2_off = [], [], []
+        for turn in range(repeats):  # the 1-key run between them, so load falls on both alike
+            pipeline.append(_cpu(lambda: _pipeline(lines)))
+            one_key.append(_cpu(lambda: _pipeline(one_key_lines)))
+            stage2.append(_cpu(lambda: _stage2(batches)))
+            stage2_off.append(_cpu(lambda: _stage2(batches), collector=False))
+        key_slices = keys * slices
+        curve.append({"keys": keys, "slices": slices, "rounds": rounds, "key_slices": key_slices,
+                      "rounds_per_s": rounds / min(pipeline),
+                      "us_per_key_slice": min(pipeline) / key_slices * 1e6,
+                      "stage2_us_per_key_slice": min(stage2) / key_slices * 1e6,
+                      "stage2_collector_off_us_per_key_slice": min(stage2_off) / key_slices * 1e6})
+    one_key_rate = one_key_rounds / min(one_key)
+    for row in curve:
+        row["over_one_key_rate"] = row["rounds_per_s"] / one_key_rate
+    return {"curve": curve, "one_key_rounds_per_s": one_key_rate,
+            "one_key_rounds_per_slice": _ONE_KEY_ROUNDS_PER_SLICE,
+            "idle_keys": _idle_keys(500 if smoke else _IDLE_KEYS, 4 if smoke else 20)}
+
+
+def plot_keys(keys: dict, path) -> None:
+    """Rounds/s and us per key-slice against keys (log scale), with the 1-key rate, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = keys["curve"]
+    counts = [row["keys"] for row in curve]
+    fig, left = plt.subplots(figsize=(6.5, 4.2))
+    left.plot(counts, [row["rounds_per_s"] / 1e3 for row in curve], "o-", label="k rounds/s, 1 round per key-slice")
+    left.axhline(keys["one_key_rounds_per_s"] / 1e3, color="tab:gray", linestyle=":",
+                 label=f"1 key, {keys['one_key_rounds_per_slice']} rounds a slice")
+    left.set_xscale("log")
+    left.set_xlabel("(bundle, bucket, cohort) keys")
+    left.set_ylabel("thousand rounds/s per core")
+    right = left.twinx()
+    right.plot(counts, [row["us_per_key_slice"] for row in curve], "s--", color="tab:red", label="us per key-slice")
+    right.plot(counts, [row["stage2_us_per_key_slice"] for row in curve], "^:", color="tab:purple",
+               label="us per key-slice, stage 2 alone")
+    right.axhline(10.0, color="tab:red", linestyle="-", linewidth=0.6, label="goal: 10 us per key-slice")
+    right.set_yscale("log")
+    right.set_ylabel("us per key-slice (log)", color="tab:red")
+    handles = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    left.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper center")
+    left.set_title("cost per key as keys grow (decode + stage 1 + stage 2 + detectors)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
