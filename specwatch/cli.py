@@ -11,6 +11,7 @@ import sys
 
 from specwatch import __version__, commands
 from specwatch.commands._arguments import CommandError
+from specwatch.streams.gc_policy import tune_collector
 
 __all__ = ["main", "build_parser", "archive_problem"]
 
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    tune_collector()  # every command folds or reads many keys' slices: see streams/gc_policy.py
     problem = archive_problem(args, os.environ)
     if problem is not None:
         print(f"specwatch {args.command}: {problem}", file=sys.stderr)

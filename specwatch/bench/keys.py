@@ -10,6 +10,10 @@ three ways, over the same records:
 - **stage 2, collector off**: the same with Python's cyclic garbage collector paused, which
   shows how much of the per-key cost is the collector walking every key's retained slices.
 
+Every figure runs with the collector thresholds specwatch's commands set
+(`streams/gc_policy.py`); the pipeline also runs with CPython's default thresholds, alternated
+with the rest, as the alternative they replace.
+
 Beside them, in the same run: the 1-key rate of the stream processor (one key, 16 requests
 per step, 20 steps per slice), and what keys with no traffic cost (stage 2 knowing 10,000
 keys of which one has traffic, against stage 2 knowing that one key only).
@@ -27,6 +31,7 @@ from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import decode_line_fast
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.gc_policy import STREAM_THRESHOLDS
 from specwatch.streams.ingest import Ingest
 from specwatch.streams.topology import SliceBatch, Stage1, Stage2
 
@@ -37,6 +42,7 @@ _REQUESTS_PER_STEP = 16
 # The 1-key alternative: the stream section's shape (16 requests per step, 20 steps a slice).
 _ONE_KEY_ROUNDS_PER_SLICE = 20 * _REQUESTS_PER_STEP
 _IDLE_KEYS = 10_000
+_CPYTHON_THRESHOLDS = (700, 10, 10)  # the interpreter's own: what a process runs with untuned
 
 
 def step_lines(keys: int, slices: int, rounds_per_slice: int,
@@ -71,17 +77,21 @@ def step_lines(keys: int, slices: int, rounds_per_slice: int,
     return lines, rounds
 
 
-def _cpu(fn: Callable[[], object], collector: bool = True) -> float:
-    """CPU seconds of ``fn()``, after a full collection; ``collector=False`` pauses the cyclic collector."""
+def _cpu(fn: Callable[[], object], thresholds: tuple[int, int, int] | None = STREAM_THRESHOLDS) -> float:
+    """CPU seconds of ``fn()`` after a full collection, the cyclic collector at ``thresholds`` (None: off)."""
     gc.collect()
-    if not collector:
+    before = gc.get_threshold()
+    if thresholds is None:
         gc.disable()
+    else:
+        gc.set_threshold(*thresholds)
     try:
         start = time.process_time()
         fn()
         return max(time.process_time() - start, 1e-9)
     finally:
         gc.enable()
+        gc.set_threshold(*before)
 
 
 def _pipeline(lines: list[bytes]) -> None:
@@ -155,22 +165,24 @@ def bench_keys(quick: bool, smoke: bool) -> dict:
     for keys in sizes:
         lines, rounds = step_lines(keys, slices, keys)
         batches = _closed_batches(lines)
-        pipeline, stage2, stage2_off = [], [], []
-        for turn in range(repeats):  # the 1-key run between them, so load falls on both alike
+        pipeline, default, stage2, stage2_off = [], [], [], []
+        for turn in range(repeats):  # alternated, the 1-key run among them, so load falls on all alike
             pipeline.append(_cpu(lambda: _pipeline(lines)))
             one_key.append(_cpu(lambda: _pipeline(one_key_lines)))
+            default.append(_cpu(lambda: _pipeline(lines), _CPYTHON_THRESHOLDS))
             stage2.append(_cpu(lambda: _stage2(batches)))
-            stage2_off.append(_cpu(lambda: _stage2(batches), collector=False))
+            stage2_off.append(_cpu(lambda: _stage2(batches), None))
         key_slices = keys * slices
         curve.append({"keys": keys, "slices": slices, "rounds": rounds, "key_slices": key_slices,
                       "rounds_per_s": rounds / min(pipeline),
                       "us_per_key_slice": min(pipeline) / key_slices * 1e6,
+                      "us_per_key_slice_default_collector": min(default) / key_slices * 1e6,
                       "stage2_us_per_key_slice": min(stage2) / key_slices * 1e6,
                       "stage2_collector_off_us_per_key_slice": min(stage2_off) / key_slices * 1e6})
     one_key_rate = one_key_rounds / min(one_key)
     for row in curve:
         row["over_one_key_rate"] = row["rounds_per_s"] / one_key_rate
-    return {"curve": curve, "one_key_rounds_per_s": one_key_rate,
+    return {"curve": curve, "one_key_rounds_per_s": one_key_rate, "collector_thresholds": list(STREAM_THRESHOLDS),
             "one_key_rounds_per_slice": _ONE_KEY_ROUNDS_PER_SLICE,
             "idle_keys": _idle_keys(500 if smoke else _IDLE_KEYS, 4 if smoke else 20)}
 
