@@ -6,6 +6,7 @@ The pipeline writes it, `specwatch query`, `specwatch flags` and postmortems rea
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 
 from specwatch.actions.flags import FlagStore
-from specwatch.archive.client import connect
+from specwatch.archive.client import ArrowInsert, connect, server_insert
 from specwatch.archive.columns import (AUDIT, BUNDLE_SIGHTINGS, BUNDLE_STAGES, BUNDLES, DECISIONS,
                                        DEFAULT_SEALED_RETENTION_DAYS, OVERRIDES, REJECTIONS, REPRODUCTIONS,
                                        SAMPLES, SEALED_SAMPLES, TABLES, WINDOW_ADDED, WINDOW_STATS,
@@ -87,6 +88,9 @@ class Archive(PostmortemQueries):
         self.sample_text = sample_text
         self.sealed_retention_days = DEFAULT_SEALED_RETENTION_DAYS
         self._client = client
+        # How Arrow tables reach the engine: set by `open` from the DSN (in memory into chDB,
+        # HTTP into a server); a client passed in is written through its own insert_arrow.
+        self._insert_arrow: ArrowInsert = functools.partial(server_insert, client)
         self._db = database
         self._label = f"{type(client).__name__}/{database}"
         self._release: Callable[[], None] | None = None
@@ -107,8 +111,9 @@ class Archive(PostmortemQueries):
         sample_text = sample_text_mode(environ, sample_text)
         retention_days = _retention_days(environ)
         location, password = parse_archive_dsn(dsn or archive_dsn(environ))
-        client, release = connect(location, password, create=create, environ=environ)
+        client, insert_arrow, release = connect(location, password, create=create, environ=environ)
         archive = cls(client, location.database, sample_text)
+        archive._insert_arrow = insert_arrow
         archive.sealed_retention_days = retention_days
         archive._label = location.label
         archive._release = release
@@ -439,7 +444,7 @@ class Archive(PostmortemQueries):
 
     def _insert_table(self, table: Table, data: pa.Table) -> None:
         with self._lock:
-            self._client.insert_arrow(f"{self._db}.{table.name}", data, settings=_INSERT_SETTINGS)
+            self._insert_arrow(f"{self._db}.{table.name}", data, _INSERT_SETTINGS)
 
     def _select(self, sql: str, parameters: Mapping[str, Any] | None = None) -> list[dict]:
         with self._lock:
