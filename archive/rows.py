@@ -228,7 +228,8 @@ def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
     """
     count = len(rows)
     try:
-        summary = np.array(list(map(_ROW_SUMMARY, rows)), dtype=np.float64).reshape(count, len(WINDOW_SUMMARY_FIELDS))
+        summary = np.fromiter(itertools.chain.from_iterable(map(_ROW_SUMMARY, rows)), dtype=np.float64,
+                              count=count * len(WINDOW_SUMMARY_FIELDS)).reshape(count, len(WINDOW_SUMMARY_FIELDS))
         own = np.fromiter(itertools.chain.from_iterable(map(_ROW_NUMBER_VALUES, rows)), dtype=np.float64,
                           count=count * len(_ROW_NUMBERS)).reshape(count, len(_ROW_NUMBERS))
     except (TypeError, ValueError):
