@@ -47,8 +47,8 @@ def connect(location: ArchiveLocation, password: str | None, *, create: bool,
             raise ArchiveNotFoundError(f"no archive at {location.label}")
         if create:
             os.makedirs(location.path, exist_ok=True)
-        client, engine = _CHDB_CLIENTS.acquire(location.path)
-        return client, functools.partial(_chdb_insert, engine), functools.partial(_CHDB_CLIENTS.release, client)
+        client, engine, lock = _CHDB_CLIENTS.acquire(location.path)
+        return client, functools.partial(_chdb_insert, engine, lock), functools.partial(_CHDB_CLIENTS.release, client)
     import clickhouse_connect  # heavy; only archive users pay for it
 
     username = location.username or environ.get(_USER_ENV) or "default"
@@ -72,7 +72,7 @@ def server_insert(client: Any, table: str, data: Any, settings: Mapping[str, Any
     client.insert_arrow(table, data, settings=dict(settings))
 
 
-def _chdb_insert(engine: Any, table: str, data: Any, settings: Mapping[str, Any]) -> None:
+def _chdb_insert(engine: Any, lock: threading.Lock, table: str, data: Any, settings: Mapping[str, Any]) -> None:
     """An Arrow table into the chDB engine in memory: ``Python(data)`` reads the table's
     buffers where they are (clickhouse-connect's chDB ``insert_arrow`` writes an IPC file and
     inserts it ``FROM INFILE``)."""
@@ -81,8 +81,9 @@ def _chdb_insert(engine: Any, table: str, data: Any, settings: Mapping[str, Any]
     names = ", ".join(data.schema.names)
     clause = ", ".join(f"{name} = {int(value)}" for name, value in settings.items())
     try:
-        engine.query(f"INSERT INTO {table} ({names}) {'SETTINGS ' + clause + ' ' if clause else ''}"
-                     "SELECT * FROM Python(data)")
+        with lock:  # one statement at a time on the shared handle, as clickhouse-connect does on its own
+            engine.query(f"INSERT INTO {table} ({names}) {'SETTINGS ' + clause + ' ' if clause else ''}"
+                         "SELECT * FROM Python(data)")
     except RuntimeError as exc:  # what the engine refuses, as the client would have raised it
         raise DatabaseError(str(exc).strip()) from exc
 
@@ -100,10 +101,12 @@ class _ChdbClients:
         self._path: str | None = None
         self._client: Any = None
         self._engine: Any = None
+        self._engine_lock = threading.Lock()
         self._users = 0
 
-    def acquire(self, path: str) -> tuple[Any, Any]:
-        """The clickhouse-connect client on ``path`` and a chDB connection of its own for inserts."""
+    def acquire(self, path: str) -> tuple[Any, Any, threading.Lock]:
+        """The clickhouse-connect client on ``path``, a chDB connection of its own for inserts and
+        the lock every insert on that connection takes."""
         path = os.path.realpath(path)
         with self._lock:
             if self._client is not None:
@@ -112,7 +115,7 @@ class _ChdbClients:
                         f"chDB hosts one archive per process: {self._path} is open here, so "
                         f"{path} cannot be; close the other archive or use another process")
                 self._users += 1
-                return self._client, self._engine
+                return self._client, self._engine, self._engine_lock
             import clickhouse_connect  # heavy; only archive users pay for it
 
             # Both asked first: the engine would print its own error straight to stderr.
@@ -137,7 +140,7 @@ class _ChdbClients:
             # A second handle on the engine the client just started (chDB allows many per path).
             engine = chdb.connect(path)
             self._path, self._client, self._engine, self._users = path, client, engine, 1
-            return client, engine
+            return client, engine, self._engine_lock
 
     def release(self, client: Any) -> None:
         with self._lock:

@@ -4,9 +4,11 @@ Every path starts from the same stage-2 rows (`SliceOutput.windows`, copied forw
 so that each copy is a slice of its own) and ends in the same table, in one run:
 
 - the sink (`ArchiveSink`, one slice at a time, as `run`, `replay` and `demo` hand it over):
-  insert columns built from the rows in one pass, handed to chDB in memory;
+  insert columns built from the rows in one pass, handed to chDB in memory, at its default
+  batch;
 - the row path it replaced: a dict per row, `window_stats_table`, and clickhouse-connect's
-  `insert_arrow`, which on chDB writes an Arrow file and inserts it ``FROM INFILE``;
+  `insert_arrow`, which on chDB writes an Arrow file and inserts it ``FROM INFILE``, at the
+  sink's batch of then (5,000 rows);
 - the writer alone, every row in one call (`Archive.write_window_rows`);
 - the engine's insert of one ready Arrow table by each transport there is (in memory
   through ``Python()``, an Arrow stream pushed through chDB's streaming insert, the file
@@ -27,8 +29,8 @@ from typing import Any, Callable
 
 __all__ = ["run_archive_bench"]
 
-# The sink's own batch: what `run`, `replay` and `demo` write with.
-_SINK_BATCH = 5000
+# The sink's batch before its rows became columns: the row path writes with it.
+_ROW_PATH_BATCH = 5000
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -76,7 +78,7 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
         engine = chdb.connect(path)
         try:
             def through_sink() -> None:
-                sink = ArchiveSink(archive, window_batch=_SINK_BATCH, spool=Path(tmp) / "spool")
+                sink = ArchiveSink(archive, spool=Path(tmp) / "spool")  # its own batch, as every command runs it
                 for output in sink_outputs:
                     sink(output)
                 sink.close()
@@ -89,7 +91,7 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
                 pending: list[dict] = []
                 for output in row_outputs:
                     pending.extend(output.window_rows)
-                    if len(pending) >= _SINK_BATCH:
+                    if len(pending) >= _ROW_PATH_BATCH:
                         legacy.write_window_stats(pending)
                         pending = []
                 legacy.write_window_stats(pending)
