@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Protocol
 from specwatch.archive.dsn import ArchiveLocation
 from specwatch.archive.errors import ArchiveError, ArchiveNotFoundError
 
-__all__ = ["ArrowInsert", "connect"]
+__all__ = ["ArrowInsert", "connect", "server_insert"]
 
 _USER_ENV = "SPECWATCH_CLICKHOUSE_USER"
 _PASSWORD_ENV = "SPECWATCH_CLICKHOUSE_PASSWORD"
@@ -79,7 +79,7 @@ def _chdb_insert(engine: Any, lock: threading.Lock, table: str, data: Any, setti
     from clickhouse_connect.driver.exceptions import DatabaseError
 
     names = ", ".join(data.schema.names)
-    clause = ", ".join(f"{name} = {int(value)}" for name, value in settings.items())
+    clause = ", ".join(f"{name} = {int(value)}" for name, value in settings.items())  # integer settings only
     try:
         with lock:  # one statement at a time on the shared handle, as clickhouse-connect does on its own
             engine.query(f"INSERT INTO {table} ({names}) {'SETTINGS ' + clause + ' ' if clause else ''}"
@@ -138,7 +138,11 @@ class _ChdbClients:
             import chdb
 
             # A second handle on the engine the client just started (chDB allows many per path).
-            engine = chdb.connect(path)
+            try:
+                engine = chdb.connect(path)
+            except Exception as exc:
+                client.close()
+                raise ArchiveError(f"cannot open the chDB archive at {path}: {exc}") from exc
             self._path, self._client, self._engine, self._users = path, client, engine, 1
             return client, engine, self._engine_lock
 

@@ -131,3 +131,15 @@ def test_a_server_dsn_gets_the_same_arrow_table_through_insert_arrow(outputs, mo
     assert table == "postmortems.window_stats" and settings == {"optimize_on_insert": 0}
     assert data.equals(window_rows_table(windows))
     assert "CREATE DATABASE IF NOT EXISTS postmortems" in server.commands
+
+
+def test_a_bad_window_row_is_refused_naming_its_row_and_column(outputs):
+    rows = [row for output in outputs[:3] for row in output.windows][:6]
+    for bad, message in ((rows[5]._replace(ts=math.nan), "window stats row 12: 'ts' is a finite slice end time, not nan"),
+                         (rows[5]._replace(drafted_at_least=[3, -1]),
+                          r"window stats row 12: 'drafted_at_least' is a list of counts, not \[3, -1\]"),
+                         (rows[5]._replace(steps=2.5), "window stats row 12: 'steps' is a count, not 2.5"),
+                         (rows[5]._replace(bundle_id=None), "window stats row 12: 'bundle_id' is a bundle id string")):
+        with pytest.raises(ValueError, match=message):
+            window_rows_table(rows[:5] + [bad], 7)
+    assert window_rows_table(rows, 7).num_rows == 6
