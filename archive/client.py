@@ -1,7 +1,10 @@
-"""Clients for an archive location: the per-process chDB engine, or a ClickHouse server.
+"""Clients for an archive location: the per-process chDB engine, or a ClickHouse server,
+and the one way an Arrow table is inserted into either.
 
 chDB hosts one engine path per process; the pool here shares it and says who holds a
-directory when another process does.
+directory when another process does. An insert into chDB hands the engine the Arrow table
+in memory (its ``Python()`` table function); into a server it goes over HTTP as an Arrow
+stream (clickhouse-connect's ``insert_arrow``).
 """
 
 from __future__ import annotations
@@ -11,20 +14,27 @@ import functools
 import os
 import re
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from specwatch.archive.dsn import ArchiveLocation
 from specwatch.archive.errors import ArchiveError, ArchiveNotFoundError
 
-__all__ = ["connect"]
+__all__ = ["ArrowInsert", "connect", "server_insert"]
 
 _USER_ENV = "SPECWATCH_CLICKHOUSE_USER"
 _PASSWORD_ENV = "SPECWATCH_CLICKHOUSE_PASSWORD"
 
 
+class ArrowInsert(Protocol):
+    """Inserts an Arrow table (columns named as in the table) into ``database.table``."""
+
+    def __call__(self, table: str, data: Any, settings: Mapping[str, Any]) -> None: ...
+
+
 def connect(location: ArchiveLocation, password: str | None, *, create: bool,
-            environ: Mapping[str, str]) -> tuple[Any, Callable[[], None]]:
-    """A clickhouse-connect client for ``location`` and the function that releases it.
+            environ: Mapping[str, str]) -> tuple[Any, ArrowInsert, Callable[[], None]]:
+    """A clickhouse-connect client for ``location``, how Arrow tables are inserted there,
+    and the function that releases both.
 
     A chDB directory that holds no archive raises `ArchiveNotFoundError` unless ``create``;
     a server's credentials come from the DSN, else from ``$SPECWATCH_CLICKHOUSE_USER`` /
@@ -37,8 +47,8 @@ def connect(location: ArchiveLocation, password: str | None, *, create: bool,
             raise ArchiveNotFoundError(f"no archive at {location.label}")
         if create:
             os.makedirs(location.path, exist_ok=True)
-        client = _CHDB_CLIENTS.acquire(location.path)
-        return client, functools.partial(_CHDB_CLIENTS.release, client)
+        client, engine, lock = _CHDB_CLIENTS.acquire(location.path)
+        return client, functools.partial(_chdb_insert, engine, lock), functools.partial(_CHDB_CLIENTS.release, client)
     import clickhouse_connect  # heavy; only archive users pay for it
 
     username = location.username or environ.get(_USER_ENV) or "default"
@@ -54,7 +64,28 @@ def connect(location: ArchiveLocation, password: str | None, *, create: bool,
         reason = re.search(r"\[Errno -?\d+\][^'\")]*", str(exc))
         raise ArchiveError(f"cannot connect to the archive at {location.label}: "
                            f"{reason.group(0).strip() if reason else exc}") from exc
-    return client, client.close
+    return client, functools.partial(server_insert, client), client.close
+
+
+def server_insert(client: Any, table: str, data: Any, settings: Mapping[str, Any]) -> None:
+    """An Arrow table into a server over HTTP (also any clickhouse-connect client passed in)."""
+    client.insert_arrow(table, data, settings=dict(settings))
+
+
+def _chdb_insert(engine: Any, lock: threading.Lock, table: str, data: Any, settings: Mapping[str, Any]) -> None:
+    """An Arrow table into the chDB engine in memory: ``Python(data)`` reads the table's
+    buffers where they are (clickhouse-connect's chDB ``insert_arrow`` writes an IPC file and
+    inserts it ``FROM INFILE``)."""
+    from clickhouse_connect.driver.exceptions import DatabaseError
+
+    names = ", ".join(data.schema.names)
+    clause = ", ".join(f"{name} = {int(value)}" for name, value in settings.items())  # integer settings only
+    try:
+        with lock:  # one statement at a time on the shared handle, as clickhouse-connect does on its own
+            engine.query(f"INSERT INTO {table} ({names}) {'SETTINGS ' + clause + ' ' if clause else ''}"
+                         "SELECT * FROM Python(data)")
+    except RuntimeError as exc:  # what the engine refuses, as the client would have raised it
+        raise DatabaseError(str(exc).strip()) from exc
 
 
 class _ChdbClients:
@@ -69,9 +100,13 @@ class _ChdbClients:
         self._lock = threading.Lock()
         self._path: str | None = None
         self._client: Any = None
+        self._engine: Any = None
+        self._engine_lock = threading.Lock()
         self._users = 0
 
-    def acquire(self, path: str) -> Any:
+    def acquire(self, path: str) -> tuple[Any, Any, threading.Lock]:
+        """The clickhouse-connect client on ``path``, a chDB connection of its own for inserts and
+        the lock every insert on that connection takes."""
         path = os.path.realpath(path)
         with self._lock:
             if self._client is not None:
@@ -80,7 +115,7 @@ class _ChdbClients:
                         f"chDB hosts one archive per process: {self._path} is open here, so "
                         f"{path} cannot be; close the other archive or use another process")
                 self._users += 1
-                return self._client
+                return self._client, self._engine, self._engine_lock
             import clickhouse_connect  # heavy; only archive users pay for it
 
             # Both asked first: the engine would print its own error straight to stderr.
@@ -100,8 +135,16 @@ class _ChdbClients:
                     # chDB's own message here is an empty "Error initializing EmbeddedServer".
                     raise ArchiveError(_in_use(path, holder)) from exc
                 raise ArchiveError(f"cannot open the chDB archive at {path}: {exc}") from exc
-            self._path, self._client, self._users = path, client, 1
-            return client
+            import chdb
+
+            # A second handle on the engine the client just started (chDB allows many per path).
+            try:
+                engine = chdb.connect(path)
+            except Exception as exc:
+                client.close()
+                raise ArchiveError(f"cannot open the chDB archive at {path}: {exc}") from exc
+            self._path, self._client, self._engine, self._users = path, client, engine, 1
+            return client, engine, self._engine_lock
 
     def release(self, client: Any) -> None:
         with self._lock:
@@ -109,7 +152,8 @@ class _ChdbClients:
                 return
             self._users -= 1
             if self._users == 0:
-                self._client, self._path = None, None
+                engine, self._client, self._engine, self._path = self._engine, None, None, None
+                engine.close()  # every handle closed, or the engine keeps the path
                 client.close()
 
 

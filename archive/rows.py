@@ -13,7 +13,7 @@ import json
 import math
 import operator
 from collections import abc
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -21,11 +21,13 @@ import pyarrow as pa
 from specwatch.archive.columns import AUDIT, DECISIONS, SAMPLES, SEALED_SAMPLES, WINDOW_STATS, WINDOW_STATS_FIELDS
 from specwatch.archive.jsonvalue import canonical_json
 from specwatch.schemas import Decision
+from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, WindowRow
 from specwatch.schemas.redaction import redact_record
 from specwatch.schemas.sealed import sealed_key_id
 
 __all__ = ["DEFAULT_SAMPLE_TEXT", "WINDOW_ARRAYS", "WINDOW_RATIOS", "DecisionBatch", "append_row",
-           "audit_out", "decision_out", "finite", "require_text", "stage_row", "window_stats_table"]
+           "audit_out", "decision_out", "finite", "require_text", "stage_row", "window_rows_table",
+           "window_stats_table"]
 
 DEFAULT_SAMPLE_TEXT = "hashes"
 _SAMPLE_KINDS = ("request", "step", "shadow")
@@ -195,20 +197,69 @@ def window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Tab
     except (KeyError, TypeError, ValueError):
         raise _window_culprit(rows, offset) from None
     matrix = flat.reshape(len(rows), len(_WINDOW_NUMBERS))
-    columns = dict(zip(_WINDOW_NUMBERS, np.ascontiguousarray(matrix.T)))
+    numbers = dict(zip(_WINDOW_NUMBERS, np.ascontiguousarray(matrix.T)))
+    lists = {name: _count_lists(rows, name) for name in WINDOW_ARRAYS}
+    return _window_table(numbers, texts, lists, lambda index, name: rows[index][name], offset,
+                         lambda: _window_culprit(rows, offset))
+
+
+# Where each number of a `WindowRow` sits: the summary's (its own ts is the latest record's,
+# left out) and the row's own.
+_SUMMARY_COLUMNS = {name: i for i, name in enumerate(WINDOW_SUMMARY_FIELDS) if name != "ts"}
+_ROW_NUMBERS = ("ts", "speculation_on", "steps", "plain_entries")
+_ROW_NUMBER_VALUES = operator.itemgetter(*(WindowRow._fields.index(name) for name in _ROW_NUMBERS))
+_ROW_SUMMARY = operator.itemgetter(WindowRow._fields.index("summary"))
+
+
+def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
+    """Stage 2's window rows (`WindowRow` tuples) as an Arrow table, column by column.
+
+    One pass per batch and no dict per row: the summaries become one float64 matrix, the
+    position counts one flat array with offsets; the checks are those of `window_stats_table`.
+
+    >>> from specwatch.detectors.window import SliceStats
+    >>> stats = SliceStats(); stats.add_round(drafted=4, accepted=3)
+    >>> row = WindowRow(10.0, "b-1", "coding", None, True, 1, 0, [1, 1, 1], [1, 1, 1, 1], stats.summary_values())
+    >>> table = window_rows_table([row])
+    >>> table.column("acceptance_length")[0].as_py(), table.column("speedup").null_count
+    (4.0, 1)
+    >>> table.column("drafted_at_least").to_pylist()
+    [[1, 1, 1, 1]]
+    """
+    count = len(rows)
+    try:
+        summary = np.fromiter(itertools.chain.from_iterable(map(_ROW_SUMMARY, rows)), dtype=np.float64,
+                              count=count * len(WINDOW_SUMMARY_FIELDS)).reshape(count, len(WINDOW_SUMMARY_FIELDS))
+        own = np.fromiter(itertools.chain.from_iterable(map(_ROW_NUMBER_VALUES, rows)), dtype=np.float64,
+                          count=count * len(_ROW_NUMBERS)).reshape(count, len(_ROW_NUMBERS))
+    except (TypeError, ValueError):
+        raise ValueError(f"window rows {offset}..{offset + count - 1} hold a value that is not a number") from None
+    numbers = {name: np.ascontiguousarray(summary[:, i]) for name, i in _SUMMARY_COLUMNS.items()}
+    numbers.update(zip(_ROW_NUMBERS, np.ascontiguousarray(own.T)))
+    texts = {name: [getattr(row, name) for row in rows] for name in _WINDOW_TEXT}
+    lists = {name: _flat_count_lists([getattr(row, name) for row in rows]) for name in WINDOW_ARRAYS}
+    return _window_table(numbers, texts, lists, lambda index, name: getattr(rows[index], name), offset,
+                         lambda: ValueError(f"window rows {offset}..{offset + count - 1} do not convert"))
+
+
+def _window_table(numbers: Mapping[str, np.ndarray], texts: Mapping[str, list],
+                  lists: Mapping[str, tuple[pa.Array | None, Sequence[int]]], value_of: Callable[[int, str], Any],
+                  offset: int, culprit: Callable[[], ValueError]) -> pa.Table:
+    """The window-stats insert from its columns, each checked: the first bad value raises
+    ValueError naming its row (``offset`` + index) and column."""
     arrays = []
     for name in WINDOW_STATS_FIELDS:
         if name in WINDOW_ARRAYS:
-            array, bad = _count_lists(rows, name)
+            array, bad = lists[name]
         elif name in _WINDOW_TEXT:
             try:
                 array = pa.array(texts[name], type=pa.string())
             except pa.ArrowException:
-                raise _window_culprit(rows, offset) from None
+                raise culprit() from None
             bad = ([i for i, v in enumerate(texts[name]) if v is None]
                    if name == "bundle_id" and array.null_count else ())
         else:
-            column = columns[name]
+            column = numbers[name]
             if name in _RATIO_SET:
                 array, bad = pa.array(column, mask=np.isnan(column)), ()  # NaN -> NULL
             elif name == "ts":
@@ -223,9 +274,22 @@ def window_stats_table(rows: Sequence[Mapping[str, Any]], offset: int) -> pa.Tab
         if len(bad):
             index = int(bad[0])
             raise ValueError(f"window stats row {offset + index}: {name!r} is "
-                             f"{_WINDOW_EXPECTED[name]}, not {rows[index][name]!r}")
+                             f"{_WINDOW_EXPECTED[name]}, not {value_of(index, name)!r}")
         arrays.append(array)
     return pa.Table.from_arrays(arrays, schema=WINDOW_STATS.insert_schema)
+
+
+def _flat_count_lists(values: Sequence[Sequence[int]]) -> tuple[pa.Array | None, list[int]]:
+    """One list-of-counts column from lists of ints, as one flat array and offsets; or the
+    rows that hold a negative count."""
+    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=int(offsets[-1]))
+    negative = np.flatnonzero(flat < 0)
+    if len(negative):
+        return None, [int(np.searchsorted(offsets, negative[0], side="right") - 1)]
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(np.uint64))), []
 
 
 def _count_lists(rows: Sequence[Mapping[str, Any]], name: str) -> tuple[pa.Array | None, list[int]]:

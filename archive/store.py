@@ -6,6 +6,7 @@ The pipeline writes it, `specwatch query`, `specwatch flags` and postmortems rea
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 
 from specwatch.actions.flags import FlagStore
-from specwatch.archive.client import connect
+from specwatch.archive.client import ArrowInsert, connect, server_insert
 from specwatch.archive.columns import (AUDIT, BUNDLE_SIGHTINGS, BUNDLE_STAGES, BUNDLES, DECISIONS,
                                        DEFAULT_SEALED_RETENTION_DAYS, OVERRIDES, REJECTIONS, REPRODUCTIONS,
                                        SAMPLES, SEALED_SAMPLES, TABLES, WINDOW_ADDED, WINDOW_STATS,
@@ -27,8 +28,9 @@ from specwatch.archive.errors import ArchiveNotFoundError
 from specwatch.archive.jsonvalue import canonical_json
 from specwatch.archive.queries import PostmortemQueries, where_clause
 from specwatch.archive.rows import (DEFAULT_SAMPLE_TEXT, DecisionBatch, append_row, audit_out, finite, require_text,
-                                    stage_row, window_stats_table)
+                                    stage_row, window_rows_table, window_stats_table)
 from specwatch.schemas import Decision, decision_key
+from specwatch.schemas.outputs import WindowRow
 from specwatch.schemas.redaction import SAMPLE_TEXT_MODES
 
 __all__ = ["Archive", "sample_text_mode"]
@@ -87,6 +89,9 @@ class Archive(PostmortemQueries):
         self.sample_text = sample_text
         self.sealed_retention_days = DEFAULT_SEALED_RETENTION_DAYS
         self._client = client
+        # How Arrow tables reach the engine: set by `open` from the DSN (in memory into chDB,
+        # HTTP into a server); a client passed in is written through its own insert_arrow.
+        self._insert_arrow: ArrowInsert = functools.partial(server_insert, client)
         self._db = database
         self._label = f"{type(client).__name__}/{database}"
         self._release: Callable[[], None] | None = None
@@ -107,8 +112,9 @@ class Archive(PostmortemQueries):
         sample_text = sample_text_mode(environ, sample_text)
         retention_days = _retention_days(environ)
         location, password = parse_archive_dsn(dsn or archive_dsn(environ))
-        client, release = connect(location, password, create=create, environ=environ)
+        client, insert_arrow, release = connect(location, password, create=create, environ=environ)
         archive = cls(client, location.database, sample_text)
+        archive._insert_arrow = insert_arrow
         archive.sealed_retention_days = retention_days
         archive._label = location.label
         archive._release = release
@@ -204,18 +210,29 @@ class Archive(PostmortemQueries):
         batches go in chunks; a bad row raises ValueError naming it, and stops the
         write at its chunk (rewriting the chunks before it is harmless).
         """
-        rows = rows if isinstance(rows, list) else list(rows)
+        return self._write_chunked(rows if isinstance(rows, list) else list(rows), window_stats_table)
+
+    def write_window_rows(self, rows: Sequence[WindowRow]) -> int:
+        """Archive stage 2's window rows (`WindowRow` tuples, as `SliceOutput.windows` holds them);
+        returns how many.
+
+        The same rows as `write_window_stats` writes from dicts, built into insert columns in
+        one pass per chunk instead of from a dict per row.
+        """
+        return self._write_chunked(rows, window_rows_table)
+
+    def _write_chunked(self, rows: Sequence[Any], to_table: Callable[[Sequence[Any], int], pa.Table]) -> int:
         starts = range(0, len(rows), _DEFAULT_INSERT_CHUNK_ROWS)
         if len(starts) <= 1:
             if rows:
-                self._insert_table(WINDOW_STATS, window_stats_table(rows, 0))
+                self._insert_table(WINDOW_STATS, to_table(rows, 0))
             return len(rows)
         # The engine releases the GIL while it inserts, so converting the next chunk
         # overlaps with inserting this one whenever a second core is free.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specwatch-archive") as inserter:
             pending = None
             for start in starts:
-                table = window_stats_table(rows[start:start + _DEFAULT_INSERT_CHUNK_ROWS], start)
+                table = to_table(rows[start:start + _DEFAULT_INSERT_CHUNK_ROWS], start)
                 if pending is not None:
                     pending.result()
                 pending = inserter.submit(self._insert_table, WINDOW_STATS, table)
@@ -439,7 +456,7 @@ class Archive(PostmortemQueries):
 
     def _insert_table(self, table: Table, data: pa.Table) -> None:
         with self._lock:
-            self._client.insert_arrow(f"{self._db}.{table.name}", data, settings=_INSERT_SETTINGS)
+            self._insert_arrow(f"{self._db}.{table.name}", data, _INSERT_SETTINGS)
 
     def _select(self, sql: str, parameters: Mapping[str, Any] | None = None) -> list[dict]:
         with self._lock:

@@ -14,6 +14,8 @@ from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS
+
 from .sketch import LatencySketch
 
 __all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "sample_order", "sample_record"]
@@ -57,6 +59,8 @@ def _ranked(sample: dict) -> list:
 
 
 _first = itemgetter(0)
+# The latency percentiles a summary reports (p50, p95, p99), as named in `WINDOW_SUMMARY_FIELDS`.
+_SUMMARY_QUANTILES = (0.5, 0.95, 0.99)
 
 
 def sample_record(sample: dict) -> dict:
@@ -77,10 +81,6 @@ def ratio(numerator: float, denominator: float) -> float:
     (1.5, True)
     """
     return numerator / denominator if denominator else math.nan
-
-
-# summary() field names of each latency sketch's quantiles, in (ttft, tpot, e2e) order
-_QUANTILE_FIELDS = tuple(tuple(f"{metric}_{name}" for name in ("p50", "p95", "p99")) for metric in ("ttft", "tpot", "e2e"))
 
 
 def _merged_sketch(mine: LatencySketch | None, theirs: LatencySketch) -> LatencySketch:
@@ -349,29 +349,17 @@ class SliceStats:
 
     def summary(self) -> dict:
         """Read-side view (ratios and percentiles) for evidence, archive and display."""
-        out = {
-            "ts": self.max_ts,
-            "rounds": self.rounds,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_length": self.acceptance_length,
-            "draft_overhead": self.draft_overhead,
-            "speedup": self.speedup,
-            "draft_ms": ratio(self.draft_ms, self.steps),
-            "verify_ms": ratio(self.verify_ms, self.steps),
-            "requests": self.requests,
-            "errors": self.errors + self.timeouts,
-            "error_rate": self.error_rate,
-            "kv_peak": self.kv_peak,
-            "shadow_checks": self.shadow_checks,
-            "shadow_mismatches": self.shadow_mismatches,
-        }
-        for (p50, p95, p99), sketch in zip(_QUANTILE_FIELDS, (self.ttft, self.tpot, self.e2e)):
-            if sketch is None:
-                out[p50] = out[p95] = out[p99] = math.nan
-            else:
-                out[p50], out[p95], out[p99] = sketch.quantile(0.5), sketch.quantile(0.95), sketch.quantile(0.99)
-        return out
+        return dict(zip(WINDOW_SUMMARY_FIELDS, self.summary_values()))
+
+    def summary_values(self) -> tuple:
+        """`summary` as a tuple, in `WINDOW_SUMMARY_FIELDS` order (what the archive's columns are built from)."""
+        ttft, tpot, e2e = self.ttft, self.tpot, self.e2e
+        return (self.max_ts, self.rounds, self.drafted_tokens, self.accepted_tokens, self.acceptance_length,
+                self.draft_overhead, self.speedup, ratio(self.draft_ms, self.steps), ratio(self.verify_ms, self.steps),
+                self.requests, self.errors + self.timeouts, self.error_rate, self.kv_peak, self.shadow_checks,
+                self.shadow_mismatches,
+                *(math.nan if sketch is None else sketch.quantile(q)
+                  for sketch in (ttft, tpot, e2e) for q in _SUMMARY_QUANTILES))
 
     # -- serialization for changelog-backed tables and partial-aggregate messages -------
     def to_dict(self) -> dict:

@@ -32,7 +32,7 @@ from specwatch.schemas import (
     card_differences,
 )
 from specwatch.schemas.fastdecode import StepColumns
-from specwatch.schemas.outputs import ActionRecord, SliceOutput
+from specwatch.schemas.outputs import ActionRecord, SliceOutput, WindowRow
 from specwatch.schemas.policy import Policy, WindowPolicy
 
 from .intake import DuplicateFilter, EventClock, duplicate
@@ -578,11 +578,9 @@ class Stage2:
         else:
             speculating = self.flags.lookup(bundle, bucket, cohort).enabled
         findings = monitor.update(stats, slice_end, speculating)
-        row = stats.summary()
-        row.update(ts=slice_end, bundle_id=bundle, bucket=bucket, cohort=cohort, speculation_on=speculating,
-                   steps=stats.steps, plain_entries=stats.plain_entries,
-                   accepted_at_least=list(stats.accepted_at_least), drafted_at_least=list(stats.drafted_at_least))
-        out.window_rows.append(row)
+        out.windows.append(WindowRow(slice_end, bundle, bucket, cohort, speculating, stats.steps, stats.plain_entries,
+                                     list(stats.accepted_at_least), list(stats.drafted_at_least),
+                                     stats.summary_values()))
         for finding in findings:
             self._act(finding, key, monitor, out, [])
 

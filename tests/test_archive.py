@@ -23,7 +23,7 @@ from specwatch.archive.errors import ArchiveError, ArchiveNotFoundError
 from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.store import Archive
 from specwatch.schemas import Decision
-from specwatch.schemas.outputs import SliceOutput
+from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceOutput, WindowRow
 
 _COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
            "shadow_mismatches", "steps", "plain_entries"}
@@ -38,6 +38,13 @@ def stats_row(ts, bundle="b-1", bucket="coding", cohort="main", **changes):
                acceptance_length=2.5 + ts / 1000, speedup=1.4, tpot_p99=11.5)
     row.update(changes)
     return row
+
+
+def window_row(row: dict) -> WindowRow:
+    """A window-stats row dict as stage 2 hands it over (`SliceOutput.windows`)."""
+    return WindowRow(row["ts"], row["bundle_id"], row["bucket"], row["cohort"], row["speculation_on"], row["steps"],
+                     row["plain_entries"], row["accepted_at_least"], row["drafted_at_least"],
+                     tuple(row[name] for name in WINDOW_SUMMARY_FIELDS))
 
 
 def decision(ts, bundle="b-1", bucket="coding", cohort=None, action="disable_speculation",
@@ -523,7 +530,7 @@ def test_window_stats_reach_the_archive_directly_and_through_the_sink_in_slice_s
     sink = ArchiveSink(archive, window_batch=20_000, spool=tmp_path / "spool")
     for i in range(0, len(rows), 50):
         sink(SliceOutput(slice_index=i, slice_end=float(i),
-                         window_rows=[dict(r, ts=r["ts"] + 100_000) for r in rows[i:i + 50]]))
+                         windows=[window_row(dict(r, ts=r["ts"] + 100_000)) for r in rows[i:i + 50]]))
     sink.close()
     assert sink.stats()["written"] == 4 and sink.stats()["spooled"] == 0  # 3 full batches and the rest
     _, counted = archive.sql("SELECT count(), countIf(speedup IS NULL) FROM specwatch.window_stats FINAL")
@@ -583,7 +590,8 @@ def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path
 
 
 def test_the_bench_measures_the_sink_beside_direct_writes_and_single_row_inserts():
-    """`specwatch bench --section archive`: the action path (`ArchiveSink`), with its two alternatives, in one run."""
+    """`specwatch bench --section archive`: the action path (`ArchiveSink`), with its alternatives, in one run
+    (it checks itself that every path's rows reached the table)."""
     done = subprocess.run([sys.executable, "-m", "specwatch.cli", "bench", "--section", "archive", "--smoke", "--json"],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
@@ -592,3 +600,6 @@ def test_the_bench_measures_the_sink_beside_direct_writes_and_single_row_inserts
     assert 0 < report["slices"] < report["rows"]
     assert report["sink_over_direct"] == report["sink_rows_per_s"] / report["direct_rows_per_s"]
     assert report["speedup_vs_naive"] == report["sink_rows_per_s"] / report["naive_rows_per_s"]
+    assert report["sink_over_row_path"] == report["sink_rows_per_s"] / report["row_path_rows_per_s"]
+    assert report["insert_rows"] == 20_000 and report["rows_per_slice"] == 20_000 / report["slices"]
+    assert {f"insert_{transport}_rows_per_s" for transport in ("memory", "stream", "file")} <= set(report)

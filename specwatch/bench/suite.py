@@ -45,7 +45,7 @@ TARGETS = {
     "capture_share_of_collector": 0.05,
     "state_bytes_per_key": 64 * 1024,
     "us_per_key_slice": 10.0,
-    "archive_rows_per_s": 300_000,
+    "archive_rows_per_s": 1_000_000,
     "replay_70mb_s": 10.0,
 }
 
@@ -330,56 +330,17 @@ def _bench_engine(quick: bool, smoke: bool) -> dict:
 
 
 def bench_archive(quick: bool, smoke: bool) -> dict:
-    """Window-stats rows/s through the action path (`ArchiveSink`, fed one slice at a time) vs
-    `Archive.write_window_stats` of every row in one call, and vs one INSERT per row."""
-    from specwatch.archive.sink import ArchiveSink
-    from specwatch.archive.store import Archive
-    from specwatch.schemas.outputs import SliceOutput
+    """Window-stats rows/s into chDB: the sink beside the row path it replaced, the writer
+    alone, each insert transport and one INSERT per row (`specwatch.bench.archive_path`)."""
+    from specwatch.bench.archive_path import run_archive_bench
 
     pipeline = EmbeddedPipeline()
-    rows: list[dict] = []
-    pipeline.sinks.append(lambda out: rows.extend(out.window_rows))
+    template: list = []
+    pipeline.sinks.append(lambda out: template.extend(out.windows))
     for record in _records(16, 0.2, workers=2):
         pipeline.feed(record)
     pipeline.finish()
-    template = rows
-    n = 20_000 if smoke else (100_000 if quick else 500_000)
-
-    def copies(shift: float) -> list[dict]:  # distinct slices: each copy of the template moves on in time
-        return [dict(template[i % len(template)], ts=template[i % len(template)]["ts"] + shift
-                     + 1000.0 * (i // len(template))) for i in range(n)]
-
-    through_sink, direct = copies(0.0), copies(1e7)
-    slices: dict[float, list[dict]] = {}
-    for row in through_sink:
-        slices.setdefault(row["ts"], []).append(row)
-    outputs = [SliceOutput(slice_index=i, slice_end=ts, window_rows=slice_rows)
-               for i, (ts, slice_rows) in enumerate(slices.items())]
-    naive_n = 50 if smoke else 200
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = Archive.open(f"chdb://{tmp}/archive")
-        try:
-            sink = ArchiveSink(archive, spool=Path(tmp) / "spool")
-            start = time.perf_counter()
-            for output in outputs:
-                sink(output)
-            sink.close()
-            sink_s = time.perf_counter() - start
-            if sink.stats()["spooled"] or sink.stats()["dropped_entries"]:
-                raise RuntimeError(f"the archive refused rows during the bench: {sink.stats()}")
-            start = time.perf_counter()
-            archive.write_window_stats(direct)
-            direct_s = time.perf_counter() - start
-            start = time.perf_counter()
-            for row in direct[:naive_n]:
-                archive.write_window_stats([dict(row, ts=row["ts"] + 1e7)])
-            naive_s = time.perf_counter() - start
-        finally:
-            archive.close()
-    sink_rate, direct_rate, naive_rate = n / sink_s, n / direct_s, naive_n / naive_s
-    return {"rows": n, "slices": len(outputs), "sink_rows_per_s": sink_rate, "direct_rows_per_s": direct_rate,
-            "naive_rows": naive_n, "naive_rows_per_s": naive_rate, "sink_over_direct": sink_rate / direct_rate,
-            "speedup_vs_naive": sink_rate / naive_rate}
+    return run_archive_bench(template, 20_000 if smoke else (100_000 if quick else 500_000), 50 if smoke else 200)
 
 
 def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
