@@ -5,8 +5,6 @@ a production router reads the decisions topic) under the policy of docs/admissio
 """
 
 import json
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -21,6 +19,8 @@ from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
 from specwatch.streams.embedded import EmbeddedPipeline
+
+from machine import specwatch
 
 SEED = 11
 BUNDLE = "b-4b921f0dfdc6ae8b"  # the simulator's default card
@@ -245,11 +245,6 @@ def test_policy_refuses_a_schedule_that_never_admits():
 # -- registry and command line ------------------------------------------------------------------
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "specwatch.cli", *args], capture_output=True, text=True,
-                          timeout=600)
-
-
 def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path):
     dsn = f"chdb://{tmp_path}/archive"
     _, pipeline, _, changes, _ = _rollout("canary_tail")
@@ -261,19 +256,19 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
         assert [r["stage"] for r in archive.stage_history(BUNDLE)] == ["unadmitted", "shadow", "canary", "frozen"]
         assert archive.flag_store().admission(BUNDLE).stage == "frozen"
 
-    shown = _cli("bundles", "show", BUNDLE, "--archive", dsn)
+    shown = specwatch("bundles", "show", BUNDLE, "--archive", dsn)
     assert shown.returncode == 0, shown.stderr
     assert "failed: structured tpot_p99" in shown.stdout
 
-    refused = _cli("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
+    refused = specwatch("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
     assert refused.returncode == 1 and "name of the person" in refused.stderr
-    moved = _cli("bundles", "promote", BUNDLE, "--archive", dsn, "--by", "alice", "--reason", "tail fixed",
+    moved = specwatch("bundles", "promote", BUNDLE, "--archive", dsn, "--by", "alice", "--reason", "tail fixed",
                  "--policy", str(_REPO / "docs" / "admission-policy.toml"), "--json")
     assert moved.returncode == 0, moved.stderr
     row = json.loads(moved.stdout)
     assert (row["previous_stage"], row["stage"], row["cohort_share"], row["by"]) == ("frozen", "shadow", 0.2, "alice")
 
-    listed = [json.loads(line) for line in _cli("bundles", "list", "--archive", dsn, "--json").stdout.splitlines()]
+    listed = [json.loads(line) for line in specwatch("bundles", "list", "--archive", dsn, "--json").stdout.splitlines()]
     assert [(r["bundle_id"], r["stage"], r["stage_by"]) for r in listed] == [(BUNDLE, "shadow", "alice")]
     with Archive.open(dsn, create=False) as archive:
         store = archive.flag_store()
@@ -282,7 +277,7 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
     assert store.lookup(BUNDLE, "coding", "shadow").enabled and not store.lookup(BUNDLE, "coding", "main").enabled
     assert [(a["actor"], a["reason"]) for a in audit] == [("alice", "tail fixed")]
 
-    explained = _cli("explain", pipeline.decisions[-1].id, "--archive", dsn)
+    explained = specwatch("explain", pipeline.decisions[-1].id, "--archive", dsn)
     assert explained.returncode == 0, explained.stderr
     assert "stage: canary -> frozen" in explained.stdout
     assert "    tpot_p99            fail" in explained.stdout

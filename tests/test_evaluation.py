@@ -6,8 +6,6 @@ incident-free traffic) is `specwatch evaluate`, its numbers in docs/EVALUATION.m
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
@@ -29,6 +27,8 @@ from specwatch.evaluation import (
 )
 
 from specwatch.evaluation.suite import incident_kind
+
+from machine import specwatch
 
 SETTINGS = BaselineSettings.from_healthy_rate(0.348)  # what `specwatch evaluate` calibrates: thresholds 0.25
 START = 1_767_225_600.0
@@ -214,6 +214,5 @@ def test_alert_rule_needs_its_for_duration_and_resolves():
 
 
 def test_cli_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "specwatch.cli", "evaluate", "--processes", "0"],
-                          capture_output=True, text=True, timeout=300)
+    proc = specwatch("evaluate", "--processes", "0", timeout=300)
     assert proc.returncode == 2 and "--processes" in proc.stderr
