@@ -9,22 +9,9 @@ import math
 
 import pytest
 
-from specwatch.evaluation import (
-    LEVELS,
-    AcceptanceKillSwitch,
-    BaselineSettings,
-    Case,
-    PrometheusRatioAlert,
-    calibrate,
-    bernoulli_kl,
-    format_report,
-    full_suite,
-    information_bound,
-    plot_sweep,
-    quick_suite,
-    run_suite,
-    summarize,
-)
+from specwatch.evaluation import (LEVELS, AcceptanceKillSwitch, BaselineSettings, Case, PrometheusRatioAlert, calibrate,
+                                  bernoulli_kl, format_report, full_suite, information_bound, plot_sweep, quick_suite,
+                                  run_suite, summarize)
 
 from specwatch.evaluation.suite import incident_kind
 

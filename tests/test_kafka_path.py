@@ -19,17 +19,8 @@ from specwatch.collectors.flag_client import FlagClient
 from specwatch.transport.decisions import DecisionReader
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig
-from specwatch.schemas import (
-    BundleCard,
-    BundleRecord,
-    Decision,
-    DrafterCard,
-    RequestRecord,
-    RoundEntry,
-    ShadowRecord,
-    StepRecord,
-    TargetCard,
-)
+from specwatch.schemas import (BundleCard, BundleRecord, Decision, DrafterCard, RequestRecord, RoundEntry, ShadowRecord,
+                               StepRecord, TargetCard)
 from specwatch.schemas.otlp import decode_request
 
 from machine import free_port

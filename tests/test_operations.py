@@ -17,14 +17,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specwatch.actions.sinks.alertmanager import (
-    AlertSender,
-    RollbackPolicy,
-    WebhookLedger,
-    load_rollback_policy,
-    read_token_file,
-    read_webhook,
-)
+from specwatch.actions.sinks.alertmanager import (AlertSender, RollbackPolicy, WebhookLedger, load_rollback_policy,
+                                                  read_token_file, read_webhook)
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.streams.embedded import EmbeddedPipeline
@@ -306,12 +300,11 @@ def test_operations_webhook_authenticates_and_builds_signed_overrides():
 
 def test_rollback_policy_and_token_files_are_validated(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text('[reasons]\nDrill = "slow"\n')
-    with pytest.raises(ValueError, match="contract reason codes"):
-        load_rollback_policy(bad)
-    bad.write_text('restore = ["Drill"]\n')
-    with pytest.raises(ValueError, match="unknown settings"):
-        load_rollback_policy(bad)
+    for text, problem in (('[reasons]\nDrill = "slow"\n', "contract reason codes"),
+                          ('restore = ["Drill"]\n', "unknown settings")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=problem):
+            load_rollback_policy(bad)
     good = tmp_path / "good.toml"
     good.write_text('restore_on_resolve = ["Drill"]\n[reasons]\nDrill = "latency_slo"\n')
     policy = load_rollback_policy(good)

@@ -10,14 +10,8 @@ from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.resources import Resource
 
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
-from specwatch.collectors.otlp_export import (
-    OtlpTelemetryExporter,
-    exporter_choice,
-    otlp_log_exporter,
-    resource_from_env,
-    service_instance_id,
-    telemetry_exporter_from_env,
-)
+from specwatch.collectors.otlp_export import (OtlpTelemetryExporter, exporter_choice, otlp_log_exporter,
+                                              resource_from_env, service_instance_id, telemetry_exporter_from_env)
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import encode_record
 from specwatch.schemas.otlp import decode_request
