@@ -54,6 +54,13 @@ def _run_rollout(scenario, policy, minutes):
             d.evidence.get("cohort_share")) for d in pipeline.decisions]
     return sim, pipeline, flags, changes, got
 
+# Every rollout starts so: unadmitted and off, shadowed at once, on the canary after the first judgement.
+_ONTO_THE_CANARY = [
+        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
+        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
+        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+]
+
 
 def test_the_documented_policy_is_the_one_tested():
     with open(_REPO / "docs" / "admission-policy.toml", "rb") as f:
@@ -63,9 +70,7 @@ def test_the_documented_policy_is_the_one_tested():
 def test_healthy_new_bundle_goes_shadow_canary_admitted_by_itself():
     sim, pipeline, flags, changes, got = _rollout("admission")
     assert got == [
-        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
-        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        *_ONTO_THE_CANARY,
         (322.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
         (433.0, BUNDLE, "promote", "canary_judgement", None, "admitted", 1.0),
     ]
@@ -85,9 +90,7 @@ def test_healthy_new_bundle_goes_shadow_canary_admitted_by_itself():
 def test_structured_tail_on_the_canary_freezes_it_naming_bucket_and_metric():
     sim, pipeline, flags, _, got = _rollout("canary_tail")
     assert got == [
-        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
-        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        *_ONTO_THE_CANARY,
         (306.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
     ]
     frozen = pipeline.decisions[-1].evidence
@@ -101,11 +104,7 @@ def test_structured_tail_on_the_canary_freezes_it_naming_bucket_and_metric():
 
 def test_structured_mismatch_on_the_canary_freezes_it_at_once():
     _, pipeline, flags, _, got = _rollout("canary_mismatch")
-    assert got[:3] == [
-        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
-        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
-    ]
+    assert got[:3] == _ONTO_THE_CANARY
     assert got[3:] == [
         (200.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
         (200.0, BUNDLE, "disable_speculation", "quality_regression", "structured", None, None),
@@ -118,9 +117,7 @@ def test_structured_mismatch_on_the_canary_freezes_it_at_once():
 def test_fingerprint_change_sends_the_new_card_back_through_admission():
     _, pipeline, flags, changes, got = _rollout("admission_change")
     assert got == [
-        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
-        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        *_ONTO_THE_CANARY,
         (322.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
         # the tokenizer changes at 330 s, the fleet rolls over in 10 s: one invalidation, not eight
         (330.0, CHANGED, "invalidate_bundle", "bundle_changed", None, None, None),
