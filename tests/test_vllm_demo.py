@@ -17,6 +17,7 @@ import pytest
 from specwatch.collectors.vllm.demo import vllm_demo_policy
 
 from machine import specwatch
+from vllm_scenario import contract_records
 
 pytestmark = pytest.mark.vllm
 
@@ -43,12 +44,8 @@ def _phase(demo, name):
 
 
 def _records(demo):
-    from specwatch.schemas import Rejection, decode_line
-
     lines = Path(demo["telemetry"]).read_text().splitlines()
-    records = [decode_line(line) for line in lines]
-    assert not [r for r in records if isinstance(r, Rejection)]
-    return lines, records
+    return lines, contract_records(lines)
 
 
 def _steps(demo, bundle_id):
