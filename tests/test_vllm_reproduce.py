@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from specwatch.analysis.reproduce import render_result
-from vllm_scenario import run_scenario
+from vllm_scenario import scenario_fixture
 from machine import specwatch
 
 pytestmark = pytest.mark.vllm
@@ -134,9 +134,7 @@ def _scenario(out_path: Path) -> None:
     out_path.write_text(json.dumps(result))
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory) -> dict:
-    return run_scenario(__file__, tmp_path_factory.mktemp("vllm-reproduce"), _SUBPROCESS_TIMEOUT_S)
+scenario = scenario_fixture(__file__, _SUBPROCESS_TIMEOUT_S, name="scenario")
 
 
 def _reproduce(scenario, decision_id, *extra, key_file="scenario"):
