@@ -205,12 +205,6 @@ class FlagStore:
             self._manual[scope] = ScopeState(enabled, draft_limit, reason, "", ts, by)
             self._cache.clear()
 
-    def clear_override(self, scope: Scope) -> bool:
-        with self._lock:
-            removed = self._manual.pop(scope, None) is not None
-            self._cache.clear()
-            return removed
-
     def lookup(self, bundle_id: str, bucket: str, cohort: str) -> SpeculationState:
         """Combined state for one request's (bundle, bucket, cohort); any 'off' wins."""
         key = (bundle_id, bucket, cohort)

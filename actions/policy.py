@@ -35,7 +35,6 @@ class ScopeMemory:
     back at that D, since the standard decoding seen meanwhile is no evidence for a longer one.
     """
 
-    last_decision_ts: float | None = None
     reduced_at: float | None = None
     lowered_to: int | None = None
     last_alert_ts: float | None = None
@@ -122,7 +121,6 @@ class FallbackPolicy:
             return self._decision(finding, scope, "alert", evidence, sample_ids)
 
         if reason == "bundle_changed":
-            memory.last_decision_ts = finding.ts
             return self._decision(finding, scope, "invalidate_bundle", evidence, sample_ids)
 
         if reason in _REDUCE_FIRST:
@@ -134,7 +132,6 @@ class FallbackPolicy:
                 new_limit = self._lower_draft_length(limit, curve, evidence)
                 memory.lowered_to = new_limit
                 memory.reduced_at = finding.ts
-                memory.last_decision_ts = finding.ts
                 evidence["draft_length"] = new_limit
                 evidence["previous_draft_length"] = limit
                 return self._decision(finding, scope, "reduce_draft_length", evidence, sample_ids)
@@ -142,7 +139,6 @@ class FallbackPolicy:
         if reason == "quality_regression":
             memory.frozen = True
             evidence["promotion_frozen"] = True
-        memory.last_decision_ts = finding.ts
         decision = self._decision(finding, scope, "disable_speculation", evidence, sample_ids)
         memory.disables += 1
         memory.disabled_at, memory.disabled_reason, memory.disabled_decision_id = finding.ts, reason, decision.id
@@ -245,7 +241,6 @@ class FallbackPolicy:
             body["draft_length"] = memory.lowered_to
         memory.restores += 1
         memory.disabled_at = None
-        memory.last_decision_ts = now
         bundle, bucket, cohort = scope
         return Decision(ts=now, bundle_id=bundle, bucket=bucket, cohort=cohort, action="restore",
                         reason=reason, detector="restore_policy", evidence=body)

@@ -1,4 +1,4 @@
-"""The `specwatch` command line: discovers subcommands in `specwatch.commands`."""
+"""The `specwatch` command line: one table of subcommands, each built from its module only when it is asked for."""
 
 from __future__ import annotations
 
@@ -6,17 +6,52 @@ import argparse
 import importlib
 import logging
 import os
-import pkgutil
 import sys
+from typing import NamedTuple, Sequence
 
-from specwatch import __version__, commands
+from specwatch import __version__
 from specwatch.commands._arguments import CommandError
 from specwatch.streams.gc_policy import tune_collector
 
-__all__ = ["main", "build_parser", "archive_problem"]
+__all__ = ["COMMANDS", "Command", "main", "build_parser", "archive_problem"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+class Command(NamedTuple):
+    """A subcommand: its name, its line in ``specwatch --help``, and its module.
+
+    The module (``specwatch.commands.<name>``) holds ``DESCRIPTION``, ``add_arguments(parser)``
+    and ``run(args)``; a command with actions of its own sets ``func`` on each of them instead.
+    """
+
+    name: str
+    help: str
+
+    @property
+    def module(self) -> str:
+        return f"specwatch.commands.{self.name}"
+
+
+COMMANDS = (
+    Command("archive", "deliver archive rows spooled while the archive was unreachable"),
+    Command("bench", "measure throughput, latency and cost against alternatives"),
+    Command("bundles", "bundle registry: admission stages, their history, manual moves"),
+    Command("decisions", "print the decisions topic as JSON Lines"),
+    Command("demo", "run a simulated fleet with incidents through the whole pipeline"),
+    Command("evaluate", "measure detection delay and false alarms against operator baselines"),
+    Command("explain", "postmortem of one archived decision (text, or an HTML page)"),
+    Command("flags", "speculative-path state per scope; manual overrides"),
+    Command("query", "read decisions, evidence, samples and timelines from the archive"),
+    Command("replay", "replay contract-v1 JSON Lines and write the decisions"),
+    Command("reproduce", "re-run a decision's sealed requests on standard and speculative decoding"),
+    Command("run", "run the stream processors on Kafka (Faust workers)"),
+    Command("simulate", "write simulated fleet telemetry (contract v1 JSON Lines)"),
+    Command("soak", "steady simulated load; checks that memory and lag stay flat"),
+    Command("tune", "best draft length per bucket: predicted speedup curve from the archive"),
+)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given ``argv``, only the command it names gets its arguments (and its module loaded)."""
     parser = argparse.ArgumentParser(
         prog="specwatch",
         description="Monitor speculative decoding and switch it off where it stops paying.",
@@ -24,16 +59,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specwatch {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue  # shared by the commands, not one of them
-        module = importlib.import_module(f"{commands.__name__}.{info.name}")
-        module.register(subparsers)
+    # The top-level options take no values: the first word that is not an option names the command.
+    wanted = None if argv is None else next((word for word in argv if not word.startswith("-")), "")
+    for command in COMMANDS:
+        if wanted is not None and command.name != wanted:
+            subparsers.add_parser(command.name, help=command.help)
+            continue
+        module = importlib.import_module(command.module)
+        sub = subparsers.add_parser(command.name, help=command.help, description=module.DESCRIPTION)
+        module.add_arguments(sub)
+        if hasattr(module, "run"):
+            sub.set_defaults(func=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from machine import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "deploy" / "otelcol"
@@ -28,12 +29,6 @@ def collector_binary() -> str:
     done = subprocess.run([str(_BUILD)], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, f"deploy/otelcol/build.sh failed:\n{done.stderr[-3000:]}"
     return done.stdout.strip().splitlines()[-1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Collector:

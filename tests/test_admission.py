@@ -5,8 +5,6 @@ a production router reads the decisions topic) under the policy of docs/admissio
 """
 
 import json
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -21,6 +19,8 @@ from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
 from specwatch.streams.embedded import EmbeddedPipeline
+
+from machine import specwatch
 
 SEED = 11
 BUNDLE = "b-4b921f0dfdc6ae8b"  # the simulator's default card
@@ -54,6 +54,13 @@ def _run_rollout(scenario, policy, minutes):
             d.evidence.get("cohort_share")) for d in pipeline.decisions]
     return sim, pipeline, flags, changes, got
 
+# Every rollout starts so: unadmitted and off, shadowed at once, on the canary after the first judgement.
+_ONTO_THE_CANARY = [
+        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
+        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
+        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+]
+
 
 def test_the_documented_policy_is_the_one_tested():
     with open(_REPO / "docs" / "admission-policy.toml", "rb") as f:
@@ -63,9 +70,7 @@ def test_the_documented_policy_is_the_one_tested():
 def test_healthy_new_bundle_goes_shadow_canary_admitted_by_itself():
     sim, pipeline, flags, changes, got = _rollout("admission")
     assert got == [
-        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
-        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        *_ONTO_THE_CANARY,
         (322.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
         (433.0, BUNDLE, "promote", "canary_judgement", None, "admitted", 1.0),
     ]
@@ -85,9 +90,7 @@ def test_healthy_new_bundle_goes_shadow_canary_admitted_by_itself():
 def test_structured_tail_on_the_canary_freezes_it_naming_bucket_and_metric():
     sim, pipeline, flags, _, got = _rollout("canary_tail")
     assert got == [
-        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
-        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        *_ONTO_THE_CANARY,
         (306.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
     ]
     frozen = pipeline.decisions[-1].evidence
@@ -101,11 +104,7 @@ def test_structured_tail_on_the_canary_freezes_it_naming_bucket_and_metric():
 
 def test_structured_mismatch_on_the_canary_freezes_it_at_once():
     _, pipeline, flags, _, got = _rollout("canary_mismatch")
-    assert got[:3] == [
-        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
-        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
-    ]
+    assert got[:3] == _ONTO_THE_CANARY
     assert got[3:] == [
         (200.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
         (200.0, BUNDLE, "disable_speculation", "quality_regression", "structured", None, None),
@@ -118,9 +117,7 @@ def test_structured_mismatch_on_the_canary_freezes_it_at_once():
 def test_fingerprint_change_sends_the_new_card_back_through_admission():
     _, pipeline, flags, changes, got = _rollout("admission_change")
     assert got == [
-        (0.0, BUNDLE, "disable_speculation", "unadmitted_bundle", None, "unadmitted", 0.0),
-        (0.0, BUNDLE, "promote", "unadmitted_bundle", None, "shadow", 0.2),
-        (116.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.1),
+        *_ONTO_THE_CANARY,
         (322.0, BUNDLE, "promote", "canary_judgement", None, "canary", 0.25),
         # the tokenizer changes at 330 s, the fleet rolls over in 10 s: one invalidation, not eight
         (330.0, CHANGED, "invalidate_bundle", "bundle_changed", None, None, None),
@@ -245,11 +242,6 @@ def test_policy_refuses_a_schedule_that_never_admits():
 # -- registry and command line ------------------------------------------------------------------
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "specwatch.cli", *args], capture_output=True, text=True,
-                          timeout=600)
-
-
 def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path):
     dsn = f"chdb://{tmp_path}/archive"
     _, pipeline, _, changes, _ = _rollout("canary_tail")
@@ -261,19 +253,19 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
         assert [r["stage"] for r in archive.stage_history(BUNDLE)] == ["unadmitted", "shadow", "canary", "frozen"]
         assert archive.flag_store().admission(BUNDLE).stage == "frozen"
 
-    shown = _cli("bundles", "show", BUNDLE, "--archive", dsn)
+    shown = specwatch("bundles", "show", BUNDLE, "--archive", dsn)
     assert shown.returncode == 0, shown.stderr
     assert "failed: structured tpot_p99" in shown.stdout
 
-    refused = _cli("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
+    refused = specwatch("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
     assert refused.returncode == 1 and "name of the person" in refused.stderr
-    moved = _cli("bundles", "promote", BUNDLE, "--archive", dsn, "--by", "alice", "--reason", "tail fixed",
+    moved = specwatch("bundles", "promote", BUNDLE, "--archive", dsn, "--by", "alice", "--reason", "tail fixed",
                  "--policy", str(_REPO / "docs" / "admission-policy.toml"), "--json")
     assert moved.returncode == 0, moved.stderr
     row = json.loads(moved.stdout)
     assert (row["previous_stage"], row["stage"], row["cohort_share"], row["by"]) == ("frozen", "shadow", 0.2, "alice")
 
-    listed = [json.loads(line) for line in _cli("bundles", "list", "--archive", dsn, "--json").stdout.splitlines()]
+    listed = [json.loads(line) for line in specwatch("bundles", "list", "--archive", dsn, "--json").stdout.splitlines()]
     assert [(r["bundle_id"], r["stage"], r["stage_by"]) for r in listed] == [(BUNDLE, "shadow", "alice")]
     with Archive.open(dsn, create=False) as archive:
         store = archive.flag_store()
@@ -282,7 +274,7 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
     assert store.lookup(BUNDLE, "coding", "shadow").enabled and not store.lookup(BUNDLE, "coding", "main").enabled
     assert [(a["actor"], a["reason"]) for a in audit] == [("alice", "tail fixed")]
 
-    explained = _cli("explain", pipeline.decisions[-1].id, "--archive", dsn)
+    explained = specwatch("explain", pipeline.decisions[-1].id, "--archive", dsn)
     assert explained.returncode == 0, explained.stderr
     assert "stage: canary -> frozen" in explained.stdout
     assert "    tpot_p99            fail" in explained.stdout

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +25,8 @@ from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
+
+from machine import free_port
 
 _POLICY = Policy.model_validate({"baseline": {"learn_seconds": 10}})
 
@@ -167,9 +168,7 @@ def test_a_replay_after_a_partial_write_duplicates_nothing(tmp_path):
 
 
 def test_a_refusing_server_dsn_spools_until_an_archive_opens(tmp_path, caplog):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed = probe.getsockname()[1]
+    closed = free_port()
     secret = "pw-" + os.urandom(8).hex()
     refusing = f"http://ops:{secret}@127.0.0.1:{closed}/specwatch"
     target = {"dsn": refusing}

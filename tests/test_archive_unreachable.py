@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from functools import lru_cache
@@ -27,6 +26,8 @@ from specwatch.archive.store import Archive
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 
+from machine import free_port, specwatch
+
 _POLICY_TOML = "[baseline]\nlearn_seconds = 10\n"
 
 
@@ -40,8 +41,7 @@ def _telemetry() -> str:
 def _specwatch(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, SPECWATCH_ARCHIVE_SPOOL=str(tmp_path / "spool"))
     env.pop("SPECWATCH_ARCHIVE", None)
-    return subprocess.run([sys.executable, "-m", "specwatch.cli", *argv], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=600)
+    return specwatch(*argv, env=env, cwd=tmp_path, timeout=600)
 
 
 def _replay(tmp_path: Path, dsn: str | None, output: str) -> subprocess.CompletedProcess:
@@ -157,9 +157,7 @@ def test_a_read_only_chdb_directory_costs_no_decision_and_flush_delivers_later(t
 
 def test_an_http_archive_nobody_listens_on_costs_no_decision(tmp_path):
     expected = _expected(tmp_path)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     dsn = f"http://127.0.0.1:{port}/specwatch"
     done = _replay(tmp_path, dsn, "decisions.jsonl")
     assert done.returncode == 0
@@ -182,9 +180,7 @@ def test_an_http_archive_nobody_listens_on_costs_no_decision(tmp_path):
 
 
 def test_demo_with_an_unreachable_archive_still_reports_every_decision(tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     dsn = f"http://127.0.0.1:{port}/specwatch"
     fleet = ("demo", "--json", "--scenario", "acceptance_drop", "--minutes", "5", "--workers", "2")
     reached = _specwatch(tmp_path, *fleet, "--no-archive", "--outdir", str(tmp_path / "a"))
@@ -219,9 +215,8 @@ def test_an_unknown_sample_text_mode_is_refused_at_start_not_taken_for_an_outage
     telemetry = tmp_path / "telemetry.jsonl"
     telemetry.write_text(_telemetry())
     env = dict(os.environ, SPECWATCH_ARCHIVE_SPOOL=str(tmp_path / "spool"), SPECWATCH_ARCHIVE_SAMPLE_TEXT="clear")
-    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "replay", str(telemetry), "--output",
-                           str(tmp_path / "decisions.jsonl"), "--archive", f"chdb://{tmp_path / 'archive'}"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    done = specwatch("replay", str(telemetry), "--output", str(tmp_path / "decisions.jsonl"), "--archive",
+                     f"chdb://{tmp_path / 'archive'}", env=env, cwd=tmp_path, timeout=600)
     assert done.returncode == 2
     assert done.stderr == ("specwatch replay: SPECWATCH_ARCHIVE_SAMPLE_TEXT must be one of hashes, redacted, "
                            "got 'clear'\n")

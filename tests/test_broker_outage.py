@@ -15,7 +15,6 @@ on clients than a restart of the same one.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,8 @@ from specwatch.transport.topics import TELEMETRY_TOPIC
 from specwatch.collectors.spool import TelemetrySpool
 from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
+
+from machine import free_port, until
 
 pytestmark = pytest.mark.kafka
 
@@ -68,15 +69,6 @@ def _engine(emitter: TelemetryEmitter, worker: str, count: int) -> tuple[threadi
     thread = threading.Thread(target=run, name=f"engine-{worker}", daemon=True)
     thread.start()
     return thread, kept
-
-
-def _until(condition) -> bool:
-    deadline = time.monotonic() + _PATIENCE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def _records_of(address: str, worker: str, expected: int, patience_s: float = _PATIENCE_S,
@@ -120,11 +112,11 @@ def test_nothing_is_lost_in_an_outage_shorter_than_the_spools_limits(own_broker,
         assert not engine.is_alive(), "emit blocked while the broker was down"
         assert kept[0] == during and emitter.stats().dropped == 0
         # Everything the broker could not take waits on disk, the failed deliveries included.
-        assert _until(lambda: exporter.stats()["spool_pending"] == during), (emitter.stats(), exporter.stats())
+        assert until(lambda: exporter.stats()["spool_pending"] == during, _PATIENCE_S), (emitter.stats(), exporter.stats())
         during_stats = dict(exporter.stats())
 
         _broker("start")  # a new, empty cluster
-        assert _until(lambda: exporter.force_flush(5_000)), exporter.stats()
+        assert until(lambda: exporter.force_flush(5_000), _PATIENCE_S), exporter.stats()
         engine, kept = _engine(emitter, "w-after", after)
         engine.join(_PATIENCE_S)
         assert not engine.is_alive() and kept[0] == after
@@ -167,9 +159,7 @@ def test_the_spool_outlives_its_process_and_the_next_one_drains_it_in_order(kafk
     from kafka.admin import KafkaAdminClient, NewTopic
 
     count = 1_500
-    with socket.socket() as s:  # a port nobody listens on: the broker is away
-        s.bind(("127.0.0.1", 0))
-        away = f"127.0.0.1:{s.getsockname()[1]}"
+    away = f"127.0.0.1:{free_port()}"
     done = subprocess.run([sys.executable, "-c", _SPOOLING_PROCESS, away, str(tmp_path / "spool"), str(count)],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
@@ -185,7 +175,7 @@ def test_the_spool_outlives_its_process_and_the_next_one_drains_it_in_order(kafk
         try:
             assert exporter.stats()["spool_pending"] == count  # found at start
             exporter.export([_step("w-restart", count)])  # new records queue behind the old ones
-            assert _until(lambda: exporter.force_flush(5_000)), exporter.stats()
+            assert until(lambda: exporter.force_flush(5_000), _PATIENCE_S), exporter.stats()
             stats = exporter.stats()
         finally:
             exporter.shutdown()

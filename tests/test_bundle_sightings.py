@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections import defaultdict
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +21,8 @@ from specwatch.archive.sink import ArchiveSink
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 from specwatch.streams.embedded import EmbeddedPipeline
+
+from machine import specwatch
 
 _WORKERS = 8
 _CHANGE_AT = 30.0
@@ -82,8 +83,7 @@ def test_every_worker_sighting_is_archived_with_its_span(tmp_path):
 
 def _specwatch(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, SPECWATCH_ARCHIVE_SPOOL=str(tmp_path / "spool"))
-    return subprocess.run([sys.executable, "-m", "specwatch.cli", *argv], capture_output=True, text=True,
-                          env=env, timeout=600)
+    return specwatch(*argv, env=env, timeout=600)
 
 
 def test_query_bundles_and_bundles_show_report_every_worker_and_the_time_span(tmp_path):

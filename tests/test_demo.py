@@ -1,13 +1,12 @@
 """`specwatch demo` end to end: incidents caught, archive readable after restart, picture written."""
 
 import json
-import subprocess
-import sys
+
+from machine import specwatch
 
 
 def _specwatch(*args, timeout=900):
-    proc = subprocess.run([sys.executable, "-m", "specwatch.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = specwatch(*args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -8,12 +8,7 @@ import pytest
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
 from specwatch.simulation.simulator import Simulator
-from specwatch.detectors.draft_length import (
-    PositionSurvival,
-    StepCost,
-    curve_from_slices,
-    draft_length_curve,
-)
+from specwatch.detectors.draft_length import PositionSurvival, StepCost, curve_from_slices, draft_length_curve
 from specwatch.detectors.monitor import Finding
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas.policy import Policy

@@ -6,29 +6,16 @@ incident-free traffic) is `specwatch evaluate`, its numbers in docs/EVALUATION.m
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
-from specwatch.evaluation import (
-    LEVELS,
-    AcceptanceKillSwitch,
-    BaselineSettings,
-    Case,
-    PrometheusRatioAlert,
-    calibrate,
-    bernoulli_kl,
-    format_report,
-    full_suite,
-    information_bound,
-    plot_sweep,
-    quick_suite,
-    run_suite,
-    summarize,
-)
+from specwatch.evaluation import (LEVELS, AcceptanceKillSwitch, BaselineSettings, Case, PrometheusRatioAlert, calibrate,
+                                  bernoulli_kl, format_report, full_suite, information_bound, plot_sweep, quick_suite,
+                                  run_suite, summarize)
 
 from specwatch.evaluation.suite import incident_kind
+
+from machine import specwatch
 
 SETTINGS = BaselineSettings.from_healthy_rate(0.348)  # what `specwatch evaluate` calibrates: thresholds 0.25
 START = 1_767_225_600.0
@@ -214,6 +201,5 @@ def test_alert_rule_needs_its_for_duration_and_resolves():
 
 
 def test_cli_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "specwatch.cli", "evaluate", "--processes", "0"],
-                          capture_output=True, text=True, timeout=300)
+    proc = specwatch("evaluate", "--processes", "0", timeout=300)
     assert proc.returncode == 2 and "--processes" in proc.stderr

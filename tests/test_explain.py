@@ -2,7 +2,6 @@
 
 import re
 import subprocess
-import sys
 
 import pytest
 
@@ -13,6 +12,8 @@ from specwatch.archive.sink import ArchiveSink
 from specwatch.simulation.simulator import Simulator
 from specwatch.analysis.postmortem import PLOTS
 from specwatch.streams.embedded import EmbeddedPipeline
+
+from machine import specwatch
 
 SEED = 11
 
@@ -37,8 +38,7 @@ def archived(tmp_path_factory):
 
 def _explain(*args) -> subprocess.CompletedProcess:
     # A separate process: chDB hosts one archive per process, and the CLI is what users run.
-    return subprocess.run([sys.executable, "-m", "specwatch.cli", "explain", *args],
-                          capture_output=True, text=True, timeout=600)
+    return specwatch("explain", *args, timeout=600)
 
 
 def test_text_summary_names_decision_thresholds_baseline_and_samples(archived):

@@ -21,6 +21,8 @@ from specwatch.transport.signing import Keyring
 from specwatch.transport.config import KafkaConfig
 from specwatch.schemas import Decision
 
+from machine import until
+
 pytestmark = pytest.mark.kafka
 
 _API_VERSION = (4, 0)
@@ -34,15 +36,6 @@ _LOGGER = "specwatch.collectors.flag_client"
 @pytest.fixture
 def topic(compacted_topic):
     return compacted_topic
-
-
-def _until(condition) -> bool:
-    deadline = time.monotonic() + _PATIENCE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def _disable_coding() -> Decision:
@@ -65,13 +58,13 @@ def test_standard_decoding_fail_safe_turns_speculation_off_while_silent_and_back
         publisher = DecisionPublisher(config, topic=topic, keyring=_RING, publisher_id="stage2-a")
         publisher.publish(_disable_coding())
         publisher.start_heartbeats(_BEAT_S, watermark=lambda: 1234.5)
-        assert _until(lambda: client.stats().heartbeats >= 3 and not client.silent)
+        assert until(lambda: client.stats().heartbeats >= 3 and not client.silent, _PATIENCE_S)
         assert client.lookup("b-1", "chat", "main").enabled  # heard from: decisions answer
         assert not client.lookup("b-1", "coding", "main").enabled
         assert client.stats().watermark == 1234.5
 
         publisher.close()  # the monitor goes away: no more heartbeats
-        assert _until(lambda: client.silent)
+        assert until(lambda: client.silent, _PATIENCE_S)
         assert client.lookup("b-1", "chat", "main") == SILENT_FALLBACK  # off everywhere
         assert client.lookup("other-bundle", "coding", "x") == SILENT_FALLBACK
         for _ in range(100):  # asked again and again while silent: still one transition
@@ -81,7 +74,7 @@ def test_standard_decoding_fail_safe_turns_speculation_off_while_silent_and_back
 
         with DecisionPublisher(config, topic=topic, keyring=_RING, publisher_id="stage2-a") as again:
             again.start_heartbeats(_BEAT_S)
-            assert _until(lambda: not client.silent)
+            assert until(lambda: not client.silent, _PATIENCE_S)
             assert client.lookup("b-1", "chat", "main").enabled
             assert not client.lookup("b-1", "coding", "main").enabled  # the last decisions hold again
     finally:
@@ -100,7 +93,7 @@ def test_keep_last_fail_safe_keeps_answering_from_the_last_flags(kafka_bootstrap
     with FlagClient(config, topic=topic, keyring=_RING, silence_seconds=_SILENCE_S) as client:
         assert client.fail_safe == "keep_last"
         assert client.wait_until_caught_up(30)
-        assert _until(lambda: client.silent)  # a decision from before the client started is no sign of life
+        assert until(lambda: client.silent, _PATIENCE_S)  # a decision from before the client started is no sign of life
         assert not client.lookup("b-1", "coding", "main").enabled
         assert client.lookup("b-1", "chat", "main").enabled
         assert client.stats().silences == 1
@@ -124,8 +117,8 @@ def test_stale_and_replayed_heartbeats_are_no_sign_of_life(kafka_bootstrap, topi
             # The same signed bytes again, as an attacker replaying them would send them.
             for _ in range(3):
                 producer.send(topic, key=fresh[0], value=fresh[1], headers=fresh[2]).get(timeout=10)
-            assert _until(lambda: client.stats().replayed == 3)
-            assert _until(lambda: client.silent)
+            assert until(lambda: client.stats().replayed == 3, _PATIENCE_S)
+            assert until(lambda: client.silent, _PATIENCE_S)
             assert client.stats().heartbeats == 2
             assert client.lookup("b-1", "coding", "main") == SILENT_FALLBACK
     finally:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
 from specwatch.cli import main
 
+from machine import free_port
+
 
 @pytest.fixture
 def closed_port():
     """A local port nothing listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()
 
 
 def test_run_refuses_an_unreachable_broker(closed_port, tmp_path, capsys):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from functools import lru_cache
 
 import pytest
@@ -15,6 +13,8 @@ from specwatch.schemas.codec import encode_record
 from specwatch.commands.replay import replay_file
 from specwatch.schemas.fastdecode import decode_line_fast
 from specwatch.streams.embedded import EmbeddedPipeline
+
+from machine import specwatch
 
 SEED = 11
 
@@ -106,8 +106,7 @@ def test_replay_cli_prints_the_refused_line(tmp_path):
     lines[at] = _shifted(lines[at], 3600.0)
     telemetry = tmp_path / "t.jsonl"
     telemetry.write_text("".join(line + "\n" for line in lines))
-    proc = subprocess.run([sys.executable, "-m", "specwatch.cli", "replay", str(telemetry), "--output",
-                           str(tmp_path / "d.jsonl")], capture_output=True, text=True, timeout=600)
+    proc = specwatch("replay", str(telemetry), "--output", str(tmp_path / "d.jsonl"), timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "rejected clock_ahead: 1" in proc.stdout
     assert f"line {at + 1}: clock_ahead: ts " in proc.stdout

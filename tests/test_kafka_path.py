@@ -6,7 +6,6 @@ Every test makes its own topics, so tests (and colleagues' runs) never read each
 from __future__ import annotations
 
 import collections
-import socket
 import time
 import uuid
 
@@ -20,18 +19,11 @@ from specwatch.collectors.flag_client import FlagClient
 from specwatch.transport.decisions import DecisionReader
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig
-from specwatch.schemas import (
-    BundleCard,
-    BundleRecord,
-    Decision,
-    DrafterCard,
-    RequestRecord,
-    RoundEntry,
-    ShadowRecord,
-    StepRecord,
-    TargetCard,
-)
+from specwatch.schemas import (BundleCard, BundleRecord, Decision, DrafterCard, RequestRecord, RoundEntry, ShadowRecord,
+                               StepRecord, TargetCard)
 from specwatch.schemas.otlp import decode_request
+
+from machine import free_port
 
 pytestmark = pytest.mark.kafka
 
@@ -139,9 +131,7 @@ def test_emitted_records_come_back_exactly_in_per_worker_order(kafka_bootstrap, 
 
 def test_a_broker_going_away_mid_stream_is_not_the_engines_problem(kafka_bootstrap, new_topic):
     """Pointed at a port with no broker, the emitter keeps returning at once and counts."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"
     exporter = KafkaTelemetryExporter(KafkaConfig(dead, topic=new_topic(), max_block_ms=100))
     with TelemetryEmitter(exporter, sdk=True, schedule_delay_millis=20, shutdown_timeout_millis=1_000) as emitter:
         # emit only queues; the sends that fail happen on the export thread
@@ -273,9 +263,7 @@ def test_decisions_command_on_an_empty_topic_prints_nothing(kafka_bootstrap, new
 
 
 def test_decisions_command_fails_fast_when_the_broker_is_unreachable(capsys):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"
     assert cli.main(["decisions", "--bootstrap", dead, "--timeout", "2"]) == 2
     assert "cannot reach Kafka" in capsys.readouterr().err
 

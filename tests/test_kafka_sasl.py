@@ -8,14 +8,13 @@ the embedded pipeline decides. With a wrong password it must say so and stop.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
 from specwatch.bench.broker import OwnBroker, forget_broker_data, port_from_env
 
 from kafka_helpers import Pipeline, assert_same_decisions, make_feed
+from machine import specwatch
 
 pytestmark = pytest.mark.kafka
 
@@ -73,9 +72,7 @@ def test_worker_with_sasl_credentials_decides_as_embedded(sasl_broker, tmp_path,
 def test_wrong_password_is_a_clear_error_not_a_hang(sasl_broker, tmp_path, monkeypatch):
     _, sasl = sasl_broker
     _credentials(monkeypatch, "not the password")
-    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "run", "--bootstrap", sasl,
-                           "--app-id", "sasl-refused", "--data-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    done = specwatch("run", "--bootstrap", sasl, "--app-id", "sasl-refused", "--data-dir", str(tmp_path), timeout=300)
     assert done.returncode != 0
     assert "not the password" not in done.stderr + done.stdout
     assert "SPECWATCH_KAFKA_* security settings" in done.stderr

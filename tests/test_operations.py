@@ -17,19 +17,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specwatch.actions.sinks.alertmanager import (
-    AlertSender,
-    RollbackPolicy,
-    WebhookLedger,
-    load_rollback_policy,
-    read_token_file,
-    read_webhook,
-)
+from specwatch.actions.sinks.alertmanager import (AlertSender, RollbackPolicy, WebhookLedger, load_rollback_policy,
+                                                  read_token_file, read_webhook)
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.metrics import ServiceHealth
 from specwatch.streams.operations import Operations, OperationsSettings
+
+from machine import free_port, specwatch
 
 _REPO = Path(__file__).resolve().parents[1]
 _SEED = 11
@@ -304,12 +300,11 @@ def test_operations_webhook_authenticates_and_builds_signed_overrides():
 
 def test_rollback_policy_and_token_files_are_validated(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text('[reasons]\nDrill = "slow"\n')
-    with pytest.raises(ValueError, match="contract reason codes"):
-        load_rollback_policy(bad)
-    bad.write_text('restore = ["Drill"]\n')
-    with pytest.raises(ValueError, match="unknown settings"):
-        load_rollback_policy(bad)
+    for text, problem in (('[reasons]\nDrill = "slow"\n', "contract reason codes"),
+                          ('restore = ["Drill"]\n', "unknown settings")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=problem):
+            load_rollback_policy(bad)
     good = tmp_path / "good.toml"
     good.write_text('restore_on_resolve = ["Drill"]\n[reasons]\nDrill = "latency_slo"\n')
     policy = load_rollback_policy(good)
@@ -323,8 +318,7 @@ def test_rollback_policy_and_token_files_are_validated(tmp_path):
 def test_run_refuses_a_bad_rollback_policy_in_one_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("nonsense = 1\n")
-    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "run", "--bootstrap", "127.0.0.1:1",
-                           "--rollback-policy", str(bad)], capture_output=True, text=True, timeout=120)
+    done = specwatch("run", "--bootstrap", "127.0.0.1:1", "--rollback-policy", str(bad), timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"specwatch run: rollback policy {bad}: unknown settings ['nonsense']; allowed: reasons, restore_on_resolve"]
@@ -334,11 +328,7 @@ def test_run_refuses_a_bad_rollback_policy_in_one_line(tmp_path):
 
 
 def test_demo_serves_the_metrics_of_its_simulated_fleet(tmp_path):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     demo = subprocess.Popen([sys.executable, "-m", "specwatch.cli", "demo", "--no-archive", "--minutes", "1",
                              "--outdir", str(tmp_path), "--serve", str(port), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -363,8 +353,7 @@ def test_demo_serve_on_a_busy_port_says_so(tmp_path):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "specwatch.cli", "demo", "--no-archive", "--serve", str(port)],
-                              capture_output=True, text=True, timeout=120)
+        done = specwatch("demo", "--no-archive", "--serve", str(port), timeout=120)
     assert done.returncode == 2
     assert f"cannot serve metrics on port {port}" in done.stderr and "pick a free port" in done.stderr
 
@@ -397,8 +386,7 @@ def test_dashboard_regenerates_byte_for_byte():
 
 
 def test_bench_reports_stage2_with_and_without_the_metrics_view():
-    done = subprocess.run([sys.executable, "-m", "specwatch.cli", "bench", "--section", "metrics", "--smoke", "--json"],
-                          capture_output=True, text=True, timeout=600)
+    done = specwatch("bench", "--section", "metrics", "--smoke", "--json", timeout=600)
     assert done.returncode == 0, done.stderr
     metrics = json.loads(done.stdout.strip().splitlines()[-1])["metrics"]
     assert {"stage2_off_s", "stage2_on_s", "overhead_ratio", "observe_share_of_stage2", "scrape_ms",

@@ -17,7 +17,6 @@ import asyncio
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.transport.kafka_io import PartitionReader
 
 from kafka_helpers import start_logged, stop_processes
+from machine import free_port, specwatch
 
 pytestmark = pytest.mark.kafka
 
@@ -51,12 +51,6 @@ _TAIL_SECONDS = 5.0
 _WAIT_S = 600.0  # a liveness bound for loaded 2-core machines, not a speed claim
 _DRILL = "ExtractionTPOTDrill"
 _TOKEN = "drill-token-" + uuid.uuid4().hex
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get_json(url: str) -> object:
@@ -173,7 +167,7 @@ def test_prometheus_alertmanager_and_a_live_worker(kafka_bootstrap, servers, tmp
 
 
 def _scenario(bootstrap, servers, tmp, run, telemetry, partials, decisions, deadletter):
-    web, am, prom, drill_port = _free_port(), _free_port(), _free_port(), _free_port()
+    web, am, prom, drill_port = free_port(), free_port(), free_port(), free_port()
     token_file = tmp / "webhook.token"
     token_file.write_text(_TOKEN + "\n")
     (tmp / "rollback.toml").write_text(f'restore_on_resolve = ["{_DRILL}"]\n')
@@ -250,10 +244,9 @@ scrape_configs:
     started = time.time()
 
     # -- the seeded incident, through Kafka; the embedded pipeline decides the same ------
-    feed = subprocess.run([sys.executable, "-m", "specwatch.cli", "simulate", "--bootstrap", bootstrap, "--topic",
-                           telemetry, "--scenario", "acceptance_drop", "--seed", str(SEED), "--workers", str(WORKERS),
-                           "--minutes", str(MINUTES), "--incident-at", str(INCIDENT_AT)],
-                          capture_output=True, text=True, timeout=600)
+    feed = specwatch("simulate", "--bootstrap", bootstrap, "--topic", telemetry, "--scenario", "acceptance_drop",
+                     "--seed", str(SEED), "--workers", str(WORKERS), "--minutes", str(MINUTES), "--incident-at",
+                     str(INCIDENT_AT), timeout=600)
     assert feed.returncode == 0, feed.stderr
     asyncio.run(_send_bad_records(bootstrap, telemetry))
     sim = Simulator("acceptance_drop", seed=SEED, workers=WORKERS, minutes=MINUTES, incident_at=INCIDENT_AT)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 
@@ -18,6 +17,8 @@ from specwatch.transport.config import KafkaConfig
 from specwatch.transport.topics import TELEMETRY_TOPIC
 from specwatch.schemas import RequestRecord, RoundEntry, Sample, Sampling, ShadowRecord, StepRecord
 from specwatch.schemas.otlp import decode_request
+
+from machine import free_port
 
 SDK_AND_DIRECT = pytest.mark.parametrize("sdk", [True, False], ids=["sdk", "direct"])
 
@@ -243,14 +244,8 @@ def test_kafka_config_says_what_to_fix(settings, message):
         KafkaConfig(**{"bootstrap_servers": "127.0.0.1:9092", **settings})
 
 
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]  # nothing listens once the probe closes
-
-
 def test_a_down_broker_only_counts_failures():
-    config = KafkaConfig(f"127.0.0.1:{_closed_port()}", topic=TELEMETRY_TOPIC, max_block_ms=200,
+    config = KafkaConfig(f"127.0.0.1:{free_port()}", topic=TELEMETRY_TOPIC, max_block_ms=200,
                          request_timeout_ms=500, delivery_timeout_ms=1_000)
     exporter = KafkaTelemetryExporter(config)  # api_version is set: no bootstrap round trip here
     emitter = TelemetryEmitter(exporter, sdk=False, schedule_delay_millis=20, shutdown_timeout_millis=2_000)

@@ -31,9 +31,10 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from specwatch.schemas import Decision, Rejection, RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
 
-from otelcol import CONFIGS, Collector, free_port
+from otelcol import CONFIGS, Collector
 from kafka_helpers import PARTITIONS, Feed, Pipeline, create_topics, delete_topics, run_async
 from telemetry_log import decision_key
+from machine import free_port, specwatch
 
 pytestmark = pytest.mark.kafka
 
@@ -103,8 +104,7 @@ def _resource(value: bytes) -> list[dict]:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "specwatch.cli", *args], capture_output=True, text=True,
-                          timeout=900, env=dict(os.environ, **(env or {})))
+    done = specwatch(*args, timeout=900, env=dict(os.environ, **(env or {})))
     assert done.returncode == 0, f"specwatch {args[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}"
     return done
 

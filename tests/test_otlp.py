@@ -10,32 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
-from specwatch.schemas import (
-    BundleCard,
-    BundleRecord,
-    DrafterCard,
-    Rejection,
-    RequestRecord,
-    RoundEntry,
-    RuntimeCard,
-    Sample,
-    Sampling,
-    ShadowRecord,
-    StepRecord,
-    TargetCard,
-    bundle_digest,
-    encode_record,
-)
+from specwatch.schemas import (BundleCard, BundleRecord, DrafterCard, Rejection, RequestRecord, RoundEntry, RuntimeCard,
+                               Sample, Sampling, ShadowRecord, StepRecord, TargetCard, bundle_digest, encode_record)
 from specwatch.schemas.contract import printable, scope_name_ok
-from specwatch.schemas.otlp import (
-    MAX_REQUEST_BYTES,
-    decode_request,
-    encode_entries,
-    encode_records,
-    iter_encoded_chunks,
-    log_entry,
-    record_from_attributes,
-)
+from specwatch.schemas.otlp import (MAX_REQUEST_BYTES, decode_request, encode_entries, encode_records,
+                                    iter_encoded_chunks, log_entry, record_from_attributes)
 
 CARD = BundleCard(
     target=TargetCard(model_id="llama-3.1-8b", revision="r7", tokenizer_digest="tk-1", quantization="fp8"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -11,17 +10,13 @@ from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.resources import Resource
 
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
-from specwatch.collectors.otlp_export import (
-    OtlpTelemetryExporter,
-    exporter_choice,
-    otlp_log_exporter,
-    resource_from_env,
-    service_instance_id,
-    telemetry_exporter_from_env,
-)
+from specwatch.collectors.otlp_export import (OtlpTelemetryExporter, exporter_choice, otlp_log_exporter,
+                                              resource_from_env, service_instance_id, telemetry_exporter_from_env)
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import encode_record
 from specwatch.schemas.otlp import decode_request
+
+from machine import free_port
 
 
 def test_records_round_trip_through_the_standard_encoder_with_one_resource_per_worker():
@@ -100,9 +95,7 @@ def test_the_kafka_choice_builds_the_direct_exporter_with_its_spool(tmp_path):
 def test_a_collector_that_is_away_costs_counted_records_never_the_engine():
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        away = s.getsockname()[1]
+    away = free_port()
     exporter = OtlpTelemetryExporter(OTLPLogExporter(endpoint=f"http://127.0.0.1:{away}/v1/logs", timeout=0.5))
     emitter = TelemetryEmitter(exporter, sdk=False, max_queue_size=100, max_batch_size=50,
                                schedule_delay_millis=10)
@@ -131,9 +124,7 @@ def test_simulate_to_a_collector_that_is_away_says_so_and_fails(capsys, monkeypa
     from specwatch.cli import main
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        away = f"http://127.0.0.1:{s.getsockname()[1]}"
+    away = f"http://127.0.0.1:{free_port()}"
     assert main(["simulate", "--otlp", away, "--scenario", "healthy", "--minutes", "0.02", "--workers", "1"]) == 1
     err = capsys.readouterr().err
     assert f"records were not delivered to {away}" in err and "is a Collector listening there?" in err

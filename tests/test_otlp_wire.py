@@ -18,15 +18,8 @@ from hypothesis import strategies as st
 
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Rejection, StepRecord
-from specwatch.schemas.fastdecode import (
-    StepColumns,
-    _log_record_spans,
-    _Memo,
-    _OddShape,
-    _step_from_wire,
-    _step_plain,
-    decode_request_fast,
-)
+from specwatch.schemas.fastdecode import (StepColumns, _log_record_spans, _Memo, _OddShape, _step_from_wire,
+                                          _step_plain, decode_request_fast)
 from specwatch.schemas.otlp import decode_request, encode_records, log_entry
 
 from test_fastpath import _same

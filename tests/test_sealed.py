@@ -13,14 +13,7 @@ from specwatch.schemas import Decision, PolicyError, RequestRecord, decode_line,
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.schemas.policy import CapturePolicy
 from specwatch.schemas.rerun import RerunOutcome
-from specwatch.schemas.sealed import (
-    SampleKey,
-    SealedSampleError,
-    Sealer,
-    open_sealed,
-    sealed_key_id,
-    token_digest,
-)
+from specwatch.schemas.sealed import SampleKey, SealedSampleError, Sealer, open_sealed, sealed_key_id, token_digest
 
 _SECRET = b"a sample key for tests, 32 bytes"
 _KEY = SampleKey.from_secret(_SECRET)
@@ -107,12 +100,12 @@ def test_capture_policy_is_off_by_default_and_validated(tmp_path):
     assert load_policy(None).capture == CapturePolicy(enabled=False, rate=0.01, buckets=[],
                                                       max_prompt_tokens=4096, max_output_tokens=4096)
     bad = tmp_path / "bad.toml"
-    bad.write_text("[capture]\nenabled = true\nrate = 1.5\n")
-    with pytest.raises(PolicyError, match="capture.rate: Input should be less than or equal to 1"):
-        load_policy(bad)
-    bad.write_text("[capture]\nratio = 0.5\n")
-    with pytest.raises(PolicyError, match="capture.ratio: Extra inputs are not permitted"):
-        load_policy(bad)
+    for text, problem in (("[capture]\nenabled = true\nrate = 1.5\n",
+                           "capture.rate: Input should be less than or equal to 1"),
+                          ("[capture]\nratio = 0.5\n", "capture.ratio: Extra inputs are not permitted")):
+        bad.write_text(text)
+        with pytest.raises(PolicyError, match=problem):
+            load_policy(bad)
     assert SampleCapture.from_policy(CapturePolicy()) is None
     with pytest.raises(ValueError, match="capture is enabled but there is no sample key"):
         SampleCapture.from_policy(CapturePolicy(enabled=True), environ={})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 
 import pytest
 
@@ -28,15 +27,11 @@ from specwatch.schemas import Decision, Policy, RequestRecord
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
 
+from machine import free_port
+
 
 def _secret(prefix: str) -> str:
     return f"{prefix}-{os.urandom(12).hex()}"
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
@@ -52,7 +47,7 @@ def _step():
 
 def test_kafka_sasl_and_ssl_passwords_never_leave_the_config(every_log):
     sasl, ssl = _secret("sasl"), _secret("sslkey")
-    config = KafkaConfig(f"127.0.0.1:{_closed_port()}", security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
+    config = KafkaConfig(f"127.0.0.1:{free_port()}", security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
                          sasl_username="svc", sasl_password=sasl, ssl_password=ssl, max_block_ms=100,
                          request_timeout_ms=500, delivery_timeout_ms=1_000)
     shown = [repr(config), str(config)]
@@ -79,7 +74,7 @@ def test_kafka_sasl_and_ssl_passwords_never_leave_the_config(every_log):
 
 def test_clickhouse_credentials_stay_out_of_errors_logs_and_the_spool(tmp_path, every_log, monkeypatch):
     in_dsn, in_env = _secret("dsnpw"), _secret("envpw")
-    port = _closed_port()
+    port = free_port()
     errors = []
     with pytest.raises(ArchiveError) as raised:
         Archive.open(f"http://ops:{in_dsn}@127.0.0.1:{port}/specwatch")

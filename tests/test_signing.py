@@ -19,14 +19,7 @@ from kafka import KafkaProducer
 from specwatch.actions.sinks.publisher import DecisionPublisher
 from specwatch.collectors.flag_client import FlagClient
 from specwatch.transport.codec import heartbeat_message
-from specwatch.transport.signing import (
-    SIGNATURE_HEADER,
-    Keyring,
-    SigningKey,
-    Verdict,
-    sign_line,
-    verify,
-)
+from specwatch.transport.signing import SIGNATURE_HEADER, Keyring, SigningKey, Verdict, sign_line, verify
 from specwatch.transport.config import KafkaConfig
 from specwatch.schemas import Decision
 

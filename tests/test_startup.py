@@ -6,6 +6,7 @@ Each check runs a fresh interpreter, so what earlier tests imported cannot hide 
 from __future__ import annotations
 
 import json
+import pkgutil
 import subprocess
 import sys
 
@@ -64,3 +65,23 @@ def test_the_command_line_parser_imports_no_command_dependencies():
               "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     loaded = set(json.loads(_fresh_python(script)[0]))
     assert loaded & {*_NOT_FOR_REPLAY, "pydantic", "numpy", "pyarrow", "chdb", "clickhouse_connect", "river"} == set()
+
+
+def test_the_command_list_loads_no_command_module_and_a_command_loads_only_its_own():
+    """`specwatch --help` is the table in `specwatch.cli`; `specwatch replay` builds only replay's arguments."""
+    script = ("import json, sys\nfrom specwatch.cli import build_parser\nbuild_parser(sys.argv[1:])\n"
+              "print(json.dumps(sorted(m for m in sys.modules if m.startswith('specwatch.commands.'))))")
+    assert json.loads(_fresh_python(script, "--help")[0]) == ["specwatch.commands._arguments"]
+    assert json.loads(_fresh_python(script, "-v", "replay", "x.jsonl")[0]) == ["specwatch.commands._arguments",
+                                                                             "specwatch.commands.replay"]
+
+
+def test_every_command_in_the_table_has_a_module_that_builds_and_runs_it():
+    from specwatch import commands
+    from specwatch.cli import COMMANDS, build_parser
+
+    modules = sorted(m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_"))
+    assert [command.name for command in COMMANDS] == modules
+    parser = build_parser()
+    assert parser.parse_args(["replay", "in.jsonl", "-o", "out.jsonl"]).func.__module__ == "specwatch.commands.replay"
+    assert parser.parse_args(["query", "bundles"]).func.__name__ == "_bundles"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 
@@ -17,6 +16,8 @@ from specwatch.transport.config import KafkaConfig
 from specwatch.collectors.spool import TelemetrySpool
 from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
+
+from machine import until
 
 
 def _drain_all(spool: TelemetrySpool) -> list[bytes]:
@@ -174,15 +175,6 @@ def _delivered_seqs(producer: _Producer) -> list[int]:
     return [r.seq for value in producer.delivered for r in decode_request(value)]
 
 
-def _until(condition, patience_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + patience_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_failed_sends_and_deliveries_spool_in_order_and_drain_when_kafka_is_back(tmp_path):
     producer = _Producer()
     exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9", delivery_timeout_ms=1_000), producer=producer,
@@ -199,7 +191,7 @@ def test_failed_sends_and_deliveries_spool_in_order_and_drain_when_kafka_is_back
     assert _delivered_seqs(producer) == [0, 1, 2]
 
     producer.fail_deliveries, producer.up = False, True
-    assert _until(lambda: exporter.stats()["spool_pending"] == 0 and not exporter._spooling)
+    assert until(lambda: exporter.stats()["spool_pending"] == 0 and not exporter._spooling)
     exporter.export(_steps("w1", 9, 1))  # direct again
     producer.flush()
     assert _delivered_seqs(producer) == list(range(10))
@@ -227,7 +219,7 @@ def test_what_is_spooled_at_shutdown_stays_for_the_next_start(tmp_path):
     exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9"), producer=producer, spool=TelemetrySpool(tmp_path),
                                       drain_backoff_s=(0.01, 0.05))
     exporter.export(_steps("w1", 5, 1))  # behind the five from before
-    assert _until(lambda: exporter.stats()["spool_pending"] == 0)
+    assert until(lambda: exporter.stats()["spool_pending"] == 0)
     producer.flush()
     assert _delivered_seqs(producer) == list(range(6))
     exporter.shutdown()

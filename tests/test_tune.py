@@ -3,7 +3,6 @@
 import json
 import re
 import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
@@ -15,6 +14,8 @@ from specwatch.archive.sink import ArchiveSink
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
+
+from machine import specwatch
 
 SEED = 11
 
@@ -38,8 +39,7 @@ def archived(tmp_path_factory):
 
 def _tune(*args) -> subprocess.CompletedProcess:
     # A separate process: chDB hosts one archive per process, and the CLI is what users run.
-    return subprocess.run([sys.executable, "-m", "specwatch.cli", "tune", *args],
-                          capture_output=True, text=True, timeout=600)
+    return specwatch("tune", *args, timeout=600)
 
 
 def test_json_curve_matches_the_raw_rounds_and_names_the_best_d(archived, tmp_path):

@@ -22,16 +22,10 @@ from specwatch.collectors.vllm.collector import token_digest
 from specwatch.collectors.vllm.taps import RunnerTap, StepFrame
 from specwatch.schemas import BundleCard, Decision, DrafterCard, TargetCard, bundle_digest
 
+from vllm_scenario import ListSink
+
 _CARD = BundleCard(target=TargetCard(model_id="tiny"), drafter=DrafterCard(mechanism="ngram", draft_length=4))
 _BUNDLE = bundle_digest(_CARD)
-
-
-class ListSink:
-    def __init__(self):
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
 
 
 @pytest.mark.parametrize("name", ["labels", "bundle", "collector", "taps", "demo"])

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from specwatch.collectors.vllm.demo import vllm_demo_policy
+
+from machine import specwatch
+from vllm_scenario import contract_records
 
 pytestmark = pytest.mark.vllm
 
@@ -27,9 +28,8 @@ _SUBPROCESS_TIMEOUT_S = 900
 def demo(tmp_path_factory) -> dict:
     outdir = tmp_path_factory.mktemp("vllm-demo")
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "specwatch.cli", "demo", "--engine", "vllm", "--json",
-                           "--outdir", str(outdir)],
-                          capture_output=True, text=True, timeout=_SUBPROCESS_TIMEOUT_S, env=dict(os.environ))
+    proc = specwatch("demo", "--engine", "vllm", "--json", "--outdir", str(outdir), timeout=_SUBPROCESS_TIMEOUT_S,
+                     env=dict(os.environ))
     if proc.returncode != 0:
         pytest.fail(f"specwatch demo --engine vllm failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -44,12 +44,8 @@ def _phase(demo, name):
 
 
 def _records(demo):
-    from specwatch.schemas import Rejection, decode_line
-
     lines = Path(demo["telemetry"]).read_text().splitlines()
-    records = [decode_line(line) for line in lines]
-    assert not [r for r in records if isinstance(r, Rejection)]
-    return lines, records
+    return lines, contract_records(lines)
 
 
 def _steps(demo, bundle_id):

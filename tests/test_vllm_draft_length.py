@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import run_scenario
+from vllm_scenario import ListSink, records_of_kind, scenario_fixture
 
 pytestmark = pytest.mark.vllm
 
@@ -66,14 +66,10 @@ def _scenario(out_path: Path) -> None:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True)
-    records: list = []
-
-    class ListSink:
-        def emit(self, record):
-            records.append(record)
-
+    sink = ListSink()
+    records = sink.records
     flags = FlagStore()
-    collector = VllmCollector(ListSink(), flags=flags, worker="test-draft-length")
+    collector = VllmCollector(sink, flags=flags, worker="test-draft-length")
     spec = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": _DRAFT_LENGTH}
     with collector.watching():
         engine = new_engine(models.target, spec)
@@ -122,17 +118,11 @@ def _scenario(out_path: Path) -> None:
     out_path.write_text(json.dumps(result))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    return run_scenario(__file__, tmp_path_factory.mktemp("vllm-draft-length"), _SUBPROCESS_TIMEOUT_S)
+run = scenario_fixture(__file__, _SUBPROCESS_TIMEOUT_S)
 
 
 def _rounds(part):
-    from specwatch.schemas import Rejection, decode_line
-
-    records = [decode_line(line) for line in part["records"]]
-    assert not [r for r in records if isinstance(r, Rejection)]
-    return [e for r in records if r.kind == "step" for e in r.requests if e.drafted]
+    return [e for r in records_of_kind(part["records"], "step") for e in r.requests if e.drafted]
 
 
 def _survival(rounds, positions):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import run_scenario
+from vllm_scenario import ListSink, records_of_kind, scenario_fixture
 
 pytestmark = pytest.mark.vllm
 
@@ -58,14 +58,10 @@ def _scenario(out_path: Path) -> None:
 
     def engine_run(name, drafter, max_tokens, script):
         """``script``: (after_step, mark, decision factories, request to add or None)."""
-        records: list = []
-
-        class ListSink:
-            def emit(self, record):
-                records.append(record)
-
+        sink = ListSink()
+        records = sink.records
         flags = FlagStore()
-        collector = VllmCollector(ListSink(), flags=flags, worker=f"test-{name}")
+        collector = VllmCollector(sink, flags=flags, worker=f"test-{name}")
         started = time.monotonic()
         spec = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": _DRAFT_LENGTH}
         with collector.watching():
@@ -125,18 +121,11 @@ def _scenario(out_path: Path) -> None:
     out_path.write_text(json.dumps(result))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    """The scenario's results: the engines of this module, built in one subprocess."""
-    return run_scenario(__file__, tmp_path_factory.mktemp("vllm-drafters"), _SUBPROCESS_TIMEOUT_S)
+run = scenario_fixture(__file__, _SUBPROCESS_TIMEOUT_S)
 
 
 def _steps(part):
-    from specwatch.schemas import Rejection, decode_line
-
-    records = [decode_line(line) for line in part["records"]]
-    assert not [r for r in records if isinstance(r, Rejection)]
-    return [r for r in records if r.kind == "step"]
+    return records_of_kind(part["records"], "step")
 
 
 def _rounds(steps):

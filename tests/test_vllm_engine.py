@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import run_scenario
+from vllm_scenario import ListSink, contract_records, records_of_kind, scenario_fixture
 
 pytestmark = pytest.mark.vllm
 
@@ -65,14 +65,10 @@ def _scenario(out_path: Path) -> None:
         return {rid: {"text": o.outputs[0].text, "tokens": list(o.outputs[0].token_ids),
                       "prompt_tokens": list(o.prompt_token_ids)} for rid, o in run.outputs.items()}
 
-    records: list = []
-
-    class ListSink:
-        def emit(self, record):
-            records.append(record)
-
+    sink = ListSink()
+    records = sink.records
     flags = FlagStore()
-    collector = VllmCollector(ListSink(), flags=flags, worker="test-worker")
+    collector = VllmCollector(sink, flags=flags, worker="test-worker")
     result: dict = {"phases": {}}
     started = time.monotonic()
     with collector.watching():
@@ -157,27 +153,15 @@ def _scenario(out_path: Path) -> None:
     out_path.write_text(json.dumps(result))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    """The scenario's results: one engine run per module, in a subprocess."""
-    return run_scenario(__file__, tmp_path_factory.mktemp("vllm-engine"), _SUBPROCESS_TIMEOUT_S)
-
-
-def _decoded(lines):
-    from specwatch.schemas import Rejection, decode_line
-
-    records = [decode_line(line) for line in lines]
-    rejected = [r for r in records if isinstance(r, Rejection)]
-    assert not rejected, f"records broke contract v1: {rejected[:3]}"
-    return records
+run = scenario_fixture(__file__, _SUBPROCESS_TIMEOUT_S)
 
 
 def _steps(phase):
-    return [r for r in _decoded(phase["records"]) if r.kind == "step"]
+    return records_of_kind(phase["records"], "step")
 
 
 def _requests(phase):
-    return {r.id: r for r in _decoded(phase["records"]) if r.kind == "request"}
+    return {r.id: r for r in contract_records(phase["records"]) if r.kind == "request"}
 
 
 def _token_sha(ids) -> str:
@@ -248,7 +232,7 @@ def test_request_records(run):
         assert (sampling.temperature, sampling.top_p, sampling.seed, sampling.max_tokens) == (0.0, 1.0, 7, _MAX_TOKENS)
     # a request's record follows the step record of the step it finished in, and no later
     # step carries it
-    records = _decoded(phase["records"])
+    records = contract_records(phase["records"])
     for i, record in enumerate(records):
         if record.kind == "request":
             seen = [r for r in records[:i] if r.kind == "step" and record.id in {e.id for e in r.requests}]
@@ -260,7 +244,7 @@ def test_bundle_card_from_engine_config(run):
     from specwatch.collectors.vllm.bundle import checkpoint_revision, tokenizer_digest
     from specwatch.schemas import bundle_digest
 
-    (bundle,) = _decoded(run["bundle_records"])
+    (bundle,) = contract_records(run["bundle_records"])
     assert bundle.kind == "bundle" and bundle.bundle_id == run["bundle_id"]
     card, target = bundle.card, run["model_paths"]["target"]
     assert card.target.model_id == target

@@ -11,7 +11,6 @@ only, and nothing was rejected.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import PROMPTS, ngram_llm_and_params
+from vllm_scenario import PROMPTS, engine_env, ngram_llm_and_params
 
 pytestmark = [pytest.mark.vllm, pytest.mark.kafka]
 
@@ -105,11 +104,8 @@ def run(kafka_bootstrap, tmp_path_factory) -> dict:
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=(4, 0))
     admin.create_topics([NewTopic(telemetry, 2, 1),
                          NewTopic(decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})])
-    env = dict(os.environ)
+    env = engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.update({
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
         "SPECWATCH_VLLM_SINK": "specwatch.collectors.vllm.kafka:telemetry_sink",
         "SPECWATCH_VLLM_FLAGS": "specwatch.collectors.vllm.kafka:decision_flags",
         "SPECWATCH_VLLM_WORKER": "serve-0",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from specwatch.analysis.reproduce import render_result
-from vllm_scenario import run_scenario
+from vllm_scenario import scenario_fixture
+from machine import specwatch
 
 pytestmark = pytest.mark.vllm
 
@@ -134,9 +134,7 @@ def _scenario(out_path: Path) -> None:
     out_path.write_text(json.dumps(result))
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory) -> dict:
-    return run_scenario(__file__, tmp_path_factory.mktemp("vllm-reproduce"), _SUBPROCESS_TIMEOUT_S)
+scenario = scenario_fixture(__file__, _SUBPROCESS_TIMEOUT_S, name="scenario")
 
 
 def _reproduce(scenario, decision_id, *extra, key_file="scenario"):
@@ -144,9 +142,8 @@ def _reproduce(scenario, decision_id, *extra, key_file="scenario"):
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if key_file is not None:
         env["SPECWATCH_SAMPLE_KEY_FILE"] = scenario["key_file"] if key_file == "scenario" else str(key_file)
-    return subprocess.run([sys.executable, "-m", "specwatch.cli", "reproduce", decision_id, "--archive",
-                           scenario["archive"], "--actor", "postmortem-test", *extra],
-                          capture_output=True, text=True, timeout=_SUBPROCESS_TIMEOUT_S, env=env)
+    return specwatch("reproduce", decision_id, "--archive", scenario["archive"], "--actor", "postmortem-test", *extra,
+                     timeout=_SUBPROCESS_TIMEOUT_S, env=env)
 
 
 def _decision(scenario, bucket):

@@ -1,4 +1,4 @@
-"""Running a test module's vLLM scenario in a subprocess and reading back its result."""
+"""Running a test module's vLLM scenario in a subprocess and reading back its result and records."""
 
 from __future__ import annotations
 
@@ -7,8 +7,35 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+
+
+class ListSink:
+    """A collector sink that keeps every record it is given."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def emit(self, record) -> None:
+        self.records.append(record)
+
+
+def contract_records(lines) -> list:
+    """The records of JSON ``lines``; every line must be a contract-v1 record."""
+    from specwatch.schemas import Rejection, decode_line
+
+    records = [decode_line(line) for line in lines]
+    rejected = [r for r in records if isinstance(r, Rejection)]
+    assert not rejected, f"records broke contract v1: {rejected[:3]}"
+    return records
+
+
+def engine_env(**settings: str) -> dict[str, str]:
+    """This process's environment for an engine process: offline, a small KV cache, ``settings`` on top."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                VLLM_CPU_KVCACHE_SPACE="1", **settings)
 
 
 def run_scenario(script: str, out_dir, timeout_s: float) -> dict:
@@ -27,6 +54,19 @@ def run_scenario(script: str, out_dir, timeout_s: float) -> dict:
     result = json.loads(out.read_text())
     result["wall_s"] = time.monotonic() - started
     return result
+
+
+def scenario_fixture(script: str, timeout_s: float, name: str = "run"):
+    """A module-scoped fixture ``name``: the results of ``script``'s scenario, run once in a subprocess."""
+    @pytest.fixture(scope="module", name=name)
+    def results(tmp_path_factory) -> dict:
+        return run_scenario(script, tmp_path_factory.mktemp(Path(script).stem), timeout_s)
+    return results
+
+
+def records_of_kind(lines, kind: str) -> list:
+    """The contract-v1 records of one kind (step, request, bundle, shadow) among JSON ``lines``."""
+    return [r for r in contract_records(lines) if r.kind == kind]
 
 
 BUCKETS = ["coding", "chat", "coding", "chat"]

@@ -17,14 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from specwatch.schemas import (
-    MAX_REQUESTS_PER_STEP,
-    BundleCard,
-    BundleRecord,
-    RequestRecord,
-    StepRecord,
-    bundle_digest,
-)
+from specwatch.schemas import (MAX_REQUESTS_PER_STEP, BundleCard, BundleRecord, RequestRecord, StepRecord,
+                               bundle_digest)
 from specwatch.collectors.capture import SampleCapture
 from specwatch.schemas.sealed import token_digest
 

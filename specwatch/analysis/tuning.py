@@ -14,14 +14,8 @@ from collections import defaultdict
 from typing import Mapping, Sequence
 
 from specwatch.actions.flags import FlagStore
-from specwatch.detectors.draft_length import (
-    DraftLengthCurve,
-    PositionSurvival,
-    StepCost,
-    draft_length_curve,
-    starting_draft_length,
-    tile_draft_lengths,
-)
+from specwatch.detectors.draft_length import (DraftLengthCurve, PositionSurvival, StepCost, draft_length_curve,
+                                              starting_draft_length, tile_draft_lengths)
 from specwatch.detectors.window import SliceStats, merge_all
 
 __all__ = ["DEFAULT_WINDOW_SECONDS", "heads_per_kv_head", "render_html", "render_text", "tune_report"]

@@ -11,19 +11,19 @@ import sys
 
 from specwatch.commands._arguments import add_archive_option
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "add_arguments"]
 
 _EXIT_STILL_SPOOLED = 1
 _EXIT_USAGE = 2
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "archive", help="deliver archive rows spooled while the archive was unreachable",
-        description="Rows that `replay`, `demo` or `run` could not write to the archive wait in a local "
-                    "spool (one per archive, under $SPECWATCH_ARCHIVE_SPOOL or "
-                    "~/.cache/specwatch/archive-spool). The next run with the same archive delivers them; "
-                    "`flush` delivers them now.")
+DESCRIPTION = ("Rows that `replay`, `demo` or `run` could not write to the archive wait in a local "
+               "spool (one per archive, under $SPECWATCH_ARCHIVE_SPOOL or "
+               "~/.cache/specwatch/archive-spool). The next run with the same archive delivers them; "
+               "`flush` delivers them now.")
+
+
+def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="archive_command", metavar="ACTION", required=True)
     p = sub.add_parser("flush", help="write the spooled rows to the archive now (idempotent)")
     add_archive_option(p)

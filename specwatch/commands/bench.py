@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import sys
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "bench", help="measure throughput, latency and cost against alternatives",
-        description="Stream processor, Kafka end to end, collector, archive, replay and cost growth; "
-                    "every figure comes with a ratio against an alternative measured in the same run.")
+DESCRIPTION = ("Stream processor, Kafka end to end, collector, archive, replay and cost growth; "
+               "every figure comes with a ratio against an alternative measured in the same run.")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--quick", action="store_true", help="smaller inputs and a 20 s Kafka run")
     parser.add_argument("--smoke", action="store_true", help="tiny inputs: checks the report's shape only")
@@ -25,10 +25,9 @@ def register(subparsers) -> None:
                         help="run only these sections (repeatable)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also draw the stream and growth figures, and the keys figure beside them (FILE-keys.png)")
-    parser.set_defaults(func=_run)
 
 
-def _run(args) -> int:
+def run(args) -> int:
     from specwatch.bench.suite import plot_report, run_bench
 
     report = run_bench(quick=args.quick, smoke=args.smoke, bootstrap=args.bootstrap,

@@ -15,13 +15,18 @@ from specwatch.commands._arguments import (CommandError, add_archive_options, ad
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
 from specwatch.commands.query import format_ts, print_rows
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "add_arguments"]
 
 _EXIT_NOT_FOUND = 1
 _EXIT_NOT_PUBLISHED = 3
 
 
-def register(subparsers) -> None:
+DESCRIPTION = ("Every bundle (fingerprint card) seen, its admission stage (unadmitted, shadow, canary "
+               "with a traffic share, admitted, frozen, invalidated) and what changed it, when and on "
+               "what evidence. admit, promote and freeze record a person's change with an audit row.")
+
+
+def add_arguments(parser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     add_archive_options(common)
     change = argparse.ArgumentParser(add_help=False)
@@ -30,11 +35,6 @@ def register(subparsers) -> None:
     change.add_argument("--reason", required=True, metavar="TEXT", help="why (audited)")
     add_publish_options(change)
 
-    parser = subparsers.add_parser(
-        "bundles", help="bundle registry: admission stages, their history, manual moves",
-        description="Every bundle (fingerprint card) seen, its admission stage (unadmitted, shadow, canary "
-                    "with a traffic share, admitted, frozen, invalidated) and what changed it, when and on "
-                    "what evidence. admit, promote and freeze record a person's change with an audit row.")
     sub = parser.add_subparsers(dest="bundles_command", metavar="ACTION", required=True)
 
     p = sub.add_parser("list", parents=[common], help="every bundle with its stage")

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the Kafka client and the signing code load when the command
     from specwatch.transport.decisions import DecisionReader
     from specwatch.transport.signing import Keyring
 
-__all__ = ["register", "print_decisions"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "print_decisions"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,11 @@ _DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _FOLLOW_POLL_MS = 500
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "decisions",
-        help="print the decisions topic as JSON Lines",
-        description="Print every decision on the (compacted) decisions topic, one contract JSON line "
-                    "each, in topic order. Exits at the end of the topic unless --follow.",
-    )
+DESCRIPTION = ("Print every decision on the (compacted) decisions topic, one contract JSON line "
+               "each, in topic order. Exits at the end of the topic unless --follow.")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--bootstrap", required=True, metavar="HOST:PORT",
                         help="Kafka bootstrap servers, comma separated")
     parser.add_argument("--topic", help="decisions topic (default: specwatch.decisions)")
@@ -47,7 +45,6 @@ def register(subparsers) -> None:
                         help="also print decisions whose signature does not check out (they are still reported)")
     parser.add_argument("--timeout", type=float, default=_DEFAULT_CONNECT_TIMEOUT_S, metavar="SECONDS",
                         help="how long to try reaching the cluster (default: %(default)s)")
-    parser.set_defaults(func=_run)
 
 
 def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False,
@@ -91,7 +88,7 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
     return printed, skipped, unverified
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from specwatch.transport.config import BrokerUnavailable, KafkaConfig
     from specwatch.transport.decisions import DecisionReader
     from specwatch.transport.signing import Keyring

@@ -18,16 +18,16 @@ from pathlib import Path
 from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, add_policy_option,
                                            load_policy)
 
-__all__ = ["register", "run_simulated_demo"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "run_simulated_demo"]
 
 _DEFAULT_OUTDIR = "specwatch-data"
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "demo", help="run a simulated fleet with incidents through the whole pipeline",
-        description="Simulate a fleet of speculative engine workers with scripted incidents, detect them, "
-                    "switch the affected paths to standard decoding, archive the evidence and draw a timeline.")
+DESCRIPTION = ("Simulate a fleet of speculative engine workers with scripted incidents, detect them, "
+               "switch the affected paths to standard decoding, archive the evidence and draw a timeline.")
+
+
+def add_arguments(parser) -> None:
     add_json_option(parser, help="end with one JSON object on stdout")
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",
                         help="sim: simulated fleet (default); vllm: a real vLLM engine on tiny models")
@@ -47,7 +47,6 @@ def register(subparsers) -> None:
     parser.add_argument("--serve", type=int, metavar="PORT",
                         help="serve the Prometheus metrics a `specwatch run` worker serves on "
                              "http://127.0.0.1:PORT/metrics while the demo runs, and after it until interrupted")
-    parser.set_defaults(func=_run)
 
 
 def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | None = None, workers: int = 8,
@@ -190,7 +189,7 @@ def _print_report(summary: dict, stream) -> None:
         print(f"timeline: {summary['picture']}", file=stream)
 
 
-def _run(args) -> int:
+def run(args) -> int:
     policy = load_policy(args.policy)
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)

@@ -12,16 +12,16 @@ import time
 
 from specwatch.commands._arguments import CommandError, add_json_option, add_policy_option, load_policy
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "evaluate", help="measure detection delay and false alarms against operator baselines",
-        description="Run seeded simulator scenarios for every row of the fallback table at several "
-                    "intensities, plus long incident-free runs, through specwatch and the two baselines "
-                    "operators use today (an engine kill switch on rolling acceptance, a Prometheus alert "
-                    "on vLLM counters) on the same telemetry; print delays, verdicts and false alarms.")
+DESCRIPTION = ("Run seeded simulator scenarios for every row of the fallback table at several "
+               "intensities, plus long incident-free runs, through specwatch and the two baselines "
+               "operators use today (an engine kill switch on rolling acceptance, a Prometheus alert "
+               "on vLLM counters) on the same telemetry; print delays, verdicts and false alarms.")
+
+
+def add_arguments(parser) -> None:
     add_json_option(parser, help="print one JSON object instead of the table")
     parser.add_argument("--quick", action="store_true",
                         help="one intensity per row (the one its target is stated for) and shorter healthy runs")
@@ -32,10 +32,9 @@ def register(subparsers) -> None:
     parser.add_argument("--plot", default="specwatch-data/evaluation.png",
                         help="PNG of delay against each incident key's traffic, with the information bound "
                              "(default specwatch-data/evaluation.png)")
-    parser.set_defaults(func=_run)
 
 
-def _run(args) -> int:
+def run(args) -> int:
     from specwatch.evaluation import (calibrate, format_report, full_suite, plot_sweep, quick_suite, run_suite,
                                       summarize)
     from specwatch.evaluation.draft_length import CASES, format_draft_length

@@ -9,25 +9,24 @@ import sys
 
 from specwatch.commands._arguments import CommandError, add_archive_option, open_archive
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 _EXIT_NOT_FOUND = 1
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "explain", help="postmortem of one archived decision (text, or an HTML page)",
-        description="Render the postmortem of one decision from the archive: the evidence window "
-                    "(acceptance length, draft overhead, speedup, latency percentiles, error and mismatch "
-                    "rates) as plots, the baseline it was compared to, the bundle card, the detector and "
-                    "thresholds that fired, and the archived samples. Without --html a text summary is printed.")
+DESCRIPTION = ("Render the postmortem of one decision from the archive: the evidence window "
+               "(acceptance length, draft overhead, speedup, latency percentiles, error and mismatch "
+               "rates) as plots, the baseline it was compared to, the bundle card, the detector and "
+               "thresholds that fired, and the archived samples. Without --html a text summary is printed.")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("decision_id", help="the decision's id (d-...), as `specwatch query decisions` shows it")
     add_archive_option(parser)
     parser.add_argument("--html", metavar="FILE", help="write the postmortem page to FILE (- for stdout)")
-    parser.set_defaults(func=_run)
 
 
-def _run(args) -> int:
+def run(args) -> int:
     from specwatch.analysis.postmortem import render_html, render_text
     from specwatch.outputs import atomic_output
 

@@ -20,7 +20,7 @@ from specwatch.commands._arguments import CommandError, add_archive_options, ope
 from specwatch.commands.query import format_ts, print_rows
 from specwatch.transport.topics import DECISIONS_TOPIC
 
-__all__ = ["register", "add_publish_options", "publish_keyring", "publish_manual"]
+__all__ = ["DESCRIPTION", "add_arguments", "add_publish_options", "publish_keyring", "publish_manual"]
 
 _EXIT_NOT_FOUND = 1
 _EXIT_USAGE = 2
@@ -98,7 +98,11 @@ def _override_keyring(args: argparse.Namespace):
     return publish_keyring(args)
 
 
-def register(subparsers) -> None:
+DESCRIPTION = ("Show the speculative-path state that archived decisions and manual overrides "
+               "add up to, or pin a scope on or off by hand (recorded with an audit row).")
+
+
+def add_arguments(parser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     add_archive_options(common)
     scope = argparse.ArgumentParser(add_help=False)
@@ -112,10 +116,6 @@ def register(subparsers) -> None:
                        help="with --bootstrap: the contract reason the published decision carries, the "
                             "alert being answered (" + ", ".join(_REASON_CODES) + ")")
 
-    parser = subparsers.add_parser(
-        "flags", help="speculative-path state per scope; manual overrides",
-        description="Show the speculative-path state that archived decisions and manual overrides "
-                    "add up to, or pin a scope on or off by hand (recorded with an audit row).")
     sub = parser.add_subparsers(dest="flags_command", metavar="ACTION", required=True)
 
     p = sub.add_parser("list", parents=[common], help="state per scope (manual overrides marked)")

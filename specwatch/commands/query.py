@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence, TextIO
 
 from specwatch.commands._arguments import add_archive_options, open_archive
 
-__all__ = ["register", "parse_time", "print_rows", "format_ts"]
+__all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
 _TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
@@ -26,13 +26,13 @@ _EXIT_USAGE = 2
 Column = tuple[str, str, Callable[[Any], str]]  # (key, header, formatter)
 
 
-def register(subparsers) -> None:
+DESCRIPTION = ("Read the specwatch archive: decisions and why they were made, the samples "
+               "kept with them, window statistics around them, bundles, and read-only SQL.")
+
+
+def add_arguments(parser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     add_archive_options(common)
-    parser = subparsers.add_parser(
-        "query", help="read decisions, evidence, samples and timelines from the archive",
-        description="Read the specwatch archive: decisions and why they were made, the samples "
-                    "kept with them, window statistics around them, bundles, and read-only SQL.")
     sub = parser.add_subparsers(dest="query_command", metavar="WHAT", required=True)
 
     p = sub.add_parser("decisions", parents=[common], help="decisions in time order")

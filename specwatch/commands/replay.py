@@ -12,7 +12,7 @@ import sys
 
 from specwatch.commands._arguments import add_archive_option, add_json_option, add_policy_option, load_policy
 
-__all__ = ["register", "replay_file"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "replay_file"]
 
 _EXIT_NO_TELEMETRY = 1
 _EXIT_USAGE = 2
@@ -20,11 +20,11 @@ _EXIT_USAGE = 2
 _EXIT_ARCHIVE_ROWS_LOST = 3
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "replay", help="replay contract-v1 JSON Lines and write the decisions",
-        description="Replay contract-v1 telemetry (JSON Lines) through the detectors and write "
-                    "the decisions as JSON Lines in event-time order.")
+DESCRIPTION = ("Replay contract-v1 telemetry (JSON Lines) through the detectors and write "
+               "the decisions as JSON Lines in event-time order.")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("input", help="telemetry file (JSON Lines, plain or gzipped), or - for stdin")
     parser.add_argument("--output", "-o", required=True, help="where to write decisions (JSON Lines), - for stdout")
     add_policy_option(parser)
@@ -32,7 +32,6 @@ def register(subparsers) -> None:
                                     "chdb://specwatch-data/archive); when it is unreachable the rows spool to "
                                     "local disk and the run still exits 0")
     add_json_option(parser, help="print the summary as one JSON object")
-    parser.set_defaults(func=_run)
 
 
 def replay_file(source, output, pipeline) -> dict:
@@ -49,7 +48,7 @@ class _NotTelemetry(Exception):
     """Lines were read and not one of them is a contract-v1 record."""
 
 
-def _run(args) -> int:
+def run(args) -> int:
     # imported here: the detectors pull in river (and scipy), which every other
     # subcommand's start-up should not pay for
     import gzip

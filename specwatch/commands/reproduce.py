@@ -12,20 +12,20 @@ import time
 
 from specwatch.commands._arguments import CommandError, add_archive_option, add_json_option, open_archive
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "reproduce", help="re-run a decision's sealed requests on standard and speculative decoding",
-        description="Open the sealed samples of an archived decision with the sample key "
-                    "($SPECWATCH_SAMPLE_KEY_FILE or $SPECWATCH_SAMPLE_KEY), check that the local engine's "
-                    "bundle card matches the decision's, and run each request twice under its archived "
-                    "sampling settings and seed: on the target with standard decoding and with the bundle's "
-                    "drafter. Reports, per request, the first divergent token, acceptance by draft position, "
-                    "draft and verify time and a verdict; the result is archived beside the decision. Every "
-                    "opening is audited. Exit 0 when it ran, 1 when the decision or its samples are missing, "
-                    "2 on bad arguments, 3 when it refused (key, bundle).")
+DESCRIPTION = ("Open the sealed samples of an archived decision with the sample key "
+               "($SPECWATCH_SAMPLE_KEY_FILE or $SPECWATCH_SAMPLE_KEY), check that the local engine's "
+               "bundle card matches the decision's, and run each request twice under its archived "
+               "sampling settings and seed: on the target with standard decoding and with the bundle's "
+               "drafter. Reports, per request, the first divergent token, acceptance by draft position, "
+               "draft and verify time and a verdict; the result is archived beside the decision. Every "
+               "opening is audited. Exit 0 when it ran, 1 when the decision or its samples are missing, "
+               "2 on bad arguments, 3 when it refused (key, bundle).")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("decision_id", help="the decision's id (d-...), as `specwatch query decisions` shows it")
     add_json_option(parser, help="print the result as one JSON object")
     parser.add_argument("--engine", choices=["vllm"], default="vllm", help="the local engine (default: vllm)")
@@ -37,10 +37,9 @@ def register(subparsers) -> None:
     parser.add_argument("--force", action="store_true",
                         help="run even when the local bundle card differs (verdicts say 'bundle differs')")
     parser.add_argument("--actor", default=None, help="who opens the samples, for the audit (default: the user)")
-    parser.set_defaults(func=_run)
 
 
-def _run(args) -> int:
+def run(args) -> int:
     from specwatch.analysis.reproduce import ReproduceError, render_result, reproduce_decision
     from specwatch.schemas.sealed import SampleKey
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from specwatch.commands._arguments import CommandError, add_archive_option, add_policy_option, load_policy
 from specwatch.transport.topics import DEADLETTER_TOPIC, DECISIONS_TOPIC, PARTIALS_TOPIC, TELEMETRY_TOPIC
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 _DEFAULT_DATA_DIR = "specwatch-data/faust"
 _SUPERVISE_POLL_S = 0.5
@@ -26,12 +26,12 @@ _DEFAULT_WEB_PORT = 6066
 _STOP_GRACE_S = 30.0
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "run", help="run the stream processors on Kafka (Faust workers)",
-        description="Consume OTLP telemetry from Kafka, run stage 1 per telemetry partition and stage 2 "
-                    "per partials partition, publish decisions to the compacted decisions topic. State is "
-                    "checkpointed to Kafka: a restarted or replaced worker resumes where it left off.")
+DESCRIPTION = ("Consume OTLP telemetry from Kafka, run stage 1 per telemetry partition and stage 2 "
+               "per partials partition, publish decisions to the compacted decisions topic. State is "
+               "checkpointed to Kafka: a restarted or replaced worker resumes where it left off.")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap servers")
     parser.add_argument("--workers", type=int, default=1, help="worker processes to start here (default 1)")
     add_policy_option(parser)
@@ -78,10 +78,9 @@ def register(subparsers) -> None:
                         help="TOML: which alert names map to which reason, and which resolved alerts restore "
                              "(docs/OPERATIONS.md)")
     parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
-    parser.set_defaults(func=_run)
 
 
-def _run(args) -> int:
+def run(args) -> int:
     import asyncio
 
     from specwatch.actions.sinks.alertmanager import load_rollback_policy, read_token_file

@@ -21,7 +21,7 @@ from typing import Iterable, TextIO
 from specwatch.commands._arguments import CommandError
 from specwatch.transport.topics import TELEMETRY_TOPIC
 
-__all__ = ["register", "build_simulator", "write_json_lines", "send", "send_to_kafka", "send_otlp", "summary_line"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "build_simulator", "write_json_lines", "send", "send_to_kafka", "send_otlp", "summary_line"]
 
 _EXIT_IO = 1
 # Engines export continuously; a generator running faster than real time must not let one
@@ -32,11 +32,11 @@ _CONNECT_TIMEOUT_S = 5.0
 _PACE_EVERY_RECORDS = 64
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "simulate", help="write simulated fleet telemetry (contract v1 JSON Lines)",
-        description="Simulate a fleet of speculative-decoding engine workers, deterministically from a seed, "
-                    "with an optional scripted incident, and write contract-v1 JSON Lines.")
+DESCRIPTION = ("Simulate a fleet of speculative-decoding engine workers, deterministically from a seed, "
+               "with an optional scripted incident, and write contract-v1 JSON Lines.")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--output", "-o", metavar="FILE", help="JSON Lines file to write ('-' for stdout)")
     parser.add_argument("--scenario", default="demo", help="scenario name (see --list; default: demo)")
     parser.add_argument("--minutes", type=float, default=None, help="simulated minutes (default: the scenario's)")
@@ -58,7 +58,6 @@ def register(subparsers) -> None:
                         help="with --bootstrap or --otlp: at most this many records per second (default 0: as fast "
                              "as the exporter goes)")
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
-    parser.set_defaults(func=run)
 
 
 def build_simulator(args: argparse.Namespace, flags=None):

@@ -14,17 +14,17 @@ from dataclasses import asdict
 
 from specwatch.commands._arguments import CommandError, add_json_option
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 _DEFAULT_SAMPLE_SECONDS = 5.0
 _DEFAULT_RATE = 400.0  # records/s: a few busy engine workers
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "soak", help="steady simulated load; checks that memory and lag stay flat",
-        description="Run a seeded healthy fleet in real time through the embedded pipeline (or through "
-                    "Kafka with --bootstrap) and sample RSS, event-time lag and queue depths.")
+DESCRIPTION = ("Run a seeded healthy fleet in real time through the embedded pipeline (or through "
+               "Kafka with --bootstrap) and sample RSS, event-time lag and queue depths.")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--minutes", type=float, required=True, help="how long to run (wall clock)")
     parser.add_argument("--rate", type=float, default=_DEFAULT_RATE,
                         help="target telemetry records per second (default: %(default)s)")
@@ -34,10 +34,9 @@ def register(subparsers) -> None:
                         help="seconds between samples (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=7)
     add_json_option(parser, help="print the summary as one JSON object")
-    parser.set_defaults(func=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from specwatch.bench.soak import run_soak, workers_for
 
     if not (args.minutes > 0 and math.isfinite(args.minutes)):

@@ -11,16 +11,16 @@ from pathlib import Path
 
 from specwatch.commands._arguments import CommandError, add_archive_option, add_json_option, open_archive
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "tune", help="best draft length per bucket: predicted speedup curve from the archive",
-        description="Predict, for each bucket of a bundle, the acceptance length and speedup at every draft "
-                    "length up to the one drafted, from the archived per-position acceptance counts and the "
-                    "bundle's measured draft and verify times; show the best D, the current D, the expected "
-                    "gain with its 95%% interval, the 128/G - 1 starting point and the tile-boundary candidates.")
+DESCRIPTION = ("Predict, for each bucket of a bundle, the acceptance length and speedup at every draft "
+               "length up to the one drafted, from the archived per-position acceptance counts and the "
+               "bundle's measured draft and verify times; show the best D, the current D, the expected "
+               "gain with its 95%% interval, the 128/G - 1 starting point and the tile-boundary candidates.")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--bundle", help="bundle id (default: the bundle seen last)")
     add_archive_option(parser)
     parser.add_argument("--window", type=float, default=None, metavar="SECONDS",
@@ -31,10 +31,9 @@ def register(subparsers) -> None:
     group.add_argument("--heads-per-kv", type=int, metavar="G", help="query heads per KV head of the target")
     add_json_option(parser, help="print one JSON object")
     parser.add_argument("--html", metavar="FILE", help="write the page with the plotted curves to FILE (- for stdout)")
-    parser.set_defaults(func=_run)
 
 
-def _run(args) -> int:
+def run(args) -> int:
     from specwatch.analysis.tuning import DEFAULT_WINDOW_SECONDS, heads_per_kv_head, render_html, render_text, tune_report
 
     window = DEFAULT_WINDOW_SECONDS if args.window is None else args.window

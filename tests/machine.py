@@ -1,0 +1,33 @@
+"""What tests ask of this machine: a free local port, a condition awaited, the command line in a fresh process."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable
+
+CLI = (sys.executable, "-m", "specwatch.cli")
+
+
+def free_port() -> int:
+    """A local port nothing listens on once this returns (the probe that found it is closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def until(condition: Callable[[], object], patience_s: float = 30.0, interval_s: float = 0.05) -> bool:
+    """Poll ``condition`` until it holds (True) or ``patience_s`` has passed (False)."""
+    deadline = time.monotonic() + patience_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
+def specwatch(*argv: str, timeout: float = 600, **run_options) -> subprocess.CompletedProcess:
+    """``specwatch ARGV...`` in a fresh interpreter, its output captured as text; options go to `subprocess.run`."""
+    return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout, **run_options)
