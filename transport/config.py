@@ -36,6 +36,11 @@ _DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 _DEFAULT_MAX_BLOCK_MS = 2_000
 _DEFAULT_REQUEST_TIMEOUT_MS = 10_000
 _DEFAULT_DELIVERY_TIMEOUT_MS = 30_000
+# Consumers (the stream workers): what one fetch may bring, per partition and in all, and
+# how many messages one poll hands over.
+_DEFAULT_FETCH_MAX_BYTES = 50 * 1024 * 1024
+_DEFAULT_MAX_PARTITION_FETCH_BYTES = 1024 * 1024
+_DEFAULT_MAX_POLL_RECORDS = 500
 _COMPRESSIONS = ("none", "gzip", "lz4", "zstd")  # snappy: no codec installed for kafka-python
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
@@ -72,6 +77,9 @@ class KafkaConfig:
     max_block_ms: int = _DEFAULT_MAX_BLOCK_MS
     request_timeout_ms: int = _DEFAULT_REQUEST_TIMEOUT_MS
     delivery_timeout_ms: int = _DEFAULT_DELIVERY_TIMEOUT_MS
+    fetch_max_bytes: int = _DEFAULT_FETCH_MAX_BYTES
+    max_partition_fetch_bytes: int = _DEFAULT_MAX_PARTITION_FETCH_BYTES
+    max_poll_records: int = _DEFAULT_MAX_POLL_RECORDS
     api_version: tuple[int, ...] = _DEFAULT_API_VERSION
     security_protocol: str = "PLAINTEXT"
     sasl_mechanism: str | None = None
@@ -105,7 +113,8 @@ class KafkaConfig:
         for name in ("linger_ms", "max_block_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("batch_size", "max_request_size", "request_timeout_ms", "delivery_timeout_ms"):
+        for name in ("batch_size", "max_request_size", "request_timeout_ms", "delivery_timeout_ms",
+                     "fetch_max_bytes", "max_partition_fetch_bytes", "max_poll_records"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -217,8 +226,42 @@ class KafkaConfig:
         context.check_hostname = self.ssl_check_hostname
         return context
 
+    def aiokafka_producer_settings(self, **overrides: Any) -> dict[str, Any]:
+        """The producer settings of `producer_settings` in aiokafka's names, with its security options.
+
+        >>> options = KafkaConfig("k:9092").aiokafka_producer_settings(linger_ms=1)
+        >>> options["compression_type"], options["linger_ms"], options["max_batch_size"] == KafkaConfig("k:9092").batch_size
+        ('lz4', 1, True)
+        """
+        acks = self._acks()
+        settings: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers.split(","),
+            "client_id": self.client_id,
+            "request_timeout_ms": self.request_timeout_ms,
+            "acks": acks,
+            "enable_idempotence": acks == "all",
+            "linger_ms": self.linger_ms,
+            "max_batch_size": self.batch_size,
+            "compression_type": None if self.compression_type == "none" else self.compression_type,
+            "max_request_size": self.max_request_size,
+            **self.aiokafka_security(),
+        }
+        settings.update(overrides)
+        return settings
+
+    def faust_consumer_settings(self) -> dict[str, Any]:
+        """The consumer's fetch settings as Faust app settings (Faust's consumer is aiokafka's).
+
+        Faust offers no total fetch limit: ``fetch_max_bytes`` stays aiokafka's 50 MiB there.
+        """
+        return {"consumer_max_fetch_size": self.max_partition_fetch_bytes,
+                "broker_max_poll_records": self.max_poll_records}
+
+    def _acks(self) -> int | str:
+        return "all" if self.acks in (-1, "all") else int(self.acks)
+
     def producer_settings(self) -> dict[str, Any]:
-        acks = "all" if self.acks in (-1, "all") else int(self.acks)
+        acks = self._acks()
         settings = self.client_settings()
         settings.update(
             acks=acks,
