@@ -44,6 +44,7 @@ __all__ = [
     "distributed_policy",
     "encode_checkpoint",
     "encode_partial",
+    "encode_partials",
     "encode_release",
     "outbox_pending",
     "read_checkpoint",
@@ -58,6 +59,10 @@ _CHECKPOINT_MAGIC = b"SWCP1"
 # Below Kafka's default 1 MiB message limit with room for the key and headers.
 _DEFAULT_CHUNK_BYTES = 512 * 1024
 _MAX_RAW_CHARS = 2048
+# Partials messages stay well below Kafka's default 1 MB message limit.
+_DEFAULT_PARTIALS_MESSAGE_BYTES = 512 * 1024
+_BATCHES_OPEN = b'{"kind":"batches","batches":['
+_BATCHES_CLOSE = b"]}"
 
 
 def distributed_policy(policy: Policy) -> Policy:
@@ -168,8 +173,36 @@ def encode_partial(batches: SliceBatch | Sequence[SliceBatch]) -> bytes:
     """One partials message holding ``batches`` (one source's, for one stage-2 partition, in close order)."""
     if isinstance(batches, SliceBatch):
         batches = (batches,)
-    return json.dumps({"kind": "batches", "batches": [batch.to_dict() for batch in batches]},
-                      separators=(",", ":")).encode()
+    return _BATCHES_OPEN + b",".join(_encode_batch(batch) for batch in batches) + _BATCHES_CLOSE
+
+
+def encode_partials(batches: Sequence[SliceBatch], max_bytes: int = _DEFAULT_PARTIALS_MESSAGE_BYTES) -> list[bytes]:
+    """As few partials messages as hold ``batches`` in order, each under ``max_bytes`` (a batch larger
+    than that travels alone).
+
+    >>> batches = [SliceBatch("t/0", i, i) for i in range(5)]
+    >>> [len(decode_partial(m).batches) for m in encode_partials(batches, max_bytes=250)]
+    [2, 2, 1]
+    >>> encode_partials(batches[:2]) == [encode_partial(batches[:2])]
+    True
+    """
+    messages: list[bytes] = []
+    parts: list[bytes] = []
+    size = len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
+    for batch in batches:
+        part = _encode_batch(batch)
+        if parts and size + len(part) + 1 > max_bytes:
+            messages.append(_BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE)
+            parts, size = [], len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
+        parts.append(part)
+        size += len(part) + 1
+    if parts:
+        messages.append(_BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE)
+    return messages
+
+
+def _encode_batch(batch: SliceBatch) -> bytes:
+    return json.dumps(batch.to_dict(), separators=(",", ":")).encode()
 
 
 def encode_release(source: str, watermark: int) -> bytes:

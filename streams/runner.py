@@ -43,7 +43,7 @@ from .faust_tasks import (
     decode_checkpoint,
     decode_partial,
     encode_checkpoint,
-    encode_partial,
+    encode_partials,
     encode_release,
     outbox_pending,
     read_checkpoint,
@@ -452,15 +452,17 @@ class Stage1Runner(PartitionRunner):
             self.rejected.add(rejection)
             pending.append(await self._writer.send(self.settings.deadletter_topic,
                                                    dead_letter(rejection, tp[0], tp[1], offset), key=keys[offset]))
-        # One partials message per stage-2 partition for the whole fetch, its batches in close order.
+        # One partials message per stage-2 partition for the whole fetch (more only past the size
+        # limit), its batches in close order.
         parts: dict[int, list] = {}
         for partition, batch in route_batches(closed, self.settings.partials_partitions):
             parts.setdefault(partition, []).append(batch)
         for partition, batches in sorted(parts.items()):
-            pending.append(await self._writer.send(self.settings.partials_topic, encode_partial(batches),
-                                                   key=task.source.encode(), partition=partition))
+            for value in encode_partials(batches):
+                pending.append(await self._writer.send(self.settings.partials_topic, value,
+                                                       key=task.source.encode(), partition=partition))
+                self.partials_sent += 1
             self.batches_sent += len(batches)
-            self.partials_sent += 1
 
     async def before_checkpoint(self, task: Stage1Task, tp: TopicPartition) -> None:
         await acknowledged(self._pending.pop(tp, []), "slice batches")  # what the checkpoint says was sent, was

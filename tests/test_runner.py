@@ -143,6 +143,18 @@ def test_whole_fetches_send_fewer_partials_messages_with_the_same_batches_and_de
     assert sorted(_key(d) for d in rig.decide() if d.ts < cutoff) == expected
 
 
+def test_a_fetch_of_a_whole_partition_is_split_below_the_message_limit(scenario, straight):
+    chunks, cutoff, expected = scenario
+    rig = Rig(chunks)
+    stage1 = rig.runner(Stage1Runner)
+    for p in range(PARTITIONS):
+        rig.deliver(stage1, "t", p, fetch=10_000)
+    sizes = [len(record.value) for record in rig.kafka.topic_records("p")]
+    assert max(sizes) <= 512 * 1024 < sum(sizes) / PARTITIONS  # one message would not have fitted
+    assert rig.partials() == straight
+    assert sorted(_key(d) for d in rig.decide() if d.ts < cutoff) == expected
+
+
 def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, straight):
     chunks, cutoff, expected = scenario
     rig = Rig(chunks)
