@@ -26,6 +26,9 @@ _KAFKA_ENV = {"BOOTSTRAP": "bootstrap_servers", "SECURITY_PROTOCOL": "security_p
               "SASL_MECHANISM": "sasl_mechanism", "SASL_USERNAME": "sasl_username",
               "SASL_PASSWORD": "sasl_password", "SSL_CAFILE": "ssl_cafile", "SSL_CERTFILE": "ssl_certfile",
               "SSL_KEYFILE": "ssl_keyfile"}
+# SPECWATCH_KAFKA_<name> -> KafkaConfig field of a client tuning setting (a whole number)
+_KAFKA_TUNING_ENV = {"LINGER_MS": "linger_ms", "BATCH_SIZE": "batch_size", "FETCH_MAX_BYTES": "fetch_max_bytes",
+                     "MAX_PARTITION_FETCH_BYTES": "max_partition_fetch_bytes", "MAX_POLL_RECORDS": "max_poll_records"}
 # kafka-python needs the broker version up front or it connects while being constructed.
 _DEFAULT_API_VERSION = (4, 0)
 _DEFAULT_LINGER_MS = 20
@@ -125,7 +128,9 @@ class KafkaConfig:
 
         ``SPECWATCH_KAFKA_BOOTSTRAP``, ``_SECURITY_PROTOCOL``, ``_SASL_MECHANISM``,
         ``_SASL_USERNAME``, ``_SASL_PASSWORD`` (or ``_SASL_PASSWORD_FILE``, a file holding it),
-        ``_SSL_CAFILE``, ``_SSL_CERTFILE``, ``_SSL_KEYFILE``. Secrets stay out of repr.
+        ``_SSL_CAFILE``, ``_SSL_CERTFILE``, ``_SSL_KEYFILE``. Secrets stay out of repr. Client
+        tuning: ``_COMPRESSION`` (none, gzip, lz4, zstd), ``_LINGER_MS``, ``_BATCH_SIZE``,
+        ``_FETCH_MAX_BYTES``, ``_MAX_PARTITION_FETCH_BYTES``, ``_MAX_POLL_RECORDS``.
 
         >>> env = {"SPECWATCH_KAFKA_BOOTSTRAP": "k:9093", "SPECWATCH_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
         ...        "SPECWATCH_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "SPECWATCH_KAFKA_SASL_USERNAME": "svc",
@@ -133,6 +138,12 @@ class KafkaConfig:
         >>> config = KafkaConfig.from_env(environ=env, topic="t")
         >>> config.bootstrap_servers, config.sasl_mechanism, config.topic, "hunter2" in repr(config)
         ('k:9093', 'SCRAM-SHA-512', 't', False)
+        >>> KafkaConfig.from_env(environ={"SPECWATCH_KAFKA_BOOTSTRAP": "k:1", "SPECWATCH_KAFKA_MAX_POLL_RECORDS": "1"}).max_poll_records
+        1
+        >>> KafkaConfig.from_env(environ={"SPECWATCH_KAFKA_BOOTSTRAP": "k:1", "SPECWATCH_KAFKA_LINGER_MS": "soon"})
+        Traceback (most recent call last):
+        ...
+        ValueError: SPECWATCH_KAFKA_LINGER_MS must be a whole number, got 'soon'
         """
         environ = os.environ if environ is None else environ
         found: dict[str, Any] = {}
@@ -140,6 +151,15 @@ class KafkaConfig:
             value = environ.get(f"SPECWATCH_KAFKA_{name}")
             if value:
                 found[field_name] = value
+        for name, field_name in _KAFKA_TUNING_ENV.items():
+            value = environ.get(f"SPECWATCH_KAFKA_{name}")
+            if value:
+                try:
+                    found[field_name] = int(value)
+                except ValueError:
+                    raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, got {value!r}") from None
+        if environ.get("SPECWATCH_KAFKA_COMPRESSION"):
+            found["compression_type"] = environ["SPECWATCH_KAFKA_COMPRESSION"]
         password_file = environ.get("SPECWATCH_KAFKA_SASL_PASSWORD_FILE")
         if password_file:
             if "sasl_password" in found:
