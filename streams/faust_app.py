@@ -135,7 +135,7 @@ def create_app(settings: StreamSettings) -> StreamApp:
 
     # -- state and outputs: checkpoint topics and the app's own producer ----------------------
     writer = KafkaWriter(kafka)
-    reader = PartitionReader(settings.bootstrap, settings.client_options())
+    reader = PartitionReader(settings.bootstrap, settings.client_options(), fetch=kafka.aiokafka_fetch_settings())
 
     def assignment() -> set[tuple[str, int]]:
         return {(tp.topic, tp.partition) for tp in app.consumer.assignment()}

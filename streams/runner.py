@@ -493,7 +493,7 @@ class Stage2Runner(PartitionRunner):
         # Flag clients verify every decision against this keyring (see transport/signing.py);
         # without a configured key decisions go out unsigned and clients say so.
         self._sink = DecisionSink(self._writer.send, self.settings.decisions_topic,
-                                  keyring if keyring is not None else Keyring.from_env(), role="the stream workers")
+                                  keyring if keyring is not None else Keyring.from_env(), role="a stream worker")
         self._heard: dict[tuple[int, str], float] = {}
         self._releasing: set[tuple[int, str]] = set()
         self._drain_checked_at = -float("inf")

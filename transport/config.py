@@ -269,6 +269,10 @@ class KafkaConfig:
         settings.update(overrides)
         return settings
 
+    def aiokafka_fetch_settings(self) -> dict[str, Any]:
+        """What one fetch of an aiokafka consumer may bring, per partition and in all."""
+        return {"fetch_max_bytes": self.fetch_max_bytes, "max_partition_fetch_bytes": self.max_partition_fetch_bytes}
+
     def faust_consumer_settings(self) -> dict[str, Any]:
         """The consumer's fetch settings as Faust app settings (Faust's consumer is aiokafka's).
 

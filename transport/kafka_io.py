@@ -63,9 +63,11 @@ class RangeReader:
 class PartitionReader(RangeReader):
     """Reads ranges of partitions outside the consumer group: gaps after a restart, the decisions tail."""
 
-    def __init__(self, bootstrap: str, security: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, bootstrap: str, security: Mapping[str, Any] | None = None, *,
+                 fetch: Mapping[str, Any] | None = None) -> None:
         self._bootstrap = bootstrap.split(",")
         self._security = dict(security or {})
+        self._fetch = dict(fetch or {})  # `KafkaConfig.aiokafka_fetch_settings`
         self._partitions: dict[str, list[int]] = {}
 
     async def partitions(self, topic: str) -> list[int]:
@@ -86,8 +88,8 @@ class PartitionReader(RangeReader):
         return self._partitions[topic]
 
     async def _consumer(self) -> AIOKafkaConsumer:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, **self._security, group_id=None,
-                                    enable_auto_commit=False,
+        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, **self._security, **self._fetch,
+                                    group_id=None, enable_auto_commit=False,
                                     auto_offset_reset="earliest", isolation_level="read_committed")
         await consumer.start()
         return consumer

@@ -96,8 +96,7 @@ async def _consume(config: Any, count: int) -> dict:
 
     consumer = AIOKafkaConsumer(config.topic, bootstrap_servers=config.bootstrap_servers.split(","), group_id=None,
                                 auto_offset_reset="earliest", enable_auto_commit=False,
-                                fetch_max_bytes=config.fetch_max_bytes,
-                                max_partition_fetch_bytes=config.max_partition_fetch_bytes)
+                                **config.aiokafka_fetch_settings())
     await consumer.start()
     try:
         seen = polls = 0
@@ -110,6 +109,15 @@ async def _consume(config: Any, count: int) -> dict:
     finally:
         await consumer.stop()
     return {"cpu_us_per_message": cpu / seen * 1e6, "wall_s": wall, "messages_per_poll": seen / polls}
+
+
+def _compressed_share(codec: str, messages: list[tuple[bytes, bytes]]) -> float:
+    """Bytes after ``codec`` over bytes before, message by message (the producer compresses whole batches)."""
+    from kafka import codec as codecs
+
+    encode = {"none": lambda data: data, "lz4": codecs.lz4_encode, "zstd": codecs.zstd_encode,
+              "gzip": codecs.gzip_encode}[codec]
+    return sum(len(encode(value)) for _, value in messages) / sum(len(value) for _, value in messages)
 
 
 def _best(runs: list[dict]) -> dict:
@@ -217,6 +225,7 @@ def run_client_bench(bootstrap: str, smoke: bool = False) -> dict:
             produced[label] = _best([_produce(config, messages) for _ in range(1 if smoke else _REPEATS)])
             produced[label]["settings"] = {k: getattr(config, k) for k in ("compression_type", "linger_ms",
                                                                             "batch_size")}
+            produced[label]["compressed_share"] = _compressed_share(config.compression_type, messages)
         consumed = {}
         for label, change in consumers.items():
             config = replace(base, topic=topics[0], **change)  # the default producer's topic
