@@ -2,10 +2,11 @@
 
 This module is the Faust wiring only: topics, agents, timers, web routes, the worker. The
 partition runners it drives (`streams/runner.py`) hold the state machine and no Faust.
-Agent ``combine`` hands each telemetry message to `Stage1Runner`, which folds it in its
-partition's `Stage1Task` and sends slice batches to the partials topic, routed by bundle;
-agent ``decide`` hands partials to `Stage2Runner`, which merges them per partials partition
-in a `Stage2Task` and publishes decisions to the compacted decisions topic.
+Agent ``combine`` hands what each fetch brought of telemetry to `Stage1Runner`, which folds
+it in each partition's `Stage1Task` and sends the closed slices to the partials topic,
+routed by bundle, one message per stage-2 partition; agent ``decide`` hands partials to
+`Stage2Runner`, which merges them per partials partition in a `Stage2Task` and publishes
+decisions to the compacted decisions topic.
 
 State and guarantees
 --------------------

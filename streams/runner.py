@@ -239,7 +239,7 @@ class PartitionRunner:
     A task resumes from its checkpoint, which says the offset of the next message it has to
     fold: messages below it are skipped (folded before), a message beyond it first makes the
     runner read the messages in between from the log (the consumer group committed past them
-    without delivering). Subclasses say what a task is and what folding a message does.
+    without delivering). Subclasses say what a task is and what folding a run of messages does.
 
     Parameters
     ----------
