@@ -51,7 +51,6 @@ from faust.types import TP
 from faust.types.tuples import Message as FaustMessage
 from mode import CrashingSupervisor
 
-from specwatch.transport.config import KafkaConfig
 from specwatch.transport.kafka_io import KafkaWriter, PartitionReader
 
 from .metrics import ServiceHealth
@@ -104,7 +103,7 @@ def create_app(settings: StreamSettings) -> StreamApp:
     """
     if settings.telemetry_partitions < 1 or settings.partials_partitions < 1:
         raise ValueError("partition counts are unknown: pass the settings through prepare_topics() first")
-    kafka = settings.kafka if settings.kafka is not None else KafkaConfig(settings.bootstrap)
+    kafka = settings.kafka_config
     fetch = kafka.faust_consumer_settings()
     app = faust.App(
         settings.app_id,

@@ -61,8 +61,6 @@ _DEFAULT_SOURCE_SILENCE_SECONDS = 10.0
 _DEFAULT_SESSION_TIMEOUT_SECONDS = 30.0
 # A partition assigned this long without delivering anything is restored and caught up by hand.
 _CATCH_UP_AFTER_S = 3.0
-# A gap read outside the consumer folds this many messages at a time, as a fetch would.
-_GAP_FOLD_MESSAGES = 500
 
 TopicPartition = tuple[str, int]
 
@@ -144,6 +142,11 @@ class StreamSettings:
     def client_options(self) -> dict[str, Any]:
         """Security options every aiokafka client of the app takes ({} for PLAINTEXT)."""
         return self.kafka.aiokafka_security() if self.kafka is not None else {}
+
+    @property
+    def kafka_config(self) -> KafkaConfig:
+        """The cluster's config: ``kafka``, or the defaults for ``bootstrap``."""
+        return self.kafka if self.kafka is not None else KafkaConfig(self.bootstrap)
 
     def checkpoint_topic(self, stage: str) -> str:
         """The compacted topic holding the checkpoints of ``stage`` ("stage1" or "stage2")."""
@@ -391,7 +394,7 @@ class PartitionRunner:
                                name, expected, message.offset - 1)
             expected = message.offset + 1
             run.append(message)
-            if len(run) >= _GAP_FOLD_MESSAGES:
+            if len(run) >= self.settings.kafka_config.max_poll_records:  # folded as a fetch would be
                 await self._fold_read(task, tp, run)
                 run = []
         if run:
