@@ -2,10 +2,11 @@
 
 This module is the Faust wiring only: topics, agents, timers, web routes, the worker. The
 partition runners it drives (`streams/runner.py`) hold the state machine and no Faust.
-Agent ``combine`` hands each telemetry message to `Stage1Runner`, which folds it in its
-partition's `Stage1Task` and sends slice batches to the partials topic, routed by bundle;
-agent ``decide`` hands partials to `Stage2Runner`, which merges them per partials partition
-in a `Stage2Task` and publishes decisions to the compacted decisions topic.
+Agent ``combine`` hands what each fetch brought of telemetry to `Stage1Runner`, which folds
+it in each partition's `Stage1Task` and sends the closed slices to the partials topic,
+routed by bundle, one message per stage-2 partition; agent ``decide`` hands partials to
+`Stage2Runner`, which merges them per partials partition in a `Stage2Task` and publishes
+decisions to the compacted decisions topic.
 
 State and guarantees
 --------------------
@@ -42,115 +43,31 @@ import asyncio
 import logging
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import faust
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, KafkaError
 from faust.types import TP
 from faust.types.tuples import Message as FaustMessage
 from mode import CrashingSupervisor
 
-from specwatch.transport.config import BrokerUnavailable
 from specwatch.transport.kafka_io import KafkaWriter, PartitionReader
-from specwatch.transport.topics import CHECKPOINT_TOPIC_CONFIG, DECISIONS_TOPIC_CONFIG
 
 from .metrics import ServiceHealth
 from .operations import Operations
 from .runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
 
-__all__ = ["StreamApp", "TopicError", "create_app", "prepare_topics", "run_worker"]
+__all__ = ["StreamApp", "create_app", "run_worker"]
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_PARTITIONS = 4
-_DEFAULT_CONNECT_TIMEOUT_MS = 10_000
 _RELEASE_CHECK_SECONDS = 1.0
 # Flag clients count three missed heartbeats before they call the topic silent (30 s).
 _HEARTBEAT_SECONDS = 10.0
 _PROGRESS_LOG_SECONDS = 60.0
-
-
-class TopicError(RuntimeError):
-    """The topics exist in a shape the topology cannot run on."""
-
-
-# ---------------------------------------------------------------- topics
-
-
-async def prepare_topics(settings: StreamSettings, default_partitions: int = _DEFAULT_PARTITIONS) -> StreamSettings:
-    """Reach the cluster, create missing topics, and return settings with partition counts.
-
-    Raises `BrokerUnavailable` when no broker answers, `TopicError` when telemetry topics
-    disagree on their partition count.
-    """
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap.split(","),
-                                request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS, **settings.client_options())
-    try:
-        client_log = logging.getLogger("aiokafka")
-        level = client_log.level
-        client_log.setLevel(logging.CRITICAL)  # the error below says it once, with the address
-        try:
-            await admin.start()
-        except (KafkaConnectionError, KafkaError, OSError) as error:
-            raise BrokerUnavailable(f"cannot reach Kafka at {settings.bootstrap}: {error}") from error
-        finally:
-            client_log.setLevel(level)
-        try:
-            return await _ensure_topics(admin, settings, default_partitions)
-        except KafkaError as error:
-            raise TopicError(f"cannot inspect or create the topics on {settings.bootstrap}: {error}") from error
-    finally:
-        await admin.close()
-
-
-async def _ensure_topics(admin: AIOKafkaAdminClient, settings: StreamSettings,
-                         default_partitions: int) -> StreamSettings:
-    """Create what is missing; the partition counts the topology runs on."""
-    existing = await _partition_counts(admin, settings)
-    telemetry = {t: existing.get(t) for t in settings.telemetry_topics}
-    counts = {n for n in telemetry.values() if n}
-    if len(counts) > 1:
-        raise TopicError(f"telemetry topics must have the same number of partitions, got {telemetry}")
-    telemetry_partitions = counts.pop() if counts else default_partitions
-    wanted = [NewTopic(t, telemetry_partitions, settings.replication_factor)
-              for t, n in telemetry.items() if not n]
-    if not existing.get(settings.partials_topic):
-        wanted.append(NewTopic(settings.partials_topic, telemetry_partitions, settings.replication_factor))
-    if not existing.get(settings.deadletter_topic):
-        wanted.append(NewTopic(settings.deadletter_topic, telemetry_partitions, settings.replication_factor))
-    if not existing.get(settings.decisions_topic):
-        wanted.append(NewTopic(settings.decisions_topic, 1, settings.replication_factor,
-                               topic_configs=dict(DECISIONS_TOPIC_CONFIG)))
-    if wanted:
-        logger.info("creating topics %s", ", ".join(t.name for t in wanted))
-        await admin.create_topics(wanted)
-        existing = await _partition_counts(admin, settings)
-    partials_partitions = existing[settings.partials_topic]
-    # One checkpoint partition per input partition: a task's checkpoints live beside its input.
-    checkpoints = {settings.checkpoint_topic("stage1"): telemetry_partitions,
-                   settings.checkpoint_topic("stage2"): partials_partitions}
-    present = await _partition_counts(admin, settings, names=list(checkpoints))
-    for name, partitions in checkpoints.items():
-        if name in present and present[name] != partitions:
-            raise TopicError(f"checkpoint topic {name} has {present[name]} partitions, the topic it "
-                             f"follows has {partitions}: delete it, or use another --app-id")
-    missing = [NewTopic(name, partitions, settings.replication_factor, topic_configs=dict(CHECKPOINT_TOPIC_CONFIG))
-               for name, partitions in checkpoints.items() if name not in present]
-    if missing:
-        await admin.create_topics(missing)
-    return replace(settings, telemetry_partitions=telemetry_partitions, partials_partitions=partials_partitions)
-
-
-async def _partition_counts(admin: AIOKafkaAdminClient, settings: StreamSettings,
-                            names: list[str] | None = None) -> dict[str, int]:
-    if names is None:
-        names = [*settings.telemetry_topics, settings.partials_topic, settings.decisions_topic,
-                 settings.deadletter_topic]
-    present = set(await admin.list_topics())
-    described = await admin.describe_topics([n for n in names if n in present]) if present else []
-    return {d["topic"]: len(d["partitions"]) for d in described if not d.get("error_code")}
+# An agent takes what the consumer fetched, up to a poll's records, and waits this long at
+# most for more before it hands a short fetch to its runner.
+_FETCH_WAIT_SECONDS = 0.05
 
 
 def _acknowledge(app: faust.App, record: Any) -> None:
@@ -179,17 +96,20 @@ class StreamApp:
 
 
 def create_app(settings: StreamSettings) -> StreamApp:
-    """The Faust app for ``settings`` (from `prepare_topics`): topics, agents, timers.
+    """The Faust app for ``settings`` (partition counts from `prepare_topics`): topics, agents, timers.
 
     Faust runs the consumer group, the agents and the timers; checkpoints and every output
     go through the app's own producer (`KafkaWriter`), whose acknowledgements it can wait for.
     """
     if settings.telemetry_partitions < 1 or settings.partials_partitions < 1:
         raise ValueError("partition counts are unknown: pass the settings through prepare_topics() first")
+    kafka = settings.kafka_config
+    fetch = kafka.faust_consumer_settings()
     app = faust.App(
         settings.app_id,
         broker=[f"kafka://{server}" for server in settings.bootstrap.split(",")],
-        broker_credentials=settings.kafka.faust_credentials() if settings.kafka is not None else None,
+        broker_credentials=kafka.faust_credentials(),
+        **fetch,
         store="memory://",
         datadir=settings.data_dir,
         web_enabled=settings.operations.web_port is not None,
@@ -214,9 +134,8 @@ def create_app(settings: StreamSettings) -> StreamApp:
     partials = app.topic(settings.partials_topic, partitions=settings.partials_partitions, **raw)
 
     # -- state and outputs: checkpoint topics and the app's own producer ----------------------
-    security = settings.client_options()
-    writer = KafkaWriter(settings.bootstrap, security)
-    reader = PartitionReader(settings.bootstrap, security)
+    writer = KafkaWriter(kafka)
+    reader = PartitionReader(settings.bootstrap, settings.client_options(), fetch=kafka.aiokafka_fetch_settings())
 
     def assignment() -> set[tuple[str, int]]:
         return {(tp.topic, tp.partition) for tp in app.consumer.assignment()}
@@ -228,15 +147,19 @@ def create_app(settings: StreamSettings) -> StreamApp:
                           **wiring)
 
     # -- agents -------------------------------------------------------------------------
+    # Each runner takes a whole fetch at once: stage 1 folds it in one go and sends one
+    # partials message per stage-2 partition for it.
+    take = fetch["broker_max_poll_records"]
+
     @app.agent(telemetry, name="combine")
     async def combine(stream):
-        async for event in stream.events():
-            await stage1.handle(event.message)
+        async for events in stream.take_events(take, within=_FETCH_WAIT_SECONDS):
+            await stage1.handle([event.message for event in events])
 
     @app.agent(partials, name="decide")
     async def decide(stream):
-        async for event in stream.events():
-            await stage2.handle(event.message)
+        async for events in stream.take_events(take, within=_FETCH_WAIT_SECONDS):
+            await stage2.handle([event.message for event in events])
 
     # -- timers and lifecycle ---------------------------------------------------------------
     @app.timer(interval=_RELEASE_CHECK_SECONDS)

@@ -44,6 +44,7 @@ __all__ = [
     "distributed_policy",
     "encode_checkpoint",
     "encode_partial",
+    "encode_partials",
     "encode_release",
     "outbox_pending",
     "read_checkpoint",
@@ -58,6 +59,10 @@ _CHECKPOINT_MAGIC = b"SWCP1"
 # Below Kafka's default 1 MiB message limit with room for the key and headers.
 _DEFAULT_CHUNK_BYTES = 512 * 1024
 _MAX_RAW_CHARS = 2048
+# Partials messages stay well below Kafka's default 1 MB message limit.
+_DEFAULT_PARTIALS_MESSAGE_BYTES = 512 * 1024
+_BATCHES_OPEN = b'{"kind":"batches","batches":['
+_BATCHES_CLOSE = b"]}"
 
 
 def distributed_policy(policy: Policy) -> Policy:
@@ -153,15 +158,51 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
 
 @dataclass(frozen=True)
 class PartialMessage:
-    """One message of the partials topic: a source's batch, or the release of a silent source."""
+    """One message of the partials topic: a source's batches for one stage-2 partition, or the release of a silent source.
 
-    batch: SliceBatch | None = None
+    The batches of one message are in the order stage 1 closed them; stage 2 folds them
+    one by one, exactly as if each had come in a message of its own.
+    """
+
+    batches: tuple[SliceBatch, ...] = ()
     release_source: str | None = None
     release_watermark: int = -1
 
 
-def encode_partial(batch: SliceBatch) -> bytes:
-    return json.dumps({"kind": "batch", "batch": batch.to_dict()}, separators=(",", ":")).encode()
+def encode_partial(batches: SliceBatch | Sequence[SliceBatch]) -> bytes:
+    """One partials message holding ``batches`` (one source's, for one stage-2 partition, in close order)."""
+    if isinstance(batches, SliceBatch):
+        batches = (batches,)
+    return _BATCHES_OPEN + b",".join(_encode_batch(batch) for batch in batches) + _BATCHES_CLOSE
+
+
+def encode_partials(batches: Sequence[SliceBatch], max_bytes: int = _DEFAULT_PARTIALS_MESSAGE_BYTES) -> list[bytes]:
+    """As few partials messages as hold ``batches`` in order, each under ``max_bytes`` (a batch larger
+    than that travels alone).
+
+    >>> batches = [SliceBatch("t/0", i, i) for i in range(5)]
+    >>> [len(decode_partial(m).batches) for m in encode_partials(batches, max_bytes=250)]
+    [2, 2, 1]
+    >>> encode_partials(batches[:2]) == [encode_partial(batches[:2])]
+    True
+    """
+    messages: list[bytes] = []
+    parts: list[bytes] = []
+    size = len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
+    for batch in batches:
+        part = _encode_batch(batch)
+        if parts and size + len(part) + 1 > max_bytes:
+            messages.append(_BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE)
+            parts, size = [], len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
+        parts.append(part)
+        size += len(part) + 1
+    if parts:
+        messages.append(_BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE)
+    return messages
+
+
+def _encode_batch(batch: SliceBatch) -> bytes:
+    return json.dumps(batch.to_dict(), separators=(",", ":")).encode()
 
 
 def encode_release(source: str, watermark: int) -> bytes:
@@ -172,22 +213,28 @@ def encode_release(source: str, watermark: int) -> bytes:
 def decode_partial(data: bytes) -> PartialMessage | Rejection:
     """A partials message, or why it is not one (the topic is internal, but never trusted blindly).
 
+    A ``batch`` message of one batch, as earlier versions wrote them, still reads.
+
     >>> decode_partial(encode_release("t/1", 12))
-    PartialMessage(batch=None, release_source='t/1', release_watermark=12)
+    PartialMessage(batches=(), release_source='t/1', release_watermark=12)
+    >>> [b.slice_index for b in decode_partial(encode_partial([SliceBatch("t/0", 4, 4), SliceBatch("t/0", 5, 5)])).batches]
+    [4, 5]
     >>> decode_partial(b"{}").reason
     'invalid_partial'
     """
     try:
         body = json.loads(data)
         kind = body.get("kind") if isinstance(body, dict) else None
+        if kind == "batches":
+            return PartialMessage(batches=tuple(SliceBatch.from_dict(batch) for batch in body["batches"]))
         if kind == "batch":
-            return PartialMessage(batch=SliceBatch.from_dict(body["batch"]))
+            return PartialMessage(batches=(SliceBatch.from_dict(body["batch"]),))
         if kind == "release":
             return PartialMessage(release_source=str(body["source"]), release_watermark=int(body["watermark"]))
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         return Rejection("invalid_partial", f"undecodable partials message: {error!r}",
                          bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
-    return Rejection("invalid_partial", "partials message is neither a batch nor a release",
+    return Rejection("invalid_partial", "partials message is neither batches nor a release",
                      bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
 
 
@@ -248,6 +295,21 @@ class Stage1Task:
         self.next_offset = offset + 1
         return rejections, closed
 
+    def fold_many(self, messages: Sequence[tuple[int, bytes]], now: float | None = None,
+                  seen: dict[str, float] | None = None) -> tuple[list[tuple[int, Rejection]], list[SliceBatch]]:
+        """Fold the messages of one fetch, (offset, payload) in offset order, as `fold` folds each.
+
+        Returns (offset, rejection) for every rejected record and every slice closed, in
+        order. A runner hands stage 1 a whole fetch through here.
+        """
+        rejected: list[tuple[int, Rejection]] = []
+        closed: list[SliceBatch] = []
+        for offset, payload in messages:
+            rejections, batches = self.fold(offset, payload, now, seen)
+            rejected += [(offset, rejection) for rejection in rejections]
+            closed += batches
+        return rejected, closed
+
 
 @dataclass(frozen=True)
 class BundleOwner:
@@ -303,9 +365,14 @@ class Stage2Task:
         if isinstance(message, Rejection):
             self.invalid += 1
             return []
-        if message.batch is None:
+        if message.release_source is not None:
             return self._release(message.release_source, message.release_watermark)
-        batch = message.batch
+        outputs: list[SliceOutput] = []
+        for batch in message.batches:
+            outputs += self._add(batch)
+        return outputs
+
+    def _add(self, batch: SliceBatch) -> list[SliceOutput]:
         source = batch.source
         if batch.slice_index <= self.last_slice.get(source, -1):
             self.duplicates += 1  # a restarted stage 1 re-sent what it had sent before

@@ -15,15 +15,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from specwatch.schemas import Policy, Rejection, RejectionCounter
-from specwatch.transport.codec import decision_message, heartbeat_message
 from specwatch.transport.config import KafkaConfig
+from specwatch.transport.decision_sink import DecisionSink
 from specwatch.transport.kafka_io import acknowledged
 from specwatch.transport.signing import Keyring
-from specwatch.transport.topics import DEADLETTER_TOPIC, DECISIONS_TOPIC, PARTIALS_TOPIC, TELEMETRY_TOPIC
+from specwatch.transport.topics import (
+    DEADLETTER_TOPIC,
+    DECISIONS_TOPIC,
+    PARTIALS_TOPIC,
+    TELEMETRY_TOPIC,
+    PartitionCounts,
+    TopicPlan,
+)
 
 from .faust_tasks import (
     BundleOwner,
@@ -36,7 +43,7 @@ from .faust_tasks import (
     decode_checkpoint,
     decode_partial,
     encode_checkpoint,
-    encode_partial,
+    encode_partials,
     encode_release,
     outbox_pending,
     read_checkpoint,
@@ -136,6 +143,11 @@ class StreamSettings:
         """Security options every aiokafka client of the app takes ({} for PLAINTEXT)."""
         return self.kafka.aiokafka_security() if self.kafka is not None else {}
 
+    @property
+    def kafka_config(self) -> KafkaConfig:
+        """The cluster's config: ``kafka``, or the defaults for ``bootstrap``."""
+        return self.kafka if self.kafka is not None else KafkaConfig(self.bootstrap)
+
     def checkpoint_topic(self, stage: str) -> str:
         """The compacted topic holding the checkpoints of ``stage`` ("stage1" or "stage2")."""
         return f"{self.app_id}.{stage}-checkpoints"
@@ -144,6 +156,16 @@ class StreamSettings:
     def sources(self) -> tuple[str, ...]:
         """Every telemetry partition, named as stage 2 knows it."""
         return tuple(f"{topic}/{p}" for topic in self.telemetry_topics for p in range(self.telemetry_partitions))
+
+    def topic_plan(self) -> TopicPlan:
+        """The topics this app runs on, for `specwatch.transport.topics.prepare_topics`."""
+        return TopicPlan(self.bootstrap, self.telemetry_topics, self.partials_topic, self.decisions_topic,
+                         self.deadletter_topic, (self.checkpoint_topic("stage1"), self.checkpoint_topic("stage2")),
+                         self.replication_factor, self.client_options())
+
+    def with_partitions(self, counts: PartitionCounts) -> "StreamSettings":
+        """These settings with the partition counts `prepare_topics` found."""
+        return replace(self, telemetry_partitions=counts.telemetry, partials_partitions=counts.partials)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -220,7 +242,7 @@ class PartitionRunner:
     A task resumes from its checkpoint, which says the offset of the next message it has to
     fold: messages below it are skipped (folded before), a message beyond it first makes the
     runner read the messages in between from the log (the consumer group committed past them
-    without delivering). Subclasses say what a task is and what folding a message does.
+    without delivering). Subclasses say what a task is and what folding a run of messages does.
 
     Parameters
     ----------
@@ -267,8 +289,9 @@ class PartitionRunner:
         """A task for a partition without a checkpoint."""
         raise NotImplementedError
 
-    async def fold(self, task: Any, tp: TopicPartition, message: Any) -> None:
-        """Fold one message into its task (the task advances its ``next_offset``)."""
+    async def fold(self, task: Any, tp: TopicPartition, messages: list) -> None:
+        """Fold consecutive messages of one partition, in offset order, into its task (which
+        advances its ``next_offset`` past the last): a whole fetch at once."""
         raise NotImplementedError
 
     async def taken_over(self, task: Any, tp: TopicPartition) -> None:
@@ -284,21 +307,32 @@ class PartitionRunner:
     def task_name(self, tp: TopicPartition) -> str:
         return f"{self.stage}/{tp[0]}/{tp[1]}"
 
-    async def handle(self, message: Any) -> None:
-        """One message the consumer delivered."""
-        tp = (message.topic, message.partition)
-        async with self._lock:
-            task = self._tasks.get(tp)
-            if task is None:
-                task = await self._take_over(tp)
-            if message.offset < task.next_offset:
-                self.skipped += 1  # folded before the restart
-                return
-            if message.offset > task.next_offset:
-                await self._read_gap(task, tp, message.offset)
-            await self.fold(task, tp, message)
-            if self._clock() - self._checkpointed_at.get(tp, 0.0) >= self.settings.checkpoint_seconds:
-                await self.checkpoint(task, tp)
+    async def handle(self, messages: list) -> None:
+        """What the consumer delivered in one fetch, in its order (each partition's in offset order)."""
+        by_partition: dict[TopicPartition, list] = {}
+        for message in messages:
+            by_partition.setdefault((message.topic, message.partition), []).append(message)
+        for tp, delivered in by_partition.items():
+            async with self._lock:
+                task = self._tasks.get(tp)
+                if task is None:
+                    task = await self._take_over(tp)
+                run: list = []  # consecutive messages not folded yet
+                for message in delivered:
+                    expected = run[-1].offset + 1 if run else task.next_offset
+                    if message.offset < expected:
+                        self.skipped += 1  # folded before the restart
+                        continue
+                    if message.offset > expected:
+                        if run:
+                            await self.fold(task, tp, run)
+                            run = []
+                        await self._read_gap(task, tp, message.offset)
+                    run.append(message)
+                if run:
+                    await self.fold(task, tp, run)
+                if self._clock() - self._checkpointed_at.get(tp, 0.0) >= self.settings.checkpoint_seconds:
+                    await self.checkpoint(task, tp)
 
     async def catch_up(self) -> None:
         """Owned partitions that delivered nothing since they were assigned: restore their
@@ -352,13 +386,25 @@ class PartitionRunner:
     async def _read_gap(self, task: Any, tp: TopicPartition, upto: int) -> None:
         name = self.task_name(tp)
         logger.info("%s reads offsets %d..%d that its checkpoint does not cover", name, task.next_offset, upto - 1)
+        run: list = []
+        expected = task.next_offset
         async for message in self._reader.iter_range(tp[0], tp[1], task.next_offset, upto):
-            if message.offset > task.next_offset:
+            if message.offset > expected:
                 logger.warning("%s: offsets %d..%d are gone from the log (retention); what they held is lost",
-                               name, task.next_offset, message.offset - 1)
-            await self.fold(task, tp, message)
-            self._acknowledge(message)
+                               name, expected, message.offset - 1)
+            expected = message.offset + 1
+            run.append(message)
+            if len(run) >= self.settings.kafka_config.max_poll_records:  # folded as a fetch would be
+                await self._fold_read(task, tp, run)
+                run = []
+        if run:
+            await self._fold_read(task, tp, run)
         task.next_offset = max(task.next_offset, upto)
+
+    async def _fold_read(self, task: Any, tp: TopicPartition, messages: list) -> None:
+        await self.fold(task, tp, messages)
+        for message in messages:
+            self._acknowledge(message)
 
     def _lag_and_age(self, highwater: Callable[[str, int], int | None]) -> tuple[dict, dict]:
         lag, age = {}, {}
@@ -390,6 +436,7 @@ class Stage1Runner(PartitionRunner):
         self.rejected = RejectionCounter()
         self.engines_seen: dict[str, float] = {}  # engine worker -> wall time of its newest record
         self.batches_sent = 0
+        self.partials_sent = 0  # messages: a fetch's batches for one stage-2 partition travel in one
 
     def inputs(self) -> tuple[str, ...]:
         return self.settings.telemetry_topics
@@ -397,20 +444,28 @@ class Stage1Runner(PartitionRunner):
     def new_task(self, tp: TopicPartition) -> Stage1Task:
         return Stage1Task(self.settings.policy, f"{tp[0]}/{tp[1]}")
 
-    async def fold(self, task: Stage1Task, tp: TopicPartition, message: Any) -> None:
+    async def fold(self, task: Stage1Task, tp: TopicPartition, messages: list) -> None:
         before = task.records
-        rejections, closed = task.fold(message.offset, message.value or b"", now=time.time(), seen=self.engines_seen)
+        keys = {message.offset: message.key for message in messages}
+        rejected, closed = task.fold_many([(message.offset, message.value or b"") for message in messages],
+                                          now=time.time(), seen=self.engines_seen)
         self.records += task.records - before
         pending = self._pending.setdefault(tp, [])
-        for rejection in rejections:
+        for offset, rejection in rejected:
             self.rejected.add(rejection)
             pending.append(await self._writer.send(self.settings.deadletter_topic,
-                                                   dead_letter(rejection, tp[0], tp[1], message.offset),
-                                                   key=message.key))
+                                                   dead_letter(rejection, tp[0], tp[1], offset), key=keys[offset]))
+        # One partials message per stage-2 partition for the whole fetch (more only past the size
+        # limit), its batches in close order.
+        parts: dict[int, list] = {}
         for partition, batch in route_batches(closed, self.settings.partials_partitions):
-            pending.append(await self._writer.send(self.settings.partials_topic, encode_partial(batch),
-                                                   key=batch.source.encode(), partition=partition))
-            self.batches_sent += 1
+            parts.setdefault(partition, []).append(batch)
+        for partition, batches in sorted(parts.items()):
+            for value in encode_partials(batches):
+                pending.append(await self._writer.send(self.settings.partials_topic, value,
+                                                       key=task.source.encode(), partition=partition))
+                self.partials_sent += 1
+            self.batches_sent += len(batches)
 
     async def before_checkpoint(self, task: Stage1Task, tp: TopicPartition) -> None:
         await acknowledged(self._pending.pop(tp, []), "slice batches")  # what the checkpoint says was sent, was
@@ -440,7 +495,8 @@ class Stage2Runner(PartitionRunner):
         super().__init__(*args, **kwargs)
         # Flag clients verify every decision against this keyring (see transport/signing.py);
         # without a configured key decisions go out unsigned and clients say so.
-        self._keyring = keyring if keyring is not None else Keyring.from_env()
+        self._sink = DecisionSink(self._writer.send, self.settings.decisions_topic,
+                                  keyring if keyring is not None else Keyring.from_env(), role="a stream worker")
         self._heard: dict[tuple[int, str], float] = {}
         self._releasing: set[tuple[int, str]] = set()
         self._drain_checked_at = -float("inf")
@@ -479,15 +535,19 @@ class Stage2Runner(PartitionRunner):
         # a sign of life as soon as a partition is taken over, not only at the next tick
         await self.heartbeat()
 
-    async def fold(self, task: Stage2Task, tp: TopicPartition, message: Any) -> None:
+    async def fold(self, task: Stage2Task, tp: TopicPartition, messages: list) -> None:
+        for message in messages:
+            await self._fold_one(task, tp, message)
+
+    async def _fold_one(self, task: Stage2Task, tp: TopicPartition, message: Any) -> None:
         partition = tp[1]
         partial = decode_partial(message.value or b"")
         if isinstance(partial, Rejection):
             logger.warning("partials %d@%d dropped: %s", partition, message.offset, partial.detail)
-        elif partial.batch is not None:
-            key = (partition, partial.batch.source)
-            self._heard[key] = self._clock()
-            self._releasing.discard(key)
+        else:
+            for source in {batch.source for batch in partial.batches}:
+                self._heard[(partition, source)] = self._clock()
+                self._releasing.discard((partition, source))
         outputs = task.fold(message.offset, partial)
         actions = []
         for output in outputs:
@@ -528,8 +588,7 @@ class Stage2Runner(PartitionRunner):
         """Sign and publish decisions on the decisions topic; return once the broker has them all."""
         sent = []
         for decision in decisions:
-            key, value, headers = decision_message(decision, self._keyring)
-            sent.append(await self._writer.send(self.settings.decisions_topic, value, key=key, headers=headers))
+            sent.append(await self._sink.decision(decision))
             logger.info("decision %s %s %s/%s/%s reason=%s ts=%.3f", decision.id, decision.action,
                         decision.bundle_id, decision.bucket or "*", decision.cohort or "*", decision.reason,
                         decision.ts)
@@ -575,10 +634,8 @@ class Stage2Runner(PartitionRunner):
             task = self._tasks.get(tp)
             finalized = task.stage.finalized if task is not None else -1
             self._beats += 1
-            key, value, headers = heartbeat_message(
-                f"{self.settings.app_id}/stage2-{tp[1]}", self._beats,
-                (finalized + 1) * slice_seconds if finalized >= 0 else None, keyring=self._keyring)
-            await self._writer.send(self.settings.decisions_topic, value, key=key, headers=headers)
+            await self._sink.heartbeat(f"{self.settings.app_id}/stage2-{tp[1]}", self._beats,
+                                       (finalized + 1) * slice_seconds if finalized >= 0 else None)
 
     # -- silent sources -----------------------------------------------------------------
     async def release_silent_sources(self) -> None:

@@ -35,10 +35,16 @@ def test_bench_without_bootstrap_starts_a_broker_of_its_own_and_stops_it():
     host, port = broker["bootstrap"].rsplit(":", 1)
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert host == "127.0.0.1" and 20_000 <= int(port) < ephemeral_low
-    for run in ("flat_out", "two_workers", "paced"):
+    for run in ("flat_out", "two_workers", "two_workers_one_message_per_fetch", "paced"):
         measured = report["kafka"][run]
         assert measured["drained"], run
         assert measured["decisions"] == measured["embedded_decisions"] > 0, run
+    clients = report["kafka"]["clients"]
+    # every knob ran on the same messages as the defaults, and each was read back whole
+    assert clients["produce"]["default"]["over_default"] == clients["consume"]["default"]["over_default"] == 1.0
+    assert set(clients["produce"]) > {"compression none", "compression zstd"}
+    partials = clients["partials"]
+    assert partials["per_fetch"]["messages"] < partials["per_slice"]["messages"]
     # stopped at the end: nothing answers on its port, and its data is gone
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", int(port))) != 0

@@ -8,11 +8,13 @@ pipeline's, whatever restarts and redeliveries happen on the way.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from specwatch.schemas import Decision, Policy
 from specwatch.simulation.simulator import Simulator
+from specwatch.streams.faust_tasks import decode_partial
 from specwatch.streams.runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
 from specwatch.transport.codec import decode_decision, is_heartbeat_key
 from specwatch.transport.memory import MemoryKafka, MemoryReader, MemoryWriter
@@ -62,12 +64,13 @@ class Rig:
                     assignment=lambda: self.assigned, clock=lambda: self.now,
                     acknowledge=lambda m: self.acknowledged.append((m.topic, m.partition, m.offset)), **options)
 
-    def deliver(self, runner, topic: str, partition: int, start: int = 0, tick: float = 1.0) -> None:
-        """Hand the runner every message of a partition from ``start``, as the consumer would, one clock tick apart."""
-        for record in self.kafka.records(topic, partition):
-            if record.offset >= start:
-                self.now += tick
-                self.run(runner.handle(record))
+    def deliver(self, runner, topic: str, partition: int, start: int = 0, tick: float = 1.0, fetch: int = 1) -> None:
+        """Hand the runner every message of a partition from ``start``, as the consumer would: ``fetch``
+        messages at a time, one clock tick apart."""
+        records = [record for record in self.kafka.records(topic, partition) if record.offset >= start]
+        for i in range(0, len(records), fetch):
+            self.now += tick
+            self.run(runner.handle(records[i:i + fetch]))
 
     def deliver_others(self, runner, busiest: int) -> None:
         """`deliver` every telemetry partition but ``busiest``."""
@@ -75,8 +78,12 @@ class Rig:
             if p != busiest:
                 self.deliver(runner, "t", p)
 
-    def partials(self) -> set[bytes]:
-        return {record.value for record in self.kafka.topic_records("p")}
+    def partials(self) -> set[tuple[int, str]]:
+        """Every slice batch with content sent to stage 2, with its partition, however the batches were
+        grouped into messages (the empty ones only carry a watermark, and a fetch sends one at its end)."""
+        return {(record.partition, json.dumps(batch.to_dict(), sort_keys=True))
+                for record in self.kafka.topic_records("p") for batch in decode_partial(record.value).batches
+                if batch.partials or batch.events or batch.late_records}
 
     def decide(self) -> list[Decision]:
         """Stage 2 catches up on every partials partition, releases the silent sources, folds the releases."""
@@ -122,6 +129,32 @@ def test_runners_on_the_twin_decide_as_embedded(scenario):
     assert sorted(_key(d) for d in decided if d.ts < cutoff) == expected
 
 
+def test_whole_fetches_send_fewer_partials_messages_with_the_same_batches_and_decisions(scenario, straight):
+    """The runner folds a fetch at once and sends one partials message per stage-2 partition for it."""
+    chunks, cutoff, expected = scenario
+    one_by_one = _straight(chunks)
+    rig = Rig(chunks)
+    stage1 = rig.runner(Stage1Runner)
+    for p in range(PARTITIONS):
+        rig.deliver(stage1, "t", p, fetch=8)
+    assert rig.partials() == straight
+    messages, singly = len(rig.kafka.topic_records("p")), len(one_by_one.kafka.topic_records("p"))
+    assert stage1.partials_sent == messages < singly / 2
+    assert sorted(_key(d) for d in rig.decide() if d.ts < cutoff) == expected
+
+
+def test_a_fetch_of_a_whole_partition_is_split_below_the_message_limit(scenario, straight):
+    chunks, cutoff, expected = scenario
+    rig = Rig(chunks)
+    stage1 = rig.runner(Stage1Runner)
+    for p in range(PARTITIONS):
+        rig.deliver(stage1, "t", p, fetch=10_000)
+    sizes = [len(record.value) for record in rig.kafka.topic_records("p")]
+    assert max(sizes) <= 512 * 1024 < sum(sizes) / PARTITIONS  # one message would not have fitted
+    assert rig.partials() == straight
+    assert sorted(_key(d) for d in rig.decide() if d.ts < cutoff) == expected
+
+
 def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, straight):
     chunks, cutoff, expected = scenario
     rig = Rig(chunks)
@@ -147,7 +180,7 @@ def test_what_the_consumer_skipped_is_read_from_the_log(scenario, straight):
     first = rig.runner(Stage1Runner)
     for record in rig.kafka.records("t", busiest)[:12]:
         rig.now += 1.0
-        rig.run(first.handle(record))
+        rig.run(first.handle([record]))
     restarted = rig.runner(Stage1Runner)
     rig.deliver(restarted, "t", busiest, start=17)  # the group committed up to 17 without delivering 10..16
     assert rig.acknowledged == [("t", busiest, offset) for offset in range(10, 17)]
@@ -183,7 +216,7 @@ def test_a_revoked_partition_is_rebuilt_from_its_checkpoint_not_from_memory(scen
     records = rig.kafka.records("t", busiest)
     for record in records[:8]:  # checkpointed at the 5th message (offset 4), so it resumes at 5
         rig.now += 1.0
-        rig.run(runner.handle(record))
+        rig.run(runner.handle([record]))
     runner.forget([("p", busiest), ("t", busiest)])
     assert ("t", busiest) not in runner._tasks
     rig.deliver(runner, "t", busiest, start=8)
@@ -197,7 +230,7 @@ def test_messages_gone_to_retention_are_skipped_with_a_warning(scenario, caplog)
     rig = Rig(chunks)
     busiest = _busiest(rig)
     runner = rig.runner(Stage1Runner)
-    rig.run(runner.handle(rig.kafka.records("t", busiest)[0]))
+    rig.run(runner.handle([rig.kafka.records("t", busiest)[0]]))
     rig.kafka.expire("t", busiest, 4)
     rig.deliver(runner, "t", busiest, start=6)
     assert rig.acknowledged == [("t", busiest, 4), ("t", busiest, 5)]

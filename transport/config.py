@@ -26,6 +26,9 @@ _KAFKA_ENV = {"BOOTSTRAP": "bootstrap_servers", "SECURITY_PROTOCOL": "security_p
               "SASL_MECHANISM": "sasl_mechanism", "SASL_USERNAME": "sasl_username",
               "SASL_PASSWORD": "sasl_password", "SSL_CAFILE": "ssl_cafile", "SSL_CERTFILE": "ssl_certfile",
               "SSL_KEYFILE": "ssl_keyfile"}
+# SPECWATCH_KAFKA_<name> -> KafkaConfig field of a client tuning setting (a whole number)
+_KAFKA_TUNING_ENV = {"LINGER_MS": "linger_ms", "BATCH_SIZE": "batch_size", "FETCH_MAX_BYTES": "fetch_max_bytes",
+                     "MAX_PARTITION_FETCH_BYTES": "max_partition_fetch_bytes", "MAX_POLL_RECORDS": "max_poll_records"}
 # kafka-python needs the broker version up front or it connects while being constructed.
 _DEFAULT_API_VERSION = (4, 0)
 _DEFAULT_LINGER_MS = 20
@@ -36,6 +39,11 @@ _DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 _DEFAULT_MAX_BLOCK_MS = 2_000
 _DEFAULT_REQUEST_TIMEOUT_MS = 10_000
 _DEFAULT_DELIVERY_TIMEOUT_MS = 30_000
+# Consumers (the stream workers): what one fetch may bring, per partition and in all, and
+# how many messages one poll hands over.
+_DEFAULT_FETCH_MAX_BYTES = 50 * 1024 * 1024
+_DEFAULT_MAX_PARTITION_FETCH_BYTES = 1024 * 1024
+_DEFAULT_MAX_POLL_RECORDS = 500
 _COMPRESSIONS = ("none", "gzip", "lz4", "zstd")  # snappy: no codec installed for kafka-python
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
@@ -72,6 +80,9 @@ class KafkaConfig:
     max_block_ms: int = _DEFAULT_MAX_BLOCK_MS
     request_timeout_ms: int = _DEFAULT_REQUEST_TIMEOUT_MS
     delivery_timeout_ms: int = _DEFAULT_DELIVERY_TIMEOUT_MS
+    fetch_max_bytes: int = _DEFAULT_FETCH_MAX_BYTES
+    max_partition_fetch_bytes: int = _DEFAULT_MAX_PARTITION_FETCH_BYTES
+    max_poll_records: int = _DEFAULT_MAX_POLL_RECORDS
     api_version: tuple[int, ...] = _DEFAULT_API_VERSION
     security_protocol: str = "PLAINTEXT"
     sasl_mechanism: str | None = None
@@ -105,7 +116,8 @@ class KafkaConfig:
         for name in ("linger_ms", "max_block_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("batch_size", "max_request_size", "request_timeout_ms", "delivery_timeout_ms"):
+        for name in ("batch_size", "max_request_size", "request_timeout_ms", "delivery_timeout_ms",
+                     "fetch_max_bytes", "max_partition_fetch_bytes", "max_poll_records"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -116,7 +128,9 @@ class KafkaConfig:
 
         ``SPECWATCH_KAFKA_BOOTSTRAP``, ``_SECURITY_PROTOCOL``, ``_SASL_MECHANISM``,
         ``_SASL_USERNAME``, ``_SASL_PASSWORD`` (or ``_SASL_PASSWORD_FILE``, a file holding it),
-        ``_SSL_CAFILE``, ``_SSL_CERTFILE``, ``_SSL_KEYFILE``. Secrets stay out of repr.
+        ``_SSL_CAFILE``, ``_SSL_CERTFILE``, ``_SSL_KEYFILE``. Secrets stay out of repr. Client
+        tuning: ``_COMPRESSION`` (none, gzip, lz4, zstd), ``_LINGER_MS``, ``_BATCH_SIZE``,
+        ``_FETCH_MAX_BYTES``, ``_MAX_PARTITION_FETCH_BYTES``, ``_MAX_POLL_RECORDS``.
 
         >>> env = {"SPECWATCH_KAFKA_BOOTSTRAP": "k:9093", "SPECWATCH_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
         ...        "SPECWATCH_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "SPECWATCH_KAFKA_SASL_USERNAME": "svc",
@@ -124,6 +138,12 @@ class KafkaConfig:
         >>> config = KafkaConfig.from_env(environ=env, topic="t")
         >>> config.bootstrap_servers, config.sasl_mechanism, config.topic, "hunter2" in repr(config)
         ('k:9093', 'SCRAM-SHA-512', 't', False)
+        >>> KafkaConfig.from_env(environ={"SPECWATCH_KAFKA_BOOTSTRAP": "k:1", "SPECWATCH_KAFKA_MAX_POLL_RECORDS": "1"}).max_poll_records
+        1
+        >>> KafkaConfig.from_env(environ={"SPECWATCH_KAFKA_BOOTSTRAP": "k:1", "SPECWATCH_KAFKA_LINGER_MS": "soon"})
+        Traceback (most recent call last):
+        ...
+        ValueError: SPECWATCH_KAFKA_LINGER_MS must be a whole number, got 'soon'
         """
         environ = os.environ if environ is None else environ
         found: dict[str, Any] = {}
@@ -131,6 +151,15 @@ class KafkaConfig:
             value = environ.get(f"SPECWATCH_KAFKA_{name}")
             if value:
                 found[field_name] = value
+        for name, field_name in _KAFKA_TUNING_ENV.items():
+            value = environ.get(f"SPECWATCH_KAFKA_{name}")
+            if value:
+                try:
+                    found[field_name] = int(value)
+                except ValueError:
+                    raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, got {value!r}") from None
+        if environ.get("SPECWATCH_KAFKA_COMPRESSION"):
+            found["compression_type"] = environ["SPECWATCH_KAFKA_COMPRESSION"]
         password_file = environ.get("SPECWATCH_KAFKA_SASL_PASSWORD_FILE")
         if password_file:
             if "sasl_password" in found:
@@ -217,8 +246,46 @@ class KafkaConfig:
         context.check_hostname = self.ssl_check_hostname
         return context
 
+    def aiokafka_producer_settings(self, **overrides: Any) -> dict[str, Any]:
+        """The producer settings of `producer_settings` in aiokafka's names, with its security options.
+
+        >>> options = KafkaConfig("k:9092").aiokafka_producer_settings(linger_ms=1)
+        >>> options["compression_type"], options["linger_ms"], options["max_batch_size"] == KafkaConfig("k:9092").batch_size
+        ('lz4', 1, True)
+        """
+        acks = self._acks()
+        settings: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers.split(","),
+            "client_id": self.client_id,
+            "request_timeout_ms": self.request_timeout_ms,
+            "acks": acks,
+            "enable_idempotence": acks == "all",
+            "linger_ms": self.linger_ms,
+            "max_batch_size": self.batch_size,
+            "compression_type": None if self.compression_type == "none" else self.compression_type,
+            "max_request_size": self.max_request_size,
+            **self.aiokafka_security(),
+        }
+        settings.update(overrides)
+        return settings
+
+    def aiokafka_fetch_settings(self) -> dict[str, Any]:
+        """What one fetch of an aiokafka consumer may bring, per partition and in all."""
+        return {"fetch_max_bytes": self.fetch_max_bytes, "max_partition_fetch_bytes": self.max_partition_fetch_bytes}
+
+    def faust_consumer_settings(self) -> dict[str, Any]:
+        """The consumer's fetch settings as Faust app settings (Faust's consumer is aiokafka's).
+
+        Faust offers no total fetch limit: ``fetch_max_bytes`` stays aiokafka's 50 MiB there.
+        """
+        return {"consumer_max_fetch_size": self.max_partition_fetch_bytes,
+                "broker_max_poll_records": self.max_poll_records}
+
+    def _acks(self) -> int | str:
+        return "all" if self.acks in (-1, "all") else int(self.acks)
+
     def producer_settings(self) -> dict[str, Any]:
-        acks = "all" if self.acks in (-1, "all") else int(self.acks)
+        acks = self._acks()
         settings = self.client_settings()
         settings.update(
             acks=acks,

@@ -13,6 +13,8 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from .config import KafkaConfig
+
 __all__ = ["KafkaStalled", "KafkaWriter", "PartitionReader", "RangeReader", "acknowledged", "split_source"]
 
 _CONNECT_TIMEOUT_MS = 10_000
@@ -21,8 +23,7 @@ _CONNECT_TIMEOUT_MS = 10_000
 _ACK_TIMEOUT_S = 60.0
 _READ_POLL_MS = 500
 _READ_BATCH = 500
-_LINGER_MS = 5
-# Checkpoint chunks are 512 KiB; partial batches and decisions far smaller.
+# Checkpoint chunks are 512 KiB; partials messages and decisions far smaller.
 _MAX_REQUEST_BYTES = 2 << 20
 
 
@@ -62,9 +63,11 @@ class RangeReader:
 class PartitionReader(RangeReader):
     """Reads ranges of partitions outside the consumer group: gaps after a restart, the decisions tail."""
 
-    def __init__(self, bootstrap: str, security: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, bootstrap: str, security: Mapping[str, Any] | None = None, *,
+                 fetch: Mapping[str, Any] | None = None) -> None:
         self._bootstrap = bootstrap.split(",")
         self._security = dict(security or {})
+        self._fetch = dict(fetch or {})  # `KafkaConfig.aiokafka_fetch_settings`
         self._partitions: dict[str, list[int]] = {}
 
     async def partitions(self, topic: str) -> list[int]:
@@ -85,8 +88,8 @@ class PartitionReader(RangeReader):
         return self._partitions[topic]
 
     async def _consumer(self) -> AIOKafkaConsumer:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, **self._security, group_id=None,
-                                    enable_auto_commit=False,
+        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, **self._security, **self._fetch,
+                                    group_id=None, enable_auto_commit=False,
                                     auto_offset_reset="earliest", isolation_level="read_committed")
         await consumer.start()
         return consumer
@@ -164,22 +167,20 @@ class KafkaWriter:
 
     Faust's producer buffers table and ``send_soon`` writes and its flush gives up after a
     moment, which is no ground for "written before published"; this one is idempotent and
-    acknowledges with ``acks=all``.
+    acknowledges with ``acks=all``. Batching and compression are the config's
+    (`KafkaConfig.aiokafka_producer_settings`).
     """
 
-    def __init__(self, bootstrap: str, security: Mapping[str, Any] | None = None) -> None:
-        self._bootstrap = bootstrap.split(",")
-        self._security = dict(security or {})
+    def __init__(self, config: KafkaConfig) -> None:
+        self._settings = config.aiokafka_producer_settings(
+            acks="all", enable_idempotence=True, max_request_size=max(config.max_request_size, _MAX_REQUEST_BYTES))
         self._producer: AIOKafkaProducer | None = None
 
     async def send(self, topic: str, value: bytes, *, key: bytes | None = None, partition: int | None = None,
                    headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
         """Hand one message to the producer; the returned future resolves when the broker acknowledged it."""
         if self._producer is None:
-            producer = AIOKafkaProducer(bootstrap_servers=self._bootstrap, **self._security, acks="all",
-                                        enable_idempotence=True,
-                                        linger_ms=_LINGER_MS, compression_type="lz4",
-                                        max_request_size=_MAX_REQUEST_BYTES)
+            producer = AIOKafkaProducer(**self._settings)
             await producer.start()
             self._producer = producer
         return await self._producer.send(topic, value, key=key, partition=partition, headers=headers)

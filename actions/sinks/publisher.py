@@ -1,7 +1,8 @@
-"""The decision sink for the compacted decisions topic: signed decisions and heartbeats from a kafka-python producer.
+"""The decisions-topic publisher of the command line: signed decisions and heartbeats from a kafka-python producer.
 
 Engines and routers follow the topic with `specwatch.collectors.flag_client.FlagClient`;
-the stream workers publish through the same message codec (`specwatch.transport.codec`).
+the stream workers send through the same `specwatch.transport.decision_sink.DecisionSink`
+from aiokafka.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from specwatch.schemas import Decision
-from specwatch.transport.codec import MAX_PUBLISHER_ID_CHARS, decision_message, heartbeat_message
+from specwatch.transport.codec import MAX_PUBLISHER_ID_CHARS
 from specwatch.transport.config import KafkaConfig
-from specwatch.transport.signing import Keyring, warn_unsigned
+from specwatch.transport.decision_sink import DecisionSink
+from specwatch.transport.signing import Keyring
 from specwatch.transport.topics import DECISIONS_TOPIC
 
 __all__ = ["DecisionPublisher"]
@@ -62,8 +64,6 @@ class DecisionPublisher:
         self.topic = topic
         self.keyring = keyring if keyring is not None else Keyring.from_env()
         self.publisher_id = publisher_id or _default_publisher_id()
-        if not self.keyring.enabled:
-            warn_unsigned("the decision publisher")
         if producer is None:
             from kafka import KafkaProducer
 
@@ -71,6 +71,7 @@ class DecisionPublisher:
             settings.update(linger_ms=_PUBLISH_LINGER_MS, client_id=f"{config.client_id}-decisions")
             producer = KafkaProducer(**settings)
         self._producer = producer
+        self._sink = DecisionSink(producer.send, topic, self.keyring)
         self._lock = threading.Lock()
         self._published = 0
         self._failed = 0
@@ -82,9 +83,8 @@ class DecisionPublisher:
 
     def publish(self, decision: Decision) -> bool:
         """Queue one decision for the topic; False if the producer refused it."""
-        key, value, headers = decision_message(decision, self.keyring)
         try:
-            future = self._producer.send(self.topic, key=key, value=value, headers=headers)
+            future = self._sink.decision(decision)
         except Exception as error:  # noqa: BLE001 - broker away, closed producer
             self._failed_one(error)
             return False
@@ -100,9 +100,8 @@ class DecisionPublisher:
             seq = self._beats + self._beats_failed
             if watermark is None:
                 watermark = self._watermark
-        key, value, headers = heartbeat_message(self.publisher_id, seq, watermark, keyring=self.keyring)
         try:
-            future = self._producer.send(self.topic, key=key, value=value, headers=headers)
+            future = self._sink.heartbeat(self.publisher_id, seq, watermark)
         except Exception as error:  # noqa: BLE001
             self._beat_failed(error)
             return False

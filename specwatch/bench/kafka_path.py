@@ -14,13 +14,18 @@ this process give the ratio. Two decision latencies are measured:
   whatever the pace.
 
 A run either produces as fast as it can (throughput) or paces the producer at a fixed
-rounds/s (latency with the lag flat).
+rounds/s (latency with the lag flat). The telemetry is encoded to OTLP messages (as the
+engines' exporter encodes it) before the clock starts: encoding is the engines' work,
+and on this machine it would take CPU from the processor it measures. ``worker_env`` sets
+`KafkaConfig` variables (``SPECWATCH_KAFKA_*``) for the workers, to measure a setting
+beside the defaults.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -101,13 +106,23 @@ def _evidence_latencies(decisions: list, produced: list[tuple[float, float]]) ->
     return out
 
 
+def _encoded(batch: list, max_bytes: int) -> list[tuple[bytes, bytes]]:
+    """The messages the engines' Kafka exporter sends for ``batch``: keyed by worker, chunked below ``max_bytes``."""
+    from specwatch.schemas.otlp import iter_encoded_chunks, log_entry
+
+    groups: dict[str, list] = {}
+    for record in batch:
+        groups.setdefault(getattr(record, "worker", None) or record.bundle_id, []).append(log_entry(record))
+    return [(key.encode(), payload) for key, entries in groups.items()
+            for payload, _ in iter_encoded_chunks(entries, max_bytes=max_bytes)]
+
+
 def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, workers: int = 1,
-                    rate: float | None = None) -> dict:
+                    rate: float | None = None, worker_env: dict[str, str] | None = None) -> dict:
     """One end-to-end run; ``rate`` paces the producer at that many rounds/s (None: flat out)."""
-    from kafka import KafkaConsumer
+    from kafka import KafkaConsumer, KafkaProducer
 
     from specwatch.transport.codec import HEARTBEAT_KEY_PREFIX
-    from specwatch.collectors.otel import KafkaTelemetryExporter
     from specwatch.transport.config import KafkaConfig
     from specwatch.simulation.simulator import Simulator
     from specwatch.schemas import Decision
@@ -151,10 +166,13 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
                "--app-id", run, "--data-dir", f"{tmp.name}/data", "--workers", str(workers),
                "--source-silence", "5", "--session-timeout", "6",
                "--web-port", "0"]  # no web server: the bench must not collide with a running worker's port
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    config = KafkaConfig(bootstrap, topic=f"{run}.telemetry")
+    batches = [records[i:i + _BATCH] for i in range(0, len(records), _BATCH)]
+    encoded = [_encoded(batch, config.max_request_size - 16 * 1024) for batch in batches]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(worker_env or {})})
     try:
         time.sleep(8.0)  # group join and assignment before the clock starts
-        exporter = KafkaTelemetryExporter(KafkaConfig(bootstrap, topic=f"{run}.telemetry"))
+        producer = KafkaProducer(**config.producer_settings())
         first_incident_wall: dict[int, float] = {}
         lag_samples: list[tuple[float, int]] = []
         produced: list[tuple[float, float]] = []  # (wall, highest event time handed over)
@@ -162,13 +180,13 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         next_sample = t0
         sent_rounds = 0
         high_ts = 0.0
-        for i in range(0, len(records), _BATCH):
-            batch = records[i:i + _BATCH]
+        for batch, messages in zip(batches, encoded):
             if rate:
                 ahead = t0 + sent_rounds / rate - time.time()
                 if ahead > 0:
                     time.sleep(ahead)
-            exporter.export(batch)
+            for key, value in messages:
+                producer.send(config.topic, key=key, value=value)
             sent_rounds += sum(len(r.requests) for r in batch if r.kind == "step")
             now = time.time()
             high_ts = max(high_ts, max(r.ts for r in batch))
@@ -179,7 +197,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
             if now >= next_sample:
                 next_sample = now + 2.0
                 lag_samples.append((now - t0, _lag(bootstrap, run, f"{run}.telemetry")))
-        exporter.force_flush()
+        producer.flush()
         produced_s = time.time() - t0
         deadline = time.time() + _DRAIN_TIMEOUT_S
         while time.time() < deadline:
@@ -197,7 +215,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         while len(received) < len(embedded.decisions) and time.time() < settle_until and process.poll() is None:
             time.sleep(0.5)
         time.sleep(3.0)
-        exporter.shutdown()
+        producer.close()
     finally:
         stop.set()
         process.send_signal(signal.SIGTERM)
@@ -230,7 +248,8 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         "evidence_latency_p50_s": _percentile(after_evidence, 0.5),
         "evidence_latency_p99_s": _percentile(after_evidence, 0.99),
         "evidence_latency_max_s": max(after_evidence, default=None),
-        "paced_rounds_per_s": rate, "event_seconds_per_wall_second": (records[-1].ts - records[0].ts) / produced_s,
+        "paced_rounds_per_s": rate, "worker_env": dict(worker_env or {}),
+        "telemetry_messages": sum(len(m) for m in encoded), "event_seconds_per_wall_second": (records[-1].ts - records[0].ts) / produced_s,
         "lag_max": max((lag for _, lag in lag_samples if lag is not None), default=None),
         "note": ("producer paced at %.0f rounds/s" % rate) if rate else
                 "produced as fast as the producer goes; throughput = rounds / time to zero lag",

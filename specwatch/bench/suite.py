@@ -493,17 +493,24 @@ def bench_metrics(quick: bool, smoke: bool) -> dict:
 
 
 def bench_kafka(bootstrap: str, quick: bool, smoke: bool) -> dict:
+    from specwatch.bench.kafka_clients import run_client_bench
     from specwatch.bench.kafka_path import run_kafka_bench
 
     seconds = 20 if quick else 60
-    # Flat out with one worker and with two (the group splits the partitions), then one
-    # worker paced at half its flat-out rate: lag stays flat, latency is the pipeline's own.
+    # Flat out with one worker and with two (the group splits the partitions); two again
+    # with one message per fetch (what the runner did before it took whole fetches: one
+    # stage-1 fold and partials messages per telemetry message); then two paced at 80 % of
+    # their flat-out rate, where the decision latency target is set.
     one = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=1)
     two = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=2)
-    paced = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=1, rate=one["rounds_per_s"] / 2)
-    return {"flat_out": one, "two_workers": two, "paced": paced,
+    per_message = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=2,
+                                  worker_env={"SPECWATCH_KAFKA_MAX_POLL_RECORDS": "1"})
+    paced = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=2, rate=two["rounds_per_s"] * 0.8)
+    return {"flat_out": one, "two_workers": two, "two_workers_one_message_per_fetch": per_message, "paced": paced,
+            "clients": run_client_bench(bootstrap, smoke=smoke),
             "rounds_per_s": max(one["rounds_per_s"], two["rounds_per_s"]),
             "two_over_one_worker": two["rounds_per_s"] / one["rounds_per_s"],
+            "whole_fetch_over_one_message": two["rounds_per_s"] / per_message["rounds_per_s"],
             "decision_latency_p99_s": paced["evidence_latency_p99_s"],
             "incident_to_decision_p99_s": paced["decision_latency_p99_s"]}
 

@@ -84,10 +84,11 @@ def run(args) -> int:
     import asyncio
 
     from specwatch.actions.sinks.alertmanager import load_rollback_policy, read_token_file
-    from specwatch.streams.faust_app import TopicError, prepare_topics, run_worker
+    from specwatch.streams.faust_app import run_worker
     from specwatch.streams.operations import OperationsSettings
     from specwatch.streams.runner import StreamSettings
     from specwatch.transport.config import BrokerUnavailable, KafkaConfig
+    from specwatch.transport.topics import TopicError, prepare_topics
 
     if args.workers < 1:
         raise CommandError(f"--workers must be >= 1, got {args.workers}")
@@ -135,7 +136,8 @@ def run(args) -> int:
         # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
         kafka = KafkaConfig.from_env(args.bootstrap)
         settings = replace(settings, kafka=kafka)
-        settings = asyncio.run(prepare_topics(settings, default_partitions=args.partitions))
+        settings = settings.with_partitions(asyncio.run(prepare_topics(settings.topic_plan(),
+                                                                      default_partitions=args.partitions)))
     except BrokerUnavailable as error:
         hint = ("is the broker running, and do the SPECWATCH_KAFKA_* security settings match its listener "
                 f"({kafka.security_protocol}, credentials of the user given)?"

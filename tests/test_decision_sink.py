@@ -1,0 +1,79 @@
+"""One send path for decisions: the command line's kafka-python publisher and the stream workers' aiokafka
+writer put the same key, value, signature headers and partition on the decisions topic."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from kafka import KafkaConsumer
+from kafka.admin import KafkaAdminClient, NewTopic
+
+from specwatch.actions.sinks.publisher import DecisionPublisher
+from specwatch.schemas import Decision
+from specwatch.streams.runner import CheckpointLog, Stage2Runner, StreamSettings
+from specwatch.transport.config import KafkaConfig
+from specwatch.transport.kafka_io import KafkaWriter, PartitionReader
+from specwatch.transport.signing import Keyring
+
+_KEY = b"one-send-path-signing-key-0123456789"
+# More partitions than the decisions topic needs: the two clients must place each scope alike.
+_PARTITIONS = 5
+
+
+def _decisions() -> list[Decision]:
+    return [Decision(ts=100.0 + i, bundle_id=f"b-{i % 3}", bucket=bucket, cohort=cohort,
+                     action="disable_speculation", reason="acceptance_drop", detector="acceptance_gate")
+            for i, (bucket, cohort) in enumerate([("coding", "main"), ("chat", None), (None, None), ("coding", "canary"),
+                                                  ("extraction", "main"), ("chat", "canary"), ("math", None)])]
+
+
+def _read(bootstrap: str, topic: str, count: int) -> list[tuple]:
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, api_version=(4, 0), auto_offset_reset="earliest",
+                             consumer_timeout_ms=10_000)
+    try:
+        messages = []
+        for message in consumer:
+            messages.append((message.partition, message.key, message.value, tuple(message.headers)))
+            if len(messages) == count:
+                break
+        return sorted(messages, key=lambda m: m[2])
+    finally:
+        consumer.close()
+
+
+@pytest.mark.kafka
+def test_the_publisher_and_the_stream_workers_send_the_same_messages(kafka_bootstrap):
+    run = uuid.uuid4().hex[:8]
+    by_publisher, by_workers = f"test.sink.kafka-python.{run}", f"test.sink.aiokafka.{run}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=(4, 0))
+    admin.create_topics([NewTopic(name, _PARTITIONS, 1) for name in (by_publisher, by_workers)])
+    decisions = _decisions()
+    try:
+        with DecisionPublisher(KafkaConfig(kafka_bootstrap), topic=by_publisher,
+                               keyring=Keyring.from_secrets(_KEY)) as publisher:
+            assert all(publisher.publish(decision) for decision in decisions)
+            assert publisher.flush(30)
+
+        async def publish_from_a_worker() -> None:
+            settings = StreamSettings(bootstrap=kafka_bootstrap, decisions_topic=by_workers,
+                                      telemetry_partitions=1, partials_partitions=1)
+            writer, reader = KafkaWriter(KafkaConfig(kafka_bootstrap)), PartitionReader(kafka_bootstrap)
+            runner = Stage2Runner(settings, writer, reader, CheckpointLog("unused", writer, reader),
+                                  assignment=lambda: (), keyring=Keyring.from_secrets(_KEY))
+            try:
+                await runner.publish_decisions(decisions)
+            finally:
+                await writer.stop()
+
+        asyncio.run(publish_from_a_worker())
+        sent_by_publisher = _read(kafka_bootstrap, by_publisher, len(decisions))
+        sent_by_workers = _read(kafka_bootstrap, by_workers, len(decisions))
+    finally:
+        admin.delete_topics([by_publisher, by_workers])
+        admin.close()
+    assert len(sent_by_publisher) == len(decisions)
+    assert sent_by_workers == sent_by_publisher
+    assert {headers[0][0] for _, _, _, headers in sent_by_publisher} == {"specwatch-signature"}
+    assert len({partition for partition, *_ in sent_by_publisher}) > 1  # scopes were spread, alike
