@@ -10,7 +10,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence, Union
 
 from specwatch.schemas import Rejection, RejectionCounter, TelemetryRecord
 from specwatch.schemas.codec import ahead_of_clock
-from specwatch.schemas.fastdecode import StepColumns
+from specwatch.schemas.fastdecode import StepBlock, StepColumns
 
 from .topology import SliceBatch, Stage1
 
@@ -28,6 +28,9 @@ class Ingested(NamedTuple):
     rejections: Sequence[Rejection]  # records not folded (already counted in `Ingest.rejected`)
     late: Sequence[float]  # event times of records folded into a later slice than their own
     closed: Sequence[SliceBatch]  # slices the records let stage 1 close, for stage 2
+    # the batch mode (`Ingest.block`): the position in its input of each rejection and late record
+    rejected_at: Sequence[int] = ()
+    late_at: Sequence[int] = ()
 
 
 _NOTHING = Ingested((), (), ())
@@ -129,3 +132,46 @@ class Ingest:
         if not (rejections or late or closed):
             return _NOTHING
         return Ingested(rejections, late, closed)
+
+    def block(self, items: Iterable[tuple[int, Decoded | StepBlock]], now: float | None = None,
+              seen: dict[str, float] | None = None) -> Ingested:
+        """The batch mode: ``(position, decoded)`` items as `decode_lines_block` or `step_block` give them.
+
+        A `StepBlock` is folded at once (`Stage1.fold_block`), every other item as `records`
+        folds it. Rejections, late records and closed slices are those of `records` over the
+        same records one at a time; the closed slices come back once, at the end, and
+        ``rejected_at`` / ``late_at`` give the position of each rejection and late record.
+        """
+        stage = self.stage
+        rejections: list[Rejection] = []
+        late: list[float] = []
+        closed: list[SliceBatch] = []
+        rejected_at: list[int] = []
+        late_at: list[int] = []
+        for position, item in items:
+            if type(item) is not StepBlock:
+                done = self.records((item,), now, seen)
+                if done is not _NOTHING:
+                    rejections += done.rejections
+                    rejected_at += [position] * len(done.rejections)
+                    late += done.late
+                    late_at += [position] * len(done.late)
+                    closed += done.closed
+                continue
+            rejected, late_rows, ready = stage.fold_block(item, now)
+            for row, rejection in rejected:
+                self.rejected.add(rejection)
+                rejections.append(rejection)
+                rejected_at.append(item.at[row])
+            for row in late_rows:
+                late.append(float(item.ts[row]))
+                late_at.append(item.at[row])
+            closed += ready
+            if seen is not None:
+                refused = {row for row, _ in rejected}
+                for row, worker in enumerate(item.workers):
+                    if row not in refused:
+                        seen[worker] = now
+        if not (rejections or late or closed):
+            return _NOTHING
+        return Ingested(rejections, late, closed, rejected_at, late_at)
