@@ -736,28 +736,27 @@ def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryR
     return out
 
 
-# ------------------------------------------------ a block of steps as columns
+# ------------------------------------------------ a block of records, its steps as columns
 #
 # The batch mode of the fast decoders: a block of JSON lines (a file chunk, a Kafka fetch)
-# or an OTLP request becomes runs of steps as arrays, one row per step and one per round,
-# with (bundle, bucket, cohort) interned per block, and every other record decoded as the
-# per-record decoders decode it, in order. Stage 1 folds a run with numpy
+# or an OTLP request becomes one `StepBlock`: its steps as arrays, one row per step and one
+# per round, with (bundle, bucket, cohort) interned per block, and every other record as
+# the per-record decoders decode it, by position. Stage 1 folds it with numpy
 # (`Stage1.fold_block`), so no Python object is made per round.
-
-_NO_BLOCK_ROUNDS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(slots=True, eq=False)
 class StepBlock:
-    """A run of valid steps as columns.
+    """A block of decoded records, its valid steps as columns.
 
     Per step (row ``i``): ``ts``, ``workers[i]`` / ``seqs[i]`` (its identity),
     ``bundle_key[i]`` (the index of ``(bundle_id, None, None)`` in ``keys``), ``draft_ms``,
-    ``verify_ms``, ``kv_usage``, and ``at[i]``, its position in the decoded input (a line
-    of the block, a record of the request). Per round row ``j`` (a round, or on OTLP a
-    tally of equal rounds): ``round_step[j]``, ``round_key[j]`` (an index into ``keys``),
-    ``drafted[j]``, ``accepted[j]`` and ``count[j]``; ``ids`` holds each round's request id
-    where the decoder kept them (JSON Lines), else None.
+    ``verify_ms``, ``kv_usage``, and ``at[i]``, its position in the block (a line, a record
+    of the request). Per round row ``j`` (a round, or on OTLP a tally of equal rounds):
+    ``round_step[j]``, ``round_key[j]`` (an index into ``keys``), ``drafted[j]``,
+    ``accepted[j]`` and ``count[j]``; ``ids`` holds each round's request id where the
+    decoder keeps them (JSON Lines), else None. ``others``: every other outcome
+    (records, `StepColumns`, rejections) as ``(position, decoded)``, in order.
 
     ``record(i)`` builds step ``i`` as the reference codec does (for the few kept as samples).
     """
@@ -765,7 +764,6 @@ class StepBlock:
     ts: np.ndarray
     workers: list
     seqs: list
-    bundles: list
     bundle_key: np.ndarray
     draft_ms: np.ndarray
     verify_ms: np.ndarray
@@ -778,9 +776,8 @@ class StepBlock:
     count: np.ndarray
     keys: list
     ids: list | None
+    others: list
     _build: Callable[[int], TelemetryRecord | Rejection]
-
-    kind = "steps"
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -789,37 +786,39 @@ class StepBlock:
         return self._build(self.at[row])
 
 
+_BlockName = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
+_BlockCount = Annotated[int, msgspec.Meta(ge=0, le=_MAX_DRAFT)]
+
+
 class _BlockRound(msgspec.Struct):
-    id: Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
-    bucket: Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
-    cohort: Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
-    drafted: Annotated[int, msgspec.Meta(ge=0, le=_MAX_DRAFT)]
-    accepted: Annotated[int, msgspec.Meta(ge=0, le=_MAX_DRAFT)]
+    id: _BlockName
+    bucket: _BlockName
+    cohort: _BlockName
+    drafted: _BlockCount
+    accepted: _BlockCount
 
 
 class _BlockStep(msgspec.Struct, tag_field="kind", tag="step"):
     v: int
     ts: float
-    worker: Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
+    worker: _BlockName
     seq: Annotated[int, msgspec.Meta(ge=0, le=_INT64_SIGN - 1)]
-    bundle_id: Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
+    bundle_id: _BlockName
     draft_ms: float
     verify_ms: float
     kv_usage: float
     requests: Annotated[list[_BlockRound], msgspec.Meta(max_length=MAX_REQUESTS_PER_STEP)]
 
 
-class _OtherRecord(msgspec.Struct):
-    """Any record that is not a step: decoded again, alone, by `decode_line_fast`."""
-
-
-_OTHER_KINDS = tuple(msgspec.defstruct(f"_Other{kind.title()}", [], bases=(_OtherRecord,), tag_field="kind",
-                                       tag=kind) for kind in ("request", "shadow", "bundle"))
+# Records of the other kinds, read no further here: each is decoded again, alone, by `decode_line_fast`.
+_OTHER_KINDS = tuple(msgspec.defstruct(f"_Other{kind.title()}", [], tag_field="kind", tag=kind)
+                     for kind in ("request", "shadow", "bundle"))
 _BLOCK_DECODER = msgspec.json.Decoder(list[Union[(_BlockStep, *_OTHER_KINDS)]])
 _LINE_DECODER = msgspec.json.Decoder(_BlockStep)
 _LINE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
-_ROUND_FIELDS = attrgetter("bucket", "cohort", "drafted", "accepted")
-_STEP_FIELDS = attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage")
+_ROUND_FIELDS = attrgetter("id", "bucket", "cohort", "drafted", "accepted")
+_STEP_FIELDS = attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage", "v")
+_EMPTY_COLUMNS = ((),) * 5
 
 
 def _line_step(line: bytes) -> _BlockStep | None:
@@ -832,143 +831,117 @@ def _line_step(line: bytes) -> _BlockStep | None:
 
 
 def _parsed_lines(lines: Sequence[bytes]) -> list:
-    """Each line as a `_BlockStep` when msgspec reads it as one, else None or an `_OtherRecord`."""
+    """Each line as a `_BlockStep` when msgspec reads it as one, else something else."""
     if lines and all(len(line) <= MAX_LINE_BYTES for line in lines):
-        try:  # one parse of the whole block: most blocks are all records of known kinds
+        try:  # one parse of the whole block: most blocks hold only records of known kinds
             return _BLOCK_DECODER.decode(b"[" + b",".join(lines) + b"]")
         except _LINE_ERRORS:
             pass  # a blank or bad line somewhere: line by line
     return [_line_step(line) for line in lines]
 
 
-def decode_lines_block(lines: Sequence[bytes]) -> list:
-    """A block of JSON lines as `StepBlock` runs and per-record outcomes, in line order.
+def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
+    """A block of JSON lines as one `StepBlock`, positions being line numbers in the block.
 
-    Each item is ``(position, decoded)``: a `StepBlock` (its ``at`` lists the line of every
-    step in it), or what `decode_line_fast` gives for one line (a record, a `StepColumns`,
-    a `Rejection`; blank lines give nothing). Records, rejections and their order are
-    those of `decode_line_fast` line by line.
+    Steps msgspec reads and the checks of `step_columns` pass become columns; every other
+    line is what `decode_line_fast` gives for it (blank lines give nothing). Records,
+    rejections and their order are those of `decode_line_fast` line by line.
 
     >>> step = (b'{"kind":"step","v":1,"ts":%d,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
     ...         b'"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
     ...         b'"drafted":4,"accepted":3}]}')
-    >>> items = decode_lines_block([step % (10, 1), step % (11, 2), b"", b"{", step % (12, 3)])
-    >>> [(at, type(item).__name__) for at, item in items]
-    [(0, 'StepBlock'), (3, 'Rejection'), (4, 'StepBlock')]
-    >>> block = items[0][1]
-    >>> block.seqs, block.keys, block.round_key.tolist(), block.record(1).seq
-    ([1, 2], [('b', 'chat', 'main'), ('b', None, None)], [0, 0], 2)
+    >>> block = decode_lines_block([step % (10, 1), step % (11, 2), b"", b"{", step % (12, 3)])
+    >>> block.at, [(at, type(item).__name__) for at, item in block.others]
+    ([0, 1, 4], [(3, 'Rejection')])
+    >>> block.seqs, block.keys, block.round_key.tolist(), block.ids, block.record(1).seq
+    ([1, 2, 3], [('b', 'chat', 'main'), ('b', None, None)], [0, 0, 0], ['r', 'r', 'r'], 2)
     """
     lines = [line.encode() if type(line) is str else line for line in lines]
     parsed = _parsed_lines(lines)
-    kept = _valid_steps(parsed)
-    out: list = []
-    run: list[int] = []
-    for position, step in enumerate(parsed):
-        if kept[position]:
-            run.append(position)
-            continue
-        if run:
-            out.append((run[0], _block_of([parsed[i] for i in run], run, lines)))
-            run = []
-        decoded = decode_line_fast(lines[position])
-        if decoded is not None:
-            out.append((position, decoded))
-    if run:
-        out.append((run[0], _block_of([parsed[i] for i in run], run, lines)))
-    return out
-
-
-def _valid_steps(parsed: list) -> list[bool]:
-    """Which parsed lines are steps the block takes: the checks of `step_columns` msgspec did not make."""
-    kept = [type(step) is _BlockStep for step in parsed]
-    steps = [step for step, keep in zip(parsed, kept) if keep]
-    if not steps:
-        return kept
-    v, ts, draft_ms, verify_ms, kv_usage = (np.array([getattr(s, name) for s in steps], dtype=np.float64)
-                                            for name in ("v", "ts", "draft_ms", "verify_ms", "kv_usage"))
-    good = ((v == 1) & (ts >= 0) & (ts < _MAX_EXACT_INT) & (draft_ms >= 0) & (draft_ms < _INF)
-            & (verify_ms >= 0) & (verify_ms < _INF) & (kv_usage >= 0) & (kv_usage <= 1))
-    names = {s.worker for s in steps} | {s.bundle_id for s in steps}
-    scopes = {name for s in steps for r in s.requests for name in (r.bucket, r.cohort)}
-    bad_names = {name for name in names if not _name(name)} | {
-        name for name in scopes if not (_name(name) and scope_name_ok(name))}
-    for i, step in enumerate(steps):
-        if good[i] and (bad_names and (step.worker in bad_names or step.bundle_id in bad_names or any(
-                r.bucket in bad_names or r.cohort in bad_names for r in step.requests))
-                or any(r.accepted > r.drafted for r in step.requests)
-                or not (not step.requests or _names([r.id for r in step.requests]))):
-            good[i] = False
-    it = iter(good.tolist())
-    return [keep and next(it) for keep in kept]
-
-
-def _block_of(steps: list, at: list, lines: list) -> StepBlock:
-    header = list(zip(*map(_STEP_FIELDS, steps)))
-    ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage = header
+    at = [i for i, item in enumerate(parsed) if type(item) is _BlockStep]
+    steps = [parsed[i] for i in at]
     requests = [step.requests for step in steps]
     rounds = list(chain.from_iterable(requests))
-    ids = [r.id for r in rounds]
-    columns = list(zip(*map(_ROUND_FIELDS, rounds))) if rounds else [(), (), (), ()]
+    header = list(zip(*map(_STEP_FIELDS, steps))) or ((),) * 8
+    columns = list(zip(*map(_ROUND_FIELDS, rounds))) or _EMPTY_COLUMNS
     round_step = np.repeat(np.arange(len(steps)), [len(r) for r in requests])
-    return _interned(ts, list(workers), list(seqs), list(bundles), draft_ms, verify_ms, kv_usage, at, round_step,
-                     columns, None, ids, lambda position: decode_line(lines[position]))
+    good = _checked(header, columns, round_step)
+    if not good.all():  # a few steps the cheap checks leave to the reference
+        at = [position for position, keep in zip(at, good.tolist()) if keep]
+        keep_round = good[round_step]
+        header = [[value for value, keep in zip(column, good.tolist()) if keep] for column in header]
+        columns = [[value for value, keep in zip(column, keep_round.tolist()) if keep] for column in columns]
+        round_step = (np.cumsum(good) - 1)[round_step[keep_round]]
+    taken = set(at)
+    others = [(position, decoded) for position, line in enumerate(lines) if position not in taken
+              and (decoded := decode_line_fast(line)) is not None]
+    return _interned(header, round_step, columns, None, at, others, lambda position: decode_line(lines[position]))
 
 
-def _interned(ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage, at, round_step, columns, count, ids,
-              build) -> StepBlock:
-    """A `StepBlock` with (bundle, bucket, cohort) interned: ``columns`` is (buckets, cohorts, drafted, accepted)."""
+def _checked(header, columns, round_step: np.ndarray) -> np.ndarray:
+    """Which steps pass the checks of `step_columns` that msgspec did not make (finite times, names, rounds)."""
+    ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage, v = header
+    ids, buckets, cohorts, drafted, accepted = columns
+    ts, draft_ms, verify_ms, kv_usage = (np.asarray(column, dtype=np.float64)
+                                         for column in (ts, draft_ms, verify_ms, kv_usage))
+    good = ((np.asarray(v, dtype=np.float64) == 1) & (ts >= 0) & (ts < _MAX_EXACT_INT) & (draft_ms >= 0)
+            & (draft_ms < _INF) & (verify_ms >= 0) & (verify_ms < _INF) & (kv_usage >= 0) & (kv_usage <= 1))
+    bad_names = {name for name in set(workers) | set(bundles) if not _name(name)}
+    bad_scopes = {name for name in set(buckets) | set(cohorts) if not (_name(name) and scope_name_ok(name))}
+    bad_round = np.asarray(accepted, dtype=np.int64) > np.asarray(drafted, dtype=np.int64)
+    if bad_scopes:
+        bad_round |= np.fromiter((b in bad_scopes or c in bad_scopes for b, c in zip(buckets, cohorts)), bool,
+                                 len(buckets))
+    if ids and not "".join(ids).isprintable():
+        bad_round |= np.fromiter((not (i.isprintable() or printable(i)) for i in ids), bool, len(ids))
+    if bad_names:
+        good &= np.fromiter((w not in bad_names and b not in bad_names for w, b in zip(workers, bundles)), bool,
+                            len(workers))
+    if bad_round.any():
+        good[round_step[bad_round]] = False
+    return good
+
+
+def _interned(header, round_step: np.ndarray, columns, count, at: list, others: list, build) -> StepBlock:
+    """A `StepBlock` with (bundle, bucket, cohort) interned; ``columns``: (ids, buckets, cohorts, drafted, accepted)."""
+    ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage = header[:7]
+    ids, buckets, cohorts, drafted, accepted = columns
     bundle_table: dict = {}
     bundle_index = np.array([bundle_table.setdefault(b, len(bundle_table)) for b in bundles], dtype=np.int64)
-    buckets, cohorts, drafted, accepted = columns
     pair_table: dict = {}
     pair_index = np.array([pair_table.setdefault(p, len(pair_table)) for p in zip(buckets, cohorts)],
                           dtype=np.int64)
     bundle_names = list(bundle_table)
-    pairs = list(pair_table)
-    n_pairs = len(pairs) + 1  # the last: the bundle as a whole
-    combined = np.concatenate([bundle_index * n_pairs + len(pairs), bundle_index[round_step] * n_pairs + pair_index])
-    codes, inverse = np.unique(combined, return_inverse=True)
-    keys = [(bundle_names[c // n_pairs], *(pairs[c % n_pairs] if c % n_pairs < len(pairs) else (None, None)))
-            for c in codes.tolist()]
+    pairs = [*pair_table, (None, None)]  # the last: the bundle as a whole
+    n_pairs = len(pairs)
+    codes, inverse = np.unique(np.concatenate([bundle_index * n_pairs + n_pairs - 1,
+                                               bundle_index[round_step] * n_pairs + pair_index]),
+                               return_inverse=True)
+    keys = [(bundle_names[c // n_pairs], *pairs[c % n_pairs]) for c in codes.tolist()]
     n = len(seqs)
-    return StepBlock(np.asarray(ts, dtype=np.float64), workers, seqs, bundles, inverse[:n],
-                     np.asarray(draft_ms, dtype=np.float64), np.asarray(verify_ms, dtype=np.float64),
-                     np.asarray(kv_usage, dtype=np.float64), list(at), round_step.astype(np.int64),
-                     inverse[n:], np.asarray(drafted, dtype=np.int64), np.asarray(accepted, dtype=np.int64),
+    floats = (np.asarray(column, dtype=np.float64) for column in (ts, draft_ms, verify_ms, kv_usage))
+    ts, draft_ms, verify_ms, kv_usage = floats
+    return StepBlock(ts, list(workers), list(seqs), inverse[:n].astype(np.int64), draft_ms, verify_ms, kv_usage, at,
+                     round_step.astype(np.int64), inverse[n:].astype(np.int64), np.asarray(drafted, dtype=np.int64),
+                     np.asarray(accepted, dtype=np.int64),
                      np.ones(len(pair_index), dtype=np.int64) if count is None else np.asarray(count, dtype=np.int64),
-                     keys, ids, build)
+                     keys, ids if ids is None else list(ids), others, build)
 
 
-def step_block(items: Sequence) -> list:
-    """Decoded records (what `decode_request_fast` gives) with every run of `StepColumns` as one `StepBlock`.
+def step_block(items: Sequence) -> StepBlock:
+    """Decoded records (what `decode_request_fast` gives) as one `StepBlock`, positions being their indices.
 
-    Items come back as ``(position, decoded)``, as from `decode_lines_block`.
+    Each `StepColumns` becomes a step row, its round tallies round rows with their counts.
     """
-    out: list = []
-    run: list[int] = []
-
-    def flush() -> None:
-        steps = [items[i] for i in run]
-        tallies = [step.rounds for step in steps]
-        flat = [(*round_, n) for tally in tallies for round_, n in tally.items()]
-        buckets, cohorts, drafted, accepted, count = zip(*flat) if flat else ((), (), (), (), ())
-        round_step = np.repeat(np.arange(len(steps)), [len(t) for t in tallies])
-        header = list(zip(*map(_STEP_FIELDS, steps)))
-        ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage = header
-        builders = {position: step._build for position, step in zip(run, steps)}
-        out.append((run[0], _interned(ts, list(workers), list(seqs), list(bundles), draft_ms, verify_ms, kv_usage,
-                                      list(run), round_step, (buckets, cohorts, drafted, accepted), count, None,
-                                      lambda position: builders[position]())))
-
-    for position, item in enumerate(items):
-        if type(item) is StepColumns:
-            run.append(position)
-            continue
-        if run:
-            flush()
-            run = []
-        out.append((position, item))
-    if run:
-        flush()
-    return out
+    at = [i for i, item in enumerate(items) if type(item) is StepColumns]
+    steps = [items[i] for i in at]
+    tallies = [step.rounds for step in steps]
+    flat = [(*round_, n) for tally in tallies for round_, n in tally.items()]
+    buckets, cohorts, drafted, accepted, count = zip(*flat) if flat else ((),) * 5
+    header = list(zip(*(map(attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage"),
+                            steps)))) or ((),) * 7
+    taken = set(at)
+    others = [(position, item) for position, item in enumerate(items) if position not in taken]
+    return _interned(header, np.repeat(np.arange(len(steps)), [len(t) for t in tallies]),
+                     (None, buckets, cohorts, drafted, accepted), count, at, others,
+                     lambda position: items[position].record())

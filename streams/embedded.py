@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Sequence
 
 from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Decision, Policy, RejectionCounter, decode_line
-from specwatch.schemas.fastdecode import decode_lines_block
+from specwatch.schemas.fastdecode import StepBlock, decode_lines_block
 
 from .ingest import Decoder, Ingest, Ingested
 from .topology import SliceOutput, Stage1, Stage2
@@ -114,10 +114,10 @@ class EmbeddedPipeline:
         self.counters.lines += len(lines)
         return self._take(self.ingest.block(decode_lines_block(lines), self._now()), first_line)
 
-    def feed_block(self, items: Iterable) -> list[Decision]:
-        """Decoded ``(position, record)`` items in the batch mode, e.g. ``step_block(decode_request_fast(request))``:
-        what `feed_many` makes of the same records, its slices decided at the end."""
-        return self._take(self.ingest.block(items, self._now()))
+    def feed_block(self, block: StepBlock) -> list[Decision]:
+        """Decoded records in the batch mode, e.g. ``step_block(decode_request_fast(request))``:
+        what `feed_many` makes of the same records, the slices they close decided at the end."""
+        return self._take(self.ingest.block(block, self._now()))
 
     def _now(self) -> float | None:
         return None if self._clock is None else self._clock()

@@ -133,45 +133,26 @@ class Ingest:
             return _NOTHING
         return Ingested(rejections, late, closed)
 
-    def block(self, items: Iterable[tuple[int, Decoded | StepBlock]], now: float | None = None,
-              seen: dict[str, float] | None = None) -> Ingested:
-        """The batch mode: ``(position, decoded)`` items as `decode_lines_block` or `step_block` give them.
+    def block(self, block: StepBlock, now: float | None = None, seen: dict[str, float] | None = None) -> Ingested:
+        """The batch mode: a block of records (`decode_lines_block`, `step_block`) folded at once.
 
-        A `StepBlock` is folded at once (`Stage1.fold_block`), every other item as `records`
-        folds it. Rejections, late records and closed slices are those of `records` over the
-        same records one at a time; the closed slices come back once, at the end, and
-        ``rejected_at`` / ``late_at`` give the position of each rejection and late record.
+        Rejections, late records and closed slices are those of `records` over the same
+        records one at a time (`Stage1.fold_block`); the closed slices come back once, at the
+        end, and ``rejected_at`` / ``late_at`` give the position in the block of each
+        rejection and late record.
         """
-        stage = self.stage
-        rejections: list[Rejection] = []
-        late: list[float] = []
-        closed: list[SliceBatch] = []
-        rejected_at: list[int] = []
-        late_at: list[int] = []
-        for position, item in items:
-            if type(item) is not StepBlock:
-                done = self.records((item,), now, seen)
-                if done is not _NOTHING:
-                    rejections += done.rejections
-                    rejected_at += [position] * len(done.rejections)
-                    late += done.late
-                    late_at += [position] * len(done.late)
-                    closed += done.closed
-                continue
-            rejected, late_rows, ready = stage.fold_block(item, now)
-            for row, rejection in rejected:
-                self.rejected.add(rejection)
-                rejections.append(rejection)
-                rejected_at.append(item.at[row])
-            for row in late_rows:
-                late.append(float(item.ts[row]))
-                late_at.append(item.at[row])
-            closed += ready
-            if seen is not None:
-                refused = {row for row, _ in rejected}
-                for row, worker in enumerate(item.workers):
-                    if row not in refused:
-                        seen[worker] = now
-        if not (rejections or late or closed):
+        rejected, late, closed = self.stage.fold_block(block, now)
+        for _, rejection in rejected:
+            self.rejected.add(rejection)
+        if seen is not None:
+            refused = {position for position, _ in rejected}
+            for position, worker in zip(block.at, block.workers):
+                if position not in refused:
+                    seen[worker] = now
+            for position, item in block.others:
+                if position not in refused and item.kind != "shadow":
+                    seen[item.worker] = now
+        if not (rejected or late or closed):
             return _NOTHING
-        return Ingested(rejections, late, closed, rejected_at, late_at)
+        return Ingested([r for _, r in rejected], [ts for _, ts in late], closed,
+                        [p for p, _ in rejected], [p for p, _ in late])

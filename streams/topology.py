@@ -331,17 +331,19 @@ class Stage1:
         batch.events.append({"type": "bundle", "ts": record.ts, "worker": record.worker,
                              "bundle_id": record.bundle_id, "card": record.card.model_dump(mode="json")})
 
-    # -- the batch mode: a run of steps as columns ------------------------------------------
+    # -- the batch mode: a block of records, its steps as columns --------------------------
     def fold_block(self, block: StepBlock, now: float | None = None) -> tuple[list, list, list[SliceBatch]]:
-        """Fold a run of steps at once, exactly as `add` then `close_ready` after each step would.
+        """Fold a block of records at once, exactly as `add` then `close_ready` after each record would.
 
-        Admission (``now`` and the ``ts_in_future`` bound as in `Ingest.records`, clock skew,
-        duplicates) and lateness are decided step by step, as they depend on the steps
-        before; the folding is done with numpy, once per (slice, key); the slices close once
-        per block, in the closes and with the watermarks step-by-step folding gives them.
+        Admission (the ``ts_in_future`` bound against ``now`` as in `Ingest.records`, clock
+        skew, duplicates) and lateness are decided record by record, as they depend on the
+        records before; the block's steps are then folded with numpy, once per (slice, key),
+        and its records of other kinds through `add`, in order. The slices close once per
+        block, with the closes and watermarks record-by-record folding gives them.
 
-        Returns ``(rejected, late, closed)``: ``(row, Rejection)`` of each step not folded,
-        the rows folded into a later slice than their own, and the closed slices.
+        Returns ``(rejected, late, closed)``: ``(position, Rejection)`` of every record not
+        folded (the decoder's rejections among them), ``(position, ts)`` of every record
+        folded into a later slice than its own, and the closed slices.
         """
         rows, slices, rejected, late, limits = self._admit_block(block, now)
         if rows:
@@ -352,18 +354,27 @@ class Stage1:
         return rejected, late, closed
 
     def _admit_block(self, block: StepBlock, now: float | None) -> tuple[list, list, list, list, list]:
-        """Each step's admission and slice, and where the watermark moves, as step-by-step folding decides them."""
+        """Each step's admission and slice, the block's other records folded, and where the watermark moves."""
         max_ahead = None if now is None else self.policy.windows.max_ahead_seconds
         clock, folded, open_slices, source = self.clock, self._folded, self._open, self.source
         admit, first = clock.admit, folded.first
         slice_s, lateness = self._slice_s, self._lateness
-        watermark = self.watermark
         rows: list[int] = []
         slices: list[int] = []
         rejected: list[tuple[int, Rejection]] = []
-        late: list[int] = []
+        late: list[tuple[int, float]] = []
         limits: list[int] = []
+        others = block.others
+        next_other = others[0][0] if others else math.inf
+        other = 0
+        at = block.at
         for row, (ts, worker, seq) in enumerate(zip(block.ts.tolist(), block.workers, block.seqs)):
+            while next_other < at[row]:  # the records of other kinds before this step
+                position, item = others[other]
+                other += 1
+                next_other = others[other][0] if other < len(others) else math.inf
+                if self._fold_other(position, item, now, max_ahead, rejected, late):
+                    self._closes_after_record(limits)
             rejection = None if max_ahead is None else ahead_of_clock(ts, now, max_ahead)
             if rejection is None:
                 rejection = admit(ts)
@@ -371,12 +382,14 @@ class Stage1:
                 if rejection is None and not first(index, (worker, seq)):
                     rejection = duplicate("step", (worker, seq))
             if rejection is not None:
-                rejected.append((row, rejection))
+                rejected.append((at[row], rejection))
                 continue
+            watermark = self.watermark
             if index <= watermark:
                 # late: folded into the oldest open slice, as `_slice` does
                 index = watermark + 1
-                late.append(row)
+                late.append((at[row], ts))
+                self.late_records += 1
                 batch = open_slices.get(index)
                 if batch is None:
                     batch = open_slices[index] = SliceBatch(source, index, watermark)
@@ -385,17 +398,41 @@ class Stage1:
                 open_slices[index] = SliceBatch(source, index, watermark)
             rows.append(row)
             slices.append(index)
-            if clock.now != -math.inf:
-                limit = int((clock.now - lateness) // slice_s) - 1
-                if limit > watermark:
-                    # the slices close after the fold; what they drop from the duplicate
-                    # filter must be gone for the next step already
-                    limits.append(limit)
-                    watermark = limit
-                    folded.expire(limit)
+            if clock.now != -math.inf and int((clock.now - lateness) // slice_s) - 1 > watermark:
+                self._closes_after_record(limits)
+        for position, item in others[other:]:
+            if self._fold_other(position, item, now, max_ahead, rejected, late):
+                self._closes_after_record(limits)
         self.records += len(rows)
-        self.late_records += len(late)
         return rows, slices, rejected, late, limits
+
+    def _fold_other(self, position: int, item, now: float | None, max_ahead: float | None, rejected: list,
+                    late: list) -> bool:
+        """One record of a block that is not in its columns, as `Ingest.records` folds it; True if folded."""
+        if type(item) is Rejection:
+            rejected.append((position, item))
+            return False
+        rejection = None if max_ahead is None else ahead_of_clock(item.ts, now, max_ahead)
+        if rejection is None:
+            late_records = self.late_records
+            rejection = self.add(item)
+        if rejection is not None:
+            rejected.append((position, rejection))
+            return False
+        if self.late_records != late_records:
+            late.append((position, item.ts))
+        return True
+
+    def _closes_after_record(self, limits: list[int]) -> None:
+        """Where `close_ready` after this record would move the watermark; the slices close after the fold.
+
+        What the close drops from the duplicate filter must be gone for the next record already.
+        """
+        limit = self._close_limit()
+        if limit > self.watermark:
+            limits.append(limit)
+            self.watermark = limit
+            self._folded.expire(limit)
 
     def _fold_block(self, block: StepBlock, rows: np.ndarray, slices: np.ndarray) -> None:
         """Fold the admitted ``rows`` of a block into their ``slices`` (already open), once per (slice, key)."""
