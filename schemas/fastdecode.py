@@ -8,6 +8,7 @@ and `otlp.decode_request`.
 
 from __future__ import annotations
 
+import gc
 import math
 import struct
 from collections import Counter, _count_elements  # noqa: PLC2701 - Counter.update's C loop, without its Mapping check
@@ -790,7 +791,9 @@ _BlockName = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
 _BlockCount = Annotated[int, msgspec.Meta(ge=0, le=_MAX_DRAFT)]
 
 
-class _BlockRound(msgspec.Struct):
+# gc=False: a block makes a struct per round and holds them all at once, which would start
+# the cycle collector over and over; they hold only strings and ints, so no cycle.
+class _BlockRound(msgspec.Struct, gc=False):
     id: _BlockName
     bucket: _BlockName
     cohort: _BlockName
@@ -798,7 +801,7 @@ class _BlockRound(msgspec.Struct):
     accepted: _BlockCount
 
 
-class _BlockStep(msgspec.Struct, tag_field="kind", tag="step"):
+class _BlockStep(msgspec.Struct, tag_field="kind", tag="step", gc=False):
     v: int
     ts: float
     worker: _BlockName
@@ -816,9 +819,8 @@ _OTHER_KINDS = tuple(msgspec.defstruct(f"_Other{kind.title()}", [], tag_field="k
 _BLOCK_DECODER = msgspec.json.Decoder(list[Union[(_BlockStep, *_OTHER_KINDS)]])
 _LINE_DECODER = msgspec.json.Decoder(_BlockStep)
 _LINE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
-_ROUND_FIELDS = attrgetter("id", "bucket", "cohort", "drafted", "accepted")
+_ROUND_FIELDS = ("id", "bucket", "cohort", "drafted", "accepted")
 _STEP_FIELDS = attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage", "v")
-_EMPTY_COLUMNS = ((),) * 5
 
 
 def _line_step(line: bytes) -> _BlockStep | None:
@@ -857,14 +859,21 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     ([1, 2, 3], [('b', 'chat', 'main'), ('b', None, None)], [0, 0, 0], ['r', 'r', 'r'], 2)
     """
     lines = [line.encode() if type(line) is str else line for line in lines]
-    parsed = _parsed_lines(lines)
-    at = [i for i, item in enumerate(parsed) if type(item) is _BlockStep]
-    steps = [parsed[i] for i in at]
-    requests = [step.requests for step in steps]
-    rounds = list(chain.from_iterable(requests))
-    header = list(zip(*map(_STEP_FIELDS, steps))) or ((),) * 8
-    columns = list(zip(*map(_ROUND_FIELDS, rounds))) or _EMPTY_COLUMNS
-    round_step = np.repeat(np.arange(len(steps)), [len(r) for r in requests])
+    collecting = gc.isenabled()
+    gc.disable()  # a block is many objects made at once, none of them in a cycle
+    try:
+        parsed = _parsed_lines(lines)
+        at = [i for i, item in enumerate(parsed) if type(item) is _BlockStep]
+        steps = [parsed[i] for i in at]
+        requests = [step.requests for step in steps]
+        rounds = list(chain.from_iterable(requests))
+        header = list(zip(*map(_STEP_FIELDS, steps))) or ((),) * 8
+        columns = [list(map(attrgetter(name), rounds)) for name in _ROUND_FIELDS]
+        round_step = np.repeat(np.arange(len(steps)), list(map(len, requests)))
+        del parsed, steps, requests, rounds
+    finally:
+        if collecting:
+            gc.enable()
     good = _checked(header, columns, round_step)
     if not good.all():  # a few steps the cheap checks leave to the reference
         at = [position for position, keep in zip(at, good.tolist()) if keep]
