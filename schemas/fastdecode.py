@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 from operator import attrgetter, gt, itemgetter
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, NamedTuple, Sequence, Union
 
 import msgspec
 import numpy as np
@@ -32,7 +32,7 @@ from .otlp import MAX_REQUEST_BYTES, decode_log_record, decode_request
 from .otlp import _REQUESTS_PREFIX, _attribute  # noqa: PLC2701 - same contract, same package
 from .otlp import _Memo as _WriterMemo  # noqa: PLC2701
 
-__all__ = ["StepBlock", "StepColumns", "decode_line_fast", "decode_lines_block", "decode_request_fast", "step_block",
+__all__ = ["StepBlock", "StepColumns", "decode_line_fast", "decode_lines_block", "decode_request_fast", "request_block",
            "step_columns"]
 
 _MAX_NAME = 256  # contract.Name
@@ -229,9 +229,10 @@ class _OddShape(Exception):
 class _Memo:
     """What repeats across the step records of one request, keyed by the bytes it came from."""
 
-    __slots__ = ("names", "columns", "int_heads", "strings", "bodies")
+    __slots__ = ("names", "columns", "int_heads", "strings", "bodies", "as_rows")
 
-    def __init__(self) -> None:
+    def __init__(self, as_rows: bool = False) -> None:
+        self.as_rows = as_rows  # steps as `_StepRow` (for a `StepBlock`) rather than tallied
         self.names: dict[bytes, str | None] = {}  # worker / bundle_id attribute -> name, None if not one
         self.columns: dict[bytes, tuple] = {}  # id / bucket / cohort attribute -> what _strings gives
         self.int_heads: dict[int, bytes] = {}  # drafted / accepted attribute size -> bytes before the elements
@@ -453,11 +454,24 @@ def _record_at(buf: bytes, start: int, end: int) -> TelemetryRecord | Rejection:
     return decode_log_record(LogRecord.FromString(buf[start:end]))
 
 
+class _StepRow(NamedTuple):
+    """A valid OTLP step, its round columns as read (a row of a `StepBlock` to be)."""
+
+    header: tuple
+    ids: tuple
+    buckets: tuple
+    cohorts: tuple
+    drafted: bytes
+    accepted: bytes
+    build: Callable
+
+
 def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: bytes, accepted: bytes,
-          build: Callable) -> StepColumns | None:
+          build: Callable, as_rows: bool = False) -> StepColumns | _StepRow | None:
     """The step if its rounds pass the checks `_tally` makes, else None (the reference decides).
 
-    ``ids``, ``buckets`` and ``cohorts`` are what `_strings` gives.
+    ``ids``, ``buckets`` and ``cohorts`` are what `_strings` gives; ``as_rows``: the step
+    as a `_StepRow`, its rounds not tallied.
     """
     ids, ids_named, _ = ids
     buckets, _, buckets_scoped = buckets
@@ -468,6 +482,8 @@ def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: by
         return None
     if n and (max(drafted) > _MAX_DRAFT or any(map(gt, accepted, drafted))):
         return None
+    if as_rows:
+        return _StepRow(header, ids, buckets, cohorts, drafted, accepted, build)
     rounds = _new_counter(Counter)  # what Counter() is, without its Python-level __init__
     _count_elements(rounds, zip(buckets, cohorts, drafted, accepted))
     return StepColumns(*header, rounds, build)
@@ -615,7 +631,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | 
             and seq < _INT64_SIGN and worker is not None and bundle_id is not None):
         return None
     return _step((ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage), ids, buckets, cohorts, drafted, accepted,
-                 partial(_record_at, buf, start, end))
+                 partial(_record_at, buf, start, end), memo.as_rows)
 
 
 # ------------------------------------------------ any field order
@@ -681,7 +697,7 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumn
         if _array_count(buf, *_array_body(buf, s, e)) != len(ids[0]):
             return None
     return _step(header, ids, buckets, cohorts, _small_ints(buf[slice(*columns[3])]),
-                 _small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end))
+                 _small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end), memo.as_rows)
 
 
 def _log_records(request: ExportLogsServiceRequest) -> list:
@@ -693,8 +709,11 @@ _READ_TAGS = frozenset((0x32, _STAMP, _OBSERVED, 0x62))
 _NOT_READ = (_OddShape, IndexError, ValueError, TypeError, KeyError, struct.error)
 
 
-def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryRecord | StepColumns | Rejection]:
+def decode_request_fast(data: bytes | bytearray | memoryview,
+                        as_rows: bool = False) -> list[TelemetryRecord | StepColumns | Rejection]:
     """`otlp.decode_request` with steps as `StepColumns`; every other outcome is identical.
+
+    ``as_rows``: steps as `_StepRow`, for `request_block`.
 
     >>> decode_request_fast(b"\\xff\\xff not protobuf")[0].reason
     'invalid_otlp'
@@ -712,7 +731,7 @@ def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryR
     spans = _log_record_spans(buf)
     if spans is None:
         return [decode_log_record(log_record) for log_record in _log_records(request)]
-    memo = _Memo()
+    memo = _Memo(as_rows)
     parsed: list | None = None
     out: list = []
     append = out.append
@@ -937,20 +956,30 @@ def _interned(header, round_step: np.ndarray, columns, count, at: list, others: 
                      keys, ids if ids is None else list(ids), others, build)
 
 
-def step_block(items: Sequence) -> StepBlock:
-    """Decoded records (what `decode_request_fast` gives) as one `StepBlock`, positions being their indices.
+def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
+    """An OTLP request as one `StepBlock`, positions being the indices of its log records.
 
-    Each `StepColumns` becomes a step row, its round tallies round rows with their counts.
+    Records, rejections and their order are those of `decode_request_fast`.
+
+    >>> from specwatch.schemas import decode_line
+    >>> from specwatch.schemas.otlp import encode_records
+    >>> step = ('{"kind":"step","v":1,"ts":%d,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
+    ...         '"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
+    ...         '"drafted":4,"accepted":3}]}')
+    >>> block = request_block(encode_records([decode_line(step % (10, 1)), decode_line(step % (11, 2))]))
+    >>> block.seqs, block.keys, block.drafted.tolist(), block.ids, block.record(1).seq
+    ([1, 2], [('b', 'chat', 'main'), ('b', None, None)], [4, 4], ['r', 'r'], 2)
     """
-    at = [i for i, item in enumerate(items) if type(item) is StepColumns]
-    steps = [items[i] for i in at]
-    tallies = [step.rounds for step in steps]
-    flat = [(*round_, n) for tally in tallies for round_, n in tally.items()]
-    buckets, cohorts, drafted, accepted, count = zip(*flat) if flat else ((),) * 5
-    header = list(zip(*(map(attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage"),
-                            steps)))) or ((),) * 7
+    items = decode_request_fast(data, as_rows=True)
+    at = [i for i, item in enumerate(items) if type(item) is _StepRow]
+    rows = [items[i] for i in at]
+    header = list(zip(*(row.header for row in rows))) or ((),) * 7
+    columns = (list(chain.from_iterable(row.ids for row in rows)),
+               list(chain.from_iterable(row.buckets for row in rows)),
+               list(chain.from_iterable(row.cohorts for row in rows)),
+               np.frombuffer(b"".join(row.drafted for row in rows), dtype=np.uint8),
+               np.frombuffer(b"".join(row.accepted for row in rows), dtype=np.uint8))
+    round_step = np.repeat(np.arange(len(rows)), [len(row.ids) for row in rows])
     taken = set(at)
     others = [(position, item) for position, item in enumerate(items) if position not in taken]
-    return _interned(header, np.repeat(np.arange(len(steps)), [len(t) for t in tallies]),
-                     (None, buckets, cohorts, drafted, accepted), count, at, others,
-                     lambda position: items[position].record())
+    return _interned(header, round_step, columns, None, at, others, lambda position: items[position].build())

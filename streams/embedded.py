@@ -115,7 +115,7 @@ class EmbeddedPipeline:
         return self._take(self.ingest.block(decode_lines_block(lines), self._now()), first_line)
 
     def feed_block(self, block: StepBlock) -> list[Decision]:
-        """Decoded records in the batch mode, e.g. ``step_block(decode_request_fast(request))``:
+        """Decoded records in the batch mode, e.g. ``request_block(request)``:
         what `feed_many` makes of the same records, the slices they close decided at the end."""
         return self._take(self.ingest.block(block, self._now()))
 

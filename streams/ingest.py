@@ -134,7 +134,7 @@ class Ingest:
         return Ingested(rejections, late, closed)
 
     def block(self, block: StepBlock, now: float | None = None, seen: dict[str, float] | None = None) -> Ingested:
-        """The batch mode: a block of records (`decode_lines_block`, `step_block`) folded at once.
+        """The batch mode: a block of records (`decode_lines_block`, `request_block`) folded at once.
 
         Rejections, late records and closed slices are those of `records` over the same
         records one at a time (`Stage1.fold_block`); the closed slices come back once, at the

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from specwatch.schemas import Policy, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_line_fast, decode_lines_block, decode_request_fast, step_block
+from specwatch.schemas.fastdecode import decode_line_fast, decode_lines_block, decode_request_fast, request_block
 from specwatch.schemas.otlp import encode_records
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
@@ -104,7 +104,7 @@ def test_an_otlp_request_as_a_block_folds_as_its_records():
     payloads = [encode_records(records[i:i + 97]) for i in range(0, len(records), 97)]
     reference, batched = EmbeddedPipeline(), EmbeddedPipeline()
     expected = [d.to_json_line() for payload in payloads for d in reference.feed_many(decode_request_fast(payload))]
-    got = [d.to_json_line() for payload in payloads for d in batched.feed_block(step_block(decode_request_fast(payload)))]
+    got = [d.to_json_line() for payload in payloads for d in batched.feed_block(request_block(payload))]
     assert got + [d.to_json_line() for d in batched.finish()] == expected + [
         d.to_json_line() for d in reference.finish()]
     assert batched.counters.as_dict() == reference.counters.as_dict()

@@ -26,7 +26,7 @@ from specwatch.bench.broker import OwnBroker
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_line_fast, decode_request_fast, step_block
+from specwatch.schemas.fastdecode import decode_line_fast, decode_request_fast, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.ingest import Ingest
@@ -215,7 +215,7 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                         p.feed_lines(block)
                 else:
                     for payload in otlp:
-                        p.feed_block(step_block(decode_request_fast(payload)))
+                        p.feed_block(request_block(payload))
                 return [d.to_json_line() for d in p.decisions + p.finish()]
 
             def parse_floor():
