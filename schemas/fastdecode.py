@@ -778,7 +778,8 @@ class StepBlock:
     decoder keeps them (JSON Lines), else None. ``others``: every other outcome
     (records, `StepColumns`, rejections) as ``(position, decoded)``, in order.
 
-    ``record(i)`` builds step ``i`` as the reference codec does (for the few kept as samples).
+    ``record(i)`` builds step ``i`` as the reference codec does, ``builder(i)`` is what
+    builds it (picklable, and holding only that step's bytes): for the few kept as samples.
     """
 
     ts: np.ndarray
@@ -802,8 +803,11 @@ class StepBlock:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def record(self, row: int) -> StepRecord:
+    def builder(self, row: int) -> Callable[[], TelemetryRecord | Rejection]:
         return self._build(self.at[row])
+
+    def record(self, row: int) -> StepRecord:
+        return self._build(self.at[row])()
 
 
 _BlockName = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
@@ -903,7 +907,7 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     taken = set(at)
     others = [(position, decoded) for position, line in enumerate(lines) if position not in taken
               and (decoded := decode_line_fast(line)) is not None]
-    return _interned(header, round_step, columns, None, at, others, lambda position: decode_line(lines[position]))
+    return _interned(header, round_step, columns, None, at, others, lambda position: partial(decode_line, lines[position]))
 
 
 def _checked(header, columns, round_step: np.ndarray) -> np.ndarray:
@@ -982,4 +986,4 @@ def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
     round_step = np.repeat(np.arange(len(rows)), [len(row.ids) for row in rows])
     taken = set(at)
     others = [(position, item) for position, item in enumerate(items) if position not in taken]
-    return _interned(header, round_step, columns, None, at, others, lambda position: items[position].build())
+    return _interned(header, round_step, columns, None, at, others, lambda position: items[position].build)

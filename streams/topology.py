@@ -519,7 +519,7 @@ class Stage1:
                 p = min(tied, key=lambda p: sample_ids[pair_step[p]])
                 row = int(pair_step[p])
                 head = () if severity is None else (float(severity[p]),)
-                out[int(groups[start])] = ((*head, int(pair_order[p]), sample_ids[row]), _BlockSample(block, row))
+                out[int(groups[start])] = ((*head, int(pair_order[p]), sample_ids[row]), _HeldStep(block.builder(row)))
             return out
 
         lowest = best(np.flatnonzero(pair_drafted > 0), acceptance)
@@ -605,17 +605,16 @@ class Stage1:
         return out
 
 
-class _BlockSample:
-    """A step of a `StepBlock` held as a sample candidate: built only if it is kept."""
+class _HeldStep:
+    """A step of a `StepBlock` held as a sample candidate: ``record()`` builds it, only if it is kept."""
 
-    __slots__ = ("block", "row")
+    __slots__ = ("record",)
 
-    def __init__(self, block: StepBlock, row: int) -> None:
-        self.block = block
-        self.row = row
+    def __init__(self, record: Callable[[], StepRecord]) -> None:
+        self.record = record
 
-    def record(self) -> StepRecord:
-        return self.block.record(self.row)
+    def __reduce__(self):  # slots and no __dict__: pickled (a stage-1 checkpoint) by its builder
+        return _HeldStep, (self.record,)
 
 
 # drafted and accepted are at most 64: a (drafted, accepted) pair as one number
