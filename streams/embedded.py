@@ -108,7 +108,8 @@ class EmbeddedPipeline:
         """A block of JSON lines at once (the batch mode of `feed_line`).
 
         Records, rejections, late records (flagged by line) and decisions are those of
-        `feed_line` on each line; the slices the block closes are decided at its end.
+        `feed_line` on each line, whichever ``decode`` the pipeline was given (the block is
+        decoded by `decode_lines_block`); the slices the block closes are decided at its end.
         """
         first_line = self.counters.lines
         self.counters.lines += len(lines)

@@ -6,6 +6,7 @@ import json
 import random
 from functools import lru_cache
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +21,7 @@ from specwatch.streams.topology import Stage1
 
 from test_bad_input import BAD_LINES
 from test_fastpath import ODD_LINES
+from test_scenarios import EXPECTED, SEED
 
 
 def _shuffled_in(lines: list[str], seed: int) -> list[str]:
@@ -127,3 +129,15 @@ def test_pipeline_in_blocks_decides_and_flags_as_line_by_line():
         runs.append(([d.to_json_line() for d in decided], slices, pipeline.counters.as_dict()))
     assert runs[0] == runs[1]
     assert len(runs[0][0]) > 0 and runs[0][2]["flagged"][0]["line"] > 1
+
+
+@pytest.mark.parametrize("scenario", sorted(EXPECTED))
+def test_pinned_scenarios_decide_alike_in_blocks(scenario):
+    sim = Simulator(scenario, seed=SEED, workers=4, minutes=4.0, incident_at=120.0)
+    lines = [encode_record(r) for r in sim.records()]
+    pipeline = EmbeddedPipeline(decode=decode_line_fast)
+    for start in range(0, len(lines), 4096):
+        pipeline.feed_lines(lines[start:start + 4096])
+    pipeline.finish()
+    assert [(round(d.ts - sim.start_ts, 2), d.action, d.reason, d.bucket, d.cohort)
+            for d in pipeline.decisions] == EXPECTED[scenario]
