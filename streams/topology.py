@@ -502,6 +502,8 @@ class Stage1:
 
         def best(candidates: np.ndarray, severity: np.ndarray | None) -> dict[int, tuple]:
             # first of each group by (severity, order), then sample id; an earlier step wins a tie
+            if not len(candidates):
+                return {}
             sort_keys = (pair_order[candidates],) if severity is None else (pair_order[candidates],
                                                                             severity[candidates])
             ranked = candidates[np.lexsort((*sort_keys, pair_group[candidates]))]

@@ -141,3 +141,17 @@ def test_pinned_scenarios_decide_alike_in_blocks(scenario):
     pipeline.finish()
     assert [(round(d.ts - sim.start_ts, 2), d.action, d.reason, d.bucket, d.cohort)
             for d in pipeline.decisions] == EXPECTED[scenario]
+
+
+def test_blocks_of_steps_that_draft_nothing_fold_as_records_one_at_a_time():
+    def step(seq: int) -> str:
+        rounds = [] if seq % 3 == 0 else [{"id": f"r{seq}", "bucket": "chat", "cohort": "baseline", "drafted": 0,
+                                           "accepted": 0}]
+        return json.dumps({"kind": "step", "v": 1, "ts": 100.0 + seq * 0.7, "worker": "w1", "seq": seq,
+                           "bundle_id": "b", "draft_ms": 0.0, "verify_ms": 2.0, "kv_usage": 0.5,
+                           "requests": rounds})
+
+    lines = [step(seq) for seq in range(40)]
+    reference = _fold_one_at_a_time(lines)
+    assert len(reference[0]) == 30 and reference[4] == 40
+    assert _fold_in_blocks(lines, range(5, 40, 5)) == reference
