@@ -774,8 +774,7 @@ class StepBlock:
     ``verify_ms``, ``kv_usage``, and ``at[i]``, its position in the block (a line, a record
     of the request). Per round row ``j`` (a round, or on OTLP a tally of equal rounds):
     ``round_step[j]``, ``round_key[j]`` (an index into ``keys``), ``drafted[j]``,
-    ``accepted[j]`` and ``count[j]``; ``ids`` holds each round's request id where the
-    decoder keeps them (JSON Lines), else None. ``others``: every other outcome
+    ``accepted[j]`` and ``count[j]``; ``ids()`` gives each round's request id. ``others``: every other outcome
     (records, `StepColumns`, rejections) as ``(position, decoded)``, in order.
 
     ``record(i)`` builds step ``i`` as the reference codec does, ``builder(i)`` is what
@@ -796,12 +795,16 @@ class StepBlock:
     accepted: np.ndarray
     count: np.ndarray
     keys: list
-    ids: list | None
     others: list
-    _build: Callable[[int], TelemetryRecord | Rejection]
+    _ids: Callable[[], list]
+    _build: Callable[[int], Callable[[], TelemetryRecord | Rejection]]
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def ids(self) -> list[str]:
+        """Each round's request id, in round order (made when asked for)."""
+        return self._ids()
 
     def builder(self, row: int) -> Callable[[], TelemetryRecord | Rejection]:
         return self._build(self.at[row])
@@ -842,7 +845,6 @@ _OTHER_KINDS = tuple(msgspec.defstruct(f"_Other{kind.title()}", [], tag_field="k
 _BLOCK_DECODER = msgspec.json.Decoder(list[Union[(_BlockStep, *_OTHER_KINDS)]])
 _LINE_DECODER = msgspec.json.Decoder(_BlockStep)
 _LINE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
-_ROUND_FIELDS = ("id", "bucket", "cohort", "drafted", "accepted")
 _STEP_FIELDS = attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage", "v")
 
 
@@ -878,7 +880,7 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     >>> block = decode_lines_block([step % (10, 1), step % (11, 2), b"", b"{", step % (12, 3)])
     >>> block.at, [(at, type(item).__name__) for at, item in block.others]
     ([0, 1, 4], [(3, 'Rejection')])
-    >>> block.seqs, block.keys, block.round_key.tolist(), block.ids, block.record(1).seq
+    >>> block.seqs, block.keys, block.round_key.tolist(), block.ids(), block.record(1).seq
     ([1, 2, 3], [('b', 'chat', 'main'), ('b', None, None)], [0, 0, 0], ['r', 'r', 'r'], 2)
     """
     lines = [line.encode() if type(line) is str else line for line in lines]
@@ -891,41 +893,58 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
         requests = [step.requests for step in steps]
         rounds = list(chain.from_iterable(requests))
         header = list(zip(*map(_STEP_FIELDS, steps))) or ((),) * 8
-        columns = [list(map(attrgetter(name), rounds)) for name in _ROUND_FIELDS]
+        n = len(rounds)
+        columns = (list(map(_SCOPE, rounds)), np.fromiter(map(_DRAFTED, rounds), np.int64, n),
+                   np.fromiter(map(_ACCEPTED, rounds), np.int64, n))
         round_step = np.repeat(np.arange(len(steps)), list(map(len, requests)))
-        del parsed, steps, requests, rounds
     finally:
         if collecting:
             gc.enable()
-    good = _checked(header, columns, round_step)
+    good = _checked(header, columns, round_step, rounds, lines, at)
     if not good.all():  # a few steps the cheap checks leave to the reference
         at = [position for position, keep in zip(at, good.tolist()) if keep]
         keep_round = good[round_step]
         header = [[value for value, keep in zip(column, good.tolist()) if keep] for column in header]
-        columns = [[value for value, keep in zip(column, keep_round.tolist()) if keep] for column in columns]
+        columns = ([pair for pair, keep in zip(columns[0], keep_round.tolist()) if keep],
+                   columns[1][keep_round], columns[2][keep_round])
+        rounds = [r for r, keep in zip(rounds, keep_round.tolist()) if keep]
         round_step = (np.cumsum(good) - 1)[round_step[keep_round]]
     taken = set(at)
     others = [(position, decoded) for position, line in enumerate(lines) if position not in taken
               and (decoded := decode_line_fast(line)) is not None]
-    return _interned(header, round_step, columns, None, at, others, lambda position: partial(decode_line, lines[position]))
+    return _interned(header, round_step, columns, None, at, others, partial(_ids_of, rounds),
+                     lambda position: partial(decode_line, lines[position]))
 
 
-def _checked(header, columns, round_step: np.ndarray) -> np.ndarray:
+_SCOPE = attrgetter("bucket", "cohort")
+_DRAFTED = attrgetter("drafted")
+_ACCEPTED = attrgetter("accepted")
+_ROUND_ID = attrgetter("id")
+
+
+def _ids_of(rounds: list) -> list[str]:
+    return list(map(_ROUND_ID, rounds))
+
+
+def _checked(header, columns, round_step: np.ndarray, rounds: list, lines: list, at: list) -> np.ndarray:
     """Which steps pass the checks of `step_columns` that msgspec did not make (finite times, names, rounds)."""
     ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage, v = header
-    ids, buckets, cohorts, drafted, accepted = columns
+    scopes, drafted, accepted = columns
     ts, draft_ms, verify_ms, kv_usage = (np.asarray(column, dtype=np.float64)
                                          for column in (ts, draft_ms, verify_ms, kv_usage))
     good = ((np.asarray(v, dtype=np.float64) == 1) & (ts >= 0) & (ts < _MAX_EXACT_INT) & (draft_ms >= 0)
             & (draft_ms < _INF) & (verify_ms >= 0) & (verify_ms < _INF) & (kv_usage >= 0) & (kv_usage <= 1))
     bad_names = {name for name in set(workers) | set(bundles) if not _name(name)}
-    bad_scopes = {name for name in set(buckets) | set(cohorts) if not (_name(name) and scope_name_ok(name))}
-    bad_round = np.asarray(accepted, dtype=np.int64) > np.asarray(drafted, dtype=np.int64)
+    bad_scopes = {pair for pair in dict.fromkeys(scopes)
+                  if not all(_name(name) and scope_name_ok(name) for name in pair)}
+    bad_round = accepted > drafted
     if bad_scopes:
-        bad_round |= np.fromiter((b in bad_scopes or c in bad_scopes for b, c in zip(buckets, cohorts)), bool,
-                                 len(buckets))
-    if ids and not "".join(ids).isprintable():
-        bad_round |= np.fromiter((not (i.isprintable() or printable(i)) for i in ids), bool, len(ids))
+        bad_round |= np.fromiter(map(bad_scopes.__contains__, scopes), bool, len(scopes))
+    # Every string of ASCII JSON without escapes or DEL is printable (other raw control
+    # characters are not JSON): then no request id needs a look; otherwise each one does.
+    if rounds and any(not line.isascii() or b"\\" in line or b"\x7f" in line for line in map(lines.__getitem__, at)):
+        bad_round |= np.fromiter((not (i.isprintable() or printable(i)) for i in map(_ROUND_ID, rounds)), bool,
+                                 len(rounds))
     if bad_names:
         good &= np.fromiter((w not in bad_names and b not in bad_names for w, b in zip(workers, bundles)), bool,
                             len(workers))
@@ -934,15 +953,16 @@ def _checked(header, columns, round_step: np.ndarray) -> np.ndarray:
     return good
 
 
-def _interned(header, round_step: np.ndarray, columns, count, at: list, others: list, build) -> StepBlock:
-    """A `StepBlock` with (bundle, bucket, cohort) interned; ``columns``: (ids, buckets, cohorts, drafted, accepted)."""
+def _interned(header, round_step: np.ndarray, columns, count, at: list, others: list, ids: Callable,
+              build) -> StepBlock:
+    """A `StepBlock` with (bundle, bucket, cohort) interned; ``columns``: ((bucket, cohort) pairs, drafted, accepted)."""
     ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage = header[:7]
-    ids, buckets, cohorts, drafted, accepted = columns
-    bundle_table: dict = {}
-    bundle_index = np.array([bundle_table.setdefault(b, len(bundle_table)) for b in bundles], dtype=np.int64)
-    pair_table: dict = {}
-    pair_index = np.array([pair_table.setdefault(p, len(pair_table)) for p in zip(buckets, cohorts)],
-                          dtype=np.int64)
+    scopes, drafted, accepted = columns
+    # numbered in first-seen order, every per-item loop in C
+    bundle_table = {name: i for i, name in enumerate(dict.fromkeys(bundles))}
+    bundle_index = np.fromiter(map(bundle_table.__getitem__, bundles), np.int64, len(bundles))
+    pair_table = {pair: i for i, pair in enumerate(dict.fromkeys(scopes))}
+    pair_index = np.fromiter(map(pair_table.__getitem__, scopes), np.int64, len(scopes))
     bundle_names = list(bundle_table)
     pairs = [*pair_table, (None, None)]  # the last: the bundle as a whole
     n_pairs = len(pairs)
@@ -951,13 +971,13 @@ def _interned(header, round_step: np.ndarray, columns, count, at: list, others: 
                                return_inverse=True)
     keys = [(bundle_names[c // n_pairs], *pairs[c % n_pairs]) for c in codes.tolist()]
     n = len(seqs)
-    floats = (np.asarray(column, dtype=np.float64) for column in (ts, draft_ms, verify_ms, kv_usage))
-    ts, draft_ms, verify_ms, kv_usage = floats
+    ts, draft_ms, verify_ms, kv_usage = (np.asarray(column, dtype=np.float64)
+                                         for column in (ts, draft_ms, verify_ms, kv_usage))
     return StepBlock(ts, list(workers), list(seqs), inverse[:n].astype(np.int64), draft_ms, verify_ms, kv_usage, at,
                      round_step.astype(np.int64), inverse[n:].astype(np.int64), np.asarray(drafted, dtype=np.int64),
                      np.asarray(accepted, dtype=np.int64),
                      np.ones(len(pair_index), dtype=np.int64) if count is None else np.asarray(count, dtype=np.int64),
-                     keys, ids if ids is None else list(ids), others, build)
+                     keys, others, ids, build)
 
 
 def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
@@ -971,19 +991,23 @@ def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
     ...         '"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
     ...         '"drafted":4,"accepted":3}]}')
     >>> block = request_block(encode_records([decode_line(step % (10, 1)), decode_line(step % (11, 2))]))
-    >>> block.seqs, block.keys, block.drafted.tolist(), block.ids, block.record(1).seq
+    >>> block.seqs, block.keys, block.drafted.tolist(), block.ids(), block.record(1).seq
     ([1, 2], [('b', 'chat', 'main'), ('b', None, None)], [4, 4], ['r', 'r'], 2)
     """
     items = decode_request_fast(data, as_rows=True)
     at = [i for i, item in enumerate(items) if type(item) is _StepRow]
     rows = [items[i] for i in at]
     header = list(zip(*(row.header for row in rows))) or ((),) * 7
-    columns = (list(chain.from_iterable(row.ids for row in rows)),
-               list(chain.from_iterable(row.buckets for row in rows)),
-               list(chain.from_iterable(row.cohorts for row in rows)),
+    columns = (list(zip(chain.from_iterable(row.buckets for row in rows),
+                        chain.from_iterable(row.cohorts for row in rows))),
                np.frombuffer(b"".join(row.drafted for row in rows), dtype=np.uint8),
                np.frombuffer(b"".join(row.accepted for row in rows), dtype=np.uint8))
     round_step = np.repeat(np.arange(len(rows)), [len(row.ids) for row in rows])
     taken = set(at)
     others = [(position, item) for position, item in enumerate(items) if position not in taken]
-    return _interned(header, round_step, columns, None, at, others, lambda position: items[position].build)
+    return _interned(header, round_step, columns, None, at, others,
+                     partial(_chained, [row.ids for row in rows]), lambda position: items[position].build)
+
+
+def _chained(columns: list) -> list:
+    return list(chain.from_iterable(columns))
