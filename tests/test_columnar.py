@@ -50,23 +50,23 @@ def _lines(scenario: str = "acceptance_drop", minutes: float = 2.0) -> tuple[str
     return tuple(_shuffled_in([encode_record(r) for r in sim.records()], seed=3))
 
 
-def _fold_one_at_a_time(lines, decode=decode_line) -> tuple:
+def _fold_one_at_a_time(lines, decode=decode_line, now=None) -> tuple:
     ingest = Ingest(Stage1(Policy(), source="w"), decode)
     rejected, late, closed = [], [], []
     for position, line in enumerate(lines):
-        done = ingest(line)
+        done = ingest(line, now)
         rejected += [(position, r.reason, r.detail) for r in done.rejections]
         late += [(position, ts) for ts in done.late]
         closed += done.closed
     return _outcome(ingest, rejected, late, closed)
 
 
-def _fold_in_blocks(lines, cuts) -> tuple:
+def _fold_in_blocks(lines, cuts, now=None) -> tuple:
     ingest = Ingest(Stage1(Policy(), source="w"), decode_line)
     rejected, late, closed = [], [], []
     bounds = [0, *sorted(set(cuts)), len(lines)]
     for start, end in zip(bounds, bounds[1:]):
-        done = ingest.block(decode_lines_block(lines[start:end]))
+        done = ingest.block(decode_lines_block(lines[start:end]), now)
         rejected += [(start + at, r.reason, r.detail) for at, r in zip(done.rejected_at, done.rejections)]
         late += [(start + at, ts) for at, ts in zip(done.late_at, done.late)]
         closed += done.closed
@@ -155,3 +155,12 @@ def test_blocks_of_steps_that_draft_nothing_fold_as_records_one_at_a_time():
     reference = _fold_one_at_a_time(lines)
     assert len(reference[0]) == 30 and reference[4] == 40
     assert _fold_in_blocks(lines, range(5, 40, 5)) == reference
+
+
+def test_a_live_source_rejects_records_from_the_future_in_blocks_as_one_at_a_time():
+    lines = list(_lines(minutes=0.5))
+    times = sorted(record.ts for record in map(decode_line, lines) if hasattr(record, "ts"))
+    now = times[len(times) // 2]  # the wall clock in the middle of the run
+    reference = _fold_one_at_a_time(lines, decode_line_fast, now)
+    assert reference[3]["ts_in_future"] >= 25  # the records stamped two hours ahead, at least
+    assert _fold_in_blocks(lines, range(100, len(lines), 100), now) == reference
