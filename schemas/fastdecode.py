@@ -8,15 +8,18 @@ and `otlp.decode_request`.
 
 from __future__ import annotations
 
+import gc
 import math
 import struct
 from collections import Counter, _count_elements  # noqa: PLC2701 - Counter.update's C loop, without its Mapping check
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
-from operator import gt, itemgetter
-from typing import TYPE_CHECKING, Any, Callable
+from operator import attrgetter, gt, itemgetter
+from typing import TYPE_CHECKING, Annotated, Any, Callable, NamedTuple, Sequence, Union
 
+import msgspec
+import numpy as np
 import orjson
 from google.protobuf.message import DecodeError
 
@@ -29,7 +32,8 @@ from .otlp import MAX_REQUEST_BYTES, decode_log_record, decode_request
 from .otlp import _REQUESTS_PREFIX, _attribute  # noqa: PLC2701 - same contract, same package
 from .otlp import _Memo as _WriterMemo  # noqa: PLC2701
 
-__all__ = ["StepColumns", "decode_line_fast", "decode_request_fast", "step_columns"]
+__all__ = ["StepBlock", "StepColumns", "decode_line_fast", "decode_lines_block", "decode_request_fast", "request_block",
+           "step_columns"]
 
 _MAX_NAME = 256  # contract.Name
 _MAX_DRAFT = 64  # RoundEntry.drafted / accepted bound
@@ -225,9 +229,10 @@ class _OddShape(Exception):
 class _Memo:
     """What repeats across the step records of one request, keyed by the bytes it came from."""
 
-    __slots__ = ("names", "columns", "int_heads", "strings", "bodies")
+    __slots__ = ("names", "columns", "int_heads", "strings", "bodies", "as_rows")
 
-    def __init__(self) -> None:
+    def __init__(self, as_rows: bool = False) -> None:
+        self.as_rows = as_rows  # steps as `_StepRow` (for a `StepBlock`) rather than tallied
         self.names: dict[bytes, str | None] = {}  # worker / bundle_id attribute -> name, None if not one
         self.columns: dict[bytes, tuple] = {}  # id / bucket / cohort attribute -> what _strings gives
         self.int_heads: dict[int, bytes] = {}  # drafted / accepted attribute size -> bytes before the elements
@@ -449,11 +454,24 @@ def _record_at(buf: bytes, start: int, end: int) -> TelemetryRecord | Rejection:
     return decode_log_record(LogRecord.FromString(buf[start:end]))
 
 
+class _StepRow(NamedTuple):
+    """A valid OTLP step, its round columns as read (a row of a `StepBlock` to be)."""
+
+    header: tuple
+    ids: tuple
+    buckets: tuple
+    cohorts: tuple
+    drafted: bytes
+    accepted: bytes
+    build: Callable
+
+
 def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: bytes, accepted: bytes,
-          build: Callable) -> StepColumns | None:
+          build: Callable, as_rows: bool = False) -> StepColumns | _StepRow | None:
     """The step if its rounds pass the checks `_tally` makes, else None (the reference decides).
 
-    ``ids``, ``buckets`` and ``cohorts`` are what `_strings` gives.
+    ``ids``, ``buckets`` and ``cohorts`` are what `_strings` gives; ``as_rows``: the step
+    as a `_StepRow`, its rounds not tallied.
     """
     ids, ids_named, _ = ids
     buckets, _, buckets_scoped = buckets
@@ -464,6 +482,8 @@ def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: by
         return None
     if n and (max(drafted) > _MAX_DRAFT or any(map(gt, accepted, drafted))):
         return None
+    if as_rows:
+        return _StepRow(header, ids, buckets, cohorts, drafted, accepted, build)
     rounds = _new_counter(Counter)  # what Counter() is, without its Python-level __init__
     _count_elements(rounds, zip(buckets, cohorts, drafted, accepted))
     return StepColumns(*header, rounds, build)
@@ -611,7 +631,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | 
             and seq < _INT64_SIGN and worker is not None and bundle_id is not None):
         return None
     return _step((ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage), ids, buckets, cohorts, drafted, accepted,
-                 partial(_record_at, buf, start, end))
+                 partial(_record_at, buf, start, end), memo.as_rows)
 
 
 # ------------------------------------------------ any field order
@@ -677,7 +697,7 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumn
         if _array_count(buf, *_array_body(buf, s, e)) != len(ids[0]):
             return None
     return _step(header, ids, buckets, cohorts, _small_ints(buf[slice(*columns[3])]),
-                 _small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end))
+                 _small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end), memo.as_rows)
 
 
 def _log_records(request: ExportLogsServiceRequest) -> list:
@@ -689,8 +709,11 @@ _READ_TAGS = frozenset((0x32, _STAMP, _OBSERVED, 0x62))
 _NOT_READ = (_OddShape, IndexError, ValueError, TypeError, KeyError, struct.error)
 
 
-def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryRecord | StepColumns | Rejection]:
+def decode_request_fast(data: bytes | bytearray | memoryview,
+                        as_rows: bool = False) -> list[TelemetryRecord | StepColumns | Rejection]:
     """`otlp.decode_request` with steps as `StepColumns`; every other outcome is identical.
+
+    ``as_rows``: steps as `_StepRow`, for `request_block`.
 
     >>> decode_request_fast(b"\\xff\\xff not protobuf")[0].reason
     'invalid_otlp'
@@ -708,7 +731,7 @@ def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryR
     spans = _log_record_spans(buf)
     if spans is None:
         return [decode_log_record(log_record) for log_record in _log_records(request)]
-    memo = _Memo()
+    memo = _Memo(as_rows)
     parsed: list | None = None
     out: list = []
     append = out.append
@@ -731,3 +754,260 @@ def decode_request_fast(data: bytes | bytearray | memoryview) -> list[TelemetryR
             step = decode_log_record(parsed[index])
         append(step)
     return out
+
+
+# ------------------------------------------------ a block of records, its steps as columns
+#
+# The batch mode of the fast decoders: a block of JSON lines (a file chunk, a Kafka fetch)
+# or an OTLP request becomes one `StepBlock`: its steps as arrays, one row per step and one
+# per round, with (bundle, bucket, cohort) interned per block, and every other record as
+# the per-record decoders decode it, by position. Stage 1 folds it with numpy
+# (`Stage1.fold_block`), so no Python object is made per round.
+
+
+@dataclass(slots=True, eq=False)
+class StepBlock:
+    """A block of decoded records, its valid steps as columns.
+
+    Per step (row ``i``): ``ts``, ``workers[i]`` / ``seqs[i]`` (its identity),
+    ``bundle_key[i]`` (the index of ``(bundle_id, None, None)`` in ``keys``), ``draft_ms``,
+    ``verify_ms``, ``kv_usage``, and ``at[i]``, its position in the block (a line, a record
+    of the request). Per round row ``j`` (a round, or on OTLP a tally of equal rounds):
+    ``round_step[j]``, ``round_key[j]`` (an index into ``keys``), ``drafted[j]``,
+    ``accepted[j]`` and ``count[j]``; ``ids()`` gives each round's request id. ``others``: every other outcome
+    (records, `StepColumns`, rejections) as ``(position, decoded)``, in order.
+
+    ``record(i)`` builds step ``i`` as the reference codec does, ``builder(i)`` is what
+    builds it (picklable, and holding only that step's bytes): for the few kept as samples.
+    """
+
+    ts: np.ndarray
+    workers: list
+    seqs: list
+    bundle_key: np.ndarray
+    draft_ms: np.ndarray
+    verify_ms: np.ndarray
+    kv_usage: np.ndarray
+    at: list
+    round_step: np.ndarray
+    round_key: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
+    count: np.ndarray
+    keys: list
+    others: list
+    _ids: Callable[[], list]
+    _build: Callable[[int], Callable[[], TelemetryRecord | Rejection]]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def ids(self) -> list[str]:
+        """Each round's request id, in round order (made when asked for)."""
+        return self._ids()
+
+    def builder(self, row: int) -> Callable[[], TelemetryRecord | Rejection]:
+        return self._build(self.at[row])
+
+    def record(self, row: int) -> StepRecord:
+        return self._build(self.at[row])()
+
+
+_BlockName = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
+_BlockCount = Annotated[int, msgspec.Meta(ge=0, le=_MAX_DRAFT)]
+
+
+# gc=False: a block makes a struct per round and holds them all at once, which would start
+# the cycle collector over and over; they hold only strings and ints, so no cycle.
+class _BlockRound(msgspec.Struct, gc=False):
+    id: _BlockName
+    bucket: _BlockName
+    cohort: _BlockName
+    drafted: _BlockCount
+    accepted: _BlockCount
+
+
+class _BlockStep(msgspec.Struct, tag_field="kind", tag="step", gc=False):
+    v: int
+    ts: float
+    worker: _BlockName
+    seq: Annotated[int, msgspec.Meta(ge=0, le=_INT64_SIGN - 1)]
+    bundle_id: _BlockName
+    draft_ms: float
+    verify_ms: float
+    kv_usage: float
+    requests: Annotated[list[_BlockRound], msgspec.Meta(max_length=MAX_REQUESTS_PER_STEP)]
+
+
+# Records of the other kinds, read no further here: each is decoded again, alone, by `decode_line_fast`.
+_OTHER_KINDS = tuple(msgspec.defstruct(f"_Other{kind.title()}", [], tag_field="kind", tag=kind)
+                     for kind in ("request", "shadow", "bundle"))
+_BLOCK_DECODER = msgspec.json.Decoder(list[Union[(_BlockStep, *_OTHER_KINDS)]])
+_LINE_DECODER = msgspec.json.Decoder(_BlockStep)
+_LINE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
+_STEP_FIELDS = attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage", "v")
+
+
+def _line_step(line: bytes) -> _BlockStep | None:
+    if len(line) > MAX_LINE_BYTES:
+        return None
+    try:
+        return _LINE_DECODER.decode(line)
+    except _LINE_ERRORS:
+        return None
+
+
+def _parsed_lines(lines: Sequence[bytes]) -> list:
+    """Each line as a `_BlockStep` when msgspec reads it as one, else something else."""
+    if lines and all(len(line) <= MAX_LINE_BYTES for line in lines):
+        try:  # one parse of the whole block: most blocks hold only records of known kinds
+            return _BLOCK_DECODER.decode(b"[" + b",".join(lines) + b"]")
+        except _LINE_ERRORS:
+            pass  # a blank or bad line somewhere: line by line
+    return [_line_step(line) for line in lines]
+
+
+def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
+    """A block of JSON lines as one `StepBlock`, positions being line numbers in the block.
+
+    Steps msgspec reads and the checks of `step_columns` pass become columns; every other
+    line is what `decode_line_fast` gives for it (blank lines give nothing). Records,
+    rejections and their order are those of `decode_line_fast` line by line.
+
+    >>> step = (b'{"kind":"step","v":1,"ts":%d,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
+    ...         b'"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
+    ...         b'"drafted":4,"accepted":3}]}')
+    >>> block = decode_lines_block([step % (10, 1), step % (11, 2), b"", b"{", step % (12, 3)])
+    >>> block.at, [(at, type(item).__name__) for at, item in block.others]
+    ([0, 1, 4], [(3, 'Rejection')])
+    >>> block.seqs, block.keys, block.round_key.tolist(), block.ids(), block.record(1).seq
+    ([1, 2, 3], [('b', 'chat', 'main'), ('b', None, None)], [0, 0, 0], ['r', 'r', 'r'], 2)
+    """
+    lines = [line.encode() if type(line) is str else line for line in lines]
+    collecting = gc.isenabled()
+    gc.disable()  # a block is many objects made at once, none of them in a cycle
+    try:
+        parsed = _parsed_lines(lines)
+        at = [i for i, item in enumerate(parsed) if type(item) is _BlockStep]
+        steps = [parsed[i] for i in at]
+        requests = [step.requests for step in steps]
+        rounds = list(chain.from_iterable(requests))
+        header = list(zip(*map(_STEP_FIELDS, steps))) or ((),) * 8
+        n = len(rounds)
+        columns = (list(map(_SCOPE, rounds)), np.fromiter(map(_DRAFTED, rounds), np.int64, n),
+                   np.fromiter(map(_ACCEPTED, rounds), np.int64, n))
+        round_step = np.repeat(np.arange(len(steps)), list(map(len, requests)))
+    finally:
+        if collecting:
+            gc.enable()
+    good = _checked(header, columns, round_step, rounds, lines, at)
+    if not good.all():  # a few steps the cheap checks leave to the reference
+        at = [position for position, keep in zip(at, good.tolist()) if keep]
+        keep_round = good[round_step]
+        header = [[value for value, keep in zip(column, good.tolist()) if keep] for column in header]
+        columns = ([pair for pair, keep in zip(columns[0], keep_round.tolist()) if keep],
+                   columns[1][keep_round], columns[2][keep_round])
+        rounds = [r for r, keep in zip(rounds, keep_round.tolist()) if keep]
+        round_step = (np.cumsum(good) - 1)[round_step[keep_round]]
+    taken = set(at)
+    others = [(position, decoded) for position, line in enumerate(lines) if position not in taken
+              and (decoded := decode_line_fast(line)) is not None]
+    return _interned(header, round_step, columns, None, at, others, partial(_ids_of, rounds),
+                     lambda position: partial(decode_line, lines[position]))
+
+
+_SCOPE = attrgetter("bucket", "cohort")
+_DRAFTED = attrgetter("drafted")
+_ACCEPTED = attrgetter("accepted")
+_ROUND_ID = attrgetter("id")
+
+
+def _ids_of(rounds: list) -> list[str]:
+    return list(map(_ROUND_ID, rounds))
+
+
+def _checked(header, columns, round_step: np.ndarray, rounds: list, lines: list, at: list) -> np.ndarray:
+    """Which steps pass the checks of `step_columns` that msgspec did not make (finite times, names, rounds)."""
+    ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage, v = header
+    scopes, drafted, accepted = columns
+    ts, draft_ms, verify_ms, kv_usage = (np.asarray(column, dtype=np.float64)
+                                         for column in (ts, draft_ms, verify_ms, kv_usage))
+    good = ((np.asarray(v, dtype=np.float64) == 1) & (ts >= 0) & (ts < _MAX_EXACT_INT) & (draft_ms >= 0)
+            & (draft_ms < _INF) & (verify_ms >= 0) & (verify_ms < _INF) & (kv_usage >= 0) & (kv_usage <= 1))
+    bad_names = {name for name in set(workers) | set(bundles) if not _name(name)}
+    bad_scopes = {pair for pair in dict.fromkeys(scopes)
+                  if not all(_name(name) and scope_name_ok(name) for name in pair)}
+    bad_round = accepted > drafted
+    if bad_scopes:
+        bad_round |= np.fromiter(map(bad_scopes.__contains__, scopes), bool, len(scopes))
+    # Every string of ASCII JSON without escapes or DEL is printable (other raw control
+    # characters are not JSON): then no request id needs a look; otherwise each one does.
+    if rounds and any(not line.isascii() or b"\\" in line or b"\x7f" in line for line in map(lines.__getitem__, at)):
+        bad_round |= np.fromiter((not (i.isprintable() or printable(i)) for i in map(_ROUND_ID, rounds)), bool,
+                                 len(rounds))
+    if bad_names:
+        good &= np.fromiter((w not in bad_names and b not in bad_names for w, b in zip(workers, bundles)), bool,
+                            len(workers))
+    if bad_round.any():
+        good[round_step[bad_round]] = False
+    return good
+
+
+def _interned(header, round_step: np.ndarray, columns, count, at: list, others: list, ids: Callable,
+              build) -> StepBlock:
+    """A `StepBlock` with (bundle, bucket, cohort) interned; ``columns``: ((bucket, cohort) pairs, drafted, accepted)."""
+    ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage = header[:7]
+    scopes, drafted, accepted = columns
+    # numbered in first-seen order, every per-item loop in C
+    bundle_table = {name: i for i, name in enumerate(dict.fromkeys(bundles))}
+    bundle_index = np.fromiter(map(bundle_table.__getitem__, bundles), np.int64, len(bundles))
+    pair_table = {pair: i for i, pair in enumerate(dict.fromkeys(scopes))}
+    pair_index = np.fromiter(map(pair_table.__getitem__, scopes), np.int64, len(scopes))
+    bundle_names = list(bundle_table)
+    pairs = [*pair_table, (None, None)]  # the last: the bundle as a whole
+    n_pairs = len(pairs)
+    codes, inverse = np.unique(np.concatenate([bundle_index * n_pairs + n_pairs - 1,
+                                               bundle_index[round_step] * n_pairs + pair_index]),
+                               return_inverse=True)
+    keys = [(bundle_names[c // n_pairs], *pairs[c % n_pairs]) for c in codes.tolist()]
+    n = len(seqs)
+    ts, draft_ms, verify_ms, kv_usage = (np.asarray(column, dtype=np.float64)
+                                         for column in (ts, draft_ms, verify_ms, kv_usage))
+    return StepBlock(ts, list(workers), list(seqs), inverse[:n].astype(np.int64), draft_ms, verify_ms, kv_usage, at,
+                     round_step.astype(np.int64), inverse[n:].astype(np.int64), np.asarray(drafted, dtype=np.int64),
+                     np.asarray(accepted, dtype=np.int64),
+                     np.ones(len(pair_index), dtype=np.int64) if count is None else np.asarray(count, dtype=np.int64),
+                     keys, others, ids, build)
+
+
+def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
+    """An OTLP request as one `StepBlock`, positions being the indices of its log records.
+
+    Records, rejections and their order are those of `decode_request_fast`.
+
+    >>> from specwatch.schemas import decode_line
+    >>> from specwatch.schemas.otlp import encode_records
+    >>> step = ('{"kind":"step","v":1,"ts":%d,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
+    ...         '"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
+    ...         '"drafted":4,"accepted":3}]}')
+    >>> block = request_block(encode_records([decode_line(step % (10, 1)), decode_line(step % (11, 2))]))
+    >>> block.seqs, block.keys, block.drafted.tolist(), block.ids(), block.record(1).seq
+    ([1, 2], [('b', 'chat', 'main'), ('b', None, None)], [4, 4], ['r', 'r'], 2)
+    """
+    items = decode_request_fast(data, as_rows=True)
+    at = [i for i, item in enumerate(items) if type(item) is _StepRow]
+    rows = [items[i] for i in at]
+    header = list(zip(*(row.header for row in rows))) or ((),) * 7
+    columns = (list(zip(chain.from_iterable(row.buckets for row in rows),
+                        chain.from_iterable(row.cohorts for row in rows))),
+               np.frombuffer(b"".join(row.drafted for row in rows), dtype=np.uint8),
+               np.frombuffer(b"".join(row.accepted for row in rows), dtype=np.uint8))
+    round_step = np.repeat(np.arange(len(rows)), [len(row.ids) for row in rows])
+    taken = set(at)
+    others = [(position, item) for position, item in enumerate(items) if position not in taken]
+    return _interned(header, round_step, columns, None, at, others,
+                     partial(_chained, [row.ids for row in rows]), lambda position: items[position].build)
+
+
+def _chained(columns: list) -> list:
+    return list(chain.from_iterable(columns))

@@ -6,10 +6,11 @@ This is `specwatch demo` and `specwatch replay`; the Faust app runs the same sta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Decision, Policy, RejectionCounter, decode_line
+from specwatch.schemas.fastdecode import StepBlock, decode_lines_block
 
 from .ingest import Decoder, Ingest, Ingested
 from .topology import SliceOutput, Stage1, Stage2
@@ -32,10 +33,10 @@ class PipelineCounters:
     slices: int = 0
     flagged: list[dict] = field(default_factory=list)
 
-    def flag(self, reason: str, detail: str) -> None:
-        """Note the current line (0 when records come without lines) as rejected or late."""
+    def flag(self, reason: str, detail: str, line: int | None = None) -> None:
+        """Note ``line`` (by default the current line, 0 when records come without lines) as rejected or late."""
         if len(self.flagged) < _MAX_FLAGGED_LINES:
-            self.flagged.append({"line": self.lines, "reason": reason, "detail": detail})
+            self.flagged.append({"line": self.lines if line is None else line, "reason": reason, "detail": detail})
 
     def as_dict(self) -> dict:
         return {
@@ -103,18 +104,43 @@ class EmbeddedPipeline:
         ingested = self.ingest.records(records, self._now(), on_closed=lambda ready: decided.extend(self._drain(ready)))
         return decided + self._take(ingested)
 
+    def feed_lines(self, lines: Sequence[bytes | str]) -> list[Decision]:
+        """A block of JSON lines at once (the batch mode of `feed_line`).
+
+        Records, rejections, late records (flagged by line) and decisions are those of
+        `feed_line` on each line, whichever ``decode`` the pipeline was given (the block is
+        decoded by `decode_lines_block`); the slices the block closes are decided at its end.
+        """
+        first_line = self.counters.lines
+        self.counters.lines += len(lines)
+        return self._take(self.ingest.block(decode_lines_block(lines), self._now()), first_line)
+
+    def feed_block(self, block: StepBlock) -> list[Decision]:
+        """Decoded records in the batch mode, e.g. ``request_block(request)``:
+        what `feed_many` makes of the same records, the slices they close decided at the end."""
+        return self._take(self.ingest.block(block, self._now()))
+
     def _now(self) -> float | None:
         return None if self._clock is None else self._clock()
 
-    def _take(self, ingested: Ingested) -> list[Decision]:
-        """Flag what was rejected or late, and decide the slices it closed."""
+    def _take(self, ingested: Ingested, first_line: int | None = None) -> list[Decision]:
+        """Flag what was rejected or late, and decide the slices it closed.
+
+        ``first_line``: the items came from a block of lines that starts after it; they are
+        flagged by their own lines, in line order.
+        """
         counters = self.counters
         counters.records = self.stage1.records
-        for rejection in ingested.rejections:
-            counters.flag(rejection.reason, rejection.detail)
-        for ts in ingested.late:
-            counters.flag("late", f"ts {ts:.3f} is behind the slices its source has closed: "
-                                  "folded into the oldest open slice")
+        flags = [(rejection.reason, rejection.detail) for rejection in ingested.rejections] + [
+            ("late", f"ts {ts:.3f} is behind the slices its source has closed: folded into the oldest open slice")
+            for ts in ingested.late]
+        if first_line is None:
+            for reason, detail in flags:
+                counters.flag(reason, detail)
+        else:
+            at = list(ingested.rejected_at) + list(ingested.late_at)
+            for i in sorted(range(len(flags)), key=at.__getitem__):
+                counters.flag(*flags[i], line=first_line + at[i] + 1)
         return self._drain(ingested.closed)
 
     def finish(self) -> list[Decision]:

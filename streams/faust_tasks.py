@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.sketch import LatencySketch
 from specwatch.schemas import Decision, Policy, Rejection, RejectionCounter
-from specwatch.schemas.fastdecode import decode_request_fast
+from specwatch.schemas.fastdecode import decode_request_fast, request_block
 
 from .ingest import Ingest
 from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2, idle_slices
@@ -290,7 +290,7 @@ class Stage1Task:
         ``windows.max_ahead_seconds`` are rejected (None: no check, as in a replay).
         ``seen`` (engine worker -> wall time) learns when each worker was last heard from.
         """
-        rejections, _, closed = self.ingest(payload, now, seen)
+        rejections, _, closed = self.ingest.block(request_block(payload), now, seen)[:3]
         self.messages += 1
         self.next_offset = offset + 1
         return rejections, closed

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence, Union
 
 from specwatch.schemas import Rejection, RejectionCounter, TelemetryRecord
 from specwatch.schemas.codec import ahead_of_clock
-from specwatch.schemas.fastdecode import StepColumns
+from specwatch.schemas.fastdecode import StepBlock, StepColumns
 
 from .topology import SliceBatch, Stage1
 
@@ -28,6 +28,9 @@ class Ingested(NamedTuple):
     rejections: Sequence[Rejection]  # records not folded (already counted in `Ingest.rejected`)
     late: Sequence[float]  # event times of records folded into a later slice than their own
     closed: Sequence[SliceBatch]  # slices the records let stage 1 close, for stage 2
+    # the batch mode (`Ingest.block`): the position in its input of each rejection and late record
+    rejected_at: Sequence[int] = ()
+    late_at: Sequence[int] = ()
 
 
 _NOTHING = Ingested((), (), ())
@@ -129,3 +132,27 @@ class Ingest:
         if not (rejections or late or closed):
             return _NOTHING
         return Ingested(rejections, late, closed)
+
+    def block(self, block: StepBlock, now: float | None = None, seen: dict[str, float] | None = None) -> Ingested:
+        """The batch mode: a block of records (`decode_lines_block`, `request_block`) folded at once.
+
+        Rejections, late records and closed slices are those of `records` over the same
+        records one at a time (`Stage1.fold_block`); the closed slices come back once, at the
+        end, and ``rejected_at`` / ``late_at`` give the position in the block of each
+        rejection and late record.
+        """
+        rejected, late, closed = self.stage.fold_block(block, now)
+        for _, rejection in rejected:
+            self.rejected.add(rejection)
+        if seen is not None:
+            refused = {position for position, _ in rejected}
+            for position, worker in zip(block.at, block.workers):
+                if position not in refused:
+                    seen[worker] = now
+            for position, item in block.others:
+                if position not in refused and item.kind != "shadow":
+                    seen[item.worker] = now
+        if not (rejected or late or closed):
+            return _NOTHING
+        return Ingested([r for _, r in rejected], [ts for _, ts in late], closed,
+                        [p for p, _ in rejected], [p for p, _ in late])

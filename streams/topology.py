@@ -14,6 +14,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from specwatch.actions.admission import AdmissionController
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
@@ -31,7 +33,8 @@ from specwatch.schemas import (
     TelemetryRecord,
     card_differences,
 )
-from specwatch.schemas.fastdecode import StepColumns
+from specwatch.schemas.codec import ahead_of_clock
+from specwatch.schemas.fastdecode import StepBlock, StepColumns
 from specwatch.schemas.outputs import ActionRecord, SliceOutput, WindowRow
 from specwatch.schemas.policy import Policy, WindowPolicy
 
@@ -328,6 +331,242 @@ class Stage1:
         batch.events.append({"type": "bundle", "ts": record.ts, "worker": record.worker,
                              "bundle_id": record.bundle_id, "card": record.card.model_dump(mode="json")})
 
+    # -- the batch mode: a block of records, its steps as columns --------------------------
+    def fold_block(self, block: StepBlock, now: float | None = None) -> tuple[list, list, list[SliceBatch]]:
+        """Fold a block of records at once, exactly as `add` then `close_ready` after each record would.
+
+        Admission (the ``ts_in_future`` bound against ``now`` as in `Ingest.records`, clock
+        skew, duplicates) and lateness are decided record by record, as they depend on the
+        records before; the block's steps are then folded with numpy, once per (slice, key),
+        and its records of other kinds through `add`, in order. The slices close once per
+        block, with the closes and watermarks record-by-record folding gives them.
+
+        Returns ``(rejected, late, closed)``: ``(position, Rejection)`` of every record not
+        folded (the decoder's rejections among them), ``(position, ts)`` of every record
+        folded into a later slice than its own, and the closed slices.
+        """
+        rows, slices, rejected, late, limits = self._admit_block(block, now)
+        if rows:
+            self._fold_block(block, np.asarray(rows, dtype=np.int64), np.asarray(slices, dtype=np.int64))
+        closed: list[SliceBatch] = []
+        for limit in limits:
+            closed += self._close(limit)
+        return rejected, late, closed
+
+    def _admit_block(self, block: StepBlock, now: float | None) -> tuple[list, list, list, list, list]:
+        """Each step's admission and slice, the block's other records folded, and where the watermark moves."""
+        max_ahead = None if now is None else self.policy.windows.max_ahead_seconds
+        clock, folded, open_slices, source = self.clock, self._folded, self._open, self.source
+        admit, first = clock.admit, folded.first
+        slice_s, lateness = self._slice_s, self._lateness
+        rows: list[int] = []
+        slices: list[int] = []
+        rejected: list[tuple[int, Rejection]] = []
+        late: list[tuple[int, float]] = []
+        limits: list[int] = []
+        others = block.others
+        next_other = others[0][0] if others else math.inf
+        other = 0
+        at = block.at
+        for row, (ts, worker, seq) in enumerate(zip(block.ts.tolist(), block.workers, block.seqs)):
+            while next_other < at[row]:  # the records of other kinds before this step
+                position, item = others[other]
+                other += 1
+                next_other = others[other][0] if other < len(others) else math.inf
+                if self._fold_other(position, item, now, max_ahead, rejected, late):
+                    self._closes_after_record(limits)
+            rejection = None if max_ahead is None else ahead_of_clock(ts, now, max_ahead)
+            if rejection is None:
+                rejection = admit(ts)
+                index = int(ts // slice_s)
+                if rejection is None and not first(index, (worker, seq)):
+                    rejection = duplicate("step", (worker, seq))
+            if rejection is not None:
+                rejected.append((at[row], rejection))
+                continue
+            watermark = self.watermark
+            if index <= watermark:
+                # late: folded into the oldest open slice, as `_slice` does
+                index = watermark + 1
+                late.append((at[row], ts))
+                self.late_records += 1
+                batch = open_slices.get(index)
+                if batch is None:
+                    batch = open_slices[index] = SliceBatch(source, index, watermark)
+                batch.late_records += 1
+            elif index not in open_slices:
+                open_slices[index] = SliceBatch(source, index, watermark)
+            rows.append(row)
+            slices.append(index)
+            if clock.now != -math.inf and int((clock.now - lateness) // slice_s) - 1 > watermark:
+                self._closes_after_record(limits)
+        for position, item in others[other:]:
+            if self._fold_other(position, item, now, max_ahead, rejected, late):
+                self._closes_after_record(limits)
+        self.records += len(rows)
+        return rows, slices, rejected, late, limits
+
+    def _fold_other(self, position: int, item, now: float | None, max_ahead: float | None, rejected: list,
+                    late: list) -> bool:
+        """One record of a block that is not in its columns, as `Ingest.records` folds it; True if folded."""
+        if type(item) is Rejection:
+            rejected.append((position, item))
+            return False
+        rejection = None if max_ahead is None else ahead_of_clock(item.ts, now, max_ahead)
+        if rejection is None:
+            late_records = self.late_records
+            rejection = self.add(item)
+        if rejection is not None:
+            rejected.append((position, rejection))
+            return False
+        if self.late_records != late_records:
+            late.append((position, item.ts))
+        return True
+
+    def _closes_after_record(self, limits: list[int]) -> None:
+        """Where `close_ready` after this record would move the watermark; the slices close after the fold.
+
+        What the close drops from the duplicate filter must be gone for the next record already.
+        """
+        limit = self._close_limit()
+        if limit > self.watermark:
+            limits.append(limit)
+            self.watermark = limit
+            self._folded.expire(limit)
+
+    def _fold_block(self, block: StepBlock, rows: np.ndarray, slices: np.ndarray) -> None:
+        """Fold the admitted ``rows`` of a block into their ``slices`` (already open), once per (slice, key)."""
+        n_keys = len(block.keys)
+        slice_of = np.full(len(block), -1, dtype=np.int64)
+        slice_of[rows] = slices
+        base = int(slices.min())
+        keep = slice_of[block.round_step] >= 0
+        round_step, round_key = block.round_step[keep], block.round_key[keep]
+        drafted, accepted, count = block.drafted[keep], block.accepted[keep], block.count[keep]
+        # each (step, key) a step's rounds touch: its drafted and accepted tokens
+        pairs, first_round, pair_of_round = np.unique(round_step * n_keys + round_key, return_index=True,
+                                                      return_inverse=True)
+        pair_step, pair_key = pairs // n_keys, pairs % n_keys
+        pair_drafted = np.bincount(pair_of_round, weights=drafted * count, minlength=len(pairs))
+        pair_accepted = np.bincount(pair_of_round, weights=accepted * count, minlength=len(pairs))
+        # a step's time goes to each key it served, in first-seen order, then to its bundle
+        touch_order = np.lexsort((np.concatenate([first_round, np.full(len(rows), len(round_step))]),
+                                  np.concatenate([pair_step, rows])))
+        touch_step = np.concatenate([pair_step, rows])[touch_order]
+        touch_key = np.concatenate([pair_key, block.bundle_key[rows]])[touch_order]
+        codes, first_touch, group = np.unique((slice_of[touch_step] - base) * n_keys + touch_key,
+                                              return_index=True, return_inverse=True)
+        keys, open_slices = block.keys, self._open
+        # created in the order the steps touch them, as step-by-step folding creates them
+        stats = [None] * len(codes)
+        for g in np.argsort(first_touch, kind="stable").tolist():
+            code = int(codes[g])
+            stats[g] = self._stats(open_slices[code // n_keys + base], keys[code % n_keys])
+        _add_step_times(stats, group, touch_step, block)
+        self._fold_block_rounds(block, slice_of, base, round_step, round_key, drafted, accepted, count)
+        is_pair = touch_order < len(pairs)
+        pair_group = np.empty(len(pairs), dtype=np.int64)
+        pair_group[touch_order[is_pair]] = group[is_pair]
+        self._hold_block_samples(block, codes, n_keys, base, pair_step, pair_group, pair_drafted, pair_accepted)
+        self._block_sightings(block, rows, slices)
+
+    def _fold_block_rounds(self, block, slice_of, base, round_step, round_key, drafted, accepted, count) -> None:
+        """The rounds' (drafted, accepted) tallies of each (slice, key)."""
+        n_keys, width = len(block.keys), _MAX_DRAFT_PAIRS
+        codes, inverse = np.unique(((slice_of[round_step] - base) * n_keys + round_key) * width * width
+                                   + drafted * width + accepted, return_inverse=True)
+        counts = np.bincount(inverse, weights=count, minlength=len(codes)).astype(np.int64)
+        keys, open_slices = block.keys, self._open
+        for code, n in zip(codes.tolist(), counts.tolist()):
+            where, pair = divmod(code, width * width)
+            slice_index, key_index = divmod(where, n_keys)
+            tallies = open_slices[slice_index + base].round_tallies
+            key = keys[key_index]
+            tally = tallies.get(key)
+            if tally is None:
+                tally = tallies[key] = {}
+            pair = divmod(pair, width)
+            tally[pair] = tally.get(pair, 0) + n
+
+    def _hold_block_samples(self, block, codes, n_keys, base, pair_step, pair_group, pair_drafted,
+                            pair_accepted) -> None:
+        """Each key's lowest-acceptance step and step control, by the rank `_add_step` keeps them by."""
+        steps = np.unique(pair_step)
+        sample_ids = {}
+        order = np.zeros(len(block), dtype=np.int64)
+        for row in steps.tolist():
+            sample_id = sample_ids[row] = f"{block.workers[row]}:{block.seqs[row]}"
+            order[row] = sample_order(sample_id)
+        pair_order = order[pair_step]
+        acceptance = np.divide(pair_accepted, pair_drafted, out=np.zeros(len(pair_step)), where=pair_drafted > 0)
+
+        def best(candidates: np.ndarray, severity: np.ndarray | None) -> dict[int, tuple]:
+            # first of each group by (severity, order), then sample id; an earlier step wins a tie
+            if not len(candidates):
+                return {}
+            sort_keys = (pair_order[candidates],) if severity is None else (pair_order[candidates],
+                                                                            severity[candidates])
+            ranked = candidates[np.lexsort((*sort_keys, pair_group[candidates]))]
+            groups = pair_group[ranked]
+            starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]]).tolist() + [len(ranked)]
+            out = {}
+            for start, end in zip(starts[:-1], starts[1:]):
+                tied = [ranked[start]]
+                for i in range(start + 1, end):
+                    p = ranked[i]
+                    if pair_order[p] != pair_order[tied[0]] or (severity is not None
+                                                                  and severity[p] != severity[tied[0]]):
+                        break
+                    tied.append(p)
+                p = min(tied, key=lambda p: sample_ids[pair_step[p]])
+                row = int(pair_step[p])
+                head = () if severity is None else (float(severity[p]),)
+                out[int(groups[start])] = ((*head, int(pair_order[p]), sample_ids[row]), _HeldStep(block.builder(row)))
+            return out
+
+        lowest = best(np.flatnonzero(pair_drafted > 0), acceptance)
+        control = best(np.arange(len(pair_step)), None)
+        keys, open_slices = block.keys, self._open
+        for g, held_control in control.items():
+            code = int(codes[g])
+            candidates = open_slices[code // n_keys + base].step_candidates
+            key = keys[code % n_keys]
+            held_lowest = lowest.get(g)
+            held = candidates.get(key)
+            if held is None:
+                candidates[key] = [held_lowest, held_control]
+                continue
+            if held_lowest is not None and (held[0] is None or held_lowest[0] < held[0][0]):
+                held[0] = held_lowest
+            if held_control[0] < held[1][0]:
+                held[1] = held_control
+
+    def _block_sightings(self, block: StepBlock, rows: np.ndarray, slices: np.ndarray) -> None:
+        """The first and last time each slice saw each worker run each bundle."""
+        worker_table: dict[str, int] = {}
+        workers = np.array([worker_table.setdefault(w, len(worker_table)) for w in block.workers], dtype=np.int64)
+        n_workers, n_keys = len(worker_table), len(block.keys)
+        base = int(slices.min())
+        codes, inverse = np.unique(((slices - base) * n_keys + block.bundle_key[rows]) * n_workers + workers[rows],
+                                   return_inverse=True)
+        ts = block.ts[rows]
+        first = np.full(len(codes), np.inf)
+        last = np.full(len(codes), -np.inf)
+        np.minimum.at(first, inverse, ts)
+        np.maximum.at(last, inverse, ts)
+        names = list(worker_table)
+        for code, low, high in zip(codes.tolist(), first.tolist(), last.tolist()):
+            where, worker = divmod(code, n_workers)
+            slice_index, key_index = divmod(where, n_keys)
+            sightings = self._open[slice_index + base].sightings
+            pair = (block.keys[key_index][0], names[worker])
+            span = sightings.get(pair)
+            if span is None:
+                sightings[pair] = [low, high]
+            else:
+                span[0] = min(span[0], low)
+                span[1] = max(span[1], high)
+
     def close_ready(self, final: bool = False) -> list[SliceBatch]:
         """Slices whose end is more than the allowed lateness behind the newest record.
 
@@ -336,12 +575,19 @@ class Stage1:
         """
         if final:
             limit = max(self._open, default=self.watermark)
-        elif self.clock.now == -math.inf:
-            return []  # too few records yet to tell this source's event time
         else:
-            limit = int((self.clock.now - self._lateness) // self._slice_s) - 1
+            limit = self._close_limit()
         if limit <= self.watermark:
             return []
+        return self._close(limit)
+
+    def _close_limit(self) -> int:
+        """The newest slice the source's event time lets close (the watermark, before any record)."""
+        if self.clock.now == -math.inf:
+            return self.watermark  # too few records yet to tell this source's event time
+        return int((self.clock.now - self._lateness) // self._slice_s) - 1
+
+    def _close(self, limit: int) -> list[SliceBatch]:
         ready = sorted(i for i in self._open if i <= limit)
         self.watermark = limit
         self._folded.expire(limit)
@@ -359,6 +605,51 @@ class Stage1:
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
         return out
+
+
+class _HeldStep:
+    """A step of a `StepBlock` held as a sample candidate: ``record()`` builds it, only if it is kept."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Callable[[], StepRecord]) -> None:
+        self.record = record
+
+    def __reduce__(self):  # slots and no __dict__: pickled (a stage-1 checkpoint) by its builder
+        return _HeldStep, (self.record,)
+
+
+# drafted and accepted are at most 64: a (drafted, accepted) pair as one number
+_MAX_DRAFT_PAIRS = 65
+
+
+def _add_step_times(stats: list[SliceStats], group: np.ndarray, touch_step: np.ndarray, block: StepBlock) -> None:
+    """Each step's times into the stats of every (slice, key) it touches, in step order.
+
+    Sums continue from what each stats holds, one step after the other, as `add_step_time`
+    adds them (bincount adds its weights in order), so every float is the one step-by-step
+    folding gives.
+    """
+    n = len(stats)
+    bins = np.concatenate([np.arange(n), group])
+
+    def summed(held: list[float], values: np.ndarray) -> list[float]:
+        return np.bincount(bins, weights=np.concatenate([held, values[touch_step]]), minlength=n).tolist()
+
+    draft_ms = summed([s.draft_ms for s in stats], block.draft_ms)
+    verify_ms = summed([s.verify_ms for s in stats], block.verify_ms)
+    kv_peak = np.array([s.kv_peak for s in stats])
+    np.maximum.at(kv_peak, group, block.kv_usage[touch_step])
+    max_ts = np.array([s.max_ts for s in stats])
+    np.maximum.at(max_ts, group, block.ts[touch_step])
+    steps = np.bincount(group, minlength=n).tolist()
+    for s, n_steps, draft, verify, kv, ts in zip(stats, steps, draft_ms, verify_ms, kv_peak.tolist(),
+                                                  max_ts.tolist()):
+        s.steps += n_steps
+        s.draft_ms = draft
+        s.verify_ms = verify
+        s.kv_peak = kv
+        s.max_ts = ts
 
 
 def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:
