@@ -156,6 +156,16 @@ _TAIL_RISE = 4.0
 _UNKNOWN_TRAFFIC_PER_SECOND = 1.0
 # The error and tail tests' second alternative: a burst this many times the rise that matters.
 _BURST_RISE = 4.0
+# Load moves the tail. At a day's peak a worker's KV fills and requests are preempted, so the
+# share of requests past a limit learned at the trough grows (extraction/main at 8 x 16: from
+# none to 2-3 % past it). While the key's load (verify time per step, smoothed over about
+# _LOAD_SLICES slices) is _LOAD_RISE times what it learned at or more, its tail is judged
+# against the bundle's other keys over the last _BUNDLE_TAIL_SLICES slices: a tail that the
+# load of the moment causes everywhere is no evidence against this key, a tail of its own is.
+_LOAD_SLICES = 10.0
+_LOAD_RISE = 1.05
+_BUNDLE_TAIL_SLICES = 30
+_MIN_BUNDLE_TAIL_REQUESTS = 200
 
 
 def _error_rate_limit(cfg, base: float) -> float:
@@ -166,6 +176,23 @@ def _error_rate_limit(cfg, base: float) -> float:
     (0.02, 0.01)
     """
     return max(cfg.floor_rate, base * cfg.factor) if not math.isnan(base) else cfg.floor_rate
+
+
+def _alternatives(p0: float, p1: float) -> tuple[float, list[float]]:
+    """The baseline rate and the two alternatives of a pair of rate tests (the rise, the burst)."""
+    p0 = min(max(p0, 1e-6), 0.5)
+    return p0, [min(max(alternative, p0 * 1.01), 0.99) for alternative in (p1, p1 * _BURST_RISE)]
+
+
+def _tail_rates(cfg, share: float) -> tuple[float, float]:
+    """Baseline and alternative of the tail test for a baseline ``share`` past the limit.
+
+    >>> from specwatch.schemas.policy import LatencyPolicy
+    >>> _tail_rates(LatencyPolicy(), 0.002), _tail_rates(LatencyPolicy(), 0.02)
+    ((0.0075, 0.03), (0.02, 0.08))
+    """
+    p1 = max(cfg.tail_share, share * _TAIL_RISE)
+    return max(share, p1 / _TAIL_RISE), p1
 
 
 def _rate_tests(p0: float, p1: float, requests_per_second: float, false_alarms_per_hour: float,
@@ -184,11 +211,10 @@ def _rate_tests(p0: float, p1: float, requests_per_second: float, false_alarms_p
     """
     if math.isnan(p0):
         return []
-    p0 = min(max(p0, 1e-6), 0.5)
+    p0, alternatives = _alternatives(p0, p1)
     rate = requests_per_second if requests_per_second > 0 else _UNKNOWN_TRAFFIC_PER_SECOND
     threshold = cusum_threshold(rate * 3600.0 * _TRAFFIC_HEADROOM, false_alarms_per_hour / 2)
-    return [BernoulliCusum(p0, min(max(alternative, p0 * 1.01), 0.99), threshold, min_hits)
-            for alternative in (p1, p1 * _BURST_RISE)]
+    return [BernoulliCusum(p0, alternative, threshold, min_hits) for alternative in alternatives]
 
 
 def _first_to_fire(tests: list[BernoulliCusum], trials: int, hits: float, at: float) -> BernoulliCusum | None:
@@ -322,6 +348,9 @@ class KeyMonitor(_Windowed):
                              p.speedup.window_slices, _evidence_slices(p), 30))
         self.learner = BaselineLearner(p.baseline, p.baseline.pinned.get(bucket), pool=pool, bucket=bucket,
                                        tail_factor=p.latency.p99_factor)
+        self.pool = pool
+        self._load = [0.0, 0.0]  # verify ms and steps, smoothed over about _LOAD_SLICES slices
+        self._own_tails: dict[str, deque[tuple[float, float, int]]] = {}  # what this key added to the pool
         self._reset()
 
     def _reset(self) -> None:
@@ -432,27 +461,62 @@ class KeyMonitor(_Windowed):
                 out[metric] = (relative, share if not math.isnan(share) else _SLO_SHARE)
         return out
 
+    def _load_factor(self, stats: SliceStats) -> float:
+        """The key's verify time per step, smoothed, over what it was while the baseline learned."""
+        keep = 1.0 - 1.0 / _LOAD_SLICES
+        load = self._load
+        load[0] = load[0] * keep + stats.verify_ms
+        load[1] = load[1] * keep + stats.steps
+        learned = self.baseline.verify_ms_per_step
+        return load[0] / load[1] / learned if load[1] and learned > 0 else math.nan
+
+    def _bundle_tail(self, metric: str, slice_end: float) -> float:
+        """Share of the bundle's other requests past their keys' limits over the last slices; NaN if few."""
+        after = slice_end - _BUNDLE_TAIL_SLICES * self.policy.windows.slice_seconds
+        past, requests = self.pool.tail_since(metric, after, slice_end)
+        for end, own_past, own_requests in self._own_tails.get(metric, ()):
+            if after < end < slice_end:
+                past -= own_past
+                requests -= own_requests
+        return past / requests if requests >= _MIN_BUNDLE_TAIL_REQUESTS else math.nan
+
+    def _add_tail(self, metric: str, slice_end: float, past: float, requests: int) -> None:
+        keep_after = slice_end - _BUNDLE_TAIL_SLICES * self.policy.windows.slice_seconds
+        self.pool.add_tail(metric, slice_end, past, requests, keep_after)
+        own = self._own_tails.get(metric)
+        if own is None:
+            own = self._own_tails[metric] = deque(maxlen=_BUNDLE_TAIL_SLICES)
+        own.append((slice_end, past, requests))
+
     def _latency(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.latency
         if self._tail_tests is None:
             self._tail_tests = {}
             for metric, (limit, share) in self._tail_limits().items():
-                p1 = max(cfg.tail_share, share * _TAIL_RISE)
-                tests = _rate_tests(max(share, p1 / _TAIL_RISE), p1, self.baseline.requests_per_second,
+                tests = _rate_tests(*_tail_rates(cfg, share), self.baseline.requests_per_second,
                                     cfg.false_alarms_per_key_hour, cfg.min_tail_requests)
                 if tests:
-                    self._tail_tests[metric] = (tests, limit)
+                    self._tail_tests[metric] = (tests, limit, share)
+        load = self._load_factor(stats)
+        loaded = self.pool is not None and load >= _LOAD_RISE
         fired = []
-        for metric, (tests, limit) in self._tail_tests.items():
+        for metric, (tests, limit, share) in self._tail_tests.items():
             sketch = getattr(stats, metric)
             if sketch is None:
                 continue
-            test = _first_to_fire(tests, sketch.count, sketch.count_past(limit), slice_end)
+            bundle_share = self._bundle_tail(metric, slice_end) if loaded else math.nan
+            p0, alternatives = _alternatives(*_tail_rates(cfg, bundle_share if bundle_share > share else share))
+            for test, alternative in zip(tests, alternatives):
+                test.retune(p0, alternative)
+            past = sketch.count_past(limit)
+            test = _first_to_fire(tests, sketch.count, past, slice_end)
+            if self.pool is not None:
+                self._add_tail(metric, slice_end, past, sketch.count)
             if test is not None:
-                fired.append((test.statistic, metric, test, limit))
+                fired.append((test.statistic, metric, test, limit, bundle_share))
         if not fired:
             return []
-        _, metric, test, limit = max(fired, key=lambda f: f[0])
+        _, metric, test, limit, bundle_share = max(fired, key=lambda f: f[0])
         window, _, end = self.window(cfg.window_slices)
         return [Finding("latency_slo", "latency_tail_cusum", stats.max_ts, f"{metric}_tail_share",
                         test.hits / test.trials, test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds,
@@ -460,7 +524,8 @@ class KeyMonitor(_Windowed):
                               "evidence_nats": test.statistic, "evidence_threshold_nats": test.threshold,
                               f"{metric}_p99_ms": window.quantile(metric, 0.99),
                               f"{metric}_p50_ms": window.quantile(metric, 0.5),
-                              "baseline_source": self.baseline.latency_source})]
+                              "baseline_source": self.baseline.latency_source,
+                              "load_factor": load, "bundle_tail_share": bundle_share})]
 
     def _errors(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.errors
@@ -475,7 +540,9 @@ class KeyMonitor(_Windowed):
                         test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds, slice_end,
                         {"requests": test.trials, "failures": test.hits, "evidence_nats": test.statistic,
                          "evidence_threshold_nats": test.threshold,
-                         "baseline_requests": self.baseline.requests, "baseline_failures": self.baseline.failures})]
+                         "baseline_requests": self.baseline.requests, "baseline_failures": self.baseline.failures,
+                         "baseline_source": self.baseline.error_source,
+                         "bundle_error_rate": self.baseline.bundle_error_rate})]
 
 
 class BundleMonitor(_Windowed):
