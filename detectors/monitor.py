@@ -157,15 +157,17 @@ _UNKNOWN_TRAFFIC_PER_SECOND = 1.0
 # The error and tail tests' second alternative: a burst this many times the rise that matters.
 _BURST_RISE = 4.0
 # Load moves the tail. At a day's peak a worker's KV fills and requests are preempted, so the
-# share of requests past a limit learned at the trough grows (extraction/main at 8 x 16: from
-# none to 2-3 % past it). While the key's load (verify time per step, smoothed over about
-# _LOAD_SLICES slices) is _LOAD_RISE times what it learned at or more, its tail is judged
-# against the bundle's other keys over the last _BUNDLE_TAIL_SLICES slices: a tail that the
-# load of the moment causes everywhere is no evidence against this key, a tail of its own is.
+# share of requests past a limit learned at the trough grows: extraction/main at 8 x 16, whose
+# short answers turn a preemption's wait into a large TPOT, went from none to 2-3 % past it
+# while the other buckets stayed near none. The tail tests therefore keep a baseline share per
+# band of load: the key's verify time per step (smoothed over about _LOAD_SLICES slices) over
+# what it learned at, in steps of _LOAD_BAND. A band above the learned one learns its share from
+# its first _BAND_REQUESTS requests, judged meanwhile by the band below; a share that band would
+# call a tail (past its alternative) is not learned, so a tail that starts as load rises is still
+# judged by the band below.
 _LOAD_SLICES = 10.0
-_LOAD_RISE = 1.05
-_BUNDLE_TAIL_SLICES = 30
-_MIN_BUNDLE_TAIL_REQUESTS = 200
+_LOAD_BAND = 0.1
+_BAND_REQUESTS = 500
 
 
 def _error_rate_limit(cfg, base: float) -> float:
@@ -348,9 +350,9 @@ class KeyMonitor(_Windowed):
                              p.speedup.window_slices, _evidence_slices(p), 30))
         self.learner = BaselineLearner(p.baseline, p.baseline.pinned.get(bucket), pool=pool, bucket=bucket,
                                        tail_factor=p.latency.p99_factor)
-        self.pool = pool
         self._load = [0.0, 0.0]  # verify ms and steps, smoothed over about _LOAD_SLICES slices
-        self._own_tails: dict[str, deque[tuple[float, float, int]]] = {}  # what this key added to the pool
+        # metric -> load band -> [requests past the limit, requests] while the band learns, then its share
+        self._bands: dict[str, dict[int, list[float] | float]] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -470,23 +472,26 @@ class KeyMonitor(_Windowed):
         learned = self.baseline.verify_ms_per_step
         return load[0] / load[1] / learned if load[1] and learned > 0 else math.nan
 
-    def _bundle_tail(self, metric: str, slice_end: float) -> float:
-        """Share of the bundle's other requests past their keys' limits over the last slices; NaN if few."""
-        after = slice_end - _BUNDLE_TAIL_SLICES * self.policy.windows.slice_seconds
-        past, requests = self.pool.tail_since(metric, after, slice_end)
-        for end, own_past, own_requests in self._own_tails.get(metric, ()):
-            if after < end < slice_end:
-                past -= own_past
-                requests -= own_requests
-        return past / requests if requests >= _MIN_BUNDLE_TAIL_REQUESTS else math.nan
-
-    def _add_tail(self, metric: str, slice_end: float, past: float, requests: int) -> None:
-        keep_after = slice_end - _BUNDLE_TAIL_SLICES * self.policy.windows.slice_seconds
-        self.pool.add_tail(metric, slice_end, past, requests, keep_after)
-        own = self._own_tails.get(metric)
-        if own is None:
-            own = self._own_tails[metric] = deque(maxlen=_BUNDLE_TAIL_SLICES)
-        own.append((slice_end, past, requests))
+    def _band_share(self, metric: str, band: int, share: float, past: float, requests: int) -> float:
+        """The baseline share past the limit at load ``band`` (0: as learned); learns the band from this slice."""
+        bands = self._bands.setdefault(metric, {})
+        below = share
+        for lower in range(1, band):
+            learned = bands.get(lower)
+            if isinstance(learned, float):
+                below = learned
+        if band <= 0 or isinstance(bands.get(band), float):
+            return bands.get(band, share) if band > 0 else share
+        tally = bands.setdefault(band, [0.0, 0])
+        tally[0] += past
+        tally[1] += requests
+        if tally[1] >= _BAND_REQUESTS:
+            learned = (tally[0] + 1.0) / (tally[1] + 2.0)
+            if learned <= _tail_rates(self.policy.latency, below)[1]:
+                bands[band] = max(below, learned)
+            else:  # the band below would call this a tail: learn again, still judged by it
+                bands[band] = [0.0, 0]
+        return below
 
     def _latency(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.latency
@@ -498,25 +503,23 @@ class KeyMonitor(_Windowed):
                 if tests:
                     self._tail_tests[metric] = (tests, limit, share)
         load = self._load_factor(stats)
-        loaded = self.pool is not None and load >= _LOAD_RISE
+        band = int((load - 1.0) / _LOAD_BAND + 1e-9) if load > 1.0 else 0
         fired = []
         for metric, (tests, limit, share) in self._tail_tests.items():
             sketch = getattr(stats, metric)
             if sketch is None:
                 continue
-            bundle_share = self._bundle_tail(metric, slice_end) if loaded else math.nan
-            p0, alternatives = _alternatives(*_tail_rates(cfg, bundle_share if bundle_share > share else share))
+            past = sketch.count_past(limit)
+            band_share = self._band_share(metric, band, share, past, sketch.count)
+            p0, alternatives = _alternatives(*_tail_rates(cfg, band_share))
             for test, alternative in zip(tests, alternatives):
                 test.retune(p0, alternative)
-            past = sketch.count_past(limit)
             test = _first_to_fire(tests, sketch.count, past, slice_end)
-            if self.pool is not None:
-                self._add_tail(metric, slice_end, past, sketch.count)
             if test is not None:
-                fired.append((test.statistic, metric, test, limit, bundle_share))
+                fired.append((test.statistic, metric, test, limit, band_share))
         if not fired:
             return []
-        _, metric, test, limit, bundle_share = max(fired, key=lambda f: f[0])
+        _, metric, test, limit, band_share = max(fired, key=lambda f: f[0])
         window, _, end = self.window(cfg.window_slices)
         return [Finding("latency_slo", "latency_tail_cusum", stats.max_ts, f"{metric}_tail_share",
                         test.hits / test.trials, test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds,
@@ -525,7 +528,7 @@ class KeyMonitor(_Windowed):
                               f"{metric}_p99_ms": window.quantile(metric, 0.99),
                               f"{metric}_p50_ms": window.quantile(metric, 0.5),
                               "baseline_source": self.baseline.latency_source,
-                              "load_factor": load, "bundle_tail_share": bundle_share})]
+                              "load_factor": load, "load_band": band, "band_tail_share": band_share})]
 
     def _errors(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.errors
