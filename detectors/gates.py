@@ -155,6 +155,26 @@ class BernoulliCusum:
         self.hits += hits
         self.drift_detected = self.statistic >= self.threshold and self.hits >= self.min_hits
 
+    def retune(self, p0: float, p1: float) -> None:
+        """Judge the next trials against a new baseline and alternative, keeping the evidence so far.
+
+        For a baseline that moves with conditions the test cannot control (the tail that load
+        itself causes): each trial is weighed against the baseline of its own time.
+
+        >>> cusum = BernoulliCusum(p0=0.01, p1=0.04, threshold=10.0)
+        >>> cusum.update(100, 4.0); round(cusum.statistic, 2)
+        2.59
+        >>> cusum.retune(0.04, 0.16); cusum.update(100, 4.0); round(cusum.statistic, 2)
+        0.0
+        """
+        if not 0 < p0 < p1 < 1:
+            raise ValueError(f"need 0 < p0 < p1 < 1, got p0={p0}, p1={p1}")
+        if (p0, p1) == (self.p0, self.p1):
+            return
+        self.p0, self.p1 = p0, p1
+        self._hit_llr = math.log(p1 / p0)
+        self._miss_llr = math.log((1.0 - p1) / (1.0 - p0))
+
     def rearm(self) -> None:
         self._reset()
 

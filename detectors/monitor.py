@@ -156,6 +156,18 @@ _TAIL_RISE = 4.0
 _UNKNOWN_TRAFFIC_PER_SECOND = 1.0
 # The error and tail tests' second alternative: a burst this many times the rise that matters.
 _BURST_RISE = 4.0
+# Load moves the tail. At a day's peak a worker's KV fills and requests are preempted, so the
+# share of requests past a limit learned at the trough grows: extraction/main at 8 x 16, whose
+# short answers turn a preemption's wait into a large TPOT, went from none to 2-3 % past it
+# while the other buckets stayed near none. The tail tests therefore keep a baseline share per
+# band of load: the key's verify time per step (smoothed over about _LOAD_SLICES slices) over
+# what it learned at, in steps of _LOAD_BAND. A band above the learned one learns its share from
+# its first _BAND_REQUESTS requests, judged meanwhile by the band below; a share that band would
+# call a tail (past its alternative) is not learned, so a tail that starts as load rises is still
+# judged by the band below.
+_LOAD_SLICES = 10.0
+_LOAD_BAND = 0.1
+_BAND_REQUESTS = 500
 
 
 def _error_rate_limit(cfg, base: float) -> float:
@@ -166,6 +178,23 @@ def _error_rate_limit(cfg, base: float) -> float:
     (0.02, 0.01)
     """
     return max(cfg.floor_rate, base * cfg.factor) if not math.isnan(base) else cfg.floor_rate
+
+
+def _alternatives(p0: float, p1: float) -> tuple[float, list[float]]:
+    """The baseline rate and the two alternatives of a pair of rate tests (the rise, the burst)."""
+    p0 = min(max(p0, 1e-6), 0.5)
+    return p0, [min(max(alternative, p0 * 1.01), 0.99) for alternative in (p1, p1 * _BURST_RISE)]
+
+
+def _tail_rates(cfg, share: float) -> tuple[float, float]:
+    """Baseline and alternative of the tail test for a baseline ``share`` past the limit.
+
+    >>> from specwatch.schemas.policy import LatencyPolicy
+    >>> _tail_rates(LatencyPolicy(), 0.002), _tail_rates(LatencyPolicy(), 0.02)
+    ((0.0075, 0.03), (0.02, 0.08))
+    """
+    p1 = max(cfg.tail_share, share * _TAIL_RISE)
+    return max(share, p1 / _TAIL_RISE), p1
 
 
 def _rate_tests(p0: float, p1: float, requests_per_second: float, false_alarms_per_hour: float,
@@ -184,11 +213,10 @@ def _rate_tests(p0: float, p1: float, requests_per_second: float, false_alarms_p
     """
     if math.isnan(p0):
         return []
-    p0 = min(max(p0, 1e-6), 0.5)
+    p0, alternatives = _alternatives(p0, p1)
     rate = requests_per_second if requests_per_second > 0 else _UNKNOWN_TRAFFIC_PER_SECOND
     threshold = cusum_threshold(rate * 3600.0 * _TRAFFIC_HEADROOM, false_alarms_per_hour / 2)
-    return [BernoulliCusum(p0, min(max(alternative, p0 * 1.01), 0.99), threshold, min_hits)
-            for alternative in (p1, p1 * _BURST_RISE)]
+    return [BernoulliCusum(p0, alternative, threshold, min_hits) for alternative in alternatives]
 
 
 def _first_to_fire(tests: list[BernoulliCusum], trials: int, hits: float, at: float) -> BernoulliCusum | None:
@@ -342,6 +370,9 @@ class KeyMonitor(_Windowed):
                              p.speedup.window_slices, _evidence_slices(p), 30))
         self.learner = BaselineLearner(p.baseline, p.baseline.pinned.get(bucket), pool=pool, bucket=bucket,
                                        tail_factor=p.latency.p99_factor)
+        self._load = [0.0, 0.0]  # verify ms and steps, smoothed over about _LOAD_SLICES slices
+        # metric -> load band -> [requests past the limit, requests] while the band learns, then its share
+        self._bands: dict[str, dict[int, list[float] | float]] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -452,27 +483,63 @@ class KeyMonitor(_Windowed):
                 out[metric] = (relative, share if not math.isnan(share) else _SLO_SHARE)
         return out
 
+    def _load_factor(self, stats: SliceStats) -> float:
+        """The key's verify time per step, smoothed, over what it was while the baseline learned."""
+        keep = 1.0 - 1.0 / _LOAD_SLICES
+        load = self._load
+        load[0] = load[0] * keep + stats.verify_ms
+        load[1] = load[1] * keep + stats.steps
+        learned = self.baseline.verify_ms_per_step
+        return load[0] / load[1] / learned if load[1] and learned > 0 else math.nan
+
+    def _band_share(self, metric: str, band: int, share: float, past: float, requests: int) -> float:
+        """The baseline share past the limit at load ``band`` (0: as learned); learns the band from this slice."""
+        bands = self._bands.setdefault(metric, {})
+        below = share
+        for lower in range(1, band):
+            learned = bands.get(lower)
+            if isinstance(learned, float):
+                below = learned
+        if band <= 0 or isinstance(bands.get(band), float):
+            return bands.get(band, share) if band > 0 else share
+        tally = bands.setdefault(band, [0.0, 0])
+        tally[0] += past
+        tally[1] += requests
+        if tally[1] >= _BAND_REQUESTS:
+            learned = (tally[0] + 1.0) / (tally[1] + 2.0)
+            if learned <= _tail_rates(self.policy.latency, below)[1]:
+                bands[band] = max(below, learned)
+            else:  # the band below would call this a tail: learn again, still judged by it
+                bands[band] = [0.0, 0]
+        return below
+
     def _latency(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.latency
         if self._tail_tests is None:
             self._tail_tests = {}
             for metric, (limit, share) in self._tail_limits().items():
-                p1 = max(cfg.tail_share, share * _TAIL_RISE)
-                tests = _rate_tests(max(share, p1 / _TAIL_RISE), p1, self.baseline.requests_per_second,
+                tests = _rate_tests(*_tail_rates(cfg, share), self.baseline.requests_per_second,
                                     cfg.false_alarms_per_key_hour, cfg.min_tail_requests)
                 if tests:
-                    self._tail_tests[metric] = (tests, limit)
+                    self._tail_tests[metric] = (tests, limit, share)
+        load = self._load_factor(stats)
+        band = int((load - 1.0) / _LOAD_BAND + 1e-9) if load > 1.0 else 0
         fired = []
-        for metric, (tests, limit) in self._tail_tests.items():
+        for metric, (tests, limit, share) in self._tail_tests.items():
             sketch = getattr(stats, metric)
             if sketch is None:
                 continue
-            test = _first_to_fire(tests, sketch.count, sketch.count_past(limit), slice_end)
+            past = sketch.count_past(limit)
+            band_share = self._band_share(metric, band, share, past, sketch.count)
+            p0, alternatives = _alternatives(*_tail_rates(cfg, band_share))
+            for test, alternative in zip(tests, alternatives):
+                test.retune(p0, alternative)
+            test = _first_to_fire(tests, sketch.count, past, slice_end)
             if test is not None:
-                fired.append((test.statistic, metric, test, limit))
+                fired.append((test.statistic, metric, test, limit, band_share))
         if not fired:
             return []
-        _, metric, test, limit = max(fired, key=lambda f: f[0])
+        _, metric, test, limit, band_share = max(fired, key=lambda f: f[0])
         window, _, end = self.window(cfg.window_slices)
         return [Finding("latency_slo", "latency_tail_cusum", stats.max_ts, f"{metric}_tail_share",
                         test.hits / test.trials, test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds,
@@ -480,7 +547,8 @@ class KeyMonitor(_Windowed):
                               "evidence_nats": test.statistic, "evidence_threshold_nats": test.threshold,
                               f"{metric}_p99_ms": window.quantile(metric, 0.99),
                               f"{metric}_p50_ms": window.quantile(metric, 0.5),
-                              "baseline_source": self.baseline.latency_source})]
+                              "baseline_source": self.baseline.latency_source,
+                              "load_factor": load, "load_band": band, "band_tail_share": band_share})]
 
     def _errors(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.errors
@@ -495,7 +563,9 @@ class KeyMonitor(_Windowed):
                         test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds, slice_end,
                         {"requests": test.trials, "failures": test.hits, "evidence_nats": test.statistic,
                          "evidence_threshold_nats": test.threshold,
-                         "baseline_requests": self.baseline.requests, "baseline_failures": self.baseline.failures})]
+                         "baseline_requests": self.baseline.requests, "baseline_failures": self.baseline.failures,
+                         "baseline_source": self.baseline.error_source,
+                         "bundle_error_rate": self.baseline.bundle_error_rate})]
 
 
 class BundleMonitor(_Windowed):

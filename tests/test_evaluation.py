@@ -137,6 +137,16 @@ def test_information_bound_of_a_tail_counts_records_when_they_arrive():
     assert held_back["median_decode_s"] == 8.0
 
 
+def test_information_bound_of_an_acceptance_drop_counts_rounds_of_one_request_as_correlated():
+    # coding's rounds share their request's difficulty level: correlation 0.0172 between two
+    # rounds of one request, so 90 rounds a request carry the evidence of 90 / 2.53 independent
+    # ones, and the bound at 80 rounds a second grows from 1.5 s to 3.8 s
+    independent = information_bound("acceptance_drop", 0.25, 80.0, 1e-2, "coding")
+    bound = information_bound("acceptance_drop", 0.25, 80.0, 1e-2, "coding", rounds_per_request=90.0)
+    assert independent["seconds"] == bound["seconds_independent_rounds"] == 1.5
+    assert (bound["within_request_correlation"], bound["design_effect"], bound["seconds"]) == (0.01721, 2.531, 3.8)
+
+
 def test_suites_cover_every_row_of_the_fallback_table():
     full, quick = full_suite(), quick_suite()
     incident_kinds = {incident_kind(c.scenario) for c in full if not c.healthy and not c.rollout}

@@ -24,8 +24,9 @@ def _decisions(records, sim):
 
 @pytest.mark.parametrize("scenario,intensity,expected", [
     # errors x20 in extraction: before, no decision in ten minutes (the gate needed 100
-    # requests in its 60 s window)
-    ("error_burst", 20.0, [(158.99, "disable_speculation", "error_rate", "extraction", "main")]),
+    # requests in its 60 s window); 158.99 with the key's own failures shrunk toward the
+    # bundle, 163.85 with the bundle's rate its failures are consistent with
+    ("error_burst", 20.0, [(163.85, "disable_speculation", "error_rate", "extraction", "main")]),
     # one reasoning/main request in ten runs x5 slower: before, the latency gate needed 200;
     # the test tuned to 3 % past the limit alone decided at 197 s, its burst test at 182 s
     ("latency_tail", 5.0, [(181.99, "disable_speculation", "latency_slo", "reasoning", "main")]),

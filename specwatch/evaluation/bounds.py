@@ -106,9 +106,32 @@ def _acceptance_kl(bucket: str, drop: float, draft_length: int = 4) -> float:
     return total / len(sim._DIFFICULTY_LEVELS)
 
 
+def within_request_correlation(bucket: str, draft_length: int = 4) -> float:
+    """Correlation of two rounds' accepted counts in one request of ``bucket`` (the scenario's).
+
+    A request keeps one difficulty level for its life (its prompt sets how predictable it
+    is), so its rounds share their level's mean: the intraclass correlation is the spread of
+    the levels' mean accepted counts over the rounds' total variance.
+
+    >>> round(within_request_correlation("coding"), 4)
+    0.0172
+    """
+    profile = next(b for b in sim.BUCKETS if b.name == bucket)
+    means, variances = [], []
+    for level in sim._DIFFICULTY_LEVELS:
+        pmf = _round_pmf(min(0.99, profile.position_acceptance * level), draft_length, profile.acceptance_decay)
+        mean = sum(k * p for k, p in enumerate(pmf))
+        means.append(mean)
+        variances.append(sum((k - mean) ** 2 * p for k, p in enumerate(pmf)))
+    grand = sum(means) / len(means)
+    between = sum((m - grand) ** 2 for m in means) / len(means)
+    within = sum(variances) / len(variances)
+    return between / (between + within)
+
+
 def information_bound(kind: str, intensity: float | None, observations_per_second: float,
                       false_alarms_per_key_hour: float, bucket: str | None = None,
-                      decode_seconds: Sequence[float] = ()) -> dict | None:
+                      decode_seconds: Sequence[float] = (), rounds_per_request: float | None = None) -> dict | None:
     """Seconds an ideal CUSUM would need on this incident, with its inputs; None if not applicable.
 
     ``observations_per_second`` is the incident key's finished requests per second (errors,
@@ -116,6 +139,10 @@ def information_bound(kind: str, intensity: float | None, observations_per_secon
     ``false_alarms_per_key_hour`` is the budget of the gate that decides this kind.
     ``decode_seconds`` (tail only) are the key's decode times before the incident: how long
     each stall holds its record back. Without them every record counts at once.
+    ``rounds_per_request`` (acceptance only) is the key's rounds per finished request: rounds
+    of one request are correlated (`within_request_correlation`), so ``m`` of them carry the
+    evidence of ``m / (1 + (m - 1) rho)`` independent ones. ``seconds`` then counts effective
+    rounds; ``seconds_independent_rounds`` is the bound as if every round were independent.
 
     >>> b = information_bound("error_burst", 5.0, 10.0, 1e-3)
     >>> b["kl_per_observation"], b["observations"], b["seconds"]
@@ -136,6 +163,12 @@ def information_bound(kind: str, intensity: float | None, observations_per_secon
     out = {"kl_per_observation": round(kl, 5), "observations": round(observations, 1),
            "observations_per_second": round(observations_per_second, 3),
            "seconds": round(observations / observations_per_second, 1)}
+    if kind == "acceptance_drop" and rounds_per_request is not None and rounds_per_request > 1.0:
+        rho = within_request_correlation(bucket or "coding")
+        design_effect = 1.0 + (rounds_per_request - 1.0) * rho
+        out.update(seconds=round(observations * design_effect / observations_per_second, 1),
+                   seconds_independent_rounds=out["seconds"], rounds_per_request=round(rounds_per_request, 1),
+                   within_request_correlation=round(rho, 5), design_effect=round(design_effect, 3))
     if kind == "latency_tail" and decode_seconds:
         seconds = _tail_seconds(math.log(arl), observations_per_second, intensity, decode_seconds)
         out.update(seconds=round(seconds, 1), records_held_back=True,

@@ -454,7 +454,8 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
         per_second = (watch.key_rounds if row["kind"] == "acceptance_drop" else watch.key_requests) / before
         row["key_requests_per_minute"] = round(watch.key_requests / before * 60.0, 1)
         row["bound"] = information_bound(row["kind"], case.intensity, per_second, _budget(policy, row["kind"]),
-                                         row["bucket"], watch.key_decode_seconds)
+                                         row["bucket"], watch.key_decode_seconds,
+                                         watch.key_rounds / watch.key_requests if watch.key_requests else None)
         row["watched_s"] = round(last_ts - incidents[0].start_ts, 1)
     result["baseline_headroom"] = {
         "kill_switch_lowest_rolling_rate": _finite_or_none(watch.lowest_switch_rate),
