@@ -381,7 +381,7 @@ class KeyMonitor(_Windowed):
         self.acceptance_drift = DropDetector(min_drop=p.acceptance.tolerance)
         self.speedup_gate = ConsecutiveGate(p.speedup.consecutive)
         self._error_tests: list[BernoulliCusum] | None = None
-        self._tail_tests: dict[str, tuple[list[BernoulliCusum], float]] | None = None  # metric -> (tests, limit ms)
+        self._tail_tests: dict[str, tuple[list[BernoulliCusum], float, float]] | None = None  # metric -> (tests, limit ms, share)
 
     @property
     def baseline(self) -> Baseline:
@@ -482,6 +482,15 @@ class KeyMonitor(_Windowed):
             elif math.isfinite(relative):
                 out[metric] = (relative, share if not math.isnan(share) else _SLO_SHARE)
         return out
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "_bands" not in state:  # a checkpoint written before the tail tests followed load
+            self._load, self._bands = [0.0, 0.0], {}
+            if self._tail_tests:
+                limits = self._tail_limits()
+                self._tail_tests = {metric: (tests, limit, limits[metric][1])
+                                    for metric, (tests, limit) in self._tail_tests.items()}
 
     def _load_factor(self, stats: SliceStats) -> float:
         """The key's verify time per step, smoothed, over what it was while the baseline learned."""
