@@ -36,6 +36,7 @@ from specwatch.schemas.outputs import ActionRecord, SliceOutput
 from specwatch.schemas.policy import Policy, WindowPolicy
 
 from .intake import DuplicateFilter, EventClock, duplicate
+from .running import RunningRequests
 
 __all__ = [
     "Key",
@@ -196,6 +197,12 @@ class Stage1:
         self.watermark = -1  # highest closed slice index
         self.late_records = 0
         self.records = 0
+        self.running = RunningRequests()
+
+    def __setstate__(self, state: dict) -> None:
+        # A stage-1 checkpoint written before running requests were tracked still restores.
+        self.__dict__.update(state)
+        self.__dict__.setdefault("running", RunningRequests())
 
     def _admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
         """Whether a record may be folded: within the clock-skew bound, and not folded before.
@@ -259,6 +266,7 @@ class Stage1:
             stats.add_request(record.ttft_ms, record.tpot_ms, record.e2e_ms, record.speculative,
                               record.finish_reason, ts)
             _offer_request(stats, record)
+            self.running.ended(record.worker, record.id, batch.partials)
         elif kind == "shadow":
             batch.events.append({"type": "shadow", "ts": ts, "bundle_id": record.bundle_id,
                                  "bucket": record.bucket, "id": record.id, "check": record.check,
@@ -273,6 +281,12 @@ class Stage1:
         if rejection is not None:
             return rejection
         batch = self._slice(ts)
+        if type(step) is StepColumns:
+            self.running.saw(step.worker, step.bundle_id, ts, step.ids, step.buckets, step.cohorts)
+        else:
+            entries = step.requests
+            self.running.saw(step.worker, step.bundle_id, ts, [e.id for e in entries], [e.bucket for e in entries],
+                             [e.cohort for e in entries])
         # Rounds are tallied as (drafted, accepted) pair counts and folded into the
         # per-position arrays once per slice: one dict increment per distinct round instead
         # of a loop over draft positions, the hot path of the whole processor. The fast
@@ -358,6 +372,7 @@ class Stage1:
             out.append(batch)
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
+        self.running.close((limit + 1) * self._slice_s, out[-1].partials)
         return out
 
 
