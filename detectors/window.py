@@ -273,8 +273,9 @@ class SliceStats:
             return
         if other.running_long:
             self.running_long.update(other.running_long)
-        if other.running_done:
-            self.running_done.update(other.running_done)
+        for rid, finished in other.running_done.items():
+            if finished or rid not in self.running_done:  # finished wins over lost (another source's view)
+                self.running_done[rid] = finished
         for name in ("ttft", "tpot", "e2e"):
             theirs = getattr(other, name)
             if theirs is None:

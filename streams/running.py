@@ -40,19 +40,20 @@ class RunningRequests:
     first sightings are written for new ids alone, and reports and losses are worked out
     in bulk when a slice closes (`close`). A reported request that ends, or is lost,
     is reported again (``SliceStats.running_done``: True if it finished, False if lost),
-    so stage 2 counts a stalled request once, not again when its record arrives.
-    Request ids are per worker.
+    as is any request whose record shows it ran ``report_after`` or longer, so stage 2
+    counts a stalled request once, not again when its record arrives. Request ids are
+    per worker.
 
     >>> running = RunningRequests(report_after=10.0, lost_after=10.0)
     >>> for ts in (100.0, 105.0, 111.0):
     ...     running.saw("w1", "b", ts, ["r1", "r2"], ["chat", "chat"], ["main", "main"])
-    >>> running.ended("w1", "r2", {})  # r2 finished before it was reported
+    >>> running.ended("w1", "r2", 4000.0, ("b", "chat", "main"), {})  # r2 finished before it was reported
     >>> partials = {}
     >>> running.close(112.0, partials)
     >>> {key: stats.running_long for key, stats in partials.items()}
     {('b', 'chat', 'main'): {'w1/r1': 100.0}}
     >>> partials = {}
-    >>> running.ended("w1", "r1", partials)
+    >>> running.ended("w1", "r1", 12000.0, ("b", "chat", "main"), partials)
     >>> partials[("b", "chat", "main")].running_done
     {'w1/r1': True}
     """
@@ -85,15 +86,22 @@ class RunningRequests:
             if rid not in first:
                 first[rid] = [ts, (bundle_id, bucket, cohort), False]
 
-    def ended(self, worker: str, rid: str, partials: dict[Key, SliceStats]) -> None:
-        """The request record of ``rid`` arrived: it runs no more (reported in ``partials`` if it was reported)."""
+    def ended(self, worker: str, rid: str, e2e_ms: float, key: Key, partials: dict[Key, SliceStats]) -> None:
+        """The request record of ``rid`` (of ``key``) arrived: it runs no more.
+
+        It is reported as finished if it was reported as running long, or if its e2e says it
+        ran that long: where a worker's records are spread over sources (unkeyed telemetry),
+        the source that reported it running may not be the one that gets its record.
+        """
         tracked = self._workers.get(worker)
-        if tracked is None:
-            return
-        tracked[0].pop(rid, None)
-        entry = tracked[1].pop(rid, None)
+        entry = None
+        if tracked is not None:
+            tracked[0].pop(rid, None)
+            entry = tracked[1].pop(rid, None)
         if entry is not None and entry[2]:
             _stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = True
+        elif e2e_ms >= self.report_after * 1000.0:
+            _stats(partials, key).running_done[f"{worker}/{rid}"] = True
 
     def close(self, slice_end: float, partials: dict[Key, SliceStats]) -> None:
         """At the end of a slice: report requests now past ``report_after``, forget the lost ones."""

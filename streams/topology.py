@@ -262,11 +262,12 @@ class Stage1:
             return rejection
         batch = self._slice(ts)
         if kind == "request":
-            stats = self._stats(batch, (record.bundle_id, record.bucket, record.cohort))
+            key = (record.bundle_id, record.bucket, record.cohort)
+            stats = self._stats(batch, key)
             stats.add_request(record.ttft_ms, record.tpot_ms, record.e2e_ms, record.speculative,
                               record.finish_reason, ts)
             _offer_request(stats, record)
-            self.running.ended(record.worker, record.id, batch.partials)
+            self.running.ended(record.worker, record.id, record.e2e_ms, key, batch.partials)
         elif kind == "shadow":
             batch.events.append({"type": "shadow", "ts": ts, "bundle_id": record.bundle_id,
                                  "bucket": record.bucket, "id": record.id, "check": record.check,
