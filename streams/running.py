@@ -11,7 +11,7 @@ from typing import Sequence
 
 from specwatch.detectors.window import SliceStats
 
-__all__ = ["RunningRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS"]
+__all__ = ["RunningRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS", "request_ids"]
 
 Key = tuple[str, str | None, str | None]
 
@@ -26,6 +26,22 @@ REPORT_AFTER_SECONDS = 10.0
 LOST_AFTER_SECONDS = 10.0
 
 
+class _Worker:
+    """One worker's running requests: its latest step's ids, and when each request was seen."""
+
+    __slots__ = ("ids", "ts", "last", "first")
+
+    def __init__(self) -> None:
+        self.ids: Sequence[str] = ()  # the latest step's requests, listed at ``ts``
+        self.ts = 0.0
+        self.last: dict[str, float] = {}  # request id -> last step listing it (before the latest run of steps)
+        self.first: dict[str, list] = {}  # request id -> [first ts, key, reported], in first-seen order
+
+    def stamp(self) -> None:
+        """Bring ``last`` up to date for the requests the latest step lists."""
+        self.last.update(zip(self.ids, repeat(self.ts)))
+
+
 class RunningRequests:
     """The requests one source's steps list, from first sighting until their request record.
 
@@ -36,17 +52,20 @@ class RunningRequests:
     lost_after
         Seconds without a step listing a request before it counts as lost.
 
-    The hot path (`saw`, once per step) only stamps the step's ids with its time; keys and
-    first sightings are written for new ids alone, and reports and losses are worked out
-    in bulk when a slice closes (`close`). A reported request that ends, or is lost,
-    is reported again (``SliceStats.running_done``: True if it finished, False if lost),
-    as is any request whose record shows it ran ``report_after`` or longer, so stage 2
-    counts a stalled request once, not again when its record arrives. Request ids are
-    per worker.
+    An engine lists the same running requests step after step, so the hot path (`saw`, once
+    per step) compares a step's ids with the worker's previous step and, when they are the
+    same, only notes the time; the times, keys and first sightings of requests are written
+    when the batch changes. Reports and losses are worked out in bulk when a slice closes
+    (`close`). A reported request that ends, or is lost, is reported again
+    (``SliceStats.running_done``: True if it finished, False if lost), as is any request
+    whose record shows it ran ``report_after`` or longer, so stage 2 counts a stalled
+    request once, not again when its record arrives. Request ids are per worker.
 
     >>> running = RunningRequests(report_after=10.0, lost_after=10.0)
+    >>> from types import SimpleNamespace
+    >>> step = SimpleNamespace(bundle_id="b", ids=["r1", "r2"], buckets=["chat", "chat"], cohorts=["main", "main"])
     >>> for ts in (100.0, 105.0, 111.0):
-    ...     running.saw("w1", "b", ts, ["r1", "r2"], ["chat", "chat"], ["main", "main"])
+    ...     running.saw("w1", ts, step.ids, step)
     >>> running.ended("w1", "r2", 4000.0, ("b", "chat", "main"), {})  # r2 finished before it was reported
     >>> partials = {}
     >>> running.close(112.0, partials)
@@ -65,23 +84,29 @@ class RunningRequests:
             raise ValueError(f"report_after and lost_after must be > 0, got {report_after} and {lost_after}")
         self.report_after = report_after
         self.lost_after = lost_after
-        # worker -> (request id -> last step ts listing it, request id -> [first ts, key, reported])
-        self._workers: dict[str, tuple[dict[str, float], dict[str, list]]] = {}
+        self._workers: dict[str, _Worker] = {}
 
     def __len__(self) -> int:
-        return sum(len(last) for last, _ in self._workers.values())
+        return sum(len(w.first) for w in self._workers.values())
 
-    def saw(self, worker: str, bundle_id: str, ts: float, ids: Sequence[str], buckets: Sequence[str],
-            cohorts: Sequence[str]) -> None:
-        """A step of ``worker`` at ``ts`` listed these requests (parallel columns)."""
-        tracked = self._workers.get(worker)
-        if tracked is None:
-            tracked = self._workers[worker] = ({}, {})
-        last, first = tracked
-        known = len(last)
-        last.update(zip(ids, repeat(ts)))
-        if len(last) == known:
-            return  # nobody new: the common case, settled in C
+    def saw(self, worker: str, ts: float, ids: Sequence[str], step) -> None:
+        """A step of ``worker`` at ``ts`` listed the requests ``ids``.
+
+        ``step`` is the step (`StepColumns` or `StepRecord`); its bundle and the requests'
+        buckets and cohorts are read only when the worker's batch changed.
+        """
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._workers[worker] = _Worker()
+        elif ids == w.ids:
+            w.ts = ts  # the same batch as the step before: the common case, settled in C
+            return
+        w.stamp()
+        w.ids, w.ts = ids, ts
+        w.stamp()
+        first = w.first
+        buckets, cohorts = _scopes(step)
+        bundle_id = step.bundle_id
         for rid, bucket, cohort in zip(ids, buckets, cohorts):
             if rid not in first:
                 first[rid] = [ts, (bundle_id, bucket, cohort), False]
@@ -93,11 +118,11 @@ class RunningRequests:
         ran that long: where a worker's records are spread over sources (unkeyed telemetry),
         the source that reported it running may not be the one that gets its record.
         """
-        tracked = self._workers.get(worker)
+        w = self._workers.get(worker)
         entry = None
-        if tracked is not None:
-            tracked[0].pop(rid, None)
-            entry = tracked[1].pop(rid, None)
+        if w is not None:
+            w.last.pop(rid, None)
+            entry = w.first.pop(rid, None)
         if entry is not None and entry[2]:
             _stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = True
         elif e2e_ms >= self.report_after * 1000.0:
@@ -107,13 +132,16 @@ class RunningRequests:
         """At the end of a slice: report requests now past ``report_after``, forget the lost ones."""
         report_before = slice_end - self.report_after
         lost_before = slice_end - self.lost_after
-        for worker, (last, first) in self._workers.items():
-            lost = [rid for rid, ts in last.items() if ts < lost_before]
+        for worker, w in self._workers.items():
+            w.stamp()
+            first = w.first
+            # only tracked requests: a record may have ended one the latest step still lists
+            lost = [rid for rid, ts in w.last.items() if ts < lost_before or rid not in first]
             for rid in lost:
-                del last[rid]
-                first_ts, key, reported = first.pop(rid)
-                if reported:
-                    _stats(partials, key).running_done[f"{worker}/{rid}"] = False
+                del w.last[rid]
+                entry = first.pop(rid, None)
+                if entry is not None and entry[2]:
+                    _stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = False
             # first sightings are in (nearly) time order: stop at the first too young to report
             for rid, entry in first.items():
                 if entry[0] > report_before:
@@ -121,6 +149,19 @@ class RunningRequests:
                 if not entry[2]:
                     entry[2] = True
                     _stats(partials, entry[1]).running_long[f"{worker}/{rid}"] = entry[0]
+
+
+def request_ids(step) -> Sequence[str]:
+    """The ids of the requests a step lists: a column of the fast decoders, or read off a `StepRecord`."""
+    ids = getattr(step, "ids", None)
+    return ids if ids is not None else [entry.id for entry in step.requests]
+
+
+def _scopes(step) -> tuple[Sequence[str], Sequence[str]]:
+    buckets = getattr(step, "buckets", None)
+    if buckets is not None:
+        return buckets, step.cohorts
+    return [entry.bucket for entry in step.requests], [entry.cohort for entry in step.requests]
 
 
 def _stats(partials: dict[Key, SliceStats], key: Key) -> SliceStats:

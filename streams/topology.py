@@ -36,7 +36,7 @@ from specwatch.schemas.outputs import ActionRecord, SliceOutput
 from specwatch.schemas.policy import Policy, WindowPolicy
 
 from .intake import DuplicateFilter, EventClock, duplicate
-from .running import RunningRequests
+from .running import RunningRequests, request_ids
 
 __all__ = [
     "Key",
@@ -282,12 +282,7 @@ class Stage1:
         if rejection is not None:
             return rejection
         batch = self._slice(ts)
-        if type(step) is StepColumns:
-            self.running.saw(step.worker, step.bundle_id, ts, step.ids, step.buckets, step.cohorts)
-        else:
-            entries = step.requests
-            self.running.saw(step.worker, step.bundle_id, ts, [e.id for e in entries], [e.bucket for e in entries],
-                             [e.cohort for e in entries])
+        self.running.saw(step.worker, ts, step.ids if type(step) is StepColumns else request_ids(step), step)
         # Rounds are tallied as (drafted, accepted) pair counts and folded into the
         # per-position arrays once per slice: one dict increment per distinct round instead
         # of a loop over draft positions, the hot path of the whole processor. The fast
