@@ -7,8 +7,9 @@ import random
 import pytest
 
 from specwatch.detectors.monitor import KeyMonitor
-from specwatch.detectors.window import SliceStats
-from specwatch.schemas import Policy, RequestRecord, StepRecord, decode_line
+from specwatch.detectors.stalls import StalledRequests
+from specwatch.detectors.window import SliceStats, merge_all
+from specwatch.schemas import Policy, RequestRecord, decode_line
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import decode_line_fast, decode_request_fast
 from specwatch.schemas.otlp import encode_records
@@ -119,8 +120,7 @@ def test_long_healthy_requests_are_counted_once_and_decide_nothing():
 def _tracked(decode, payloads) -> list[tuple[int, dict, dict]]:
     """Every key's running-request reports, by slice, from one source fed through ``decode``."""
     ingest = Ingest(Stage1(Policy(), source="w"), decode)
-    out = []
-    batches = []
+    out, batches = [], []
     for payload in payloads:
         batches += ingest(payload).closed
     batches += ingest.stage.close_ready(final=True)
@@ -180,9 +180,6 @@ def test_stage1_reports_long_requests_once_and_tells_finished_from_lost():
 def test_a_request_seen_by_two_sources_counts_once():
     # Unkeyed telemetry spreads a worker's steps over sources: both report the request, one
     # loses sight of it, and the record reaches a third. Merged, it is still one trial.
-    from specwatch.detectors.stalls import StalledRequests
-    from specwatch.detectors.window import merge_all
-
     def part(long=None, done=None):
         stats = SliceStats()
         stats.running_long, stats.running_done = dict(long or {}), dict(done or {})
