@@ -6,6 +6,7 @@ finishes. Stage 1 reports such requests once; stage 2 judges them against the ke
 
 from __future__ import annotations
 
+import math
 from itertools import repeat
 from typing import Sequence
 
@@ -21,6 +22,10 @@ Key = tuple[str, str | None, str | None]
 # Learned e2e limits are tens of seconds; a key whose limit is lower counts its stalled
 # requests from this age on, still long before they finish.
 REPORT_AFTER_SECONDS = 10.0
+# A request is reported only while steps still list it: last listed this close to the slice's
+# end. A source that gets only some of a worker's steps (unkeyed telemetry) may not get the
+# record of a request that ended; it must not report that request as running.
+STILL_LISTED_SECONDS = 2.0
 # A request no step has listed for this long, with no request record, is lost (its worker
 # died, the record was dropped, it went back to the queue): it is forgotten, not stalled.
 LOST_AFTER_SECONDS = 10.0
@@ -142,11 +147,13 @@ class RunningRequests:
                 entry = first.pop(rid, None)
                 if entry is not None and entry[2]:
                     _stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = False
+            listed_since = slice_end - STILL_LISTED_SECONDS
+            last = w.last
             # first sightings are in (nearly) time order: stop at the first too young to report
             for rid, entry in first.items():
                 if entry[0] > report_before:
                     break
-                if not entry[2]:
+                if not entry[2] and last.get(rid, -math.inf) >= listed_since:
                     entry[2] = True
                     _stats(partials, entry[1]).running_long[f"{worker}/{rid}"] = entry[0]
 

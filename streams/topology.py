@@ -560,6 +560,14 @@ class Stage2:
 
     def _on_stats(self, key: Key, stats: SliceStats, slice_end: float, out: SliceOutput) -> None:
         bundle, bucket, cohort = key
+        if not (stats.steps or stats.requests or stats.shadow_checks):
+            # Only running-request reports (a source that saw none of the key's records in this
+            # slice): noted, but no slice of the key's history, which must not depend on how
+            # records were spread over sources.
+            monitor = self.monitors.get(key)
+            if isinstance(monitor, KeyMonitor):
+                monitor.stalls.update(stats, slice_end, None)
+            return
         if self.admission is not None:
             speculating = bucket is None or self.flags.lookup(bundle, bucket, cohort).enabled
             self._admit(self.admission.observe(bundle, bucket, cohort, stats, slice_end, speculating), out)
