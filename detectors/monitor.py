@@ -15,6 +15,7 @@ from specwatch.schemas.policy import Policy
 
 from .baseline import Baseline, BaselineLearner, BaselinePool
 from .gates import BernoulliCusum, ConsecutiveGate, DropDetector, cusum_threshold
+from .stalls import StalledRequests
 from .window import SliceStats, merge_all
 
 __all__ = ["Finding", "KeyMonitor", "BundleMonitor", "RecoveryEvidence", "traffic_evidence"]
@@ -373,6 +374,7 @@ class KeyMonitor(_Windowed):
         self._load = [0.0, 0.0]  # verify ms and steps, smoothed over about _LOAD_SLICES slices
         # metric -> load band -> [requests past the limit, requests] while the band learns, then its share
         self._bands: dict[str, dict[int, list[float] | float]] = {}
+        self.stalls = StalledRequests()
         self._reset()
 
     def _reset(self) -> None:
@@ -382,6 +384,7 @@ class KeyMonitor(_Windowed):
         self.speedup_gate = ConsecutiveGate(p.speedup.consecutive)
         self._error_tests: list[BernoulliCusum] | None = None
         self._tail_tests: dict[str, tuple[list[BernoulliCusum], float, float]] | None = None  # metric -> (tests, limit ms, share)
+        self.stalls.forget()
 
     @property
     def baseline(self) -> Baseline:
@@ -405,14 +408,17 @@ class KeyMonitor(_Windowed):
         self.push(slice_end, stats)
         if not self.learner.done:
             self.learner.update(stats, slice_end)
+        # Requests running past the e2e limit count once the tail test exists (see `StalledRequests`).
+        e2e = self._tail_tests.get("e2e") if speculating and self._tail_tests else None
+        stalled, finished = self.stalls.update(stats, slice_end, e2e[1] if e2e else None)
         findings: list[Finding] = []
         if speculating:
             findings += self._acceptance(stats.max_ts)
             findings += self._speedup(stats.max_ts)
             # Tails and failures of a slice with no speculative request (a control cohort on
             # standard decoding) say nothing about speculation, and there is none to switch off.
-            if self.learner.latency_ready and stats.speculative_requests:
-                findings += self._latency(stats, slice_end)
+            if self.learner.latency_ready and (stats.speculative_requests or stalled):
+                findings += self._latency(stats, slice_end, stalled, finished)
                 findings += self._errors(stats, slice_end)
         return findings
 
@@ -491,6 +497,8 @@ class KeyMonitor(_Windowed):
                 limits = self._tail_limits()
                 self._tail_tests = {metric: (tests, limit, limits[metric][1])
                                     for metric, (tests, limit) in self._tail_tests.items()}
+        if "stalls" not in state:  # a checkpoint written before running requests were counted
+            self.stalls = StalledRequests()
 
     def _load_factor(self, stats: SliceStats) -> float:
         """The key's verify time per step, smoothed, over what it was while the baseline learned."""
@@ -522,7 +530,9 @@ class KeyMonitor(_Windowed):
                 bands[band] = [0.0, 0]
         return below
 
-    def _latency(self, stats: SliceStats, slice_end: float) -> list[Finding]:
+    def _latency(self, stats: SliceStats, slice_end: float, stalled: int = 0, finished: int = 0) -> list[Finding]:
+        """Tail tests on the slice's finished requests; e2e also counts ``stalled`` requests
+        that passed its limit while running, and not again the ``finished`` ones among them."""
         cfg = self.policy.latency
         if self._tail_tests is None:
             self._tail_tests = {}
@@ -536,14 +546,18 @@ class KeyMonitor(_Windowed):
         fired = []
         for metric, (tests, limit, share) in self._tail_tests.items():
             sketch = getattr(stats, metric)
-            if sketch is None:
+            requests, past = (sketch.count, sketch.count_past(limit)) if sketch is not None else (0, 0.0)
+            trials, hits = requests, past
+            if metric == "e2e":
+                trials, hits = trials + stalled - finished, hits + stalled - finished
+            if sketch is None and trials <= 0:
                 continue
-            past = sketch.count_past(limit)
-            band_share = self._band_share(metric, band, share, past, sketch.count)
+            hits = max(0.0, hits)
+            band_share = self._band_share(metric, band, share, past, requests)  # learned from finished requests
             p0, alternatives = _alternatives(*_tail_rates(cfg, band_share))
             for test, alternative in zip(tests, alternatives):
                 test.retune(p0, alternative)
-            test = _first_to_fire(tests, sketch.count, past, slice_end)
+            test = _first_to_fire(tests, trials, hits, slice_end)
             if test is not None:
                 fired.append((test.statistic, metric, test, limit, band_share))
         if not fired:
@@ -557,7 +571,15 @@ class KeyMonitor(_Windowed):
                               f"{metric}_p99_ms": window.quantile(metric, 0.99),
                               f"{metric}_p50_ms": window.quantile(metric, 0.5),
                               "baseline_source": self.baseline.latency_source,
-                              "load_factor": load, "load_band": band, "band_tail_share": band_share})]
+                              "load_factor": load, "load_band": band, "band_tail_share": band_share,
+                              **self._stall_evidence(metric, slice_end)})]
+
+    def _stall_evidence(self, metric: str, now: float) -> dict:
+        """Requests counted past the e2e limit while still running, when there are any."""
+        if metric != "e2e" or not self.stalls.counted:
+            return {}
+        return {"requests_running_past_limit": len(self.stalls.counted),
+                "oldest_running_s": self.stalls.oldest_age(now)}
 
     def _errors(self, stats: SliceStats, slice_end: float) -> list[Finding]:
         cfg = self.policy.errors

@@ -135,6 +135,10 @@ class SliceStats:
     shadow_checks: int = 0
     shadow_mismatches: int = 0
     samples: dict[str, list[dict]] = field(default_factory=dict)  # by SAMPLE_KINDS, each in rank order
+    # Requests still running (stage 1's `RunningRequests`), by "worker/id": those reported in this
+    # slice as running long (-> first-seen ts), and reported ones that ended (True) or were lost (False).
+    running_long: dict[str, float] = field(default_factory=dict)
+    running_done: dict[str, bool] = field(default_factory=dict)
 
     # -- folding raw telemetry -------------------------------------------------------
     def add_round(self, drafted: int, accepted: int) -> None:
@@ -288,6 +292,11 @@ class SliceStats:
         self.shadow_mismatches += other.shadow_mismatches
         if not sketches:
             return
+        if other.running_long:
+            self.running_long.update(other.running_long)
+        for rid, finished in other.running_done.items():
+            if finished or rid not in self.running_done:  # finished wins over lost (another source's view)
+                self.running_done[rid] = finished
         if other.ttft is not None:
             self.ttft = _merged_sketch(self.ttft, other.ttft)
         if other.tpot is not None:
@@ -379,6 +388,9 @@ class SliceStats:
             sketch = getattr(self, name)
             if sketch is not None:
                 out[name] = base64.b64encode(sketch.to_bytes()).decode("ascii")
+        for name in ("running_long", "running_done"):
+            if getattr(self, name):
+                out[name] = dict(getattr(self, name))
         return out
 
     @classmethod
@@ -391,6 +403,8 @@ class SliceStats:
         out.accepted_at_least = list(data.get("accepted_at_least", []))
         out.drafted_at_least = list(data.get("drafted_at_least", []))
         out.samples = {kind: list(kept) for kind, kept in data.get("samples", {}).items()}
+        out.running_long = dict(data.get("running_long", {}))
+        out.running_done = dict(data.get("running_done", {}))
         for name in ("ttft", "tpot", "e2e"):
             if data.get(name):
                 setattr(out, name, LatencySketch.from_bytes(base64.b64decode(data[name])))

@@ -41,6 +41,8 @@ _MAX_DRAFT = 64  # RoundEntry.drafted / accepted bound
 _MAX_EXACT_INT = 1 << 53
 _ROUND = itemgetter("bucket", "cohort", "drafted", "accepted")
 _ID = itemgetter("id")
+_BUCKET = itemgetter("bucket")
+_COHORT = itemgetter("cohort")
 _INF = math.inf
 _STR = {str}
 _STR_INT = {str, int}
@@ -51,7 +53,9 @@ _INT = {int}
 class StepColumns:
     """A step record that passed validation, its rounds tallied.
 
-    ``rounds`` counts requests by (bucket, cohort, drafted, accepted), in first-seen order.
+    ``rounds`` counts requests by (bucket, cohort, drafted, accepted), in first-seen order;
+    ``ids``, ``buckets`` and ``cohorts`` name the step's requests, one column each, in the
+    step's order (stage 1 tracks which requests are running).
 
     ``record()`` builds the equivalent `StepRecord` through the reference codec; stage 1
     needs it only for the few steps it keeps as samples.
@@ -66,6 +70,9 @@ class StepColumns:
     kv_usage: float
     rounds: Counter
     _build: Callable[[], TelemetryRecord | Rejection]
+    ids: Sequence[str]
+    buckets: Sequence[str]
+    cohorts: Sequence[str]
 
     kind = "step"
 
@@ -163,7 +170,7 @@ def step_columns(obj: Any, build: Callable[[], TelemetryRecord | Rejection]) -> 
     tally = _tally(rounds)
     if tally is None:
         return None
-    return StepColumns(*header, tally, build)
+    return StepColumns(*header, tally, build, ids, list(map(_BUCKET, requests)), list(map(_COHORT, requests)))
 
 
 def decode_line_fast(line: str | bytes) -> TelemetryRecord | StepColumns | Rejection | None:
@@ -486,7 +493,7 @@ def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: by
         return _StepRow(header, ids, buckets, cohorts, drafted, accepted, build)
     rounds = _new_counter(Counter)  # what Counter() is, without its Python-level __init__
     _count_elements(rounds, zip(buckets, cohorts, drafted, accepted))
-    return StepColumns(*header, rounds, build)
+    return StepColumns(*header, rounds, build, ids, buckets, cohorts)
 
 
 # ------------------------------------------------ the layout otlp.encode_records writes

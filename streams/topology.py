@@ -39,6 +39,7 @@ from specwatch.schemas.outputs import ActionRecord, SliceOutput, WindowRow
 from specwatch.schemas.policy import Policy, WindowPolicy
 
 from .intake import DuplicateFilter, EventClock, duplicate
+from .running import RunningRequests, request_ids
 
 __all__ = [
     "Key",
@@ -199,6 +200,12 @@ class Stage1:
         self.watermark = -1  # highest closed slice index
         self.late_records = 0
         self.records = 0
+        self.running = RunningRequests()
+
+    def __setstate__(self, state: dict) -> None:
+        # A stage-1 checkpoint written before running requests were tracked still restores.
+        self.__dict__.update(state)
+        self.__dict__.setdefault("running", RunningRequests())
 
     def _admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
         """Whether a record may be folded: within the clock-skew bound, and not folded before.
@@ -258,10 +265,12 @@ class Stage1:
             return rejection
         batch = self._slice(ts)
         if kind == "request":
-            stats = self._stats(batch, (record.bundle_id, record.bucket, record.cohort))
+            key = (record.bundle_id, record.bucket, record.cohort)
+            stats = self._stats(batch, key)
             stats.add_request(record.ttft_ms, record.tpot_ms, record.e2e_ms, record.speculative,
                               record.finish_reason, ts)
             _offer_request(stats, record)
+            self.running.ended(record.worker, record.id, record.e2e_ms, key, batch.partials)
         elif kind == "shadow":
             batch.events.append({"type": "shadow", "ts": ts, "bundle_id": record.bundle_id,
                                  "bucket": record.bucket, "id": record.id, "check": record.check,
@@ -276,6 +285,7 @@ class Stage1:
         if rejection is not None:
             return rejection
         batch = self._slice(ts)
+        self.running.saw(step.worker, ts, step.ids if type(step) is StepColumns else request_ids(step), step)
         # Rounds are tallied as (drafted, accepted) pair counts and folded into the
         # per-position arrays once per slice: one dict increment per distinct round instead
         # of a loop over draft positions, the hot path of the whole processor. The fast
@@ -349,8 +359,8 @@ class Stage1:
         if rows:
             self._fold_block(block, np.asarray(rows, dtype=np.int64), np.asarray(slices, dtype=np.int64))
         closed: list[SliceBatch] = []
-        for limit in limits:
-            closed += self._close(limit)
+        for limit, running in limits:
+            closed += self._close(limit, running)
         return rejected, late, closed
 
     def _admit_block(self, block: StepBlock, now: float | None) -> tuple[list, list, list, list, list]:
@@ -363,9 +373,12 @@ class Stage1:
         slices: list[int] = []
         rejected: list[tuple[int, Rejection]] = []
         late: list[tuple[int, float]] = []
-        limits: list[int] = []
+        limits: list[tuple[int, dict[Key, SliceStats]]] = []
         others = block.others
         next_other = others[0][0] if others else math.inf
+        # the requests each step lists, for the running-request tracker (as `_add_step` tells it)
+        saw, ids = self.running.saw, block.ids()
+        bounds = np.searchsorted(block.round_step, np.arange(len(block) + 1)).tolist()
         other = 0
         at = block.at
         for row, (ts, worker, seq) in enumerate(zip(block.ts.tolist(), block.workers, block.seqs)):
@@ -396,6 +409,8 @@ class Stage1:
                 batch.late_records += 1
             elif index not in open_slices:
                 open_slices[index] = SliceBatch(source, index, watermark)
+            start, end = bounds[row], bounds[row + 1]
+            saw(worker, ts, tuple(ids[start:end]), _BlockStep(block, row, start, end))
             rows.append(row)
             slices.append(index)
             if clock.now != -math.inf and int((clock.now - lateness) // slice_s) - 1 > watermark:
@@ -423,16 +438,18 @@ class Stage1:
             late.append((position, item.ts))
         return True
 
-    def _closes_after_record(self, limits: list[int]) -> None:
+    def _closes_after_record(self, limits: list[tuple[int, dict[Key, SliceStats]]]) -> None:
         """Where `close_ready` after this record would move the watermark; the slices close after the fold.
 
         What the close drops from the duplicate filter must be gone for the next record already.
         """
         limit = self._close_limit()
         if limit > self.watermark:
-            limits.append(limit)
             self.watermark = limit
             self._folded.expire(limit)
+            running: dict[Key, SliceStats] = {}  # what the tracker reports here, for the close's last slice
+            self.running.close((limit + 1) * self._slice_s, running)
+            limits.append((limit, running))
 
     def _fold_block(self, block: StepBlock, rows: np.ndarray, slices: np.ndarray) -> None:
         """Fold the admitted ``rows`` of a block into their ``slices`` (already open), once per (slice, key)."""
@@ -587,7 +604,9 @@ class Stage1:
             return self.watermark  # too few records yet to tell this source's event time
         return int((self.clock.now - self._lateness) // self._slice_s) - 1
 
-    def _close(self, limit: int) -> list[SliceBatch]:
+    def _close(self, limit: int, running: dict[Key, SliceStats] | None = None) -> list[SliceBatch]:
+        """Close the open slices up to ``limit``; ``running``: the tracker's reports for this close,
+        taken where it came among a block's records (None: taken now)."""
         ready = sorted(i for i in self._open if i <= limit)
         self.watermark = limit
         self._folded.expire(limit)
@@ -604,7 +623,43 @@ class Stage1:
             out.append(batch)
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
+        partials = out[-1].partials
+        if running is None:
+            self.running.close((limit + 1) * self._slice_s, partials)
+        else:
+            for key, reported in running.items():
+                stats = partials.get(key)
+                if stats is None:
+                    partials[key] = reported
+                else:
+                    stats.running_long.update(reported.running_long)
+                    stats.running_done.update(reported.running_done)
         return out
+
+
+class _BlockStep:
+    """Step ``row`` of a block as `RunningRequests.saw` reads it (only when a worker's batch changed)."""
+
+    __slots__ = ("_block", "_row", "_start", "_end")
+
+    def __init__(self, block: StepBlock, row: int, start: int, end: int) -> None:
+        self._block, self._row, self._start, self._end = block, row, start, end
+
+    @property
+    def bundle_id(self) -> str:
+        return self._block.keys[self._block.bundle_key[self._row]][0]
+
+    def _scopes(self) -> list[Key]:
+        keys = self._block.keys
+        return [keys[k] for k in self._block.round_key[self._start:self._end].tolist()]
+
+    @property
+    def buckets(self) -> list[str]:
+        return [key[1] for key in self._scopes()]
+
+    @property
+    def cohorts(self) -> list[str]:
+        return [key[2] for key in self._scopes()]
 
 
 class _HeldStep:
@@ -848,6 +903,14 @@ class Stage2:
 
     def _on_stats(self, key: Key, stats: SliceStats, slice_end: float, out: SliceOutput) -> None:
         bundle, bucket, cohort = key
+        if not (stats.steps or stats.requests or stats.shadow_checks):
+            # Only running-request reports (a source that saw none of the key's records in this
+            # slice): noted, but no slice of the key's history, which must not depend on how
+            # records were spread over sources.
+            monitor = self.monitors.get(key)
+            if isinstance(monitor, KeyMonitor):
+                monitor.stalls.update(stats, slice_end, None)
+            return
         if self.admission is not None:
             speculating = bucket is None or self.flags.lookup(bundle, bucket, cohort).enabled
             self._admit(self.admission.observe(bundle, bucket, cohort, stats, slice_end, speculating), out)

@@ -171,6 +171,9 @@ def test_suites_cover_every_row_of_the_fallback_table():
         assert ("error_burst", 5.0) in {(c.scenario, c.intensity) for c in here}
         assert sum(c.minutes for c in here if c.healthy) / 60 * 18 >= 24
     assert {(1, 4), (2, 8), (8, 16), (32, 16)} <= set(LEVELS)
+    # stalls that last minutes, on a small fleet and the default one
+    assert {(c.workers, c.concurrency) for c in full if (c.scenario, c.intensity) == ("latency_tail", 50.0)} == {
+        (2, 8), (8, 16)}
     # targets and the baselines are judged at the default fleet
     assert all(c.workers == 8 for c in full if c.target_intensity or (c.compare_baselines and not c.healthy))
     assert all(not c.compare_baselines for c in full if c.rollout)

@@ -234,6 +234,11 @@ _QUIET_INTENSITIES = (
 _QUIET_CASES = tuple(_incident_case(scenario, intensity, label, level=level, compare_baselines=False)
                      for level in _QUIET_LEVELS for scenario, intensity, label in _QUIET_INTENSITIES)
 
+# Stalls: 10 % of reasoning/main requests hang for minutes (x50), their records due only when
+# the stall ends. The e2e tail test counts them while they run (docs/EVALUATION.md).
+_STALL_CASES = tuple(_incident_case("latency_tail", 50.0, "10% reasoning/main stalled for minutes (x50)",
+                                    level=level, compare_baselines=False) for level in ((2, 8), _DEFAULT_LEVEL))
+
 
 def _healthy_cases(level: tuple[int, int], minutes: tuple[float, float, float]) -> tuple[Case, ...]:
     """Incident-free runs on one fleet size: steady, a day-shaped load cycle, a drifting mix."""
@@ -263,9 +268,10 @@ _QUICK_SWEEP = (
 
 def full_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
     """Every fallback-table row at three intensities against the baselines, the traffic sweep,
-    quiet keys in the default and the big fleet, 4 x 80 min healthy, and 20 healthy rollouts,
+    quiet keys in the default and the big fleet, stalls at 2 x 8 and 8 x 16, 4 x 80 min healthy, and 20 healthy rollouts,
     20 card changes and 3 of each canary incident."""
-    return ([replace(c, seed=seed) for c in _INCIDENT_CASES + _SWEEP_CASES + _QUIET_CASES + _HEALTHY_CASES]
+    return ([replace(c, seed=seed) for c in
+             _INCIDENT_CASES + _SWEEP_CASES + _QUIET_CASES + _STALL_CASES + _HEALTHY_CASES]
             + rollout_cases(20, 3, seed))
 
 

@@ -616,6 +616,10 @@ class _Worker:
         self.kv_total = 0
         self._draws: list[tuple[list[float], list[float], str]] = []
         self._mix: list[float] | None = None  # cached cumulative mix; reset when an incident changes it
+        # Stalled requests: done with their tokens, their record due at the stall's end. Until
+        # then every step lists them, making no progress: [(record ts, entry)], as a real
+        # engine shows a request that is running but stuck.
+        self.stalled: list[tuple[float, RoundEntry]] = []
 
     # -- acceptance ---------------------------------------------------------------------------
     def _acceptance_table(self) -> np.ndarray:
@@ -892,12 +896,17 @@ class _Worker:
                 ts = round(start_ts + end, 6)
                 entries = [cache[code] or req.round_entry(code, width)
                            for req, cache, code in zip(batch, caches, codes[k])]
+                if self.stalled:
+                    entries += [entry for until, entry in self.stalled if ts < until]
                 usage = kv_after[k] / _KV_CAPACITY_TOKENS
                 out.append((ts, [_trusted_step({
                     "v": 1, "ts": ts, "kind": "step", "worker": name, "seq": seq, "bundle_id": bundle_id,
                     "draft_ms": round(draft, 3), "verify_ms": round(verify, 3),
                     "kv_usage": round(usage if usage < 1.0 else 1.0, 4), "requests": entries})]))
         steps = ran
+        if self.stalled and emitting:
+            done_by = round(self.sim.start_ts + end, 6)
+            self.stalled = [stall for stall in self.stalled if stall[0] > done_by]
         last = produced[steps - 1]
         slots[:, _REMAINING] -= last
         slots[:, _KV] += last
@@ -983,6 +992,8 @@ class _Worker:
         out: list[TelemetryRecord] = []
         if delayed:
             self.emit_later(end_ts, self.index, [record])
+            self.stalled.append((end_ts, RoundEntry(id=req.id, bucket=record.bucket, cohort=record.cohort,
+                                                    drafted=0, accepted=0)))
         else:
             out.append(record)
         fraction = req.shadow_fraction

@@ -1,0 +1,178 @@
+"""Requests still running, tracked from the step records that list them: stage 1's view of stalls.
+
+A request that runs long past its key's usual duration is evidence of a tail before it
+finishes. Stage 1 reports such requests once; stage 2 judges them against the key's limit.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import repeat
+from typing import Sequence
+
+from specwatch.detectors.window import SliceStats
+
+__all__ = ["RunningRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS", "request_ids"]
+
+Key = tuple[str, str | None, str | None]
+
+# A running request is reported to stage 2 once it has run this long (event time since the
+# first step that listed it). Stage 1 does not know a key's limit (stage 2 learns it), so it
+# reports every request past this floor and stage 2 counts those past the key's own limit.
+# Learned e2e limits are tens of seconds; a key whose limit is lower counts its stalled
+# requests from this age on, still long before they finish.
+REPORT_AFTER_SECONDS = 10.0
+# A request is reported only while steps still list it: last listed this close to the slice's
+# end. A source that gets only some of a worker's steps (unkeyed telemetry) may not get the
+# record of a request that ended; it must not report that request as running.
+STILL_LISTED_SECONDS = 2.0
+# A request no step has listed for this long, with no request record, is lost (its worker
+# died, the record was dropped, it went back to the queue): it is forgotten, not stalled.
+LOST_AFTER_SECONDS = 10.0
+
+
+class _Worker:
+    """One worker's running requests: its latest step's ids, and when each request was seen."""
+
+    __slots__ = ("ids", "ts", "last", "first")
+
+    def __init__(self) -> None:
+        self.ids: Sequence[str] = ()  # the latest step's requests, listed at ``ts``
+        self.ts = 0.0
+        self.last: dict[str, float] = {}  # request id -> last step listing it (before the latest run of steps)
+        self.first: dict[str, list] = {}  # request id -> [first ts, key, reported], in first-seen order
+
+    def stamp(self) -> None:
+        """Bring ``last`` up to date for the requests the latest step lists."""
+        self.last.update(zip(self.ids, repeat(self.ts)))
+
+
+class RunningRequests:
+    """The requests one source's steps list, from first sighting until their request record.
+
+    Parameters
+    ----------
+    report_after
+        Seconds a request runs before it is reported (``SliceStats.running_long``).
+    lost_after
+        Seconds without a step listing a request before it counts as lost.
+
+    An engine lists the same running requests step after step, so the hot path (`saw`, once
+    per step) compares a step's ids with the worker's previous step and, when they are the
+    same, only notes the time; the times, keys and first sightings of requests are written
+    when the batch changes. Reports and losses are worked out in bulk when a slice closes
+    (`close`). A reported request that ends, or is lost, is reported again
+    (``SliceStats.running_done``: True if it finished, False if lost), as is any request
+    whose record shows it ran ``report_after`` or longer, so stage 2 counts a stalled
+    request once, not again when its record arrives. Request ids are per worker.
+
+    >>> running = RunningRequests(report_after=10.0, lost_after=10.0)
+    >>> from types import SimpleNamespace
+    >>> step = SimpleNamespace(bundle_id="b", ids=["r1", "r2"], buckets=["chat", "chat"], cohorts=["main", "main"])
+    >>> for ts in (100.0, 105.0, 111.0):
+    ...     running.saw("w1", ts, step.ids, step)
+    >>> running.ended("w1", "r2", 4000.0, ("b", "chat", "main"), {})  # r2 finished before it was reported
+    >>> partials = {}
+    >>> running.close(112.0, partials)
+    >>> {key: stats.running_long for key, stats in partials.items()}
+    {('b', 'chat', 'main'): {'w1/r1': 100.0}}
+    >>> partials = {}
+    >>> running.ended("w1", "r1", 12000.0, ("b", "chat", "main"), partials)
+    >>> partials[("b", "chat", "main")].running_done
+    {'w1/r1': True}
+    """
+
+    __slots__ = ("report_after", "lost_after", "_workers")
+
+    def __init__(self, report_after: float = REPORT_AFTER_SECONDS, lost_after: float = LOST_AFTER_SECONDS) -> None:
+        if not report_after > 0 or not lost_after > 0:
+            raise ValueError(f"report_after and lost_after must be > 0, got {report_after} and {lost_after}")
+        self.report_after = report_after
+        self.lost_after = lost_after
+        self._workers: dict[str, _Worker] = {}
+
+    def __len__(self) -> int:
+        return sum(len(w.first) for w in self._workers.values())
+
+    def saw(self, worker: str, ts: float, ids: Sequence[str], step) -> None:
+        """A step of ``worker`` at ``ts`` listed the requests ``ids``.
+
+        ``step`` is the step (`StepColumns` or `StepRecord`); its bundle and the requests'
+        buckets and cohorts are read only when the worker's batch changed.
+        """
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._workers[worker] = _Worker()
+        elif ids == w.ids:
+            w.ts = ts  # the same batch as the step before: the common case, settled in C
+            return
+        w.stamp()
+        w.ids, w.ts = ids, ts
+        w.stamp()
+        first = w.first
+        buckets, cohorts = _scopes(step)
+        bundle_id = step.bundle_id
+        for rid, bucket, cohort in zip(ids, buckets, cohorts):
+            if rid not in first:
+                first[rid] = [ts, (bundle_id, bucket, cohort), False]
+
+    def ended(self, worker: str, rid: str, e2e_ms: float, key: Key, partials: dict[Key, SliceStats]) -> None:
+        """The request record of ``rid`` (of ``key``) arrived: it runs no more.
+
+        It is reported as finished if it was reported as running long, or if its e2e says it
+        ran that long: where a worker's records are spread over sources (unkeyed telemetry),
+        the source that reported it running may not be the one that gets its record.
+        """
+        w = self._workers.get(worker)
+        entry = None
+        if w is not None:
+            w.last.pop(rid, None)
+            entry = w.first.pop(rid, None)
+        if entry is not None and entry[2]:
+            _stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = True
+        elif e2e_ms >= self.report_after * 1000.0:
+            _stats(partials, key).running_done[f"{worker}/{rid}"] = True
+
+    def close(self, slice_end: float, partials: dict[Key, SliceStats]) -> None:
+        """At the end of a slice: report requests now past ``report_after``, forget the lost ones."""
+        report_before = slice_end - self.report_after
+        lost_before = slice_end - self.lost_after
+        for worker, w in self._workers.items():
+            w.stamp()
+            first = w.first
+            # only tracked requests: a record may have ended one the latest step still lists
+            lost = [rid for rid, ts in w.last.items() if ts < lost_before or rid not in first]
+            for rid in lost:
+                del w.last[rid]
+                entry = first.pop(rid, None)
+                if entry is not None and entry[2]:
+                    _stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = False
+            listed_since = slice_end - STILL_LISTED_SECONDS
+            last = w.last
+            # first sightings are in (nearly) time order: stop at the first too young to report
+            for rid, entry in first.items():
+                if entry[0] > report_before:
+                    break
+                if not entry[2] and last.get(rid, -math.inf) >= listed_since:
+                    entry[2] = True
+                    _stats(partials, entry[1]).running_long[f"{worker}/{rid}"] = entry[0]
+
+
+def request_ids(step) -> Sequence[str]:
+    """The ids of the requests a step lists: a column of the fast decoders, or read off a `StepRecord`."""
+    ids = getattr(step, "ids", None)
+    return ids if ids is not None else [entry.id for entry in step.requests]
+
+
+def _scopes(step) -> tuple[Sequence[str], Sequence[str]]:
+    buckets = getattr(step, "buckets", None)
+    if buckets is not None:
+        return buckets, step.cohorts
+    return [entry.bucket for entry in step.requests], [entry.cohort for entry in step.requests]
+
+
+def _stats(partials: dict[Key, SliceStats], key: Key) -> SliceStats:
+    stats = partials.get(key)
+    if stats is None:
+        stats = partials[key] = SliceStats()
+    return stats
