@@ -903,7 +903,7 @@ class Stage2:
 
     def _on_stats(self, key: Key, stats: SliceStats, slice_end: float, out: SliceOutput) -> None:
         bundle, bucket, cohort = key
-        if not (stats.steps or stats.requests or stats.shadow_checks):
+        if not (stats.steps or stats.rounds or stats.requests or stats.shadow_checks):
             # Only running-request reports (a source that saw none of the key's records in this
             # slice): noted, but no slice of the key's history, which must not depend on how
             # records were spread over sources.
