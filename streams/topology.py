@@ -640,18 +640,22 @@ class Stage1:
 class _BlockStep:
     """Step ``row`` of a block as `RunningRequests.saw` reads it (only when a worker's batch changed)."""
 
-    __slots__ = ("_block", "_row", "_start", "_end")
+    __slots__ = ("_block", "_row", "_start", "_end", "_scoped")
 
     def __init__(self, block: StepBlock, row: int, start: int, end: int) -> None:
         self._block, self._row, self._start, self._end = block, row, start, end
+        self._scoped: list[Key] | None = None
 
     @property
     def bundle_id(self) -> str:
         return self._block.keys[self._block.bundle_key[self._row]][0]
 
     def _scopes(self) -> list[Key]:
-        keys = self._block.keys
-        return [keys[k] for k in self._block.round_key[self._start:self._end].tolist()]
+        """Each request's key, read off the step's rounds once (for both `buckets` and `cohorts`)."""
+        if self._scoped is None:
+            keys = self._block.keys
+            self._scoped = [keys[k] for k in self._block.round_key[self._start:self._end].tolist()]
+        return self._scoped
 
     @property
     def buckets(self) -> list[str]:
