@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from specwatch.bench import SECTIONS
+
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 
@@ -19,9 +21,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bootstrap", metavar="HOST:PORT",
                         help="Kafka broker for the end-to-end section and the export section's direct path "
                              "(default: a broker of this run's own, started with deploy/kafka/broker.sh)")
-    parser.add_argument("--section", action="append", default=[],
-                        choices=("stream", "kafka", "collector", "export", "engine", "archive", "replay", "growth", "keys",
-                                 "metrics"),
+    parser.add_argument("--section", action="append", default=[], choices=SECTIONS,
                         help="run only these sections (repeatable)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also draw the stream and growth figures, and the keys figure beside them (FILE-keys.png)")
@@ -58,6 +58,12 @@ def run(args) -> int:
               f"{row['us_per_key_slice']:6.1f} us per key-slice ({row['stage2_us_per_key_slice']:.1f} in stage 2), "
               f"x{row['over_one_key_rate']:.3f} of the 1-key rate ({keys['one_key_rounds_per_s']:,.0f})")
     for row in report.get("targets", []):
-        print(f"target {row['target']}: {row['measured']:,.2f} ({row['goal_is']} {row['goal']:,}) "
+        if row["met"] is None:
+            print(f"target {row['target']}: {row['note']}")
+            continue
+        versus = (f", {row['alternative']} {row['alternative_value']:,.2f} (x{row['ratio']:.3f})"
+                  if row["ratio"] is not None else "")
+        goal = f"{row['goal_is']} {row['goal']:,} on the {row['goal_on']}" if row["goal"] is not None else "stated"
+        print(f"target {row['target']}: {row['measured']:,.2f}{versus}; goal {goal}: "
               f"{'met' if row['met'] else 'NOT met'}")
     return 0
