@@ -39,6 +39,14 @@ def test_bench_without_bootstrap_starts_a_broker_of_its_own_and_stops_it():
         measured = report["kafka"][run]
         assert measured["drained"], run
         assert measured["decisions"] == measured["embedded_decisions"] > 0, run
+    # capacity first, then the paced run at 80 % of the two workers' capacity, where p99 is judged
+    kafka = report["kafka"]
+    assert kafka["capacity_rounds_per_s"] == kafka["two_workers"]["rounds_per_s"]
+    assert kafka["paced"]["paced_rounds_per_s"] == kafka["capacity_rounds_per_s"] * 0.8
+    rows = [row for row in report["targets"] if row["section"] == "kafka"]
+    assert len(rows) == 4 and all(row["met"] is not None and row["alternative_value"] is not None for row in rows)
+    assert rows[0]["measured"] == kafka["capacity_rounds_per_s"]
+    assert rows[1]["measured"] == kafka["paced"]["evidence_latency_p99_s"]
     clients = report["kafka"]["clients"]
     # every knob ran on the same messages as the defaults, and each was read back whole
     assert clients["produce"]["default"]["over_default"] == clients["consume"]["default"]["over_default"] == 1.0
