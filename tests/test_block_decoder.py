@@ -16,10 +16,10 @@ from test_bad_input import BAD_LINES
 from test_fastpath import ODD_LINES
 
 
-def _step(seq: int, requests, worker: str = "w1") -> bytes:
+def _step(seq: int, requests, worker: str = "w1", ascii_only: bool = True) -> bytes:
     return json.dumps({"v": 1, "ts": 100.0 + seq, "kind": "step", "worker": worker, "seq": seq, "bundle_id": "b",
                        "draft_ms": 1.5, "verify_ms": 9.0, "kv_usage": 0.5, "requests": requests},
-                      separators=(",", ":")).encode()
+                      separators=(",", ":"), ensure_ascii=ascii_only).encode()
 
 
 def _round(rid="r1", bucket="chat", cohort="main", drafted=4, accepted=3) -> dict:
@@ -146,7 +146,7 @@ def _steps(draw) -> list[bytes]:
         else:
             rounds = draw(st.lists(st.builds(_round, _NAME, _NAME, _NAME, st.integers(0, 100), st.integers(0, 100)),
                                    max_size=5))
-        line = _step(seq, rounds, worker=draw(st.sampled_from(["w1", "w2"])))
+        line = _step(seq, rounds, worker=draw(st.sampled_from(["w1", "w2"])), ascii_only=draw(st.booleans()))
         if draw(st.integers(0, 4)) == 0:
             line = line.replace(b',"accepted":', b', "accepted":')
         lines.append(line)
