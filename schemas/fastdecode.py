@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import struct
 from collections import Counter, _count_elements  # noqa: PLC2701 - Counter.update's C loop, without its Mapping check
 from dataclasses import dataclass
@@ -762,7 +763,6 @@ def decode_request_fast(data: bytes | bytearray | memoryview,
         append(step)
     return out
 
-
 # ------------------------------------------------ a block of records, its steps as columns
 #
 # The batch mode of the fast decoders: a block of JSON lines (a file chunk, a Kafka fetch)
@@ -778,11 +778,12 @@ class StepBlock:
 
     Per step (row ``i``): ``ts``, ``workers[i]`` / ``seqs[i]`` (its identity),
     ``bundle_key[i]`` (the index of ``(bundle_id, None, None)`` in ``keys``), ``draft_ms``,
-    ``verify_ms``, ``kv_usage``, and ``at[i]``, its position in the block (a line, a record
-    of the request). Per round row ``j`` (a round, or on OTLP a tally of equal rounds):
-    ``round_step[j]``, ``round_key[j]`` (an index into ``keys``), ``drafted[j]``,
-    ``accepted[j]`` and ``count[j]``; ``ids()`` gives each round's request id. ``others``: every other outcome
-    (records, `StepColumns`, rejections) as ``(position, decoded)``, in order.
+    ``verify_ms``, ``kv_usage``, ``step_ids[i]`` (its requests' ids, a tuple: steps that
+    list the same requests often share one) and ``at[i]``, its position in the block (a
+    line, a record of the request). Per round row ``j``: ``round_step[j]``, ``round_key[j]``
+    (an index into ``keys``), ``drafted[j]``, ``accepted[j]`` and ``count[j]``. ``others``:
+    every other outcome (records, `StepColumns`, rejections) as ``(position, decoded)``, in
+    order.
 
     ``record(i)`` builds step ``i`` as the reference codec does, ``builder(i)`` is what
     builds it (picklable, and holding only that step's bytes): for the few kept as samples.
@@ -803,15 +804,11 @@ class StepBlock:
     count: np.ndarray
     keys: list
     others: list
-    _ids: Callable[[], list]
+    step_ids: list
     _build: Callable[[int], Callable[[], TelemetryRecord | Rejection]]
 
     def __len__(self) -> int:
         return len(self.seqs)
-
-    def ids(self) -> list[str]:
-        """Each round's request id, in round order (made when asked for)."""
-        return self._ids()
 
     def builder(self, row: int) -> Callable[[], TelemetryRecord | Rejection]:
         return self._build(self.at[row])
@@ -821,19 +818,10 @@ class StepBlock:
 
 
 _BlockName = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
-_BlockCount = Annotated[int, msgspec.Meta(ge=0, le=_MAX_DRAFT)]
 
 
-# gc=False: a block makes a struct per round and holds them all at once, which would start
-# the cycle collector over and over; they hold only strings and ints, so no cycle.
-class _BlockRound(msgspec.Struct, gc=False):
-    id: _BlockName
-    bucket: _BlockName
-    cohort: _BlockName
-    drafted: _BlockCount
-    accepted: _BlockCount
-
-
+# A step's own fields; its requests stay bytes (`_read_rounds` reads them). gc=False: a
+# block makes a struct per step and holds them all at once; they hold no containers.
 class _BlockStep(msgspec.Struct, tag_field="kind", tag="step", gc=False):
     v: int
     ts: float
@@ -843,7 +831,26 @@ class _BlockStep(msgspec.Struct, tag_field="kind", tag="step", gc=False):
     draft_ms: float
     verify_ms: float
     kv_usage: float
-    requests: Annotated[list[_BlockRound], msgspec.Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    requests: msgspec.Raw
+
+
+_BlockCount = Annotated[int, msgspec.Meta(ge=0, le=_MAX_DRAFT)]
+
+
+# A step's round as `_any_layout` decodes it; gc=False as `_BlockStep`.
+class _BlockRound(msgspec.Struct, gc=False):
+    id: _BlockName
+    bucket: _BlockName
+    cohort: _BlockName
+    drafted: _BlockCount
+    accepted: _BlockCount
+
+
+_ROUNDS_DECODER = msgspec.json.Decoder(Annotated[list[_BlockRound], msgspec.Meta(max_length=MAX_REQUESTS_PER_STEP)])
+_ROUND_ID = attrgetter("id")
+_SCOPE = attrgetter("bucket", "cohort")
+_DRAFTED = attrgetter("drafted")
+_ACCEPTED = attrgetter("accepted")
 
 
 # Records of the other kinds, read no further here: each is decoded again, alone, by `decode_line_fast`.
@@ -853,6 +860,7 @@ _BLOCK_DECODER = msgspec.json.Decoder(list[Union[(_BlockStep, *_OTHER_KINDS)]])
 _LINE_DECODER = msgspec.json.Decoder(_BlockStep)
 _LINE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 _STEP_FIELDS = attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage", "v")
+_REQUESTS = attrgetter("requests")
 
 
 def _line_step(line: bytes) -> _BlockStep | None:
@@ -874,12 +882,159 @@ def _parsed_lines(lines: Sequence[bytes]) -> list:
     return [_line_step(line) for line in lines]
 
 
+# ---------------------------------------------- round columns read by position from the bytes
+#
+# A step's requests in the layout `codec.encode_record` writes,
+#   [{"id":"r1","bucket":"chat","cohort":"main","drafted":4,"accepted":3},...]
+# with every name printable ASCII without escapes, hold exactly 16 quotes per round, and
+# each round's counts sit two bytes after its 14th and 16th quote. `_read_rounds` reads the
+# counts of a whole block at those offsets with numpy. The rest of a step's requests (ids,
+# buckets, cohorts) repeats while a worker runs the same requests, so it is read, and its
+# layout proven with `_REQUESTS_LAYOUT`, once per distinct value of the step's requests with
+# their counts overwritten (`_MASK`). A step in any other layout (key order, spaces,
+# escapes, non-ASCII names) has its rounds decoded one by one (`_any_layout`).
+
+_QUOTES_PER_ROUND = 16
+_DRAFTED_QUOTE, _ACCEPTED_QUOTE = 13, 15  # the closing quotes of the keys "drafted" and "accepted"
+_TEXT = rb'[\x20\x21\x23-\x5b\x5d-\x7e]{1,%d}' % _MAX_NAME  # a Name: printable ASCII, no quote or backslash
+_COUNT = rb'[1-9]?[0-9]'  # 0-99 as JSON writes it; the bounds are checked on the numbers
+_ROUND_LAYOUT = (rb'\{"id":"' + _TEXT + rb'","bucket":"' + _TEXT + rb'","cohort":"' + _TEXT + rb'","drafted":'
+                 + _COUNT + rb',"accepted":' + _COUNT + rb'\}')
+_REQUESTS_LAYOUT = re.compile(rb'\[(?:' + _ROUND_LAYOUT + rb'(?:,' + _ROUND_LAYOUT + rb')*)?\]')
+_ROUND_NAMES = re.compile(rb'\{"id":"([^"]*)","bucket":"([^"]*)","cohort":"([^"]*)"')
+_MASK = ord("1")  # a count's digits, overwritten: "4" and "7" read alike, "12" and "4" do not
+_ZERO = ord("0")
+
+
+def _digits(buf: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The counts of one or two digits at ``at``: (value, whether two digits, whether a count at all)."""
+    first, second = buf[at].astype(np.int64) - _ZERO, buf[at + 1].astype(np.int64) - _ZERO
+    two = (second >= 0) & (second <= 9)
+    valid = (first >= 0) & (first <= 9) & ~(two & (first == 0))
+    return np.where(two, first * 10 + second, first), two, valid
+
+
+def _step_names(masked: bytes, pairs: dict) -> tuple | None:
+    """A step's requests (counts masked) as (ids, each round's index in ``pairs``), None if not read here."""
+    if _REQUESTS_LAYOUT.fullmatch(masked) is None:
+        return None
+    names = _ROUND_NAMES.findall(masked)
+    if len(names) > MAX_REQUESTS_PER_STEP:
+        return None
+    ids, buckets, cohorts = zip(*names) if names else ((), (), ())
+    scopes = list(zip(buckets, cohorts))
+    index: dict[tuple[bytes, bytes], int] = {}
+    for scope in dict.fromkeys(scopes):
+        bucket, cohort = scope[0].decode(), scope[1].decode()
+        if not (scope_name_ok(bucket) and scope_name_ok(cohort)):
+            return None
+        index[scope] = pairs.setdefault((bucket, cohort), len(pairs))
+    return tuple(rid.decode() for rid in ids), np.fromiter(map(index.__getitem__, scopes), np.int64, len(scopes))
+
+
+def _read_rounds(raws: list) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict]:
+    """Each step's requests (msgspec.Raw, valid JSON) read as round columns, without a Python object per round.
+
+    Returns ``(names, round_step, drafted, accepted, pair, pairs)``: per step, ``(ids, its
+    rounds' indices in pairs)``, or None if its requests are not read here; per round of
+    the steps read, its step, counts and (bucket, cohort) index; ``pairs``, (bucket,
+    cohort) -> index.
+    """
+    n_steps = len(raws)
+    lengths = np.fromiter(map(len, raws), np.int64, n_steps)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    joined = b"".join(raws)
+    buf = np.frombuffer(joined + b"\0\0\0", dtype=np.uint8)  # reads just past a step stay inside
+    quotes = np.flatnonzero(buf == 0x22)
+    per_step = np.diff(np.append(np.searchsorted(quotes, starts), len(quotes)))
+    plain = per_step % _QUOTES_PER_ROUND == 0
+    if not plain.all():
+        quotes = quotes[np.repeat(plain, per_step)]
+        per_step = np.where(plain, per_step, 0)
+    quotes = quotes.reshape(-1, _QUOTES_PER_ROUND)
+    round_step = np.repeat(np.arange(n_steps), per_step // _QUOTES_PER_ROUND)
+    drafted_at, accepted_at = quotes[:, _DRAFTED_QUOTE] + 2, quotes[:, _ACCEPTED_QUOTE] + 2
+    drafted, two_drafted, drafted_ok = _digits(buf, drafted_at)
+    accepted, two_accepted, accepted_ok = _digits(buf, accepted_at)
+    # only digits are overwritten, and only inside their own round: a quote follows drafted,
+    # `}]` at least follows accepted
+    ok = (drafted_ok & accepted_ok & (drafted_at + 1 < quotes[:, _DRAFTED_QUOTE + 1])
+          & (accepted_at + 2 < ends[round_step]))
+    plain[round_step[~ok]] = False
+    masked = buf.copy()
+    for at, two in ((drafted_at, two_drafted), (accepted_at, two_accepted)):
+        masked[at[ok]] = _MASK
+        masked[at[ok & two] + 1] = _MASK
+    masked_bytes = masked.tobytes()
+    memo: dict[bytes, tuple | None] = {}
+    pairs: dict[tuple[str, str], int] = {}
+    names: list = []
+    append = names.append
+    for start, end, read in zip(starts.tolist(), ends.tolist(), plain.tolist()):
+        if not read:
+            append(None)
+            continue
+        key = masked_bytes[start:end]
+        found = memo.get(key, _MISSING)
+        if found is _MISSING:
+            found = memo[key] = _step_names(key, pairs)
+        append(found)
+    others = [i for i, found in enumerate(names) if found is None]
+    if others:
+        round_step, drafted, accepted = _merged(names, round_step, drafted, accepted,
+                                                {i: _any_layout(raws[i], pairs) for i in others})
+    return names, round_step, drafted, accepted, pairs
+
+
+def _merged(names: list, round_step: np.ndarray, drafted: np.ndarray, accepted: np.ndarray,
+            decoded: dict[int, tuple | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The round columns with each step in ``decoded`` (by `_any_layout`) in place of what was read by position."""
+    bounds = np.searchsorted(round_step, np.arange(len(names) + 1)).tolist()
+    drafted_parts, accepted_parts = [], []
+    for i, found in enumerate(names):
+        if i not in decoded:
+            drafted_parts.append(drafted[bounds[i]:bounds[i + 1]])
+            accepted_parts.append(accepted[bounds[i]:bounds[i + 1]])
+            continue
+        found = decoded[i]
+        names[i] = None if found is None else found[:2]
+        drafted_parts.append(found[2] if found else drafted[:0])
+        accepted_parts.append(found[3] if found else accepted[:0])
+    round_step = np.repeat(np.arange(len(names)), [len(part) for part in drafted_parts])
+    return round_step, np.concatenate(drafted_parts), np.concatenate(accepted_parts)
+
+
+def _any_layout(raw: msgspec.Raw, pairs: dict) -> tuple | None:
+    """A step's requests decoded round by round, for a layout `_read_rounds` does not read by position.
+
+    Returns ``(ids, each round's index in pairs, drafted, accepted)``, or None if they fail
+    the checks of `step_columns`.
+    """
+    try:
+        rounds = _ROUNDS_DECODER.decode(raw)
+    except _LINE_ERRORS:
+        return None
+    ids = tuple(map(_ROUND_ID, rounds))
+    scopes = list(map(_SCOPE, rounds))
+    drafted = np.fromiter(map(_DRAFTED, rounds), np.int64, len(rounds))
+    accepted = np.fromiter(map(_ACCEPTED, rounds), np.int64, len(rounds))
+    if not all(map(_name, set(ids))):  # counts are checked with every other round's
+        return None
+    distinct = dict.fromkeys(scopes)
+    if not all(_name(name) and scope_name_ok(name) for scope in distinct for name in scope):
+        return None
+    index = {scope: pairs.setdefault(scope, len(pairs)) for scope in distinct}
+    return ids, np.fromiter(map(index.__getitem__, scopes), np.int64, len(scopes)), drafted, accepted
+
+
 def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     """A block of JSON lines as one `StepBlock`, positions being line numbers in the block.
 
-    Steps msgspec reads and the checks of `step_columns` pass become columns; every other
-    line is what `decode_line_fast` gives for it (blank lines give nothing). Records,
-    rejections and their order are those of `decode_line_fast` line by line.
+    Steps msgspec reads whose requests `_read_rounds` reads, and that pass the checks of
+    `step_columns`, become columns; every other line is what `decode_line_fast` gives for it
+    (blank lines give nothing). Records, rejections and their order are those of
+    `decode_line_fast` line by line.
 
     >>> step = (b'{"kind":"step","v":1,"ts":%d,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
     ...         b'"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
@@ -887,8 +1042,8 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     >>> block = decode_lines_block([step % (10, 1), step % (11, 2), b"", b"{", step % (12, 3)])
     >>> block.at, [(at, type(item).__name__) for at, item in block.others]
     ([0, 1, 4], [(3, 'Rejection')])
-    >>> block.seqs, block.keys, block.round_key.tolist(), block.ids(), block.record(1).seq
-    ([1, 2, 3], [('b', 'chat', 'main'), ('b', None, None)], [0, 0, 0], ['r', 'r', 'r'], 2)
+    >>> block.seqs, block.keys, block.round_key.tolist(), block.step_ids, block.record(1).seq
+    ([1, 2, 3], [('b', 'chat', 'main'), ('b', None, None)], [0, 0, 0], [('r',), ('r',), ('r',)], 2)
     """
     lines = [line.encode() if type(line) is str else line for line in lines]
     collecting = gc.isenabled()
@@ -897,81 +1052,59 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
         parsed = _parsed_lines(lines)
         at = [i for i, item in enumerate(parsed) if type(item) is _BlockStep]
         steps = [parsed[i] for i in at]
-        requests = [step.requests for step in steps]
-        rounds = list(chain.from_iterable(requests))
         header = list(zip(*map(_STEP_FIELDS, steps))) or ((),) * 8
-        n = len(rounds)
-        columns = (list(map(_SCOPE, rounds)), np.fromiter(map(_DRAFTED, rounds), np.int64, n),
-                   np.fromiter(map(_ACCEPTED, rounds), np.int64, n))
-        round_step = np.repeat(np.arange(len(steps)), list(map(len, requests)))
+        names, round_step, drafted, accepted, pairs = _read_rounds(list(map(_REQUESTS, steps)))
     finally:
         if collecting:
             gc.enable()
-    good = _checked(header, columns, round_step, rounds, lines, at)
-    if not good.all():  # a few steps the cheap checks leave to the reference
-        at = [position for position, keep in zip(at, good.tolist()) if keep]
-        keep_round = good[round_step]
-        header = [[value for value, keep in zip(column, good.tolist()) if keep] for column in header]
-        columns = ([pair for pair, keep in zip(columns[0], keep_round.tolist()) if keep],
-                   columns[1][keep_round], columns[2][keep_round])
-        rounds = [r for r, keep in zip(rounds, keep_round.tolist()) if keep]
+    good = _checked(header, names)
+    if len(drafted):
+        bad_round = (accepted > drafted) | (drafted > _MAX_DRAFT)
+        if bad_round.any():
+            good[round_step[bad_round]] = False
+    keep_round = good[round_step]
+    kept = good.tolist()
+    if not all(kept):  # a few steps left to `decode_line_fast`
+        at = [position for position, keep in zip(at, kept) if keep]
+        header = [[value for value, keep in zip(column, kept) if keep] for column in header]
+        names = [found for found, keep in zip(names, kept) if keep]
+        drafted, accepted = drafted[keep_round], accepted[keep_round]
         round_step = (np.cumsum(good) - 1)[round_step[keep_round]]
+    pair = np.concatenate([found[1] for found in names]) if names else np.zeros(0, dtype=np.int64)
     taken = set(at)
     others = [(position, decoded) for position, line in enumerate(lines) if position not in taken
               and (decoded := decode_line_fast(line)) is not None]
-    return _interned(header, round_step, columns, None, at, others, partial(_ids_of, rounds),
-                     lambda position: partial(decode_line, lines[position]))
+    return _interned(header, round_step, pair, list(pairs), drafted, accepted, at, others,
+                     [found[0] for found in names], lambda position: partial(decode_line, lines[position]))
 
 
-_SCOPE = attrgetter("bucket", "cohort")
-_DRAFTED = attrgetter("drafted")
-_ACCEPTED = attrgetter("accepted")
-_ROUND_ID = attrgetter("id")
-
-
-def _ids_of(rounds: list) -> list[str]:
-    return list(map(_ROUND_ID, rounds))
-
-
-def _checked(header, columns, round_step: np.ndarray, rounds: list, lines: list, at: list) -> np.ndarray:
-    """Which steps pass the checks of `step_columns` that msgspec did not make (finite times, names, rounds)."""
+def _checked(header, names: list) -> np.ndarray:
+    """Which steps pass the checks of `step_columns` that msgspec and `_read_rounds` did not make."""
     ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage, v = header
-    scopes, drafted, accepted = columns
     ts, draft_ms, verify_ms, kv_usage = (np.asarray(column, dtype=np.float64)
                                          for column in (ts, draft_ms, verify_ms, kv_usage))
     good = ((np.asarray(v, dtype=np.float64) == 1) & (ts >= 0) & (ts < _MAX_EXACT_INT) & (draft_ms >= 0)
             & (draft_ms < _INF) & (verify_ms >= 0) & (verify_ms < _INF) & (kv_usage >= 0) & (kv_usage <= 1))
+    good &= np.fromiter((found is not None for found in names), bool, len(names))
     bad_names = {name for name in set(workers) | set(bundles) if not _name(name)}
-    bad_scopes = {pair for pair in dict.fromkeys(scopes)
-                  if not all(_name(name) and scope_name_ok(name) for name in pair)}
-    bad_round = accepted > drafted
-    if bad_scopes:
-        bad_round |= np.fromiter(map(bad_scopes.__contains__, scopes), bool, len(scopes))
-    # Every string of ASCII JSON without escapes or DEL is printable (other raw control
-    # characters are not JSON): then no request id needs a look; otherwise each one does.
-    if rounds and any(not line.isascii() or b"\\" in line or b"\x7f" in line for line in map(lines.__getitem__, at)):
-        bad_round |= np.fromiter((not (i.isprintable() or printable(i)) for i in map(_ROUND_ID, rounds)), bool,
-                                 len(rounds))
     if bad_names:
         good &= np.fromiter((w not in bad_names and b not in bad_names for w, b in zip(workers, bundles)), bool,
                             len(workers))
-    if bad_round.any():
-        good[round_step[bad_round]] = False
     return good
 
 
-def _interned(header, round_step: np.ndarray, columns, count, at: list, others: list, ids: Callable,
-              build) -> StepBlock:
-    """A `StepBlock` with (bundle, bucket, cohort) interned; ``columns``: ((bucket, cohort) pairs, drafted, accepted)."""
+def _interned(header, round_step: np.ndarray, pair_index: np.ndarray, pairs: list, drafted, accepted, at: list,
+              others: list, step_ids: list, build) -> StepBlock:
+    """A `StepBlock` with (bundle, bucket, cohort) interned.
+
+    ``pair_index``: each round's (bucket, cohort), as an index into ``pairs``.
+    """
     ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage = header[:7]
-    scopes, drafted, accepted = columns
     # numbered in first-seen order, every per-item loop in C
     bundle_table = {name: i for i, name in enumerate(dict.fromkeys(bundles))}
     bundle_index = np.fromiter(map(bundle_table.__getitem__, bundles), np.int64, len(bundles))
-    pair_table = {pair: i for i, pair in enumerate(dict.fromkeys(scopes))}
-    pair_index = np.fromiter(map(pair_table.__getitem__, scopes), np.int64, len(scopes))
     bundle_names = list(bundle_table)
-    pairs = [*pair_table, (None, None)]  # the last: the bundle as a whole
+    pairs = [*pairs, (None, None)]  # the last: the bundle as a whole
     n_pairs = len(pairs)
     codes, inverse = np.unique(np.concatenate([bundle_index * n_pairs + n_pairs - 1,
                                                bundle_index[round_step] * n_pairs + pair_index]),
@@ -982,9 +1115,8 @@ def _interned(header, round_step: np.ndarray, columns, count, at: list, others: 
                                          for column in (ts, draft_ms, verify_ms, kv_usage))
     return StepBlock(ts, list(workers), list(seqs), inverse[:n].astype(np.int64), draft_ms, verify_ms, kv_usage, at,
                      round_step.astype(np.int64), inverse[n:].astype(np.int64), np.asarray(drafted, dtype=np.int64),
-                     np.asarray(accepted, dtype=np.int64),
-                     np.ones(len(pair_index), dtype=np.int64) if count is None else np.asarray(count, dtype=np.int64),
-                     keys, others, ids, build)
+                     np.asarray(accepted, dtype=np.int64), np.ones(len(pair_index), dtype=np.int64),
+                     keys, others, step_ids, build)
 
 
 def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
@@ -998,23 +1130,29 @@ def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
     ...         '"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
     ...         '"drafted":4,"accepted":3}]}')
     >>> block = request_block(encode_records([decode_line(step % (10, 1)), decode_line(step % (11, 2))]))
-    >>> block.seqs, block.keys, block.drafted.tolist(), block.ids(), block.record(1).seq
-    ([1, 2], [('b', 'chat', 'main'), ('b', None, None)], [4, 4], ['r', 'r'], 2)
+    >>> block.seqs, block.keys, block.drafted.tolist(), block.step_ids, block.record(1).seq
+    ([1, 2], [('b', 'chat', 'main'), ('b', None, None)], [4, 4], [('r',), ('r',)], 2)
     """
     items = decode_request_fast(data, as_rows=True)
     at = [i for i, item in enumerate(items) if type(item) is _StepRow]
     rows = [items[i] for i in at]
     header = list(zip(*(row.header for row in rows))) or ((),) * 7
-    columns = (list(zip(chain.from_iterable(row.buckets for row in rows),
-                        chain.from_iterable(row.cohorts for row in rows))),
-               np.frombuffer(b"".join(row.drafted for row in rows), dtype=np.uint8),
-               np.frombuffer(b"".join(row.accepted for row in rows), dtype=np.uint8))
+    pairs: dict[tuple[str, str], int] = {}
+    # the wire reader shares a column's tuple between the steps that repeat it: each pair of
+    # bucket and cohort columns is numbered once, not once per step
+    numbered: dict[tuple[tuple, tuple], np.ndarray] = {}
+    pair_index = []
+    for row in rows:
+        scopes = (row.buckets, row.cohorts)
+        index = numbered.get(scopes)
+        if index is None:
+            index = numbered[scopes] = np.fromiter((pairs.setdefault(pair, len(pairs)) for pair in zip(*scopes)),
+                                                   np.int64, len(row.buckets))
+        pair_index.append(index)
     round_step = np.repeat(np.arange(len(rows)), [len(row.ids) for row in rows])
     taken = set(at)
     others = [(position, item) for position, item in enumerate(items) if position not in taken]
-    return _interned(header, round_step, columns, None, at, others,
-                     partial(_chained, [row.ids for row in rows]), lambda position: items[position].build)
-
-
-def _chained(columns: list) -> list:
-    return list(chain.from_iterable(columns))
+    return _interned(header, round_step, np.concatenate(pair_index) if rows else np.zeros(0, dtype=np.int64),
+                     list(pairs), np.frombuffer(b"".join(row.drafted for row in rows), dtype=np.uint8),
+                     np.frombuffer(b"".join(row.accepted for row in rows), dtype=np.uint8), at, others,
+                     [row.ids for row in rows], lambda position: items[position].build)

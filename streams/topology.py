@@ -377,7 +377,7 @@ class Stage1:
         others = block.others
         next_other = others[0][0] if others else math.inf
         # the requests each step lists, for the running-request tracker (as `_add_step` tells it)
-        saw, ids = self.running.saw, block.ids()
+        saw, step_ids = self.running.saw, block.step_ids
         bounds = np.searchsorted(block.round_step, np.arange(len(block) + 1)).tolist()
         other = 0
         at = block.at
@@ -410,7 +410,7 @@ class Stage1:
             elif index not in open_slices:
                 open_slices[index] = SliceBatch(source, index, watermark)
             start, end = bounds[row], bounds[row + 1]
-            saw(worker, ts, tuple(ids[start:end]), _BlockStep(block, row, start, end))
+            saw(worker, ts, step_ids[row], _BlockStep(block, row, start, end))
             rows.append(row)
             slices.append(index)
             if clock.now != -math.inf and int((clock.now - lateness) // slice_s) - 1 > watermark:

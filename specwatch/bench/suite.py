@@ -28,7 +28,7 @@ from specwatch.bench.keys import bench_keys, step_lines
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_line_fast, decode_request_fast, request_block
+from specwatch.schemas.fastdecode import decode_line_fast, decode_lines_block, decode_request_fast, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.ingest import Ingest
@@ -227,6 +227,15 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                         p.feed_block(request_block(payload))
                 return [d.to_json_line() for d in p.decisions + p.finish()]
 
+            def decode_only():
+                # the batch mode's decoder alone: what of the columnar path is decoding
+                if encoding == "jsonl":
+                    for block in blocks:
+                        decode_lines_block(block)
+                else:
+                    for payload in otlp:
+                        request_block(payload)
+
             def parse_floor():
                 # msgspec's decode of every payload into plain objects, and nothing else
                 if encoding == "jsonl":
@@ -266,13 +275,14 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
 
             # interleaved, the least CPU of each over the repeats: on a shared machine one
             # run of each alone would mostly measure who else was running at the time
-            t_fast = t_columnar = t_floor = float("inf")
+            t_fast = t_columnar = t_floor = t_decode = float("inf")
             for _ in range(1 if smoke else 3):
                 t, fast_out = _cpu(fast)
                 t_fast = min(t_fast, t)
                 t, columnar_out = _cpu(columnar)
                 t_columnar = min(t_columnar, t)
                 t_floor = min(t_floor, _cpu(parse_floor)[0])
+                t_decode = min(t_decode, _cpu(decode_only)[0])
             t_ref, ref_out = _cpu(reference)
             t_naive, _ = _cpu(naive)
             rows.append({
@@ -282,6 +292,8 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                 "fast_rounds_per_s": rounds / t_fast, "reference_rounds_per_s": rounds / t_ref,
                 "naive_rounds_per_s": rounds / t_naive, "parse_floor_rounds_per_s": rounds / t_floor,
                 "columnar_over_fast": t_fast / t_columnar, "columnar_share_of_parse_floor": t_floor / t_columnar,
+                "columnar_decode_rounds_per_s": rounds / t_decode, "columnar_decode_share": t_decode / t_columnar,
+                "columnar_decode_share_of_parse_floor": t_floor / t_decode,
                 "speedup_vs_naive": t_naive / t_fast, "speedup_vs_reference": t_ref / t_fast,
                 "same_decisions_as_reference": fast_out == ref_out == columnar_out,
             })
