@@ -253,8 +253,12 @@ def test_unknown_bundles_and_empty_results_say_so(capsys, dsn, tmp_path):
 
     empty = f"chdb://{tmp_path}/empty"
     Archive.open(empty).close()
-    for argv, said in ((["decisions"], "0 rows\n"), (["bundles"], "no bundle in the archive yet\n")):
-        code, out, err = cli(capsys, "query", *argv, "--archive", empty)
+    for argv, said in ((["query", "decisions"], "0 rows\n"), (["query", "bundles"], "no bundle in the archive yet\n"),
+                       (["bundles", "list"], "no bundle in the archive yet\n"),
+                       (["flags", "list"], "speculation on everywhere: no decision or override in force\n"),
+                       (["query", "decisions", "--json"], ""), (["bundles", "list", "--json"], ""),
+                       (["flags", "list", "--json"], "")):
+        code, out, err = cli(capsys, *argv, "--archive", empty)
         assert (code, out, err) == (0, said, "")
 
 
@@ -283,6 +287,9 @@ def test_flags_set_list_clear_through_the_cli_with_audit_rows(dsn):
     listed = specwatch_process("flags", "list", "--json", "--archive", dsn)
     assert listed.returncode == 0, listed.stderr
     before = {(r["bundle_id"], r["bucket"], r["cohort"]): r for r in json_lines(listed.stdout)}
+    assert {tuple(r) for r in before.values()} == {(  # the table's made-up columns stay out of JSON
+        "bundle_id", "bucket", "cohort", "speculation", "draft_limit", "cohort_share", "reason", "since", "manual",
+        "by", "decision_id", "automatic")}
     assert before[("b-1", "coding", None)]["speculation"] == "off"
     assert before[("b-1", "coding", None)]["decision_id"] == DROP.id
     assert before[("b-2", None, None)]["reason"] == "bundle_changed"
