@@ -101,17 +101,18 @@ class Rig:
         return sorted(decision_key(d) for d in self.decide() if d.ts < cutoff)
 
 
-def _straight(chunks) -> Rig:
+def _delivered(chunks, fetch: int = 1) -> tuple[Rig, Stage1Runner]:
+    """A rig whose stage 1 took every telemetry partition, ``fetch`` messages at a time."""
     rig = Rig(chunks)
     stage1 = rig.runner(Stage1Runner)
-    rig.deliver_telemetry(stage1)
-    return rig
+    rig.deliver_telemetry(stage1, fetch=fetch)
+    return rig, stage1
 
 
 @pytest.fixture(scope="module")
 def straight(scenario):
     """The partials stage 1 sends when nothing goes wrong."""
-    return _straight(scenario[0]).partials()
+    return _delivered(scenario[0])[0].partials()
 
 
 def _busiest(rig: Rig) -> int:
@@ -121,7 +122,7 @@ def _busiest(rig: Rig) -> int:
 def test_runners_on_the_twin_decide_as_embedded(scenario):
     """Catch-up reads every partials partition, silent telemetry partitions are released: embedded's decisions."""
     chunks, cutoff, expected = scenario
-    rig = _straight(chunks)
+    rig, _ = _delivered(chunks)
     silent = [p for p in range(PARTITIONS) if not rig.kafka.records("t", p)]
     assert silent, "the scenario leaves no telemetry partition empty: the release path would go untested"
     assert rig.decided_before(cutoff) == expected
@@ -130,10 +131,8 @@ def test_runners_on_the_twin_decide_as_embedded(scenario):
 def test_whole_fetches_send_fewer_partials_messages_with_the_same_batches_and_decisions(scenario, straight):
     """The runner folds a fetch at once and sends one partials message per stage-2 partition for it."""
     chunks, cutoff, expected = scenario
-    one_by_one = _straight(chunks)
-    rig = Rig(chunks)
-    stage1 = rig.runner(Stage1Runner)
-    rig.deliver_telemetry(stage1, fetch=8)
+    one_by_one, _ = _delivered(chunks)
+    rig, stage1 = _delivered(chunks, fetch=8)
     assert rig.partials() == straight
     messages, singly = len(rig.kafka.topic_records("p")), len(one_by_one.kafka.topic_records("p"))
     assert stage1.partials_sent == messages < singly / 2
@@ -142,9 +141,7 @@ def test_whole_fetches_send_fewer_partials_messages_with_the_same_batches_and_de
 
 def test_a_fetch_of_a_whole_partition_is_split_below_the_message_limit(scenario, straight):
     chunks, cutoff, expected = scenario
-    rig = Rig(chunks)
-    stage1 = rig.runner(Stage1Runner)
-    rig.deliver_telemetry(stage1, fetch=10_000)
+    rig, _ = _delivered(chunks, fetch=10_000)
     sizes = [len(record.value) for record in rig.kafka.topic_records("p")]
     assert max(sizes) <= 512 * 1024 < sum(sizes) / PARTITIONS  # one message would not have fitted
     assert rig.partials() == straight
