@@ -192,9 +192,7 @@ class FlagStore:
     def stages(self) -> dict[str, AdmissionState]:
         """Every bundle with an admission stage; manual stages shown over automatic ones."""
         with self._lock:
-            merged = dict(self._stages)
-            merged.update(self._manual_stages)
-            return merged
+            return {**self._stages, **self._manual_stages}
 
     def override(self, scope: Scope, enabled: bool, by: str, reason: str, ts: float,
                  draft_limit: int | None = None) -> None:
@@ -223,7 +221,7 @@ class FlagStore:
                     reasons.append(state.reason)
                 if state.draft_limit is not None:
                     limit = state.draft_limit if limit is None else min(limit, state.draft_limit)
-            stage = self._manual_stages.get(bundle_id) or self._stages.get(bundle_id)
+            stage = self.admission(bundle_id)
             if stage is not None and not stage.allows(cohort):
                 enabled = False
                 reasons.append(stage.reason or stage.stage)
@@ -234,9 +232,7 @@ class FlagStore:
     def scopes(self) -> dict[Scope, ScopeState]:
         """Every scope with non-default state; manual overrides shown over automatic state."""
         with self._lock:
-            merged = dict(self._auto)
-            merged.update(self._manual)
-            return merged
+            return {**self._auto, **self._manual}
 
     def overrides(self) -> dict[Scope, ScopeState]:
         with self._lock:

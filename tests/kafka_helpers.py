@@ -25,10 +25,9 @@ from specwatch.actions.flags import FlagStore
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.schemas.otlp import encode_entries, log_entry
-from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.transport.kafka_io import PartitionReader
 
-from telemetry_log import decision_key
+from telemetry_log import decision_key, replayed
 
 SEED = 11
 WORKERS = 3
@@ -131,9 +130,7 @@ def make_feed(kafka_bootstrap: str, scenario: str, workers: int = WORKERS) -> Fe
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # The embedded run over the same records, meanwhile, on the other core.
     sim = Simulator(scenario, seed=SEED, workers=workers, minutes=MINUTES, incident_at=INCIDENT_AT)
-    pipeline = EmbeddedPipeline()
-    pipeline.feed_many(sim.records())
-    pipeline.finish()
+    pipeline = replayed(sim.records())
     _, err = producer.communicate(timeout=300)
     assert producer.returncode == 0, err
     # Two records no processor may fold: bytes that are not OTLP, and a step that breaks the contract.

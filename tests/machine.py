@@ -1,4 +1,4 @@
-"""What tests ask of this machine: a free local port, a condition awaited, the command line in a fresh process."""
+"""What tests ask of this machine: a free local port, a condition awaited, the command line here or in a fresh process."""
 
 from __future__ import annotations
 
@@ -26,6 +26,15 @@ def until(condition: Callable[[], object], patience_s: float = 30.0, interval_s:
             return False
         time.sleep(interval_s)
     return True
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``specwatch ARGV...`` in this process (arguments made strings): exit code, stdout, stderr."""
+    from specwatch.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def specwatch(*argv: str, timeout: float = 600, **run_options) -> subprocess.CompletedProcess:

@@ -38,11 +38,16 @@ def decision_key(decision: Decision) -> tuple:
     return (decision.ts, decision.bundle_id, decision.bucket, decision.cohort, decision.action, decision.reason)
 
 
+def replayed(records: Iterable, *args, **options) -> EmbeddedPipeline:
+    """An `EmbeddedPipeline` (made with ``args`` and ``options``) that has taken ``records`` and finished."""
+    pipeline = EmbeddedPipeline(*args, **options)
+    pipeline.feed_many(records)
+    pipeline.finish()
+    return pipeline
+
+
 def embedded_decisions(records: list, cutoff: float) -> list[tuple]:
     """The embedded pipeline's decisions before ``cutoff``, as sorted `decision_key`s (never empty)."""
-    embedded = EmbeddedPipeline()
-    embedded.feed_many(records)
-    embedded.finish()
-    expected = sorted(decision_key(d) for d in embedded.decisions if d.ts < cutoff)
+    expected = sorted(decision_key(d) for d in replayed(records).decisions if d.ts < cutoff)
     assert expected
     return expected

@@ -12,8 +12,9 @@ import os
 
 import pytest
 
-from specwatch import cli
 from specwatch.outputs import atomic_output
+
+from machine import run_cli
 
 _CARD = {"target": {"model_id": "m", "revision": "r1", "tokenizer_digest": "t", "quantization": "fp8"},
          "drafter": {"mechanism": "eagle3", "revision": "d1", "draft_length": 4}}
@@ -36,12 +37,6 @@ def telemetry(tmp_path):
     return path
 
 
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 # -- item 1: no command overwrites its own input ----------------------------------------------
 
 @pytest.mark.parametrize("spelling", ["same", "dot", "symlink", "hardlink"])
@@ -55,7 +50,7 @@ def test_replay_refuses_to_write_over_its_input_however_it_is_spelled(capsys, te
         os.symlink("telemetry.jsonl", "link.jsonl")
     if spelling == "hardlink":
         os.link("telemetry.jsonl", "hard.jsonl")
-    code, out, err = _run(capsys, "replay", "telemetry.jsonl", "--output", output)
+    code, out, err = run_cli(capsys, "replay", "telemetry.jsonl", "--output", output)
     assert code == 2
     assert err == f"specwatch replay: the output {output} is the input telemetry.jsonl; write the output to another file\n"
     assert out == ""
@@ -65,7 +60,7 @@ def test_replay_refuses_to_write_over_its_input_however_it_is_spelled(capsys, te
 def test_replay_refuses_to_write_over_its_policy_file(capsys, telemetry, tmp_path):
     policy = tmp_path / "policy.toml"
     policy.write_text("[kv]\nwatermark = 0.9\n")
-    code, _, err = _run(capsys, "replay", telemetry, "--policy", policy, "--output", policy)
+    code, _, err = run_cli(capsys, "replay", telemetry, "--policy", policy, "--output", policy)
     assert code == 2 and "is the input" in err
     assert policy.read_text() == "[kv]\nwatermark = 0.9\n"
 
@@ -75,7 +70,7 @@ def test_a_failed_replay_leaves_the_previous_output_in_place(capsys, tmp_path):
     output.write_text('{"earlier": "decisions"}\n')
     binary = tmp_path / "picture.png"
     binary.write_bytes(bytes(range(256)) * 40)
-    code, _, err = _run(capsys, "replay", binary, "--output", output)
+    code, _, err = run_cli(capsys, "replay", binary, "--output", output)
     assert code == 1
     assert output.read_text() == '{"earlier": "decisions"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decisions.jsonl", "picture.png"]  # no temp file left
@@ -83,7 +78,7 @@ def test_a_failed_replay_leaves_the_previous_output_in_place(capsys, tmp_path):
 
 def test_an_output_that_cannot_be_written_is_named_as_given(capsys, telemetry, tmp_path):
     output = tmp_path / "missing" / "decisions.jsonl"
-    code, _, err = _run(capsys, "replay", telemetry, "--output", output)
+    code, _, err = run_cli(capsys, "replay", telemetry, "--output", output)
     assert (code, err) == (2, f"specwatch replay: {output}: No such file or directory\n")
 
 
@@ -105,7 +100,7 @@ def test_atomic_output_replaces_only_on_success_and_keeps_the_mode(tmp_path):
 
 def test_simulate_writes_its_output_whole(capsys, tmp_path):
     output = tmp_path / "sim.jsonl"
-    code, _, err = _run(capsys, "simulate", "--output", output, "--minutes", "0.05", "--workers", "1")
+    code, _, err = run_cli(capsys, "simulate", "--output", output, "--minutes", "0.05", "--workers", "1")
     assert code == 0, err
     lines = output.read_text().splitlines()
     assert lines and f"-> {output}: {len(lines)} records" in err
@@ -117,9 +112,9 @@ def test_simulate_writes_its_output_whole(capsys, tmp_path):
 def test_gzipped_telemetry_replays_like_the_plain_file(capsys, telemetry, tmp_path):
     zipped = tmp_path / "telemetry.jsonl.gz"
     zipped.write_bytes(gzip.compress(telemetry.read_bytes()))
-    code, out, _ = _run(capsys, "replay", telemetry, "--output", tmp_path / "a.jsonl", "--json")
+    code, out, _ = run_cli(capsys, "replay", telemetry, "--output", tmp_path / "a.jsonl", "--json")
     plain = json.loads(out)
-    code_gz, out_gz, _ = _run(capsys, "replay", zipped, "--output", tmp_path / "b.jsonl", "--json")
+    code_gz, out_gz, _ = run_cli(capsys, "replay", zipped, "--output", tmp_path / "b.jsonl", "--json")
     from_gzip = json.loads(out_gz)
     assert (code, code_gz) == (0, 0)
     assert from_gzip["records"] == plain["records"] == 41 and from_gzip["rejected"] == 0
@@ -130,7 +125,7 @@ def test_binary_input_is_named_as_not_telemetry_and_fails(capsys, tmp_path):
     binary = tmp_path / "model.bin"
     binary.write_bytes(b"\x00\x01\xfe\xff" * 100 + b"\n" + b"\x89PNG\r\n\x1a\n")
     output = tmp_path / "decisions.jsonl"
-    code, out, err = _run(capsys, "replay", binary, "--output", output)
+    code, out, err = run_cli(capsys, "replay", binary, "--output", output)
     assert code == 1 and out == ""
     assert err.startswith(f"specwatch replay: {binary} is not JSON Lines telemetry: none of its 3 lines is a "
                           "contract-v1 record (3 invalid_json)")
@@ -141,7 +136,7 @@ def test_binary_input_is_named_as_not_telemetry_and_fails(capsys, tmp_path):
 def test_a_damaged_gzip_file_is_one_clear_line(capsys, telemetry, tmp_path):
     cut = tmp_path / "cut.jsonl.gz"
     cut.write_bytes(gzip.compress(telemetry.read_bytes())[:300])
-    code, _, err = _run(capsys, "replay", cut, "--output", tmp_path / "d.jsonl")
+    code, _, err = run_cli(capsys, "replay", cut, "--output", tmp_path / "d.jsonl")
     assert code == 1
     assert err.startswith(f"specwatch replay: {cut} is a damaged gzip file") and len(err.splitlines()) == 1
     assert not (tmp_path / "d.jsonl").exists()
@@ -150,7 +145,7 @@ def test_a_damaged_gzip_file_is_one_clear_line(capsys, telemetry, tmp_path):
 def test_a_byte_order_mark_on_the_first_line_is_not_a_bad_record(capsys, telemetry, tmp_path):
     marked = tmp_path / "bom.jsonl"
     marked.write_bytes(b"\xef\xbb\xbf" + telemetry.read_bytes())
-    code, out, _ = _run(capsys, "replay", marked, "--output", tmp_path / "d.jsonl", "--json")
+    code, out, _ = run_cli(capsys, "replay", marked, "--output", tmp_path / "d.jsonl", "--json")
     summary = json.loads(out)
     assert code == 0 and (summary["records"], summary["rejected"]) == (41, 0)
 
@@ -158,7 +153,7 @@ def test_a_byte_order_mark_on_the_first_line_is_not_a_bad_record(capsys, telemet
 def test_an_empty_input_is_no_error(capsys, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    code, out, _ = _run(capsys, "replay", empty, "--output", tmp_path / "d.jsonl", "--json")
+    code, out, _ = run_cli(capsys, "replay", empty, "--output", tmp_path / "d.jsonl", "--json")
     assert code == 0 and json.loads(out)["lines"] == 0
     assert (tmp_path / "d.jsonl").read_text() == ""
 
@@ -191,7 +186,7 @@ _ARCHIVE_COMMANDS = {
 def test_every_command_refuses_a_bad_archive_dsn_with_one_line(capsys, telemetry, tmp_path, monkeypatch, command, dsn):
     monkeypatch.chdir(tmp_path)
     argv = [a.format(telemetry=telemetry, tmp=tmp_path) for a in _ARCHIVE_COMMANDS[command]]
-    code, out, err = _run(capsys, *argv, "--archive", dsn)
+    code, out, err = run_cli(capsys, *argv, "--archive", dsn)
     assert code == 2
     assert err == f"specwatch {command}: {_BAD_DSNS[dsn]}\n"
     assert out == ""
@@ -200,9 +195,9 @@ def test_every_command_refuses_a_bad_archive_dsn_with_one_line(capsys, telemetry
 
 def test_a_bad_archive_dsn_in_the_environment_is_named_as_such(capsys, telemetry, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECWATCH_ARCHIVE", "foo")
-    code, _, err = _run(capsys, "query", "decisions")
+    code, _, err = run_cli(capsys, "query", "decisions")
     assert code == 2 and err.endswith("(from $SPECWATCH_ARCHIVE)\n")
-    code, _, err = _run(capsys, "replay", telemetry, "--output", tmp_path / "d.jsonl", "--archive", "")
+    code, _, err = run_cli(capsys, "replay", telemetry, "--output", tmp_path / "d.jsonl", "--archive", "")
     assert code == 2
     assert err == ("specwatch replay: --archive is empty: give chdb:///abs/path, chdb://relative/path or "
                    "http(s)://host[:port][/database]\n")

@@ -11,9 +11,9 @@ from specwatch.archive.store import Archive
 from specwatch.archive.sink import ArchiveSink
 from specwatch.simulation.simulator import Simulator
 from specwatch.analysis.postmortem import PLOTS
-from specwatch.streams.embedded import EmbeddedPipeline
 
 from machine import specwatch
+from telemetry_log import replayed
 
 SEED = 11
 
@@ -23,14 +23,11 @@ def archived(tmp_path_factory):
     """A short seeded acceptance-drop run archived to chDB: (dsn, decisions)."""
     path = tmp_path_factory.mktemp("archive") / "archive"
     dsn = f"chdb://{path}"
+    sim = Simulator("acceptance_drop", seed=SEED, minutes=2.2, workers=2, incident_at=90.0)
     with Archive.open(dsn) as archive:
         sink = ArchiveSink(archive)
-        pipeline = EmbeddedPipeline(sinks=[sink])
-        sim = Simulator("acceptance_drop", seed=SEED, minutes=2.2, workers=2, incident_at=90.0)
-        pipeline.feed_many(sim.records())
-        pipeline.finish()
+        decisions = replayed(sim.records(), sinks=[sink]).decisions
         sink.close()
-    decisions = pipeline.decisions
     assert [(d.action, d.reason, d.bucket) for d in decisions][:2] == [
         ("reduce_draft_length", "acceptance_drop", "coding"), ("disable_speculation", "acceptance_drop", "coding")]
     return dsn, decisions

@@ -19,10 +19,9 @@ from aiokafka.admin import NewTopic
 
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.otlp import encode_records
-from specwatch.streams.embedded import EmbeddedPipeline
 
 from kafka_helpers import PARTITIONS, Feed, create_topics, delete_topics, run_async
-from telemetry_log import decision_key
+from telemetry_log import decision_key, replayed
 from kafka_helpers import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
 
 pytestmark = pytest.mark.kafka
@@ -72,9 +71,7 @@ def unkeyed_feed(kafka_bootstrap):
     run_async(create_topics(kafka_bootstrap, NewTopic(topic, PARTITIONS, 1)))
     try:
         assert run_async(_send_unkeyed(kafka_bootstrap, topic, records, seed=3)) > 100
-        pipeline = EmbeddedPipeline()
-        pipeline.feed_many(records)
-        pipeline.finish()
+        pipeline = replayed(records)
         cutoff = sim.end_ts - _TAIL_SECONDS
         decided = [d for d in pipeline.decisions if d.ts < cutoff]
         assert any(d.action == "invalidate_bundle" for d in decided)

@@ -19,7 +19,6 @@ from kafka.partitioner.default import murmur2
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy
 from specwatch.schemas.otlp import encode_records
-from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.faust_tasks import (
     BundleOwner,
     Stage1Task,
@@ -30,7 +29,7 @@ from specwatch.streams.faust_tasks import (
     route_batches,
 )
 
-from telemetry_log import exporter_batches
+from telemetry_log import exporter_batches, replayed
 
 _FLUSH_EVENT_SECONDS = 0.5  # how much event time one exporter batch holds
 # How far in event time one stage-1 partition may run ahead of another: consumers that keep
@@ -101,10 +100,7 @@ def _distributed(log: dict[int, list[tuple[float, bytes]]], partitions: int, see
 
 
 def _replayed(records) -> list[str]:
-    pipeline = EmbeddedPipeline()
-    pipeline.feed_many(records)
-    pipeline.finish()
-    return sorted(d.to_json_line() for d in pipeline.decisions)
+    return sorted(d.to_json_line() for d in replayed(records).decisions)
 
 
 @pytest.fixture(scope="module", params=["bundle_change", "acceptance_drop", "error_burst"])

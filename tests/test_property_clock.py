@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy
-from specwatch.streams.embedded import EmbeddedPipeline
+
+from telemetry_log import replayed
 
 # baselines learned in 15 s, so that a 54 s scenario reaches its decisions
 _POLICY = Policy.model_validate({"baseline": {"learn_seconds": 15}})
@@ -29,16 +30,9 @@ _PROPERTY = settings(max_examples=6, derandomize=True, deadline=None, database=N
 def _scenario(name: str) -> tuple[tuple, tuple[str, ...]]:
     sim = Simulator(name, seed=11, workers=2, minutes=0.9, incident_at=25.0)
     records = tuple(sim.records())
-    pipeline = _replay(records)
+    pipeline = replayed(records, _POLICY)
     assert pipeline.decisions
     return records, tuple(d.to_json_line() for d in pipeline.decisions)
-
-
-def _replay(records) -> EmbeddedPipeline:
-    pipeline = EmbeddedPipeline(_POLICY)
-    pipeline.feed_many(records)
-    pipeline.finish()
-    return pipeline
 
 
 def _rogue(record, ts: float):
@@ -58,7 +52,7 @@ def test_one_skewed_record_changes_no_decision(scenario, position, seconds):
     at = int(position * len(records))
     original = next(r for r in records[at:] if r.kind in ("step", "request"))
     rogue = _rogue(original, original.ts + seconds)  # unix times: never below zero
-    pipeline = _replay(records[:at] + (rogue,) + records[at:])
+    pipeline = replayed(records[:at] + (rogue,) + records[at:], _POLICY)
     reason = "clock_ahead" if rogue.ts > original.ts else "clock_behind"
     assert pipeline.counters.rejected.as_dict() == {reason: 1}
     assert pipeline.counters.late_records == 0

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from specwatch.simulation.simulator import BUCKETS, Simulator
 from specwatch.schemas.contract import RequestRecord, StepRecord
-from specwatch.streams.embedded import EmbeddedPipeline
+
+from telemetry_log import replayed
 
 _EXAMPLES = int(os.environ.get("SPECWATCH_OUTLIER_EXAMPLES", "8"))
 _PROPERTY = settings(max_examples=_EXAMPLES, derandomize=True, deadline=None, print_blob=True,
@@ -40,9 +41,7 @@ def _run(scenario: str):
 
 
 def _decisions(records) -> list[tuple]:
-    pipeline = EmbeddedPipeline()
-    pipeline.feed_many(records)
-    pipeline.finish()
+    pipeline = replayed(records)
     assert pipeline.counters.rejected.total == 0
     return [(d.ts, d.action, d.reason, d.bundle_id, d.bucket, d.cohort) for d in pipeline.decisions]
 

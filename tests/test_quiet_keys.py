@@ -9,15 +9,14 @@ import pytest
 
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import StepRecord
-from specwatch.streams.embedded import EmbeddedPipeline
+
+from telemetry_log import replayed
 
 SEED = 11
 
 
 def _decisions(records, sim):
-    pipeline = EmbeddedPipeline()
-    pipeline.feed_many(records)
-    pipeline.finish()
+    pipeline = replayed(records)
     return [(round(d.ts - sim.start_ts, 2), d.action, d.reason, d.bucket, d.cohort) for d in pipeline.decisions], \
         pipeline
 

@@ -28,9 +28,6 @@ _SETTINGS = StreamSettings(bootstrap="memory:0", telemetry_topics=("t",), partia
                            partials_partitions=PARTITIONS, checkpoint_seconds=5.0, policy=Policy())
 
 
-_key = decision_key
-
-
 @pytest.fixture(scope="module")
 def scenario():
     sim = Simulator("kv_pressure", seed=11, workers=3, minutes=1.0, incident_at=30.0)
@@ -72,11 +69,11 @@ class Rig:
             self.now += tick
             self.run(runner.handle(records[i:i + fetch]))
 
-    def deliver_others(self, runner, busiest: int) -> None:
-        """`deliver` every telemetry partition but ``busiest``."""
+    def deliver_telemetry(self, runner, but: int | None = None, fetch: int = 1) -> None:
+        """`deliver` every telemetry partition (but ``but``)."""
         for p in range(PARTITIONS):
-            if p != busiest:
-                self.deliver(runner, "t", p)
+            if p != but:
+                self.deliver(runner, "t", p, fetch=fetch)
 
     def partials(self) -> set[tuple[int, str]]:
         """Every slice batch with content sent to stage 2, with its partition, however the batches were
@@ -100,19 +97,22 @@ class Rig:
         assert len({d.id for d in decisions}) == len(decisions), "a decision was published twice"
         return decisions
 
+    def decided_before(self, cutoff: float) -> list[tuple]:
+        return sorted(decision_key(d) for d in self.decide() if d.ts < cutoff)
 
-def _straight(chunks) -> Rig:
+
+def _delivered(chunks, fetch: int = 1) -> tuple[Rig, Stage1Runner]:
+    """A rig whose stage 1 took every telemetry partition, ``fetch`` messages at a time."""
     rig = Rig(chunks)
     stage1 = rig.runner(Stage1Runner)
-    for p in range(PARTITIONS):
-        rig.deliver(stage1, "t", p)
-    return rig
+    rig.deliver_telemetry(stage1, fetch=fetch)
+    return rig, stage1
 
 
 @pytest.fixture(scope="module")
 def straight(scenario):
     """The partials stage 1 sends when nothing goes wrong."""
-    return _straight(scenario[0]).partials()
+    return _delivered(scenario[0])[0].partials()
 
 
 def _busiest(rig: Rig) -> int:
@@ -122,37 +122,30 @@ def _busiest(rig: Rig) -> int:
 def test_runners_on_the_twin_decide_as_embedded(scenario):
     """Catch-up reads every partials partition, silent telemetry partitions are released: embedded's decisions."""
     chunks, cutoff, expected = scenario
-    rig = _straight(chunks)
+    rig, _ = _delivered(chunks)
     silent = [p for p in range(PARTITIONS) if not rig.kafka.records("t", p)]
     assert silent, "the scenario leaves no telemetry partition empty: the release path would go untested"
-    decided = rig.decide()
-    assert sorted(_key(d) for d in decided if d.ts < cutoff) == expected
+    assert rig.decided_before(cutoff) == expected
 
 
 def test_whole_fetches_send_fewer_partials_messages_with_the_same_batches_and_decisions(scenario, straight):
     """The runner folds a fetch at once and sends one partials message per stage-2 partition for it."""
     chunks, cutoff, expected = scenario
-    one_by_one = _straight(chunks)
-    rig = Rig(chunks)
-    stage1 = rig.runner(Stage1Runner)
-    for p in range(PARTITIONS):
-        rig.deliver(stage1, "t", p, fetch=8)
+    one_by_one, _ = _delivered(chunks)
+    rig, stage1 = _delivered(chunks, fetch=8)
     assert rig.partials() == straight
     messages, singly = len(rig.kafka.topic_records("p")), len(one_by_one.kafka.topic_records("p"))
     assert stage1.partials_sent == messages < singly / 2
-    assert sorted(_key(d) for d in rig.decide() if d.ts < cutoff) == expected
+    assert rig.decided_before(cutoff) == expected
 
 
 def test_a_fetch_of_a_whole_partition_is_split_below_the_message_limit(scenario, straight):
     chunks, cutoff, expected = scenario
-    rig = Rig(chunks)
-    stage1 = rig.runner(Stage1Runner)
-    for p in range(PARTITIONS):
-        rig.deliver(stage1, "t", p, fetch=10_000)
+    rig, _ = _delivered(chunks, fetch=10_000)
     sizes = [len(record.value) for record in rig.kafka.topic_records("p")]
     assert max(sizes) <= 512 * 1024 < sum(sizes) / PARTITIONS  # one message would not have fitted
     assert rig.partials() == straight
-    assert sorted(_key(d) for d in rig.decide() if d.ts < cutoff) == expected
+    assert rig.decided_before(cutoff) == expected
 
 
 def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, straight):
@@ -166,11 +159,10 @@ def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, straight)
     total = len(rig.kafka.records("t", busiest))
     assert saved.next_offset == total - total % 5
     restarted = rig.runner(Stage1Runner)  # the worker died; the group redelivers from its committed offset 0
-    for p in range(PARTITIONS):
-        rig.deliver(restarted, "t", p)
+    rig.deliver_telemetry(restarted)
     assert restarted.skipped == saved.next_offset
     assert rig.partials() == straight
-    assert sorted(_key(d) for d in rig.decide() if d.ts < cutoff) == expected
+    assert rig.decided_before(cutoff) == expected
 
 
 def test_what_the_consumer_skipped_is_read_from_the_log(scenario, straight):
@@ -185,7 +177,7 @@ def test_what_the_consumer_skipped_is_read_from_the_log(scenario, straight):
     rig.deliver(restarted, "t", busiest, start=17)  # the group committed up to 17 without delivering 10..16
     assert rig.acknowledged == [("t", busiest, offset) for offset in range(10, 17)]
     assert restarted.skipped == 0
-    rig.deliver_others(restarted, busiest)
+    rig.deliver_telemetry(restarted, busiest)
     assert rig.partials() == straight
 
 
@@ -221,7 +213,7 @@ def test_a_revoked_partition_is_rebuilt_from_its_checkpoint_not_from_memory(scen
     assert ("t", busiest) not in runner._tasks
     rig.deliver(runner, "t", busiest, start=8)
     assert rig.acknowledged == [("t", busiest, offset) for offset in (5, 6, 7)]
-    rig.deliver_others(runner, busiest)
+    rig.deliver_telemetry(runner, busiest)
     assert rig.partials() == straight
 
 

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from specwatch.simulation.simulator import Simulator
-from specwatch.streams.embedded import EmbeddedPipeline
+
+from telemetry_log import replayed
 
 SEED = 11
 
@@ -25,9 +26,7 @@ def _actions(scenario: str, workers: int = 4, shuffle_seed: int | None = None):
         keyed = [(int(r.ts), rng.random(), i) for i, r in enumerate(records)]
         records = [records[i] for _, _, i in sorted(keyed)]
     actions = []
-    pipeline = EmbeddedPipeline(sinks=[lambda output: actions.extend(output.actions)])
-    pipeline.feed_many(records)
-    pipeline.finish()
+    replayed(records, sinks=[lambda output: actions.extend(output.actions)])
     return actions
 
 

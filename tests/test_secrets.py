@@ -24,10 +24,10 @@ from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy, RequestRecord
-from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
 
 from machine import free_port
+from telemetry_log import replayed
 
 
 def _secret(prefix: str) -> str:
@@ -89,10 +89,8 @@ def test_clickhouse_credentials_stay_out_of_errors_logs_and_the_spool(tmp_path, 
     errors.append(raised.value)
 
     sink = ArchiveSink.open(f"http://ops:{in_dsn}@127.0.0.1:{port}/specwatch", spool=tmp_path / "spool")
-    outputs = []
-    pipeline = EmbeddedPipeline(sinks=[outputs.append, sink])
-    pipeline.feed_many(Simulator("bundle_change", seed=3, minutes=0.1, workers=2, incident_at=0.5).records())
-    pipeline.finish()
+    pipeline = replayed(Simulator("bundle_change", seed=3, minutes=0.1, workers=2, incident_at=0.5).records(),
+                        sinks=[sink])
     sink.close()
     assert sink.stats()["spooled"] > 0 and pipeline.decisions
     spooled = b"".join(p.read_bytes() for p in (tmp_path / "spool").iterdir())
@@ -117,10 +115,7 @@ def test_nothing_secret_or_prompt_like_lands_in_archived_rows(tmp_path, monkeypa
     policy = Policy.model_validate({"baseline": {"learn_seconds": 10}})
     with Archive.open(f"chdb://{tmp_path / 'archive'}") as archive:
         sink = ArchiveSink(archive, spool=tmp_path / "spool")
-        pipeline = EmbeddedPipeline(policy=policy, sinks=[sink])
-        pipeline.feed_many(records)
-        pipeline.finish()
-        assert pipeline.decisions
+        assert replayed(records, policy=policy, sinks=[sink]).decisions
         # And one decision whose sample is surely a failed request quoting its prompt.
         decision = Decision(ts=failed.ts, bundle_id=failed.bundle_id, bucket=failed.bucket, action="alert",
                             reason="error_rate", detector="error_gate", sample_ids=[failed.id])

@@ -13,9 +13,9 @@ from specwatch.archive.store import Archive
 from specwatch.archive.sink import ArchiveSink
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import StepRecord
-from specwatch.streams.embedded import EmbeddedPipeline
 
 from machine import specwatch
+from telemetry_log import replayed
 
 SEED = 11
 
@@ -29,11 +29,8 @@ def archived(tmp_path_factory):
     records = list(sim.records())
     with Archive.open(dsn) as archive:
         sink = ArchiveSink(archive)
-        pipeline = EmbeddedPipeline(sinks=[sink])
-        pipeline.feed_many(records)
-        pipeline.finish()
+        assert replayed(records, sinks=[sink]).decisions == []
         sink.close()
-    assert pipeline.decisions == []
     return dsn, records, sim
 
 

@@ -43,8 +43,21 @@ def decision_message(decision: Decision, keyring: Keyring) -> Message:
     >>> key, decode_decision(value) == decision, headers
     (b'b-1/coding/*', True, [])
     """
-    value = decision.to_json_line().encode("utf-8")
-    return decision.key.encode("utf-8"), value, sign_line(value, keyring)
+    return _signed(decision, keyring)
+
+
+def _signed(item: Decision | Heartbeat, keyring: Keyring) -> Message:
+    value = item.to_json_line().encode("utf-8")
+    return item.key.encode("utf-8"), value, sign_line(value, keyring)
+
+
+def _decoded(model: type[Decision] | type[Heartbeat], value: bytes | str | None):
+    if value is None:
+        return None
+    try:
+        return model.model_validate_json(value)
+    except (ValidationError, ValueError):
+        return None
 
 
 def decode_decision(value: bytes | str | None) -> Decision | None:
@@ -55,12 +68,7 @@ def decode_decision(value: bytes | str | None) -> Decision | None:
     >>> decode_decision(line.encode()).action, decode_decision(b"{oops"), decode_decision(None)
     ('alert', None, None)
     """
-    if value is None:
-        return None
-    try:
-        return Decision.model_validate_json(value)
-    except (ValidationError, ValueError):
-        return None
+    return _decoded(Decision, value)
 
 
 class Heartbeat(BaseModel):
@@ -94,12 +102,7 @@ def decode_heartbeat(value: bytes | str | None) -> Heartbeat | None:
     >>> key, decode_heartbeat(value).watermark, headers
     (b'__heartbeat__/stage2-0', 1700.5, [])
     """
-    if value is None:
-        return None
-    try:
-        return Heartbeat.model_validate_json(value)
-    except (ValidationError, ValueError):
-        return None
+    return _decoded(Heartbeat, value)
 
 
 def heartbeat_message(publisher_id: str, seq: int, watermark: float | None, *, keyring: Keyring,
@@ -123,8 +126,7 @@ def heartbeat_message(publisher_id: str, seq: int, watermark: float | None, *, k
         watermark = None
     beat = Heartbeat(publisher=publisher_id, seq=seq, watermark=watermark,
                      wall_time=time.time() if wall_time is None else wall_time)
-    value = beat.to_json_line().encode("utf-8")
-    return beat.key.encode("utf-8"), value, sign_line(value, keyring)
+    return _signed(beat, keyring)
 
 
 def is_heartbeat_key(key: bytes | None) -> bool:

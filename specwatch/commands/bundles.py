@@ -57,23 +57,17 @@ def _list(args: argparse.Namespace) -> int:
         rows = archive.bundle_registry()
     for row in rows:
         row["card_summary"] = _card(row["card"])
-    if args.json:
-        print_rows(rows, (), as_json=True)
-        return 0
-    if not rows:
-        print("no bundle in the archive yet")
-        return 0
     print_rows(rows, [
         ("bundle_id", "bundle", str), ("stage", "stage", _opt), ("cohort_share", "share", _opt),
         ("stage_since", "since (UTC)", format_ts), ("stage_by", "by", _opt),
         ("first_seen", "first seen (UTC)", format_ts), ("card_summary", "card", str),
-    ], as_json=False)
+    ], args.json, empty="no bundle in the archive yet")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
-        row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
+        row = _registered(archive, args.bundle_id)
         history = archive.stage_history(args.bundle_id)
     if row is None:
         print(f"specwatch: no bundle {args.bundle_id} in the archive", file=sys.stderr)
@@ -110,7 +104,7 @@ def _change(args: argparse.Namespace) -> int:
     settings = load_policy(getattr(args, "policy", None)).admission
     keyring = publish_keyring(args)
     with open_archive(args.archive) as archive:
-        row = next((r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
+        row = _registered(archive, args.bundle_id)
         if row is None:
             raise CommandError(f"no bundle {args.bundle_id} in the archive", _EXIT_NOT_FOUND)
         try:
@@ -130,6 +124,10 @@ def _change(args: argparse.Namespace) -> int:
               + (f" (cohort share {share:g})" if stage in ("shadow", "canary") else "")
               + f" by {by}: {reason} ({change_id})")
     return 0 if published else _EXIT_NOT_PUBLISHED
+
+
+def _registered(archive, bundle_id: str) -> dict | None:
+    return next((row for row in archive.bundle_registry() if row["bundle_id"] == bundle_id), None)
 
 
 def _evidence(change: dict) -> str:

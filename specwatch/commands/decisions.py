@@ -96,10 +96,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = KafkaConfig.from_env(args.bootstrap)
-    except ValueError as error:
-        print(f"specwatch decisions: {error}", file=sys.stderr)
-        return _EXIT_UNREACHABLE
-    try:
         keyring = Keyring.from_env()
     except ValueError as error:
         print(f"specwatch decisions: {error}", file=sys.stderr)

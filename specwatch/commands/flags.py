@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 
 from specwatch.commands._arguments import CommandError, add_archive_options, open_archive
-from specwatch.commands.query import format_ts, print_rows
+from specwatch.commands.query import format_scope, format_ts, print_rows
 from specwatch.transport.topics import DECISIONS_TOPIC
 
 __all__ = ["DESCRIPTION", "add_arguments", "add_publish_options", "publish_keyring", "publish_manual"]
@@ -171,22 +171,16 @@ def _list(args: argparse.Namespace) -> int:
     # like `specwatch decisions`: messages flag clients ignore for their signature mean
     # someone other than the key holders writes the topic
     code = _EXIT_NOT_PUBLISHED if ignored else 0
-    if args.json:
-        print_rows(rows, (), as_json=True)
-        return code
-    if not rows:
-        print("speculation on everywhere: no decision or override in force")
-        return code
-    for row in rows:
+    for row in [] if args.json else rows:  # JSON keeps the fields the source line is made of
         row["source"] = f"manual by {row['by']}" if row["manual"] else (row["decision_id"] or "")
         if row["manual"] and row["automatic"]:
             row["source"] += f" (automatic: {row['automatic']})"
     print_rows(rows, [
-        ("bundle_id", "bundle", str), ("bucket", "bucket", _scope), ("cohort", "cohort", _scope),
+        ("bundle_id", "bundle", str), ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope),
         ("speculation", "speculation", str), ("draft_limit", "draft limit", _opt),
         ("cohort_share", "share", _opt), ("since", "since (UTC)", format_ts),
         ("reason", "reason", str), ("source", "source", str),
-    ], as_json=False)
+    ], args.json, empty="speculation on everywhere: no decision or override in force")
     return code
 
 
@@ -279,10 +273,6 @@ def _key(scope: tuple[str, str | None, str | None]) -> str:
     from specwatch.schemas import decision_key  # pydantic is heavy; the parser stays light
 
     return decision_key(*scope)
-
-
-def _scope(value: object) -> str:
-    return "*" if value is None else str(value)
 
 
 def _opt(value: object) -> str:

@@ -16,12 +16,13 @@ from typing import Any, Callable, Iterable, Sequence, TextIO
 
 from specwatch.commands._arguments import add_archive_options, open_archive
 
-__all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_ts"]
+__all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_scope", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
 _TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
 _EXIT_NOT_FOUND = 1
 _EXIT_USAGE = 2
+_NO_ROWS = "0 rows"
 
 Column = tuple[str, str, Callable[[Any], str]]  # (key, header, formatter)
 
@@ -110,8 +111,10 @@ def format_ts(ts: float | None) -> str:
 
 
 def print_rows(rows: Iterable[dict], columns: Sequence[Column], as_json: bool,
-               out: TextIO | None = None) -> int:
+               out: TextIO | None = None, empty: str | None = None) -> int:
     """Rows as an aligned table (numbers right-aligned) or as JSON Lines; returns the count.
+
+    ``empty`` is the text form of no rows (JSON Lines of no rows are no lines).
 
     >>> print_rows([{"a": "x", "n": 1.5}, {"a": "long", "n": float("nan")}],
     ...            [("a", "A", str), ("n", "N", _num(2))], as_json=False, out=sys.stdout)
@@ -123,7 +126,10 @@ def print_rows(rows: Iterable[dict], columns: Sequence[Column], as_json: bool,
     out = out or sys.stdout
     rows = list(rows)
     try:
-        _write_rows(rows, columns, as_json, out)
+        if rows or as_json or empty is None:
+            _write_rows(rows, columns, as_json, out)
+        else:
+            out.write(empty + "\n")
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, and keep the interpreter's
         # final flush from raising again.
@@ -162,12 +168,12 @@ def _decisions(args: argparse.Namespace) -> int:
         rows = archive.decisions(bundle_id=args.bundle, bucket=args.bucket, reason=args.reason,
                                  action=args.action, since=args.since, until=args.until,
                                  limit=args.limit or None)
-    _table(rows, [
+    print_rows(rows, [
         ("ts", "time (UTC)", format_ts), ("decision_id", "decision", str), ("bundle_id", "bundle", str),
-        ("bucket", "bucket", _scope), ("cohort", "cohort", _scope), ("action", "action", str),
+        ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope), ("action", "action", str),
         ("reason", "reason", str), ("detector", "detector", str),
         ("evidence", "evidence", lambda e: _pairs(e, limit=4)),
-    ], args.json)
+    ], args.json, empty=_NO_ROWS)
     return 0
 
 
@@ -214,9 +220,9 @@ def _samples(args: argparse.Namespace) -> int:
     for row in rows:
         if not args.json:
             row["summary"] = _record_summary(row["record"])
-    _table(rows, [
+    print_rows(rows, [
         ("ts", "time (UTC)", format_ts), ("kind", "kind", str), ("sample_id", "sample", str),
-        ("worker", "worker", _scope), ("bucket", "bucket", _scope), ("cohort", "cohort", _scope),
+        ("worker", "worker", format_scope), ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope),
         ("summary", "what", str),
     ], args.json, empty=f"no samples archived with decision {args.decision_id}")
     return 0
@@ -248,11 +254,8 @@ def _timeline(args: argparse.Namespace) -> int:
         tipping = next((row["ts"] for row in rows if row["ts"] >= center), None)
         for row in rows:
             row["mark"] = "<" if row["ts"] == tipping else ""
-    if args.json:
-        print_rows(rows, (), as_json=True)
-        return 0
     columns = [
-        ("ts", "slice end (UTC)", format_ts), ("bucket", "bucket", _scope), ("cohort", "cohort", _scope),
+        ("ts", "slice end (UTC)", format_ts), ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope),
         ("speculation_on", "spec", lambda v: "on" if v else "off"), ("rounds", "rounds", str),
         ("acceptance_length", "AL", _num(2)), ("draft_overhead", "draft ovh", _num(3)),
         ("speedup", "speedup", _num(2)), ("ttft_p99", "ttft p99", _num(1)),
@@ -261,8 +264,8 @@ def _timeline(args: argparse.Namespace) -> int:
     ]
     if center is not None:
         columns.append(("mark", "", str))
-    _table(rows, columns, as_json=False)
-    if center is not None and rows:
+    print_rows(rows, columns, args.json, empty=_NO_ROWS)
+    if center is not None and rows and not args.json:
         print(f"(< marks the slice that tipped the decision at {format_ts(center)} UTC)")
     return 0
 
@@ -276,7 +279,7 @@ def _bundles(args: argparse.Namespace) -> int:
     for row in rows:
         row["summary"] = _card_summary(row["card"])
         row["worker_count"] = len(row["workers"])
-    _table(rows, [
+    print_rows(rows, [
         ("bundle_id", "bundle", str), ("first_seen", "first seen (UTC)", format_ts),
         ("last_seen", "last seen (UTC)", format_ts), ("worker_count", "workers", str),
         ("summary", "card", str),
@@ -304,16 +307,8 @@ def _sql(args: argparse.Namespace) -> int:
             print(f"specwatch: {exc}", file=sys.stderr)
             return _EXIT_NOT_FOUND
     dicts = [dict(zip(names, row)) for row in rows]
-    _table(dicts, [(name, name, _cell) for name in names], as_json=args.json)
+    print_rows(dicts, [(name, name, _cell) for name in names], as_json=args.json, empty=_NO_ROWS)
     return 0
-
-
-def _table(rows: list[dict], columns: Sequence[Column], as_json: bool, empty: str = "0 rows") -> None:
-    """`print_rows`, or ``empty`` as the text form of no rows (JSON Lines of no rows are no lines)."""
-    if rows or as_json:
-        print_rows(rows, columns, as_json)
-    else:
-        print(empty)
 
 
 def _no_decision(decision_id: str) -> int:
@@ -331,7 +326,8 @@ def _num(digits: int) -> Callable[[Any], str]:
     return fmt
 
 
-def _scope(value: Any) -> str:
+def format_scope(value: Any) -> str:
+    """A scope's bucket or cohort, ``*`` for all."""
     return "*" if value is None else str(value)
 
 
