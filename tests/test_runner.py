@@ -297,3 +297,25 @@ def test_a_worker_that_goes_idle_is_decided_as_embedded_to_the_very_end():
     assert twin_slices.late == embedded_slices.late == 0
     assert Counter(twin_slices.rows) == Counter(embedded_slices.rows)  # every slice, the quitter's last ones too
     assert sorted(d.to_json_line() for d in decided) == sorted(d.to_json_line() for d in embedded.decisions)
+
+
+def test_a_partition_with_data_waiting_is_never_idle(scenario):
+    """Silent far past the silence, but with messages left to read: no release until they are folded."""
+    chunks, _, _ = scenario
+    rig = Rig(chunks)
+    busiest = _busiest(rig)
+    runner = rig.runner(Stage1Runner)
+    rig.run(runner.handle(rig.kafka.records("t", busiest)[:3]))
+    rig.now += 10 * _SETTINGS.source_silence_seconds
+    rig.run(runner.release_idle_sources())
+
+    def releases() -> list[tuple[int, str]]:
+        return [(r.partition, decode_partial(r.value).release_source) for r in rig.kafka.topic_records("p")
+                if decode_partial(r.value).release_source is not None]
+
+    assert releases() == []
+    rig.deliver(runner, "t", busiest, start=3)
+    rig.now += _SETTINGS.source_silence_seconds
+    rig.run(runner.release_idle_sources())
+    assert releases() == [(p, f"t/{busiest}") for p in range(PARTITIONS)]
+    assert runner._tasks[("t", busiest)].stage.close_ready(final=True) == []  # all closed and sent before it
