@@ -79,7 +79,8 @@ class WindowPolicy(_Section):
         300.0, gt=0, le=_DAY, description="live processors reject records whose ts is further ahead of their clock"
     )
     source_idle_seconds: float = Field(
-        10.0, gt=0, le=_HOUR, description="a source silent this long (event time) no longer holds back windows"
+        10.0, gt=0, le=_HOUR, description="a source with nothing left to read that sent nothing for this long "
+                                          "(wall clock) is idle: it closes its slices and no longer holds back windows"
     )
 
 

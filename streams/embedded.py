@@ -144,8 +144,8 @@ class EmbeddedPipeline:
         return self._drain(ingested.closed)
 
     def finish(self) -> list[Decision]:
-        """End of input: close and decide every open slice."""
-        decided = self._drain(self.stage1.close_ready(final=True))
+        """End of input, when the one source goes idle for good: close and decide every open slice."""
+        decided = self._drain(self.ingest.release())
         decided += self._emit(self.stage2.flush())
         return decided
 

@@ -22,7 +22,7 @@ without a checkpoint rebuilds from the start of its partition.
   batches it sent; replays re-send identical batches (stage 1 is deterministic), and
   stage 2 drops any batch at or below the last slice it merged from that source.
 - Decisions: a function of the telemetry log alone (event time; the wall clock only paces
-  checkpoints and releases silent partitions). Before publishing, stage 2 checkpoints them
+  checkpoints and tells when a partition is idle, which is written to the partials log). Before publishing, stage 2 checkpoints them
   as an outbox with the decisions topic's end offsets; a restart publishes only those not
   found on the topic after those offsets. Each decision reaches the topic once, unless a
   worker keeps publishing after losing its partitions (a pause longer than the session
@@ -30,11 +30,11 @@ without a checkpoint rebuilds from the start of its partition.
   and the archive absorb.
 - Archive: written before each checkpoint; writes are idempotent (stable ids,
   ReplacingMergeTree), so replayed slices leave one row each. Dead letters: at least once.
-- Liveness: stage 2 waits for every telemetry partition. One with nothing left to read,
-  silent for ``source_silence_seconds`` and behind by more than the policy's
-  ``source_idle_seconds`` is released through a marker in the partials log (so replays
-  decide the same); telemetry it sends later for decided slices counts as late. Slices
-  within the allowed lateness of the newest telemetry wait for more telemetry.
+- Liveness: stage 2 waits for every telemetry partition. One with nothing left to read
+  and silent for ``source_silence_seconds`` is idle (`streams.ingest.IdleRule`, the rule
+  the embedded pipeline follows at the end of its input): its stage 1 closes every open
+  slice and sends them, then a release marker, through the partials log (so replays decide
+  the same), and stage 2 stops waiting for it until it sends again.
 """
 
 from __future__ import annotations
@@ -163,10 +163,10 @@ def create_app(settings: StreamSettings) -> StreamApp:
 
     # -- timers and lifecycle ---------------------------------------------------------------
     @app.timer(interval=_RELEASE_CHECK_SECONDS)
-    async def release_silent_sources():
+    async def release_idle_sources():
         await stage1.catch_up()
         await stage2.catch_up()
-        await stage2.release_silent_sources()
+        await stage1.release_idle_sources()
 
     @app.timer(interval=_HEARTBEAT_SECONDS)
     async def publish_heartbeats():

@@ -28,7 +28,7 @@ from specwatch.schemas import Decision, Policy, Rejection, RejectionCounter
 from specwatch.schemas.fastdecode import decode_request_fast, request_block
 
 from .ingest import Ingest
-from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2, idle_slices
+from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2
 
 __all__ = [
     "BundleOwner",
@@ -41,7 +41,6 @@ __all__ = [
     "decode_partial",
     "dead_letter",
     "decisions_in",
-    "distributed_policy",
     "encode_checkpoint",
     "encode_partial",
     "encode_partials",
@@ -52,9 +51,6 @@ __all__ = [
     "stage2_partition",
 ]
 
-# A telemetry partition that falls behind in processing is not an idle source: stage 2
-# waits for every source it has heard from, and the app releases silent ones explicitly.
-_NEVER_IDLE_SECONDS = 1e12
 _CHECKPOINT_MAGIC = b"SWCP1"
 # Below Kafka's default 1 MiB message limit with room for the key and headers.
 _DEFAULT_CHUNK_BYTES = 512 * 1024
@@ -63,32 +59,6 @@ _MAX_RAW_CHARS = 2048
 _DEFAULT_PARTIALS_MESSAGE_BYTES = 512 * 1024
 _BATCHES_OPEN = b'{"kind":"batches","batches":['
 _BATCHES_CLOSE = b"]}"
-
-
-def distributed_policy(policy: Policy) -> Policy:
-    """The policy stage 2 runs with on Kafka: the same, except that sources never go idle by lag.
-
-    Why the two paths cannot share one idle-source rule with the same decisions:
-
-    - Embedded, a source is an engine worker and every record passes through one loop in
-      arrival order, so a source that lags the newest by ``source_idle_seconds`` of event
-      time has sent nothing for that long: lag is idleness, and the rule is a function of
-      the input alone, so a replay releases it at the same slice.
-    - On Kafka, a source is a telemetry partition folded by its own task, on any worker, at
-      its own speed. Its lag at stage 2 is also processing lag (a restart, a catch-up, a
-      rebalance): releasing it by lag would decide its slices without it and fold its
-      telemetry forward as late, so decisions would depend on how fast workers ran.
-    - The wall clock cannot serve the embedded path: it replays hours of telemetry in
-      seconds, and a release must fall on the same slice in every replay.
-
-    So both paths share the lag condition (`Stage2Task.silent_sources` applies the same
-    `idle_slices` as `Stage2`), and on Kafka the runner adds two more before it releases a
-    source: silence on the wall clock (``source_silence_seconds``) and nothing left to read
-    in the partition. It writes the release into the partials log, so a replay of that log
-    decides the same.
-    """
-    windows = policy.windows.model_copy(update={"source_idle_seconds": _NEVER_IDLE_SECONDS})
-    return policy.model_copy(update={"windows": windows})
 
 
 def stage2_partition(bundle_id: str, partitions: int) -> int:
@@ -158,7 +128,7 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
 
 @dataclass(frozen=True)
 class PartialMessage:
-    """One message of the partials topic: a source's batches for one stage-2 partition, or the release of a silent source.
+    """One message of the partials topic: a source's batches for one stage-2 partition, or the release of an idle source.
 
     The batches of one message are in the order stage 1 closed them; stage 2 folds them
     one by one, exactly as if each had come in a message of its own.
@@ -166,7 +136,6 @@ class PartialMessage:
 
     batches: tuple[SliceBatch, ...] = ()
     release_source: str | None = None
-    release_watermark: int = -1
 
 
 def encode_partial(batches: SliceBatch | Sequence[SliceBatch]) -> bytes:
@@ -206,6 +175,7 @@ def _encode_batch(batch: SliceBatch) -> bytes:
 
 
 def encode_release(source: str, watermark: int) -> bytes:
+    """An idle source's release; its watermark (where its stage 1 closed) is for older readers only."""
     return json.dumps({"kind": "release", "source": source, "watermark": int(watermark)},
                       separators=(",", ":")).encode()
 
@@ -216,7 +186,7 @@ def decode_partial(data: bytes) -> PartialMessage | Rejection:
     A ``batch`` message of one batch, as earlier versions wrote them, still reads.
 
     >>> decode_partial(encode_release("t/1", 12))
-    PartialMessage(batches=(), release_source='t/1', release_watermark=12)
+    PartialMessage(batches=(), release_source='t/1')
     >>> [b.slice_index for b in decode_partial(encode_partial([SliceBatch("t/0", 4, 4), SliceBatch("t/0", 5, 5)])).batches]
     [4, 5]
     >>> decode_partial(b"{}").reason
@@ -230,7 +200,7 @@ def decode_partial(data: bytes) -> PartialMessage | Rejection:
         if kind == "batch":
             return PartialMessage(batches=(SliceBatch.from_dict(body["batch"]),))
         if kind == "release":
-            return PartialMessage(release_source=str(body["source"]), release_watermark=int(body["watermark"]))
+            return PartialMessage(release_source=str(body["source"]))
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         return Rejection("invalid_partial", f"undecodable partials message: {error!r}",
                          bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
@@ -326,8 +296,8 @@ class BundleOwner:
 class Stage2Task:
     """Stage 2 of one partials partition: merges, detects, decides; deduplicates replays.
 
-    ``sources`` are the telemetry partitions expected to report (silent ones are released
-    by the app). ``outbox`` holds the actions of the last decisive message until the app has published
+    ``sources`` are the telemetry partitions expected to report (idle ones release
+    themselves through the partials log). ``outbox`` holds the actions of the last decisive message until the app has published
     and archived them; a checkpoint taken in between carries them, so a restart finishes
     the job instead of deciding again. ``outbox_mark`` is where the decisions topic ended
     before they were published: what a restart reads to find those already out.
@@ -339,8 +309,6 @@ class Stage2Task:
     stage: Stage2 = field(init=False)
     next_offset: int | None = None
     last_slice: dict[str, int] = field(default_factory=dict)
-    watermarks: dict[str, int] = field(default_factory=dict)
-    retired: set[str] = field(default_factory=set)
     outbox: list[ActionRecord] = field(default_factory=list)
     outbox_mark: dict[int, int] = field(default_factory=dict)
     batches: int = 0
@@ -348,16 +316,18 @@ class Stage2Task:
     invalid: int = 0
 
     def __post_init__(self) -> None:
-        self.stage = Stage2(distributed_policy(self.policy), owns=self.owner)
+        self.stage = Stage2(self.policy, owns=self.owner)
         # Every telemetry partition is expected from the start: a partition whose first
         # batch arrives after the others' would otherwise find its first slices decided.
         for source in self.sources:
             self.stage.add(SliceBatch(source, -1, -1))
-            self.watermarks[source] = -1
 
-    @property
-    def newest_watermark(self) -> int:
-        return max(self.watermarks.values(), default=-1)
+    def __setstate__(self, state: dict) -> None:
+        # A checkpoint written when the task kept the released sources and their watermarks.
+        state.pop("watermarks", None)
+        retired = state.pop("retired", ())
+        self.__dict__.update(state)
+        self.stage._released.update(retired)
 
     def fold(self, offset: int, message: PartialMessage | Rejection) -> list[SliceOutput]:
         """Fold one partials message (exactly once per slice and source)."""
@@ -366,43 +336,16 @@ class Stage2Task:
             self.invalid += 1
             return []
         if message.release_source is not None:
-            return self._release(message.release_source, message.release_watermark)
+            return self.stage.release(message.release_source)
         outputs: list[SliceOutput] = []
         for batch in message.batches:
-            outputs += self._add(batch)
+            if batch.slice_index <= self.last_slice.get(batch.source, -1):
+                self.duplicates += 1  # a restarted stage 1 re-sent what it had sent before
+                continue
+            self.last_slice[batch.source] = batch.slice_index
+            self.batches += 1
+            outputs += self.stage.add(batch)
         return outputs
-
-    def _add(self, batch: SliceBatch) -> list[SliceOutput]:
-        source = batch.source
-        if batch.slice_index <= self.last_slice.get(source, -1):
-            self.duplicates += 1  # a restarted stage 1 re-sent what it had sent before
-            return []
-        self.last_slice[source] = batch.slice_index
-        self.batches += 1
-        self.retired.discard(source)
-        self.watermarks[source] = max(self.watermarks.get(source, -1), batch.watermark)
-        outputs = self.stage.add(batch)
-        for silent in sorted(self.retired):
-            # a released source follows the others, so it never holds a slice back again
-            outputs += self.stage.add(SliceBatch(silent, batch.watermark, batch.watermark))
-        return outputs
-
-    def _release(self, source: str | None, watermark: int) -> list[SliceOutput]:
-        if source is None or source not in self.watermarks or source in self.retired:
-            return []
-        self.retired.add(source)
-        # The release was decided when this task had folded less than it has now: stage 1
-        # may have sent every later batch before the release reached this partition, and
-        # no batch would then move the released source on. It starts where the others are.
-        watermark = max(watermark, self.newest_watermark)
-        return self.stage.add(SliceBatch(source, watermark, watermark))
-
-    def silent_sources(self, is_silent: Callable[[str], bool]) -> list[tuple[str, int]]:
-        """Sources that hold slices back and have sent nothing for long: (source, release watermark)."""
-        newest = self.newest_watermark
-        lag = idle_slices(self.policy.windows)
-        return [(source, newest) for source, mark in sorted(self.watermarks.items())
-                if source not in self.retired and newest - mark > lag and is_silent(source)]
 
 
 # ---------------------------------------------------------------- checkpoints

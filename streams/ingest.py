@@ -14,7 +14,7 @@ from specwatch.schemas.fastdecode import StepBlock, StepColumns
 
 from .topology import SliceBatch, Stage1
 
-__all__ = ["Decoded", "Decoder", "Ingest", "Ingested"]
+__all__ = ["Decoded", "Decoder", "IdleRule", "Ingest", "Ingested"]
 
 Decoded = Union[TelemetryRecord, StepColumns, Rejection]
 # One payload (a JSON line, an OTLP request) to what it holds: one item, a list of them
@@ -34,6 +34,51 @@ class Ingested(NamedTuple):
 
 
 _NOTHING = Ingested((), (), ())
+
+
+class IdleRule:
+    """When a source stops holding stage 2 back: the one idle-source rule of both paths.
+
+    A source is idle once it has sent nothing for ``silence_seconds`` on the clock passed in
+    and has nothing left to read (``waiting`` names the sources that have). Event time is
+    not consulted: a source whose data is still coming (a consumer behind, a restart
+    catching up) has something left to read, however far its event time lags the others'.
+    An idle source closes every open slice (`Ingest.release`) and stage 2 stops waiting for
+    it (`Stage2.release`) until it sends again. A source is idle once per silence.
+
+    >>> rule = IdleRule(10.0)
+    >>> rule.heard("t/0", now=100.0)
+    >>> rule.idle(109.0), rule.idle(110.0, waiting={"t/0"}), rule.idle(110.0), rule.idle(500.0)
+    ([], [], ['t/0'], [])
+    >>> rule.heard("t/0", now=600.0); rule.idle(610.0)
+    ['t/0']
+    """
+
+    def __init__(self, silence_seconds: float) -> None:
+        self.silence_seconds = silence_seconds
+        self._heard: dict[str, float] = {}
+        self._idle: set[str] = set()
+
+    def heard(self, source: str, now: float) -> None:
+        """``source`` sent something (or was taken over) at ``now``."""
+        self._heard[source] = now
+        self._idle.discard(source)
+
+    def silent(self, now: float) -> list[str]:
+        """The sources silent long enough to be idle unless they have something left to read, in order."""
+        return sorted(source for source, at in self._heard.items()
+                      if source not in self._idle and now - at >= self.silence_seconds)
+
+    def idle(self, now: float, waiting: Iterable[str] = ()) -> list[str]:
+        """The sources that went idle since the last call, in order."""
+        waiting = set(waiting)
+        due = [source for source in self.silent(now) if source not in waiting]
+        self._idle.update(due)
+        return due
+
+    def forget(self, source: str) -> None:
+        self._heard.pop(source, None)
+        self._idle.discard(source)
 
 
 class Ingest:
@@ -132,6 +177,10 @@ class Ingest:
         if not (rejections or late or closed):
             return _NOTHING
         return Ingested(rejections, late, closed)
+
+    def release(self) -> list[SliceBatch]:
+        """The source has gone idle, or its input ended: every open slice closes now."""
+        return self.stage.close_ready(final=True)
 
     def block(self, block: StepBlock, now: float | None = None, seen: dict[str, float] | None = None) -> Ingested:
         """The batch mode: a block of records (`decode_lines_block`, `request_block`) folded at once.

@@ -49,6 +49,7 @@ from .faust_tasks import (
     read_checkpoint,
     route_batches,
 )
+from .ingest import IdleRule
 from .operations import Operations, OperationsSettings
 
 __all__ = ["CheckpointLog", "PartitionRunner", "Stage1Runner", "Stage2Runner", "StreamSettings"]
@@ -90,9 +91,9 @@ class StreamSettings:
     checkpoint_seconds
         Wall-clock interval between checkpoints of a busy task (decisions checkpoint at once).
     source_silence_seconds
-        A telemetry partition that sent nothing for this long, while behind the others by
-        more than the policy's ``source_idle_seconds`` of event time and with nothing left to
-        read, stops holding slices back.
+        A telemetry partition that sent nothing for this long, with nothing left to read,
+        is idle (`IdleRule`): it closes its open slices and stops holding stage 2 back
+        (`specwatch run` takes the policy's ``windows.source_idle_seconds``).
     session_timeout_seconds
         Kafka consumer session timeout: how soon a dead worker's partitions move.
     replication_factor
@@ -437,6 +438,8 @@ class Stage1Runner(PartitionRunner):
         self.engines_seen: dict[str, float] = {}  # engine worker -> wall time of its newest record
         self.batches_sent = 0
         self.partials_sent = 0  # messages: a fetch's batches for one stage-2 partition travel in one
+        self._idle = IdleRule(self.settings.source_silence_seconds)
+        self._ends_read_at = -float("inf")
 
     def inputs(self) -> tuple[str, ...]:
         return self.settings.telemetry_topics
@@ -444,7 +447,11 @@ class Stage1Runner(PartitionRunner):
     def new_task(self, tp: TopicPartition) -> Stage1Task:
         return Stage1Task(self.settings.policy, f"{tp[0]}/{tp[1]}")
 
+    async def taken_over(self, task: Stage1Task, tp: TopicPartition) -> None:
+        self._idle.heard(task.source, self._clock())  # silence is counted from this worker's start
+
     async def fold(self, task: Stage1Task, tp: TopicPartition, messages: list) -> None:
+        self._idle.heard(task.source, self._clock())
         before = task.records
         keys = {message.offset: message.key for message in messages}
         rejected, closed = task.fold_many([(message.offset, message.value or b"") for message in messages],
@@ -455,8 +462,12 @@ class Stage1Runner(PartitionRunner):
             self.rejected.add(rejection)
             pending.append(await self._writer.send(self.settings.deadletter_topic,
                                                    dead_letter(rejection, tp[0], tp[1], offset), key=keys[offset]))
-        # One partials message per stage-2 partition for the whole fetch (more only past the size
-        # limit), its batches in close order.
+        await self._send(task, tp, closed)
+
+    async def _send(self, task: Stage1Task, tp: TopicPartition, closed: list) -> None:
+        """Closed slices to stage 2: one partials message per stage-2 partition (more only past the
+        size limit), its batches in close order."""
+        pending = self._pending.setdefault(tp, [])
         parts: dict[int, list] = {}
         for partition, batch in route_batches(closed, self.settings.partials_partitions):
             parts.setdefault(partition, []).append(batch)
@@ -472,6 +483,39 @@ class Stage1Runner(PartitionRunner):
 
     def forgotten(self, tp: TopicPartition) -> None:
         self._pending.pop(tp, None)
+        self._idle.forget(f"{tp[0]}/{tp[1]}")
+
+    async def release_idle_sources(self) -> None:
+        """Telemetry partitions gone idle (`IdleRule`) close their open slices and release themselves.
+
+        The closed slices, then the release, go to every stage-2 partition through the partials
+        log, and the task is checkpointed at once: a replay of the log, or a restart, decides
+        the same. A partition with data waiting is never idle, however long it is silent.
+        """
+        now = self._clock()
+        silence = self.settings.source_silence_seconds
+        if not self._idle.silent(now) or now - self._ends_read_at < silence / 2:
+            return
+        self._ends_read_at = now
+        ends = {topic: await self._reader.end_offsets(topic) for topic in sorted({tp[0] for tp in self._tasks})}
+        waiting = {task.source for tp, task in self._tasks.items() if ends[tp[0]].get(tp[1], 0) > task.next_offset}
+        partitions = {task.source: tp for tp, task in self._tasks.items()}
+        for source in self._idle.idle(now, waiting):
+            async with self._lock:
+                tp = partitions[source]
+                task = self._tasks.get(tp)
+                if task is None:
+                    continue  # taken away meanwhile
+                await self._send(task, tp, task.ingest.release())
+                pending = self._pending.setdefault(tp, [])
+                for partition in range(self.settings.partials_partitions):
+                    pending.append(await self._writer.send(self.settings.partials_topic,
+                                                           encode_release(source, task.stage.watermark),
+                                                           key=source.encode(), partition=partition))
+                await self.checkpoint(task, tp)
+            logger.log(logging.WARNING if task.messages else logging.INFO,
+                       "telemetry partition %s is idle (nothing sent for %.0f s, nothing left to read): its slices "
+                       "are closed and stage 2 does not wait for it until it sends again", source, silence)
 
     def health(self, now: float, highwater: Callable[[str, int], int | None]) -> dict[str, dict]:
         """Lag, watermark delay and checkpoint age of every task this worker holds."""
@@ -486,7 +530,7 @@ class Stage1Runner(PartitionRunner):
 
 
 class Stage2Runner(PartitionRunner):
-    """Stage 2 on Kafka: merge and decide, publish decisions through the outbox, archive, release silent sources."""
+    """Stage 2 on Kafka: merge and decide, publish decisions through the outbox, archive."""
 
     stage = "stage2"
     task_type = Stage2Task
@@ -497,9 +541,6 @@ class Stage2Runner(PartitionRunner):
         # without a configured key decisions go out unsigned and clients say so.
         self._sink = DecisionSink(self._writer.send, self.settings.decisions_topic,
                                   keyring if keyring is not None else Keyring.from_env(), role="a stream worker")
-        self._heard: dict[tuple[int, str], float] = {}
-        self._releasing: set[tuple[int, str]] = set()
-        self._drain_checked_at = -float("inf")
         self._beats = 0
         self._archive_sink = None
         self.operations: Operations | None = None  # fed every final slice and every published decision
@@ -527,9 +568,6 @@ class Stage2Runner(PartitionRunner):
 
     # -- hooks --------------------------------------------------------------------------
     async def taken_over(self, task: Stage2Task, tp: TopicPartition) -> None:
-        now = self._clock()
-        for source in task.watermarks:
-            self._heard[(tp[1], source)] = now  # silence is counted from this worker's start
         if task.outbox:
             await self._finish_outbox(task, tp)
         # a sign of life as soon as a partition is taken over, not only at the next tick
@@ -544,10 +582,6 @@ class Stage2Runner(PartitionRunner):
         partial = decode_partial(message.value or b"")
         if isinstance(partial, Rejection):
             logger.warning("partials %d@%d dropped: %s", partition, message.offset, partial.detail)
-        else:
-            for source in {batch.source for batch in partial.batches}:
-                self._heard[(partition, source)] = self._clock()
-                self._releasing.discard((partition, source))
         outputs = task.fold(message.offset, partial)
         actions = []
         for output in outputs:
@@ -567,9 +601,6 @@ class Stage2Runner(PartitionRunner):
     async def before_checkpoint(self, task: Stage2Task, tp: TopicPartition) -> None:
         if self._archive_sink is not None:
             self._archive_sink.flush()  # the archive holds everything the checkpoint covers
-
-    def forgotten(self, tp: TopicPartition) -> None:
-        self._releasing = {k for k in self._releasing if k[0] != tp[1]}
 
     # -- decisions ----------------------------------------------------------------------
     async def _finish_outbox(self, task: Stage2Task, tp: TopicPartition) -> None:
@@ -636,44 +667,3 @@ class Stage2Runner(PartitionRunner):
             self._beats += 1
             await self._sink.heartbeat(f"{self.settings.app_id}/stage2-{tp[1]}", self._beats,
                                        (finalized + 1) * slice_seconds if finalized >= 0 else None)
-
-    # -- silent sources -----------------------------------------------------------------
-    async def release_silent_sources(self) -> None:
-        """Release telemetry partitions that hold slices back, sent nothing for a while, and have no data waiting.
-
-        A partition with data waiting is never released, however long it is silent: its
-        worker is restarting or behind, and its slices will come.
-        """
-        now = self._clock()
-        silence = self.settings.source_silence_seconds
-        candidates = []
-        for (_, partition), task in list(self._tasks.items()):
-            def silent(source: str, partition: int = partition) -> bool:
-                return now - self._heard.get((partition, source), now) >= silence
-            candidates += [(partition, source, watermark) for source, watermark in task.silent_sources(silent)
-                           if (partition, source) not in self._releasing]
-        if not candidates or now - self._drain_checked_at < silence / 2:
-            return
-        self._drain_checked_at = now
-        drained = await self._reader.drained(self.settings.app_id, {source for _, source, _ in candidates})
-        released: dict[str, list[int]] = {}
-        reported: set[str] = set()
-        for partition, source, watermark in candidates:
-            if source not in drained:
-                continue
-            self._releasing.add((partition, source))
-            released.setdefault(source, []).append(partition)
-            if source in self._tasks[(self.settings.partials_topic, partition)].last_slice:
-                reported.add(source)
-            await self._writer.send(self.settings.partials_topic, encode_release(source, watermark),
-                                    key=source.encode(), partition=partition)
-        for source, partitions in sorted(released.items()):
-            if source in reported:
-                logger.warning("telemetry partition %s went silent with nothing left to read, %.0f s ago; stage 2 "
-                               "partitions %s stop waiting for it (its later telemetry counts as late)",
-                               source, silence, ", ".join(map(str, sorted(partitions))))
-            else:
-                logger.info("telemetry partition %s has no telemetry; stage 2 partitions %s do not wait for it",
-                            source, ", ".join(map(str, sorted(partitions))))
-
-

@@ -36,7 +36,7 @@ from specwatch.schemas import (
 from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.fastdecode import StepBlock, StepColumns
 from specwatch.schemas.outputs import ActionRecord, SliceOutput, WindowRow
-from specwatch.schemas.policy import Policy, WindowPolicy
+from specwatch.schemas.policy import Policy
 
 from .intake import DuplicateFilter, EventClock, duplicate
 from .running import RunningRequests, request_ids
@@ -50,7 +50,6 @@ __all__ = [
     "SliceOutput",
     "key_to_str",
     "key_from_str",
-    "idle_slices",
 ]
 
 Key = tuple[str, str | None, str | None]  # (bundle_id, bucket, cohort); None = whole bundle
@@ -739,13 +738,11 @@ def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
     stats.offer_sample("slowest", (-record.e2e_ms, order, rid), build)
 
 
-def idle_slices(windows: WindowPolicy) -> int:
-    """How many slices a source may lag the newest before stage 2 stops waiting for it (at least one)."""
-    return max(1, int(windows.source_idle_seconds / windows.slice_seconds))
-
-
 class Stage2:
-    """Merges partials per slice once every live source has passed it; detects and decides.
+    """Merges partials per slice once every source it waits for has passed it; detects and decides.
+
+    It waits for every source it has heard from, except one released as idle (`release`)
+    until that source sends again.
 
     Parameters
     ----------
@@ -768,8 +765,8 @@ class Stage2:
         # Admission is a policy switch: off, it does not exist, and no decision changes.
         self.admission = AdmissionController(policy, self.flags) if policy.admission.enforce else None
         self._slice_s = policy.windows.slice_seconds
-        self._idle_slices = idle_slices(policy.windows)
         self._sources: dict[str, int] = {}
+        self._released: set[str] = set()
         self._pending: dict[int, dict[str, list[SliceBatch]]] = defaultdict(dict)
         self.finalized = -1
         self.monitors: dict[Key, KeyMonitor | BundleMonitor] = {}
@@ -780,6 +777,12 @@ class Stage2:
         self.last_mismatch: dict[tuple[str, str], float] = {}  # (bundle, bucket) -> latest strict mismatch ts
         self.late_batches = 0
 
+    def __setstate__(self, state: dict) -> None:
+        # A checkpoint written before releases lived here (they were its task's) still restores.
+        state.pop("_idle_slices", None)
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_released", set())
+
     # -- progress across sources ---------------------------------------------------------
     def add(self, batch: SliceBatch) -> list[SliceOutput]:
         if batch.slice_index <= self.finalized and (batch.partials or batch.events):
@@ -789,12 +792,18 @@ class Stage2:
         if batch.partials or batch.events or batch.late_records:
             self._pending[batch.slice_index].setdefault(batch.source, []).append(batch)
         self._sources[batch.source] = max(self._sources.get(batch.source, -1), batch.watermark)
+        self._released.discard(batch.source)
+        return self._finalize_ready()
+
+    def release(self, source: str) -> list[SliceOutput]:
+        """Stop waiting for ``source``, gone idle (`streams.ingest.IdleRule`), until it sends again."""
+        self._sources.setdefault(source, -1)
+        self._released.add(source)
         return self._finalize_ready()
 
     def _final_limit(self) -> int:
-        newest = max(self._sources.values())
-        live = [w for w in self._sources.values() if w >= newest - self._idle_slices]
-        return min(live)
+        waited = [w for source, w in self._sources.items() if source not in self._released]
+        return min(waited) if waited else max(self._sources.values())
 
     def _finalize_ready(self, limit: int | None = None) -> list[SliceOutput]:
         if not self._sources:

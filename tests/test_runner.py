@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import zlib
+from collections import Counter
 
 import pytest
 
 from specwatch.schemas import Decision, Policy
 from specwatch.simulation.simulator import Simulator
+from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.faust_tasks import decode_partial
 from specwatch.streams.runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
 from specwatch.transport.codec import decode_decision, is_heartbeat_key
@@ -26,6 +29,9 @@ PARTITIONS = 4
 _SETTINGS = StreamSettings(bootstrap="memory:0", telemetry_topics=("t",), partials_topic="p", decisions_topic="d",
                            deadletter_topic="dl", app_id="sw", telemetry_partitions=PARTITIONS,
                            partials_partitions=PARTITIONS, checkpoint_seconds=5.0, policy=Policy())
+
+
+_key = decision_key
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +75,11 @@ class Rig:
             self.now += tick
             self.run(runner.handle(records[i:i + fetch]))
 
-    def deliver_telemetry(self, runner, but: int | None = None, fetch: int = 1) -> None:
-        """`deliver` every telemetry partition (but ``but``)."""
+    def deliver_others(self, runner, busiest: int) -> None:
+        """`deliver` every telemetry partition but ``busiest``."""
         for p in range(PARTITIONS):
-            if p != but:
-                self.deliver(runner, "t", p, fetch=fetch)
+            if p != busiest:
+                self.deliver(runner, "t", p)
 
     def partials(self) -> set[tuple[int, str]]:
         """Every slice batch with content sent to stage 2, with its partition, however the batches were
@@ -82,37 +88,35 @@ class Rig:
                 for record in self.kafka.topic_records("p") for batch in decode_partial(record.value).batches
                 if batch.partials or batch.events or batch.late_records}
 
-    def decide(self) -> list[Decision]:
-        """Stage 2 catches up on every partials partition, releases the silent sources, folds the releases."""
-        stage2 = self.runner(Stage2Runner)
-        self.run(stage2.catch_up())  # assigned now; overdue 3 s later
+    def catch_up(self, runner) -> None:
+        self.run(runner.catch_up())  # assigned now; overdue 3 s later
         self.now += 3.0
-        self.run(stage2.catch_up())
-        ends = {p: len(self.kafka.records("p", p)) for p in range(PARTITIONS)}
+        self.run(runner.catch_up())
+
+    def decide(self, stage1: Stage1Runner) -> list[Decision]:
+        """Every telemetry partition goes idle (the empty ones caught up first) and releases itself;
+        stage 2 then catches up on every partials partition and decides."""
+        self.catch_up(stage1)
         self.now += _SETTINGS.source_silence_seconds
-        self.run(stage2.release_silent_sources())
-        for p in range(PARTITIONS):
-            self.deliver(stage2, "p", p, start=ends[p])
+        self.run(stage1.release_idle_sources())
+        self.catch_up(self.runner(Stage2Runner))
         decisions = [decode_decision(r.value) for r in self.kafka.topic_records("d") if not is_heartbeat_key(r.key)]
         assert len({d.id for d in decisions}) == len(decisions), "a decision was published twice"
         return decisions
 
-    def decided_before(self, cutoff: float) -> list[tuple]:
-        return sorted(decision_key(d) for d in self.decide() if d.ts < cutoff)
 
-
-def _delivered(chunks, fetch: int = 1) -> tuple[Rig, Stage1Runner]:
-    """A rig whose stage 1 took every telemetry partition, ``fetch`` messages at a time."""
+def _straight(chunks) -> tuple[Rig, Stage1Runner]:
     rig = Rig(chunks)
     stage1 = rig.runner(Stage1Runner)
-    rig.deliver_telemetry(stage1, fetch=fetch)
+    for p in range(PARTITIONS):
+        rig.deliver(stage1, "t", p)
     return rig, stage1
 
 
 @pytest.fixture(scope="module")
 def straight(scenario):
     """The partials stage 1 sends when nothing goes wrong."""
-    return _delivered(scenario[0])[0].partials()
+    return _straight(scenario[0])[0].partials()
 
 
 def _busiest(rig: Rig) -> int:
@@ -122,30 +126,37 @@ def _busiest(rig: Rig) -> int:
 def test_runners_on_the_twin_decide_as_embedded(scenario):
     """Catch-up reads every partials partition, silent telemetry partitions are released: embedded's decisions."""
     chunks, cutoff, expected = scenario
-    rig, _ = _delivered(chunks)
+    rig, stage1 = _straight(chunks)
     silent = [p for p in range(PARTITIONS) if not rig.kafka.records("t", p)]
     assert silent, "the scenario leaves no telemetry partition empty: the release path would go untested"
-    assert rig.decided_before(cutoff) == expected
+    decided = rig.decide(stage1)
+    assert sorted(_key(d) for d in decided if d.ts < cutoff) == expected
 
 
 def test_whole_fetches_send_fewer_partials_messages_with_the_same_batches_and_decisions(scenario, straight):
     """The runner folds a fetch at once and sends one partials message per stage-2 partition for it."""
     chunks, cutoff, expected = scenario
-    one_by_one, _ = _delivered(chunks)
-    rig, stage1 = _delivered(chunks, fetch=8)
+    one_by_one, _ = _straight(chunks)
+    rig = Rig(chunks)
+    stage1 = rig.runner(Stage1Runner)
+    for p in range(PARTITIONS):
+        rig.deliver(stage1, "t", p, fetch=8)
     assert rig.partials() == straight
     messages, singly = len(rig.kafka.topic_records("p")), len(one_by_one.kafka.topic_records("p"))
     assert stage1.partials_sent == messages < singly / 2
-    assert rig.decided_before(cutoff) == expected
+    assert sorted(_key(d) for d in rig.decide(stage1) if d.ts < cutoff) == expected
 
 
 def test_a_fetch_of_a_whole_partition_is_split_below_the_message_limit(scenario, straight):
     chunks, cutoff, expected = scenario
-    rig, _ = _delivered(chunks, fetch=10_000)
+    rig = Rig(chunks)
+    stage1 = rig.runner(Stage1Runner)
+    for p in range(PARTITIONS):
+        rig.deliver(stage1, "t", p, fetch=10_000)
     sizes = [len(record.value) for record in rig.kafka.topic_records("p")]
     assert max(sizes) <= 512 * 1024 < sum(sizes) / PARTITIONS  # one message would not have fitted
     assert rig.partials() == straight
-    assert rig.decided_before(cutoff) == expected
+    assert sorted(_key(d) for d in rig.decide(stage1) if d.ts < cutoff) == expected
 
 
 def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, straight):
@@ -159,10 +170,11 @@ def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, straight)
     total = len(rig.kafka.records("t", busiest))
     assert saved.next_offset == total - total % 5
     restarted = rig.runner(Stage1Runner)  # the worker died; the group redelivers from its committed offset 0
-    rig.deliver_telemetry(restarted)
+    for p in range(PARTITIONS):
+        rig.deliver(restarted, "t", p)
     assert restarted.skipped == saved.next_offset
     assert rig.partials() == straight
-    assert rig.decided_before(cutoff) == expected
+    assert sorted(_key(d) for d in rig.decide(restarted) if d.ts < cutoff) == expected
 
 
 def test_what_the_consumer_skipped_is_read_from_the_log(scenario, straight):
@@ -177,7 +189,7 @@ def test_what_the_consumer_skipped_is_read_from_the_log(scenario, straight):
     rig.deliver(restarted, "t", busiest, start=17)  # the group committed up to 17 without delivering 10..16
     assert rig.acknowledged == [("t", busiest, offset) for offset in range(10, 17)]
     assert restarted.skipped == 0
-    rig.deliver_telemetry(restarted, busiest)
+    rig.deliver_others(restarted, busiest)
     assert rig.partials() == straight
 
 
@@ -213,7 +225,7 @@ def test_a_revoked_partition_is_rebuilt_from_its_checkpoint_not_from_memory(scen
     assert ("t", busiest) not in runner._tasks
     rig.deliver(runner, "t", busiest, start=8)
     assert rig.acknowledged == [("t", busiest, offset) for offset in (5, 6, 7)]
-    rig.deliver_telemetry(runner, busiest)
+    rig.deliver_others(runner, busiest)
     assert rig.partials() == straight
 
 
@@ -227,3 +239,83 @@ def test_messages_gone_to_retention_are_skipped_with_a_warning(scenario, caplog)
     rig.deliver(runner, "t", busiest, start=6)
     assert rig.acknowledged == [("t", busiest, 4), ("t", busiest, 5)]
     assert "offsets 1..3 are gone from the log" in caplog.text
+
+
+class SliceCounts:
+    """The counts of every key's final slices, as the operations view of a stage-2 runner is fed them."""
+
+    def __init__(self) -> None:
+        self.view = self
+        self.rows: list[tuple] = []
+        self.late = 0
+
+    def observe(self, output, now: float | None = None) -> None:
+        self.rows += [row[:4] + (row.steps, row.plain_entries, tuple(row.accepted_at_least),
+                                 tuple(row.drafted_at_least)) for row in output.windows]
+        self.late += output.late_records
+
+    def published(self, decisions) -> None:
+        pass
+
+
+def test_a_worker_that_goes_idle_is_decided_as_embedded_to_the_very_end():
+    """Live: telemetry arrives as the clock runs, one engine worker (alone on its partition) stops
+    halfway. Its partition goes idle: it closes its open slices and releases itself, and so do
+    the others at the end. Every decision, to the end and byte for byte, is the embedded pipeline's."""
+    sim = Simulator("kv_pressure", seed=11, workers=3, minutes=1.0, incident_at=30.0)
+    quitter, stop = "w2", sim.start_ts + 25.0
+    records = [r for r in sim.records() if getattr(r, "worker", None) != quitter or r.ts < stop]
+    embedded_slices = SliceCounts()
+    embedded = EmbeddedPipeline(sinks=[embedded_slices.observe])
+    embedded.feed_many(records)
+    embedded.finish()
+
+    rig = Rig([])
+    stage1, stage2 = rig.runner(Stage1Runner), rig.runner(Stage2Runner)
+    stage2.operations = twin_slices = SliceCounts()
+    read = {p: 0 for p in range(PARTITIONS)}
+
+    def decide_what_came():
+        for p in range(PARTITIONS):
+            rig.deliver(stage2, "p", p, start=read[p], tick=0.0)
+            read[p] = len(rig.kafka.records("p", p))
+
+    for source, first_ts, chunk in exporter_batches(records):
+        rig.now = first_ts - sim.start_ts  # live: the clock runs with event time
+        # the quitter alone on the last partition, the others over the rest
+        partition = PARTITIONS - 1 if source == quitter else zlib.crc32(source.encode()) % (PARTITIONS - 1)
+        message = rig.kafka.append("t", chunk, key=source.encode(), partition=partition)
+        rig.run(stage1.handle([message]))
+        rig.run(stage1.catch_up())
+        rig.run(stage1.release_idle_sources())
+        decide_what_came()
+    rig.now += _SETTINGS.source_silence_seconds
+    rig.run(stage1.release_idle_sources())
+    decide_what_came()
+    decided = [decode_decision(r.value) for r in rig.kafka.topic_records("d") if not is_heartbeat_key(r.key)]
+    assert any(d.ts > stop for d in embedded.decisions)
+    assert twin_slices.late == embedded_slices.late == 0
+    assert Counter(twin_slices.rows) == Counter(embedded_slices.rows)  # every slice, the quitter's last ones too
+    assert sorted(d.to_json_line() for d in decided) == sorted(d.to_json_line() for d in embedded.decisions)
+
+
+def test_a_partition_with_data_waiting_is_never_idle(scenario):
+    """Silent far past the silence, but with messages left to read: no release until they are folded."""
+    chunks, _, _ = scenario
+    rig = Rig(chunks)
+    busiest = _busiest(rig)
+    runner = rig.runner(Stage1Runner)
+    rig.run(runner.handle(rig.kafka.records("t", busiest)[:3]))
+    rig.now += 10 * _SETTINGS.source_silence_seconds
+    rig.run(runner.release_idle_sources())
+
+    def releases() -> list[tuple[int, str]]:
+        return [(r.partition, decode_partial(r.value).release_source) for r in rig.kafka.topic_records("p")
+                if decode_partial(r.value).release_source is not None]
+
+    assert releases() == []
+    rig.deliver(runner, "t", busiest, start=3)
+    rig.now += _SETTINGS.source_silence_seconds
+    rig.run(runner.release_idle_sources())
+    assert releases() == [(p, f"t/{busiest}") for p in range(PARTITIONS)]
+    assert runner._tasks[("t", busiest)].stage.close_ready(final=True) == []  # all closed and sent before it

@@ -50,9 +50,10 @@ def add_arguments(parser) -> None:
                         help="partitions of topics this command has to create (default 4)")
     parser.add_argument("--checkpoint-seconds", type=float, default=2.0,
                         help="seconds between checkpoints of a busy task (default 2)")
-    parser.add_argument("--source-silence", type=float, default=10.0, metavar="SECONDS",
-                        help="stop waiting for a telemetry partition that is behind, has nothing to read and "
-                             "sent nothing for this long (default 10)")
+    parser.add_argument("--source-silence", type=float, metavar="SECONDS",
+                        help="a telemetry partition with nothing to read that sent nothing for this long is idle: "
+                             "it closes its slices and stage 2 stops waiting for it (default: the policy's "
+                             "windows.source_idle_seconds, 10)")
     parser.add_argument("--session-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="consumer session timeout: how soon a dead worker's partitions move (default 30)")
     parser.add_argument("--replication-factor", type=int, default=1,
@@ -128,7 +129,7 @@ def run(args) -> int:
             archive_dsn=args.archive,
             data_dir=str(Path(args.data_dir) / f"worker-{args.worker_index}"),
             checkpoint_seconds=args.checkpoint_seconds,
-            source_silence_seconds=args.source_silence,
+            source_silence_seconds=args.source_silence or policy.windows.source_idle_seconds,
             session_timeout_seconds=args.session_timeout,
             replication_factor=args.replication_factor,
             operations=operations,
@@ -168,10 +169,12 @@ def _worker_command(args, index: int) -> list[str]:
                 "--partials-topic", args.partials_topic, "--decisions-topic", args.decisions_topic,
                 "--deadletter-topic", args.deadletter_topic, "--app-id", args.app_id, "--data-dir", args.data_dir,
                 "--partitions", str(args.partitions), "--checkpoint-seconds", str(args.checkpoint_seconds),
-                "--source-silence", str(args.source_silence), "--session-timeout", str(args.session_timeout),
+                "--session-timeout", str(args.session_timeout),
                 "--replication-factor", str(args.replication_factor), "--log-level", args.log_level,
                 "--web-port", str(args.web_port), "--web-bind", args.web_bind,
                 "--max-metric-keys", str(args.max_metric_keys)]
+    if args.source_silence:
+        command += ["--source-silence", str(args.source_silence)]
     if args.alertmanager_url:
         command += ["--alertmanager-url", args.alertmanager_url]
     if args.webhook_token_file:
