@@ -237,7 +237,7 @@ def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
     numbers = {name: np.ascontiguousarray(summary[:, i]) for name, i in _SUMMARY_COLUMNS.items()}
     numbers.update(zip(_ROW_NUMBERS, np.ascontiguousarray(own.T)))
     texts = {name: [getattr(row, name) for row in rows] for name in _WINDOW_TEXT}
-    positions = {name: _flat_counts([getattr(row, name) for row in rows]) for name in WINDOW_ARRAYS}
+    positions = {name: WindowColumns.flat_counts([getattr(row, name) for row in rows]) for name in WINDOW_ARRAYS}
     return window_columns_table(WindowColumns(numbers, texts, positions), offset)
 
 
@@ -292,14 +292,6 @@ def _window_table(numbers: Mapping[str, np.ndarray], texts: Mapping[str, list],
                              f"{_WINDOW_EXPECTED[name]}, not {value_of(index, name)!r}")
         arrays.append(array)
     return pa.Table.from_arrays(arrays, schema=WINDOW_STATS.insert_schema)
-
-
-def _flat_counts(values: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Lists of counts as one flat array and the offsets of each list in it."""
-    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-    offsets = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=int(offsets[-1])), offsets
 
 
 def _count_list_array(flat: np.ndarray, offsets: np.ndarray) -> tuple[pa.Array | None, list[int]]:

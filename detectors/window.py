@@ -456,7 +456,8 @@ def window_columns(windows: Sequence[SliceWindows]) -> WindowColumns:
 
     >>> a, b = SliceStats(), SliceStats()
     >>> a.add_round(drafted=4, accepted=3); b.add_step_time(1.0, 9.0, 0.5, 3.2)
-    >>> columns = window_columns([SliceWindows(4.0, [("b-1", "chat", "main"), ("b-1", None, None)], [True, True], [a, b])])
+    >>> keys = [("b-1", "chat", "main"), ("b-1", None, None)]
+    >>> columns = window_columns([SliceWindows(4.0, keys, [True, True], [a, b])])
     >>> columns.numbers["acceptance_length"].tolist(), columns.numbers["draft_overhead"].tolist()
     ([4.0, nan], [nan, 0.1])
     >>> columns.texts["bucket"], columns.positions["drafted_at_least"][0].tolist()
@@ -493,13 +494,7 @@ def window_columns(windows: Sequence[SliceWindows]) -> WindowColumns:
             percentiles[row] = _percentiles(sketches)
     numbers.update(zip(WINDOW_SUMMARY_FIELDS[-percentiles.shape[1]:], np.ascontiguousarray(percentiles.T)))
     bundles, buckets, cohorts = (list(names) for names in zip(*keys)) if keys else ([], [], [])
-    positions = {}
-    for name in _POSITION_FIELDS:
-        lists = list(map(attrgetter(name), parts))
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, lists), dtype=np.int64, count=n), out=offsets[1:])
-        positions[name] = (np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(offsets[-1])),
-                           offsets)
+    positions = {name: WindowColumns.flat_counts(list(map(attrgetter(name), parts))) for name in _POSITION_FIELDS}
     return WindowColumns(numbers, {"bundle_id": bundles, "bucket": buckets, "cohort": cohorts}, positions)
 
 

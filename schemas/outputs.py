@@ -3,9 +3,12 @@ audit and samples, window statistics, bundle cards and sightings."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from .decisions import Decision
 
@@ -120,6 +123,17 @@ class WindowColumns:
 
     def __len__(self) -> int:
         return len(self.texts["bundle_id"])
+
+    @staticmethod
+    def flat_counts(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Lists of counts as one ``positions`` column: the flat counts and each list's offsets.
+
+        >>> [a.tolist() for a in WindowColumns.flat_counts([[3, 1], [], [2]])]
+        [[3, 1, 2], [0, 2, 2, 3]]
+        """
+        offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)), out=offsets[1:])
+        return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(offsets[-1])), offsets
 
 
 @dataclass
