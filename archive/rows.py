@@ -21,13 +21,13 @@ import pyarrow as pa
 from specwatch.archive.columns import AUDIT, DECISIONS, SAMPLES, SEALED_SAMPLES, WINDOW_STATS, WINDOW_STATS_FIELDS
 from specwatch.archive.jsonvalue import canonical_json
 from specwatch.schemas import Decision
-from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, WindowRow
+from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, WindowColumns, WindowRow
 from specwatch.schemas.redaction import redact_record
 from specwatch.schemas.sealed import sealed_key_id
 
 __all__ = ["DEFAULT_SAMPLE_TEXT", "WINDOW_ARRAYS", "WINDOW_RATIOS", "DecisionBatch", "append_row",
-           "audit_out", "decision_out", "finite", "require_text", "stage_row", "window_rows_table",
-           "window_stats_table"]
+           "audit_out", "decision_out", "finite", "require_text", "stage_row", "window_columns_table",
+           "window_rows_table", "window_stats_table"]
 
 DEFAULT_SAMPLE_TEXT = "hashes"
 _SAMPLE_KINDS = ("request", "step", "shadow")
@@ -212,7 +212,7 @@ _ROW_SUMMARY = operator.itemgetter(WindowRow._fields.index("summary"))
 
 
 def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
-    """Stage 2's window rows (`WindowRow` tuples) as an Arrow table, column by column.
+    """Window rows (`WindowRow` tuples) as an Arrow table, column by column.
 
     One pass per batch and no dict per row: the summaries become one float64 matrix, the
     position counts one flat array with offsets; the checks are those of `window_stats_table`.
@@ -237,9 +237,24 @@ def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
     numbers = {name: np.ascontiguousarray(summary[:, i]) for name, i in _SUMMARY_COLUMNS.items()}
     numbers.update(zip(_ROW_NUMBERS, np.ascontiguousarray(own.T)))
     texts = {name: [getattr(row, name) for row in rows] for name in _WINDOW_TEXT}
-    lists = {name: _flat_count_lists([getattr(row, name) for row in rows]) for name in WINDOW_ARRAYS}
-    return _window_table(numbers, texts, lists, lambda index, name: getattr(rows[index], name), offset,
-                         lambda: ValueError(f"window rows {offset}..{offset + count - 1} do not convert"))
+    positions = {name: WindowColumns.flat_counts([getattr(row, name) for row in rows]) for name in WINDOW_ARRAYS}
+    return window_columns_table(WindowColumns(numbers, texts, positions), offset)
+
+
+def window_columns_table(columns: WindowColumns, offset: int = 0) -> pa.Table:
+    """Window-stats insert columns (`WindowColumns`: stage 2's rows built across keys, or rows
+    gathered by `window_rows_table`) as an Arrow table, each column checked as
+    `window_stats_table` checks it, with no step per row."""
+    lists = {name: _count_list_array(*columns.positions[name]) for name in WINDOW_ARRAYS}
+
+    def value_of(index: int, name: str) -> Any:
+        if name in WINDOW_ARRAYS:
+            flat, offsets = columns.positions[name]
+            return flat[offsets[index]:offsets[index + 1]].tolist()
+        return columns.texts[name][index] if name in _WINDOW_TEXT else columns.numbers[name][index].item()
+
+    return _window_table(columns.numbers, columns.texts, lists, value_of, offset,
+                         lambda: ValueError(f"window rows {offset}..{offset + len(columns) - 1} do not convert"))
 
 
 def _window_table(numbers: Mapping[str, np.ndarray], texts: Mapping[str, list],
@@ -279,17 +294,12 @@ def _window_table(numbers: Mapping[str, np.ndarray], texts: Mapping[str, list],
     return pa.Table.from_arrays(arrays, schema=WINDOW_STATS.insert_schema)
 
 
-def _flat_count_lists(values: Sequence[Sequence[int]]) -> tuple[pa.Array | None, list[int]]:
-    """One list-of-counts column from lists of ints, as one flat array and offsets; or the
-    rows that hold a negative count."""
-    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-    offsets = np.zeros(len(values) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=int(offsets[-1]))
+def _count_list_array(flat: np.ndarray, offsets: np.ndarray) -> tuple[pa.Array | None, list[int]]:
+    """One list-of-counts column from its flat counts and offsets; or the row that holds a negative count."""
     negative = np.flatnonzero(flat < 0)
     if len(negative):
         return None, [int(np.searchsorted(offsets, negative[0], side="right") - 1)]
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(np.uint64))), []
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat.astype(np.uint64))), []
 
 
 def _count_lists(rows: Sequence[Mapping[str, Any]], name: str) -> tuple[pa.Array | None, list[int]]:

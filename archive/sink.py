@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,8 @@ class ArchiveSink:
         self.spool = spool if isinstance(spool, Spool) else Spool(spool)
         self.window_batch = window_batch
         self._sample_text = getattr(archive, "sample_text", sample_text) if opener is None else sample_text
-        self._rows: list[WindowRow] = []
+        self._windows: list[Sequence[WindowRow]] = []  # each final slice's window rows, as stage 2 handed them over
+        self._window_rows = 0
         # (bundle_id, worker) -> [first, last] seen, in memory; spans that grew since they were
         # last written go out with the next batch of window rows, new ones at once.
         self._spans: dict[tuple[str, str], list[float]] = {}
@@ -195,9 +196,11 @@ class ArchiveSink:
         if stage_changes:
             self._put({"k": "stages", "changes": stage_changes},
                       lambda a, rows=stage_changes: a.write_stage_changes(rows))
-        self._rows.extend(output.windows)
-        if len(self._rows) >= self.window_batch:
-            self._write_rows()
+        if output.windows:
+            self._windows.append(output.windows)
+            self._window_rows += len(output.windows)
+            if self._window_rows >= self.window_batch:
+                self._write_rows()
 
     def flush(self) -> None:
         """Everything so far is in the archive or in the spool (on disk) when this returns."""
@@ -259,11 +262,11 @@ class ArchiveSink:
 
     # -- writing ---------------------------------------------------------------------------
     def _write_rows(self) -> None:
-        if self._rows:
-            rows, self._rows = self._rows, []
+        if self._windows:
+            windows, self._windows, self._window_rows = self._windows, [], 0
             # Dicts only for the spool (JSON on disk), and only when the rows go there.
-            self._put(lambda: {"k": "windows", "rows": [row.as_dict() for row in rows]},
-                      lambda a: a.write_window_rows(rows))
+            self._put(lambda: {"k": "windows", "rows": [row.as_dict() for window in windows for row in window]},
+                      lambda a: a.write_windows(windows))
         self._write_spans(self._grown)
 
     def _sighted(self, sightings) -> None:

@@ -28,9 +28,10 @@ from specwatch.archive.errors import ArchiveNotFoundError
 from specwatch.archive.jsonvalue import canonical_json
 from specwatch.archive.queries import PostmortemQueries, where_clause
 from specwatch.archive.rows import (DEFAULT_SAMPLE_TEXT, DecisionBatch, append_row, audit_out, finite, require_text,
-                                    stage_row, window_rows_table, window_stats_table)
+                                    stage_row, window_columns_table, window_rows_table, window_stats_table)
+from specwatch.detectors.window import window_columns
 from specwatch.schemas import Decision, decision_key
-from specwatch.schemas.outputs import WindowRow
+from specwatch.schemas.outputs import SliceWindows, WindowRow
 from specwatch.schemas.redaction import SAMPLE_TEXT_MODES
 
 __all__ = ["Archive", "sample_text_mode"]
@@ -213,31 +214,58 @@ class Archive(PostmortemQueries):
         return self._write_chunked(rows if isinstance(rows, list) else list(rows), window_stats_table)
 
     def write_window_rows(self, rows: Sequence[WindowRow]) -> int:
-        """Archive stage 2's window rows (`WindowRow` tuples, as `SliceOutput.windows` holds them);
-        returns how many.
+        """Archive window rows (`WindowRow` tuples); returns how many.
 
         The same rows as `write_window_stats` writes from dicts, built into insert columns in
         one pass per chunk instead of from a dict per row.
         """
         return self._write_chunked(rows, window_rows_table)
 
+    def write_windows(self, windows: Sequence[Sequence[WindowRow]]) -> int:
+        """Archive the window rows of final slices as stage 2 hands them over (`SliceOutput.windows`,
+        one sequence per slice); returns how many rows.
+
+        Stage 2's `SliceWindows` become insert columns straight from the keys' statistics, many
+        slices at once (`window_columns`), with no row object; other sequences of `WindowRow`
+        go through `write_window_rows`. The rows stored are the same either way.
+        """
+        if not all(isinstance(window, SliceWindows) for window in windows):
+            return self.write_window_rows([row for window in windows for row in window])
+        chunks: list[tuple[int, list[SliceWindows]]] = []
+        rows = 0
+        for window in windows:
+            if not chunks or rows - chunks[-1][0] >= _DEFAULT_INSERT_CHUNK_ROWS:
+                chunks.append((rows, []))
+            chunks[-1][1].append(window)
+            rows += len(window)
+        self._insert_chunks(chunks, lambda part, start: window_columns_table(window_columns(part), start))
+        return rows
+
     def _write_chunked(self, rows: Sequence[Any], to_table: Callable[[Sequence[Any], int], pa.Table]) -> int:
-        starts = range(0, len(rows), _DEFAULT_INSERT_CHUNK_ROWS)
-        if len(starts) <= 1:
-            if rows:
-                self._insert_table(WINDOW_STATS, to_table(rows, 0))
-            return len(rows)
+        self._insert_chunks([(start, rows[start:start + _DEFAULT_INSERT_CHUNK_ROWS])
+                             for start in range(0, len(rows), _DEFAULT_INSERT_CHUNK_ROWS)], to_table)
+        return len(rows)
+
+    def _insert_chunks(self, chunks: Sequence[tuple[int, Any]], to_table: Callable[[Any, int], pa.Table]) -> None:
+        """Insert window-stats chunks, each ``(its first row's index, what to_table builds it from)``."""
+        if len(chunks) <= 1:
+            for start, part in chunks:
+                table = to_table(part, start)
+                if table.num_rows:
+                    self._insert_table(WINDOW_STATS, table)
+            return
         # The engine releases the GIL while it inserts, so converting the next chunk
         # overlaps with inserting this one whenever a second core is free.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specwatch-archive") as inserter:
             pending = None
-            for start in starts:
-                table = to_table(rows[start:start + _DEFAULT_INSERT_CHUNK_ROWS], start)
+            for start, part in chunks:
+                table = to_table(part, start)
                 if pending is not None:
                     pending.result()
-                pending = inserter.submit(self._insert_table, WINDOW_STATS, table)
-            pending.result()
-        return len(rows)
+                if table.num_rows:
+                    pending = inserter.submit(self._insert_table, WINDOW_STATS, table)
+            if pending is not None:
+                pending.result()
 
     def write_bundle(self, bundle_id: str, card: Mapping[str, Any] | Any, ts: float,
                      worker: str) -> None:

@@ -88,6 +88,19 @@ class LatencySketch:
             return math.nan
         return float(self._digest.quantile(q))
 
+    def quantiles(self, qs: Iterable[float]) -> list[float]:
+        """`quantile` of each of ``qs``, in one call (a summary reads three of every sketch).
+
+        >>> s = LatencySketch(); s.add_many([10.0, 20.0, 30.0, 40.0])
+        >>> s.quantiles((0.5, 0.99)) == [s.quantile(0.5), s.quantile(0.99)], LatencySketch().quantiles((0.5,))
+        (True, [nan])
+        """
+        self._fold()
+        if self._digest is None or self._digest.n_values == 0:
+            return [math.nan for _ in qs]
+        quantile = self._digest.quantile
+        return [float(quantile(q)) for q in qs]
+
     def count_above(self, value: float) -> float:
         """About how many of the durations added exceed ``value`` (from the digest's CDF).
 

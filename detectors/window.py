@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import base64
 import heapq
+import itertools
 import math
 import zlib
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
-from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS
+import numpy as np
+
+from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows, WindowColumns
 
 from .sketch import LatencySketch
 
-__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "sample_order", "sample_record"]
+__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "ratios", "sample_order", "sample_record",
+           "window_columns"]
 
 # Samples kept per key per slice, by why they were kept: the records that show a problem
 # (failures, the slowest requests, the step that accepted least) and healthy controls of
@@ -81,6 +85,30 @@ def ratio(numerator: float, denominator: float) -> float:
     (1.5, True)
     """
     return numerator / denominator if denominator else math.nan
+
+
+def ratios(numerators: np.ndarray, denominators: np.ndarray) -> np.ndarray:
+    """`ratio` of two arrays, element by element: the same floats, NaN where a denominator is zero.
+
+    >>> ratios(np.array([3, 1]), np.array([2, 0]))
+    array([1.5, nan])
+    """
+    out = np.full(len(denominators), math.nan)
+    np.divide(numerators, denominators, out=out, where=denominators != 0)
+    return out
+
+
+# The derived values, each written once for a key (`ratio`) and for many keys at once (`ratios`).
+def _acceptance_length(accepted_tokens, rounds, divide=ratio):
+    return divide(accepted_tokens + rounds, rounds)
+
+
+def _draft_overhead(draft_ms, verify_ms, divide=ratio):
+    return divide(draft_ms, draft_ms + verify_ms)
+
+
+def _speedup(acceptance_length, draft_ms, verify_ms, divide=ratio):
+    return acceptance_length * divide(verify_ms, draft_ms + verify_ms)
 
 
 def _merged_sketch(mine: LatencySketch | None, theirs: LatencySketch) -> LatencySketch:
@@ -317,12 +345,12 @@ class SliceStats:
     @property
     def acceptance_length(self) -> float:
         """Mean tokens gained per speculative round: accepted drafts plus the target's own token."""
-        return ratio(self.accepted_tokens + self.rounds, self.rounds)
+        return _acceptance_length(self.accepted_tokens, self.rounds)
 
     @property
     def draft_overhead(self) -> float:
         """Share of step time spent drafting."""
-        return ratio(self.draft_ms, self.draft_ms + self.verify_ms)
+        return _draft_overhead(self.draft_ms, self.verify_ms)
 
     @property
     def draft_to_verify(self) -> float:
@@ -337,7 +365,7 @@ class SliceStats:
         time; a speculative step costs draft + verify and yields AL tokens, so
         speedup = AL * verify / (draft + verify) = AL / (1 + rho*D).
         """
-        return self.acceptance_length * ratio(self.verify_ms, self.draft_ms + self.verify_ms)
+        return _speedup(self.acceptance_length, self.draft_ms, self.verify_ms)
 
     @property
     def error_rate(self) -> float:
@@ -367,8 +395,7 @@ class SliceStats:
                 self.draft_overhead, self.speedup, ratio(self.draft_ms, self.steps), ratio(self.verify_ms, self.steps),
                 self.requests, self.errors + self.timeouts, self.error_rate, self.kv_peak, self.shadow_checks,
                 self.shadow_mismatches,
-                *(math.nan if sketch is None else sketch.quantile(q)
-                  for sketch in (ttft, tpot, e2e) for q in _SUMMARY_QUANTILES))
+                *_percentiles((ttft, tpot, e2e)))
 
     # -- serialization for changelog-backed tables and partial-aggregate messages -------
     def to_dict(self) -> dict:
@@ -409,6 +436,77 @@ class SliceStats:
             if data.get(name):
                 setattr(out, name, LatencySketch.from_bytes(base64.b64decode(data[name])))
         return out
+
+
+# What `window_columns` reads off each key's statistics, in C-level passes over the keys.
+_COUNT_FIELDS = ("rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "timeouts", "shadow_checks",
+                 "shadow_mismatches", "steps", "plain_entries")
+_TIME_FIELDS = ("draft_ms", "verify_ms", "kv_peak")
+_SKETCHES = attrgetter("ttft", "tpot", "e2e")
+_NO_SKETCHES = (None, None, None)
+_POSITION_FIELDS = ("accepted_at_least", "drafted_at_least")
+
+
+def window_columns(windows: Sequence[SliceWindows]) -> WindowColumns:
+    """The window rows of many final slices as insert columns, built across keys at once.
+
+    Each number is the one `SliceStats.summary_values` gives the key (the ratios are the
+    same formulas, on arrays); only the latency percentiles are read key by key, and only
+    for keys with requests.
+
+    >>> a, b = SliceStats(), SliceStats()
+    >>> a.add_round(drafted=4, accepted=3); b.add_step_time(1.0, 9.0, 0.5, 3.2)
+    >>> keys = [("b-1", "chat", "main"), ("b-1", None, None)]
+    >>> columns = window_columns([SliceWindows(4.0, keys, [True, True], [a, b])])
+    >>> columns.numbers["acceptance_length"].tolist(), columns.numbers["draft_overhead"].tolist()
+    ([4.0, nan], [nan, 0.1])
+    >>> columns.texts["bucket"], columns.positions["drafted_at_least"][0].tolist()
+    (['chat', None], [1, 1, 1, 1])
+    """
+    keys: list = []
+    speculating: list[bool] = []
+    parts: list[SliceStats] = []
+    for window in windows:
+        keys += window.keys
+        speculating += window.speculating
+        parts += window.stats
+    n = len(parts)
+    counts = np.fromiter(itertools.chain.from_iterable(map(attrgetter(*_COUNT_FIELDS), parts)), dtype=np.int64,
+                         count=n * len(_COUNT_FIELDS)).reshape(n, len(_COUNT_FIELDS)).T
+    times = np.fromiter(itertools.chain.from_iterable(map(attrgetter(*_TIME_FIELDS), parts)), dtype=np.float64,
+                        count=n * len(_TIME_FIELDS)).reshape(n, len(_TIME_FIELDS)).T
+    numbers = {name: np.ascontiguousarray(column) for name, column in zip(_COUNT_FIELDS, counts)}
+    draft_ms, verify_ms, kv_peak = (np.ascontiguousarray(column) for column in times)
+    rounds, steps = numbers["rounds"], numbers["steps"]
+    failed = numbers.pop("errors") + numbers.pop("timeouts")
+    acceptance_length = _acceptance_length(numbers["accepted_tokens"], rounds, ratios)
+    numbers.update(
+        ts=np.repeat(np.array([window.slice_end for window in windows], dtype=np.float64),
+                     [len(window) for window in windows]),
+        speculation_on=np.array(speculating, dtype=bool), acceptance_length=acceptance_length,
+        draft_overhead=_draft_overhead(draft_ms, verify_ms, ratios),
+        speedup=_speedup(acceptance_length, draft_ms, verify_ms, ratios), draft_ms=ratios(draft_ms, steps),
+        verify_ms=ratios(verify_ms, steps), errors=failed, error_rate=ratios(failed, numbers["requests"]),
+        kv_peak=kv_peak)
+    percentiles = np.full((n, 3 * len(_SUMMARY_QUANTILES)), math.nan)
+    for row, sketches in enumerate(map(_SKETCHES, parts)):
+        if sketches != _NO_SKETCHES:
+            percentiles[row] = _percentiles(sketches)
+    numbers.update(zip(WINDOW_SUMMARY_FIELDS[-percentiles.shape[1]:], np.ascontiguousarray(percentiles.T)))
+    bundles, buckets, cohorts = (list(names) for names in zip(*keys)) if keys else ([], [], [])
+    positions = {name: WindowColumns.flat_counts(list(map(attrgetter(name), parts))) for name in _POSITION_FIELDS}
+    return WindowColumns(numbers, {"bundle_id": bundles, "bucket": buckets, "cohort": cohorts}, positions)
+
+
+def _percentiles(sketches: tuple) -> list[float]:
+    """The summary's latency percentiles of (ttft, tpot, e2e) sketches, NaN for a missing one."""
+    out: list[float] = []
+    for sketch in sketches:
+        out += _NO_PERCENTILES if sketch is None else sketch.quantiles(_SUMMARY_QUANTILES)
+    return out
+
+
+_NO_PERCENTILES = [math.nan] * len(_SUMMARY_QUANTILES)
 
 
 def merge_all(parts: Iterable[SliceStats], sketches: bool = True) -> SliceStats:

@@ -35,7 +35,7 @@ from specwatch.schemas import (
 )
 from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.fastdecode import StepBlock, StepColumns
-from specwatch.schemas.outputs import ActionRecord, SliceOutput, WindowRow
+from specwatch.schemas.outputs import ActionRecord, SliceOutput, SliceWindows
 from specwatch.schemas.policy import Policy
 
 from .intake import DuplicateFilter, EventClock, duplicate
@@ -851,7 +851,7 @@ class Stage2:
                     if ident not in seen_events:
                         seen_events.add(ident)
                         events.append(event)
-        out = SliceOutput(index, slice_end, late_records=late)
+        out = SliceOutput(index, slice_end, late_records=late, windows=SliceWindows(slice_end))
         events.sort(key=lambda e: (e["ts"], e["type"], e.get("worker") or "", e.get("id") or ""))
         for event in events:
             self._on_event(event, out)
@@ -945,9 +945,7 @@ class Stage2:
         else:
             speculating = self.flags.lookup(bundle, bucket, cohort).enabled
         findings = monitor.update(stats, slice_end, speculating)
-        out.windows.append(WindowRow(slice_end, bundle, bucket, cohort, speculating, stats.steps, stats.plain_entries,
-                                     list(stats.accepted_at_least), list(stats.drafted_at_least),
-                                     stats.summary_values()))
+        out.windows.add(key, speculating, stats)  # read as rows or columns by whoever wants them
         for finding in findings:
             self._act(finding, key, monitor, out, [])
 

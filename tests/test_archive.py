@@ -602,5 +602,8 @@ def test_the_bench_measures_the_sink_beside_direct_writes_and_single_row_inserts
     assert report["sink_over_direct"] == report["sink_rows_per_s"] / report["direct_rows_per_s"]
     assert report["speedup_vs_naive"] == report["sink_rows_per_s"] / report["naive_rows_per_s"]
     assert report["sink_over_row_path"] == report["sink_rows_per_s"] / report["row_path_rows_per_s"]
+    # the sink against the path it replaced, stage 2's row building included
+    assert report["sink_over_sink_rows_with_stage2_cpu"] == (report["sink_rows_per_s_cpu"]
+                                                             / report["sink_rows_with_stage2_rows_per_s_cpu"])
     assert report["insert_rows"] == 20_000 and report["rows_per_slice"] == 20_000 / report["slices"]
     assert {f"insert_{transport}_rows_per_s" for transport in ("memory", "stream", "file")} <= set(report)

@@ -12,12 +12,16 @@ from __future__ import annotations
 import math
 
 import clickhouse_connect
+import numpy as np
 import pytest
 
+from specwatch.archive import store
 from specwatch.archive.columns import WINDOW_STATS_FIELDS
-from specwatch.archive.rows import window_rows_table
+from specwatch.archive.rows import window_columns_table, window_rows_table
 from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.store import Archive
+from specwatch.detectors.window import window_columns
+from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
@@ -50,6 +54,11 @@ def _as_read(row: dict) -> tuple:
                  for name in WINDOW_STATS_FIELDS)
 
 
+def _in_read_order(rows) -> list[tuple]:
+    """Rows as `_ORDER` reads them back: ClickHouse sorts NULL (every bucket, every cohort) last."""
+    return sorted(rows, key=lambda r: (r[0], r[1], r[2] is None, r[2] or "", r[3] is None, r[3] or ""))
+
+
 def test_the_columnar_writer_stores_exactly_what_the_row_path_stored(outputs, tmp_path):
     rows = [row for output in outputs for row in output.window_rows]
     windows = [row for output in outputs for row in output.windows]
@@ -73,9 +82,57 @@ def test_the_columnar_writer_stores_exactly_what_the_row_path_stored(outputs, tm
             client.close()
     assert len(columnar) == len(rows)
     assert columnar == by_rows
-    # ClickHouse sorts NULL (every bucket, every cohort) last
-    assert columnar == sorted((_as_read(row) for row in rows),
-                              key=lambda r: (r[0], r[1], r[2] is None, r[2] or "", r[3] is None, r[3] or ""))
+    assert columnar == _in_read_order(_as_read(row) for row in rows)
+
+
+def test_stage_two_columns_hold_exactly_the_numbers_of_its_rows(outputs):
+    """Columns built across keys from the statistics stage 2 hands over are, bit for bit, the
+    numbers of the rows it used to build one key at a time (`SliceStats.summary_values`)."""
+    windows = [output.windows for output in outputs]
+    assert all(isinstance(window, SliceWindows) for window in windows)
+    columns = window_columns(windows)
+    rows = [row for window in windows for row in window.rows()]
+    assert len(columns) == len(rows) == 681
+    for name in WINDOW_SUMMARY_FIELDS[1:]:
+        expected = np.array([row.summary[WINDOW_SUMMARY_FIELDS.index(name)] for row in rows], dtype=np.float64)
+        assert columns.numbers[name].astype(np.float64).tobytes() == expected.tobytes(), name
+    for name in ("steps", "plain_entries"):
+        assert columns.numbers[name].tolist() == [getattr(row, name) for row in rows]
+    assert columns.numbers["ts"].tolist() == [row.ts for row in rows]
+    assert columns.numbers["speculation_on"].tolist() == [row.speculation_on for row in rows]
+    assert [columns.texts[name] for name in ("bundle_id", "bucket", "cohort")] == \
+        [[getattr(row, name) for row in rows] for name in ("bundle_id", "bucket", "cohort")]
+    for name in ("accepted_at_least", "drafted_at_least"):
+        flat, offsets = columns.positions[name]
+        assert [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == [getattr(row, name) for row in rows]
+    assert window_columns_table(columns).equals(window_rows_table(rows))
+    empty = window_columns([SliceWindows(1.0)])
+    assert len(empty) == 0 and window_columns_table(empty).num_rows == 0
+
+
+def test_the_sink_inserts_stage_two_output_with_no_row_object(outputs, tmp_path, monkeypatch):
+    """The sink hands stage 2's statistics to the archive as they are, in inserts cut at the
+    chunk size, and reads back what the row path stores."""
+    def no_rows(self):
+        raise AssertionError("a window row was built on the way into the archive")
+
+    monkeypatch.setattr(store, "_DEFAULT_INSERT_CHUNK_ROWS", 100)
+    expected = _in_read_order(_as_read(row) for output in outputs for row in output.window_rows)
+    widest = max(len(output.windows) for output in outputs)
+    monkeypatch.setattr(SliceWindows, "rows", no_rows)
+    with Archive.open(f"chdb://{tmp_path / 'archive'}") as archive:
+        inserts = []
+        insert_table = archive._insert_table
+        monkeypatch.setattr(archive, "_insert_table", lambda table, data: (
+            inserts.append(data.num_rows) if table.name == "window_stats" else None, insert_table(table, data)))
+        sink = ArchiveSink(archive, window_batch=300, spool=tmp_path / "spool")
+        for output in outputs:
+            sink(output)
+        sink.close()
+        assert sink.stats()["spooled"] == 0
+        stored = archive.sql(f"SELECT {', '.join(WINDOW_STATS_FIELDS)} FROM window_stats FINAL {_ORDER}")[1]
+    assert stored == expected
+    assert sum(inserts) == 681 and len(inserts) >= 7 and max(inserts) < 100 + widest
 
 
 def test_an_insert_into_chdb_writes_no_file(outputs, tmp_path, monkeypatch):
@@ -125,11 +182,12 @@ def test_a_server_dsn_gets_the_same_arrow_table_through_insert_arrow(outputs, mo
     windows = [row for output in outputs[:40] for row in output.windows]
     with Archive.open("http://ops:pw@ch.internal:8123/postmortems", environ={}) as archive:
         assert archive.write_window_rows(windows) == len(windows)
+        assert archive.write_windows([output.windows for output in outputs[:40]]) == len(windows)
     (server,) = servers
     assert (server.settings["host"], server.settings["port"], server.settings["username"]) == ("ch.internal", 8123, "ops")
-    (table, data, settings), = server.inserts
+    (table, data, settings), (_, columns, _) = server.inserts
     assert table == "postmortems.window_stats" and settings == {"optimize_on_insert": 0}
-    assert data.equals(window_rows_table(windows))
+    assert data.equals(window_rows_table(windows)) and columns.equals(data)
     assert "CREATE DATABASE IF NOT EXISTS postmortems" in server.commands
 
 

@@ -1,18 +1,24 @@
 """The archive section of `specwatch bench`: window-stats rows from stage 2 into embedded chDB.
 
-Every path starts from the same stage-2 rows (`SliceOutput.windows`, copied forward in time
-so that each copy is a slice of its own) and ends in the same table, in one run:
+Every path starts from the same stage-2 output (`SliceOutput.windows` of one pipeline run,
+as `SliceWindows`, copied forward in time so that each copy is a slice of its own) and ends
+in the same table, in one run:
 
 - the sink (`ArchiveSink`, one slice at a time, as `run`, `replay` and `demo` hand it over):
-  insert columns built from the rows in one pass, handed to chDB in memory, at its default
-  batch;
-- the row path it replaced: a dict per row, `window_stats_table`, and clickhouse-connect's
+  insert columns built straight from the keys' statistics, many slices at once
+  (`window_columns`), handed to chDB in memory, at its default batch;
+- the path it replaced, the sink fed `WindowRow` tuples, which stage 2 built one per key
+  (`SliceWindows.rows`, timed on its own as ``stage2_rows``): ``sink_rows`` alone, and
+  ``sink_rows_with_stage2`` with the rows' building added;
+- the row path before that: a dict per row, `window_stats_table`, and clickhouse-connect's
   `insert_arrow`, which on chDB writes an Arrow file and inserts it ``FROM INFILE``, at the
   sink's batch of then (5,000 rows);
-- the writer alone, every row in one call (`Archive.write_window_rows`);
+- the writer alone, every row in one call, from stage 2's output (`Archive.write_windows`)
+  and from rows (`Archive.write_window_rows`);
 - the engine's insert of one ready Arrow table by each transport there is (in memory
   through ``Python()``, an Arrow stream pushed through chDB's streaming insert, the file
-  round trip), and the two column builders without any insert;
+  round trip), and the column builders without any insert: from the statistics, from
+  tuples, from dicts;
 - one INSERT per row.
 
 Rates are rows per wall second; ``*_cpu`` rates are rows per CPU second of the process,
@@ -41,35 +47,52 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
 
 
 def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
-    """Each path over ``rows`` window rows made from ``template`` (`WindowRow`s of one
+    """Each path over ``rows`` window rows made from ``template`` (the `SliceWindows` of one
     pipeline run, in slice order), in one run; see the module docstring."""
     import chdb
     import clickhouse_connect
     import pyarrow as pa
 
-    from specwatch.archive.rows import window_rows_table, window_stats_table
+    from specwatch.archive.rows import window_columns_table, window_rows_table, window_stats_table
     from specwatch.archive.sink import ArchiveSink
     from specwatch.archive.store import Archive
-    from specwatch.schemas.outputs import SliceOutput
+    from specwatch.detectors.window import window_columns
+    from specwatch.schemas.outputs import SliceOutput, SliceWindows
 
-    span = max(row.ts for row in template) - min(row.ts for row in template) + 1.0
+    template = [window for window in template if len(window)]
+    span = template[-1].slice_end - template[0].slice_end + 1.0
 
-    def copies(shift: float) -> list:  # distinct slices: each copy of the template moves on in time
-        return [template[i % len(template)]._replace(ts=template[i % len(template)].ts + shift
-                                                     + span * (i // len(template))) for i in range(rows)]
+    def copies(shift: float) -> list[SliceWindows]:
+        # distinct slices: each pass over the template moves on in time; the statistics are shared
+        out, count, turn = [], 0, 0
+        while count < rows:
+            for window in template:
+                take = min(len(window), rows - count)
+                out.append(SliceWindows(window.slice_end + shift + span * turn, window.keys[:take],
+                                        window.speculating[:take], window.stats[:take]))
+                count += take
+                if count == rows:
+                    break
+            turn += 1
+        return out
 
-    def slices(window_rows: list) -> list[SliceOutput]:
-        by_end: dict[float, list] = {}
-        for row in window_rows:
-            by_end.setdefault(row.ts, []).append(row)
-        return [SliceOutput(slice_index=i, slice_end=end, windows=part) for i, (end, part) in enumerate(by_end.items())]
+    def outputs(windows: list) -> list[SliceOutput]:
+        return [SliceOutput(slice_index=i, slice_end=float(i), windows=part) for i, part in enumerate(windows)]
 
-    sink_outputs, row_outputs = slices(copies(0.0)), slices(copies(1e7))
-    direct = copies(2e7)
-    ready = window_rows_table(copies(3e7), 0)
+    # The first calls import what pyarrow loads lazily and fold the values the sketches still
+    # buffer (the detectors have usually done so by then): neither is any path's cost per row.
+    window_columns_table(window_columns(template))
+    window_rows_table([row for window in template for row in window.rows()])
+    sink_windows, by_tuples, by_dicts = copies(0.0), copies(1e7), copies(2e7)
+    direct_windows, direct = copies(3e7), copies(4e7)
+    stage2_cpu = _timed(lambda: [window.rows() for window in by_tuples])[1]  # what stage 2 paid per key before
+    sink_outputs, tuple_outputs = outputs(sink_windows), outputs([window.rows() for window in by_tuples])
+    dict_outputs = outputs([window.rows() for window in by_dicts])
+    direct = [row for window in direct for row in window.rows()]
+    ready = window_rows_table([row for window in copies(5e7) for row in window.rows()], 0)
     names = ", ".join(ready.schema.names)
-    report: dict[str, Any] = {"rows": rows, "slices": len(sink_outputs),
-                              "rows_per_slice": rows / len(sink_outputs), "load_average_before": os.getloadavg()}
+    report: dict[str, Any] = {"rows": rows, "slices": len(sink_windows),
+                              "rows_per_slice": rows / len(sink_windows), "load_average_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.realpath(f"{tmp}/archive")
         archive = Archive.open(f"chdb://{path}")
@@ -77,9 +100,9 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
         client = clickhouse_connect.get_client(interface="chdb", path=path)
         engine = chdb.connect(path)
         try:
-            def through_sink() -> None:
+            def through_sink(slice_outputs: list[SliceOutput]) -> None:
                 sink = ArchiveSink(archive, spool=Path(tmp) / "spool")  # its own batch, as every command runs it
-                for output in sink_outputs:
+                for output in slice_outputs:
                     sink(output)
                 sink.close()
                 if sink.stats()["spooled"] or sink.stats()["dropped_entries"]:
@@ -89,7 +112,7 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
 
             def through_rows() -> None:
                 pending: list[dict] = []
-                for output in row_outputs:
+                for output in dict_outputs:
                     pending.extend(output.window_rows)
                     if len(pending) >= _ROW_PATH_BATCH:
                         legacy.write_window_stats(pending)
@@ -112,28 +135,32 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
             def by_file(data: pa.Table) -> None:
                 client.insert_arrow("specwatch.window_stats", data, settings={"optimize_on_insert": 0})
 
-            measured = {"sink": through_sink, "row_path": through_rows,
+            measured = {"sink": lambda: through_sink(sink_outputs),
+                        "sink_rows": lambda: through_sink(tuple_outputs), "row_path": through_rows,
+                        "direct_windows": lambda: archive.write_windows(direct_windows),
                         "direct": lambda: archive.write_window_rows(direct)}
             for name, fn in measured.items():
                 wall, cpu = _timed(fn)
                 report[f"{name}_rows_per_s"], report[f"{name}_rows_per_s_cpu"] = rows / wall, rows / cpu
+                report[f"{name}_cpu_s"] = cpu
             dicts = [row.as_dict() for row in direct]
-            for name, fn in (("columns", lambda: window_rows_table(direct, 0)),
+            for name, fn in (("stats", lambda: window_columns_table(window_columns(direct_windows), 0)),
+                             ("columns", lambda: window_rows_table(direct, 0)),
                              ("dicts", lambda: window_stats_table(dicts, 0))):
                 wall, cpu = _timed(fn)
                 report[f"build_{name}_rows_per_s"] = rows / cpu
             shift = 0.0
             for name, insert in (("memory", by_memory), ("stream", by_stream), ("file", by_file)):
                 shift += 1e7  # each transport writes slices of its own
-                data = ready.set_column(0, "ts", pa.compute.add(ready.column("ts"), shift))
+                data = ready.set_column(0, "ts", pa.compute.add(ready.column("ts"), 1e8 + shift))
                 wall, cpu = _timed(lambda: insert(data))
                 report[f"insert_{name}_rows_per_s"], report[f"insert_{name}_rows_per_s_cpu"] = (
                     len(ready) / wall, len(ready) / cpu)
             one = direct[:naive_rows]
-            wall, _ = _timed(lambda: [archive.write_window_rows([row._replace(ts=row.ts + 1e8)]) for row in one])
+            wall, _ = _timed(lambda: [archive.write_window_rows([row._replace(ts=row.ts + 1e9)]) for row in one])
             report["naive_rows"], report["naive_rows_per_s"] = naive_rows, naive_rows / wall
             written = archive.sql("SELECT count() FROM specwatch.window_stats")[1][0][0]
-            expected = 3 * rows + 3 * len(ready) + naive_rows
+            expected = 5 * rows + 3 * len(ready) + naive_rows
             if written != expected:
                 raise RuntimeError(f"the bench wrote {written} window rows, not {expected}")
         finally:
@@ -142,6 +169,11 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
             archive.close()
     report["insert_rows"] = len(ready)
     report["insert_table_bytes"] = ready.nbytes
+    report["stage2_rows_per_s_cpu"] = rows / stage2_cpu
+    report["sink_rows_with_stage2_rows_per_s_cpu"] = rows / (report["sink_rows_cpu_s"] + stage2_cpu)
+    report["sink_over_sink_rows_cpu"] = report["sink_rows_per_s_cpu"] / report["sink_rows_rows_per_s_cpu"]
+    report["sink_over_sink_rows_with_stage2_cpu"] = (report["sink_rows_per_s_cpu"]
+                                                     / report["sink_rows_with_stage2_rows_per_s_cpu"])
     report["sink_over_row_path"] = report["sink_rows_per_s"] / report["row_path_rows_per_s"]
     report["sink_over_direct"] = report["sink_rows_per_s"] / report["direct_rows_per_s"]
     report["speedup_vs_naive"] = report["sink_rows_per_s"] / report["naive_rows_per_s"]

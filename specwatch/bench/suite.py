@@ -412,7 +412,7 @@ def bench_archive(quick: bool, smoke: bool) -> dict:
 
     pipeline = EmbeddedPipeline()
     template: list = []
-    pipeline.sinks.append(lambda out: template.extend(out.windows))
+    pipeline.sinks.append(lambda out: template.append(out.windows))
     for record in _records(16, 0.2, workers=2):
         pipeline.feed(record)
     pipeline.finish()
