@@ -127,6 +127,10 @@ class BaselinePool:
     2
     """
 
+    # requests and failures of speculating slices after their keys learned (see `count`)
+    later_requests = 0
+    later_failures = 0
+
     def __init__(self) -> None:
         self.buckets: dict[str, SliceStats] = {}
         self.bundle = SliceStats()
@@ -142,6 +146,31 @@ class BaselinePool:
             mine = self.buckets[bucket] = SliceStats()
         mine.merge(stats, samples=False)  # what a quiet key borrows is read for quantiles only
         self.bundle.merge(stats, sketches=False)  # across buckets, only counts mean the same
+
+    def count(self, stats: SliceStats) -> None:
+        """Count a learned key's speculating slice toward the bundle's error rate (`error_rate`)."""
+        if stats.requests and stats.speculative_requests:
+            self.later_requests += stats.requests
+            self.later_failures += stats.errors + stats.timeouts
+
+    def error_rate(self, without: tuple[int, int] = (0, 0)) -> float:
+        """The bundle's failure rate over every request counted so far, smoothed by one failure,
+        less ``without`` (a key's own requests and failures since it learned).
+
+        A key's learning minute sees the rate through a few failures; the bundle's traffic since
+        then, its own left out (it may be the incident), sees it through more.
+
+        >>> pool = BaselinePool(); s = SliceStats()
+        >>> for _ in range(999): s.add_request(80.0, 9.0, 900.0, True, "stop", 1.0)
+        >>> s.add_request(80.0, 9.0, 900.0, True, "error", 1.0)
+        >>> pool.add("coding", s); pool.error_rate()
+        0.001998001998001998
+        >>> pool.count(s); pool.error_rate(), pool.error_rate(without=(1000, 1))
+        (0.0014992503748125937, 0.001998001998001998)
+        """
+        requests = self.bundle.requests + self.later_requests - without[0]
+        failures = self.bundle.errors + self.bundle.timeouts + self.later_failures - without[1]
+        return (failures + 1.0) / (requests + 1.0)
 
     def borrow(self, bucket: str, min_requests: int) -> tuple[SliceStats | None, str]:
         """The bucket's learned traffic if it holds ``min_requests`` finished requests."""
@@ -288,8 +317,8 @@ class BaselineLearner:
             b.verify_ms_per_step = ratio(source.verify_ms, source.steps)
         b.requests, b.failures = own.requests, own.errors + own.timeouts
         b.requests_per_second = own.requests / max(elapsed, self.policy.learn_seconds)
-        pool = self.pool.bundle if self.pool is not None else own
-        prior_rate = (pool.errors + pool.timeouts + 1.0) / (pool.requests + 1.0)
+        prior_rate = (self.pool.error_rate() if self.pool is not None
+                      else (own.errors + own.timeouts + 1.0) / (own.requests + 1.0))
         if self.pool is None:  # nothing to borrow from: its own counts, smoothed
             b.error_rate, b.error_source = _shrunk_rate(b.failures, b.requests, prior_rate), "key"
         else:

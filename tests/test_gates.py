@@ -158,3 +158,59 @@ def test_a_checkpoint_from_before_load_bands_restores_and_decides_the_same():
 
     assert decided(restored) == decided(whole)
     assert [(d.reason, d.bucket) for d in whole.decisions] == [("latency_slo", "reasoning")]
+
+
+def _learned_high_then(rng, burst_from, sibling_rate=0.002, minutes=12):
+    """extraction and coding learn a minute in which the bundle drew 6 failures in 1,205
+    requests (0.58 %, where 0.2 % fail); then coding runs on at ``sibling_rate`` and, from
+    ``burst_from``, extraction fails at 4 %. The slices each key's error test fires at."""
+    pool = BaselinePool()
+    key, sibling = KeyMonitor(Policy(), "extraction", pool), KeyMonitor(Policy(), "coding", pool)
+    fired = {"extraction": [], "coding": []}
+    for t in range(60 * minutes):
+        learning = t <= 60
+        for name, monitor, requests in (("extraction", key, 5), ("coding", sibling, 15)):
+            if learning:
+                failures = int(name == "coding" and t % 10 == 0)  # 6 failures in its 900 requests
+            else:
+                rate = 0.04 if name == "extraction" and t >= burst_from else \
+                    sibling_rate if name == "coding" else 0.002
+                failures = _failures(rng, requests, rate)
+            stats = _counts(requests, failures)
+            stats.max_ts = float(t)
+            fired[name] += [t for f in monitor.update(stats, float(t + 1)) if f.reason == "error_rate"]
+    return key, fired
+
+
+def test_a_noisy_bundle_rate_is_refined_by_the_bundles_later_traffic():
+    # the bundle's rate learned from one minute is noisy: here three times the true rate. The
+    # burst was judged against it for as long as it ran; now the bundle's traffic since then
+    # (the key's own left out, it may be the incident) refines it
+    key, fired = _learned_high_then(random.Random(51), burst_from=120)
+    b = key.baseline
+    assert (b.requests, b.failures, b.error_source) == (305, 0, "bundle")
+    assert b.error_rate == (6 + 1) / (1205 + 1)
+    assert (fired["extraction"][:1], fired["coding"]) == ([164], [])  # 184 against the learned rate alone
+    assert round(key._error_tests[0].p0, 6) == 0.002161  # near the true 0.2 % by the run's end
+
+
+def test_a_sibling_incident_does_not_raise_a_keys_error_baseline():
+    # coding failing at 5 % raises the bundle's rate, never the extraction key's baseline:
+    # the refined rate is capped at what the key learned
+    key, fired = _learned_high_then(random.Random(52), burst_from=10 ** 6, sibling_rate=0.05)
+    assert key._error_baseline() == key.baseline.error_rate
+    assert fired["extraction"] == []
+
+
+def test_an_error_burst_early_in_a_run_is_decided_against_the_refined_rate():
+    # 3 workers, the burst 75 s in: the bundle's rate learned from those 75 s was 0.46 %
+    # (the true rate is 0.2 %), and the burst was decided 147 s after its start, past this
+    # run's end. Refined by the bundle's traffic since, the key's baseline is 0.31 % when it
+    # is decided, 56 s after the start
+    sim = Simulator("error_burst", seed=11, workers=3, minutes=3.5, incident_at=75.0)
+    pipeline = EmbeddedPipeline()
+    pipeline.feed_many(sim.records())
+    pipeline.finish()
+    got = [(round(d.ts - sim.start_ts, 2), d.reason, d.bucket, d.cohort, d.evidence["baseline"],
+            d.evidence["failures"], d.evidence["requests"]) for d in pipeline.decisions]
+    assert got == [(130.99, "error_rate", "extraction", "main", 0.00310318, 9.0, 173)]
