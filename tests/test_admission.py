@@ -259,7 +259,7 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
 
     shown = specwatch("bundles", "show", BUNDLE, "--archive", dsn)
     assert shown.returncode == 0, shown.stderr
-    assert "failed: structured tpot_p99" in shown.stdout
+    assert "failed: structured tpot_p95" in shown.stdout
 
     refused = specwatch("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
     assert refused.returncode == 1 and "name of the person" in refused.stderr
