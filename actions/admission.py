@@ -280,7 +280,14 @@ class AdmissionController:
             if outcome == "fail":
                 decisions.append(self._freeze(entry, now, judged, None))
             elif outcome == "pass" and waited >= self.settings.stage_seconds:
-                decisions.append(self._promote(entry, now, judged))
+                for judge in entry.judges.values():
+                    judge.confirm()  # a promotion acts on all the evidence, not on the last look's
+                judged = {b: j.judgement for b, j in sorted(entry.judges.items()) if j.baseline.requests}
+                outcome = combine(j.outcome for j in judged.values())
+                if outcome == "pass":
+                    decisions.append(self._promote(entry, now, judged))
+                elif outcome == "fail":
+                    decisions.append(self._freeze(entry, now, judged, None))
             elif outcome != "pass" and waited >= self.settings.max_stage_seconds:
                 # No verdict in all that time: the canary has cost its traffic without earning
                 # more; it stops speculating until someone looks (specwatch bundles).

@@ -229,15 +229,40 @@ class CanaryJudge:
         self.mismatches: list[tuple[float, str, str]] = []
         self.version = 0  # counts windows closed and checks seen: time-based rules are read again
         self._judgement: Judgement | None = None
-        self._judged_look = -1
+        self._tested_look = 0  # the scheduled look the tests last ran at
+        self._extra_looks = 0  # looks taken off the schedule, before a promotion (``confirm``)
+        self._tested_windows = (0, 0)
+        self._tests = self._test()
 
     def update(self, side: Literal["canary", "baseline"], stats: SliceStats) -> None:
         if side not in ("canary", "baseline"):
             raise ValueError(f"side must be 'canary' or 'baseline', got {side!r}")
         if (self.canary if side == "canary" else self.baseline).update(stats):
             self.version += 1
-            if self.look != self._judged_look:
-                self._judgement = None
+            if self.look != self._tested_look:
+                # a look: the tests read the windows as they are now, and that verdict
+                # stands until the next look, whatever is read in between
+                self._tested_look = self.look
+                self._retest()
+
+    def confirm(self) -> None:
+        """Look once more, off the schedule, at windows that grew since the last look.
+
+        A promotion acts on the standing verdict, which may be many windows old: before one,
+        the controller asks for a look at everything gathered. That look spends alpha as a
+        scheduled one does (it takes the next look's share), so the budget still holds.
+        """
+        if self._tested_look and self._windows() != self._tested_windows:
+            self._extra_looks += 1
+            self._retest()
+
+    def _windows(self) -> tuple[int, int]:
+        return len(self.canary.windows), len(self.baseline.windows)
+
+    def _retest(self) -> None:
+        self._tested_windows = self._windows()
+        self._tests = self._test()
+        self._judgement = None
 
     def add_shadow(self, match: bool, check: str, request_id: str, ts: float) -> None:
         """One shadow check of the speculating cohort's output against standard decoding."""
@@ -256,11 +281,13 @@ class CanaryJudge:
     @property
     def judgement(self) -> Judgement:
         if self._judgement is None:
-            self._judged_look = self.look
-            self._judgement = self._judge()
+            metrics = (*self._tests, self._quality())
+            self._judgement = Judgement(combine(m.outcome for m in metrics), metrics, self.canary.requests,
+                                        self.baseline.requests, self.shadow_checks, len(self.mismatches))
         return self._judgement
 
-    def _judge(self) -> Judgement:
+    def _test(self) -> tuple[MetricVerdict, ...]:
+        """The statistical tests on the closed windows, at this look's alpha."""
         cw, bw = self.canary.windows, self.baseline.windows
         metrics = [self._speedup(cw)]
         # A tail quantile is read on each side's closed windows pooled, and tested on the share
@@ -283,9 +310,7 @@ class CanaryJudge:
         base_kv = _median(baseline_kv)
         metrics.append(self._compare("kv_peak", _median(canary_kv), base_kv, base_kv + self.policy.kv_tolerance,
                                      canary_kv, baseline_kv))
-        metrics.append(self._quality())
-        return Judgement(combine(m.outcome for m in metrics), tuple(metrics), self.canary.requests,
-                         self.baseline.requests, self.shadow_checks, len(self.mismatches))
+        return tuple(metrics)
 
     def _enough(self, n: int) -> bool:
         return n >= self.policy.min_windows
@@ -318,7 +343,8 @@ class CanaryJudge:
         (0.000868, 0.004342)
         """
         confidence = self.policy.marginal_confidence if marginal else self.policy.confidence
-        return (1.0 - confidence) / _COMPARISONS * 6.0 / (math.pi ** 2 * max(1, self.look) ** 2)
+        k = max(1, self._tested_look + self._extra_looks)  # every look has an index of its own
+        return (1.0 - confidence) / _COMPARISONS * 6.0 / (math.pi ** 2 * k ** 2)
 
     def _speedup(self, windows: list[WindowSample]) -> MetricVerdict:
         values = [w.speedup for w in windows if not math.isnan(w.speedup)]

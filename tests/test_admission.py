@@ -5,9 +5,11 @@ a production router reads the decisions topic) under the policy of docs/admissio
 """
 
 import json
+import math
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specwatch.actions.admission import AdmissionController
@@ -91,11 +93,13 @@ def test_structured_tail_on_the_canary_freezes_it_naming_bucket_and_metric():
     sim, pipeline, flags, _, got = _rollout("canary_tail")
     assert got == [
         *_ONTO_THE_CANARY,
-        (306.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
+        # at 306 s before, when a shadow check re-ran the tests between looks; now at the
+        # promotion the stage had earned, whose extra look sees the tail: frozen at 10 %
+        (322.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
     ]
     frozen = pipeline.decisions[-1].evidence
     assert (frozen["previous_stage"], frozen["failed_bucket"], frozen["failed_metric"]) == (
-        "canary", "structured", "tpot_p99")
+        "canary", "structured", "tpot_p95")
     assert {f["bucket"] for f in frozen["failing"]} == {"structured"}
     assert {b: j["outcome"] for b, j in frozen["judgement"].items()}["structured"] == "fail"
     assert "fail" not in {j["outcome"] for b, j in frozen["judgement"].items() if b != "structured"}
@@ -255,7 +259,7 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
 
     shown = specwatch("bundles", "show", BUNDLE, "--archive", dsn)
     assert shown.returncode == 0, shown.stderr
-    assert "failed: structured tpot_p99" in shown.stdout
+    assert "failed: structured tpot_p95" in shown.stdout
 
     refused = specwatch("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
     assert refused.returncode == 1 and "name of the person" in refused.stderr
@@ -290,3 +294,65 @@ def test_two_failures_among_many_clean_windows_fail_no_canary():
         judge.update("canary", _slice(6.0, failures=1 if i in (3, 9) else 0))
     verdict = {m.metric: m for m in judge.judgement.metrics}["error_rate"]
     assert verdict.outcome == "pass" and verdict.p_value > 0.1
+
+
+def test_a_shadow_check_between_looks_does_not_re_test_the_windows():
+    # shadow checks arrive between looks (every mirrored request in shadow, a share of the
+    # canary's after): each one re-ran every test on the windows grown since the look, at
+    # that look's alpha, so a stage was tested at every check and a healthy canary's false-fail
+    # rate was far above its budget. Between looks a check now moves only the mismatch count.
+    judge = CanaryJudge(AdmissionPolicy(window_requests=10, min_windows=8), ["token_exact"])
+    outcomes = []
+    for i in range(32):
+        judge.update("baseline", _slice(12.0, speculative=False))
+        judge.update("canary", _slice(6.0 if i < 8 else 30.0))  # the canary is slow from the 9th window
+        judge.add_shadow(True, "token_exact", f"r{i}", float(i))
+        outcomes.append((judge.look, judge.judgement.outcome))
+    # before: marginal from the 14th window and failed at the 18th, each between looks
+    assert outcomes == [(0, "marginal")] * 7 + [(1, "pass")] * 8 + [(2, "marginal")] * 16 + [(3, "fail")]
+    assert [m.metric for m in judge.judgement.failing] == ["tpot_p95", "tpot_p99", "e2e_p99"]
+    assert judge.judgement.shadow_checks == 32
+    judge.add_shadow(False, "token_exact", "r32", 32.0)  # a strict mismatch still fails at once
+    assert [m.metric for m in judge.judgement.failing][-1] == "shadow_mismatches"
+
+
+def _healthy_window(rng, scale, speculative):
+    """Ten requests whose TPOT is lognormal around 10 ms x ``scale``."""
+    stats = SliceStats()
+    for tpot in rng.lognormal(math.log(10.0 * scale), 0.3, 10):
+        stats.add_request(80.0, float(tpot), 1000.0, speculative, "stop", 1.0)
+    if speculative:
+        stats.add_round(4, 3)
+    stats.add_step_time(1.0 if speculative else 0.0, 10.0, 0.6, 1.0)
+    return stats
+
+
+def test_healthy_canaries_within_tolerance_stay_within_the_false_fail_budget():
+    # 100 seeded canaries 5 % slower than their baselines (inside the 10 % tolerance), 40
+    # windows a side with a shadow check after each: re-testing at every check failed 2 of
+    # them (seeds 11 and 88); tests only at looks fail none, inside the 1 % budget
+    failed = []
+    for seed in range(100):
+        rng = np.random.default_rng(seed)
+        judge = CanaryJudge(AdmissionPolicy(window_requests=10, min_windows=8), ["token_exact"])
+        for i in range(40):
+            judge.update("baseline", _healthy_window(rng, 1.0, False))
+            judge.update("canary", _healthy_window(rng, 1.05, True))
+            judge.add_shadow(True, "token_exact", f"r{i}", float(i))
+            if judge.judgement.outcome == "fail":
+                failed.append(seed)
+                break
+    assert failed == []
+
+
+@pytest.mark.parametrize("scenario,seed", [("admission", 102)])
+def test_a_healthy_rollout_on_an_unpinned_seed_raises_no_false_alarm(scenario, seed):
+    # seed 102 goes shadow, canary 10 %, canary 25 %, admitted in 8 minutes: nothing may
+    # freeze it, alert or switch a key off on the way (specwatch evaluate runs 20 such seeds)
+    from specwatch.evaluation.suite import Case, run_rollout
+
+    result = run_rollout(Case(scenario, None, "rollout under admission", 8.0, seed=seed, compare_baselines=False))
+    assert (result["freezes"], result["alerts"], result["fallbacks"]) == ([], [], [])
+    assert [d["stage"] for d in result["decisions"] if d["action"] == "promote"] == [
+        "shadow", "canary", "canary", "admitted"]
+    assert result["ok"]
