@@ -155,6 +155,12 @@ class BundleAdmission:
         return bool(self.card) and self.card.get("policy", {}).get("acceptance_rule", "strict") == "strict"
 
 
+def _judged(entry: BundleAdmission) -> tuple[dict, str]:
+    """The judgements of an entry's buckets that have a baseline, and their combined outcome."""
+    judged = {b: j.judgement for b, j in sorted(entry.judges.items()) if j.baseline.requests}
+    return judged, combine(j.outcome for j in judged.values()) if judged else "marginal"
+
+
 class AdmissionController:
     """Moves bundles through the admission stages; every move is a `Decision` (or a history row).
 
@@ -274,16 +280,14 @@ class AdmissionController:
             if versions == entry.judged_versions:
                 continue  # nothing new since the last look
             entry.judged_versions = versions
-            judged = {b: j.judgement for b, j in sorted(entry.judges.items()) if j.baseline.requests}
-            outcome = combine(j.outcome for j in judged.values()) if judged else "marginal"
+            judged, outcome = _judged(entry)
             waited = now - entry.stage_since
             if outcome == "fail":
                 decisions.append(self._freeze(entry, now, judged, None))
             elif outcome == "pass" and waited >= self.settings.stage_seconds:
                 for judge in entry.judges.values():
                     judge.confirm()  # a promotion acts on all the evidence, not on the last look's
-                judged = {b: j.judgement for b, j in sorted(entry.judges.items()) if j.baseline.requests}
-                outcome = combine(j.outcome for j in judged.values())
+                judged, outcome = _judged(entry)
                 if outcome == "pass":
                     decisions.append(self._promote(entry, now, judged))
                 elif outcome == "fail":
