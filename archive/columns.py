@@ -144,11 +144,6 @@ BUNDLE_STAGES = Table("bundle_stages", (
     ("detail", "String"), ("seq", "UInt32"), _ARCHIVED_AT,
 ), "ReplacingMergeTree", "(bundle_id, change_id)")
 
-REJECTIONS = Table("rejections", (
-    ("ts", "Float64"), ("source", "LowCardinality(String)"), ("reason", "LowCardinality(String)"),
-    ("count", "UInt64"),
-), "ReplacingMergeTree", "(source, reason, ts)")
-
 # Sealed samples: key id and ciphertext, never clear text.
 SEALED_SAMPLES = Table("sealed_samples", (
     ("decision_id", "String"), ("sample_id", "String"), ("ts", "Float64"), ("bundle_id", "LowCardinality(String)"),
@@ -164,5 +159,5 @@ REPRODUCTIONS = Table("reproductions", (
 ), "ReplacingMergeTree", "(decision_id, reproduction_id)")
 
 TABLES = (DECISIONS, AUDIT, SAMPLES, WINDOW_STATS, BUNDLES, BUNDLE_SIGHTINGS, OVERRIDES, BUNDLE_STAGES,
-          REJECTIONS, SEALED_SAMPLES, REPRODUCTIONS)
+          SEALED_SAMPLES, REPRODUCTIONS)
 """Every archive table, in the order they are created."""

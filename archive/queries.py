@@ -32,7 +32,7 @@ _READ_ONLY_KEYWORDS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC")
 _DEFAULT_DECISIONS_LIMIT = 100
 _DECISION_COLUMNS = ", ".join(DECISIONS.insert_names)
 _FILTER_TYPES = {"bundle_id": "String", "bucket": "String", "cohort": "String", "reason": "String",
-                 "action": "String", "kind": "String", "source": "String"}
+                 "action": "String", "kind": "String"}
 
 
 class PostmortemQueries:

@@ -20,7 +20,7 @@ import pyarrow as pa
 from specwatch.actions.flags import FlagStore
 from specwatch.archive.client import ArrowInsert, connect, server_insert
 from specwatch.archive.columns import (AUDIT, BUNDLE_SIGHTINGS, BUNDLE_STAGES, BUNDLES, DECISIONS,
-                                       DEFAULT_SEALED_RETENTION_DAYS, OVERRIDES, REJECTIONS, REPRODUCTIONS,
+                                       DEFAULT_SEALED_RETENTION_DAYS, OVERRIDES, REPRODUCTIONS,
                                        SAMPLES, SEALED_SAMPLES, TABLES, WINDOW_ADDED, WINDOW_STATS,
                                        Table)
 from specwatch.archive.dsn import DEFAULT_DATABASE, archive_dsn, check_database_name, parse_archive_dsn
@@ -352,16 +352,6 @@ class Archive(PostmortemQueries):
         self._insert(AUDIT, [[v] for v in audit])
         return row[0]
 
-    def write_rejections(self, counts: Mapping[str, int], ts: float, source: str) -> None:
-        """Record rejected-record counts by reason, as of `ts`, for one source."""
-        require_text(source, "source")
-        ts = finite(ts, "ts")
-        reasons = sorted(counts)
-        if reasons:
-            self._insert(REJECTIONS,
-                         [[ts] * len(reasons), [source] * len(reasons), reasons,
-                          [int(counts[r]) for r in reasons]])
-
     # -- reads -------------------------------------------------------------------------
     def sealed_samples(self, decision_id: str) -> list[dict]:
         """The sealed samples of a decision: key id, digests and ciphertext (nothing is opened here)."""
@@ -449,12 +439,6 @@ class Archive(PostmortemQueries):
         rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.audit FINAL{where} "
                             "ORDER BY ts, archived_at, audit_id", params)
         return [audit_out(r) for r in rows]
-
-    def rejections(self, source: str | None = None) -> list[dict]:
-        """Rejected-record counts in time order."""
-        where, params = where_clause(source=source)
-        return self._select(f"SELECT ts, source, reason, count FROM {self._db}.rejections FINAL"
-                            f"{where} ORDER BY ts, source, reason", params)
 
     def flag_store(self, overrides: bool = True) -> FlagStore:
         """A `FlagStore` rebuilt from every archived decision, plus active overrides."""

@@ -136,7 +136,6 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
         archive.write_bundle("b-1", CARD, 50.0, "w1")
         archive.write_bundle("b-1", CARD, 150.0, "w2")
         archive.write_override(("b-1", "chat", None), False, None, "alice", "canary looks off", 120.0)
-        archive.write_rejections({"accepted_exceeds_drafted": 3, "nan": 1}, 130.0, "w1")
 
     out = run_python("""
         import json, sys
@@ -150,7 +149,6 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
                 "timeline": archive.timeline(bundle_id="b-1"),
                 "bundles": archive.bundles(),
                 "overrides": archive.overrides(),
-                "rejections": archive.rejections(),
                 "flags": {"/".join(str(p) for p in scope): [s.enabled, s.reason, s.manual_by]
                           for scope, s in archive.flag_store().scopes().items()},
             }))
@@ -190,9 +188,6 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
                                "sightings": [{"worker": "w1", "first_seen": 50.0, "last_seen": 50.0},
                                              {"worker": "w2", "first_seen": 150.0, "last_seen": 150.0}]}]
     assert [(o["bucket"], o["enabled"], o["by"]) for o in got["overrides"]] == [("chat", False, "alice")]
-    assert got["rejections"] == [
-        {"ts": 130.0, "source": "w1", "reason": "accepted_exceeds_drafted", "count": 3},
-        {"ts": 130.0, "source": "w1", "reason": "nan", "count": 1}]
     assert got["flags"] == {"b-1/coding/None": [False, "acceptance_drop", None],
                             "b-1/None/None": [False, "bundle_changed", None],
                             "b-1/chat/None": [False, "canary looks off", "alice"]}
@@ -244,7 +239,7 @@ def test_schema_creation_is_idempotent(archive):
     archive.ensure_schema()
     _, rows = archive.sql("SHOW TABLES FROM specwatch")
     assert sorted(r[0] for r in rows) == ["audit", "bundle_sightings", "bundle_stages", "bundles", "decisions",
-                                          "overrides", "rejections", "reproductions", "samples", "sealed_samples",
+                                          "overrides", "reproductions", "samples", "sealed_samples",
                                           "window_stats"]
 
 
@@ -565,7 +560,6 @@ _PINNED_INSERT_COLUMNS = {
     "bundle_sightings": "bundle_id:string worker:string first_seen:double last_seen:double",
     "overrides": "override_id:string ts:double bundle_id:string bucket:string cohort:string enabled:bool draft_limit:uint16 by:string reason:string cleared:bool",
     "bundle_stages": "change_id:string ts:double bundle_id:string stage:string previous_stage:string cohort_share:double actor:string reason:string decision_id:string detail:string seq:uint32",
-    "rejections": "ts:double source:string reason:string count:uint64",
     "sealed_samples": "decision_id:string sample_id:string ts:double bundle_id:string key_id:string prompt_sha256:string output_sha256:string sealed:string",
     "reproductions": "reproduction_id:string decision_id:string ts:double actor:string verdict:string result:string",
 }

@@ -123,7 +123,7 @@ def test_nothing_secret_or_prompt_like_lands_in_archived_rows(tmp_path, monkeypa
                          actions=[ActionRecord(decision, {}, [failed.model_dump(mode="json")])]))
         sink.close()
         dumped = []
-        for table in ("decisions", "audit", "samples", "window_stats", "bundles", "overrides", "rejections"):
+        for table in ("decisions", "audit", "samples", "window_stats", "bundles", "overrides"):
             _, rows = archive.sql(f"SELECT * FROM specwatch.{table}")
             dumped.append(json.dumps(rows, default=str))
         archived = "\n".join(dumped)

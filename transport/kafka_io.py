@@ -40,9 +40,8 @@ def split_source(source: str) -> tuple[str, int]:
 class RangeReader:
     """What every partition reader derives from `iter_range` and `end_offsets`."""
 
-    async def iter_range(self, topic: str, partition: int, start: int, end: int) -> AsyncIterator[Any]:
+    def iter_range(self, topic: str, partition: int, start: int, end: int) -> AsyncIterator[Any]:
         raise NotImplementedError
-        yield
 
     async def end_offsets(self, topic: str) -> dict[int, int]:
         raise NotImplementedError

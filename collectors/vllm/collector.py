@@ -75,11 +75,6 @@ class CollectorStats:
     cost_s: float
     cost_max_s: float
 
-    @property
-    def cost_per_step_us(self) -> float:
-        """Mean engine-thread cost per step in microseconds; nan before the first step."""
-        return self.cost_s / self.steps * 1e6 if self.steps else float("nan")
-
 
 class VllmCollector:
     """Per-step and per-request telemetry of vLLM engines, plus the flag view they obey.

@@ -47,7 +47,7 @@ class HookPathCost:
     hooked_us: float
     off_us: float
     bare_us: float
-    self_timed_us: float  # what the collector's own account says (`CollectorStats.cost_per_step_us`)
+    self_timed_us: float  # what the collector's own account says (`CollectorStats.cost_s` per step)
     records: list = field(repr=False)
 
     @property
