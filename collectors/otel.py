@@ -89,17 +89,23 @@ class EmitterStats:
 
 
 class _BoundedBatcher(Generic[Item]):
-    """A bounded queue drained in batches by one daemon thread; `offer` never blocks."""
+    """A bounded queue drained in batches by one daemon thread; `offer` never blocks.
+
+    ``export`` takes one batch and says whether it went; ``exporter`` is what it exports
+    to, flushed after the queue and shut down after it.
+    """
 
     def __init__(
         self,
         export: Callable[[list[Item]], bool],
+        exporter: Any,
         *,
         name: str,
         max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
         max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
         schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
         drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
+        shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS,
     ) -> None:
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be at least 1, got {max_queue_size}")
@@ -109,7 +115,9 @@ class _BoundedBatcher(Generic[Item]):
         if schedule_delay_millis <= 0:
             raise ValueError(f"schedule_delay_millis must be positive, got {schedule_delay_millis}")
         self._export = export
+        self._exporter = exporter
         self._name = name
+        self._shutdown_timeout_millis = shutdown_timeout_millis
         self._max_queue_size = max_queue_size
         self._max_batch_size = max_batch_size
         self._delay_s = schedule_delay_millis / 1000.0
@@ -145,20 +153,29 @@ class _BoundedBatcher(Generic[Item]):
         return EmitterStats(len(self._queue), self._exported, dropped, self._failed, rejected)
 
     def force_flush(self, timeout_millis: float) -> bool:
+        """Export what is queued, then flush the exporter; False if that did not finish in time."""
+        deadline = time.monotonic() + timeout_millis / 1000.0
         if not self._thread.is_alive():
-            return not self._queue
-        done = threading.Event()
-        with self._lock:
-            self._flush_waiters.append(done)
-        self._wake.set()
-        return done.wait(max(timeout_millis, 0) / 1000.0)
+            if self._queue:
+                return False
+        else:
+            done = threading.Event()
+            with self._lock:
+                self._flush_waiters.append(done)
+            self._wake.set()
+            if not done.wait(max(timeout_millis, 0) / 1000.0):
+                return False
+        return bool(self._exporter.force_flush(max(0, int((deadline - time.monotonic()) * 1000))))
 
-    def shutdown(self, timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS) -> bool:
-        """Stops taking records, exports what is queued; False if that did not finish in time."""
+    def shutdown(self) -> None:
+        """Stop taking records, export what is queued (bounded wait), then shut the exporter down."""
         self._stopping = True
         self._wake.set()
-        self._thread.join(max(timeout_millis, 0) / 1000.0)
-        return not self._thread.is_alive()
+        self._thread.join(max(self._shutdown_timeout_millis, 0) / 1000.0)
+        if self._thread.is_alive():
+            logger.warning("telemetry export did not finish within %.0f ms at shutdown; %d records left",
+                           self._shutdown_timeout_millis, len(self._queue))
+        self._exporter.shutdown()
 
     def _run(self) -> None:
         while True:
@@ -235,13 +252,12 @@ class BoundedLogRecordProcessor(LogRecordProcessor):
         shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS,
     ) -> None:
         self._exporter = exporter
-        self._shutdown_timeout_millis = shutdown_timeout_millis
         # on_emit runs on the emitting thread; this tells that thread whether it was kept.
         self._last_offer = threading.local()
         self._batcher: _BoundedBatcher[ReadableLogRecord] = _BoundedBatcher(
-            self._export, name="specwatch-otel-export", max_queue_size=max_queue_size,
+            self._export, exporter, name="specwatch-otel-export", max_queue_size=max_queue_size,
             max_batch_size=max_batch_size, schedule_delay_millis=schedule_delay_millis,
-            drop_warning_interval_s=drop_warning_interval_s)
+            drop_warning_interval_s=drop_warning_interval_s, shutdown_timeout_millis=shutdown_timeout_millis)
 
     def _export(self, batch: list[ReadableLogRecord]) -> bool:
         return self._exporter.export(batch) is LogRecordExportResult.SUCCESS
@@ -262,17 +278,10 @@ class BoundedLogRecordProcessor(LogRecordProcessor):
         return self._batcher.stats(getattr(self._exporter, "rejected", 0))
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        deadline = time.monotonic() + timeout_millis / 1000.0
-        if not self._batcher.force_flush(timeout_millis):
-            return False
-        remaining = max(0, int((deadline - time.monotonic()) * 1000))
-        return bool(self._exporter.force_flush(remaining))
+        return self._batcher.force_flush(timeout_millis)
 
     def shutdown(self) -> None:
-        if not self._batcher.shutdown(self._shutdown_timeout_millis):
-            logger.warning("telemetry export did not finish within %.0f ms at shutdown; %d records left",
-                           self._shutdown_timeout_millis, self._batcher.stats().queued)
-        self._exporter.shutdown()
+        self._batcher.shutdown()
 
 
 def _entry(readable: ReadableLogRecord) -> LogEntry:
@@ -361,26 +370,23 @@ class TelemetryEmitter:
         shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS,
     ) -> None:
         self._exporter = exporter
-        self._shutdown_timeout_millis = shutdown_timeout_millis
         self._closed = False
         self.provider: LoggerProvider | None = None
         self._processor: BoundedLogRecordProcessor | None = None
         self._batcher: _BoundedBatcher[TelemetryRecord] | None = None
+        batching = dict(max_queue_size=max_queue_size, max_batch_size=max_batch_size,
+                        schedule_delay_millis=schedule_delay_millis, drop_warning_interval_s=drop_warning_interval_s,
+                        shutdown_timeout_millis=shutdown_timeout_millis)
         if sdk:
-            self._processor = BoundedLogRecordProcessor(
-                TelemetryLogExporter(exporter), max_queue_size=max_queue_size, max_batch_size=max_batch_size,
-                schedule_delay_millis=schedule_delay_millis, drop_warning_interval_s=drop_warning_interval_s,
-                shutdown_timeout_millis=shutdown_timeout_millis)
+            self._processor = BoundedLogRecordProcessor(TelemetryLogExporter(exporter), **batching)
             # The emitter owns shutdown; an atexit hook here would race the owner's.
             self.provider = LoggerProvider(resource=Resource.create({"service.name": service_name}),
                                            shutdown_on_exit=False)
             self.provider.add_log_record_processor(self._processor)
             self._logger = self.provider.get_logger("specwatch", str(CONTRACT_VERSION))
         else:
-            self._batcher = _BoundedBatcher(
-                self._export_direct, name="specwatch-telemetry-export", max_queue_size=max_queue_size,
-                max_batch_size=max_batch_size, schedule_delay_millis=schedule_delay_millis,
-                drop_warning_interval_s=drop_warning_interval_s)
+            self._batcher = _BoundedBatcher(self._export_direct, exporter, name="specwatch-telemetry-export",
+                                            **batching)
 
     def _export_direct(self, batch: list[TelemetryRecord]) -> bool:
         return self._exporter.export(batch) is ExportResult.SUCCESS
@@ -404,11 +410,7 @@ class TelemetryEmitter:
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """Export everything emitted so far; False if that did not finish in time."""
         if self._batcher is not None:
-            deadline = time.monotonic() + timeout_millis / 1000.0
-            if not self._batcher.force_flush(timeout_millis):
-                return False
-            remaining = max(0, int((deadline - time.monotonic()) * 1000))
-            return bool(self._exporter.force_flush(remaining))
+            return self._batcher.force_flush(timeout_millis)
         return self.provider.force_flush(timeout_millis)
 
     def shutdown(self) -> None:
@@ -417,10 +419,7 @@ class TelemetryEmitter:
             return
         self._closed = True
         if self._batcher is not None:
-            if not self._batcher.shutdown(self._shutdown_timeout_millis):
-                logger.warning("telemetry export did not finish within %.0f ms at shutdown; %d records left",
-                               self._shutdown_timeout_millis, self._batcher.stats().queued)
-            self._exporter.shutdown()
+            self._batcher.shutdown()
         else:
             self.provider.shutdown()
 
