@@ -6,9 +6,10 @@ Stays light: the command line is parsed before any command's libraries load.
 from __future__ import annotations
 
 import argparse
+import sys
 
 __all__ = ["CommandError", "EXIT_USAGE", "add_archive_option", "add_archive_options", "add_json_option",
-           "add_policy_option", "load_policy", "open_archive"]
+           "add_policy_option", "load_policy", "open_archive", "write_page"]
 
 EXIT_USAGE = 2
 _ARCHIVE_HELP = "archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)"
@@ -65,3 +66,18 @@ def load_policy(path: str | None):
         return read_policy(path)
     except PolicyError as error:
         raise CommandError(str(error)) from None
+
+
+def write_page(path: str, page: str, what: str) -> None:
+    """``page`` to ``path`` (``-``: stdout), whole or not at all; a path it cannot write raises `CommandError`."""
+    if path == "-":
+        sys.stdout.write(page)
+        return
+    from specwatch.outputs import atomic_output
+
+    try:
+        with atomic_output(path) as out:
+            out.write(page)
+    except OSError as error:
+        raise CommandError(f"cannot write {path}: {error.strerror or error}") from None
+    print(f"{what} written to {path}", file=sys.stderr)

@@ -5,9 +5,8 @@ Reads the archive (decision, audit evidence, samples); the page is self-containe
 
 from __future__ import annotations
 
-import sys
 
-from specwatch.commands._arguments import CommandError, add_archive_option, open_archive
+from specwatch.commands._arguments import CommandError, add_archive_option, open_archive, write_page
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -28,7 +27,6 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from specwatch.analysis.postmortem import render_html, render_text
-    from specwatch.outputs import atomic_output
 
     with open_archive(args.archive) as archive:
         record = archive.decision(args.decision_id)
@@ -39,14 +37,5 @@ def run(args) -> int:
     if args.html is None:
         print(render_text(record, samples))
         return 0
-    page = render_html(record, samples, reproductions)
-    if args.html == "-":
-        sys.stdout.write(page)
-        return 0
-    try:
-        with atomic_output(args.html) as out:
-            out.write(page)
-    except OSError as error:
-        raise CommandError(f"cannot write {args.html}: {error.strerror or error}") from None
-    print(f"postmortem of {args.decision_id} written to {args.html}", file=sys.stderr)
+    write_page(args.html, render_html(record, samples, reproductions), f"postmortem of {args.decision_id}")
     return 0

@@ -6,10 +6,10 @@ Reads the archive (window stats, bundle cards, decisions); the model is `specwat
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from specwatch.commands._arguments import CommandError, add_archive_option, add_json_option, open_archive
+from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, open_archive,
+                                           write_page)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -64,15 +64,9 @@ def run(args) -> int:
         flags = archive.flag_store()
     report = tune_report(rows, cards[bundle][0], bundle, flags, heads, window)
     if args.html is not None:
-        page = render_html(report)
+        write_page(args.html, render_html(report), f"draft-length report of {bundle}")
         if args.html == "-":
-            sys.stdout.write(page)
             return 0
-        try:
-            Path(args.html).write_text(page, encoding="utf-8")
-        except OSError as error:
-            raise CommandError(f"cannot write {args.html}: {error.strerror or error}")
-        print(f"draft-length report of {bundle} written to {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, sort_keys=True))
     elif args.html is None:
