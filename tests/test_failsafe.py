@@ -7,8 +7,10 @@ generous deadlines; nothing asserts how long anything took.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -43,6 +45,29 @@ def _disable_coding() -> Decision:
                     reason="acceptance_drop", detector="al_gate")
 
 
+@contextlib.contextmanager
+def _heartbeats(bootstrap: str, topic: str, watermark: float | None = None):
+    """A monitor's signed heartbeats every _BEAT_S from a background thread, while the block runs."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, api_version=_API_VERSION)
+    stop = threading.Event()
+
+    def beat() -> None:
+        seq = 0
+        while seq == 0 or not stop.wait(_BEAT_S):
+            key, value, headers = heartbeat_message("stage2-a", seq, watermark, keyring=_RING)
+            producer.send(topic, key=key, value=value, headers=headers)
+            seq += 1
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        producer.close()
+
+
 def _silence_logs(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == _LOGGER and ("monitor is silent" in r.getMessage() or "resumed" in r.getMessage())]
@@ -55,15 +80,15 @@ def test_standard_decoding_fail_safe_turns_speculation_off_while_silent_and_back
     client = FlagClient(config, topic=topic, keyring=_RING, silence_seconds=_SILENCE_S,
                         fail_safe="standard_decoding").start()
     try:
-        publisher = DecisionPublisher(config, topic=topic, keyring=_RING, publisher_id="stage2-a")
-        publisher.publish(_disable_coding())
-        publisher.start_heartbeats(_BEAT_S, watermark=lambda: 1234.5)
-        assert until(lambda: client.stats().heartbeats >= 3 and not client.silent, _PATIENCE_S)
-        assert client.lookup("b-1", "chat", "main").enabled  # heard from: decisions answer
-        assert not client.lookup("b-1", "coding", "main").enabled
-        assert client.stats().watermark == 1234.5
+        with DecisionPublisher(config, topic=topic, keyring=_RING) as publisher:
+            publisher.publish(_disable_coding())
+            with _heartbeats(kafka_bootstrap, topic, watermark=1234.5):
+                assert until(lambda: client.stats().heartbeats >= 3 and not client.silent, _PATIENCE_S)
+                assert client.lookup("b-1", "chat", "main").enabled  # heard from: decisions answer
+                assert not client.lookup("b-1", "coding", "main").enabled
+                assert client.stats().watermark == 1234.5
 
-        publisher.close()  # the monitor goes away: no more heartbeats
+        # the monitor went away: no more heartbeats
         assert until(lambda: client.silent, _PATIENCE_S)
         assert client.lookup("b-1", "chat", "main") == SILENT_FALLBACK  # off everywhere
         assert client.lookup("other-bundle", "coding", "x") == SILENT_FALLBACK
@@ -72,8 +97,7 @@ def test_standard_decoding_fail_safe_turns_speculation_off_while_silent_and_back
             client.stats()
         assert client.stats().silences == 1 and client.stats().silent
 
-        with DecisionPublisher(config, topic=topic, keyring=_RING, publisher_id="stage2-a") as again:
-            again.start_heartbeats(_BEAT_S)
+        with _heartbeats(kafka_bootstrap, topic):
             assert until(lambda: not client.silent, _PATIENCE_S)
             assert client.lookup("b-1", "chat", "main").enabled
             assert not client.lookup("b-1", "coding", "main").enabled  # the last decisions hold again
@@ -140,10 +164,12 @@ def test_heartbeats_stay_out_of_the_decisions_command(kafka_bootstrap, topic, ca
 
     with DecisionPublisher(KafkaConfig(kafka_bootstrap), topic=topic, keyring=_RING) as publisher:
         publisher.publish(_disable_coding())
-        for _ in range(3):
-            publisher.heartbeat(99.0)
         assert publisher.flush(10)
-        assert publisher.heartbeat_stats() == {"heartbeats": 3, "failed": 0}
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
+    for seq in range(3):
+        key, value, headers = heartbeat_message("stage2-a", seq, 99.0, keyring=_RING)
+        producer.send(topic, key=key, value=value, headers=headers).get(timeout=10)
+    producer.close()
     assert cli.main(["decisions", "--bootstrap", kafka_bootstrap, "--topic", topic]) == 0
     captured = capsys.readouterr()
     assert captured.out.splitlines() == [_disable_coding().to_json_line()]

@@ -158,7 +158,7 @@ def test_flag_client_acts_only_on_signed_fresh_decisions(kafka_bootstrap, decisi
     config = KafkaConfig(kafka_bootstrap)
     ring = Keyring.from_secrets(_KEY)
     disable, restore = _decision(100.0), _decision(200.0, action="restore")
-    with DecisionPublisher(config, topic=decisions_topic, keyring=ring, publisher_id="p-1") as publisher:
+    with DecisionPublisher(config, topic=decisions_topic, keyring=ring) as publisher:
         assert publisher.publish(disable) and publisher.publish(restore)
         assert publisher.flush(10)
     assert publisher.stats() == {"published": 2, "failed": 0}

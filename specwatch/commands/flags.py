@@ -75,7 +75,7 @@ def publish_manual(args: argparse.Namespace, decision, keyring) -> bool:
 
     try:
         publisher = DecisionPublisher(KafkaConfig.from_env(args.bootstrap), topic=args.decisions_topic,
-                                      keyring=keyring, publisher_id=f"manual/{args.by.strip()}")
+                                      keyring=keyring)
     except Exception as error:  # noqa: BLE001 - a bad address, an unreachable cluster, a bad key setting
         print(f"specwatch: cannot publish on {args.decisions_topic}: {error}", file=sys.stderr)
         return False
