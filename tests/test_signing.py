@@ -86,7 +86,6 @@ def test_without_a_key_nothing_is_signed_and_everything_is_unchecked():
     ring = Keyring()
     assert sign_line(b"x", ring) == []
     assert verify(b"x", [], ring) is Verdict.UNCHECKED and Verdict.UNCHECKED.accepted
-    assert "neither signed nor checked" in ring.describe()
 
 
 def test_keys_come_from_a_file_or_the_environment_and_never_show(tmp_path, caplog):
@@ -99,8 +98,8 @@ def test_keys_come_from_a_file_or_the_environment_and_never_show(tmp_path, caplo
     assert from_file.current.key_id == from_value.current.key_id  # trailing newline ignored
     assert from_file.current.secret == secret.encode()
     rotated = Keyring.from_env({"SPECWATCH_SIGNING_KEY": secret, "SPECWATCH_SIGNING_PREVIOUS_KEY": "p" * 32})
-    assert rotated.previous is not None and rotated.previous.key_id in rotated.describe()
-    for shown in (repr(from_file), str(from_file), repr(from_file.current), from_file.describe()):
+    assert rotated.previous is not None and rotated.previous.key_id in repr(rotated)
+    for shown in (repr(from_file), str(from_file), repr(from_file.current)):
         assert secret not in shown
 
     with caplog.at_level(logging.DEBUG):

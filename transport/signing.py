@@ -148,13 +148,6 @@ class Keyring:
         previous = _secret_from(environ, PREVIOUS_SIGNING_KEY_FILE_ENV, PREVIOUS_SIGNING_KEY_ENV)
         return cls.from_secrets(current, previous)
 
-    def describe(self) -> str:
-        """For logs: which key ids are in use, never the keys."""
-        if not self.enabled:
-            return "no signing key (decisions are neither signed nor checked)"
-        text = f"signing key {self.current.key_id}"
-        return text + (f", previous key {self.previous.key_id} still accepted" if self.previous else "")
-
 
 def _secret_from(environ: Mapping[str, str], file_var: str, value_var: str) -> bytes | None:
     path, value = environ.get(file_var), environ.get(value_var)
