@@ -150,21 +150,18 @@ def _cell(result: dict) -> str:
 
 def format_report(summary: dict) -> str:
     """The side-by-side table and the false-alarm rates as text."""
-    lines = []
     b = summary["baselines"]
     ks, prom = b["kill_switch"], b["prometheus"]
-    lines.append(f"healthy fleet acceptance rate {b['healthy_acceptance_rate']:.3f} (accepted/drafted tokens); "
-                 f"both baseline thresholds = rate - {b['margin']:.2f}")
-    lines.append(f"kill switch: rolling mean of per-iteration acceptance over {ks['window_iterations']} iterations "
-                 f"< {ks['threshold']:.2f}, per worker, permanent")
-    lines.append(f"prometheus:  accepted/draft token rate over {prom['rate_range_seconds']:.0f} s "
-                 f"< {prom['threshold']:.2f} for {prom['for_seconds']:.0f} s, fleet-wide, evaluated every "
-                 f"{prom['scrape_and_eval_interval_seconds']:.0f} s")
-    lines.append("")
     header = (f"{'scenario':<18}{'intensity':<26}{'fleet':>7}{'req/min':>8}  {'specwatch':<24}{'bound':>9}"
               f"{'<=2x':>6}  {'kill switch':<22}{'prometheus':<22}{'target':>8}")
-    lines.append(header)
-    lines.append("-" * len(header))
+    lines = [f"healthy fleet acceptance rate {b['healthy_acceptance_rate']:.3f} (accepted/drafted tokens); "
+             f"both baseline thresholds = rate - {b['margin']:.2f}",
+             f"kill switch: rolling mean of per-iteration acceptance over {ks['window_iterations']} iterations "
+             f"< {ks['threshold']:.2f}, per worker, permanent",
+             f"prometheus:  accepted/draft token rate over {prom['rate_range_seconds']:.0f} s "
+             f"< {prom['threshold']:.2f} for {prom['for_seconds']:.0f} s, fleet-wide, evaluated every "
+             f"{prom['scrape_and_eval_interval_seconds']:.0f} s",
+             "", header, "-" * len(header)]
     for entry in summary["table"]:
         target = ""
         if entry["target_s"] is not None:
@@ -177,34 +174,29 @@ def format_report(summary: dict) -> str:
         others = [_cell(entry[d]) if entry["compare_baselines"] else "-" for d in DETECTORS[1:]]
         lines.append(f"{entry['scenario']:<18}{label:<26}{fleet:>7}{rate:>8}  {_cell(entry['specwatch']):<24}"
                      f"{bound:>9}{within:>6}  {others[0]:<22}{others[1]:<22}{target:>8}")
-    lines.append("delay: event time from the incident start to the first alarm (* from the first mismatch record);")
-    lines.append("req/min: finished requests per minute of the incident's key before it; bound: the delay an ideal "
-                 "CUSUM with specwatch's false-alarm rate needs (ln ARL / KL per observation);")
-    lines.append("specwatch decisions are timed when they can be acted on: when their slice closes, at slice end + "
-                 "lateness.")
-    lines.append("")
     fa = summary["false_alarms"]
-    lines.append(f"false alarms: {fa['incident_free_hours']:.2f} h incident-free "
-                 f"({fa['incident_free_bucket_hours']:.1f} bucket-hours) + {fa['pre_incident_hours']:.2f} h "
-                 "before incidents")
-    lines.append(f"{'detector':<24}{'incident-free':>14}{'pre-incident':>14}{'per hour':>10}"
-                 f"{'wrong during incidents':>24}")
+    lines += ["delay: event time from the incident start to the first alarm (* from the first mismatch record);",
+              "req/min: finished requests per minute of the incident's key before it; bound: the delay an ideal "
+              "CUSUM with specwatch's false-alarm rate needs (ln ARL / KL per observation);",
+              "specwatch decisions are timed when they can be acted on: when their slice closes, at slice end + "
+              "lateness.",
+              "",
+              f"false alarms: {fa['incident_free_hours']:.2f} h incident-free "
+              f"({fa['incident_free_bucket_hours']:.1f} bucket-hours) + {fa['pre_incident_hours']:.2f} h "
+              "before incidents",
+              f"{'detector':<24}{'incident-free':>14}{'pre-incident':>14}{'per hour':>10}{'wrong during incidents':>24}"]
     for detector in DETECTORS:
         row = fa[detector]
         lines.append(f"{_DETECTOR_TITLES[detector]:<24}{row['incident_free_runs']:>14}{row['before_incidents']:>14}"
                      f"{row['per_hour']:>10.3f}{row['wrong_during_incidents']:>24}")
     ro = summary.get("rollouts") or {}
     if ro.get("runs"):
-        lines.append("")
-        lines.append("rollouts under admission (closed loop, the documented admission policy):")
-        lines.append(f"  healthy: {ro['healthy_runs']}: false freezes {ro['false_freezes']}, false alerts "
-                     f"{ro['false_alerts']}, other fallbacks {ro['false_fallbacks']}")
+        lines += ["", "rollouts under admission (closed loop, the documented admission policy):",
+                  f"  healthy: {ro['healthy_runs']}: false freezes {ro['false_freezes']}, false alerts "
+                  f"{ro['false_alerts']}, other fallbacks {ro['false_fallbacks']}"]
         for scenario, (frozen, total) in ro["incidents"].items():
             lines.append(f"  {scenario}: frozen in {frozen} of {total} runs")
-    lines.append("")
-    lines.append("incident-free runs:")
-    for note in summary.get("notes", []):
-        lines.append(f"  note: {note}")
+    lines += ["", "incident-free runs:", *(f"  note: {note}" for note in summary.get("notes", []))]
     for run in summary["healthy_runs"]:
         alarms = ", ".join(f"{_DETECTOR_TITLES[d]} {run[d]}" for d in DETECTORS)
         lines.append(f"  {run['scenario']:<10} {run['simulated_hours']:6.2f} h  {run['workers']} workers x "
