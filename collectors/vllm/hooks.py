@@ -59,11 +59,15 @@ def wrap_classes(runner_cls: type, scheduler_cls: type, collector_for: Callable[
     }
     scheduler_hooks = {
         "__init__": _scheduler_init(collector_for),
-        "add_request": _add_request,
+        "add_request": _before("add_request", lambda tap, request, *_: tap.on_add(request)),
         "update_from_output": _update_from_output,
         "make_spec_decoding_stats": _make_spec_decoding_stats,
-        "_free_request": _free_request,
-        "shutdown": _scheduler_shutdown,
+        # Every way out of the scheduler (stop, length, abort, error) passes here while the
+        # request still holds its tokens, times and parameters.
+        "_free_request": _before("_free_request", lambda tap, request, *_: tap.on_finished(request)),
+        # The engine is going away (and with a separate engine process, the process too): records
+        # still queued for the sink are handed over first, within a bounded wait.
+        "shutdown": _before("shutdown", lambda tap, *_: tap.collector.flush(_DEFAULT_SHUTDOWN_FLUSH_S)),
     }
     for cls, hooks in ((runner_cls, runner_hooks), (scheduler_cls, scheduler_hooks)):
         for name, make in hooks.items():
@@ -215,16 +219,19 @@ def _scheduler_init(collector_for: Callable[[str], Any]):
     return make
 
 
-def _add_request(original):
-    def add_request(self, request, *args, **kwargs):
-        tap: SchedulerTap | None = getattr(self, SCHEDULER_ATTR, None)
-        if tap is not None:
-            try:
-                tap.on_add(request)
-            except Exception as error:
-                tap.collector.hook_failed("add_request", error)
-        return original(self, request, *args, **kwargs)
-    return add_request
+def _before(name: str, hand_over: Callable[..., Any]):
+    """A scheduler hook that calls ``hand_over(tap, *args)`` (failures counted, never raised), then vLLM's method."""
+    def make(original):
+        def hooked(self, *args, **kwargs):
+            tap: SchedulerTap | None = getattr(self, SCHEDULER_ATTR, None)
+            if tap is not None:
+                try:
+                    hand_over(tap, *args)
+                except Exception as error:
+                    tap.collector.hook_failed(name, error)
+            return original(self, *args, **kwargs)
+        return hooked
+    return make
 
 
 def _update_from_output(original):
@@ -260,31 +267,3 @@ def _make_spec_decoding_stats(original):
         return original(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
                         num_invalid_spec_tokens, request_id)
     return make_spec_decoding_stats
-
-
-def _scheduler_shutdown(original):
-    # The engine is going away (and with a separate engine process, the process too): records
-    # still queued for the sink are handed over first, within a bounded wait.
-    def shutdown(self, *args, **kwargs):
-        tap: SchedulerTap | None = getattr(self, SCHEDULER_ATTR, None)
-        if tap is not None:
-            try:
-                tap.collector.flush(_DEFAULT_SHUTDOWN_FLUSH_S)
-            except Exception as error:
-                tap.collector.hook_failed("shutdown", error)
-        return original(self, *args, **kwargs)
-    return shutdown
-
-
-def _free_request(original):
-    # Every way out of the scheduler (stop, length, abort, error) passes here while the
-    # request still holds its tokens, times and parameters.
-    def _free_request(self, request, *args, **kwargs):
-        tap: SchedulerTap | None = getattr(self, SCHEDULER_ATTR, None)
-        if tap is not None:
-            try:
-                tap.on_finished(request)
-            except Exception as error:
-                tap.collector.hook_failed("_free_request", error)
-        return original(self, request, *args, **kwargs)
-    return _free_request
