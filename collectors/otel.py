@@ -235,29 +235,17 @@ class BoundedLogRecordProcessor(LogRecordProcessor):
     ----------
     exporter
         An OTel ``LogRecordExporter`` (e.g. `TelemetryLogExporter`).
-    max_queue_size, max_batch_size, schedule_delay_millis
-        Queue bound, records per export call, and the longest a record waits.
-    shutdown_timeout_millis
-        How long shutdown waits for queued records to be exported.
+    **batching
+        ``max_queue_size``, ``max_batch_size``, ``schedule_delay_millis``,
+        ``drop_warning_interval_s`` and ``shutdown_timeout_millis``, as for `TelemetryEmitter`.
     """
 
-    def __init__(
-        self,
-        exporter: LogRecordExporter,
-        *,
-        max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
-        max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
-        schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
-        drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
-        shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS,
-    ) -> None:
+    def __init__(self, exporter: LogRecordExporter, **batching: float) -> None:
         self._exporter = exporter
         # on_emit runs on the emitting thread; this tells that thread whether it was kept.
         self._last_offer = threading.local()
         self._batcher: _BoundedBatcher[ReadableLogRecord] = _BoundedBatcher(
-            self._export, exporter, name="specwatch-otel-export", max_queue_size=max_queue_size,
-            max_batch_size=max_batch_size, schedule_delay_millis=schedule_delay_millis,
-            drop_warning_interval_s=drop_warning_interval_s, shutdown_timeout_millis=shutdown_timeout_millis)
+            self._export, exporter, name="specwatch-otel-export", **batching)
 
     def _export(self, batch: list[ReadableLogRecord]) -> bool:
         return self._exporter.export(batch) is LogRecordExportResult.SUCCESS
@@ -341,6 +329,8 @@ class TelemetryEmitter:
     max_queue_size, max_batch_size, schedule_delay_millis
         Queue bound (beyond it records are dropped and counted), records per export
         call, and the longest a record waits before export.
+    drop_warning_interval_s
+        How often at most a warning says how many records were dropped.
     shutdown_timeout_millis
         How long shutdown waits for queued records to be exported.
 
@@ -357,26 +347,13 @@ class TelemetryEmitter:
     (['r1'], 1)
     """
 
-    def __init__(
-        self,
-        exporter: TelemetryExporter,
-        *,
-        sdk: bool = True,
-        service_name: str = _DEFAULT_SERVICE_NAME,
-        max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
-        max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
-        schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
-        drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
-        shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS,
-    ) -> None:
+    def __init__(self, exporter: TelemetryExporter, *, sdk: bool = True, service_name: str = _DEFAULT_SERVICE_NAME,
+                 **batching: float) -> None:
         self._exporter = exporter
         self._closed = False
         self.provider: LoggerProvider | None = None
         self._processor: BoundedLogRecordProcessor | None = None
         self._batcher: _BoundedBatcher[TelemetryRecord] | None = None
-        batching = dict(max_queue_size=max_queue_size, max_batch_size=max_batch_size,
-                        schedule_delay_millis=schedule_delay_millis, drop_warning_interval_s=drop_warning_interval_s,
-                        shutdown_timeout_millis=shutdown_timeout_millis)
         if sdk:
             self._processor = BoundedLogRecordProcessor(TelemetryLogExporter(exporter), **batching)
             # The emitter owns shutdown; an atexit hook here would race the owner's.
