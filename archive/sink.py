@@ -140,7 +140,6 @@ class ArchiveSink:
         self._backoff = retry_backoff_s
         self._retry_at = -float("inf")
         self._outage = False
-        self.decisions_written = 0
         self._written = self._spooled = self._dropped = self._dropped_rows = self._outages = 0
         self._failed_replays = 0
         self._outage_log_level = outage_log_level
@@ -190,7 +189,6 @@ class ArchiveSink:
         for action in output.actions:
             self._put(self._decision_entry(action.decision, action.audit, action.samples),
                       lambda a, x=action: a.write_decision(x.decision, x.audit, x.samples))
-            self.decisions_written += 1
         stage_changes = [dict(vars(c)) if not isinstance(c, Mapping) else dict(c)
                          for c in getattr(output, "stage_changes", ())]
         if stage_changes:

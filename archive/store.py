@@ -307,14 +307,13 @@ class Archive(PostmortemQueries):
         body = {"bundle_id": bundle_id, "bucket": bucket, "cohort": cohort, "enabled": bool(enabled),
                 "draft_limit": draft_limit, "by": by, "reason": reason, "ts": ts, "cleared": bool(cleared)}
         override_id = "o-" + hashlib.sha256(canonical_json(body).encode()).hexdigest()[:16]
-        audit = [f"a-{override_id}", ts, "override_clear" if cleared else "override", by, None,
-                 bundle_id, decision_key(bundle_id, bucket, cohort), reason, "", "null", "null",
-                 "null", "null",
-                 "null" if cleared else canonical_json({"enabled": bool(enabled), "draft_limit": draft_limit})]
         self._insert(OVERRIDES,
                      [[v] for v in (override_id, ts, bundle_id, bucket, cohort, bool(enabled),
                                     draft_limit, by, reason, bool(cleared))])
-        self._insert(AUDIT, [[v] for v in audit])
+        self._audit_manual(f"a-{override_id}", ts, "override_clear" if cleared else "override", by, bundle_id,
+                        scope=decision_key(bundle_id, bucket, cohort), reason=reason,
+                        detail="null" if cleared else canonical_json({"enabled": bool(enabled),
+                                                                      "draft_limit": draft_limit}))
         return override_id
 
     def write_stage_changes(self, changes: Iterable[Any]) -> int:
@@ -345,12 +344,16 @@ class Archive(PostmortemQueries):
                   "detail": {"manual": True, "cohort": cohort}, "seq": len(self.stage_history(bundle_id))}
         row = stage_row(change)
         self._insert(BUNDLE_STAGES, [[v] for v in row])
-        audit = [f"a-{row[0]}", ts, "stage_change", by, None, bundle_id, decision_key(bundle_id, None, None),
-                 reason, "", "null", "null", "null", "null",
-                 canonical_json({"stage": stage, "previous_stage": previous_stage, "cohort_share": float(cohort_share),
-                        "cohort": cohort})]
-        self._insert(AUDIT, [[v] for v in audit])
+        self._audit_manual(f"a-{row[0]}", ts, "stage_change", by, bundle_id, scope=decision_key(bundle_id, None, None),
+                        reason=reason, detail=canonical_json({"stage": stage, "previous_stage": previous_stage,
+                                                              "cohort_share": float(cohort_share), "cohort": cohort}))
         return row[0]
+
+    def _audit_manual(self, audit_id: str, ts: float, kind: str, actor: str, bundle_id: str, *,
+                   decision_id: str | None = None, scope: str = "", reason: str = "", detail: str = "null") -> None:
+        """The audit row of something a person did: no detector, thresholds, baseline, window or card."""
+        self._insert(AUDIT, [[v] for v in (audit_id, ts, kind, actor, decision_id, bundle_id, scope, reason, "",
+                                           "null", "null", "null", "null", detail)])
 
     # -- reads -------------------------------------------------------------------------
     def sealed_samples(self, decision_id: str) -> list[dict]:
@@ -366,9 +369,8 @@ class Archive(PostmortemQueries):
         ts = finite(ts, "ts")
         body = canonical_json({"decision_id": decision_id, "actor": actor, "ts": ts, "detail": detail})
         audit_id = "a-open-" + hashlib.sha256(body.encode()).hexdigest()[:16]
-        row = [audit_id, ts, "sample_open", actor, decision_id, bundle_id, "", "", "", "null", "null",
-               "null", "null", canonical_json(detail)]
-        self._insert(AUDIT, [[v] for v in row])
+        self._audit_manual(audit_id, ts, "sample_open", actor, bundle_id, decision_id=decision_id,
+                        detail=canonical_json(detail))
         return audit_id
 
     def write_reproduction(self, decision_id: str, actor: str, ts: float, verdict: str,
