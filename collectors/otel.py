@@ -117,10 +117,10 @@ class _BoundedBatcher(Generic[Item]):
         self._export = export
         self._exporter = exporter
         self._name = name
-        self._shutdown_timeout_millis = shutdown_timeout_millis
         self._max_queue_size = max_queue_size
         self._max_batch_size = max_batch_size
         self._delay_s = schedule_delay_millis / 1000.0
+        self._shutdown_timeout_s = max(shutdown_timeout_millis, 0) / 1000.0
         self._warning_interval_s = drop_warning_interval_s
         # deque append/popleft are atomic under the GIL: producers take no lock at all.
         self._queue: collections.deque[Item] = collections.deque()
@@ -171,10 +171,10 @@ class _BoundedBatcher(Generic[Item]):
         """Stop taking records, export what is queued (bounded wait), then shut the exporter down."""
         self._stopping = True
         self._wake.set()
-        self._thread.join(max(self._shutdown_timeout_millis, 0) / 1000.0)
+        self._thread.join(self._shutdown_timeout_s)
         if self._thread.is_alive():
-            logger.warning("telemetry export did not finish within %.0f ms at shutdown; %d records left",
-                           self._shutdown_timeout_millis, len(self._queue))
+            logger.warning("telemetry export did not finish within %g s at shutdown; %d records left",
+                           self._shutdown_timeout_s, len(self._queue))
         self._exporter.shutdown()
 
     def _run(self) -> None:
