@@ -155,17 +155,15 @@ class _BoundedBatcher(Generic[Item]):
     def force_flush(self, timeout_millis: float) -> bool:
         """Export what is queued, then flush the exporter; False if that did not finish in time."""
         deadline = time.monotonic() + timeout_millis / 1000.0
-        if not self._thread.is_alive():
-            if self._queue:
-                return False
-        else:
+        if self._thread.is_alive():
             done = threading.Event()
             with self._lock:
                 self._flush_waiters.append(done)
             self._wake.set()
-            if not done.wait(max(timeout_millis, 0) / 1000.0):
-                return False
-        return bool(self._exporter.force_flush(max(0, int((deadline - time.monotonic()) * 1000))))
+            drained = done.wait(max(timeout_millis, 0) / 1000.0)
+        else:
+            drained = not self._queue
+        return drained and bool(self._exporter.force_flush(max(0, int((deadline - time.monotonic()) * 1000))))
 
     def shutdown(self) -> None:
         """Stop taking records, export what is queued (bounded wait), then shut the exporter down."""
