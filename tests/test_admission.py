@@ -185,13 +185,18 @@ def test_one_strict_mismatch_fails_a_judge_whatever_else_it_saw():
     assert [m.metric for m in judge.judgement.failing] == ["shadow_mismatches"]
 
 
-def test_a_fallback_on_the_canary_path_vetoes_promotion():
-    policy = Policy.model_validate(POLICY)
+def _shadowed(policy: dict) -> tuple[AdmissionController, FlagStore]:
+    """A controller under ``policy`` that has seen BUNDLE (strict) and put it in shadow."""
     flags = FlagStore()
-    controller = AdmissionController(policy, flags)
+    controller = AdmissionController(Policy.model_validate(policy), flags)
     controller.seen(BUNDLE, {"policy": {"acceptance_rule": "strict"}}, 10.0)
     for decision in controller.observe(BUNDLE, None, None, _slice(6.0), 11.0, True):
         flags.apply(decision)
+    return controller, flags
+
+
+def test_a_fallback_on_the_canary_path_vetoes_promotion():
+    controller, flags = _shadowed(POLICY)
     assert flags.admission(BUNDLE).stage == "shadow"
     slo = Decision(ts=50.0, bundle_id=BUNDLE, bucket="reasoning", cohort="shadow", action="disable_speculation",
                    reason="latency_slo", detector="latency_p99_gate", evidence={"metric": "e2e_p99_ms"})
@@ -203,12 +208,7 @@ def test_a_fallback_on_the_canary_path_vetoes_promotion():
 
 
 def test_a_stage_without_a_verdict_for_too_long_is_frozen_as_inconclusive():
-    policy = Policy.model_validate({"admission": dict(POLICY["admission"], max_stage_seconds=200)})
-    flags = FlagStore()
-    controller = AdmissionController(policy, flags)
-    controller.seen(BUNDLE, {"policy": {"acceptance_rule": "strict"}}, 10.0)
-    for decision in controller.observe(BUNDLE, None, None, _slice(6.0), 11.0, True):
-        flags.apply(decision)
+    controller, flags = _shadowed({"admission": dict(POLICY["admission"], max_stage_seconds=200)})
     since = flags.admission(BUNDLE).ts
     got = []
     for t in range(12, 260, 4):  # healthy windows, but never the 20 shadow checks shadow needs

@@ -23,7 +23,7 @@ from specwatch.schemas import (BundleCard, BundleRecord, Decision, DrafterCard, 
                                StepRecord, TargetCard)
 from specwatch.schemas.otlp import decode_request
 
-from machine import free_port
+from machine import free_port, until
 
 pytestmark = pytest.mark.kafka
 
@@ -136,9 +136,7 @@ def test_a_broker_going_away_mid_stream_is_not_the_engines_problem(kafka_bootstr
     with TelemetryEmitter(exporter, sdk=True, schedule_delay_millis=20, shutdown_timeout_millis=1_000) as emitter:
         # emit only queues; the sends that fail happen on the export thread
         assert all(emitter.emit(record) for record in _fleet_records(workers=2, steps=20))
-        deadline = time.monotonic() + 10
-        while emitter.stats().failed == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: emitter.stats().failed, 10)
         assert emitter.stats().failed > 0 and emitter.stats().exported == 0
 
 
@@ -180,9 +178,7 @@ def test_flag_client_follows_published_decisions(kafka_bootstrap, new_topic):
             publisher.publish(Decision(ts=103.0, bundle_id="b-1", bucket="coding", action="restore",
                                        reason="acceptance_drop", detector="al_gate"))
             publisher.flush(10)
-            deadline = time.monotonic() + 10
-            while client.stats().applied < 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(lambda: client.stats().applied >= 4, 10)
             assert client.lookup("b-2", "coding", "main").enabled is False
             assert client.lookup("b-1", "coding", "main").enabled is True
         assert publisher.stats() == {"published": 4, "failed": 0}
@@ -213,14 +209,11 @@ def test_flag_client_resumes_where_it_was_after_a_lost_connection(kafka_bootstra
             assert client.wait_until_caught_up(20)
             assert changes == [disable, restore]
             blip["pending"] = True
-            deadline = time.monotonic() + 20
-            while not (client.stats().reconnects == 1 and client.stats().connected) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(lambda: client.stats().reconnects == 1 and client.stats().connected, 20)
             assert client.stats().reconnects == 1 and client.stats().connected
             publisher.publish(invalidate)
             publisher.flush(10)
-            while client.stats().applied < 3 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(lambda: client.stats().applied >= 3, 20)
         # history was not replayed after the reconnect: no flag flipped back through old states
         assert changes == [disable, restore, invalidate]
         assert client.stats().applied == 3
@@ -236,9 +229,7 @@ def test_flag_client_waits_for_a_topic_that_appears_later(kafka_bootstrap, admin
         with DecisionPublisher(config, topic=topic) as publisher:
             publisher.publish(_decisions()[0])
             publisher.flush(10)
-        deadline = time.monotonic() + 20
-        while client.lookup("b-1", "coding", "x").enabled and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: not client.lookup("b-1", "coding", "x").enabled, 20, 0.1)
         assert client.lookup("b-1", "coding", "x").enabled is False
     finally:
         client.stop()
