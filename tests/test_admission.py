@@ -20,9 +20,9 @@ from specwatch.detectors.canary import CanaryJudge
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
-from specwatch.streams.embedded import EmbeddedPipeline
 
 from machine import specwatch
+from telemetry_log import replayed
 
 SEED = 11
 BUNDLE = "b-4b921f0dfdc6ae8b"  # the simulator's default card
@@ -46,12 +46,10 @@ def _rollout(scenario, policy=POLICY, minutes=None):
 def _run_rollout(scenario, policy, minutes):
     flags = FlagStore()
     changes, actions = [], []
-    pipeline = EmbeddedPipeline(Policy.model_validate(policy), flags=flags,
-                                sinks=[lambda out: (changes.extend(out.stage_changes), actions.extend(out.actions))])
-    pipeline.actions = actions  # the decisions with their audit, as the archive sink receives them
     sim = Simulator(scenario, seed=SEED, workers=8, minutes=minutes, flags=flags)
-    pipeline.feed_many(sim.records())
-    pipeline.finish()
+    pipeline = replayed(sim.records(), Policy.model_validate(policy), flags=flags,
+                        sinks=[lambda out: (changes.extend(out.stage_changes), actions.extend(out.actions))])
+    pipeline.actions = actions  # the decisions with their audit, as the archive sink receives them
     got = [(round(d.ts - sim.start_ts, 2), d.bundle_id, d.action, d.reason, d.bucket, d.evidence.get("stage"),
             d.evidence.get("cohort_share")) for d in pipeline.decisions]
     return sim, pipeline, flags, changes, got

@@ -17,14 +17,13 @@ import pytest
 
 from specwatch.schemas import Decision, Policy
 from specwatch.simulation.simulator import Simulator
-from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.faust_tasks import decode_partial
 from specwatch.streams.runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
 from specwatch.transport.codec import decode_decision, is_heartbeat_key
 from specwatch.transport.memory import MemoryKafka, MemoryReader, MemoryWriter
 from specwatch.transport.signing import Keyring
 
-from telemetry_log import decision_key, embedded_decisions, exporter_batches
+from telemetry_log import decision_key, embedded_decisions, exporter_batches, replayed
 
 PARTITIONS = 4
 _SETTINGS = StreamSettings(bootstrap="memory:0", telemetry_topics=("t",), partials_topic="p", decisions_topic="d",
@@ -248,9 +247,7 @@ def test_a_worker_that_goes_idle_is_decided_as_embedded_to_the_very_end():
     quitter, stop = "w2", sim.start_ts + 25.0
     records = [r for r in sim.records() if getattr(r, "worker", None) != quitter or r.ts < stop]
     embedded_slices = SliceCounts()
-    embedded = EmbeddedPipeline(sinks=[embedded_slices.observe])
-    embedded.feed_many(records)
-    embedded.finish()
+    embedded = replayed(records, sinks=[embedded_slices.observe])
 
     rig = Rig([])
     stage1, stage2 = rig.runner(Stage1Runner), rig.runner(Stage2Runner)
