@@ -40,3 +40,10 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 def specwatch(*argv: str, timeout: float = 600, **run_options) -> subprocess.CompletedProcess:
     """``specwatch ARGV...`` in a fresh interpreter, its output captured as text; options go to `subprocess.run`."""
     return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout, **run_options)
+
+
+def specwatch_ok(*argv: str, **options) -> subprocess.CompletedProcess:
+    """`specwatch` that must exit 0 (the tail of its stderr says why not)."""
+    done = specwatch(*argv, **options)
+    assert done.returncode == 0, f"specwatch {argv[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    return done

@@ -21,7 +21,7 @@ from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
 
-from machine import specwatch
+from machine import specwatch, specwatch_ok
 from telemetry_log import replayed
 
 SEED = 11
@@ -255,15 +255,13 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
         assert [r["stage"] for r in archive.stage_history(BUNDLE)] == ["unadmitted", "shadow", "canary", "frozen"]
         assert archive.flag_store().admission(BUNDLE).stage == "frozen"
 
-    shown = specwatch("bundles", "show", BUNDLE, "--archive", dsn)
-    assert shown.returncode == 0, shown.stderr
+    shown = specwatch_ok("bundles", "show", BUNDLE, "--archive", dsn)
     assert "failed: structured tpot_p95" in shown.stdout
 
     refused = specwatch("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
     assert refused.returncode == 1 and "name of the person" in refused.stderr
-    moved = specwatch("bundles", "promote", BUNDLE, "--archive", dsn, "--by", "alice", "--reason", "tail fixed",
-                 "--policy", str(_REPO / "docs" / "admission-policy.toml"), "--json")
-    assert moved.returncode == 0, moved.stderr
+    moved = specwatch_ok("bundles", "promote", BUNDLE, "--archive", dsn, "--by", "alice", "--reason", "tail fixed",
+                    "--policy", str(_REPO / "docs" / "admission-policy.toml"), "--json")
     row = json.loads(moved.stdout)
     assert (row["previous_stage"], row["stage"], row["cohort_share"], row["by"]) == ("frozen", "shadow", 0.2, "alice")
 
@@ -277,8 +275,7 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
     assert store.lookup(BUNDLE, "coding", "shadow").enabled and not store.lookup(BUNDLE, "coding", "main").enabled
     assert [(a["actor"], a["reason"]) for a in audit] == [("alice", "tail fixed")]
 
-    explained = specwatch("explain", pipeline.decisions[-1].id, "--archive", dsn)
-    assert explained.returncode == 0, explained.stderr
+    explained = specwatch_ok("explain", pipeline.decisions[-1].id, "--archive", dsn)
     assert "stage: canary -> frozen" in explained.stdout
     assert "    tpot_p99            fail" in explained.stdout
 

@@ -25,7 +25,7 @@ from specwatch.archive.store import Archive
 from specwatch.schemas import Decision
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceOutput, WindowRow
 
-from machine import specwatch
+from machine import specwatch_ok
 
 _COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
            "shadow_mismatches", "steps", "plain_entries"}
@@ -594,8 +594,7 @@ def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path
 def test_the_bench_measures_the_sink_beside_direct_writes_and_single_row_inserts():
     """`specwatch bench --section archive`: the action path (`ArchiveSink`), with its alternatives, in one run
     (it checks itself that every path's rows reached the table)."""
-    done = specwatch("bench", "--section", "archive", "--smoke", "--json", timeout=900)
-    assert done.returncode == 0, done.stderr
+    done = specwatch_ok("bench", "--section", "archive", "--smoke", "--json", timeout=900)
     report = json.loads(done.stdout)["archive"]
     assert (report["rows"], report["naive_rows"]) == (20_000, 50)
     assert 0 < report["slices"] < report["rows"]

@@ -24,7 +24,7 @@ from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.metrics import ServiceHealth
 from specwatch.streams.operations import Operations, OperationsSettings
 
-from machine import free_port, specwatch, until
+from machine import free_port, specwatch, specwatch_ok, until
 
 _REPO = Path(__file__).resolve().parents[1]
 _SEED = 11
@@ -383,8 +383,7 @@ def test_dashboard_regenerates_byte_for_byte():
 
 
 def test_bench_reports_stage2_with_and_without_the_metrics_view():
-    done = specwatch("bench", "--section", "metrics", "--smoke", "--json", timeout=600)
-    assert done.returncode == 0, done.stderr
+    done = specwatch_ok("bench", "--section", "metrics", "--smoke", "--json", timeout=600)
     metrics = json.loads(done.stdout.strip().splitlines()[-1])["metrics"]
     assert {"stage2_off_s", "stage2_on_s", "overhead_ratio", "observe_share_of_stage2", "scrape_ms",
             "scrape_core_share_at_15s"} <= set(metrics)

@@ -16,7 +16,7 @@ from specwatch.archive.store import Archive
 from specwatch.cli import main
 from specwatch.schemas import Decision
 
-from machine import run_cli, specwatch
+from machine import run_cli, specwatch, specwatch_ok
 
 _T0 = 1_717_000_000.0
 _COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
@@ -266,8 +266,7 @@ def test_a_missing_archive_is_a_clear_error_and_is_not_created(capsys, tmp_path,
 # -- flags (as separate processes) ---------------------------------------------------------------
 
 def test_flags_set_list_clear_through_the_cli_with_audit_rows(dsn):
-    listed = specwatch("flags", "list", "--json", "--archive", dsn)
-    assert listed.returncode == 0, listed.stderr
+    listed = specwatch_ok("flags", "list", "--json", "--archive", dsn)
     before = {(r["bundle_id"], r["bucket"], r["cohort"]): r for r in json_lines(listed.stdout)}
     assert {tuple(r) for r in before.values()} == {(  # the table's made-up columns stay out of JSON
         "bundle_id", "bucket", "cohort", "speculation", "draft_limit", "cohort_share", "reason", "since", "manual",
@@ -276,24 +275,20 @@ def test_flags_set_list_clear_through_the_cli_with_audit_rows(dsn):
     assert before[("b-1", "coding", None)]["decision_id"] == DROP.id
     assert before[("b-2", None, None)]["reason"] == "bundle_changed"
 
-    done = specwatch("flags", "set", "--bundle", "b-1", "--bucket", "coding", "--on", "--draft-length", "2",
-                     "--by", "alice", "--reason", "AL drop is a tokenizer glitch; hold at D=2", "--archive", dsn)
-    assert done.returncode == 0, done.stderr
+    done = specwatch_ok("flags", "set", "--bundle", "b-1", "--bucket", "coding", "--on", "--draft-length", "2",
+                        "--by", "alice", "--reason", "AL drop is a tokenizer glitch; hold at D=2", "--archive", dsn)
     assert "b-1/coding/* speculation on, draft length <= 2 by alice" in done.stdout
-    done = specwatch("flags", "set", "--bundle", "b-1", "--bucket", "chat", "--cohort", "canary", "--off",
-                     "--by", "bob", "--reason", "canary paused", "--archive", dsn)
-    assert done.returncode == 0, done.stderr
+    done = specwatch_ok("flags", "set", "--bundle", "b-1", "--bucket", "chat", "--cohort", "canary", "--off",
+                        "--by", "bob", "--reason", "canary paused", "--archive", dsn)
 
-    listed = specwatch("flags", "list", "--archive", dsn)
-    assert listed.returncode == 0, listed.stderr
+    listed = specwatch_ok("flags", "list", "--archive", dsn)
     coding = next(line for line in listed.stdout.splitlines() if line.startswith("b-1     coding"))
     assert " on " in coding and "manual by alice (automatic: off)" in coding
     canary = next(line for line in listed.stdout.splitlines() if "canary" in line and "bob" in line)
     assert " off " in canary
 
-    cleared = specwatch("flags", "clear", "--bundle", "b-1", "--bucket", "coding", "--by", "carol",
-                        "--reason", "drafter retrained", "--archive", dsn)
-    assert cleared.returncode == 0, cleared.stderr
+    cleared = specwatch_ok("flags", "clear", "--bundle", "b-1", "--bucket", "coding", "--by", "carol",
+                           "--reason", "drafter retrained", "--archive", dsn)
     assert "b-1/coding/* cleared by carol" in cleared.stdout
     again = specwatch("flags", "clear", "--bundle", "b-1", "--bucket", "coding", "--by", "carol", "--archive", dsn)
     assert again.returncode == 1 and "no manual override on b-1/coding/*" in again.stderr
