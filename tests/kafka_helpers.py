@@ -95,14 +95,16 @@ def bad_records(scenario: str) -> list[tuple[bytes, bytes]]:
     return [(b"w1", b"\xff\xff not protobuf"), (b"w2", encode_entries([entry._replace(attributes=attributes)]))]
 
 
-def topic_values(bootstrap: str, topic: str) -> list[tuple[bytes | None, bytes]]:
-    """Every (key, value) on ``topic``, partition by partition."""
+def topic_messages(bootstrap: str, topic: str) -> list:
+    """Every message on ``topic`` as it is now, partition by partition, each in offset order."""
     reader = PartitionReader(bootstrap)
     ends = run_async(reader.end_offsets(topic))
-    out = []
-    for partition, end in sorted(ends.items()):
-        out += [(m.key, m.value) for m in run_async(reader.read(topic, partition, 0, end))]
-    return out
+    return [m for partition, end in sorted(ends.items()) for m in run_async(reader.read(topic, partition, 0, end))]
+
+
+def topic_values(bootstrap: str, topic: str) -> list[tuple[bytes | None, bytes]]:
+    """Every (key, value) on ``topic``, partition by partition."""
+    return [(m.key, m.value) for m in topic_messages(bootstrap, topic)]
 
 
 def published_decisions(bootstrap: str, topic: str) -> list[Decision]:

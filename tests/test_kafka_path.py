@@ -6,11 +6,10 @@ Every test makes its own topics, so tests (and colleagues' runs) never read each
 from __future__ import annotations
 
 import collections
-import time
 import uuid
 
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 
 from specwatch import cli
@@ -23,6 +22,7 @@ from specwatch.schemas import (BundleCard, BundleRecord, Decision, DrafterCard, 
                                StepRecord, TargetCard)
 from specwatch.schemas.otlp import decode_request
 
+from kafka_helpers import topic_messages
 from machine import free_port, until
 
 pytestmark = pytest.mark.kafka
@@ -52,23 +52,6 @@ def new_topic(admin):
 
     yield make
     admin.delete_topics(created)
-
-
-def _read_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0) -> list:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=_API_VERSION, group_id=None,
-                             enable_auto_commit=False, auto_offset_reset="earliest")
-    try:
-        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        messages = []
-        deadline = time.monotonic() + timeout_s
-        while len(messages) < expected and time.monotonic() < deadline:
-            for batch in consumer.poll(timeout_ms=500).values():
-                messages.extend(batch)
-        return messages
-    finally:
-        consumer.close()
 
 
 def _fleet_records(workers: int = 6, steps: int = 40) -> list:
@@ -109,7 +92,7 @@ def test_emitted_records_come_back_exactly_in_per_worker_order(kafka_bootstrap, 
     sent = exporter.stats()
     assert sent["records"] == len(records) and sent["records_failed"] == 0
 
-    messages = _read_all(kafka_bootstrap, topic, expected=sent["messages"])
+    messages = topic_messages(kafka_bootstrap, topic)
     assert len(messages) == sent["messages"]
     by_owner = collections.defaultdict(list)
     partitions_of = collections.defaultdict(set)

@@ -18,14 +18,12 @@ from aiokafka.admin import NewTopic
 
 from specwatch.simulation.simulator import Simulator
 
-from kafka_helpers import PARTITIONS, Feed, create_topics, delete_topics, run_async
+from kafka_helpers import PARTITIONS, SEED, TAIL_SECONDS, Feed, create_topics, delete_topics, run_async
 from telemetry_log import decision_key, exporter_batches, replayed
 from kafka_helpers import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
 
 pytestmark = pytest.mark.kafka
 
-SEED = 11
-_TAIL_SECONDS = 5.0
 _RUN = uuid.uuid4().hex[:8]
 
 
@@ -52,7 +50,7 @@ def unkeyed_feed(kafka_bootstrap):
     try:
         assert run_async(_send_unkeyed(kafka_bootstrap, topic, records, seed=3)) > 100
         pipeline = replayed(records)
-        cutoff = sim.end_ts - _TAIL_SECONDS
+        cutoff = sim.end_ts - TAIL_SECONDS
         decided = [d for d in pipeline.decisions if d.ts < cutoff]
         assert any(d.action == "invalidate_bundle" for d in decided)
         yield Feed("bundle_change", topic, cutoff, sorted(decision_key(d) for d in decided), {}, len(records)), \

@@ -33,8 +33,8 @@ from specwatch.transport.config import KafkaConfig
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
-from kafka_helpers import (bad_records, create_topics, delete_topics, published_decisions, run_async, send_raw,
-                           start_logged, stop_processes)
+from kafka_helpers import (INCIDENT_AT, MINUTES, PARTITIONS, SEED, TAIL_SECONDS, WORKERS, bad_records, create_topics,
+                           delete_topics, published_decisions, run_async, send_raw, start_logged, stop_processes)
 from machine import free_port, specwatch
 
 pytestmark = pytest.mark.kafka
@@ -42,8 +42,6 @@ pytestmark = pytest.mark.kafka
 _REPO = Path(__file__).resolve().parents[1]
 _DASHBOARD = _REPO / "deploy" / "grafana" / "specwatch.json"
 _RULES = _REPO / "deploy" / "prometheus" / "specwatch-rules.yml"
-SEED, WORKERS, MINUTES, INCIDENT_AT, PARTITIONS = 11, 3, 2.5, 90.0, 4
-_TAIL_SECONDS = 5.0
 _WAIT_S = 600.0  # a liveness bound for loaded 2-core machines, not a speed claim
 _DRILL = "ExtractionTPOTDrill"
 _TOKEN = "drill-token-" + uuid.uuid4().hex
@@ -208,7 +206,7 @@ scrape_configs:
     sim = Simulator("acceptance_drop", seed=SEED, workers=WORKERS, minutes=MINUTES, incident_at=INCIDENT_AT)
     embedded = EmbeddedPipeline()
     embedded.feed_many(sim.records())
-    cutoff = sim.end_ts - _TAIL_SECONDS
+    cutoff = sim.end_ts - TAIL_SECONDS
     expected = sorted((d.ts, d.key, d.action, d.reason) for d in embedded.decisions if d.ts < cutoff)
     assert expected, "the scenario decides nothing"
     bundle = embedded.decisions[0].bundle_id
