@@ -25,7 +25,7 @@ from specwatch.archive.store import Archive
 from specwatch.schemas import Decision
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceOutput, WindowRow
 
-from machine import specwatch_ok
+from machine import fresh_python, specwatch_ok
 
 _COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
            "shadow_mismatches", "steps", "plain_entries"}
@@ -101,14 +101,6 @@ def nan_safe(value):
     return value
 
 
-def run_python(code, *args):
-    """Run code in a fresh interpreter (a new chDB process); returns its stdout."""
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 @pytest.fixture
 def archive(tmp_path):
     opened = Archive.open(f"chdb://{tmp_path}/archive")
@@ -138,7 +130,7 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
         archive.write_override(("b-1", "chat", None), False, None, "alice", "canary looks off", 120.0)
         archive.write_rejections({"accepted_exceeds_drafted": 3, "nan": 1}, 130.0, "w1")
 
-    out = run_python("""
+    out = fresh_python("""
         import json, sys
         from specwatch.archive.store import Archive
         with Archive.open(sys.argv[1], create=False) as archive:
@@ -210,7 +202,7 @@ def test_what_was_written_survives_a_killed_writer(tmp_path):
         os.kill(os.getpid(), signal.SIGKILL)  # no close, no flush, a stale lock file left
     """), dsn], capture_output=True, timeout=180)
     assert killed.returncode == -9
-    out = run_python("""
+    out = fresh_python("""
         import sys
         from specwatch.archive.store import Archive
         with Archive.open(sys.argv[1], create=False) as archive:
@@ -494,7 +486,7 @@ def test_one_chdb_archive_per_process_and_shared_clients_per_path(tmp_path):
 def test_a_chdb_archive_in_use_by_another_process_says_so(tmp_path):
     dsn = f"chdb://{tmp_path}/busy"
     with Archive.open(dsn):
-        out = run_python("""
+        out = fresh_python("""
             import sys
             from specwatch.archive.errors import ArchiveError
             from specwatch.archive.store import Archive
