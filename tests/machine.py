@@ -43,11 +43,11 @@ def specwatch(*argv: str, timeout: float = 600, **run_options) -> subprocess.Com
     return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout, **run_options)
 
 
-def fresh_python(code: str, *args, timeout: float = 300) -> str:
-    """``code`` (dedented) run by a fresh interpreter with ``args``, which must exit 0: its stdout."""
+def fresh_python(code: str, *args, timeout: float = 300, returncode: int = 0) -> str:
+    """``code`` (dedented) run by a fresh interpreter with ``args``, which must exit with ``returncode``: its stdout."""
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)], capture_output=True,
                           text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == returncode, done.stderr[-3000:]
     return done.stdout
 
 
