@@ -9,7 +9,6 @@ import collections
 import uuid
 
 import pytest
-from kafka import KafkaProducer
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 
 from specwatch import cli
@@ -22,7 +21,7 @@ from specwatch.schemas import (BundleCard, BundleRecord, Decision, DrafterCard, 
                                StepRecord, TargetCard)
 from specwatch.schemas.otlp import decode_request
 
-from kafka_helpers import topic_messages
+from kafka_helpers import run_async, send_raw, topic_messages
 from machine import free_port, until
 
 pytestmark = pytest.mark.kafka
@@ -143,9 +142,7 @@ def test_flag_client_follows_published_decisions(kafka_bootstrap, new_topic):
         assert publisher.publish(first) and publisher.publish(second)
         assert publisher.flush(10)
         # Garbage on the topic is skipped and counted, not fatal.
-        raw = KafkaProducer(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
-        raw.send(topic, key=b"junk", value=b"\x00not json").get(timeout=10)
-        raw.close()
+        run_async(send_raw(kafka_bootstrap, topic, [(b"junk", b"\x00not json")]))
 
         with FlagClient(config, topic=topic) as client:
             assert client.wait_until_caught_up(20)
