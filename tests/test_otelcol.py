@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ from otelcol import CONFIGS, Collector
 from kafka_helpers import (INCIDENT_AT, MINUTES, PARTITIONS, SEED, TAIL_SECONDS, WORKERS, Feed, Pipeline,
                            assert_same_decisions, create_topics, delete_topics, run_async, topic_messages)
 from telemetry_log import decision_key
-from machine import free_port, specwatch
+from machine import free_port, specwatch_ok
 
 pytestmark = pytest.mark.kafka
 
@@ -78,10 +79,7 @@ def _resource(value: bytes) -> list[dict]:
     return [{kv.key: kv.value.string_value for kv in rl.resource.attributes} for rl in request.resource_logs]
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    done = specwatch(*args, timeout=900, env=dict(os.environ, **(env or {})))
-    assert done.returncode == 0, f"specwatch {args[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}"
-    return done
+_cli = partial(specwatch_ok, timeout=900)
 
 
 def _replayed(tmp_path: Path, scenario: str) -> tuple[int, float, list[Decision]]:
