@@ -23,3 +23,15 @@ def headless(browser: str, profile, *args) -> subprocess.CompletedProcess:
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}", *args],
         capture_output=True, text=True, timeout=180)
+
+
+def rendered(page, profile, height: int) -> str:
+    """The DOM of ``page`` as the browser built it; a screenshot of it (1200 x ``height``) must be a real picture."""
+    browser = chromium()
+    proc = headless(browser, profile, "--dump-dom", page.as_uri())
+    assert proc.returncode == 0, proc.stderr
+    shot = page.with_suffix(".png")
+    painted = headless(browser, profile, f"--screenshot={shot}", f"--window-size=1200,{height}", page.as_uri())
+    assert painted.returncode == 0, painted.stderr
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    return proc.stdout

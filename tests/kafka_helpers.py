@@ -85,6 +85,34 @@ async def send_raw(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes
         await producer.stop()
 
 
+def bad_records(scenario: str) -> list[tuple[bytes, bytes]]:
+    """Two (key, value) messages no processor may fold: bytes that are not OTLP, and a step of ``scenario``'s
+    fleet whose rounds accept more than they drafted."""
+    step = next(r for r in Simulator(scenario, seed=SEED, workers=1, minutes=0.05).records() if r.kind == "step")
+    entry = log_entry(step)
+    attributes = dict(entry.attributes)
+    attributes["specwatch.requests.accepted"] = tuple(d + 1 for d in attributes["specwatch.requests.drafted"])
+    return [(b"w1", b"\xff\xff not protobuf"), (b"w2", encode_entries([entry._replace(attributes=attributes)]))]
+
+
+def topic_messages(bootstrap: str, topic: str) -> list:
+    """Every message on ``topic`` as it is now, partition by partition, each in offset order."""
+    reader = PartitionReader(bootstrap)
+    ends = run_async(reader.end_offsets(topic))
+    return [m for partition, end in sorted(ends.items()) for m in run_async(reader.read(topic, partition, 0, end))]
+
+
+def topic_values(bootstrap: str, topic: str) -> list[tuple[bytes | None, bytes]]:
+    """Every (key, value) on ``topic``, partition by partition."""
+    return [(m.key, m.value) for m in topic_messages(bootstrap, topic)]
+
+
+def published_decisions(bootstrap: str, topic: str) -> list[Decision]:
+    """Every decision on a decisions topic, in order (heartbeats left out)."""
+    return [Decision.model_validate_json(value) for key, value in topic_values(bootstrap, topic)
+            if not key.startswith(b"__heartbeat__/")]
+
+
 def start_logged(command: list[str], log_path: Path) -> subprocess.Popen:
     """``command`` started with its stdout and stderr in ``log_path``."""
     with open(log_path, "w") as log:
@@ -133,13 +161,7 @@ def make_feed(kafka_bootstrap: str, scenario: str, workers: int = WORKERS) -> Fe
     pipeline = replayed(sim.records())
     _, err = producer.communicate(timeout=300)
     assert producer.returncode == 0, err
-    # Two records no processor may fold: bytes that are not OTLP, and a step that breaks the contract.
-    step = next(r for r in Simulator(scenario, seed=SEED, workers=1, minutes=0.05).records() if r.kind == "step")
-    entry = log_entry(step)
-    attributes = dict(entry.attributes)
-    attributes["specwatch.requests.accepted"] = tuple(d + 1 for d in attributes["specwatch.requests.drafted"])
-    bad_step = encode_entries([entry._replace(attributes=attributes)])
-    run_async(send_raw(kafka_bootstrap, topic, [(b"w1", b"\xff\xff not protobuf"), (b"w2", bad_step)]))
+    run_async(send_raw(kafka_bootstrap, topic, bad_records(scenario)))
     cutoff = sim.end_ts - TAIL_SECONDS
     expected = sorted(decision_key(d) for d in pipeline.decisions if d.ts < cutoff)
     flags = FlagStore()
@@ -211,21 +233,11 @@ class Pipeline:
     def stop(self) -> None:
         stop_processes(self.processes)
 
-    def topic_values(self, topic: str) -> list[tuple[bytes | None, bytes]]:
-        reader = PartitionReader(self.bootstrap)
-        ends = run_async(reader.end_offsets(topic))
-        out = []
-        for partition, end in sorted(ends.items()):
-            out += [(m.key, m.value) for m in run_async(reader.read(topic, partition, 0, end))]
-        return out
-
     def published(self) -> list[Decision]:
-        """Every decision on the decisions topic, in order (heartbeats left out)."""
-        return [Decision.model_validate_json(value) for key, value in self.topic_values(self.decisions)
-                if not key.startswith(b"__heartbeat__/")]
+        return published_decisions(self.bootstrap, self.decisions)
 
     def heartbeats(self) -> list[dict]:
-        return [json.loads(value) for key, value in self.topic_values(self.decisions)
+        return [json.loads(value) for key, value in topic_values(self.bootstrap, self.decisions)
                 if key.startswith(b"__heartbeat__/")]
 
     def logs(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from typing import Callable
 
@@ -40,3 +41,18 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 def specwatch(*argv: str, timeout: float = 600, **run_options) -> subprocess.CompletedProcess:
     """``specwatch ARGV...`` in a fresh interpreter, its output captured as text; options go to `subprocess.run`."""
     return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout, **run_options)
+
+
+def fresh_python(code: str, *args, timeout: float = 300, returncode: int = 0) -> str:
+    """``code`` (dedented) run by a fresh interpreter with ``args``, which must exit with ``returncode``: its stdout."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == returncode, done.stderr[-3000:]
+    return done.stdout
+
+
+def specwatch_ok(*argv: str, **options) -> subprocess.CompletedProcess:
+    """`specwatch` that must exit 0 (the tail of its stderr says why not)."""
+    done = specwatch(*argv, **options)
+    assert done.returncode == 0, f"specwatch {argv[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    return done

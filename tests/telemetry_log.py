@@ -46,6 +46,18 @@ def replayed(records: Iterable, *args, **options) -> EmbeddedPipeline:
     return pipeline
 
 
+def archived_replay(records: Iterable, dsn: str) -> list[Decision]:
+    """The embedded pipeline's decisions on ``records``, its output archived at ``dsn`` as `specwatch run` does."""
+    from specwatch.archive.sink import ArchiveSink
+    from specwatch.archive.store import Archive
+
+    with Archive.open(dsn) as archive:
+        sink = ArchiveSink(archive)
+        decisions = replayed(records, sinks=[sink]).decisions
+        sink.close()
+    return decisions
+
+
 def embedded_decisions(records: list, cutoff: float) -> list[tuple]:
     """The embedded pipeline's decisions before ``cutoff``, as sorted `decision_key`s (never empty)."""
     expected = sorted(decision_key(d) for d in replayed(records).decisions if d.ts < cutoff)

@@ -20,9 +20,9 @@ from specwatch.detectors.canary import CanaryJudge
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
-from specwatch.streams.embedded import EmbeddedPipeline
 
-from machine import specwatch
+from machine import specwatch, specwatch_ok
+from telemetry_log import replayed
 
 SEED = 11
 BUNDLE = "b-4b921f0dfdc6ae8b"  # the simulator's default card
@@ -46,12 +46,10 @@ def _rollout(scenario, policy=POLICY, minutes=None):
 def _run_rollout(scenario, policy, minutes):
     flags = FlagStore()
     changes, actions = [], []
-    pipeline = EmbeddedPipeline(Policy.model_validate(policy), flags=flags,
-                                sinks=[lambda out: (changes.extend(out.stage_changes), actions.extend(out.actions))])
-    pipeline.actions = actions  # the decisions with their audit, as the archive sink receives them
     sim = Simulator(scenario, seed=SEED, workers=8, minutes=minutes, flags=flags)
-    pipeline.feed_many(sim.records())
-    pipeline.finish()
+    pipeline = replayed(sim.records(), Policy.model_validate(policy), flags=flags,
+                        sinks=[lambda out: (changes.extend(out.stage_changes), actions.extend(out.actions))])
+    pipeline.actions = actions  # the decisions with their audit, as the archive sink receives them
     got = [(round(d.ts - sim.start_ts, 2), d.bundle_id, d.action, d.reason, d.bucket, d.evidence.get("stage"),
             d.evidence.get("cohort_share")) for d in pipeline.decisions]
     return sim, pipeline, flags, changes, got
@@ -185,13 +183,18 @@ def test_one_strict_mismatch_fails_a_judge_whatever_else_it_saw():
     assert [m.metric for m in judge.judgement.failing] == ["shadow_mismatches"]
 
 
-def test_a_fallback_on_the_canary_path_vetoes_promotion():
-    policy = Policy.model_validate(POLICY)
+def _shadowed(policy: dict) -> tuple[AdmissionController, FlagStore]:
+    """A controller under ``policy`` that has seen BUNDLE (strict) and put it in shadow."""
     flags = FlagStore()
-    controller = AdmissionController(policy, flags)
+    controller = AdmissionController(Policy.model_validate(policy), flags)
     controller.seen(BUNDLE, {"policy": {"acceptance_rule": "strict"}}, 10.0)
     for decision in controller.observe(BUNDLE, None, None, _slice(6.0), 11.0, True):
         flags.apply(decision)
+    return controller, flags
+
+
+def test_a_fallback_on_the_canary_path_vetoes_promotion():
+    controller, flags = _shadowed(POLICY)
     assert flags.admission(BUNDLE).stage == "shadow"
     slo = Decision(ts=50.0, bundle_id=BUNDLE, bucket="reasoning", cohort="shadow", action="disable_speculation",
                    reason="latency_slo", detector="latency_p99_gate", evidence={"metric": "e2e_p99_ms"})
@@ -203,12 +206,7 @@ def test_a_fallback_on_the_canary_path_vetoes_promotion():
 
 
 def test_a_stage_without_a_verdict_for_too_long_is_frozen_as_inconclusive():
-    policy = Policy.model_validate({"admission": dict(POLICY["admission"], max_stage_seconds=200)})
-    flags = FlagStore()
-    controller = AdmissionController(policy, flags)
-    controller.seen(BUNDLE, {"policy": {"acceptance_rule": "strict"}}, 10.0)
-    for decision in controller.observe(BUNDLE, None, None, _slice(6.0), 11.0, True):
-        flags.apply(decision)
+    controller, flags = _shadowed({"admission": dict(POLICY["admission"], max_stage_seconds=200)})
     since = flags.admission(BUNDLE).ts
     got = []
     for t in range(12, 260, 4):  # healthy windows, but never the 20 shadow checks shadow needs
@@ -257,15 +255,13 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
         assert [r["stage"] for r in archive.stage_history(BUNDLE)] == ["unadmitted", "shadow", "canary", "frozen"]
         assert archive.flag_store().admission(BUNDLE).stage == "frozen"
 
-    shown = specwatch("bundles", "show", BUNDLE, "--archive", dsn)
-    assert shown.returncode == 0, shown.stderr
+    shown = specwatch_ok("bundles", "show", BUNDLE, "--archive", dsn)
     assert "failed: structured tpot_p95" in shown.stdout
 
     refused = specwatch("bundles", "admit", BUNDLE, "--archive", dsn, "--by", "specwatch", "--reason", "x")
     assert refused.returncode == 1 and "name of the person" in refused.stderr
-    moved = specwatch("bundles", "promote", BUNDLE, "--archive", dsn, "--by", "alice", "--reason", "tail fixed",
-                 "--policy", str(_REPO / "docs" / "admission-policy.toml"), "--json")
-    assert moved.returncode == 0, moved.stderr
+    moved = specwatch_ok("bundles", "promote", BUNDLE, "--archive", dsn, "--by", "alice", "--reason", "tail fixed",
+                    "--policy", str(_REPO / "docs" / "admission-policy.toml"), "--json")
     row = json.loads(moved.stdout)
     assert (row["previous_stage"], row["stage"], row["cohort_share"], row["by"]) == ("frozen", "shadow", 0.2, "alice")
 
@@ -279,8 +275,7 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
     assert store.lookup(BUNDLE, "coding", "shadow").enabled and not store.lookup(BUNDLE, "coding", "main").enabled
     assert [(a["actor"], a["reason"]) for a in audit] == [("alice", "tail fixed")]
 
-    explained = specwatch("explain", pipeline.decisions[-1].id, "--archive", dsn)
-    assert explained.returncode == 0, explained.stderr
+    explained = specwatch_ok("explain", pipeline.decisions[-1].id, "--archive", dsn)
     assert "stage: canary -> frozen" in explained.stdout
     assert "    tpot_p99            fail" in explained.stdout
 

@@ -10,9 +10,6 @@ import json
 import logging
 import math
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,7 @@ from specwatch.archive.store import Archive
 from specwatch.schemas import Decision
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceOutput, WindowRow
 
-from machine import specwatch
+from machine import fresh_python, specwatch_ok
 
 _COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
            "shadow_mismatches", "steps", "plain_entries"}
@@ -101,14 +98,6 @@ def nan_safe(value):
     return value
 
 
-def run_python(code, *args):
-    """Run code in a fresh interpreter (a new chDB process); returns its stdout."""
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 @pytest.fixture
 def archive(tmp_path):
     opened = Archive.open(f"chdb://{tmp_path}/archive")
@@ -137,7 +126,7 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
         archive.write_bundle("b-1", CARD, 150.0, "w2")
         archive.write_override(("b-1", "chat", None), False, None, "alice", "canary looks off", 120.0)
 
-    out = run_python("""
+    out = fresh_python("""
         import json, sys
         from specwatch.archive.store import Archive
         with Archive.open(sys.argv[1], create=False) as archive:
@@ -195,7 +184,7 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
 
 def test_what_was_written_survives_a_killed_writer(tmp_path):
     dsn = f"chdb://{tmp_path}/archive"
-    killed = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+    fresh_python("""
         import os, signal, sys
         from specwatch.archive.store import Archive
         from specwatch.schemas import Decision
@@ -203,9 +192,8 @@ def test_what_was_written_survives_a_killed_writer(tmp_path):
         archive.write_decision(Decision(ts=1.0, bundle_id="b-1", action="disable_speculation",
                                         reason="error_rate", detector="errors"), {}, [])
         os.kill(os.getpid(), signal.SIGKILL)  # no close, no flush, a stale lock file left
-    """), dsn], capture_output=True, timeout=180)
-    assert killed.returncode == -9
-    out = run_python("""
+    """, dsn, returncode=-9)
+    out = fresh_python("""
         import sys
         from specwatch.archive.store import Archive
         with Archive.open(sys.argv[1], create=False) as archive:
@@ -489,7 +477,7 @@ def test_one_chdb_archive_per_process_and_shared_clients_per_path(tmp_path):
 def test_a_chdb_archive_in_use_by_another_process_says_so(tmp_path):
     dsn = f"chdb://{tmp_path}/busy"
     with Archive.open(dsn):
-        out = run_python("""
+        out = fresh_python("""
             import sys
             from specwatch.archive.errors import ArchiveError
             from specwatch.archive.store import Archive
@@ -588,8 +576,7 @@ def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path
 def test_the_bench_measures_the_sink_beside_direct_writes_and_single_row_inserts():
     """`specwatch bench --section archive`: the action path (`ArchiveSink`), with its alternatives, in one run
     (it checks itself that every path's rows reached the table)."""
-    done = specwatch("bench", "--section", "archive", "--smoke", "--json", timeout=900)
-    assert done.returncode == 0, done.stderr
+    done = specwatch_ok("bench", "--section", "archive", "--smoke", "--json", timeout=900)
     report = json.loads(done.stdout)["archive"]
     assert (report["rows"], report["naive_rows"]) == (20_000, 50)
     assert 0 < report["slices"] < report["rows"]

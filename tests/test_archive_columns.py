@@ -23,24 +23,18 @@ from specwatch.archive.store import Archive
 from specwatch.detectors.window import window_columns
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows
 from specwatch.simulation.simulator import Simulator
-from specwatch.streams.embedded import EmbeddedPipeline
+
+from telemetry_log import replayed
 
 _ORDER = "ORDER BY ts, bundle_id, bucket, cohort"
 
 
-def _seeded_outputs():
-    """A seeded incident run through the embedded pipeline: every slice output, in order."""
-    outputs = []
-    pipeline = EmbeddedPipeline(sinks=[outputs.append])
-    for record in Simulator("latency_tail", seed=5, minutes=1.0, workers=3, concurrency=12).records():
-        pipeline.feed(record)
-    pipeline.finish()
-    return outputs
-
-
 @pytest.fixture(scope="module")
 def outputs():
-    return _seeded_outputs()
+    """A seeded incident run through the embedded pipeline: every slice output, in order."""
+    outputs = []
+    replayed(Simulator("latency_tail", seed=5, minutes=1.0, workers=3, concurrency=12).records(), sinks=[outputs.append])
+    return outputs
 
 
 def _stored(client, database: str) -> list[tuple]:

@@ -23,10 +23,10 @@ from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.spool import Spool
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy
-from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
 
 from machine import free_port
+from telemetry_log import replayed
 
 _POLICY = Policy.model_validate({"baseline": {"learn_seconds": 10}})
 
@@ -40,9 +40,7 @@ def _outputs() -> tuple[SliceOutput, ...]:
     """
     records = Simulator("demo", seed=3, minutes=1.5, workers=2, concurrency=4, incident_at=20.0).records()
     outputs: list[SliceOutput] = []
-    pipeline = EmbeddedPipeline(policy=_POLICY, sinks=[outputs.append])
-    pipeline.feed_many(records)
-    pipeline.finish()
+    replayed(records, policy=_POLICY, sinks=[outputs.append])
     assert len([o for o in outputs if o.actions]) >= 3
     return tuple(outputs)
 

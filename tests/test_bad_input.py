@@ -5,7 +5,7 @@ import json
 from specwatch.schemas import decode_line
 from specwatch.streams.embedded import EmbeddedPipeline
 
-from machine import specwatch
+from machine import specwatch_ok
 
 CARD = {"target": {"model_id": "m", "revision": "r1", "tokenizer_digest": "t", "quantization": "fp8"},
         "drafter": {"mechanism": "eagle3", "revision": "d1", "draft_length": 4},
@@ -104,8 +104,7 @@ def test_replay_cli_exits_zero_and_reports_reasons(tmp_path):
     lines += [_step(i) for i in range(50)] + BAD_LINES["invalid_json"] + BAD_LINES["negative_time"]
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "decisions.jsonl"
-    proc = specwatch("replay", str(src), "--output", str(out), "--json", timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = specwatch_ok("replay", str(src), "--output", str(out), "--json", timeout=120)
     summary = json.loads(proc.stdout)
     assert summary["records"] == 51
     assert summary["rejected_by_reason"] == {"invalid_json": 2, "negative_time": 1}

@@ -23,6 +23,7 @@ from specwatch.schemas.codec import encode_record
 from specwatch.streams.embedded import EmbeddedPipeline
 
 from machine import specwatch
+from telemetry_log import replayed
 
 _WORKERS = 8
 _CHANGE_AT = 30.0
@@ -62,9 +63,7 @@ def test_every_worker_sighting_is_archived_with_its_span(tmp_path):
         inserts = []
         original = archive.write_sightings
         archive.write_sightings = lambda rows: inserts.append(len(rows)) or original(rows)
-        pipeline = EmbeddedPipeline(sinks=[sink])
-        pipeline.feed_many(_records())
-        pipeline.finish()
+        pipeline = replayed(_records(), sinks=[sink])
         sink.close()
         slices = pipeline.counters.slices
         bundles = archive.bundles()

@@ -7,7 +7,6 @@ import asyncio
 import uuid
 
 import pytest
-from kafka import KafkaConsumer
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from specwatch.actions.sinks.publisher import DecisionPublisher
@@ -16,6 +15,8 @@ from specwatch.streams.runner import CheckpointLog, Stage2Runner, StreamSettings
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.kafka_io import KafkaWriter, PartitionReader
 from specwatch.transport.signing import Keyring
+
+from kafka_helpers import topic_messages
 
 _KEY = b"one-send-path-signing-key-0123456789"
 # More partitions than the decisions topic needs: the two clients must place each scope alike.
@@ -29,18 +30,9 @@ def _decisions() -> list[Decision]:
                                                   ("extraction", "main"), ("chat", "canary"), ("math", None)])]
 
 
-def _read(bootstrap: str, topic: str, count: int) -> list[tuple]:
-    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, api_version=(4, 0), auto_offset_reset="earliest",
-                             consumer_timeout_ms=10_000)
-    try:
-        messages = []
-        for message in consumer:
-            messages.append((message.partition, message.key, message.value, tuple(message.headers)))
-            if len(messages) == count:
-                break
-        return sorted(messages, key=lambda m: m[2])
-    finally:
-        consumer.close()
+def _read(bootstrap: str, topic: str) -> list[tuple]:
+    return sorted(((m.partition, m.key, m.value, tuple(m.headers)) for m in topic_messages(bootstrap, topic)),
+                  key=lambda m: m[2])
 
 
 @pytest.mark.kafka
@@ -68,8 +60,8 @@ def test_the_publisher_and_the_stream_workers_send_the_same_messages(kafka_boots
                 await writer.stop()
 
         asyncio.run(publish_from_a_worker())
-        sent_by_publisher = _read(kafka_bootstrap, by_publisher, len(decisions))
-        sent_by_workers = _read(kafka_bootstrap, by_workers, len(decisions))
+        sent_by_publisher = _read(kafka_bootstrap, by_publisher)
+        sent_by_workers = _read(kafka_bootstrap, by_workers)
     finally:
         admin.delete_topics([by_publisher, by_workers])
         admin.close()

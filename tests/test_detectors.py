@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from specwatch.detectors.gates import BernoulliCusum, ConsecutiveGate, DropDetector, cusum_threshold
 from specwatch.detectors.monitor import BundleMonitor, KeyMonitor
 from specwatch.detectors.window import SliceStats
@@ -62,13 +64,17 @@ def test_drop_detector_changes_where_rivers_adwin_does():
     assert detections(DropDetector(0.15), stream) == expected
 
 
-def _slice(rng, alpha, rounds=300, draft_length=4, e2e=1000.0, tail=0.0, kv=0.5, errors=0, requests=20):
-    stats = SliceStats()
+def _add_rounds(stats, rng, rounds, draft_length, alpha):
     for _ in range(rounds):
         accepted = 0
         while accepted < draft_length and rng.random() < alpha:
             accepted += 1
         stats.add_round(draft_length, accepted)
+
+
+def _slice(rng, alpha, rounds=300, draft_length=4, e2e=1000.0, tail=0.0, kv=0.5, errors=0, requests=20):
+    stats = SliceStats()
+    _add_rounds(stats, rng, rounds, draft_length, alpha)
     for _ in range(10):
         stats.add_step_time(1.0, 10.0, kv, 0.0)
     for i in range(requests):
@@ -87,34 +93,40 @@ def _run(monitor, slices):
     return hits
 
 
-def test_key_monitor_acceptance_drop_golden():
-    rng = random.Random(11)
-    slices = [_slice(rng, 0.8 if t < 120 else 0.55) for t in range(150)]
-    hits = _run(KeyMonitor(Policy(), "coding"), slices)
-    assert hits[0] == (124, "acceptance_drop", "acceptance_gate")
-    assert all(reason == "acceptance_drop" for _, reason, _ in hits)
-
-
-def test_key_monitor_latency_tail_golden():
-    rng = random.Random(12)
-    slices = [_slice(rng, 0.8, tail=0.0 if t < 120 else 0.10) for t in range(200)]
-    hits = _run(KeyMonitor(Policy(), "reasoning"), slices)
+# name: (seed, the slices made with it, the monitor's key (None: the bundle's), its first finding or None for none)
+_GOLDEN = {
+    "key_monitor_acceptance_drop": (11, lambda rng: [_slice(rng, 0.8 if t < 120 else 0.55) for t in range(150)],
+                                    "coding", (124, "acceptance_drop", "acceptance_gate")),
     # 20 requests a slice, 2 of them x5: the burst test (tuned to 12 % past the limit) decides
     # in 5 slices; the test tuned to 3 % alone took 10
-    assert hits[0] == (125, "latency_slo", "latency_tail_cusum")
+    "key_monitor_latency_tail": (12, lambda rng: [_slice(rng, 0.8, tail=0.0 if t < 120 else 0.10) for t in range(200)],
+                                 "reasoning", (125, "latency_slo", "latency_tail_cusum")),
+    "key_monitor_quiet_on_stationary_stream": (13, lambda rng: [_slice(rng, 0.7, tail=0.002) for _ in range(600)],
+                                               "coding", None),
+    "bundle_monitor_kv_watermark": (14, lambda rng: [_slice(rng, 0.8, kv=0.6 if t < 80 else 0.97) for t in range(90)],
+                                    None, (82, "kv_pressure", "kv_watermark_gate")),
+    # one finished request a second: the old gate waited for 100 requests in its 60 s window.
+    # Alone (no bundle to borrow a prior from) its 60 learned requests put the baseline near
+    # 1%: slower than with a bundle behind it, but decided
+    "quiet_key_error_burst": (23, lambda rng: [_quiet_slice(rng, error_rate=0.002 if t < 300 else 0.04)
+                                               for t in range(900)],
+                              "extraction", (365, "error_rate", "error_rate_cusum")),
+    # the test tuned to 3 % alone: 442
+    "quiet_key_latency_tail": (24, lambda rng: [_quiet_slice(rng, tail=0.0 if t < 300 else 0.125) for t in range(900)],
+                               "reasoning", (348, "latency_slo", "latency_tail_cusum")),
+    "quiet_key_stays_quiet_without_incident": (25, lambda rng: [_quiet_slice(rng) for _ in range(3600)], "extraction",
+                                               None),
+}
 
 
-def test_key_monitor_quiet_on_stationary_stream():
-    rng = random.Random(13)
-    slices = [_slice(rng, 0.7, tail=0.002) for _ in range(600)]
-    assert _run(KeyMonitor(Policy(), "coding"), slices) == []
-
-
-def test_bundle_monitor_kv_watermark_golden():
-    rng = random.Random(14)
-    slices = [_slice(rng, 0.8, kv=0.6 if t < 80 else 0.97) for t in range(90)]
-    hits = _run(BundleMonitor(Policy()), slices)
-    assert hits[0] == (82, "kv_pressure", "kv_watermark_gate")
+@pytest.mark.parametrize("name", list(_GOLDEN))
+def test_monitor_golden(name):
+    seed, make_slices, key, first = _GOLDEN[name]
+    monitor = BundleMonitor(Policy()) if key is None else KeyMonitor(Policy(), key)
+    hits = _run(monitor, make_slices(random.Random(seed)))
+    assert hits == [] if first is None else hits[0] == first
+    if name == "key_monitor_acceptance_drop":
+        assert all(reason == "acceptance_drop" for _, reason, _ in hits)
 
 
 def _bernoulli_batches(rng, rates, size):
@@ -148,11 +160,7 @@ def test_bernoulli_cusum_false_alarms_stay_under_budget():
 def _quiet_slice(rng, error_rate=0.002, tail=0.0, draft_ms=1.0, rounds=40, speculative=True):
     """One slice of a quiet key: one finished request, a few rounds, a couple of steps."""
     stats = SliceStats()
-    for _ in range(rounds):
-        accepted = 0
-        while accepted < 4 and rng.random() < 0.8:
-            accepted += 1
-        stats.add_round(4, accepted)
+    _add_rounds(stats, rng, rounds, 4, 0.8)
     stats.add_step_time(draft_ms, 10.0, 0.5, 0.0)
     stats.add_step_time(1.0, 10.0, 0.5, 0.0)
     slow = 5.0 if rng.random() < tail else 1.0
@@ -160,23 +168,6 @@ def _quiet_slice(rng, error_rate=0.002, tail=0.0, draft_ms=1.0, rounds=40, specu
     stats.add_request(50.0, 10.0 * slow * (0.9 + 0.2 * rng.random()), 1000.0 * slow * (0.8 + 0.4 * rng.random()),
                       speculative, "error" if failed else "stop", 0.0)
     return stats
-
-
-def test_quiet_key_error_burst_is_decided():
-    # one finished request a second: the old gate waited for 100 requests in its 60 s window.
-    # Alone (no bundle to borrow a prior from) its 60 learned requests put the baseline near
-    # 1%: slower than with a bundle behind it, but decided
-    rng = random.Random(23)
-    slices = [_quiet_slice(rng, error_rate=0.002 if t < 300 else 0.04) for t in range(900)]
-    hits = _run(KeyMonitor(Policy(), "extraction"), slices)
-    assert hits[0] == (365, "error_rate", "error_rate_cusum")
-
-
-def test_quiet_key_latency_tail_is_decided():
-    rng = random.Random(24)
-    slices = [_quiet_slice(rng, tail=0.0 if t < 300 else 0.125) for t in range(900)]
-    hits = _run(KeyMonitor(Policy(), "reasoning"), slices)
-    assert hits[0] == (348, "latency_slo", "latency_tail_cusum")  # the test tuned to 3 % alone: 442
 
 
 def test_control_cohort_on_standard_decoding_has_no_speculation_to_switch_off():
@@ -189,24 +180,15 @@ def test_control_cohort_on_standard_decoding_has_no_speculation_to_switch_off():
             if r in ("latency_slo", "error_rate")] == []
 
 
-def test_quiet_key_stays_quiet_without_incident():
-    rng = random.Random(25)
-    slices = [_quiet_slice(rng) for _ in range(3600)]
-    assert _run(KeyMonitor(Policy(), "extraction"), slices) == []
-
-
 def test_one_absurd_draft_time_moves_no_gate():
     # one step drafting for 1000 s: before, every window holding it breached, and the
     # overlapping windows made 'several windows running' out of that one record
     for draft_ms in (5000.0, 1e6):
-        rng = random.Random(26)
-        slices = [_slice(rng, 0.8) for _ in range(200)]
-        slices[150].add_step_time(draft_ms, 10.0, 0.5, 0.0)
-        assert _run(KeyMonitor(Policy(), "coding"), slices) == []
-        rng = random.Random(26)
-        slices = [_slice(rng, 0.8) for _ in range(200)]
-        slices[150].add_step_time(draft_ms, 10.0, 0.5, 0.0)
-        assert _run(BundleMonitor(Policy()), slices) == []
+        for monitor in (KeyMonitor(Policy(), "coding"), BundleMonitor(Policy())):
+            rng = random.Random(26)
+            slices = [_slice(rng, 0.8) for _ in range(200)]
+            slices[150].add_step_time(draft_ms, 10.0, 0.5, 0.0)
+            assert _run(monitor, slices) == []
 
 
 def test_one_huge_latency_or_rejected_step_moves_no_gate():

@@ -12,7 +12,8 @@ from specwatch.detectors.draft_length import PositionSurvival, StepCost, curve_f
 from specwatch.detectors.monitor import Finding
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas.policy import Policy
-from specwatch.streams.embedded import EmbeddedPipeline
+
+from telemetry_log import replayed
 
 SEED = 11
 
@@ -161,9 +162,7 @@ EXPECTED_LOWERED = [
 
 def test_pinned_acceptance_drop_lowers_to_the_best_predicted_d():
     sim = Simulator("acceptance_drop", seed=SEED, workers=4, minutes=4.0, incident_at=120.0)
-    pipeline = EmbeddedPipeline()
-    pipeline.feed_many(sim.records())
-    pipeline.finish()
+    pipeline = replayed(sim.records())
     lowered = [d for d in pipeline.decisions if d.action == "reduce_draft_length"]
     assert [(round(d.ts - sim.start_ts, 2), d.bucket, d.cohort, d.evidence["previous_draft_length"],
              d.evidence["draft_length"]) for d in lowered] == EXPECTED_LOWERED

@@ -5,15 +5,13 @@ import subprocess
 
 import pytest
 
-from headless import chromium, headless
+from headless import rendered
 
-from specwatch.archive.store import Archive
-from specwatch.archive.sink import ArchiveSink
 from specwatch.simulation.simulator import Simulator
 from specwatch.analysis.postmortem import PLOTS
 
 from machine import specwatch
-from telemetry_log import replayed
+from telemetry_log import archived_replay
 
 SEED = 11
 
@@ -24,10 +22,7 @@ def archived(tmp_path_factory):
     path = tmp_path_factory.mktemp("archive") / "archive"
     dsn = f"chdb://{path}"
     sim = Simulator("acceptance_drop", seed=SEED, minutes=2.2, workers=2, incident_at=90.0)
-    with Archive.open(dsn) as archive:
-        sink = ArchiveSink(archive)
-        decisions = replayed(sim.records(), sinks=[sink]).decisions
-        sink.close()
+    decisions = archived_replay(sim.records(), dsn)
     assert [(d.action, d.reason, d.bucket) for d in decisions][:2] == [
         ("reduce_draft_length", "acceptance_drop", "coding"), ("disable_speculation", "acceptance_drop", "coding")]
     return dsn, decisions
@@ -70,10 +65,7 @@ def test_postmortem_page_renders_in_a_headless_browser(archived, tmp_path):
     page = tmp_path / "postmortem.html"
     proc = _explain(decision.id, "--archive", dsn, "--html", str(page))
     assert proc.returncode == 0, proc.stderr
-    browser = chromium()
-    proc = headless(browser, tmp_path / "profile", "--dump-dom", page.as_uri())
-    assert proc.returncode == 0, proc.stderr
-    dom = proc.stdout
+    dom = rendered(page, tmp_path / "profile", 2400)  # and it paints: a screenshot of the page is a real picture
     assert f'<span id="decision-id">{decision.id}</span>' in dom
     assert f'data-decision-id="{decision.id}"' in dom and 'data-reason="acceptance_drop"' in dom
     assert re.search(r'<td id="field-reason">acceptance_drop</td>', dom)
@@ -93,9 +85,3 @@ def test_postmortem_page_renders_in_a_headless_browser(archived, tmp_path):
     # the bundle card and the archived samples
     assert '<tr data-key="drafter.mechanism"><th>drafter.mechanism</th><td>eagle3</td></tr>' in dom
     assert dom.count("<tr data-sample-id=") >= 1
-    # and it paints: a screenshot of the page is a real picture
-    shot = tmp_path / "postmortem.png"
-    proc = headless(browser, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,2400",
-                     page.as_uri())
-    assert proc.returncode == 0, proc.stderr
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

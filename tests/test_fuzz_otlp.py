@@ -100,19 +100,14 @@ _SCALARS = st.one_of(
 )
 
 
+_SCALAR_FIELDS = {bool: "bool_value", int: "int_value", float: "double_value", str: "string_value", bytes: "bytes_value"}
+
+
 def _fill(value: AnyValue, python) -> None:
     if python is None:
         return
-    if isinstance(python, bool):
-        value.bool_value = python
-    elif isinstance(python, int):
-        value.int_value = python
-    elif isinstance(python, float):
-        value.double_value = python
-    elif isinstance(python, str):
-        value.string_value = python
-    elif isinstance(python, bytes):
-        value.bytes_value = python
+    if type(python) in _SCALAR_FIELDS:
+        setattr(value, _SCALAR_FIELDS[type(python)], python)
     elif isinstance(python, list):
         value.array_value.SetInParent()
         for item in python:

@@ -10,6 +10,8 @@ from specwatch.schemas import Policy
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
+from telemetry_log import replayed
+
 
 def _counts(requests, failures):
     """A slice of finished speculative requests as counts only (no latency sketches)."""
@@ -131,9 +133,7 @@ def test_a_checkpoint_from_before_load_bands_restores_and_decides_the_same():
     # (tests, limit) pairs: restored mid-incident, it goes on to the same decisions.
     sim = Simulator("latency_tail", seed=11, workers=4, minutes=4.0, incident_at=120.0)
     records = list(sim.records())
-    whole = EmbeddedPipeline()
-    whole.feed_many(records)
-    whole.finish()
+    whole = replayed(records)
     half = len(records) // 2
     restored = EmbeddedPipeline()
     restored.feed_many(records[:half])
@@ -208,9 +208,7 @@ def test_an_error_burst_early_in_a_run_is_decided_against_the_refined_rate():
     # run's end. Refined by the bundle's traffic since, the key's baseline is 0.31 % when it
     # is decided, 56 s after the start
     sim = Simulator("error_burst", seed=11, workers=3, minutes=3.5, incident_at=75.0)
-    pipeline = EmbeddedPipeline()
-    pipeline.feed_many(sim.records())
-    pipeline.finish()
+    pipeline = replayed(sim.records())
     got = [(round(d.ts - sim.start_ts, 2), d.reason, d.bucket, d.cohort, d.evidence["baseline"],
             d.evidence["failures"], d.evidence["requests"]) for d in pipeline.decisions]
     assert got == [(130.99, "error_rate", "extraction", "main", 0.00310318, 9.0, 173)]

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kafka_helpers import (DRAIN_TIMEOUT_S, RUN, TAIL_SECONDS, Feed, Pipeline, assert_same_decisions, delete_topics,
-                           flag_view, make_feed, run_async)
+                           flag_view, make_feed, run_async, topic_values)
 from kafka_helpers import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
 
 pytestmark = pytest.mark.kafka
@@ -62,7 +62,7 @@ def test_faust_decides_as_embedded(scenario, feed, pipeline_factory, kafka_boots
     # the watermark is event time decided up to: never past the telemetry
     assert all(b["watermark"] is None or b["watermark"] <= data.cutoff + TAIL_SECONDS for b in beats)
 
-    dead = [json.loads(value) for _, value in pipeline.topic_values(pipeline.deadletter)]
+    dead = [json.loads(value) for _, value in topic_values(pipeline.bootstrap, pipeline.deadletter)]
     assert sorted(d["reason"] for d in dead) == ["accepted_exceeds_drafted", "invalid_otlp"]
     assert all(d["topic"] == data.topic for d in dead)
 

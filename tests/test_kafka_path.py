@@ -6,11 +6,9 @@ Every test makes its own topics, so tests (and colleagues' runs) never read each
 from __future__ import annotations
 
 import collections
-import time
 import uuid
 
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 
 from specwatch import cli
@@ -23,7 +21,8 @@ from specwatch.schemas import (BundleCard, BundleRecord, Decision, DrafterCard, 
                                StepRecord, TargetCard)
 from specwatch.schemas.otlp import decode_request
 
-from machine import free_port
+from kafka_helpers import run_async, send_raw, topic_messages
+from machine import free_port, until
 
 pytestmark = pytest.mark.kafka
 
@@ -52,23 +51,6 @@ def new_topic(admin):
 
     yield make
     admin.delete_topics(created)
-
-
-def _read_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0) -> list:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=_API_VERSION, group_id=None,
-                             enable_auto_commit=False, auto_offset_reset="earliest")
-    try:
-        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        messages = []
-        deadline = time.monotonic() + timeout_s
-        while len(messages) < expected and time.monotonic() < deadline:
-            for batch in consumer.poll(timeout_ms=500).values():
-                messages.extend(batch)
-        return messages
-    finally:
-        consumer.close()
 
 
 def _fleet_records(workers: int = 6, steps: int = 40) -> list:
@@ -109,7 +91,7 @@ def test_emitted_records_come_back_exactly_in_per_worker_order(kafka_bootstrap, 
     sent = exporter.stats()
     assert sent["records"] == len(records) and sent["records_failed"] == 0
 
-    messages = _read_all(kafka_bootstrap, topic, expected=sent["messages"])
+    messages = topic_messages(kafka_bootstrap, topic)
     assert len(messages) == sent["messages"]
     by_owner = collections.defaultdict(list)
     partitions_of = collections.defaultdict(set)
@@ -136,9 +118,7 @@ def test_a_broker_going_away_mid_stream_is_not_the_engines_problem(kafka_bootstr
     with TelemetryEmitter(exporter, sdk=True, schedule_delay_millis=20, shutdown_timeout_millis=1_000) as emitter:
         # emit only queues; the sends that fail happen on the export thread
         assert all(emitter.emit(record) for record in _fleet_records(workers=2, steps=20))
-        deadline = time.monotonic() + 10
-        while emitter.stats().failed == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: emitter.stats().failed, 10)
         assert emitter.stats().failed > 0 and emitter.stats().exported == 0
 
 
@@ -162,9 +142,7 @@ def test_flag_client_follows_published_decisions(kafka_bootstrap, new_topic):
         assert publisher.publish(first) and publisher.publish(second)
         assert publisher.flush(10)
         # Garbage on the topic is skipped and counted, not fatal.
-        raw = KafkaProducer(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
-        raw.send(topic, key=b"junk", value=b"\x00not json").get(timeout=10)
-        raw.close()
+        run_async(send_raw(kafka_bootstrap, topic, [(b"junk", b"\x00not json")]))
 
         with FlagClient(config, topic=topic) as client:
             assert client.wait_until_caught_up(20)
@@ -180,9 +158,7 @@ def test_flag_client_follows_published_decisions(kafka_bootstrap, new_topic):
             publisher.publish(Decision(ts=103.0, bundle_id="b-1", bucket="coding", action="restore",
                                        reason="acceptance_drop", detector="al_gate"))
             publisher.flush(10)
-            deadline = time.monotonic() + 10
-            while client.stats().applied < 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(lambda: client.stats().applied >= 4, 10)
             assert client.lookup("b-2", "coding", "main").enabled is False
             assert client.lookup("b-1", "coding", "main").enabled is True
         assert publisher.stats() == {"published": 4, "failed": 0}
@@ -213,14 +189,11 @@ def test_flag_client_resumes_where_it_was_after_a_lost_connection(kafka_bootstra
             assert client.wait_until_caught_up(20)
             assert changes == [disable, restore]
             blip["pending"] = True
-            deadline = time.monotonic() + 20
-            while not (client.stats().reconnects == 1 and client.stats().connected) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(lambda: client.stats().reconnects == 1 and client.stats().connected, 20)
             assert client.stats().reconnects == 1 and client.stats().connected
             publisher.publish(invalidate)
             publisher.flush(10)
-            while client.stats().applied < 3 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(lambda: client.stats().applied >= 3, 20)
         # history was not replayed after the reconnect: no flag flipped back through old states
         assert changes == [disable, restore, invalidate]
         assert client.stats().applied == 3
@@ -236,9 +209,7 @@ def test_flag_client_waits_for_a_topic_that_appears_later(kafka_bootstrap, admin
         with DecisionPublisher(config, topic=topic) as publisher:
             publisher.publish(_decisions()[0])
             publisher.flush(10)
-        deadline = time.monotonic() + 20
-        while client.lookup("b-1", "coding", "x").enabled and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: not client.lookup("b-1", "coding", "x").enabled, 20, 0.1)
         assert client.lookup("b-1", "coding", "x").enabled is False
     finally:
         client.stop()

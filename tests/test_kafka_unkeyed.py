@@ -11,24 +11,19 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections import defaultdict
 
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import NewTopic
 
 from specwatch.simulation.simulator import Simulator
-from specwatch.schemas.otlp import encode_records
 
-from kafka_helpers import PARTITIONS, Feed, create_topics, delete_topics, run_async
-from telemetry_log import decision_key, replayed
+from kafka_helpers import PARTITIONS, SEED, TAIL_SECONDS, Feed, create_topics, delete_topics, run_async
+from telemetry_log import decision_key, exporter_batches, replayed
 from kafka_helpers import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
 
 pytestmark = pytest.mark.kafka
 
-SEED = 11
-_FLUSH_EVENT_SECONDS = 0.5
-_TAIL_SECONDS = 5.0
 _RUN = uuid.uuid4().hex[:8]
 
 
@@ -37,30 +32,13 @@ async def _send_unkeyed(bootstrap: str, topic: str, records, seed: int) -> int:
     rng = random.Random(seed)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_request_size=4 << 20)
     await producer.start()
-    sent = 0
     try:
-        pending: dict[str, list] = defaultdict(list)
-        futures = []
-
-        async def flush():
-            nonlocal sent
-            for chunk in pending.values():
-                futures.append(await producer.send(topic, encode_records(chunk), key=None,
-                                                   partition=rng.randrange(PARTITIONS)))
-                sent += 1
-            pending.clear()
-
-        next_flush = None
-        for record in records:
-            if next_flush is None or record.ts >= next_flush:
-                await flush()
-                next_flush = record.ts + _FLUSH_EVENT_SECONDS
-            pending[getattr(record, "worker", None) or record.bundle_id].append(record)
-        await flush()
+        futures = [await producer.send(topic, chunk, key=None, partition=rng.randrange(PARTITIONS))
+                   for _, _, chunk in exporter_batches(records)]
         await asyncio.gather(*futures)
     finally:
         await producer.stop()
-    return sent
+    return len(futures)
 
 
 @pytest.fixture
@@ -72,7 +50,7 @@ def unkeyed_feed(kafka_bootstrap):
     try:
         assert run_async(_send_unkeyed(kafka_bootstrap, topic, records, seed=3)) > 100
         pipeline = replayed(records)
-        cutoff = sim.end_ts - _TAIL_SECONDS
+        cutoff = sim.end_ts - TAIL_SECONDS
         decided = [d for d in pipeline.decisions if d.ts < cutoff]
         assert any(d.action == "invalidate_bundle" for d in decided)
         yield Feed("bundle_change", topic, cutoff, sorted(decision_key(d) for d in decided), {}, len(records)), \

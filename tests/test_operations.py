@@ -9,7 +9,6 @@ import math
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -25,7 +24,7 @@ from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.metrics import ServiceHealth
 from specwatch.streams.operations import Operations, OperationsSettings
 
-from machine import free_port, specwatch
+from machine import free_port, specwatch, specwatch_ok, until
 
 _REPO = Path(__file__).resolve().parents[1]
 _SEED = 11
@@ -188,9 +187,7 @@ def test_sender_thread_delivers_and_never_blocks_the_caller():
     sender = AlertSender("http://am:9093", post=post).start()
     try:
         sender.submit(_decision("disable_speculation"))
-        deadline = time.monotonic() + 30
-        while not post.posts and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: post.posts, 30)
     finally:
         sender.stop()
     assert post.posts and post.posts[0][0]["labels"]["reason"] == "acceptance_drop"
@@ -386,8 +383,7 @@ def test_dashboard_regenerates_byte_for_byte():
 
 
 def test_bench_reports_stage2_with_and_without_the_metrics_view():
-    done = specwatch("bench", "--section", "metrics", "--smoke", "--json", timeout=600)
-    assert done.returncode == 0, done.stderr
+    done = specwatch_ok("bench", "--section", "metrics", "--smoke", "--json", timeout=600)
     metrics = json.loads(done.stdout.strip().splitlines()[-1])["metrics"]
     assert {"stage2_off_s", "stage2_on_s", "overhead_ratio", "observe_share_of_stage2", "scrape_ms",
             "scrape_core_share_at_15s"} <= set(metrics)

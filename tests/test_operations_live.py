@@ -13,7 +13,6 @@ deploy/prometheus/install.sh), each on a free port with its own data directory:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shutil
@@ -26,19 +25,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import NewTopic
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from specwatch.collectors.flag_client import FlagClient
 from specwatch.transport.config import KafkaConfig
 from specwatch.simulation.simulator import Simulator
-from specwatch.schemas import Decision
-from specwatch.schemas.otlp import encode_entries, log_entry
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.transport.kafka_io import PartitionReader
 
-from kafka_helpers import start_logged, stop_processes
+from kafka_helpers import (INCIDENT_AT, MINUTES, PARTITIONS, SEED, TAIL_SECONDS, WORKERS, bad_records, create_topics,
+                           delete_topics, published_decisions, run_async, send_raw, start_logged, stop_processes)
 from machine import free_port, specwatch
 
 pytestmark = pytest.mark.kafka
@@ -46,8 +42,6 @@ pytestmark = pytest.mark.kafka
 _REPO = Path(__file__).resolve().parents[1]
 _DASHBOARD = _REPO / "deploy" / "grafana" / "specwatch.json"
 _RULES = _REPO / "deploy" / "prometheus" / "specwatch-rules.yml"
-SEED, WORKERS, MINUTES, INCIDENT_AT, PARTITIONS = 11, 3, 2.5, 90.0, 4
-_TAIL_SECONDS = 5.0
 _WAIT_S = 600.0  # a liveness bound for loaded 2-core machines, not a speed claim
 _DRILL = "ExtractionTPOTDrill"
 _TOKEN = "drill-token-" + uuid.uuid4().hex
@@ -69,20 +63,6 @@ def _wait_for(what: str, condition, logs, timeout: float = _WAIT_S):
             return value
         time.sleep(0.5)
     raise AssertionError(f"{what}: not within {timeout:.0f} s\n{logs()}")
-
-
-async def _topics(bootstrap: str, create: list[NewTopic], delete_prefix: str | None = None) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        if create:
-            await admin.create_topics(create)
-        if delete_prefix:
-            names = [n for n in await admin.list_topics() if n.startswith(delete_prefix)]
-            if names:
-                await admin.delete_topics(names)
-    finally:
-        await admin.close()
 
 
 class Servers:
@@ -111,32 +91,6 @@ def servers(tmp_path):
     made.stop()
 
 
-async def _send_bad_records(bootstrap: str, topic: str) -> None:
-    """Bytes that are not OTLP, and a step whose rounds accept more than they drafted."""
-    step = next(r for r in Simulator("healthy", seed=SEED, workers=1, minutes=0.05).records() if r.kind == "step")
-    entry = log_entry(step)
-    attributes = dict(entry.attributes)
-    attributes["specwatch.requests.accepted"] = tuple(d + 1 for d in attributes["specwatch.requests.drafted"])
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
-    await producer.start()
-    try:
-        await producer.send_and_wait(topic, b"\xff\xff not protobuf", key=b"w1")
-        await producer.send_and_wait(topic, encode_entries([entry._replace(attributes=attributes)]), key=b"w2")
-    finally:
-        await producer.stop()
-
-
-def _decisions(bootstrap: str, topic: str) -> list[Decision]:
-    reader = PartitionReader(bootstrap)
-    ends = asyncio.run(reader.end_offsets(topic))
-    out = []
-    for partition, end in sorted(ends.items()):
-        for message in asyncio.run(reader.read(topic, partition, 0, end)):
-            if not message.key.startswith(b"__heartbeat__/"):
-                out.append(Decision.model_validate_json(message.value))
-    return out
-
-
 def _panel_queries() -> list[str]:
     """Every PromQL expression of the dashboard (panels and annotations), variables set to "all"."""
     dashboard = json.loads(_DASHBOARD.read_text())
@@ -156,14 +110,14 @@ def test_prometheus_alertmanager_and_a_live_worker(kafka_bootstrap, servers, tmp
     run = f"swops-{uuid.uuid4().hex[:8]}"
     telemetry, partials, decisions, deadletter = (f"{run}.{t}" for t in
                                                   ("telemetry", "partials", "decisions", "deadletter"))
-    asyncio.run(_topics(kafka_bootstrap, [NewTopic(telemetry, PARTITIONS, 1), NewTopic(partials, PARTITIONS, 1),
-                                          NewTopic(deadletter, PARTITIONS, 1),
-                                          NewTopic(decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})]))
+    run_async(create_topics(kafka_bootstrap, NewTopic(telemetry, PARTITIONS, 1), NewTopic(partials, PARTITIONS, 1),
+                            NewTopic(deadletter, PARTITIONS, 1),
+                            NewTopic(decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})))
     try:
         _scenario(kafka_bootstrap, servers, tmp_path, run, telemetry, partials, decisions, deadletter)
     finally:
         servers.stop()
-        asyncio.run(_topics(kafka_bootstrap, [], delete_prefix=run))
+        run_async(delete_topics(kafka_bootstrap, run))
 
 
 def _scenario(bootstrap, servers, tmp, run, telemetry, partials, decisions, deadletter):
@@ -248,24 +202,24 @@ scrape_configs:
                      "--seed", str(SEED), "--workers", str(WORKERS), "--minutes", str(MINUTES), "--incident-at",
                      str(INCIDENT_AT), timeout=600)
     assert feed.returncode == 0, feed.stderr
-    asyncio.run(_send_bad_records(bootstrap, telemetry))
+    run_async(send_raw(bootstrap, telemetry, bad_records("healthy")))
     sim = Simulator("acceptance_drop", seed=SEED, workers=WORKERS, minutes=MINUTES, incident_at=INCIDENT_AT)
     embedded = EmbeddedPipeline()
     embedded.feed_many(sim.records())
-    cutoff = sim.end_ts - _TAIL_SECONDS
+    cutoff = sim.end_ts - TAIL_SECONDS
     expected = sorted((d.ts, d.key, d.action, d.reason) for d in embedded.decisions if d.ts < cutoff)
     assert expected, "the scenario decides nothing"
     bundle = embedded.decisions[0].bundle_id
 
     def automatic():
-        return sorted((d.ts, d.key, d.action, d.reason) for d in _decisions(bootstrap, decisions)
+        return sorted((d.ts, d.key, d.action, d.reason) for d in published_decisions(bootstrap, decisions)
                       if d.detector != "alertmanager" and d.ts < cutoff)
 
     _wait_for("the worker publishes the scenario's decisions", lambda: automatic() == expected, servers.logs)
 
     # -- alert-driven rollback: the drill rule fires, the webhook disables the scope ------
     def rollbacks(action):
-        return [d for d in _decisions(bootstrap, decisions) if d.detector == "alertmanager" and d.action == action]
+        return [d for d in published_decisions(bootstrap, decisions) if d.detector == "alertmanager" and d.action == action]
 
     disabled = _wait_for("the drill alert reaches the webhook and its rollback the decisions topic",
                          lambda: rollbacks("disable_speculation"), servers.logs)
@@ -283,7 +237,7 @@ scrape_configs:
         assert client.stats().forged == 0
 
     # -- decisions as alerts in Alertmanager ------------------------------------------------
-    published = {d.id: d for d in _decisions(bootstrap, decisions)}
+    published = {d.id: d for d in published_decisions(bootstrap, decisions)}
 
     def decision_alerts():
         alerts = _alerts(am)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
@@ -18,7 +17,7 @@ from specwatch.transport.topics import TELEMETRY_TOPIC
 from specwatch.schemas import RequestRecord, RoundEntry, Sample, Sampling, ShadowRecord, StepRecord
 from specwatch.schemas.otlp import decode_request
 
-from machine import free_port
+from machine import free_port, until
 
 SDK_AND_DIRECT = pytest.mark.parametrize("sdk", [True, False], ids=["sdk", "direct"])
 
@@ -150,9 +149,7 @@ def test_drops_are_reported_by_a_periodic_warning(caplog):
         for seq in range(50):
             emitter.emit(_step(seq))
         exporter.release.set()
-        deadline = time.monotonic() + 5
-        while "dropped" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(lambda: "dropped" in caplog.text, 5, 0.02)
     assert "queue full, dropped" in caplog.text
     emitter.shutdown()
 
@@ -250,9 +247,7 @@ def test_a_down_broker_only_counts_failures():
     exporter = KafkaTelemetryExporter(config)  # api_version is set: no bootstrap round trip here
     emitter = TelemetryEmitter(exporter, sdk=False, schedule_delay_millis=20, shutdown_timeout_millis=2_000)
     assert all(emitter.emit(_step(seq)) for seq in range(200))  # queued, never sent on this thread
-    deadline = time.monotonic() + 10
-    while emitter.stats().failed < 200 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: emitter.stats().failed >= 200, 10)
     stats = emitter.stats()
     assert stats.failed + stats.dropped == 200 and stats.exported == 0
     assert exporter.stats()["records_failed"] == stats.failed

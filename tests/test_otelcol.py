@@ -21,30 +21,25 @@ import sys
 import time
 import uuid
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import pytest
 from aiokafka.admin import NewTopic
-from kafka import KafkaConsumer, TopicPartition
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from specwatch.schemas import Decision, Rejection, RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
 
 from otelcol import CONFIGS, Collector
-from kafka_helpers import PARTITIONS, Feed, Pipeline, create_topics, delete_topics, run_async
+from kafka_helpers import (INCIDENT_AT, MINUTES, PARTITIONS, SEED, TAIL_SECONDS, WORKERS, Feed, Pipeline,
+                           assert_same_decisions, create_topics, delete_topics, run_async, topic_messages)
 from telemetry_log import decision_key
-from machine import free_port, specwatch
+from machine import free_port, specwatch_ok
 
 pytestmark = pytest.mark.kafka
 
-SEED = 11
-WORKERS = 3
-MINUTES = 2.5
-INCIDENT_AT = 90.0
-_TAIL_SECONDS = 5.0
 _RUN = uuid.uuid4().hex[:8]
-_PATIENCE_S = 300.0  # liveness on a loaded 2-core machine, not a performance bound
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,34 +74,12 @@ def _agent(tmp_path: Path, bootstrap: str, topic: str, replace: dict[str, str] |
     return collector, f"http://127.0.0.1:{http}", f"http://127.0.0.1:{grpc}"
 
 
-def _messages(bootstrap: str, topic: str) -> list:
-    """Every message on ``topic``, partition by partition."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=(4, 0), enable_auto_commit=False)
-    try:
-        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        ends = consumer.end_offsets(partitions)
-        out = []
-        deadline = time.monotonic() + _PATIENCE_S
-        while any(consumer.position(tp) < ends[tp] for tp in partitions):
-            assert time.monotonic() < deadline, "the topic could not be read to its end"
-            for batch in consumer.poll(timeout_ms=1000).values():
-                out.extend(batch)
-        return sorted(out, key=lambda m: (m.partition, m.offset))
-    finally:
-        consumer.close()
-
-
 def _resource(value: bytes) -> list[dict]:
     request = ExportLogsServiceRequest.FromString(value)
     return [{kv.key: kv.value.string_value for kv in rl.resource.attributes} for rl in request.resource_logs]
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    done = specwatch(*args, timeout=900, env=dict(os.environ, **(env or {})))
-    assert done.returncode == 0, f"specwatch {args[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}"
-    return done
+_cli = partial(specwatch_ok, timeout=900)
 
 
 def _replayed(tmp_path: Path, scenario: str) -> tuple[int, float, list[Decision]]:
@@ -120,7 +93,7 @@ def _replayed(tmp_path: Path, scenario: str) -> tuple[int, float, list[Decision]
     _cli("replay", str(records), "--output", str(decisions))
     sim = Simulator(scenario, seed=SEED, workers=WORKERS, minutes=MINUTES, incident_at=INCIDENT_AT)
     count = sum(1 for _ in records.open())
-    return count, sim.end_ts - _TAIL_SECONDS, [Decision.model_validate_json(line) for line in decisions.open()]
+    return count, sim.end_ts - TAIL_SECONDS, [Decision.model_validate_json(line) for line in decisions.open()]
 
 
 def _otlp_to_run(tmp_path: Path, bootstrap: str, keyed: bool) -> tuple[Feed, Pipeline, list]:
@@ -143,15 +116,14 @@ def _otlp_to_run(tmp_path: Path, bootstrap: str, keyed: bool) -> tuple[Feed, Pip
     assert metrics.get("otelcol_exporter_send_failed_log_records", 0) == 0
     feed = Feed(scenario, topic, cutoff, expected, {}, count)
     pipeline = Pipeline(bootstrap, feed, tmp_path)
-    return feed, pipeline, _messages(bootstrap, topic)
+    return feed, pipeline, topic_messages(bootstrap, topic)
 
 
 def _assert_run_decides_as_replay(feed: Feed, pipeline: Pipeline) -> None:
     try:
         pipeline.start()
         pipeline.wait_drained()
-        got = sorted(decision_key(d) for d in pipeline.published() if d.ts < feed.cutoff)
-        assert got == feed.expected, pipeline.logs()
+        assert_same_decisions(pipeline, feed)
     finally:
         pipeline.stop()
 
@@ -252,7 +224,7 @@ def _one_big_batch(tmp_path: Path, bootstrap: str, replace: dict[str, str] | Non
                            or "MESSAGE_TOO_LARGE" in collector.log.read_text(),
                            "the Collector finishing the batch")
         log = collector.log.read_text()
-    messages = _messages(bootstrap, topic)
+    messages = topic_messages(bootstrap, topic)
     arrived = sorted(r.seq for m in messages for r in decode_request(m.value))
     return {"arrived": arrived, "too_large": "MESSAGE_TOO_LARGE" in log,
             "largest_message": max((len(m.value) for m in messages), default=0)}
@@ -320,7 +292,7 @@ def test_a_vllm_engine_exports_otlp_grpc_through_the_collector_to_kafka(kafka_bo
         sent = collector.metrics()["otelcol_exporter_sent_log_records"]
     assert json.loads((tmp_path / "engine.json").read_text()) == {"worker": _ENGINE_WORKER}
     records = []
-    for message in _messages(kafka_bootstrap, topic):
+    for message in topic_messages(kafka_bootstrap, topic):
         decoded = decode_request(message.value)
         (resource,) = _resource(message.value)
         assert resource["service.instance.id"] == _ENGINE_WORKER and resource["deployment.environment"] == "test"

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.resources import Resource
 
@@ -13,6 +14,7 @@ from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.collectors.otlp_export import (OtlpTelemetryExporter, exporter_choice, otlp_log_exporter,
                                               resource_from_env, service_instance_id, telemetry_exporter_from_env)
 from specwatch.simulation.simulator import Simulator
+from specwatch.cli import main
 from specwatch.schemas import encode_record
 from specwatch.schemas.otlp import decode_request
 
@@ -27,8 +29,6 @@ def test_records_round_trip_through_the_standard_encoder_with_one_resource_per_w
     payload = encode_logs(memory.get_finished_logs()).SerializeToString()
     decoded = decode_request(payload)
     assert sorted(map(encode_record, decoded)) == sorted(map(encode_record, records))  # exactly, no rejection
-    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
-
     resources = {}
     for resource_logs in ExportLogsServiceRequest.FromString(payload).resource_logs:
         attributes = {kv.key: kv.value.string_value for kv in resource_logs.resource.attributes}
@@ -114,15 +114,11 @@ def test_a_collector_that_is_away_costs_counted_records_never_the_engine():
 
 
 def test_simulate_takes_one_destination(capsys):
-    from specwatch.cli import main
-
     assert main(["simulate", "--output", "x.jsonl", "--otlp"]) == 2
     assert "give --output FILE or --bootstrap HOST:PORT or --otlp [ENDPOINT], one of them" in capsys.readouterr().err
 
 
 def test_simulate_to_a_collector_that_is_away_says_so_and_fails(capsys, monkeypatch):
-    from specwatch.cli import main
-
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")
     away = f"http://127.0.0.1:{free_port()}"
     assert main(["simulate", "--otlp", away, "--scenario", "healthy", "--minutes", "0.02", "--workers", "1"]) == 1
@@ -169,8 +165,6 @@ def test_headers_compression_and_the_logs_endpoint_come_from_the_standard_variab
     assert headers["content-encoding"] == "gzip" and headers["content-type"] == "application/x-protobuf"
     payload = gzip.decompress(body)
     assert sorted(map(encode_record, decode_request(payload))) == sorted(map(encode_record, records))
-    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
-
     environments = {kv.value.string_value for rl in ExportLogsServiceRequest.FromString(payload).resource_logs
                     for kv in rl.resource.attributes if kv.key == "deployment.environment"}
     assert environments == {"canary"}

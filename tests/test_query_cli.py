@@ -16,7 +16,7 @@ from specwatch.archive.store import Archive
 from specwatch.cli import main
 from specwatch.schemas import Decision
 
-from machine import run_cli, specwatch
+from machine import run_cli, specwatch, specwatch_ok
 
 _T0 = 1_717_000_000.0
 _COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
@@ -74,36 +74,40 @@ def dsn(tmp_path):
     return dsn
 
 
+@pytest.fixture
+def query(capsys, dsn):
+    """``specwatch query ARGV... --archive DSN`` in this process: exit code, stdout, stderr."""
+    return lambda *argv: run_cli(capsys, "query", *argv, "--archive", dsn)
+
+
 def json_lines(text):
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 # -- query ---------------------------------------------------------------------------------------
 
-def test_decisions_as_table_and_json_lines_with_filters(capsys, dsn):
-    code, out, _ = run_cli(capsys, "query", "decisions", "--archive", dsn)
+def test_decisions_as_table_and_json_lines_with_filters(query):
+    code, out, _ = query("decisions")
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["time", "(UTC)", "decision"]
     assert [line.split()[2] for line in lines[1:]] == [OTHER.id, SLO.id, DROP.id]
     assert "2024-05-29 16:29:05.000" in out and "acceptance_drop" in out
 
-    code, out, _ = run_cli(capsys, "query", "decisions", "--json", "--bundle", "b-1", "--reason", "acceptance_drop",
-                       "--archive", dsn)
+    code, out, _ = query("decisions", "--json", "--bundle", "b-1", "--reason", "acceptance_drop")
     assert code == 0
     [row] = json_lines(out)
     assert row["decision_id"] == DROP.id and row["evidence"] == DROP.evidence
     assert row["line"] == DROP.to_json_line()
 
-    _, out, _ = run_cli(capsys, "query", "decisions", "--json", "--bucket", "*", "--archive", dsn)
+    _, out, _ = query("decisions", "--json", "--bucket", "*")
     assert [r["decision_id"] for r in json_lines(out)] == [OTHER.id]
-    _, out, _ = run_cli(capsys, "query", "decisions", "--json", "--since", "2024-05-29T16:27:20Z",
-                    "--until", str(_T0 + 100), "--archive", dsn)
+    _, out, _ = query("decisions", "--json", "--since", "2024-05-29T16:27:20Z", "--until", str(_T0 + 100))
     assert [r["decision_id"] for r in json_lines(out)] == [SLO.id]
 
 
-def test_decision_shows_its_audit_evidence(capsys, dsn):
-    code, out, _ = run_cli(capsys, "query", "decision", DROP.id, "--archive", dsn)
+def test_decision_shows_its_audit_evidence(query):
+    code, out, _ = query("decision", DROP.id)
     assert code == 0
     assert f"decision  {DROP.id}" in out and "scope b-1/coding/*" in out
     assert "acceptance_length=1.3 baseline=3.1 consecutive=3" in out
@@ -112,36 +116,35 @@ def test_decision_shows_its_audit_evidence(capsys, dsn):
     assert "target llama-8b@r2 fp8; drafter eagle3@e1 D=4" in out
     assert "2 (1 request, 1 step)" in out
 
-    code, out, _ = run_cli(capsys, "query", "decision", DROP.id, "--json", "--archive", dsn)
+    code, out, _ = query("decision", DROP.id, "--json")
     [row] = json_lines(out)
     assert row["audit"]["card"] == CARD and len(row["audit"]["window"]) == 5
     assert row["audit"]["window"][0]["ttft_p99"] == 120.0
     assert row["sample_counts"] == {"request": 1, "step": 1}
 
-    code, _, err = run_cli(capsys, "query", "decision", "d-000000000000", "--archive", dsn)
+    code, _, err = query("decision", "d-000000000000")
     assert code == 1 and "no decision 'd-000000000000'" in err
 
 
-def test_samples_are_the_records_kept(capsys, dsn):
-    code, out, _ = run_cli(capsys, "query", "samples", DROP.id, "--json", "--archive", dsn)
+def test_samples_are_the_records_kept(query):
+    code, out, _ = query("samples", DROP.id, "--json")
     assert code == 0
     rows = json_lines(out)
     assert [r["record"] for r in rows] == [SAMPLES[1], SAMPLES[0]]  # time order
     assert [r["sample_id"] for r in rows] == ["w1:42", "r7"]
-    code, out, _ = run_cli(capsys, "query", "samples", DROP.id, "--archive", dsn)
+    code, out, _ = query("samples", DROP.id)
     assert "1 requests drafted=4 accepted=0" in out and "stop spec ttft=120ms tpot=14.2ms" in out
 
 
-def test_timeline_around_a_decision_marks_the_tipping_slice(capsys, dsn):
-    code, out, _ = run_cli(capsys, "query", "timeline", "--around", DROP.id, "--seconds", "30", "--json",
-                       "--archive", dsn)
+def test_timeline_around_a_decision_marks_the_tipping_slice(query):
+    code, out, _ = query("timeline", "--around", DROP.id, "--seconds", "30", "--json")
     assert code == 0
     rows = json_lines(out)
     assert [r["ts"] - _T0 for r in rows] == [120.0, 130.0, 140.0, 150.0, 160.0, 170.0]
     assert {r["bucket"] for r in rows} == {"coding"}  # the decision's bucket
     assert [r["mark"] for r in rows] == ["", "", "", "<", "", ""]
 
-    code, out, _ = run_cli(capsys, "query", "timeline", "--around", DROP.id, "--archive", dsn)
+    code, out, _ = query("timeline", "--around", DROP.id)
     lines = out.splitlines()
     assert lines[0].split()[:5] == ["slice", "end", "(UTC)", "bucket", "cohort"]
     assert "AL" in lines[0] and "speedup" in lines[0] and "tpot p99" in lines[0]
@@ -149,90 +152,85 @@ def test_timeline_around_a_decision_marks_the_tipping_slice(capsys, dsn):
     tipping = next(line for line in lines if line.endswith("<"))
     assert "1.30" in tipping and "0.90" in tipping and " off " in tipping
 
-    code, out, _ = run_cli(capsys, "query", "timeline", "--bundle", "b-1", "--bucket", "chat", "--json",
-                       "--since", str(_T0 + 20), "--until", str(_T0 + 40), "--archive", dsn)
+    code, out, _ = query("timeline", "--bundle", "b-1", "--bucket", "chat", "--json", "--since", str(_T0 + 20),
+                         "--until", str(_T0 + 40))
     rows = json_lines(out)
     assert [(r["bucket"], r["ts"] - _T0) for r in rows] == [("chat", 20.0), ("chat", 30.0), ("chat", 40.0)]
     assert rows[1]["ttft_p99"] is None  # NaN becomes null in JSON Lines
 
-    code, _, err = run_cli(capsys, "query", "timeline", "--archive", dsn)
+    code, _, err = query("timeline")
     assert code == 2 and "--bundle" in err
 
 
-def test_bundles(capsys, dsn):
-    code, out, _ = run_cli(capsys, "query", "bundles", "--json", "--archive", dsn)
+def test_bundles(query):
+    code, out, _ = query("bundles", "--json")
     assert code == 0
     assert json_lines(out) == [{"bundle_id": "b-1", "card": CARD, "first_seen": _T0, "last_seen": _T0 + 190,
                                 "workers": ["w1", "w2"],
                                 "sightings": [{"worker": "w1", "first_seen": _T0, "last_seen": _T0},
                                               {"worker": "w2", "first_seen": _T0 + 190, "last_seen": _T0 + 190}]}]
-    code, out, _ = run_cli(capsys, "query", "bundles", "--archive", dsn)
+    code, out, _ = query("bundles")
     assert "b-1" in out and "eagle3@e1 D=4" in out
 
 
-def test_sql_reads_and_refuses_writes(capsys, dsn):
-    code, out, _ = run_cli(capsys, "query", "sql", "SELECT reason, count() AS n FROM specwatch.decisions FINAL "
-                                               "GROUP BY reason ORDER BY reason", "--json", "--archive", dsn)
+def test_sql_reads_and_refuses_writes(query):
+    code, out, _ = query("sql", "SELECT reason, count() AS n FROM specwatch.decisions FINAL GROUP BY reason "
+                                "ORDER BY reason", "--json")
     assert code == 0
     assert json_lines(out) == [{"reason": "acceptance_drop", "n": 1}, {"reason": "bundle_changed", "n": 1},
                                {"reason": "latency_slo", "n": 1}]
     for statement in ("INSERT INTO specwatch.decisions (decision_id) VALUES ('x')",
                       "DROP TABLE specwatch.decisions", "SELECT 1; DROP TABLE specwatch.decisions"):
-        code, _, err = run_cli(capsys, "query", "sql", statement, "--archive", dsn)
+        code, _, err = query("sql", statement)
         assert code == 2 and "refused" in err
-    code, _, err = run_cli(capsys, "query", "sql", "SELECT nope FROM specwatch.decisions", "--archive", dsn)
+    code, _, err = query("sql", "SELECT nope FROM specwatch.decisions")
     assert code == 1 and "query failed" in err
-    code, out, _ = run_cli(capsys, "query", "sql", "SELECT count() AS n FROM specwatch.decisions FINAL",
-                       "--archive", dsn)
+    code, out, _ = query("sql", "SELECT count() AS n FROM specwatch.decisions FINAL")
     assert out.split() == ["n", "3"]
 
 
-def test_sql_resolves_names_in_the_archive_database_and_says_when_nothing_came_back(capsys, dsn):
-    code, out, _ = run_cli(capsys, "query", "sql", "SHOW TABLES", "--archive", dsn)
+def test_sql_resolves_names_in_the_archive_database_and_says_when_nothing_came_back(query):
+    code, out, _ = query("sql", "SHOW TABLES")
     assert code == 0
     assert out.split()[0] == "name" and {"decisions", "samples", "window_stats", "bundles"} <= set(out.split())
-    code, out, _ = run_cli(capsys, "query", "sql", "SELECT count() AS n FROM decisions FINAL", "--archive", dsn)
+    code, out, _ = query("sql", "SELECT count() AS n FROM decisions FINAL")
     assert out.split() == ["n", "3"]
-    code, out, _ = run_cli(capsys, "query", "sql", "SELECT * FROM decisions WHERE reason = 'none'", "--archive", dsn)
+    code, out, _ = query("sql", "SELECT * FROM decisions WHERE reason = 'none'")
     assert code == 0 and out == "0 rows\n"
-    code, out, _ = run_cli(capsys, "query", "sql", "SELECT * FROM decisions WHERE reason = 'none'", "--json",
-                       "--archive", dsn)
+    code, out, _ = query("sql", "SELECT * FROM decisions WHERE reason = 'none'", "--json")
     assert code == 0 and out == ""  # JSON Lines of no rows: no lines
 
 
-def test_sql_is_stopped_by_its_time_and_row_limits(capsys, dsn):
-    code, out, err = run_cli(capsys, "query", "sql", "SELECT count() FROM system.numbers", "--max-seconds", "0.5",
-                         "--archive", dsn)
+def test_sql_is_stopped_by_its_time_and_row_limits(query):
+    code, out, err = query("sql", "SELECT count() FROM system.numbers", "--max-seconds", "0.5")
     assert code == 1 and out == ""
     assert err == ("specwatch: query stopped: it ran longer than 0.5 s (max_execution_time); narrow the "
                    "statement or raise --max-seconds\n")
-    code, out, err = run_cli(capsys, "query", "sql", "SELECT number FROM system.numbers LIMIT 11", "--max-rows", "10",
-                         "--archive", dsn)
+    code, out, err = query("sql", "SELECT number FROM system.numbers LIMIT 11", "--max-rows", "10")
     assert code == 1 and out == ""
     assert err == ("specwatch: query stopped: it returns more than 10 rows (max_result_rows); narrow the "
                    "statement or raise --max-rows\n")
-    code, out, _ = run_cli(capsys, "query", "sql", "SELECT number FROM system.numbers LIMIT 10", "--max-rows", "10",
-                       "--json", "--archive", dsn)
+    code, out, _ = query("sql", "SELECT number FROM system.numbers LIMIT 10", "--max-rows", "10", "--json")
     assert code == 0 and [row["number"] for row in json_lines(out)] == list(range(10))
-    code, _, err = run_cli(capsys, "query", "sql", "SELECT 1", "--max-rows", "0", "--archive", dsn)
+    code, _, err = query("sql", "SELECT 1", "--max-rows", "0")
     assert code == 2 and err.startswith("specwatch: refused: max_rows must be a positive whole number")
 
 
 @pytest.mark.parametrize("argv", [["decision", "d-nope"], ["samples", "d-nope"], ["timeline", "--around", "d-nope"],
                                   ["samples", "d-nope", "--json"]])
-def test_an_unknown_decision_id_is_one_line_and_exit_1(capsys, dsn, argv):
-    code, out, err = run_cli(capsys, "query", *argv, "--archive", dsn)
+def test_an_unknown_decision_id_is_one_line_and_exit_1(query, argv):
+    code, out, err = query(*argv)
     assert (code, out, err) == (1, "", "specwatch: no decision 'd-nope' in the archive\n")
 
 
-def test_unknown_bundles_and_empty_results_say_so(capsys, dsn, tmp_path):
-    code, out, err = run_cli(capsys, "query", "timeline", "--bundle", "b-nope", "--archive", dsn)
+def test_unknown_bundles_and_empty_results_say_so(query, capsys, tmp_path):
+    code, out, err = query("timeline", "--bundle", "b-nope")
     assert (code, out, err) == (1, "", "specwatch: no bundle 'b-nope' in the archive\n")
-    code, out, _ = run_cli(capsys, "query", "timeline", "--bundle", "b-2", "--archive", dsn)  # decided on, no slices
+    code, out, _ = query("timeline", "--bundle", "b-2")  # decided on, no slices
     assert (code, out) == (0, "0 rows\n")
-    code, out, _ = run_cli(capsys, "query", "samples", SLO.id, "--archive", dsn)  # a decision with no samples
+    code, out, _ = query("samples", SLO.id)  # a decision with no samples
     assert (code, out) == (0, f"no samples archived with decision {SLO.id}\n")
-    code, out, _ = run_cli(capsys, "query", "decisions", "--reason", "kv_pressure", "--archive", dsn)
+    code, out, _ = query("decisions", "--reason", "kv_pressure")
     assert (code, out) == (0, "0 rows\n")
 
     empty = f"chdb://{tmp_path}/empty"
@@ -268,8 +266,7 @@ def test_a_missing_archive_is_a_clear_error_and_is_not_created(capsys, tmp_path,
 # -- flags (as separate processes) ---------------------------------------------------------------
 
 def test_flags_set_list_clear_through_the_cli_with_audit_rows(dsn):
-    listed = specwatch("flags", "list", "--json", "--archive", dsn)
-    assert listed.returncode == 0, listed.stderr
+    listed = specwatch_ok("flags", "list", "--json", "--archive", dsn)
     before = {(r["bundle_id"], r["bucket"], r["cohort"]): r for r in json_lines(listed.stdout)}
     assert {tuple(r) for r in before.values()} == {(  # the table's made-up columns stay out of JSON
         "bundle_id", "bucket", "cohort", "speculation", "draft_limit", "cohort_share", "reason", "since", "manual",
@@ -278,30 +275,22 @@ def test_flags_set_list_clear_through_the_cli_with_audit_rows(dsn):
     assert before[("b-1", "coding", None)]["decision_id"] == DROP.id
     assert before[("b-2", None, None)]["reason"] == "bundle_changed"
 
-    done = specwatch("flags", "set", "--bundle", "b-1", "--bucket", "coding", "--on",
-                             "--draft-length", "2",
-                             "--by", "alice", "--reason", "AL drop is a tokenizer glitch; hold at D=2",
-                             "--archive", dsn)
-    assert done.returncode == 0, done.stderr
+    done = specwatch_ok("flags", "set", "--bundle", "b-1", "--bucket", "coding", "--on", "--draft-length", "2",
+                        "--by", "alice", "--reason", "AL drop is a tokenizer glitch; hold at D=2", "--archive", dsn)
     assert "b-1/coding/* speculation on, draft length <= 2 by alice" in done.stdout
-    done = specwatch("flags", "set", "--bundle", "b-1", "--bucket", "chat", "--cohort", "canary",
-                             "--off",
-                             "--by", "bob", "--reason", "canary paused", "--archive", dsn)
-    assert done.returncode == 0, done.stderr
+    done = specwatch_ok("flags", "set", "--bundle", "b-1", "--bucket", "chat", "--cohort", "canary", "--off",
+                        "--by", "bob", "--reason", "canary paused", "--archive", dsn)
 
-    listed = specwatch("flags", "list", "--archive", dsn)
-    assert listed.returncode == 0, listed.stderr
+    listed = specwatch_ok("flags", "list", "--archive", dsn)
     coding = next(line for line in listed.stdout.splitlines() if line.startswith("b-1     coding"))
     assert " on " in coding and "manual by alice (automatic: off)" in coding
     canary = next(line for line in listed.stdout.splitlines() if "canary" in line and "bob" in line)
     assert " off " in canary
 
-    cleared = specwatch("flags", "clear", "--bundle", "b-1", "--bucket", "coding", "--by", "carol",
-                                "--reason", "drafter retrained", "--archive", dsn)
-    assert cleared.returncode == 0, cleared.stderr
+    cleared = specwatch_ok("flags", "clear", "--bundle", "b-1", "--bucket", "coding", "--by", "carol",
+                           "--reason", "drafter retrained", "--archive", dsn)
     assert "b-1/coding/* cleared by carol" in cleared.stdout
-    again = specwatch("flags", "clear", "--bundle", "b-1", "--bucket", "coding", "--by", "carol",
-                              "--archive", dsn)
+    again = specwatch("flags", "clear", "--bundle", "b-1", "--bucket", "coding", "--by", "carol", "--archive", dsn)
     assert again.returncode == 1 and "no manual override on b-1/coding/*" in again.stderr
 
     with Archive.open(dsn, create=False) as archive:
@@ -353,9 +342,8 @@ def test_flags_refuse_bad_requests(capsys, dsn, tmp_path):
 def test_flags_use_the_archive_from_the_environment_or_the_default_path(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("SPECWATCH_ARCHIVE", raising=False)
     monkeypatch.chdir(tmp_path)
-    code, _, err = run_cli(capsys, "flags", "set", "--bundle", "b-9", "--off", "--by", "ops",
-                       "--reason", "new rollout",
-                       "--create")
+    code, _, err = run_cli(capsys, "flags", "set", "--bundle", "b-9", "--off", "--by", "ops", "--reason", "new rollout",
+                           "--create")
     assert code == 0, err
     assert (tmp_path / "specwatch-data" / "archive" / "metadata").is_dir()
     monkeypatch.setenv("SPECWATCH_ARCHIVE", f"chdb://{tmp_path}/specwatch-data/archive")

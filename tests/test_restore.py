@@ -7,7 +7,8 @@ from specwatch.actions.policy import FallbackPolicy
 from specwatch.simulation.simulator import Simulator
 from specwatch.detectors.monitor import Finding, RecoveryEvidence
 from specwatch.schemas import Policy, PolicyError
-from specwatch.streams.embedded import EmbeddedPipeline
+
+from telemetry_log import replayed
 
 SCOPE = ("b-1", "extraction", "main")
 CLEAN = RecoveryEvidence("traffic", 100.0, 160.0, requests=500, error_rate=0.002, error_limit=0.02)
@@ -112,10 +113,8 @@ def test_closed_loop_restores_with_backoff_and_never_flaps():
     # which the gates lower to 1, the second at D 1, which they can only disable.
     policy = _policy(restore_after_seconds=60)
     flags = FlagStore()
-    pipeline = EmbeddedPipeline(policy, flags=flags)
     sim = Simulator("acceptance_drop", seed=11, minutes=6.0, workers=2, flags=flags, incident_at=90.0)
-    pipeline.feed_many(sim.records())
-    pipeline.finish()
+    pipeline = replayed(sim.records(), policy, flags=flags)
     got = [(round(d.ts - sim.start_ts, 2), d.action, d.bucket, d.cohort) for d in pipeline.decisions]
     assert got == [
         (95.0, "reduce_draft_length", "coding", "main"),

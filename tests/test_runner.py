@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import zlib
 from collections import Counter
 
@@ -16,22 +17,18 @@ import pytest
 
 from specwatch.schemas import Decision, Policy
 from specwatch.simulation.simulator import Simulator
-from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.faust_tasks import decode_partial
 from specwatch.streams.runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
 from specwatch.transport.codec import decode_decision, is_heartbeat_key
 from specwatch.transport.memory import MemoryKafka, MemoryReader, MemoryWriter
 from specwatch.transport.signing import Keyring
 
-from telemetry_log import decision_key, embedded_decisions, exporter_batches
+from telemetry_log import decision_key, embedded_decisions, exporter_batches, replayed
 
 PARTITIONS = 4
 _SETTINGS = StreamSettings(bootstrap="memory:0", telemetry_topics=("t",), partials_topic="p", decisions_topic="d",
                            deadletter_topic="dl", app_id="sw", telemetry_partitions=PARTITIONS,
                            partials_partitions=PARTITIONS, checkpoint_seconds=5.0, policy=Policy())
-
-
-_key = decision_key
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +64,24 @@ class Rig:
                     assignment=lambda: self.assigned, clock=lambda: self.now,
                     acknowledge=lambda m: self.acknowledged.append((m.topic, m.partition, m.offset)), **options)
 
-    def deliver(self, runner, topic: str, partition: int, start: int = 0, tick: float = 1.0, fetch: int = 1) -> None:
-        """Hand the runner every message of a partition from ``start``, as the consumer would: ``fetch``
-        messages at a time, one clock tick apart."""
-        records = [record for record in self.kafka.records(topic, partition) if record.offset >= start]
+    @property
+    def busiest(self) -> int:
+        return max(range(PARTITIONS), key=lambda p: len(self.kafka.records("t", p)))
+
+    def deliver(self, runner, topic: str, partition: int, start: int = 0, tick: float = 1.0, fetch: int = 1,
+                end: float = math.inf) -> None:
+        """Hand the runner every message of a partition from ``start`` (to before ``end``), as the consumer
+        would: ``fetch`` messages at a time, one clock tick apart."""
+        records = [record for record in self.kafka.records(topic, partition) if start <= record.offset < end]
         for i in range(0, len(records), fetch):
             self.now += tick
             self.run(runner.handle(records[i:i + fetch]))
 
-    def deliver_others(self, runner, busiest: int) -> None:
-        """`deliver` every telemetry partition but ``busiest``."""
+    def deliver_all(self, runner, fetch: int = 1, but: int | None = None) -> None:
+        """`deliver` every telemetry partition (but one)."""
         for p in range(PARTITIONS):
-            if p != busiest:
-                self.deliver(runner, "t", p)
+            if p != but:
+                self.deliver(runner, "t", p, fetch=fetch)
 
     def partials(self) -> set[tuple[int, str]]:
         """Every slice batch with content sent to stage 2, with its partition, however the batches were
@@ -105,11 +107,10 @@ class Rig:
         return decisions
 
 
-def _straight(chunks) -> tuple[Rig, Stage1Runner]:
+def _straight(chunks, fetch: int = 1) -> tuple[Rig, Stage1Runner]:
     rig = Rig(chunks)
     stage1 = rig.runner(Stage1Runner)
-    for p in range(PARTITIONS):
-        rig.deliver(stage1, "t", p)
+    rig.deliver_all(stage1, fetch=fetch)
     return rig, stage1
 
 
@@ -119,50 +120,44 @@ def straight(scenario):
     return _straight(scenario[0])[0].partials()
 
 
-def _busiest(rig: Rig) -> int:
-    return max(range(PARTITIONS), key=lambda p: len(rig.kafka.records("t", p)))
+@pytest.fixture
+def rig(scenario):
+    return Rig(scenario[0])
+
+
+def _assert_decides_as_embedded(rig: Rig, stage1: Stage1Runner, scenario) -> None:
+    _, cutoff, expected = scenario
+    assert sorted(decision_key(d) for d in rig.decide(stage1) if d.ts < cutoff) == expected
 
 
 def test_runners_on_the_twin_decide_as_embedded(scenario):
     """Catch-up reads every partials partition, silent telemetry partitions are released: embedded's decisions."""
-    chunks, cutoff, expected = scenario
-    rig, stage1 = _straight(chunks)
+    rig, stage1 = _straight(scenario[0])
     silent = [p for p in range(PARTITIONS) if not rig.kafka.records("t", p)]
     assert silent, "the scenario leaves no telemetry partition empty: the release path would go untested"
-    decided = rig.decide(stage1)
-    assert sorted(_key(d) for d in decided if d.ts < cutoff) == expected
+    _assert_decides_as_embedded(rig, stage1, scenario)
 
 
 def test_whole_fetches_send_fewer_partials_messages_with_the_same_batches_and_decisions(scenario, straight):
     """The runner folds a fetch at once and sends one partials message per stage-2 partition for it."""
-    chunks, cutoff, expected = scenario
-    one_by_one, _ = _straight(chunks)
-    rig = Rig(chunks)
-    stage1 = rig.runner(Stage1Runner)
-    for p in range(PARTITIONS):
-        rig.deliver(stage1, "t", p, fetch=8)
+    one_by_one, _ = _straight(scenario[0])
+    rig, stage1 = _straight(scenario[0], fetch=8)
     assert rig.partials() == straight
     messages, singly = len(rig.kafka.topic_records("p")), len(one_by_one.kafka.topic_records("p"))
     assert stage1.partials_sent == messages < singly / 2
-    assert sorted(_key(d) for d in rig.decide(stage1) if d.ts < cutoff) == expected
+    _assert_decides_as_embedded(rig, stage1, scenario)
 
 
 def test_a_fetch_of_a_whole_partition_is_split_below_the_message_limit(scenario, straight):
-    chunks, cutoff, expected = scenario
-    rig = Rig(chunks)
-    stage1 = rig.runner(Stage1Runner)
-    for p in range(PARTITIONS):
-        rig.deliver(stage1, "t", p, fetch=10_000)
+    rig, stage1 = _straight(scenario[0], fetch=10_000)
     sizes = [len(record.value) for record in rig.kafka.topic_records("p")]
     assert max(sizes) <= 512 * 1024 < sum(sizes) / PARTITIONS  # one message would not have fitted
     assert rig.partials() == straight
-    assert sorted(_key(d) for d in rig.decide(stage1) if d.ts < cutoff) == expected
+    _assert_decides_as_embedded(rig, stage1, scenario)
 
 
-def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, straight):
-    chunks, cutoff, expected = scenario
-    rig = Rig(chunks)
-    busiest = _busiest(rig)
+def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, rig, straight):
+    busiest = rig.busiest
     first = rig.runner(Stage1Runner)
     rig.deliver(first, "t", busiest)
     saved = rig.run(first._checkpoints.load(first.task_name(("t", busiest)), busiest))
@@ -170,32 +165,25 @@ def test_a_restarted_stage1_skips_what_its_checkpoint_covers(scenario, straight)
     total = len(rig.kafka.records("t", busiest))
     assert saved.next_offset == total - total % 5
     restarted = rig.runner(Stage1Runner)  # the worker died; the group redelivers from its committed offset 0
-    for p in range(PARTITIONS):
-        rig.deliver(restarted, "t", p)
+    rig.deliver_all(restarted)
     assert restarted.skipped == saved.next_offset
     assert rig.partials() == straight
-    assert sorted(_key(d) for d in rig.decide(restarted) if d.ts < cutoff) == expected
+    _assert_decides_as_embedded(rig, restarted, scenario)
 
 
-def test_what_the_consumer_skipped_is_read_from_the_log(scenario, straight):
-    chunks, _, _ = scenario
-    rig = Rig(chunks)
-    busiest = _busiest(rig)
+def test_what_the_consumer_skipped_is_read_from_the_log(rig, straight):
+    busiest = rig.busiest
     first = rig.runner(Stage1Runner)
-    for record in rig.kafka.records("t", busiest)[:12]:
-        rig.now += 1.0
-        rig.run(first.handle([record]))
+    rig.deliver(first, "t", busiest, end=12)
     restarted = rig.runner(Stage1Runner)
     rig.deliver(restarted, "t", busiest, start=17)  # the group committed up to 17 without delivering 10..16
     assert rig.acknowledged == [("t", busiest, offset) for offset in range(10, 17)]
     assert restarted.skipped == 0
-    rig.deliver_others(restarted, busiest)
+    rig.deliver_all(restarted, but=busiest)
     assert rig.partials() == straight
 
 
-def test_a_partition_that_delivers_nothing_is_caught_up_after_a_while(scenario, straight):
-    chunks, _, _ = scenario
-    rig = Rig(chunks)
+def test_a_partition_that_delivers_nothing_is_caught_up_after_a_while(rig, straight):
     runner = rig.runner(Stage1Runner)
     rig.assigned = {("t", p) for p in range(PARTITIONS)} | {("other", 0)}
     rig.run(runner.catch_up())
@@ -212,27 +200,20 @@ def test_a_partition_that_delivers_nothing_is_caught_up_after_a_while(scenario, 
     assert rig.partials() == straight
 
 
-def test_a_revoked_partition_is_rebuilt_from_its_checkpoint_not_from_memory(scenario, straight):
-    chunks, _, _ = scenario
-    rig = Rig(chunks)
-    busiest = _busiest(rig)
+def test_a_revoked_partition_is_rebuilt_from_its_checkpoint_not_from_memory(rig, straight):
+    busiest = rig.busiest
     runner = rig.runner(Stage1Runner)
-    records = rig.kafka.records("t", busiest)
-    for record in records[:8]:  # checkpointed at the 5th message (offset 4), so it resumes at 5
-        rig.now += 1.0
-        rig.run(runner.handle([record]))
+    rig.deliver(runner, "t", busiest, end=8)  # checkpointed at the 5th message (offset 4), so it resumes at 5
     runner.forget([("p", busiest), ("t", busiest)])
     assert ("t", busiest) not in runner._tasks
     rig.deliver(runner, "t", busiest, start=8)
     assert rig.acknowledged == [("t", busiest, offset) for offset in (5, 6, 7)]
-    rig.deliver_others(runner, busiest)
+    rig.deliver_all(runner, but=busiest)
     assert rig.partials() == straight
 
 
-def test_messages_gone_to_retention_are_skipped_with_a_warning(scenario, caplog):
-    chunks, _, _ = scenario
-    rig = Rig(chunks)
-    busiest = _busiest(rig)
+def test_messages_gone_to_retention_are_skipped_with_a_warning(rig, caplog):
+    busiest = rig.busiest
     runner = rig.runner(Stage1Runner)
     rig.run(runner.handle([rig.kafka.records("t", busiest)[0]]))
     rig.kafka.expire("t", busiest, 4)
@@ -266,9 +247,7 @@ def test_a_worker_that_goes_idle_is_decided_as_embedded_to_the_very_end():
     quitter, stop = "w2", sim.start_ts + 25.0
     records = [r for r in sim.records() if getattr(r, "worker", None) != quitter or r.ts < stop]
     embedded_slices = SliceCounts()
-    embedded = EmbeddedPipeline(sinks=[embedded_slices.observe])
-    embedded.feed_many(records)
-    embedded.finish()
+    embedded = replayed(records, sinks=[embedded_slices.observe])
 
     rig = Rig([])
     stage1, stage2 = rig.runner(Stage1Runner), rig.runner(Stage2Runner)
@@ -299,11 +278,9 @@ def test_a_worker_that_goes_idle_is_decided_as_embedded_to_the_very_end():
     assert sorted(d.to_json_line() for d in decided) == sorted(d.to_json_line() for d in embedded.decisions)
 
 
-def test_a_partition_with_data_waiting_is_never_idle(scenario):
+def test_a_partition_with_data_waiting_is_never_idle(rig):
     """Silent far past the silence, but with messages left to read: no release until they are folded."""
-    chunks, _, _ = scenario
-    rig = Rig(chunks)
-    busiest = _busiest(rig)
+    busiest = rig.busiest
     runner = rig.runner(Stage1Runner)
     rig.run(runner.handle(rig.kafka.records("t", busiest)[:3]))
     rig.now += 10 * _SETTINGS.source_silence_seconds

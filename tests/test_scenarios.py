@@ -11,16 +11,15 @@ import sys
 import pytest
 
 from specwatch.simulation.simulator import Simulator
-from specwatch.streams.embedded import EmbeddedPipeline
+
+from telemetry_log import replayed
 
 SEED = 11
 
 
 def _decide(scenario, workers=4, minutes=4.0):
     sim = Simulator(scenario, seed=SEED, workers=workers, minutes=minutes, incident_at=120.0)
-    pipeline = EmbeddedPipeline()
-    pipeline.feed_many(sim.records())
-    pipeline.finish()
+    pipeline = replayed(sim.records())
     got = [(round(d.ts - sim.start_ts, 2), d.action, d.reason, d.bucket, d.cohort) for d in pipeline.decisions]
     return sim, pipeline, got
 

@@ -9,7 +9,8 @@ import pytest
 from specwatch.archive.store import Archive
 from specwatch.collectors.capture import SampleCapture
 from specwatch.analysis.reproduce import ReproduceError, reproduce_decision
-from specwatch.schemas import Decision, PolicyError, RequestRecord, decode_line, encode_record, load_policy
+from specwatch.schemas import (BundleCard, Decision, PolicyError, RequestRecord, decode_line, encode_record,
+                               load_policy)
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.schemas.policy import CapturePolicy
 from specwatch.schemas.rerun import RerunOutcome
@@ -195,8 +196,6 @@ class _Runner:
 
 
 def test_reproduce_flow_audits_refuses_and_archives(tmp_path):
-    from specwatch.schemas import BundleCard
-
     archive, decision, _ = _archive_with_sealed_decision(tmp_path)
     with archive:
         card = BundleCard.model_validate(archive.decision(decision.id)["audit"]["card"])
@@ -231,8 +230,6 @@ def test_reproduce_flow_audits_refuses_and_archives(tmp_path):
 
 def test_explain_page_links_to_the_archived_reproduction(tmp_path):
     from specwatch.analysis.postmortem import render_html
-    from specwatch.schemas import BundleCard
-
     archive, decision, _ = _archive_with_sealed_decision(tmp_path)
     with archive:
         card = BundleCard.model_validate(archive.decision(decision.id)["audit"]["card"])

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaProducer
 
+from specwatch import cli
 from specwatch.actions.sinks.publisher import DecisionPublisher
 from specwatch.collectors.flag_client import FlagClient
 from specwatch.transport.codec import heartbeat_message
@@ -152,8 +153,18 @@ def raw_producer(kafka_bootstrap):
     producer.close()
 
 
+@pytest.fixture
+def send(raw_producer, decisions_topic):
+    """Put a decision on the topic as is, with the headers ``headers(value)`` gives (or ``headers`` itself)."""
+    def send(decision: Decision, headers=lambda value: [], key: bytes | None = None) -> None:
+        value = decision.to_json_line().encode()
+        raw_producer.send(decisions_topic, key=key or decision.key.encode(), value=value,
+                          headers=headers(value) if callable(headers) else headers).get(timeout=10)
+    return send
+
+
 @pytest.mark.kafka
-def test_flag_client_acts_only_on_signed_fresh_decisions(kafka_bootstrap, decisions_topic, raw_producer, caplog):
+def test_flag_client_acts_only_on_signed_fresh_decisions(kafka_bootstrap, decisions_topic, send, caplog):
     config = KafkaConfig(kafka_bootstrap)
     ring = Keyring.from_secrets(_KEY)
     disable, restore = _decision(100.0), _decision(200.0, action="restore")
@@ -161,11 +172,6 @@ def test_flag_client_acts_only_on_signed_fresh_decisions(kafka_bootstrap, decisi
         assert publisher.publish(disable) and publisher.publish(restore)
         assert publisher.flush(10)
     assert publisher.stats() == {"published": 2, "failed": 0}
-
-    def send(decision: Decision, headers, key: bytes | None = None) -> None:
-        value = decision.to_json_line().encode()
-        raw_producer.send(decisions_topic, key=key or decision.key.encode(), value=value,
-                          headers=headers(value) if callable(headers) else headers).get(timeout=10)
 
     chat_off = _decision(300.0, bucket="chat")
     send(chat_off, [])                                                              # unsigned
@@ -211,9 +217,8 @@ def test_readers_mid_rotation_accept_both_keys(kafka_bootstrap, decisions_topic)
 
 @pytest.mark.kafka
 def test_without_a_key_the_client_says_so_once_and_accepts_unsigned(kafka_bootstrap, decisions_topic,
-                                                                     raw_producer, caplog):
-    line = _decision(100.0).to_json_line().encode()
-    raw_producer.send(decisions_topic, key=b"b-1/coding/*", value=line).get(timeout=10)
+                                                                     raw_producer, send, caplog):
+    send(_decision(100.0), key=b"b-1/coding/*")
     key, value, _ = heartbeat_message("p-1", 0, 99.0, keyring=Keyring())
     raw_producer.send(decisions_topic, key=key, value=value).get(timeout=10)
     with caplog.at_level(logging.WARNING):
@@ -226,16 +231,13 @@ def test_without_a_key_the_client_says_so_once_and_accepts_unsigned(kafka_bootst
 
 @pytest.mark.kafka
 def test_decisions_command_leaves_out_and_reports_what_a_flag_client_would_ignore(
-        kafka_bootstrap, decisions_topic, raw_producer, monkeypatch, capsys, tmp_path):
-    from specwatch import cli
-
+        kafka_bootstrap, decisions_topic, send, monkeypatch, capsys, tmp_path):
     secret = b"a key for the decisions command, 41 bytes"
     ring = Keyring.from_secrets(secret)
     signed, unsigned, forged = _decision(100.0), _decision(110.0, bucket="chat"), _decision(120.0, bucket="math")
     for decision, headers in ((signed, lambda v: sign_line(v, ring)), (unsigned, lambda v: []),
                               (forged, lambda v: sign_line(v, Keyring.from_secrets(_OTHER_KEY)))):
-        value = decision.to_json_line().encode()
-        raw_producer.send(decisions_topic, key=decision.key.encode(), value=value, headers=headers(value)).get(timeout=10)
+        send(decision, headers)
     command = ["decisions", "--bootstrap", kafka_bootstrap, "--topic", decisions_topic]
 
     for name in ("SPECWATCH_SIGNING_KEY", "SPECWATCH_SIGNING_KEY_FILE"):
@@ -259,8 +261,6 @@ def test_decisions_command_leaves_out_and_reports_what_a_flag_client_would_ignor
 @pytest.mark.kafka
 def test_manual_override_reaches_flag_clients_signed_and_clearing_returns_the_archived_state(
         kafka_bootstrap, decisions_topic, monkeypatch, tmp_path):
-    from specwatch import cli
-
     secret = "a key for manual overrides, 38 bytes.."
     monkeypatch.setenv("SPECWATCH_SIGNING_KEY", secret)
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
@@ -296,7 +296,6 @@ def test_manual_override_codes_are_the_contract_reasons():
 
 @pytest.mark.kafka
 def test_manual_stage_change_reaches_flag_clients(kafka_bootstrap, decisions_topic, monkeypatch, tmp_path):
-    from specwatch import cli
     from specwatch.archive.store import Archive
 
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
@@ -317,18 +316,14 @@ def test_manual_stage_change_reaches_flag_clients(kafka_bootstrap, decisions_top
 
 @pytest.mark.kafka
 def test_flags_list_from_the_decisions_topic_shows_what_the_fleet_follows(
-        kafka_bootstrap, decisions_topic, raw_producer, monkeypatch, capsys):
-    from specwatch import cli
-
+        kafka_bootstrap, decisions_topic, send, monkeypatch, capsys):
     secret = "a key for listing the fleet's flags, 40 b"
     monkeypatch.setenv("SPECWATCH_SIGNING_KEY", secret)
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
     ring = Keyring.from_secrets(secret)
     good, forged = _decision(100.0), _decision(110.0, bucket="chat")
     for decision, keyring in ((good, ring), (forged, Keyring.from_secrets(_OTHER_KEY))):
-        value = decision.to_json_line().encode()
-        raw_producer.send(decisions_topic, key=decision.key.encode(), value=value,
-                          headers=sign_line(value, keyring)).get(timeout=10)
+        send(decision, lambda value: sign_line(value, keyring))
     assert cli.main(["flags", "list", "--json", "--bootstrap", kafka_bootstrap,
                      "--decisions-topic", decisions_topic]) == 3  # as `specwatch decisions` on a forgery
     captured = capsys.readouterr()
@@ -358,8 +353,6 @@ def _override(dsn: str, kafka_bootstrap: str, topic: str, *extra: str) -> list[s
 @pytest.mark.kafka
 def test_an_override_without_a_key_is_refused_before_anything_is_recorded(
         kafka_bootstrap, decisions_topic, monkeypatch, tmp_path, capsys):
-    from specwatch import cli
-
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
     dsn = f"chdb://{tmp_path}/archive"
@@ -397,17 +390,13 @@ def test_an_override_without_a_key_is_refused_before_anything_is_recorded(
 
 @pytest.mark.kafka
 def test_flags_list_exits_3_on_unsigned_messages_as_decisions_does(
-        kafka_bootstrap, decisions_topic, raw_producer, monkeypatch, capsys):
-    from specwatch import cli
-
+        kafka_bootstrap, decisions_topic, send, monkeypatch, capsys):
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
     monkeypatch.setenv("SPECWATCH_SIGNING_KEY", _KEY.hex())
     ring = Keyring.from_secrets(_KEY.hex())
     good, unsigned = _decision(100.0), _decision(110.0, bucket="chat")
-    for decision, headers in ((good, sign_line), (unsigned, lambda value, ring: [])):
-        value = decision.to_json_line().encode()
-        raw_producer.send(decisions_topic, key=decision.key.encode(), value=value,
-                          headers=headers(value, ring)).get(timeout=10)
+    send(good, lambda value: sign_line(value, ring))
+    send(unsigned)
     listing = ["--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]
     assert cli.main(["flags", "list", *listing]) == 3
     captured = capsys.readouterr()
@@ -418,8 +407,6 @@ def test_flags_list_exits_3_on_unsigned_messages_as_decisions_does(
 
 @pytest.mark.parametrize("command", [["run", "--bootstrap", "127.0.0.1:9"], ["decisions", "--bootstrap", "127.0.0.1:9"]])
 def test_commands_refuse_an_empty_key_setting_before_any_work(monkeypatch, capsys, command):
-    from specwatch import cli
-
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
     monkeypatch.setenv("SPECWATCH_SIGNING_KEY", "")
     assert cli.main(command) == 2
@@ -428,8 +415,6 @@ def test_commands_refuse_an_empty_key_setting_before_any_work(monkeypatch, capsy
 
 
 def test_a_stage_change_without_a_key_is_refused_before_the_archive_is_touched(monkeypatch, capsys, tmp_path):
-    from specwatch import cli
-
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
     assert cli.main(["bundles", "promote", "b-9", "--by", "alice", "--reason", "shadow by hand",

@@ -7,7 +7,7 @@ forward, so every check sees a clean stretch before the incident and enough afte
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
@@ -65,9 +65,8 @@ def healthy_run():
 
 
 def test_same_seed_gives_identical_lines_and_another_seed_does_not():
-    first = _lines(Simulator("demo", seed=3, workers=2, minutes=0.5, incident_at=5.0).records())
-    again = _lines(Simulator("demo", seed=3, workers=2, minutes=0.5, incident_at=5.0).records())
-    other = _lines(Simulator("demo", seed=4, workers=2, minutes=0.5, incident_at=5.0).records())
+    first, again, other = (_lines(Simulator("demo", seed=seed, workers=2, minutes=0.5, incident_at=5.0).records())
+                           for seed in (3, 3, 4))
     assert first == again
     assert len(first) > 4_000
     assert other != first
@@ -137,9 +136,7 @@ def test_request_records_are_consistent(demo_run):
     sim, records = demo_run
     requests = [r for r in records if r.kind == "request"]
     assert len(requests) > 1_000
-    reasons = defaultdict(int)
     for r in requests:
-        reasons[r.finish_reason] += 1
         assert r.ttft_ms > 0 and r.e2e_ms >= r.ttft_ms
         if r.output_tokens > 1:
             assert math.isclose(r.tpot_ms, (r.e2e_ms - r.ttft_ms) / (r.output_tokens - 1), rel_tol=1e-3, abs_tol=1e-3)
@@ -148,6 +145,7 @@ def test_request_records_are_consistent(demo_run):
         assert (r.error is not None) == r.failed
         assert len(r.sample.prompt_sha256) == 64 and int(r.sample.prompt_sha256, 16) >= 0
         assert r.sample.sampling.max_tokens >= r.output_tokens
+    reasons = Counter(r.finish_reason for r in requests)
     assert reasons["stop"] > reasons["length"] > 0
     assert reasons["error"] > 0 and reasons["timeout"] > 0
 
@@ -197,10 +195,7 @@ def test_healthy_fleet_is_plausible(healthy_run):
     al = _acceptance_lengths(records)
     speedup = {b: a / (1 + draft / verify) for b, a in al.items()}  # AL / (1 + rho*D)
     assert min(speedup.values()) > 1.1 and 1.5 < speedup["coding"] < 2.6
-    cohorts = defaultdict(int)
-    for r in records:
-        if r.kind == "request":
-            cohorts[r.cohort] += 1
+    cohorts = Counter(r.cohort for r in records if r.kind == "request")
     total = sum(cohorts.values())
     assert 0.85 < cohorts["main"] / total < 0.95
     assert 0.02 < cohorts["canary"] / total < 0.08 and 0.02 < cohorts["baseline"] / total < 0.08
@@ -237,10 +232,8 @@ def test_quiet_keys_carry_a_few_percent_and_only_theirs_is_hit():
     [incident] = sim.incidents
     assert (incident.bucket, incident.cohort, incident.expected_reason) == ("extraction", "canary", "error_rate")
     _, after = _split(sim, records)
-    failed = defaultdict(int)
-    for r in after:
-        if r.kind == "request" and r.bucket == "extraction" and r.speculative:
-            failed[r.cohort, r.finish_reason in ("error", "timeout")] += 1
+    failed = Counter((r.cohort, r.finish_reason in ("error", "timeout")) for r in after
+                     if r.kind == "request" and r.bucket == "extraction" and r.speculative)
     # x40 on canary (0.2% to 8%), main as before
     assert failed["canary", True] / (failed["canary", True] + failed["canary", False]) > 0.04
     assert failed["main", True] / (failed["main", True] + failed["main", False]) < 0.01

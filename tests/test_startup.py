@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import pkgutil
-import subprocess
-import sys
 
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import encode_record
+
+from machine import fresh_python
 
 # Libraries a JSON Lines replay has no use for: plotting, stats tests, Kafka, Faust, the
 # OpenTelemetry SDK and protobuf classes, the vLLM glue.
@@ -26,18 +26,11 @@ print(json.dumps({"code": code, "heavy": heavy}))
 """
 
 
-def _fresh_python(script: str, *argv: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.splitlines()
-
-
 def _replay_in_fresh_python(tmp_path, sim: Simulator) -> tuple[dict, dict, list[str]]:
     """(replay summary, {code, heavy modules loaded}, actions of the decisions written)."""
     telemetry, decisions = tmp_path / "telemetry.jsonl", tmp_path / "decisions.jsonl"
     telemetry.write_text("".join(encode_record(record) + "\n" for record in sim.records()))
-    summary_line, result_line = _fresh_python(_REPLAY, str(telemetry), str(decisions), ",".join(_NOT_FOR_REPLAY))
+    summary_line, result_line = fresh_python(_REPLAY, telemetry, decisions, ",".join(_NOT_FOR_REPLAY)).splitlines()
     actions = [json.loads(line)["action"] for line in decisions.read_text().splitlines()]
     return json.loads(summary_line), json.loads(result_line), actions
 
@@ -63,7 +56,7 @@ def test_the_command_line_parser_imports_no_command_dependencies():
     """`specwatch --help` and argument parsing build every subcommand's parser without its libraries."""
     script = ("import json, sys\nfrom specwatch.cli import build_parser\nbuild_parser()\n"
               "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
-    loaded = set(json.loads(_fresh_python(script)[0]))
+    loaded = set(json.loads(fresh_python(script)))
     assert loaded & {*_NOT_FOR_REPLAY, "pydantic", "numpy", "pyarrow", "chdb", "clickhouse_connect", "river"} == set()
 
 
@@ -71,9 +64,9 @@ def test_the_command_list_loads_no_command_module_and_a_command_loads_only_its_o
     """`specwatch --help` is the table in `specwatch.cli`; `specwatch replay` builds only replay's arguments."""
     script = ("import json, sys\nfrom specwatch.cli import build_parser\nbuild_parser(sys.argv[1:])\n"
               "print(json.dumps(sorted(m for m in sys.modules if m.startswith('specwatch.commands.'))))")
-    assert json.loads(_fresh_python(script, "--help")[0]) == ["specwatch.commands._arguments"]
-    assert json.loads(_fresh_python(script, "-v", "replay", "x.jsonl")[0]) == ["specwatch.commands._arguments",
-                                                                             "specwatch.commands.replay"]
+    assert json.loads(fresh_python(script, "--help")) == ["specwatch.commands._arguments"]
+    assert json.loads(fresh_python(script, "-v", "replay", "x.jsonl")) == ["specwatch.commands._arguments",
+                                                                         "specwatch.commands.replay"]
 
 
 def test_every_command_in_the_table_has_a_module_that_builds_and_runs_it():

@@ -7,15 +7,13 @@ from collections import defaultdict
 
 import pytest
 
-from headless import chromium, headless
+from headless import rendered
 
-from specwatch.archive.store import Archive
-from specwatch.archive.sink import ArchiveSink
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import StepRecord
 
 from machine import specwatch
-from telemetry_log import replayed
+from telemetry_log import archived_replay
 
 SEED = 11
 
@@ -27,10 +25,7 @@ def archived(tmp_path_factory):
     dsn = f"chdb://{path}"
     sim = Simulator("healthy", seed=SEED, minutes=1.5, workers=2)
     records = list(sim.records())
-    with Archive.open(dsn) as archive:
-        sink = ArchiveSink(archive)
-        assert replayed(records, sinks=[sink]).decisions == []
-        sink.close()
+    assert archived_replay(records, dsn) == []
     return dsn, records, sim
 
 
@@ -115,10 +110,7 @@ def test_tune_page_renders_in_a_headless_browser(archived, tmp_path):
     proc = _tune("--archive", dsn, "--heads-per-kv", "8", "--html", str(page), "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    browser = chromium()
-    proc = headless(browser, tmp_path / "profile", "--dump-dom", page.as_uri())
-    assert proc.returncode == 0, proc.stderr
-    dom = proc.stdout
+    dom = rendered(page, tmp_path / "profile", 3000)
     assert f'data-bundle-id="{report["bundle_id"]}"' in dom
     for bucket in report["buckets"]:
         section = re.search(rf'<section class="bucket" data-bucket="{bucket["bucket"]}".*?</section>', dom, re.S)
@@ -129,8 +121,3 @@ def test_tune_page_renders_in_a_headless_browser(archived, tmp_path):
         assert re.search(r"<svg[^>]*>.*?<path", html, re.S), "the plotted curve is an inline SVG the browser parsed"
         assert html.count("<tr data-d=") == 4
         assert ("class=\"warning\"" in html) == (bucket["warning"] is not None)
-    shot = tmp_path / "tune.png"
-    proc = headless(browser, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,3000",
-                     page.as_uri())
-    assert proc.returncode == 0, proc.stderr
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

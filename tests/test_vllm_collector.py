@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import doctest
 import importlib
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,6 +20,7 @@ from specwatch.collectors.vllm.collector import token_digest
 from specwatch.collectors.vllm.taps import RunnerTap, StepFrame
 from specwatch.schemas import BundleCard, Decision, DrafterCard, TargetCard, bundle_digest
 
+from machine import fresh_python
 from vllm_scenario import ListSink
 
 _CARD = BundleCard(target=TargetCard(model_id="tiny"), drafter=DrafterCard(mechanism="ngram", draft_length=4))
@@ -41,8 +40,7 @@ def test_package_imports_without_vllm():
             "import specwatch.collectors.vllm as v, specwatch.collectors.vllm.demo, "
             "specwatch.collectors.vllm.plugin, specwatch.collectors.vllm.hooks\n"
             "print(sorted(v.__all__)[0])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    fresh_python(code, timeout=120)
 
 
 @pytest.mark.parametrize("request_id, extra, expected", [
