@@ -216,3 +216,38 @@ def test_alert_rule_needs_its_for_duration_and_resolves():
 def test_cli_rejects_bad_arguments():
     proc = specwatch("evaluate", "--processes", "0", timeout=300)
     assert proc.returncode == 2 and "--processes" in proc.stderr
+
+
+def test_a_small_fleet_is_watched_until_its_shadow_checks_and_kv_peaks_arrive():
+    """One worker with four running requests: its first strict mismatch comes minutes after the
+    incident starts and its KV holds over the watermark only late in the surge. The watch grows
+    as the fleet shrinks, so both are decided, and the KV row says when KV first held over it
+    (with the old fixed watches, 180 s and 40 s, both were 'missed')."""
+    from specwatch.evaluation.suite import _incident_case, _watch_seconds, run_case
+
+    assert _watch_seconds("quality_mismatch", 0.5, 8, 16) == 180.0
+    assert _watch_seconds("quality_mismatch", 0.5, 1, 4) == 1800.0
+    assert _watch_seconds("kv_pressure", 0.6, 1, 4) == 1280.0
+    quality = run_case(_incident_case("quality_mismatch", 0.5, "50%", level=(1, 4), compare_baselines=False),
+                       SETTINGS)["incidents"][0]
+    assert quality["measured_from"] == "first_mismatch_record"
+    assert round(quality["reference_ts"] - quality["start_ts"], 1) == 351.2
+    assert (quality["specwatch"]["verdict"], quality["specwatch"]["delay_s"]) == ("right", 1.772)
+    kv = run_case(_incident_case("kv_pressure", 0.6, "60%", level=(1, 4), compare_baselines=False),
+                  SETTINGS)["incidents"][0]
+    assert (kv["specwatch"]["verdict"], kv["specwatch"]["delay_s"]) == ("right", 450.0)
+    assert kv["kv_over_watermark"] == {"slices": 19, "longest_run_slices": 4, "slices_needed": 3,
+                                       "sustained_from_s": 446.0}
+
+
+def test_a_kv_spike_shorter_than_the_gate_needs_is_not_reached_not_missed():
+    from specwatch.evaluation.suite import _kv_evidence
+
+    row = {"start_ts": 100.0, "specwatch": {"verdict": "missed", "delay_s": None}}
+    _kv_evidence(row, {130, 131, 140}, 3, 1.0)
+    assert row["kv_over_watermark"] == {"slices": 3, "longest_run_slices": 2, "slices_needed": 3,
+                                        "sustained_from_s": None}
+    assert row["specwatch"]["verdict"] == "not_reached"
+    row = {"start_ts": 100.0, "specwatch": {"verdict": "missed", "delay_s": None}}
+    _kv_evidence(row, {130, 131, 132}, 3, 1.0)
+    assert (row["kv_over_watermark"]["sustained_from_s"], row["specwatch"]["verdict"]) == (30.0, "missed")

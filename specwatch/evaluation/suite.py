@@ -87,6 +87,7 @@ TARGETS = {
 # engine to four times the default fleet. Each key's traffic grows with their product.
 LEVELS = ((1, 4), (2, 8), (8, 16), (32, 16))
 _DEFAULT_LEVEL = (8, 16)
+_DEFAULT_SLOTS = _DEFAULT_LEVEL[0] * _DEFAULT_LEVEL[1]
 # Finished requests per minute of the incident key per running-request slot of the fleet, to
 # size how long a slow incident is watched (measured on healthy traffic, seed 11: main cohorts
 # at 2 x 16, quiet keys at 8 x 16).
@@ -100,6 +101,7 @@ _REASONING_DECODE_SECONDS = 3.7
 # up to the cap: beyond it the suite reports the bound and 'missed' within the watch.
 _WATCH_BOUNDS = 2.5
 _WATCH_CAP_SECONDS = 1800.0
+_SCALED_WATCHES = ("quality_mismatch", "kv_pressure")
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,10 @@ def _watch_seconds(scenario: str, intensity: float | None, workers: int, concurr
     """How long an incident is watched: its fixed span, longer where the bound says it must be."""
     kind = incident_kind(scenario)
     seconds = _OBSERVE_SECONDS[kind]
+    if kind in _SCALED_WATCHES:
+        # shadow checks and KV peaks come with the fleet's running requests: a smaller fleet
+        # is watched for longer (its case stops once specwatch has decided)
+        return min(_WATCH_CAP_SECONDS, seconds * max(1.0, _DEFAULT_SLOTS / (workers * concurrency)))
     per_slot = _REQUESTS_PER_MINUTE_PER_SLOT.get(scenario)
     if per_slot is None:
         return seconds
@@ -436,11 +442,14 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
     first_mismatch: float | None = None
     last_ts = sim.start_ts
     records = 0
+    over_watermark: set[int] = set()  # slices after the incident start with a step's KV over the watermark
     for record in sim.records():
         records += 1
         last_ts = record.ts
         if isinstance(record, StepRecord):
             watch.step(record)
+            if record.kv_usage > policy.kv.watermark and record.ts >= first_start:
+                over_watermark.add(int(record.ts // policy.windows.slice_seconds))
         elif isinstance(record, RequestRecord):
             if record.ts < first_start and watch.key == (record.bucket, record.cohort):
                 watch.key_requests += 1
@@ -463,6 +472,8 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
                                          row["bucket"], watch.key_decode_seconds,
                                          watch.key_rounds / watch.key_requests if watch.key_requests else None)
         row["watched_s"] = round(last_ts - incidents[0].start_ts, 1)
+        if row["kind"] == "kv_pressure":
+            _kv_evidence(row, over_watermark, policy.kv.consecutive, policy.windows.slice_seconds)
     result["baseline_headroom"] = {
         "kill_switch_lowest_rolling_rate": _finite_or_none(watch.lowest_switch_rate),
         "kill_switch_threshold": settings.kill_switch_threshold,
@@ -470,6 +481,24 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
         "prometheus_threshold": settings.alert_threshold,
     }
     return result
+
+
+def _kv_evidence(row: dict, over_watermark: set[int], consecutive: int, slice_seconds: float) -> None:
+    """What a KV surge put in front of the gate: slices with a step over the watermark, the
+    longest run of them, and when the first run of ``consecutive`` slices began (seconds after the
+    incident start). A surge that never holds KV over it that long is a spike the gate is meant
+    to ride out: its verdict is ``not_reached`` instead of missed."""
+    longest = run = 0
+    previous = sustained = None
+    for index in sorted(over_watermark):
+        run = run + 1 if previous == index - 1 else 1
+        longest, previous = max(longest, run), index
+        if sustained is None and run == consecutive:
+            sustained = round((index - consecutive + 1) * slice_seconds - row["start_ts"], 1)
+    row["kv_over_watermark"] = {"slices": len(over_watermark), "longest_run_slices": longest,
+                                "slices_needed": consecutive, "sustained_from_s": sustained}
+    if row["specwatch"]["verdict"] == "missed" and longest < consecutive:
+        row["specwatch"]["verdict"] = "not_reached"
 
 
 def _finite_or_none(value: float) -> float | None:
