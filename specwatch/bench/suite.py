@@ -617,7 +617,7 @@ _TARGET_ROWS = (
     ("stream rounds/s per core at 16 requests/step (OTLP)", "stream",
      TARGETS["stream_rounds_per_core_s_at_16"], "min", "measured", _stream_row("otlp")),
     ("Kafka end to end, rounds/s with 2 workers (capacity)", "kafka", TARGETS["kafka_rounds_per_s"], "min", "measured",
-     lambda k: (k["two_workers"]["rounds_per_s"], "the same telemetry through the embedded fast path",
+     lambda k: (k["two_workers"]["rounds_per_s"], "the same telemetry through the embedded pipeline",
                 k["two_workers"]["embedded_fast_rounds_per_s"],
                 f"1 worker: {k['flat_out']['rounds_per_s']:,.0f} rounds/s")),
     ("Kafka decision p99 (s after the evidence) at 80 % of capacity", "kafka",
