@@ -20,7 +20,7 @@ from specwatch.streams.ingest import Ingest
 from specwatch.streams.topology import Stage1
 
 from test_bad_input import BAD_LINES
-from test_fastpath import ODD_LINES
+from test_fastpath import ODD_LINES, pipeline_run
 from test_scenarios import EXPECTED, SEED
 
 
@@ -115,20 +115,9 @@ def test_an_otlp_request_as_a_block_folds_as_its_records():
 
 def test_pipeline_in_blocks_decides_and_flags_as_line_by_line():
     lines = list(_lines(minutes=2.0))
-    runs = []
-    for block in (0, 333):
-        pipeline, slices = EmbeddedPipeline(Policy()), []
-        pipeline.sinks.append(lambda out, slices=slices: slices.append(json.dumps(
-            (out.slice_index, out.window_rows, [a.audit for a in out.actions], [a.samples for a in out.actions]),
-            sort_keys=True, default=repr)))
-        if block:
-            decided = [d for i in range(0, len(lines), block) for d in pipeline.feed_lines(lines[i:i + block])]
-        else:
-            decided = [d for line in lines for d in pipeline.feed_line(line)]
-        decided += pipeline.finish()
-        runs.append(([d.to_json_line() for d in decided], slices, pipeline.counters.as_dict()))
-    assert runs[0] == runs[1]
-    assert len(runs[0][0]) > 0 and runs[0][2]["flagged"][0]["line"] > 1
+    reference = pipeline_run(lines)
+    assert pipeline_run(lines, 333) == reference
+    assert len(reference[0]) > 0 and reference[2]["flagged"][0]["line"] > 1
 
 
 @pytest.mark.parametrize("scenario", sorted(EXPECTED))

@@ -211,14 +211,21 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
             naive_otlp.append((per_round_otlp(bodies), encode_records([r for r in chunk if r.kind != "step"])))
         blocks = line_blocks(lines)
         for encoding in ("jsonl", "otlp"):
-            def columnar():
+            def pipeline(columnar: bool) -> list[str]:
+                # the batch mode, or the per-record reference path: one record at a time through the pydantic codecs
                 p = EmbeddedPipeline()
-                if encoding == "jsonl":
+                if encoding == "jsonl" and columnar:
                     for block in blocks:
                         p.feed_lines(block)
+                elif encoding == "jsonl":
+                    for line in lines:
+                        p.feed_line(line)
                 else:
                     for payload in otlp:
-                        p.feed_block(request_block(payload))
+                        if columnar:
+                            p.feed_block(request_block(payload))
+                        else:
+                            p.feed_many(decode_request(payload))
                 return [d.to_json_line() for d in p.decisions + p.finish()]
 
             def decode_only():
@@ -242,17 +249,6 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                     for payload in otlp:
                         ExportLogsServiceRequest.FromString(payload)
 
-            def reference():
-                # the per-record reference path: one record at a time through the pydantic codecs
-                p = EmbeddedPipeline()
-                if encoding == "jsonl":
-                    for line in lines:
-                        p.feed_line(line)
-                else:
-                    for payload in otlp:
-                        p.feed_many(decode_request(payload))
-                return [d.to_json_line() for d in p.decisions + p.finish()]
-
             def naive():
                 p = NaiveRoundPipeline()
                 if encoding == "jsonl":
@@ -270,11 +266,11 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
             # run of each alone would mostly measure who else was running at the time
             t_columnar = t_floor = t_decode = float("inf")
             for _ in range(1 if smoke else 3):
-                t, columnar_out = _cpu(columnar)
+                t, columnar_out = _cpu(lambda: pipeline(columnar=True))
                 t_columnar = min(t_columnar, t)
                 t_floor = min(t_floor, _cpu(parse_floor)[0])
                 t_decode = min(t_decode, _cpu(decode_only)[0])
-            t_ref, ref_out = _cpu(reference)
+            t_ref, ref_out = _cpu(lambda: pipeline(columnar=False))
             t_naive, _ = _cpu(naive)
             rows.append({
                 "encoding": encoding, "requests_per_step": round(rounds / max(1, len(steps)), 1),
