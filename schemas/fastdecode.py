@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 if TYPE_CHECKING:  # the protobuf classes load when OTLP is read, not for JSON Lines
     from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
-from .codec import MAX_LINE_BYTES, Rejection, decode_line
+from .codec import MAX_LINE_BYTES, Rejection, decode_line, decode_object
 from .contract import MAX_REQUESTS_PER_STEP, StepRecord, TelemetryRecord, printable, scope_name_ok
 from .otlp import MAX_REQUEST_BYTES, decode_log_record, decode_request
 from .otlp import _REQUESTS_PREFIX, _attribute  # noqa: PLC2701 - same contract, same package
@@ -721,11 +721,13 @@ _DRAFTED = attrgetter("drafted")
 _ACCEPTED = attrgetter("accepted")
 
 
-# Records of the other kinds, read no further here: each is decoded again, alone, by `codec.decode_line`.
+# Records of the other kinds, read no further here: each is decoded again, alone, by `_decode_other`.
+_OTHER_KIND_NAMES = ("request", "shadow", "bundle")
 _OTHER_KINDS = tuple(msgspec.defstruct(f"_Other{kind.title()}", [], tag_field="kind", tag=kind)
-                     for kind in ("request", "shadow", "bundle"))
+                     for kind in _OTHER_KIND_NAMES)
 _BLOCK_DECODER = msgspec.json.Decoder(list[Union[(_BlockStep, *_OTHER_KINDS)]])
 _LINE_DECODER = msgspec.json.Decoder(_BlockStep)
+_ANY_DECODER = msgspec.json.Decoder()
 _LINE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 _STEP_FIELDS = attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage", "v")
 _REQUESTS = attrgetter("requests")
@@ -738,6 +740,24 @@ def _line_step(line: bytes) -> _BlockStep | None:
         return _LINE_DECODER.decode(line)
     except _LINE_ERRORS:
         return None
+
+
+def _decode_other(line: bytes) -> TelemetryRecord | Rejection | None:
+    """What `codec.decode_line` gives for a line the block does not hold as columns.
+
+    A valid record of another kind is validated from msgspec's parse, which is faster than
+    the stdlib's; for anything else the reference decodes the line itself.
+    """
+    if len(line) <= MAX_LINE_BYTES:
+        try:
+            obj = _ANY_DECODER.decode(line)
+        except _LINE_ERRORS:
+            return decode_line(line)  # blank, invalid, or JSON the stdlib reads and msgspec does not (NaN, 1e999)
+        if type(obj) is dict and obj.get("kind") in _OTHER_KIND_NAMES:
+            record = decode_object(obj)
+            if not isinstance(record, Rejection):
+                return record
+    return decode_line(line)
 
 
 def _parsed_lines(lines: Sequence[bytes]) -> list:
@@ -941,7 +961,7 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     pair = np.concatenate([found[1] for found in names]) if names else np.zeros(0, dtype=np.int64)
     taken = set(at)
     others = [(position, decoded) for position, line in enumerate(lines) if position not in taken
-              and (decoded := decode_line(line)) is not None]
+              and (decoded := _decode_other(line)) is not None]
     return _interned(header, round_step, pair, list(pairs), drafted, accepted, at, others,
                      [found[0] for found in names], lambda position: partial(decode_line, lines[position]))
 

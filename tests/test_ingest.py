@@ -94,7 +94,6 @@ def test_a_stage1_checkpoint_from_before_the_ingest_step_restores_with_its_count
     assert restored.records == fresh.records and restored.ingest.stage is restored.stage
 
 
-
 def test_a_stage1_checkpoint_that_decoded_with_the_removed_fast_decoder_restores(monkeypatch):
     # before: the task's ingest step decoded with `fastdecode.decode_request_fast`, which a
     # checkpoint names; that decoder is gone, and such a checkpoint must still load
