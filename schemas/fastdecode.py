@@ -1,9 +1,10 @@
-"""Decoding step records without building pydantic objects, for the processing hot path.
+"""Decoding blocks of step records as columns, without building pydantic objects (the batch mode).
 
-A step that passes a few cheap type and range checks becomes a `StepColumns` (its rounds
-tallied; on OTLP read straight from the protobuf bytes); anything else goes through the
-reference codec, so records and rejection reasons are exactly those of `codec.decode_line`
-and `otlp.decode_request`.
+A block of JSON lines (`decode_lines_block`) or an OTLP request (`request_block`) becomes a
+`StepBlock`: the steps that pass a few cheap type and range checks as columns (on OTLP read
+straight from the protobuf bytes), every other record as the reference codec decodes it, so
+records and rejection reasons are exactly those of `codec.decode_line` and
+`otlp.decode_request`, record by record.
 """
 
 from __future__ import annotations
@@ -12,16 +13,13 @@ import gc
 import math
 import re
 import struct
-from collections import Counter, _count_elements  # noqa: PLC2701 - Counter.update's C loop, without its Mapping check
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain
-from operator import attrgetter, gt, itemgetter
+from operator import attrgetter, gt
 from typing import TYPE_CHECKING, Annotated, Any, Callable, NamedTuple, Sequence, Union
 
 import msgspec
 import numpy as np
-import orjson
 from google.protobuf.message import DecodeError
 
 if TYPE_CHECKING:  # the protobuf classes load when OTLP is read, not for JSON Lines
@@ -33,53 +31,14 @@ from .otlp import MAX_REQUEST_BYTES, decode_log_record, decode_request
 from .otlp import _REQUESTS_PREFIX, _attribute  # noqa: PLC2701 - same contract, same package
 from .otlp import _Memo as _WriterMemo  # noqa: PLC2701
 
-__all__ = ["StepBlock", "StepColumns", "decode_line_fast", "decode_lines_block", "decode_request_fast", "request_block",
-           "step_columns"]
+__all__ = ["StepBlock", "decode_lines_block", "request_block"]
 
 _MAX_NAME = 256  # contract.Name
 _MAX_DRAFT = 64  # RoundEntry.drafted / accepted bound
 # ints beyond this lose precision as floats; such times take the reference path
 _MAX_EXACT_INT = 1 << 53
-_ROUND = itemgetter("bucket", "cohort", "drafted", "accepted")
-_ID = itemgetter("id")
-_BUCKET = itemgetter("bucket")
-_COHORT = itemgetter("cohort")
 _INF = math.inf
 _STR = {str}
-_STR_INT = {str, int}
-_INT = {int}
-
-
-@dataclass(slots=True)
-class StepColumns:
-    """A step record that passed validation, its rounds tallied.
-
-    ``rounds`` counts requests by (bucket, cohort, drafted, accepted), in first-seen order;
-    ``ids``, ``buckets`` and ``cohorts`` name the step's requests, one column each, in the
-    step's order (stage 1 tracks which requests are running).
-
-    ``record()`` builds the equivalent `StepRecord` through the reference codec; stage 1
-    needs it only for the few steps it keeps as samples.
-    """
-
-    ts: float
-    worker: str
-    seq: int
-    bundle_id: str
-    draft_ms: float
-    verify_ms: float
-    kv_usage: float
-    rounds: Counter
-    _build: Callable[[], TelemetryRecord | Rejection]
-    ids: Sequence[str]
-    buckets: Sequence[str]
-    cohorts: Sequence[str]
-
-    kind = "step"
-
-    def record(self) -> StepRecord:
-        return self._build()
-
 
 
 def _time(x: Any) -> bool:
@@ -103,28 +62,6 @@ def _names(column: Any) -> bool:
     return joined.isprintable() or printable(joined)
 
 
-def _scope_names(column: Any) -> bool:
-    """`_names`, and every one fit for a decision scope key (buckets, cohorts)."""
-    return _names(column) and all(map(scope_name_ok, set(column)))
-
-
-def _tally(rounds: list) -> Counter | None:
-    """Rounds counted by (bucket, cohort, drafted, accepted) if every one is valid, else None."""
-    # only str and int anywhere: then equal keys are equal values (no True == 1 == 1.0)
-    if not set(map(type, chain.from_iterable(rounds))) <= _STR_INT:
-        return None
-    tally = Counter(rounds)
-    if not tally:
-        return tally
-    # checked over the distinct rounds, column by column, in C
-    buckets, cohorts, drafted, accepted = zip(*tally)
-    if not (_scope_names(buckets + cohorts) and set(map(type, drafted)) == _INT
-            and set(map(type, accepted)) == _INT and min(accepted) >= 0 and max(drafted) <= _MAX_DRAFT
-            and not any(map(gt, accepted, drafted))):
-        return None
-    return tally
-
-
 def _header(obj: dict) -> tuple | None:
     """The step's scalar fields as the reference would type them, or None to take the reference path."""
     v, ts, seq, kv = obj.get("v"), obj.get("ts"), obj.get("seq"), obj.get("kv_usage")
@@ -139,71 +76,11 @@ def _header(obj: dict) -> tuple | None:
     return float(ts), worker, seq, bundle_id, float(draft_ms), float(verify_ms), float(kv)
 
 
-def step_columns(obj: Any, build: Callable[[], TelemetryRecord | Rejection]) -> StepColumns | None:
-    """``obj`` (a parsed contract-v1 step object) as columns if it passes the cheap checks, else None.
-
-    None means "not proven valid here": the caller decodes it with the reference codec,
-    which gives the record or the exact rejection.
-
-    >>> obj = {"kind": "step", "v": 1, "ts": 10, "worker": "w1", "seq": 0, "bundle_id": "b",
-    ...        "draft_ms": 1, "verify_ms": 10.0, "kv_usage": 0.5,
-    ...        "requests": [{"id": "r1", "bucket": "coding", "cohort": "main", "drafted": 4, "accepted": 3}]}
-    >>> step = step_columns(obj, lambda: decode_object(obj))
-    >>> step.ts, dict(step.rounds), step.record().requests[0].accepted
-    (10.0, {('coding', 'main', 4, 3): 1}, 3)
-    >>> obj["requests"][0]["accepted"] = 5
-    >>> step_columns(obj, lambda: decode_object(obj)) is None
-    True
-    """
-    if type(obj) is not dict or obj.get("kind") != "step":
-        return None
-    header = _header(obj)
-    requests = obj.get("requests")
-    if header is None or type(requests) is not list or len(requests) > MAX_REQUESTS_PER_STEP:
-        return None
-    try:
-        ids = list(map(_ID, requests))
-        rounds = list(map(_ROUND, requests))
-    except (KeyError, TypeError):  # an entry that is not an object, or lacks a field
-        return None
-    if ids and not _names(ids):
-        return None
-    tally = _tally(rounds)
-    if tally is None:
-        return None
-    return StepColumns(*header, tally, build, ids, list(map(_BUCKET, requests)), list(map(_COHORT, requests)))
-
-
-def decode_line_fast(line: str | bytes) -> TelemetryRecord | StepColumns | Rejection | None:
-    """`codec.decode_line` with steps as `StepColumns`; every other outcome is identical.
-
-    >>> decode_line_fast('{"kind": "step", "v": 1}').reason
-    'missing_field'
-    >>> decode_line_fast(b'{"kind":"step","v":1,"ts":1.5,"worker":"w","seq":3,"bundle_id":"b",'
-    ...                  b'"draft_ms":1.0,"verify_ms":9.0,"kv_usage":0.2,"requests":[]}').seq
-    3
-    """
-    if len(line) > MAX_LINE_BYTES:
-        return decode_line(line)
-    try:
-        obj = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return decode_line(line)  # blank, invalid, or JSON orjson reads differently (NaN, huge ints)
-    step = step_columns(obj, lambda: decode_line(line))
-    if step is not None:
-        return step
-    if type(obj) is dict and obj.get("kind") in ("request", "shadow", "bundle"):
-        record = decode_object(obj)
-        if not isinstance(record, Rejection):
-            return record
-    return decode_line(line)
-
-
 # ---------------------------------------------------------------- OTLP steps from the wire
 #
 # Why a hand-written reader rather than the protobuf classes: reading a step through upb
 # makes a Python object per attribute, per AnyValue and per array element, and that was
-# most of the fast OTLP path's CPU. upb still parses every request first, which proves the
+# most of the OTLP decode's CPU. upb still parses every request first, which proves the
 # bytes are a well-formed ExportLogsServiceRequest (lengths, varints, UTF-8, nesting) and
 # gives the reference path its input; this reader only walks offsets in those bytes. It
 # reads a step in one of two ways, and gives up on the record (which then goes through
@@ -216,7 +93,8 @@ def decode_line_fast(line: str | bytes) -> TelemetryRecord | StepColumns | Rejec
 # - `_step_from_wire`: attributes in any order, unknown LogRecord fields, long strings,
 #   keys repeated (the last wins, as upb keeps it).
 #
-# Both never build a Python value per round: the columns are zipped into the tally.
+# Neither builds a Python value per round: a step's round columns stay bytes and tuples
+# (`_StepRow`) until `request_block` joins them.
 
 _STEP_EVENT = b"specwatch.step"
 _ATTRIBUTE_PREFIX = b"specwatch."
@@ -237,10 +115,9 @@ class _OddShape(Exception):
 class _Memo:
     """What repeats across the step records of one request, keyed by the bytes it came from."""
 
-    __slots__ = ("names", "columns", "int_heads", "strings", "bodies", "as_rows")
+    __slots__ = ("names", "columns", "int_heads", "strings", "bodies")
 
-    def __init__(self, as_rows: bool = False) -> None:
-        self.as_rows = as_rows  # steps as `_StepRow` (for a `StepBlock`) rather than tallied
+    def __init__(self) -> None:
         self.names: dict[bytes, str | None] = {}  # worker / bundle_id attribute -> name, None if not one
         self.columns: dict[bytes, tuple] = {}  # id / bucket / cohort attribute -> what _strings gives
         self.int_heads: dict[int, bytes] = {}  # drafted / accepted attribute size -> bytes before the elements
@@ -475,11 +352,10 @@ class _StepRow(NamedTuple):
 
 
 def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: bytes, accepted: bytes,
-          build: Callable, as_rows: bool = False) -> StepColumns | _StepRow | None:
-    """The step if its rounds pass the checks `_tally` makes, else None (the reference decides).
+          build: Callable) -> _StepRow | None:
+    """The step if its rounds pass the contract's checks, else None (the reference decides).
 
-    ``ids``, ``buckets`` and ``cohorts`` are what `_strings` gives; ``as_rows``: the step
-    as a `_StepRow`, its rounds not tallied.
+    ``ids``, ``buckets`` and ``cohorts`` are what `_strings` gives.
     """
     ids, ids_named, _ = ids
     buckets, _, buckets_scoped = buckets
@@ -490,11 +366,7 @@ def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: by
         return None
     if n and (max(drafted) > _MAX_DRAFT or any(map(gt, accepted, drafted))):
         return None
-    if as_rows:
-        return _StepRow(header, ids, buckets, cohorts, drafted, accepted, build)
-    rounds = _new_counter(Counter)  # what Counter() is, without its Python-level __init__
-    _count_elements(rounds, zip(buckets, cohorts, drafted, accepted))
-    return StepColumns(*header, rounds, build, ids, buckets, cohorts)
+    return _StepRow(header, ids, buckets, cohorts, drafted, accepted, build)
 
 
 # ------------------------------------------------ the layout otlp.encode_records writes
@@ -530,7 +402,6 @@ def _after_unread_fields(buf: bytes, p: int) -> int:
     return p
 
 _MISSING = object()
-_new_counter = Counter.__new__
 _V_TS_HEAD = _written("specwatch.v", 1) + _head("specwatch.ts", 0.5, 8)
 _V_TS = struct.Struct(f"<{len(_V_TS_HEAD)}sd")
 _V_TS_SIZE = _V_TS.size
@@ -569,7 +440,7 @@ def _plain_int_head(attribute: bytes, key: bytes, memo: _Memo) -> bytes:
     return head
 
 
-def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | None:
+def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | None:
     """A step in the writer's layout, or None if its values fail the checks; `_OddShape` otherwise."""
     # Every piece is read at the offset the one before it ends: a length read from the
     # bytes, or a fixed layout compared whole. The event name must end the record exactly.
@@ -639,13 +510,13 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | 
             and seq < _INT64_SIGN and worker is not None and bundle_id is not None):
         return None
     return _step((ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage), ids, buckets, cohorts, drafted, accepted,
-                 partial(_record_at, buf, start, end), memo.as_rows)
+                 partial(_record_at, buf, start, end))
 
 
 # ------------------------------------------------ any field order
 
 
-def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumns | None:
+def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | None:
     """The LogRecord in buf[start:end] as a step, None if it is not a valid one; `_OddShape` if unsure.
 
     Reads what `otlp.decode_log_record` reads for a step: the event name, the specwatch.*
@@ -705,7 +576,7 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> StepColumn
         if _array_count(buf, *_array_body(buf, s, e)) != len(ids[0]):
             return None
     return _step(header, ids, buckets, cohorts, _small_ints(buf[slice(*columns[3])]),
-                 _small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end), memo.as_rows)
+                 _small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end))
 
 
 def _log_records(request: ExportLogsServiceRequest) -> list:
@@ -717,13 +588,10 @@ _READ_TAGS = frozenset((0x32, _STAMP, _OBSERVED, 0x62))
 _NOT_READ = (_OddShape, IndexError, ValueError, TypeError, KeyError, struct.error)
 
 
-def decode_request_fast(data: bytes | bytearray | memoryview,
-                        as_rows: bool = False) -> list[TelemetryRecord | StepColumns | Rejection]:
-    """`otlp.decode_request` with steps as `StepColumns`; every other outcome is identical.
+def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord | _StepRow | Rejection]:
+    """`otlp.decode_request` with the steps the wire reader reads as `_StepRow`; every other outcome is identical.
 
-    ``as_rows``: steps as `_StepRow`, for `request_block`.
-
-    >>> decode_request_fast(b"\\xff\\xff not protobuf")[0].reason
+    >>> _request_items(b"\\xff\\xff not protobuf")[0].reason
     'invalid_otlp'
     """
     if len(data) > MAX_REQUEST_BYTES:
@@ -739,7 +607,7 @@ def decode_request_fast(data: bytes | bytearray | memoryview,
     spans = _log_record_spans(buf)
     if spans is None:
         return [decode_log_record(log_record) for log_record in _log_records(request)]
-    memo = _Memo(as_rows)
+    memo = _Memo()
     parsed: list | None = None
     out: list = []
     append = out.append
@@ -765,10 +633,10 @@ def decode_request_fast(data: bytes | bytearray | memoryview,
 
 # ------------------------------------------------ a block of records, its steps as columns
 #
-# The batch mode of the fast decoders: a block of JSON lines (a file chunk, a Kafka fetch)
+# The batch mode: a block of JSON lines (a file chunk, a Kafka fetch)
 # or an OTLP request becomes one `StepBlock`: its steps as arrays, one row per step and one
 # per round, with (bundle, bucket, cohort) interned per block, and every other record as
-# the per-record decoders decode it, by position. Stage 1 folds it with numpy
+# the reference codec decodes it, by position. Stage 1 folds it with numpy
 # (`Stage1.fold_block`), so no Python object is made per round.
 
 
@@ -782,8 +650,8 @@ class StepBlock:
     list the same requests often share one) and ``at[i]``, its position in the block (a
     line, a record of the request). Per round row ``j``: ``round_step[j]``, ``round_key[j]``
     (an index into ``keys``), ``drafted[j]``, ``accepted[j]`` and ``count[j]``. ``others``:
-    every other outcome (records, `StepColumns`, rejections) as ``(position, decoded)``, in
-    order.
+    every other outcome (the reference codec's records and rejections) as
+    ``(position, decoded)``, in order.
 
     ``record(i)`` builds step ``i`` as the reference codec does, ``builder(i)`` is what
     builds it (picklable, and holding only that step's bytes): for the few kept as samples.
@@ -853,11 +721,13 @@ _DRAFTED = attrgetter("drafted")
 _ACCEPTED = attrgetter("accepted")
 
 
-# Records of the other kinds, read no further here: each is decoded again, alone, by `decode_line_fast`.
+# Records of the other kinds, read no further here: each is decoded again, alone, by `_decode_other`.
+_OTHER_KIND_NAMES = ("request", "shadow", "bundle")
 _OTHER_KINDS = tuple(msgspec.defstruct(f"_Other{kind.title()}", [], tag_field="kind", tag=kind)
-                     for kind in ("request", "shadow", "bundle"))
+                     for kind in _OTHER_KIND_NAMES)
 _BLOCK_DECODER = msgspec.json.Decoder(list[Union[(_BlockStep, *_OTHER_KINDS)]])
 _LINE_DECODER = msgspec.json.Decoder(_BlockStep)
+_ANY_DECODER = msgspec.json.Decoder()
 _LINE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 _STEP_FIELDS = attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage", "v")
 _REQUESTS = attrgetter("requests")
@@ -870,6 +740,24 @@ def _line_step(line: bytes) -> _BlockStep | None:
         return _LINE_DECODER.decode(line)
     except _LINE_ERRORS:
         return None
+
+
+def _decode_other(line: bytes) -> TelemetryRecord | Rejection | None:
+    """What `codec.decode_line` gives for a line the block does not hold as columns.
+
+    A valid record of another kind is validated from msgspec's parse, which is faster than
+    the stdlib's; for anything else the reference decodes the line itself.
+    """
+    if len(line) <= MAX_LINE_BYTES:
+        try:
+            obj = _ANY_DECODER.decode(line)
+        except _LINE_ERRORS:
+            return decode_line(line)  # blank, invalid, or JSON the stdlib reads and msgspec does not (NaN, 1e999)
+        if type(obj) is dict and obj.get("kind") in _OTHER_KIND_NAMES:
+            record = decode_object(obj)
+            if not isinstance(record, Rejection):
+                return record
+    return decode_line(line)
 
 
 def _parsed_lines(lines: Sequence[bytes]) -> list:
@@ -1009,7 +897,7 @@ def _any_layout(raw: msgspec.Raw, pairs: dict) -> tuple | None:
     """A step's requests decoded round by round, for a layout `_read_rounds` does not read by position.
 
     Returns ``(ids, each round's index in pairs, drafted, accepted)``, or None if they fail
-    the checks of `step_columns`.
+    the contract's checks.
     """
     try:
         rounds = _ROUNDS_DECODER.decode(raw)
@@ -1031,10 +919,10 @@ def _any_layout(raw: msgspec.Raw, pairs: dict) -> tuple | None:
 def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     """A block of JSON lines as one `StepBlock`, positions being line numbers in the block.
 
-    Steps msgspec reads whose requests `_read_rounds` reads, and that pass the checks of
-    `step_columns`, become columns; every other line is what `decode_line_fast` gives for it
+    Steps msgspec reads whose requests `_read_rounds` reads, and that pass the contract's
+    checks, become columns; every other line is what `codec.decode_line` gives for it
     (blank lines give nothing). Records, rejections and their order are those of
-    `decode_line_fast` line by line.
+    `codec.decode_line` line by line.
 
     >>> step = (b'{"kind":"step","v":1,"ts":%d,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
     ...         b'"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
@@ -1064,7 +952,7 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
             good[round_step[bad_round]] = False
     keep_round = good[round_step]
     kept = good.tolist()
-    if not all(kept):  # a few steps left to `decode_line_fast`
+    if not all(kept):  # a few steps left to `codec.decode_line`
         at = [position for position, keep in zip(at, kept) if keep]
         header = [[value for value, keep in zip(column, kept) if keep] for column in header]
         names = [found for found, keep in zip(names, kept) if keep]
@@ -1073,13 +961,13 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     pair = np.concatenate([found[1] for found in names]) if names else np.zeros(0, dtype=np.int64)
     taken = set(at)
     others = [(position, decoded) for position, line in enumerate(lines) if position not in taken
-              and (decoded := decode_line_fast(line)) is not None]
+              and (decoded := _decode_other(line)) is not None]
     return _interned(header, round_step, pair, list(pairs), drafted, accepted, at, others,
                      [found[0] for found in names], lambda position: partial(decode_line, lines[position]))
 
 
 def _checked(header, names: list) -> np.ndarray:
-    """Which steps pass the checks of `step_columns` that msgspec and `_read_rounds` did not make."""
+    """Which steps pass the contract's checks that msgspec and `_read_rounds` did not make."""
     ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage, v = header
     ts, draft_ms, verify_ms, kv_usage = (np.asarray(column, dtype=np.float64)
                                          for column in (ts, draft_ms, verify_ms, kv_usage))
@@ -1122,7 +1010,7 @@ def _interned(header, round_step: np.ndarray, pair_index: np.ndarray, pairs: lis
 def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
     """An OTLP request as one `StepBlock`, positions being the indices of its log records.
 
-    Records, rejections and their order are those of `decode_request_fast`.
+    Records, rejections and their order are those of `otlp.decode_request`.
 
     >>> from specwatch.schemas import decode_line
     >>> from specwatch.schemas.otlp import encode_records
@@ -1133,7 +1021,7 @@ def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
     >>> block.seqs, block.keys, block.drafted.tolist(), block.step_ids, block.record(1).seq
     ([1, 2], [('b', 'chat', 'main'), ('b', None, None)], [4, 4], [('r',), ('r',)], 2)
     """
-    items = decode_request_fast(data, as_rows=True)
+    items = _request_items(data)
     at = [i for i, item in enumerate(items) if type(item) is _StepRow]
     rows = [items[i] for i in at]
     header = list(zip(*(row.header for row in rows))) or ((),) * 7

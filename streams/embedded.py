@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from specwatch.actions.flags import FlagStore
-from specwatch.schemas import Decision, Policy, RejectionCounter, decode_line
+from specwatch.schemas import Decision, Policy, RejectionCounter
 from specwatch.schemas.fastdecode import StepBlock, decode_lines_block
 
-from .ingest import Decoder, Ingest, Ingested
+from .ingest import Ingest, Ingested
 from .topology import SliceOutput, Stage1, Stage2
 
 __all__ = ["EmbeddedPipeline", "PipelineCounters"]
@@ -66,21 +66,20 @@ class EmbeddedPipeline:
         Wall clock of a live pipeline: records further ahead of it than
         ``windows.max_ahead_seconds`` are rejected (``ts_in_future``). None (replays,
         simulated time): no check.
-    decode
-        What `feed_line` decodes lines with: ``decode_line`` (the reference codec) or
-        ``decode_line_fast`` (the fast path: the same records, rejections and decisions,
-        without a pydantic object per step).
+
+    Records go in one at a time (`feed_line`, `feed`, `feed_many`: the reference codecs) or a
+    block at a time (`feed_lines`, `feed_block`: the batch mode), with the same decisions.
     """
 
     def __init__(self, policy: Policy | None = None, flags: FlagStore | None = None,
                  sinks: Iterable[Callable[[SliceOutput], None]] = (),
-                 clock: Callable[[], float] | None = None, decode: Decoder = decode_line) -> None:
+                 clock: Callable[[], float] | None = None) -> None:
         self.policy = policy or Policy()
         self._clock = clock
         self.flags = flags if flags is not None else FlagStore()
         self.stage1 = Stage1(self.policy, source="embedded")
         self.stage2 = Stage2(self.policy, self.flags)
-        self.ingest = Ingest(self.stage1, decode)
+        self.ingest = Ingest(self.stage1)
         self.sinks = list(sinks)
         self.counters = PipelineCounters(rejected=self.ingest.rejected)
         self.decisions: list[Decision] = []
@@ -108,8 +107,8 @@ class EmbeddedPipeline:
         """A block of JSON lines at once (the batch mode of `feed_line`).
 
         Records, rejections, late records (flagged by line) and decisions are those of
-        `feed_line` on each line, whichever ``decode`` the pipeline was given (the block is
-        decoded by `decode_lines_block`); the slices the block closes are decided at its end.
+        `feed_line` on each line (the block is decoded by `decode_lines_block`); the slices
+        the block closes are decided at its end.
         """
         first_line = self.counters.lines
         self.counters.lines += len(lines)

@@ -25,7 +25,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.sketch import LatencySketch
 from specwatch.schemas import Decision, Policy, Rejection, RejectionCounter
-from specwatch.schemas.fastdecode import decode_request_fast, request_block
+from specwatch.schemas.fastdecode import request_block
+from specwatch.schemas.otlp import decode_request
 
 from .ingest import Ingest
 from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2
@@ -232,7 +233,7 @@ class Stage1Task:
     def __init__(self, policy: Policy, source: str) -> None:
         self.source = source
         self.stage = Stage1(policy, source=source)
-        self.ingest = Ingest(self.stage, decode_request_fast)
+        self.ingest = Ingest(self.stage, decode_request)  # `fold` takes each message as a block
         self.next_offset: int | None = None
         self.messages = 0
 
@@ -241,7 +242,7 @@ class Stage1Task:
         by_reason = state.pop("rejected", None)
         self.__dict__.update(state)
         if "ingest" not in state:
-            self.ingest = Ingest(self.stage, decode_request_fast)
+            self.ingest = Ingest(self.stage, decode_request)
             self.ingest.rejected.by_reason.update(by_reason or {})
 
     @property
@@ -381,6 +382,17 @@ def _restore_sketch(max_centroids: int, digest: bytes, pending: list[float]) -> 
     return sketch
 
 
+# Names an older checkpoint holds that have gone since, and what they restore as. A stage-1
+# task's ingest step used to decode with the per-record fast OTLP decoder; its messages are
+# folded as blocks now (`Stage1Task.fold`), and the ingest step's own decoder is the reference.
+_RENAMED = {("specwatch.schemas.fastdecode", "decode_request_fast"): ("specwatch.schemas.otlp", "decode_request")}
+
+
+class _CheckpointUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        return super().find_class(*_RENAMED.get((module, name), (module, name)))
+
+
 def encode_checkpoint(task: Stage1Task | Stage2Task) -> bytes:
     """A task as bytes: pickled (detector state pickles; it is tied to pinned versions), compressed.
 
@@ -402,7 +414,7 @@ def decode_checkpoint(data: bytes) -> Stage1Task | Stage2Task:
     if not data.startswith(_CHECKPOINT_MAGIC):
         raise CheckpointError("not a specwatch checkpoint (bad header)")
     try:
-        task = pickle.loads(zlib.decompress(data[len(_CHECKPOINT_MAGIC):]))
+        task = _CheckpointUnpickler(io.BytesIO(zlib.decompress(data[len(_CHECKPOINT_MAGIC):]))).load()
     except Exception as error:  # noqa: BLE001 - any unpickling failure means: unusable
         raise CheckpointError(f"checkpoint does not load with this version: {error!r}") from error
     if not isinstance(task, (Stage1Task, Stage2Task)):

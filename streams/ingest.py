@@ -1,22 +1,25 @@
 """The one way into stage 1: decode, clock check, count, fold, close.
 
-The embedded pipeline, its fast path and the Faust stage-1 task all take records in here;
-they differ only in the decoder they pass and in what they do with what comes out.
+Records come in one at a time, decoded by the reference codecs (`Ingest.__call__`,
+`Ingest.records`), or a block at a time, decoded as columns (`Ingest.block`, the batch mode
+of `decode_lines_block` and `request_block`); both give the same records, rejections, late
+records and slices. The embedded pipeline and the Faust stage-1 task both take records in
+here and differ only in what they do with what comes out.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterable, NamedTuple, Sequence, Union
 
-from specwatch.schemas import Rejection, RejectionCounter, TelemetryRecord
+from specwatch.schemas import Rejection, RejectionCounter, TelemetryRecord, decode_line
 from specwatch.schemas.codec import ahead_of_clock
-from specwatch.schemas.fastdecode import StepBlock, StepColumns
+from specwatch.schemas.fastdecode import StepBlock
 
 from .topology import SliceBatch, Stage1
 
 __all__ = ["Decoded", "Decoder", "IdleRule", "Ingest", "Ingested"]
 
-Decoded = Union[TelemetryRecord, StepColumns, Rejection]
+Decoded = Union[TelemetryRecord, Rejection]
 # One payload (a JSON line, an OTLP request) to what it holds: one item, a list of them
 # (an OTLP request), or None (a blank line: nothing).
 Decoder = Callable[[Union[bytes, str]], Union[Decoded, list, None]]
@@ -89,9 +92,9 @@ class Ingest:
     stage
         The source's stage 1; only it touches its slices.
     decode
-        A payload to records: ``decode_line`` (the reference codec), ``decode_line_fast``
-        (steps as `StepColumns`, same records otherwise), or ``decode_request_fast`` (an
-        OTLP request: a list of them).
+        What `__call__` decodes a payload with: ``decode_line`` (a JSON line, the default)
+        or ``otlp.decode_request`` (an OTLP request: a list of records). `block` takes
+        records already decoded.
 
     ``rejected`` counts every record that was not folded, by reason: the decoder's, the
     wall-clock bound's (``ts_in_future``) and stage 1's own (clock skew, duplicates).
@@ -99,8 +102,7 @@ class Ingest:
     however the records were grouped into payloads.
 
     >>> from specwatch.schemas import Policy
-    >>> from specwatch.schemas.fastdecode import decode_line_fast
-    >>> ingest = Ingest(Stage1(Policy(), source="w1"), decode_line_fast)
+    >>> ingest = Ingest(Stage1(Policy(), source="w1"))
     >>> step = ('{"kind":"step","v":1,"ts":%s,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
     ...         '"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
     ...         '"drafted":4,"accepted":3}]}')
@@ -111,11 +113,22 @@ class Ingest:
     ('duplicate', 'invalid_json')
     >>> ingest(step % (10.2, 7)).late, ingest("").closed, ingest.rejected.as_dict()
     ([10.2], (), {'duplicate': 1, 'invalid_json': 1})
+
+    A block of the same lines gives the same, each rejection and late record by its position:
+
+    >>> from specwatch.schemas.fastdecode import decode_lines_block
+    >>> block = Ingest(Stage1(Policy(), source="w1"))
+    >>> lines = [step % (ts, seq) for seq, ts in enumerate((10.0, 10.5, 13.0, 13.5, 14.0))]
+    >>> done = block.block(decode_lines_block([*lines, step % (13.5, 3), "{", step % (10.2, 7)]))
+    >>> [(b.slice_index, len(b.partials)) for b in done.closed], done.rejected_at, done.late_at, done.late
+    ([(8, 0), (10, 2)], [5, 6], [7], [10.2])
+    >>> block.rejected.as_dict() == ingest.rejected.as_dict()
+    True
     """
 
     __slots__ = ("stage", "decode", "rejected")
 
-    def __init__(self, stage: Stage1, decode: Decoder) -> None:
+    def __init__(self, stage: Stage1, decode: Decoder = decode_line) -> None:
         self.stage = stage
         self.decode = decode
         self.rejected = RejectionCounter()

@@ -97,7 +97,7 @@ class RunningRequests:
     def saw(self, worker: str, ts: float, ids: Sequence[str], step) -> None:
         """A step of ``worker`` at ``ts`` listed the requests ``ids``.
 
-        ``step`` is the step (`StepColumns` or `StepRecord`); its bundle and the requests'
+        ``step`` is the step (a `StepRecord`, or a step of a block); its bundle and the requests'
         buckets and cohorts are read only when the worker's batch changed.
         """
         w = self._workers.get(worker)
@@ -158,14 +158,13 @@ class RunningRequests:
                     _stats(partials, entry[1]).running_long[f"{worker}/{rid}"] = entry[0]
 
 
-def request_ids(step) -> Sequence[str]:
-    """The ids of the requests a step lists: a column of the fast decoders, or read off a `StepRecord`."""
-    ids = getattr(step, "ids", None)
-    return ids if ids is not None else [entry.id for entry in step.requests]
+def request_ids(step) -> list[str]:
+    """The ids of the requests a `StepRecord` lists (a block hands them over as a column)."""
+    return [entry.id for entry in step.requests]
 
 
 def _scopes(step) -> tuple[Sequence[str], Sequence[str]]:
-    buckets = getattr(step, "buckets", None)
+    buckets = getattr(step, "buckets", None)  # a step of a block reads them off its rounds
     if buckets is not None:
         return buckets, step.cohorts
     return [entry.bucket for entry in step.requests], [entry.cohort for entry in step.requests]

@@ -34,7 +34,7 @@ from specwatch.schemas import (
     card_differences,
 )
 from specwatch.schemas.codec import ahead_of_clock
-from specwatch.schemas.fastdecode import StepBlock, StepColumns
+from specwatch.schemas.fastdecode import StepBlock
 from specwatch.schemas.outputs import ActionRecord, SliceOutput, SliceWindows
 from specwatch.schemas.policy import Policy
 
@@ -243,12 +243,8 @@ class Stage1:
             stats = batch.partials[key] = SliceStats()
         return stats
 
-    def add(self, record: TelemetryRecord | StepColumns) -> Rejection | None:
-        """Fold one validated contract-v1 record, or say why it is not folded.
-
-        A step may come as the reference `StepRecord` or as the fast decoders' `StepColumns`:
-        both fold through the same tallies and give the same partials.
-        """
+    def add(self, record: TelemetryRecord) -> Rejection | None:
+        """Fold one validated contract-v1 record, or say why it is not folded (a block: `fold_block`)."""
         kind = record.kind
         if kind == "step":
             return self._add_step(record)
@@ -278,19 +274,17 @@ class Stage1:
             self._add_bundle(batch, record)
         return None
 
-    def _add_step(self, step: StepRecord | StepColumns) -> Rejection | None:
+    def _add_step(self, step: StepRecord) -> Rejection | None:
         ts = step.ts
         rejection = self._admit("step", ts, (step.worker, step.seq))
         if rejection is not None:
             return rejection
         batch = self._slice(ts)
-        self.running.saw(step.worker, ts, step.ids if type(step) is StepColumns else request_ids(step), step)
+        self.running.saw(step.worker, ts, request_ids(step), step)
         # Rounds are tallied as (drafted, accepted) pair counts and folded into the
         # per-position arrays once per slice: one dict increment per distinct round instead
-        # of a loop over draft positions, the hot path of the whole processor. The fast
-        # decoders hand the step over already counted by (bucket, cohort, drafted, accepted).
-        rounds = step.rounds if type(step) is StepColumns else \
-            Counter([(e.bucket, e.cohort, e.drafted, e.accepted) for e in step.requests])
+        # of a loop over draft positions.
+        rounds = Counter([(e.bucket, e.cohort, e.drafted, e.accepted) for e in step.requests])
         bundle = step.bundle_id
         batch.sighted(bundle, step.worker, ts)
         tallies = batch.round_tallies
@@ -515,6 +509,9 @@ class Stage1:
             order[row] = sample_order(sample_id)
         pair_order = order[pair_step]
         acceptance = np.divide(pair_accepted, pair_drafted, out=np.zeros(len(pair_step)), where=pair_drafted > 0)
+        # one held step per row, whichever keys and kinds keep it: a step serves many keys, and
+        # what the kept samples hold is walked by the cyclic collector for as long as they are kept
+        held_steps: dict[int, _HeldStep] = {}
 
         def best(candidates: np.ndarray, severity: np.ndarray | None) -> dict[int, tuple]:
             # first of each group by (severity, order), then sample id; an earlier step wins a tie
@@ -537,7 +534,10 @@ class Stage1:
                 p = min(tied, key=lambda p: sample_ids[pair_step[p]])
                 row = int(pair_step[p])
                 head = () if severity is None else (float(severity[p]),)
-                out[int(groups[start])] = ((*head, int(pair_order[p]), sample_ids[row]), _HeldStep(block.builder(row)))
+                held = held_steps.get(row)
+                if held is None:
+                    held = held_steps[row] = _HeldStep(block.builder(row))
+                out[int(groups[start])] = ((*head, int(pair_order[p]), sample_ids[row]), held)
             return out
 
         lowest = best(np.flatnonzero(pair_drafted > 0), acceptance)

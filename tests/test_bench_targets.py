@@ -33,9 +33,9 @@ _ROWS = [
 ]
 
 
-def _stream(encoding: str, columnar: float, fast: float) -> dict:
+def _stream(encoding: str, columnar: float, reference: float) -> dict:
     return {"encoding": encoding, "concurrency": 16, "requests_per_step": 16.4, "columnar_rounds_per_s": columnar,
-            "fast_rounds_per_s": fast, "parse_floor_rounds_per_s": 4e6}
+            "reference_rounds_per_s": reference, "parse_floor_rounds_per_s": 4e6}
 
 
 def _kafka_run(rounds_per_s: float, p99: float, paced: float | None = None) -> dict:

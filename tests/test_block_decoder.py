@@ -2,18 +2,17 @@
 
 import json
 import random
-from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specwatch.schemas.codec import encode_record
+from specwatch.schemas.codec import decode_line, encode_record
 from specwatch.schemas.contract import MAX_REQUESTS_PER_STEP
-from specwatch.schemas.fastdecode import StepColumns, decode_line_fast, decode_lines_block
+from specwatch.schemas.fastdecode import decode_lines_block
 from specwatch.simulation.simulator import Simulator
 
 from test_bad_input import BAD_LINES
-from test_fastpath import ODD_LINES
+from test_fastpath import ODD_LINES, assert_block_is_the_reference
 
 
 def _step(seq: int, requests, worker: str = "w1", ascii_only: bool = True) -> bytes:
@@ -26,41 +25,10 @@ def _round(rid="r1", bucket="chat", cohort="main", drafted=4, accepted=3) -> dic
     return {"id": rid, "bucket": bucket, "cohort": cohort, "drafted": drafted, "accepted": accepted}
 
 
-def _as_columns(step: StepColumns) -> tuple:
-    return (step.ts, step.worker, step.seq, step.bundle_id, step.draft_ms, step.verify_ms, step.kv_usage,
-            step.rounds, tuple(step.ids), tuple(step.buckets), tuple(step.cohorts))
-
-
-def _per_line(block) -> dict:
-    """Each position of a block as a step's columns (whether read as columns or in ``others``) or its record."""
-    out = {}
-    bounds = block.round_step.searchsorted(range(len(block) + 1)).tolist()
-    for row, position in enumerate(block.at):
-        start, end = bounds[row], bounds[row + 1]
-        keys = [block.keys[k] for k in block.round_key[start:end].tolist()]
-        rounds = Counter((key[1], key[2], drafted, accepted) for key, drafted, accepted in
-                         zip(keys, block.drafted[start:end].tolist(), block.accepted[start:end].tolist()))
-        assert block.count[start:end].tolist() == [1] * (end - start)
-        out[position] = (float(block.ts[row]), block.workers[row], block.seqs[row],
-                         block.keys[block.bundle_key[row]][0], float(block.draft_ms[row]),
-                         float(block.verify_ms[row]), float(block.kv_usage[row]), rounds, block.step_ids[row],
-                         tuple(key[1] for key in keys), tuple(key[2] for key in keys))
-    for position, item in block.others:
-        assert position not in out
-        out[position] = _as_columns(item) if type(item) is StepColumns else item
-    return out
-
-
-def _line_by_line(lines) -> dict:
-    decoded = {position: decode_line_fast(line) for position, line in enumerate(lines)}
-    return {position: _as_columns(item) if type(item) is StepColumns else item
-            for position, item in decoded.items() if item is not None}
-
-
-def _check(lines: list[bytes]) -> list:
-    """Assert the block decodes as its lines one by one; the block, for further checks."""
+def _check(lines: list[bytes]):
+    """Assert the block decodes as its lines one by one with the reference codec; the block, for further checks."""
     block = decode_lines_block(lines)
-    assert _per_line(block) == _line_by_line(lines)
+    assert_block_is_the_reference(block, [decode_line(line) for line in lines])
     return block
 
 
@@ -99,7 +67,7 @@ def test_simulated_blocks_read_every_step_as_columns_and_share_repeated_ids():
     for start in range(0, len(lines), 500):
         _check(lines[start:start + 500])
     block = decode_lines_block(lines)
-    assert block.at == steps and [type(item).__name__ for _, item in block.others].count("StepColumns") == 0
+    assert block.at == steps and [type(item).__name__ for _, item in block.others].count("StepRecord") == 0
     # a worker that runs the same requests step after step: one tuple of ids for all those steps
     before: dict[str, int] = {}
     same = []

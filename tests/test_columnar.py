@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 
 from specwatch.schemas import Policy, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_line_fast, decode_lines_block, decode_request_fast, request_block
-from specwatch.schemas.otlp import encode_records
+from specwatch.schemas.fastdecode import decode_lines_block, request_block
+from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.ingest import Ingest
 from specwatch.streams.topology import Stage1
 
 from test_bad_input import BAD_LINES
-from test_fastpath import ODD_LINES
+from test_fastpath import ODD_LINES, pipeline_run
 from test_scenarios import EXPECTED, SEED
 
 
@@ -50,8 +50,8 @@ def _lines(scenario: str = "acceptance_drop", minutes: float = 2.0) -> tuple[str
     return tuple(_shuffled_in([encode_record(r) for r in sim.records()], seed=3))
 
 
-def _fold_one_at_a_time(lines, decode=decode_line, now=None) -> tuple:
-    ingest = Ingest(Stage1(Policy(), source="w"), decode)
+def _fold_one_at_a_time(lines, now=None) -> tuple:
+    ingest = Ingest(Stage1(Policy(), source="w"))
     rejected, late, closed = [], [], []
     for position, line in enumerate(lines):
         done = ingest(line, now)
@@ -62,7 +62,7 @@ def _fold_one_at_a_time(lines, decode=decode_line, now=None) -> tuple:
 
 
 def _fold_in_blocks(lines, cuts, now=None) -> tuple:
-    ingest = Ingest(Stage1(Policy(), source="w"), decode_line)
+    ingest = Ingest(Stage1(Policy(), source="w"))
     rejected, late, closed = [], [], []
     bounds = [0, *sorted(set(cuts)), len(lines)]
     for start, end in zip(bounds, bounds[1:]):
@@ -97,7 +97,7 @@ def test_blocks_fold_as_records_one_at_a_time():
 @given(st.lists(st.integers(min_value=1, max_value=len(_lines(minutes=0.5)) - 1), max_size=40))
 def test_blocks_cut_anywhere_fold_as_records_one_at_a_time(cuts):
     lines = list(_lines(minutes=0.5))
-    assert _fold_in_blocks(lines, cuts) == _fold_one_at_a_time(lines, decode_line_fast)
+    assert _fold_in_blocks(lines, cuts) == _fold_one_at_a_time(lines)
 
 
 def test_an_otlp_request_as_a_block_folds_as_its_records():
@@ -105,7 +105,7 @@ def test_an_otlp_request_as_a_block_folds_as_its_records():
     records = [r for r in records if r is not None and not hasattr(r, "reason")]
     payloads = [encode_records(records[i:i + 97]) for i in range(0, len(records), 97)]
     reference, batched = EmbeddedPipeline(), EmbeddedPipeline()
-    expected = [d.to_json_line() for payload in payloads for d in reference.feed_many(decode_request_fast(payload))]
+    expected = [d.to_json_line() for payload in payloads for d in reference.feed_many(decode_request(payload))]
     got = [d.to_json_line() for payload in payloads for d in batched.feed_block(request_block(payload))]
     assert got + [d.to_json_line() for d in batched.finish()] == expected + [
         d.to_json_line() for d in reference.finish()]
@@ -115,27 +115,16 @@ def test_an_otlp_request_as_a_block_folds_as_its_records():
 
 def test_pipeline_in_blocks_decides_and_flags_as_line_by_line():
     lines = list(_lines(minutes=2.0))
-    runs = []
-    for block in (0, 333):
-        pipeline, slices = EmbeddedPipeline(Policy()), []
-        pipeline.sinks.append(lambda out, slices=slices: slices.append(json.dumps(
-            (out.slice_index, out.window_rows, [a.audit for a in out.actions], [a.samples for a in out.actions]),
-            sort_keys=True, default=repr)))
-        if block:
-            decided = [d for i in range(0, len(lines), block) for d in pipeline.feed_lines(lines[i:i + block])]
-        else:
-            decided = [d for line in lines for d in pipeline.feed_line(line)]
-        decided += pipeline.finish()
-        runs.append(([d.to_json_line() for d in decided], slices, pipeline.counters.as_dict()))
-    assert runs[0] == runs[1]
-    assert len(runs[0][0]) > 0 and runs[0][2]["flagged"][0]["line"] > 1
+    reference = pipeline_run(lines)
+    assert pipeline_run(lines, 333) == reference
+    assert len(reference[0]) > 0 and reference[2]["flagged"][0]["line"] > 1
 
 
 @pytest.mark.parametrize("scenario", sorted(EXPECTED))
 def test_pinned_scenarios_decide_alike_in_blocks(scenario):
     sim = Simulator(scenario, seed=SEED, workers=4, minutes=4.0, incident_at=120.0)
     lines = [encode_record(r) for r in sim.records()]
-    pipeline = EmbeddedPipeline(decode=decode_line_fast)
+    pipeline = EmbeddedPipeline()
     for start in range(0, len(lines), 4096):
         pipeline.feed_lines(lines[start:start + 4096])
     pipeline.finish()
@@ -161,6 +150,6 @@ def test_a_live_source_rejects_records_from_the_future_in_blocks_as_one_at_a_tim
     lines = list(_lines(minutes=0.5))
     times = sorted(record.ts for record in map(decode_line, lines) if hasattr(record, "ts"))
     now = times[len(times) // 2]  # the wall clock in the middle of the run
-    reference = _fold_one_at_a_time(lines, decode_line_fast, now)
+    reference = _fold_one_at_a_time(lines, now)
     assert reference[3]["ts_in_future"] >= 25  # the records stamped two hours ahead, at least
     assert _fold_in_blocks(lines, range(100, len(lines), 100), now) == reference

@@ -1,16 +1,17 @@
-"""The fast decoders and stage-1 fold give exactly what the reference paths give."""
+"""The batch mode (block decoders, `Stage1.fold_block`) gives exactly what the reference per-record path gives."""
 
 import json
 import subprocess
 import sys
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from specwatch.simulation.simulator import Simulator
-from specwatch.schemas import Policy, Rejection, decode_line
+from specwatch.schemas import Policy, Rejection, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import StepColumns, decode_line_fast, decode_request_fast
+from specwatch.schemas.fastdecode import decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.faust_tasks import Stage1Task
@@ -24,16 +25,42 @@ def _lines(scenario="acceptance_drop", seed=11, minutes=5.0, workers=2):
     return [encode_record(r) for r in sim.records()]
 
 
-def _same(fast, reference):
-    if isinstance(fast, StepColumns):
-        assert fast.record() == reference
-        assert fast.rounds == Counter((e.bucket, e.cohort, e.drafted, e.accepted) for e in reference.requests)
-        assert (fast.ts, fast.worker, fast.seq, fast.bundle_id, fast.draft_ms, fast.verify_ms, fast.kv_usage) == (
-            reference.ts, reference.worker, reference.seq, reference.bundle_id, reference.draft_ms,
-            reference.verify_ms, reference.kv_usage)
-        assert all(type(x) is float for x in (fast.ts, fast.draft_ms, fast.verify_ms, fast.kv_usage))
-    else:
-        assert fast == reference
+def as_columns(item):
+    """A reference `StepRecord` as the columns a block holds for it; any other outcome as it is."""
+    if not isinstance(item, StepRecord):
+        return item
+    requests = item.requests
+    return (item.ts, item.worker, item.seq, item.bundle_id, item.draft_ms, item.verify_ms, item.kv_usage,
+            tuple(e.id for e in requests), tuple(e.bucket for e in requests), tuple(e.cohort for e in requests),
+            tuple(e.drafted for e in requests), tuple(e.accepted for e in requests))
+
+
+def block_outcomes(block) -> dict:
+    """Each position of a block: its step row as columns, or what ``others`` holds there (a step as columns)."""
+    out = {}
+    bounds = block.round_step.searchsorted(np.arange(len(block) + 1)).tolist()
+    for row, position in enumerate(block.at):
+        start, end = bounds[row], bounds[row + 1]
+        bundle, *whole = block.keys[block.bundle_key[row]]
+        keys = [block.keys[k] for k in block.round_key[start:end].tolist()]
+        assert whole == [None, None] and {key[0] for key in keys} <= {bundle}
+        assert block.count[start:end].tolist() == [1] * (end - start)
+        floats = [float(column[row]) for column in (block.ts, block.draft_ms, block.verify_ms, block.kv_usage)]
+        out[position] = (floats[0], block.workers[row], block.seqs[row], bundle, *floats[1:],
+                         tuple(block.step_ids[row]), tuple(key[1] for key in keys), tuple(key[2] for key in keys),
+                         tuple(block.drafted[start:end].tolist()), tuple(block.accepted[start:end].tolist()))
+    for position, item in block.others:
+        assert position not in out
+        out[position] = as_columns(item)
+    return out
+
+
+def assert_block_is_the_reference(block, reference: list) -> None:
+    """The block holds, position by position, what the reference decoder gave (None: nothing, a blank line)."""
+    assert block_outcomes(block) == {position: as_columns(item) for position, item in enumerate(reference)
+                                     if item is not None}
+    for row, position in enumerate(block.at):  # a kept sample is built as the reference decodes it
+        assert block.record(row) == reference[position]
 
 
 ODD_LINES = [
@@ -60,45 +87,41 @@ ODD_LINES = [
 ]
 
 
-def test_json_lines_decode_identically_on_seeded_data_and_bad_input():
+def test_json_lines_in_a_block_decode_as_the_reference_on_seeded_data_and_bad_input():
     corpus = _lines(minutes=1.0) + [line for lines in BAD_LINES.values() for line in lines] + ODD_LINES
-    kinds = Counter()
-    for line in corpus:
-        for form in (line, line.encode()):
-            fast, reference = decode_line_fast(form), decode_line(form)
-            _same(fast, reference)
-            kinds[type(fast).__name__] += 1
-    assert kinds["StepColumns"] > 1000 and kinds["Rejection"] > 20
+    for lines in (corpus, [line.encode() for line in corpus]):
+        block = decode_lines_block(lines)
+        assert_block_is_the_reference(block, [decode_line(line) for line in lines])
+        kinds = Counter(type(item).__name__ for _, item in block.others)
+        assert len(block) > 1000 and kinds["Rejection"] > 20
 
 
 def test_bad_lines_keep_their_reasons():
-    for reason, lines in BAD_LINES.items():
-        for line in lines:
-            assert decode_line_fast(line).reason == reason
+    lines = [line for group in BAD_LINES.values() for line in group]
+    block = decode_lines_block(lines)
+    assert len(block) == 0 and [item.reason for _, item in block.others] == [
+        reason for reason, group in BAD_LINES.items() for _ in group]
 
 
-def test_otlp_decodes_identically():
+def test_otlp_requests_as_blocks_decode_as_the_reference():
     records = [decode_line(line) for line in _lines(minutes=0.5)]
     steps = 0
     for i in range(0, len(records), 500):
         payload = encode_records(records[i:i + 500])
-        fast, reference = decode_request_fast(payload), decode_request(payload)
-        assert len(fast) == len(reference) == len(records[i:i + 500])
-        for f, r in zip(fast, reference):
-            _same(f, r)
-        steps += sum(isinstance(f, StepColumns) for f in fast)
+        block = request_block(payload)
+        assert_block_is_the_reference(block, decode_request(payload))
+        steps += len(block)
     assert steps > 100
     for bad in (b"\xff\xff not protobuf", b"", payload[:-3]):
-        assert decode_request_fast(bad) == decode_request(bad)
+        assert_block_is_the_reference(request_block(bad), decode_request(bad))
 
 
 @pytest.mark.parametrize("field, value", [
     ("worker", "w\x1b[2J"), ("bundle_id", "b\u202e"), ("id", "r\x9b"), ("bucket", "*"), ("bucket", "a/b"),
     ("cohort", "*"), ("cohort", "c\n"), ("bucket", "b\u00e9"), ("cohort", "**"), ("seq", 2.0), ("v", True),
 ])
-def test_otlp_names_and_types_decode_identically(field, value):
+def test_otlp_names_and_types_decode_as_the_reference(field, value):
     """A name or type the reference rejects is never let through by the wire reader, in either layout."""
-    from specwatch.schemas import StepRecord
     from specwatch.schemas.contract import RoundEntry
 
     rounds = [RoundEntry.model_construct(id="r1", bucket="coding", cohort="main", drafted=4, accepted=3),
@@ -111,30 +134,36 @@ def test_otlp_names_and_types_decode_identically(field, value):
     step = StepRecord.model_construct(**fields, requests=rounds)
     good = StepRecord.model_construct(**dict(fields, worker="w1", bundle_id="b1", seq=3, v=1), requests=rounds[:1])
     payload = encode_records([good, step, good])
-    fast, reference = decode_request_fast(payload), decode_request(payload)
-    assert len(fast) == len(reference) == 3
-    for f, r in zip(fast, reference):
-        _same(f, r)
+    reference = decode_request(payload)
+    assert len(reference) == 3
+    assert_block_is_the_reference(request_block(payload), reference)
     valid = value in ("b\u00e9", "**")
     assert isinstance(reference[1], Rejection) is not valid
     if not valid:
         assert reference[1].reason == ("unsupported_version" if field == "v" else "invalid_value")
 
 
+def pipeline_run(lines, block: int = 0) -> tuple:
+    """Decisions, every final slice (rows, audits, samples) and the counters of a pipeline fed
+    ``lines`` one at a time (``block`` 0) or in blocks of ``block`` lines."""
+    pipeline, slices = EmbeddedPipeline(Policy()), []
+    pipeline.sinks.append(lambda out: slices.append(json.dumps(  # NaN-safe comparison
+        (out.slice_index, out.window_rows, [a.audit for a in out.actions], [a.samples for a in out.actions]),
+        sort_keys=True, default=repr)))
+    if block:
+        decided = [d for i in range(0, len(lines), block) for d in pipeline.feed_lines(lines[i:i + block])]
+    else:
+        decided = [d for line in lines for d in pipeline.feed_line(line)]
+    decided += pipeline.finish()
+    return [d.to_json_line() for d in decided], slices, pipeline.counters.as_dict()
+
+
 @pytest.mark.parametrize("scenario", ["acceptance_drop", "demo"])
 def test_pipeline_decisions_are_byte_identical(scenario):
     lines = _lines(scenario, seed=5, minutes=6.0) + ODD_LINES
-    runs = []
-    for decode in (decode_line, decode_line_fast):
-        pipeline, slices = EmbeddedPipeline(Policy(), decode=decode), []
-        pipeline.sinks.append(lambda out, slices=slices: slices.append(json.dumps(  # NaN-safe comparison
-            (out.slice_index, out.window_rows, [a.audit for a in out.actions], [a.samples for a in out.actions]),
-            sort_keys=True, default=repr)))
-        decided = [pipeline.feed_line(line) for line in lines]
-        decided.append(pipeline.finish())
-        runs.append(([[d.to_json_line() for d in ds] for ds in decided], slices, pipeline.counters.as_dict()))
-    assert runs[0] == runs[1]
-    assert sum(map(len, runs[0][0])) > 0
+    reference = pipeline_run(lines)
+    assert pipeline_run(lines, 4096) == pipeline_run(lines, 77) == reference
+    assert len(reference[0]) > 0 and reference[2]["rejected"] > 20
 
 
 def _reference_fold(stage, payload):
@@ -171,6 +200,7 @@ def test_bench_quick_json_shape():
     assert set(report) >= {"machine", "stream", "kafka", "collector", "archive", "replay", "growth", "keys", "targets"}
     assert [row["keys"] for row in report["keys"]["curve"]] == [1, 10, 100]
     for row in report["stream"]:
-        assert {"encoding", "requests_per_step", "rounds", "fast_rounds_per_s", "naive_rounds_per_s",
-                "reference_rounds_per_s", "speedup_vs_naive"} <= set(row)
+        assert {"encoding", "requests_per_step", "rounds", "columnar_rounds_per_s", "naive_rounds_per_s",
+                "reference_rounds_per_s", "speedup_vs_naive", "speedup_vs_reference"} <= set(row)
+        assert row["same_decisions_as_reference"] is True
     assert {"met", "target", "measured"} <= set(report["targets"][0])

@@ -1,4 +1,4 @@
-"""One ingest step and one stage-1 fold serve every path: reference, fast, Faust and the bench's per-round processor."""
+"""One ingest step and one stage-1 fold serve every path: reference, batch, Faust and the bench's per-round processor."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from functools import lru_cache
 from specwatch.bench.suite import NaiveRoundPipeline, per_round_lines
 from specwatch.schemas import Policy, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import StepColumns, decode_line_fast
+from specwatch.schemas.fastdecode import decode_lines_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
@@ -29,21 +29,23 @@ def _batches(batches) -> list[str]:
     return [json.dumps(b.to_dict(), sort_keys=True) for b in batches]
 
 
-def test_stage1_folds_step_columns_as_it_folds_reference_steps():
+def test_stage1_folds_a_block_as_it_folds_reference_steps():
     records = _records()
     lines = [encode_record(r) for r in records]
-    folded = {}
-    for decode in (decode_line, decode_line_fast):
-        stage = Stage1(Policy(), source="w")
-        closed = []
-        for line in lines:
-            assert stage.add(decode(line)) is None
-            closed += stage.close_ready()
-        folded[decode] = closed + stage.close_ready(final=True)
-    assert sum(type(decode_line_fast(line)) is StepColumns for line in lines) > 1000
-    assert _batches(folded[decode_line_fast]) == _batches(folded[decode_line])
+    stage = Stage1(Policy(), source="w")
+    reference = []
+    for line in lines:
+        assert stage.add(decode_line(line)) is None
+        reference += stage.close_ready()
+    reference += stage.close_ready(final=True)
+    block = decode_lines_block(lines)
+    ingest = Ingest(Stage1(Policy(), source="w"))
+    folded = ingest.block(block)
+    assert len(block) > 1000 and not folded.rejections and not folded.late
+    folded = folded.closed + ingest.release()
+    assert _batches(folded) == _batches(reference)
     # every round of every step is in a partial of its key
-    entries = sum(stats.rounds + stats.plain_entries for batch in folded[decode_line_fast]
+    entries = sum(stats.rounds + stats.plain_entries for batch in folded
                   for key, stats in batch.partials.items() if key[1] is not None)
     assert entries == sum(len(r.requests) for r in records if r.kind == "step") > 10_000
 
@@ -65,10 +67,11 @@ def test_every_path_counts_rejections_in_one_counter_by_reason():
         embedded.feed_many(decode_request(payload))
     assert task.rejected.as_dict() == embedded.counters.rejected.as_dict() == {"duplicate": 3, "invalid_otlp": 1}
     lines = [line for lines in BAD_LINES.values() for line in lines]
-    for decode in (decode_line, decode_line_fast):
-        ingest = Ingest(Stage1(Policy(), source="w"), decode)
-        for line in lines:
-            ingest(line)
+    one_at_a_time, in_a_block = Ingest(Stage1(Policy(), source="w")), Ingest(Stage1(Policy(), source="w"))
+    for line in lines:
+        one_at_a_time(line)
+    in_a_block.block(decode_lines_block(lines))
+    for ingest in (one_at_a_time, in_a_block):
         assert ingest.rejected.as_dict() == dict(sorted(Counter(
             {reason: len(bad) for reason, bad in BAD_LINES.items()}).items()))
 
@@ -90,6 +93,33 @@ def test_a_stage1_checkpoint_from_before_the_ingest_step_restores_with_its_count
     assert restored.rejected.as_dict() == fresh.rejected.as_dict() == {"duplicate": 3, "invalid_otlp": 1}
     assert restored.records == fresh.records and restored.ingest.stage is restored.stage
 
+
+def test_a_stage1_checkpoint_that_decoded_with_the_removed_fast_decoder_restores(monkeypatch):
+    # before: the task's ingest step decoded with `fastdecode.decode_request_fast`, which a
+    # checkpoint names; that decoder is gone, and such a checkpoint must still load
+    import specwatch.schemas.fastdecode as fastdecode
+    from specwatch.schemas.otlp import decode_request as reference
+
+    def decode_request_fast(data):
+        return reference(data)
+
+    decode_request_fast.__module__, decode_request_fast.__qualname__ = fastdecode.__name__, "decode_request_fast"
+    monkeypatch.setattr(fastdecode, "decode_request_fast", decode_request_fast, raising=False)
+    payloads = _bad_payloads()
+    old, fresh = Stage1Task(Policy(), "t/0"), Stage1Task(Policy(), "t/0")
+    for offset, payload in enumerate(payloads[:4]):
+        old.fold(offset, payload)
+        fresh.fold(offset, payload)
+    old.ingest.decode = decode_request_fast
+    checkpoint = encode_checkpoint(old)
+    monkeypatch.undo()
+    assert not hasattr(fastdecode, "decode_request_fast")
+    restored = decode_checkpoint(checkpoint)
+    assert restored.ingest.decode is reference and restored.ingest.stage is restored.stage
+    for offset, payload in enumerate(payloads[4:], start=4):
+        assert _batches(restored.fold(offset, payload)[1]) == _batches(fresh.fold(offset, payload)[1])
+    assert restored.rejected.as_dict() == fresh.rejected.as_dict() == {"duplicate": 3, "invalid_otlp": 1}
+    assert restored.records == fresh.records
 
 def _run(pipeline, feed, items) -> tuple:
     slices = []

@@ -11,7 +11,6 @@ import pytest
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 from specwatch.commands.replay import replay_file
-from specwatch.schemas.fastdecode import decode_line_fast
 from specwatch.streams.embedded import EmbeddedPipeline
 
 from machine import specwatch
@@ -27,7 +26,7 @@ def _lines(scenario: str, minutes: float = 4.0, workers: int = 4) -> tuple[str, 
 
 def _replay(lines) -> tuple[bytes, dict]:
     out = io.StringIO()
-    summary = replay_file(io.BytesIO("".join(line + "\n" for line in lines).encode()), out, EmbeddedPipeline(decode=decode_line_fast))
+    summary = replay_file(io.BytesIO("".join(line + "\n" for line in lines).encode()), out, EmbeddedPipeline())
     return out.getvalue().encode(), summary
 
 

@@ -14,19 +14,15 @@ from specwatch.detectors.baseline import BaselineLearner, BaselinePool
 from specwatch.detectors.monitor import KeyMonitor
 from specwatch.detectors.window import SliceStats, sample_record
 from specwatch.schemas import Policy
-from specwatch.schemas.fastdecode import decode_line_fast
+from specwatch.schemas.fastdecode import decode_lines_block
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.ingest import Ingest
 from specwatch.streams.topology import SliceBatch, Stage1, Stage2
 
 
 def _batches(lines, source="s"):
-    stage = Stage1(Policy(), source=source)
-    ingest = Ingest(stage, decode_line_fast)
-    out = []
-    for line in lines:
-        out.extend(ingest(line).closed)
-    return out + stage.close_ready(final=True)
+    ingest = Ingest(Stage1(Policy(), source=source))
+    return ingest.block(decode_lines_block(lines)).closed + ingest.release()
 
 
 def test_stage2_keeps_a_partial_one_source_holds_and_copies_one_two_hold():
@@ -143,9 +139,8 @@ def _tracked_per_key_slice(keys, slices):
     lines, _ = step_lines(keys, slices, keys)
     gc.collect()
     before = len(gc.get_objects())
-    pipeline = EmbeddedPipeline(decode=decode_line_fast)
-    for line in lines:
-        pipeline.feed_line(line)
+    pipeline = EmbeddedPipeline()
+    pipeline.feed_lines(lines)
     pipeline.finish()
     gc.collect()
     # Stage 1's running-request tracker holds a list per request the steps list (here every

@@ -1,9 +1,10 @@
-"""The OTLP fast path reads step records from the bytes; every outcome equals `otlp.decode_request`'s.
+"""The OTLP batch mode reads step records from the bytes; every outcome equals `otlp.decode_request`'s.
 
 Other producers may write the same records differently (attributes in any order, unknown
 fields, long strings, overlong varints, keys repeated), and broken ones write broken bytes.
 Requests are built here with a small protobuf writer of their own, independent of
-`otlp.py`'s, then decoded both ways and compared record by record (test_fastpath._same).
+`otlp.py`'s, then decoded both ways (`request_block` and the reference) and compared record by
+record (test_fastpath.assert_block_is_the_reference).
 Budget as in test_fuzz_otlp (SPECWATCH_FUZZ_EXAMPLES).
 """
 
@@ -18,11 +19,11 @@ from hypothesis import strategies as st
 
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Rejection, StepRecord
-from specwatch.schemas.fastdecode import (StepColumns, _log_record_spans, _Memo, _OddShape, _step_from_wire,
-                                          _step_plain, decode_request_fast)
+from specwatch.schemas.fastdecode import (_log_record_spans, _Memo, _OddShape, _step_from_wire, _step_plain, _StepRow,
+                                          request_block)
 from specwatch.schemas.otlp import decode_request, encode_records, log_entry
 
-from test_fastpath import _same
+from test_fastpath import as_columns, assert_block_is_the_reference
 from test_fuzz_otlp import _FUZZ, _SCALARS, _VALUES
 
 # -- a protobuf writer with knobs ---------------------------------------------------------------
@@ -119,15 +120,21 @@ def _request(log_records: list[bytes], split: int = 0, extras: bool = False) -> 
 # -- comparing outcomes ---------------------------------------------------------------------------
 
 
-def _identical(payload: bytes) -> list:
-    """Decode both ways; the outcomes must match record by record. Returns the fast ones."""
-    fast, reference = decode_request_fast(payload), decode_request(payload)
-    assert len(fast) == len(reference)
-    for f, r in zip(fast, reference):
-        if isinstance(f, StepColumns):
-            assert isinstance(r, StepRecord), r
-        _same(f, r)
-    return fast
+def _identical(payload: bytes):
+    """Decode both ways; the outcomes must match record by record. Returns the block."""
+    block = request_block(payload)
+    reference = decode_request(payload)
+    assert all(isinstance(reference[position], StepRecord) for position in block.at)
+    assert_block_is_the_reference(block, reference)
+    return block
+
+
+def _same(row: _StepRow, record: StepRecord) -> None:
+    """A step as the wire reader read it holds the reference record's columns."""
+    assert isinstance(row, _StepRow)
+    assert (*row.header, row.ids, row.buckets, row.cohorts, tuple(row.drafted), tuple(row.accepted)) == as_columns(
+        record)
+    assert row.build() == record
 
 
 # -- steps as attribute lists ---------------------------------------------------------------------
@@ -294,10 +301,9 @@ def test_the_writers_steps_take_the_plain_reader():
     records = [r for r in _simulated() if r.kind == "step"][:300]
     payload = encode_records(records)
     steps = _steps_read_by(_step_plain, payload)
-    assert all(isinstance(step, StepColumns) for step in steps)
     for step, record in zip(steps, records):
         _same(step, record)
-    assert all(isinstance(step, StepColumns) for step in _identical(payload))
+    assert _identical(payload).at == list(range(len(records)))
 
 
 def test_reordered_attributes_take_the_general_reader():
@@ -309,7 +315,7 @@ def test_reordered_attributes_take_the_general_reader():
         _step_plain(payload, start, end, _Memo())
     (step,) = _steps_read_by(_step_from_wire, payload)
     _same(step, record)
-    _same(_identical(payload)[0], record)
+    assert _identical(payload).record(0) == record
 
 
 _PLAIN_STEP = {
@@ -334,9 +340,7 @@ def _plain_step_request(change: dict) -> bytes:
     {"specwatch.ts": 17}, {"specwatch.kv_usage": 1}, {"specwatch.ts": -0.0}, {"specwatch.draft_ms": -0.0},
 ])
 def test_odd_but_valid_steps_still_come_back_as_columns(change):
-    payload = _plain_step_request(change)
-    (step,) = _identical(payload)
-    assert isinstance(step, StepColumns)
+    assert _identical(_plain_step_request(change)).at == [0]
 
 
 @pytest.mark.parametrize("change", [
@@ -346,9 +350,8 @@ def test_odd_but_valid_steps_still_come_back_as_columns(change):
     {"specwatch.requests.drafted": [True, 4]}, {"specwatch.requests.accepted": [1 << 40, 0]},
 ])
 def test_invalid_steps_get_the_reference_rejection(change):
-    payload = _plain_step_request(change)
-    (result,) = _identical(payload)
-    assert isinstance(result, Rejection)
+    block = _identical(_plain_step_request(change))
+    assert block.at == [] and [type(item) for _, item in block.others] == [Rejection]
 
 
 @pytest.mark.parametrize("late", [("specwatch.seq", 99), ("specwatch.requests.extra", [1, 2, 3]),
@@ -357,8 +360,8 @@ def test_an_attribute_behind_an_overlong_tag_still_counts(late):
     """protobuf reads field 6 written as b2 00 like 32: a reader that skipped it would miss a later value."""
     fields = [_ld(6, _key_value(k, v)) for k, v in _PLAIN_STEP.items()] + [_ld(12, b"specwatch.step")]
     fields.append(b"\xb2\x00" + _ld(6, _key_value(*late))[1:])
-    result = _identical(_request([_log_record(fields)]))[0]
-    assert not isinstance(result, StepColumns) or result.record().seq == 99
+    block = _identical(_request([_log_record(fields)]))
+    assert block.at == [] or block.record(0).seq == 99
 
 
 def _recoded_by_collector(payload: bytes, observed: bool, flags: int, trace: bytes, span: bytes) -> bytes:
@@ -398,10 +401,10 @@ def test_steps_recoded_by_the_collector_take_the_plain_reader(observed, flags, t
     records = [r for r in _simulated() if r.kind == "step"][:200]
     payload = _recoded_by_collector(encode_records(records), observed, flags, trace, span)
     steps = _steps_read_by(_step_plain, payload)
-    assert len(steps) == len(records) and all(isinstance(step, StepColumns) for step in steps)
-    for step, record in zip(_identical(payload), records):
-        assert isinstance(step, StepColumns)
+    assert len(steps) == len(records)
+    for step, record in zip(steps, records):
         _same(step, record)
+    assert _identical(payload).at == list(range(len(records)))
 
 
 def test_a_body_with_content_is_not_read_as_the_empty_one():
@@ -414,4 +417,4 @@ def test_a_body_with_content_is_not_read_as_the_empty_one():
     start, end = _log_record_spans(payload)[0]
     with pytest.raises(_OddShape):
         _step_plain(payload, start, end, _Memo())
-    _same(_identical(payload)[0], record)
+    assert _identical(payload).record(0) == record

@@ -11,8 +11,8 @@ from specwatch.detectors.stalls import StalledRequests
 from specwatch.detectors.window import SliceStats, merge_all
 from specwatch.schemas import Policy, RequestRecord, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_line_fast, decode_lines_block, decode_request_fast, request_block
-from specwatch.schemas.otlp import encode_records
+from specwatch.schemas.fastdecode import decode_lines_block, request_block
+from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.ingest import Ingest
@@ -63,7 +63,7 @@ def test_simulator_lists_a_stalled_request_in_every_step_until_its_record(stall_
 
 def test_a_stall_is_decided_before_any_stalled_request_finishes(stall_run):
     sim, records = stall_run
-    pipeline = EmbeddedPipeline(decode=decode_line_fast)
+    pipeline = EmbeddedPipeline()
     pipeline.feed_many(records)
     pipeline.finish()
     [decision] = pipeline.decisions
@@ -107,9 +107,10 @@ def _heavy_tailed_traffic(seed: int, seconds: float, workers: int = 4, running: 
 def test_long_healthy_requests_are_counted_once_and_decide_nothing():
     # Counted while they run, long requests at their usual rate are one trial each of the
     # tail test, not two: no alarm, and every one that finished was taken back off the record.
-    pipeline = EmbeddedPipeline(decode=decode_line_fast)
-    for line in _heavy_tailed_traffic(seed=3, seconds=3600.0):
-        pipeline.feed_line(line)
+    pipeline = EmbeddedPipeline()
+    lines = _heavy_tailed_traffic(seed=3, seconds=3600.0)
+    for start in range(0, len(lines), 4096):
+        pipeline.feed_lines(lines[start:start + 4096])
     pipeline.finish()
     assert pipeline.counters.rejected.total == 0
     assert pipeline.decisions == []
@@ -132,13 +133,12 @@ def _tracked(decode, payloads, block=None) -> list[tuple[int, dict, dict]]:
     return out
 
 
-def test_fast_and_reference_decoders_track_the_same_running_requests():
+def test_the_batch_mode_tracks_the_running_requests_the_reference_tracks():
     sim, records = _stall(workers=2, minutes=4.0)  # stalls from 120 s: reported from 130 s
     lines = [encode_record(r) for r in records]
     reference = _tracked(decode_line, lines)
-    assert reference == _tracked(decode_line_fast, lines)
     otlp = [encode_records(records[i:i + 50]) for i in range(0, len(records), 50)]
-    assert reference == _tracked(decode_request_fast, otlp)
+    assert reference == _tracked(decode_request, otlp)
     # the batch mode: blocks of lines cut where they fall, and each OTLP request as one block
     assert reference == _tracked(None, [lines[i:i + 333] for i in range(0, len(lines), 333)], decode_lines_block)
     assert reference == _tracked(None, otlp, request_block)
@@ -170,7 +170,7 @@ def test_stage1_reports_long_requests_once_and_tells_finished_from_lost():
             lines.append(_request(104.0, "r3", 4000.0))
     lines.append(_request(130.5, "r1", 30500.0))
     lines.append(_step(140.0, 99, ["r9"]))
-    reports = _tracked(decode_line_fast, lines)
+    reports = _tracked(decode_line, lines)
     key = ("b", "chat", "main")
     # slices close behind the event clock; r2 is lost once no step listed it for LOST_AFTER_SECONDS
     assert LOST_AFTER_SECONDS == 10.0

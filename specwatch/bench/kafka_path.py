@@ -1,7 +1,7 @@
 """The end-to-end section of `specwatch bench`: simulated fleet -> Kafka -> `specwatch run` -> decisions topic.
 
 Throughput is the processor's: rounds produced divided by the wall time until the consumer
-group has committed them all; the same records through the embedded fast pipeline in
+group has committed them all; the same records, decoded, through the embedded pipeline in
 this process give the ratio. Two decision latencies are measured:
 
 - from the incident: wall time from the first step of an incident handed to the producer

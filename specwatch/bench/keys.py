@@ -4,7 +4,8 @@ Every key gets exactly one round per 1 s slice, in steps of up to 16 requests, s
 N keys and S slices holds N x S key-slices and as many rounds. Each key count is measured
 three ways, over the same records:
 
-- **pipeline**: decode (fast path) + stage 1 + stage 2 + detectors, as `bench_growth` runs it;
+- **pipeline**: decode (blocks of lines, the batch mode) + stage 1 + stage 2 + detectors, as
+  `bench_growth` runs it;
 - **stage 2**: stage 2 and the detectors alone, fed the batches stage 1 closed (built once,
   outside the timing): the per-key work this section is about;
 - **stage 2, collector off**: the same with Python's cyclic garbage collector paused, which
@@ -28,14 +29,14 @@ from typing import Callable
 
 from specwatch.schemas import Policy
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_line_fast
+from specwatch.schemas.fastdecode import decode_lines_block
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.gc_policy import STREAM_THRESHOLDS
 from specwatch.streams.ingest import Ingest
 from specwatch.streams.topology import SliceBatch, Stage1, Stage2
 
-__all__ = ["step_lines", "bench_keys", "plot_keys"]
+__all__ = ["bench_keys", "closed_batches", "line_blocks", "plot_keys", "step_lines"]
 
 _SEED = 17
 _REQUESTS_PER_STEP = 16
@@ -43,6 +44,7 @@ _REQUESTS_PER_STEP = 16
 _ONE_KEY_ROUNDS_PER_SLICE = 20 * _REQUESTS_PER_STEP
 _IDLE_KEYS = 10_000
 _CPYTHON_THRESHOLDS = (700, 10, 10)  # the interpreter's own: what a process runs with untuned
+_BLOCK_LINES = 4096  # as `specwatch replay` reads them
 
 
 def step_lines(keys: int, slices: int, rounds_per_slice: int,
@@ -94,21 +96,25 @@ def _cpu(fn: Callable[[], object], thresholds: tuple[int, int, int] | None = STR
         gc.set_threshold(*before)
 
 
+def line_blocks(lines: list[bytes]) -> list[list[bytes]]:
+    """``lines`` in blocks, as `specwatch replay` feeds them to the batch mode."""
+    return [lines[start:start + _BLOCK_LINES] for start in range(0, len(lines), _BLOCK_LINES)]
+
+
 def _pipeline(lines: list[bytes]) -> None:
-    pipeline = EmbeddedPipeline(decode=decode_line_fast)
-    for line in lines:
-        pipeline.feed_line(line)
+    pipeline = EmbeddedPipeline()
+    for block in line_blocks(lines):
+        pipeline.feed_lines(block)
     pipeline.finish()
 
 
-def _closed_batches(lines: list[bytes]) -> list[SliceBatch]:
+def closed_batches(lines: list[bytes]) -> list[SliceBatch]:
     """The batches stage 1 closes for ``lines``, all of them (stage 2 reads them, never writes them)."""
-    stage = Stage1(Policy(), source="bench")
-    ingest = Ingest(stage, decode_line_fast)
+    ingest = Ingest(Stage1(Policy(), source="bench"))
     batches: list[SliceBatch] = []
-    for line in lines:
-        batches.extend(ingest(line).closed)
-    batches.extend(stage.close_ready(final=True))
+    for block in line_blocks(lines):
+        batches.extend(ingest.block(decode_lines_block(block)).closed)
+    batches.extend(ingest.release())
     return batches
 
 
@@ -132,7 +138,7 @@ def _idle_keys(idle: int, slices: int) -> dict:
     first_slice = int(json.loads(warm[1])["ts"])
 
     def run(lines: list[bytes]) -> tuple[float, int]:
-        batches = _closed_batches(lines)
+        batches = closed_batches(lines)
         stage = _stage2([b for b in batches if b.slice_index <= first_slice])
         gc.collect()
         updates = 0
@@ -164,7 +170,7 @@ def bench_keys(quick: bool, smoke: bool) -> dict:
     curve = []
     for keys in sizes:
         lines, rounds = step_lines(keys, slices, keys)
-        batches = _closed_batches(lines)
+        batches = closed_batches(lines)
         pipeline, default, stage2, stage2_off = [], [], [], []
         for turn in range(repeats):  # alternated, the 1-key run among them, so load falls on all alike
             pipeline.append(_cpu(lambda: _pipeline(lines)))

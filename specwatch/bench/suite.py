@@ -24,21 +24,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specwatch.bench import SECTIONS
 from specwatch.bench.broker import OwnBroker
-from specwatch.bench.keys import bench_keys, step_lines
+from specwatch.bench.keys import bench_keys, closed_batches, line_blocks, step_lines
 from specwatch.simulation.simulator import Simulator
-from specwatch.schemas import Policy, RoundEntry, StepRecord, decode_line
+from specwatch.schemas import Policy, RoundEntry, StepRecord
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_line_fast, decode_lines_block, decode_request_fast, request_block
+from specwatch.schemas.fastdecode import decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.ingest import Ingest
-from specwatch.streams.topology import Stage1
 
 __all__ = ["run_bench", "plot_report", "NaiveRoundPipeline", "TARGETS", "SECTIONS"]
 
 _SEED = 17
 _OTLP_RECORDS_PER_MESSAGE = 200
-_BLOCK_LINES = 4096  # as `specwatch replay` reads them
 _PACED_SHARE_OF_CAPACITY = 0.8  # where the decision latency target is set
 TARGETS = {
     "stream_rounds_per_core_s_at_16": 1_000_000,
@@ -212,19 +209,23 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                 else:
                     naive_lines.append(encode_record(record).encode())
             naive_otlp.append((per_round_otlp(bodies), encode_records([r for r in chunk if r.kind != "step"])))
-        blocks = [lines[i:i + _BLOCK_LINES] for i in range(0, len(lines), _BLOCK_LINES)]
+        blocks = line_blocks(lines)
         for encoding in ("jsonl", "otlp"):
-            def fast():
-                return _decisions(EmbeddedPipeline(decode=decode_line_fast), decode_request_fast)
-
-            def columnar():
-                p = EmbeddedPipeline(decode=decode_line_fast)
-                if encoding == "jsonl":
+            def pipeline(columnar: bool) -> list[str]:
+                # the batch mode, or the per-record reference path: one record at a time through the pydantic codecs
+                p = EmbeddedPipeline()
+                if encoding == "jsonl" and columnar:
                     for block in blocks:
                         p.feed_lines(block)
+                elif encoding == "jsonl":
+                    for line in lines:
+                        p.feed_line(line)
                 else:
                     for payload in otlp:
-                        p.feed_block(request_block(payload))
+                        if columnar:
+                            p.feed_block(request_block(payload))
+                        else:
+                            p.feed_many(decode_request(payload))
                 return [d.to_json_line() for d in p.decisions + p.finish()]
 
             def decode_only():
@@ -248,18 +249,6 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                     for payload in otlp:
                         ExportLogsServiceRequest.FromString(payload)
 
-            def reference():
-                return _decisions(EmbeddedPipeline(), decode_request)
-
-            def _decisions(p: EmbeddedPipeline, decode_otlp) -> list[str]:
-                if encoding == "jsonl":
-                    for line in lines:
-                        p.feed_line(line)
-                else:
-                    for payload in otlp:
-                        p.feed_many(decode_otlp(payload))
-                return [d.to_json_line() for d in p.decisions + p.finish()]
-
             def naive():
                 p = NaiveRoundPipeline()
                 if encoding == "jsonl":
@@ -275,27 +264,24 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
 
             # interleaved, the least CPU of each over the repeats: on a shared machine one
             # run of each alone would mostly measure who else was running at the time
-            t_fast = t_columnar = t_floor = t_decode = float("inf")
+            t_columnar = t_floor = t_decode = float("inf")
             for _ in range(1 if smoke else 3):
-                t, fast_out = _cpu(fast)
-                t_fast = min(t_fast, t)
-                t, columnar_out = _cpu(columnar)
+                t, columnar_out = _cpu(lambda: pipeline(columnar=True))
                 t_columnar = min(t_columnar, t)
                 t_floor = min(t_floor, _cpu(parse_floor)[0])
                 t_decode = min(t_decode, _cpu(decode_only)[0])
-            t_ref, ref_out = _cpu(reference)
+            t_ref, ref_out = _cpu(lambda: pipeline(columnar=False))
             t_naive, _ = _cpu(naive)
             rows.append({
                 "encoding": encoding, "requests_per_step": round(rounds / max(1, len(steps)), 1),
                 "concurrency": rps, "rounds": rounds, "steps": len(steps),
-                "columnar_rounds_per_s": rounds / t_columnar,
-                "fast_rounds_per_s": rounds / t_fast, "reference_rounds_per_s": rounds / t_ref,
+                "columnar_rounds_per_s": rounds / t_columnar, "reference_rounds_per_s": rounds / t_ref,
                 "naive_rounds_per_s": rounds / t_naive, "parse_floor_rounds_per_s": rounds / t_floor,
-                "columnar_over_fast": t_fast / t_columnar, "columnar_share_of_parse_floor": t_floor / t_columnar,
+                "columnar_share_of_parse_floor": t_floor / t_columnar,
                 "columnar_decode_rounds_per_s": rounds / t_decode, "columnar_decode_share": t_decode / t_columnar,
                 "columnar_decode_share_of_parse_floor": t_floor / t_decode,
-                "speedup_vs_naive": t_naive / t_fast, "speedup_vs_reference": t_ref / t_fast,
-                "same_decisions_as_reference": fast_out == ref_out == columnar_out,
+                "speedup_vs_naive": t_naive / t_columnar, "speedup_vs_reference": t_ref / t_columnar,
+                "same_decisions_as_reference": ref_out == columnar_out,
             })
     return rows
 
@@ -475,38 +461,36 @@ def bench_growth(quick: bool, smoke: bool) -> list[dict]:
     for keys in sizes:
         lines, rounds = _growth_lines(keys, slices)
 
-        def run(decode):
-            pipeline = EmbeddedPipeline(decode=decode)
-            for line in lines:
-                pipeline.feed_line(line)
+        def run(columnar: bool) -> EmbeddedPipeline:
+            pipeline = EmbeddedPipeline()
+            if columnar:
+                for block in line_blocks(lines):
+                    pipeline.feed_lines(block)
+            else:
+                for line in lines:
+                    pipeline.feed_line(line)
             return pipeline
 
-        t_fast, _ = _cpu(lambda: run(decode_line_fast))
-        t_ref, _ = _cpu(lambda: run(decode_line))
+        t_columnar, _ = _cpu(lambda: run(columnar=True))
+        t_ref, _ = _cpu(lambda: run(columnar=False))
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        pipeline = run(decode_line_fast)
+        pipeline = run(columnar=True)
         pipeline.stage1.close_ready(final=True)
         gc.collect()
         state = tracemalloc.get_traced_memory()[0] - base
         tracemalloc.stop()
         del pipeline
-        out.append({"keys": keys, "rounds": rounds, "fast_rounds_per_s": rounds / t_fast,
-                    "reference_rounds_per_s": rounds / t_ref, "speedup_vs_reference": t_ref / t_fast,
+        out.append({"keys": keys, "rounds": rounds, "columnar_rounds_per_s": rounds / t_columnar,
+                    "reference_rounds_per_s": rounds / t_ref, "speedup_vs_reference": t_ref / t_columnar,
                     "state_bytes": state, "state_bytes_per_key": state / keys})
     return out
 
 
 def _stage2_batches(lines: list[bytes]) -> list[dict]:
     """What stage 1 sends stage 2 for ``lines``, as wire dicts (each run rebuilds fresh batches)."""
-    stage = Stage1(Policy(), source="bench")
-    ingest = Ingest(stage, decode_line_fast)
-    batches: list[dict] = []
-    for line in lines:
-        batches.extend(b.to_dict() for b in ingest(line).closed)
-    batches.extend(b.to_dict() for b in stage.close_ready(final=True))
-    return batches
+    return [batch.to_dict() for batch in closed_batches(lines)]
 
 
 def bench_metrics(quick: bool, smoke: bool) -> dict:
@@ -602,7 +586,7 @@ def bench_kafka(bootstrap: str, quick: bool, smoke: bool) -> dict:
 def _stream_row(encoding: str):
     def figures(stream):
         row = next(r for r in stream if r["concurrency"] == 16 and r["encoding"] == encoding)
-        return (row["columnar_rounds_per_s"], "per-record fast path", row["fast_rounds_per_s"],
+        return (row["columnar_rounds_per_s"], "per-record reference path", row["reference_rounds_per_s"],
                 f"parse floor {row['parse_floor_rounds_per_s']:,.0f} rounds/s; "
                 f"{row['requests_per_step']} requests/step")
     return figures
@@ -629,7 +613,7 @@ _TARGET_ROWS = (
     ("stream rounds/s per core at 16 requests/step (OTLP)", "stream",
      TARGETS["stream_rounds_per_core_s_at_16"], "min", "measured", _stream_row("otlp")),
     ("Kafka end to end, rounds/s with 2 workers (capacity)", "kafka", TARGETS["kafka_rounds_per_s"], "min", "measured",
-     lambda k: (k["two_workers"]["rounds_per_s"], "the same telemetry through the embedded fast path",
+     lambda k: (k["two_workers"]["rounds_per_s"], "the same telemetry through the embedded pipeline",
                 k["two_workers"]["embedded_fast_rounds_per_s"],
                 f"1 worker: {k['flat_out']['rounds_per_s']:,.0f} rounds/s")),
     ("Kafka decision p99 (s after the evidence) at 80 % of capacity", "kafka",
@@ -791,7 +775,7 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
 
 
 def plot_report(report: dict, path: str | os.PathLike) -> None:
-    """Rounds/s per core of the fast, reference and per-round paths, and growth with keys, as a PNG.
+    """Rounds/s per core of the batch, reference and per-round paths, and growth with keys, as a PNG.
 
     With a keys section, its picture goes beside it: ``benchmarks.png`` -> ``benchmarks-keys.png``.
     """
@@ -811,11 +795,9 @@ def plot_report(report: dict, path: str | os.PathLike) -> None:
     labels = [f"{r['encoding']}\n{r['requests_per_step']:.0f} req/step" for r in rows]
     x = range(len(rows))
     width = 0.27
-    width = 0.2
-    for offset, field, name in ((-1.5 * width, "columnar_rounds_per_s", "step record, columnar batches"),
-                                (-0.5 * width, "fast_rounds_per_s", "step record, fast path"),
-                                (0.5 * width, "reference_rounds_per_s", "step record, pydantic path"),
-                                (1.5 * width, "naive_rounds_per_s", "one record per round")):
+    for offset, field, name in ((-width, "columnar_rounds_per_s", "step record, columnar batches"),
+                                (0.0, "reference_rounds_per_s", "step record, pydantic path"),
+                                (width, "naive_rounds_per_s", "one record per round")):
         left.bar([i + offset for i in x], [r[field] / 1e3 for r in rows], width, label=name)
     left.set_xticks(list(x), labels, fontsize=8)
     left.set_ylabel("thousand rounds/s per core")
@@ -823,7 +805,7 @@ def plot_report(report: dict, path: str | os.PathLike) -> None:
     left.legend(fontsize=8)
     growth = report["growth"]
     keys = [g["keys"] for g in growth]
-    right.plot(keys, [g["fast_rounds_per_s"] / 1e3 for g in growth], "o-", label="fast path, k rounds/s")
+    right.plot(keys, [g["columnar_rounds_per_s"] / 1e3 for g in growth], "o-", label="batch mode, k rounds/s")
     right.plot(keys, [g["reference_rounds_per_s"] / 1e3 for g in growth], "s--", label="reference, k rounds/s")
     right.set_xscale("log")
     right.set_xlabel("(bundle, bucket, cohort) keys")

@@ -39,7 +39,7 @@ def run(args) -> int:
         return 0
     for row in report.get("stream", []) if isinstance(report.get("stream"), list) else []:
         print(f"stream {row['encoding']:5} {row['requests_per_step']:5.1f} req/step: "
-              f"{row['fast_rounds_per_s']:>11,.0f} rounds/s/core  x{row['speedup_vs_naive']:.1f} vs per-round, "
+              f"{row['columnar_rounds_per_s']:>11,.0f} rounds/s/core  x{row['speedup_vs_naive']:.1f} vs per-round, "
               f"x{row['speedup_vs_reference']:.2f} vs reference")
     metrics = report.get("metrics")
     if isinstance(metrics, dict) and "overhead_ratio" in metrics:
@@ -50,7 +50,7 @@ def run(args) -> int:
     for name in ("collector", "export", "engine", "archive", "replay", "kafka"):
         print(f"{name}: {json.dumps(report.get(name), default=float)}")
     for row in report.get("growth", []) if isinstance(report.get("growth"), list) else []:
-        print(f"growth {row['keys']:>6} keys: {row['fast_rounds_per_s']:>11,.0f} rounds/s, "
+        print(f"growth {row['keys']:>6} keys: {row['columnar_rounds_per_s']:>11,.0f} rounds/s, "
               f"{row['state_bytes_per_key']:>9,.0f} B/key")
     keys = report.get("keys")
     for row in keys.get("curve", []) if isinstance(keys, dict) else []:

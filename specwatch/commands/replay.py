@@ -63,7 +63,6 @@ def run(args) -> int:
 
     from specwatch.outputs import OutputClashError, atomic_output, check_not_an_input
     from specwatch.schemas import read_json_lines
-    from specwatch.schemas.fastdecode import decode_line_fast
     from specwatch.streams.embedded import EmbeddedPipeline
 
     try:
@@ -82,8 +81,7 @@ def run(args) -> int:
         except ValueError as error:
             print(f"specwatch replay: {error}", file=sys.stderr)
             return _EXIT_USAGE
-    # the fast decoder: same decisions as the reference one (tests/test_fastpath.py), without pydantic per step
-    pipeline = EmbeddedPipeline(policy, sinks=[sink] if sink is not None else [], decode=decode_line_fast)
+    pipeline = EmbeddedPipeline(policy, sinks=[sink] if sink is not None else [])
     try:
         with contextlib.ExitStack() as stack:
             if sink is not None:
