@@ -5,7 +5,6 @@ Reads the archive (decision, audit evidence, samples); the page is self-containe
 
 from __future__ import annotations
 
-
 from specwatch.commands._arguments import CommandError, add_archive_option, open_archive, write_page
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]

@@ -443,13 +443,16 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
     last_ts = sim.start_ts
     records = 0
     over_watermark: set[int] = set()  # slices after the incident start with a step's KV over the watermark
+    # only a KV surge's row reads them
+    watermark = policy.kv.watermark if any(i.kind == "kv_pressure" for i in incidents) else math.inf
+    slice_seconds = policy.windows.slice_seconds
     for record in sim.records():
         records += 1
         last_ts = record.ts
         if isinstance(record, StepRecord):
             watch.step(record)
-            if record.kv_usage > policy.kv.watermark and record.ts >= first_start:
-                over_watermark.add(int(record.ts // policy.windows.slice_seconds))
+            if record.kv_usage > watermark and record.ts >= first_start:
+                over_watermark.add(int(record.ts // slice_seconds))
         elif isinstance(record, RequestRecord):
             if record.ts < first_start and watch.key == (record.bucket, record.cohort):
                 watch.key_requests += 1
@@ -473,7 +476,7 @@ def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = Non
                                          watch.key_rounds / watch.key_requests if watch.key_requests else None)
         row["watched_s"] = round(last_ts - incidents[0].start_ts, 1)
         if row["kind"] == "kv_pressure":
-            _kv_evidence(row, over_watermark, policy.kv.consecutive, policy.windows.slice_seconds)
+            _kv_evidence(row, over_watermark, policy.kv.consecutive, slice_seconds)
     result["baseline_headroom"] = {
         "kill_switch_lowest_rolling_rate": _finite_or_none(watch.lowest_switch_rate),
         "kill_switch_threshold": settings.kill_switch_threshold,
