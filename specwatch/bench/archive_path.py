@@ -1,28 +1,5 @@
-"""The archive section of `specwatch bench`: window-stats rows from stage 2 into embedded chDB.
-
-Every path starts from the same stage-2 output (`SliceOutput.windows` of one pipeline run,
-as `SliceWindows`, copied forward in time so that each copy is a slice of its own) and ends
-in the same table, in one run:
-
-- the sink (`ArchiveSink`, one slice at a time, as `run`, `replay` and `demo` hand it over):
-  insert columns built straight from the keys' statistics, many slices at once
-  (`window_columns`), handed to chDB in memory, at its default batch;
-- the path it replaced, the sink fed `WindowRow` tuples, which stage 2 built one per key
-  (`SliceWindows.rows`, timed on its own as ``stage2_rows``): ``sink_rows`` alone, and
-  ``sink_rows_with_stage2`` with the rows' building added;
-- the row path before that: a dict per row, `window_stats_table`, and clickhouse-connect's
-  `insert_arrow`, which on chDB writes an Arrow file and inserts it ``FROM INFILE``, at the
-  sink's batch of then (5,000 rows);
-- the writer alone, every row in one call, from stage 2's output (`Archive.write_windows`)
-  and from rows (`Archive.write_window_rows`);
-- the engine's insert of one ready Arrow table by each transport there is (in memory
-  through ``Python()``, an Arrow stream pushed through chDB's streaming insert, the file
-  round trip), and the column builders without any insert: from the statistics, from
-  tuples, from dicts;
-- one INSERT per row.
-
-Rates are rows per wall second; ``*_cpu`` rates are rows per CPU second of the process,
-the engine's threads included.
+"""The archive section of `specwatch bench`: window-stats rows from stage 2 into embedded chDB, by
+every path from the same stage-2 output to the same table (docs/BENCHMARKS.md, "Archive").
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""A Kafka broker of one run's own: ``deploy/kafka/broker.sh`` on a port picked at run time.
-
-`specwatch bench` measures the Kafka path against one when it is given no ``--bootstrap``;
-tests that stop, start and resume a broker use one so that the shared test broker never
-notices their outage.
+"""A Kafka broker of one run's own: ``deploy/kafka/broker.sh`` on a port picked at run time, for the
+bench and for tests whose broker outage the shared test broker must never notice.
 """
 
 from __future__ import annotations

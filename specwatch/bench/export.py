@@ -1,12 +1,5 @@
-"""The export section of `specwatch bench`: what one step record costs the export thread, per path.
-
-The same 16-request step records go out through the standard OTLP/HTTP path
-(`OtlpTelemetryExporter` over OpenTelemetry's ``OTLPLogExporter``) and through
-specwatch's direct Kafka path (`KafkaTelemetryExporter`), in batches as the emitter's
-export thread hands them over. Both figures are this process's CPU per step (encoding,
-client, network calls), so a receiver in another process (a plain OTLP/HTTP endpoint
-that answers 200, and the Kafka broker) does not count. Without a broker, the direct
-path's figure is its encoding alone.
+"""The export section of `specwatch bench`: this process's CPU per step record through OTLP/HTTP
+and through the direct Kafka path (without a broker, its encoding alone).
 """
 
 from __future__ import annotations

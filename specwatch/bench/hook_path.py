@@ -1,11 +1,5 @@
-"""The vLLM collector's hook path by itself: recorded step shapes replayed through its wrappers.
-
-The model runner and the scheduler are stand-ins with the methods the collector wraps
-(`hooks.wrap_classes` wraps them exactly as it wraps vLLM's), called in the order a V1
-engine step calls them. Their own work is nothing, so the thread CPU time of a replay,
-less that of the same stand-ins unwrapped, is what the collector costs the engine thread
-per step: every wrapper, tap and hand-off to the queue, the parts that time themselves
-and the parts that do not.
+"""The vLLM collector's hook path by itself: recorded step shapes replayed through its wrappers on
+stand-in engine objects that do nothing, so their thread CPU time is the collector's.
 """
 
 from __future__ import annotations

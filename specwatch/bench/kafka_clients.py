@@ -1,17 +1,5 @@
-"""The Kafka knobs of `specwatch bench --section kafka`: CPU per message of each client setting beside the defaults.
-
-Three measurements on the same seeded telemetry, each setting against the `KafkaConfig`
-defaults in the same run:
-
-- producing telemetry (kafka-python, as the engines' direct exporter does): compression,
-  linger and batch size; this process's CPU per message from the first send to the flush;
-- consuming it (aiokafka, the stream workers' client): fetch sizes and records per poll;
-  CPU per message from the first fetch to the last message;
-- partials, stage 1 -> stage 2: one message per closed slice and stage-2 partition (the
-  previous runner) against one message per stage-2 partition per fetch (now); CPU to
-  encode, send, fetch and decode them, per partials message and per slice batch.
-
-The broker runs in another process: its CPU is not in these figures.
+"""The Kafka knobs of `specwatch bench --section kafka`: CPU per message of each client setting
+(producing, consuming, stage-1 partials) beside the defaults, on one telemetry (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -21,6 +9,8 @@ import time
 import uuid
 from dataclasses import replace
 from typing import Any
+
+from specwatch.bench.kafka_path import create_topics
 
 __all__ = ["run_client_bench"]
 
@@ -49,17 +39,6 @@ def _telemetry(smoke: bool) -> tuple[list[tuple[bytes, bytes]], int]:
             group.clear()
     messages += [(worker.encode(), encode_entries(group)) for worker, group in by_worker.items() if group]
     return messages, rounds
-
-
-async def _create(bootstrap: str, names: list[str]) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(name, _PARTITIONS, 1) for name in names])
-    finally:
-        await admin.close()
 
 
 async def _delete(bootstrap: str, names: list[str]) -> None:
@@ -183,7 +162,7 @@ def _partials(bootstrap: str, messages: list[tuple[bytes, bytes]], topic: str, s
         runs = []
         for i in range(1 if smoke else _REPEATS):
             name = f"{topic}.partials-{label}-{i}"
-            asyncio.run(_create(bootstrap, [name]))
+            asyncio.run(create_topics(bootstrap, {name: _PARTITIONS}))
             runs.append(asyncio.run(run(group, name)))
         out[label] = _best(runs)
     out["fetch_messages"] = _FETCH_MESSAGES
@@ -216,7 +195,7 @@ def run_client_bench(bootstrap: str, smoke: bool = False) -> dict:
         "fetch_max_bytes 1 MiB": {"fetch_max_bytes": 1024 * 1024},
     }
     topics = [f"{run}.{i}" for i in range(len(producers))]
-    asyncio.run(_create(bootstrap, topics))
+    asyncio.run(create_topics(bootstrap, dict.fromkeys(topics, _PARTITIONS)))
     created = list(topics)
     try:
         produced = {}

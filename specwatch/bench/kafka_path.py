@@ -1,30 +1,10 @@
-"""The end-to-end section of `specwatch bench`: simulated fleet -> Kafka -> `specwatch run` -> decisions topic.
-
-Throughput is the processor's: rounds produced divided by the wall time until the consumer
-group has committed them all; the same records, decoded, through the embedded pipeline in
-this process give the ratio. Two decision latencies are measured:
-
-- from the incident: wall time from the first step of an incident handed to the producer
-  to its decision read back. It includes the detection delay the policy asks for (a
-  window of evidence), which in wall time shrinks as the producer runs event time faster
-  than real time;
-- after the evidence: wall time from the first record whose event time reaches a
-  decision's slice end (the evidence is complete) to that decision read back. That is
-  the pipeline's own delay (Kafka, both stages, lateness and the decisions topic),
-  whatever the pace.
-
-A run either produces as fast as it can (throughput) or paces the producer at a fixed
-rounds/s (latency with the lag flat). The telemetry is encoded to OTLP messages (as the
-engines' exporter encodes it) before the clock starts: encoding is the engines' work,
-and on this machine it would take CPU from the processor it measures. ``worker_env`` sets
-`KafkaConfig` variables (``SPECWATCH_KAFKA_*``) for the workers, to measure a setting
-beside the defaults.
+"""The end-to-end section of `specwatch bench`: simulated fleet -> Kafka -> `specwatch run` ->
+decisions topic; throughput and decision latency beside the embedded pipeline (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -34,7 +14,7 @@ import threading
 import time
 import uuid
 
-__all__ = ["run_kafka_bench"]
+__all__ = ["create_topics", "run_kafka_bench"]
 
 _PARTITIONS = 4
 _BATCH = 200
@@ -42,7 +22,8 @@ _DRAIN_TIMEOUT_S = 300.0
 _SETTLE_TIMEOUT_S = 60.0
 
 
-async def _create_topics(bootstrap: str, names: dict[str, int]) -> None:
+async def create_topics(bootstrap: str, names: dict[str, int]) -> None:
+    """Topics of ``names`` -> partitions; a ``*.decisions`` topic is compacted."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
@@ -131,7 +112,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     run = f"swbench-{uuid.uuid4().hex[:6]}"
     topics = {f"{run}.telemetry": _PARTITIONS, f"{run}.partials": _PARTITIONS, f"{run}.deadletter": _PARTITIONS,
               f"{run}.decisions": 1}
-    asyncio.run(_create_topics(bootstrap, topics))
+    asyncio.run(create_topics(bootstrap, topics))
     # event time runs far faster than wall time: several incidents in a few simulated minutes.
     # The full run is long enough (about 20 s to drain on 2 cores) that the end of the drain,
     # seen only through checkpoint commits every 2 s and a lag poll every second, is a small

@@ -1,32 +1,13 @@
-"""The keys section of `specwatch bench`: what one (bundle, bucket, cohort) key costs per slice.
-
-Every key gets exactly one round per 1 s slice, in steps of up to 16 requests, so a run of
-N keys and S slices holds N x S key-slices and as many rounds. Each key count is measured
-three ways, over the same records:
-
-- **pipeline**: decode (blocks of lines, the batch mode) + stage 1 + stage 2 + detectors, as
-  `bench_growth` runs it;
-- **stage 2**: stage 2 and the detectors alone, fed the batches stage 1 closed (built once,
-  outside the timing): the per-key work this section is about;
-- **stage 2, collector off**: the same with Python's cyclic garbage collector paused, which
-  shows how much of the per-key cost is the collector walking every key's retained slices.
-
-Every figure runs with the collector thresholds specwatch's commands set
-(`streams/gc_policy.py`); the pipeline also runs with CPython's default thresholds, alternated
-with the rest, as the alternative they replace.
-
-Beside them, in the same run: the 1-key rate of the stream processor (one key, 16 requests
-per step, 20 steps per slice), and what keys with no traffic cost (stage 2 knowing 10,000
-keys of which one has traffic, against stage 2 knowing that one key only).
+"""The keys section of `specwatch bench`: what one (bundle, bucket, cohort) key costs per slice,
+with one round per key-slice (docs/BENCHMARKS.md, "Cost per key").
 """
 
 from __future__ import annotations
 
-import gc
 import json
-import time
-from typing import Callable
+from typing import Iterator
 
+from specwatch.bench import alternated, timed
 from specwatch.schemas import Policy
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import decode_lines_block
@@ -36,7 +17,8 @@ from specwatch.streams.gc_policy import STREAM_THRESHOLDS
 from specwatch.streams.ingest import Ingest
 from specwatch.streams.topology import SliceBatch, Stage1, Stage2
 
-__all__ = ["bench_keys", "closed_batches", "line_blocks", "plot_keys", "step_lines"]
+__all__ = ["bench_keys", "closed_batches", "fed_pipeline", "line_blocks", "plot_keys",
+           "stage2_outputs", "step_lines"]
 
 _SEED = 17
 _REQUESTS_PER_STEP = 16
@@ -49,9 +31,8 @@ _BLOCK_LINES = 4096  # as `specwatch replay` reads them
 
 def step_lines(keys: int, slices: int, rounds_per_slice: int,
                requests_per_step: int = _REQUESTS_PER_STEP) -> tuple[list[bytes], int]:
-    """A bundle card, then ``slices`` 1 s slices of step records: ``rounds_per_slice`` rounds
-    each, in steps of up to ``requests_per_step``, the n-th round of the run on key
-    ``bucket{n % keys}``. With ``rounds_per_slice == keys`` every key has one round a slice.
+    """A bundle card, then ``slices`` 1 s slices of ``rounds_per_slice`` rounds in steps, the n-th
+    round on key ``bucket{n % keys}``.
 
     >>> lines, rounds = step_lines(keys=20, slices=2, rounds_per_slice=20)
     >>> len(lines), rounds, [len(json.loads(line)["requests"]) for line in lines[1:3]]
@@ -79,21 +60,8 @@ def step_lines(keys: int, slices: int, rounds_per_slice: int,
     return lines, rounds
 
 
-def _cpu(fn: Callable[[], object], thresholds: tuple[int, int, int] | None = STREAM_THRESHOLDS) -> float:
-    """CPU seconds of ``fn()`` after a full collection, the cyclic collector at ``thresholds`` (None: off)."""
-    gc.collect()
-    before = gc.get_threshold()
-    if thresholds is None:
-        gc.disable()
-    else:
-        gc.set_threshold(*thresholds)
-    try:
-        start = time.process_time()
-        fn()
-        return max(time.process_time() - start, 1e-9)
-    finally:
-        gc.enable()
-        gc.set_threshold(*before)
+def _cpu(fn, thresholds: tuple[int, int, int] | None = STREAM_THRESHOLDS) -> float:
+    return timed(fn, thresholds)[0]
 
 
 def line_blocks(lines: list[bytes]) -> list[list[bytes]]:
@@ -101,11 +69,20 @@ def line_blocks(lines: list[bytes]) -> list[list[bytes]]:
     return [lines[start:start + _BLOCK_LINES] for start in range(0, len(lines), _BLOCK_LINES)]
 
 
-def _pipeline(lines: list[bytes]) -> None:
+def fed_pipeline(lines: list[bytes], columnar: bool = True) -> EmbeddedPipeline:
+    """A pipeline fed ``lines`` in blocks (the batch mode) or one at a time (the reference path)."""
     pipeline = EmbeddedPipeline()
-    for block in line_blocks(lines):
-        pipeline.feed_lines(block)
-    pipeline.finish()
+    if columnar:
+        for block in line_blocks(lines):
+            pipeline.feed_lines(block)
+    else:
+        for line in lines:
+            pipeline.feed_line(line)
+    return pipeline
+
+
+def _pipeline(lines: list[bytes]) -> None:
+    fed_pipeline(lines).finish()
 
 
 def closed_batches(lines: list[bytes]) -> list[SliceBatch]:
@@ -118,20 +95,22 @@ def closed_batches(lines: list[bytes]) -> list[SliceBatch]:
     return batches
 
 
+def stage2_outputs(stage: Stage2, batches: list[SliceBatch]) -> Iterator:
+    """What ``stage`` puts out for ``batches``, then for its flush."""
+    for batch in batches:
+        yield from stage.add(batch)
+    yield from stage.flush()
+
+
 def _stage2(batches: list[SliceBatch]) -> Stage2:
     stage = Stage2(Policy())
-    for batch in batches:
-        stage.add(batch)
-    stage.flush()
+    for _ in stage2_outputs(stage, batches):
+        pass
     return stage
 
 
 def _idle_keys(idle: int, slices: int) -> dict:
-    """Stage 2 per slice with one busy key, knowing ``idle`` more keys (one slice of all) or none.
-
-    The busy key's steps come from a second worker, from the slice after the one that
-    introduced every key; ``key_updates`` count the keys stage 2 judged (window rows).
-    """
+    """Stage 2 per slice with one busy key (a second worker's), knowing ``idle`` more or none."""
     warm, _ = step_lines(idle, 1, idle)
     busy, _ = step_lines(1, slices + 1, 1)
     later = [json.dumps({**json.loads(line), "worker": "w2"}).encode() for line in busy[2:]]
@@ -140,19 +119,11 @@ def _idle_keys(idle: int, slices: int) -> dict:
     def run(lines: list[bytes]) -> tuple[float, int]:
         batches = closed_batches(lines)
         stage = _stage2([b for b in batches if b.slice_index <= first_slice])
-        gc.collect()
-        updates = 0
-        start = time.process_time()
-        for batch in batches:
-            if batch.slice_index > first_slice:
-                updates += sum(len(output.window_rows) for output in stage.add(batch))
-        updates += sum(len(output.window_rows) for output in stage.flush())
-        return time.process_time() - start, updates
+        after = [b for b in batches if b.slice_index > first_slice]
+        return timed(lambda: sum(len(out.window_rows) for out in stage2_outputs(stage, after)))
 
-    timings: dict[str, list[tuple[float, int]]] = {"all": [], "one": []}
-    for turn in range(3):  # alternated, so load falls on both alike
-        for name in (("all", "one") if turn % 2 == 0 else ("one", "all")):
-            timings[name].append(run(warm + later if name == "all" else busy[:1] + later))
+    timings = alternated({"all": lambda: run(warm + later),
+                          "one": lambda: run(busy[:1] + later)}, 3)
     all_s, all_updates = min(timings["all"])
     one_s, one_updates = min(timings["one"])
     return {"idle_keys": idle, "slices": slices, "us_per_slice_with_idle_keys": all_s / slices * 1e6,
@@ -171,20 +142,20 @@ def bench_keys(quick: bool, smoke: bool) -> dict:
     for keys in sizes:
         lines, rounds = step_lines(keys, slices, keys)
         batches = closed_batches(lines)
-        pipeline, default, stage2, stage2_off = [], [], [], []
-        for turn in range(repeats):  # alternated, the 1-key run among them, so load falls on all alike
-            pipeline.append(_cpu(lambda: _pipeline(lines)))
-            one_key.append(_cpu(lambda: _pipeline(one_key_lines)))
-            default.append(_cpu(lambda: _pipeline(lines), _CPYTHON_THRESHOLDS))
-            stage2.append(_cpu(lambda: _stage2(batches)))
-            stage2_off.append(_cpu(lambda: _stage2(batches), None))
-        key_slices = keys * slices
-        curve.append({"keys": keys, "slices": slices, "rounds": rounds, "key_slices": key_slices,
-                      "rounds_per_s": rounds / min(pipeline),
-                      "us_per_key_slice": min(pipeline) / key_slices * 1e6,
-                      "us_per_key_slice_default_collector": min(default) / key_slices * 1e6,
-                      "stage2_us_per_key_slice": min(stage2) / key_slices * 1e6,
-                      "stage2_collector_off_us_per_key_slice": min(stage2_off) / key_slices * 1e6})
+        runs = alternated({  # the 1-key run among them, so load falls on all alike
+            "pipeline": lambda: _cpu(lambda: _pipeline(lines)),
+            "one_key": lambda: _cpu(lambda: _pipeline(one_key_lines)),
+            "default": lambda: _cpu(lambda: _pipeline(lines), _CPYTHON_THRESHOLDS),
+            "stage2": lambda: _cpu(lambda: _stage2(batches)),
+            "stage2_off": lambda: _cpu(lambda: _stage2(batches), None)}, repeats)
+        one_key += runs["one_key"]
+        us = {name: min(values) / (keys * slices) * 1e6 for name, values in runs.items()}
+        curve.append({"keys": keys, "slices": slices, "rounds": rounds, "key_slices": keys * slices,
+                      "rounds_per_s": rounds / min(runs["pipeline"]),
+                      "us_per_key_slice": us["pipeline"],
+                      "us_per_key_slice_default_collector": us["default"],
+                      "stage2_us_per_key_slice": us["stage2"],
+                      "stage2_collector_off_us_per_key_slice": us["stage2_off"]})
     one_key_rate = one_key_rounds / min(one_key)
     for row in curve:
         row["over_one_key_rate"] = row["rounds_per_s"] / one_key_rate

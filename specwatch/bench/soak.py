@@ -1,9 +1,5 @@
-"""The soak run behind `specwatch soak`: steady simulated load, watching memory and lag stay flat.
-
-A seeded healthy fleet emits in real time (event time = wall time) into the embedded
-pipeline, or through Kafka first. Every few seconds the run samples the process's RSS,
-how far event time is behind wall time, and the queues in between; at the end it fits a
-line to each and says whether they stayed flat.
+"""The soak run behind `specwatch soak`: a seeded healthy fleet in real time, sampling RSS and lag,
+then judging from a fitted line whether both stayed flat.
 """
 
 from __future__ import annotations

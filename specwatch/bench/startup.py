@@ -1,10 +1,5 @@
-"""The start-up section of `specwatch bench`: how long `specwatch replay` takes before its first record.
-
-`specwatch replay` of a file with one record does nothing but start (interpreter, imports,
-policy, pipeline) and stop, so its wall time is the start-up a replay of any file pays
-first. Beside it, in the same run and alternated with it, a bare interpreter
-(``python -c pass``): what no command can go below.
-"""
+"""The start-up section of `specwatch bench`: wall seconds of `specwatch replay` of one record,
+alternated with a bare interpreter (``python -c pass``), what no command can go below."""
 
 from __future__ import annotations
 
@@ -13,6 +8,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from specwatch.bench import alternated, timed
 
 __all__ = ["run_startup_bench"]
 
@@ -28,9 +25,8 @@ def _one_record() -> str:
 
 
 def _wall(argv: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(argv, check=True, capture_output=True)
-    return time.perf_counter() - start
+    return timed(lambda: subprocess.run(argv, check=True, capture_output=True),
+                 clock=time.perf_counter)[0]
 
 
 def run_startup_bench(quick: bool = False, smoke: bool = False) -> dict:
@@ -41,9 +37,7 @@ def run_startup_bench(quick: bool = False, smoke: bool = False) -> dict:
         path.write_text(_one_record() + "\n")
         replay = [sys.executable, "-m", "specwatch.cli", "replay", str(path), "--output", str(Path(tmp) / "out.jsonl")]
         bare = [sys.executable, "-c", "pass"]
-        replay_s, bare_s = [], []
-        for turn in range(repeats):
-            for name in (("replay", "bare") if turn % 2 == 0 else ("bare", "replay")):  # neither always second
-                (replay_s if name == "replay" else bare_s).append(_wall(replay if name == "replay" else bare))
-    return {"repeats": repeats, "replay_one_record_s": min(replay_s), "bare_interpreter_s": min(bare_s),
-            "startup_over_bare_interpreter": min(replay_s) / min(bare_s)}
+        runs = alternated({"replay": lambda: _wall(replay), "bare": lambda: _wall(bare)}, repeats)
+    replay_s, bare_s = min(runs["replay"]), min(runs["bare"])
+    return {"repeats": repeats, "replay_one_record_s": replay_s, "bare_interpreter_s": bare_s,
+            "startup_over_bare_interpreter": replay_s / bare_s}

@@ -1,7 +1,5 @@
-"""`specwatch bench`: throughput, latency and cost figures, each beside an alternative run alongside it.
-
-Machines running this are often shared, so every figure comes with a ratio against a
-simpler or reference path measured in the same run; the ratios are what carry over.
+"""`specwatch bench`: throughput, latency and cost figures, each beside an alternative measured in
+the same run: on a shared machine the ratios are what carry over.
 """
 
 from __future__ import annotations
@@ -22,9 +20,14 @@ from typing import Any
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from specwatch.bench import SECTIONS
+from specwatch.bench import SECTIONS, alternated, timed
+from specwatch.bench.archive_path import run_archive_bench
 from specwatch.bench.broker import OwnBroker
-from specwatch.bench.keys import bench_keys, closed_batches, line_blocks, step_lines
+from specwatch.bench.engine import run_engine_bench
+from specwatch.bench.export import run_export_bench
+from specwatch.bench.keys import (bench_keys, closed_batches, fed_pipeline, line_blocks,
+                                  stage2_outputs, step_lines)
+from specwatch.bench.startup import run_startup_bench
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord
 from specwatch.schemas.codec import encode_record
@@ -111,13 +114,8 @@ def per_round_otlp(rounds: list[dict]) -> bytes:
 
 
 class NaiveRoundPipeline(EmbeddedPipeline):
-    """The straightforward processor: one record per round, each decoded and validated on its own.
-
-    The rounds of a step arrive one after another; they are gathered back into the step,
-    which stage 1's own fold takes (so the two designs differ in their records, not in their
-    folds), and the same stage 2 (detectors, policy) runs over them. Other record kinds use
-    the reference path.
-    """
+    """The straightforward processor: one record per round, each decoded and validated on its own,
+    gathered back into its step for the same folds and stage 2 (other kinds: the reference path)."""
 
     def __init__(self, policy: Policy | None = None) -> None:
         super().__init__(policy)
@@ -177,13 +175,6 @@ def _records(requests_per_step: int, minutes: float, workers: int = 4, scenario:
     return list(sim.records())
 
 
-def _cpu(fn) -> tuple[float, Any]:
-    gc.collect()
-    start = time.process_time()
-    result = fn()
-    return max(time.process_time() - start, 1e-9), result
-
-
 # ------------------------------------------------------------------ sections
 
 
@@ -213,14 +204,10 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
         for encoding in ("jsonl", "otlp"):
             def pipeline(columnar: bool) -> list[str]:
                 # the batch mode, or the per-record reference path: one record at a time through the pydantic codecs
-                p = EmbeddedPipeline()
-                if encoding == "jsonl" and columnar:
-                    for block in blocks:
-                        p.feed_lines(block)
-                elif encoding == "jsonl":
-                    for line in lines:
-                        p.feed_line(line)
+                if encoding == "jsonl":
+                    p = fed_pipeline(lines, columnar)
                 else:
+                    p = EmbeddedPipeline()
                     for payload in otlp:
                         if columnar:
                             p.feed_block(request_block(payload))
@@ -260,18 +247,17 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                         for item in decode_request(others):
                             p.feed(item)
                 p.finish()
-                return None
 
             # interleaved, the least CPU of each over the repeats: on a shared machine one
             # run of each alone would mostly measure who else was running at the time
-            t_columnar = t_floor = t_decode = float("inf")
-            for _ in range(1 if smoke else 3):
-                t, columnar_out = _cpu(lambda: pipeline(columnar=True))
-                t_columnar = min(t_columnar, t)
-                t_floor = min(t_floor, _cpu(parse_floor)[0])
-                t_decode = min(t_decode, _cpu(decode_only)[0])
-            t_ref, ref_out = _cpu(lambda: pipeline(columnar=False))
-            t_naive, _ = _cpu(naive)
+            runs = alternated({"columnar": lambda: timed(lambda: pipeline(columnar=True)),
+                               "floor": lambda: timed(parse_floor),
+                               "decode": lambda: timed(decode_only)}, 1 if smoke else 3)
+            t_columnar, t_floor, t_decode = (min(t for t, _ in runs[name])
+                                             for name in ("columnar", "floor", "decode"))
+            columnar_out = runs["columnar"][0][1]
+            t_ref, ref_out = timed(lambda: pipeline(columnar=False))
+            t_naive, _ = timed(naive)
             rows.append({
                 "encoding": encoding, "requests_per_step": round(rounds / max(1, len(steps)), 1),
                 "concurrency": rps, "rounds": rounds, "steps": len(steps),
@@ -287,14 +273,8 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
 
 
 def bench_collector(quick: bool, smoke: bool) -> dict:
-    """Engine-thread time of one `emit(step)` (direct and SDK paths) against the step's own time.
-
-    The SDK path's time is split into the part that is OpenTelemetry's own (``sdk_floor``:
-    ``Logger.emit`` of ready-made attributes to a processor that does nothing; most of it is
-    the SDK cleaning every attribute value, each element of the request arrays included,
-    ``attribute_cleaning``) and the rest, which is specwatch's (the record's attributes and
-    the bounded processor's queue).
-    """
+    """Engine-thread time of one `emit(step)` (direct and SDK paths) against the step's own time,
+    the SDK's own floor (``Logger.emit`` of ready-made attributes) split off."""
     from opentelemetry.attributes import BoundedAttributes
     from opentelemetry.sdk._logs import LoggerProvider, LogRecordProcessor
 
@@ -303,18 +283,18 @@ def bench_collector(quick: bool, smoke: bool) -> dict:
     from specwatch.schemas.otlp import encode_entries, log_entry
 
     steps = [r for r in _records(16, 0.05 if smoke else 0.2) if r.kind == "step"]
+
+    def us_per_step(fn) -> float:
+        return timed(fn, clock=time.thread_time)[0] / len(steps) * 1e6
+
     out: dict[str, Any] = {"steps": len(steps), "requests_per_step": sum(len(s.requests) for s in steps) / len(steps)}
     for name, sdk in (("direct", False), ("sdk", True)):
         # nothing is exported while the emit loop is timed: the export thread would compete
         # for the interpreter, and it does different work on the two paths
         emitter = TelemetryEmitter(InMemoryExporter(), sdk=sdk, max_queue_size=len(steps) + 10,
                                    max_batch_size=len(steps) + 10, schedule_delay_millis=3_600_000)
-        start = time.thread_time()
-        for step in steps:
-            emitter.emit(step)
-        cost = time.thread_time() - start
+        out[f"{name}_us_per_step"] = us_per_step(lambda: [emitter.emit(step) for step in steps])
         emitter.shutdown()
-        out[f"{name}_us_per_step"] = cost / len(steps) * 1e6
 
     class _Nothing(LogRecordProcessor):
         def on_emit(self, log_record) -> None:
@@ -330,72 +310,45 @@ def bench_collector(quick: bool, smoke: bool) -> dict:
     provider.add_log_record_processor(_Nothing())
     logger = provider.get_logger("specwatch", "1")
     entries = [log_entry(step) for step in steps]
-    gc.collect()
-    start = time.thread_time()
-    for step in steps:
-        log_entry(step)
-    out["sdk_attributes_us_per_step"] = (time.thread_time() - start) / len(steps) * 1e6
-    start = time.thread_time()
-    for entry in entries:
+
+    def emit(entry, **fields) -> None:
         logger.emit(timestamp=entry.time_unix_nano, observed_timestamp=entry.time_unix_nano,
-                    attributes=entry.attributes, event_name=entry.event_name)
-    out["sdk_floor_us_per_step"] = (time.thread_time() - start) / len(steps) * 1e6
-    start = time.thread_time()
-    for entry in entries:
-        BoundedAttributes(attributes=entry.attributes, immutable=False)
-    out["sdk_attribute_cleaning_us_per_step"] = (time.thread_time() - start) / len(steps) * 1e6
-    # What would move the SDK path, tried: a log record with no attributes at all (the least
-    # any SDK emit costs), and one whose body is the record already encoded on the calling
-    # thread (the exporter would pass the bytes on; nothing for the SDK to clean).
-    start = time.thread_time()
-    for entry in entries:
-        logger.emit(timestamp=entry.time_unix_nano, observed_timestamp=entry.time_unix_nano,
-                    event_name=entry.event_name)
-    out["sdk_minimal_record_us_per_step"] = (time.thread_time() - start) / len(steps) * 1e6
-    start = time.thread_time()
-    for step in steps:
-        entry = log_entry(step)
-        logger.emit(timestamp=entry.time_unix_nano, observed_timestamp=entry.time_unix_nano,
-                    body=encode_entries([entry]), event_name=entry.event_name)
-    out["sdk_preencoded_body_us_per_step"] = (time.thread_time() - start) / len(steps) * 1e6
+                    event_name=entry.event_name, **fields)
+
+    def clean(attributes) -> None:
+        BoundedAttributes(attributes=attributes, immutable=False)
+
+    # Beside the floor, what would move the SDK path: a record with no attributes at all (the
+    # least any SDK emit costs), and one whose body is the record encoded on the calling thread.
+    for name, fn in (("attributes", lambda: [log_entry(step) for step in steps]),
+                     ("floor", lambda: [emit(e, attributes=e.attributes) for e in entries]),
+                     ("attribute_cleaning", lambda: [clean(e.attributes) for e in entries]),
+                     ("minimal_record", lambda: [emit(entry) for entry in entries]),
+                     ("preencoded_body", lambda: [emit(entry, body=encode_entries([entry]))
+                                                  for entry in map(log_entry, steps)])):
+        out[f"sdk_{name}_us_per_step"] = us_per_step(fn)
     provider.shutdown()
-    out["sdk_minimal_record_over_direct"] = out["sdk_minimal_record_us_per_step"] / out["direct_us_per_step"]
-    out["sdk_preencoded_body_over_direct"] = out["sdk_preencoded_body_us_per_step"] / out["direct_us_per_step"]
+    direct = out["direct_us_per_step"]
+    for name in ("minimal_record", "preencoded_body", "floor"):
+        out[f"sdk_{name}_over_direct"] = out[f"sdk_{name}_us_per_step"] / direct
     out["sdk_ours_us_per_step"] = out["sdk_us_per_step"] - out["sdk_floor_us_per_step"]
-    out["sdk_floor_over_direct"] = out["sdk_floor_us_per_step"] / out["direct_us_per_step"]
     engine_ms = sum(s.draft_ms + s.verify_ms for s in steps) / len(steps)
     out["engine_step_ms_simulated"] = engine_ms
-    out["direct_share_of_step"] = out["direct_us_per_step"] / (engine_ms * 1e3)
+    out["direct_share_of_step"] = direct / (engine_ms * 1e3)
     out["sdk_share_of_step"] = out["sdk_us_per_step"] / (engine_ms * 1e3)
-    out["sdk_over_direct"] = out["sdk_us_per_step"] / out["direct_us_per_step"]
+    out["sdk_over_direct"] = out["sdk_us_per_step"] / direct
     return out
 
 
 def bench_export(bootstrap: str | None, quick: bool, smoke: bool) -> dict:
     """Export-thread CPU per step record: OTLP/HTTP through OpenTelemetry's exporter against the direct Kafka path."""
-    from specwatch.bench.export import run_export_bench
-
     steps = [r for r in _records(16, 0.05 if smoke else (0.2 if quick else 0.5)) if r.kind == "step"]
     return run_export_bench(steps, bootstrap)
-
-
-def _bench_startup(quick: bool, smoke: bool) -> dict:
-    from specwatch.bench.startup import run_startup_bench
-
-    return run_startup_bench(quick, smoke)
-
-
-def _bench_engine(quick: bool, smoke: bool) -> dict:
-    from specwatch.bench.engine import run_engine_bench
-
-    return run_engine_bench(quick, smoke)
 
 
 def bench_archive(quick: bool, smoke: bool) -> dict:
     """Window-stats rows/s into chDB: the sink beside the row path it replaced, the writer
     alone, each insert transport and one INSERT per row (`specwatch.bench.archive_path`)."""
-    from specwatch.bench.archive_path import run_archive_bench
-
     pipeline = EmbeddedPipeline()
     template: list = []
     pipeline.sinks.append(lambda out: template.append(out.windows))
@@ -461,22 +414,12 @@ def bench_growth(quick: bool, smoke: bool) -> list[dict]:
     for keys in sizes:
         lines, rounds = _growth_lines(keys, slices)
 
-        def run(columnar: bool) -> EmbeddedPipeline:
-            pipeline = EmbeddedPipeline()
-            if columnar:
-                for block in line_blocks(lines):
-                    pipeline.feed_lines(block)
-            else:
-                for line in lines:
-                    pipeline.feed_line(line)
-            return pipeline
-
-        t_columnar, _ = _cpu(lambda: run(columnar=True))
-        t_ref, _ = _cpu(lambda: run(columnar=False))
+        t_columnar, _ = timed(lambda: fed_pipeline(lines))
+        t_ref, _ = timed(lambda: fed_pipeline(lines, columnar=False))
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        pipeline = run(columnar=True)
+        pipeline = fed_pipeline(lines)
         pipeline.stage1.close_ready(final=True)
         gc.collect()
         state = tracemalloc.get_traced_memory()[0] - base
@@ -488,20 +431,9 @@ def bench_growth(quick: bool, smoke: bool) -> list[dict]:
     return out
 
 
-def _stage2_batches(lines: list[bytes]) -> list[dict]:
-    """What stage 1 sends stage 2 for ``lines``, as wire dicts (each run rebuilds fresh batches)."""
-    return [batch.to_dict() for batch in closed_batches(lines)]
-
-
 def bench_metrics(quick: bool, smoke: bool) -> dict:
-    """Stage 2 with the metrics view fed every final slice, beside stage 2 without it, on the same batches.
-
-    Runs alternate (off, on, then on, off) and the fastest of each counts, so load from
-    elsewhere on the machine falls on both alike. A scrape reads every key's newest window
-    from stage 2 and renders the exposition; it runs when Prometheus asks, so it is timed
-    on its own; at a 15 s scrape interval it takes ``scrape_s / 15`` of the worker's core,
-    which is the share of stage-2 throughput a saturated worker loses to it.
-    """
+    """Stage 2 with the metrics view fed every final slice, beside stage 2 without it, on the same
+    batches, alternated; a scrape timed on its own (docs/BENCHMARKS.md, "Metrics view")."""
     from specwatch.streams.metrics import ServiceHealth
     from specwatch.streams.operations import Operations, OperationsSettings
     from specwatch.streams.topology import SliceBatch, Stage2
@@ -509,7 +441,7 @@ def bench_metrics(quick: bool, smoke: bool) -> dict:
     keys = 50 if smoke else (500 if quick else 1_000)
     slices = 6 if smoke else 20
     lines, rounds = _growth_lines(keys, slices)
-    wire = _stage2_batches(lines)
+    wire = [batch.to_dict() for batch in closed_batches(lines)]  # each run rebuilds fresh batches
     stages: list = []
     operations = Operations(OperationsSettings(web_port=None, max_metric_keys=keys * 2), ServiceHealth,
                             stages=lambda: stages[-1:])
@@ -524,25 +456,18 @@ def bench_metrics(quick: bool, smoke: bool) -> dict:
         outputs.clear()
 
         def go():
-            for batch in batches:
-                for output in stage.add(batch):
-                    if metrics:
-                        observe(output)
-                    outputs.append(output)
-            for output in stage.flush():
+            for output in stage2_outputs(stage, batches):
                 if metrics:
                     observe(output)
                 outputs.append(output)
-        return _cpu(go)[0]
+        return timed(go)[0]
 
-    off, on = [], []
-    for i in range(1 if smoke else 5):
-        for metrics in ((False, True) if i % 2 == 0 else (True, False)):  # neither always runs second
-            (on if metrics else off).append(run(metrics))
+    runs = alternated({"off": lambda: run(False), "on": lambda: run(True)}, 1 if smoke else 5)
+    off, on = runs["off"], runs["on"]
     # the view's per-slice work by itself, over the same outputs: below the noise of whole runs
     fresh = Operations(OperationsSettings(web_port=None), ServiceHealth).view
-    observe_s = min(_cpu(lambda: [fresh.observe(o) for o in outputs])[0] for _ in range(5))
-    scrapes = [_cpu(operations.render) for _ in range(1 if smoke else 3)]
+    observe_s = min(timed(lambda: [fresh.observe(o) for o in outputs])[0] for _ in range(5))
+    scrapes = [timed(operations.render) for _ in range(1 if smoke else 3)]
     scrape_s, text = min(scrapes, key=lambda item: item[0])
     return {"keys": keys, "slices": slices, "rounds": rounds, "batches": len(wire),
             "stage2_off_s": min(off), "stage2_on_s": min(on),
@@ -756,10 +681,10 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
         steps = [("stream", lambda: bench_stream(quick, smoke)),
                  ("collector", lambda: bench_collector(quick, smoke)),
                  ("export", lambda: bench_export(bootstrap, quick, smoke)),
-                 ("engine", lambda: _bench_engine(quick, smoke)),
+                 ("engine", lambda: run_engine_bench(quick, smoke)),
                  ("archive", lambda: bench_archive(quick, smoke)),
                  ("replay", lambda: bench_replay(quick, smoke, Path(tmp))),
-                 ("startup", lambda: _bench_startup(quick, smoke)),
+                 ("startup", lambda: run_startup_bench(quick, smoke)),
                  ("growth", lambda: bench_growth(quick, smoke)),
                  ("keys", lambda: bench_keys(quick, smoke)),
                  ("metrics", lambda: bench_metrics(quick, smoke)),
