@@ -53,28 +53,19 @@ def _measure(out_path: Path, rounds: int) -> None:
     from vllm import SamplingParams
 
     from specwatch.actions.flags import FlagStore
-    from specwatch.bench.hook_path import replay_hook_path
+    from specwatch.bench import timed
+    from specwatch.bench.hook_path import RecordList, replay_hook_path
     from specwatch.collectors.capture import SampleCapture
     from specwatch.collectors.vllm import VllmCollector, build_tiny_models
     from specwatch.schemas.policy import CapturePolicy
     from specwatch.schemas.sealed import SampleKey, Sealer
     from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
 
-    class _Steps:
-        """Keeps the step records: their shapes are replayed through the hook path afterwards."""
-
-        def __init__(self) -> None:
-            self.steps: list = []
-
-        def emit(self, record) -> None:
-            if record.kind == "step":
-                self.steps.append(record)
-
     models = build_tiny_models()
     # sealed capture on, at the policy's default rate (the emitter thread seals; the step does not wait)
     key = SampleKey.from_secret(os.urandom(32))
     capture = SampleCapture(CapturePolicy(enabled=True), key)
-    sink = _Steps()
+    sink = RecordList()  # the steps' shapes are replayed through the hook path afterwards
     collector = VllmCollector(sink, flags=FlagStore(), worker="bench", capture=capture)
     started = time.monotonic()
     with collector.watching():
@@ -95,14 +86,11 @@ def _measure(out_path: Path, rounds: int) -> None:
         run = run_to_completion(engine, [(f"w{wave}-{i}", p, params) for i, p in enumerate(_PROMPTS)], toggle)
         return run.step_seconds, list(modes), list(run.outputs.values())
 
-    # Warm-up, not counted: the engine's first steps (allocation, JIT, caches) are slow in
-    # either mode, and whichever mode got them would look slower. One wave starts with the
-    # collector on and one with it off, so both modes' paths are warm before the first
-    # measured step.
+    # Warm-up, not counted: the first steps are slow in either mode; one wave starts on, one off.
     for wave in range(-_WARM_UP_WAVES, 0):
         run_wave(wave, wave % 2 == 0)
     collector.flush()
-    sink.steps.clear()  # the warm-up's steps are not replayed either
+    sink.clear()  # the warm-up's steps are not replayed either
     before, captured_before = collector.stats(), capture.stats()
     load_before = os.getloadavg()
     for wave in range(2 * rounds):
@@ -118,7 +106,8 @@ def _measure(out_path: Path, rounds: int) -> None:
     collector.close()
     # The same steps through the hook path alone (stand-in runner and scheduler, no vLLM work):
     # every wrapper and tap, timed or not, in thread CPU time.
-    hook_path = replay_hook_path(engine.vllm_config, sink.steps, flags=FlagStore(), repeat=_HOOK_PATH_REPEAT)
+    steps_seen = [record for record in sink if record.kind == "step"]
+    hook_path = replay_hook_path(engine.vllm_config, steps_seen, flags=FlagStore(), repeat=_HOOK_PATH_REPEAT)
     close_engine(engine)
     steps = max(1, after.steps - before.steps)
     cost_us = (after.cost_s - before.cost_s) / steps * 1e6
@@ -126,10 +115,9 @@ def _measure(out_path: Path, rounds: int) -> None:
     capture_s = captured_after.capture_s - captured_before.capture_s
     # Sealing every finished request once more (capture rate 1), timed on its own.
     sealer = Sealer(key)
-    seal_start = time.thread_time()
-    for prompt_ids, output_ids in finished:
-        sealer.seal(list(prompt_ids), list(output_ids))
-    seal_us = (time.thread_time() - seal_start) * 1e6 / max(1, len(finished))
+    seal_s, _ = timed(lambda: [sealer.seal(list(prompt), list(output)) for prompt, output in finished],
+                      clock=time.thread_time)
+    seal_us = seal_s * 1e6 / max(1, len(finished))
     # the ceiling: every request the collector recorded sealed, over the steps it recorded
     seal_all_us_per_step = seal_us * (after.request_records - before.request_records) / steps
     figures = {"steps_on": len(on), "steps_off": len(off)}
@@ -147,7 +135,7 @@ def _measure(out_path: Path, rounds: int) -> None:
         "hook_path_us_per_step": hook_path.collector_us,
         "hook_path_off_us_per_step": hook_path.collector_off_us,
         "hook_path_self_timed_us_per_step": hook_path.self_timed_us,
-        "requests_per_step": sum(len(s.requests) for s in sink.steps) / max(1, len(sink.steps)),
+        "requests_per_step": sum(len(s.requests) for s in steps_seen) / max(1, len(steps_seen)),
         "collector_share_of_step": cost_us / 1e3 / figures["step_ms_mean_on"],
         "capture_rate": capture.policy.rate,
         "capture_sealed": captured_after.sealed - captured_before.sealed,

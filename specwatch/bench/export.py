@@ -4,12 +4,12 @@ and through the direct Kafka path (without a broker, its encoding alone).
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
-import time
 import uuid
 from typing import Any
+
+from specwatch.bench import timed
 
 __all__ = ["run_export_bench"]
 
@@ -33,11 +33,8 @@ server.serve_forever()
 
 
 def _cpu_per_step(steps: list, export) -> float:
-    gc.collect()
-    start = time.process_time()
-    for i in range(0, len(steps), _BATCH):
-        export(steps[i:i + _BATCH])
-    return (time.process_time() - start) / len(steps) * 1e6
+    batches = [steps[i:i + _BATCH] for i in range(0, len(steps), _BATCH)]
+    return timed(lambda: [export(batch) for batch in batches])[0] / len(steps) * 1e6
 
 
 def run_export_bench(steps: list, bootstrap: str | None) -> dict[str, Any]:

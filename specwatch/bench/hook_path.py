@@ -15,7 +15,7 @@ from specwatch.collectors.vllm.collector import VllmCollector
 from specwatch.collectors.vllm.hooks import wrap_classes
 from specwatch.schemas import StepRecord
 
-__all__ = ["StepShape", "HookPathCost", "step_shapes", "replay_hook_path"]
+__all__ = ["StepShape", "HookPathCost", "RecordList", "step_shapes", "replay_hook_path"]
 
 _DEFAULT_REPEAT = 20
 _PROMPT_IDS = list(range(100, 124))
@@ -31,6 +31,13 @@ class StepShape:
     added: tuple[str, ...]
     finished: tuple[str, ...]
     labels: dict[str, tuple[str, str]] = field(default_factory=dict, compare=False)
+
+
+class RecordList(list):
+    """A collector's sink that keeps every record it is given."""
+
+    def emit(self, record: Any) -> None:
+        self.append(record)
 
 
 @dataclass(frozen=True)
@@ -230,15 +237,7 @@ def replay_hook_path(vllm_config: Any, steps: Sequence[StepRecord], *, flags: An
     hooked replay are returned with the cost, to check that the replay is faithful.
     """
     shapes = step_shapes(steps)
-
-    class Records:
-        def __init__(self) -> None:
-            self.records: list = []
-
-        def emit(self, record: Any) -> None:
-            self.records.append(record)
-
-    sink = Records()
+    sink = RecordList()
     collector = VllmCollector(sink, flags=flags, worker="hook-path")
     runner_cls, scheduler_cls = _stand_in_classes()
     wrap_classes(runner_cls, scheduler_cls, lambda role: collector, where="the stand-in engine")
@@ -249,7 +248,7 @@ def replay_hook_path(vllm_config: Any, steps: Sequence[StepRecord], *, flags: An
     hooked_s = _run(*hooked, _prepared(shapes, repeat))
     after = collector.stats()
     collector.flush()
-    records = list(sink.records)
+    records = list(sink)
     collector.enabled = False
     off_s = _run(*hooked, _prepared(shapes, repeat))
     bare_s = _run(*bare, _prepared(shapes, repeat))

@@ -1,15 +1,5 @@
-"""The information bound of each incident: how fast any detector with specwatch's false-alarm rate could be.
-
-A CUSUM that knows both the before and after distributions needs about ln(ARL) / KL
-observations to decide, where ARL is the number of in-control observations between false
-alarms and KL the divergence per observation (Lorden 1971). Each bound here is computed from
-the scenario's known parameters (the simulator's rates, not what a run happened to draw) and
-the key's observed traffic, so delays can be read against it.
-
-Evidence counts when its record arrives. A stalled request's record leaves when the stall
-ends, so the tail's evidence reaches any detector of request records late, by the stall
-itself: the tail bound accumulates the information of the record streams over time, with
-each slow record held back by its own stall, instead of dividing by a steady rate.
+"""The information bound of each incident: how fast any detector with specwatch's false-alarm rate
+could be, ln(ARL) / KL observations of an ideal CUSUM (docs/EVALUATION.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""The draft-length suite: how close the advised D comes to the best D after the best D moves.
-
-Seeded simulator runs in which one thing changes the best draft length (draft cost doubles,
-late positions stop being accepted, a bucket's prompts grow). Every few seconds of event time
-the advisor (`specwatch.analysis.tuning`, as `specwatch tune` runs it) names a D per bucket from the last
-window of stats; the simulator's own cost and acceptance (`true_speedup`) score that D
-against the best one.
+"""The draft-length suite: how close the advised D comes to the best D after the best D moves,
+scored by the simulator's own cost and acceptance (docs/DRAFT_LENGTH.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specwatch.simulation.simulator import DEFAULT_CARD, Simulator, true_speedup
+from specwatch.simulation.simulator import _KV_CAPACITY_TOKENS, DEFAULT_CARD, Simulator, true_speedup
 from specwatch.schemas import StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.analysis.tuning import tune_report
@@ -27,7 +22,6 @@ MINUTES = 3.5
 WORKERS = 4
 _EVIDENCE_SECONDS = 30.0
 _CHECK_EVERY_SECONDS = 5.0
-_KV_CAPACITY_TOKENS = 196_608  # the simulated worker's KV cache, to turn kv_usage back into tokens
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,5 @@
-"""Judging detections against ground truth: delay, right/wrong reason and scope, false alarms.
-
-Pure functions over what a run produced (decisions, baseline firings) and what the simulator
-scripted (incidents); the runner does the simulating.
+"""Judging detections against ground truth: delay, right/wrong reason and scope, false alarms;
+pure functions over what a run produced and what the simulator scripted.
 """
 
 from __future__ import annotations

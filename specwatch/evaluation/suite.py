@@ -1,11 +1,10 @@
-"""The evaluation suite: seeded simulator runs, specwatch and the operator baselines side by side.
-
-Each case runs one simulated fleet open loop (decisions are recorded, not applied, so every
-detector sees the same telemetry) through the embedded pipeline and both baselines at once.
+"""The evaluation suite: seeded simulator runs open loop through the embedded pipeline and both
+operator baselines at once, so every detector sees the same telemetry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import time
@@ -587,19 +586,15 @@ def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy 
     order = sorted(range(len(cases)), key=lambda i: -_work(cases[i]))
     jobs = [(i, cases[i], settings, policy, draft_length_seed) for i in order]
     results: dict[int, dict] = {}
-    if processes <= 1:
+    with contextlib.ExitStack() as stack:
         done = map(_run_one, jobs)
+        if processes > 1:  # fork keeps start-up cheap; every case builds its own simulator and pipeline
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(processes))
+            done = pool.imap_unordered(_run_one, jobs)
         for i, result in done:
             results[i] = result
             if progress is not None:
                 progress(result)
-    else:
-        # fork keeps start-up cheap; every case builds its own simulator and pipeline.
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
-            for i, result in pool.imap_unordered(_run_one, jobs):
-                results[i] = result
-                if progress is not None:
-                    progress(result)
     return [results[i] for i in range(len(cases))]
 
 

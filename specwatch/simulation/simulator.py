@@ -520,6 +520,13 @@ def _worker_name(index: int) -> str:
     return f"w{index + 1}"
 
 
+def _changed_card(card: BundleCard, kind: str) -> BundleCard:
+    """``card`` after a scripted card change: a retrained target, or a tokenizer fix."""
+    change = {"revision": _UPDATED_REVISION} if kind == "target_update" else {
+        "tokenizer_digest": _UPDATED_TOKENIZER_DIGEST}
+    return card.model_copy(update={"target": card.target.model_copy(update=change)})
+
+
 # -- one simulated engine worker ---------------------------------------------------------------
 
 
@@ -552,6 +559,9 @@ class _Request:
                  "arrival", "ttft_ms", "fail_u", "fail_remaining", "tail_u", "shadow_u", "shadow_delay",
                  "error_text_u", "sampling", "prompt_sha256", "output_sha256", "entries", "speculated",
                  "remaining", "kv_tokens", "shadow_fraction")
+
+    def end_reason(self) -> str:
+        return "length" if self.output_tokens >= self.max_tokens else "stop"
 
     def round_entry(self, code: int, width: int) -> RoundEntry:
         # Round entries are immutable and a request repeats few (drafted, accepted) pairs,
@@ -751,8 +761,7 @@ class _Worker:
                 self.waiting.pop(0)
             if req.remaining <= 0:  # one-token answer: done at prefill, never joins the batch
                 if emitting:
-                    reason = "length" if req.output_tokens >= req.max_tokens else "stop"
-                    for record in self._finish(req, t, reason):
+                    for record in self._finish(req, t, req.end_reason()):
                         self.emit_later(record.ts, self.index, [record])
                 continue
             admitted.append(req)
@@ -794,11 +803,9 @@ class _Worker:
         elif plan.kind == "target_update":
             c.acceptance_factor = [1.0 - intensity] * len(BUCKETS)
             self.thresholds = self._acceptance_table()
-            target = self.card.target.model_copy(update={"revision": _UPDATED_REVISION})
-            return self.card.model_copy(update={"target": target})
+            return _changed_card(self.card, plan.kind)
         elif plan.kind == "bundle_change":
-            target = self.card.target.model_copy(update={"tokenizer_digest": _UPDATED_TOKENIZER_DIGEST})
-            return self.card.model_copy(update={"target": target})
+            return _changed_card(self.card, plan.kind)
         elif plan.kind in ("draft_regression", "draft_cost_doubles"):
             c.draft_factor = intensity
         elif plan.kind == "late_acceptance_decay":
@@ -933,8 +940,7 @@ class _Worker:
                 freed += kv[slot]
                 done.append(slot)
                 if records is not None:
-                    reason = "length" if req.output_tokens >= req.max_tokens else "stop"
-                    records.extend(self._finish(req, t_end, reason))
+                    records.extend(self._finish(req, t_end, req.end_reason()))
                 continue
             outcome = self._failure(req)
             if outcome is None:
@@ -1210,21 +1216,12 @@ class Simulator:
                 continue
             bundle_id, workers = base, ()
             if plan.kind in ("target_update", "bundle_change"):
-                bundle_id = bundle_digest(self._changed_card(plan.kind))
+                bundle_id = bundle_digest(_changed_card(DEFAULT_CARD, plan.kind))
             elif plan.kind == "kv_pressure":
                 workers = tuple(_worker_name(w) for w in _kv_pressure_workers(self.workers))
             out.append(Incident(plan.kind, self.start_ts + start, bundle_id, plan.bucket, plan.cohort,
                                 _EXPECTED_REASON[plan.kind], workers))
         return sorted(out, key=lambda i: i.start_ts)
-
-    @staticmethod
-    def _changed_card(kind: str) -> BundleCard:
-        target = DEFAULT_CARD.target
-        if kind == "target_update":
-            target = target.model_copy(update={"revision": _UPDATED_REVISION})
-        else:
-            target = target.model_copy(update={"tokenizer_digest": _UPDATED_TOKENIZER_DIGEST})
-        return DEFAULT_CARD.model_copy(update={"target": target})
 
     @property
     def bundle_cards(self) -> dict[str, BundleCard]:
@@ -1232,7 +1229,7 @@ class Simulator:
         cards = {self.initial_bundle_id: DEFAULT_CARD}
         for incident in self.incidents:
             if incident.kind in ("target_update", "bundle_change"):
-                cards[incident.bundle_id] = self._changed_card(incident.kind)
+                cards[incident.bundle_id] = _changed_card(DEFAULT_CARD, incident.kind)
         return cards
 
     def records(self) -> Iterator[TelemetryRecord]:
