@@ -215,12 +215,10 @@ def run_client_bench(bootstrap: str, smoke: bool = False) -> dict:
                     for i in range(1 if smoke else _REPEATS)]
     finally:
         asyncio.run(_delete(bootstrap, created))
-    default_produce = produced["default"]["cpu_us_per_message"]
-    default_consume = consumed["default"]["cpu_us_per_message"]
-    for row in produced.values():
-        row["over_default"] = row["cpu_us_per_message"] / default_produce
-    for row in consumed.values():
-        row["over_default"] = row["cpu_us_per_message"] / default_consume
+    for rows in (produced, consumed):
+        default = rows["default"]["cpu_us_per_message"]
+        for row in rows.values():
+            row["over_default"] = row["cpu_us_per_message"] / default
     return {"messages": len(messages), "rounds": rounds, "records_per_message": _RECORDS_PER_MESSAGE,
             "bytes_per_message": sum(len(v) for _, v in messages) / len(messages),
             "produce": produced, "consume": consumed, "partials": partials}

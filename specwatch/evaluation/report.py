@@ -24,20 +24,11 @@ def summarize(results: list[dict], baselines: dict, mode: str) -> dict:
     table = []
     for result in results:
         for row in result["incidents"]:
-            entry = {
-                "scenario": result["scenario"],
-                "intensity": result["intensity"],
-                "label": result["label"],
-                "case": result["case"],
-                "measured_from": row["measured_from"],
-                "target_s": row["target_s"],
-                "workers": result["workers"],
-                "concurrency": result["concurrency"],
-                "key_requests_per_minute": row.get("key_requests_per_minute"),
-                "bound": row.get("bound"),
-                "watched_s": row.get("watched_s"),
-                "compare_baselines": result.get("compare_baselines", True),
-            }
+            entry = {**{k: result[k] for k in ("scenario", "intensity", "label", "case")},
+                     "measured_from": row["measured_from"], "target_s": row["target_s"],
+                     "workers": result["workers"], "concurrency": result["concurrency"],
+                     **{k: row.get(k) for k in ("key_requests_per_minute", "bound", "watched_s")},
+                     "compare_baselines": result.get("compare_baselines", True)}
             for detector in DETECTORS:
                 entry[detector] = {"verdict": row[detector]["verdict"], "delay_s": row[detector]["delay_s"]}
             alarm = row["specwatch"]["alarm"] or {}

@@ -175,16 +175,10 @@ def match_incidents(incidents, alarms: list[Alarm]) -> list[dict]:
     for incident in incidents:
         verdict = judge(incident, alarms)
         alarm = verdict.alarm
-        rows.append({
-            "incident": incident.kind,
-            "bucket": incident.bucket,
-            "cohort": incident.cohort,
-            "start_ts": incident.start_ts,
-            "expected_reason": incident.expected_reason,
-            "verdict": verdict.verdict,
-            "reason": alarm.reason if alarm else None,
-            "decision_id": alarm.decision_id if alarm else None,
-            "action": alarm.action if alarm else None,
-            "detection_delay_s": verdict.delay_s,
-        })
+        rows.append({"incident": incident.kind, "bucket": incident.bucket,
+                     "cohort": incident.cohort, "start_ts": incident.start_ts,
+                     "expected_reason": incident.expected_reason,
+                     "verdict": verdict.verdict,
+                     **{k: getattr(alarm, k, None) for k in ("reason", "decision_id", "action")},
+                     "detection_delay_s": verdict.delay_s})
     return rows

@@ -507,21 +507,17 @@ def _finite_or_none(value: float) -> float | None:
     return round(value, 4) if math.isfinite(value) else None
 
 
+_CASE_FIELDS = ("compare_baselines", "scenario", "intensity", "label", "healthy",
+                "target_intensity", "workers", "concurrency", "seed")
+
+
 def _result(case: Case, sim: Simulator, incidents, alarms: dict[str, list[Alarm]], first_mismatch: float | None,
             last_ts: float, records: int, wall: float) -> dict:
     first_start = min((i.start_ts for i in incidents), default=last_ts)
     covered = last_ts - sim.start_ts
     out = {
         "case": case.name,
-        "compare_baselines": case.compare_baselines,
-        "scenario": case.scenario,
-        "intensity": case.intensity,
-        "label": case.label,
-        "healthy": case.healthy,
-        "target_intensity": case.target_intensity,
-        "workers": case.workers,
-        "concurrency": case.concurrency,
-        "seed": case.seed,
+        **{name: getattr(case, name) for name in _CASE_FIELDS},
         "simulated_seconds": round(covered, 3),
         "incident_free_seconds": round(first_start - sim.start_ts, 3),
         "buckets": len(BUCKETS),
