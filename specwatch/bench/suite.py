@@ -249,8 +249,6 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                             p.feed(item)
                 p.finish()
 
-            # interleaved, the least CPU of each over the repeats: on a shared machine one
-            # run of each alone would mostly measure who else was running at the time
             runs = alternated({"columnar": lambda: timed(lambda: pipeline(columnar=True)),
                                "floor": lambda: timed(parse_floor),
                                "decode": lambda: timed(decode_only)}, 1 if smoke else 3)
@@ -476,11 +474,8 @@ def bench_kafka(bootstrap: str, quick: bool, smoke: bool) -> dict:
     from specwatch.bench.kafka_path import run_kafka_bench
 
     seconds = 20 if quick else 60
-    # Capacity first: flat out with one worker and with two (the group splits the
-    # partitions); two again with one message per fetch (what the runner did before it took
-    # whole fetches: one stage-1 fold and partials messages per telemetry message); then two
-    # paced at 80 % of the two-worker capacity just measured, where the decision latency
-    # target is set.
+    # Capacity first (one worker, two, two with one message per fetch as the runner once
+    # took them), then two paced at 80 % of that capacity, where the latency target is set.
     one = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=1)
     two = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=2)
     per_message = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=2,
