@@ -374,18 +374,14 @@ class _Watch:
                                           s.alert_interval_seconds)
 
     def step(self, record: StepRecord) -> None:
-        key, before = self.key, record.ts < self.watch_from
-        if not self.baselines:  # only the incident key's rounds are counted, for its bound
-            if before and key is not None:
-                self.key_rounds += sum(1 for e in record.requests
-                                       if e.drafted and e.bucket == key[0] and e.cohort == key[1])
+        key = self.key
+        if record.ts < self.watch_from and key is not None:  # the incident key's rounds: its bound
+            self.key_rounds += sum(1 for e in record.requests
+                                   if e.drafted and (e.bucket, e.cohort) == key)
+        if not self.baselines:
             return
-        accepted = drafted = 0
-        for entry in record.requests:
-            accepted += entry.accepted
-            drafted += entry.drafted
-            if before and entry.drafted and key is not None and entry.bucket == key[0] and entry.cohort == key[1]:
-                self.key_rounds += 1
+        accepted = sum(entry.accepted for entry in record.requests)
+        drafted = sum(entry.drafted for entry in record.requests)
         switch = self.switches.get(record.worker)
         if switch is None:
             switch = self.switches[record.worker] = AcceptanceKillSwitch(self.settings.kill_switch_window,
