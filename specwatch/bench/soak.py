@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import resource
+import statistics
 import threading
 import time
 import uuid
@@ -71,14 +72,10 @@ def slope_per_minute(xs: list[float], ys: list[float]) -> float:
     >>> slope_per_minute([0.0, 60.0, 120.0], [10.0, 11.0, 12.0])
     1.0
     """
-    n = len(xs)
-    if n < 2:
+    try:
+        return statistics.linear_regression(xs, ys).slope * 60.0
+    except statistics.StatisticsError:  # fewer than two points, or all at one time
         return math.nan
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    if var == 0:
-        return math.nan
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var * 60.0
 
 
 def summarize(mode: str, minutes: float, rate: float, samples: list[Sample], counters: dict,
