@@ -107,7 +107,8 @@ def _measure(out_path: Path, rounds: int) -> None:
     # The same steps through the hook path alone (stand-in runner and scheduler, no vLLM work):
     # every wrapper and tap, timed or not, in thread CPU time.
     steps_seen = [record for record in sink if record.kind == "step"]
-    hook_path = replay_hook_path(engine.vllm_config, steps_seen, flags=FlagStore(), repeat=_HOOK_PATH_REPEAT)
+    hook_path = replay_hook_path(engine.vllm_config, steps_seen, flags=FlagStore(),
+                                 repeat=_HOOK_PATH_REPEAT)
     close_engine(engine)
     steps = max(1, after.steps - before.steps)
     cost_us = (after.cost_s - before.cost_s) / steps * 1e6
@@ -115,7 +116,7 @@ def _measure(out_path: Path, rounds: int) -> None:
     capture_s = captured_after.capture_s - captured_before.capture_s
     # Sealing every finished request once more (capture rate 1), timed on its own.
     sealer = Sealer(key)
-    seal_s, _ = timed(lambda: [sealer.seal(list(prompt), list(output)) for prompt, output in finished],
+    seal_s, _ = timed(lambda: [sealer.seal(list(p), list(o)) for p, o in finished],
                       clock=time.thread_time)
     seal_us = seal_s * 1e6 / max(1, len(finished))
     # the ceiling: every request the collector recorded sealed, over the steps it recorded

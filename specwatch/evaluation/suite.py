@@ -580,7 +580,7 @@ def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy 
     results: dict[int, dict] = {}
     with contextlib.ExitStack() as stack:
         done = map(_run_one, jobs)
-        if processes > 1:  # fork keeps start-up cheap; every case builds its own simulator and pipeline
+        if processes > 1:  # fork keeps start-up cheap; each case builds its own simulator, pipeline
             pool = stack.enter_context(multiprocessing.get_context("fork").Pool(processes))
             done = pool.imap_unordered(_run_one, jobs)
         for i, result in done:
