@@ -1,10 +1,4 @@
 """Decoding blocks of step records as columns, without building pydantic objects (the batch mode).
-
-A block of JSON lines (`decode_lines_block`) or an OTLP request (`request_block`) becomes a
-`StepBlock`: the steps that pass a few cheap type and range checks as columns (on OTLP read
-straight from the protobuf bytes), every other record as the reference codec decodes it, so
-records and rejection reasons are exactly those of `codec.decode_line` and
-`otlp.decode_request`, record by record.
 """
 
 from __future__ import annotations
@@ -155,10 +149,6 @@ def _skip(buf: bytes, p: int, wire_type: int) -> int:
 
 def _log_record_spans(buf: bytes) -> list[tuple[int, int]] | None:
     """(start, end) of every LogRecord, in the order upb lists them; None if groups get in the way.
-
-    resource_logs (1) of the request, scope_logs (2) of a ResourceLogs and log_records (2) of
-    a ScopeLogs, each length-delimited; every other field is skipped as upb skips it
-    (unknown, or a known number with another wire type).
     """
     spans: list[tuple[int, int]] = []
     append = spans.append
@@ -353,10 +343,7 @@ class _StepRow(NamedTuple):
 
 def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: bytes, accepted: bytes,
           build: Callable) -> _StepRow | None:
-    """The step if its rounds pass the contract's checks, else None (the reference decides).
-
-    ``ids``, ``buckets`` and ``cohorts`` are what `_strings` gives.
-    """
+    """The step if its rounds pass the contract's checks, else None (the reference decides)."""
     ids, ids_named, _ = ids
     buckets, _, buckets_scoped = buckets
     cohorts, _, cohorts_scoped = cohorts
@@ -518,10 +505,6 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
 
 def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | None:
     """The LogRecord in buf[start:end] as a step, None if it is not a valid one; `_OddShape` if unsure.
-
-    Reads what `otlp.decode_log_record` reads for a step: the event name, the specwatch.*
-    scalars stage 1 needs and every specwatch.requests.* column (extra columns must have
-    the same length); other attributes are skipped unread.
     """
     event = None
     scalars: dict[str, tuple[int, int]] = {}
@@ -743,11 +726,7 @@ def _line_step(line: bytes) -> _BlockStep | None:
 
 
 def _decode_other(line: bytes) -> TelemetryRecord | Rejection | None:
-    """What `codec.decode_line` gives for a line the block does not hold as columns.
-
-    A valid record of another kind is validated from msgspec's parse, which is faster than
-    the stdlib's; for anything else the reference decodes the line itself.
-    """
+    """What `codec.decode_line` gives for a line the block does not hold as columns."""
     if len(line) <= MAX_LINE_BYTES:
         try:
             obj = _ANY_DECODER.decode(line)
@@ -919,11 +898,6 @@ def _any_layout(raw: msgspec.Raw, pairs: dict) -> tuple | None:
 def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     """A block of JSON lines as one `StepBlock`, positions being line numbers in the block.
 
-    Steps msgspec reads whose requests `_read_rounds` reads, and that pass the contract's
-    checks, become columns; every other line is what `codec.decode_line` gives for it
-    (blank lines give nothing). Records, rejections and their order are those of
-    `codec.decode_line` line by line.
-
     >>> step = (b'{"kind":"step","v":1,"ts":%d,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
     ...         b'"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
     ...         b'"drafted":4,"accepted":3}]}')
@@ -983,10 +957,7 @@ def _checked(header, names: list) -> np.ndarray:
 
 def _interned(header, round_step: np.ndarray, pair_index: np.ndarray, pairs: list, drafted, accepted, at: list,
               others: list, step_ids: list, build) -> StepBlock:
-    """A `StepBlock` with (bundle, bucket, cohort) interned.
-
-    ``pair_index``: each round's (bucket, cohort), as an index into ``pairs``.
-    """
+    """A `StepBlock` with (bundle, bucket, cohort) interned."""
     ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage = header[:7]
     # numbered in first-seen order, every per-item loop in C
     bundle_table = {name: i for i, name in enumerate(dict.fromkeys(bundles))}
@@ -1009,8 +980,6 @@ def _interned(header, round_step: np.ndarray, pair_index: np.ndarray, pairs: lis
 
 def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
     """An OTLP request as one `StepBlock`, positions being the indices of its log records.
-
-    Records, rejections and their order are those of `otlp.decode_request`.
 
     >>> from specwatch.schemas import decode_line
     >>> from specwatch.schemas.otlp import encode_records

@@ -1,27 +1,4 @@
-"""Contract-v1 records as OTLP log records: the bytes that travel on the telemetry topic.
-
-Encodes batches to a standard ``ExportLogsServiceRequest`` and decodes such bytes back
-into the same records, with a `Rejection` for anything invalid; decoding never raises.
-
-Layout of one record (one OTLP ``LogRecord`` per contract record, one per engine step):
-
-- ``event_name`` is ``specwatch.<kind>``; ``time_unix_nano`` and ``observed_time_unix_nano``
-  are the event time ``ts`` in nanoseconds (for Collector pipelines that route on time).
-- Every scalar field is an attribute ``specwatch.<field>`` with its natural type
-  (string, int, double, bool), including ``specwatch.v`` and ``specwatch.ts`` (double, so
-  that the record round-trips exactly; nanoseconds would round it). A ``null`` field is an
-  attribute whose value is the empty ``AnyValue``.
-- A step's requests are parallel arrays, one ``ArrayValue`` per column:
-  ``specwatch.requests.id``, ``.bucket``, ``.cohort`` (strings) and ``.drafted``,
-  ``.accepted`` (ints); entry *i* of every column belongs to request *i*.
-- The nested ``card`` (bundle) and ``sample`` (request) are KV-lists, nested as in the
-  JSON form (``card.target.model_id`` is key ``target`` then ``model_id``), with ``null``
-  leaves as empty ``AnyValue``. KV-lists keep the fields typed and routable in a Collector,
-  which a JSON string attribute would not.
-- All records of a request share one ``ResourceLogs`` (resource attribute ``service.name``,
-  default ``specwatch``) and one ``ScopeLogs`` (scope ``specwatch``, version = contract
-  version). On decode, resource and scope are not checked: the event name decides.
-"""
+"""Contract-v1 records as OTLP log records: the bytes that travel on the telemetry topic."""
 
 from __future__ import annotations
 
@@ -171,10 +148,6 @@ _ATTRIBUTES = {
 
 def log_entry(record: TelemetryRecord) -> LogEntry:
     """The OTLP form of one record: event name, event time in ns, attributes.
-
-    The attribute values are what OpenTelemetry accepts (str, bool, int, float, None,
-    tuples of one of those, nested mappings), so the same entry can be emitted through
-    the OTel SDK or encoded directly, with the same bytes on the wire.
 
     >>> from specwatch.schemas import ShadowRecord
     >>> entry = log_entry(ShadowRecord(v=1, ts=1.5, bundle_id="b-1", id="r9",
@@ -374,9 +347,6 @@ def iter_encoded_chunks(
 ) -> Iterator[tuple[bytes, int]]:
     """Serialized requests of at most ``max_bytes`` each, with the number of entries in each.
 
-    Order is kept across chunks. An entry bigger than ``max_bytes`` on its own still gets
-    a chunk (the transport decides whether it fits).
-
     >>> from specwatch.schemas import ShadowRecord
     >>> shadows = [log_entry(ShadowRecord(v=1, ts=float(i), bundle_id="b-1", id=f"r{i}",
     ...            bucket="coding", check="token_exact", match=True)) for i in range(100)]
@@ -430,12 +400,7 @@ def _py(value: AnyValue) -> Any:
 
 
 def _column_from_wire(data: bytes) -> list | None:
-    """The two column shapes a step carries, read from the array's bytes; None otherwise.
-
-    Iterating upb's repeated messages makes a wrapper object per element, which was most
-    of a step's decode time; small ints and short strings have fixed layouts that bytes
-    slicing reads at C speed. Anything else (None) takes the general path.
-    """
+    """The two column shapes a step carries, read from the array's bytes; None otherwise."""
     count = len(data) >> 2
     # ints 0..127: every element is 0a 02 18 vv
     if len(data) == count << 2 and data[0::4] == b"\x0a" * count and data[1::4] == b"\x02" * count \
@@ -492,9 +457,6 @@ def record_from_attributes(
 ) -> TelemetryRecord | Rejection:
     """Validate one log record's event name and attributes as a contract-v1 record.
 
-    Attributes outside ``specwatch.`` are ignored, as are unknown ``specwatch.`` fields.
-    Without a ``specwatch.ts`` attribute the record's time (ns) is used.
-
     >>> record_from_attributes("specwatch.shadow", {"specwatch.v": 1, "specwatch.ts": 2.0,
     ...     "specwatch.bundle_id": "b-1", "specwatch.id": "r1", "specwatch.bucket": "coding",
     ...     "specwatch.check": "token_exact", "specwatch.match": True}).match
@@ -549,8 +511,6 @@ def decode_log_record(log_record: PbLogRecord) -> TelemetryRecord | Rejection:
 
 def decode_request(data: bytes | bytearray | memoryview) -> list[TelemetryRecord | Rejection]:
     """Every log record of a serialized ``ExportLogsServiceRequest``, in order.
-
-    Never raises: bytes that are not such a request give one ``invalid_otlp`` rejection.
 
     >>> decode_request(b"\\xff\\xff not protobuf")[0].reason
     'invalid_otlp'

@@ -1,11 +1,4 @@
-"""Prometheus metrics: a metrics view over stage 2, rendered at scrape time.
-
-`MetricsView` reads the newest window of each (bundle, bucket, cohort) key from the stage-2
-monitors when scraped, and counts decisions and the service's latencies per final slice;
-it is pure and does no per-record work.
-`MetricsCollector` turns a view and a health snapshot into Prometheus metric families
-when a scrape asks (prometheus-client, on a registry of its own).
-"""
+"""Prometheus metrics: a metrics view over stage 2, rendered at scrape time."""
 
 from __future__ import annotations
 
@@ -84,10 +77,6 @@ class LatencyHistogram:
 class MetricsView:
     """What stage 2 knows now, per key, with bounded label cardinality; decisions; latencies.
 
-    Per-key values are read when scraped from the stages themselves: each key monitor's
-    newest slice, the stage's `FlagStore` and bundle cards. So stage 2 does no metric work
-    per record or per key; `observe` takes one final slice and only counts its decisions.
-
     Parameters
     ----------
     stages
@@ -165,11 +154,7 @@ class MetricsView:
 
 @dataclass
 class ServiceHealth:
-    """The service's own health at one instant; fields a pipeline does not have stay empty.
-
-    Lags are in messages, ages and delays in seconds, keyed by ``(topic, partition)`` or
-    ``(stage, partition)``.
-    """
+    """The service's own health at one instant; fields a pipeline does not have stay empty."""
 
     records_read: int = 0
     records_rejected: Mapping[str, int] = field(default_factory=dict)

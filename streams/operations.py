@@ -1,7 +1,4 @@
 """A worker's operations surface on Faust's web server: /metrics, /healthz, /readyz, the Alertmanager webhook.
-
-`Operations` holds the metrics view the stage-2 runner feeds, the Alertmanager sender it
-hands published decisions to, and the webhook's state; `install` adds the routes.
 """
 
 from __future__ import annotations
@@ -140,12 +137,7 @@ class Operations:
     # -- the Faust web server -----------------------------------------------------------
     def install(self, app: Any, ready: Callable[[], bool], cards: Callable[[], dict],
                 publish: Callable[[list[Decision]], Any], automatic: Callable[[tuple], Any]) -> None:
-        """Add /metrics, /healthz, /readyz and the webhook to ``app`` (a `faust.App`).
-
-        ``cards`` gives the bundles this worker knows (bundle id -> card), ``publish`` (a
-        coroutine function) signs and publishes decisions and waits for the broker,
-        ``automatic(scope)`` is the state decisions alone give a scope.
-        """
+        """Add /metrics, /healthz, /readyz and the webhook to ``app`` (a `faust.App`)."""
         from faust.web import View
 
         operations = self

@@ -1,13 +1,4 @@
 """The partition runner: one task per input partition, restored, fed in offset order, checkpointed.
-
-`PartitionRunner` is the state machine both stages run on Kafka: restore a task from its
-checkpoint (or start at the partition's beginning), skip what it folded before, read
-directly from the log what the consumer group skipped (a gap), catch up a partition that
-delivers nothing, checkpoint now and then, forget revoked partitions. `Stage1Runner` and
-`Stage2Runner` fill in what to fold, what to emit and what to do before a checkpoint.
-Nothing here imports Faust: the reader, the writer, the assignment and the
-acknowledgement are passed in (`streams/faust_app.py` wires them to Faust;
-`specwatch.transport.memory` is their twin in unit tests).
 """
 
 from __future__ import annotations
@@ -173,12 +164,7 @@ class StreamSettings:
 
 
 class CheckpointLog:
-    """Task checkpoints on a compacted topic, in the partition of the task's input partition.
-
-    A save returns once the broker acknowledged every chunk, so a checkpoint that exists
-    was whole when anything after it was sent. A load reads the partition from its start
-    (compaction keeps it short) and takes the newest whole checkpoint.
-    """
+    """Task checkpoints on a compacted topic, in the partition of the task's input partition."""
 
     def __init__(self, topic: str, writer: Any, reader: Any) -> None:
         self.topic = topic
@@ -222,8 +208,6 @@ class CheckpointLog:
 def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
     """Assigned partitions without a task for `_CATCH_UP_AFTER_S` since first seen here, in order.
 
-    ``assigned_at`` remembers when each was first seen and forgets those no longer assigned.
-
     >>> seen = {}
     >>> _overdue({1, 2}, {2: "task"}, seen, now=10.0), _overdue({1, 2}, {2: "task"}, seen, now=13.0)
     ([], [1])
@@ -239,11 +223,6 @@ def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
 
 class PartitionRunner:
     """One task per owned input partition, fed in offset order whatever the consumer delivers.
-
-    A task resumes from its checkpoint, which says the offset of the next message it has to
-    fold: messages below it are skipped (folded before), a message beyond it first makes the
-    runner read the messages in between from the log (the consumer group committed past them
-    without delivering). Subclasses say what a task is and what folding a run of messages does.
 
     Parameters
     ----------
@@ -422,10 +401,7 @@ class PartitionRunner:
 
 
 class Stage1Runner(PartitionRunner):
-    """Stage 1 on Kafka: decode and fold telemetry, send slice batches and dead letters.
-
-    A checkpoint is written only after the broker acknowledged the batches it covers.
-    """
+    """Stage 1 on Kafka: decode and fold telemetry, send slice batches and dead letters."""
 
     stage = "stage1"
     task_type = Stage1Task
@@ -487,10 +463,6 @@ class Stage1Runner(PartitionRunner):
 
     async def release_idle_sources(self) -> None:
         """Telemetry partitions gone idle (`IdleRule`) close their open slices and release themselves.
-
-        The closed slices, then the release, go to every stage-2 partition through the partials
-        log, and the task is checkpointed at once: a replay of the log, or a restart, decides
-        the same. A partition with data waiting is never idle, however long it is silent.
         """
         now = self._clock()
         silence = self.settings.source_silence_seconds
@@ -654,9 +626,6 @@ class Stage2Runner(PartitionRunner):
     # -- signs of life ------------------------------------------------------------------
     async def heartbeat(self) -> None:
         """One signed heartbeat per partials partition this worker owns, with the event time decided up to.
-
-        Flag clients tell a quiet fleet from a monitor that is gone by these; the publisher
-        id is the partition, so a moved partition keeps its one compacted key.
         """
         slice_seconds = self.settings.policy.windows.slice_seconds
         for tp in sorted(self._assignment()):

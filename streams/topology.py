@@ -1,11 +1,4 @@
-"""The processing topology, written once: stage 1 combines, stage 2 merges, detects and decides.
-
-Stage 1 (one per source: a worker partition) folds validated records into per-(key,
-slice) partial aggregates. Stage 2 (one in a process, or one per partition of bundles on
-Kafka: see `route_batches`) merges the partials of every source once event time has passed
-a slice, runs the monitors and the fallback policy. Both are pure and deterministic, so
-embedded runs and Faust runs decide alike.
-"""
+"""The processing topology, written once: stage 1 combines, stage 2 merges, detects and decides."""
 
 from __future__ import annotations
 
@@ -97,10 +90,7 @@ def key_from_str(text: str) -> Key:
 
 @dataclass
 class SliceBatch:
-    """What one source contributes to one slice: partial aggregates and discrete events.
-
-    ``watermark`` is the highest slice index the source has closed when it sent this.
-    """
+    """What one source contributes to one slice: partial aggregates and discrete events."""
 
     source: str
     slice_index: int
@@ -207,11 +197,7 @@ class Stage1:
         self.__dict__.setdefault("running", RunningRequests())
 
     def _admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
-        """Whether a record may be folded: within the clock-skew bound, and not folded before.
-
-        ``identity`` is (worker or bundle, seq or id); None for records that are never
-        counted twice whatever their copies (bundle cards).
-        """
+        """Whether a record may be folded: within the clock-skew bound, and not folded before."""
         rejection = self.clock.admit(ts)
         if rejection is not None:
             return rejection
@@ -338,12 +324,6 @@ class Stage1:
     def fold_block(self, block: StepBlock, now: float | None = None) -> tuple[list, list, list[SliceBatch]]:
         """Fold a block of records at once, exactly as `add` then `close_ready` after each record would.
 
-        Admission (the ``ts_in_future`` bound against ``now`` as in `Ingest.records`, clock
-        skew, duplicates) and lateness are decided record by record, as they depend on the
-        records before; the block's steps are then folded with numpy, once per (slice, key),
-        and its records of other kinds through `add`, in order. The slices close once per
-        block, with the closes and watermarks record-by-record folding gives them.
-
         Returns ``(rejected, late, closed)``: ``(position, Rejection)`` of every record not
         folded (the decoder's rejections among them), ``(position, ts)`` of every record
         folded into a later slice than its own, and the closed slices.
@@ -433,8 +413,6 @@ class Stage1:
 
     def _closes_after_record(self, limits: list[tuple[int, dict[Key, SliceStats]]]) -> None:
         """Where `close_ready` after this record would move the watermark; the slices close after the fold.
-
-        What the close drops from the duplicate filter must be gone for the next record already.
         """
         limit = self._close_limit()
         if limit > self.watermark:
@@ -584,11 +562,7 @@ class Stage1:
                 span[1] = max(span[1], high)
 
     def close_ready(self, final: bool = False) -> list[SliceBatch]:
-        """Slices whose end is more than the allowed lateness behind the newest record.
-
-        Every call that advances the watermark returns at least one batch, so stage 2
-        learns about progress even from a source whose latest slices were empty.
-        """
+        """Slices whose end is more than the allowed lateness behind the newest record."""
         if final:
             limit = max(self._open, default=self.watermark)
         else:
@@ -682,12 +656,7 @@ _MAX_DRAFT_PAIRS = 65
 
 
 def _add_step_times(stats: list[SliceStats], group: np.ndarray, touch_step: np.ndarray, block: StepBlock) -> None:
-    """Each step's times into the stats of every (slice, key) it touches, in step order.
-
-    Sums continue from what each stats holds, one step after the other, as `add_step_time`
-    adds them (bincount adds its weights in order), so every float is the one step-by-step
-    folding gives.
-    """
+    """Each step's times into the stats of every (slice, key) it touches, in step order."""
     n = len(stats)
     bins = np.concatenate([np.arange(n), group])
 
@@ -740,9 +709,6 @@ def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
 
 class Stage2:
     """Merges partials per slice once every source it waits for has passed it; detects and decides.
-
-    It waits for every source it has heard from, except one released as idle (`release`)
-    until that source sends again.
 
     Parameters
     ----------
@@ -1085,11 +1051,7 @@ def _take_unchosen(candidates, why: str, chosen: dict[str, dict], reasons: dict[
 
 
 def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[dict], dict[str, str]]:
-    """The samples that show a finding, then healthy controls; and why each was chosen.
-
-    Chosen by kind, then rank (severity, then `sample_order`), each id once: a total order
-    on record content, so the same records give the same samples however they arrived.
-    """
+    """The samples that show a finding, then healthy controls; and why each was chosen."""
     problems, control = _SAMPLES_FOR.get(reason, _SAMPLES_FOR_OTHERS)
     chosen: dict[str, dict] = {}
     reasons: dict[str, str] = {}
