@@ -71,24 +71,7 @@ def _header(obj: dict) -> tuple | None:
 
 
 # ---------------------------------------------------------------- OTLP steps from the wire
-#
-# Why a hand-written reader rather than the protobuf classes: reading a step through upb
-# makes a Python object per attribute, per AnyValue and per array element, and that was
-# most of the OTLP decode's CPU. upb still parses every request first, which proves the
-# bytes are a well-formed ExportLogsServiceRequest (lengths, varints, UTF-8, nesting) and
-# gives the reference path its input; this reader only walks offsets in those bytes. It
-# reads a step in one of two ways, and gives up on the record (which then goes through
-# `otlp.decode_log_record`, the reference) at any shape it does not expect:
-#
-# - `_step_plain`: the layout `otlp.encode_records` writes (the templates below are built
-#   with its own functions), checked piece by piece with a few compares and one struct
-#   unpack per run of fixed-size attributes; ids, buckets and cohorts repeat from step to
-#   step of a worker, so whole column attributes are memoised per request.
-# - `_step_from_wire`: attributes in any order, unknown LogRecord fields, long strings,
-#   keys repeated (the last wins, as upb keeps it).
-#
-# Neither builds a Python value per round: a step's round columns stay bytes and tuples
-# (`_StepRow`) until `request_block` joins them.
+# Why and how: docs/STREAMS.md, "The OTLP wire reader".
 
 _STEP_EVENT = b"specwatch.step"
 _ATTRIBUTE_PREFIX = b"specwatch."
@@ -615,12 +598,6 @@ def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord
     return out
 
 # ------------------------------------------------ a block of records, its steps as columns
-#
-# The batch mode: a block of JSON lines (a file chunk, a Kafka fetch)
-# or an OTLP request becomes one `StepBlock`: its steps as arrays, one row per step and one
-# per round, with (bundle, bucket, cohort) interned per block, and every other record as
-# the reference codec decodes it, by position. Stage 1 folds it with numpy
-# (`Stage1.fold_block`), so no Python object is made per round.
 
 
 @dataclass(slots=True, eq=False)
@@ -750,16 +727,7 @@ def _parsed_lines(lines: Sequence[bytes]) -> list:
 
 
 # ---------------------------------------------- round columns read by position from the bytes
-#
-# A step's requests in the layout `codec.encode_record` writes,
-#   [{"id":"r1","bucket":"chat","cohort":"main","drafted":4,"accepted":3},...]
-# with every name printable ASCII without escapes, hold exactly 16 quotes per round, and
-# each round's counts sit two bytes after its 14th and 16th quote. `_read_rounds` reads the
-# counts of a whole block at those offsets with numpy. The rest of a step's requests (ids,
-# buckets, cohorts) repeats while a worker runs the same requests, so it is read, and its
-# layout proven with `_REQUESTS_LAYOUT`, once per distinct value of the step's requests with
-# their counts overwritten (`_MASK`). A step in any other layout (key order, spaces,
-# escapes, non-ASCII names) has its rounds decoded one by one (`_any_layout`).
+# How: docs/STREAMS.md, "Round columns read by position".
 
 _QUOTES_PER_ROUND = 16
 _DRAFTED_QUOTE, _ACCEPTED_QUOTE = 13, 15  # the closing quotes of the keys "drafted" and "accepted"
