@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from google.protobuf.message import DecodeError
+from pydantic import BaseModel
 
 if TYPE_CHECKING:  # the protobuf classes load when OTLP is read, not for JSON Lines
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue
@@ -96,54 +97,11 @@ def _step_attributes(record: StepRecord) -> dict[str, Any]:
     }
 
 
-def _request_attributes(record: RequestRecord) -> dict[str, Any]:
-    return {
-        "specwatch.v": record.v,
-        "specwatch.ts": record.ts,
-        "specwatch.worker": record.worker,
-        "specwatch.bundle_id": record.bundle_id,
-        "specwatch.id": record.id,
-        "specwatch.bucket": record.bucket,
-        "specwatch.cohort": record.cohort,
-        "specwatch.speculative": record.speculative,
-        "specwatch.ttft_ms": record.ttft_ms,
-        "specwatch.tpot_ms": record.tpot_ms,
-        "specwatch.e2e_ms": record.e2e_ms,
-        "specwatch.output_tokens": record.output_tokens,
-        "specwatch.finish_reason": record.finish_reason,
-        "specwatch.error": record.error,
-        "specwatch.sample": None if record.sample is None else record.sample.model_dump(),
-    }
-
-
-def _bundle_attributes(record: BundleRecord) -> dict[str, Any]:
-    return {
-        "specwatch.v": record.v,
-        "specwatch.ts": record.ts,
-        "specwatch.worker": record.worker,
-        "specwatch.bundle_id": record.bundle_id,
-        "specwatch.card": record.card.model_dump(),
-    }
-
-
-def _shadow_attributes(record: ShadowRecord) -> dict[str, Any]:
-    return {
-        "specwatch.v": record.v,
-        "specwatch.ts": record.ts,
-        "specwatch.bundle_id": record.bundle_id,
-        "specwatch.id": record.id,
-        "specwatch.bucket": record.bucket,
-        "specwatch.check": record.check,
-        "specwatch.match": record.match,
-    }
-
-
-_ATTRIBUTES = {
-    "step": _step_attributes,
-    "request": _request_attributes,
-    "bundle": _bundle_attributes,
-    "shadow": _shadow_attributes,
-}
+def _fields_attributes(record: BundleRecord | RequestRecord | ShadowRecord) -> dict[str, Any]:
+    """Every field but ``kind``, in the model's order, nested parts (card, sample) as dicts."""
+    return {ATTRIBUTE_PREFIX + name: value.model_dump() if isinstance(value, BaseModel) else value
+            for name in type(record).model_fields if name != "kind"
+            for value in (getattr(record, name),)}
 
 
 def log_entry(record: TelemetryRecord) -> LogEntry:
@@ -155,7 +113,8 @@ def log_entry(record: TelemetryRecord) -> LogEntry:
     >>> entry.event_name, entry.time_unix_nano, entry.attributes["specwatch.match"]
     ('specwatch.shadow', 1500000000, False)
     """
-    return LogEntry(EVENT_PREFIX + record.kind, _unix_nano(record.ts), _ATTRIBUTES[record.kind](record))
+    attributes = _step_attributes(record) if record.kind == "step" else _fields_attributes(record)
+    return LogEntry(EVENT_PREFIX + record.kind, _unix_nano(record.ts), attributes)
 
 
 # ---------------------------------------------------------------- attributes -> protobuf
