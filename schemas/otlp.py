@@ -68,11 +68,6 @@ class LogEntry(NamedTuple):
 # ---------------------------------------------------------------- records -> attributes
 
 
-def _unix_nano(ts: float) -> int:
-    nanos = round(ts * 1e9)
-    return nanos if 0 <= nanos <= _MAX_UNIX_NANO else 0
-
-
 _ROUND_ID, _ROUND_BUCKET, _ROUND_COHORT, _ROUND_DRAFTED, _ROUND_ACCEPTED = (
     attrgetter(name) for name in ("id", "bucket", "cohort", "drafted", "accepted"))
 
@@ -114,7 +109,9 @@ def log_entry(record: TelemetryRecord) -> LogEntry:
     ('specwatch.shadow', 1500000000, False)
     """
     attributes = _step_attributes(record) if record.kind == "step" else _fields_attributes(record)
-    return LogEntry(EVENT_PREFIX + record.kind, _unix_nano(record.ts), attributes)
+    nanos = round(record.ts * 1e9)
+    nanos = nanos if 0 <= nanos <= _MAX_UNIX_NANO else 0
+    return LogEntry(EVENT_PREFIX + record.kind, nanos, attributes)
 
 
 # ---------------------------------------------------------------- attributes -> protobuf

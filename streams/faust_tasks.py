@@ -1,5 +1,4 @@
-"""Per-partition tasks of the Faust topology: stage 1 and stage 2 with offsets, dedupe and checkpoints.
-"""
+"""Per-partition tasks of the Faust topology: stage 1 and stage 2, with dedupe and checkpoints."""
 
 from __future__ import annotations
 
@@ -76,28 +75,23 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
     vouched: dict[int, int] = {}  # partition -> the watermark its latest part carries
     for batch in batches:
         parts: dict[int, SliceBatch] = {}
+
+        def part(target: int) -> SliceBatch:
+            if target not in parts:
+                parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
+            return parts[target]
+
         for key, stats in batch.partials.items():
-            target = stage2_partition(key[0], partitions)
-            part = parts.get(target)
-            if part is None:
-                part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
-            part.partials[key] = stats
+            part(stage2_partition(key[0], partitions)).partials[key] = stats
         for event in batch.events:
             # A card goes to every partition: a worker's change from a bundle of one partition
             # to a bundle of another is seen where the new bundle is decided.
             targets = range(partitions) if event["type"] == "bundle" else (stage2_partition(event["bundle_id"],
                                                                                               partitions),)
             for target in targets:
-                part = parts.get(target)
-                if part is None:
-                    part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
-                part.events.append(event)
+                part(target).events.append(event)
         if batch.late_records:
-            target = min(parts) if parts else 0
-            part = parts.get(target)
-            if part is None:
-                part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
-            part.late_records = batch.late_records
+            part(min(parts) if parts else 0).late_records = batch.late_records
         for target in sorted(parts):
             out.append((target, parts[target]))
             vouched[target] = parts[target].watermark
@@ -113,8 +107,7 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
 
 @dataclass(frozen=True)
 class PartialMessage:
-    """One message of the partials topic: a source's batches for one stage-2 partition, or the release of an idle source.
-    """
+    """A partials message: one source's batches for a stage-2 partition, or its release."""
 
     batches: tuple[SliceBatch, ...] = ()
     release_source: str | None = None
@@ -199,15 +192,7 @@ def dead_letter(rejection: Rejection, topic: str, partition: int, offset: int) -
 
 
 class Stage1Task:
-    """Stage 1 of one telemetry partition, with the offset of the next message to fold.
-
-    Parameters
-    ----------
-    policy
-        Slice length and lateness.
-    source
-        The partition's name, e.g. ``specwatch.telemetry/3``; stage 2 waits per source.
-    """
+    """Stage 1 of one telemetry partition, with the offset of the next message to fold."""
 
     def __init__(self, policy: Policy, source: str) -> None:
         self.source = source
