@@ -1,5 +1,4 @@
-"""Decoding blocks of step records as columns, without building pydantic objects (the batch mode).
-"""
+"""Blocks of step records decoded as columns, without a pydantic object each (the batch mode)."""
 
 from __future__ import annotations
 
@@ -131,8 +130,7 @@ def _skip(buf: bytes, p: int, wire_type: int) -> int:
 
 
 def _log_record_spans(buf: bytes) -> list[tuple[int, int]] | None:
-    """(start, end) of every LogRecord, in the order upb lists them; None if groups get in the way.
-    """
+    """(start, end) of every LogRecord, in upb's order; None if groups get in the way."""
     spans: list[tuple[int, int]] = []
     append = spans.append
     p, end = 0, len(buf)
@@ -487,8 +485,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
 
 
 def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | None:
-    """The LogRecord in buf[start:end] as a step, None if it is not a valid one; `_OddShape` if unsure.
-    """
+    """The LogRecord in buf[start:end] as a step, None if not a valid one; `_OddShape` if unsure."""
     event = None
     scalars: dict[str, tuple[int, int]] = {}
     spans: dict[bytes, tuple[int, int]] = {}

@@ -78,8 +78,7 @@ class SampleKey:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "SampleKey | None":
-        """The key named by ``$SPECWATCH_SAMPLE_KEY_FILE`` (preferred) or ``$SPECWATCH_SAMPLE_KEY``.
-        """
+        """The key in ``$SPECWATCH_SAMPLE_KEY_FILE`` (preferred) or ``$SPECWATCH_SAMPLE_KEY``."""
         environ = os.environ if environ is None else environ
         path = environ.get(SAMPLE_KEY_FILE_ENV, "").strip()
         if path:
@@ -121,15 +120,6 @@ def token_digest(token_ids: Sequence[int] | None) -> str | None:
 
 class Sealer:
     """Seals samples under one key-encryption key, drawing a new data key every batch.
-
-    Parameters
-    ----------
-    key
-        The key-encryption key.
-    batch_samples
-        Samples sealed under one data key.
-    random_bytes
-        Source of keys and nonces (``os.urandom``); passed in so tests can fix it.
 
     >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
     >>> sealed = Sealer(key).seal([5, 6, 7], [8, 9])

@@ -49,21 +49,7 @@ class PipelineCounters:
 
 
 class EmbeddedPipeline:
-    """Feeds records through both stages in-process and hands each final slice to ``sinks``.
-
-    Parameters
-    ----------
-    policy
-        Detector and action settings.
-    flags
-        Flag store kept current with every decision (the closed loop reads it).
-    sinks
-        Callables receiving each `SliceOutput` (archive writer, progress display, ...).
-    clock
-        Wall clock of a live pipeline: records further ahead of it than
-        ``windows.max_ahead_seconds`` are rejected (``ts_in_future``). None (replays,
-        simulated time): no check.
-    """
+    """Feeds records through both stages in-process and hands each final slice to ``sinks``."""
 
     def __init__(self, policy: Policy | None = None, flags: FlagStore | None = None,
                  sinks: Iterable[Callable[[SliceOutput], None]] = (),
@@ -87,8 +73,7 @@ class EmbeddedPipeline:
         return self.feed_many((record,))
 
     def feed_many(self, records: Iterable) -> list[Decision]:
-        """Decoded records in order, e.g. what an OTLP decoder made of a request (its rejections are counted).
-        """
+        """Decoded records in order, e.g. an OTLP request decoded (its rejections are counted)."""
         decided: list[Decision] = []
         ingested = self.ingest.records(records, self._now(), on_closed=lambda ready: decided.extend(self._drain(ready)))
         return decided + self._take(ingested)

@@ -54,8 +54,7 @@ class StreamApp:
 
 
 def create_app(settings: StreamSettings) -> StreamApp:
-    """The Faust app for ``settings`` (partition counts from `prepare_topics`): topics, agents, timers.
-    """
+    """The Faust app for ``settings`` (counts from `prepare_topics`): topics, agents, timers."""
     if settings.telemetry_partitions < 1 or settings.partials_partitions < 1:
         raise ValueError("partition counts are unknown: pass the settings through prepare_topics() first")
     kafka = settings.kafka_config

@@ -73,15 +73,6 @@ class IdleRule:
 class Ingest:
     """One source's way into stage 1: decode, clock check, count, fold, close.
 
-    Parameters
-    ----------
-    stage
-        The source's stage 1; only it touches its slices.
-    decode
-        What `__call__` decodes a payload with: ``decode_line`` (a JSON line, the default)
-        or ``otlp.decode_request`` (an OTLP request: a list of records). `block` takes
-        records already decoded.
-
     >>> from specwatch.schemas import Policy
     >>> ingest = Ingest(Stage1(Policy(), source="w1"))
     >>> step = ('{"kind":"step","v":1,"ts":%s,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
@@ -125,8 +116,7 @@ class Ingest:
     def records(self, items: Iterable[Decoded], now: float | None = None,
                 seen: dict[str, float] | None = None,
                 on_closed: Callable[[list[SliceBatch]], object] | None = None) -> Ingested:
-        """Fold decoded records in order (rejections among them are counted), closing what each makes ready.
-        """
+        """Fold decoded records in order (counting rejections), closing what each makes ready."""
         stage = self.stage
         max_ahead = None if now is None else stage.policy.windows.max_ahead_seconds
         # lists only once something lands in them: most records are folded and close nothing
@@ -170,8 +160,7 @@ class Ingest:
         return self.stage.close_ready(final=True)
 
     def block(self, block: StepBlock, now: float | None = None, seen: dict[str, float] | None = None) -> Ingested:
-        """The batch mode: a block of records (`decode_lines_block`, `request_block`) folded at once.
-        """
+        """The batch mode: a block (`decode_lines_block`, `request_block`) folded at once."""
         rejected, late, closed = self.stage.fold_block(block, now)
         for _, rejection in rejected:
             self.rejected.add(rejection)

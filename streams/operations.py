@@ -1,5 +1,4 @@
-"""A worker's operations surface on Faust's web server: /metrics, /healthz, /readyz, the Alertmanager webhook.
-"""
+"""A worker's operations surface: /metrics, /healthz, /readyz and the Alertmanager webhook."""
 
 from __future__ import annotations
 
@@ -34,23 +33,7 @@ _MAX_WEBHOOK_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class OperationsSettings:
-    """Metrics, Alertmanager and webhook settings of a worker.
-
-    Parameters
-    ----------
-    web_port
-        Port of the worker's web server (metrics, health, webhook); None: no web server.
-    web_bind
-        Interface the web server binds to.
-    max_metric_keys
-        Label-cardinality cap of the per-key metrics.
-    alertmanager_url
-        Where decisions go as alerts (``$SPECWATCH_ALERTMANAGER_URL``); None: nowhere.
-    webhook_token
-        Bearer token the webhook demands; None: the webhook refuses every request.
-    rollback
-        Alert name -> reason mapping and which resolved alerts restore.
-    """
+    """Metrics, Alertmanager and webhook settings of a worker."""
 
     web_port: int | None = 6066
     web_bind: str = "0.0.0.0"
@@ -69,19 +52,7 @@ class OperationsSettings:
 
 
 class Operations:
-    """Metrics view, Alertmanager sender and webhook of one worker (or of the demo).
-
-    Parameters
-    ----------
-    settings
-        What to serve and where to send.
-    health
-        The service's own health, asked once per scrape.
-    clock
-        Unix wall clock.
-    stages
-        The `Stage2` objects whose keys the metrics show, asked once per scrape.
-    """
+    """Metrics view, Alertmanager sender and webhook of one worker (or of the demo)."""
 
     def __init__(self, settings: OperationsSettings, health: Callable[[], ServiceHealth] = ServiceHealth,
                  clock: Callable[[], float] = time.time, stages: Callable[[], Iterable] = tuple) -> None:

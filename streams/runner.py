@@ -1,5 +1,4 @@
-"""The partition runner: one task per input partition, restored, fed in offset order, checkpointed.
-"""
+"""The partition runner: one task per input partition, restored, fed in order, checkpointed."""
 
 from __future__ import annotations
 
@@ -59,41 +58,7 @@ TopicPartition = tuple[str, int]
 
 @dataclass(frozen=True)
 class StreamSettings:
-    """Everything a worker needs; validated once, before Faust starts.
-
-    Parameters
-    ----------
-    bootstrap
-        ``HOST:PORT[,HOST:PORT...]`` of the Kafka cluster.
-    telemetry_topics
-        Topics of OTLP telemetry (one `Stage1Task` per partition of each).
-    partials_topic, decisions_topic, deadletter_topic
-        Stage 1 -> stage 2 batches; decisions (compacted); rejected records.
-    app_id
-        Consumer group and prefix of the checkpoint topics.
-    policy
-        Windows, gates and actions.
-    archive_dsn
-        Where stage 2 archives decisions, samples and window stats; None = no archive.
-    data_dir
-        This worker's local directory (Faust's datadir).
-    telemetry_partitions, partials_partitions
-        Partition counts, read from the cluster by `prepare_topics`.
-    checkpoint_seconds
-        Wall-clock interval between checkpoints of a busy task (decisions checkpoint at once).
-    source_silence_seconds
-        A telemetry partition that sent nothing for this long, with nothing left to read,
-        is idle (`IdleRule`): it closes its open slices and stops holding stage 2 back
-        (`specwatch run` takes the policy's ``windows.source_idle_seconds``).
-    session_timeout_seconds
-        Kafka consumer session timeout: how soon a dead worker's partitions move.
-    replication_factor
-        Of the changelog topics Faust creates.
-    kafka
-        Security settings of the cluster (TLS, SASL); None: PLAINTEXT.
-    operations
-        The web server (metrics, health, Alertmanager webhook) and where decisions go as alerts.
-    """
+    """Everything a worker needs; validated once, before Faust starts."""
 
     bootstrap: str
     telemetry_topics: tuple[str, ...] = (TELEMETRY_TOPIC,)
@@ -222,23 +187,7 @@ def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
 
 
 class PartitionRunner:
-    """One task per owned input partition, fed in offset order whatever the consumer delivers.
-
-    Parameters
-    ----------
-    settings
-        The worker's settings.
-    writer, reader
-        A `KafkaWriter` and a `PartitionReader` (or their in-memory twins).
-    checkpoints
-        Where tasks are saved and restored from.
-    assignment
-        The (topic, partition) pairs this worker owns now.
-    acknowledge
-        Marks a message read outside the consumer as done in it.
-    clock
-        Monotonic seconds: paces checkpoints and catch-up, never a decision.
-    """
+    """One task per owned input partition, fed in offset order whatever the consumer delivers."""
 
     stage = ""
     task_type: type = object
@@ -462,8 +411,7 @@ class Stage1Runner(PartitionRunner):
         self._idle.forget(f"{tp[0]}/{tp[1]}")
 
     async def release_idle_sources(self) -> None:
-        """Telemetry partitions gone idle (`IdleRule`) close their open slices and release themselves.
-        """
+        """Idle telemetry partitions (`IdleRule`) close their open slices and release themselves."""
         now = self._clock()
         silence = self.settings.source_silence_seconds
         if not self._idle.silent(now) or now - self._ends_read_at < silence / 2:
@@ -625,8 +573,7 @@ class Stage2Runner(PartitionRunner):
 
     # -- signs of life ------------------------------------------------------------------
     async def heartbeat(self) -> None:
-        """One signed heartbeat per partials partition this worker owns, with the event time decided up to.
-        """
+        """A signed heartbeat per owned partials partition: the event time decided up to."""
         slice_seconds = self.settings.policy.windows.slice_seconds
         for tp in sorted(self._assignment()):
             if tp[0] != self.settings.partials_topic:

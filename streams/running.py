@@ -1,5 +1,4 @@
-"""Requests still running, tracked from the step records that list them: stage 1's view of stalls.
-"""
+"""Requests still running, tracked from the step records that list them (stage 1's stalls)."""
 
 from __future__ import annotations
 
@@ -46,13 +45,6 @@ class _Worker:
 
 class RunningRequests:
     """The requests one source's steps list, from first sighting until their request record.
-
-    Parameters
-    ----------
-    report_after
-        Seconds a request runs before it is reported (``SliceStats.running_long``).
-    lost_after
-        Seconds without a step listing a request before it counts as lost.
 
     >>> running = RunningRequests(report_after=10.0, lost_after=10.0)
     >>> from types import SimpleNamespace
