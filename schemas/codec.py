@@ -1,8 +1,4 @@
-"""Decoding contract-v1 JSON Lines into validated records, and rejecting the rest with a reason.
-
-Rejection never raises: every bad line becomes a `Rejection` with a short reason code
-(for counters and dead-letter topics) and a message a person can act on.
-"""
+"""Decoding contract-v1 JSON Lines into validated records, and rejecting the rest with a reason."""
 
 from __future__ import annotations
 
@@ -52,10 +48,6 @@ class Rejection:
 
 def ahead_of_clock(ts: float, now: float, max_ahead_seconds: float) -> Rejection | None:
     """A rejection when a record's event time is further ahead of ``now`` than allowed.
-
-    A worker with a wrong clock would otherwise move its partition's event time ahead and
-    make every later record of that partition late. Only live paths check (``now`` is the
-    processor's wall clock); a replay of archived telemetry has no clock to compare with.
 
     >>> ahead_of_clock(1000.0, now=990.0, max_ahead_seconds=60.0) is None
     True
@@ -164,10 +156,6 @@ def encode_record(record: TelemetryRecord) -> str:
 
 def read_json_lines(stream: BinaryIO) -> Iterator[bytes]:
     """The lines of a JSON Lines byte stream, gunzipped if it is gzip, without a leading BOM.
-
-    Telemetry is often kept gzipped, and editors on some systems start a UTF-8 file with a
-    byte order mark; neither is part of a record. A damaged gzip stream raises
-    `gzip.BadGzipFile` or `EOFError` where the damage is found.
 
     >>> list(read_json_lines(io.BytesIO(gzip.compress(b'\\xef\\xbb\\xbf{"a":1}\\n{"b":2}\\n'))))
     [b'{"a":1}\\n', b'{"b":2}\\n']

@@ -1,8 +1,4 @@
-"""Telemetry contract v1: the records engine workers emit, one JSON object per line.
-
-Other tools write to this contract, so the field names and meanings here are fixed.
-Unknown extra fields are ignored; impossible values are rejected by validation.
-"""
+"""Telemetry contract v1: the records engine workers emit, one JSON object per line."""
 
 from __future__ import annotations
 

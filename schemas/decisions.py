@@ -1,8 +1,4 @@
-"""Decisions: what specwatch tells engines and routers to do with the speculative path.
-
-The JSON form is part of the contract: `specwatch replay` writes it, the decisions topic
-carries it, and a replay of the same input gives the same lines byte for byte.
-"""
+"""Decisions: what specwatch tells engines and routers to do with the speculative path."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Decoding blocks of step records as columns, without building pydantic objects (the batch mode).
-
-A block of JSON lines (`decode_lines_block`) or an OTLP request (`request_block`) becomes a
-`StepBlock`: the steps that pass a few cheap type and range checks as columns (on OTLP read
-straight from the protobuf bytes), every other record as the reference codec decodes it, so
-records and rejection reasons are exactly those of `codec.decode_line` and
-`otlp.decode_request`, record by record.
-"""
+"""Blocks of step records decoded as columns, without a pydantic object each (the batch mode)."""
 
 from __future__ import annotations
 
@@ -77,24 +70,7 @@ def _header(obj: dict) -> tuple | None:
 
 
 # ---------------------------------------------------------------- OTLP steps from the wire
-#
-# Why a hand-written reader rather than the protobuf classes: reading a step through upb
-# makes a Python object per attribute, per AnyValue and per array element, and that was
-# most of the OTLP decode's CPU. upb still parses every request first, which proves the
-# bytes are a well-formed ExportLogsServiceRequest (lengths, varints, UTF-8, nesting) and
-# gives the reference path its input; this reader only walks offsets in those bytes. It
-# reads a step in one of two ways, and gives up on the record (which then goes through
-# `otlp.decode_log_record`, the reference) at any shape it does not expect:
-#
-# - `_step_plain`: the layout `otlp.encode_records` writes (the templates below are built
-#   with its own functions), checked piece by piece with a few compares and one struct
-#   unpack per run of fixed-size attributes; ids, buckets and cohorts repeat from step to
-#   step of a worker, so whole column attributes are memoised per request.
-# - `_step_from_wire`: attributes in any order, unknown LogRecord fields, long strings,
-#   keys repeated (the last wins, as upb keeps it).
-#
-# Neither builds a Python value per round: a step's round columns stay bytes and tuples
-# (`_StepRow`) until `request_block` joins them.
+# Why and how: docs/STREAMS.md, "The OTLP wire reader".
 
 _STEP_EVENT = b"specwatch.step"
 _ATTRIBUTE_PREFIX = b"specwatch."
@@ -154,12 +130,7 @@ def _skip(buf: bytes, p: int, wire_type: int) -> int:
 
 
 def _log_record_spans(buf: bytes) -> list[tuple[int, int]] | None:
-    """(start, end) of every LogRecord, in the order upb lists them; None if groups get in the way.
-
-    resource_logs (1) of the request, scope_logs (2) of a ResourceLogs and log_records (2) of
-    a ScopeLogs, each length-delimited; every other field is skipped as upb skips it
-    (unknown, or a known number with another wire type).
-    """
+    """(start, end) of every LogRecord, in upb's order; None if groups get in the way."""
     spans: list[tuple[int, int]] = []
     append = spans.append
     p, end = 0, len(buf)
@@ -353,10 +324,7 @@ class _StepRow(NamedTuple):
 
 def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: bytes, accepted: bytes,
           build: Callable) -> _StepRow | None:
-    """The step if its rounds pass the contract's checks, else None (the reference decides).
-
-    ``ids``, ``buckets`` and ``cohorts`` are what `_strings` gives.
-    """
+    """The step if its rounds pass the contract's checks, else None (the reference decides)."""
     ids, ids_named, _ = ids
     buckets, _, buckets_scoped = buckets
     cohorts, _, cohorts_scoped = cohorts
@@ -517,12 +485,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
 
 
 def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | None:
-    """The LogRecord in buf[start:end] as a step, None if it is not a valid one; `_OddShape` if unsure.
-
-    Reads what `otlp.decode_log_record` reads for a step: the event name, the specwatch.*
-    scalars stage 1 needs and every specwatch.requests.* column (extra columns must have
-    the same length); other attributes are skipped unread.
-    """
+    """The LogRecord in buf[start:end] as a step, None if not a valid one; `_OddShape` if unsure."""
     event = None
     scalars: dict[str, tuple[int, int]] = {}
     spans: dict[bytes, tuple[int, int]] = {}
@@ -632,12 +595,6 @@ def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord
     return out
 
 # ------------------------------------------------ a block of records, its steps as columns
-#
-# The batch mode: a block of JSON lines (a file chunk, a Kafka fetch)
-# or an OTLP request becomes one `StepBlock`: its steps as arrays, one row per step and one
-# per round, with (bundle, bucket, cohort) interned per block, and every other record as
-# the reference codec decodes it, by position. Stage 1 folds it with numpy
-# (`Stage1.fold_block`), so no Python object is made per round.
 
 
 @dataclass(slots=True, eq=False)
@@ -743,11 +700,7 @@ def _line_step(line: bytes) -> _BlockStep | None:
 
 
 def _decode_other(line: bytes) -> TelemetryRecord | Rejection | None:
-    """What `codec.decode_line` gives for a line the block does not hold as columns.
-
-    A valid record of another kind is validated from msgspec's parse, which is faster than
-    the stdlib's; for anything else the reference decodes the line itself.
-    """
+    """What `codec.decode_line` gives for a line the block does not hold as columns."""
     if len(line) <= MAX_LINE_BYTES:
         try:
             obj = _ANY_DECODER.decode(line)
@@ -771,16 +724,7 @@ def _parsed_lines(lines: Sequence[bytes]) -> list:
 
 
 # ---------------------------------------------- round columns read by position from the bytes
-#
-# A step's requests in the layout `codec.encode_record` writes,
-#   [{"id":"r1","bucket":"chat","cohort":"main","drafted":4,"accepted":3},...]
-# with every name printable ASCII without escapes, hold exactly 16 quotes per round, and
-# each round's counts sit two bytes after its 14th and 16th quote. `_read_rounds` reads the
-# counts of a whole block at those offsets with numpy. The rest of a step's requests (ids,
-# buckets, cohorts) repeats while a worker runs the same requests, so it is read, and its
-# layout proven with `_REQUESTS_LAYOUT`, once per distinct value of the step's requests with
-# their counts overwritten (`_MASK`). A step in any other layout (key order, spaces,
-# escapes, non-ASCII names) has its rounds decoded one by one (`_any_layout`).
+# How: docs/STREAMS.md, "Round columns read by position".
 
 _QUOTES_PER_ROUND = 16
 _DRAFTED_QUOTE, _ACCEPTED_QUOTE = 13, 15  # the closing quotes of the keys "drafted" and "accepted"
@@ -919,11 +863,6 @@ def _any_layout(raw: msgspec.Raw, pairs: dict) -> tuple | None:
 def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     """A block of JSON lines as one `StepBlock`, positions being line numbers in the block.
 
-    Steps msgspec reads whose requests `_read_rounds` reads, and that pass the contract's
-    checks, become columns; every other line is what `codec.decode_line` gives for it
-    (blank lines give nothing). Records, rejections and their order are those of
-    `codec.decode_line` line by line.
-
     >>> step = (b'{"kind":"step","v":1,"ts":%d,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
     ...         b'"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
     ...         b'"drafted":4,"accepted":3}]}')
@@ -983,10 +922,7 @@ def _checked(header, names: list) -> np.ndarray:
 
 def _interned(header, round_step: np.ndarray, pair_index: np.ndarray, pairs: list, drafted, accepted, at: list,
               others: list, step_ids: list, build) -> StepBlock:
-    """A `StepBlock` with (bundle, bucket, cohort) interned.
-
-    ``pair_index``: each round's (bucket, cohort), as an index into ``pairs``.
-    """
+    """A `StepBlock` with (bundle, bucket, cohort) interned."""
     ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage = header[:7]
     # numbered in first-seen order, every per-item loop in C
     bundle_table = {name: i for i, name in enumerate(dict.fromkeys(bundles))}
@@ -1009,8 +945,6 @@ def _interned(header, round_step: np.ndarray, pair_index: np.ndarray, pairs: lis
 
 def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
     """An OTLP request as one `StepBlock`, positions being the indices of its log records.
-
-    Records, rejections and their order are those of `otlp.decode_request`.
 
     >>> from specwatch.schemas import decode_line
     >>> from specwatch.schemas.otlp import encode_records

@@ -1,27 +1,4 @@
-"""Contract-v1 records as OTLP log records: the bytes that travel on the telemetry topic.
-
-Encodes batches to a standard ``ExportLogsServiceRequest`` and decodes such bytes back
-into the same records, with a `Rejection` for anything invalid; decoding never raises.
-
-Layout of one record (one OTLP ``LogRecord`` per contract record, one per engine step):
-
-- ``event_name`` is ``specwatch.<kind>``; ``time_unix_nano`` and ``observed_time_unix_nano``
-  are the event time ``ts`` in nanoseconds (for Collector pipelines that route on time).
-- Every scalar field is an attribute ``specwatch.<field>`` with its natural type
-  (string, int, double, bool), including ``specwatch.v`` and ``specwatch.ts`` (double, so
-  that the record round-trips exactly; nanoseconds would round it). A ``null`` field is an
-  attribute whose value is the empty ``AnyValue``.
-- A step's requests are parallel arrays, one ``ArrayValue`` per column:
-  ``specwatch.requests.id``, ``.bucket``, ``.cohort`` (strings) and ``.drafted``,
-  ``.accepted`` (ints); entry *i* of every column belongs to request *i*.
-- The nested ``card`` (bundle) and ``sample`` (request) are KV-lists, nested as in the
-  JSON form (``card.target.model_id`` is key ``target`` then ``model_id``), with ``null``
-  leaves as empty ``AnyValue``. KV-lists keep the fields typed and routable in a Collector,
-  which a JSON string attribute would not.
-- All records of a request share one ``ResourceLogs`` (resource attribute ``service.name``,
-  default ``specwatch``) and one ``ScopeLogs`` (scope ``specwatch``, version = contract
-  version). On decode, resource and scope are not checked: the event name decides.
-"""
+"""Contract-v1 records as OTLP log records: the bytes that travel on the telemetry topic."""
 
 from __future__ import annotations
 
@@ -34,6 +11,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from google.protobuf.message import DecodeError
+from pydantic import BaseModel
 
 if TYPE_CHECKING:  # the protobuf classes load when OTLP is read, not for JSON Lines
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue
@@ -90,11 +68,6 @@ class LogEntry(NamedTuple):
 # ---------------------------------------------------------------- records -> attributes
 
 
-def _unix_nano(ts: float) -> int:
-    nanos = round(ts * 1e9)
-    return nanos if 0 <= nanos <= _MAX_UNIX_NANO else 0
-
-
 _ROUND_ID, _ROUND_BUCKET, _ROUND_COHORT, _ROUND_DRAFTED, _ROUND_ACCEPTED = (
     attrgetter(name) for name in ("id", "bucket", "cohort", "drafted", "accepted"))
 
@@ -119,62 +92,15 @@ def _step_attributes(record: StepRecord) -> dict[str, Any]:
     }
 
 
-def _request_attributes(record: RequestRecord) -> dict[str, Any]:
-    return {
-        "specwatch.v": record.v,
-        "specwatch.ts": record.ts,
-        "specwatch.worker": record.worker,
-        "specwatch.bundle_id": record.bundle_id,
-        "specwatch.id": record.id,
-        "specwatch.bucket": record.bucket,
-        "specwatch.cohort": record.cohort,
-        "specwatch.speculative": record.speculative,
-        "specwatch.ttft_ms": record.ttft_ms,
-        "specwatch.tpot_ms": record.tpot_ms,
-        "specwatch.e2e_ms": record.e2e_ms,
-        "specwatch.output_tokens": record.output_tokens,
-        "specwatch.finish_reason": record.finish_reason,
-        "specwatch.error": record.error,
-        "specwatch.sample": None if record.sample is None else record.sample.model_dump(),
-    }
-
-
-def _bundle_attributes(record: BundleRecord) -> dict[str, Any]:
-    return {
-        "specwatch.v": record.v,
-        "specwatch.ts": record.ts,
-        "specwatch.worker": record.worker,
-        "specwatch.bundle_id": record.bundle_id,
-        "specwatch.card": record.card.model_dump(),
-    }
-
-
-def _shadow_attributes(record: ShadowRecord) -> dict[str, Any]:
-    return {
-        "specwatch.v": record.v,
-        "specwatch.ts": record.ts,
-        "specwatch.bundle_id": record.bundle_id,
-        "specwatch.id": record.id,
-        "specwatch.bucket": record.bucket,
-        "specwatch.check": record.check,
-        "specwatch.match": record.match,
-    }
-
-
-_ATTRIBUTES = {
-    "step": _step_attributes,
-    "request": _request_attributes,
-    "bundle": _bundle_attributes,
-    "shadow": _shadow_attributes,
-}
+def _fields_attributes(record: BundleRecord | RequestRecord | ShadowRecord) -> dict[str, Any]:
+    """Every field but ``kind``, in the model's order, nested parts (card, sample) as dicts."""
+    return {ATTRIBUTE_PREFIX + name: value.model_dump() if isinstance(value, BaseModel) else value
+            for name in type(record).model_fields if name != "kind"
+            for value in (getattr(record, name),)}
 
 
 def log_entry(record: TelemetryRecord) -> LogEntry:
     """The OTLP form of one record: event name, event time in ns, attributes.
-
-    The attribute values are what OpenTelemetry accepts (str, bool, int, float, None,
-    tuples of one of those, nested mappings), so the same entry can be emitted through
-    the OTel SDK or encoded directly, with the same bytes on the wire.
 
     >>> from specwatch.schemas import ShadowRecord
     >>> entry = log_entry(ShadowRecord(v=1, ts=1.5, bundle_id="b-1", id="r9",
@@ -182,7 +108,10 @@ def log_entry(record: TelemetryRecord) -> LogEntry:
     >>> entry.event_name, entry.time_unix_nano, entry.attributes["specwatch.match"]
     ('specwatch.shadow', 1500000000, False)
     """
-    return LogEntry(EVENT_PREFIX + record.kind, _unix_nano(record.ts), _ATTRIBUTES[record.kind](record))
+    attributes = _step_attributes(record) if record.kind == "step" else _fields_attributes(record)
+    nanos = round(record.ts * 1e9)
+    nanos = nanos if 0 <= nanos <= _MAX_UNIX_NANO else 0
+    return LogEntry(EVENT_PREFIX + record.kind, nanos, attributes)
 
 
 # ---------------------------------------------------------------- attributes -> protobuf
@@ -374,9 +303,6 @@ def iter_encoded_chunks(
 ) -> Iterator[tuple[bytes, int]]:
     """Serialized requests of at most ``max_bytes`` each, with the number of entries in each.
 
-    Order is kept across chunks. An entry bigger than ``max_bytes`` on its own still gets
-    a chunk (the transport decides whether it fits).
-
     >>> from specwatch.schemas import ShadowRecord
     >>> shadows = [log_entry(ShadowRecord(v=1, ts=float(i), bundle_id="b-1", id=f"r{i}",
     ...            bucket="coding", check="token_exact", match=True)) for i in range(100)]
@@ -430,12 +356,7 @@ def _py(value: AnyValue) -> Any:
 
 
 def _column_from_wire(data: bytes) -> list | None:
-    """The two column shapes a step carries, read from the array's bytes; None otherwise.
-
-    Iterating upb's repeated messages makes a wrapper object per element, which was most
-    of a step's decode time; small ints and short strings have fixed layouts that bytes
-    slicing reads at C speed. Anything else (None) takes the general path.
-    """
+    """The two column shapes a step carries, read from the array's bytes; None otherwise."""
     count = len(data) >> 2
     # ints 0..127: every element is 0a 02 18 vv
     if len(data) == count << 2 and data[0::4] == b"\x0a" * count and data[1::4] == b"\x02" * count \
@@ -492,9 +413,6 @@ def record_from_attributes(
 ) -> TelemetryRecord | Rejection:
     """Validate one log record's event name and attributes as a contract-v1 record.
 
-    Attributes outside ``specwatch.`` are ignored, as are unknown ``specwatch.`` fields.
-    Without a ``specwatch.ts`` attribute the record's time (ns) is used.
-
     >>> record_from_attributes("specwatch.shadow", {"specwatch.v": 1, "specwatch.ts": 2.0,
     ...     "specwatch.bundle_id": "b-1", "specwatch.id": "r1", "specwatch.bucket": "coding",
     ...     "specwatch.check": "token_exact", "specwatch.match": True}).match
@@ -549,8 +467,6 @@ def decode_log_record(log_record: PbLogRecord) -> TelemetryRecord | Rejection:
 
 def decode_request(data: bytes | bytearray | memoryview) -> list[TelemetryRecord | Rejection]:
     """Every log record of a serialized ``ExportLogsServiceRequest``, in order.
-
-    Never raises: bytes that are not such a request give one ``invalid_otlp`` rejection.
 
     >>> decode_request(b"\\xff\\xff not protobuf")[0].reason
     'invalid_otlp'

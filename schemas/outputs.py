@@ -32,12 +32,7 @@ class ActionRecord:
 
 
 class WindowRow(NamedTuple):
-    """One key's statistics over one final slice, as stage 2 read them: one window-stats row.
-
-    A tuple, not a dict: the archive builds its insert columns from these in one pass per
-    batch. ``summary`` holds the values of `WINDOW_SUMMARY_FIELDS` (its ``ts`` is the latest
-    record's time; the row's ``ts`` is the slice end).
-    """
+    """One key's statistics over one final slice, as stage 2 read them: one window-stats row."""
 
     ts: float
     bundle_id: str
@@ -62,12 +57,6 @@ class WindowRow(NamedTuple):
 class SliceWindows(Sequence):
     """The window rows of one final slice as stage 2 hands them over: each key with traffic,
     its speculative-path flag and its slice statistics, in key order.
-
-    Stage 2 only lists them. A reader that wants rows gets `WindowRow`s, built when first
-    read; the archive builds its insert columns for many slices at once from the statistics
-    themselves (`detectors.window.window_columns`), with no row object in between. The
-    statistics are never written to after their slice is final, so either reading gives
-    what stage 2 saw.
     """
 
     __slots__ = ("slice_end", "keys", "speculating", "stats", "_rows")

@@ -1,8 +1,4 @@
-"""Policy configuration: windows, baselines, gates and actions, from a TOML file.
-
-Every setting has a built-in default, so no file is needed; a file overrides only what
-it names. Validation happens once, at load, with messages that say what to fix.
-"""
+"""Policy configuration: windows, baselines, gates and actions, from a TOML file."""
 
 from __future__ import annotations
 
@@ -209,11 +205,7 @@ class ActionPolicy(_Section):
 
 
 class AdmissionPolicy(_Section):
-    """Admission: a bundle earns speculation on evidence (shadow, then canary cohorts, then all).
-
-    Off by default: adopting specwatch on a running fleet starts as monitoring, and with
-    ``enforce = false`` no admission decision is ever made.
-    """
+    """Admission: a bundle earns speculation on evidence (shadow, then canary cohorts, then all)."""
 
     enforce: bool = Field(False, description="turn speculation off for bundles that were never admitted")
     cohort_schedule: list[float] = Field(
@@ -265,11 +257,7 @@ class AdmissionPolicy(_Section):
 
 
 class CapturePolicy(_Section):
-    """Sealed capture of sampled requests' token ids, for `specwatch reproduce` (off by default).
-
-    The collector seals the chosen requests' prompt and output token ids with the sample key
-    (``SPECWATCH_SAMPLE_KEY_FILE``); see docs/SECURITY.md.
-    """
+    """Sealed capture of sampled requests' token ids, for `specwatch reproduce` (off by default)."""
 
     enabled: bool = Field(False, description="seal the token ids of sampled requests into their records")
     rate: float = Field(0.01, ge=0, le=1, description="share of finished requests captured, chosen by a "
@@ -320,10 +308,7 @@ class Policy(_Section):
 
 
 def load_policy(path: str | Path | None) -> Policy:
-    """Load a TOML policy file over the defaults; ``None`` gives the defaults.
-
-    Raises `PolicyError` naming the file, the setting and the problem.
-    """
+    """Load a TOML policy file over the defaults; ``None`` gives the defaults."""
     if path is None:
         return Policy()
     path = Path(path)

@@ -1,10 +1,4 @@
-"""What of a contract record's free text may be kept outside the engine: hashes by default.
-
-The contract carries prompts and outputs only as hashes. The one free-text field is a
-request's ``error``, which an engine fills with its own message, and engine messages
-sometimes quote the input. Archives and other stores keep a digest of it unless told
-to keep a redacted form.
-"""
+"""What of a contract record's free text may be kept outside the engine: hashes by default."""
 
 from __future__ import annotations
 
@@ -32,11 +26,6 @@ _DIGEST_FORM = re.compile(r"sha256:[0-9a-f]{16}")
 
 def redact_text(text: str, mode: SampleText = "hashes") -> str:
     """The form of one free-text value that may be stored.
-
-    ``"hashes"``: a digest only (equal texts, equal digests: errors can still be grouped).
-    ``"redacted"``: the first line, quoted spans and long numbers replaced, at most 160
-    characters. Never the text as it came. Both are idempotent: a value that went
-    through once (say, into a spool) comes out of a second pass unchanged.
 
     >>> redact_text("CUDA error: an illegal memory access")
     'sha256:8c4d8aa82ff7b632'

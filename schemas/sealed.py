@@ -1,13 +1,4 @@
-"""Sealed samples: a request's prompt and output token ids under envelope encryption.
-
-A data key (AES-256-GCM) encrypts each sample and is replaced after every batch of samples;
-a key-encryption key, which only engines and postmortems hold, wraps it (RFC 3394 key wrap).
-Pure code: keys are passed in (`SampleKey.from_env` reads the environment once, at start).
-
-A sealed sample is one ASCII string, ``sw1.<key id>.<wrapped data key>.<nonce + ciphertext>``
-(the last two base64url, unpadded), so it travels as one more field of a request record's
-``sample`` and names the key that opens it without revealing anything else.
-"""
+"""Sealed samples: a request's prompt and output token ids under envelope encryption."""
 
 from __future__ import annotations
 
@@ -66,9 +57,6 @@ class SealedSampleError(ValueError):
 class SampleKey:
     """The key-encryption key for sealed samples. Neither secret nor derived key shows in a repr.
 
-    ``key_id`` is a digest of the secret, so nothing but the secret needs configuring and a
-    payload names the key that opens it.
-
     >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
     >>> key.key_id, "0123" in repr(key)
     ('k-dba05dc9fc20', False)
@@ -90,11 +78,7 @@ class SampleKey:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "SampleKey | None":
-        """The key named by ``$SPECWATCH_SAMPLE_KEY_FILE`` (preferred) or ``$SPECWATCH_SAMPLE_KEY``.
-
-        None when neither is set. Raises ValueError naming the variable (never the key) when
-        the file cannot be read or the key is too short.
-        """
+        """The key in ``$SPECWATCH_SAMPLE_KEY_FILE`` (preferred) or ``$SPECWATCH_SAMPLE_KEY``."""
         environ = os.environ if environ is None else environ
         path = environ.get(SAMPLE_KEY_FILE_ENV, "").strip()
         if path:
@@ -136,15 +120,6 @@ def token_digest(token_ids: Sequence[int] | None) -> str | None:
 
 class Sealer:
     """Seals samples under one key-encryption key, drawing a new data key every batch.
-
-    Parameters
-    ----------
-    key
-        The key-encryption key.
-    batch_samples
-        Samples sealed under one data key.
-    random_bytes
-        Source of keys and nonces (``os.urandom``); passed in so tests can fix it.
 
     >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
     >>> sealed = Sealer(key).seal([5, 6, 7], [8, 9])
@@ -192,9 +167,6 @@ def sealed_key_id(sealed: str) -> str:
 def open_sealed(sealed: str, key: SampleKey | None, prompt_sha256: str | None,
                 output_sha256: str | None) -> OpenedSample:
     """Open a sealed sample and check its token ids against the record's digests.
-
-    Raises `SealedSampleError` when there is no key, when the key is not the one it was
-    sealed with, when the payload was altered, or when the ids do not match the digests.
 
     >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
     >>> other = SampleKey.from_secret(b"another key, sixteen bytes or more")

@@ -1,7 +1,4 @@
-"""The topology in one process, no broker: the ingest step, stage 1, stage 2, action handlers.
-
-This is `specwatch demo` and `specwatch replay`; the Faust app runs the same stages.
-"""
+"""The topology in one process, no broker: the ingest step, stage 1, stage 2, action handlers."""
 
 from __future__ import annotations
 
@@ -52,24 +49,7 @@ class PipelineCounters:
 
 
 class EmbeddedPipeline:
-    """Feeds records through both stages in-process and hands each final slice to ``sinks``.
-
-    Parameters
-    ----------
-    policy
-        Detector and action settings.
-    flags
-        Flag store kept current with every decision (the closed loop reads it).
-    sinks
-        Callables receiving each `SliceOutput` (archive writer, progress display, ...).
-    clock
-        Wall clock of a live pipeline: records further ahead of it than
-        ``windows.max_ahead_seconds`` are rejected (``ts_in_future``). None (replays,
-        simulated time): no check.
-
-    Records go in one at a time (`feed_line`, `feed`, `feed_many`: the reference codecs) or a
-    block at a time (`feed_lines`, `feed_block`: the batch mode), with the same decisions.
-    """
+    """Feeds records through both stages in-process and hands each final slice to ``sinks``."""
 
     def __init__(self, policy: Policy | None = None, flags: FlagStore | None = None,
                  sinks: Iterable[Callable[[SliceOutput], None]] = (),
@@ -93,23 +73,13 @@ class EmbeddedPipeline:
         return self.feed_many((record,))
 
     def feed_many(self, records: Iterable) -> list[Decision]:
-        """Decoded records in order, e.g. what an OTLP decoder made of a request (its rejections are counted).
-
-        Each slice is decided as soon as the record that closes it is folded, before the
-        next record is taken: a closed-loop source (the simulator reading the flags) sees
-        every decision from the record after it, as it would fed one record at a time.
-        """
+        """Decoded records in order, e.g. an OTLP request decoded (its rejections are counted)."""
         decided: list[Decision] = []
         ingested = self.ingest.records(records, self._now(), on_closed=lambda ready: decided.extend(self._drain(ready)))
         return decided + self._take(ingested)
 
     def feed_lines(self, lines: Sequence[bytes | str]) -> list[Decision]:
-        """A block of JSON lines at once (the batch mode of `feed_line`).
-
-        Records, rejections, late records (flagged by line) and decisions are those of
-        `feed_line` on each line (the block is decoded by `decode_lines_block`); the slices
-        the block closes are decided at its end.
-        """
+        """A block of JSON lines at once (the batch mode of `feed_line`)."""
         first_line = self.counters.lines
         self.counters.lines += len(lines)
         return self._take(self.ingest.block(decode_lines_block(lines), self._now()), first_line)
@@ -123,11 +93,7 @@ class EmbeddedPipeline:
         return None if self._clock is None else self._clock()
 
     def _take(self, ingested: Ingested, first_line: int | None = None) -> list[Decision]:
-        """Flag what was rejected or late, and decide the slices it closed.
-
-        ``first_line``: the items came from a block of lines that starts after it; they are
-        flagged by their own lines, in line order.
-        """
+        """Flag what was rejected or late, and decide the slices it closed."""
         counters = self.counters
         counters.records = self.stage1.records
         flags = [(rejection.reason, rejection.detail) for rejection in ingested.rejections] + [

@@ -1,41 +1,4 @@
-"""The Faust app: the processing topology on Kafka, the same stages the embedded pipeline runs.
-
-This module is the Faust wiring only: topics, agents, timers, web routes, the worker. The
-partition runners it drives (`streams/runner.py`) hold the state machine and no Faust.
-Agent ``combine`` hands what each fetch brought of telemetry to `Stage1Runner`, which folds
-it in each partition's `Stage1Task` and sends the closed slices to the partials topic,
-routed by bundle, one message per stage-2 partition; agent ``decide`` hands partials to
-`Stage2Runner`, which merges them per partials partition in a `Stage2Task` and publishes
-decisions to the compacted decisions topic.
-
-State and guarantees
---------------------
-Every task is checkpointed to a compacted checkpoint topic (a changelog: chunked, two
-alternating slots, written by the app's own idempotent producer and awaited until the
-broker acknowledged it) together with the offset of the next message it has to fold;
-the checkpoint, not Faust's committed offset, is where a task resumes. A restarted or moved task skips what
-it folded before and reads directly from Kafka what its checkpoint does not cover (also
-what Faust commits past without delivering, which it does around rebalances). A task
-without a checkpoint rebuilds from the start of its partition.
-
-- Telemetry: folded once. Stage 1 checkpoints only after the broker acknowledged the
-  batches it sent; replays re-send identical batches (stage 1 is deterministic), and
-  stage 2 drops any batch at or below the last slice it merged from that source.
-- Decisions: a function of the telemetry log alone (event time; the wall clock only paces
-  checkpoints and tells when a partition is idle, which is written to the partials log). Before publishing, stage 2 checkpoints them
-  as an outbox with the decisions topic's end offsets; a restart publishes only those not
-  found on the topic after those offsets. Each decision reaches the topic once, unless a
-  worker keeps publishing after losing its partitions (a pause longer than the session
-  timeout): then a decision can appear twice, with the same id, which `FlagStore.apply`
-  and the archive absorb.
-- Archive: written before each checkpoint; writes are idempotent (stable ids,
-  ReplacingMergeTree), so replayed slices leave one row each. Dead letters: at least once.
-- Liveness: stage 2 waits for every telemetry partition. One with nothing left to read
-  and silent for ``source_silence_seconds`` is idle (`streams.ingest.IdleRule`, the rule
-  the embedded pipeline follows at the end of its input): its stage 1 closes every open
-  slice and sends them, then a release marker, through the partials log (so replays decide
-  the same), and stage 2 stops waiting for it until it sends again.
-"""
+"""The Faust app: the processing topology on Kafka, the same stages the embedded pipeline runs."""
 
 from __future__ import annotations
 
@@ -71,12 +34,7 @@ _FETCH_WAIT_SECONDS = 0.05
 
 
 def _acknowledge(app: faust.App, record: Any) -> None:
-    """Mark a message read outside the stream as done in Faust's consumer.
-
-    Faust commits an offset only when every message before it was acknowledged; a message
-    it never delivered (it drops some around rebalances and restarts) would hold the
-    partition's commits back for good, though the task has folded it from a direct read.
-    """
+    """Mark a message read outside the stream as done in Faust's consumer."""
     app.consumer.ack(FaustMessage(record.topic, record.partition, record.offset, record.timestamp / 1000.0,
                                   record.timestamp_type, None, None, None, None,
                                   tp=TP(record.topic, record.partition)))
@@ -96,11 +54,7 @@ class StreamApp:
 
 
 def create_app(settings: StreamSettings) -> StreamApp:
-    """The Faust app for ``settings`` (partition counts from `prepare_topics`): topics, agents, timers.
-
-    Faust runs the consumer group, the agents and the timers; checkpoints and every output
-    go through the app's own producer (`KafkaWriter`), whose acknowledgements it can wait for.
-    """
+    """The Faust app for ``settings`` (counts from `prepare_topics`): topics, agents, timers."""
     if settings.telemetry_partitions < 1 or settings.partials_partitions < 1:
         raise ValueError("partition counts are unknown: pass the settings through prepare_topics() first")
     kafka = settings.kafka_config

@@ -1,15 +1,4 @@
-"""Per-partition tasks of the Faust topology: stage 1 and stage 2 with offsets, dedupe and checkpoints.
-
-Pure (no I/O, no clocks): the Faust app feeds these Kafka messages and sends what they
-return. They make replay after a restart safe: a task knows the offset of the next
-message it has to fold, stage 2 drops batches it has already merged, and a task pickles
-to a checkpoint that holds its monitors, flags and open slices together with that offset.
-
-Stage 2 is routed by bundle: every key of a bundle, and every event about it, goes to
-one stage-2 partition. Bundle-wide decisions (KV pressure, a changed card) gate the
-monitors of every bucket of that bundle, so only this routing reaches the decisions
-the embedded pipeline reaches.
-"""
+"""Per-partition tasks of the Faust topology: stage 1 and stage 2, with dedupe and checkpoints."""
 
 from __future__ import annotations
 
@@ -74,12 +63,6 @@ def stage2_partition(bundle_id: str, partitions: int) -> int:
 def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[int, SliceBatch]]:
     """Split one close of stage 1 into what each stage-2 partition receives, in send order.
 
-    Partials and events go to their bundle's partition, bundle cards to every partition
-    (stage 2 follows each worker's card there). A partition whose parts of this close do
-    not carry the close's watermark (it got nothing, or only earlier slices) gets one empty
-    batch at it last, so every stage 2 learns that this source has moved on. Per (source, partition) slice indexes strictly increase,
-    which is what stage 2 deduplicates on.
-
     >>> from specwatch.detectors.window import SliceStats
     >>> batch = SliceBatch("t/0", 7, 7, partials={("b-1", "coding", "main"): SliceStats()})
     >>> [(p, b.slice_index, len(b.partials)) for p, b in route_batches([batch], 2)]
@@ -92,28 +75,23 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
     vouched: dict[int, int] = {}  # partition -> the watermark its latest part carries
     for batch in batches:
         parts: dict[int, SliceBatch] = {}
+
+        def part(target: int) -> SliceBatch:
+            if target not in parts:
+                parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
+            return parts[target]
+
         for key, stats in batch.partials.items():
-            target = stage2_partition(key[0], partitions)
-            part = parts.get(target)
-            if part is None:
-                part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
-            part.partials[key] = stats
+            part(stage2_partition(key[0], partitions)).partials[key] = stats
         for event in batch.events:
             # A card goes to every partition: a worker's change from a bundle of one partition
             # to a bundle of another is seen where the new bundle is decided.
             targets = range(partitions) if event["type"] == "bundle" else (stage2_partition(event["bundle_id"],
                                                                                               partitions),)
             for target in targets:
-                part = parts.get(target)
-                if part is None:
-                    part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
-                part.events.append(event)
+                part(target).events.append(event)
         if batch.late_records:
-            target = min(parts) if parts else 0
-            part = parts.get(target)
-            if part is None:
-                part = parts[target] = SliceBatch(batch.source, batch.slice_index, batch.watermark)
-            part.late_records = batch.late_records
+            part(min(parts) if parts else 0).late_records = batch.late_records
         for target in sorted(parts):
             out.append((target, parts[target]))
             vouched[target] = parts[target].watermark
@@ -129,11 +107,7 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
 
 @dataclass(frozen=True)
 class PartialMessage:
-    """One message of the partials topic: a source's batches for one stage-2 partition, or the release of an idle source.
-
-    The batches of one message are in the order stage 1 closed them; stage 2 folds them
-    one by one, exactly as if each had come in a message of its own.
-    """
+    """A partials message: one source's batches for a stage-2 partition, or its release."""
 
     batches: tuple[SliceBatch, ...] = ()
     release_source: str | None = None
@@ -184,8 +158,6 @@ def encode_release(source: str, watermark: int) -> bytes:
 def decode_partial(data: bytes) -> PartialMessage | Rejection:
     """A partials message, or why it is not one (the topic is internal, but never trusted blindly).
 
-    A ``batch`` message of one batch, as earlier versions wrote them, still reads.
-
     >>> decode_partial(encode_release("t/1", 12))
     PartialMessage(batches=(), release_source='t/1')
     >>> [b.slice_index for b in decode_partial(encode_partial([SliceBatch("t/0", 4, 4), SliceBatch("t/0", 5, 5)])).batches]
@@ -220,15 +192,7 @@ def dead_letter(rejection: Rejection, topic: str, partition: int, offset: int) -
 
 
 class Stage1Task:
-    """Stage 1 of one telemetry partition, with the offset of the next message to fold.
-
-    Parameters
-    ----------
-    policy
-        Slice length and lateness.
-    source
-        The partition's name, e.g. ``specwatch.telemetry/3``; stage 2 waits per source.
-    """
+    """Stage 1 of one telemetry partition, with the offset of the next message to fold."""
 
     def __init__(self, policy: Policy, source: str) -> None:
         self.source = source
@@ -255,12 +219,7 @@ class Stage1Task:
 
     def fold(self, offset: int, payload: bytes, now: float | None = None,
              seen: dict[str, float] | None = None) -> tuple[Sequence[Rejection], Sequence[SliceBatch]]:
-        """Fold one OTLP message; returns its rejected records and the slices it closed.
-
-        ``now`` is the processor's wall clock: records further ahead of it than
-        ``windows.max_ahead_seconds`` are rejected (None: no check, as in a replay).
-        ``seen`` (engine worker -> wall time) learns when each worker was last heard from.
-        """
+        """Fold one OTLP message; returns its rejected records and the slices it closed."""
         rejections, _, closed = self.ingest.block(request_block(payload), now, seen)[:3]
         self.messages += 1
         self.next_offset = offset + 1
@@ -295,14 +254,7 @@ class BundleOwner:
 
 @dataclass
 class Stage2Task:
-    """Stage 2 of one partials partition: merges, detects, decides; deduplicates replays.
-
-    ``sources`` are the telemetry partitions expected to report (idle ones release
-    themselves through the partials log). ``outbox`` holds the actions of the last decisive message until the app has published
-    and archived them; a checkpoint taken in between carries them, so a restart finishes
-    the job instead of deciding again. ``outbox_mark`` is where the decisions topic ended
-    before they were published: what a restart reads to find those already out.
-    """
+    """Stage 2 of one partials partition: merges, detects, decides; deduplicates replays."""
 
     policy: Policy
     sources: tuple[str, ...] = ()
@@ -425,8 +377,6 @@ def decode_checkpoint(data: bytes) -> Stage1Task | Stage2Task:
 def checkpoint_entries(name: str, sequence: int, data: bytes,
                        chunk_bytes: int = _DEFAULT_CHUNK_BYTES) -> list[tuple[str, bytes]]:
     """Table entries that store one checkpoint: chunks first, then the manifest naming them.
-
-    Two slots alternate, so a crash while writing one leaves the previous checkpoint whole.
 
     >>> [key for key, _ in checkpoint_entries("s1/0", 3, b"x" * 10, chunk_bytes=4)]
     ['s1/0#1.0', 's1/0#1.1', 's1/0#1.2', 's1/0#1']

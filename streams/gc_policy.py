@@ -1,14 +1,4 @@
-"""How often CPython's cyclic garbage collector runs in a specwatch process.
-
-Stage 2 keeps each key's last slices for its windows, so a fleet of many keys keeps many
-objects. CPython runs a full collection, a walk over every object the process keeps,
-whenever the objects that outlived two young collections have grown by a quarter; with
-the default young threshold (700 allocations) the partials of a slice being folded
-outlive them, and at 10,000 keys those walks cost about as much as the work itself
-(`specwatch bench --section keys`: ``pipeline_default_collector``). A young threshold of
-100,000 lets most of a slice's short-lived objects go by reference counting before a
-collection sees them. Cycles are still collected, only later.
-"""
+"""How often CPython's cyclic garbage collector runs in a specwatch process."""
 
 from __future__ import annotations
 

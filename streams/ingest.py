@@ -1,11 +1,4 @@
-"""The one way into stage 1: decode, clock check, count, fold, close.
-
-Records come in one at a time, decoded by the reference codecs (`Ingest.__call__`,
-`Ingest.records`), or a block at a time, decoded as columns (`Ingest.block`, the batch mode
-of `decode_lines_block` and `request_block`); both give the same records, rejections, late
-records and slices. The embedded pipeline and the Faust stage-1 task both take records in
-here and differ only in what they do with what comes out.
-"""
+"""The one way into stage 1: decode, clock check, count, fold, close."""
 
 from __future__ import annotations
 
@@ -41,13 +34,6 @@ _NOTHING = Ingested((), (), ())
 
 class IdleRule:
     """When a source stops holding stage 2 back: the one idle-source rule of both paths.
-
-    A source is idle once it has sent nothing for ``silence_seconds`` on the clock passed in
-    and has nothing left to read (``waiting`` names the sources that have). Event time is
-    not consulted: a source whose data is still coming (a consumer behind, a restart
-    catching up) has something left to read, however far its event time lags the others'.
-    An idle source closes every open slice (`Ingest.release`) and stage 2 stops waiting for
-    it (`Stage2.release`) until it sends again. A source is idle once per silence.
 
     >>> rule = IdleRule(10.0)
     >>> rule.heard("t/0", now=100.0)
@@ -86,20 +72,6 @@ class IdleRule:
 
 class Ingest:
     """One source's way into stage 1: decode, clock check, count, fold, close.
-
-    Parameters
-    ----------
-    stage
-        The source's stage 1; only it touches its slices.
-    decode
-        What `__call__` decodes a payload with: ``decode_line`` (a JSON line, the default)
-        or ``otlp.decode_request`` (an OTLP request: a list of records). `block` takes
-        records already decoded.
-
-    ``rejected`` counts every record that was not folded, by reason: the decoder's, the
-    wall-clock bound's (``ts_in_future``) and stage 1's own (clock skew, duplicates).
-    Slices are closed after every record, so lateness (and so every partial) is the same
-    however the records were grouped into payloads.
 
     >>> from specwatch.schemas import Policy
     >>> ingest = Ingest(Stage1(Policy(), source="w1"))
@@ -144,15 +116,7 @@ class Ingest:
     def records(self, items: Iterable[Decoded], now: float | None = None,
                 seen: dict[str, float] | None = None,
                 on_closed: Callable[[list[SliceBatch]], object] | None = None) -> Ingested:
-        """Fold decoded records in order (rejections among them are counted), closing what each makes ready.
-
-        ``now`` is the wall clock of a live source: records further ahead of it than
-        ``windows.max_ahead_seconds`` are rejected (``ts_in_future``). None (a replay,
-        simulated time): no check. ``seen`` (engine worker -> ``now``) learns when each
-        worker was last heard from. ``on_closed`` takes the slices each record closes as soon
-        as it closes them (a closed loop acts on them before the next record); without it
-        they come back in ``closed``.
-        """
+        """Fold decoded records in order (counting rejections), closing what each makes ready."""
         stage = self.stage
         max_ahead = None if now is None else stage.policy.windows.max_ahead_seconds
         # lists only once something lands in them: most records are folded and close nothing
@@ -196,13 +160,7 @@ class Ingest:
         return self.stage.close_ready(final=True)
 
     def block(self, block: StepBlock, now: float | None = None, seen: dict[str, float] | None = None) -> Ingested:
-        """The batch mode: a block of records (`decode_lines_block`, `request_block`) folded at once.
-
-        Rejections, late records and closed slices are those of `records` over the same
-        records one at a time (`Stage1.fold_block`); the closed slices come back once, at the
-        end, and ``rejected_at`` / ``late_at`` give the position in the block of each
-        rejection and late record.
-        """
+        """The batch mode: a block (`decode_lines_block`, `request_block`) folded at once."""
         rejected, late, closed = self.stage.fold_block(block, now)
         for _, rejection in rejected:
             self.rejected.add(rejection)

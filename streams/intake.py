@@ -1,8 +1,4 @@
-"""What stage 1 checks before it folds a record: a clock-skew bound, and one fold per record.
-
-Both judge a record against the source's own event-time progress, never a wall clock,
-so a replay and a live processor accept and refuse the same records.
-"""
+"""What stage 1 checks before it folds a record: a clock-skew bound, and one fold per record."""
 
 from __future__ import annotations
 
@@ -30,12 +26,6 @@ class EventClock:
         median follows once most recent records agree.
     recent
         How many recent records the median is taken over (odd).
-
-    ``now`` is the median and never goes back: stage 1 closes slices by it, so no single
-    record can move the watermark. The median of an even count is the lower middle one,
-    and the first record of a source has nothing to be judged against: it is trusted.
-    Once ``recent`` records are in, the median is taken afresh every ``_REFRESH_EVERY``
-    records, which keeps the check a comparison on the hot path.
 
     >>> clock = EventClock(max_skew_seconds=300.0, recent=5)
     >>> [clock.admit(ts) is None for ts in (100.0, 101.0, 3700.0, 102.0, 103.0)]
@@ -89,11 +79,6 @@ class EventClock:
 
 class DuplicateFilter:
     """Remembers which records a source has folded, per event-time slice, for a bounded time.
-
-    A producer that retries, or a Kafka producer that re-sends after a lost acknowledgement,
-    delivers a record twice; folded twice, it would double its counts and change decisions.
-    Identities are kept per slice and forgotten once a slice is ``horizon_slices`` behind
-    the closed ones: memory follows the rate, not the length of the stream.
 
     >>> seen = DuplicateFilter(horizon_slices=2)
     >>> seen.first(5, ("w1", 7)), seen.first(5, ("w1", 7)), seen.first(6, ("w1", 7))

@@ -1,11 +1,4 @@
-"""Prometheus metrics: a metrics view over stage 2, rendered at scrape time.
-
-`MetricsView` reads the newest window of each (bundle, bucket, cohort) key from the stage-2
-monitors when scraped, and counts decisions and the service's latencies per final slice;
-it is pure and does no per-record work.
-`MetricsCollector` turns a view and a health snapshot into Prometheus metric families
-when a scrape asks (prometheus-client, on a registry of its own).
-"""
+"""Prometheus metrics: a metrics view over stage 2, rendered at scrape time."""
 
 from __future__ import annotations
 
@@ -84,18 +77,6 @@ class LatencyHistogram:
 class MetricsView:
     """What stage 2 knows now, per key, with bounded label cardinality; decisions; latencies.
 
-    Per-key values are read when scraped from the stages themselves: each key monitor's
-    newest slice, the stage's `FlagStore` and bundle cards. So stage 2 does no metric work
-    per record or per key; `observe` takes one final slice and only counts its decisions.
-
-    Parameters
-    ----------
-    stages
-        Called at scrape time: the `Stage2` objects to read (one per stage-2 task).
-    max_keys
-        At most this many (bundle, bucket, cohort) keys are exported, the first in sorted
-        order; how many more there are is ``keys_overflow``.
-
     >>> from specwatch.detectors.window import SliceStats
     >>> from specwatch.schemas import Policy
     >>> from specwatch.streams.topology import SliceBatch, Stage2
@@ -138,13 +119,12 @@ class MetricsView:
             for key, monitor in list(stage.monitors.items()):
                 if monitor.history:
                     found.append((key, monitor, stage))
-        found.sort(key=lambda item: _sort_key(item[0]))
+        found.sort(key=lambda item: (item[0][0], item[0][1] or "", item[0][2] or ""))
         self.keys_overflow = max(0, len(found) - self.max_keys)
         out = []
         for key, monitor, stage in found[:self.max_keys]:
-            card = stage.cards.get(key[0])
             out.append((key, monitor.history[-1][1].summary(), stage.flags,
-                        card["drafter"]["draft_length"] if card else None))
+                        stage.draft_length(key[0])))
         return out
 
     def published(self, decision_ts: float, now: float) -> None:
@@ -165,11 +145,7 @@ class MetricsView:
 
 @dataclass
 class ServiceHealth:
-    """The service's own health at one instant; fields a pipeline does not have stay empty.
-
-    Lags are in messages, ages and delays in seconds, keyed by ``(topic, partition)`` or
-    ``(stage, partition)``.
-    """
+    """The service's own health at one instant; fields a pipeline does not have stay empty."""
 
     records_read: int = 0
     records_rejected: Mapping[str, int] = field(default_factory=dict)
@@ -194,15 +170,6 @@ def _finite(value) -> bool:
 
 class MetricsCollector:
     """A prometheus-client collector reading a `MetricsView` and a `ServiceHealth` at scrape time.
-
-    Parameters
-    ----------
-    view
-        Per-key statistics, decisions and histograms.
-    health
-        Called once per scrape for the service's own health.
-    clock
-        Wall clock (unix seconds), for ages.
     """
 
     def __init__(self, view: MetricsView, health: Callable[[], ServiceHealth], clock: Callable[[], float]) -> None:
@@ -348,10 +315,6 @@ def _by_partition(name: str, help_text: str, labels: tuple[str, str], values: Ma
     for (first, partition), value in sorted(values.items()):
         family.add_metric([first, str(partition)], float(value))
     return family
-
-
-def _sort_key(key: Key) -> tuple[str, str, str]:
-    return key[0], key[1] or "", key[2] or ""
 
 
 def metrics_registry(collector: MetricsCollector) -> CollectorRegistry:

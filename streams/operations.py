@@ -1,8 +1,4 @@
-"""A worker's operations surface on Faust's web server: /metrics, /healthz, /readyz, the Alertmanager webhook.
-
-`Operations` holds the metrics view the stage-2 runner feeds, the Alertmanager sender it
-hands published decisions to, and the webhook's state; `install` adds the routes.
-"""
+"""A worker's operations surface: /metrics, /healthz, /readyz and the Alertmanager webhook."""
 
 from __future__ import annotations
 
@@ -37,23 +33,7 @@ _MAX_WEBHOOK_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class OperationsSettings:
-    """Metrics, Alertmanager and webhook settings of a worker.
-
-    Parameters
-    ----------
-    web_port
-        Port of the worker's web server (metrics, health, webhook); None: no web server.
-    web_bind
-        Interface the web server binds to.
-    max_metric_keys
-        Label-cardinality cap of the per-key metrics.
-    alertmanager_url
-        Where decisions go as alerts (``$SPECWATCH_ALERTMANAGER_URL``); None: nowhere.
-    webhook_token
-        Bearer token the webhook demands; None: the webhook refuses every request.
-    rollback
-        Alert name -> reason mapping and which resolved alerts restore.
-    """
+    """Metrics, Alertmanager and webhook settings of a worker."""
 
     web_port: int | None = 6066
     web_bind: str = "0.0.0.0"
@@ -72,19 +52,7 @@ class OperationsSettings:
 
 
 class Operations:
-    """Metrics view, Alertmanager sender and webhook of one worker (or of the demo).
-
-    Parameters
-    ----------
-    settings
-        What to serve and where to send.
-    health
-        The service's own health, asked once per scrape.
-    clock
-        Unix wall clock.
-    stages
-        The `Stage2` objects whose keys the metrics show, asked once per scrape.
-    """
+    """Metrics view, Alertmanager sender and webhook of one worker (or of the demo)."""
 
     def __init__(self, settings: OperationsSettings, health: Callable[[], ServiceHealth] = ServiceHealth,
                  clock: Callable[[], float] = time.time, stages: Callable[[], Iterable] = tuple) -> None:
@@ -140,12 +108,7 @@ class Operations:
     # -- the Faust web server -----------------------------------------------------------
     def install(self, app: Any, ready: Callable[[], bool], cards: Callable[[], dict],
                 publish: Callable[[list[Decision]], Any], automatic: Callable[[tuple], Any]) -> None:
-        """Add /metrics, /healthz, /readyz and the webhook to ``app`` (a `faust.App`).
-
-        ``cards`` gives the bundles this worker knows (bundle id -> card), ``publish`` (a
-        coroutine function) signs and publishes decisions and waits for the broker,
-        ``automatic(scope)`` is the state decisions alone give a scope.
-        """
+        """Add /metrics, /healthz, /readyz and the webhook to ``app`` (a `faust.App`)."""
         from faust.web import View
 
         operations = self

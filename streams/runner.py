@@ -1,14 +1,4 @@
-"""The partition runner: one task per input partition, restored, fed in offset order, checkpointed.
-
-`PartitionRunner` is the state machine both stages run on Kafka: restore a task from its
-checkpoint (or start at the partition's beginning), skip what it folded before, read
-directly from the log what the consumer group skipped (a gap), catch up a partition that
-delivers nothing, checkpoint now and then, forget revoked partitions. `Stage1Runner` and
-`Stage2Runner` fill in what to fold, what to emit and what to do before a checkpoint.
-Nothing here imports Faust: the reader, the writer, the assignment and the
-acknowledgement are passed in (`streams/faust_app.py` wires them to Faust;
-`specwatch.transport.memory` is their twin in unit tests).
-"""
+"""The partition runner: one task per input partition, restored, fed in order, checkpointed."""
 
 from __future__ import annotations
 
@@ -68,41 +58,7 @@ TopicPartition = tuple[str, int]
 
 @dataclass(frozen=True)
 class StreamSettings:
-    """Everything a worker needs; validated once, before Faust starts.
-
-    Parameters
-    ----------
-    bootstrap
-        ``HOST:PORT[,HOST:PORT...]`` of the Kafka cluster.
-    telemetry_topics
-        Topics of OTLP telemetry (one `Stage1Task` per partition of each).
-    partials_topic, decisions_topic, deadletter_topic
-        Stage 1 -> stage 2 batches; decisions (compacted); rejected records.
-    app_id
-        Consumer group and prefix of the checkpoint topics.
-    policy
-        Windows, gates and actions.
-    archive_dsn
-        Where stage 2 archives decisions, samples and window stats; None = no archive.
-    data_dir
-        This worker's local directory (Faust's datadir).
-    telemetry_partitions, partials_partitions
-        Partition counts, read from the cluster by `prepare_topics`.
-    checkpoint_seconds
-        Wall-clock interval between checkpoints of a busy task (decisions checkpoint at once).
-    source_silence_seconds
-        A telemetry partition that sent nothing for this long, with nothing left to read,
-        is idle (`IdleRule`): it closes its open slices and stops holding stage 2 back
-        (`specwatch run` takes the policy's ``windows.source_idle_seconds``).
-    session_timeout_seconds
-        Kafka consumer session timeout: how soon a dead worker's partitions move.
-    replication_factor
-        Of the changelog topics Faust creates.
-    kafka
-        Security settings of the cluster (TLS, SASL); None: PLAINTEXT.
-    operations
-        The web server (metrics, health, Alertmanager webhook) and where decisions go as alerts.
-    """
+    """Everything a worker needs; validated once, before Faust starts."""
 
     bootstrap: str
     telemetry_topics: tuple[str, ...] = (TELEMETRY_TOPIC,)
@@ -173,12 +129,7 @@ class StreamSettings:
 
 
 class CheckpointLog:
-    """Task checkpoints on a compacted topic, in the partition of the task's input partition.
-
-    A save returns once the broker acknowledged every chunk, so a checkpoint that exists
-    was whole when anything after it was sent. A load reads the partition from its start
-    (compaction keeps it short) and takes the newest whole checkpoint.
-    """
+    """Task checkpoints on a compacted topic, in the partition of the task's input partition."""
 
     def __init__(self, topic: str, writer: Any, reader: Any) -> None:
         self.topic = topic
@@ -222,8 +173,6 @@ class CheckpointLog:
 def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
     """Assigned partitions without a task for `_CATCH_UP_AFTER_S` since first seen here, in order.
 
-    ``assigned_at`` remembers when each was first seen and forgets those no longer assigned.
-
     >>> seen = {}
     >>> _overdue({1, 2}, {2: "task"}, seen, now=10.0), _overdue({1, 2}, {2: "task"}, seen, now=13.0)
     ([], [1])
@@ -238,28 +187,7 @@ def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
 
 
 class PartitionRunner:
-    """One task per owned input partition, fed in offset order whatever the consumer delivers.
-
-    A task resumes from its checkpoint, which says the offset of the next message it has to
-    fold: messages below it are skipped (folded before), a message beyond it first makes the
-    runner read the messages in between from the log (the consumer group committed past them
-    without delivering). Subclasses say what a task is and what folding a run of messages does.
-
-    Parameters
-    ----------
-    settings
-        The worker's settings.
-    writer, reader
-        A `KafkaWriter` and a `PartitionReader` (or their in-memory twins).
-    checkpoints
-        Where tasks are saved and restored from.
-    assignment
-        The (topic, partition) pairs this worker owns now.
-    acknowledge
-        Marks a message read outside the consumer as done in it.
-    clock
-        Monotonic seconds: paces checkpoints and catch-up, never a decision.
-    """
+    """One task per owned input partition, fed in offset order whatever the consumer delivers."""
 
     stage = ""
     task_type: type = object
@@ -422,10 +350,7 @@ class PartitionRunner:
 
 
 class Stage1Runner(PartitionRunner):
-    """Stage 1 on Kafka: decode and fold telemetry, send slice batches and dead letters.
-
-    A checkpoint is written only after the broker acknowledged the batches it covers.
-    """
+    """Stage 1 on Kafka: decode and fold telemetry, send slice batches and dead letters."""
 
     stage = "stage1"
     task_type = Stage1Task
@@ -486,12 +411,7 @@ class Stage1Runner(PartitionRunner):
         self._idle.forget(f"{tp[0]}/{tp[1]}")
 
     async def release_idle_sources(self) -> None:
-        """Telemetry partitions gone idle (`IdleRule`) close their open slices and release themselves.
-
-        The closed slices, then the release, go to every stage-2 partition through the partials
-        log, and the task is checkpointed at once: a replay of the log, or a restart, decides
-        the same. A partition with data waiting is never idle, however long it is silent.
-        """
+        """Idle telemetry partitions (`IdleRule`) close their open slices and release themselves."""
         now = self._clock()
         silence = self.settings.source_silence_seconds
         if not self._idle.silent(now) or now - self._ends_read_at < silence / 2:
@@ -653,11 +573,7 @@ class Stage2Runner(PartitionRunner):
 
     # -- signs of life ------------------------------------------------------------------
     async def heartbeat(self) -> None:
-        """One signed heartbeat per partials partition this worker owns, with the event time decided up to.
-
-        Flag clients tell a quiet fleet from a monitor that is gone by these; the publisher
-        id is the partition, so a moved partition keeps its one compacted key.
-        """
+        """A signed heartbeat per owned partials partition: the event time decided up to."""
         slice_seconds = self.settings.policy.windows.slice_seconds
         for tp in sorted(self._assignment()):
             if tp[0] != self.settings.partials_topic:

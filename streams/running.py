@@ -1,8 +1,4 @@
-"""Requests still running, tracked from the step records that list them: stage 1's view of stalls.
-
-A request that runs long past its key's usual duration is evidence of a tail before it
-finishes. Stage 1 reports such requests once; stage 2 judges them against the key's limit.
-"""
+"""Requests still running, tracked from the step records that list them (stage 1's stalls)."""
 
 from __future__ import annotations
 
@@ -50,22 +46,6 @@ class _Worker:
 class RunningRequests:
     """The requests one source's steps list, from first sighting until their request record.
 
-    Parameters
-    ----------
-    report_after
-        Seconds a request runs before it is reported (``SliceStats.running_long``).
-    lost_after
-        Seconds without a step listing a request before it counts as lost.
-
-    An engine lists the same running requests step after step, so the hot path (`saw`, once
-    per step) compares a step's ids with the worker's previous step and, when they are the
-    same, only notes the time; the times, keys and first sightings of requests are written
-    when the batch changes. Reports and losses are worked out in bulk when a slice closes
-    (`close`). A reported request that ends, or is lost, is reported again
-    (``SliceStats.running_done``: True if it finished, False if lost), as is any request
-    whose record shows it ran ``report_after`` or longer, so stage 2 counts a stalled
-    request once, not again when its record arrives. Request ids are per worker.
-
     >>> running = RunningRequests(report_after=10.0, lost_after=10.0)
     >>> from types import SimpleNamespace
     >>> step = SimpleNamespace(bundle_id="b", ids=["r1", "r2"], buckets=["chat", "chat"], cohorts=["main", "main"])
@@ -95,11 +75,7 @@ class RunningRequests:
         return sum(len(w.first) for w in self._workers.values())
 
     def saw(self, worker: str, ts: float, ids: Sequence[str], step) -> None:
-        """A step of ``worker`` at ``ts`` listed the requests ``ids``.
-
-        ``step`` is the step (a `StepRecord`, or a step of a block); its bundle and the requests'
-        buckets and cohorts are read only when the worker's batch changed.
-        """
+        """A step of ``worker`` at ``ts`` listed the requests ``ids``."""
         w = self._workers.get(worker)
         if w is None:
             w = self._workers[worker] = _Worker()
@@ -117,12 +93,7 @@ class RunningRequests:
                 first[rid] = [ts, (bundle_id, bucket, cohort), False]
 
     def ended(self, worker: str, rid: str, e2e_ms: float, key: Key, partials: dict[Key, SliceStats]) -> None:
-        """The request record of ``rid`` (of ``key``) arrived: it runs no more.
-
-        It is reported as finished if it was reported as running long, or if its e2e says it
-        ran that long: where a worker's records are spread over sources (unkeyed telemetry),
-        the source that reported it running may not be the one that gets its record.
-        """
+        """The request record of ``rid`` (of ``key``) arrived: it runs no more."""
         w = self._workers.get(worker)
         entry = None
         if w is not None:

@@ -1,11 +1,4 @@
-"""The processing topology, written once: stage 1 combines, stage 2 merges, detects and decides.
-
-Stage 1 (one per source: a worker partition) folds validated records into per-(key,
-slice) partial aggregates. Stage 2 (one in a process, or one per partition of bundles on
-Kafka: see `route_batches`) merges the partials of every source once event time has passed
-a slice, runs the monitors and the fallback policy. Both are pure and deterministic, so
-embedded runs and Faust runs decide alike.
-"""
+"""The processing topology, written once: stage 1 combines, stage 2 merges, detects and decides."""
 
 from __future__ import annotations
 
@@ -97,10 +90,7 @@ def key_from_str(text: str) -> Key:
 
 @dataclass
 class SliceBatch:
-    """What one source contributes to one slice: partial aggregates and discrete events.
-
-    ``watermark`` is the highest slice index the source has closed when it sent this.
-    """
+    """What one source contributes to one slice: partial aggregates and discrete events."""
 
     source: str
     slice_index: int
@@ -178,15 +168,7 @@ class SliceBatch:
 
 
 class Stage1:
-    """Folds one source's records into per-(key, slice) partials; closes slices by event time.
-
-    Parameters
-    ----------
-    policy
-        Slice length and allowed lateness.
-    source
-        Name of this source (a telemetry partition); stage 2 waits for every live source.
-    """
+    """Folds one source's records into per-(key, slice) partials; closes slices by event time."""
 
     def __init__(self, policy: Policy, source: str = "embedded") -> None:
         self.policy = policy
@@ -207,11 +189,7 @@ class Stage1:
         self.__dict__.setdefault("running", RunningRequests())
 
     def _admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
-        """Whether a record may be folded: within the clock-skew bound, and not folded before.
-
-        ``identity`` is (worker or bundle, seq or id); None for records that are never
-        counted twice whatever their copies (bundle cards).
-        """
+        """Whether a record may be folded: within the clock-skew bound, and not folded before."""
         rejection = self.clock.admit(ts)
         if rejection is not None:
             return rejection
@@ -222,18 +200,14 @@ class Stage1:
 
     def _slice(self, ts: float) -> SliceBatch:
         index = int(ts // self._slice_s)
-        if index <= self.watermark:
-            # late: folded into the oldest open slice so nothing is lost, and counted
+        late = index <= self.watermark
+        if late:  # folded into the oldest open slice so nothing is lost, and counted
             self.late_records += 1
             index = self.watermark + 1
-            batch = self._open.get(index)
-            if batch is None:
-                batch = self._open[index] = SliceBatch(self.source, index, self.watermark)
-            batch.late_records += 1
-            return batch
         batch = self._open.get(index)
         if batch is None:
             batch = self._open[index] = SliceBatch(self.source, index, self.watermark)
+        batch.late_records += late
         return batch
 
     @staticmethod
@@ -338,12 +312,6 @@ class Stage1:
     def fold_block(self, block: StepBlock, now: float | None = None) -> tuple[list, list, list[SliceBatch]]:
         """Fold a block of records at once, exactly as `add` then `close_ready` after each record would.
 
-        Admission (the ``ts_in_future`` bound against ``now`` as in `Ingest.records`, clock
-        skew, duplicates) and lateness are decided record by record, as they depend on the
-        records before; the block's steps are then folded with numpy, once per (slice, key),
-        and its records of other kinds through `add`, in order. The slices close once per
-        block, with the closes and watermarks record-by-record folding gives them.
-
         Returns ``(rejected, late, closed)``: ``(position, Rejection)`` of every record not
         folded (the decoder's rejections among them), ``(position, ts)`` of every record
         folded into a later slice than its own, and the closed slices.
@@ -359,8 +327,8 @@ class Stage1:
     def _admit_block(self, block: StepBlock, now: float | None) -> tuple[list, list, list, list, list]:
         """Each step's admission and slice, the block's other records folded, and where the watermark moves."""
         max_ahead = None if now is None else self.policy.windows.max_ahead_seconds
-        clock, folded, open_slices, source = self.clock, self._folded, self._open, self.source
-        admit, first = clock.admit, folded.first
+        clock = self.clock
+        admit, first = clock.admit, self._folded.first
         slice_s, lateness = self._slice_s, self._lateness
         rows: list[int] = []
         slices: list[int] = []
@@ -392,16 +360,8 @@ class Stage1:
                 continue
             watermark = self.watermark
             if index <= watermark:
-                # late: folded into the oldest open slice, as `_slice` does
-                index = watermark + 1
                 late.append((at[row], ts))
-                self.late_records += 1
-                batch = open_slices.get(index)
-                if batch is None:
-                    batch = open_slices[index] = SliceBatch(source, index, watermark)
-                batch.late_records += 1
-            elif index not in open_slices:
-                open_slices[index] = SliceBatch(source, index, watermark)
+            index = self._slice(ts).slice_index
             start, end = bounds[row], bounds[row + 1]
             saw(worker, ts, step_ids[row], _BlockStep(block, row, start, end))
             rows.append(row)
@@ -432,10 +392,7 @@ class Stage1:
         return True
 
     def _closes_after_record(self, limits: list[tuple[int, dict[Key, SliceStats]]]) -> None:
-        """Where `close_ready` after this record would move the watermark; the slices close after the fold.
-
-        What the close drops from the duplicate filter must be gone for the next record already.
-        """
+        """Where `close_ready` after this record would move the watermark (slices close later)."""
         limit = self._close_limit()
         if limit > self.watermark:
             self.watermark = limit
@@ -574,21 +531,12 @@ class Stage1:
         for code, low, high in zip(codes.tolist(), first.tolist(), last.tolist()):
             where, worker = divmod(code, n_workers)
             slice_index, key_index = divmod(where, n_keys)
-            sightings = self._open[slice_index + base].sightings
-            pair = (block.keys[key_index][0], names[worker])
-            span = sightings.get(pair)
-            if span is None:
-                sightings[pair] = [low, high]
-            else:
-                span[0] = min(span[0], low)
-                span[1] = max(span[1], high)
+            batch, bundle_id = self._open[slice_index + base], block.keys[key_index][0]
+            batch.sighted(bundle_id, names[worker], low)
+            batch.sighted(bundle_id, names[worker], high)
 
     def close_ready(self, final: bool = False) -> list[SliceBatch]:
-        """Slices whose end is more than the allowed lateness behind the newest record.
-
-        Every call that advances the watermark returns at least one batch, so stage 2
-        learns about progress even from a source whose latest slices were empty.
-        """
+        """Slices whose end is more than the allowed lateness behind the newest record."""
         if final:
             limit = max(self._open, default=self.watermark)
         else:
@@ -682,12 +630,7 @@ _MAX_DRAFT_PAIRS = 65
 
 
 def _add_step_times(stats: list[SliceStats], group: np.ndarray, touch_step: np.ndarray, block: StepBlock) -> None:
-    """Each step's times into the stats of every (slice, key) it touches, in step order.
-
-    Sums continue from what each stats holds, one step after the other, as `add_step_time`
-    adds them (bincount adds its weights in order), so every float is the one step-by-step
-    folding gives.
-    """
+    """Each step's times into the stats of every (slice, key) it touches, in step order."""
     n = len(stats)
     bins = np.concatenate([np.arange(n), group])
 
@@ -740,20 +683,6 @@ def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
 
 class Stage2:
     """Merges partials per slice once every source it waits for has passed it; detects and decides.
-
-    It waits for every source it has heard from, except one released as idle (`release`)
-    until that source sends again.
-
-    Parameters
-    ----------
-    policy
-        Gates, windows and actions.
-    flags
-        The speculative-path state it keeps current (and reads to avoid repeating itself).
-    owns
-        Whether a bundle is decided here (a stage-2 partition on Kafka: every key of a
-        bundle and its events are routed to one partition, cards to all, see
-        `route_batches`); None: every bundle.
     """
 
     def __init__(self, policy: Policy, flags: FlagStore | None = None,
@@ -801,14 +730,12 @@ class Stage2:
         self._released.add(source)
         return self._finalize_ready()
 
-    def _final_limit(self) -> int:
-        waited = [w for source, w in self._sources.items() if source not in self._released]
-        return min(waited) if waited else max(self._sources.values())
-
     def _finalize_ready(self, limit: int | None = None) -> list[SliceOutput]:
         if not self._sources:
             return []
-        limit = self._final_limit() if limit is None else limit
+        if limit is None:
+            waited = [w for source, w in self._sources.items() if source not in self._released]
+            limit = min(waited) if waited else max(self._sources.values())
         outputs = []
         for index in sorted(i for i in self._pending if i <= limit):
             outputs.append(self._finalize(index, self._pending.pop(index)))
@@ -983,7 +910,8 @@ class Stage2:
             }
             out.actions.append(ActionRecord(decision, audit, []))
 
-    def _draft_length(self, bundle: str) -> int | None:
+    def draft_length(self, bundle: str) -> int | None:
+        """The draft length D on the bundle's card, None before its card arrived."""
         card = self.cards.get(bundle)
         return card["drafter"]["draft_length"] if card else None
 
@@ -1011,7 +939,7 @@ class Stage2:
                     candidates.setdefault(kind, []).extend(kept)
         samples, reasons = _pick_samples(finding.reason, candidates)
         sample_ids = [_sample_id(s) for s in samples]
-        decision = self.fallback.decide(finding, scope, self._draft_length(scope[0]), sample_ids,
+        decision = self.fallback.decide(finding, scope, self.draft_length(scope[0]), sample_ids,
                                         {"sample_reasons": reasons} if reasons else None,
                                         curve=self._draft_length_curve(finding, scope, monitor))
         if decision is None:
@@ -1085,11 +1013,7 @@ def _take_unchosen(candidates, why: str, chosen: dict[str, dict], reasons: dict[
 
 
 def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[dict], dict[str, str]]:
-    """The samples that show a finding, then healthy controls; and why each was chosen.
-
-    Chosen by kind, then rank (severity, then `sample_order`), each id once: a total order
-    on record content, so the same records give the same samples however they arrived.
-    """
+    """The samples that show a finding, then healthy controls; and why each was chosen."""
     problems, control = _SAMPLES_FOR.get(reason, _SAMPLES_FOR_OTHERS)
     chosen: dict[str, dict] = {}
     reasons: dict[str, str] = {}

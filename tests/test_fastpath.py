@@ -64,7 +64,8 @@ def assert_block_is_the_reference(block, reference: list) -> None:
 
 
 ODD_LINES = [
-    _step(1, ts=5), _step(2, kv_usage=1), _step(3, draft_ms=True), _step(4, kv_usage=0.5, **{"seq": 1.0}) if False else json.dumps({**json.loads(_step(4)), "seq": 1.0}), _step(5, v=True),
+    _step(1, ts=5), _step(2, kv_usage=1), _step(3, draft_ms=True),
+    json.dumps({**json.loads(_step(4)), "seq": 1.0}), _step(5, v=True),
     _step(6, requests=[]), _step(7, requests=[{"id": "r", "bucket": "b", "cohort": "c", "drafted": True,
                                                  "accepted": 1}]),
     _step(8, requests=[{"id": "r", "bucket": "b", "cohort": "c", "drafted": 2.0, "accepted": 1}]),

@@ -1,9 +1,4 @@
-"""The Faust topology's per-partition tasks, without a broker: routing, dedupe, release, checkpoints.
-
-The Kafka log is modelled as lists of messages per partition; the tasks see exactly the
-bytes Faust hands them. The decisions must be the embedded pipeline's, however the
-partitions interleave, and whatever restarts and re-sends happen on the way.
-"""
+"""The Faust topology's per-partition tasks, no broker: routing, dedupe, release, checkpoints."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Fuzzing the contract-v1 JSON Lines decoder and the embedded pipeline behind it.
 
-Properties: decoding never raises; every line is a record, a blank, or a rejection with a
-known reason and a detail; accepted records round-trip; and bad lines mixed into a valid
-stream are each counted once and change nothing else (same window rows, same decisions).
-
-The default budget is modest and derandomized, so CI is reproducible; set
-SPECWATCH_FUZZ_EXAMPLES to run more (e.g. 20000 before a release).
+Derandomized; set SPECWATCH_FUZZ_EXAMPLES to run more (e.g. 20000 before a release).
 """
 
 from __future__ import annotations

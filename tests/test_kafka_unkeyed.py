@@ -1,10 +1,4 @@
-"""`specwatch run` on telemetry sent with no key, as the OpenTelemetry Collector's kafka exporter sends it.
-
-Each exporter batch (one worker's records over half a second of event time) goes to a
-seeded random partition, so one worker's records, its bundle cards included, spread over
-every partition. The decisions on the topic must be the embedded pipeline's, line for
-line: the same ids, evidence and samples, the bundle change included.
-"""
+"""`specwatch run` on telemetry sent with no key, as the Collector's kafka exporter sends it."""
 
 from __future__ import annotations
 

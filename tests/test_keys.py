@@ -1,9 +1,4 @@
-"""Cheap keys: what stage 2 and the detectors keep and do per (bundle, bucket, cohort) key and slice.
-
-Exact counts on seeded inputs: which objects stage 2 keeps, how many objects the garbage
-collector tracks per retained key-slice, how many keys a slice judges, and that the quick
-answers (a quiet key's window) are those of the plain walk over the history.
-"""
+"""Cheap keys: what stage 2 and the detectors keep and do per key and slice."""
 
 import gc
 import pickle

@@ -146,18 +146,6 @@ def test_garbage_bytes_become_rejections_and_never_raise():
     assert decode_request(memoryview(b"\x0a\xff\xff\xff\xff\x0f"))[0].reason == "invalid_otlp"
 
 
-def test_truncated_and_bit_flipped_requests_never_raise():
-    data = encode_records([RECORDS["step"], RECORDS["request"], RECORDS["bundle"]])
-    rng = random.Random(11)
-    for cut in range(0, len(data), 7):
-        for item in decode_request(data[:cut]):
-            assert isinstance(item, (Rejection, StepRecord, RequestRecord, BundleRecord))
-    for _ in range(500):
-        flipped = bytearray(data)
-        flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
-        decode_request(bytes(flipped))  # any outcome but an exception
-
-
 def test_an_oversized_request_is_refused_before_parsing():
     (rejection,) = decode_request(b"\x00" * (MAX_REQUEST_BYTES + 1))
     assert rejection.reason == "message_too_large"

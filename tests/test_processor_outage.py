@@ -1,14 +1,4 @@
-"""A Kafka outage seen from the stream processors, on a broker this test stops and resumes.
-
-The telemetry is on the broker; a `specwatch run` worker is half way through it when the
-broker goes away for a while and comes back on the same data (topics, offsets, committed
-groups kept). Whatever the worker does meanwhile (wait and reconnect, or stop because a
-write went unacknowledged), a supervisor restarts it if it stopped, and in the end every
-decision the embedded pipeline makes is on the decisions topic exactly once, and in the
-archive exactly once.
-
-The broker runs on its own port so that the shared test broker never notices.
-"""
+"""A Kafka outage seen from the stream processors, on a broker this test stops and resumes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""One record stamped by a wrong clock, far ahead or far behind, changes no decision.
-
-Into a short seeded scenario goes one extra contract-valid record (a copy of one of its own
-steps or requests under a new identity) stamped from minutes to months away from the
-stream's event time. It is refused with a reason and counted once; every decision,
-its own key's included, stays byte-identical. Derandomized, so CI runs the same examples.
-"""
+"""One record stamped by a wrong clock, far ahead or far behind, changes no decision."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The partition runner on the in-memory twin of Kafka: restore, skip, gap read, catch-up, revocation, release.
-
-The runners are the ones the Faust workers run (`streams/runner.py`); only the reader, the
-writer, the assignment and the clock are the twin's. Decisions must be the embedded
-pipeline's, whatever restarts and redeliveries happen on the way.
-"""
+"""The partition runner on the in-memory twin of Kafka: restore, skip, gap read, catch-up."""
 
 from __future__ import annotations
 
