@@ -1,10 +1,6 @@
 """The engine side of the decisions topic: follow it into local flag state, never blocking a lookup.
 
-Engines and routers run a `FlagClient`: it reads the topic from the beginning in a background
-thread and answers ``lookup(bundle, bucket, cohort)`` from memory, never from the network.
-With a signing key (`specwatch.transport.signing`) it acts only on messages signed by it.
-Publishers send heartbeats, so a client tells a quiet fleet from a monitor that is gone,
-and falls back to a configured safe state when the topic goes silent.
+Heartbeats tell a quiet fleet from a monitor that is gone; then a configured fail-safe applies.
 """
 
 from __future__ import annotations
@@ -45,11 +41,8 @@ SILENT_FALLBACK = SpeculationState(enabled=False, reasons=("decisions_silent",))
 class FlagClientStats:
     """Counters of one `FlagClient` since it started.
 
-    ``forged``, ``unsigned``, ``replayed`` and ``misrouted`` count messages ignored for
-    their signature, a decision older than the one in force for its scope (or a
-    heartbeat not newer than its publisher's last), or a key that does not match the
-    value. ``silent`` is whether the topic is silent now, ``silences`` how many times
-    it went silent; ``watermark`` the latest event time a publisher reported.
+    ``replayed``: a decision older than the one in force for its scope, or a heartbeat not newer
+    than its publisher's last; ``misrouted``: a key that does not match the value.
     """
 
     applied: int
@@ -73,35 +66,12 @@ class FlagClientStats:
 class FlagClient:
     """Follows the decisions topic in a background thread and keeps a `FlagStore` current.
 
-    ``lookup`` answers from memory at any time (everything on until decisions arrive);
-    ``wait_until_caught_up`` blocks until the topic's history has been applied. Messages
-    that are not decisions are counted and skipped. The thread reconnects with backoff
-    when the cluster goes away.
-
-    With a signing key, only messages signed by the current or previous key count; the
-    rest are counted and ignored, as is any decision older than the one already in force
-    for its scope (a replay). The topic is *silent* when no fresh heartbeat or decision
-    arrived for ``silence_seconds``; what happens then is the ``fail_safe``.
-
-    Parameters
-    ----------
-    config
-        The cluster; ``config.topic`` is not used, the decisions topic is ``topic``.
-    store
-        Where decisions are folded in; a new `FlagStore` by default.
-    keyring
-        Keys to check signatures with; `Keyring.from_env()` by default. Without a key
-        every message is accepted, with a warning.
-    silence_seconds
-        How long without a fresh heartbeat or decision makes the topic silent; None: never.
-    fail_safe
-        ``"keep_last"``: while silent, keep answering from the last known state.
-        ``"standard_decoding"``: while silent, answer speculation off everywhere
-        (`SILENT_FALLBACK`) until heartbeats resume.
-    clock, wall_clock
-        Monotonic and unix clocks, passed in so tests can drive time. Heartbeats carry
-        the publisher's unix time: the two hosts' clocks must agree to well under
-        ``silence_seconds`` (NTP).
+    ``lookup`` answers from memory at any time (everything on until decisions arrive). With a
+    keyring (`Keyring.from_env()` by default) only messages signed by its keys count. The topic
+    is *silent* after ``silence_seconds`` (None: never) without a fresh heartbeat or decision;
+    then ``fail_safe`` ``"keep_last"`` keeps the last state, ``"standard_decoding"`` answers
+    `SILENT_FALLBACK`. Heartbeats carry the publisher's unix time: hosts' clocks must agree
+    (NTP); ``clock`` and ``wall_clock`` are passed in so tests can drive time.
     """
 
     def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC,
