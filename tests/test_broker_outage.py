@@ -1,15 +1,6 @@
 """A Kafka outage seen from the engine side, on a real broker this test starts and stops itself.
 
-While the broker is gone, a simulated worker keeps emitting through TelemetryEmitter and
-KafkaTelemetryExporter: no emit blocks (the worker finishes: that is the proof). The
-exporter's on-disk spool takes what the broker cannot, and once the broker is back it
-drains, in order: after an outage shorter than the spool's limits nothing is lost. The
-spool also outlives the process that wrote it.
-
-The broker runs on ports of its own, picked at run time (and so its own data directory),
-so that the shared test broker and colleagues' runs never notice; `broker.sh start`
-formats fresh storage, so the restarted broker is a new, empty cluster, which is harder
-on clients than a restart of the same one.
+The broker has ports of its own; restarted on fresh storage, it is a new, empty cluster.
 """
 
 from __future__ import annotations
@@ -35,7 +26,6 @@ from specwatch.schemas.otlp import decode_request
 from machine import free_port, until
 
 pytestmark = pytest.mark.kafka
-
 
 
 _PORT, _PORT_OF_THIS_RUN = port_from_env("SPECWATCH_OUTAGE_KAFKA_PORT")

@@ -241,11 +241,13 @@ def test_kafka_config_says_what_to_fix(settings, message):
         KafkaConfig(**{"bootstrap_servers": "127.0.0.1:9092", **settings})
 
 
-def test_a_down_broker_only_counts_failures():
+@SDK_AND_DIRECT
+def test_a_down_broker_only_counts_failures(sdk):
     config = KafkaConfig(f"127.0.0.1:{free_port()}", topic=TELEMETRY_TOPIC, max_block_ms=200,
                          request_timeout_ms=500, delivery_timeout_ms=1_000)
     exporter = KafkaTelemetryExporter(config)  # api_version is set: no bootstrap round trip here
-    emitter = TelemetryEmitter(exporter, sdk=False, schedule_delay_millis=20, shutdown_timeout_millis=2_000)
+    emitter = TelemetryEmitter(exporter, sdk=sdk, schedule_delay_millis=20,
+                               shutdown_timeout_millis=2_000)
     assert all(emitter.emit(_step(seq)) for seq in range(200))  # queued, never sent on this thread
     until(lambda: emitter.stats().failed >= 200, 10)
     stats = emitter.stats()

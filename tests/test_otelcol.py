@@ -1,15 +1,6 @@
 """The standard OpenTelemetry deployment, against a real Collector and the real Kafka broker.
 
-Every test starts its own Collector (deploy/otelcol/build.sh builds it once per machine) on
-free ports, with one of the documented configs in deploy/otelcol/ written to its tmp_path:
-
-- engines (the simulator, and a real vLLM engine) export OTLP to the agent config, which
-  writes specwatch's telemetry topic, and `specwatch run` decides on it exactly as
-  `specwatch replay` does on the same records;
-- the kafka receiver config reads what specwatch's own Kafka exporter wrote and hands
-  every record to another backend (the file exporter);
-- the agent config's batch cap keeps every message under Kafka's 1 MB limit where an
-  uncapped batch loses records to MESSAGE_TOO_LARGE.
+Every test starts its own Collector on free ports, with a documented config of deploy/otelcol/.
 """
 
 from __future__ import annotations
