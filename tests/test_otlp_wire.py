@@ -1,11 +1,6 @@
 """The OTLP batch mode reads step records from the bytes; every outcome equals `otlp.decode_request`'s.
 
-Other producers may write the same records differently (attributes in any order, unknown
-fields, long strings, overlong varints, keys repeated), and broken ones write broken bytes.
-Requests are built here with a small protobuf writer of their own, independent of
-`otlp.py`'s, then decoded both ways (`request_block` and the reference) and compared record by
-record (test_fastpath.assert_block_is_the_reference).
-Budget as in test_fuzz_otlp (SPECWATCH_FUZZ_EXAMPLES).
+Odd and broken requests come from a protobuf writer of this file's own, independent of `otlp.py`.
 """
 
 from __future__ import annotations

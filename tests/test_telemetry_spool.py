@@ -1,7 +1,6 @@
 """The engine-side telemetry spool, and the Kafka exporter's switch to it and back (unit tests).
 
-The real broker's outage is in tests/test_broker_outage.py; here the producer is an
-in-memory twin that can refuse sends and deliveries on cue.
+The producer is an in-memory twin that refuses on cue; the real outage: test_broker_outage.py.
 """
 
 from __future__ import annotations

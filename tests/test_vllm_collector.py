@@ -1,8 +1,4 @@
-"""The vLLM collector's pure parts, without an engine: labels, gating, emission, configuration.
-
-The engine-side behaviour is tested on a real vLLM engine in test_vllm_engine.py and
-test_vllm_drafters.py; these tests need no vLLM and run in the fast suite.
-"""
+"""The vLLM collector's pure parts, without an engine: labels, gating, emission, configuration."""
 
 from __future__ import annotations
 

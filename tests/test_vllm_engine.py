@@ -1,7 +1,6 @@
 """The vLLM collector on a real engine: ngram speculation, fallback and restore, lossless text.
 
-One subprocess (this file run as a script) drives vLLM and writes what it saw to JSON, keeping
-vLLM's process-wide state (plugins, threads, environment cache) out of the test process.
+This file, run as a script in a subprocess, drives vLLM and writes what it saw to JSON.
 """
 
 from __future__ import annotations

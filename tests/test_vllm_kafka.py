@@ -1,11 +1,6 @@
 """A vLLM engine wired to Kafka the way `vllm serve` is: environment variables and nothing else.
 
-The ready-made factories (collectors/vllm/kafka.py) send the engine's telemetry to a Kafka
-topic and follow a decisions topic. The engine serves a first wave of requests; the test
-reads the bundle id from the telemetry on Kafka and publishes a signed decision that turns
-speculation off for the coding bucket; once the engine's flag client has it, a second wave
-runs. On the topic: the first wave drafted in both buckets, the second drafted for chat
-only, and nothing was rejected.
+A signed decision between two waves turns coding off: the second wave drafts for chat only.
 """
 
 from __future__ import annotations
