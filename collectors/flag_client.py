@@ -5,11 +5,12 @@ Heartbeats tell a quiet fleet from a monitor that is gone; then a configured fai
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from specwatch.actions.flags import FlagStore, SpeculationState
@@ -109,9 +110,7 @@ class FlagClient:
         # Where to pick up after a reconnect: replaying history from the beginning would
         # flip flags back through old states for a moment.
         self._next_offsets: dict[int, int] = {}
-        self._applied = self._changed = self._undecodable = self._tombstones = self._reconnects = 0
-        self._heartbeats = self._forged = self._unsigned = self._replayed = self._misrouted = 0
-        self._stale_heartbeats = self._silences = 0
+        self._counts: collections.Counter[str] = collections.Counter()  # FlagClientStats' counters
         # Replay defence: the newest decision time applied per scope, the newest heartbeat
         # time per publisher. Decisions of one scope come from one stage-2 task, in order.
         self._latest_ts: dict[tuple[str, str | None, str | None], float] = {}
@@ -150,10 +149,10 @@ class FlagClient:
 
     def stats(self) -> FlagClientStats:
         silent = self.silent
-        return FlagClientStats(self._applied, self._changed, self._undecodable, self._tombstones,
-                               self._connected, self._caught_up.is_set(), self._reconnects,
-                               self._heartbeats, self._forged, self._unsigned, self._replayed, self._misrouted,
-                               self._stale_heartbeats, silent, self._silences, self._watermark)
+        counted = {f.name: self._counts[f.name] for f in fields(FlagClientStats) if f.type == "int"}
+        return FlagClientStats(**counted, connected=self._connected,
+                               caught_up=self._caught_up.is_set(), silent=silent,
+                               watermark=self._watermark)
 
     def stop(self, timeout_s: float = _DEFAULT_STOP_TIMEOUT_S) -> None:
         self._stop.set()
@@ -184,7 +183,7 @@ class FlagClient:
                     if not self._caught_up.is_set() and reader.caught_up:
                         self._caught_up.set()
                         logger.info("flag client caught up with %s: %d decisions applied",
-                                    self.topic, self._applied)
+                                    self.topic, self._counts["applied"])
                     self.silent  # noqa: B018 - logs a transition even when nobody looks up
             except Exception as error:  # noqa: BLE001 - keep following; flags stay as they were
                 now = time.monotonic()
@@ -197,7 +196,7 @@ class FlagClient:
                 backoff = min(backoff * 2, _DEFAULT_MAX_RETRY_BACKOFF_S)
             finally:
                 if self._connected:
-                    self._reconnects += 1
+                    self._counts["reconnects"] += 1
                 self._connected = False
                 reader.close()
 
@@ -205,42 +204,37 @@ class FlagClient:
         self._next_offsets[message.partition] = message.offset + 1
         value = message.value
         if value is None:
-            self._tombstones += 1
+            self._counts["tombstones"] += 1
             return
         verdict = verify(value, message.headers, self.keyring)
         if not verdict.accepted:
-            if verdict is Verdict.UNSIGNED:
-                self._unsigned += 1
-            else:
-                self._forged += 1
-            self._rejected(verdict.value, message)
+            counter = "unsigned" if verdict is Verdict.UNSIGNED else "forged"
+            self._ignore(counter, message, verdict.value)
             return
         if decision is None:
             beat = decode_heartbeat(value)
             if beat is not None:
                 self._heartbeat(beat, message)
                 return
-            self._undecodable += 1
+            self._counts["undecodable"] += 1
             logger.debug("skipping an undecodable message at %s[%d]@%d", message.topic,
                          message.partition, message.offset)
             return
         if message.key is not None and message.key != decision.key.encode():
             # The signature covers the value only; a decision under another scope's key
             # would survive compaction of the scope it names.
-            self._misrouted += 1
-            self._rejected("misrouted", message)
+            self._ignore("misrouted", message)
             return
         scope = (decision.bundle_id, decision.bucket, decision.cohort)
         latest = self._latest_ts.get(scope)
         if latest is not None and decision.ts < latest:
-            self._replayed += 1
-            self._rejected("replayed", message)
+            self._ignore("replayed", message)
             return
         self._latest_ts[scope] = decision.ts
         self._heard_at(message.timestamp / 1000.0 if message.timestamp is not None else None)
-        self._applied += 1
+        self._counts["applied"] += 1
         if self.store.apply(decision):
-            self._changed += 1
+            self._counts["changed"] += 1
             if self._on_change is not None:
                 try:
                     self._on_change(decision)
@@ -249,20 +243,19 @@ class FlagClient:
 
     def _heartbeat(self, beat: Heartbeat, message: Any) -> None:
         if message.key is not None and message.key != beat.key.encode():
-            self._misrouted += 1
-            self._rejected("misrouted", message)
+            self._ignore("misrouted", message)
             return
         latest = self._latest_beat.get(beat.publisher)
         if latest is not None and beat.wall_time <= latest:
-            self._replayed += 1
-            self._rejected("replayed", message)
+            self._ignore("replayed", message)
             return
         self._latest_beat[beat.publisher] = beat.wall_time
-        self._heartbeats += 1
+        self._counts["heartbeats"] += 1
         if beat.watermark is not None and (self._watermark is None or beat.watermark > self._watermark):
             self._watermark = beat.watermark
         if not self._heard_at(beat.wall_time):
-            self._stale_heartbeats += 1  # history read at start, or a publisher far behind
+            # history read at start, or a publisher far behind
+            self._counts["stale_heartbeats"] += 1
 
     def _heard_at(self, wall_time: float | None) -> bool:
         """Count a message sent at ``wall_time`` as a sign of life, if it is recent enough."""
@@ -286,7 +279,7 @@ class FlagClient:
                 return  # another thread logged it
             self._silent = silent
             if silent:
-                self._silences += 1
+                self._counts["silences"] += 1
         if silent:
             logger.warning("no heartbeat or decision on %s for %.0f s: the monitor is silent; %s", self.topic,
                            self.silence_seconds, "speculation is OFF everywhere until it resumes"
@@ -294,11 +287,14 @@ class FlagClient:
         else:
             logger.warning("heartbeats on %s resumed: flags answer from decisions again", self.topic)
 
-    def _rejected(self, why: str, message: Any) -> None:
-        # Never the value: it is attacker-controlled. Rate-limited: a flood must not flood logs.
+    def _ignore(self, counter: str, message: Any, why: str | None = None) -> None:
+        """Count an ignored message; warn, rate-limited, never quoting its value."""
+        self._counts[counter] += 1
         now = self._clock()
         if now - self._last_rejection_warning >= _DEFAULT_WARNING_INTERVAL_S:
             self._last_rejection_warning = now
+            so_far = [self._counts[name] for name in ("forged", "unsigned", "replayed",
+                                                      "misrouted")]
             logger.warning("ignored a %s message at %s[%d]@%d (so far: %d forged, %d unsigned, %d replayed, "
-                           "%d misrouted)", why, message.topic, message.partition, message.offset,
-                           self._forged, self._unsigned, self._replayed, self._misrouted)
+                           "%d misrouted)", why or counter, message.topic, message.partition,
+                           message.offset, *so_far)
