@@ -19,13 +19,13 @@ import pytest
 from aiokafka.admin import NewTopic
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
-from specwatch.schemas import Decision, Rejection, RoundEntry, StepRecord
+from specwatch.schemas import Decision, Rejection
 from specwatch.schemas.otlp import decode_request
 
 from otelcol import CONFIGS, Collector
 from kafka_helpers import (INCIDENT_AT, MINUTES, PARTITIONS, SEED, TAIL_SECONDS, WORKERS, Feed, Pipeline,
                            assert_same_decisions, create_topics, delete_topics, run_async, topic_messages)
-from telemetry_log import decision_key
+from telemetry_log import decision_key, step_record
 from machine import free_port, specwatch_ok
 
 pytestmark = pytest.mark.kafka
@@ -189,11 +189,8 @@ def test_specwatch_topic_through_the_kafka_receiver_reaches_the_file_exporter_wh
     assert sorted(written) == sorted((s.worker, s.seq) for s in steps)  # every record, once
 
 
-def _step(worker: str, seq: int, requests: int = 16) -> StepRecord:
-    return StepRecord(v=1, ts=1_000.0 + seq * 0.02, worker=worker, seq=seq, bundle_id="b-1", draft_ms=0.8,
-                      verify_ms=10.0, kv_usage=0.5,
-                      requests=[RoundEntry(id=f"{worker}-{seq}-{i}", bucket="coding", cohort="main", drafted=4,
-                                           accepted=(seq + i) % 5) for i in range(requests)])
+def _step(worker: str, seq: int):
+    return step_record(worker, seq, requests=16)
 
 
 def _one_big_batch(tmp_path: Path, bootstrap: str, replace: dict[str, str] | None, count: int) -> dict:
