@@ -259,14 +259,13 @@ class TelemetryLogExporter(LogRecordExporter):
         self.rejected = 0
 
     def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
+        entries = [_entry(r) for r in batch]
         if self._export_entries is not None:
-            result = self._export_entries([_entry(r) for r in batch])
+            result = self._export_entries(entries)
         else:
             records = []
-            for readable in batch:
-                log_record = readable.log_record
-                decoded = record_from_attributes(log_record.event_name or "", log_record.attributes or {},
-                                                 log_record.timestamp or 0)
+            for entry in entries:
+                decoded = record_from_attributes(entry.event_name, entry.attributes, entry.time_unix_nano)
                 if isinstance(decoded, Rejection):
                     self.rejected += 1
                     logger.debug("dropping an OTel log record that is not a contract record: %s", decoded.detail)

@@ -145,8 +145,6 @@ class TelemetrySpool:
                        "(name each engine worker to keep its spool across restarts)", directory, fallback)
         return cls(fallback, **settings)
 
-    # ------------------------------------------------------------ opening
-
     def _segment_path(self, number: int) -> Path:
         return self.directory / f"{number:016d}{_SEGMENT_SUFFIX}"
 
@@ -197,8 +195,6 @@ class TelemetrySpool:
                 self._pending_records += records
                 offset += size
 
-    # ------------------------------------------------------------ writing
-
     def append(self, key: bytes, payload: bytes, *, records: int) -> bool:
         """Add one message at the end; False (counted as ``dropped_full``) when it does not fit."""
         body = _META.pack(self._clock(), records, len(key)) + key + payload
@@ -234,8 +230,6 @@ class TelemetrySpool:
         self._writer = open(self._segment_path(number), "ab")
         self._segments.append(number)
         self._writer_size = 0
-
-    # ------------------------------------------------------------ draining
 
     def __len__(self) -> int:
         with self._lock:
@@ -308,8 +302,6 @@ class TelemetrySpool:
         temporary = self.directory / (_CURSOR + ".tmp")
         temporary.write_text(f"{segment} {offset}\n")
         os.replace(temporary, self.directory / _CURSOR)
-
-    # ------------------------------------------------------------ the rest
 
     def stats(self) -> SpoolStats:
         with self._lock:

@@ -137,8 +137,6 @@ class VllmCollector:
         self._hook_errors = 0
         self._flag_errors = 0
 
-    # -- public surface ------------------------------------------------------------------
-
     @property
     def enabled(self) -> bool:
         """When False the hooks pass straight through: no timing, no records, no flag lookups."""
@@ -204,8 +202,6 @@ class VllmCollector:
         if close_sink is not None:
             close_sink()
 
-    # -- used by the engine-side taps ----------------------------------------------------
-
     def bundle_for(self, vllm_config: Any) -> tuple[str, BundleCard]:
         """(bundle id, card) of an engine configuration, computed once per configuration."""
         from .bundle import describe_bundle
@@ -259,8 +255,6 @@ class VllmCollector:
             # lossless contract holds either way and the error is counted.
             _LOG.error("specwatch flag lookup failed (%d failures so far); speculation stays as "
                        "configured", self._flag_errors, exc_info=error)
-
-    # -- emitter thread ------------------------------------------------------------------
 
     def _start_thread(self) -> None:
         with self._thread_lock:
