@@ -136,17 +136,15 @@ class KafkaConfig:
         """
         environ = os.environ if environ is None else environ
         found: dict[str, Any] = {}
-        for name, field_name in _KAFKA_ENV.items():
+        for name, field_name in {**_KAFKA_ENV, **_KAFKA_TUNING_ENV}.items():
             value = environ.get(f"SPECWATCH_KAFKA_{name}")
-            if value:
-                found[field_name] = value
-        for name, field_name in _KAFKA_TUNING_ENV.items():
-            value = environ.get(f"SPECWATCH_KAFKA_{name}")
-            if value:
-                try:
-                    found[field_name] = int(value)
-                except ValueError:
-                    raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, got {value!r}") from None
+            if not value:
+                continue
+            try:
+                found[field_name] = int(value) if name in _KAFKA_TUNING_ENV else value
+            except ValueError:
+                raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, "
+                                 f"got {value!r}") from None
         if environ.get("SPECWATCH_KAFKA_COMPRESSION"):
             found["compression_type"] = environ["SPECWATCH_KAFKA_COMPRESSION"]
         password_file = environ.get("SPECWATCH_KAFKA_SASL_PASSWORD_FILE")
