@@ -264,8 +264,8 @@ class TelemetryLogExporter(LogRecordExporter):
             result = self._export_entries(entries)
         else:
             records = []
-            for entry in entries:
-                decoded = record_from_attributes(entry.event_name, entry.attributes, entry.time_unix_nano)
+            for event_name, time_unix_nano, attributes in entries:
+                decoded = record_from_attributes(event_name, attributes, time_unix_nano)
                 if isinstance(decoded, Rejection):
                     self.rejected += 1
                     logger.debug("dropping an OTel log record that is not a contract record: %s", decoded.detail)
