@@ -1,8 +1,4 @@
-"""Sealed capture on the engine side: which finished requests keep their token ids, sealed.
-
-Collectors (vLLM and the simulator) ask `SampleCapture.seal` for each finished request; it
-applies the policy's ``[capture]`` section and returns the sealed payload or None.
-"""
+"""Sealed capture on the engine side: which finished requests keep their token ids, sealed."""
 
 from __future__ import annotations
 
@@ -41,14 +37,7 @@ class CaptureStats:
 
 
 class SampleCapture:
-    """The policy's capture rule with the key that seals what it captures.
-
-    Parameters
-    ----------
-    policy
-        The ``[capture]`` section; ``enabled = false`` captures nothing.
-    key
-        The key-encryption key; required when capture is enabled.
+    """The policy's ``[capture]`` rule with the key that seals what it captures (needed if enabled).
 
     >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
     >>> capture = SampleCapture(CapturePolicy(enabled=True, rate=1.0, buckets=["coding"]), key)

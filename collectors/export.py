@@ -29,33 +29,6 @@ class TelemetryExporter(Protocol):
     def shutdown(self) -> None: ...
 
 
-class InMemoryExporter:
-    """Keeps every exported record in a list; the twin used by unit tests."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._records: list[TelemetryRecord] = []
-        self._stopped = False
-
-    def export(self, batch: Sequence[TelemetryRecord]) -> ExportResult:
-        if self._stopped:
-            return ExportResult.FAILURE
-        with self._lock:
-            self._records.extend(batch)
-        return ExportResult.SUCCESS
-
-    @property
-    def records(self) -> list[TelemetryRecord]:
-        with self._lock:
-            return list(self._records)
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return True
-
-    def shutdown(self) -> None:
-        self._stopped = True
-
-
 class CallbackExporter:
     """Hands each batch to a function in the same process (the embedded pipeline's feed)."""
 
@@ -74,3 +47,21 @@ class CallbackExporter:
 
     def shutdown(self) -> None:
         self._stopped = True
+
+
+class InMemoryExporter(CallbackExporter):
+    """Keeps every exported record in a list; the twin used by unit tests."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: list[TelemetryRecord] = []
+        super().__init__(self._keep)
+
+    def _keep(self, batch: Sequence[TelemetryRecord]) -> None:
+        with self._lock:
+            self._records.extend(batch)
+
+    @property
+    def records(self) -> list[TelemetryRecord]:
+        with self._lock:
+            return list(self._records)

@@ -1,19 +1,16 @@
 """The engine side of the decisions topic: follow it into local flag state, never blocking a lookup.
 
-Engines and routers run a `FlagClient`: it reads the topic from the beginning in a background
-thread and answers ``lookup(bundle, bucket, cohort)`` from memory, never from the network.
-With a signing key (`specwatch.transport.signing`) it acts only on messages signed by it.
-Publishers send heartbeats, so a client tells a quiet fleet from a monitor that is gone,
-and falls back to a configured safe state when the topic goes silent.
+Heartbeats tell a quiet fleet from a monitor that is gone; then a configured fail-safe applies.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from specwatch.actions.flags import FlagStore, SpeculationState
@@ -45,11 +42,8 @@ SILENT_FALLBACK = SpeculationState(enabled=False, reasons=("decisions_silent",))
 class FlagClientStats:
     """Counters of one `FlagClient` since it started.
 
-    ``forged``, ``unsigned``, ``replayed`` and ``misrouted`` count messages ignored for
-    their signature, a decision older than the one in force for its scope (or a
-    heartbeat not newer than its publisher's last), or a key that does not match the
-    value. ``silent`` is whether the topic is silent now, ``silences`` how many times
-    it went silent; ``watermark`` the latest event time a publisher reported.
+    ``replayed``: a decision older than the one in force for its scope, or a heartbeat not newer
+    than its publisher's last; ``misrouted``: a key that does not match the value.
     """
 
     applied: int
@@ -73,35 +67,12 @@ class FlagClientStats:
 class FlagClient:
     """Follows the decisions topic in a background thread and keeps a `FlagStore` current.
 
-    ``lookup`` answers from memory at any time (everything on until decisions arrive);
-    ``wait_until_caught_up`` blocks until the topic's history has been applied. Messages
-    that are not decisions are counted and skipped. The thread reconnects with backoff
-    when the cluster goes away.
-
-    With a signing key, only messages signed by the current or previous key count; the
-    rest are counted and ignored, as is any decision older than the one already in force
-    for its scope (a replay). The topic is *silent* when no fresh heartbeat or decision
-    arrived for ``silence_seconds``; what happens then is the ``fail_safe``.
-
-    Parameters
-    ----------
-    config
-        The cluster; ``config.topic`` is not used, the decisions topic is ``topic``.
-    store
-        Where decisions are folded in; a new `FlagStore` by default.
-    keyring
-        Keys to check signatures with; `Keyring.from_env()` by default. Without a key
-        every message is accepted, with a warning.
-    silence_seconds
-        How long without a fresh heartbeat or decision makes the topic silent; None: never.
-    fail_safe
-        ``"keep_last"``: while silent, keep answering from the last known state.
-        ``"standard_decoding"``: while silent, answer speculation off everywhere
-        (`SILENT_FALLBACK`) until heartbeats resume.
-    clock, wall_clock
-        Monotonic and unix clocks, passed in so tests can drive time. Heartbeats carry
-        the publisher's unix time: the two hosts' clocks must agree to well under
-        ``silence_seconds`` (NTP).
+    ``lookup`` answers from memory at any time (everything on until decisions arrive). With a
+    keyring (`Keyring.from_env()` by default) only messages signed by its keys count. The topic
+    is *silent* after ``silence_seconds`` (None: never) without a fresh heartbeat or decision;
+    then ``fail_safe`` ``"keep_last"`` keeps the last state, ``"standard_decoding"`` answers
+    `SILENT_FALLBACK`. Heartbeats carry the publisher's unix time: hosts' clocks must agree
+    (NTP); ``clock`` and ``wall_clock`` are passed in so tests can drive time.
     """
 
     def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC,
@@ -139,9 +110,7 @@ class FlagClient:
         # Where to pick up after a reconnect: replaying history from the beginning would
         # flip flags back through old states for a moment.
         self._next_offsets: dict[int, int] = {}
-        self._applied = self._changed = self._undecodable = self._tombstones = self._reconnects = 0
-        self._heartbeats = self._forged = self._unsigned = self._replayed = self._misrouted = 0
-        self._stale_heartbeats = self._silences = 0
+        self._counts: collections.Counter[str] = collections.Counter()  # FlagClientStats' counters
         # Replay defence: the newest decision time applied per scope, the newest heartbeat
         # time per publisher. Decisions of one scope come from one stage-2 task, in order.
         self._latest_ts: dict[tuple[str, str | None, str | None], float] = {}
@@ -180,10 +149,10 @@ class FlagClient:
 
     def stats(self) -> FlagClientStats:
         silent = self.silent
-        return FlagClientStats(self._applied, self._changed, self._undecodable, self._tombstones,
-                               self._connected, self._caught_up.is_set(), self._reconnects,
-                               self._heartbeats, self._forged, self._unsigned, self._replayed, self._misrouted,
-                               self._stale_heartbeats, silent, self._silences, self._watermark)
+        counted = {f.name: self._counts[f.name] for f in fields(FlagClientStats) if f.type == "int"}
+        return FlagClientStats(**counted, connected=self._connected,
+                               caught_up=self._caught_up.is_set(), silent=silent,
+                               watermark=self._watermark)
 
     def stop(self, timeout_s: float = _DEFAULT_STOP_TIMEOUT_S) -> None:
         self._stop.set()
@@ -214,7 +183,7 @@ class FlagClient:
                     if not self._caught_up.is_set() and reader.caught_up:
                         self._caught_up.set()
                         logger.info("flag client caught up with %s: %d decisions applied",
-                                    self.topic, self._applied)
+                                    self.topic, self._counts["applied"])
                     self.silent  # noqa: B018 - logs a transition even when nobody looks up
             except Exception as error:  # noqa: BLE001 - keep following; flags stay as they were
                 now = time.monotonic()
@@ -227,7 +196,7 @@ class FlagClient:
                 backoff = min(backoff * 2, _DEFAULT_MAX_RETRY_BACKOFF_S)
             finally:
                 if self._connected:
-                    self._reconnects += 1
+                    self._counts["reconnects"] += 1
                 self._connected = False
                 reader.close()
 
@@ -235,42 +204,37 @@ class FlagClient:
         self._next_offsets[message.partition] = message.offset + 1
         value = message.value
         if value is None:
-            self._tombstones += 1
+            self._counts["tombstones"] += 1
             return
         verdict = verify(value, message.headers, self.keyring)
         if not verdict.accepted:
-            if verdict is Verdict.UNSIGNED:
-                self._unsigned += 1
-            else:
-                self._forged += 1
-            self._rejected(verdict.value, message)
+            counter = "unsigned" if verdict is Verdict.UNSIGNED else "forged"
+            self._ignore(counter, message, verdict.value)
             return
         if decision is None:
             beat = decode_heartbeat(value)
             if beat is not None:
                 self._heartbeat(beat, message)
                 return
-            self._undecodable += 1
+            self._counts["undecodable"] += 1
             logger.debug("skipping an undecodable message at %s[%d]@%d", message.topic,
                          message.partition, message.offset)
             return
         if message.key is not None and message.key != decision.key.encode():
             # The signature covers the value only; a decision under another scope's key
             # would survive compaction of the scope it names.
-            self._misrouted += 1
-            self._rejected("misrouted", message)
+            self._ignore("misrouted", message)
             return
         scope = (decision.bundle_id, decision.bucket, decision.cohort)
         latest = self._latest_ts.get(scope)
         if latest is not None and decision.ts < latest:
-            self._replayed += 1
-            self._rejected("replayed", message)
+            self._ignore("replayed", message)
             return
         self._latest_ts[scope] = decision.ts
         self._heard_at(message.timestamp / 1000.0 if message.timestamp is not None else None)
-        self._applied += 1
+        self._counts["applied"] += 1
         if self.store.apply(decision):
-            self._changed += 1
+            self._counts["changed"] += 1
             if self._on_change is not None:
                 try:
                     self._on_change(decision)
@@ -279,20 +243,19 @@ class FlagClient:
 
     def _heartbeat(self, beat: Heartbeat, message: Any) -> None:
         if message.key is not None and message.key != beat.key.encode():
-            self._misrouted += 1
-            self._rejected("misrouted", message)
+            self._ignore("misrouted", message)
             return
         latest = self._latest_beat.get(beat.publisher)
         if latest is not None and beat.wall_time <= latest:
-            self._replayed += 1
-            self._rejected("replayed", message)
+            self._ignore("replayed", message)
             return
         self._latest_beat[beat.publisher] = beat.wall_time
-        self._heartbeats += 1
+        self._counts["heartbeats"] += 1
         if beat.watermark is not None and (self._watermark is None or beat.watermark > self._watermark):
             self._watermark = beat.watermark
         if not self._heard_at(beat.wall_time):
-            self._stale_heartbeats += 1  # history read at start, or a publisher far behind
+            # history read at start, or a publisher far behind
+            self._counts["stale_heartbeats"] += 1
 
     def _heard_at(self, wall_time: float | None) -> bool:
         """Count a message sent at ``wall_time`` as a sign of life, if it is recent enough."""
@@ -316,7 +279,7 @@ class FlagClient:
                 return  # another thread logged it
             self._silent = silent
             if silent:
-                self._silences += 1
+                self._counts["silences"] += 1
         if silent:
             logger.warning("no heartbeat or decision on %s for %.0f s: the monitor is silent; %s", self.topic,
                            self.silence_seconds, "speculation is OFF everywhere until it resumes"
@@ -324,11 +287,14 @@ class FlagClient:
         else:
             logger.warning("heartbeats on %s resumed: flags answer from decisions again", self.topic)
 
-    def _rejected(self, why: str, message: Any) -> None:
-        # Never the value: it is attacker-controlled. Rate-limited: a flood must not flood logs.
+    def _ignore(self, counter: str, message: Any, why: str | None = None) -> None:
+        """Count an ignored message; warn, rate-limited, never quoting its value."""
+        self._counts[counter] += 1
         now = self._clock()
         if now - self._last_rejection_warning >= _DEFAULT_WARNING_INTERVAL_S:
             self._last_rejection_warning = now
+            so_far = [self._counts[name] for name in ("forged", "unsigned", "replayed",
+                                                      "misrouted")]
             logger.warning("ignored a %s message at %s[%d]@%d (so far: %d forged, %d unsigned, %d replayed, "
-                           "%d misrouted)", why, message.topic, message.partition, message.offset,
-                           self._forged, self._unsigned, self._replayed, self._misrouted)
+                           "%d misrouted)", why or counter, message.topic, message.partition,
+                           message.offset, *so_far)

@@ -1,27 +1,7 @@
 """OpenTelemetry in the engine worker: contract records out as OTel log records, one per step.
 
-Emitting never blocks the engine: records wait in a bounded queue, a background thread
-exports them in batches (in process, to Kafka as OTLP bytes, or to an OpenTelemetry Collector
-through `specwatch.collectors.otlp_export`); overflow is dropped and counted.
-
-Two emit paths give the same bytes on the telemetry topic:
-
-- ``TelemetryEmitter(exporter, sdk=True)`` builds an OTel SDK ``LogRecord`` per record on
-  the caller's thread and sends it through a ``LoggerProvider`` with a
-  `BoundedLogRecordProcessor`: the standard path, visible to other OTel processors.
-- ``TelemetryEmitter(exporter, sdk=False)`` queues the contract record itself and encodes
-  it on the export thread.
-
-Measured with 16-request steps (`specwatch bench --section collector`): the direct path
-takes under 0.5 us of the caller's CPU per record; the SDK path 30-40 us, 60-250x that.
-Most of it is OpenTelemetry's own floor, which no caller can cut: ``Logger.emit`` of
-ready-made attributes to a processor that does nothing costs 23-27 us, nearly all of it
-the SDK cleaning every attribute value, each element of the request arrays included; a
-record with no attributes at all still costs about 4 us, 20x the direct path.
-specwatch's part is the record's attributes (about 5 us) and the queue. Either way the
-Kafka export thread then needs ~25-50 us of CPU per step (OTLP encoding) plus the
-producer. Use the direct path (the vLLM sinks and the simulated fleet do); use the SDK
-path only where other OpenTelemetry log processors must see the records.
+Emitting never blocks the engine. The SDK path and the direct path (``sdk=False``, far cheaper:
+docs/BENCHMARKS.md) put the same bytes on the telemetry topic.
 """
 
 from __future__ import annotations
@@ -68,18 +48,19 @@ _DEFAULT_SERVICE_NAME = "specwatch"
 # and sends up to this many spooled messages before it waits for their acknowledgements.
 _DEFAULT_DRAIN_BACKOFF_S = (1.0, 30.0)
 _DRAIN_CHUNK = 64
+# `stats()` name -> `SpoolStats` field
+_SPOOL_STATS = {"spooled": "spooled", "drained": "drained", "spool_pending": "pending_records",
+                "spool_dropped_full": "dropped_full", "spool_dropped_expired": "dropped_expired",
+                "spool_dropped_unwritable": "dropped_unwritable",
+                "spool_corrupt_frames": "corrupt_frames"}
 
 Item = TypeVar("Item")
 
 
 @dataclass(frozen=True)
 class EmitterStats:
-    """Counters of one emitter or processor since it started.
-
-    ``dropped`` counts records refused because the queue was full; ``failed`` counts
-    records in batches the exporter refused or raised on; ``rejected`` counts records the
-    in-process adapter could not turn back into contract records.
-    """
+    """Counters since start: ``dropped`` (queue full), ``failed`` (the exporter refused or raised),
+    ``rejected`` (not turned back into contract records)."""
 
     queued: int
     exported: int
@@ -91,8 +72,7 @@ class EmitterStats:
 class _BoundedBatcher(Generic[Item]):
     """A bounded queue drained in batches by one daemon thread; `offer` never blocks.
 
-    ``export`` takes one batch and says whether it went; ``exporter`` is what it exports
-    to, flushed after the queue and shut down after it.
+    ``exporter`` is flushed after the queue and shut down after it.
     """
 
     def __init__(
@@ -226,16 +206,8 @@ class _BoundedBatcher(Generic[Item]):
 class BoundedLogRecordProcessor(LogRecordProcessor):
     """An OTel log record processor that batches to an exporter and never blocks `on_emit`.
 
-    Unlike the SDK's BatchLogRecordProcessor it counts what it drops (`stats()`) and warns
-    periodically; records whose event name is not ``specwatch.*`` are left to others.
-
-    Parameters
-    ----------
-    exporter
-        An OTel ``LogRecordExporter`` (e.g. `TelemetryLogExporter`).
-    **batching
-        ``max_queue_size``, ``max_batch_size``, ``schedule_delay_millis``,
-        ``drop_warning_interval_s`` and ``shutdown_timeout_millis``, as for `TelemetryEmitter`.
+    Unlike the SDK's BatchLogRecordProcessor it counts what it drops and warns periodically;
+    records whose event name is not ``specwatch.*`` are left to others.
     """
 
     def __init__(self, exporter: LogRecordExporter, **batching: float) -> None:
@@ -278,8 +250,7 @@ def _entry(readable: ReadableLogRecord) -> LogEntry:
 class TelemetryLogExporter(LogRecordExporter):
     """OTel log records back to contract records, handed to a specwatch `TelemetryExporter`.
 
-    When the target takes OTLP entries directly (`KafkaTelemetryExporter`), the attributes
-    go through as they are: no re-validation, and the same bytes as the direct path.
+    A target that takes OTLP entries (`KafkaTelemetryExporter`) gets the attributes as they are.
     """
 
     def __init__(self, exporter: TelemetryExporter) -> None:
@@ -288,14 +259,13 @@ class TelemetryLogExporter(LogRecordExporter):
         self.rejected = 0
 
     def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
+        entries = [_entry(r) for r in batch]
         if self._export_entries is not None:
-            result = self._export_entries([_entry(r) for r in batch])
+            result = self._export_entries(entries)
         else:
             records = []
-            for readable in batch:
-                log_record = readable.log_record
-                decoded = record_from_attributes(log_record.event_name or "", log_record.attributes or {},
-                                                 log_record.timestamp or 0)
+            for event_name, time_unix_nano, attributes in entries:
+                decoded = record_from_attributes(event_name, attributes, time_unix_nano)
                 if isinstance(decoded, Rejection):
                     self.rejected += 1
                     logger.debug("dropping an OTel log record that is not a contract record: %s", decoded.detail)
@@ -320,17 +290,13 @@ class TelemetryEmitter:
         Where batches go: an in-process `TelemetryExporter` (the embedded pipeline) or a
         `KafkaTelemetryExporter`. The emitter owns it and shuts it down.
     sdk
-        True: through an OpenTelemetry ``LoggerProvider`` (see the module notes on cost).
-        False: the direct path, same bytes, a fraction of the engine thread's time.
+        True: through an OpenTelemetry ``LoggerProvider``. False: the direct path, same bytes.
     service_name
         The OTel resource's ``service.name`` (SDK path).
     max_queue_size, max_batch_size, schedule_delay_millis
-        Queue bound (beyond it records are dropped and counted), records per export
-        call, and the longest a record waits before export.
-    drop_warning_interval_s
-        How often at most a warning says how many records were dropped.
-    shutdown_timeout_millis
-        How long shutdown waits for queued records to be exported.
+        Queue bound (beyond it records are dropped and counted), records per export call, and
+        the longest a record waits. ``drop_warning_interval_s`` and ``shutdown_timeout_millis``:
+        how often at most a drop warning, how long shutdown waits.
 
     >>> from specwatch.collectors.export import InMemoryExporter
     >>> from specwatch.schemas import ShadowRecord
@@ -405,25 +371,12 @@ class TelemetryEmitter:
         self.shutdown()
 
 
-# ---------------------------------------------------------------- Kafka
-
-
 class KafkaTelemetryExporter:
     """Writes contract records to Kafka as OTLP ``ExportLogsServiceRequest`` messages.
 
-    One message per chunk of records that share a key: the worker id (shadow records,
-    which have none, use their bundle id), so one worker's records stay in order on one
-    partition. ``export`` only hands messages to the producer's buffer; delivery errors
-    arrive later and are counted in `stats()`. A broker that is down costs at most
-    ``max_block_ms`` per export call, on the export thread.
-
-    Without a ``spool``, records the broker did not take are counted as failed and lost.
-    With a `TelemetrySpool`, a failed send or delivery switches the exporter to spooling:
-    from then on messages go to local disk in order (the failed ones first), and a drain
-    thread sends the spool's head to Kafka once the broker answers, oldest first, then
-    switches back to sending directly. The spool is written by the export and drain
-    threads, never the engine's. Delivery is at least once: a message the broker took just
-    before a failure of an earlier one is sent again with the rest.
+    Keyed by worker id (shadow records: bundle id), so one worker's records stay in order on
+    one partition. Without a ``spool`` what the broker refuses is counted and lost; with a
+    `TelemetrySpool` it goes to disk and is drained in order (docs/RELIABILITY.md).
     """
 
     def __init__(self, config: KafkaConfig, *, producer: Any = None,
@@ -574,10 +527,7 @@ class KafkaTelemetryExporter:
     def _renew_producer(self) -> None:
         """Replace a producer whose sends failed while spooling.
 
-        An idempotent producer can stay fenced for good by a cluster that lost its state (a
-        broker restarted on empty storage): its sends keep failing after the broker is back.
-        A new producer starts clean. Only the drain thread sends while spooling, and the
-        export thread touches the producer then only under the settle lock.
+        An idempotent producer can stay fenced for good by a broker restarted on empty storage.
         """
         if self._new_producer is None or self._closed:
             return
@@ -630,19 +580,14 @@ class KafkaTelemetryExporter:
             self._counts.update(deltas)
 
     def stats(self) -> dict[str, int]:
-        """messages/records/bytes handed to the producer; send and delivery errors; records_failed
-        (lost); with a spool, what it took, drained and dropped by reason, and what it holds."""
+        """What went to the producer, what failed (``records_failed``: lost), the spool's counts."""
         with self._lock:
             out = {name: self._counts.get(name, 0) for name in
                    ("messages", "records", "bytes", "send_errors", "delivery_errors", "records_failed",
                     "producer_renewals")}
         spool = self._spool.stats() if self._spool is not None else None
-        out.update(spooled=spool.spooled if spool else 0, drained=spool.drained if spool else 0,
-                   spool_pending=spool.pending_records if spool else 0,
-                   spool_dropped_full=spool.dropped_full if spool else 0,
-                   spool_dropped_expired=spool.dropped_expired if spool else 0,
-                   spool_dropped_unwritable=spool.dropped_unwritable if spool else 0,
-                   spool_corrupt_frames=spool.corrupt_frames if spool else 0)
+        out.update({name: getattr(spool, field) if spool else 0
+                    for name, field in _SPOOL_STATS.items()})
         return out
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:

@@ -1,13 +1,6 @@
 """Standard OTLP export from the engines: contract records to an OpenTelemetry Collector.
 
-The records go through OpenTelemetry's own OTLP log exporters (``opentelemetry-exporter-
-otlp-proto-http`` or ``-grpc``), configured by the standard ``OTEL_EXPORTER_OTLP_*`` and
-``OTEL_RESOURCE_ATTRIBUTES`` variables; `telemetry_exporter_from_env` picks this path or
-specwatch's direct Kafka exporter from one setting, ``SPECWATCH_EXPORTER``.
-
-Each record's resource carries ``service.instance.id`` = the record's worker (the
-contract's ``worker``), on top of the process's resource, so a Collector that keys Kafka
-messages by resource attributes keeps each worker's records in order on one partition.
+Configured by the standard ``OTEL_*`` variables; ``SPECWATCH_EXPORTER`` picks it or direct Kafka.
 """
 
 from __future__ import annotations
@@ -55,11 +48,9 @@ _PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL", "OTEL_EXPORTER_OTLP_P
 def exporter_choice(environ: Mapping[str, str] | None = None) -> str:
     """Which exporter the environment asks for: ``otlp`` or ``kafka``.
 
-    ``SPECWATCH_EXPORTER`` decides when set. Otherwise an OTLP endpoint variable means OTLP;
-    ``SPECWATCH_KAFKA_BOOTSTRAP`` alone means the direct Kafka exporter (the set-up from
-    before OTLP export existed keeps working); nothing at all means OTLP to the standard
-    default endpoint, as every OpenTelemetry SDK does. Engines that follow the decisions
-    topic set ``SPECWATCH_KAFKA_BOOTSTRAP`` for that too, which is why an OTLP endpoint wins.
+    ``SPECWATCH_EXPORTER`` decides when set; else an OTLP endpoint means OTLP, and
+    ``SPECWATCH_KAFKA_BOOTSTRAP`` alone means Kafka (engines that follow the decisions topic
+    set it too, which is why an endpoint wins); nothing at all means OTLP's default endpoint.
 
     >>> exporter_choice({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://otelcol:4318",
     ...                  "SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"})
@@ -102,9 +93,7 @@ def service_instance_id() -> str | None:
 def otlp_log_exporter(environ: Mapping[str, str] | None = None, *, endpoint: str | None = None) -> LogRecordExporter:
     """OpenTelemetry's OTLP log exporter for ``OTEL_EXPORTER_OTLP_[LOGS_]PROTOCOL``.
 
-    The exporter reads its endpoint, headers, timeout, compression and TLS files from the
-    standard variables of the process environment itself; ``endpoint``, when given, is
-    the base endpoint in place of ``OTEL_EXPORTER_OTLP_ENDPOINT``.
+    It reads the other ``OTEL_EXPORTER_OTLP_*`` variables itself; ``endpoint`` replaces the base.
     """
     environ = os.environ if environ is None else environ
     protocol = next((environ[name].strip() for name in _PROTOCOL_VARIABLES if environ.get(name)), _PROTOCOLS[0])
@@ -123,18 +112,9 @@ def otlp_log_exporter(environ: Mapping[str, str] | None = None, *, endpoint: str
 class OtlpTelemetryExporter:
     """Contract records through an OpenTelemetry OTLP log exporter (to a Collector).
 
-    A specwatch `TelemetryExporter`: it runs on the emitter's export thread, never the
-    engine's. ``export`` builds one OTel log record per contract record, with the same
-    event name, time and attributes as the Kafka path, and the resource of its worker.
-
-    Parameters
-    ----------
-    log_exporter
-        An OTel ``LogRecordExporter``: `otlp_log_exporter()` in production; any other
-        exporter (an in-memory one in unit tests) works the same.
-    resource
-        The process's resource (`resource_from_env()` when None); each record's resource
-        adds ``service.instance.id`` = its worker.
+    One OTel log record per contract record, as on the Kafka path; its resource is ``resource``
+    (`resource_from_env()` when None) plus ``service.instance.id`` = the record's worker, so a
+    Collector keying Kafka messages by resource keeps each worker's records on one partition.
 
     >>> from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
     >>> from specwatch.schemas import ShadowRecord
@@ -205,10 +185,7 @@ def telemetry_exporter_from_env(environ: Mapping[str, str] | None = None, *, cli
                                 topic: str | None = None, spool_name: str | None = None) -> Any:
     """The telemetry exporter `exporter_choice` names, configured from the environment.
 
-    ``otlp``: `OtlpTelemetryExporter` over `otlp_log_exporter`. ``kafka``: the direct
-    `KafkaTelemetryExporter` (``SPECWATCH_KAFKA_*``, ``SPECWATCH_TELEMETRY_TOPIC``) with its
-    on-disk spool (``SPECWATCH_TELEMETRY_SPOOL_*``; ``spool_name`` names its default
-    directory).
+    ``kafka`` comes with its on-disk spool; ``spool_name`` names the spool's default directory.
     """
     environ = os.environ if environ is None else environ
     if exporter_choice(environ) == "otlp":

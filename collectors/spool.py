@@ -1,13 +1,6 @@
 """The engine-side telemetry spool: Kafka messages kept on local disk while the broker is away.
 
-A bounded, append-only queue of ready-encoded messages (key, OTLP payload, record count)
-in segment files, drained in the order they were written. It survives a process restart:
-a new exporter on the same directory drains what the last one left. Limits on size and
-age bound it; what they refuse or expire is counted by reason, never silently lost.
-
-Frame layout (little-endian): ``u32 body length, u32 crc32(body)``, then the body:
-``f64 written at (unix s), u32 records, u16 key length, key, payload``. A frame torn by a
-crash fails its length or checksum; the segment is cut there and the frame counted.
+Design, limits and frame layout: docs/RELIABILITY.md ("The engine's telemetry spool").
 """
 
 from __future__ import annotations
@@ -51,13 +44,8 @@ class SpoolFrame(NamedTuple):
 
 @dataclass(frozen=True)
 class SpoolStats:
-    """Counters since the spool was opened, and what it holds now (records and bytes).
-
-    ``dropped_full``, ``dropped_expired`` and ``dropped_unwritable`` count records refused
-    because the spool was at its size limit, found past its age limit when their turn came,
-    or not written because the disk refused; ``corrupt_frames`` counts frames cut from a
-    segment's torn end at opening.
-    """
+    """Counters since the spool was opened (records dropped by reason; torn frames cut at opening),
+    and what it holds now."""
 
     pending_records: int
     pending_bytes: int
@@ -72,19 +60,9 @@ class SpoolStats:
 class TelemetrySpool:
     """A bounded on-disk FIFO of Kafka messages, for one exporter process at a time.
 
-    Parameters
-    ----------
-    directory
-        Where the segments live; created if missing. A second process that opens the same
-        directory gets ``ValueError`` (an exclusive lock): give each engine process its own.
-    max_bytes
-        Size limit of what is pending; a message that would pass it is refused and counted.
-    max_age_seconds
-        Messages older than this when their turn comes are dropped and counted.
-    segment_bytes
-        Segment file size; fully drained segments are deleted.
-    clock
-        Wall-clock seconds (``time.time``); the age limit is in wall time, across restarts.
+    A second process that opens the same ``directory`` gets ``ValueError``. ``max_bytes`` and
+    ``max_age_seconds`` bound what is pending (refused or expired messages are counted);
+    ``clock`` is wall time, so the age limit holds across restarts.
 
     >>> import tempfile
     >>> spool = TelemetrySpool(tempfile.mkdtemp(), max_bytes=200)
@@ -167,8 +145,6 @@ class TelemetrySpool:
                        "(name each engine worker to keep its spool across restarts)", directory, fallback)
         return cls(fallback, **settings)
 
-    # ------------------------------------------------------------ opening
-
     def _segment_path(self, number: int) -> Path:
         return self.directory / f"{number:016d}{_SEGMENT_SUFFIX}"
 
@@ -219,8 +195,6 @@ class TelemetrySpool:
                 self._pending_records += records
                 offset += size
 
-    # ------------------------------------------------------------ writing
-
     def append(self, key: bytes, payload: bytes, *, records: int) -> bool:
         """Add one message at the end; False (counted as ``dropped_full``) when it does not fit."""
         body = _META.pack(self._clock(), records, len(key)) + key + payload
@@ -256,8 +230,6 @@ class TelemetrySpool:
         self._writer = open(self._segment_path(number), "ab")
         self._segments.append(number)
         self._writer_size = 0
-
-    # ------------------------------------------------------------ draining
 
     def __len__(self) -> int:
         with self._lock:
@@ -330,8 +302,6 @@ class TelemetrySpool:
         temporary = self.directory / (_CURSOR + ".tmp")
         temporary.write_text(f"{segment} {offset}\n")
         os.replace(temporary, self.directory / _CURSOR)
-
-    # ------------------------------------------------------------ the rest
 
     def stats(self) -> SpoolStats:
         with self._lock:

@@ -1,12 +1,10 @@
 """The distributed path's test rig: seeded telemetry on the real broker, `specwatch run` workers, and what they published.
-
-Shared by the Kafka end-to-end, unkeyed, SASL, processor-outage and OpenTelemetry Collector tests.
 """
-
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -43,35 +41,33 @@ def run_async(coro):
     return asyncio.run(coro)
 
 
-async def create_topics(bootstrap: str, *topics: NewTopic) -> None:
+@contextlib.asynccontextmanager
+async def _admin(bootstrap: str):
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics(list(topics))
+        yield admin
     finally:
         await admin.close()
+
+
+async def create_topics(bootstrap: str, *topics: NewTopic) -> None:
+    async with _admin(bootstrap) as admin:
+        await admin.create_topics(list(topics))
 
 
 async def delete_topics(bootstrap: str, prefix: str) -> None:
     """Drop every topic whose name starts with ``prefix`` (the broker outlives the test run)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
+    async with _admin(bootstrap) as admin:
         names = [name for name in await admin.list_topics() if name.startswith(prefix)]
         if names:
             await admin.delete_topics(names)
-    finally:
-        await admin.close()
 
 
 async def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
+    async with _admin(bootstrap) as admin:
         offsets = await admin.list_consumer_group_offsets(
             group, partitions=[TopicPartition(topic, p) for p in range(PARTITIONS)])
-    finally:
-        await admin.close()
     return {tp.partition: max(meta.offset, 0) for tp, meta in offsets.items()}
 
 
@@ -214,9 +210,7 @@ class Pipeline:
     def wait_drained(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
         """Until the group has committed every telemetry and partials message and the decisions are out.
 
-        Committed offsets alone do not say that stage 2 has finished: it may still wait for a
-        silent partition, so the expected number of decisions is awaited too; a decision too
-        many still fails the comparison afterwards.
+        Stage 2 may still wait for a silent partition after the commits: decisions are awaited too.
         """
         reader = PartitionReader(self.bootstrap)
         sources = [f"{topic}/{p}" for topic in (self.feed.topic, self.partials) for p in range(PARTITIONS)]

@@ -1,8 +1,4 @@
 """The real OpenTelemetry Collector (built by deploy/otelcol/build.sh), run by a test on free ports.
-
-Each test writes its config to its tmp_path (the documented files in deploy/otelcol/, or a
-variant of one) and starts its own Collector process; its log and its own Prometheus
-metrics are there to assert on.
 """
 
 from __future__ import annotations

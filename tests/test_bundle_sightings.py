@@ -1,8 +1,5 @@
 """Every worker's sighting of a bundle reaches the archive: `query bundles` and `bundles show` report
-the workers that ran each bundle and when, on a seeded 8-worker fleet whose card changes midway.
-
-The expected spans are computed here from the telemetry itself (each worker's first and last
-step or card record per bundle), then compared with what the archive reports, exactly.
+exactly the spans the telemetry of a seeded 8-worker fleet whose card changes midway holds.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The distributed path against the real broker: simulated workers -> OTel -> Kafka -> Faust -> decisions.
 
-Every comparison is with the embedded pipeline over the same seeded records. A stream has no
-end, so the last seconds of event time (slices still waiting for lateness) are left out of
-the comparison: everything decided before ``end - TAIL_SECONDS`` must be equal.
+Compared with the embedded pipeline on the same records, up to ``end - TAIL_SECONDS`` of event time.
 """
 
 from __future__ import annotations
@@ -24,12 +22,7 @@ pytestmark = pytest.mark.kafka
 
 @pytest.fixture(scope="module")
 def feed(kafka_bootstrap):
-    """Telemetry of a scenario on Kafka, produced once per module by `specwatch simulate --bootstrap`.
-
-    The telemetry topic is read-only for the tests; each test has its own partials,
-    decisions and dead-letter topics and its own consumer group. Every topic of the
-    module is deleted at its end (the broker outlives the test run).
-    """
+    """A scenario's telemetry on Kafka, made once per module by `specwatch simulate --bootstrap`."""
     feeds: dict[str, Feed] = {}
 
     def get(scenario: str) -> Feed:

@@ -1,9 +1,6 @@
 """The stream processors on a cluster that wants SASL: credentials from SPECWATCH_KAFKA_*.
 
-The test's own broker has a PLAINTEXT listener (the test's helpers and the telemetry
-producer use it) and a SASL_PLAINTEXT one with one PLAIN user; the `specwatch run` worker
-gets only the SASL address and the credentials in its environment, and must decide what
-the embedded pipeline decides. With a wrong password it must say so and stop.
+The worker gets only the broker's SASL listener; with a wrong password it must say so and stop.
 """
 
 from __future__ import annotations

@@ -14,19 +14,17 @@ from specwatch.collectors.export import ExportResult, InMemoryExporter
 from specwatch.collectors.otel import BoundedLogRecordProcessor, KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.topics import TELEMETRY_TOPIC
-from specwatch.schemas import RequestRecord, RoundEntry, Sample, Sampling, ShadowRecord, StepRecord
+from specwatch.schemas import RequestRecord, Sample, Sampling, ShadowRecord
 from specwatch.schemas.otlp import decode_request
 
 from machine import free_port, until
+from telemetry_log import MemoryProducer, step_record
 
 SDK_AND_DIRECT = pytest.mark.parametrize("sdk", [True, False], ids=["sdk", "direct"])
 
 
-def _step(seq: int, worker: str = "w1") -> StepRecord:
-    return StepRecord(v=1, ts=1_767_225_600.0 + seq / 100, worker=worker, seq=seq, bundle_id="b-1", draft_ms=0.8,
-                      verify_ms=10.5, kv_usage=0.4,
-                      requests=[RoundEntry(id=f"r{seq}-{i}", bucket="coding", cohort="canary", drafted=4,
-                                           accepted=i % 5) for i in range(4)])
+def _step(seq: int, worker: str = "w1"):
+    return step_record(worker, seq)
 
 
 def _mixed() -> list:
@@ -59,27 +57,6 @@ class _HangingExporter:
 
     def shutdown(self) -> None:
         self.release.set()
-
-
-class _FakeProducer:
-    """Stands in for KafkaProducer where only the produced bytes matter."""
-
-    class _Future:
-        def add_errback(self, *_):
-            return self
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes, bytes]] = []
-
-    def send(self, topic, key=None, value=None):
-        self.sent.append((topic, key, value))
-        return self._Future()
-
-    def flush(self, timeout=None):
-        pass
-
-    def close(self, timeout=None):
-        pass
 
 
 @SDK_AND_DIRECT
@@ -180,7 +157,7 @@ def test_an_exporter_that_raises_counts_failures_and_keeps_exporting():
 def test_sdk_and_direct_paths_write_the_same_kafka_bytes():
     payloads = {}
     for sdk in (True, False):
-        producer = _FakeProducer()
+        producer = MemoryProducer()
         exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9", topic="t"), producer=producer)
         with TelemetryEmitter(exporter, sdk=sdk) as emitter:
             for record in _mixed():
@@ -241,11 +218,13 @@ def test_kafka_config_says_what_to_fix(settings, message):
         KafkaConfig(**{"bootstrap_servers": "127.0.0.1:9092", **settings})
 
 
-def test_a_down_broker_only_counts_failures():
+@SDK_AND_DIRECT
+def test_a_down_broker_only_counts_failures(sdk):
     config = KafkaConfig(f"127.0.0.1:{free_port()}", topic=TELEMETRY_TOPIC, max_block_ms=200,
                          request_timeout_ms=500, delivery_timeout_ms=1_000)
     exporter = KafkaTelemetryExporter(config)  # api_version is set: no bootstrap round trip here
-    emitter = TelemetryEmitter(exporter, sdk=False, schedule_delay_millis=20, shutdown_timeout_millis=2_000)
+    emitter = TelemetryEmitter(exporter, sdk=sdk, schedule_delay_millis=20,
+                               shutdown_timeout_millis=2_000)
     assert all(emitter.emit(_step(seq)) for seq in range(200))  # queued, never sent on this thread
     until(lambda: emitter.stats().failed >= 200, 10)
     stats = emitter.stats()

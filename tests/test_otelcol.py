@@ -1,15 +1,6 @@
 """The standard OpenTelemetry deployment, against a real Collector and the real Kafka broker.
 
-Every test starts its own Collector (deploy/otelcol/build.sh builds it once per machine) on
-free ports, with one of the documented configs in deploy/otelcol/ written to its tmp_path:
-
-- engines (the simulator, and a real vLLM engine) export OTLP to the agent config, which
-  writes specwatch's telemetry topic, and `specwatch run` decides on it exactly as
-  `specwatch replay` does on the same records;
-- the kafka receiver config reads what specwatch's own Kafka exporter wrote and hands
-  every record to another backend (the file exporter);
-- the agent config's batch cap keeps every message under Kafka's 1 MB limit where an
-  uncapped batch loses records to MESSAGE_TOO_LARGE.
+Every test starts its own Collector on free ports, with a documented config of deploy/otelcol/.
 """
 
 from __future__ import annotations
@@ -28,13 +19,13 @@ import pytest
 from aiokafka.admin import NewTopic
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
-from specwatch.schemas import Decision, Rejection, RoundEntry, StepRecord
+from specwatch.schemas import Decision, Rejection
 from specwatch.schemas.otlp import decode_request
 
 from otelcol import CONFIGS, Collector
 from kafka_helpers import (INCIDENT_AT, MINUTES, PARTITIONS, SEED, TAIL_SECONDS, WORKERS, Feed, Pipeline,
                            assert_same_decisions, create_topics, delete_topics, run_async, topic_messages)
-from telemetry_log import decision_key
+from telemetry_log import decision_key, step_record
 from machine import free_port, specwatch_ok
 
 pytestmark = pytest.mark.kafka
@@ -198,11 +189,8 @@ def test_specwatch_topic_through_the_kafka_receiver_reaches_the_file_exporter_wh
     assert sorted(written) == sorted((s.worker, s.seq) for s in steps)  # every record, once
 
 
-def _step(worker: str, seq: int, requests: int = 16) -> StepRecord:
-    return StepRecord(v=1, ts=1_000.0 + seq * 0.02, worker=worker, seq=seq, bundle_id="b-1", draft_ms=0.8,
-                      verify_ms=10.0, kv_usage=0.5,
-                      requests=[RoundEntry(id=f"{worker}-{seq}-{i}", bucket="coding", cohort="main", drafted=4,
-                                           accepted=(seq + i) % 5) for i in range(requests)])
+def _step(worker: str, seq: int):
+    return step_record(worker, seq, requests=16)
 
 
 def _one_big_batch(tmp_path: Path, bootstrap: str, replace: dict[str, str] | None, count: int) -> dict:

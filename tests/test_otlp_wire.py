@@ -1,11 +1,6 @@
 """The OTLP batch mode reads step records from the bytes; every outcome equals `otlp.decode_request`'s.
 
-Other producers may write the same records differently (attributes in any order, unknown
-fields, long strings, overlong varints, keys repeated), and broken ones write broken bytes.
-Requests are built here with a small protobuf writer of their own, independent of
-`otlp.py`'s, then decoded both ways (`request_block` and the reference) and compared record by
-record (test_fastpath.assert_block_is_the_reference).
-Budget as in test_fuzz_otlp (SPECWATCH_FUZZ_EXAMPLES).
+Odd and broken requests come from a protobuf writer of this file's own, independent of `otlp.py`.
 """
 
 from __future__ import annotations
@@ -95,10 +90,6 @@ _OTHER_FIELDS = [
 # Envelope fields a request from another producer may carry.
 _RESOURCE = _ld(1, _ld(1, _key_value("service.name", "engine")) + _tag(2, 0) + _varint(1))
 _SCOPE = _ld(1, _ld(1, b"specwatch") + _ld(2, b"1"))
-
-
-def _log_record(fields: list[bytes]) -> bytes:
-    return b"".join(fields)
 
 
 def _request(log_records: list[bytes], split: int = 0, extras: bool = False) -> bytes:
@@ -237,7 +228,7 @@ def _step_log_record(draw, attributes: list) -> bytes:
         fields.insert(0, _ld(12, draw(st.sampled_from([b"specwatch.step", b"specwatch.bundle"]))))
     for _ in range(draw(st.integers(0, 2))):
         fields.insert(draw(st.integers(0, len(fields))), draw(st.sampled_from(_OTHER_FIELDS)))
-    return _log_record(fields)
+    return b"".join(fields)
 
 
 @lru_cache(maxsize=1)
@@ -309,7 +300,8 @@ def test_the_writers_steps_take_the_plain_reader():
 def test_reordered_attributes_take_the_general_reader():
     record = next(r for r in _simulated() if r.kind == "step")
     attributes = [(k, list(v) if isinstance(v, tuple) else v) for k, v in reversed(log_entry(record).attributes.items())]
-    payload = _request([_log_record([_ld(12, b"specwatch.step")] + [_ld(6, _key_value(k, v)) for k, v in attributes])])
+    fields = [_ld(12, b"specwatch.step")] + [_ld(6, _key_value(k, v)) for k, v in attributes]
+    payload = _request([b"".join(fields)])
     start, end = _log_record_spans(payload)[0]
     with pytest.raises(_OddShape):
         _step_plain(payload, start, end, _Memo())
@@ -330,7 +322,7 @@ _PLAIN_STEP = {
 def _plain_step_request(change: dict) -> bytes:
     """One step in the writer's attribute order, with ``change`` applied."""
     attributes = {**_PLAIN_STEP, **change}
-    return _request([_log_record([_ld(6, _key_value(k, v)) for k, v in attributes.items()]
+    return _request([b"".join([_ld(6, _key_value(k, v)) for k, v in attributes.items()]
                                  + [_ld(12, b"specwatch.step")])])
 
 
@@ -360,7 +352,7 @@ def test_an_attribute_behind_an_overlong_tag_still_counts(late):
     """protobuf reads field 6 written as b2 00 like 32: a reader that skipped it would miss a later value."""
     fields = [_ld(6, _key_value(k, v)) for k, v in _PLAIN_STEP.items()] + [_ld(12, b"specwatch.step")]
     fields.append(b"\xb2\x00" + _ld(6, _key_value(*late))[1:])
-    block = _identical(_request([_log_record(fields)]))
+    block = _identical(_request([b"".join(fields)]))
     assert block.at == [] or block.record(0).seq == 99
 
 
@@ -385,7 +377,7 @@ def _recoded_by_collector(payload: bytes, observed: bool, flags: int, trace: byt
         if observed:
             fields.append(_tag(11, 1) + struct.pack("<Q", 1_800_000_000_123_456_789))
         fields.append(event)
-        fields_by_record.append(_log_record(fields))
+        fields_by_record.append(b"".join(fields))
     return _request(fields_by_record, extras=True)
 
 
@@ -413,7 +405,7 @@ def test_a_body_with_content_is_not_read_as_the_empty_one():
     start, end = _log_record_spans(payload)[0]
     inner = payload[start:end]
     stamp, rest = inner[:9], inner[9:]
-    payload = _request([_log_record([stamp, _ld(5, _any("a body")), rest])])
+    payload = _request([b"".join([stamp, _ld(5, _any("a body")), rest])])
     start, end = _log_record_spans(payload)[0]
     with pytest.raises(_OddShape):
         _step_plain(payload, start, end, _Memo())

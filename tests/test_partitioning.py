@@ -1,10 +1,6 @@
 """However telemetry is keyed and partitioned, the topology decides what `replay` decides, byte for byte.
 
-The Kafka log is modelled as messages per partition, written as the OpenTelemetry
-Collector's kafka exporter (no key: any partition), a keyed exporter (by worker) or the
-Collector keyed by resource would write them, over 1, 3 or 4 partitions. Stage 1 runs per
-telemetry partition in a seeded random interleaving, stage 2 per partials partition,
-exactly as the Faust app runs them; the decision lines must equal the replay's.
+Unkeyed, keyed by worker or by resource, over 1, 3 or 4 partitions, in a seeded interleaving.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Secrets stay secret: Kafka SASL/SSL passwords, ClickHouse credentials and signing keys never show
-in logs (ours or the client libraries', at DEBUG), reprs, exception messages or archived rows, and
-prompt text never reaches the archive in clear.
-
-Each test plants a fresh random secret, drives the code paths that touch it, failures
-included, and greps everything that came out.
+"""Secrets stay secret: planted random passwords and keys never show in logs (at DEBUG), reprs,
+errors or archived rows, and prompt text never reaches the archive in clear.
 """
 
 from __future__ import annotations

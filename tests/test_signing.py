@@ -1,7 +1,6 @@
 """Signed decisions: the HMAC header, key rotation, and a flag client that acts only on signed messages.
 
-The Kafka tests publish everything first and then start the client, so "caught up" means
-every message was judged: the counters are compared exactly, with no waiting on time.
+The Kafka tests publish first, then start the client: once caught up, the counters are exact.
 """
 
 from __future__ import annotations
@@ -28,6 +27,11 @@ _API_VERSION = (4, 0)
 _KEY = b"k" * 16 + os.urandom(16)
 _OLD_KEY = b"o" * 16 + os.urandom(16)
 _OTHER_KEY = b"x" * 16 + os.urandom(16)
+
+
+def _without_key(monkeypatch) -> None:
+    for name in ("SPECWATCH_SIGNING_KEY", "SPECWATCH_SIGNING_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def _decision(ts: float, action: str = "disable_speculation", bucket: str | None = "coding") -> Decision:
@@ -240,8 +244,7 @@ def test_decisions_command_leaves_out_and_reports_what_a_flag_client_would_ignor
         send(decision, headers)
     command = ["decisions", "--bootstrap", kafka_bootstrap, "--topic", decisions_topic]
 
-    for name in ("SPECWATCH_SIGNING_KEY", "SPECWATCH_SIGNING_KEY_FILE"):
-        monkeypatch.delenv(name, raising=False)
+    _without_key(monkeypatch)
     assert cli.main(command) == 0  # no key: nothing is checked, everything printed
     assert capsys.readouterr().out.splitlines() == [d.to_json_line() for d in (signed, unsigned, forged)]
 
@@ -298,8 +301,7 @@ def test_manual_override_codes_are_the_contract_reasons():
 def test_manual_stage_change_reaches_flag_clients(kafka_bootstrap, decisions_topic, monkeypatch, tmp_path):
     from specwatch.archive.store import Archive
 
-    monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
-    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    _without_key(monkeypatch)
     dsn = f"chdb://{tmp_path}/archive"
     with Archive.open(dsn) as archive:
         archive.write_bundle("b-9", {"policy": {"acceptance_rule": "strict"}}, 1_767_225_600.0, "w1")
@@ -353,8 +355,7 @@ def _override(dsn: str, kafka_bootstrap: str, topic: str, *extra: str) -> list[s
 @pytest.mark.kafka
 def test_an_override_without_a_key_is_refused_before_anything_is_recorded(
         kafka_bootstrap, decisions_topic, monkeypatch, tmp_path, capsys):
-    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
-    monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
+    _without_key(monkeypatch)
     dsn = f"chdb://{tmp_path}/archive"
     assert cli.main(_override(dsn, kafka_bootstrap, decisions_topic)) == 2
     err = capsys.readouterr().err
@@ -365,8 +366,7 @@ def test_an_override_without_a_key_is_refused_before_anything_is_recorded(
     monkeypatch.setenv("SPECWATCH_SIGNING_KEY", "")
     assert cli.main(_override(dsn, kafka_bootstrap, decisions_topic)) == 2
     assert capsys.readouterr().err == ("specwatch flags: SPECWATCH_SIGNING_KEY is set but empty: give it the key, "
-                                       "or unset "
-                                       "it to run without signing\n")
+                                       "or unset it to run without signing\n")
     assert cli.main(["flags", "list", "--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]) == 2
     assert "is set but empty" in capsys.readouterr().err
     monkeypatch.setenv("SPECWATCH_SIGNING_KEY", "a key that is set, 33 bytes long")
@@ -415,8 +415,7 @@ def test_commands_refuse_an_empty_key_setting_before_any_work(monkeypatch, capsy
 
 
 def test_a_stage_change_without_a_key_is_refused_before_the_archive_is_touched(monkeypatch, capsys, tmp_path):
-    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
-    monkeypatch.delenv("SPECWATCH_SIGNING_KEY", raising=False)
+    _without_key(monkeypatch)
     assert cli.main(["bundles", "promote", "b-9", "--by", "alice", "--reason", "shadow by hand",
                      "--archive", f"chdb://{tmp_path}/archive", "--bootstrap", "127.0.0.1:9"]) == 2
     assert capsys.readouterr().err.startswith("specwatch bundles: no signing key, so flag clients that hold one "

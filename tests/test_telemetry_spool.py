@@ -1,23 +1,21 @@
 """The engine-side telemetry spool, and the Kafka exporter's switch to it and back (unit tests).
 
-The real broker's outage is in tests/test_broker_outage.py; here the producer is an
-in-memory twin that can refuse sends and deliveries on cue.
+The producer is an in-memory twin that refuses on cue; the real outage: test_broker_outage.py.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
 from specwatch.collectors.otel import KafkaTelemetryExporter
 from specwatch.transport.config import KafkaConfig
 from specwatch.collectors.spool import TelemetrySpool
-from specwatch.schemas import RoundEntry, StepRecord
 from specwatch.schemas.otlp import decode_request
 
 from machine import until
+from telemetry_log import MemoryProducer, step_record
 
 
 def _drain_all(spool: TelemetrySpool) -> list[bytes]:
@@ -116,67 +114,16 @@ def test_spool_settings_from_the_environment(tmp_path):
 # ---------------------------------------------------------------- the exporter's switch
 
 
-class _Future:
-    def __init__(self, error: Exception | None) -> None:
-        self.error = error
-        self.errbacks = []
-
-    def add_errback(self, f, *args):
-        self.errbacks.append((f, args))
-
-    def resolve(self):
-        if self.error is not None:
-            for f, args in self.errbacks:
-                f(*args, self.error)
-
-    def get(self, timeout=None):
-        if self.error is not None:
-            raise self.error
+def _steps(worker: str, start: int, count: int) -> list:
+    return [step_record(worker, seq, requests=1) for seq in range(start, start + count)]
 
 
-class _Producer:
-    """Kafka's producer, in memory: ``up`` decides whether sends and deliveries succeed."""
-
-    def __init__(self) -> None:
-        self.up = True
-        self.fail_deliveries = False
-        self.delivered: list[bytes] = []
-        self.pending: list[tuple[_Future, bytes]] = []
-        self.lock = threading.Lock()
-
-    def send(self, topic, key=None, value=None):
-        with self.lock:
-            if not self.up:
-                raise TimeoutError("no metadata: the broker is away")
-            future = _Future(ConnectionError("broker gone") if self.fail_deliveries else None)
-            self.pending.append((future, value))
-            return future
-
-    def flush(self, timeout=None):
-        with self.lock:
-            pending, self.pending = self.pending, []
-        for future, value in pending:
-            if future.error is None:
-                self.delivered.append(value)
-            future.resolve()
-
-    def close(self, timeout=None):
-        self.flush()
-
-
-def _steps(worker: str, start: int, count: int) -> list[StepRecord]:
-    return [StepRecord(v=1, ts=1_000.0 + seq, worker=worker, seq=seq, bundle_id="b-1", draft_ms=1.0, verify_ms=10.0,
-                       kv_usage=0.5, requests=[RoundEntry(id=f"r{seq}", bucket="coding", cohort="main", drafted=4,
-                                                          accepted=2)])
-            for seq in range(start, start + count)]
-
-
-def _delivered_seqs(producer: _Producer) -> list[int]:
+def _delivered_seqs(producer: MemoryProducer) -> list[int]:
     return [r.seq for value in producer.delivered for r in decode_request(value)]
 
 
 def test_failed_sends_and_deliveries_spool_in_order_and_drain_when_kafka_is_back(tmp_path):
-    producer = _Producer()
+    producer = MemoryProducer()
     exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9", delivery_timeout_ms=1_000), producer=producer,
                                       spool=TelemetrySpool(tmp_path), drain_backoff_s=(0.01, 0.05))
     exporter.export(_steps("w1", 0, 3))
@@ -199,23 +146,25 @@ def test_failed_sends_and_deliveries_spool_in_order_and_drain_when_kafka_is_back
     exporter.shutdown()
 
 
-def test_without_a_spool_failed_records_are_counted_lost(tmp_path):
-    producer = _Producer()
-    producer.up = False
+@pytest.mark.parametrize("fails", ["send", "delivery"])
+def test_without_a_spool_failed_records_are_counted_lost(fails):
+    producer = MemoryProducer()
+    producer.up, producer.fail_deliveries = fails != "send", fails == "delivery"
     exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9"), producer=producer)
-    assert exporter.export(_steps("w1", 0, 4)).name == "FAILURE"
+    assert exporter.export(_steps("w1", 0, 4)).name == ("FAILURE" if fails == "send" else "SUCCESS")
+    producer.flush()  # a delivery fails later, on the producer's thread
     assert exporter.stats()["records_failed"] == 4
     exporter.shutdown()
 
 
 def test_what_is_spooled_at_shutdown_stays_for_the_next_start(tmp_path):
-    producer = _Producer()
+    producer = MemoryProducer()
     producer.up = False
     exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9"), producer=producer, spool=TelemetrySpool(tmp_path),
                                       drain_backoff_s=(0.01, 0.05))
     exporter.export(_steps("w1", 0, 5))
     exporter.shutdown()
-    producer = _Producer()
+    producer = MemoryProducer()
     exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9"), producer=producer, spool=TelemetrySpool(tmp_path),
                                       drain_backoff_s=(0.01, 0.05))
     exporter.export(_steps("w1", 5, 1))  # behind the five from before

@@ -1,8 +1,4 @@
-"""The vLLM collector's pure parts, without an engine: labels, gating, emission, configuration.
-
-The engine-side behaviour is tested on a real vLLM engine in test_vllm_engine.py and
-test_vllm_drafters.py; these tests need no vLLM and run in the fast suite.
-"""
+"""The vLLM collector's pure parts, without an engine: labels, gating, emission, configuration."""
 
 from __future__ import annotations
 
@@ -237,10 +233,15 @@ def test_broken_flag_view_fails_open_and_is_counted():
     assert tap.collector.stats().flag_errors == 1
 
 
-def test_environment_configuration(monkeypatch):
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """The plugin as a new process has it: nothing read from the environment, nothing watched."""
     monkeypatch.setattr(plugin, "_env_checked", False)
     monkeypatch.setattr(plugin, "_from_env", None)
     monkeypatch.setattr(plugin, "_watching", [])
+
+
+def test_environment_configuration(monkeypatch, fresh_plugin):
     monkeypatch.setenv(plugin.ENV_SINK, f"{__name__}:ListSink")
     monkeypatch.setenv(plugin.ENV_FLAGS, "specwatch.actions.flags:FlagStore")
     monkeypatch.setenv(plugin.ENV_WORKER, "gpu-7")
@@ -263,10 +264,8 @@ def test_environment_configuration(monkeypatch):
     ("specwatch.nowhere:thing", "cannot be loaded"),
     ("specwatch.collectors.vllm.labels:DEFAULT_BUCKET", "not callable"),
 ])
-def test_environment_configuration_errors_say_what_to_fix(monkeypatch, value, message):
-    monkeypatch.setattr(plugin, "_env_checked", False)
-    monkeypatch.setattr(plugin, "_from_env", None)
-    monkeypatch.setattr(plugin, "_watching", [])
+def test_environment_configuration_errors_say_what_to_fix(monkeypatch, fresh_plugin, value,
+                                                          message):
     monkeypatch.setenv(plugin.ENV_SINK, value)
     with pytest.raises(ValueError, match=message):
         plugin.collector_for("scheduler")

@@ -1,8 +1,6 @@
 """`specwatch demo --engine vllm` end to end: a real engine, the embedded pipeline, the flags.
 
-The command runs in a subprocess (vLLM's process-wide state stays out of the test process).
-The detectors, not a rule of the demo, must switch the random drafter off in every scope it
-serves and leave the copy drafter on; the engine's later steps must carry no drafts.
+The detectors must switch the random drafter off everywhere and leave the copy drafter on.
 """
 
 from __future__ import annotations

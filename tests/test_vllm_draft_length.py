@@ -1,9 +1,6 @@
 """The advised draft length on a real vLLM engine: a drafter whose acceptance fades with position.
 
-A noisy copy of the tiny target agrees with it on about two tokens in three, so the chance
-that a draft survives to position k falls off with k. specwatch's per-position counts must
-equal vLLM's own; `specwatch tune`'s model must then advise a D below the deployed 4, and the
-engine, told that D through its flags, drafts no further while greedy text stays the same.
+Per-position counts equal vLLM's; `tune` advises D < 4, and the engine drafts no further.
 """
 
 from __future__ import annotations

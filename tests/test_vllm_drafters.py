@@ -1,7 +1,6 @@
 """Draft-model speculation on a real vLLM engine: a copy of the target and a random drafter.
 
-A copy drafter must have every draft accepted, a random one almost none; flags cut or stop
-proposals per bucket/cohort on the tensor-drafter path; greedy text never changes.
+Flags cut or stop proposals per scope on the tensor-drafter path; greedy text never changes.
 """
 
 from __future__ import annotations

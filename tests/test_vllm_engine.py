@@ -1,7 +1,6 @@
 """The vLLM collector on a real engine: ngram speculation, fallback and restore, lossless text.
 
-One subprocess (this file run as a script) drives vLLM and writes what it saw to JSON, keeping
-vLLM's process-wide state (plugins, threads, environment cache) out of the test process.
+This file, run as a script in a subprocess, drives vLLM and writes what it saw to JSON.
 """
 
 from __future__ import annotations
@@ -16,18 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import ListSink, contract_records, records_of_kind, scenario_fixture
+from vllm_scenario import PROMPTS, ListSink, contract_records, records_of_kind, scenario_fixture
 
 pytestmark = pytest.mark.vllm
 
 _NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
           "prompt_lookup_max": 3}
-_PROMPTS = [
-    "def parse(line):\n    return line.split(',')\n",
-    "import os\nimport sys\n\nfor name in os.listdir('.'):\n",
-    "class Cache:\n    def __init__(self):\n        self.items = {}\n",
-    "The quick brown fox jumps over the lazy dog.",
-]
+_PROMPTS = PROMPTS
 # (request id prefix, extra_args, expected bucket, expected cohort), one per prompt
 _LABELS = [
     ("coding:canary:", None, "coding", "canary"),

@@ -1,9 +1,6 @@
 """The collector's hook path replayed on recorded step shapes gives back exactly those steps.
 
-The replay (specwatch/bench/hook_path.py) drives the same wrappers and taps vLLM runs, on
-stand-in engine objects; it needs a real speculative vLLM configuration for the bundle, so
-it runs in a subprocess (this file run as a script), keeping vLLM's process-wide state out of
-the test process. No engine is started.
+specwatch/bench/hook_path.py on stand-in engine objects, in a subprocess; no engine is started.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """A vLLM engine wired to Kafka the way `vllm serve` is: environment variables and nothing else.
 
-The ready-made factories (collectors/vllm/kafka.py) send the engine's telemetry to a Kafka
-topic and follow a decisions topic. The engine serves a first wave of requests; the test
-reads the bundle id from the telemetry on Kafka and publishes a signed decision that turns
-speculation off for the coding bucket; once the engine's flag client has it, a second wave
-runs. On the topic: the first wave drafted in both buckets, the second drafted for chat
-only, and nothing was rejected.
+A signed decision between two waves turns coding off: the second wave drafts for chat only.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kafka_helpers import topic_messages
 from vllm_scenario import PROMPTS, engine_env, ngram_llm_and_params
 
 pytestmark = [pytest.mark.vllm, pytest.mark.kafka]
@@ -61,31 +57,11 @@ def _scenario(out_dir: Path) -> None:
 
 
 def _telemetry(bootstrap: str, topic: str) -> list:
-    from kafka import KafkaConsumer, TopicPartition
-
     from specwatch.schemas import Rejection
     from specwatch.schemas.otlp import decode_request
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, api_version=(4, 0), enable_auto_commit=False)
-    try:
-        found = None
-        deadline = time.monotonic() + 60
-        while not found and time.monotonic() < deadline:  # metadata arrives with the first request
-            found = consumer.partitions_for_topic(topic)
-            time.sleep(0 if found else 0.2)
-        partitions = [TopicPartition(topic, p) for p in sorted(found or ())]
-        assert partitions, f"no partitions for {topic}"
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        ends = consumer.end_offsets(partitions)
-        records = []
-        while any(consumer.position(tp) < ends[tp] for tp in partitions):
-            for messages in consumer.poll(timeout_ms=1000).values():
-                for message in messages:
-                    records += decode_request(message.value)
-    finally:
-        consumer.close()
-    assert not [r for r in records if isinstance(r, Rejection)]
+    records = [r for m in topic_messages(bootstrap, topic) for r in decode_request(m.value)]
+    assert records and not [r for r in records if isinstance(r, Rejection)]
     return records
 
 

@@ -1,7 +1,6 @@
 """The collector as production runs it: vLLM's own engine and worker processes, set up by env.
 
-Nothing is passed in Python: the installed ``vllm.general_plugins`` entry point loads the hooks
-in each vLLM process and the sink and flag view come from SPECWATCH_VLLM_* variables.
+The entry point loads the hooks; sink and flags come from SPECWATCH_VLLM_* variables.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """`specwatch reproduce` end to end on the tiny vLLM models, from sealed capture to the verdicts.
 
-A subprocess runs a random drafter with sealed capture on, through the embedded pipeline
-into a chDB archive: first on greedy requests (an acceptance-drop decision whose requests
-are the same on both paths), then on seeded sampled requests checked token for token
-against standard decoding (a shadow check). Rejection sampling keeps the target's output
-distribution, not the seeded token sequence, so sampled speculative output really differs
-from standard decoding; the divergence is made on purpose by sampling at temperature 0.8.
-Then the command re-runs the archived requests, and refuses a wrong key, a missing key and
-a different bundle.
+Greedy requests give an acceptance-drop decision; seeded sampling at temperature 0.8 makes
+speculative output differ from standard on purpose (rejection sampling keeps the distribution,
+not the sequence), caught by a shadow check. Wrong and missing keys and bundles are refused.
 """
 
 from __future__ import annotations

@@ -38,29 +38,23 @@ def engine_env(**settings: str) -> dict[str, str]:
                 VLLM_CPU_KVCACHE_SPACE="1", **settings)
 
 
-def run_scenario(script: str, out_dir, timeout_s: float) -> dict:
-    """Run ``python script OUT`` (the module's ``__main__``) and return OUT's JSON with ``wall_s``.
-
-    The collector's Python sink and flags must share a process with vLLM's engine core,
-    hence in-process engine cores (no V1 multiprocessing) in a process of its own.
-    """
-    out = out_dir / "result.json"
-    started = time.monotonic()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, script, str(out)], capture_output=True, text=True,
-                          timeout=timeout_s, env=env)
-    if proc.returncode != 0:
-        pytest.fail(f"vLLM scenario failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-    result = json.loads(out.read_text())
-    result["wall_s"] = time.monotonic() - started
-    return result
-
-
 def scenario_fixture(script: str, timeout_s: float, name: str = "run"):
-    """A module-scoped fixture ``name``: the results of ``script``'s scenario, run once in a subprocess."""
+    """A module-scoped fixture ``name``: the JSON that ``python script OUT`` wrote, with ``wall_s``.
+
+    The engine core runs in that process (no V1 multiprocessing), beside the Python sink and flags.
+    """
     @pytest.fixture(scope="module", name=name)
     def results(tmp_path_factory) -> dict:
-        return run_scenario(script, tmp_path_factory.mktemp(Path(script).stem), timeout_s)
+        out = tmp_path_factory.mktemp(Path(script).stem) / "result.json"
+        started = time.monotonic()
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        proc = subprocess.run([sys.executable, script, str(out)], capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
+        if proc.returncode != 0:
+            pytest.fail(f"vLLM scenario failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+        result = json.loads(out.read_text())
+        result["wall_s"] = time.monotonic() - started
+        return result
     return results
 
 

@@ -109,18 +109,8 @@ def heartbeat_message(publisher_id: str, seq: int, watermark: float | None, *, k
                       wall_time: float | None = None) -> Message:
     """Key, value and signature headers of one heartbeat, ready for any Kafka producer.
 
-    Parameters
-    ----------
-    publisher_id
-        Names the publisher; one compacted key per publisher keeps the topic small.
-    seq
-        Heartbeats sent by this publisher so far (informational).
-    watermark
-        Event time the publisher's pipeline has reached, or None before any.
-    keyring
-        Signs the value (no headers without a key).
-    wall_time
-        The send time; now by default.
+    One compacted key per ``publisher_id``; ``watermark`` is the event time its pipeline
+    reached (None before any), ``wall_time`` the send time (now by default).
     """
     if watermark is not None and not math.isfinite(watermark):
         watermark = None

@@ -1,7 +1,4 @@
-"""How to reach the Kafka cluster: one validated config, and its security settings for every client library.
-
-`KafkaConfig` is read once (arguments or ``SPECWATCH_KAFKA_*``); kafka-python, aiokafka
-and Faust each get the same protocol, SASL and TLS settings from it, in their own form.
+"""How to reach the Kafka cluster: one validated config, its security settings per client library.
 """
 
 from __future__ import annotations
@@ -53,9 +50,7 @@ _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "G
 class KafkaConfig:
     """How to reach a Kafka cluster; validated once, secrets kept out of repr and logs.
 
-    ``client_settings()`` are the connection and security settings every kafka-python
-    client takes; ``producer_settings()`` adds the producer's; ``extra`` is passed to
-    producers as is (any other kafka-python producer setting).
+    ``extra`` goes to kafka-python producers as is.
 
     >>> KafkaConfig("127.0.0.1:19092", compression_type="zstd").producer_settings()["compression_type"]
     'zstd'
@@ -124,13 +119,7 @@ class KafkaConfig:
     @classmethod
     def from_env(cls, bootstrap: str | None = None, environ: Mapping[str, str] | None = None,
                  **settings: Any) -> "KafkaConfig":
-        """A config from ``SPECWATCH_KAFKA_*`` variables; ``bootstrap`` and ``settings`` win over them.
-
-        ``SPECWATCH_KAFKA_BOOTSTRAP``, ``_SECURITY_PROTOCOL``, ``_SASL_MECHANISM``,
-        ``_SASL_USERNAME``, ``_SASL_PASSWORD`` (or ``_SASL_PASSWORD_FILE``, a file holding it),
-        ``_SSL_CAFILE``, ``_SSL_CERTFILE``, ``_SSL_KEYFILE``. Secrets stay out of repr. Client
-        tuning: ``_COMPRESSION`` (none, gzip, lz4, zstd), ``_LINGER_MS``, ``_BATCH_SIZE``,
-        ``_FETCH_MAX_BYTES``, ``_MAX_PARTITION_FETCH_BYTES``, ``_MAX_POLL_RECORDS``.
+        """A config from ``SPECWATCH_KAFKA_*`` (docs/DEPLOY.md); ``bootstrap`` and ``settings`` win.
 
         >>> env = {"SPECWATCH_KAFKA_BOOTSTRAP": "k:9093", "SPECWATCH_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
         ...        "SPECWATCH_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "SPECWATCH_KAFKA_SASL_USERNAME": "svc",
@@ -147,17 +136,15 @@ class KafkaConfig:
         """
         environ = os.environ if environ is None else environ
         found: dict[str, Any] = {}
-        for name, field_name in _KAFKA_ENV.items():
+        for name, field_name in {**_KAFKA_ENV, **_KAFKA_TUNING_ENV}.items():
             value = environ.get(f"SPECWATCH_KAFKA_{name}")
-            if value:
-                found[field_name] = value
-        for name, field_name in _KAFKA_TUNING_ENV.items():
-            value = environ.get(f"SPECWATCH_KAFKA_{name}")
-            if value:
-                try:
-                    found[field_name] = int(value)
-                except ValueError:
-                    raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, got {value!r}") from None
+            if not value:
+                continue
+            try:
+                found[field_name] = int(value) if name in _KAFKA_TUNING_ENV else value
+            except ValueError:
+                raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, "
+                                 f"got {value!r}") from None
         if environ.get("SPECWATCH_KAFKA_COMPRESSION"):
             found["compression_type"] = environ["SPECWATCH_KAFKA_COMPRESSION"]
         password_file = environ.get("SPECWATCH_KAFKA_SASL_PASSWORD_FILE")

@@ -1,12 +1,6 @@
 """The one send path of the decisions topic: each decision and heartbeat as one signed message, for any producer.
 
-`DecisionSink` turns a decision (or a heartbeat) into its message (key = scope, value =
-the contract line, signature headers: `transport.codec`) and hands it to the producer's
-``send``. The command-line publisher passes a kafka-python ``KafkaProducer.send`` (a
-future back), the stream workers `KafkaWriter.send` (aiokafka: a coroutine that yields the
-acknowledgement future). Neither names a partition: both clients place a key with the
-same murmur2 partitioner as Kafka's Java clients, so a scope lands on one partition
-whoever publishes it.
+Callers name no partition: kafka-python and aiokafka both place a key with Kafka's murmur2.
 """
 
 from __future__ import annotations
@@ -26,17 +20,9 @@ Sent = TypeVar("Sent")
 class DecisionSink(Generic[Sent]):
     """Signs decisions and heartbeats and sends them to the decisions topic through ``send``.
 
-    Parameters
-    ----------
-    send
-        ``send(topic, value, key=..., headers=...)`` of a producer; what it returns (a
-        kafka-python future, an aiokafka coroutine) is what `decision` and `heartbeat` return.
-    topic
-        The decisions topic.
-    keyring
-        Signs every message; without a key messages go out unsigned, with one warning.
-    role
-        Names the publisher in that warning.
+    ``send(topic, value, key=..., headers=...)`` is a producer's; what it returns is what
+    `decision` and `heartbeat` return. Without a key messages go out unsigned, after one
+    warning naming ``role``.
 
     >>> sent = []
     >>> sink = DecisionSink(lambda topic, value, **kw: sent.append((topic, kw["key"], value)), "d", Keyring())

@@ -63,14 +63,11 @@ def _within(timeout_s: float, what: str, call: Callable[[], T]) -> T:
 
 
 class DecisionReader:
-    """Reads a decisions topic from its beginning, each partition in offset order.
+    """Reads a decisions topic from its start, each partition in offset order; checks no signatures.
 
-    ``connect()`` raises `BrokerUnavailable` (unreachable or silent cluster) or
-    ``LookupError`` (no such topic) within ``connect_timeout_s``; then ``poll()`` returns
-    ``(decision or None, message)`` pairs and ``caught_up`` says whether everything that
-    was in the topic at connect time has been read. Heartbeats (keys under
-    ``__heartbeat__/``) are left out unless ``include_heartbeats``. The reader does not
-    check signatures: `FlagClient` does, before it acts on anything.
+    ``connect()`` raises `BrokerUnavailable` or ``LookupError`` (no such topic) within
+    ``connect_timeout_s``; ``poll()`` returns ``(decision or None, message)`` pairs; heartbeats
+    only with ``include_heartbeats``.
     """
 
     def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC,

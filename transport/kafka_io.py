@@ -1,13 +1,12 @@
 """Reading and writing Kafka partitions from asyncio: ranges outside the consumer group, and awaited writes.
 
-`PartitionReader` reads what a consumer group has not delivered (gaps after a restart, the
-decisions topic's tail); `KafkaWriter` is an idempotent producer whose every send can be
-awaited until the broker has it. `specwatch.transport.memory` is their in-memory twin.
+`specwatch.transport.memory` is the in-memory twin of `PartitionReader` and `KafkaWriter`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -72,13 +71,8 @@ class PartitionReader(RangeReader):
     async def partitions(self, topic: str) -> list[int]:
         """Partition ids of ``topic`` (asked once: partitions are only ever added by hand)."""
         if topic not in self._partitions:
-            admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap,
-                                        request_timeout_ms=_CONNECT_TIMEOUT_MS, **self._security)
-            await admin.start()
-            try:
+            async with self._admin() as admin:
                 described = await admin.describe_topics([topic])
-            finally:
-                await admin.close()
             found = [p["partition"] for d in described if d["topic"] == topic and not d.get("error_code")
                      for p in d["partitions"]]
             if not found:
@@ -86,20 +80,33 @@ class PartitionReader(RangeReader):
             self._partitions[topic] = sorted(found)
         return self._partitions[topic]
 
-    async def _consumer(self) -> AIOKafkaConsumer:
+    @contextlib.asynccontextmanager
+    async def _admin(self) -> AsyncIterator[AIOKafkaAdminClient]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap,
+                                    request_timeout_ms=_CONNECT_TIMEOUT_MS, **self._security)
+        await admin.start()
+        try:
+            yield admin
+        finally:
+            await admin.close()
+
+    @contextlib.asynccontextmanager
+    async def _consumer(self) -> AsyncIterator[AIOKafkaConsumer]:
         consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, **self._security, **self._fetch,
                                     group_id=None, enable_auto_commit=False,
                                     auto_offset_reset="earliest", isolation_level="read_committed")
         await consumer.start()
-        return consumer
+        try:
+            yield consumer
+        finally:
+            await consumer.stop()
 
     async def iter_range(self, topic: str, partition: int, start: int, end: int) -> AsyncIterator[Any]:
         """Messages with ``start <= offset < end`` of one partition, in order (fewer if the log ends first)."""
         if end <= start:
             return
         tp = TopicPartition(topic, partition)
-        consumer = await self._consumer()
-        try:
+        async with self._consumer() as consumer:
             consumer.assign([tp])
             consumer.seek(tp, start)
             end = min(end, (await consumer.end_offsets([tp]))[tp])
@@ -109,46 +116,30 @@ class PartitionReader(RangeReader):
                     if message.offset >= end:
                         return
                     yield message
-        finally:
-            await consumer.stop()
 
     async def beginning_offset(self, topic: str, partition: int) -> int:
         tp = TopicPartition(topic, partition)
-        consumer = await self._consumer()
-        try:
+        async with self._consumer() as consumer:
             return (await consumer.beginning_offsets([tp]))[tp]
-        finally:
-            await consumer.stop()
 
     async def end_offsets(self, topic: str) -> dict[int, int]:
         partitions = await self.partitions(topic)
         if not partitions:
             return {}
-        consumer = await self._consumer()
-        try:
+        async with self._consumer() as consumer:
             offsets = await consumer.end_offsets([TopicPartition(topic, p) for p in partitions])
-            return {tp.partition: offset for tp, offset in offsets.items()}
-        finally:
-            await consumer.stop()
+        return {tp.partition: offset for tp, offset in offsets.items()}
 
     async def drained(self, group: str, sources: Iterable[str]) -> set[str]:
         """The sources (``topic/partition``) with nothing left to read: all committed by ``group``, or empty."""
         tps = {source: TopicPartition(*split_source(source)) for source in sources}
         if not tps:
             return set()
-        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, request_timeout_ms=_CONNECT_TIMEOUT_MS,
-                                    **self._security)
-        await admin.start()
-        try:
+        async with self._admin() as admin:
             committed = await admin.list_consumer_group_offsets(group, partitions=list(tps.values()))
-        finally:
-            await admin.close()
-        consumer = await self._consumer()
-        try:
+        async with self._consumer() as consumer:
             begin = await consumer.beginning_offsets(list(tps.values()))
             end = await consumer.end_offsets(list(tps.values()))
-        finally:
-            await consumer.stop()
         out = set()
         for source, tp in tps.items():
             mark = committed.get(tp)
@@ -162,12 +153,9 @@ class KafkaStalled(RuntimeError):
 
 
 class KafkaWriter:
-    """The app's own producer: every send can be awaited until the broker has it.
+    """The app's own idempotent producer (``acks=all``): each send can be awaited till acknowledged.
 
-    Faust's producer buffers table and ``send_soon`` writes and its flush gives up after a
-    moment, which is no ground for "written before published"; this one is idempotent and
-    acknowledges with ``acks=all``. Batching and compression are the config's
-    (`KafkaConfig.aiokafka_producer_settings`).
+    Faust's producer flush gives up after a moment, no ground for "written before published".
     """
 
     def __init__(self, config: KafkaConfig) -> None:

@@ -1,9 +1,6 @@
 """The in-memory twin of `PartitionReader` and `KafkaWriter`: topics with partitions and offsets, in one process.
 
-Unit tests run the partition runners on it without a broker. It keeps what the runners
-rely on: per-partition offsets that only grow, a log start that retention can move
-(`MemoryKafka.expire`), a consumer group's committed offsets, and sends whose futures
-resolve once the message is in the log. Integration tests use the real broker.
+Unit tests run the partition runners on it: offsets, retention (`MemoryKafka.expire`), commits.
 
 >>> import asyncio
 >>> kafka = MemoryKafka({"t": 2})

@@ -1,12 +1,6 @@
 """Signatures on the decisions topic: HMAC-SHA256 over the exact message value, in a Kafka header.
 
-Whoever can write the decisions topic can switch speculation off (or back on) across a
-fleet; a signature ties every decision and heartbeat to the holder of a shared key.
-Pure functions only: publishers call `sign_line`, readers call `verify`; neither does I/O.
-
-The header is ``specwatch-signature: v1:<key-id>:<hex hmac>``. The key id is derived from
-the key itself, so nothing but the secret needs configuring, and a reader that holds the
-current and the previous key accepts both while a rotation rolls out.
+Pure: publishers call `sign_line`, readers `verify`. Header and rotation: docs/SECURITY.md.
 """
 
 from __future__ import annotations
@@ -94,11 +88,9 @@ class SigningKey:
 
 @dataclass(frozen=True)
 class Keyring:
-    """The key publishers sign with (``current``) and the keys readers accept.
+    """The key publishers sign with (``current``) and the keys readers accept (and ``previous``).
 
-    Rotation: give readers the new key as current and the old one as ``previous``, then
-    move publishers to the new key, then drop ``previous``. An empty keyring (no key
-    configured) signs nothing and accepts everything: `Verdict.UNCHECKED`.
+    An empty keyring (no key configured) signs nothing and accepts everything: `Verdict.UNCHECKED`.
 
     >>> ring = Keyring.from_env({"SPECWATCH_SIGNING_KEY": "correct horse battery staple"})
     >>> ring.enabled, [k.key_id for k in ring.keys()] == [ring.current.key_id]
@@ -138,10 +130,9 @@ class Keyring:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Keyring":
-        """Keys from ``$SPECWATCH_SIGNING_KEY_FILE`` or ``$SPECWATCH_SIGNING_KEY``, and the
-        ``_PREVIOUS_`` pair for rotation. A file holds the key alone (a trailing newline
-        is ignored). Raises ValueError when a setting is empty, ambiguous, unreadable or
-        weak; the message never contains the key. No setting at all is insecure mode.
+        """Keys from ``SPECWATCH_SIGNING_KEY_FILE`` or ``SPECWATCH_SIGNING_KEY`` (and the previous).
+
+        ValueError, never naming the key, when a setting is empty, ambiguous, unreadable or weak.
         """
         environ = os.environ if environ is None else environ
         current = _secret_from(environ, SIGNING_KEY_FILE_ENV, SIGNING_KEY_ENV)
@@ -183,9 +174,7 @@ def _mac(secret: bytes, line: bytes) -> str:
 
 
 def sign_line(line: bytes, keyring: Keyring) -> list[tuple[str, bytes]]:
-    """Kafka headers that sign ``line`` (the exact message value) with the current key.
-
-    Returns ``[]`` without a key, so the call can stay in place in insecure mode.
+    """Kafka headers that sign ``line`` (the exact message value) with the current key; [] without.
 
     >>> ring = Keyring.from_secrets(b"0123456789abcdef0123456789abcdef")
     >>> headers = sign_line(b'{"kind":"decision"}', ring)
@@ -203,10 +192,9 @@ def sign_line(line: bytes, keyring: Keyring) -> list[tuple[str, bytes]]:
 
 def verify(line: bytes | None, headers: Iterable[tuple[str, bytes | None]] | Mapping[str, bytes] | None,
            keyring: Keyring) -> Verdict:
-    """Whether ``line`` carries a valid signature by a key of ``keyring``.
+    """Whether ``line`` is validly signed by a key of ``keyring``; malformed headers are `FORGED`.
 
-    ``headers`` are the message's Kafka headers, as kafka-python, aiokafka and Faust give
-    them. Never raises: any malformed header is `Verdict.FORGED`.
+    ``headers`` as kafka-python, aiokafka or Faust give them.
 
     >>> ring = Keyring.from_secrets(b"0123456789abcdef0123456789abcdef")
     >>> verify(b"x", [], ring), verify(b"x", None, Keyring())

@@ -1,7 +1,4 @@
-"""The topics the product runs on: default names, the settings of the compacted ones, and their creation.
-
-`prepare_topics` creates what a stream app needs and finds the partition counts it runs on.
-"""
+"""The topics the product runs on: default names, settings of the compacted ones, their creation."""
 
 from __future__ import annotations
 
@@ -52,9 +49,7 @@ class TopicError(RuntimeError):
 class TopicPlan:
     """The topics one stream app runs on, and how to reach them.
 
-    ``checkpoints`` are the stage-1 and stage-2 checkpoint topics: each gets one partition
-    per partition of the topic it follows (telemetry, partials), so a task's checkpoints
-    live beside its input.
+    ``checkpoints`` (stage 1, stage 2) get one partition per partition of telemetry and partials.
     """
 
     bootstrap: str

@@ -1,7 +1,6 @@
 """The fingerprint card of a running vLLM engine, read from its real configuration.
 
-Target, drafter, runtime and policy fields come from vLLM's ``VllmConfig``; revisions of local
-checkpoints and the tokenizer digest are hashes of the files the engine actually loaded.
+Revisions of local checkpoints and the tokenizer digest hash the files the engine loaded.
 """
 
 from __future__ import annotations
@@ -115,11 +114,7 @@ def _drafter_revision(spec: Any) -> str:
 
 
 def checkpoint_revision(model: str | os.PathLike) -> str:
-    """``sha256:<16 hex>`` of a local checkpoint's config and weights; "" for hub ids.
-
-    Hub models carry their own revision in vLLM's config; a local directory has none, so the
-    files stand in for it (see _DEFAULT_FULL_HASH_BYTES for how large weights are sampled).
-    """
+    """``sha256:<16 hex>`` of a local checkpoint's config and weights; "" for hub ids."""
     root = Path(model)
     if not root.is_dir():
         return ""
@@ -144,11 +139,9 @@ def checkpoint_revision(model: str | os.PathLike) -> str:
 
 
 def tokenizer_digest(tokenizer: str | os.PathLike, revision: str | None = None) -> str:
-    """``sha256:<16 hex>`` over the tokenizer files the engine loads.
+    """``sha256:<16 hex>`` over the tokenizer files the engine loads (hub ids: the local cache).
 
-    A local directory is read directly; a hub id is looked up in the local hub cache (no
-    network). When no file can be found the digest falls back to the id and revision, so a
-    change of either still changes the card.
+    Without files it hashes the id and revision, so a change of either still changes the card.
     """
     root = Path(tokenizer)
     found: list[tuple[str, Path]] = []

@@ -1,7 +1,6 @@
 """The vLLM collector: contract-v1 records from a running engine, and its fallback flag view.
 
-Engine-side hooks (see hooks.py) hand small tuples to a `VllmCollector`; a background thread
-turns them into validated records and calls ``sink.emit(record)``, so no engine step waits on it.
+Hooks hand it tuples; a background thread validates them into records for ``sink.emit``.
 """
 
 from __future__ import annotations
@@ -79,28 +78,11 @@ class CollectorStats:
 class VllmCollector:
     """Per-step and per-request telemetry of vLLM engines, plus the flag view they obey.
 
-    Engines constructed inside ``with collector.watching():`` in this process are tapped (the
-    scheduler and the model runner both bind to the collector when they are built). Records
-    reach ``sink.emit`` from a background thread, in order: the bundle record first, then step
-    records, then each request's record after the step it finished in.
-
-    Parameters
-    ----------
-    sink
-        Object with ``emit(record)``; None collects nothing (flags-only mode).
-    flags
-        Object with ``lookup(bundle_id, bucket, cohort) -> SpeculationState``; consulted at every
-        draft proposal. None leaves speculation as the engine is configured.
-    worker
-        Worker name in the records; default ``<hostname>-<pid>``.
-    labeler
-        Optional ``(request_id, extra_args) -> (bucket, cohort) | None`` rule, tried before the
-        built-in ones (see labels.request_labels).
-    queue_size
-        Records held for the sink before new ones are dropped (and counted).
-    capture
-        Optional `SampleCapture`: finished requests it takes carry their token ids sealed in
-        ``sample.sealed``. Sealing runs in the emitter thread, never in the engine step.
+    Engines built inside ``with collector.watching():`` in this process are tapped. Records reach
+    ``sink.emit`` in order: the bundle record, then steps, each request after its last step.
+    ``sink=None`` collects nothing (flags only); ``flags=None`` leaves speculation as configured;
+    ``worker`` defaults to ``<hostname>-<pid>``; beyond ``queue_size`` records are dropped and
+    counted; a ``capture`` seals the token ids of the requests it takes (on the emitter thread).
 
     Example, with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
 
@@ -155,8 +137,6 @@ class VllmCollector:
         self._hook_errors = 0
         self._flag_errors = 0
 
-    # -- public surface ------------------------------------------------------------------
-
     @property
     def enabled(self) -> bool:
         """When False the hooks pass straight through: no timing, no records, no flag lookups."""
@@ -174,12 +154,7 @@ class VllmCollector:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator["VllmCollector"]:
-        """Tap the vLLM engines constructed in this process while the block runs.
-
-        Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for
-        Python-object sinks and flags; separate engine processes configure their own
-        collector from the environment (see plugin.py).
-        """
+        """Tap the vLLM engines built in this process (engine core too) while the block runs."""
         from . import plugin
 
         plugin.register()
@@ -226,8 +201,6 @@ class VllmCollector:
         close_sink = getattr(self.sink, "_close_owned", None)
         if close_sink is not None:
             close_sink()
-
-    # -- used by the engine-side taps ----------------------------------------------------
 
     def bundle_for(self, vllm_config: Any) -> tuple[str, BundleCard]:
         """(bundle id, card) of an engine configuration, computed once per configuration."""
@@ -282,8 +255,6 @@ class VllmCollector:
             # lossless contract holds either way and the error is counted.
             _LOG.error("specwatch flag lookup failed (%d failures so far); speculation stays as "
                        "configured", self._flag_errors, exc_info=error)
-
-    # -- emitter thread ------------------------------------------------------------------
 
     def _start_thread(self) -> None:
         with self._thread_lock:

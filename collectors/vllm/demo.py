@@ -1,7 +1,6 @@
 """`specwatch demo --engine vllm`: real vLLM speculative decoding on tiny models, watched live.
 
-A copy-of-target drafter and a random one each serve waves of requests while their telemetry
-streams through the detectors; the random drafter's scopes are switched off in the running engine.
+A copy-of-target drafter and a random one serve waves; the random one is switched off in the engine.
 """
 
 from __future__ import annotations
@@ -9,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import threading
 import time
@@ -48,10 +46,6 @@ _DEFAULT_RANDOM_PHASE_S = 180.0
 _PROGRESS_EVERY_S = 3.0
 _DISABLING = ("disable_speculation", "invalidate_bundle")
 _PATH_CHANGES = _DISABLING + ("reduce_draft_length",)
-# vLLM logs to stdout by default, which must stay clean for --json; its CPU warnings (no
-# tcmalloc/libiomp preload, ...) are noise in a demo.
-_QUIET_ENVIRONMENT = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-                      "TQDM_DISABLE": "1"}
 
 # The demo's buckets (the prefixes above) with a pinned acceptance baseline. A drafter that
 # is bad from its first step gives a learned baseline nothing healthy to learn from, so the
@@ -98,30 +92,19 @@ def run_vllm_demo(json_output: bool, workdir: Path,
                   finish: Callable[[], list] | None = None) -> dict:
     """Run the demo; returns a summary dict (and prints a report unless ``json_output``).
 
-    Parameters
-    ----------
-    json_output
-        True: print nothing on stdout (the caller prints the returned summary as JSON);
-        progress always goes to stderr.
-    workdir
-        Where telemetry.jsonl (every record) and summary.json are written.
-    on_record
-        Called with every contract-v1 record, from the collector's emitter thread; returns the
-        decisions it made, which are applied to ``flags`` (``EmbeddedPipeline.feed``). None:
-        records are only written, nothing decides and both drafters run their full time.
-    flags
-        Flag view the engine obeys (``lookup`` and ``apply``); default a new FlagStore.
-    finish
-        Called once the engines are closed; returns the decisions of the windows still open
-        (``EmbeddedPipeline.finish``).
+    ``json_output``: nothing on stdout (progress goes to stderr either way).
+    ``workdir`` gets telemetry.jsonl and summary.json. ``on_record`` (``EmbeddedPipeline.feed``)
+    gets every record on the emitter thread and returns decisions, applied to ``flags`` (default
+    a new FlagStore); None: nothing decides. ``finish`` returns the decisions of the windows
+    still open once the engines are closed.
     """
-    for name, value in _QUIET_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+    from .local_engine import (close_engine, configure_cpu_environment, new_engine,
+                               quiet_vllm_logging, run_to_completion, spec_decode_counters)
+
+    quiet_vllm_logging()
     from specwatch.actions.flags import FlagStore
 
     from .collector import VllmCollector
-    from .local_engine import (close_engine, configure_cpu_environment, new_engine, run_to_completion,
-                               spec_decode_counters)
     from .tiny_models import build_tiny_models
 
     configure_cpu_environment()

@@ -1,7 +1,6 @@
 """Wrappers around the vLLM V1 methods the collector observes, installed once per process.
 
-vLLM times neither the draft proposal nor the target forward and has no per-request fallback
-switch, so the model runner and the scheduler get thin wrappers; vLLM's own code is untouched.
+vLLM times neither drafts nor the target forward and has no per-request fallback switch.
 """
 
 from __future__ import annotations

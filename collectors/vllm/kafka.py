@@ -1,23 +1,6 @@
 """Ready-made factories that connect the vLLM collector to Kafka, for `vllm serve` deployments.
 
-Point the plugin's environment variables at them (see docs/DEPLOY.md)::
-
-    SPECWATCH_VLLM_SINK=specwatch.collectors.vllm.kafka:telemetry_sink
-    SPECWATCH_VLLM_FLAGS=specwatch.collectors.vllm.kafka:decision_flags
-    SPECWATCH_KAFKA_BOOTSTRAP=kafka-1:9092,kafka-2:9092
-
-The sink emits through the bounded OpenTelemetry emitter and the Kafka exporter (the
-engine thread only queues), which spools to local disk while the broker is away
-(``SPECWATCH_TELEMETRY_SPOOL_*``); `specwatch.collectors.vllm.sink` exports OTLP to a
-Collector instead. The flags follow the decisions topic in a background thread,
-checking signatures with the ``SPECWATCH_SIGNING_KEY[_FILE]`` settings. Settings:
-
-- ``SPECWATCH_KAFKA_*``: the cluster and its security (`KafkaConfig.from_env`);
-- ``SPECWATCH_TELEMETRY_TOPIC`` (default ``specwatch.telemetry``) and
-  ``SPECWATCH_DECISIONS_TOPIC`` (default ``specwatch.decisions``);
-- ``SPECWATCH_FAIL_SAFE``: ``keep_last`` (default) or ``standard_decoding``, what the
-  flags answer while the decisions topic is silent;
-- ``SPECWATCH_SILENCE_SECONDS`` (default 30): how long without heartbeats is silence.
+Named by ``SPECWATCH_VLLM_SINK`` and ``SPECWATCH_VLLM_FLAGS``; settings in docs/DEPLOY.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Task bucket and cohort of a vLLM request, read from the request itself.
-
-The engine sees only its id and sampling parameters: ``bucket:cohort:`` id prefixes, or
-``SamplingParams(extra_args={"specwatch_bucket": ..., "specwatch_cohort": ...})`` (``vllm_xargs``).
-"""
+"""Task bucket and cohort of a vLLM request, read from its id and sampling parameters."""
 
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ def request_labels(request_id: str, extra_args: Mapping[str, Any] | None,
                    labeler: Labeler | None = None) -> tuple[str, str]:
     """(bucket, cohort) of one request: caller's rule, then extra_args, then id prefix, then defaults.
 
-    Each label is resolved on its own, so extra_args may set only the cohort and the id prefix
-    the bucket. Values that are not short printable names are ignored, never passed on.
+    Each label is resolved on its own; values that are not short printable names are ignored.
 
     >>> request_labels("coding:canary:42", None)
     ('coding', 'canary')

@@ -1,8 +1,4 @@
-"""A vLLM engine in this process on CPU, for tests and demos on the tiny models.
-
-Sets the offline, in-process environment vLLM needs here and works around a vLLM 0.32 CPU
-start-up failure that otherwise stops a second engine from being built in the same process.
-"""
+"""A vLLM engine in this process on CPU, for tests and demos on the tiny models."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["configure_cpu_environment", "new_engine", "engine_args", "close_engine", "EngineRun",
-           "run_to_completion", "spec_decode_counters"]
+           "quiet_vllm_logging", "run_to_completion", "spec_decode_counters"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -31,8 +27,17 @@ _CPU_ENVIRONMENT = {
     # engine core and model runner in this process: Python sinks and flags reach them
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+# vLLM logs to stdout by default, which must stay clean for --json output.
+_QUIET_ENVIRONMENT = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+                      "TQDM_DISABLE": "1"}
 _DEFAULT_MAX_MODEL_LEN = 512
 _DEFAULT_MAX_NUM_SEQS = 8
+
+
+def quiet_vllm_logging() -> None:
+    """Send vLLM's logs to stderr, errors only, before vLLM is first imported (defaults only)."""
+    for name, value in _QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
 
 
 def configure_cpu_environment() -> None:

@@ -1,7 +1,6 @@
-"""vLLM general plugin: installs the specwatch hooks in every vLLM process.
+"""vLLM general plugin (entry point ``specwatch``): installs specwatch's hooks in each vLLM process.
 
-Registered as the ``vllm.general_plugins`` entry point ``specwatch``; also binds engines to a
-collector given in Python (``VllmCollector.watching()``) or configured by environment variables.
+Binds engines to a collector given in Python (``VllmCollector.watching()``) or by the environment.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Re-running archived requests on a local vLLM engine, once standard and once speculative.
 
-`VllmRerunner` is the engine `specwatch reproduce` uses: its card comes from the engine
-configuration before any model loads, so a refused run costs no engine start.
+The card comes from the engine configuration before any model loads: a refused run starts nothing.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,11 +15,6 @@ from specwatch.schemas import BundleCard
 from specwatch.schemas.rerun import RerunOutcome, RerunRequest
 
 __all__ = ["VllmRerunner", "speculative_config_for"]
-
-# vLLM logs to stdout by default, which must stay clean for `reproduce --json`.
-_QUIET_ENVIRONMENT = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-                      "TQDM_DISABLE": "1"}
-
 
 def speculative_config_for(card: BundleCard) -> dict:
     """vLLM's speculative_config for a bundle card's drafter, where the card says enough.
@@ -48,19 +41,12 @@ def speculative_config_for(card: BundleCard) -> dict:
 
 
 class VllmRerunner:
-    """A local vLLM engine pair on CPU or GPU: the target alone, and the target with the drafter.
-
-    Parameters
-    ----------
-    target
-        The target model (a local directory or a hub id).
-    speculative_config
-        vLLM's ``speculative_config`` for the drafter.
-    """
+    """A local vLLM engine pair on CPU or GPU: the target alone, and the target with the drafter."""
 
     def __init__(self, target: str | Path, speculative_config: dict) -> None:
-        for name, value in _QUIET_ENVIRONMENT.items():
-            os.environ.setdefault(name, value)  # before vLLM is first imported
+        from .local_engine import quiet_vllm_logging
+
+        quiet_vllm_logging()
         self.target = str(target)
         self.speculative_config = dict(speculative_config)
 

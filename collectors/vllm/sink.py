@@ -1,13 +1,6 @@
 """The ready-made telemetry sink for `vllm serve`: OTLP to an OpenTelemetry Collector, or Kafka directly.
 
-Point the plugin at it (see docs/DEPLOY.md)::
-
-    SPECWATCH_VLLM_SINK=specwatch.collectors.vllm.sink:telemetry_sink
-    OTEL_EXPORTER_OTLP_ENDPOINT=http://otelcol:4318
-
-``SPECWATCH_EXPORTER`` (``otlp`` or ``kafka``) chooses the exporter; unset, an
-``OTEL_EXPORTER_OTLP_[LOGS_]ENDPOINT`` means OTLP, ``SPECWATCH_KAFKA_BOOTSTRAP`` alone means
-Kafka (`specwatch.collectors.otlp_export.exporter_choice`). The engine thread only queues.
+``SPECWATCH_EXPORTER`` chooses (`otlp_export.exporter_choice`); see docs/DEPLOY.md.
 """
 
 from __future__ import annotations
@@ -28,8 +21,7 @@ def _emitter(environ: Mapping[str, str] | None, exporter: str | None) -> Any:
         environ[EXPORTER_VARIABLE] = exporter
     # One spool directory per engine worker, so that a restarted engine finds what it left.
     worker = (environ.get("SPECWATCH_VLLM_WORKER") or "").strip() or service_instance_id() or "engine"
-    # The direct path: the same records and bytes as through the OpenTelemetry SDK, without the
-    # SDK's per-element attribute cleaning (about 25 us per 16-request step; docs/DEPLOY.md).
+    # The direct path: the SDK's bytes at a fraction of its cost (docs/BENCHMARKS.md).
     return TelemetryEmitter(telemetry_exporter_from_env(environ, client_id="specwatch-vllm",
                                                         spool_name=f"vllm-{worker}"), sdk=False)
 

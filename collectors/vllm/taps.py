@@ -1,7 +1,6 @@
 """Engine-side state of the vLLM collector: one tap on the model runner, one on the scheduler.
 
-The runner tap times the target forward and the draft proposal and applies the fallback flags
-to proposals; the scheduler tap turns each step and each finished request into a payload.
+The runner tap times and gates proposals; the scheduler tap makes steps and requests payloads.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Tiny random-weight Llama models and a locally trained tokenizer for vLLM tests and demos.
 
-Built from local files only (no model hub): a byte-level BPE tokenizer trained on Python
-standard-library sources, a target model, a drafter that is a copy of it and a random drafter.
+No model hub: a BPE tokenizer trained on the standard library, a target, its copy, a random drafter.
 """
 
 from __future__ import annotations
@@ -56,11 +55,7 @@ def default_cache_dir() -> Path:
 
 
 def build_tiny_models(cache_dir: Path | None = None) -> TinyModels:
-    """Build the tiny model set once and return its paths; later calls reuse the cache.
-
-    The set is built in a temporary directory next to the cache and renamed into place, so
-    concurrent builders never see a half-written set (the loser's copy is discarded).
-    """
+    """Build the tiny model set once (renamed into place, never half-written); return its paths."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     root = cache_dir / TINY_MODELS_VERSION
     if not (root / "complete").exists():
