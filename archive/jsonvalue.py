@@ -11,12 +11,8 @@ __all__ = ["canonical_json", "plain"]
 
 
 def plain(value: Any, *, keep_nan: bool = False) -> Any:
-    """``value`` in JSON's own types: mappings as dicts with string keys, tuples and lists as
-    lists, sets as sorted lists, pydantic models and numpy values as what they hold.
-
-    NaN and infinities become None (JSON has neither) unless ``keep_nan``, for writers whose
-    readers take them back. Anything else is returned as it is, for ``json.dumps`` to refuse
-    or for its ``default`` to handle.
+    """``value`` in JSON's own types (sets sorted, models and numpy values as what they hold), NaN
+    and infinities as None unless ``keep_nan``; anything else as it is, for ``json.dumps``.
 
     >>> import numpy as np
     >>> plain({"al": np.float64("nan"), 2: (1, {3.5, 0.5}), "n": np.arange(2)})

@@ -1,9 +1,5 @@
-"""Archive rows: decisions, audit rows, samples, stage changes and window stats checked and
-encoded as insert columns, and stored JSON decoded again on the way out.
-
-Every value is checked here, before any insert: a bad row fails at its source with a
-message naming it, and never poisons a later write.
-"""
+"""Archive rows checked and encoded as insert columns (a bad row fails here, naming itself,
+before any insert), and stored JSON decoded again on the way out."""
 
 from __future__ import annotations
 
@@ -81,13 +77,6 @@ class DecisionBatch:
                 append_row(self.sealed, sealed_row)
         self.count += 1
 
-    def extend(self, other: "DecisionBatch") -> None:
-        for mine, theirs in ((self.decisions, other.decisions), (self.audits, other.audits),
-                             (self.samples, other.samples), (self.sealed, other.sealed)):
-            for column, more in zip(mine, theirs):
-                column.extend(more)
-        self.count += other.count
-
 
 # -- encoding rows -----------------------------------------------------------------------
 
@@ -144,10 +133,7 @@ def _unsealed(decision_id: str, sample: Mapping[str, Any] | Any) -> tuple[Any, l
     return {**record, "sample": {k: v for k, v in inner.items() if k != "sealed"}}, row
 
 
-
-def _sample_row(decision_id: str, sample: Mapping[str, Any] | Any,
-                sample_text: str = DEFAULT_SAMPLE_TEXT) -> list[Any]:
-    record = sample.model_dump(mode="json") if hasattr(sample, "model_dump") else sample
+def _sample_row(decision_id: str, record: Mapping[str, Any] | Any, sample_text: str) -> list[Any]:
     if not isinstance(record, abc.Mapping):
         raise TypeError(f"a sample must be a contract-v1 record dict, not {type(record).__name__}")
     record = redact_record(record, sample_text)
@@ -212,10 +198,7 @@ _ROW_SUMMARY = operator.itemgetter(WindowRow._fields.index("summary"))
 
 
 def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
-    """Window rows (`WindowRow` tuples) as an Arrow table, column by column.
-
-    One pass per batch and no dict per row: the summaries become one float64 matrix, the
-    position counts one flat array with offsets; the checks are those of `window_stats_table`.
+    """Window rows (`WindowRow` tuples) as an Arrow table, column by column, with no dict per row.
 
     >>> from specwatch.detectors.window import SliceStats
     >>> stats = SliceStats(); stats.add_round(drafted=4, accepted=3)
@@ -242,9 +225,7 @@ def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
 
 
 def window_columns_table(columns: WindowColumns, offset: int = 0) -> pa.Table:
-    """Window-stats insert columns (`WindowColumns`: stage 2's rows built across keys, or rows
-    gathered by `window_rows_table`) as an Arrow table, each column checked as
-    `window_stats_table` checks it, with no step per row."""
+    """Window-stats insert columns (`WindowColumns`) as an Arrow table, each column checked."""
     lists = {name: _count_list_array(*columns.positions[name]) for name in WINDOW_ARRAYS}
 
     def value_of(index: int, name: str) -> Any:
@@ -260,8 +241,8 @@ def window_columns_table(columns: WindowColumns, offset: int = 0) -> pa.Table:
 def _window_table(numbers: Mapping[str, np.ndarray], texts: Mapping[str, list],
                   lists: Mapping[str, tuple[pa.Array | None, Sequence[int]]], value_of: Callable[[int, str], Any],
                   offset: int, culprit: Callable[[], ValueError]) -> pa.Table:
-    """The window-stats insert from its columns, each checked: the first bad value raises
-    ValueError naming its row (``offset`` + index) and column."""
+    """The window-stats insert from its columns; the first bad value raises ValueError naming its
+    row (``offset`` + index) and column."""
     arrays = []
     for name in WINDOW_STATS_FIELDS:
         if name in WINDOW_ARRAYS:
