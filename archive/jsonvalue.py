@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections import abc
 from typing import Any
 
-__all__ = ["canonical_json", "plain"]
+__all__ = ["canonical_json", "digest_id", "plain"]
 
 
 def plain(value: Any, *, keep_nan: bool = False) -> Any:
@@ -51,6 +52,15 @@ def canonical_json(value: Any) -> str:
     except (ValueError, TypeError):
         return json.dumps(plain(value), separators=(",", ":"), sort_keys=True, allow_nan=False,
                           default=_refuse)
+
+
+def digest_id(prefix: str, value: Any) -> str:
+    """A stable row id: ``prefix`` and a digest of the canonical JSON of ``value``.
+
+    >>> digest_id("o-", {"b": 1, "a": [2]})
+    'o-63c9663de90ee828'
+    """
+    return prefix + hashlib.sha256(canonical_json(value).encode()).hexdigest()[:16]
 
 
 def _refuse(value: Any) -> Any:

@@ -3,7 +3,6 @@ before any insert), and stored JSON decoded again on the way out."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import math
@@ -15,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from specwatch.archive.columns import AUDIT, DECISIONS, SAMPLES, SEALED_SAMPLES, WINDOW_STATS, WINDOW_STATS_FIELDS
-from specwatch.archive.jsonvalue import canonical_json
+from specwatch.archive.jsonvalue import canonical_json, digest_id
 from specwatch.schemas import Decision
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, WindowColumns, WindowRow
 from specwatch.schemas.redaction import redact_record
@@ -30,7 +29,6 @@ _SAMPLE_KINDS = ("request", "step", "shadow")
 _AUDIT_JSON = ("thresholds", "baseline", "window", "card", "detail")
 
 # The window-stats columns by what they hold, read off their types in `columns.WINDOW_STATS`.
-_WINDOW_COUNTS = tuple(name for name, kind in WINDOW_STATS.columns if kind == "UInt64")
 WINDOW_ARRAYS = tuple(name for name, kind in WINDOW_STATS.columns if kind.startswith("Array("))
 WINDOW_RATIOS = tuple(name for name, kind in WINDOW_STATS.columns if kind == "Nullable(Float64)")
 _RATIO_SET = frozenset(WINDOW_RATIOS)
@@ -39,12 +37,11 @@ _WINDOW_TEXT = tuple(name for name, kind in WINDOW_STATS.columns if "String" in 
 # fractions and negatives can be told apart and refused or kept as the field needs.
 _WINDOW_NUMBERS = tuple(name for name in WINDOW_STATS_FIELDS if name not in _WINDOW_TEXT + WINDOW_ARRAYS)
 _WINDOW_NUMBER_VALUES = operator.itemgetter(*_WINDOW_NUMBERS)
-_WINDOW_EXPECTED = {name: "a count" if name in _WINDOW_COUNTS else "a number or NaN"
-                    for name in WINDOW_STATS_FIELDS}
-_WINDOW_EXPECTED.update(ts="a finite slice end time", bundle_id="a bundle id string",
-                        bucket="a string or None", cohort="a string or None",
-                        speculation_on="a bool", accepted_at_least="a list of counts",
-                        drafted_at_least="a list of counts")
+_EXPECTED_OF_KIND = {"UInt64": "a count", "Nullable(Float64)": "a number or NaN", "Bool": "a bool",
+                     "Array(UInt64)": "a list of counts",
+                     "LowCardinality(Nullable(String))": "a string or None"}
+_WINDOW_EXPECTED = {name: _EXPECTED_OF_KIND.get(kind) for name, kind in WINDOW_STATS.columns}
+_WINDOW_EXPECTED.update(ts="a finite slice end time", bundle_id="a bundle id string")
 
 
 class DecisionBatch:
@@ -91,9 +88,9 @@ def stage_row(change: Mapping[str, Any]) -> list[Any]:
     bundle_id, ts = change["bundle_id"], finite(change["ts"], "ts")
     require_text(bundle_id, "bundle_id")
     detail = canonical_json(change.get("detail") or {})
-    body = canonical_json({"bundle_id": bundle_id, "ts": ts, "stage": change["stage"], "actor": change["actor"],
-                  "reason": change.get("reason", ""), "decision_id": change.get("decision_id"), "detail": detail})
-    change_id = "s-" + hashlib.sha256(body.encode()).hexdigest()[:16]
+    change_id = digest_id("s-", {"bundle_id": bundle_id, "ts": ts, "stage": change["stage"],
+                                 "actor": change["actor"], "reason": change.get("reason", ""),
+                                 "decision_id": change.get("decision_id"), "detail": detail})
     return [change_id, ts, bundle_id, change["stage"], change.get("previous_stage"),
             float(change.get("cohort_share") or 0.0), change["actor"], change.get("reason", ""),
             change.get("decision_id"), detail, int(change.get("seq") or 0)]

@@ -66,39 +66,16 @@ class ArchiveSink:
     """Writes stage-2 output to an `Archive`, decisions at once and window rows in batches; while
     the archive is away, to a `Spool` replayed with backoff (docs/RELIABILITY.md).
 
-    Parameters
-    ----------
-    archive
-        An `Archive`, or a function that opens one (tried again with backoff while it raises).
-    window_batch
-        Buffered window rows that make a write.
-    spool
-        A `Spool`, or its directory; by default `default_spool_dir` of the archive.
-    sample_text
-        Free-text handling for spooled samples when ``archive`` is a function; an
-        archive passed in brings its own (`Archive.sample_text`).
-    retry_backoff_s, max_retry_backoff_s
-        First and longest wait between replay attempts.
-    clock
-        Monotonic clock, passed in so tests can drive the backoff.
-    outage_log_level
-        Level of the log lines about an outage and the spool (``logging.INFO`` where a command
-        prints `delivery_note()` itself).
-    archive_label
-        How messages name an archive opened later by ``archive`` (never with credentials).
+    ``archive`` is an `Archive` or a function opening one (retried while it raises); then
+    ``sample_text`` and ``archive_label`` stand for the archive's own until it opens.
     """
 
     def __init__(self, archive: Any, window_batch: int = _DEFAULT_WINDOW_BATCH, *,
                  spool: Spool | str | os.PathLike | None = None, sample_text: str = DEFAULT_SAMPLE_TEXT,
-                 retry_backoff_s: float = _DEFAULT_RETRY_BACKOFF_S,
-                 max_retry_backoff_s: float = _DEFAULT_MAX_RETRY_BACKOFF_S,
                  clock: Callable[[], float] = time.monotonic,
                  outage_log_level: int = logging.WARNING, archive_label: str | None = None) -> None:
         if window_batch < 1:
             raise ValueError(f"window_batch must be at least 1, got {window_batch}")
-        if not 0 < retry_backoff_s <= max_retry_backoff_s:
-            raise ValueError(f"need 0 < retry_backoff_s <= max_retry_backoff_s, got {retry_backoff_s} and "
-                             f"{max_retry_backoff_s}")
         opener = None if hasattr(archive, "write_decisions") else archive
         if opener is not None and not callable(opener):
             raise TypeError(f"archive must be an Archive or a function opening one, not {type(archive).__name__}")
@@ -119,9 +96,7 @@ class ArchiveSink:
         self._spans: dict[tuple[str, str], list[float]] = {}
         self._grown: set[tuple[str, str]] = set()
         self._clock = clock
-        self._first_backoff = retry_backoff_s
-        self._max_backoff = max_retry_backoff_s
-        self._backoff = retry_backoff_s
+        self._backoff = _DEFAULT_RETRY_BACKOFF_S
         self._retry_at = -float("inf")
         self._outage = False
         self._written = self._spooled = self._dropped = self._dropped_rows = self._outages = 0
@@ -301,7 +276,7 @@ class ArchiveSink:
             self._first_error = self._first_error or _first_line(error)
             _LOG.log(self._outage_log_level, "the archive %s is not taking writes (%s): spooling to %s and "
                      "retrying with backoff", self._label(), _first_line(error), self.spool.directory)
-        self._backoff = self._first_backoff
+        self._backoff = _DEFAULT_RETRY_BACKOFF_S
         self._retry_at = self._clock() + self._backoff
 
     def _replay_if_due(self) -> None:
@@ -313,11 +288,11 @@ class ArchiveSink:
             replayed = self.spool.replay(self._write_entries)
         except Exception as error:  # noqa: BLE001 - still away; keep the spool
             self._failed_replays += 1
-            self._backoff = min(self._backoff * 2, self._max_backoff)
+            self._backoff = min(self._backoff * 2, _DEFAULT_MAX_RETRY_BACKOFF_S)
             self._retry_at = self._clock() + self._backoff
             _LOG.debug("archive replay failed (next try in %.0f s): %s", self._backoff, _first_line(error))
             return
-        self._backoff = self._first_backoff
+        self._backoff = _DEFAULT_RETRY_BACKOFF_S
         if self._outage or replayed:
             _LOG.log(self._outage_log_level, "the archive %s takes writes again: %d spooled entries replayed",
                      self._label(), replayed)

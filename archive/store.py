@@ -22,7 +22,7 @@ from specwatch.archive.columns import (AUDIT, BUNDLE_SIGHTINGS, BUNDLE_STAGES, B
                                        Table)
 from specwatch.archive.dsn import DEFAULT_DATABASE, archive_dsn, check_database_name, parse_archive_dsn
 from specwatch.archive.errors import ArchiveNotFoundError
-from specwatch.archive.jsonvalue import canonical_json
+from specwatch.archive.jsonvalue import canonical_json, digest_id
 from specwatch.archive.queries import PostmortemQueries, where_clause
 from specwatch.archive.rows import (DEFAULT_SAMPLE_TEXT, DecisionBatch, append_row, audit_out, finite, require_text,
                                     stage_row, window_columns_table, window_rows_table, window_stats_table)
@@ -277,7 +277,7 @@ class Archive(PostmortemQueries):
             raise ValueError(f"draft_limit must be an integer in 1..64, not {draft_limit!r}")
         body = {"bundle_id": bundle_id, "bucket": bucket, "cohort": cohort, "enabled": bool(enabled),
                 "draft_limit": draft_limit, "by": by, "reason": reason, "ts": ts, "cleared": bool(cleared)}
-        override_id = "o-" + hashlib.sha256(canonical_json(body).encode()).hexdigest()[:16]
+        override_id = digest_id("o-", body)
         self._insert(OVERRIDES,
                      [[v] for v in (override_id, ts, bundle_id, bucket, cohort, bool(enabled),
                                     draft_limit, by, reason, bool(cleared))])
@@ -335,8 +335,8 @@ class Archive(PostmortemQueries):
         """Audit one attempt to open a decision's sealed samples (who, when, which, outcome)."""
         require_text(actor, "actor (who opens the samples)")
         ts = finite(ts, "ts")
-        body = canonical_json({"decision_id": decision_id, "actor": actor, "ts": ts, "detail": detail})
-        audit_id = "a-open-" + hashlib.sha256(body.encode()).hexdigest()[:16]
+        audit_id = digest_id("a-open-", {"decision_id": decision_id, "actor": actor, "ts": ts,
+                                         "detail": detail})
         self._audit_manual(audit_id, ts, "sample_open", actor, bundle_id, decision_id=decision_id,
                         detail=canonical_json(detail))
         return audit_id

@@ -1,9 +1,5 @@
-"""Archive outages on a real chDB archive: rows spool to local disk, replay when the archive is back,
-and every row is in the archive exactly once (ReplacingMergeTree + FINAL), partial writes included.
-
-The archive is made unwritable for real: the immutable flag on its directories when the
-tests run as root (root ignores permission bits), permission bits otherwise.
-"""
+"""Archive outages on a real chDB archive made unwritable for real: rows spool to local disk, replay
+when the archive is back, and every row is in the archive exactly once, partial writes included."""
 
 from __future__ import annotations
 
@@ -59,7 +55,8 @@ class _Clock:
 
 @contextlib.contextmanager
 def _unwritable(*roots: Path):
-    """Nothing can be created in these directories (or below) until the block ends."""
+    """Nothing can be created in these directories (or below) until the block ends: the immutable
+    flag as root (root ignores permission bits), permission bits otherwise."""
     directories = [Path(d) for root in roots for d, _, _ in os.walk(root)]  # walk does not follow symlinks
     as_root = os.geteuid() == 0
     if as_root:

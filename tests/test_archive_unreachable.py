@@ -1,9 +1,5 @@
-"""`specwatch replay` and `specwatch demo` with an archive they cannot write: the decisions still come out,
-one warning line says where the archive rows wait, and a later run delivers them exactly once.
-
-Each case is real: a chDB directory held open by another process, a directory nobody may
-write to, and an http DSN on a free port nobody listens on.
-"""
+"""`specwatch replay` and `demo` with an archive they cannot really write: the decisions still come
+out, one warning line says where the archive rows wait, and a later run delivers them once."""
 
 from __future__ import annotations
 
