@@ -1,12 +1,10 @@
-"""Admission: seeded closed-loop rollouts give exactly the expected stages, and it changes nothing when off.
-
-The simulator runs closed loop (its router reads each bundle's stage from the flag store, as
-a production router reads the decisions topic) under the policy of docs/admission-policy.toml.
-"""
+"""Admission: seeded closed-loop rollouts (the simulator's router reads the flag store) under
+docs/admission-policy.toml give exactly the expected stages, and it changes nothing when off."""
 
 import json
 import math
 import tomllib
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -32,18 +30,14 @@ POLICY = {"admission": {"enforce": True, "shadow_share": 0.2, "cohort_schedule":
 _REPO = Path(__file__).resolve().parents[1]
 
 
-_ROLLOUTS: dict = {}
-
-
 def _rollout(scenario, policy=POLICY, minutes=None):
     """One closed-loop run per (scenario, policy, minutes) for the module: tests only read it."""
-    key = (scenario, json.dumps(policy, sort_keys=True), minutes)
-    if key not in _ROLLOUTS:
-        _ROLLOUTS[key] = _run_rollout(scenario, policy, minutes)
-    return _ROLLOUTS[key]
+    return _run_rollout(scenario, json.dumps(policy, sort_keys=True), minutes)
 
 
-def _run_rollout(scenario, policy, minutes):
+@lru_cache(maxsize=None)
+def _run_rollout(scenario, policy_json, minutes):
+    policy = json.loads(policy_json)
     flags = FlagStore()
     changes, actions = [], []
     sim = Simulator(scenario, seed=SEED, workers=8, minutes=minutes, flags=flags)

@@ -1,8 +1,5 @@
-"""Fuzzing the policy loader: any file content gives a Policy or a PolicyError that names the file.
-
-A policy file is written by people, by hand, under pressure: nothing in it may crash the
-processor with anything but a message to act on. Budget as in test_fuzz_codec.
-"""
+"""Fuzzing the policy loader: any file content gives a Policy or a PolicyError that names the file
+(budget as in test_fuzz_codec)."""
 
 from __future__ import annotations
 
