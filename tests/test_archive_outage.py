@@ -29,11 +29,8 @@ _POLICY = Policy.model_validate({"baseline": {"learn_seconds": 10}})
 
 @lru_cache(maxsize=1)
 def _outputs() -> tuple[SliceOutput, ...]:
-    """90 s of the seeded demo fleet: 90 slices, a bundle at the start, three slices with decisions.
-
-    Which slices decide is the detectors' business (pinned in test_scenarios); this module
-    only needs a few of them, found here rather than pinned twice.
-    """
+    """90 s of the seeded demo fleet: 90 slices, a bundle at the start, a few slices with decisions
+    (which ones is test_scenarios' business)."""
     records = Simulator("demo", seed=3, minutes=1.5, workers=2, concurrency=4, incident_at=20.0).records()
     outputs: list[SliceOutput] = []
     replayed(records, policy=_POLICY, sinks=[outputs.append])
