@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from specwatch.archive.columns import DECISIONS, WINDOW_STATS_FIELDS
 from specwatch.archive.errors import ArchiveError, ArchiveQueryLimit
-from specwatch.archive.rows import WINDOW_ARRAYS, WINDOW_RATIOS, audit_out, decision_out
+from specwatch.archive.rows import WINDOW_ARRAYS, audit_out, decision_out, window_out
 
 __all__ = ["DEFAULT_SQL_MAX_ROWS", "DEFAULT_SQL_MAX_SECONDS", "PostmortemQueries", "where_clause"]
 
@@ -98,12 +98,7 @@ class PostmortemQueries:
                             for name in WINDOW_STATS_FIELDS)
         rows = self._select(f"SELECT {columns} FROM {self._db}.window_stats "
                             f"FINAL{where} ORDER BY ts, bundle_id, bucket, cohort", params)
-        nan = math.nan
-        for row in rows:
-            for name in WINDOW_RATIOS:
-                if row[name] is None:
-                    row[name] = nan
-        return rows
+        return [window_out(row) for row in rows]
 
     def bundles(self) -> list[dict]:
         """Every bundle seen: card, first/last seen and the workers that ran it, and each

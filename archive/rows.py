@@ -20,9 +20,9 @@ from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, WindowColumns, Wind
 from specwatch.schemas.redaction import redact_record
 from specwatch.schemas.sealed import sealed_key_id
 
-__all__ = ["DEFAULT_SAMPLE_TEXT", "WINDOW_ARRAYS", "WINDOW_RATIOS", "DecisionBatch", "append_row",
-           "audit_out", "decision_out", "finite", "require_text", "stage_row", "window_columns_table",
-           "window_rows_table", "window_stats_table"]
+__all__ = ["DEFAULT_SAMPLE_TEXT", "WINDOW_ARRAYS", "DecisionBatch", "append_row", "audit_out",
+           "decision_out", "finite", "require_text", "stage_row", "window_columns_table",
+           "window_out", "window_rows_table", "window_stats_table"]
 
 DEFAULT_SAMPLE_TEXT = "hashes"
 _SAMPLE_KINDS = ("request", "step", "shadow")
@@ -30,8 +30,8 @@ _AUDIT_JSON = ("thresholds", "baseline", "window", "card", "detail")
 
 # The window-stats columns by what they hold, read off their types in `columns.WINDOW_STATS`.
 WINDOW_ARRAYS = tuple(name for name, kind in WINDOW_STATS.columns if kind.startswith("Array("))
-WINDOW_RATIOS = tuple(name for name, kind in WINDOW_STATS.columns if kind == "Nullable(Float64)")
-_RATIO_SET = frozenset(WINDOW_RATIOS)
+_WINDOW_RATIOS = tuple(name for name, kind in WINDOW_STATS.columns if kind == "Nullable(Float64)")
+_RATIO_SET = frozenset(_WINDOW_RATIOS)
 _WINDOW_TEXT = tuple(name for name, kind in WINDOW_STATS.columns if "String" in kind)
 # Every number (counts and the flag too) is unpacked as float64 first, so None, NaN,
 # fractions and negatives can be told apart and refused or kept as the field needs.
@@ -345,13 +345,18 @@ def audit_out(row: dict) -> dict:
     for name in _AUDIT_JSON:
         row[name] = json.loads(row[name]) if row[name] else None
     window = row.get("window")
-    if isinstance(window, list):
-        # Window slices read back like timeline rows: undefined ratios are NaN again.
+    if isinstance(window, list):  # window slices read back like timeline rows
         for entry in window:
             if isinstance(entry, dict):
-                for key, value in entry.items():
-                    if value is None and key in _RATIO_SET:
-                        entry[key] = math.nan
+                window_out(entry)
+    return row
+
+
+def window_out(row: dict) -> dict:
+    """A window-stats row as read: undefined ratios (NULL) are NaN again."""
+    for name in _WINDOW_RATIOS:
+        if name in row and row[name] is None:
+            row[name] = math.nan
     return row
 
 
