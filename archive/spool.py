@@ -3,6 +3,7 @@ archive could not take waits here until it can."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -215,12 +216,9 @@ class Spool:
                      "person to look at", path.name, error, target)
 
     def _segments(self) -> list[tuple[int, Path]]:
-        found = []
-        for path in self.directory.iterdir():
-            match = _SEGMENT_PATTERN.fullmatch(path.name)
-            if match:
-                found.append((int(match.group(1)), path))
-        return sorted(found)
+        paths = self.directory.iterdir()
+        matches = ((_SEGMENT_PATTERN.fullmatch(path.name), path) for path in paths)
+        return sorted((int(match.group(1)), path) for match, path in matches if match)
 
     def stats(self) -> SpoolStats:
         with self._lock:
@@ -236,14 +234,10 @@ class Spool:
 
 
 def _fsync_directory(directory: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
