@@ -137,7 +137,6 @@ def test_an_unwritable_chdb_archive_spools_and_every_row_arrives_exactly_once(tm
 
 def test_a_replay_after_a_partial_write_duplicates_nothing(tmp_path):
     """The decisions table refuses while samples and audit still take the same decision's rows."""
-    outputs = _outputs()
     path = tmp_path / "archive"
     clock = _Clock()
     with Archive.open(f"chdb://{path}") as archive:
