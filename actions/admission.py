@@ -11,8 +11,6 @@ from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
 
-from .flags import FlagStore
-
 __all__ = ["AdmissionController", "BundleAdmission", "StageChange", "MANUAL_MOVES", "manual_stage",
            "manual_stage_decision", "next_stage", "stage_placement"]
 
@@ -155,14 +153,12 @@ def _judged(entry: BundleAdmission) -> tuple[dict, str]:
 
 class AdmissionController:
     """Moves bundles through the admission stages on the events and final slices stage 2 feeds it
-    in event-time order; every move is a `Decision` (or a history row) for ``flags``, the flag
-    store the caller keeps current.
+    in event-time order; every move is a `Decision` (or a history row) for the caller's flag store.
     """
 
-    def __init__(self, policy: Policy, flags: FlagStore) -> None:
+    def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.settings = policy.admission
-        self.flags = flags
         self.bundles: dict[str, BundleAdmission] = {}
         self._admitted = frozenset(self.settings.admitted_bundles)
         self.changes: list[StageChange] = []  # stage changes not yet taken by the caller

@@ -180,7 +180,7 @@ def test_one_strict_mismatch_fails_a_judge_whatever_else_it_saw():
 def _shadowed(policy: dict) -> tuple[AdmissionController, FlagStore]:
     """A controller under ``policy`` that has seen BUNDLE (strict) and put it in shadow."""
     flags = FlagStore()
-    controller = AdmissionController(Policy.model_validate(policy), flags)
+    controller = AdmissionController(Policy.model_validate(policy))
     controller.seen(BUNDLE, {"policy": {"acceptance_rule": "strict"}}, 10.0)
     for decision in controller.observe(BUNDLE, None, None, _slice(6.0), 11.0, True):
         flags.apply(decision)
@@ -213,8 +213,7 @@ def test_a_stage_without_a_verdict_for_too_long_is_frozen_as_inconclusive():
 
 def test_non_strict_bundle_stays_unadmitted_and_listed_bundles_are_admitted():
     policy = Policy.model_validate({"admission": {"enforce": True, "admitted_bundles": ["b-old"]}})
-    flags = FlagStore()
-    controller = AdmissionController(policy, flags)
+    controller = AdmissionController(policy)
     controller.seen("b-new", {"policy": {"acceptance_rule": "typical"}}, 5.0)
     controller.seen("b-old", {"policy": {"acceptance_rule": "strict"}}, 5.0)
     new = controller.observe("b-new", None, None, _slice(6.0), 6.0, True)

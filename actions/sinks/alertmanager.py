@@ -3,6 +3,7 @@ rollbacks (`read_webhook`); docs/OPERATIONS.md says how each behaves."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
@@ -258,8 +259,6 @@ def bearer_token_ok(header: str | None, token: str) -> bool:
     >>> bearer_token_ok("Bearer s3cret", "s3cret"), bearer_token_ok("Bearer nope", "s3cret"), bearer_token_ok(None, "x")
     (True, False, False)
     """
-    import hmac
-
     if not header or not header.startswith("Bearer "):
         return False
     return hmac.compare_digest(header[len("Bearer "):].strip().encode(), token.encode())
