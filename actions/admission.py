@@ -1,9 +1,5 @@
-"""Admission: a bundle earns speculation on evidence, stage by stage, and loses it on any change.
-
-Stages: unadmitted (or invalidated, after a fingerprint change) -> shadow (mirrored traffic
-only) -> canary at each share of the cohort schedule -> admitted; a failed judgement or a
-fallback on the speculative path freezes it. Pure: events in, decisions out, no I/O.
-"""
+"""Admission: a bundle earns speculation on evidence, stage by stage (docs/ADMISSION.md), and
+loses it on any change. Pure: events in, decisions out."""
 
 from __future__ import annotations
 
@@ -14,8 +10,6 @@ from specwatch.detectors.canary import CanaryJudge, Judgement, combine
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
-
-from .flags import FlagStore
 
 __all__ = ["AdmissionController", "BundleAdmission", "StageChange", "MANUAL_MOVES", "manual_stage",
            "manual_stage_decision", "next_stage", "stage_placement"]
@@ -116,11 +110,7 @@ def manual_stage_decision(bundle_id: str, stage: str, share: float, cohort: str 
 
 @dataclass(frozen=True)
 class StageChange:
-    """One row of a bundle's stage history: what changed it, when, on what evidence.
-
-    ``actor`` is ``specwatch`` for automatic changes, ``policy`` for bundles the policy
-    file admits, or the name of the person who made a manual change.
-    """
+    """One row of a bundle's stage history; ``actor`` is ``specwatch``, ``policy`` or a person."""
 
     bundle_id: str
     ts: float
@@ -162,25 +152,13 @@ def _judged(entry: BundleAdmission) -> tuple[dict, str]:
 
 
 class AdmissionController:
-    """Moves bundles through the admission stages; every move is a `Decision` (or a history row).
-
-    Stage 2 feeds it the events and final slices it sees, in event-time order, and applies
-    the decisions it returns to the flag store. Only bundles whose partials reach this
-    controller (its stage-2 partition) get decisions, so a bundle is decided once.
-
-    Parameters
-    ----------
-    policy
-        The whole policy: its ``admission`` section, the baseline cohort name and the
-        strict shadow checks.
-    flags
-        The flag store the caller keeps current; read for the stages it already holds.
+    """Moves bundles through the admission stages on the events and final slices stage 2 feeds it
+    in event-time order; every move is a `Decision` (or a history row) for the caller's flag store.
     """
 
-    def __init__(self, policy: Policy, flags: FlagStore) -> None:
+    def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.settings = policy.admission
-        self.flags = flags
         self.bundles: dict[str, BundleAdmission] = {}
         self._admitted = frozenset(self.settings.admitted_bundles)
         self.changes: list[StageChange] = []  # stage changes not yet taken by the caller
@@ -198,12 +176,8 @@ class AdmissionController:
 
     def changed(self, bundle_id: str, previous_bundle_id: str, changed_fields: list[str], card: dict,
                 ts: float, worker: str) -> bool:
-        """A worker's card changed to ``bundle_id``: whatever the new card earned before is void.
-
-        Returns whether the change voids anything: False while the new card is still being
-        validated since an earlier change (the rest of the fleet rolling over to it), so that
-        the rollout does not restart its own validation worker by worker.
-        """
+        """A worker's card changed to ``bundle_id``: whatever it earned before is void. False while
+        it is still being validated since an earlier change (the rest of the fleet rolling over)."""
         entry = self._entry(bundle_id, ts)
         entry.card = card
         if entry.stage in ("unadmitted", "invalidated", "shadow") or (
@@ -220,12 +194,8 @@ class AdmissionController:
 
     def observe(self, bundle_id: str, bucket: str | None, cohort: str | None, stats: SliceStats,
                 slice_end: float, speculating: bool) -> list[Decision]:
-        """One key's final slice, and whether its path speculated; the bundle's own key decides its entry stage.
-
-        In shadow and canary the stage's cohort is the canary side of the judge; every other
-        cohort of the bundle decodes normally (the stage allows none of them to draft), so all
-        of it is the baseline side: standard decoding on the same hardware at the same time.
-        """
+        """One key's final slice, and whether its path speculated: in shadow and canary the stage's
+        cohort is the judge's canary side, the cohorts that decode normally its baseline."""
         entry = self.bundles.get(bundle_id)
         if entry is None:
             entry = self._entry(bundle_id, stats.max_ts or slice_end)
@@ -235,7 +205,7 @@ class AdmissionController:
         if bucket is None or entry.stage not in _JUDGED:
             return decisions
         settings = self.settings
-        side = ("canary" if cohort == self._speculating_cohort(entry)
+        side = ("canary" if cohort == stage_placement(settings, entry.stage)[0]
                 else "baseline" if not speculating and cohort not in (settings.shadow_cohort, settings.canary_cohort)
                 else None)
         if side is not None:
@@ -264,10 +234,8 @@ class AdmissionController:
         evidence = self._stage_evidence(entry, "frozen")
         evidence.update(vetoed_by=decision.id, failed_bucket=decision.bucket,
                         failed_metric=decision.evidence.get("metric", decision.reason), veto_reason=decision.reason)
-        frozen = Decision(ts=decision.ts, bundle_id=entry.bundle_id, action="disable_speculation",
-                          reason="canary_judgement", detector=_VETO, evidence=evidence)
-        self._move(entry, "frozen", decision.ts, "specwatch", "canary_judgement", frozen.id, evidence)
-        return [frozen]
+        return [self._decide(entry, "frozen", decision.ts, "disable_speculation",
+                             "canary_judgement", _VETO, evidence)]
 
     def evaluate(self, now: float) -> list[Decision]:
         """Judge every bundle in shadow or canary whose judges saw new windows; pass promotes, fail freezes."""
@@ -321,17 +289,13 @@ class AdmissionController:
         else:
             evidence = self._stage_evidence(entry, "unadmitted")
             evidence["card_known"] = entry.card is not None
-            off = Decision(ts=ts, bundle_id=entry.bundle_id, action="disable_speculation",
-                           reason="unadmitted_bundle", detector=_REGISTRY, evidence=evidence)
-            self._move(entry, "unadmitted", ts, "specwatch", "unadmitted_bundle", off.id, evidence)
-            decisions.append(off)
+            decisions.append(self._decide(entry, "unadmitted", ts, "disable_speculation",
+                                          "unadmitted_bundle", _REGISTRY, evidence))
         if self.settings.auto_shadow and entry.strict:
             evidence = self._stage_evidence(entry, "shadow")
             evidence["acceptance_rule"] = "strict"
-            shadow = Decision(ts=ts, bundle_id=entry.bundle_id, action="promote", reason="unadmitted_bundle",
-                              detector=_REGISTRY, evidence=evidence)
-            self._move(entry, "shadow", ts, "specwatch", "unadmitted_bundle", shadow.id, evidence)
-            decisions.append(shadow)
+            decisions.append(self._decide(entry, "shadow", ts, "promote", "unadmitted_bundle",
+                                          _REGISTRY, evidence))
         return decisions
 
     def _promote(self, entry: BundleAdmission, now: float, judged: dict[str, Judgement]) -> Decision:
@@ -340,11 +304,8 @@ class AdmissionController:
         entry.share_index = schedule.index(share)
         evidence = self._stage_evidence(entry, stage)
         evidence["judgement"] = {b: _summary(j) for b, j in judged.items()}
-        decision = Decision(ts=now, bundle_id=entry.bundle_id, action="promote", reason="canary_judgement",
-                            detector=_JUDGE, evidence=evidence)
-        self._move(entry, stage, now, "specwatch", "canary_judgement", decision.id,
-                   dict(evidence, breakdown={b: j.evidence() for b, j in judged.items()}))
-        return decision
+        return self._decide(entry, stage, now, "promote", "canary_judgement", _JUDGE, evidence,
+                            judged)
 
     def _freeze(self, entry: BundleAdmission, ts: float, judged: dict[str, Judgement],
                 bucket: str | None, inconclusive: bool = False) -> Decision:
@@ -356,10 +317,17 @@ class AdmissionController:
                         judgement={b: _summary(j) for b, j in judged.items()})
         if inconclusive:
             evidence.update(failed_metric="inconclusive", stage_seconds=round(ts - entry.stage_since, 3))
-        decision = Decision(ts=ts, bundle_id=entry.bundle_id, action="disable_speculation",
-                            reason="canary_judgement", detector=_JUDGE, evidence=evidence)
-        self._move(entry, "frozen", ts, "specwatch", "canary_judgement", decision.id,
-                   dict(evidence, breakdown={b: j.evidence() for b, j in judged.items()}))
+        return self._decide(entry, "frozen", ts, "disable_speculation", "canary_judgement", _JUDGE,
+                            evidence, judged)
+
+    def _decide(self, entry: BundleAdmission, stage: str, ts: float, action: str, reason: str,
+                detector: str, evidence: dict, judged: dict | None = None) -> Decision:
+        """The decision moving ``entry`` to ``stage``, kept in its history (with the judges')."""
+        decision = Decision(ts=ts, bundle_id=entry.bundle_id, action=action, reason=reason,
+                            detector=detector, evidence=evidence)
+        detail = evidence if judged is None else dict(
+            evidence, breakdown={b: j.evidence() for b, j in judged.items()})
+        self._move(entry, stage, ts, "specwatch", reason, decision.id, detail)
         return decision
 
     def _stage_evidence(self, entry: BundleAdmission, stage: str) -> dict:
@@ -374,9 +342,6 @@ class AdmissionController:
 
     def _canary_share(self, entry: BundleAdmission) -> float | None:
         return self.settings.cohort_schedule[entry.share_index] if entry.share_index >= 0 else None
-
-    def _speculating_cohort(self, entry: BundleAdmission) -> str:
-        return stage_placement(self.settings, entry.stage)[0]
 
     def _judge(self, entry: BundleAdmission, bucket: str) -> CanaryJudge:
         judge = entry.judges.get(bucket)

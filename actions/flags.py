@@ -1,9 +1,5 @@
-"""The speculative-path flag state: what engines and routers ask before drafting.
-
-A `FlagStore` folds decisions (and manual overrides) into per-scope state and answers
-"is speculation on for this bundle/bucket/cohort, and with what draft length?" from
-local memory. It is pure: whoever feeds it (replay, decisions topic, archive) does I/O.
-"""
+"""The speculative-path flag state engines and routers ask before drafting: decisions and manual
+overrides folded into per-scope state, in memory and pure (whoever feeds it does I/O)."""
 
 from __future__ import annotations
 
@@ -52,11 +48,8 @@ _ADMISSION_REASONS = {"unadmitted_bundle", "canary_judgement"}
 
 @dataclass(frozen=True)
 class AdmissionState:
-    """A bundle's admission stage as flag clients and routers see it.
-
-    ``cohort`` is the one cohort that speculates while the bundle is in shadow or canary,
-    ``cohort_share`` the share of traffic a router sends it; admitted, every cohort
-    speculates; in any other stage none does.
+    """A bundle's admission stage as flag clients see it: in shadow or canary only ``cohort``
+    speculates (``cohort_share`` of traffic), admitted every cohort, otherwise none.
 
     >>> canary = AdmissionState("canary", "canary", 0.05)
     >>> canary.allows("canary"), canary.allows("main"), AdmissionState("frozen").allows("canary")
@@ -274,12 +267,8 @@ class OverrideChange:
 def override_decision(change: OverrideChange, code: str, automatic: ScopeState | None = None,
                       override_id: str = "", *, detector: str = _MANUAL_DETECTOR,
                       audit: dict | None = None) -> Decision:
-    """The decision that tells flag clients about ``change``, with contract reason ``code``.
-
-    Setting publishes the override's own state; clearing publishes ``automatic``, the
-    state the archived decisions alone give the scope (None: speculation on).
-    ``detector`` names where the override came from (an Alertmanager rollback says
-    ``alertmanager``); ``audit`` adds to its evidence.
+    """The decision that tells flag clients about ``change`` (reason ``code``); clearing publishes
+    ``automatic``, the state archived decisions alone give the scope (None: speculation on).
 
     >>> c = OverrideChange("b-1", "coding", None, False, None, "alice", "p99 page", 100.0)
     >>> d = override_decision(c, "latency_slo", override_id="o-1")

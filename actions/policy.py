@@ -1,9 +1,5 @@
-"""The fallback table as code: findings in, decisions out, with hysteresis, cooldown and restore.
-
-Lower D first where the table says so, then disable; disable at once for SLO, error and
-quality breaches; invalidate a changed bundle; alert on cost changes; restore a disabled
-path once policy allows and the evidence gathered meanwhile is clean. Pure: no I/O.
-"""
+"""The fallback table as code: findings in, decisions out, with hysteresis, cooldown and restore
+(docs/RESTORE.md). Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -27,13 +23,8 @@ _DISABLE_AT_ONCE = {"no_speedup", "latency_slo", "error_rate", "quality_regressi
 
 @dataclass
 class ScopeMemory:
-    """What the policy remembers about one scope between findings.
-
-    ``disables`` counts every automatic disable of the scope, restored or not: it sets
-    the backoff of the next restore. ``disabled_at`` is None while the path is on.
-    ``lowered_to`` is the last D the policy lowered the scope to: a restore brings the path
-    back at that D, since the standard decoding seen meanwhile is no evidence for a longer one.
-    """
+    """What the policy remembers about one scope between findings: ``disables`` (restored or
+    not) sets the restore backoff; a restore brings the path back at ``lowered_to``."""
 
     reduced_at: float | None = None
     lowered_to: int | None = None
@@ -79,32 +70,18 @@ class FallbackPolicy:
 
     def _is_off(self, scope: Scope) -> bool:
         bundle, bucket, cohort = scope
-        if bucket is None and cohort is None:
-            wider: tuple[Scope, ...] = ((bundle, None, None),)
-        elif cohort is None:
-            wider = ((bundle, None, None), (bundle, bucket, None))
-        elif bucket is None:  # a whole cohort of the bundle, every bucket
-            wider = ((bundle, None, None), (bundle, None, cohort))
-        else:
+        if bucket is not None and cohort is not None:
             return not self.flags.lookup(bundle, bucket, cohort).enabled
-        for s in wider:
-            state = self.flags.state(s)
-            if state is not None and not state.enabled:
-                return True
-        return False
-
-    def current_draft_limit(self, scope: Scope) -> int | None:
-        state = self.flags.state(scope)
-        return None if state is None else state.draft_limit
+        # A scope left open (every bucket or every cohort) is off where it, or its bundle, is off.
+        wider = {(bundle, None, None), (bundle, bucket, None), (bundle, None, cohort)}
+        states = map(self.flags.state, wider)
+        return any(state is not None and not state.enabled for state in states)
 
     def decide(self, finding: Finding, scope: Scope, draft_length: int | None,
                sample_ids: list[str] | None = None, extra_evidence: dict | None = None,
                curve: DraftLengthCurve | None = None) -> Decision | None:
-        """At most one decision for ``finding`` on ``scope``.
-
-        ``curve`` is the scope's predicted speedup per draft length; with enough evidence in
-        it, lowering D names the best D below the current one instead of halving.
-        """
+        """At most one decision for ``finding`` on ``scope``; ``curve`` (predicted speedup per D)
+        lets lowering D name the best D below the current one instead of halving."""
         if self._is_off(scope):
             return None  # already on standard decoding here or above: nothing more to say
         memory = self.memory.setdefault(scope, ScopeMemory())
@@ -124,7 +101,8 @@ class FallbackPolicy:
             return self._decision(finding, scope, "invalidate_bundle", evidence, sample_ids)
 
         if reason in _REDUCE_FIRST:
-            limit = self.current_draft_limit(scope) or draft_length
+            state = self.flags.state(scope)
+            limit = (state.draft_limit if state is not None else None) or draft_length
             if memory.reduced_at is not None:
                 if finding.ts - memory.reduced_at < self.policy.acceptance.settle_seconds:
                     return None  # the lower D has not had time to show its effect
@@ -146,11 +124,8 @@ class FallbackPolicy:
         return decision
 
     def _lower_draft_length(self, limit: int, curve: DraftLengthCurve | None, evidence: dict) -> int:
-        """The D to lower to: the best predicted below ``limit``, or half of it on thin evidence.
-
-        Without a curve (a reason that is not about acceptance, such as KV pressure) the
-        table's halving stands and the evidence says nothing more.
-        """
+        """The D to lower to: the best predicted below ``limit``, or half of it on thin evidence or
+        without a curve (KV pressure)."""
         floor = self.policy.actions.min_draft_length
         halved = max(floor, limit // 2)
         if curve is None:
@@ -165,12 +140,8 @@ class FallbackPolicy:
 
     # -- restore ---------------------------------------------------------------------------
     def restore_wait(self, scope: Scope) -> float | None:
-        """Seconds the scope's current disable must last before a restore; None = never.
-
-        ``restore_after_seconds * restore_backoff**(disables - 1)``, at least the cooldown,
-        at most ``restore_max_seconds``. Never for a reason outside ``restore_reasons``
-        (by default quality regressions and invalidated bundles: only a person restores those)
-        or while restores are off (``restore_after_seconds`` unset, the default).
+        """Seconds the scope's current disable must last before a restore, backing off per disable;
+        None = never (restores off, or a reason outside ``restore_reasons``).
 
         >>> policy = Policy.model_validate({"actions": {"restore_after_seconds": 600}})
         >>> fp = FallbackPolicy(policy, FlagStore())
@@ -204,14 +175,8 @@ class FallbackPolicy:
 
     def restore(self, scope: Scope, now: float, evidence: list[RecoveryEvidence],
                 last_mismatch_ts: float | None = None) -> Decision | None:
-        """A `restore` decision for a due scope when every piece of evidence is clean.
-
-        ``evidence`` holds the scope's pooled standard-decoding traffic and its bundle's
-        KV peak over the last ``restore_evidence_seconds``; ``last_mismatch_ts`` is the
-        latest strict shadow mismatch in the scope's buckets. Missing traffic evidence, any
-        problem, or a mismatch since the disable means wait: the scope is looked at again
-        on the next slice, and only a clean look restores it.
-        """
+        """A `restore` decision for a due scope when its ``evidence`` (traffic, KV peak) is there
+        and clean, with no strict shadow mismatch since the disable; else None (look again)."""
         memory = self.memory.get(scope)
         wait = self.restore_wait(scope)
         if memory is None or memory.disabled_at is None or wait is None or now - memory.disabled_at < wait:

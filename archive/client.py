@@ -1,11 +1,5 @@
 """Clients for an archive location: the per-process chDB engine, or a ClickHouse server,
-and the one way an Arrow table is inserted into either.
-
-chDB hosts one engine path per process; the pool here shares it and says who holds a
-directory when another process does. An insert into chDB hands the engine the Arrow table
-in memory (its ``Python()`` table function); into a server it goes over HTTP as an Arrow
-stream (clickhouse-connect's ``insert_arrow``).
-"""
+and the one way an Arrow table is inserted into either."""
 
 from __future__ import annotations
 
@@ -34,12 +28,7 @@ class ArrowInsert(Protocol):
 def connect(location: ArchiveLocation, password: str | None, *, create: bool,
             environ: Mapping[str, str]) -> tuple[Any, ArrowInsert, Callable[[], None]]:
     """A clickhouse-connect client for ``location``, how Arrow tables are inserted there,
-    and the function that releases both.
-
-    A chDB directory that holds no archive raises `ArchiveNotFoundError` unless ``create``;
-    a server's credentials come from the DSN, else from ``$SPECWATCH_CLICKHOUSE_USER`` /
-    ``_PASSWORD``.
-    """
+    and the function that releases both."""
     if location.engine == "chdb":
         # Checked before the engine starts: opening a directory makes chDB lay out
         # its store there, which a read-only command must not do to a wrong path.
@@ -73,9 +62,8 @@ def server_insert(client: Any, table: str, data: Any, settings: Mapping[str, Any
 
 
 def _chdb_insert(engine: Any, lock: threading.Lock, table: str, data: Any, settings: Mapping[str, Any]) -> None:
-    """An Arrow table into the chDB engine in memory: ``Python(data)`` reads the table's
-    buffers where they are (clickhouse-connect's chDB ``insert_arrow`` writes an IPC file and
-    inserts it ``FROM INFILE``)."""
+    """An Arrow table into the chDB engine in memory: ``Python(data)`` reads its buffers where
+    they are (clickhouse-connect's chDB ``insert_arrow`` goes through a file)."""
     from clickhouse_connect.driver.exceptions import DatabaseError
 
     names = ", ".join(data.schema.names)
@@ -89,12 +77,8 @@ def _chdb_insert(engine: Any, lock: threading.Lock, table: str, data: Any, setti
 
 
 class _ChdbClients:
-    """The per-process cache of chDB clients.
-
-    chDB hosts one engine path per process, so every archive opened on that path in
-    this process shares one client; the engine is released when the last one closes,
-    after which another path may be opened.
-    """
+    """The per-process chDB client: chDB hosts one engine path per process, so archives on that
+    path share it; released with the last user, after which another path may be opened."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -171,10 +155,8 @@ def _chdb_holder(path: str) -> str | None:
                 fcntl.flock(status.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 fcntl.flock(status.fileno(), fcntl.LOCK_UN)
                 return None
-            except BlockingIOError:
-                pass
             except OSError:
-                pass  # no flock here: the pid alone has to tell
+                pass  # held (BlockingIOError), or no flock here: the pid alone has to tell
     except OSError:
         return None
     found = re.search(r"PID:\s*(\d+)", text)

@@ -1,8 +1,5 @@
-"""The archive's tables, each written once: its columns give both the DDL and the Arrow insert schema.
-
-A column is a name and its ClickHouse type; the Arrow type an insert sends is read off that
-type. Columns with a ``DEFAULT`` are filled by the engine and left out of inserts.
-"""
+"""The archive's tables, each written once: its columns (name, ClickHouse type) give the DDL, the
+Arrow insert schema (``DEFAULT`` columns left to the engine) and the row order."""
 
 from __future__ import annotations
 

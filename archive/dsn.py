@@ -1,8 +1,5 @@
-"""Where the archive lives: DSN parsing, the default DSN, and DSNs as they may be shown.
-
-Standard library only, so every command checks its ``--archive`` before any work without
-loading the archive.
-"""
+"""Where the archive lives: DSN parsing, the default DSN, and DSNs as they may be shown (standard
+library only, so commands check ``--archive`` without loading the archive)."""
 
 from __future__ import annotations
 

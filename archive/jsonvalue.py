@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections import abc
 from typing import Any
 
-__all__ = ["canonical_json", "plain"]
+__all__ = ["canonical_json", "digest_id", "plain"]
 
 
 def plain(value: Any, *, keep_nan: bool = False) -> Any:
-    """``value`` in JSON's own types: mappings as dicts with string keys, tuples and lists as
-    lists, sets as sorted lists, pydantic models and numpy values as what they hold.
-
-    NaN and infinities become None (JSON has neither) unless ``keep_nan``, for writers whose
-    readers take them back. Anything else is returned as it is, for ``json.dumps`` to refuse
-    or for its ``default`` to handle.
+    """``value`` in JSON's own types (sets sorted, models and numpy values as what they hold), NaN
+    and infinities as None unless ``keep_nan``; anything else as it is, for ``json.dumps``.
 
     >>> import numpy as np
     >>> plain({"al": np.float64("nan"), 2: (1, {3.5, 0.5}), "n": np.arange(2)})
@@ -55,6 +52,15 @@ def canonical_json(value: Any) -> str:
     except (ValueError, TypeError):
         return json.dumps(plain(value), separators=(",", ":"), sort_keys=True, allow_nan=False,
                           default=_refuse)
+
+
+def digest_id(prefix: str, value: Any) -> str:
+    """A stable row id: ``prefix`` and a digest of the canonical JSON of ``value``.
+
+    >>> digest_id("o-", {"b": 1, "a": [2]})
+    'o-63c9663de90ee828'
+    """
+    return prefix + hashlib.sha256(canonical_json(value).encode()).hexdigest()[:16]
 
 
 def _refuse(value: Any) -> Any:

@@ -1,9 +1,5 @@
-"""The postmortem queries `specwatch query` runs: decisions, one decision, its samples, timelines,
-bundles, and ad-hoc SQL that can only read.
-
-Filters are bound parameters. Ad-hoc SQL is one read-only statement, checked before it reaches
-the engine, which runs it with ``readonly=1`` and stops it at its time and row limits.
-"""
+"""The postmortem queries `specwatch query` runs, with filters as bound parameters, and ad-hoc
+SQL checked to be one read-only statement, run with ``readonly=1`` under time and row limits."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ from typing import Any, Mapping
 
 from specwatch.archive.columns import DECISIONS, WINDOW_STATS_FIELDS
 from specwatch.archive.errors import ArchiveError, ArchiveQueryLimit
-from specwatch.archive.rows import WINDOW_ARRAYS, WINDOW_RATIOS, audit_out, decision_out
+from specwatch.archive.rows import WINDOW_ARRAYS, audit_out, decision_out, window_out
 
 __all__ = ["DEFAULT_SQL_MAX_ROWS", "DEFAULT_SQL_MAX_SECONDS", "PostmortemQueries", "where_clause"]
 
@@ -36,11 +32,7 @@ _FILTER_TYPES = {"bundle_id": "String", "bucket": "String", "cohort": "String", 
 
 
 class PostmortemQueries:
-    """The canned postmortem reads `specwatch query` runs, and its read-only ad-hoc SQL.
-
-    The read side of `Archive` (its base class): it reads through the archive's client, in
-    the archive's database, under the archive's lock.
-    """
+    """The read side of `Archive` (its base class), through the archive's client and lock."""
 
     _client: Any
     _db: str
@@ -106,12 +98,7 @@ class PostmortemQueries:
                             for name in WINDOW_STATS_FIELDS)
         rows = self._select(f"SELECT {columns} FROM {self._db}.window_stats "
                             f"FINAL{where} ORDER BY ts, bundle_id, bucket, cohort", params)
-        nan = math.nan
-        for row in rows:
-            for name in WINDOW_RATIOS:
-                if row[name] is None:
-                    row[name] = nan
-        return rows
+        return [window_out(row) for row in rows]
 
     def bundles(self) -> list[dict]:
         """Every bundle seen: card, first/last seen and the workers that ran it, and each
@@ -155,52 +142,38 @@ class PostmortemQueries:
             max_rows: int = DEFAULT_SQL_MAX_ROWS) -> tuple[list[str], list[tuple]]:
         """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows).
 
-        Names without a database resolve in the archive's database (``SHOW TABLES`` lists
-        the archive's tables). Anything but a read raises ValueError before it reaches the
-        engine, which runs it with ``readonly=1`` as well. The engine stops the statement
-        after ``max_seconds`` or past ``max_rows`` result rows (`ArchiveQueryLimit`); any
-        other engine error raises `ArchiveError`. An empty result may have no column names.
+        Names without a database resolve in the archive's database. Anything but a read raises
+        ValueError; past ``max_seconds`` or ``max_rows`` the engine stops it (`ArchiveQueryLimit`);
+        any other engine error raises `ArchiveError`. An empty result may have no column names.
         """
-        return _read_only_query(self._client, self._db, statement, self._lock, max_seconds=max_seconds,
-                                max_rows=max_rows)
+        from clickhouse_connect.driver.exceptions import ClickHouseError
 
-
-def _read_only_query(client: Any, database: str, statement: str, lock: threading.Lock, *,
-                    max_seconds: float = DEFAULT_SQL_MAX_SECONDS,
-                    max_rows: int = DEFAULT_SQL_MAX_ROWS) -> tuple[list[str], list[tuple]]:
-    """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE) on ``client``; returns (columns, rows).
-
-    Names without a database resolve in ``database``. Anything but a read raises ValueError
-    before it reaches the engine, which runs it with ``readonly=1`` as well. The engine stops
-    the statement after ``max_seconds`` or past ``max_rows`` result rows (`ArchiveQueryLimit`);
-    any other engine error raises `ArchiveError`. ``lock`` is held while the client is used.
-    """
-    from clickhouse_connect.driver.exceptions import ClickHouseError
-
-    if not max_seconds > 0 or not math.isfinite(max_seconds):
-        raise ValueError(f"max_seconds must be a positive number of seconds, not {max_seconds!r}")
-    if not isinstance(max_rows, int) or max_rows < 1:
-        raise ValueError(f"max_rows must be a positive whole number, not {max_rows!r}")
-    statement = _read_only_statement(statement)
-    limits = {"max_execution_time": max_seconds, "max_result_rows": max_rows}
-    settings = dict(_SQL_SETTINGS, result_overflow_mode="throw", **limits)
-    try:
-        with lock:
-            current = getattr(client, "database", None)
-            client.database = database
-            try:
-                result = client.query(statement, settings=settings)
-            finally:
-                client.database = current
-    except ClickHouseError as exc:
-        # The engine's first line says what is wrong; the rest is its stack trace.
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        code = re.search(r"Code: (\d+)", message)
-        setting = _LIMIT_CODES.get(int(code.group(1))) if code else None
-        if setting is not None:
-            raise ArchiveQueryLimit(setting, limits[setting]) from exc
-        raise ArchiveError(f"query failed: {message}") from exc
-    return list(result.column_names), list(result.result_rows)
+        if not max_seconds > 0 or not math.isfinite(max_seconds):
+            raise ValueError(f"max_seconds must be a positive number of seconds, "
+                             f"not {max_seconds!r}")
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be a positive whole number, not {max_rows!r}")
+        statement = _read_only_statement(statement)
+        limits = {"max_execution_time": max_seconds, "max_result_rows": max_rows}
+        settings = dict(_SQL_SETTINGS, result_overflow_mode="throw", **limits)
+        client = self._client
+        try:
+            with self._lock:
+                current = getattr(client, "database", None)
+                client.database = self._db
+                try:
+                    result = client.query(statement, settings=settings)
+                finally:
+                    client.database = current
+        except ClickHouseError as exc:
+            # The engine's first line says what is wrong; the rest is its stack trace.
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            code = re.search(r"Code: (\d+)", message)
+            setting = _LIMIT_CODES.get(int(code.group(1))) if code else None
+            if setting is not None:
+                raise ArchiveQueryLimit(setting, limits[setting]) from exc
+            raise ArchiveError(f"query failed: {message}") from exc
+        return list(result.column_names), list(result.result_rows)
 
 
 def where_clause(**given: Any) -> tuple[str, dict[str, Any]]:
@@ -258,10 +231,7 @@ def _read_only_statement(statement: str) -> str:
 
 
 def _blank_literals(statement: str) -> str:
-    """The statement with string literals, quoted names and comments blanked out.
-
-    Positions are kept (every character maps to one), so what is found in the
-    result can be cut from the original.
+    """The statement with string literals, quoted names and comments blanked out, positions kept.
 
     >>> code = _blank_literals("SELECT ';' AS s -- z;")
     >>> code.split(), len(code)

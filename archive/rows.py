@@ -1,13 +1,8 @@
-"""Archive rows: decisions, audit rows, samples, stage changes and window stats checked and
-encoded as insert columns, and stored JSON decoded again on the way out.
-
-Every value is checked here, before any insert: a bad row fails at its source with a
-message naming it, and never poisons a later write.
-"""
+"""Archive rows checked and encoded as insert columns (a bad row fails here, naming itself,
+before any insert), and stored JSON decoded again on the way out."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import math
@@ -19,36 +14,34 @@ import numpy as np
 import pyarrow as pa
 
 from specwatch.archive.columns import AUDIT, DECISIONS, SAMPLES, SEALED_SAMPLES, WINDOW_STATS, WINDOW_STATS_FIELDS
-from specwatch.archive.jsonvalue import canonical_json
+from specwatch.archive.jsonvalue import canonical_json, digest_id
 from specwatch.schemas import Decision
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, WindowColumns, WindowRow
 from specwatch.schemas.redaction import redact_record
 from specwatch.schemas.sealed import sealed_key_id
 
-__all__ = ["DEFAULT_SAMPLE_TEXT", "WINDOW_ARRAYS", "WINDOW_RATIOS", "DecisionBatch", "append_row",
-           "audit_out", "decision_out", "finite", "require_text", "stage_row", "window_columns_table",
-           "window_rows_table", "window_stats_table"]
+__all__ = ["DEFAULT_SAMPLE_TEXT", "WINDOW_ARRAYS", "DecisionBatch", "append_row", "audit_out",
+           "decision_out", "finite", "require_text", "stage_row", "window_columns_table",
+           "window_out", "window_rows_table", "window_stats_table"]
 
 DEFAULT_SAMPLE_TEXT = "hashes"
 _SAMPLE_KINDS = ("request", "step", "shadow")
 _AUDIT_JSON = ("thresholds", "baseline", "window", "card", "detail")
 
 # The window-stats columns by what they hold, read off their types in `columns.WINDOW_STATS`.
-_WINDOW_COUNTS = tuple(name for name, kind in WINDOW_STATS.columns if kind == "UInt64")
 WINDOW_ARRAYS = tuple(name for name, kind in WINDOW_STATS.columns if kind.startswith("Array("))
-WINDOW_RATIOS = tuple(name for name, kind in WINDOW_STATS.columns if kind == "Nullable(Float64)")
-_RATIO_SET = frozenset(WINDOW_RATIOS)
+_WINDOW_RATIOS = tuple(name for name, kind in WINDOW_STATS.columns if kind == "Nullable(Float64)")
+_RATIO_SET = frozenset(_WINDOW_RATIOS)
 _WINDOW_TEXT = tuple(name for name, kind in WINDOW_STATS.columns if "String" in kind)
 # Every number (counts and the flag too) is unpacked as float64 first, so None, NaN,
 # fractions and negatives can be told apart and refused or kept as the field needs.
 _WINDOW_NUMBERS = tuple(name for name in WINDOW_STATS_FIELDS if name not in _WINDOW_TEXT + WINDOW_ARRAYS)
 _WINDOW_NUMBER_VALUES = operator.itemgetter(*_WINDOW_NUMBERS)
-_WINDOW_EXPECTED = {name: "a count" if name in _WINDOW_COUNTS else "a number or NaN"
-                    for name in WINDOW_STATS_FIELDS}
-_WINDOW_EXPECTED.update(ts="a finite slice end time", bundle_id="a bundle id string",
-                        bucket="a string or None", cohort="a string or None",
-                        speculation_on="a bool", accepted_at_least="a list of counts",
-                        drafted_at_least="a list of counts")
+_EXPECTED_OF_KIND = {"UInt64": "a count", "Nullable(Float64)": "a number or NaN", "Bool": "a bool",
+                     "Array(UInt64)": "a list of counts",
+                     "LowCardinality(Nullable(String))": "a string or None"}
+_WINDOW_EXPECTED = {name: _EXPECTED_OF_KIND.get(kind) for name, kind in WINDOW_STATS.columns}
+_WINDOW_EXPECTED.update(ts="a finite slice end time", bundle_id="a bundle id string")
 
 
 class DecisionBatch:
@@ -81,13 +74,6 @@ class DecisionBatch:
                 append_row(self.sealed, sealed_row)
         self.count += 1
 
-    def extend(self, other: "DecisionBatch") -> None:
-        for mine, theirs in ((self.decisions, other.decisions), (self.audits, other.audits),
-                             (self.samples, other.samples), (self.sealed, other.sealed)):
-            for column, more in zip(mine, theirs):
-                column.extend(more)
-        self.count += other.count
-
 
 # -- encoding rows -----------------------------------------------------------------------
 
@@ -102,9 +88,9 @@ def stage_row(change: Mapping[str, Any]) -> list[Any]:
     bundle_id, ts = change["bundle_id"], finite(change["ts"], "ts")
     require_text(bundle_id, "bundle_id")
     detail = canonical_json(change.get("detail") or {})
-    body = canonical_json({"bundle_id": bundle_id, "ts": ts, "stage": change["stage"], "actor": change["actor"],
-                  "reason": change.get("reason", ""), "decision_id": change.get("decision_id"), "detail": detail})
-    change_id = "s-" + hashlib.sha256(body.encode()).hexdigest()[:16]
+    change_id = digest_id("s-", {"bundle_id": bundle_id, "ts": ts, "stage": change["stage"],
+                                 "actor": change["actor"], "reason": change.get("reason", ""),
+                                 "decision_id": change.get("decision_id"), "detail": detail})
     return [change_id, ts, bundle_id, change["stage"], change.get("previous_stage"),
             float(change.get("cohort_share") or 0.0), change["actor"], change.get("reason", ""),
             change.get("decision_id"), detail, int(change.get("seq") or 0)]
@@ -144,10 +130,7 @@ def _unsealed(decision_id: str, sample: Mapping[str, Any] | Any) -> tuple[Any, l
     return {**record, "sample": {k: v for k, v in inner.items() if k != "sealed"}}, row
 
 
-
-def _sample_row(decision_id: str, sample: Mapping[str, Any] | Any,
-                sample_text: str = DEFAULT_SAMPLE_TEXT) -> list[Any]:
-    record = sample.model_dump(mode="json") if hasattr(sample, "model_dump") else sample
+def _sample_row(decision_id: str, record: Mapping[str, Any] | Any, sample_text: str) -> list[Any]:
     if not isinstance(record, abc.Mapping):
         raise TypeError(f"a sample must be a contract-v1 record dict, not {type(record).__name__}")
     record = redact_record(record, sample_text)
@@ -212,10 +195,7 @@ _ROW_SUMMARY = operator.itemgetter(WindowRow._fields.index("summary"))
 
 
 def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
-    """Window rows (`WindowRow` tuples) as an Arrow table, column by column.
-
-    One pass per batch and no dict per row: the summaries become one float64 matrix, the
-    position counts one flat array with offsets; the checks are those of `window_stats_table`.
+    """Window rows (`WindowRow` tuples) as an Arrow table, column by column, with no dict per row.
 
     >>> from specwatch.detectors.window import SliceStats
     >>> stats = SliceStats(); stats.add_round(drafted=4, accepted=3)
@@ -242,9 +222,7 @@ def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
 
 
 def window_columns_table(columns: WindowColumns, offset: int = 0) -> pa.Table:
-    """Window-stats insert columns (`WindowColumns`: stage 2's rows built across keys, or rows
-    gathered by `window_rows_table`) as an Arrow table, each column checked as
-    `window_stats_table` checks it, with no step per row."""
+    """Window-stats insert columns (`WindowColumns`) as an Arrow table, each column checked."""
     lists = {name: _count_list_array(*columns.positions[name]) for name in WINDOW_ARRAYS}
 
     def value_of(index: int, name: str) -> Any:
@@ -260,8 +238,8 @@ def window_columns_table(columns: WindowColumns, offset: int = 0) -> pa.Table:
 def _window_table(numbers: Mapping[str, np.ndarray], texts: Mapping[str, list],
                   lists: Mapping[str, tuple[pa.Array | None, Sequence[int]]], value_of: Callable[[int, str], Any],
                   offset: int, culprit: Callable[[], ValueError]) -> pa.Table:
-    """The window-stats insert from its columns, each checked: the first bad value raises
-    ValueError naming its row (``offset`` + index) and column."""
+    """The window-stats insert from its columns; the first bad value raises ValueError naming its
+    row (``offset`` + index) and column."""
     arrays = []
     for name in WINDOW_STATS_FIELDS:
         if name in WINDOW_ARRAYS:
@@ -367,13 +345,18 @@ def audit_out(row: dict) -> dict:
     for name in _AUDIT_JSON:
         row[name] = json.loads(row[name]) if row[name] else None
     window = row.get("window")
-    if isinstance(window, list):
-        # Window slices read back like timeline rows: undefined ratios are NaN again.
+    if isinstance(window, list):  # window slices read back like timeline rows
         for entry in window:
             if isinstance(entry, dict):
-                for key, value in entry.items():
-                    if value is None and key in _RATIO_SET:
-                        entry[key] = math.nan
+                window_out(entry)
+    return row
+
+
+def window_out(row: dict) -> dict:
+    """A window-stats row as read: undefined ratios (NULL) are NaN again."""
+    for name in _WINDOW_RATIOS:
+        if name in row and row[name] is None:
+            row[name] = math.nan
     return row
 
 

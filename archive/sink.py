@@ -1,10 +1,5 @@
-"""The archive sink: each final slice's output into the archive, through a local spool while it is away.
-
-It writes decisions with their audit evidence and samples, window statistics for timelines,
-every bundle card seen, and each worker's span of running a bundle. When the archive fails,
-it spools everything to local disk and replays it, oldest first, once the archive takes
-writes again.
-"""
+"""The archive sink: each final slice's decisions, window stats, bundle cards and sightings into
+the archive, through a local spool while the archive is away."""
 
 from __future__ import annotations
 
@@ -27,10 +22,8 @@ from specwatch.schemas.outputs import SliceOutput, WindowRow
 __all__ = ["ARCHIVE_SPOOL_ENV", "ArchiveSink", "default_spool_dir", "spool_dir_for"]
 
 _LOG = logging.getLogger(__name__)
-# Window rows arrive one per key per slice; inserting them in large batches is what
-# makes the archive keep up (ClickHouse prefers few big inserts: each one is a part on disk,
-# merged later). 20,000 rows per insert took a third of the CPU of 5,000 in the bench; a
-# live worker flushes at every checkpoint anyway, so rows never wait longer than that.
+# ClickHouse prefers few big inserts (each is a part on disk): 20,000 rows per insert took a
+# third of the CPU of 5,000 in the bench; a live worker flushes at every checkpoint anyway.
 _DEFAULT_WINDOW_BATCH = 20_000
 _DEFAULT_RETRY_BACKOFF_S = 1.0
 _DEFAULT_MAX_RETRY_BACKOFF_S = 60.0
@@ -39,8 +32,7 @@ _DEFAULT_SPOOL_BASE = Path("~/.cache/specwatch/archive-spool")
 
 
 def default_spool_dir(archive_label: str, environ: Mapping[str, str] | None = None) -> Path:
-    """Where rows for one archive wait: one directory per archive, so a spool is only ever
-    replayed into the archive it was meant for.
+    """Where rows for one archive wait: one directory per archive, replayed only into that archive.
 
     >>> default_spool_dir("chdb:///srv/a", {"SPECWATCH_ARCHIVE_SPOOL": "/var/spool/specwatch"})
     PosixPath('/var/spool/specwatch/a-978949a7ba996a35')
@@ -71,50 +63,19 @@ def _is_data_error(error: BaseException) -> bool:
 
 
 class ArchiveSink:
-    """Writes stage-2 output to an `Archive`; decisions at once, window rows in batches.
+    """Writes stage-2 output to an `Archive`, decisions at once and window rows in batches; while
+    the archive is away, to a `Spool` replayed with backoff (docs/RELIABILITY.md).
 
-    When a write fails because the archive is away (a chDB directory that cannot be
-    written, a server that refuses), the rows go to a local `Spool` instead, and every
-    later write follows them there, so the archive receives everything in order. The
-    spool is replayed with exponential backoff from the next call on, at `flush` and at
-    `close`; replayed rows are the same rows (stable ids, ReplacingMergeTree), so a
-    replay after a partial write duplicates nothing. A full spool drops rows and counts
-    them (`stats()["dropped_entries"]`): the decisions still reach the decisions topic.
-
-    Parameters
-    ----------
-    archive
-        An `Archive`, or a function that opens one (tried again with backoff while it
-        raises: the archive may be away at start).
-    window_batch
-        Buffered window rows that make a write.
-    spool
-        A `Spool`, or its directory; by default `default_spool_dir` of the archive.
-    sample_text
-        Free-text handling for spooled samples when ``archive`` is a function; an
-        archive passed in brings its own (`Archive.sample_text`).
-    retry_backoff_s, max_retry_backoff_s
-        First and longest wait between replay attempts.
-    clock
-        Monotonic clock, passed in so tests can drive the backoff.
-    outage_log_level
-        Level of the log lines about an outage and the spool. A one-shot command that
-        prints `delivery_note()` itself passes ``logging.INFO`` to keep them out of its output.
-    archive_label
-        How messages name an archive opened later by ``archive`` (never with credentials).
+    ``archive`` is an `Archive` or a function opening one (retried while it raises); then
+    ``sample_text`` and ``archive_label`` stand for the archive's own until it opens.
     """
 
     def __init__(self, archive: Any, window_batch: int = _DEFAULT_WINDOW_BATCH, *,
                  spool: Spool | str | os.PathLike | None = None, sample_text: str = DEFAULT_SAMPLE_TEXT,
-                 retry_backoff_s: float = _DEFAULT_RETRY_BACKOFF_S,
-                 max_retry_backoff_s: float = _DEFAULT_MAX_RETRY_BACKOFF_S,
                  clock: Callable[[], float] = time.monotonic,
                  outage_log_level: int = logging.WARNING, archive_label: str | None = None) -> None:
         if window_batch < 1:
             raise ValueError(f"window_batch must be at least 1, got {window_batch}")
-        if not 0 < retry_backoff_s <= max_retry_backoff_s:
-            raise ValueError(f"need 0 < retry_backoff_s <= max_retry_backoff_s, got {retry_backoff_s} and "
-                             f"{max_retry_backoff_s}")
         opener = None if hasattr(archive, "write_decisions") else archive
         if opener is not None and not callable(opener):
             raise TypeError(f"archive must be an Archive or a function opening one, not {type(archive).__name__}")
@@ -135,9 +96,7 @@ class ArchiveSink:
         self._spans: dict[tuple[str, str], list[float]] = {}
         self._grown: set[tuple[str, str]] = set()
         self._clock = clock
-        self._first_backoff = retry_backoff_s
-        self._max_backoff = max_retry_backoff_s
-        self._backoff = retry_backoff_s
+        self._backoff = _DEFAULT_RETRY_BACKOFF_S
         self._retry_at = -float("inf")
         self._outage = False
         self._written = self._spooled = self._dropped = self._dropped_rows = self._outages = 0
@@ -153,14 +112,8 @@ class ArchiveSink:
     def open(cls, dsn: str | None = None, *, spool: Spool | str | os.PathLike | None = None,
              environ: Mapping[str, str] | None = None, require_archive: bool = False,
              **settings: Any) -> "ArchiveSink":
-        """The sink for the archive at ``dsn`` (default: `archive_dsn`), with that archive's
-        spool (`default_spool_dir`); it closes the archive it opened.
-
-        It starts even when the archive is away, spooling until it can be opened; with
-        ``require_archive`` it opens the archive now and raises `ArchiveError` when it cannot
-        (a long-running worker fails at start rather than on a path held by another process).
-        A DSN that names no archive raises ValueError at once.
-        """
+        """The sink for the archive at ``dsn`` (default: `archive_dsn`) with its spool, spooling
+        until the archive opens; with ``require_archive`` it opens it now or raises ArchiveError."""
         environ = os.environ if environ is None else environ
         dsn = dsn or archive_dsn(environ)
         label = parse_archive_dsn(dsn)[0].label  # checks the DSN now; never holds the password
@@ -224,9 +177,7 @@ class ArchiveSink:
             self.archive = None
 
     def stats(self) -> dict[str, Any]:
-        """Entries written straight through, spooled, dropped (spool full or unwritable);
-        outages seen; failed replay attempts; whether the archive is away now; the spool's own
-        counters."""
+        """Entries written, spooled and dropped; outages; failed replays; the spool's counters."""
         spool: SpoolStats = self.spool.stats()
         return {"written": self._written, "spooled": self._spooled, "dropped_entries": self._dropped,
                 "dropped_rows": self._dropped_rows, "outages": self._outages,
@@ -235,12 +186,8 @@ class ArchiveSink:
                 "spool_corrupt": spool.corrupt, "spool_quarantined": spool.quarantined}
 
     def delivery_note(self) -> str | None:
-        """One line on what did not go straight to the archive, for a command to print after
-        `close`; None when everything did.
-
-        Says where rows wait when the archive was away, how many were lost when the spool
-        could not take them, and what an earlier run's spool delivered.
-        """
+        """One line, for a command to print after `close`, on rows that wait in the spool, were lost
+        or were delivered from an earlier run; None when everything went straight to the archive."""
         stats = self.stats()
         parts = []
         if stats["spool_pending_bytes"]:
@@ -329,7 +276,7 @@ class ArchiveSink:
             self._first_error = self._first_error or _first_line(error)
             _LOG.log(self._outage_log_level, "the archive %s is not taking writes (%s): spooling to %s and "
                      "retrying with backoff", self._label(), _first_line(error), self.spool.directory)
-        self._backoff = self._first_backoff
+        self._backoff = _DEFAULT_RETRY_BACKOFF_S
         self._retry_at = self._clock() + self._backoff
 
     def _replay_if_due(self) -> None:
@@ -341,11 +288,11 @@ class ArchiveSink:
             replayed = self.spool.replay(self._write_entries)
         except Exception as error:  # noqa: BLE001 - still away; keep the spool
             self._failed_replays += 1
-            self._backoff = min(self._backoff * 2, self._max_backoff)
+            self._backoff = min(self._backoff * 2, _DEFAULT_MAX_RETRY_BACKOFF_S)
             self._retry_at = self._clock() + self._backoff
             _LOG.debug("archive replay failed (next try in %.0f s): %s", self._backoff, _first_line(error))
             return
-        self._backoff = self._first_backoff
+        self._backoff = _DEFAULT_RETRY_BACKOFF_S
         if self._outage or replayed:
             _LOG.log(self._outage_log_level, "the archive %s takes writes again: %d spooled entries replayed",
                      self._label(), replayed)

@@ -1,12 +1,9 @@
-"""A local, bounded, append-only spool: what the archive could not take waits here until it can.
-
-Entries are JSON objects in segment files, one per line, each line framed with its length
-and CRC-32 so a torn write (a crash mid-append) is detected and skipped, never replayed
-as garbage. Segments are replayed oldest first and deleted only once written.
-"""
+"""A local, bounded, append-only spool of JSON entries in CRC-framed segment files: what the
+archive could not take waits here until it can."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,16 +37,13 @@ class SpoolFull(RuntimeError):
 
 @dataclass(frozen=True)
 class SpoolStats:
-    """Entries appended and replayed; entries refused because the spool was full; lines
-    skipped as torn or corrupt; segments set aside because the archive refused their
-    content as invalid; what waits now."""
+    """Entries replayed, refused because the spool was full, skipped as torn or corrupt; segments
+    set aside because the archive refused their content; bytes waiting now."""
 
-    appended: int
     replayed: int
     refused_full: int
     corrupt: int
     quarantined: int
-    pending_segments: int
     pending_bytes: int
 
 
@@ -80,23 +74,18 @@ def _unframe(line: bytes) -> dict | None:
 
 
 class Spool:
-    """Append-only segment files under ``directory``, bounded in total size.
-
-    One spool directory belongs to one writer process at a time.
+    """Append-only segment files under ``directory``, bounded in total size; one writer at a time.
 
     Parameters
     ----------
     directory
-        Where segments live; created on the first append, so a spool that is never
-        needed leaves nothing behind. Segments left by an earlier process are found and
-        replayed.
+        Where segments live; created on the first append. Earlier processes' segments are replayed.
     max_bytes
         Bound on the segments' total size; an append past it raises `SpoolFull`.
     segment_bytes
         A segment is closed for appends at this size; replay works a segment at a time.
     fsync
-        Force every append to disk: what is spooled survives a crash of the host, not
-        only of the process (appends happen only during outages, so the cost is small).
+        Force every append to disk, so the spool survives a crash of the host.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp:
@@ -104,9 +93,9 @@ class Spool:
     ...     spool.append({"k": "windows", "rows": [{"speedup": float("nan")}]})
     ...     seen = []
     ...     spool.replay(seen.extend)
-    ...     seen[0]["rows"][0]["speedup"], spool.stats().pending_segments
+    ...     seen[0]["rows"][0]["speedup"], spool.empty
     1
-    (nan, 0)
+    (nan, True)
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_bytes: int = _DEFAULT_MAX_BYTES,
@@ -121,7 +110,7 @@ class Spool:
         self._active: Any = None  # the open file of the segment being appended to
         self._active_index = -1
         self._active_size = 0
-        self._appended = self._replayed = self._refused = self._corrupt = self._quarantined = 0
+        self._replayed = self._refused = self._corrupt = self._quarantined = 0
         self._sizes: dict[int, int] = {}
         if self.directory.is_dir():
             for index, path in self._segments():
@@ -148,7 +137,6 @@ class Spool:
                 os.fsync(self._active.fileno())
             self._active_size += len(frame)
             self._sizes[self._active_index] = self._active_size
-            self._appended += 1
 
     def _roll(self) -> None:
         self._close_active()
@@ -177,13 +165,10 @@ class Spool:
         return not self._sizes
 
     def replay(self, write: Callable[[list[dict]], None]) -> int:
-        """Hand each segment's entries, oldest segment first, to ``write``; returns entries replayed.
+        """Hand each segment's entries, oldest first, to ``write`` (idempotent); returns how many.
 
-        A segment is deleted once ``write`` returned for it. When ``write`` raises, the
-        segment stays (the next replay starts with it again, so ``write`` must be
-        idempotent) and the exception propagates; ValueError or TypeError means the
-        content itself is refused, so the segment is set aside as ``*.bad`` instead of
-        blocking every later one.
+        A segment is deleted once written; when ``write`` raises it stays and the error propagates,
+        except ValueError or TypeError (content refused): that segment is set aside as ``*.bad``.
         """
         replayed = 0
         with self._lock:
@@ -231,17 +216,14 @@ class Spool:
                      "person to look at", path.name, error, target)
 
     def _segments(self) -> list[tuple[int, Path]]:
-        found = []
-        for path in self.directory.iterdir():
-            match = _SEGMENT_PATTERN.fullmatch(path.name)
-            if match:
-                found.append((int(match.group(1)), path))
-        return sorted(found)
+        paths = self.directory.iterdir()
+        matches = ((_SEGMENT_PATTERN.fullmatch(path.name), path) for path in paths)
+        return sorted((int(match.group(1)), path) for match, path in matches if match)
 
     def stats(self) -> SpoolStats:
         with self._lock:
-            return SpoolStats(self._appended, self._replayed, self._refused, self._corrupt, self._quarantined,
-                              len(self._sizes), self.pending_bytes)
+            return SpoolStats(self._replayed, self._refused, self._corrupt, self._quarantined,
+                              self.pending_bytes)
 
     def close(self) -> None:
         with self._lock:
@@ -252,14 +234,10 @@ class Spool:
 
 
 def _fsync_directory(directory: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 

@@ -1,8 +1,5 @@
-"""The ClickHouse archive: decisions, their audit trail, reproducible samples and window stats.
-
-The pipeline writes it, `specwatch query`, `specwatch flags` and postmortems read it; chDB
-(embedded, on disk) by default, a ClickHouse server one DSN away.
-"""
+"""The ClickHouse archive: decisions, their audit trail, reproducible samples and window stats,
+in chDB (embedded, on disk) by default or a ClickHouse server one DSN away."""
 
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ from specwatch.archive.columns import (AUDIT, BUNDLE_SIGHTINGS, BUNDLE_STAGES, B
                                        Table)
 from specwatch.archive.dsn import DEFAULT_DATABASE, archive_dsn, check_database_name, parse_archive_dsn
 from specwatch.archive.errors import ArchiveNotFoundError
-from specwatch.archive.jsonvalue import canonical_json
+from specwatch.archive.jsonvalue import canonical_json, digest_id
 from specwatch.archive.queries import PostmortemQueries, where_clause
 from specwatch.archive.rows import (DEFAULT_SAMPLE_TEXT, DecisionBatch, append_row, audit_out, finite, require_text,
                                     stage_row, window_columns_table, window_rows_table, window_stats_table)
@@ -65,11 +62,6 @@ class Archive(PostmortemQueries):
         How free text in samples is kept: ``"hashes"`` (a digest, the default) or
         ``"redacted"`` (quoted spans and long numbers removed); see `specwatch.schemas.redaction`.
 
-    Writes are idempotent: rows carry stable ids, tables are ReplacingMergeTree, and
-    reads use FINAL, so writing the same decision twice leaves one. The postmortem queries
-    (`decisions`, `decision`, `samples`, `timeline`, `bundles`, `sql`) come from its base,
-    `PostmortemQueries`.
-
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp, Archive.open(f"chdb://{tmp}/a") as archive:
     ...     d = Decision(ts=10.0, bundle_id="b-1", bucket="coding", action="disable_speculation",
@@ -101,14 +93,8 @@ class Archive(PostmortemQueries):
     @classmethod
     def open(cls, dsn: str | None = None, *, create: bool = True,
              environ: Mapping[str, str] | None = None, sample_text: str | None = None) -> "Archive":
-        """Open the archive at `dsn` (default: `archive_dsn()`), creating it if asked.
-
-        ``chdb:///abs/path`` or ``chdb://relative/path`` is an embedded chDB directory;
-        ``http(s)://user:pass@host:port/db`` a ClickHouse server, with credentials from
-        ``$SPECWATCH_CLICKHOUSE_USER``/``_PASSWORD`` when the DSN has none. With
-        ``create=False`` a missing archive raises `ArchiveNotFoundError`. ``sample_text``
-        defaults to ``$SPECWATCH_ARCHIVE_SAMPLE_TEXT`` or ``"hashes"``.
-        """
+        """Open the archive at `dsn` (default: `archive_dsn()`); with ``create=False`` a missing
+        archive raises `ArchiveNotFoundError`."""
         environ = os.environ if environ is None else environ
         sample_text = sample_text_mode(environ, sample_text)
         retention_days = _retention_days(environ)
@@ -135,7 +121,7 @@ class Archive(PostmortemQueries):
 
     @property
     def label(self) -> str:
-        """Where this archive is, as it may appear in logs (never with credentials)."""
+        """Where this archive is, never with credentials."""
         return self._label
 
     def __enter__(self) -> "Archive":
@@ -178,12 +164,8 @@ class Archive(PostmortemQueries):
     # -- writes ------------------------------------------------------------------------
     def write_decision(self, decision: Decision, audit: Mapping[str, Any] | None,
                        samples: Sequence[Mapping[str, Any]] = ()) -> None:
-        """Archive one decision with its audit row and reproducible samples.
-
-        ``audit`` holds ``thresholds``, ``baseline``, ``window`` (per-slice stats) and
-        ``card``; other keys land in the audit row's ``detail``. Each sample is a
-        contract-v1 request, step or shadow record dict.
-        """
+        """Archive one decision with its audit row (``thresholds``, ``baseline``, ``window``,
+        ``card``; other keys land in ``detail``) and contract-v1 sample records."""
         self.write_decisions([(decision, audit, samples)])
 
     def write_decisions(self, items: Iterable[tuple[Decision, Mapping[str, Any] | None,
@@ -204,30 +186,20 @@ class Archive(PostmortemQueries):
         return batch.count
 
     def write_window_stats(self, rows: Sequence[Mapping[str, Any]]) -> int:
-        """Archive window-stats rows (keys: `WINDOW_STATS_FIELDS`); returns how many.
+        """Archive window-stats row dicts (keys: `WINDOW_STATS_FIELDS`); returns how many.
 
-        One row per (slice end ``ts``, bundle, bucket, cohort); writing the same slice
-        again replaces it. NaN floats are stored as NULL and read back as NaN. Big
-        batches go in chunks; a bad row raises ValueError naming it, and stops the
-        write at its chunk (rewriting the chunks before it is harmless).
+        NaN is stored as NULL; a bad row raises ValueError naming it and stops the write there.
         """
         return self._write_chunked(rows if isinstance(rows, list) else list(rows), window_stats_table)
 
     def write_window_rows(self, rows: Sequence[WindowRow]) -> int:
-        """Archive window rows (`WindowRow` tuples); returns how many.
-
-        The same rows as `write_window_stats` writes from dicts, built into insert columns in
-        one pass per chunk instead of from a dict per row.
-        """
+        """Archive window rows (`WindowRow` tuples), column by column; returns how many."""
         return self._write_chunked(rows, window_rows_table)
 
     def write_windows(self, windows: Sequence[Sequence[WindowRow]]) -> int:
-        """Archive the window rows of final slices as stage 2 hands them over (`SliceOutput.windows`,
-        one sequence per slice); returns how many rows.
+        """Archive the window rows of final slices (`SliceOutput.windows`); returns how many.
 
-        Stage 2's `SliceWindows` become insert columns straight from the keys' statistics, many
-        slices at once (`window_columns`), with no row object; other sequences of `WindowRow`
-        go through `write_window_rows`. The rows stored are the same either way.
+        `SliceWindows` become insert columns straight from the keys' statistics, with no row object.
         """
         if not all(isinstance(window, SliceWindows) for window in windows):
             return self.write_window_rows([row for window in windows for row in window])
@@ -279,8 +251,7 @@ class Archive(PostmortemQueries):
 
     def write_sightings(self, sightings: Sequence[Mapping[str, Any]]) -> int:
         """Record spans of workers running bundles (``bundle_id``, ``worker``, ``first_seen``,
-        ``last_seen``); returns how many. A span written again, or grown, keeps its earliest
-        first and latest last sighting."""
+        ``last_seen``); returns how many."""
         columns: list[list[Any]] = [[], [], [], []]
         for row in sightings:
             require_text(row["bundle_id"], "bundle_id")
@@ -306,7 +277,7 @@ class Archive(PostmortemQueries):
             raise ValueError(f"draft_limit must be an integer in 1..64, not {draft_limit!r}")
         body = {"bundle_id": bundle_id, "bucket": bucket, "cohort": cohort, "enabled": bool(enabled),
                 "draft_limit": draft_limit, "by": by, "reason": reason, "ts": ts, "cleared": bool(cleared)}
-        override_id = "o-" + hashlib.sha256(canonical_json(body).encode()).hexdigest()[:16]
+        override_id = digest_id("o-", body)
         self._insert(OVERRIDES,
                      [[v] for v in (override_id, ts, bundle_id, bucket, cohort, bool(enabled),
                                     draft_limit, by, reason, bool(cleared))])
@@ -317,10 +288,7 @@ class Archive(PostmortemQueries):
         return override_id
 
     def write_stage_changes(self, changes: Iterable[Any]) -> int:
-        """Record admission stage changes (`StageChange`s or their dicts) in the bundle registry.
-
-        Automatic changes name the decision that made them; its audit row holds the evidence.
-        """
+        """Record admission stage changes (`StageChange`s or their dicts) in the bundle registry."""
         rows = [stage_row(c if isinstance(c, Mapping) else vars(c)) for c in changes]
         if rows:
             self._insert(BUNDLE_STAGES, [list(col) for col in zip(*rows)])
@@ -367,8 +335,8 @@ class Archive(PostmortemQueries):
         """Audit one attempt to open a decision's sealed samples (who, when, which, outcome)."""
         require_text(actor, "actor (who opens the samples)")
         ts = finite(ts, "ts")
-        body = canonical_json({"decision_id": decision_id, "actor": actor, "ts": ts, "detail": detail})
-        audit_id = "a-open-" + hashlib.sha256(body.encode()).hexdigest()[:16]
+        audit_id = digest_id("a-open-", {"decision_id": decision_id, "actor": actor, "ts": ts,
+                                         "detail": detail})
         self._audit_manual(audit_id, ts, "sample_open", actor, bundle_id, decision_id=decision_id,
                         detail=canonical_json(detail))
         return audit_id
@@ -402,13 +370,8 @@ class Archive(PostmortemQueries):
         return rows
 
     def bundle_registry(self) -> list[dict]:
-        """Every bundle seen, with its current admission stage (None when admission never judged it).
-
-        The stage is the latest change in the registry, a person's or specwatch's.
-        """
-        latest: dict[str, dict] = {}
-        for change in self.stage_history():
-            latest[change["bundle_id"]] = change
+        """Every bundle seen, with its latest admission stage (None when never judged)."""
+        latest = self._latest_stages()
         rows = self.bundles()
         seen = {row["bundle_id"] for row in rows}
         rows += [{"bundle_id": b, "card": None, "first_seen": c["ts"], "last_seen": c["ts"], "workers": [],
@@ -453,16 +416,16 @@ class Archive(PostmortemQueries):
                 store.override((o["bundle_id"], o["bucket"], o["cohort"]), o["enabled"], o["by"],
                                o["reason"], o["ts"], o["draft_limit"])
             # A person's stage change holds until a later automatic one moves the bundle on.
-            latest: dict[str, dict] = {}
-            for change in self.stage_history():
-                latest[change["bundle_id"]] = change
-            for bundle_id, change in latest.items():
+            for bundle_id, change in self._latest_stages().items():
                 if change["actor"] not in _AUTOMATIC_ACTORS:
                     store.set_stage(bundle_id, change["stage"], change["actor"], change["reason"], change["ts"],
                                     change["detail"].get("cohort"), change["cohort_share"])
         return store
 
     # -- plumbing ----------------------------------------------------------------------
+    def _latest_stages(self) -> dict[str, dict]:
+        return {change["bundle_id"]: change for change in self.stage_history()}
+
     def _insert(self, table: Table, columns: list[list[Any]]) -> None:
         schema = table.insert_schema
         arrays = [pa.array(values, type=field.type) for values, field in zip(columns, schema)]

@@ -692,7 +692,7 @@ class Stage2:
         self.flags = flags if flags is not None else FlagStore()
         self.fallback = FallbackPolicy(policy, self.flags)
         # Admission is a policy switch: off, it does not exist, and no decision changes.
-        self.admission = AdmissionController(policy, self.flags) if policy.admission.enforce else None
+        self.admission = AdmissionController(policy) if policy.admission.enforce else None
         self._slice_s = policy.windows.slice_seconds
         self._sources: dict[str, int] = {}
         self._released: set[str] = set()

@@ -1,12 +1,10 @@
-"""Admission: seeded closed-loop rollouts give exactly the expected stages, and it changes nothing when off.
-
-The simulator runs closed loop (its router reads each bundle's stage from the flag store, as
-a production router reads the decisions topic) under the policy of docs/admission-policy.toml.
-"""
+"""Admission: seeded closed-loop rollouts (the simulator's router reads the flag store) under
+docs/admission-policy.toml give exactly the expected stages, and it changes nothing when off."""
 
 import json
 import math
 import tomllib
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -32,18 +30,14 @@ POLICY = {"admission": {"enforce": True, "shadow_share": 0.2, "cohort_schedule":
 _REPO = Path(__file__).resolve().parents[1]
 
 
-_ROLLOUTS: dict = {}
-
-
 def _rollout(scenario, policy=POLICY, minutes=None):
     """One closed-loop run per (scenario, policy, minutes) for the module: tests only read it."""
-    key = (scenario, json.dumps(policy, sort_keys=True), minutes)
-    if key not in _ROLLOUTS:
-        _ROLLOUTS[key] = _run_rollout(scenario, policy, minutes)
-    return _ROLLOUTS[key]
+    return _run_rollout(scenario, json.dumps(policy, sort_keys=True), minutes)
 
 
-def _run_rollout(scenario, policy, minutes):
+@lru_cache(maxsize=None)
+def _run_rollout(scenario, policy_json, minutes):
+    policy = json.loads(policy_json)
     flags = FlagStore()
     changes, actions = [], []
     sim = Simulator(scenario, seed=SEED, workers=8, minutes=minutes, flags=flags)
@@ -186,7 +180,7 @@ def test_one_strict_mismatch_fails_a_judge_whatever_else_it_saw():
 def _shadowed(policy: dict) -> tuple[AdmissionController, FlagStore]:
     """A controller under ``policy`` that has seen BUNDLE (strict) and put it in shadow."""
     flags = FlagStore()
-    controller = AdmissionController(Policy.model_validate(policy), flags)
+    controller = AdmissionController(Policy.model_validate(policy))
     controller.seen(BUNDLE, {"policy": {"acceptance_rule": "strict"}}, 10.0)
     for decision in controller.observe(BUNDLE, None, None, _slice(6.0), 11.0, True):
         flags.apply(decision)
@@ -219,8 +213,7 @@ def test_a_stage_without_a_verdict_for_too_long_is_frozen_as_inconclusive():
 
 def test_non_strict_bundle_stays_unadmitted_and_listed_bundles_are_admitted():
     policy = Policy.model_validate({"admission": {"enforce": True, "admitted_bundles": ["b-old"]}})
-    flags = FlagStore()
-    controller = AdmissionController(policy, flags)
+    controller = AdmissionController(policy)
     controller.seen("b-new", {"policy": {"acceptance_rule": "typical"}}, 5.0)
     controller.seen("b-old", {"policy": {"acceptance_rule": "strict"}}, 5.0)
     new = controller.observe("b-new", None, None, _slice(6.0), 6.0, True)

@@ -1,8 +1,5 @@
-"""The archive on the real embedded ClickHouse engine (chDB): writes, reads, restarts.
-
-chDB hosts one directory per process, so anything needing a second process or a
-second archive at the same time runs in a subprocess.
-"""
+"""The archive on the real embedded ClickHouse engine (chDB): writes, reads, restarts (a second
+process or archive at the same time runs in a subprocess: chDB hosts one directory per process)."""
 
 from __future__ import annotations
 
@@ -14,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specwatch.archive.columns import TABLES, WINDOW_STATS_FIELDS
-from specwatch.archive.dsn import archive_dsn
+from specwatch.archive.columns import TABLES, WINDOW_STATS, WINDOW_STATS_FIELDS
 from specwatch.archive.errors import ArchiveError, ArchiveNotFoundError
 from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.store import Archive
@@ -24,15 +20,12 @@ from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceOutput, Window
 
 from machine import fresh_python, specwatch_ok
 
-_COUNTS = {"rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "shadow_checks",
-           "shadow_mismatches", "steps", "plain_entries"}
-_POSITIONS = {"accepted_at_least", "drafted_at_least"}
-
 
 # -- shared inputs ------------------------------------------------------------------------
 
 def stats_row(ts, bundle="b-1", bucket="coding", cohort="main", **changes):
-    row = {name: ([7, 3] if name in _POSITIONS else 7 if name in _COUNTS else 0.25) for name in WINDOW_STATS_FIELDS}
+    row = {name: [7, 3] if kind.startswith("Array") else 7 if kind == "UInt64" else 0.25
+           for name, kind in WINDOW_STATS.columns}
     row.update(ts=float(ts), bundle_id=bundle, bucket=bucket, cohort=cohort, speculation_on=True,
                acceptance_length=2.5 + ts / 1000, speedup=1.4, tpot_p99=11.5)
     row.update(changes)
@@ -218,17 +211,6 @@ def test_relative_chdb_dsn_is_relative_to_the_working_directory(tmp_path, monkey
         assert repr(archive) == f"Archive('chdb://{tmp_path}/nested/dirs/archive')"
         assert archive.exists()
     assert (tmp_path / "nested" / "dirs" / "archive" / "metadata").is_dir()
-    assert archive_dsn({}) == "chdb://specwatch-data/archive"
-    assert archive_dsn({"SPECWATCH_ARCHIVE": "chdb:///x"}) == "chdb:///x"
-
-
-def test_schema_creation_is_idempotent(archive):
-    archive.ensure_schema()
-    archive.ensure_schema()
-    _, rows = archive.sql("SHOW TABLES FROM specwatch")
-    assert sorted(r[0] for r in rows) == ["audit", "bundle_sightings", "bundle_stages", "bundles", "decisions",
-                                          "overrides", "reproductions", "samples", "sealed_samples",
-                                          "window_stats"]
 
 
 # -- idempotency ---------------------------------------------------------------------------
@@ -474,21 +456,6 @@ def test_one_chdb_archive_per_process_and_shared_clients_per_path(tmp_path):
         assert other.decisions() == []
 
 
-def test_a_chdb_archive_in_use_by_another_process_says_so(tmp_path):
-    dsn = f"chdb://{tmp_path}/busy"
-    with Archive.open(dsn):
-        out = fresh_python("""
-            import sys
-            from specwatch.archive.errors import ArchiveError
-            from specwatch.archive.store import Archive
-            try:
-                Archive.open(sys.argv[1], create=False)
-            except ArchiveError as exc:
-                print(exc)
-        """, dsn)
-    assert "in use by process" in out and "one process at a time" in out
-
-
 def test_server_dsn_errors_never_show_the_password(caplog, monkeypatch):
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("SPECWATCH_CLICKHOUSE_PASSWORD", "env-secret-2")
@@ -524,7 +491,10 @@ def test_window_stats_reach_the_archive_directly_and_through_the_sink_in_slice_s
 
 def test_the_tables_are_created_exactly_as_pinned(archive):
     """Every table as the engine reports it (columns in order, types, defaults; engine, partitioning,
-    ORDER BY, TTL, settings), and every insert's Arrow columns, stay as pinned (archive_schema.txt)."""
+    ORDER BY, TTL, settings), and every insert's Arrow columns, stay as pinned (archive_schema.txt),
+    however often the schema is ensured."""
+    archive.ensure_schema()
+    archive.ensure_schema()
     _, engines = archive.sql("SELECT name, engine_full FROM system.tables WHERE database = 'specwatch'")
     _, columns = archive.sql("SELECT table, name, type, default_kind, default_expression FROM system.columns "
                              "WHERE database = 'specwatch' ORDER BY table, position")
@@ -534,23 +504,10 @@ def test_the_tables_are_created_exactly_as_pinned(archive):
                                              if where == table.name) + f" | {engines.pop(table.name)}"
                for table in TABLES]
     assert engines == {}  # no table the spec does not name
-    assert created == (Path(__file__).parent / "archive_schema.txt").read_text().splitlines()
-    inserts = {table.name: " ".join(f"{f.name}:{f.type}" for f in table.insert_schema) for table in TABLES}
-    assert inserts == _PINNED_INSERT_COLUMNS
-
-
-_PINNED_INSERT_COLUMNS = {
-    "decisions": "decision_id:string ts:double bundle_id:string bucket:string cohort:string action:string reason:string detector:string evidence:string sample_ids:list<item: string> line:string",
-    "audit": "audit_id:string ts:double kind:string actor:string decision_id:string bundle_id:string scope:string reason:string detector:string thresholds:string baseline:string window:string card:string detail:string",
-    "samples": "decision_id:string kind:string sample_id:string ts:double bundle_id:string bucket:string cohort:string worker:string record:string",
-    "window_stats": "ts:double bundle_id:string bucket:string cohort:string rounds:uint64 drafted_tokens:uint64 accepted_tokens:uint64 acceptance_length:double draft_overhead:double speedup:double draft_ms:double verify_ms:double requests:uint64 errors:uint64 error_rate:double ttft_p50:double ttft_p95:double ttft_p99:double tpot_p50:double tpot_p95:double tpot_p99:double e2e_p50:double e2e_p95:double e2e_p99:double kv_peak:double shadow_checks:uint64 shadow_mismatches:uint64 speculation_on:bool steps:uint64 plain_entries:uint64 accepted_at_least:list<item: uint64> drafted_at_least:list<item: uint64>",
-    "bundles": "bundle_id:string card:string first_seen:double last_seen:double workers:list<item: string>",
-    "bundle_sightings": "bundle_id:string worker:string first_seen:double last_seen:double",
-    "overrides": "override_id:string ts:double bundle_id:string bucket:string cohort:string enabled:bool draft_limit:uint16 by:string reason:string cleared:bool",
-    "bundle_stages": "change_id:string ts:double bundle_id:string stage:string previous_stage:string cohort_share:double actor:string reason:string decision_id:string detail:string seq:uint32",
-    "sealed_samples": "decision_id:string sample_id:string ts:double bundle_id:string key_id:string prompt_sha256:string output_sha256:string sealed:string",
-    "reproductions": "reproduction_id:string decision_id:string ts:double actor:string verdict:string result:string",
-}
+    inserts = [f"insert {t.name}: " + " ".join(f"{f.name}:{f.type}" for f in t.insert_schema)
+               for t in TABLES]
+    pinned = (Path(__file__).parent / "archive_schema.txt").read_text().splitlines()
+    assert created + inserts == pinned
 
 
 def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path):

@@ -1,11 +1,5 @@
-"""Window stats from stage 2 into the archive as columns: what the columnar writer stores is
-what the row path stored, the insert into chDB makes no file, and a server DSN gets the same
-Arrow table over its own transport.
-
-There is no ClickHouse server on these machines (Debian's is too old for clickhouse-connect):
-the server transport is checked at the client boundary, with a recording client in place of
-`clickhouse_connect.get_client`, beside the real chDB engine for everything else.
-"""
+"""Window stats from stage 2 into the archive as columns: stored as the row path stored them, into
+chDB with no file, to a server DSN (a recording client: no server here) as the same Arrow table."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Archive outages on a real chDB archive: rows spool to local disk, replay when the archive is back,
-and every row is in the archive exactly once (ReplacingMergeTree + FINAL), partial writes included.
-
-The archive is made unwritable for real: the immutable flag on its directories when the
-tests run as root (root ignores permission bits), permission bits otherwise.
-"""
+"""Archive outages on a real chDB archive made unwritable for real: rows spool to local disk, replay
+when the archive is back, and every row is in the archive exactly once, partial writes included."""
 
 from __future__ import annotations
 
@@ -33,11 +29,8 @@ _POLICY = Policy.model_validate({"baseline": {"learn_seconds": 10}})
 
 @lru_cache(maxsize=1)
 def _outputs() -> tuple[SliceOutput, ...]:
-    """90 s of the seeded demo fleet: 90 slices, a bundle at the start, three slices with decisions.
-
-    Which slices decide is the detectors' business (pinned in test_scenarios); this module
-    only needs a few of them, found here rather than pinned twice.
-    """
+    """90 s of the seeded demo fleet: 90 slices, a bundle at the start, a few slices with decisions
+    (which ones is test_scenarios' business)."""
     records = Simulator("demo", seed=3, minutes=1.5, workers=2, concurrency=4, incident_at=20.0).records()
     outputs: list[SliceOutput] = []
     replayed(records, policy=_POLICY, sinks=[outputs.append])
@@ -59,7 +52,8 @@ class _Clock:
 
 @contextlib.contextmanager
 def _unwritable(*roots: Path):
-    """Nothing can be created in these directories (or below) until the block ends."""
+    """Nothing can be created in these directories (or below) until the block ends: the immutable
+    flag as root (root ignores permission bits), permission bits otherwise."""
     directories = [Path(d) for root in roots for d, _, _ in os.walk(root)]  # walk does not follow symlinks
     as_root = os.geteuid() == 0
     if as_root:
@@ -143,7 +137,6 @@ def test_an_unwritable_chdb_archive_spools_and_every_row_arrives_exactly_once(tm
 
 def test_a_replay_after_a_partial_write_duplicates_nothing(tmp_path):
     """The decisions table refuses while samples and audit still take the same decision's rows."""
-    outputs = _outputs()
     path = tmp_path / "archive"
     clock = _Clock()
     with Archive.open(f"chdb://{path}") as archive:

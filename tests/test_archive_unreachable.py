@@ -1,9 +1,5 @@
-"""`specwatch replay` and `specwatch demo` with an archive they cannot write: the decisions still come out,
-one warning line says where the archive rows wait, and a later run delivers them exactly once.
-
-Each case is real: a chDB directory held open by another process, a directory nobody may
-write to, and an http DSN on a free port nobody listens on.
-"""
+"""`specwatch replay` and `demo` with an archive they cannot really write: the decisions still come
+out, one warning line says where the archive rows wait, and a later run delivers them once."""
 
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from test_archive_outage import _unwritable
+from test_archive_outage import _contents, _unwritable
 
 from specwatch.archive.errors import ArchiveError
 from specwatch.archive.sink import ArchiveSink, spool_dir_for
@@ -75,15 +71,11 @@ def _replayed_despite(tmp_path: Path, dsn: str, expected: list[str]) -> str:
 
 
 def _archived_once(dsn: str) -> list[str]:
-    """The archived decision lines in time order; every decision, audit and sample row once under FINAL."""
+    """The archived decision lines in time order; every decision, audit, sample, window row once."""
     with Archive.open(dsn, create=False) as archive:
-        for table, key in (("decisions", "decision_id"), ("audit", "audit_id"),
-                           ("samples", "decision_id, kind, sample_id")):
-            _, counts = archive.sql(f"SELECT count() FROM specwatch.{table} FINAL GROUP BY {key}")
-            assert counts and {row[0] for row in counts} == {1}, table
+        contents = _contents(archive)
         _, lines = archive.sql("SELECT line FROM specwatch.decisions FINAL ORDER BY ts, decision_id")
-        _, windows = archive.sql("SELECT count() FROM specwatch.window_stats FINAL")
-        assert windows[0][0] > 0
+    assert contents["samples"] and contents["windows"]
     return [row[0] for row in lines]
 
 
@@ -195,7 +187,8 @@ def test_a_worker_sink_refuses_a_held_archive_at_start_and_closes_the_archive_it
     dsn = f"chdb://{tmp_path / 'archive'}"
     Archive.open(dsn).close()
     with _held_by_another_process(dsn) as holder:
-        with pytest.raises(ArchiveError, match=f"is in use by process {holder}: "):
+        in_use = f"is in use by process {holder}: a chDB directory opens in one process at a time"
+        with pytest.raises(ArchiveError, match=in_use):
             ArchiveSink.open(dsn, spool=tmp_path / "spool", require_archive=True)
     assert not (tmp_path / "spool").exists()
     sink = ArchiveSink.open(dsn, spool=tmp_path / "spool", require_archive=True)

@@ -1,8 +1,5 @@
-"""Fuzzing the policy loader: any file content gives a Policy or a PolicyError that names the file.
-
-A policy file is written by people, by hand, under pressure: nothing in it may crash the
-processor with anything but a message to act on. Budget as in test_fuzz_codec.
-"""
+"""Fuzzing the policy loader: any file content gives a Policy or a PolicyError that names the file
+(budget as in test_fuzz_codec)."""
 
 from __future__ import annotations
 
@@ -21,33 +18,9 @@ _EXAMPLES = int(os.environ.get("SPECWATCH_FUZZ_EXAMPLES", "300"))
 _FUZZ = settings(max_examples=_EXAMPLES, derandomize=True, deadline=None, print_blob=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-_README_EXAMPLE = """\
-baseline_cohort = "baseline"
-
-[windows]
-slice_seconds = 1.0
-lateness_seconds = 1.0
-
-[baseline]
-learn_seconds = 60
-[baseline.pinned.coding]
-acceptance_length = 3.2
-e2e_p99_ms = 4000
-
-[acceptance]
-tolerance = 0.15
-consecutive = 3
-reduce_first = true
-
-[latency]
-e2e_p99_slo_ms = 8000
-
-[kv]
-watermark = 0.92
-
-[actions]
-cooldown_seconds = 300
-"""
+# The example of README.md's "Policy file" section, as people copy it.
+_README_EXAMPLE = (Path(__file__).resolve().parents[1] / "README.md").read_text().split(
+    "## Policy file", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,5 @@
-"""Operations against the real servers: Prometheus scrapes a live `specwatch run` worker, Alertmanager both ways.
-
-One seeded incident scenario goes through Kafka into a worker with its web server, an
-Alertmanager and a Prometheus of the test's own (Debian packages, installed by
-deploy/prometheus/install.sh), each on a free port with its own data directory:
-
-- every dashboard panel's PromQL returns series from that Prometheus;
-- a drill rule fires, Alertmanager posts it to the worker's webhook, the rollback decision
-  reaches the decisions topic and a `FlagClient` applies it; the rule resolving restores it;
-- specwatch's decisions appear as alerts in Alertmanager's API, and the rollback's alert is
-  resolved once the scope is restored.
-"""
+"""Operations against real servers: a Prometheus and an Alertmanager of the test's own around a live
+`specwatch run` worker fed one seeded incident (dashboard queries, alerts both ways, rollback)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Property: one extreme but contract-valid record decides nothing by itself.
-
-Into short seeded runs, one record is inserted at a drawn time: a step with an absurd or
-a zero draft/verify time, full KV, or thousands of rounds with nothing accepted; a request
-with a huge or a zero latency, or a failure. The decisions about every other key stay
-exactly those of the clean run, and the record's own keys gain no fallback.
-
-The budget is modest and derandomized, so CI is reproducible; set
-SPECWATCH_OUTLIER_EXAMPLES to run more.
-"""
+"""Property: one extreme but contract-valid record, inserted into a short seeded run, changes no
+other key's decisions and gives its own keys no fallback (SPECWATCH_OUTLIER_EXAMPLES runs more)."""
 
 from __future__ import annotations
 

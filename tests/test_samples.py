@@ -1,8 +1,5 @@
-"""A decision's samples show its problem (failures, lowest acceptance, slowest), beside healthy controls.
-
-Seeded scenarios through the embedded pipeline; the samples are checked against the
-records themselves, and must not depend on the order the records arrived in.
-"""
+"""A decision's samples show its problem (failures, lowest acceptance, slowest) beside healthy
+controls, checked against the seeded records, whatever order they arrived in."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
-"""Alertmanager in both directions: decisions out as alerts, firing alerts in as rollbacks.
-
-Out: `AlertSender` posts each decision that changes a speculative path to Alertmanager's
-v2 API from a background thread with a bounded queue, re-sends the alerts in force so they
-stay firing, and resolves them (``endsAt``) when the scope is restored. In: `read_webhook`
-turns Alertmanager's webhook payload (version 4) into the manual overrides it asks for;
-whoever serves the webhook publishes them as signed decisions.
-"""
+"""Alertmanager in both directions: decisions out as alerts (`AlertSender`), firing alerts in as
+rollbacks (`read_webhook`); docs/OPERATIONS.md says how each behaves."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
@@ -25,22 +20,10 @@ from typing import Callable, Iterable, Mapping
 
 from specwatch.schemas import Decision
 
-__all__ = [
-    "ALERTMANAGER_URL_ENV",
-    "SENDER_RESULTS",
-    "WEBHOOK_OUTCOMES",
-    "WEBHOOK_TOKEN_FILE_ENV",
-    "AlertRequest",
-    "AlertSender",
-    "RollbackPolicy",
-    "WebhookLedger",
-    "bearer_token_ok",
-    "decision_alert",
-    "load_rollback_policy",
-    "read_token_file",
-    "read_webhook",
-    "resolve_scopes",
-]
+__all__ = ["ALERTMANAGER_URL_ENV", "SENDER_RESULTS", "WEBHOOK_OUTCOMES", "WEBHOOK_TOKEN_FILE_ENV",
+           "AlertRequest", "AlertSender", "RollbackPolicy", "WebhookLedger", "bearer_token_ok",
+           "decision_alert", "load_rollback_policy", "read_token_file", "read_webhook",
+           "resolve_scopes"]
 
 # What a sender does with an alert, and what the webhook does with one it receives: the
 # label values of specwatch_alertmanager_alerts_total and specwatch_webhook_alerts_total.
@@ -68,10 +51,6 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _scope_labels(bundle: str, bucket: str | None, cohort: str | None) -> dict[str, str]:
-    return {"bundle": bundle, "bucket": bucket or "*", "cohort": cohort or "*"}
-
-
 def decision_alert(decision: Decision, now: float, ends_at: float, explain_archive: str | None = None) -> dict:
     """One Alertmanager v2 alert for ``decision``, in force until ``ends_at`` (unix seconds).
 
@@ -83,7 +62,8 @@ def decision_alert(decision: Decision, now: float, ends_at: float, explain_archi
     >>> alert["annotations"]["explain"] == f"specwatch explain {d.id}", alert["endsAt"]
     (True, '1970-01-01T00:06:40.000000Z')
     """
-    labels = {"alertname": ALERT_NAME, **_scope_labels(decision.bundle_id, decision.bucket, decision.cohort),
+    labels = {"alertname": ALERT_NAME, "bundle": decision.bundle_id,
+              "bucket": decision.bucket or "*", "cohort": decision.cohort or "*",
               "action": decision.action, "reason": decision.reason,
               "severity": "page" if decision.action in ("disable_speculation", "invalidate_bundle") else "ticket"}
     explain = f"specwatch explain {decision.id}"
@@ -103,28 +83,16 @@ def decision_alert(decision: Decision, now: float, ends_at: float, explain_archi
 
 
 class AlertSender:
-    """Posts decisions to Alertmanager (POST /api/v2/alerts) from a background thread.
+    """Posts decisions to Alertmanager (POST /api/v2/alerts) from a background thread; `submit`
+    never blocks (a full queue drops and counts), failed posts are retried, then counted.
 
-    `submit` never blocks: a full queue drops the decision and counts it. Alerts in force
-    are re-sent every ``resend_seconds`` (Alertmanager resolves an alert it stops hearing
-    about); a ``restore`` of a scope resolves every alert in force on that scope. Failed
-    posts are retried with backoff, then counted.
-
-    Parameters
-    ----------
-    url
-        Alertmanager's base URL, e.g. ``http://alertmanager:9093``.
-    resend_seconds
-        How often alerts in force are sent again; each carries ``endsAt`` four intervals ahead.
-    post
-        ``post(url, body_bytes, timeout)``; urllib by default (tests may pass a recorder).
-    clock
-        Unix wall clock.
+    Alerts in force are sent again every ``resend_seconds``, each with ``endsAt`` four intervals
+    ahead; ``post(url, body_bytes, timeout)`` is urllib's by default.
     """
 
     def __init__(self, url: str, *, queue_size: int = _DEFAULT_QUEUE, resend_seconds: float = _DEFAULT_RESEND_S,
-                 timeout_s: float = _DEFAULT_TIMEOUT_S, retries: int = _DEFAULT_RETRIES,
-                 backoff_s: float = _DEFAULT_BACKOFF_S, explain_archive: str | None = None,
+                 retries: int = _DEFAULT_RETRIES, backoff_s: float = _DEFAULT_BACKOFF_S,
+                 explain_archive: str | None = None,
                  post: Callable[[str, bytes, float], None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if not url.startswith(("http://", "https://")):
@@ -133,7 +101,6 @@ class AlertSender:
             raise ValueError("resend_seconds must be > 0, queue_size >= 1 and retries >= 0")
         self.url = url.rstrip("/") + "/api/v2/alerts"
         self.resend_seconds = resend_seconds
-        self._timeout_s = timeout_s
         self._retries = retries
         self._backoff_s = backoff_s
         self._explain_archive = explain_archive
@@ -178,16 +145,13 @@ class AlertSender:
     def _run(self) -> None:
         next_resend = self._clock() + self.resend_seconds
         while not self._stop.is_set():
+            batch: list[Decision] = []
             try:
-                decision = self._queue.get(timeout=min(1.0, self.resend_seconds))
-            except queue.Empty:
-                decision = None
-            batch = [] if decision is None else [decision]
-            while len(batch) < 100:
-                try:
+                batch.append(self._queue.get(timeout=min(1.0, self.resend_seconds)))
+                while len(batch) < 100:
                     batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            except queue.Empty:
+                pass
             if batch:
                 self.send_now(batch)
             if self._clock() >= next_resend:
@@ -222,7 +186,7 @@ class AlertSender:
         body = json.dumps(alerts).encode()
         for attempt in range(self._retries + 1):
             try:
-                self._post(self.url, body, self._timeout_s)
+                self._post(self.url, body, _DEFAULT_TIMEOUT_S)
                 self.counts["sent"] += len(alerts)
                 return
             except Exception as error:  # noqa: BLE001 - any failure is retried, then counted
@@ -244,15 +208,9 @@ def _http_post(url: str, body: bytes, timeout: float) -> None:
 
 @dataclass(frozen=True)
 class RollbackPolicy:
-    """How firing alerts become rollbacks.
-
-    Parameters
-    ----------
-    reasons
-        Alert name -> contract reason, for alerts without a ``reason`` label.
-    restore_on_resolve
-        Alert names whose resolution restores the scope they disabled (``"*"``: every alert).
-    """
+    """How firing alerts become rollbacks: ``reasons`` maps alert names to contract reasons (for
+    alerts without a ``reason`` label); ``restore_on_resolve`` names alerts (``"*"``: every one)
+    whose resolution restores the scope they disabled."""
 
     reasons: Mapping[str, str] = field(default_factory=dict)
     restore_on_resolve: frozenset[str] = frozenset()
@@ -267,11 +225,7 @@ class RollbackPolicy:
 
 
 def load_rollback_policy(path: str | Path | None) -> RollbackPolicy:
-    """Read a rollback policy TOML file (None: no mapping, nothing restored on resolve).
-
-    The file has ``restore_on_resolve = ["AlertName", ...]`` and a ``[reasons]`` table of
-    ``AlertName = "reason_code"``; anything else is refused by name.
-    """
+    """Read a rollback policy TOML file (``restore_on_resolve`` and ``[reasons]``; None: empty)."""
     if path is None:
         return RollbackPolicy()
     try:
@@ -305,8 +259,6 @@ def bearer_token_ok(header: str | None, token: str) -> bool:
     >>> bearer_token_ok("Bearer s3cret", "s3cret"), bearer_token_ok("Bearer nope", "s3cret"), bearer_token_ok(None, "x")
     (True, False, False)
     """
-    import hmac
-
     if not header or not header.startswith("Bearer "):
         return False
     return hmac.compare_digest(header[len("Bearer "):].strip().encode(), token.encode())
@@ -325,10 +277,8 @@ class AlertRequest:
 
 
 def resolve_scopes(labels: Mapping[str, str], cards: Mapping[str, dict]) -> list[tuple[str, str | None, str | None]]:
-    """The scopes an alert's labels name, among known bundles (``cards``: bundle id -> card).
-
-    ``bundle`` names one bundle; otherwise vLLM's ``model_name`` names every bundle whose
-    card's ``target.model_id`` equals it. ``bucket`` and ``cohort`` narrow the scope.
+    """The scopes an alert's labels (``bundle``, or vLLM's ``model_name`` matching a card's
+    ``target.model_id``; ``bucket``, ``cohort``) name among known bundles (``cards``).
 
     >>> cards = {"b-1": {"target": {"model_id": "llama"}}, "b-2": {"target": {"model_id": "llama"}}}
     >>> resolve_scopes({"model_name": "llama", "bucket": "coding"}, cards)
@@ -336,10 +286,8 @@ def resolve_scopes(labels: Mapping[str, str], cards: Mapping[str, dict]) -> list
     >>> resolve_scopes({"bundle": "b-9"}, cards)
     []
     """
-    bucket = labels.get("bucket") or None
-    cohort = labels.get("cohort") or None
-    bucket = None if bucket == "*" else bucket
-    cohort = None if cohort == "*" else cohort
+    bucket, cohort = (None if labels.get(name) in (None, "", "*") else labels[name]
+                      for name in ("bucket", "cohort"))
     if labels.get("bundle"):
         bundles = [labels["bundle"]] if labels["bundle"] in cards else []
     elif labels.get("model_name"):
@@ -351,10 +299,8 @@ def resolve_scopes(labels: Mapping[str, str], cards: Mapping[str, dict]) -> list
 
 
 class WebhookLedger:
-    """Alerts already handled, by (fingerprint, startsAt, status): a re-sent alert changes nothing.
-
-    An alert is recorded only once its decisions are published, so a request that failed
-    half way is handled in full when Alertmanager retries it.
+    """Alerts already handled, by (fingerprint, startsAt, status), recorded once their decisions
+    are published: a re-sent alert changes nothing, a retried failed one is handled in full.
 
     >>> ledger = WebhookLedger(size=1)
     >>> ledger.handled(("f1", "t", "firing")), ledger.record(("f1", "t", "firing")), ledger.handled(("f1", "t", "firing"))
@@ -377,14 +323,8 @@ class WebhookLedger:
 
 def read_webhook(payload: object, cards: Mapping[str, dict], policy: RollbackPolicy,
                  ledger: WebhookLedger) -> tuple[list[AlertRequest], Counter]:
-    """The rollbacks one webhook payload asks for, and a count of every alert by outcome.
-
-    Record each request's ``ident`` in ``ledger`` once its decision is published.
-
-    Outcomes: ``applied``, ``duplicate`` (already handled), ``unknown_scope``, ``no_scope``,
-    ``no_reason``, ``not_restored`` (resolved, and the policy does not restore it). Raises
-    ValueError when the payload is not Alertmanager's webhook version 4.
-    """
+    """The rollbacks one webhook payload (version 4, else ValueError) asks for, and a count of every
+    alert by outcome (`WEBHOOK_OUTCOMES`); record each ``ident`` in ``ledger`` once published."""
     if not isinstance(payload, dict) or str(payload.get("version")) != "4" or not isinstance(
             payload.get("alerts"), list):
         raise ValueError("not an Alertmanager webhook payload (version 4 with an alerts list)")

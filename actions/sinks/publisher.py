@@ -1,9 +1,5 @@
-"""The decisions-topic publisher of the command line: signed decisions from a kafka-python producer.
-
-Engines and routers follow the topic with `specwatch.collectors.flag_client.FlagClient`;
-the stream workers send decisions and heartbeats through the same
-`specwatch.transport.decision_sink.DecisionSink` from aiokafka.
-"""
+"""The decisions-topic publisher of the command line: signed decisions from a kafka-python producer,
+through the `DecisionSink` the stream workers use from aiokafka."""
 
 from __future__ import annotations
 
@@ -27,37 +23,21 @@ _PUBLISH_LINGER_MS = 5
 
 
 class DecisionPublisher:
-    """Writes decisions to the compacted decisions topic: key = scope, value = contract line.
-
-    Every message is signed with the keyring's current key (header ``specwatch-signature``).
-    `publish` hands the message to the producer and returns; `flush` waits for the broker.
-    Failures are counted and logged, never raised into the policy loop.
-
-    Parameters
-    ----------
-    config
-        The cluster.
-    topic
-        The decisions topic.
-    producer
-        A kafka-python producer to use instead of making one.
-    keyring
-        Signing keys; `Keyring.from_env()` by default. Without a key messages go out
-        unsigned, with a warning.
+    """Writes signed decisions to the compacted decisions topic (key: scope, value: contract
+    line); failures are counted and logged, never raised. Without a signing key in ``keyring``
+    (`Keyring.from_env()` by default) messages go out unsigned, with a warning.
     """
 
-    def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC, producer: Any = None,
+    def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC,
                  keyring: Keyring | None = None) -> None:
+        from kafka import KafkaProducer
+
         self.topic = topic
         self.keyring = keyring if keyring is not None else Keyring.from_env()
-        if producer is None:
-            from kafka import KafkaProducer
-
-            settings = config.producer_settings()
-            settings.update(linger_ms=_PUBLISH_LINGER_MS, client_id=f"{config.client_id}-decisions")
-            producer = KafkaProducer(**settings)
-        self._producer = producer
-        self._sink = DecisionSink(producer.send, topic, self.keyring)
+        settings = config.producer_settings()
+        settings.update(linger_ms=_PUBLISH_LINGER_MS, client_id=f"{config.client_id}-decisions")
+        self._producer = KafkaProducer(**settings)
+        self._sink = DecisionSink(self._producer.send, topic, self.keyring)
         self._lock = threading.Lock()
         self._published = 0
         self._failed = 0
