@@ -14,7 +14,7 @@ from specwatch.schemas.policy import Policy
 from .baseline import Baseline, BaselineLearner, BaselinePool
 from .gates import BernoulliCusum, ConsecutiveGate, DropDetector, cusum_threshold
 from .stalls import StalledRequests
-from .window import SliceStats, merge_all
+from .window import SliceStats, merge_all, round_evidence as _round
 
 __all__ = ["Finding", "KeyMonitor", "BundleMonitor", "RecoveryEvidence", "traffic_evidence"]
 
@@ -54,17 +54,6 @@ def _round_time(value: float) -> float:
     1795000000.123
     """
     return round(float(value), 3)
-
-
-def _round(value):
-    """Six significant digits: evidence reads the same however partials were grouped."""
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return None
-        return float(f"{value:.6g}")
-    if isinstance(value, list):
-        return [_round(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)
