@@ -1,7 +1,5 @@
-"""Mergeable latency quantile sketch (t-digest) used for TTFT/TPOT/e2e percentiles.
-
-fastdigest's Rust t-digest is ~0.1 us per value, merges exactly what stage 1 needs to
-combine map-side partials, and serialises to a few KB; it is wrapped so the choice can change.
+"""Mergeable latency quantile sketch (fastdigest's t-digest) for TTFT/TPOT/e2e percentiles,
+wrapped so the choice can change.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Stalled requests as tail evidence: a request running past a key's limit counts as past it now.
-
-Stage 1 reports requests that run long (``SliceStats.running_long``) and how they ended
-(``running_done``); this ledger turns them into trials of the key's e2e tail test, each once.
+"""Stalled requests as tail evidence: a request running past a key's limit counts as past it now,
+once (from stage 1's ``SliceStats.running_long`` and ``running_done``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Postmortem of one archived decision: a self-contained HTML page and a plain-text summary.
-
-Pure rendering from what `Archive.decision` and `Archive.samples` return; `specwatch explain`
-does the reading and writing.
+"""Postmortem of one archived decision: a self-contained HTML page and a plain-text summary,
+rendered from what `Archive.decision` and `Archive.samples` return.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""`specwatch reproduce`: open a decision's sealed samples and re-run its requests on both paths.
-
-The engine is passed in (`Rerunner`: the vLLM one is collectors/vllm/rerun.py); opening,
-the fingerprint check, the comparison, the verdicts and the audit trail live here.
+"""`specwatch reproduce`: open a decision's sealed samples and re-run its requests on both paths, on
+an engine passed in (`Rerunner`); the checks, comparison, verdicts and audit trail live here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The timeline picture: acceptance length and p99 latency per bucket, decisions marked.
-
-Rendered with matplotlib's Agg backend (no display needed) from archive-shaped window rows.
+"""The timeline picture: acceptance length and p99 latency per bucket, decisions marked
+(matplotlib's Agg backend, from archive-shaped window rows).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Draft-length advice per bucket from archived window stats: the report `specwatch tune` prints.
-
-Builds each bucket's predicted speedup curve (`specwatch.detectors.draft_length`) from the
-archive's per-position counts and step times, and renders it as text, JSON or an HTML page.
+"""Draft-length advice per bucket from archived window stats, the report `specwatch tune` prints:
+each bucket's predicted speedup curve as text, JSON or an HTML page.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""`specwatch bundles`: the bundle registry, each bundle's admission stage and history, and manual moves.
-
-`list` and `show` read the archive; `admit`, `promote` and `freeze` record a person's stage
-change there, with an audit row naming who made it and why.
+"""`specwatch bundles`: the bundle registry, each bundle's admission stage and history, and manual
+moves (`admit`, `promote`, `freeze`) recorded with an audit row.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""`specwatch decisions`: print the decisions topic as contract JSON Lines, in topic order.
-
-Reads from the beginning and stops at the end of the topic, or keeps following with --follow;
-an unreachable cluster is reported in seconds with exit code 2, not waited on.
-
-With a signing key configured (the same ``SPECWATCH_SIGNING_KEY[_FILE]`` settings flag
-clients use), every decision is checked as a flag client would check it: forged, unsigned
-and unknown-key decisions are left out (``--unverified`` prints them too), each is reported
-on stderr with its offset, and the command exits 3 when there were any.
+"""`specwatch decisions`: print the decisions topic as contract JSON Lines, in topic order, each
+checked as a flag client checks it (docs/SECURITY.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""`specwatch demo`: a simulated fleet through the whole pipeline, incidents caught and explained.
-
-Runs closed loop (decisions switch the simulated engines to standard decoding), writes
-the archive and a timeline picture, and prints what happened.
+"""`specwatch demo`: a simulated fleet through the whole pipeline, closed loop, incidents caught and
+explained; writes the archive and a timeline picture.
 """
 
 from __future__ import annotations

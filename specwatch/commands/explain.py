@@ -1,7 +1,4 @@
-"""`specwatch explain DECISION_ID`: the postmortem of one archived decision, as text or an HTML page.
-
-Reads the archive (decision, audit evidence, samples); the page is self-contained.
-"""
+"""`specwatch explain DECISION_ID`: the postmortem of one archived decision, as text or HTML."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""`specwatch flags`: the speculative-path state per scope, and manual overrides with audit.
-
-State is rebuilt from the archive (decisions folded in time order, then overrides on top);
-`set` and `clear` record an override and its audit row there. With ``--bootstrap`` they
-also publish it, signed, on the decisions topic, so that flag clients (engines, routers)
-follow it within their poll interval: an override is a decision with detector ``manual``
-whose ``reason`` is one of the contract's codes (``--code``, the alert being answered)
-and whose evidence names who made it and why. Clearing publishes what the archived
-decisions alone say for the scope.
+"""`specwatch flags`: the speculative-path state per scope, and manual overrides with audit, also
+published as signed ``manual`` decisions with ``--bootstrap`` (docs/SECURITY.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""`specwatch replay`: contract-v1 JSON Lines in, decisions as JSON Lines out, by event time.
-
-Any producer's telemetry can be replayed; the same input always gives the same decisions.
+"""`specwatch replay`: contract-v1 JSON Lines in, decisions as JSON Lines out, by event time;
+the same input always gives the same decisions.
 """
 
 from __future__ import annotations

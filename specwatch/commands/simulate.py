@@ -1,10 +1,5 @@
-"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines, or send it out.
-
-The simulator is built from the arguments in one place and records go to one sink
-function: a JSON Lines file, or an exporter the way engine workers send them: a Kafka
-topic through specwatch's Kafka exporter (OTLP log records, message key = worker), or an
-OpenTelemetry Collector through OpenTelemetry's OTLP exporter (resource
-``service.instance.id`` = worker).
+"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines, or send it the
+way engine workers do: to Kafka through specwatch's exporter, or OTLP to an OpenTelemetry Collector.
 """
 
 from __future__ import annotations
