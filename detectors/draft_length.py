@@ -11,17 +11,8 @@ from typing import Iterable, Sequence
 
 from .window import SliceStats, merge_all, ratio, round_evidence as _round
 
-__all__ = [
-    "MECHANISM_COST",
-    "CurvePoint",
-    "DraftLengthCurve",
-    "PositionSurvival",
-    "StepCost",
-    "curve_from_slices",
-    "draft_length_curve",
-    "starting_draft_length",
-    "tile_draft_lengths",
-]
+__all__ = ["MECHANISM_COST", "CurvePoint", "DraftLengthCurve", "PositionSurvival", "StepCost",
+           "curve_from_slices", "draft_length_curve", "starting_draft_length", "tile_draft_lengths"]
 
 # How a drafter's time grows with D: one forward per position ("serial"; an external drafter is
 # assumed so) or one per block, whatever D ("parallel").

@@ -80,8 +80,7 @@ class BernoulliCusum:
     threshold
         Evidence needed, in nats (see `cusum_threshold`).
     min_hits
-        And at least this many hits since the statistic last stood at zero: a baseline
-        rate near zero makes each hit weigh a lot, and a few remain a few.
+        And at least this many hits since the statistic last stood at zero.
 
     >>> import random
     >>> rng = random.Random(4)

@@ -112,11 +112,8 @@ class LatencySketch:
         return float(self._digest.n_values) * (1.0 - float(self._digest.cdf(value)))
 
     def count_past(self, value: float) -> float:
-        """How many of the durations added exceed ``value``, counted by centroid.
-
-        Exact while the digest keeps each value as its own centroid (a slice of one key
-        holds few), where `count_above`'s interpolated CDF splits the gap between
-        neighbours; off by at most one centroid's weight once values are merged.
+        """How many of the durations added exceed ``value``, counted by centroid: exact while each
+        value is its own centroid (`count_above` interpolates), off by one centroid's weight after.
 
         >>> s = LatencySketch(); s.add_many([10.0, 11.0, 12.0, 40.0])
         >>> s.count_past(30.0), s.count_past(40.0), round(s.count_above(30.0), 2)

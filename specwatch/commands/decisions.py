@@ -42,11 +42,8 @@ def add_arguments(parser) -> None:
 
 def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False,
                     keyring: Keyring | None = None, print_unverified: bool = False) -> tuple[int, int, Counter]:
-    """Print decisions from a connected reader.
-
-    Returns (printed, skipped undecodable, decisions by failed `Verdict` value). Without a
-    ``keyring`` (or with an empty one) nothing is checked.
-    """
+    """Print decisions from a connected reader; returns (printed, skipped undecodable, decisions by
+    failed `Verdict` value). Without a ``keyring`` (or with an empty one) nothing is checked."""
     from specwatch.transport.signing import Keyring, verify
 
     keyring = keyring if keyring is not None else Keyring()
@@ -111,8 +108,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:
-        # The reader of our output went away (e.g. `| head`): not an error of ours.
-        sys.stderr.close()
+        sys.stderr.close()  # the reader of our output went away (`| head`)
     finally:
         reader.close()
     if unverified:

@@ -38,12 +38,8 @@ def add_publish_options(parser: argparse.ArgumentParser) -> None:
 
 
 def publish_keyring(args: argparse.Namespace):
-    """The `Keyring` a manual change is published with, None without ``--bootstrap``.
-
-    Without a key a change goes out unsigned, and every flag client that holds a key
-    ignores it: that raises `CommandError` unless ``--unsigned`` says the fleet runs
-    without keys. Called before anything is recorded, so a refused change leaves no trace.
-    """
+    """The `Keyring` a manual change is published with, None without ``--bootstrap``; no key
+    raises `CommandError` unless ``--unsigned``. Called before anything is recorded."""
     if not args.bootstrap:
         return None
     from specwatch.transport.signing import Keyring

@@ -444,4 +444,3 @@ def _record_summary(record: dict) -> str:
     if kind == "shadow":
         return f"{record.get('check')} {'match' if record.get('match') else 'MISMATCH'}"
     return kind or "?"
-

@@ -16,10 +16,7 @@ __all__ = ["DESCRIPTION", "add_arguments", "run", "replay_file"]
 
 _EXIT_NO_TELEMETRY = 1
 _EXIT_USAGE = 2
-# The decisions are written, but some archive rows reached neither the archive nor its spool.
-_EXIT_ARCHIVE_ROWS_LOST = 3
-# Lines decoded and folded at once: large enough that the per-block costs vanish, small
-# enough that a block's columns stay in cache.
+_EXIT_ARCHIVE_ROWS_LOST = 3  # decisions written, some archive rows lost
 _BLOCK_LINES = 4096
 
 
@@ -38,10 +35,7 @@ def add_arguments(parser) -> None:
 
 
 def replay_file(source, output, pipeline) -> dict:
-    """Feed every line of ``source`` and write decisions to ``output``; returns the counters.
-
-    Lines go in blocks (the ingest step's batch mode): the decisions are those of one line at a time.
-    """
+    """Feed ``source`` in blocks, write the decisions to ``output``; returns the counters."""
     lines = iter(source)
     while block := list(islice(lines, _BLOCK_LINES)):
         for decision in pipeline.feed_lines(block):
@@ -56,8 +50,6 @@ class _NotTelemetry(Exception):
 
 
 def run(args) -> int:
-    # imported here: the detectors pull in river (and scipy), which every other
-    # subcommand's start-up should not pay for
     import gzip
 
     from specwatch.outputs import OutputClashError, atomic_output, check_not_an_input
@@ -74,7 +66,6 @@ def run(args) -> int:
     if args.archive:
         from specwatch.archive.sink import ArchiveSink
 
-        # Opens the archive when it can, spools when it cannot: the decisions never wait on it.
         try:
             sink = ArchiveSink.open(args.archive, outage_log_level=logging.INFO)
         except ValueError as error:

@@ -16,12 +16,11 @@ from typing import Iterable, TextIO
 from specwatch.commands._arguments import CommandError
 from specwatch.transport.topics import TELEMETRY_TOPIC
 
-__all__ = ["DESCRIPTION", "add_arguments", "run", "build_simulator", "write_json_lines", "send", "send_to_kafka", "send_otlp", "summary_line"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "build_simulator", "write_json_lines", "send",
+           "send_to_kafka", "send_otlp", "summary_line"]
 
 _EXIT_IO = 1
-# Engines export continuously; a generator running faster than real time must not let one
-# worker's records run far ahead of another's on a shared partition (stage 1 closes slices
-# by event time), so it flushes this often in event time.
+# Flushed this often in event time, so no worker runs far ahead of another on a partition.
 _DEFAULT_FLUSH_EVENT_SECONDS = 0.5
 _CONNECT_TIMEOUT_S = 5.0
 _PACE_EVERY_RECORDS = 64
@@ -78,10 +77,8 @@ def write_json_lines(records: Iterable, stream: TextIO) -> Counter:
 
 def send(records: Iterable, exporter, rate: float = 0.0,
          flush_event_seconds: float = _DEFAULT_FLUSH_EVENT_SECONDS) -> tuple[Counter, dict]:
-    """Emit every record through ``exporter`` (which this shuts down); counts by kind and exporter stats.
-
-    Nothing is dropped: when the emitter's queue is full, the generator waits for it.
-    """
+    """Emit every record through ``exporter`` (which this shuts down), waiting when its queue is
+    full; counts by kind and exporter stats."""
     from specwatch.collectors.otel import TelemetryEmitter
 
     if rate < 0:
