@@ -217,9 +217,11 @@ def _samples(args: argparse.Namespace) -> int:
         rows = archive.samples(args.decision_id)
     if not known and not rows:
         return _no_decision(args.decision_id)
+    from specwatch.analysis.postmortem import sample_summary
+
     for row in rows:
         if not args.json:
-            row["summary"] = _record_summary(row["record"])
+            row["summary"] = sample_summary(row["record"])
     print_rows(rows, [
         ("ts", "time (UTC)", format_ts), ("kind", "kind", str), ("sample_id", "sample", str),
         ("worker", "worker", format_scope), ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope),
@@ -424,23 +426,3 @@ def _card_summary(card: Any) -> str:
     if runtime:
         parts.append(" ".join(str(runtime[k]) for k in ("engine", "gpu", "parallelism") if runtime.get(k)))
     return "; ".join(p for p in parts if p) or "-"
-
-
-def _record_summary(record: dict) -> str:
-    kind = record.get("kind")
-    if kind == "request":
-        spec = "spec" if record.get("speculative") else "standard"
-        text = (f"{record.get('finish_reason')} {spec} ttft={_short(record.get('ttft_ms'))}ms "
-                f"tpot={_short(record.get('tpot_ms'))}ms e2e={_short(record.get('e2e_ms'))}ms "
-                f"out={record.get('output_tokens')}")
-        return text + (f" error={record['error']}" if record.get("error") else "")
-    if kind == "step":
-        entries = record.get("requests") or []
-        drafted = sum(e.get("drafted", 0) for e in entries)
-        accepted = sum(e.get("accepted", 0) for e in entries)
-        return (f"{len(entries)} requests drafted={drafted} accepted={accepted} "
-                f"draft={_short(record.get('draft_ms'))}ms verify={_short(record.get('verify_ms'))}ms "
-                f"kv={_short(record.get('kv_usage'))}")
-    if kind == "shadow":
-        return f"{record.get('check')} {'match' if record.get('match') else 'MISMATCH'}"
-    return kind or "?"
