@@ -234,19 +234,14 @@ class BaselineLearner:
             self._apply_pins()
 
     def _apply_pins(self) -> None:
-        pin, b = self.pinned, self.baseline
-        b.pinned = True
+        pin = self.pinned
+        self.baseline.pinned = True
+        for name in ("acceptance_length", "draft_to_verify", "e2e_p99_ms", "tpot_p99_ms",
+                     "error_rate"):
+            if getattr(pin, name) is not None:
+                setattr(self.baseline, name, getattr(pin, name))
         if pin.acceptance_length is not None:
-            b.acceptance_length = pin.acceptance_length
             self.acceptance_ready = True
-        if pin.draft_to_verify is not None:
-            b.draft_to_verify = pin.draft_to_verify
-        if pin.e2e_p99_ms is not None:
-            b.e2e_p99_ms = pin.e2e_p99_ms
-        if pin.tpot_p99_ms is not None:
-            b.tpot_p99_ms = pin.tpot_p99_ms
-        if pin.error_rate is not None:
-            b.error_rate = pin.error_rate
         if pin.e2e_p99_ms is not None or pin.tpot_p99_ms is not None:
             self.latency_ready = True
 

@@ -340,6 +340,11 @@ class CanaryJudge:
         if not (self._enough(len(canary)) and self._enough(len(baseline))):
             return MetricVerdict(name, "marginal", observed, base, limit, math.nan, windows, "insufficient windows")
         p = mann_whitney_greater(canary, baseline)
+        return self._verdict(name, observed, base, limit, p, windows, tail)
+
+    def _verdict(self, name: str, observed: float, base: float, limit: float, p: float,
+                 windows: tuple[int, int], tail: float | None = None) -> MetricVerdict:
+        """Past ``limit`` and significant: fail at ``confidence``, marginal at the marginal one."""
         if not observed > limit or not p < self._alpha(marginal=True):
             return MetricVerdict(name, "pass", observed, base, limit, p, windows)
         if tail is not None and tail < self.policy.min_tail_requests:
@@ -362,11 +367,7 @@ class CanaryJudge:
                                  "insufficient windows")
         failures = canary.errors + canary.timeouts
         p = _binomial_sf(failures - 1, canary.requests, min(1.0, limit)) if failures else 1.0
-        if not observed > limit or not p < self._alpha(marginal=True):
-            return MetricVerdict("error_rate", "pass", observed, base, limit, p, windows)
-        outcome = "fail" if p < self._alpha() else "marginal"
-        return MetricVerdict("error_rate", outcome, observed, base, limit, p, windows,
-                             "" if outcome == "fail" else "past the limit, not yet significant")
+        return self._verdict("error_rate", observed, base, limit, p, windows)
 
     def _quality(self) -> MetricVerdict:
         checks, mismatched = self.shadow_checks, len(self.mismatches)

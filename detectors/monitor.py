@@ -35,14 +35,9 @@ class Finding:
     details: dict = field(default_factory=dict)
 
     def evidence(self) -> dict:
-        out = {
-            "metric": self.metric,
-            "value": _round(self.value),
-            "threshold": _round(self.threshold),
-            "baseline": _round(self.baseline),
-            "window_start": _round_time(self.window_start),
-            "window_end": _round_time(self.window_end),
-        }
+        out = {"metric": self.metric, "value": _round(self.value), "threshold": _round(self.threshold),
+               "baseline": _round(self.baseline), "window_start": _round_time(self.window_start),
+               "window_end": _round_time(self.window_end)}
         out.update({k: _round(v) for k, v in self.details.items()})
         return out
 

@@ -52,8 +52,6 @@ pre{font-size:.75rem;white-space:pre-wrap;margin:0}
 """.strip()
 
 
-# -- shared reading of an archived decision ------------------------------------------------------
-
 def _audit(record: dict) -> dict:
     return record.get("audit") or {}
 
@@ -132,8 +130,6 @@ def _headline(record: dict) -> tuple[str, str]:
                    f" (baseline {_number(finding.get('baseline'))})")
     return text, measure
 
-
-# -- plain text ----------------------------------------------------------------------------------
 
 def render_text(record: dict, samples: Sequence[dict]) -> str:
     """A short plain-text postmortem: decision, finding, thresholds, baseline, window, card, samples.
@@ -262,8 +258,6 @@ def sample_summary(record: dict) -> str:
         return f"{record.get('check')} {'match' if record.get('match') else 'MISMATCH'}"
     return kind or "?"
 
-
-# -- HTML ---------------------------------------------------------------------------------------
 
 def render_html(record: dict, samples: Sequence[dict], reproductions: Sequence[dict] = ()) -> str:
     """A self-contained postmortem page (inline SVG plots, no external resources).

@@ -161,8 +161,6 @@ def _write_rows(rows: list[dict], columns: Sequence[Column], as_json: bool, out:
         out.write(line(row_cells) + "\n")
 
 
-# -- subcommands ----------------------------------------------------------------------
-
 def _decisions(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         rows = archive.decisions(bundle_id=args.bundle, bucket=args.bucket, reason=args.reason,
@@ -317,8 +315,6 @@ def _no_decision(decision_id: str) -> int:
     print(f"specwatch: no decision {decision_id!r} in the archive", file=sys.stderr)
     return _EXIT_NOT_FOUND
 
-
-# -- formatting -------------------------------------------------------------------------
 
 def _num(digits: int) -> Callable[[Any], str]:
     def fmt(value: Any) -> str:
