@@ -5,7 +5,6 @@ moves (`admit`, `promote`, `freeze`) recorded with an audit row.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from specwatch.commands._arguments import (CommandError, add_archive_options, add_policy_option, load_policy,
@@ -68,8 +67,7 @@ def _show(args: argparse.Namespace) -> int:
         row = _registered(archive, args.bundle_id)
         history = archive.stage_history(args.bundle_id)
     if row is None:
-        print(f"specwatch: no bundle {args.bundle_id} in the archive", file=sys.stderr)
-        return _EXIT_NOT_FOUND
+        raise CommandError(f"no bundle {args.bundle_id} in the archive", _EXIT_NOT_FOUND)
     for change in history:
         change["evidence"] = _evidence(change)
     if args.json:

@@ -10,6 +10,8 @@ import sys
 from collections import Counter
 from typing import TYPE_CHECKING, TextIO
 
+from specwatch.commands._arguments import CommandError
+
 if TYPE_CHECKING:  # the Kafka client and the signing code load when the command runs
     from specwatch.transport.decisions import DecisionReader
     from specwatch.transport.signing import Keyring
@@ -18,8 +20,6 @@ __all__ = ["DESCRIPTION", "add_arguments", "run", "print_decisions"]
 
 logger = logging.getLogger(__name__)
 
-_EXIT_OK = 0
-_EXIT_UNREACHABLE = 2
 _EXIT_UNVERIFIED = 3
 _DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _FOLLOW_POLL_MS = 500
@@ -88,19 +88,16 @@ def run(args: argparse.Namespace) -> int:
         config = KafkaConfig.from_env(args.bootstrap)
         keyring = Keyring.from_env()
     except ValueError as error:
-        print(f"specwatch decisions: {error}", file=sys.stderr)
-        return _EXIT_UNREACHABLE
+        raise CommandError(str(error)) from None
     if not keyring.enabled:
         logger.warning("no signing key configured: decisions are printed unchecked")
     reader = DecisionReader(config, topic=args.topic or DECISIONS_TOPIC, connect_timeout_s=args.timeout)
     try:
         reader.connect()
     except BrokerUnavailable as error:
-        print(f"specwatch decisions: {error}", file=sys.stderr)
-        return _EXIT_UNREACHABLE
+        raise CommandError(str(error)) from None
     except LookupError as error:
-        print(f"specwatch decisions: {error.args[0]}", file=sys.stderr)
-        return _EXIT_UNREACHABLE
+        raise CommandError(error.args[0]) from None
     unverified: Counter = Counter()
     try:
         _, _, unverified = print_decisions(reader, sys.stdout, follow=args.follow, keyring=keyring,
@@ -116,4 +113,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"specwatch decisions: {counts} decision(s) failed the signature check"
               + (" (printed anyway)" if args.unverified else " and were left out"), file=sys.stderr)
         return _EXIT_UNVERIFIED
-    return _EXIT_OK
+    return 0

@@ -16,7 +16,6 @@ from specwatch.transport.topics import DECISIONS_TOPIC
 __all__ = ["DESCRIPTION", "add_arguments", "add_publish_options", "publish_keyring", "publish_manual"]
 
 _EXIT_NOT_FOUND = 1
-_EXIT_USAGE = 2
 _EXIT_NOT_PUBLISHED = 3
 _PUBLISH_TIMEOUT_S = 15.0
 
@@ -133,10 +132,7 @@ def add_arguments(parser) -> None:
 def _list(args: argparse.Namespace) -> int:
     ignored = 0
     if args.bootstrap:
-        found = _fleet_store(args)
-        if isinstance(found, int):
-            return found
-        store, ignored = found
+        store, ignored = _fleet_store(args)
         automatic = store.scopes()
     else:
         with open_archive(args.archive) as archive:
@@ -175,20 +171,18 @@ def _list(args: argparse.Namespace) -> int:
 
 def _fleet_store(args: argparse.Namespace):
     """(the flag store a flag client builds from the decisions topic, how many messages failed the
-    signature check), or the exit code (and why, on stderr) when the topic cannot be read."""
+    signature check); `CommandError` when the topic cannot be read."""
     from specwatch.collectors.flag_client import FlagClient
     from specwatch.transport.config import KafkaConfig
 
     try:
         client = FlagClient(KafkaConfig.from_env(args.bootstrap), topic=args.decisions_topic, silence_seconds=None)
     except ValueError as error:
-        print(f"specwatch: {error}", file=sys.stderr)
-        return _EXIT_USAGE
+        raise CommandError(str(error)) from None
     with client:
         if not client.wait_until_caught_up(_PUBLISH_TIMEOUT_S):
-            print(f"specwatch: could not read {args.decisions_topic} at {args.bootstrap} within "
-                  f"{_PUBLISH_TIMEOUT_S:.0f} s", file=sys.stderr)
-            return _EXIT_NOT_PUBLISHED
+            raise CommandError(f"could not read {args.decisions_topic} at {args.bootstrap} within "
+                               f"{_PUBLISH_TIMEOUT_S:.0f} s", _EXIT_NOT_PUBLISHED)
         stats = client.stats()
         ignored = stats.forged + stats.unsigned + stats.replayed + stats.misrouted
         if ignored:

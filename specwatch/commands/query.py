@@ -14,14 +14,13 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
-from specwatch.commands._arguments import add_archive_options, open_archive
+from specwatch.commands._arguments import CommandError, add_archive_options, open_archive
 
 __all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_scope", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
 _TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
 _EXIT_NOT_FOUND = 1
-_EXIT_USAGE = 2
 _NO_ROWS = "0 rows"
 
 Column = tuple[str, str, Callable[[Any], str]]  # (key, header, formatter)
@@ -180,7 +179,7 @@ def _decision(args: argparse.Namespace) -> int:
         found = archive.decision(args.decision_id)
         samples = archive.samples(args.decision_id) if found else []
     if found is None:
-        return _no_decision(args.decision_id)
+        raise _no_decision(args.decision_id)
     found["sample_counts"] = dict(Counter(s["kind"] for s in samples))
     if args.json:
         print_rows([found], (), as_json=True)
@@ -214,7 +213,7 @@ def _samples(args: argparse.Namespace) -> int:
         known = archive.decision(args.decision_id) is not None
         rows = archive.samples(args.decision_id)
     if not known and not rows:
-        return _no_decision(args.decision_id)
+        raise _no_decision(args.decision_id)
     from specwatch.analysis.postmortem import sample_summary
 
     for row in rows:
@@ -234,7 +233,7 @@ def _timeline(args: argparse.Namespace) -> int:
         if args.around:
             found = archive.decision(args.around)
             if found is None:
-                return _no_decision(args.around)
+                raise _no_decision(args.around)
             center = found["ts"]
             bundle = bundle or found["bundle_id"]
             if bucket is None and found["bucket"] is not None:
@@ -242,13 +241,11 @@ def _timeline(args: argparse.Namespace) -> int:
             since = center - args.seconds if since is None else since
             until = center + args.seconds if until is None else until
         if not bundle:
-            print("specwatch: timeline needs --bundle (or --around DECISION_ID)", file=sys.stderr)
-            return _EXIT_USAGE
+            raise CommandError("timeline needs --bundle (or --around DECISION_ID)")
         rows = archive.timeline(bundle_id=bundle, bucket=bucket, cohort=args.cohort, since=since,
                                 until=until)
         if not rows and not archive.knows_bundle(bundle):
-            print(f"specwatch: no bundle {bundle!r} in the archive", file=sys.stderr)
-            return _EXIT_NOT_FOUND
+            raise CommandError(f"no bundle {bundle!r} in the archive", _EXIT_NOT_FOUND)
     if center is not None:
         # The first slice ending at or after the decision is the one that tipped it.
         tipping = next((row["ts"] for row in rows if row["ts"] >= center), None)
@@ -297,23 +294,20 @@ def _sql(args: argparse.Namespace) -> int:
         try:
             names, rows = archive.sql(args.statement, **limits)
         except ValueError as exc:
-            print(f"specwatch: refused: {exc}", file=sys.stderr)
-            return _EXIT_USAGE
+            raise CommandError(f"refused: {exc}") from None
         except ArchiveQueryLimit as exc:
             option = "--max-seconds" if exc.setting == "max_execution_time" else "--max-rows"
-            print(f"specwatch: {exc}; narrow the statement or raise {option}", file=sys.stderr)
-            return _EXIT_NOT_FOUND
+            message = f"{exc}; narrow the statement or raise {option}"
+            raise CommandError(message, _EXIT_NOT_FOUND) from None
         except ArchiveError as exc:
-            print(f"specwatch: {exc}", file=sys.stderr)
-            return _EXIT_NOT_FOUND
+            raise CommandError(str(exc), _EXIT_NOT_FOUND) from None
     dicts = [dict(zip(names, row)) for row in rows]
     print_rows(dicts, [(name, name, _cell) for name in names], as_json=args.json, empty=_NO_ROWS)
     return 0
 
 
-def _no_decision(decision_id: str) -> int:
-    print(f"specwatch: no decision {decision_id!r} in the archive", file=sys.stderr)
-    return _EXIT_NOT_FOUND
+def _no_decision(decision_id: str) -> CommandError:
+    return CommandError(f"no decision {decision_id!r} in the archive", _EXIT_NOT_FOUND)
 
 
 def _num(digits: int) -> Callable[[Any], str]:
