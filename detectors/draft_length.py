@@ -162,7 +162,10 @@ class StepCost:
         drafting_x = [s.rounds / s.steps for s in timed]
         pass_ms = [s.draft_ms / s.steps / n for s, n in zip(timed, passes)]
         fitted = _theil_sen(drafting_x, pass_ms)
-        serial_fit = _serial_draft_fit(timed) if kind == "serial" else None
+        # serial draft ms per step = per-step cost + passes * (per pass + per drafting request)
+        serial_fit = None if kind != "serial" else _fit_across_d(
+            timed, [[1.0, n, n * s.rounds / s.steps] for s, n in zip(timed, passes)],
+            [s.draft_ms / s.steps for s in timed])
         if serial_fit is not None:
             draft = (*serial_fit, "huber")
         elif fitted is None:
@@ -170,7 +173,10 @@ class StepCost:
             draft = (0.0, ratio(total.draft_ms, all_passes), 0.0, "mean")
         else:
             draft = (0.0, *fitted, "theil_sen")
-        verify = _verify_fit(timed)
+        # verify ms per step = a + b * requests + c * draft tokens (per step)
+        verify = _fit_across_d(timed, [[1.0, (s.rounds + s.plain_entries) / s.steps,
+                                        s.drafted_tokens / s.steps] for s in timed],
+                               [s.verify_ms / s.steps for s in timed])
         if verify is None:
             verify = (ratio(total.verify_ms, steps), 0.0, 0.0, "flat")
         else:
@@ -232,25 +238,13 @@ def _huber_nonnegative(features, y) -> list[float] | None:
     return coefficients if fit.success and all(math.isfinite(c) for c in coefficients) else None
 
 
-def _serial_draft_fit(timed: list[SliceStats]) -> tuple[float, float, float] | None:
-    """Serial draft ms per step = per-step cost + passes * (per pass + per drafting request)."""
+def _fit_across_d(timed: list[SliceStats], features: list[list[float]], ms_per_step: list[float]):
+    """Coefficients of ``ms_per_step`` on ``features``, only when the slices' mean D varied enough
+    to tell a per-draft-token cost from a per-request one."""
     if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
         return None
-    features = []
-    for s in timed:
-        passes = s.drafted_tokens / s.rounds
-        features.append([1.0, passes, passes * s.rounds / s.steps])
-    fitted = _huber_nonnegative(features, [s.draft_ms / s.steps for s in timed])
-    return None if fitted is None else (fitted[0], fitted[1], fitted[2])
-
-
-def _verify_fit(timed: list[SliceStats]) -> tuple[float, float, float] | None:
-    """Verify ms per step = a + b * requests + c * draft tokens (per step), when D varied enough."""
-    if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
-        return None
-    features = [[1.0, (s.rounds + s.plain_entries) / s.steps, s.drafted_tokens / s.steps] for s in timed]
-    fitted = _huber_nonnegative(features, [s.verify_ms / s.steps for s in timed])
-    return None if fitted is None else (fitted[0], fitted[1], fitted[2])
+    fitted = _huber_nonnegative(features, ms_per_step)
+    return None if fitted is None else tuple(fitted)
 
 
 @dataclass(frozen=True)
