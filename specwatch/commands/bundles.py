@@ -10,7 +10,7 @@ import time
 from specwatch.commands._arguments import (CommandError, add_archive_options, add_policy_option, load_policy,
                                            open_archive)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
-from specwatch.commands.query import format_ts, print_rows
+from specwatch.commands.query import format_card, format_ts, print_rows
 
 __all__ = ["DESCRIPTION", "add_arguments"]
 
@@ -53,7 +53,7 @@ def _list(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         rows = archive.bundle_registry()
     for row in rows:
-        row["card_summary"] = _card(row["card"])
+        row["card_summary"] = format_card(row["card"])
     print_rows(rows, [
         ("bundle_id", "bundle", str), ("stage", "stage", _opt), ("cohort_share", "share", _opt),
         ("stage_since", "since (UTC)", format_ts), ("stage_by", "by", _opt),
@@ -75,7 +75,7 @@ def _show(args: argparse.Namespace) -> int:
         return 0
     print(f"bundle {row['bundle_id']}: {row['stage'] or 'not judged (admission off)'}"
           + (f", cohort share {row['cohort_share']:g}" if row["stage"] in ("shadow", "canary") else ""))
-    print(f"  card: {_card(row['card'])}")
+    print(f"  card: {format_card(row['card'])}")
     print(f"  seen: {format_ts(row['first_seen'])} .. {format_ts(row['last_seen'])} on "
           f"{', '.join(row['workers']) or '-'}")
     if not history:
@@ -143,14 +143,6 @@ def _evidence(change: dict) -> str:
         requests = sum(j.get("canary_requests", 0) for j in judged.values())
         return f"{len(judged)} buckets pass, {requests} speculative requests judged"
     return ""
-
-
-def _card(card) -> str:
-    if not card:
-        return "-"
-    target, drafter = card.get("target", {}), card.get("drafter", {})
-    return (f"{target.get('model_id')}@{target.get('revision')} {drafter.get('mechanism')}@"
-            f"{drafter.get('revision')} D={drafter.get('draft_length')} {card.get('policy', {}).get('acceptance_rule')}")
 
 
 def _opt(value: object) -> str:

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable, Sequence, TextIO
 
 from specwatch.commands._arguments import CommandError, add_archive_options, open_archive
 
-__all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_scope", "format_ts"]
+__all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_card",
+           "format_scope", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
 _TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
@@ -196,7 +197,7 @@ def _decision(args: argparse.Namespace) -> int:
         out.append(f"  thresholds  {_pairs(audit['thresholds']) or '-'}")
         out.append(f"  baseline    {_pairs(audit['baseline']) or '-'}")
         out.append(f"  window      {_window_summary(audit['window'])}")
-        out.append(f"  bundle      {_card_summary(audit['card'])}")
+        out.append(f"  bundle      {format_card(audit['card'])}")
         if audit.get("detail"):
             out.append(f"  detail      {_pairs(audit['detail'])}")
     else:
@@ -274,7 +275,7 @@ def _bundles(args: argparse.Namespace) -> int:
         print_rows(rows, (), as_json=True)
         return 0
     for row in rows:
-        row["summary"] = _card_summary(row["card"])
+        row["summary"] = format_card(row["card"])
         row["worker_count"] = len(row["workers"])
     print_rows(rows, [
         ("bundle_id", "bundle", str), ("first_seen", "first seen (UTC)", format_ts),
@@ -401,7 +402,8 @@ def _window_summary(window: Any) -> str:
     return "; ".join([span] + moves)
 
 
-def _card_summary(card: Any) -> str:
+def format_card(card: Any) -> str:
+    """A bundle card in one line: target, drafter and D, runtime, acceptance rule."""
     if not isinstance(card, dict):
         return "-"
     target, drafter, runtime = (card.get(k) or {} for k in ("target", "drafter", "runtime"))
@@ -415,4 +417,5 @@ def _card_summary(card: Any) -> str:
                      f"D={drafter.get('draft_length', '?')}")
     if runtime:
         parts.append(" ".join(str(runtime[k]) for k in ("engine", "gpu", "parallelism") if runtime.get(k)))
+    parts.append((card.get("policy") or {}).get("acceptance_rule") or "")
     return "; ".join(p for p in parts if p) or "-"
