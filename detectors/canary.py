@@ -255,10 +255,6 @@ class CanaryJudge:
         self._judgement = None
 
     @property
-    def mismatched(self) -> bool:
-        return bool(self.mismatches)
-
-    @property
     def judgement(self) -> Judgement:
         if self._judgement is None:
             metrics = (*self._tests, self._quality())
