@@ -7,15 +7,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from specwatch.commands._arguments import (CommandError, add_archive_options, add_policy_option, load_policy,
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
+                                           add_archive_options, add_policy_option, load_policy,
                                            open_archive)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
 from specwatch.commands.query import format_card, format_ts, print_rows
 
 __all__ = ["DESCRIPTION", "add_arguments"]
-
-_EXIT_NOT_FOUND = 1
-_EXIT_NOT_PUBLISHED = 3
 
 
 DESCRIPTION = ("Every bundle (fingerprint card) seen, its admission stage (unadmitted, shadow, canary "
@@ -67,7 +65,7 @@ def _show(args: argparse.Namespace) -> int:
         row = _registered(archive, args.bundle_id)
         history = archive.stage_history(args.bundle_id)
     if row is None:
-        raise CommandError(f"no bundle {args.bundle_id} in the archive", _EXIT_NOT_FOUND)
+        raise CommandError(f"no bundle {args.bundle_id} in the archive", EXIT_NOT_FOUND)
     for change in history:
         change["evidence"] = _evidence(change)
     if args.json:
@@ -102,7 +100,7 @@ def _change(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         row = _registered(archive, args.bundle_id)
         if row is None:
-            raise CommandError(f"no bundle {args.bundle_id} in the archive", _EXIT_NOT_FOUND)
+            raise CommandError(f"no bundle {args.bundle_id} in the archive", EXIT_NOT_FOUND)
         try:
             stage, cohort, share = manual_stage(args.move, row["stage"], row["cohort_share"], settings)
         except ValueError as error:
@@ -119,7 +117,7 @@ def _change(args: argparse.Namespace) -> int:
         print(f"bundle {args.bundle_id}: {row['stage'] or 'not judged'} -> {stage}"
               + (f" (cohort share {share:g})" if stage in ("shadow", "canary") else "")
               + f" by {by}: {reason} ({change_id})")
-    return 0 if published else _EXIT_NOT_PUBLISHED
+    return 0 if published else EXIT_NOT_PUBLISHED
 
 
 def _registered(archive, bundle_id: str) -> dict | None:

@@ -9,14 +9,13 @@ import sys
 import time
 from dataclasses import asdict
 
-from specwatch.commands._arguments import CommandError, add_archive_options, open_archive
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
+                                           add_archive_options, open_archive)
 from specwatch.commands.query import format_scope, format_ts, print_rows
 from specwatch.transport.topics import DECISIONS_TOPIC
 
 __all__ = ["DESCRIPTION", "add_arguments", "add_publish_options", "publish_keyring", "publish_manual"]
 
-_EXIT_NOT_FOUND = 1
-_EXIT_NOT_PUBLISHED = 3
 _PUBLISH_TIMEOUT_S = 15.0
 
 # The decisions contract's reason codes (schemas/decisions.py), listed here so that the
@@ -155,7 +154,7 @@ def _list(args: argparse.Namespace) -> int:
         })
     # like `specwatch decisions`: messages flag clients ignore for their signature mean
     # someone other than the key holders writes the topic
-    code = _EXIT_NOT_PUBLISHED if ignored else 0
+    code = EXIT_NOT_PUBLISHED if ignored else 0
     for row in [] if args.json else rows:  # JSON keeps the fields the source line is made of
         row["source"] = f"manual by {row['by']}" if row["manual"] else (row["decision_id"] or "")
         if row["manual"] and row["automatic"]:
@@ -182,7 +181,7 @@ def _fleet_store(args: argparse.Namespace):
     with client:
         if not client.wait_until_caught_up(_PUBLISH_TIMEOUT_S):
             raise CommandError(f"could not read {args.decisions_topic} at {args.bootstrap} within "
-                               f"{_PUBLISH_TIMEOUT_S:.0f} s", _EXIT_NOT_PUBLISHED)
+                               f"{_PUBLISH_TIMEOUT_S:.0f} s", EXIT_NOT_PUBLISHED)
         stats = client.stats()
         ignored = stats.forged + stats.unsigned + stats.replayed + stats.misrouted
         if ignored:
@@ -207,7 +206,7 @@ def _set(args: argparse.Namespace) -> int:
     published = not args.bootstrap or publish_manual(
         args, override_decision(change, args.code, override_id=override_id), keyring)
     _report(args, change, override_id, "set")
-    return 0 if published else _EXIT_NOT_PUBLISHED
+    return 0 if published else EXIT_NOT_PUBLISHED
 
 
 def _clear(args: argparse.Namespace) -> int:
@@ -219,7 +218,7 @@ def _clear(args: argparse.Namespace) -> int:
         active = next((o for o in archive.overrides(active_only=True)
                        if (o["bundle_id"], o["bucket"], o["cohort"]) == scope), None)
         if active is None:
-            raise CommandError(f"no manual override on {_key(scope)}", _EXIT_NOT_FOUND)
+            raise CommandError(f"no manual override on {_key(scope)}", EXIT_NOT_FOUND)
         change = OverrideChange(args.bundle, args.bucket, args.cohort, active["enabled"],
                                 active["draft_limit"], args.by.strip(), args.reason.strip(),
                                 # never before the override it clears, whatever the clocks say
@@ -229,7 +228,7 @@ def _clear(args: argparse.Namespace) -> int:
     published = not args.bootstrap or publish_manual(
         args, override_decision(change, args.code, automatic, override_id), keyring)
     _report(args, change, override_id, "cleared")
-    return 0 if published else _EXIT_NOT_PUBLISHED
+    return 0 if published else EXIT_NOT_PUBLISHED
 
 
 def _record(archive, change) -> str:

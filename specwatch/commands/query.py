@@ -14,14 +14,14 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
-from specwatch.commands._arguments import CommandError, add_archive_options, open_archive
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, add_archive_options,
+                                           open_archive)
 
 __all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_card",
            "format_scope", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
 _TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
-_EXIT_NOT_FOUND = 1
 _NO_ROWS = "0 rows"
 
 Column = tuple[str, str, Callable[[Any], str]]  # (key, header, formatter)
@@ -246,7 +246,7 @@ def _timeline(args: argparse.Namespace) -> int:
         rows = archive.timeline(bundle_id=bundle, bucket=bucket, cohort=args.cohort, since=since,
                                 until=until)
         if not rows and not archive.knows_bundle(bundle):
-            raise CommandError(f"no bundle {bundle!r} in the archive", _EXIT_NOT_FOUND)
+            raise CommandError(f"no bundle {bundle!r} in the archive", EXIT_NOT_FOUND)
     if center is not None:
         # The first slice ending at or after the decision is the one that tipped it.
         tipping = next((row["ts"] for row in rows if row["ts"] >= center), None)
@@ -299,16 +299,16 @@ def _sql(args: argparse.Namespace) -> int:
         except ArchiveQueryLimit as exc:
             option = "--max-seconds" if exc.setting == "max_execution_time" else "--max-rows"
             message = f"{exc}; narrow the statement or raise {option}"
-            raise CommandError(message, _EXIT_NOT_FOUND) from None
+            raise CommandError(message, EXIT_NOT_FOUND) from None
         except ArchiveError as exc:
-            raise CommandError(str(exc), _EXIT_NOT_FOUND) from None
+            raise CommandError(str(exc), EXIT_NOT_FOUND) from None
     dicts = [dict(zip(names, row)) for row in rows]
     print_rows(dicts, [(name, name, _cell) for name in names], as_json=args.json, empty=_NO_ROWS)
     return 0
 
 
 def _no_decision(decision_id: str) -> CommandError:
-    return CommandError(f"no decision {decision_id!r} in the archive", _EXIT_NOT_FOUND)
+    return CommandError(f"no decision {decision_id!r} in the archive", EXIT_NOT_FOUND)
 
 
 def _num(digits: int) -> Callable[[Any], str]:
