@@ -173,8 +173,6 @@ def test_pinned_acceptance_drop_lowers_to_the_best_predicted_d():
         assert d.evidence["step_cost"]["mechanism"] == "eagle3"
 
 
-# -- the simulator's draft-length scenarios and the evaluation that scores the advice ------------
-
 def _position_rates(records, start, bucket):
     stats = {True: SliceStats(), False: SliceStats()}
     draft_ms = {True: [], False: []}

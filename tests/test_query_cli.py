@@ -84,8 +84,6 @@ def json_lines(text):
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-# -- query ---------------------------------------------------------------------------------------
-
 def test_decisions_as_table_and_json_lines_with_filters(query):
     code, out, _ = query("decisions")
     assert code == 0
@@ -260,8 +258,6 @@ def test_a_missing_archive_is_a_clear_error_and_is_not_created(capsys, tmp_path,
     assert f"no archive at chdb://{tmp_path}/nothing" in err
     assert not (tmp_path / "nothing").exists()
 
-
-# -- flags (as separate processes) ---------------------------------------------------------------
 
 def test_flags_set_list_clear_through_the_cli_with_audit_rows(dsn):
     listed = specwatch_ok("flags", "list", "--json", "--archive", dsn)
