@@ -117,21 +117,15 @@ def run(args) -> int:
 
         Keyring.from_env()  # an empty, weak or unreadable key setting stops here, before any topic is touched
         settings = StreamSettings(
-            bootstrap=args.bootstrap,
+            bootstrap=args.bootstrap, app_id=args.app_id, policy=policy, archive_dsn=args.archive,
             telemetry_topics=tuple(args.telemetry_topic or (TELEMETRY_TOPIC,)),
-            partials_topic=args.partials_topic,
-            decisions_topic=args.decisions_topic,
+            partials_topic=args.partials_topic, decisions_topic=args.decisions_topic,
             deadletter_topic=args.deadletter_topic,
-            app_id=args.app_id,
-            policy=policy,
-            archive_dsn=args.archive,
             data_dir=str(Path(args.data_dir) / f"worker-{args.worker_index}"),
-            checkpoint_seconds=args.checkpoint_seconds,
+            checkpoint_seconds=args.checkpoint_seconds, operations=operations,
             source_silence_seconds=args.source_silence or policy.windows.source_idle_seconds,
             session_timeout_seconds=args.session_timeout,
-            replication_factor=args.replication_factor,
-            operations=operations,
-        )
+            replication_factor=args.replication_factor)
         # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
         kafka = KafkaConfig.from_env(args.bootstrap)
         settings = replace(settings, kafka=kafka)
