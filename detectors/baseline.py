@@ -1,15 +1,13 @@
-"""Per-key baselines: learned from the first healthy minutes of a key, or pinned by policy.
+"""Per-key baselines (what normal is for a key), learned from its first healthy minutes or pinned.
 
-A baseline is what "normal" means for one bundle/bucket/cohort: per-position acceptance,
-draft cost, latency percentiles and error rate. Gates compare windows against it. A quiet
-key borrows its latency and error baselines from its bucket or bundle (`BaselinePool`).
+A quiet key borrows its latency and error baselines from its bucket or bundle (`BaselinePool`).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from specwatch.schemas.policy import BaselinePolicy, PinnedBaseline
 
@@ -17,22 +15,15 @@ from .window import SliceStats, ratio
 
 __all__ = ["Baseline", "BaselineLearner", "BaselinePool"]
 
-# Baselines need enough requests, not only rounds; a key with little traffic keeps
-# learning for up to this many learning periods.
+# A key with little traffic keeps learning for up to this many learning periods.
 _MAX_LEARN_PERIODS = 5
-# A key whose own failures differ from its bundle's rate keeps its own rate, shrunk toward
-# the bundle's with this many failures' worth of prior.
+# A key whose own failures differ from its bundle's rate (by this many nats, a chi-squared test
+# at p = 1e-4) keeps its own rate, shrunk toward the bundle's with _PRIOR_FAILURES of prior.
 _PRIOR_FAILURES = 2.0
-# A key's own failures differ from its bundle's rate when the likelihood ratio of its own
-# rate against the bundle's passes this many nats (a chi-squared test at p = 1e-4): a busy
-# key whose rate really is several times its bundle's shows it within its first minute; a
-# quiet key's handful of requests, or a busy key's unlucky minute, does not.
 _OWN_RATE_NATS = 7.57
-# The bundle's rate is that prior once the bundle has this many requests (a few expected
-# failures at the rates engines see), or once learning runs out of time.
+# The bundle's rate is that prior once the bundle has this many requests, or learning ran out.
 _PRIOR_REQUESTS = 1000
-# A quiet key with neither 50 requests nor a bucket that has them, after the longest learning,
-# takes its latency limits from its own requests if it has at least this many.
+# After the longest learning, a quiet key with no bucket to borrow from needs this many requests.
 _MIN_OWN_REQUESTS = 10
 
 
@@ -40,8 +31,8 @@ _MIN_OWN_REQUESTS = 10
 class Baseline:
     """What normal looks like for one key. NaN fields are unknown (their gates stay quiet)."""
 
-    position_rates: list[float] = field(default_factory=list)
     acceptance_length: float = math.nan
+    position_rates: list[float] = field(default_factory=list)
     draft_to_verify: float = math.nan
     draft_ms_per_drafted_token: float = math.nan
     e2e_p99_ms: float = math.nan
@@ -51,8 +42,8 @@ class Baseline:
     failures: int = 0
     requests_per_second: float = math.nan  # the key's own traffic while it learned
     e2e_tail_share: float = math.nan  # share of the learned requests past the latency limit (smoothed)
-    verify_ms_per_step: float = math.nan  # the load the latency limits were learned at
     tpot_tail_share: float = math.nan
+    verify_ms_per_step: float = math.nan  # the load the latency limits were learned at
     latency_source: str = ""  # "key", or "bucket" when a quiet key borrowed its bucket's
     error_source: str = ""  # "key", or "bundle" when the key's failures were consistent with its bundle's rate
     bundle_error_rate: float = math.nan  # the pooled rate the key's was judged against
@@ -61,10 +52,8 @@ class Baseline:
     pinned: bool = False
 
     def expected_acceptance_length(self, drafted_at_least: list[int], rounds: int) -> float:
-        """Acceptance length the baseline predicts for rounds that drafted as these did.
-
-        Rounds drafting fewer tokens (after D was lowered) are predicted from the same
-        per-position rates, so a lowered D is not mistaken for an acceptance drop.
+        """Acceptance length the baseline predicts for rounds that drafted as these did (so a
+        lowered D is not mistaken for an acceptance drop).
 
         >>> b = Baseline(position_rates=[0.9, 0.8, 0.7, 0.6])
         >>> round(b.expected_acceptance_length([10, 10, 10, 10], 10), 2)
@@ -84,36 +73,12 @@ class Baseline:
         return 1.0 + expected_accepted / rounds
 
     def to_dict(self) -> dict:
-        return {
-            "acceptance_length": self.acceptance_length,
-            "position_rates": self.position_rates,
-            "draft_to_verify": self.draft_to_verify,
-            "draft_ms_per_drafted_token": self.draft_ms_per_drafted_token,
-            "e2e_p99_ms": self.e2e_p99_ms,
-            "tpot_p99_ms": self.tpot_p99_ms,
-            "error_rate": self.error_rate,
-            "requests": self.requests,
-            "failures": self.failures,
-            "requests_per_second": self.requests_per_second,
-            "e2e_tail_share": self.e2e_tail_share,
-            "tpot_tail_share": self.tpot_tail_share,
-            "verify_ms_per_step": self.verify_ms_per_step,
-            "latency_source": self.latency_source,
-            "error_source": self.error_source,
-            "bundle_error_rate": self.bundle_error_rate,
-            "learned_from": self.learned_from,
-            "learned_until": self.learned_until,
-            "pinned": self.pinned,
-        }
+        return asdict(self)
 
 
 class BaselinePool:
-    """Healthy traffic of every key of one bundle while it learned, by bucket and in total.
-
-    Keys feed it during their learning period, with slices that hold speculative requests.
-    A key with too few requests of its own borrows its bucket's latency (every speculating
-    cohort); every key's error rate leans on the bundle's counts. Stage 2 routes a whole bundle to one place, so every key of a bundle
-    sees the same pool.
+    """Speculating traffic of every key of one bundle while it learned, by bucket and in total:
+    a quiet key borrows its bucket's latency, every key's error rate leans on the bundle's.
 
     >>> pool = BaselinePool()
     >>> s = SliceStats(); s.add_request(80.0, 9.0, 900.0, True, "stop", 1.0)
@@ -136,9 +101,7 @@ class BaselinePool:
         self.bundle = SliceStats()
 
     def add(self, bucket: str, stats: SliceStats) -> None:
-        # Only speculative traffic: what a quiet key borrows is a limit for its speculative
-        # path. A control cohort on standard decoding is slower, and pooled it loosened the
-        # limit so far that a canary tail of x3 never crossed it.
+        # a slower control cohort on standard decoding would loosen the borrowed limit
         if not stats.requests or not stats.speculative_requests:
             return
         mine = self.buckets.get(bucket)
@@ -156,9 +119,6 @@ class BaselinePool:
     def error_rate(self, without: tuple[int, int] = (0, 0)) -> float:
         """The bundle's failure rate over every request counted so far, smoothed by one failure,
         less ``without`` (a key's own requests and failures since it learned).
-
-        A key's learning minute sees the rate through a few failures; the bundle's traffic since
-        then, its own left out (it may be the incident), sees it through more.
 
         >>> pool = BaselinePool(); s = SliceStats()
         >>> for _ in range(999): s.add_request(80.0, 9.0, 900.0, True, "stop", 1.0)
@@ -207,15 +167,8 @@ def rate_evidence_nats(failures: int, requests: int, rate: float) -> float:
 
 
 def error_baseline(failures: int, requests: int, bundle_rate: float) -> tuple[float, str]:
-    """A key's error rate from its own counts and its bundle's rate, and which of them it is.
-
-    The bundle's rate is the mean of a beta prior as strong as the bundle's own traffic (the
-    key's requests are part of it): a key whose failures are consistent with it takes it,
-    ``"bundle"``. Only a key whose own failures show that its rate differs (by
-    ``_OWN_RATE_NATS`` of evidence) keeps its own, shrunk toward the bundle's with two
-    failures' weight, ``"key"``. Learned from a minute, a busy key's own rate can be a third
-    of the true one (0 failures in 2,563 requests at 0.2 %), and a quiet key's twice it (2 in
-    97); a sequential test tuned from either raises false alarms or decides late.
+    """A key's error rate and its source: the bundle's (``"bundle"``) unless its own failures
+    differ by ``_OWN_RATE_NATS``, then its own shrunk toward the bundle's (``"key"``).
 
     >>> [(round(r, 5), source) for r, source in (error_baseline(0, 2563, 0.00226), error_baseline(2, 97, 0.0028),
     ...                                           error_baseline(26, 2563, 0.002))]
@@ -227,10 +180,8 @@ def error_baseline(failures: int, requests: int, bundle_rate: float) -> tuple[fl
 
 
 def tail_share(stats: SliceStats, metric: str, limit: float) -> float:
-    """Share of ``stats``' requests past ``limit`` in ``metric``, smoothed by one request each way.
-
-    A baseline of n requests with none past its limit does not prove a rate of zero; the
-    smoothing keeps a sequential test from treating one slow request as impossible.
+    """Share of ``stats``' requests past ``limit`` in ``metric``, smoothed by one request each way
+    (none past the limit in n requests does not prove a rate of zero).
 
     >>> s = SliceStats()
     >>> for ms in (10.0, 11.0, 12.0, 40.0): s.add_request(5.0, ms, 100.0, True, "stop", 0.0)
@@ -244,16 +195,10 @@ def tail_share(stats: SliceStats, metric: str, limit: float) -> float:
 
 
 class BaselineLearner:
-    """Accumulates a key's first ``learn_seconds`` of traffic into a `Baseline`.
+    """Accumulates a key's first ``learn_seconds`` of traffic into a `Baseline`; pinned values win.
 
-    Acceptance and cost are learned once the period has passed with ``min_rounds`` from
-    ``min_requests`` finished requests, latency and error rate once it has ``min_requests``
-    (quiet keys wait longer).
-    Pinned values from the policy replace learned ones. ``broad_acceptance`` says the
-    rounds always come from many requests (a whole bundle's steps), so no request count
-    is needed for them. With a ``pool``, the key feeds it while learning; without enough
-    requests of its own after ``learn_seconds``, it borrows latency from its bucket (or
-    bundle), and its error rate always leans on the bundle's (``_PRIOR_FAILURES``).
+    ``broad_acceptance``: the rounds come from many requests (a bundle's steps), so no request
+    count is needed. With a ``pool``, the key feeds it while learning and borrows from it.
     ``tail_factor`` times a learned p99 is the latency limit whose baseline share is kept.
 
     >>> from specwatch.schemas.policy import BaselinePolicy
@@ -289,19 +234,14 @@ class BaselineLearner:
             self._apply_pins()
 
     def _apply_pins(self) -> None:
-        pin, b = self.pinned, self.baseline
-        b.pinned = True
+        pin = self.pinned
+        self.baseline.pinned = True
+        for name in ("acceptance_length", "draft_to_verify", "e2e_p99_ms", "tpot_p99_ms",
+                     "error_rate"):
+            if getattr(pin, name) is not None:
+                setattr(self.baseline, name, getattr(pin, name))
         if pin.acceptance_length is not None:
-            b.acceptance_length = pin.acceptance_length
             self.acceptance_ready = True
-        if pin.draft_to_verify is not None:
-            b.draft_to_verify = pin.draft_to_verify
-        if pin.e2e_p99_ms is not None:
-            b.e2e_p99_ms = pin.e2e_p99_ms
-        if pin.tpot_p99_ms is not None:
-            b.tpot_p99_ms = pin.tpot_p99_ms
-        if pin.error_rate is not None:
-            b.error_rate = pin.error_rate
         if pin.e2e_p99_ms is not None or pin.tpot_p99_ms is not None:
             self.latency_ready = True
 
@@ -344,8 +284,7 @@ class BaselineLearner:
         elapsed = slice_end - self._start
         b, acc = self.baseline, self._acc
         if not self.acceptance_ready and elapsed >= self.policy.learn_seconds:
-            # A quiet key keeps learning until its rounds come from enough requests: a
-            # baseline drawn from a handful of prompts is biased by how easy they were.
+            # a handful of prompts would bias the baseline by how easy they were
             broad = (self.broad_acceptance or acc.requests >= self.policy.min_requests
                      or elapsed >= self.policy.learn_seconds * _MAX_LEARN_PERIODS)
             if acc.rounds >= self.policy.min_rounds and broad:

@@ -1,8 +1,6 @@
 """The canary judge: one bucket's speculative cohort against its standard-decoding baseline.
 
-Rank-based like Kayenta's judge: per-window samples of each metric on both sides, a one-sided
-Mann-Whitney test for "the canary is worse", a tolerance for effects too small to matter,
-and minimum sample counts before any verdict. Pure code: no clocks, no I/O.
+Rank-based like Kayenta's judge; docs/ADMISSION.md has the tests and their alpha.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import numpy as np
 
 from specwatch.schemas.policy import AdmissionPolicy
 
-from .window import SliceStats, ratio
+from .window import SliceStats, round_evidence as _round
 
 __all__ = ["CanaryJudge", "Judgement", "MetricVerdict", "WindowSample", "mann_whitney_greater", "combine"]
 
@@ -28,11 +26,8 @@ _COMPARISONS = len(_LATENCY_METRICS) + 2  # latencies, error rate, KV peak again
 
 
 def mann_whitney_greater(x, y) -> float:
-    """One-sided Mann-Whitney U p-value for "values of ``x`` tend to exceed those of ``y``".
-
-    Always the normal approximation with tie correction (and continuity correction):
-    scipy's default switches to the exact distribution for small samples without ties,
-    which would make a verdict's meaning depend on whether two windows happened to tie.
+    """One-sided Mann-Whitney U p-value for "values of ``x`` tend to exceed those of ``y``", always
+    by the normal approximation, so a verdict's meaning never depends on whether two windows tied.
 
     >>> round(mann_whitney_greater([5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6]), 4)
     0.0064
@@ -169,17 +164,8 @@ class CanaryJudge:
     """Judges one (bundle, bucket) at one stage: the speculating cohort against the baseline.
 
     Feed it each final slice of either side with ``update(side, stats)`` and every shadow
-    check of the bucket with ``add_shadow``; read ``judgement``. Each side's slices are cut
-    into windows of ``window_requests`` finished requests, so a window's p99 is a quantile
-    of the same number of requests on both sides, whatever their traffic shares.
-
-    Metrics: estimated speedup (the canary alone, against ``min_speedup``, by a sign test);
-    TTFT p95/p99, TPOT p95/p99 and e2e p99, error rate and KV peak (canary against
-    baseline, one-sided Mann-Whitney); strict shadow mismatches (one is a fail). A metric
-    fails when the canary's median is past its limit *and* the test is significant at
-    ``confidence``; past the limit and significant only at ``marginal_confidence``, or with
-    fewer than ``min_windows`` windows, it is marginal: wait for more data. Anything else
-    passes: a difference the test cannot tell from noise is not held against the canary.
+    check with ``add_shadow``; read ``judgement``. Each side is cut into windows of
+    ``window_requests`` finished requests; docs/ADMISSION.md lists the metrics and tests.
 
     Parameters
     ----------
@@ -239,19 +225,13 @@ class CanaryJudge:
             raise ValueError(f"side must be 'canary' or 'baseline', got {side!r}")
         if (self.canary if side == "canary" else self.baseline).update(stats):
             self.version += 1
-            if self.look != self._tested_look:
-                # a look: the tests read the windows as they are now, and that verdict
-                # stands until the next look, whatever is read in between
+            if self.look != self._tested_look:  # the verdict stands until the next look
                 self._tested_look = self.look
                 self._retest()
 
     def confirm(self) -> None:
-        """Look once more, off the schedule, at windows that grew since the last look.
-
-        A promotion acts on the standing verdict, which may be many windows old: before one,
-        the controller asks for a look at everything gathered. That look spends alpha as a
-        scheduled one does (it takes the next look's share), so the budget still holds.
-        """
+        """Look once more, off the schedule, at windows that grew since the last look (before a
+        promotion); it takes the next look's share of alpha."""
         if self._tested_look and self._windows() != self._tested_windows:
             self._extra_looks += 1
             self._retest()
@@ -275,10 +255,6 @@ class CanaryJudge:
         self._judgement = None
 
     @property
-    def mismatched(self) -> bool:
-        return bool(self.mismatches)
-
-    @property
     def judgement(self) -> Judgement:
         if self._judgement is None:
             metrics = (*self._tests, self._quality())
@@ -290,11 +266,7 @@ class CanaryJudge:
         """The statistical tests on the closed windows, at this look's alpha."""
         cw, bw = self.canary.windows, self.baseline.windows
         metrics = [self._speedup(cw)]
-        # A tail quantile is read on each side's closed windows pooled, and tested on the share
-        # of each window's requests past the limit (the baseline's quantile plus tolerance).
-        # The canary is normally far faster than standard decoding, so a tail on it shows as
-        # some windows with stalls among many faster ones: per-window p99s ranked against the
-        # baseline's would mix the two and hide it, the shares past the limit do not.
+        # tails are tested on each window's share past the limit: per-window p99s would hide them
         canary_pool, baseline_pool = self.canary.closed, self.baseline.closed
         for metric, q in _LATENCY_METRICS:
             observed, base = canary_pool.quantile(metric, q), baseline_pool.quantile(metric, q)
@@ -317,25 +289,16 @@ class CanaryJudge:
 
     @property
     def look(self) -> int:
-        """Which look at the evidence the tests are on: 0 before either side has ``min_windows``.
-
-        The tests look again each time the side with fewer windows doubles its count
-        (``min_windows``, twice that, four times...), not after every window: a judge that
-        re-tests growing windows at every slice fails a healthy canary far more often than
-        one test's alpha. Between looks the last verdict on the tests stands.
-        """
+        """Which look at the evidence the tests are on: 0 before either side has ``min_windows``,
+        then one more each time the side with fewer windows doubles its count."""
         fewer = min(len(self.canary.windows), len(self.baseline.windows))
         if fewer < self.policy.min_windows:
             return 0
         return int(math.log2(fewer / self.policy.min_windows)) + 1
 
     def _alpha(self, marginal: bool = False) -> float:
-        """Significance per comparison at this look.
-
-        Bonferroni over the judge's comparisons, because a judgement is only as trustworthy
-        as its weakest test and it makes seven of them; and alpha spending over looks: look
-        k spends ``6 / (pi**2 k**2)`` of the budget, which sums to 1 over every look, so the
-        false-fail rate over a whole stage stays within ``1 - confidence`` however long it runs.
+        """Significance per comparison at this look: Bonferroni over the comparisons, and look k
+        spends ``6 / (pi**2 k**2)`` of the budget.
 
         >>> from specwatch.schemas.policy import AdmissionPolicy
         >>> judge = CanaryJudge(AdmissionPolicy(), [])
@@ -358,7 +321,6 @@ class CanaryJudge:
         if median >= floor:
             return MetricVerdict("estimated_speedup", "pass", median, math.nan, floor, math.nan,
                                  (len(values), 0), note)
-        # Sign test: are windows below the floor more often than a coin would put them there?
         below = sum(v < floor for v in values)
         p = _binomial_sf(below - 1, len(values), 0.5)
         outcome = "fail" if p < self._alpha() else "marginal"
@@ -366,17 +328,19 @@ class CanaryJudge:
 
     def _compare(self, name: str, observed: float, base: float, limit: float, canary: list[float],
                  baseline: list[float], tail: float | None = None) -> MetricVerdict:
-        """``observed`` against ``limit``; the windows ``canary`` and ``baseline`` carry the test.
-
-        ``tail`` is how many canary requests are past a latency limit: fewer than
-        ``min_tail_requests`` is a few slow requests, not a tail.
-        """
+        """``observed`` against ``limit``, tested on the windows; ``tail`` (canary requests past a
+        latency limit) under ``min_tail_requests`` is a few slow requests, not a tail."""
         canary = [v for v in canary if not math.isnan(v)]
         baseline = [v for v in baseline if not math.isnan(v)]
         windows = (len(canary), len(baseline))
         if not (self._enough(len(canary)) and self._enough(len(baseline))):
             return MetricVerdict(name, "marginal", observed, base, limit, math.nan, windows, "insufficient windows")
         p = mann_whitney_greater(canary, baseline)
+        return self._verdict(name, observed, base, limit, p, windows, tail)
+
+    def _verdict(self, name: str, observed: float, base: float, limit: float, p: float,
+                 windows: tuple[int, int], tail: float | None = None) -> MetricVerdict:
+        """Past ``limit`` and significant: fail at ``confidence``, marginal at the marginal one."""
         if not observed > limit or not p < self._alpha(marginal=True):
             return MetricVerdict(name, "pass", observed, base, limit, p, windows)
         if tail is not None and tail < self.policy.min_tail_requests:
@@ -388,13 +352,8 @@ class CanaryJudge:
 
     def _error_rate(self, canary: SliceStats, baseline: SliceStats, canary_windows: int,
                     baseline_windows: int) -> MetricVerdict:
-        """The canary's failures against the limit rate, by a one-sided binomial test on counts.
-
-        Failures are rare: most windows on both sides hold none, and a rank test on window
-        rates then calls two failed canary requests against a baseline of all-zero windows
-        significant (a healthy canary was frozen that way). The count test asks how likely
-        that many failures are if the canary fails at the limit rate.
-        """
+        """The canary's failures against the limit rate, by a one-sided binomial test on counts
+        (most windows hold no failure, so a rank test on window rates would mislead)."""
         windows = (canary_windows, baseline_windows)
         base = baseline.error_rate
         limit = base + self.policy.error_tolerance
@@ -404,11 +363,7 @@ class CanaryJudge:
                                  "insufficient windows")
         failures = canary.errors + canary.timeouts
         p = _binomial_sf(failures - 1, canary.requests, min(1.0, limit)) if failures else 1.0
-        if not observed > limit or not p < self._alpha(marginal=True):
-            return MetricVerdict("error_rate", "pass", observed, base, limit, p, windows)
-        outcome = "fail" if p < self._alpha() else "marginal"
-        return MetricVerdict("error_rate", outcome, observed, base, limit, p, windows,
-                             "" if outcome == "fail" else "past the limit, not yet significant")
+        return self._verdict("error_rate", observed, base, limit, p, windows)
 
     def _quality(self) -> MetricVerdict:
         checks, mismatched = self.shadow_checks, len(self.mismatches)
@@ -428,11 +383,3 @@ def _median(values: list[float]) -> float:
 
 def _join(*parts: str) -> str:
     return "; ".join(p for p in parts if p)
-
-
-def _round(value):
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return None
-        return float(f"{value:.6g}")
-    return value

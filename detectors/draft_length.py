@@ -1,8 +1,6 @@
 """Which draft length pays best: per-position acceptance, a measured step-cost model, the speedup curve.
 
-Pure code over raw counts (`SliceStats`): survival counts per draft position give the
-acceptance length at every D' up to the D drafted, step timings give the cost of a step at
-D', and their ratio gives the predicted speedup with a delta-method interval.
+docs/DRAFT_LENGTH.md has the model.
 """
 
 from __future__ import annotations
@@ -11,26 +9,13 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .window import SliceStats, merge_all, ratio
+from .window import SliceStats, merge_all, ratio, round_evidence as _round
 
-__all__ = [
-    "MECHANISM_COST",
-    "CurvePoint",
-    "DraftLengthCurve",
-    "PositionSurvival",
-    "StepCost",
-    "curve_from_slices",
-    "draft_length_curve",
-    "starting_draft_length",
-    "tile_draft_lengths",
-]
+__all__ = ["MECHANISM_COST", "CurvePoint", "DraftLengthCurve", "PositionSurvival", "StepCost",
+           "curve_from_slices", "draft_length_curve", "starting_draft_length", "tile_draft_lengths"]
 
-# How a drafter's time grows with D, by the card's `drafter.mechanism`:
-# - "serial": one drafter forward per drafted position (eagle3, mtp); ngram lookup is serial
-#   too but nearly free, so its fitted slope comes out close to zero; an external drafter is
-#   assumed serial, the costlier assumption.
-# - "parallel": one forward drafts a whole block (dflash, dspark), so draft time follows the
-#   number of blocks (drafting requests) per step, not D.
+# How a drafter's time grows with D: one forward per position ("serial"; an external drafter is
+# assumed so) or one per block, whatever D ("parallel").
 MECHANISM_COST = {
     "ngram": "serial",
     "eagle3": "serial",
@@ -41,11 +26,9 @@ MECHANISM_COST = {
 }
 
 _Z95 = 1.959964  # two-sided 95 %
-# Below this many rounds at the first draft position (or without timed steps) the curve is
-# too thin to pick D from; callers fall back to halving and say so.
+# Below this many rounds at the first draft position the curve is too thin to pick D from.
 _DEFAULT_MIN_ROUNDS = 200
-# A slope is fitted only over slices whose regressor spreads this much (max-min over mean)
-# across at least this many slices; otherwise the model keeps the plain assumptions.
+# A slope is fitted only over this many slices whose regressor spreads this much (max-min / mean).
 _MIN_RELATIVE_SPREAD = 0.2
 _MIN_FIT_SLICES = 5
 # Tensor-core tiles of the verify pass hold this many query rows per KV head.
@@ -69,12 +52,8 @@ def _wilson(successes: int, trials: int, z: float = _Z95) -> tuple[float, float]
 
 @dataclass(frozen=True)
 class PositionSurvival:
-    """Survival counts per draft position: rounds that drafted position k, and those accepting it.
-
-    ``accepted_at_least[k-1]`` counts rounds whose accepted prefix covers position k and
-    ``drafted_at_least[k-1]`` rounds that drafted position k at all (as in `SliceStats`).
-    Under the strict acceptance rule position k's fate depends on the first k drafts only,
-    so P(accepted >= k) measured at D holds at every D' >= k.
+    """Survival counts per draft position (as in `SliceStats`); under the strict acceptance rule
+    P(accepted >= k) measured at D holds at every D' >= k.
 
     >>> s = PositionSurvival.from_counts([90, 60, 30], [100, 100, 100, 100])
     >>> [round(r, 2) for r in s.rates()], s.max_draft_length
@@ -121,13 +100,8 @@ class PositionSurvival:
         return 1.0 + sum(rates) if len(rates) == draft_length else math.nan
 
     def _log_conditional_variances(self) -> list[float]:
-        """Var of log P(accepted >= j | accepted >= j-1), per position, from its binomial counts.
-
-        The trials at position j are the rounds that accepted j-1 and drafted j; with rounds of
-        mixed D that count is estimated as accepted(j-1) * drafted(j) / drafted(j-1). Half a
-        success and half a failure are added so that a position accepted always (or never)
-        still carries some uncertainty.
-        """
+        """Var of log P(accepted >= j | accepted >= j-1), per position, from its binomial counts
+        (trials estimated for mixed D, half a success and half a failure added)."""
         out, reached = [], None
         for j, (accepted, drafted) in enumerate(zip(self.accepted_at_least, self.drafted_at_least)):
             trials = drafted if j == 0 else (
@@ -143,19 +117,8 @@ class PositionSurvival:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Draft and verify time of one engine step as functions of D, fitted per bundle.
-
-    A serial drafter runs one pass per drafted position, so its draft time is D passes, each
-    costing ``draft_intercept + draft_slope * drafting`` (drafting requests per step), plus
-    ``draft_per_step`` that does not grow with D (catching the drafter up on the tokens just
-    accepted); a parallel drafter drafts a whole block in one such pass, whatever D. Verify time is
-    ``verify_intercept + verify_per_request * requests + verify_per_draft_token * draft tokens``
-    per step. Coefficients are fitted (Theil-Sen for the pass cost, Huber-loss least squares for
-    verify and for a serial drafter's per-step cost, all robust to outlying slices) only where
-    the data can tell them apart: the pass cost needs spread in batch size, the per-step draft
-    cost and the per-draft-token verify cost need slices drafting at different D. Otherwise the
-    pass cost is the mean, nothing is spent per step, and verify is taken as flat in D (a
-    memory-bound verify pass), which is the AL / (1 + rho*D) model of `SliceStats.speedup`.
+    """Draft and verify time of one engine step as functions of D, fitted per bundle
+    (docs/DRAFT_LENGTH.md: the terms, and when each is fitted).
 
     >>> slices = []
     >>> for i, d in enumerate([4, 4, 3, 3, 2, 2, 1, 1]):
@@ -195,12 +158,14 @@ class StepCost:
         steps = total.steps
         requests = ratio(total.rounds + total.plain_entries, steps)
         drafting = ratio(total.rounds, steps)
-        # Passes per step: a serial drafter's mean D per drafting request, a parallel one's single pass.
         passes = [s.drafted_tokens / s.rounds if kind == "serial" else 1.0 for s in timed]
         drafting_x = [s.rounds / s.steps for s in timed]
         pass_ms = [s.draft_ms / s.steps / n for s, n in zip(timed, passes)]
         fitted = _theil_sen(drafting_x, pass_ms)
-        serial_fit = _serial_draft_fit(timed) if kind == "serial" else None
+        # serial draft ms per step = per-step cost + passes * (per pass + per drafting request)
+        serial_fit = None if kind != "serial" else _fit_across_d(
+            timed, [[1.0, n, n * s.rounds / s.steps] for s, n in zip(timed, passes)],
+            [s.draft_ms / s.steps for s in timed])
         if serial_fit is not None:
             draft = (*serial_fit, "huber")
         elif fitted is None:
@@ -208,7 +173,10 @@ class StepCost:
             draft = (0.0, ratio(total.draft_ms, all_passes), 0.0, "mean")
         else:
             draft = (0.0, *fitted, "theil_sen")
-        verify = _verify_fit(timed)
+        # verify ms per step = a + b * requests + c * draft tokens (per step)
+        verify = _fit_across_d(timed, [[1.0, (s.rounds + s.plain_entries) / s.steps,
+                                        s.drafted_tokens / s.steps] for s in timed],
+                               [s.verify_ms / s.steps for s in timed])
         if verify is None:
             verify = (ratio(total.verify_ms, steps), 0.0, 0.0, "flat")
         else:
@@ -263,40 +231,20 @@ def _huber_nonnegative(features, y) -> list[float] | None:
 
     x, y = np.asarray(features, dtype=float), np.asarray(y, dtype=float)
     scale = max(float(np.median(np.abs(y - np.median(y)))), 1e-3)
-    # Started from the ordinary least-squares answer moved inside the bounds: from the bound
-    # itself the solver stops at once.
+    # from the bound itself the solver would stop at once
     start = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 1e-6, None)
     fit = least_squares(lambda p: x @ p - y, x0=start, bounds=(0.0, np.inf), loss="huber", f_scale=scale)
     coefficients = [float(v) for v in fit.x]
     return coefficients if fit.success and all(math.isfinite(c) for c in coefficients) else None
 
 
-def _serial_draft_fit(timed: list[SliceStats]) -> tuple[float, float, float] | None:
-    """Serial draft ms per step = per-step cost + passes * (per pass + per pass per drafting request).
-
-    Only slices at different D separate the per-step cost from the passes.
-    """
+def _fit_across_d(timed: list[SliceStats], features: list[list[float]], ms_per_step: list[float]):
+    """Coefficients of ``ms_per_step`` on ``features``, only when the slices' mean D varied enough
+    to tell a per-draft-token cost from a per-request one."""
     if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
         return None
-    features = []
-    for s in timed:
-        passes = s.drafted_tokens / s.rounds
-        features.append([1.0, passes, passes * s.rounds / s.steps])
-    fitted = _huber_nonnegative(features, [s.draft_ms / s.steps for s in timed])
-    return None if fitted is None else (fitted[0], fitted[1], fitted[2])
-
-
-def _verify_fit(timed: list[SliceStats]) -> tuple[float, float, float] | None:
-    """Verify ms per step = a + b * requests + c * draft tokens (per step), when D varied enough.
-
-    Slices at one D cannot separate the cost of a draft token from the cost of a request
-    (both grow with the batch), so the fit needs slices whose mean D differs.
-    """
-    if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
-        return None
-    features = [[1.0, (s.rounds + s.plain_entries) / s.steps, s.drafted_tokens / s.steps] for s in timed]
-    fitted = _huber_nonnegative(features, [s.verify_ms / s.steps for s in timed])
-    return None if fitted is None else (fitted[0], fitted[1], fitted[2])
+    fitted = _huber_nonnegative(features, ms_per_step)
+    return None if fitted is None else tuple(fitted)
 
 
 @dataclass(frozen=True)
@@ -345,11 +293,8 @@ class DraftLengthCurve:
         return max(candidates, key=lambda p: (p.speedup, -p.draft_length), default=None)
 
     def gain(self, to: int, relative_to: int, z: float = _Z95) -> tuple[float, float, float]:
-        """Speedup gain of D'=``to`` over D'=``relative_to`` (a ratio minus one), with its interval.
-
-        The two predictions share their position counts, so the interval comes from the
-        variance of their difference (delta method), not from the two separate intervals.
-        """
+        """Speedup gain of D'=``to`` over D'=``relative_to`` (a ratio minus one), with its interval
+        from the variance of their difference (they share their position counts)."""
         a, b = self.point(to), self.point(relative_to)
         if a is None or b is None or not b.speedup > 0:
             return math.nan, math.nan, math.nan
@@ -410,10 +355,8 @@ def _difference_variance(survival: PositionSurvival, cost: StepCost, a: int, b: 
 
 def draft_length_curve(survival: PositionSurvival, cost: StepCost, min_rounds: int = _DEFAULT_MIN_ROUNDS,
                        z: float = _Z95) -> DraftLengthCurve:
-    """Predicted AL and speedup for D' = 1..max D drafted, with delta-method 95 % intervals.
-
-    speedup(D') = AL(D') * t_standard / (t_draft(D') + t_verify(D')); the interval carries the
-    uncertainty of the per-position acceptance (the cost model is taken as measured).
+    """Predicted AL and speedup for D' = 1..max D drafted, with delta-method 95 % intervals
+    (of the acceptance; the cost model is taken as measured).
 
     >>> survival = PositionSurvival.from_counts([900, 700, 400, 150], [1000] * 4)
     >>> slices = []
@@ -459,14 +402,6 @@ def tile_draft_lengths(heads_per_kv_head: int, up_to: int) -> list[int]:
     if heads_per_kv_head < 1:
         raise ValueError(f"query heads per KV head must be at least 1, got {heads_per_kv_head}")
     return [d for d in range(1, up_to + 1) if heads_per_kv_head * (1 + d) % _TILE_ROWS == 0]
-
-
-def _round(value, digits: int = 6):
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return None
-        return float(f"{value:.{digits}g}")
-    return value
 
 
 def curve_from_slices(key_slices: Iterable[SliceStats], bundle_slices: Iterable[SliceStats], mechanism: str,

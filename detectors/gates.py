@@ -1,26 +1,21 @@
 """Gates: threshold tests with consecutive-window counters, sequential tests, and a drift detector.
 
-Each follows river's protocol: ``update(x)`` then read ``drift_detected``; settings are
-stored under their own names and derived state is built in ``_reset()``.
+Each follows river's protocol: ``update(x)`` then read ``drift_detected``.
 """
 
 from __future__ import annotations
 
 import math
 
-# river's ADWIN is a thin wrapper around this core; `river.drift` itself also imports
-# KSWIN and with it scipy, which a replay would otherwise pay for at start-up.
+# ADWIN's core: `river.drift` would also import scipy, which a replay pays for at start-up
 from river._river_rust.drift import AdaptiveWindowing
 
 __all__ = ["BernoulliCusum", "ConsecutiveGate", "DropDetector", "cusum_threshold"]
 
 
 class ConsecutiveGate:
-    """Fires when a breach persists for ``consecutive`` evaluated windows.
-
-    ``update(None)`` (not enough data to judge) neither extends nor breaks a streak.
-    A breach that persists fires again every ``consecutive`` windows, so the action
-    policy can escalate (lower D, then disable) and ignore repeats it has acted on.
+    """Fires when a breach persists for ``consecutive`` evaluated windows, and again every
+    ``consecutive`` windows it lasts; ``update(None)`` (too little data) leaves a streak as it is.
 
     Parameters
     ----------
@@ -57,18 +52,10 @@ class ConsecutiveGate:
         self.streak += 1
         self.drift_detected = self.streak % self.consecutive == 0
 
-    def rearm(self) -> None:
-        """Start counting afresh (after an action changed what is being measured)."""
-        self._reset()
-
 
 def cusum_threshold(observations_per_hour: float, false_alarms_per_hour: float) -> float:
-    """Decision threshold of a CUSUM on log-likelihood ratios, from a false-alarm budget.
-
-    A CUSUM with threshold ``h`` runs at least ``e**h`` in-control observations between
-    false alarms (Lorden 1971), so ``h = ln(observations per hour / false alarms per hour)``
-    keeps a key's false alarms under the budget at that traffic. Busier keys get a higher
-    threshold and still decide sooner, because their evidence grows faster.
+    """Decision threshold of a CUSUM on log-likelihood ratios, from a false-alarm budget: it runs
+    at least ``e**h`` in-control observations between false alarms (Lorden 1971).
 
     >>> round(cusum_threshold(3600.0, 1e-3), 2)
     15.1
@@ -79,14 +66,10 @@ def cusum_threshold(observations_per_hour: float, false_alarms_per_hour: float) 
 
 
 class BernoulliCusum:
-    """CUSUM for a rise in a rate: each observation is one trial that hits or misses.
+    """CUSUM for a rise in a rate, fed ``update(trials, hits)`` (``hits`` may be fractional).
 
-    The statistic adds each trial's log-likelihood ratio of ``p1`` (the rate worth acting
-    on) against ``p0`` (the baseline), floored at zero, and fires once it reaches
-    ``threshold``; ``statistic``, ``trials`` and ``hits`` then hold the evidence, and the
-    next update starts afresh. One trial adds at most ``ln(p1 / p0)``, so no single request decides:
-    an outlier is one hit like any other. Trials arrive in batches (a slice's requests),
-    counted by ``update(trials, hits)``; ``hits`` may be fractional (a sketch's estimate).
+    It sums each trial's log-likelihood ratio of ``p1`` against ``p0``, floored at zero, and
+    fires at ``threshold``; ``statistic``, ``trials`` and ``hits`` then hold the evidence.
 
     Parameters
     ----------
@@ -97,8 +80,7 @@ class BernoulliCusum:
     threshold
         Evidence needed, in nats (see `cusum_threshold`).
     min_hits
-        And at least this many hits since the statistic last stood at zero: a baseline
-        rate near zero makes each hit weigh a lot, and a few remain a few.
+        And at least this many hits since the statistic last stood at zero.
 
     >>> import random
     >>> rng = random.Random(4)
@@ -133,11 +115,6 @@ class BernoulliCusum:
         self.started_at = math.nan  # event time of the first update since then
         self.drift_detected = False
 
-    @property
-    def kl_per_trial(self) -> float:
-        """Expected evidence per trial when the rate is ``p1``: KL(p1 || p0), in nats."""
-        return self.p1 * self._hit_llr + (1.0 - self.p1) * self._miss_llr
-
     def update(self, trials: int, hits: float, at: float = math.nan) -> None:
         if self.drift_detected:  # a firing starts the next round of evidence from zero
             self.statistic, self.trials, self.hits = 0.0, 0, 0.0
@@ -158,9 +135,6 @@ class BernoulliCusum:
     def retune(self, p0: float, p1: float) -> None:
         """Judge the next trials against a new baseline and alternative, keeping the evidence so far.
 
-        For a baseline that moves with conditions the test cannot control (the tail that load
-        itself causes): each trial is weighed against the baseline of its own time.
-
         >>> cusum = BernoulliCusum(p0=0.01, p1=0.04, threshold=10.0)
         >>> cusum.update(100, 4.0); round(cusum.statistic, 2)
         2.59
@@ -175,9 +149,6 @@ class BernoulliCusum:
         self._hit_llr = math.log(p1 / p0)
         self._miss_llr = math.log((1.0 - p1) / (1.0 - p0))
 
-    def rearm(self) -> None:
-        self._reset()
-
 
 # river.drift.ADWIN's defaults for what DropDetector does not set
 _ADWIN_MAX_BUCKETS = 5
@@ -186,12 +157,8 @@ _ADWIN_GRACE_PERIOD = 10
 
 
 class DropDetector:
-    """ADWIN on a ratio to its baseline (1.0 = as learned); flags downward changes only.
-
-    river's ADWIN keeps an adaptive window and signals when two sub-windows differ
-    significantly (its core, with ADWIN's defaults, restarted after each change as ADWIN
-    does); this wrapper only reports it when the recent level is also below
-    ``1 - min_drop``, so upward drift (a drafter getting better) never fires.
+    """ADWIN on a ratio to its baseline (1.0 = as learned); reports a change only when the
+    recent level is also below ``1 - min_drop``, so a drafter getting better never fires.
 
     Parameters
     ----------
@@ -200,8 +167,7 @@ class DropDetector:
     delta
         ADWIN confidence; smaller means fewer false alarms and slower detection.
     clock
-        Check for change every ``clock`` values. Window aggregates arrive once per
-        slice, so checking every value costs little and saves tens of seconds.
+        Check for change every ``clock`` values.
 
     >>> import random
     >>> rng = random.Random(7)
@@ -248,6 +214,3 @@ class DropDetector:
             recent = sum(self._recent) / len(self._recent)
             if recent < 1.0 - self.min_drop:
                 self.drift_detected = True
-
-    def rearm(self) -> None:
-        self._reset()

@@ -1,8 +1,6 @@
-"""Per-key monitors: rolling windows over slices, baselines, and the gates of the fallback table.
+"""Per-key monitors: a `KeyMonitor` per (bundle, bucket, cohort), a `BundleMonitor` per bundle.
 
-A `KeyMonitor` watches one (bundle, bucket, cohort); a `BundleMonitor` watches the
-step-level signals of a whole bundle (KV, draft cost). Both return `Finding`s; the action
-policy decides what to do with them. Pure code: no clocks, no I/O.
+Both run the gates of the fallback table over rolling windows and return `Finding`s.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from specwatch.schemas.policy import Policy
 from .baseline import Baseline, BaselineLearner, BaselinePool
 from .gates import BernoulliCusum, ConsecutiveGate, DropDetector, cusum_threshold
 from .stalls import StalledRequests
-from .window import SliceStats, merge_all
+from .window import SliceStats, merge_all, round_evidence as _round
 
 __all__ = ["Finding", "KeyMonitor", "BundleMonitor", "RecoveryEvidence", "traffic_evidence"]
 
@@ -37,14 +35,9 @@ class Finding:
     details: dict = field(default_factory=dict)
 
     def evidence(self) -> dict:
-        out = {
-            "metric": self.metric,
-            "value": _round(self.value),
-            "threshold": _round(self.threshold),
-            "baseline": _round(self.baseline),
-            "window_start": _round_time(self.window_start),
-            "window_end": _round_time(self.window_end),
-        }
+        out = {"metric": self.metric, "value": _round(self.value), "threshold": _round(self.threshold),
+               "baseline": _round(self.baseline), "window_start": _round_time(self.window_start),
+               "window_end": _round_time(self.window_end)}
         out.update({k: _round(v) for k, v in self.details.items()})
         return out
 
@@ -56,17 +49,6 @@ def _round_time(value: float) -> float:
     1795000000.123
     """
     return round(float(value), 3)
-
-
-def _round(value):
-    """Six significant digits: evidence reads the same however partials were grouped."""
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return None
-        return float(f"{value:.6g}")
-    if isinstance(value, list):
-        return [_round(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)
@@ -104,9 +86,7 @@ class RecoveryEvidence:
         out = []
         if self.requests < min_requests:
             out.append(f"requests {self.requests} < {min_requests}")
-        # Requests still drafting mean the switch is not honoured (or they started before
-        # it): they are not evidence about the standard path.
-        if self.speculative_requests:
+        if self.speculative_requests:  # the switch is not honoured yet
             out.append(f"speculative_requests {self.speculative_requests} > 0")
         if self.error_rate > self.error_limit:
             out.append(f"error_rate {self.error_rate:.4g} > {self.error_limit:.4g}")
@@ -117,11 +97,8 @@ class RecoveryEvidence:
 
 
 def traffic_evidence(monitors: list["KeyMonitor"], since: float, seconds: float) -> RecoveryEvidence | None:
-    """The requests of several keys (one scope) in their last ``seconds`` after ``since``, pooled.
-
-    Pooling lets a bucket with a quiet canary cohort be judged on all its traffic. The
-    error limit is the error gate's, from the request-weighted baseline error rate.
-    """
+    """The requests of several keys (one scope) in their last ``seconds`` after ``since``, pooled;
+    the error limit is the error gate's, from the request-weighted baseline error rate."""
     parts = []
     weighted, weight = 0.0, 0
     for monitor in monitors:
@@ -144,28 +121,14 @@ def traffic_evidence(monitors: list["KeyMonitor"], since: float, seconds: float)
                             error_rate=window.error_rate, error_limit=limit)
 
 
-# Sequential tests size their threshold for traffic up to this multiple of what a key had
-# while it learned (a day's peak over its trough, a cohort's share growing).
+# Sequential tests size their threshold for traffic up to this multiple of what a key learned at.
 _TRAFFIC_HEADROOM = 4.0
-# A latency limit from an absolute SLO is read as a p99: 1% of requests may pass it.
-_SLO_SHARE = 0.01
-# The sequential tail test is tuned to at least this multiple of the baseline's share, and
-# treats the baseline's share as at least its target over this: one slow request then adds at
-# most ln(4) nats to that test (ln(16) to its burst test), so a handful stalled together (KV
-# preemption at peak load) decide nothing.
+_SLO_SHARE = 0.01  # an absolute latency SLO is read as a p99
+# The tail test's rise over the baseline share, and the burst test's over that (docs/EVALUATION.md).
 _TAIL_RISE = 4.0
 _UNKNOWN_TRAFFIC_PER_SECOND = 1.0
-# The error and tail tests' second alternative: a burst this many times the rise that matters.
 _BURST_RISE = 4.0
-# Load moves the tail. At a day's peak a worker's KV fills and requests are preempted, so the
-# share of requests past a limit learned at the trough grows: extraction/main at 8 x 16, whose
-# short answers turn a preemption's wait into a large TPOT, went from none to 2-3 % past it
-# while the other buckets stayed near none. The tail tests therefore keep a baseline share per
-# band of load: the key's verify time per step (smoothed over about _LOAD_SLICES slices) over
-# what it learned at, in steps of _LOAD_BAND. A band above the learned one learns its share from
-# its first _BAND_REQUESTS requests, judged meanwhile by the band below; a share that band would
-# call a tail (past its alternative) is not learned, so a tail that starts as load rises is still
-# judged by the band below.
+# A baseline tail share per band of load, so a day's peak is not a tail (docs/EVALUATION.md).
 _LOAD_SLICES = 10.0
 _LOAD_BAND = 0.1
 _BAND_REQUESTS = 500
@@ -200,12 +163,8 @@ def _tail_rates(cfg, share: float) -> tuple[float, float]:
 
 def _rate_tests(p0: float, p1: float, requests_per_second: float, false_alarms_per_hour: float,
                 min_hits: int) -> list[BernoulliCusum]:
-    """Bernoulli CUSUMs for a rise from p0, thresholds from the false-alarm budget; none if p0 unknown.
-
-    Two tests, each with half the budget: one tuned to ``p1``, the smallest rise that
-    matters, one to a burst ``_BURST_RISE`` times larger. A CUSUM gathers evidence fastest
-    at the rise it is tuned to; the burst test decides a large rise in about half the
-    requests the first would need, and costs the first ln 2 nats of threshold.
+    """Bernoulli CUSUMs for a rise from p0 to ``p1`` and to a burst ``_BURST_RISE`` times that,
+    each with half the false-alarm budget; none if p0 is unknown.
 
     >>> [(round(t.p0, 4), round(t.p1, 4), round(t.threshold, 2)) for t in _rate_tests(0.002, 0.01, 10.0, 1e-2, 5)]
     [(0.002, 0.01, 17.18), (0.002, 0.04, 17.18)]
@@ -231,11 +190,8 @@ def _first_to_fire(tests: list[BernoulliCusum], trials: int, hits: float, at: fl
 
 
 def _trimmed(slices: list[SliceStats], damage) -> list[SliceStats]:
-    """The slices without the one that does the most ``damage``: one record decides nothing.
-
-    A window judged over overlapping slices would otherwise let a single absurd record
-    (a draft time of seconds, a step of thousands of rejected rounds) breach every window
-    that holds it, and so satisfy 'several windows running' alone.
+    """The slices without the one that does the most ``damage``: one absurd record, in every
+    overlapping window, would otherwise satisfy 'several windows running' alone.
 
     >>> a, b, c = SliceStats(), SliceStats(), SliceStats()
     >>> a.draft_ms, b.draft_ms, c.draft_ms = 1.0, 5000.0, 2.0
@@ -259,11 +215,8 @@ def _evidence_slices(policy: Policy) -> int:
 
 
 class _Windowed:
-    """A bounded history of slices for one key, with window merges on demand.
-
-    Windows never reach back past ``floor`` (set when the path changed under the key,
-    e.g. a restore), so a gate never judges one path by slices of another.
-    """
+    """A bounded history of slices for one key, with window merges on demand; windows never
+    reach back past ``floor`` (set when the path changed, e.g. a restore)."""
 
     def __init__(self, size: int) -> None:
         self.history: deque[tuple[float, SliceStats]] = deque(maxlen=size)
@@ -272,8 +225,7 @@ class _Windowed:
         self._count_requests()
 
     def _count_requests(self) -> None:
-        """A running count of finished requests beside the history: the requests of the last
-        k slices are ``_requests_pushed - _requests_before[-k]``, without a walk over them."""
+        """Requests of the last k slices are ``_requests_pushed - _requests_before[-k]``."""
         self._requests_before: deque[int] = deque(maxlen=self.history.maxlen)
         self._requests_pushed = 0
         for _, stats in self.history:
@@ -290,12 +242,15 @@ class _Windowed:
         self._requests_before.append(self._requests_pushed)
         self._requests_pushed += stats.requests
 
-    def window(self, slices: int, sketches: bool = True, trim=None) -> tuple[SliceStats, float, float]:
-        """The last ``slices`` slices merged (without latency sketches if not needed).
+    def rearm(self, floor: float | None = None) -> None:
+        """Forget streaks after the path changed; with ``floor``, the slices up to it too."""
+        self._reset()
+        if floor is not None:
+            self.floor = floor
 
-        With ``trim`` (a damage score per slice), the most damaging slice is left out.
-        Gates judging the same window in one update share one merge.
-        """
+    def window(self, slices: int, sketches: bool = True, trim=None) -> tuple[SliceStats, float, float]:
+        """The last ``slices`` slices merged, less the most damaging by ``trim`` if given;
+        gates judging the same window in one update share one merge."""
         ident = (slices, sketches, trim, self.floor, len(self.history), self.history[-1][0])
         if self._last_window is not None and self._last_window[0] == ident:
             return self._last_window[1]
@@ -311,15 +266,11 @@ class _Windowed:
 
     def window_of_requests(self, slices: int, min_requests: int, max_slices: int,
                            trim=None) -> tuple[SliceStats, float, float] | None:
-        """The last ``slices`` slices, widened up to ``max_slices`` until they hold ``min_requests``.
-
-        Rounds of one request move together (its prompt sets how predictable it is), so a
-        window's evidence is only as broad as the requests in it; None when even the widest
-        window has too few finished requests.
-        """
+        """The last ``slices`` slices, widened up to ``max_slices`` until they hold ``min_requests``
+        (a request's rounds move together); None when even the widest window has too few."""
         newest = min(max_slices, len(self.history))
         if not newest or self._requests_pushed - self._requests_before[-newest] < min_requests:
-            return None  # not even the widest window holds enough: a quiet key's usual answer, in O(1)
+            return None
         count, requests = 0, 0
         for end, stats in reversed(self.history):
             if end <= self.floor or count >= max_slices:
@@ -357,10 +308,6 @@ class KeyMonitor(_Windowed):
     pool
         The bundle's `BaselinePool`: this key feeds it while learning and borrows from it
         when its own traffic is too thin for a baseline.
-
-    Latency and errors are judged by Bernoulli CUSUMs on every slice's finished requests
-    (is it a failure; is it past the latency limit), each with its threshold set from a
-    false-alarm budget per key-hour: evidence decides, not a request count.
     """
 
     def __init__(self, policy: Policy, bucket: str, pool: BaselinePool | None = None) -> None:
@@ -391,16 +338,6 @@ class KeyMonitor(_Windowed):
     def baseline(self) -> Baseline:
         return self.learner.baseline
 
-    def rearm(self, floor: float | None = None) -> None:
-        """Forget streaks after an action changed the path (new D, fallback, restore).
-
-        With ``floor``, windows also forget the slices up to it: after a restore the
-        gates judge the speculative path afresh, not mixed with the standard one.
-        """
-        self._reset()
-        if floor is not None:
-            self.floor = floor
-
     def recovery_evidence(self, since: float, seconds: float) -> RecoveryEvidence | None:
         """Errors of this key's traffic in the last ``seconds`` of slices after ``since``."""
         return traffic_evidence([self], since, seconds)
@@ -409,22 +346,19 @@ class KeyMonitor(_Windowed):
         self.push(slice_end, stats)
         if not self.learner.done:
             self.learner.update(stats, slice_end)
-        # Requests running past the e2e limit count once the tail test exists (see `StalledRequests`).
         e2e = self._tail_tests.get("e2e") if speculating and self._tail_tests else None
         stalled, finished = self.stalls.update(stats, slice_end, e2e[1] if e2e else None)
         findings: list[Finding] = []
         if speculating:
             findings += self._acceptance(stats.max_ts)
             findings += self._speedup(stats.max_ts)
-            # Tails and failures of a slice with no speculative request (a control cohort on
-            # standard decoding) say nothing about speculation, and there is none to switch off.
+            # a slice with no speculative request says nothing about speculation
             if self.learner.latency_ready and (stats.speculative_requests or stalled):
                 self._count(stats)
                 findings += self._latency(stats, slice_end, stalled, finished)
                 findings += self._errors(stats, slice_end)
         return findings
 
-    # -- acceptance length against the learned per-position rates ------------------------
     def _acceptance(self, ts: float) -> list[Finding]:
         cfg = self.policy.acceptance
         if not self.learner.acceptance_ready:
@@ -594,14 +528,8 @@ class KeyMonitor(_Windowed):
                              self._counted[1] + stats.errors + stats.timeouts)
 
     def _error_baseline(self) -> float:
-        """The rate the error tests judge against: the learned one, or lower where the bundle's
-        traffic since then, this key's own left out, shows a lower rate (`BaselinePool.error_rate`).
-
-        A key that took its bundle's rate took it from the few failures of a learning period: at
-        3 workers, 5 in 1296 requests (0.39 %, where the true rate was 0.2 %). The bundle's
-        later traffic refines it, every slice. It never rises above the learned rate: a rise in
-        the bundle's other keys may be their own incident, judged by their own tests.
-        """
+        """The learned error rate, or lower where the bundle's traffic since, this key's own left
+        out, shows a lower rate; never higher: the other keys' rise is their own incident."""
         base, pool, pin = self.baseline.error_rate, self.learner.pool, self.learner.pinned
         if pool is None or self.baseline.error_source != "bundle" or (pin is not None and pin.error_rate is not None):
             return base
@@ -631,11 +559,7 @@ class KeyMonitor(_Windowed):
 
 
 class BundleMonitor(_Windowed):
-    """Step-level gates for a whole bundle: KV watermark and draft cost.
-
-    KV usage and draft time belong to engine steps, which mix every bucket; judging
-    them per bundle gives one decision for a fleet-wide condition instead of one per key.
-    """
+    """Step-level gates for a bundle, whose engine steps mix every bucket: KV and draft cost."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
@@ -650,11 +574,6 @@ class BundleMonitor(_Windowed):
     @property
     def baseline(self) -> Baseline:
         return self.learner.baseline
-
-    def rearm(self, floor: float | None = None) -> None:
-        self._reset()
-        if floor is not None:
-            self.floor = floor
 
     def recovery_evidence(self, since: float, seconds: float) -> RecoveryEvidence | None:
         """Peak KV usage of the bundle's engine steps in the last ``seconds`` after ``since``."""
@@ -682,9 +601,7 @@ class BundleMonitor(_Windowed):
         window, start, end = self.window(cfg.window_slices, sketches=False, trim=_draft_cost)
         if speculating and self.learner.acceptance_ready and not math.isnan(base) and window.rounds:
             value = window.draft_to_verify
-            # Draft time per verify time also grows with the share of a batch that drafts (a
-            # rollout's next stage); the cost per drafted token then falls. A drafter that got
-            # slower costs more on both counts, so both must be past the factor.
+            # a larger drafting share of a batch raises draft per verify, not cost per token
             per_token_base = self.baseline.draft_ms_per_drafted_token
             per_token = window.draft_ms / window.drafted_tokens if window.drafted_tokens else math.nan
             costlier = math.isnan(per_token_base) or per_token > per_token_base * cfg.factor

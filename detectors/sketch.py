@@ -1,7 +1,5 @@
-"""Mergeable latency quantile sketch (t-digest) used for TTFT/TPOT/e2e percentiles.
-
-fastdigest's Rust t-digest is ~0.1 us per value, merges exactly what stage 1 needs to
-combine map-side partials, and serialises to a few KB; it is wrapped so the choice can change.
+"""Mergeable latency quantile sketch (fastdigest's t-digest) for TTFT/TPOT/e2e percentiles,
+wrapped so the choice can change.
 """
 
 from __future__ import annotations
@@ -114,11 +112,8 @@ class LatencySketch:
         return float(self._digest.n_values) * (1.0 - float(self._digest.cdf(value)))
 
     def count_past(self, value: float) -> float:
-        """How many of the durations added exceed ``value``, counted by centroid.
-
-        Exact while the digest keeps each value as its own centroid (a slice of one key
-        holds few), where `count_above`'s interpolated CDF splits the gap between
-        neighbours; off by at most one centroid's weight once values are merged.
+        """How many of the durations added exceed ``value``, counted by centroid: exact while each
+        value is its own centroid (`count_above` interpolates), off by one centroid's weight after.
 
         >>> s = LatencySketch(); s.add_many([10.0, 11.0, 12.0, 40.0])
         >>> s.count_past(30.0), s.count_past(40.0), round(s.count_above(30.0), 2)

@@ -1,7 +1,5 @@
-"""Stalled requests as tail evidence: a request running past a key's limit counts as past it now.
-
-Stage 1 reports requests that run long (``SliceStats.running_long``) and how they ended
-(``running_done``); this ledger turns them into trials of the key's e2e tail test, each once.
+"""Stalled requests as tail evidence: a request running past a key's limit counts as past it now,
+once (from stage 1's ``SliceStats.running_long`` and ``running_done``).
 """
 
 from __future__ import annotations
@@ -20,14 +18,9 @@ _FORGET_SECONDS = 3600.0
 class StalledRequests:
     """One key's long-running requests: waiting to pass the limit, or counted as past it.
 
-    ``update`` takes a slice and returns ``(stalled, finished)``: how many requests passed
-    ``limit_ms`` while still running in it (each counts as a trial past the limit now), and
-    how many of the requests counted so are among the slice's finished ones (their records
-    must not count again). A counted request that is lost keeps its count: it was running
-    past the limit when it was counted; it is forgotten an hour after it was first seen. Without a limit (the key has no baseline yet, or
-    the tail test does not run) a request passing nothing waits; ``forget`` drops the
-    counted ones, whose records then count as any other (after a rearm, or a slice
-    the tail test did not read).
+    ``update`` returns ``(stalled, finished)``: requests that passed ``limit_ms`` while running
+    in the slice, and counted ones among its finished requests (not to be counted again). A
+    counted request that is lost keeps its count for an hour; ``forget`` uncounts them all.
 
     >>> ledger = StalledRequests()
     >>> s = SliceStats(); s.running_long = {"w1/r1": 100.0, "w1/r2": 104.0}

@@ -1,7 +1,6 @@
 """Raw-count statistics of one key over one event-time slice, mergeable across sources.
 
-Records carry counts and time sums, never ratios; every ratio (acceptance length, draft
-overhead, estimated speedup, error rate) is computed where it is read, by one formula here.
+Every ratio is computed where it is read, by one formula here.
 """
 
 from __future__ import annotations
@@ -21,22 +20,17 @@ from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows, Windo
 
 from .sketch import LatencySketch
 
-__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "ratios", "sample_order", "sample_record",
-           "window_columns"]
+__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "ratios", "round_evidence",
+           "sample_order", "sample_record", "window_columns"]
 
-# Samples kept per key per slice, by why they were kept: the records that show a problem
-# (failures, the slowest requests, the step that accepted least) and healthy controls of
-# each record kind. Stage 1 holds one step of each kind per key while it folds. Enough to reproduce what a decision saw without turning partial
-# aggregates into a copy of the raw stream.
+# Samples kept per key per slice: records that show a problem and healthy controls of each kind.
 SAMPLE_KINDS = {"error": 3, "timeout": 3, "slowest": 2, "lowest_acceptance": 1,
                 "control_request": 2, "control_step": 1}
 
 
 def sample_order(sample_id: str) -> int:
-    """A fixed pseudo-random rank of a sample id (CRC-32).
-
-    Ties and controls are chosen by it, never by arrival: every partitioning and every
-    order of the same records keeps the same samples.
+    """A fixed pseudo-random rank of a sample id (CRC-32): every order of the same records keeps
+    the same samples.
 
     >>> sample_order("w1:17"), sample_order("r-9")
     (2455475965, 3608917963)
@@ -63,7 +57,6 @@ def _ranked(sample: dict) -> list:
 
 
 _first = itemgetter(0)
-# The latency percentiles a summary reports (p50, p95, p99), as named in `WINDOW_SUMMARY_FIELDS`.
 _SUMMARY_QUANTILES = (0.5, 0.95, 0.99)
 
 
@@ -87,6 +80,22 @@ def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else math.nan
 
 
+def round_evidence(value, digits: int = 6):
+    """Floats to ``digits`` significant digits (None for NaN and infinities), lists item by item:
+    evidence reads the same however partials were grouped.
+
+    >>> round_evidence([1 / 3, math.nan, 7]), round_evidence(2 / 3, 3)
+    ([0.333333, None, 7], 0.667)
+    """
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return None
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, list):
+        return [round_evidence(v, digits) for v in value]
+    return value
+
+
 def ratios(numerators: np.ndarray, denominators: np.ndarray) -> np.ndarray:
     """`ratio` of two arrays, element by element: the same floats, NaN where a denominator is zero.
 
@@ -98,7 +107,7 @@ def ratios(numerators: np.ndarray, denominators: np.ndarray) -> np.ndarray:
     return out
 
 
-# The derived values, each written once for a key (`ratio`) and for many keys at once (`ratios`).
+# Each derived value written once, for a key (`ratio`) and for many keys at once (`ratios`).
 def _acceptance_length(accepted_tokens, rounds, divide=ratio):
     return divide(accepted_tokens + rounds, rounds)
 
@@ -130,9 +139,8 @@ def _add_lists(into: list[int], other: list[int]) -> None:
 class SliceStats:
     """Counts for one (bundle, bucket, cohort) key over one slice of event time.
 
-    ``accepted_at_least[i]`` counts rounds whose accepted prefix covers draft position
-    ``i+1``; ``drafted_at_least[i]`` counts rounds that drafted that position at all. They
-    give per-position acceptance rates, hence the acceptance length to expect at any D.
+    ``accepted_at_least[i]`` / ``drafted_at_least[i]``: rounds that accepted / drafted
+    position ``i+1``, hence the acceptance length to expect at any D.
 
     >>> s = SliceStats()
     >>> s.add_round(drafted=4, accepted=3); s.add_round(drafted=4, accepted=1)
@@ -163,51 +171,34 @@ class SliceStats:
     shadow_checks: int = 0
     shadow_mismatches: int = 0
     samples: dict[str, list[dict]] = field(default_factory=dict)  # by SAMPLE_KINDS, each in rank order
-    # Requests still running (stage 1's `RunningRequests`), by "worker/id": those reported in this
-    # slice as running long (-> first-seen ts), and reported ones that ended (True) or were lost (False).
+    # by "worker/id": requests seen running long (-> first-seen ts); ended (True) or lost (False)
     running_long: dict[str, float] = field(default_factory=dict)
     running_done: dict[str, bool] = field(default_factory=dict)
 
-    # -- folding raw telemetry -------------------------------------------------------
-    def add_round(self, drafted: int, accepted: int) -> None:
+    def add_round(self, drafted: int, accepted: int, n: int = 1) -> None:
+        """Fold ``n`` rounds that drafted ``drafted`` and accepted ``accepted`` tokens."""
         if drafted == 0:
-            self.plain_entries += 1
+            self.plain_entries += n
             return
-        self.rounds += 1
-        self.drafted_tokens += drafted
-        self.accepted_tokens += accepted
+        self.rounds += n
+        self.drafted_tokens += drafted * n
+        self.accepted_tokens += accepted * n
         dal = self.drafted_at_least
         if len(dal) < drafted:
             dal.extend([0] * (drafted - len(dal)))
         for i in range(drafted):
-            dal[i] += 1
+            dal[i] += n
         if accepted:
             aal = self.accepted_at_least
             if len(aal) < accepted:
                 aal.extend([0] * (accepted - len(aal)))
             for i in range(accepted):
-                aal[i] += 1
+                aal[i] += n
 
     def add_round_counts(self, counts: dict[tuple[int, int], int]) -> None:
-        """Fold many rounds at once from ``{(drafted, accepted): n}`` (the fast path)."""
+        """Fold many rounds at once from ``{(drafted, accepted): n}``."""
         for (drafted, accepted), n in counts.items():
-            if drafted == 0:
-                self.plain_entries += n
-                continue
-            self.rounds += n
-            self.drafted_tokens += drafted * n
-            self.accepted_tokens += accepted * n
-            dal = self.drafted_at_least
-            if len(dal) < drafted:
-                dal.extend([0] * (drafted - len(dal)))
-            for i in range(drafted):
-                dal[i] += n
-            if accepted:
-                aal = self.accepted_at_least
-                if len(aal) < accepted:
-                    aal.extend([0] * (accepted - len(aal)))
-                for i in range(accepted):
-                    aal[i] += n
+            self.add_round(drafted, accepted, n)
 
     def add_step_time(self, draft_ms: float, verify_ms: float, kv_usage: float, ts: float) -> None:
         self.steps += 1
@@ -244,10 +235,8 @@ class SliceStats:
             self.max_ts = ts
 
     def offer_sample(self, kind: str, rank: tuple, make: Callable[[], dict]) -> None:
-        """Keep a record as a ``kind`` sample if it is among the first of its kind by ``rank``.
-
-        ``rank`` orders by severity first and ends with the sample id (so it is total);
-        ``make`` builds the record only when it is kept.
+        """Keep ``make()`` as a ``kind`` sample if it is among the first of its kind by ``rank``
+        (severity first, the sample id last).
 
         >>> s = SliceStats()
         >>> for e2e, rid in ((900.0, "r1"), (4000.0, "r2"), (2500.0, "r3")):
@@ -283,20 +272,14 @@ class SliceStats:
         chosen = sorted(candidates, key=_first) if len(candidates) <= quota else heapq.nsmallest(quota, candidates, key=_first)
         if not chosen:
             return
-        # built only when a decision or a partials message needs them (`sample_record`); the
-        # builder and its item sit in the sample itself, with no closure per sample to keep
+        # built only when needed (`sample_record`), with no closure per sample
         fresh = [{"_rank": list(rank), "_make": make, "_item": item} for rank, item in chosen]
         mine = self.samples.get(kind)
         self.samples[kind] = fresh if mine is None else _merge_ranked(mine, fresh, quota)
 
-    # -- merging ---------------------------------------------------------------------
     def merge(self, other: "SliceStats", sketches: bool = True, samples: bool = True) -> None:
-        """Add ``other``'s counts in; ``sketches=False`` skips latency sketches and samples.
-
-        Gates that read only counts (acceptance, cost) merge without sketches: the
-        sketches are most of a merge's cost, and the counts come out the same. What only
-        reads counts and quantiles (a baseline being learned) merges with ``samples=False``.
-        """
+        """Add ``other``'s counts in; ``sketches=False`` skips latency sketches and samples (most
+        of a merge's cost), ``samples=False`` the samples only."""
         if other.max_ts > self.max_ts:
             self.max_ts = other.max_ts
         self.steps += other.steps
@@ -341,7 +324,6 @@ class SliceStats:
         out.merge(self)
         return out
 
-    # -- derived values: each formula written once -----------------------------------
     @property
     def acceptance_length(self) -> float:
         """Mean tokens gained per speculative round: accepted drafts plus the target's own token."""
@@ -359,12 +341,8 @@ class SliceStats:
 
     @property
     def speedup(self) -> float:
-        """Estimated speedup over standard decoding on the same hardware.
-
-        A standard decoding step costs about one target forward pass, i.e. the verify
-        time; a speculative step costs draft + verify and yields AL tokens, so
-        speedup = AL * verify / (draft + verify) = AL / (1 + rho*D).
-        """
+        """Estimated speedup over standard decoding, whose step costs one verify:
+        AL * verify / (draft + verify) = AL / (1 + rho*D)."""
         return _speedup(self.acceptance_length, self.draft_ms, self.verify_ms)
 
     @property
@@ -397,20 +375,11 @@ class SliceStats:
                 self.shadow_mismatches,
                 *_percentiles((ttft, tpot, e2e)))
 
-    # -- serialization for changelog-backed tables and partial-aggregate messages -------
     def to_dict(self) -> dict:
-        out = {
-            "max_ts": self.max_ts, "steps": self.steps, "rounds": self.rounds,
-            "plain_entries": self.plain_entries, "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens, "accepted_at_least": self.accepted_at_least,
-            "drafted_at_least": self.drafted_at_least, "draft_ms": self.draft_ms,
-            "verify_ms": self.verify_ms, "kv_peak": self.kv_peak, "requests": self.requests,
-            "speculative_requests": self.speculative_requests, "errors": self.errors,
-            "timeouts": self.timeouts, "shadow_checks": self.shadow_checks,
-            "shadow_mismatches": self.shadow_mismatches,
-            "samples": {kind: [{**sample_record(s), "_rank": s["_rank"]} for s in kept]
-                        for kind, kept in self.samples.items()},
-        }
+        """For changelog-backed tables and partial-aggregate messages."""
+        out = {name: getattr(self, name) for name in _SERIALIZED_COUNTS}
+        out["samples"] = {kind: [{**sample_record(s), "_rank": s["_rank"]} for s in kept]
+                          for kind, kept in self.samples.items()}
         for name in ("ttft", "tpot", "e2e"):
             sketch = getattr(self, name)
             if sketch is not None:
@@ -423,12 +392,9 @@ class SliceStats:
     @classmethod
     def from_dict(cls, data: dict) -> "SliceStats":
         out = cls()
-        for name in ("max_ts", "steps", "rounds", "plain_entries", "drafted_tokens", "accepted_tokens",
-                     "draft_ms", "verify_ms", "kv_peak", "requests", "speculative_requests", "errors",
-                     "timeouts", "shadow_checks", "shadow_mismatches"):
-            setattr(out, name, data.get(name, 0))
-        out.accepted_at_least = list(data.get("accepted_at_least", []))
-        out.drafted_at_least = list(data.get("drafted_at_least", []))
+        for name in _SERIALIZED_COUNTS:
+            value = data.get(name, [] if name in _POSITION_FIELDS else 0)
+            setattr(out, name, list(value) if name in _POSITION_FIELDS else value)
         out.samples = {kind: list(kept) for kind, kept in data.get("samples", {}).items()}
         out.running_long = dict(data.get("running_long", {}))
         out.running_done = dict(data.get("running_done", {}))
@@ -438,6 +404,11 @@ class SliceStats:
         return out
 
 
+# What `to_dict` writes before the samples, in field order.
+_SERIALIZED_COUNTS = ("max_ts", "steps", "rounds", "plain_entries", "drafted_tokens",
+                      "accepted_tokens", "accepted_at_least", "drafted_at_least", "draft_ms",
+                      "verify_ms", "kv_peak", "requests", "speculative_requests", "errors",
+                      "timeouts", "shadow_checks", "shadow_mismatches")
 # What `window_columns` reads off each key's statistics, in C-level passes over the keys.
 _COUNT_FIELDS = ("rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "timeouts", "shadow_checks",
                  "shadow_mismatches", "steps", "plain_entries")
@@ -448,11 +419,8 @@ _POSITION_FIELDS = ("accepted_at_least", "drafted_at_least")
 
 
 def window_columns(windows: Sequence[SliceWindows]) -> WindowColumns:
-    """The window rows of many final slices as insert columns, built across keys at once.
-
-    Each number is the one `SliceStats.summary_values` gives the key (the ratios are the
-    same formulas, on arrays); only the latency percentiles are read key by key, and only
-    for keys with requests.
+    """The window rows of many final slices as insert columns, built across keys at once: each
+    number the one `SliceStats.summary_values` gives the key.
 
     >>> a, b = SliceStats(), SliceStats()
     >>> a.add_round(drafted=4, accepted=3); b.add_step_time(1.0, 9.0, 0.5, 3.2)

@@ -17,11 +17,7 @@ __all__ = ["COMMANDS", "Command", "main", "build_parser", "archive_problem"]
 
 
 class Command(NamedTuple):
-    """A subcommand: its name, its line in ``specwatch --help``, and its module.
-
-    The module (``specwatch.commands.<name>``) holds ``DESCRIPTION``, ``add_arguments(parser)``
-    and ``run(args)``; a command with actions of its own sets ``func`` on each of them instead.
-    """
+    """A subcommand: its name, its line in ``specwatch --help`` and its module."""
 
     name: str
     help: str
@@ -102,11 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def archive_problem(args: argparse.Namespace, environ) -> str | None:
-    """Why the archive DSN a command was given cannot name an archive, or None.
-
-    Every command that takes ``--archive`` is checked here, the same way, before it starts
-    any work; ``$SPECWATCH_ARCHIVE`` is checked when it stands in for the option.
-    """
+    """Why the archive DSN a command was given (``--archive`` or ``$SPECWATCH_ARCHIVE``) cannot name
+    an archive, or None; checked before any command starts work."""
     if not hasattr(args, "archive") or getattr(args, "no_archive", False):
         return None
     from specwatch.archive.dsn import ARCHIVE_ENV, check_archive_dsn

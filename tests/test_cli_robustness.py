@@ -37,8 +37,6 @@ def telemetry(tmp_path):
     return path
 
 
-# -- item 1: no command overwrites its own input ----------------------------------------------
-
 @pytest.mark.parametrize("spelling", ["same", "dot", "symlink", "hardlink"])
 def test_replay_refuses_to_write_over_its_input_however_it_is_spelled(capsys, telemetry, tmp_path, monkeypatch,
                                                                       spelling):
@@ -107,8 +105,6 @@ def test_simulate_writes_its_output_whole(capsys, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["sim.jsonl"]
 
 
-# -- item 8: input that is not telemetry ------------------------------------------------------
-
 def test_gzipped_telemetry_replays_like_the_plain_file(capsys, telemetry, tmp_path):
     zipped = tmp_path / "telemetry.jsonl.gz"
     zipped.write_bytes(gzip.compress(telemetry.read_bytes()))
@@ -157,8 +153,6 @@ def test_an_empty_input_is_no_error(capsys, tmp_path):
     assert code == 0 and json.loads(out)["lines"] == 0
     assert (tmp_path / "d.jsonl").read_text() == ""
 
-
-# -- item 5: one check of --archive for every command, before any work ---------------------------
 
 _BAD_DSNS = {
     "nonsense://x": "archive DSN scheme 'nonsense' is not one of chdb, http, https (from --archive)",

@@ -47,12 +47,16 @@ def _step_slices(draft_lengths, batches=None, pass_ms=0.6, pass_ms_per_request=0
     return out
 
 
-def test_survival_counts_and_predicted_acceptance_length_are_exact_on_a_seeded_stream():
+def _stats(rounds):
     stats = SliceStats()
-    rounds = _rounds([0.9, 0.8, 0.5, 0.3], 5000, SEED)
     for drafted, accepted in rounds:
         stats.add_round(drafted, accepted)
-    survival = PositionSurvival.from_stats(stats)
+    return stats
+
+
+def test_survival_counts_and_predicted_acceptance_length_are_exact_on_a_seeded_stream():
+    rounds = _rounds([0.9, 0.8, 0.5, 0.3], 5000, SEED)
+    survival = PositionSurvival.from_stats(_stats(rounds))
     for k in range(1, 5):
         reached = sum(1 for _, a in rounds if a >= k)
         assert survival.accepted_at_least[k - 1] == reached
@@ -73,10 +77,8 @@ def test_acceptance_interval_covers_the_truth_and_narrows_with_evidence():
     cost = StepCost.fit(_step_slices([4] * 6), "eagle3")
     widths = []
     for n in (400, 6400):
-        stats = SliceStats()
-        for drafted, accepted in _rounds(truth, n, SEED + n):
-            stats.add_round(drafted, accepted)
-        curve = draft_length_curve(PositionSurvival.from_stats(stats), cost, min_rounds=1)
+        survival = PositionSurvival.from_stats(_stats(_rounds(truth, n, SEED + n)))
+        curve = draft_length_curve(survival, cost, min_rounds=1)
         for p in curve.points:
             assert p.acceptance_low <= true_al[p.draft_length] <= p.acceptance_high, (n, p)
         widths.append(curve.points[-1].acceptance_high - curve.points[-1].acceptance_low)
@@ -105,10 +107,8 @@ def test_step_cost_model_recovers_serial_and_parallel_costs():
 
 
 def _curve(rates, n=4000, slices=None):
-    stats = SliceStats()
-    for drafted, accepted in _rounds(rates, n, SEED):
-        stats.add_round(drafted, accepted)
-    return curve_from_slices([stats], slices or _step_slices([4] * 6), "eagle3")
+    slices = slices or _step_slices([4] * 6)
+    return curve_from_slices([_stats(_rounds(rates, n, SEED))], slices, "eagle3")
 
 
 _FINDING = Finding("acceptance_drop", "acceptance_gate", 300.0, "acceptance_length", 2.0, 2.5, 3.0, 295.0, 300.0)
@@ -172,8 +172,6 @@ def test_pinned_acceptance_drop_lowers_to_the_best_predicted_d():
         assert max(below, key=lambda p: (p["speedup"], -p["d"]))["d"] == d.evidence["draft_length"]
         assert d.evidence["step_cost"]["mechanism"] == "eagle3"
 
-
-# -- the simulator's draft-length scenarios and the evaluation that scores the advice ------------
 
 def _position_rates(records, start, bucket):
     stats = {True: SliceStats(), False: SliceStats()}

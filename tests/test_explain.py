@@ -50,14 +50,6 @@ def test_text_summary_names_decision_thresholds_baseline_and_samples(archived):
     assert re.search(r"^samples: [1-9]\d*$", out, re.M)
 
 
-def test_unknown_decision_and_missing_archive_are_clear_errors(archived, tmp_path):
-    dsn, _ = archived
-    proc = _explain("d-000000000000", "--archive", dsn)
-    assert proc.returncode == 1 and "no decision 'd-000000000000'" in proc.stderr
-    proc = _explain("d-000000000000", "--archive", f"chdb://{tmp_path / 'nothing'}")
-    assert proc.returncode == 2 and "no archive at" in proc.stderr
-
-
 @pytest.mark.browser
 def test_postmortem_page_renders_in_a_headless_browser(archived, tmp_path):
     dsn, decisions = archived

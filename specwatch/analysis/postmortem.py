@@ -1,7 +1,5 @@
-"""Postmortem of one archived decision: a self-contained HTML page and a plain-text summary.
-
-Pure rendering from what `Archive.decision` and `Archive.samples` return; `specwatch explain`
-does the reading and writing.
+"""Postmortem of one archived decision: a self-contained HTML page and a plain-text summary,
+rendered from what `Archive.decision` and `Archive.samples` return.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ import json
 import math
 from typing import Iterable, Sequence
 
-__all__ = ["PLOTS", "render_html", "render_text"]
+__all__ = ["PLOTS", "render_html", "render_text", "sample_summary"]
 
 # The evidence-window plots: (id, title, unit, [(series label, window field)]).
 PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
@@ -53,8 +51,6 @@ figcaption{font-size:.8rem;color:#555} .muted{color:#777} code{font-size:.85rem}
 pre{font-size:.75rem;white-space:pre-wrap;margin:0}
 """.strip()
 
-
-# -- shared reading of an archived decision ------------------------------------------------------
 
 def _audit(record: dict) -> dict:
     return record.get("audit") or {}
@@ -135,8 +131,6 @@ def _headline(record: dict) -> tuple[str, str]:
     return text, measure
 
 
-# -- plain text ----------------------------------------------------------------------------------
-
 def render_text(record: dict, samples: Sequence[dict]) -> str:
     """A short plain-text postmortem: decision, finding, thresholds, baseline, window, card, samples.
 
@@ -194,7 +188,8 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
         lines.append("bundle card: (not archived)")
     lines.append(f"samples: {len(samples)}")
     for sample in samples[:10]:
-        lines.append(f"  {sample['kind']:<8}{sample['sample_id']:<28}{_sample_detail(sample['record'])}")
+        record = sample["record"]
+        lines.append(f"  {sample['kind']:<8}{sample['sample_id']:<28}{sample_summary(record)}")
     return "\n".join(lines)
 
 
@@ -237,26 +232,32 @@ def judgement_lines(finding: dict) -> list[str]:
     return lines
 
 
-def _sample_detail(record: dict) -> str:
+def sample_summary(record: dict) -> str:
+    """One line of what a kept telemetry record shows.
+
+    >>> sample_summary({"kind": "request", "finish_reason": "error", "speculative": True,
+    ...                 "ttft_ms": 80.0, "tpot_ms": 9.5, "e2e_ms": 1234.5, "output_tokens": 120,
+    ...                 "error": "oom"})
+    'error spec ttft=80ms tpot=9.5ms e2e=1234ms out=120 error=oom'
+    """
     kind = record.get("kind")
     if kind == "request":
-        text = (f"{record.get('bucket')}/{record.get('cohort')} {record.get('finish_reason')} "
-                f"e2e {_number(record.get('e2e_ms'))} ms, {record.get('output_tokens')} tokens")
-        if record.get("error"):
-            text += f": {record['error']}"
-        return text
+        spec = "spec" if record.get("speculative") else "standard"
+        text = (f"{record.get('finish_reason')} {spec} ttft={_number(record.get('ttft_ms'))}ms "
+                f"tpot={_number(record.get('tpot_ms'))}ms e2e={_number(record.get('e2e_ms'))}ms "
+                f"out={record.get('output_tokens')}")
+        return text + (f" error={record['error']}" if record.get("error") else "")
     if kind == "step":
         entries = record.get("requests") or []
         drafted = sum(e.get("drafted", 0) for e in entries)
         accepted = sum(e.get("accepted", 0) for e in entries)
-        return (f"{len(entries)} requests, {accepted}/{drafted} drafts accepted, draft {_number(record.get('draft_ms'))}"
-                f" ms + verify {_number(record.get('verify_ms'))} ms, KV {_number(record.get('kv_usage'))}")
+        return (f"{len(entries)} requests drafted={drafted} accepted={accepted} "
+                f"draft={_number(record.get('draft_ms'))}ms "
+                f"verify={_number(record.get('verify_ms'))}ms kv={_number(record.get('kv_usage'))}")
     if kind == "shadow":
-        return f"{record.get('bucket')} {record.get('check')} match={str(record.get('match')).lower()}"
-    return ""
+        return f"{record.get('check')} {'match' if record.get('match') else 'MISMATCH'}"
+    return kind or "?"
 
-
-# -- HTML ---------------------------------------------------------------------------------------
 
 def render_html(record: dict, samples: Sequence[dict], reproductions: Sequence[dict] = ()) -> str:
     """A self-contained postmortem page (inline SVG plots, no external resources).
@@ -348,7 +349,7 @@ def _samples_table(samples: Sequence[dict]) -> str:
         rows.append(
             f'<tr data-sample-id="{html.escape(str(sample["sample_id"]))}"><td>{html.escape(sample["kind"])}</td>'
             f"<td><code>{html.escape(str(sample['sample_id']))}</code></td><td>{html.escape(_utc(sample['ts']))}</td>"
-            f"<td>{html.escape(_sample_detail(record))}</td><td><details><summary>record</summary>"
+            f"<td>{html.escape(sample_summary(record))}</td><td><details><summary>record</summary>"
             f"<pre>{html.escape(json.dumps(record, sort_keys=True, indent=1))}</pre></details></td></tr>")
     more = ""
     if len(samples) > _MAX_SAMPLE_ROWS:

@@ -1,7 +1,5 @@
-"""`specwatch reproduce`: open a decision's sealed samples and re-run its requests on both paths.
-
-The engine is passed in (`Rerunner`: the vLLM one is collectors/vllm/rerun.py); opening,
-the fingerprint check, the comparison, the verdicts and the audit trail live here.
+"""`specwatch reproduce`: open a decision's sealed samples and re-run its requests on both paths, on
+an engine passed in (`Rerunner`); the checks, comparison, verdicts and audit trail live here.
 """
 
 from __future__ import annotations
@@ -14,20 +12,9 @@ from specwatch.schemas import BundleCard, card_differences
 from specwatch.schemas.rerun import RerunOutcome, RerunRequest
 from specwatch.schemas.sealed import SampleKey, SealedSampleError, open_sealed, sealed_key_id
 
-__all__ = [
-    "REPRODUCED",
-    "NOT_REPRODUCED",
-    "BUNDLE_DIFFERS",
-    "ReproduceError",
-    "RerunRequest",
-    "RerunOutcome",
-    "Rerunner",
-    "position_acceptance",
-    "first_divergence",
-    "compare_request",
-    "reproduce_decision",
-    "render_result",
-]
+__all__ = ["REPRODUCED", "NOT_REPRODUCED", "BUNDLE_DIFFERS", "ReproduceError", "RerunRequest",
+           "RerunOutcome", "Rerunner", "position_acceptance", "first_divergence", "compare_request",
+           "reproduce_decision", "render_result"]
 
 REPRODUCED = "reproduced"
 NOT_REPRODUCED = "not reproduced"
@@ -55,9 +42,7 @@ class Rerunner(Protocol):
 
 
 def position_acceptance(rounds: Sequence[tuple[int, int]], draft_length: int) -> list[float]:
-    """Share of rounds that reached draft position k and had it accepted, for k = 1..D.
-
-    A round that drafted fewer than k tokens does not count at position k; ``nan`` where no
+    """Share of rounds that drafted position k and had it accepted, for k = 1..D; ``nan`` where no
     round drafted that far.
 
     >>> position_acceptance([(4, 2), (4, 0), (2, 2)], 4)
@@ -87,12 +72,8 @@ def first_divergence(expected: Sequence[int], actual: Sequence[int]) -> int | No
 
 def compare_request(request: RerunRequest, outcome: RerunOutcome, draft_length: int,
                     bundle_matches: bool) -> dict:
-    """One request's report: divergences, per-position acceptance, times and its verdict.
-
-    The verdict is ``reproduced`` when the speculative re-run gives the archived output
-    token for token, ``not reproduced`` otherwise, and ``bundle differs`` whenever the local
-    engine's card differs from the decision's (a forced run proves nothing either way).
-    """
+    """One request's report: divergences, per-position acceptance, times and its verdict
+    (``bundle differs`` whenever the local engine's card differs: a forced run proves nothing)."""
     drafted = sum(d for d, _ in outcome.rounds)
     accepted = sum(a for _, a in outcome.rounds)
     speculative_vs_archived = first_divergence(request.output_ids, outcome.speculative_ids)
@@ -123,12 +104,8 @@ def compare_request(request: RerunRequest, outcome: RerunOutcome, draft_length: 
 def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, rerunner: Rerunner | None,
                        actor: str, clock: Callable[[], float], force: bool = False,
                        rerunner_for: Callable[[BundleCard], Rerunner] | None = None) -> dict:
-    """Open a decision's sealed samples, check the local engine, re-run, archive the result.
-
-    ``rerunner_for(card)`` builds the local engine from the decision's card when
-    ``rerunner`` is None. Every attempt to open is audited in the archive, also a refused
-    one; nothing is opened unless every sample opens with ``key``. Raises `ReproduceError`.
-    """
+    """Open a decision's sealed samples (every attempt audited), check the local engine (built by
+    ``rerunner_for(card)`` without ``rerunner``), re-run, archive the result."""
     decision = archive.decision(decision_id)
     if decision is None:
         raise ReproduceError(f"no decision {decision_id!r} in the archive {archive.label}", EXIT_NOT_FOUND)

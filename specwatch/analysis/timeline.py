@@ -1,6 +1,5 @@
-"""The timeline picture: acceptance length and p99 latency per bucket, decisions marked.
-
-Rendered with matplotlib's Agg backend (no display needed) from archive-shaped window rows.
+"""The timeline picture: acceptance length and p99 latency per bucket, decisions marked
+(matplotlib's Agg backend, from archive-shaped window rows).
 """
 
 from __future__ import annotations
@@ -16,14 +15,9 @@ import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 
 __all__ = ["render_timeline"]
 
-_ACTION_COLORS = {
-    "disable_speculation": "#c0392b",
-    "invalidate_bundle": "#8e44ad",
-    "reduce_draft_length": "#e67e22",
-    "alert": "#7f8c8d",
-    "restore": "#27ae60",
-    "promote": "#2980b9",
-}
+_ACTION_COLORS = {"disable_speculation": "#c0392b", "invalidate_bundle": "#8e44ad",
+                  "reduce_draft_length": "#e67e22", "alert": "#7f8c8d", "restore": "#27ae60",
+                  "promote": "#2980b9"}
 
 
 def render_timeline(rows: list[dict], decisions: list, path: str | Path, cohort: str = "main",

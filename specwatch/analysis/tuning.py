@@ -1,7 +1,5 @@
-"""Draft-length advice per bucket from archived window stats: the report `specwatch tune` prints.
-
-Builds each bucket's predicted speedup curve (`specwatch.detectors.draft_length`) from the
-archive's per-position counts and step times, and renders it as text, JSON or an HTML page.
+"""Draft-length advice per bucket from archived window stats, the report `specwatch tune` prints:
+each bucket's predicted speedup curve as text, JSON or an HTML page.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from typing import Mapping, Sequence
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.draft_length import (DraftLengthCurve, PositionSurvival, StepCost, draft_length_curve,
                                               starting_draft_length, tile_draft_lengths)
-from specwatch.detectors.window import SliceStats, merge_all
+from specwatch.detectors.window import SliceStats, merge_all, round_evidence as _round
 
 __all__ = ["DEFAULT_WINDOW_SECONDS", "heads_per_kv_head", "render_html", "render_text", "tune_report"]
 
@@ -56,12 +54,8 @@ def _slice(row: Mapping) -> SliceStats:
 
 def tune_report(rows: Sequence[Mapping], card: Mapping, bundle_id: str, flags: FlagStore | None = None,
                 heads_per_kv: int | None = None, window_seconds: float = DEFAULT_WINDOW_SECONDS) -> dict:
-    """Per-bucket curves, best and current D, expected gain and warnings for one bundle.
-
-    ``rows`` are the bundle's window-stats rows (`Archive.timeline`); the last
-    ``window_seconds`` of event time before the newest row are the evidence. ``flags`` gives
-    the draft limits decisions and overrides put on each bucket.
-    """
+    """Per-bucket curves, best and current D, expected gain and warnings for one bundle, from the
+    last ``window_seconds`` of its window-stats ``rows``; ``flags`` gives each bucket's D limit."""
     rows = [r for r in rows if r["bundle_id"] == bundle_id]
     newest = max((r["ts"] for r in rows), default=math.nan)
     recent = [r for r in rows if r["ts"] > newest - window_seconds]
@@ -138,13 +132,6 @@ def _bucket_report(bucket: str, curve: DraftLengthCurve, current: int, start: in
                    "speedup": p["speedup"], "speedup_interval": [p["speedup_low"], p["speedup_high"]],
                    "draft_ms": p["draft_ms"], "verify_ms": p["verify_ms"]} for p in body["points"]],
     }
-
-
-def _round(value):
-    return None if value is None or math.isnan(value) else float(f"{value:.6g}")
-
-
-# -- rendering -------------------------------------------------------------------------------
 
 
 def render_text(report: Mapping) -> str:

@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["CommandError", "EXIT_USAGE", "add_archive_option", "add_archive_options", "add_json_option",
-           "add_policy_option", "load_policy", "open_archive", "write_page"]
+__all__ = ["CommandError", "EXIT_NOT_FOUND", "EXIT_NOT_PUBLISHED", "EXIT_USAGE",
+           "add_archive_option", "add_archive_options", "add_json_option", "add_policy_option",
+           "load_policy", "open_archive", "write_page"]
 
+EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
+EXIT_NOT_PUBLISHED = 3  # a manual change was recorded, but not published
 _ARCHIVE_HELP = "archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)"
 _POLICY_HELP = "policy TOML file (defaults built in)"
 

@@ -1,7 +1,5 @@
-"""`specwatch archive flush`: deliver the rows an earlier run spooled while its archive was unreachable.
-
-Every run that writes an archive replays that archive's spool by itself; this is for when
-no such run is due (a postmortem wants the rows now).
+"""`specwatch archive flush`: deliver the rows an earlier run spooled while its archive was
+unreachable, when no run that would replay the spool by itself is due.
 """
 
 from __future__ import annotations

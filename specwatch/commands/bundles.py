@@ -1,24 +1,19 @@
-"""`specwatch bundles`: the bundle registry, each bundle's admission stage and history, and manual moves.
-
-`list` and `show` read the archive; `admit`, `promote` and `freeze` record a person's stage
-change there, with an audit row naming who made it and why.
+"""`specwatch bundles`: the bundle registry, each bundle's admission stage and history, and manual
+moves (`admit`, `promote`, `freeze`) recorded with an audit row.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from specwatch.commands._arguments import (CommandError, add_archive_options, add_policy_option, load_policy,
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
+                                           add_archive_options, add_policy_option, load_policy,
                                            open_archive)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
-from specwatch.commands.query import format_ts, print_rows
+from specwatch.commands.query import format_card, format_ts, print_rows
 
 __all__ = ["DESCRIPTION", "add_arguments"]
-
-_EXIT_NOT_FOUND = 1
-_EXIT_NOT_PUBLISHED = 3
 
 
 DESCRIPTION = ("Every bundle (fingerprint card) seen, its admission stage (unadmitted, shadow, canary "
@@ -56,7 +51,7 @@ def _list(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         rows = archive.bundle_registry()
     for row in rows:
-        row["card_summary"] = _card(row["card"])
+        row["card_summary"] = format_card(row["card"])
     print_rows(rows, [
         ("bundle_id", "bundle", str), ("stage", "stage", _opt), ("cohort_share", "share", _opt),
         ("stage_since", "since (UTC)", format_ts), ("stage_by", "by", _opt),
@@ -70,8 +65,7 @@ def _show(args: argparse.Namespace) -> int:
         row = _registered(archive, args.bundle_id)
         history = archive.stage_history(args.bundle_id)
     if row is None:
-        print(f"specwatch: no bundle {args.bundle_id} in the archive", file=sys.stderr)
-        return _EXIT_NOT_FOUND
+        raise CommandError(f"no bundle {args.bundle_id} in the archive", EXIT_NOT_FOUND)
     for change in history:
         change["evidence"] = _evidence(change)
     if args.json:
@@ -79,7 +73,7 @@ def _show(args: argparse.Namespace) -> int:
         return 0
     print(f"bundle {row['bundle_id']}: {row['stage'] or 'not judged (admission off)'}"
           + (f", cohort share {row['cohort_share']:g}" if row["stage"] in ("shadow", "canary") else ""))
-    print(f"  card: {_card(row['card'])}")
+    print(f"  card: {format_card(row['card'])}")
     print(f"  seen: {format_ts(row['first_seen'])} .. {format_ts(row['last_seen'])} on "
           f"{', '.join(row['workers']) or '-'}")
     if not history:
@@ -106,7 +100,7 @@ def _change(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         row = _registered(archive, args.bundle_id)
         if row is None:
-            raise CommandError(f"no bundle {args.bundle_id} in the archive", _EXIT_NOT_FOUND)
+            raise CommandError(f"no bundle {args.bundle_id} in the archive", EXIT_NOT_FOUND)
         try:
             stage, cohort, share = manual_stage(args.move, row["stage"], row["cohort_share"], settings)
         except ValueError as error:
@@ -123,7 +117,7 @@ def _change(args: argparse.Namespace) -> int:
         print(f"bundle {args.bundle_id}: {row['stage'] or 'not judged'} -> {stage}"
               + (f" (cohort share {share:g})" if stage in ("shadow", "canary") else "")
               + f" by {by}: {reason} ({change_id})")
-    return 0 if published else _EXIT_NOT_PUBLISHED
+    return 0 if published else EXIT_NOT_PUBLISHED
 
 
 def _registered(archive, bundle_id: str) -> dict | None:
@@ -147,14 +141,6 @@ def _evidence(change: dict) -> str:
         requests = sum(j.get("canary_requests", 0) for j in judged.values())
         return f"{len(judged)} buckets pass, {requests} speculative requests judged"
     return ""
-
-
-def _card(card) -> str:
-    if not card:
-        return "-"
-    target, drafter = card.get("target", {}), card.get("drafter", {})
-    return (f"{target.get('model_id')}@{target.get('revision')} {drafter.get('mechanism')}@"
-            f"{drafter.get('revision')} D={drafter.get('draft_length')} {card.get('policy', {}).get('acceptance_rule')}")
 
 
 def _opt(value: object) -> str:

@@ -1,12 +1,5 @@
-"""`specwatch decisions`: print the decisions topic as contract JSON Lines, in topic order.
-
-Reads from the beginning and stops at the end of the topic, or keeps following with --follow;
-an unreachable cluster is reported in seconds with exit code 2, not waited on.
-
-With a signing key configured (the same ``SPECWATCH_SIGNING_KEY[_FILE]`` settings flag
-clients use), every decision is checked as a flag client would check it: forged, unsigned
-and unknown-key decisions are left out (``--unverified`` prints them too), each is reported
-on stderr with its offset, and the command exits 3 when there were any.
+"""`specwatch decisions`: print the decisions topic as contract JSON Lines, in topic order, each
+checked as a flag client checks it (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -17,6 +10,8 @@ import sys
 from collections import Counter
 from typing import TYPE_CHECKING, TextIO
 
+from specwatch.commands._arguments import CommandError
+
 if TYPE_CHECKING:  # the Kafka client and the signing code load when the command runs
     from specwatch.transport.decisions import DecisionReader
     from specwatch.transport.signing import Keyring
@@ -25,8 +20,6 @@ __all__ = ["DESCRIPTION", "add_arguments", "run", "print_decisions"]
 
 logger = logging.getLogger(__name__)
 
-_EXIT_OK = 0
-_EXIT_UNREACHABLE = 2
 _EXIT_UNVERIFIED = 3
 _DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _FOLLOW_POLL_MS = 500
@@ -49,11 +42,8 @@ def add_arguments(parser) -> None:
 
 def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False,
                     keyring: Keyring | None = None, print_unverified: bool = False) -> tuple[int, int, Counter]:
-    """Print decisions from a connected reader.
-
-    Returns (printed, skipped undecodable, decisions by failed `Verdict` value). Without a
-    ``keyring`` (or with an empty one) nothing is checked.
-    """
+    """Print decisions from a connected reader; returns (printed, skipped undecodable, decisions by
+    failed `Verdict` value). Without a ``keyring`` (or with an empty one) nothing is checked."""
     from specwatch.transport.signing import Keyring, verify
 
     keyring = keyring if keyring is not None else Keyring()
@@ -98,19 +88,16 @@ def run(args: argparse.Namespace) -> int:
         config = KafkaConfig.from_env(args.bootstrap)
         keyring = Keyring.from_env()
     except ValueError as error:
-        print(f"specwatch decisions: {error}", file=sys.stderr)
-        return _EXIT_UNREACHABLE
+        raise CommandError(str(error)) from None
     if not keyring.enabled:
         logger.warning("no signing key configured: decisions are printed unchecked")
     reader = DecisionReader(config, topic=args.topic or DECISIONS_TOPIC, connect_timeout_s=args.timeout)
     try:
         reader.connect()
     except BrokerUnavailable as error:
-        print(f"specwatch decisions: {error}", file=sys.stderr)
-        return _EXIT_UNREACHABLE
+        raise CommandError(str(error)) from None
     except LookupError as error:
-        print(f"specwatch decisions: {error.args[0]}", file=sys.stderr)
-        return _EXIT_UNREACHABLE
+        raise CommandError(error.args[0]) from None
     unverified: Counter = Counter()
     try:
         _, _, unverified = print_decisions(reader, sys.stdout, follow=args.follow, keyring=keyring,
@@ -118,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:
-        # The reader of our output went away (e.g. `| head`): not an error of ours.
-        sys.stderr.close()
+        sys.stderr.close()  # the reader of our output went away (`| head`)
     finally:
         reader.close()
     if unverified:
@@ -127,4 +113,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"specwatch decisions: {counts} decision(s) failed the signature check"
               + (" (printed anyway)" if args.unverified else " and were left out"), file=sys.stderr)
         return _EXIT_UNVERIFIED
-    return _EXIT_OK
+    return 0

@@ -1,7 +1,5 @@
-"""`specwatch demo`: a simulated fleet through the whole pipeline, incidents caught and explained.
-
-Runs closed loop (decisions switch the simulated engines to standard decoding), writes
-the archive and a timeline picture, and prints what happened.
+"""`specwatch demo`: a simulated fleet through the whole pipeline, closed loop, incidents caught and
+explained; writes the archive and a timeline picture.
 """
 
 from __future__ import annotations
@@ -52,12 +50,9 @@ def add_arguments(parser) -> None:
 def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | None = None, workers: int = 8,
                        policy=None, archive_sink=None, picture: Path | None = None, progress=None,
                        sdk: bool = False, operations=None) -> dict:
-    """Simulate, detect, act (closed loop), archive and draw. Returns a summary dict.
-
-    ``archive_sink`` (an `ArchiveSink`) receives every slice's output; the caller closes it.
-    ``operations`` (a `streams.operations.Operations`) gets every final slice and the
-    pipeline's counters, as a worker's metrics view does.
-    """
+    """Simulate, detect, act (closed loop), archive and draw; returns a summary dict.
+    ``archive_sink`` gets every slice's output (the caller closes it), ``operations`` what a
+    worker's metrics see."""
     from specwatch.actions.flags import FlagStore
     from specwatch.collectors.export import CallbackExporter
     from specwatch.collectors.otel import TelemetryEmitter
@@ -81,10 +76,7 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
                                                   records_rejected=pipeline.counters.rejected.as_dict(),
                                                   decisions_published=pipeline.counters.decisions)
     sim = Simulator(scenario, seed=seed, minutes=minutes, workers=workers, flags=flags)
-    # The simulated workers emit through the OpenTelemetry LoggerProvider exactly as a
-    # worker's collector does; in-process, the exporter hands batches to stage 1. The
-    # emitter is flushed every simulated second: decisions reach the simulated engines
-    # within about a second of event time, as they would over the decisions topic.
+    # flushed every simulated second: decisions reach the engines as over the decisions topic
     emitter = TelemetryEmitter(CallbackExporter(pipeline.feed_many), sdk=sdk)
     started = time.monotonic()
     next_report = next_flush = sim.start_ts
@@ -201,7 +193,6 @@ def run(args) -> int:
         default = outdir / ("vllm/archive" if args.engine == "vllm" else "archive")
         dsn = args.archive or os.environ.get("SPECWATCH_ARCHIVE") or f"chdb://{default}"
         try:
-            # Spools while the archive is away: the demo's decisions never wait on it.
             archive_sink = ArchiveSink.open(dsn, outage_log_level=logging.INFO)
         except ValueError as error:
             raise CommandError(str(error)) from None
@@ -267,10 +258,7 @@ def _serve(port: int):
 
 def _run_vllm(args, outdir: Path, policy, archive_sink=None, dsn: str | None = None) -> int:
     """The vLLM engine's telemetry through the embedded pipeline; its decisions reach the engine.
-
-    ``policy`` None: the demo's policy, with minimums scaled to its short run. With an
-    ``archive_sink``, window stats, decisions, samples and audit go there as in the simulated demo.
-    """
+    ``policy`` None: the demo's, with minimums scaled to its short run."""
     try:
         from specwatch.collectors.vllm.demo import run_vllm_demo, vllm_demo_policy
     except ImportError as error:
@@ -279,7 +267,6 @@ def _run_vllm(args, outdir: Path, policy, archive_sink=None, dsn: str | None = N
         return 2
     from specwatch.streams.embedded import EmbeddedPipeline
 
-    # live: the engine stamps records with this clock, so none may come from far ahead of it
     pipeline = EmbeddedPipeline(policy if policy is not None else vllm_demo_policy(), clock=time.time,
                                 sinks=[archive_sink] if archive_sink is not None else [])
     try:

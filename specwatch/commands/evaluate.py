@@ -1,6 +1,5 @@
-"""`specwatch evaluate`: detection quality on seeded simulated incidents, against operator baselines.
-
-Prints the side-by-side table (or one JSON object with --json); see docs/EVALUATION.md.
+"""`specwatch evaluate`: detection quality on seeded simulated incidents, against operator baselines
+(docs/EVALUATION.md).
 """
 
 from __future__ import annotations

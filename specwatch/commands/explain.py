@@ -1,15 +1,11 @@
-"""`specwatch explain DECISION_ID`: the postmortem of one archived decision, as text or an HTML page.
-
-Reads the archive (decision, audit evidence, samples); the page is self-contained.
-"""
+"""`specwatch explain DECISION_ID`: the postmortem of one archived decision, as text or HTML."""
 
 from __future__ import annotations
 
-from specwatch.commands._arguments import CommandError, add_archive_option, open_archive, write_page
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, add_archive_option,
+                                           open_archive, write_page)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
-
-_EXIT_NOT_FOUND = 1
 
 
 DESCRIPTION = ("Render the postmortem of one decision from the archive: the evidence window "
@@ -30,7 +26,8 @@ def run(args) -> int:
     with open_archive(args.archive) as archive:
         record = archive.decision(args.decision_id)
         if record is None:
-            raise CommandError(f"no decision {args.decision_id!r} in the archive {archive!r}", _EXIT_NOT_FOUND)
+            message = f"no decision {args.decision_id!r} in the archive {archive!r}"
+            raise CommandError(message, EXIT_NOT_FOUND)
         samples = archive.samples(args.decision_id)
         reproductions = archive.reproductions(args.decision_id)
     if args.html is None:

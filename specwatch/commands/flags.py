@@ -1,12 +1,5 @@
-"""`specwatch flags`: the speculative-path state per scope, and manual overrides with audit.
-
-State is rebuilt from the archive (decisions folded in time order, then overrides on top);
-`set` and `clear` record an override and its audit row there. With ``--bootstrap`` they
-also publish it, signed, on the decisions topic, so that flag clients (engines, routers)
-follow it within their poll interval: an override is a decision with detector ``manual``
-whose ``reason`` is one of the contract's codes (``--code``, the alert being answered)
-and whose evidence names who made it and why. Clearing publishes what the archived
-decisions alone say for the scope.
+"""`specwatch flags`: the speculative-path state per scope, and manual overrides with audit, also
+published as signed ``manual`` decisions with ``--bootstrap`` (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -16,15 +9,13 @@ import sys
 import time
 from dataclasses import asdict
 
-from specwatch.commands._arguments import CommandError, add_archive_options, open_archive
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
+                                           add_archive_options, open_archive)
 from specwatch.commands.query import format_scope, format_ts, print_rows
 from specwatch.transport.topics import DECISIONS_TOPIC
 
 __all__ = ["DESCRIPTION", "add_arguments", "add_publish_options", "publish_keyring", "publish_manual"]
 
-_EXIT_NOT_FOUND = 1
-_EXIT_USAGE = 2
-_EXIT_NOT_PUBLISHED = 3
 _PUBLISH_TIMEOUT_S = 15.0
 
 # The decisions contract's reason codes (schemas/decisions.py), listed here so that the
@@ -45,12 +36,8 @@ def add_publish_options(parser: argparse.ArgumentParser) -> None:
 
 
 def publish_keyring(args: argparse.Namespace):
-    """The `Keyring` a manual change is published with, None without ``--bootstrap``.
-
-    Without a key a change goes out unsigned, and every flag client that holds a key
-    ignores it: that raises `CommandError` unless ``--unsigned`` says the fleet runs
-    without keys. Called before anything is recorded, so a refused change leaves no trace.
-    """
+    """The `Keyring` a manual change is published with, None without ``--bootstrap``; no key
+    raises `CommandError` unless ``--unsigned``. Called before anything is recorded."""
     if not args.bootstrap:
         return None
     from specwatch.transport.signing import Keyring
@@ -144,10 +131,7 @@ def add_arguments(parser) -> None:
 def _list(args: argparse.Namespace) -> int:
     ignored = 0
     if args.bootstrap:
-        found = _fleet_store(args)
-        if isinstance(found, int):
-            return found
-        store, ignored = found
+        store, ignored = _fleet_store(args)
         automatic = store.scopes()
     else:
         with open_archive(args.archive) as archive:
@@ -170,7 +154,7 @@ def _list(args: argparse.Namespace) -> int:
         })
     # like `specwatch decisions`: messages flag clients ignore for their signature mean
     # someone other than the key holders writes the topic
-    code = _EXIT_NOT_PUBLISHED if ignored else 0
+    code = EXIT_NOT_PUBLISHED if ignored else 0
     for row in [] if args.json else rows:  # JSON keeps the fields the source line is made of
         row["source"] = f"manual by {row['by']}" if row["manual"] else (row["decision_id"] or "")
         if row["manual"] and row["automatic"]:
@@ -186,20 +170,18 @@ def _list(args: argparse.Namespace) -> int:
 
 def _fleet_store(args: argparse.Namespace):
     """(the flag store a flag client builds from the decisions topic, how many messages failed the
-    signature check), or the exit code (and why, on stderr) when the topic cannot be read."""
+    signature check); `CommandError` when the topic cannot be read."""
     from specwatch.collectors.flag_client import FlagClient
     from specwatch.transport.config import KafkaConfig
 
     try:
         client = FlagClient(KafkaConfig.from_env(args.bootstrap), topic=args.decisions_topic, silence_seconds=None)
     except ValueError as error:
-        print(f"specwatch: {error}", file=sys.stderr)
-        return _EXIT_USAGE
+        raise CommandError(str(error)) from None
     with client:
         if not client.wait_until_caught_up(_PUBLISH_TIMEOUT_S):
-            print(f"specwatch: could not read {args.decisions_topic} at {args.bootstrap} within "
-                  f"{_PUBLISH_TIMEOUT_S:.0f} s", file=sys.stderr)
-            return _EXIT_NOT_PUBLISHED
+            raise CommandError(f"could not read {args.decisions_topic} at {args.bootstrap} within "
+                               f"{_PUBLISH_TIMEOUT_S:.0f} s", EXIT_NOT_PUBLISHED)
         stats = client.stats()
         ignored = stats.forged + stats.unsigned + stats.replayed + stats.misrouted
         if ignored:
@@ -224,7 +206,7 @@ def _set(args: argparse.Namespace) -> int:
     published = not args.bootstrap or publish_manual(
         args, override_decision(change, args.code, override_id=override_id), keyring)
     _report(args, change, override_id, "set")
-    return 0 if published else _EXIT_NOT_PUBLISHED
+    return 0 if published else EXIT_NOT_PUBLISHED
 
 
 def _clear(args: argparse.Namespace) -> int:
@@ -236,7 +218,7 @@ def _clear(args: argparse.Namespace) -> int:
         active = next((o for o in archive.overrides(active_only=True)
                        if (o["bundle_id"], o["bucket"], o["cohort"]) == scope), None)
         if active is None:
-            raise CommandError(f"no manual override on {_key(scope)}", _EXIT_NOT_FOUND)
+            raise CommandError(f"no manual override on {_key(scope)}", EXIT_NOT_FOUND)
         change = OverrideChange(args.bundle, args.bucket, args.cohort, active["enabled"],
                                 active["draft_limit"], args.by.strip(), args.reason.strip(),
                                 # never before the override it clears, whatever the clocks say
@@ -246,7 +228,7 @@ def _clear(args: argparse.Namespace) -> int:
     published = not args.bootstrap or publish_manual(
         args, override_decision(change, args.code, automatic, override_id), keyring)
     _report(args, change, override_id, "cleared")
-    return 0 if published else _EXIT_NOT_PUBLISHED
+    return 0 if published else EXIT_NOT_PUBLISHED
 
 
 def _record(archive, change) -> str:

@@ -14,14 +14,14 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
-from specwatch.commands._arguments import add_archive_options, open_archive
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, add_archive_options,
+                                           open_archive)
 
-__all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_scope", "format_ts"]
+__all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_card",
+           "format_scope", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
 _TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
-_EXIT_NOT_FOUND = 1
-_EXIT_USAGE = 2
 _NO_ROWS = "0 rows"
 
 Column = tuple[str, str, Callable[[Any], str]]  # (key, header, formatter)
@@ -161,8 +161,6 @@ def _write_rows(rows: list[dict], columns: Sequence[Column], as_json: bool, out:
         out.write(line(row_cells) + "\n")
 
 
-# -- subcommands ----------------------------------------------------------------------
-
 def _decisions(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         rows = archive.decisions(bundle_id=args.bundle, bucket=args.bucket, reason=args.reason,
@@ -182,7 +180,7 @@ def _decision(args: argparse.Namespace) -> int:
         found = archive.decision(args.decision_id)
         samples = archive.samples(args.decision_id) if found else []
     if found is None:
-        return _no_decision(args.decision_id)
+        raise _no_decision(args.decision_id)
     found["sample_counts"] = dict(Counter(s["kind"] for s in samples))
     if args.json:
         print_rows([found], (), as_json=True)
@@ -199,7 +197,7 @@ def _decision(args: argparse.Namespace) -> int:
         out.append(f"  thresholds  {_pairs(audit['thresholds']) or '-'}")
         out.append(f"  baseline    {_pairs(audit['baseline']) or '-'}")
         out.append(f"  window      {_window_summary(audit['window'])}")
-        out.append(f"  bundle      {_card_summary(audit['card'])}")
+        out.append(f"  bundle      {format_card(audit['card'])}")
         if audit.get("detail"):
             out.append(f"  detail      {_pairs(audit['detail'])}")
     else:
@@ -216,10 +214,12 @@ def _samples(args: argparse.Namespace) -> int:
         known = archive.decision(args.decision_id) is not None
         rows = archive.samples(args.decision_id)
     if not known and not rows:
-        return _no_decision(args.decision_id)
+        raise _no_decision(args.decision_id)
+    from specwatch.analysis.postmortem import sample_summary
+
     for row in rows:
         if not args.json:
-            row["summary"] = _record_summary(row["record"])
+            row["summary"] = sample_summary(row["record"])
     print_rows(rows, [
         ("ts", "time (UTC)", format_ts), ("kind", "kind", str), ("sample_id", "sample", str),
         ("worker", "worker", format_scope), ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope),
@@ -234,7 +234,7 @@ def _timeline(args: argparse.Namespace) -> int:
         if args.around:
             found = archive.decision(args.around)
             if found is None:
-                return _no_decision(args.around)
+                raise _no_decision(args.around)
             center = found["ts"]
             bundle = bundle or found["bundle_id"]
             if bucket is None and found["bucket"] is not None:
@@ -242,13 +242,11 @@ def _timeline(args: argparse.Namespace) -> int:
             since = center - args.seconds if since is None else since
             until = center + args.seconds if until is None else until
         if not bundle:
-            print("specwatch: timeline needs --bundle (or --around DECISION_ID)", file=sys.stderr)
-            return _EXIT_USAGE
+            raise CommandError("timeline needs --bundle (or --around DECISION_ID)")
         rows = archive.timeline(bundle_id=bundle, bucket=bucket, cohort=args.cohort, since=since,
                                 until=until)
         if not rows and not archive.knows_bundle(bundle):
-            print(f"specwatch: no bundle {bundle!r} in the archive", file=sys.stderr)
-            return _EXIT_NOT_FOUND
+            raise CommandError(f"no bundle {bundle!r} in the archive", EXIT_NOT_FOUND)
     if center is not None:
         # The first slice ending at or after the decision is the one that tipped it.
         tipping = next((row["ts"] for row in rows if row["ts"] >= center), None)
@@ -277,7 +275,7 @@ def _bundles(args: argparse.Namespace) -> int:
         print_rows(rows, (), as_json=True)
         return 0
     for row in rows:
-        row["summary"] = _card_summary(row["card"])
+        row["summary"] = format_card(row["card"])
         row["worker_count"] = len(row["workers"])
     print_rows(rows, [
         ("bundle_id", "bundle", str), ("first_seen", "first seen (UTC)", format_ts),
@@ -297,26 +295,21 @@ def _sql(args: argparse.Namespace) -> int:
         try:
             names, rows = archive.sql(args.statement, **limits)
         except ValueError as exc:
-            print(f"specwatch: refused: {exc}", file=sys.stderr)
-            return _EXIT_USAGE
+            raise CommandError(f"refused: {exc}") from None
         except ArchiveQueryLimit as exc:
             option = "--max-seconds" if exc.setting == "max_execution_time" else "--max-rows"
-            print(f"specwatch: {exc}; narrow the statement or raise {option}", file=sys.stderr)
-            return _EXIT_NOT_FOUND
+            message = f"{exc}; narrow the statement or raise {option}"
+            raise CommandError(message, EXIT_NOT_FOUND) from None
         except ArchiveError as exc:
-            print(f"specwatch: {exc}", file=sys.stderr)
-            return _EXIT_NOT_FOUND
+            raise CommandError(str(exc), EXIT_NOT_FOUND) from None
     dicts = [dict(zip(names, row)) for row in rows]
     print_rows(dicts, [(name, name, _cell) for name in names], as_json=args.json, empty=_NO_ROWS)
     return 0
 
 
-def _no_decision(decision_id: str) -> int:
-    print(f"specwatch: no decision {decision_id!r} in the archive", file=sys.stderr)
-    return _EXIT_NOT_FOUND
+def _no_decision(decision_id: str) -> CommandError:
+    return CommandError(f"no decision {decision_id!r} in the archive", EXIT_NOT_FOUND)
 
-
-# -- formatting -------------------------------------------------------------------------
 
 def _num(digits: int) -> Callable[[Any], str]:
     def fmt(value: Any) -> str:
@@ -409,7 +402,8 @@ def _window_summary(window: Any) -> str:
     return "; ".join([span] + moves)
 
 
-def _card_summary(card: Any) -> str:
+def format_card(card: Any) -> str:
+    """A bundle card in one line: target, drafter and D, runtime, acceptance rule."""
     if not isinstance(card, dict):
         return "-"
     target, drafter, runtime = (card.get(k) or {} for k in ("target", "drafter", "runtime"))
@@ -423,25 +417,5 @@ def _card_summary(card: Any) -> str:
                      f"D={drafter.get('draft_length', '?')}")
     if runtime:
         parts.append(" ".join(str(runtime[k]) for k in ("engine", "gpu", "parallelism") if runtime.get(k)))
+    parts.append((card.get("policy") or {}).get("acceptance_rule") or "")
     return "; ".join(p for p in parts if p) or "-"
-
-
-def _record_summary(record: dict) -> str:
-    kind = record.get("kind")
-    if kind == "request":
-        spec = "spec" if record.get("speculative") else "standard"
-        text = (f"{record.get('finish_reason')} {spec} ttft={_short(record.get('ttft_ms'))}ms "
-                f"tpot={_short(record.get('tpot_ms'))}ms e2e={_short(record.get('e2e_ms'))}ms "
-                f"out={record.get('output_tokens')}")
-        return text + (f" error={record['error']}" if record.get("error") else "")
-    if kind == "step":
-        entries = record.get("requests") or []
-        drafted = sum(e.get("drafted", 0) for e in entries)
-        accepted = sum(e.get("accepted", 0) for e in entries)
-        return (f"{len(entries)} requests drafted={drafted} accepted={accepted} "
-                f"draft={_short(record.get('draft_ms'))}ms verify={_short(record.get('verify_ms'))}ms "
-                f"kv={_short(record.get('kv_usage'))}")
-    if kind == "shadow":
-        return f"{record.get('check')} {'match' if record.get('match') else 'MISMATCH'}"
-    return kind or "?"
-

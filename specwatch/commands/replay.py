@@ -1,6 +1,5 @@
-"""`specwatch replay`: contract-v1 JSON Lines in, decisions as JSON Lines out, by event time.
-
-Any producer's telemetry can be replayed; the same input always gives the same decisions.
+"""`specwatch replay`: contract-v1 JSON Lines in, decisions as JSON Lines out, by event time;
+the same input always gives the same decisions.
 """
 
 from __future__ import annotations
@@ -11,16 +10,13 @@ import logging
 import sys
 from itertools import islice
 
-from specwatch.commands._arguments import add_archive_option, add_json_option, add_policy_option, load_policy
+from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option,
+                                           add_policy_option, load_policy)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "replay_file"]
 
 _EXIT_NO_TELEMETRY = 1
-_EXIT_USAGE = 2
-# The decisions are written, but some archive rows reached neither the archive nor its spool.
-_EXIT_ARCHIVE_ROWS_LOST = 3
-# Lines decoded and folded at once: large enough that the per-block costs vanish, small
-# enough that a block's columns stay in cache.
+_EXIT_ARCHIVE_ROWS_LOST = 3  # decisions written, some archive rows lost
 _BLOCK_LINES = 4096
 
 
@@ -39,10 +35,7 @@ def add_arguments(parser) -> None:
 
 
 def replay_file(source, output, pipeline) -> dict:
-    """Feed every line of ``source`` and write decisions to ``output``; returns the counters.
-
-    Lines go in blocks (the ingest step's batch mode): the decisions are those of one line at a time.
-    """
+    """Feed ``source`` in blocks, write the decisions to ``output``; returns the counters."""
     lines = iter(source)
     while block := list(islice(lines, _BLOCK_LINES)):
         for decision in pipeline.feed_lines(block):
@@ -57,8 +50,6 @@ class _NotTelemetry(Exception):
 
 
 def run(args) -> int:
-    # imported here: the detectors pull in river (and scipy), which every other
-    # subcommand's start-up should not pay for
     import gzip
 
     from specwatch.outputs import OutputClashError, atomic_output, check_not_an_input
@@ -68,19 +59,16 @@ def run(args) -> int:
     try:
         check_not_an_input(args.output, [args.input, args.policy])
     except OutputClashError as error:
-        print(f"specwatch replay: {error}", file=sys.stderr)
-        return _EXIT_USAGE
+        raise CommandError(str(error)) from None
     policy = load_policy(args.policy)
     sink = None
     if args.archive:
         from specwatch.archive.sink import ArchiveSink
 
-        # Opens the archive when it can, spools when it cannot: the decisions never wait on it.
         try:
             sink = ArchiveSink.open(args.archive, outage_log_level=logging.INFO)
         except ValueError as error:
-            print(f"specwatch replay: {error}", file=sys.stderr)
-            return _EXIT_USAGE
+            raise CommandError(str(error)) from None
     pipeline = EmbeddedPipeline(policy, sinks=[sink] if sink is not None else [])
     try:
         with contextlib.ExitStack() as stack:
@@ -92,19 +80,20 @@ def run(args) -> int:
             if summary["records"] == 0 and summary["rejected"]:
                 raise _NotTelemetry  # leaves any earlier output file as it was
     except OSError as error:
-        print(f"specwatch replay: {error.filename or args.output}: {error.strerror or error}", file=sys.stderr)
-        return _EXIT_USAGE
+        raise CommandError(f"{error.filename or args.output}: {error.strerror or error}") from None
     except (gzip.BadGzipFile, EOFError) as error:
-        print(f"specwatch replay: {args.input} is a damaged gzip file ({error or 'it ends early'}) after "
-              f"{pipeline.counters.lines} lines; nothing was written to {args.output}", file=sys.stderr)
-        return _EXIT_NO_TELEMETRY
+        why = error or "it ends early"
+        raise CommandError(f"{args.input} is a damaged gzip file ({why}) after "
+                           f"{pipeline.counters.lines} lines; nothing was written to {args.output}",
+                           _EXIT_NO_TELEMETRY) from None
     except _NotTelemetry:
         counters = pipeline.counters.as_dict()
         reasons = ", ".join(f"{count} {reason}" for reason, count in counters["rejected_by_reason"].items())
-        print(f"specwatch replay: {args.input} is not JSON Lines telemetry: none of its {counters['lines']} lines "
-              f"is a contract-v1 record ({reasons}); give one JSON object per line, plain or gzipped; "
-              f"nothing was written to {args.output}", file=sys.stderr)
-        return _EXIT_NO_TELEMETRY
+        raise CommandError(f"{args.input} is not JSON Lines telemetry: none of its "
+                           f"{counters['lines']} lines is a contract-v1 record ({reasons}); give "
+                           "one JSON object per line, plain or gzipped; nothing was written to "
+                           f"{args.output}",
+                           _EXIT_NO_TELEMETRY) from None
     note = sink.delivery_note() if sink is not None else None
     if note:
         print(f"specwatch replay: {note}", file=sys.stderr)

@@ -1,7 +1,5 @@
-"""`specwatch reproduce DECISION_ID`: re-run a decision's sealed requests on standard and speculative decoding.
-
-Opens the samples with the sample key (audited), checks the local engine's bundle card against
-the decision's, re-runs, prints the report and archives it beside the decision.
+"""`specwatch reproduce DECISION_ID`: re-run a decision's sealed requests on standard and
+speculative decoding, and archive the report beside the decision.
 """
 
 from __future__ import annotations

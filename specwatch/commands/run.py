@@ -1,7 +1,5 @@
-"""`specwatch run`: the topology as Faust workers on Kafka (telemetry in, decisions out).
-
-One process per worker; ``--workers N`` starts N of them on this machine, sharing the
-partitions through the consumer group, and stops them together.
+"""`specwatch run`: the topology as Faust workers on Kafka (telemetry in, decisions out);
+``--workers N`` starts N worker processes here and stops them together.
 """
 
 from __future__ import annotations
@@ -119,21 +117,15 @@ def run(args) -> int:
 
         Keyring.from_env()  # an empty, weak or unreadable key setting stops here, before any topic is touched
         settings = StreamSettings(
-            bootstrap=args.bootstrap,
+            bootstrap=args.bootstrap, app_id=args.app_id, policy=policy, archive_dsn=args.archive,
             telemetry_topics=tuple(args.telemetry_topic or (TELEMETRY_TOPIC,)),
-            partials_topic=args.partials_topic,
-            decisions_topic=args.decisions_topic,
+            partials_topic=args.partials_topic, decisions_topic=args.decisions_topic,
             deadletter_topic=args.deadletter_topic,
-            app_id=args.app_id,
-            policy=policy,
-            archive_dsn=args.archive,
             data_dir=str(Path(args.data_dir) / f"worker-{args.worker_index}"),
-            checkpoint_seconds=args.checkpoint_seconds,
+            checkpoint_seconds=args.checkpoint_seconds, operations=operations,
             source_silence_seconds=args.source_silence or policy.windows.source_idle_seconds,
             session_timeout_seconds=args.session_timeout,
-            replication_factor=args.replication_factor,
-            operations=operations,
-        )
+            replication_factor=args.replication_factor)
         # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
         kafka = KafkaConfig.from_env(args.bootstrap)
         settings = replace(settings, kafka=kafka)
@@ -162,32 +154,18 @@ def run(args) -> int:
 
 
 def _worker_command(args, index: int) -> list[str]:
-    command = [sys.executable, "-m", "specwatch.cli"]
-    if getattr(args, "verbose", False):
-        command.append("-v")
-    command += ["run", "--bootstrap", args.bootstrap, "--workers", "1", "--worker-index", str(index),
-                "--partials-topic", args.partials_topic, "--decisions-topic", args.decisions_topic,
-                "--deadletter-topic", args.deadletter_topic, "--app-id", args.app_id, "--data-dir", args.data_dir,
-                "--partitions", str(args.partitions), "--checkpoint-seconds", str(args.checkpoint_seconds),
-                "--session-timeout", str(args.session_timeout),
-                "--replication-factor", str(args.replication_factor), "--log-level", args.log_level,
-                "--web-port", str(args.web_port), "--web-bind", args.web_bind,
-                "--max-metric-keys", str(args.max_metric_keys)]
-    if args.source_silence:
-        command += ["--source-silence", str(args.source_silence)]
-    if args.alertmanager_url:
-        command += ["--alertmanager-url", args.alertmanager_url]
-    if args.webhook_token_file:
-        command += ["--webhook-token-file", args.webhook_token_file]
-    if args.rollback_policy:
-        command += ["--rollback-policy", args.rollback_policy]
-    for topic in args.telemetry_topic or ():
-        command += ["--telemetry-topic", topic]
-    if args.policy:
-        command += ["--policy", args.policy]
-    if args.archive:
-        command += ["--archive", args.archive]
+    """Worker ``index``'s command line: every option of this one that has a value, one worker."""
+    command = [sys.executable, "-m", "specwatch.cli", *(["-v"] if getattr(args, "verbose", False) else []),
+               "run", "--workers", "1", "--worker-index", str(index)]
+    for name, value in vars(args).items():
+        if name in _NOT_PASSED_ON or value in (None, ""):
+            continue
+        for one in value if isinstance(value, list) else [value]:
+            command += [f"--{name.replace('_', '-')}", str(one)]
     return command
+
+
+_NOT_PASSED_ON = ("command", "func", "verbose", "workers", "worker_index")
 
 
 def _supervise(args) -> int:

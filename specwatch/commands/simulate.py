@@ -1,10 +1,5 @@
-"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines, or send it out.
-
-The simulator is built from the arguments in one place and records go to one sink
-function: a JSON Lines file, or an exporter the way engine workers send them: a Kafka
-topic through specwatch's Kafka exporter (OTLP log records, message key = worker), or an
-OpenTelemetry Collector through OpenTelemetry's OTLP exporter (resource
-``service.instance.id`` = worker).
+"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines, or send it the
+way engine workers do: to Kafka through specwatch's exporter, or OTLP to an OpenTelemetry Collector.
 """
 
 from __future__ import annotations
@@ -15,19 +10,16 @@ import socket
 import sys
 import time
 from collections import Counter
-from functools import partial
 from typing import Iterable, TextIO
 
 from specwatch.commands._arguments import CommandError
 from specwatch.transport.topics import TELEMETRY_TOPIC
 
-__all__ = ["DESCRIPTION", "add_arguments", "run", "build_simulator", "write_json_lines", "send", "send_to_kafka", "send_otlp", "summary_line"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "write_json_lines", "send", "summary_line"]
 
 _EXIT_IO = 1
-# Engines export continuously; a generator running faster than real time must not let one
-# worker's records run far ahead of another's on a shared partition (stage 1 closes slices
-# by event time), so it flushes this often in event time.
-_DEFAULT_FLUSH_EVENT_SECONDS = 0.5
+# Flushed this often in event time, so no worker runs far ahead of another on a partition.
+_FLUSH_EVENT_SECONDS = 0.5
 _CONNECT_TIMEOUT_S = 5.0
 _PACE_EVERY_RECORDS = 64
 
@@ -60,14 +52,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
 
 
-def build_simulator(args: argparse.Namespace, flags=None):
-    """The `Simulator` the arguments describe; raises ValueError with a message for people."""
-    from specwatch.simulation.simulator import Simulator
-
-    return Simulator(args.scenario, seed=args.seed, minutes=args.minutes, workers=args.workers,
-                     intensity=args.intensity, incident_at=args.incident_at, flags=flags)
-
-
 def write_json_lines(records: Iterable, stream: TextIO) -> Counter:
     """Write each record as one contract-v1 JSON line; returns how many of each kind."""
     from specwatch.schemas import encode_record
@@ -81,12 +65,9 @@ def write_json_lines(records: Iterable, stream: TextIO) -> Counter:
     return counts
 
 
-def send(records: Iterable, exporter, rate: float = 0.0,
-         flush_event_seconds: float = _DEFAULT_FLUSH_EVENT_SECONDS) -> tuple[Counter, dict]:
-    """Emit every record through ``exporter`` (which this shuts down); counts by kind and exporter stats.
-
-    Nothing is dropped: when the emitter's queue is full, the generator waits for it.
-    """
+def send(records: Iterable, exporter, rate: float = 0.0) -> tuple[Counter, dict]:
+    """Emit every record through ``exporter`` (which this shuts down), waiting when its queue is
+    full; counts by kind and exporter stats."""
     from specwatch.collectors.otel import TelemetryEmitter
 
     if rate < 0:
@@ -98,10 +79,10 @@ def send(records: Iterable, exporter, rate: float = 0.0,
     try:
         for index, record in enumerate(records):
             if next_flush is None:
-                next_flush = record.ts + flush_event_seconds
+                next_flush = record.ts + _FLUSH_EVENT_SECONDS
             elif record.ts >= next_flush:
                 emitter.force_flush()
-                next_flush = record.ts + flush_event_seconds
+                next_flush = record.ts + _FLUSH_EVENT_SECONDS
             while not emitter.emit(record):
                 emitter.force_flush()  # queue full: let the exporter catch up, then offer again
             counts[record.kind] += 1
@@ -115,24 +96,6 @@ def send(records: Iterable, exporter, rate: float = 0.0,
     stats = dict(exporter.stats(), dropped=emitter.stats().dropped, failed=emitter.stats().failed,
                  seconds=round(time.monotonic() - started, 3))
     return counts, stats
-
-
-def send_to_kafka(records: Iterable, bootstrap: str, topic: str = TELEMETRY_TOPIC, rate: float = 0.0,
-                  flush_event_seconds: float = _DEFAULT_FLUSH_EVENT_SECONDS) -> tuple[Counter, dict]:
-    """`send` through specwatch's Kafka exporter to ``topic``."""
-    from specwatch.collectors.otel import KafkaTelemetryExporter
-    from specwatch.transport.config import KafkaConfig
-
-    exporter = KafkaTelemetryExporter(KafkaConfig.from_env(bootstrap, topic=topic, client_id="specwatch-simulate"))
-    return send(records, exporter, rate, flush_event_seconds)
-
-
-def send_otlp(records: Iterable, endpoint: str | None = None, rate: float = 0.0) -> tuple[Counter, dict]:
-    """`send` through OpenTelemetry's OTLP log exporter, configured by the ``OTEL_*`` variables
-    (``endpoint`` replaces ``OTEL_EXPORTER_OTLP_ENDPOINT``)."""
-    from specwatch.collectors.otlp_export import OtlpTelemetryExporter, otlp_log_exporter
-
-    return send(records, OtlpTelemetryExporter(otlp_log_exporter(endpoint=endpoint)), rate)
 
 
 def _reachable(bootstrap: str) -> str | None:
@@ -177,8 +140,12 @@ def run(args: argparse.Namespace) -> int:
                            "(or --list)")
     if args.rate < 0:
         raise CommandError(f"error: --rate must be >= 0, got {args.rate}")
+    from specwatch.simulation.simulator import Simulator
+
     try:
-        simulator = build_simulator(args)
+        simulator = Simulator(args.scenario, seed=args.seed, minutes=args.minutes,
+                              workers=args.workers, intensity=args.intensity,
+                              incident_at=args.incident_at)
     except ValueError as error:
         raise CommandError(f"error: {error}") from None
     if args.bootstrap or args.otlp is not None:
@@ -201,15 +168,25 @@ def _run_exporter(args: argparse.Namespace, simulator) -> int:
         problem = _reachable(args.bootstrap)
         if problem is not None:
             raise CommandError(f"error: cannot reach Kafka at {args.bootstrap} ({problem})")
+        from specwatch.collectors.otel import KafkaTelemetryExporter
+        from specwatch.transport.config import KafkaConfig
+
         destination, where = f"kafka {args.bootstrap} topic {args.topic}", ""
-        send_all = partial(send_to_kafka, bootstrap=args.bootstrap, topic=args.topic, rate=args.rate)
+        config = {"topic": args.topic, "client_id": "specwatch-simulate"}
+
+        def exporter():
+            return KafkaTelemetryExporter(KafkaConfig.from_env(args.bootstrap, **config))
     else:
+        from specwatch.collectors.otlp_export import OtlpTelemetryExporter, otlp_log_exporter
+
         endpoint = (args.otlp or os.environ.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")
                     or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default endpoint")
         destination, where = f"OTLP {endpoint}", f" to {endpoint}"
-        send_all = partial(send_otlp, endpoint=args.otlp or None, rate=args.rate)
+
+        def exporter():  # the OTEL_* variables configure it; ENDPOINT replaces the base endpoint
+            return OtlpTelemetryExporter(otlp_log_exporter(endpoint=args.otlp or None))
     try:
-        counts, stats = send_all(simulator.records())
+        counts, stats = send(simulator.records(), exporter(), args.rate)
     except ValueError as error:
         raise CommandError(f"error: {error}") from None
     print(summary_line(simulator, counts, destination), file=sys.stderr)

@@ -1,6 +1,5 @@
-"""`specwatch soak`: steady simulated load for minutes or hours, watching memory and lag stay flat.
-
-The run is `specwatch.bench.soak`; this parses its settings and prints what it found.
+"""`specwatch soak`: steady simulated load for minutes or hours (`specwatch.bench.soak`), watching
+memory and lag stay flat.
 """
 
 from __future__ import annotations

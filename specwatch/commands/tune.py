@@ -1,6 +1,5 @@
-"""`specwatch tune`: the best draft length per bucket, predicted from the archive's window stats.
-
-Reads the archive (window stats, bundle cards, decisions); the model is `specwatch.analysis.tuning`.
+"""`specwatch tune`: the best draft length per bucket, predicted from the archive's window stats
+(`specwatch.analysis.tuning`).
 """
 
 from __future__ import annotations
