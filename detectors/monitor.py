@@ -14,7 +14,7 @@ from specwatch.schemas.policy import Policy
 from .baseline import Baseline, BaselineLearner, BaselinePool
 from .gates import BernoulliCusum, ConsecutiveGate, DropDetector, cusum_threshold
 from .stalls import StalledRequests
-from .window import SliceStats, merge_all, round_evidence as _round
+from .window import SliceStats, merge_all, round_evidence as _round, speedup_leaving_out
 
 __all__ = ["Finding", "KeyMonitor", "BundleMonitor", "RecoveryEvidence", "traffic_evidence"]
 
@@ -190,23 +190,35 @@ def _first_to_fire(tests: list[BernoulliCusum], trials: int, hits: float, at: fl
 
 
 def _trimmed(slices: list[SliceStats], damage) -> list[SliceStats]:
-    """The slices without the one that does the most ``damage``: one absurd record, in every
-    overlapping window, would otherwise satisfy 'several windows running' alone.
+    """The slices without the one that does the most ``damage`` (scores for every slice of the
+    window at once): one absurd record, in every overlapping window, would otherwise satisfy
+    'several windows running' alone.
 
     >>> a, b, c = SliceStats(), SliceStats(), SliceStats()
     >>> a.draft_ms, b.draft_ms, c.draft_ms = 1.0, 5000.0, 2.0
-    >>> [s.draft_ms for s in _trimmed([a, b, c], lambda s: s.draft_ms)]
+    >>> a.verify_ms = b.verify_ms = c.verify_ms = 10.0
+    >>> [s.draft_ms for s in _trimmed([a, b, c], _draft_costs)]
     [1.0, 2.0]
     """
     if len(slices) < 2:
         return slices
-    worst = max(range(len(slices)), key=lambda i: damage(slices[i]))
+    scores = damage(slices)
+    worst = max(range(len(slices)), key=scores.__getitem__)
     return slices[:worst] + slices[worst + 1:]
 
 
-def _draft_cost(stats: SliceStats) -> float:
-    value = stats.draft_to_verify
-    return -math.inf if math.isnan(value) else value
+def _draft_costs(slices: list[SliceStats]) -> list[float]:
+    return [-math.inf if math.isnan(s.draft_to_verify) else s.draft_to_verify for s in slices]
+
+
+def _speedup_losses(slices: list[SliceStats]) -> list[float]:
+    """How far each slice pulls the window's speedup down: its speedup without that slice.
+
+    Both a slow draft and a step of rejected rounds lower speedup, so the slice is found on
+    the speedup itself, not on one of its parts. A slice that holds all the window's rounds
+    or time is the whole evidence, so it goes first.
+    """
+    return [math.inf if math.isnan(v) else v for v in speedup_leaving_out(slices)]
 
 
 def _evidence_slices(policy: Policy) -> int:
@@ -364,7 +376,7 @@ class KeyMonitor(_Windowed):
         if not self.learner.acceptance_ready:
             return []
         found = self.window_of_requests(cfg.window_slices, cfg.min_requests, cfg.max_window_slices,
-                                        trim=self._acceptance_deficit)
+                                        trim=self._acceptance_deficits)
         if found is None or found[0].rounds < cfg.min_rounds:
             self.acceptance_gate.update(None)
             return []
@@ -388,17 +400,17 @@ class KeyMonitor(_Windowed):
                          "mean_draft_length": window.drafted_tokens / window.rounds,
                          "consecutive": self.acceptance_gate.streak})]
 
-    def _acceptance_deficit(self, stats: SliceStats) -> float:
-        """Accepted tokens a slice fell short of what the baseline predicts for its rounds."""
+    def _acceptance_deficits(self, slices: list[SliceStats]) -> list[float]:
+        """Accepted tokens each slice fell short of what the baseline predicts for its rounds."""
         rates = self.baseline.position_rates
-        expected = sum(d * r for d, r in zip(stats.drafted_at_least, rates) if not math.isnan(r))
-        return expected - stats.accepted_tokens
+        return [sum(d * r for d, r in zip(s.drafted_at_least, rates) if not math.isnan(r)) - s.accepted_tokens
+                for s in slices]
 
     def _speedup(self, ts: float) -> list[Finding]:
         cfg = self.policy.speedup
         acceptance = self.policy.acceptance
         found = self.window_of_requests(cfg.window_slices, acceptance.min_requests,
-                                        max(cfg.window_slices, acceptance.max_window_slices), trim=_draft_cost)
+                                        max(cfg.window_slices, acceptance.max_window_slices), trim=_speedup_losses)
         if found is None or found[0].rounds < acceptance.min_rounds or found[0].steps == 0:
             self.speedup_gate.update(None)
             return []
@@ -598,7 +610,7 @@ class BundleMonitor(_Windowed):
                                     {"consecutive": self.kv_gate.streak}))
         cfg = self.policy.draft_overhead
         base = self.baseline.draft_to_verify
-        window, start, end = self.window(cfg.window_slices, sketches=False, trim=_draft_cost)
+        window, start, end = self.window(cfg.window_slices, sketches=False, trim=_draft_costs)
         if speculating and self.learner.acceptance_ready and not math.isnan(base) and window.rounds:
             value = window.draft_to_verify
             # a larger drafting share of a batch raises draft per verify, not cost per token

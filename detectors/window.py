@@ -21,7 +21,7 @@ from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows, Windo
 from .sketch import LatencySketch
 
 __all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "ratios", "round_evidence",
-           "sample_order", "sample_record", "window_columns"]
+           "sample_order", "sample_record", "speedup_leaving_out", "window_columns"]
 
 # Samples kept per key per slice: records that show a problem and healthy controls of each kind.
 SAMPLE_KINDS = {"error": 3, "timeout": 3, "slowest": 2, "lowest_acceptance": 1,
@@ -118,6 +118,16 @@ def _draft_overhead(draft_ms, verify_ms, divide=ratio):
 
 def _speedup(acceptance_length, draft_ms, verify_ms, divide=ratio):
     return acceptance_length * divide(verify_ms, draft_ms + verify_ms)
+
+
+def speedup_leaving_out(slices: Sequence["SliceStats"]) -> list[float]:
+    """The speedup of ``slices`` merged, leaving out each slice in turn."""
+    accepted = sum(s.accepted_tokens for s in slices)
+    rounds = sum(s.rounds for s in slices)
+    draft_ms = sum(s.draft_ms for s in slices)
+    verify_ms = sum(s.verify_ms for s in slices)
+    return [_speedup(_acceptance_length(accepted - s.accepted_tokens, rounds - s.rounds),
+                     draft_ms - s.draft_ms, verify_ms - s.verify_ms) for s in slices]
 
 
 def _merged_sketch(mine: LatencySketch | None, theirs: LatencySketch) -> LatencySketch:

@@ -342,13 +342,24 @@ class Stage1:
         bounds = np.searchsorted(block.round_step, np.arange(len(block) + 1)).tolist()
         other = 0
         at = block.at
+
+        def fold_other(position: int, item) -> None:
+            if type(item) is StepRecord and rows:
+                # a step only the reference codec read: the column steps before it fold first,
+                # so every sum is added in the order one record at a time adds it
+                self._fold_block(block, np.asarray(rows, dtype=np.int64), np.asarray(slices, dtype=np.int64))
+                self.records += len(rows)
+                rows.clear()
+                slices.clear()
+            if self._fold_other(position, item, now, max_ahead, rejected, late):
+                self._closes_after_record(limits)
+
         for row, (ts, worker, seq) in enumerate(zip(block.ts.tolist(), block.workers, block.seqs)):
             while next_other < at[row]:  # the records of other kinds before this step
                 position, item = others[other]
                 other += 1
                 next_other = others[other][0] if other < len(others) else math.inf
-                if self._fold_other(position, item, now, max_ahead, rejected, late):
-                    self._closes_after_record(limits)
+                fold_other(position, item)
             rejection = None if max_ahead is None else ahead_of_clock(ts, now, max_ahead)
             if rejection is None:
                 rejection = admit(ts)
@@ -369,8 +380,7 @@ class Stage1:
             if clock.now != -math.inf and int((clock.now - lateness) // slice_s) - 1 > watermark:
                 self._closes_after_record(limits)
         for position, item in others[other:]:
-            if self._fold_other(position, item, now, max_ahead, rejected, late):
-                self._closes_after_record(limits)
+            fold_other(position, item)
         self.records += len(rows)
         return rows, slices, rejected, late, limits
 

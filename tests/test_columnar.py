@@ -93,6 +93,19 @@ def test_blocks_fold_as_records_one_at_a_time():
     assert len(block) > 5000 and len(block.round_step) > 50_000 and len(block.others) > 100
 
 
+def test_a_valid_step_outside_the_columns_folds_in_its_place(monkeypatch):
+    """A step only the reference codec reads (here: every step of another layout) folds
+    after the column steps before it, as one record at a time would fold it."""
+    from specwatch.schemas import fastdecode
+
+    lines = list(_lines(minutes=0.5))
+    reference = _fold_one_at_a_time(lines)
+    monkeypatch.setattr(fastdecode, "_any_layout", lambda raw, pairs: None)
+    assert len([1 for _, item in decode_lines_block(lines).others if getattr(item, "kind", None) == "step"]) > 10
+    for size in (7, 64, len(lines)):
+        assert _fold_in_blocks(lines, range(size, len(lines), size)) == reference, size
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=len(_lines(minutes=0.5)) - 1), max_size=40))
 def test_blocks_cut_anywhere_fold_as_records_one_at_a_time(cuts):

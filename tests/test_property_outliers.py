@@ -7,7 +7,7 @@ import bisect
 import os
 from functools import lru_cache
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from specwatch.simulation.simulator import BUCKETS, Simulator
@@ -93,6 +93,11 @@ def _check(scenario: str, at: float, kind: str, changes: dict, bucket: str, coho
 @_PROPERTY
 @given(scenario=st.sampled_from(sorted(_RUNS)), at=st.floats(5.0, 170.0), changes=_step_changes,
        bucket=st.sampled_from([b.name for b in BUCKETS]), cohort=st.sampled_from(_COHORTS))
+# rejected rounds in a cohort that otherwise has none, and in a quiet canary: once, the
+# window's speedup rested on that one step
+@example(scenario="healthy", at=30.0, changes={"rounds": 512, "drafted": 4}, bucket="coding", cohort="baseline")
+@example(scenario="acceptance_drop", at=149.85, changes={"rounds": 4096, "drafted": 64}, bucket="coding",
+         cohort="canary")
 def test_one_extreme_step_decides_nothing(scenario, at, changes, bucket, cohort):
     _check(scenario, at, "step", changes, bucket, cohort)
 

@@ -43,8 +43,9 @@ EXPECTED = {
         (127.0, "alert", "draft_overhead", None, None),
         (132.99, "disable_speculation", "no_speedup", "long_context", "main"),
         (134.0, "disable_speculation", "no_speedup", "reasoning", "main"),
-        (214.99, "disable_speculation", "no_speedup", "long_context", "canary"),
-        (231.0, "disable_speculation", "no_speedup", "reasoning", "canary"),
+        # the canaries' speedup hovers under 1; each window leaves out the slice that pulls it down most
+        (215.98, "disable_speculation", "no_speedup", "long_context", "canary"),
+        (235.99, "disable_speculation", "no_speedup", "reasoning", "canary"),
     ],
     # the sequential tail tests weigh each finished request; the burst test (tuned to 4 times
     # the smallest tail that matters) decides a 10 % tail 6 s sooner than the other did alone
