@@ -178,8 +178,8 @@ class Operations:
             await publish(decisions)  # raises when the broker does not take them: Alertmanager retries
         for request in requests:
             self.ledger.record(request.ident)
-            for decision in decisions:
-                logger.warning("alert rollback %s %s %s reason=%s from %s", decision.id, decision.action,
-                               decision.key, decision.reason, decision.evidence.get("alertname"))
+        for decision in decisions:
+            logger.warning("alert rollback %s %s %s reason=%s from %s", decision.id, decision.action,
+                           decision.key, decision.reason, decision.evidence.get("alertname"))
         return 200, {"outcomes": dict(outcomes), "decisions": [d.id for d in decisions]}
 
