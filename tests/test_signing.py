@@ -326,19 +326,25 @@ def test_manual_stage_change_reaches_flag_clients(kafka_bootstrap, decisions_top
 
 
 @pytest.mark.kafka
-def test_flags_list_from_the_decisions_topic_shows_what_the_fleet_follows(
-        kafka_bootstrap, decisions_topic, send, monkeypatch, capsys):
+@pytest.mark.parametrize("bad", ["forged", "unsigned"])
+def test_flags_list_shows_what_the_fleet_follows_and_exits_3_as_decisions_does(
+        kafka_bootstrap, decisions_topic, send, monkeypatch, capsys, bad):
     ring = _with_key(monkeypatch, "a key for listing the fleet's flags, 40 b")
-    good, forged = _decision(100.0), _decision(110.0, bucket="chat")
-    for decision, keyring in ((good, ring), (forged, Keyring.from_secrets(_OTHER_KEY))):
-        send(decision, lambda value: sign_line(value, keyring))
-    assert cli.main(["flags", "list", "--json", "--bootstrap", kafka_bootstrap,
-                     "--decisions-topic", decisions_topic]) == 3  # as `specwatch decisions` on a forgery
+    good, stranger = _decision(100.0), Keyring.from_secrets(_OTHER_KEY)
+    send(good, lambda value: sign_line(value, ring))
+    bad_headers = (lambda value: sign_line(value, stranger)) if bad == "forged" else []
+    send(_decision(110.0, bucket="chat"), bad_headers)
+    listing = ["flags", "list", "--bootstrap", kafka_bootstrap,
+               "--decisions-topic", decisions_topic]
+    assert cli.main(listing) == 3
     captured = capsys.readouterr()
-    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert f"1 {bad}" in captured.err and "b-1" in captured.out and "chat" not in captured.out
+    assert cli.main([*listing, "--json"]) == 3
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["bundle_id"], r["bucket"], r["speculation"], r["decision_id"]) for r in rows] == [
         ("b-1", "coding", "off", good.id)]
-    assert "1 forged" in captured.err
+    assert cli.main(["decisions", "--bootstrap", kafka_bootstrap, "--topic", decisions_topic]) == 3
+    assert capsys.readouterr().out.splitlines() == [good.to_json_line()]
 
 
 # -- a manual change engines would ignore is never reported as a success ----------------------
@@ -390,21 +396,6 @@ def test_an_override_without_a_key_is_refused_before_anything_is_recorded(
     with _caught_up(kafka_bootstrap, decisions_topic, Keyring.from_secrets(_KEY)) as client:
         assert client.lookup("b-1", "coding", "main").enabled
         assert (client.stats().applied, client.stats().unsigned) == (0, 1)
-
-
-@pytest.mark.kafka
-def test_flags_list_exits_3_on_unsigned_messages_as_decisions_does(
-        kafka_bootstrap, decisions_topic, send, monkeypatch, capsys):
-    ring = _with_key(monkeypatch, _KEY.hex())
-    good, unsigned = _decision(100.0), _decision(110.0, bucket="chat")
-    send(good, lambda value: sign_line(value, ring))
-    send(unsigned)
-    listing = ["--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]
-    assert cli.main(["flags", "list", *listing]) == 3
-    captured = capsys.readouterr()
-    assert "1 unsigned" in captured.err and "b-1" in captured.out and "chat" not in captured.out
-    assert cli.main(["decisions", "--bootstrap", kafka_bootstrap, "--topic", decisions_topic]) == 3
-    assert capsys.readouterr().out.splitlines() == [good.to_json_line()]
 
 
 @pytest.mark.parametrize("command", [["run", "--bootstrap", "127.0.0.1:9"], ["decisions", "--bootstrap", "127.0.0.1:9"]])
