@@ -1,6 +1,5 @@
 """Secrets stay secret: planted random passwords and keys never show in logs (at DEBUG), reprs,
-errors or archived rows, and prompt text never reaches the archive in clear.
-"""
+errors or archived rows, and prompt text never reaches the archive in clear."""
 
 from __future__ import annotations
 
