@@ -1,5 +1,5 @@
-"""The distributed path's test rig: seeded telemetry on the real broker, `specwatch run` workers, and what they published.
-"""
+"""The distributed path's test rig: seeded telemetry on the real broker, `specwatch run` workers,
+and what they published."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from specwatch.actions.flags import FlagStore
+from specwatch.archive.store import Archive
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.schemas.otlp import encode_entries, log_entry
@@ -199,6 +200,29 @@ class Pipeline:
         process = start_logged(command, self.tmp_path / f"worker-{index}-{len(self.processes)}.log")
         self.processes.append(process)
         return process
+
+    def decide(self, **start) -> list[Decision]:
+        """Start a worker, wait until it drained the feed; check what it published."""
+        self.start(**start)
+        self.wait_drained()
+        return assert_same_decisions(self, self.feed)
+
+    def wait_until(self, worker: subprocess.Popen, condition) -> None:
+        """Until ``condition()`` holds, with ``worker`` running all along."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while not condition():
+            assert worker.poll() is None, self.logs()
+            assert time.monotonic() < deadline, self.logs()
+            time.sleep(0.1)
+
+    def assert_archived(self, published: list[Decision]) -> None:
+        """Once the workers stopped (chDB opens a directory in one process at a time): the archive
+        holds ``published`` and window stats."""
+        self.stop()
+        with Archive.open(self.archive, create=False) as archive:
+            archived = archive.decisions(limit=None)
+            assert sorted(r["decision_id"] for r in archived) == sorted(d.id for d in published)
+            assert archive.timeline(), "window stats were archived"
 
     def progress(self) -> float:
         """Share of the telemetry the group has committed."""

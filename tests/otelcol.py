@@ -1,5 +1,5 @@
-"""The real OpenTelemetry Collector (built by deploy/otelcol/build.sh), run by a test on free ports.
-"""
+"""The real OpenTelemetry Collector (built by deploy/otelcol/build.sh), run by a test on free
+ports."""
 
 from __future__ import annotations
 

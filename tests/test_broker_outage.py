@@ -1,7 +1,5 @@
-"""A Kafka outage seen from the engine side, on a real broker this test starts and stops itself.
-
-The broker has ports of its own; restarted on fresh storage, it is a new, empty cluster.
-"""
+"""A Kafka outage seen from the engine side, on a broker of the test's own ports that it stops and
+starts; restarted on fresh storage, it is a new, empty cluster."""
 
 from __future__ import annotations
 
@@ -42,7 +40,8 @@ def own_broker():
         forget_broker_data(_PORT)
 
 
-def _engine(emitter: TelemetryEmitter, worker: str, count: int) -> tuple[threading.Thread, list[int]]:
+def _engine(emitter: TelemetryEmitter, worker: str, count: int) -> None:
+    """``worker`` emits ``count`` steps on a thread of its own; every one is kept, none blocks."""
     kept = [0]
 
     def run() -> None:
@@ -51,7 +50,9 @@ def _engine(emitter: TelemetryEmitter, worker: str, count: int) -> tuple[threadi
 
     thread = threading.Thread(target=run, name=f"engine-{worker}", daemon=True)
     thread.start()
-    return thread, kept
+    thread.join(_PATIENCE_S)  # a blocking emit would hold the worker here for good
+    assert not thread.is_alive(), f"emit blocked ({worker})"
+    assert kept[0] == count
 
 
 def _records_of(address: str, worker: str, topic: str = _TOPIC) -> list[StepRecord]:
@@ -70,26 +71,20 @@ def test_nothing_is_lost_in_an_outage_shorter_than_the_spools_limits(own_broker,
                                shutdown_timeout_millis=5_000)
     before, during, after = 500, 6_000, 800
     try:
-        engine, kept = _engine(emitter, "w-before", before)
-        engine.join(_PATIENCE_S)
-        assert not engine.is_alive() and kept[0] == before
+        _engine(emitter, "w-before", before)
         assert emitter.force_flush(60_000)
         assert len(_records_of(own_broker, "w-before")) == before
 
         _broker("stop")
-        engine, kept = _engine(emitter, "w-during", during)
-        engine.join(_PATIENCE_S)  # a blocking emit would hold the worker here for good
-        assert not engine.is_alive(), "emit blocked while the broker was down"
-        assert kept[0] == during and emitter.stats().dropped == 0
+        _engine(emitter, "w-during", during)
+        assert emitter.stats().dropped == 0
         # Everything the broker could not take waits on disk, the failed deliveries included.
         assert until(lambda: exporter.stats()["spool_pending"] == during, _PATIENCE_S), (emitter.stats(), exporter.stats())
         during_stats = dict(exporter.stats())
 
         _broker("start")  # a new, empty cluster
         assert until(lambda: exporter.force_flush(5_000), _PATIENCE_S), exporter.stats()
-        engine, kept = _engine(emitter, "w-after", after)
-        engine.join(_PATIENCE_S)
-        assert not engine.is_alive() and kept[0] == after
+        _engine(emitter, "w-after", after)
         assert emitter.force_flush(60_000)
         spooled = _records_of(own_broker, "w-during")
         arrived = _records_of(own_broker, "w-after")

@@ -1,6 +1,5 @@
-"""Every worker's sighting of a bundle reaches the archive: `query bundles` and `bundles show` report
-exactly the spans the telemetry of a seeded 8-worker fleet whose card changes midway holds.
-"""
+"""Every worker's sighting of a bundle reaches the archive: `query bundles` and `bundles show`
+report exactly the spans in the telemetry of a seeded 8-worker fleet whose card changes midway."""
 
 from __future__ import annotations
 
@@ -43,6 +42,18 @@ def _expected_spans() -> dict[str, dict[str, tuple[float, float]]]:
     return {bundle: {worker: tuple(span) for worker, span in workers.items()} for bundle, workers in spans.items()}
 
 
+def _archived_spans(rows: list[dict]) -> dict[str, dict[str, tuple[float, float]]]:
+    return {row["bundle_id"]: {s["worker"]: (s["first_seen"], s["last_seen"])
+                               for s in row["sightings"]} for row in rows}
+
+
+def _assert_summary(row: dict, spans: dict[str, tuple[float, float]]) -> None:
+    """``row`` names the workers of ``spans`` and the time from the first sighting to the last."""
+    assert row["workers"] == sorted(spans)
+    assert row["first_seen"] == min(first for first, _ in spans.values())
+    assert row["last_seen"] == max(last for _, last in spans.values())
+
+
 def test_the_fleet_is_what_this_test_needs():
     spans = _expected_spans()
     assert len(spans) == 2  # the old card and the new one
@@ -64,12 +75,9 @@ def test_every_worker_sighting_is_archived_with_its_span(tmp_path):
         sink.close()
         slices = pipeline.counters.slices
         bundles = archive.bundles()
-    assert {row["bundle_id"]: {s["worker"]: (s["first_seen"], s["last_seen"]) for s in row["sightings"]}
-            for row in bundles} == spans
+    assert _archived_spans(bundles) == spans
     for row in bundles:
-        assert row["workers"] == sorted(spans[row["bundle_id"]])
-        assert row["first_seen"] == min(first for first, _ in spans[row["bundle_id"]].values())
-        assert row["last_seen"] == max(last for _, last in spans[row["bundle_id"]].values())
+        _assert_summary(row, spans[row["bundle_id"]])
     # Cheap: the 8 spans of the first card in one insert with the slice that found them, the
     # card rows (1 each), the new card's spans as each worker rolled over (one a slice), and every
     # grown span once at close, with the last window rows: 12 inserts, 34 rows for 75 slices.
@@ -96,9 +104,7 @@ def test_query_bundles_and_bundles_show_report_every_worker_and_the_time_span(tm
     assert [row["bundle_id"] for row in rows] == sorted(spans, key=lambda b: min(s[0] for s in spans[b].values()))
     for row in rows:
         workers = spans[row["bundle_id"]]
-        assert row["workers"] == sorted(workers)
-        assert (row["first_seen"], row["last_seen"]) == (min(f for f, _ in workers.values()),
-                                                         max(last for _, last in workers.values()))
+        _assert_summary(row, workers)
         assert row["sightings"] == [{"worker": w, "first_seen": workers[w][0], "last_seen": workers[w][1]}
                                     for w in sorted(workers)]
     table = _specwatch(tmp_path, "query", "bundles", "--archive", dsn).stdout.splitlines()
@@ -136,6 +142,4 @@ def test_sightings_survive_an_outage_through_the_spool(tmp_path, spool_first):
         sink.retry()
         sink.close()
         assert sink.stats()["spool_pending_bytes"] == 0
-        got = {row["bundle_id"]: {s["worker"]: (s["first_seen"], s["last_seen"]) for s in row["sightings"]}
-               for row in archive.bundles()}
-    assert got == spans
+        assert _archived_spans(archive.bundles()) == spans

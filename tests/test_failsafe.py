@@ -1,6 +1,5 @@
 """Monitor silence on the real broker: without heartbeats a flag client falls back to its safe
-state, says so once, and comes back when they resume. Silence is wall time: tests wait for states.
-"""
+state, says so once, and comes back when they resume (wall time: tests wait for states)."""
 
 from __future__ import annotations
 
@@ -37,9 +36,14 @@ def topic(compacted_topic):
     return compacted_topic
 
 
-def _disable_coding() -> Decision:
-    return Decision(ts=100.0, bundle_id="b-1", bucket="coding", action="disable_speculation",
-                    reason="acceptance_drop", detector="al_gate")
+_DISABLE_CODING = Decision(ts=100.0, bundle_id="b-1", bucket="coding", action="disable_speculation",
+                           reason="acceptance_drop", detector="al_gate")
+
+
+def _publish_disable_coding(bootstrap: str, topic: str) -> None:
+    with DecisionPublisher(KafkaConfig(bootstrap), topic=topic, keyring=_RING) as publisher:
+        publisher.publish(_DISABLE_CODING)
+        assert publisher.flush(10)
 
 
 @contextlib.contextmanager
@@ -78,7 +82,7 @@ def test_standard_decoding_fail_safe_turns_speculation_off_while_silent_and_back
                         fail_safe="standard_decoding").start()
     try:
         with DecisionPublisher(config, topic=topic, keyring=_RING) as publisher:
-            publisher.publish(_disable_coding())
+            publisher.publish(_DISABLE_CODING)
             with _heartbeats(kafka_bootstrap, topic, watermark=1234.5):
                 assert until(lambda: client.stats().heartbeats >= 3 and not client.silent, _PATIENCE_S)
                 assert client.lookup("b-1", "chat", "main").enabled  # heard from: decisions answer
@@ -106,12 +110,10 @@ def test_standard_decoding_fail_safe_turns_speculation_off_while_silent_and_back
 
 
 def test_keep_last_fail_safe_keeps_answering_from_the_last_flags(kafka_bootstrap, topic, caplog):
-    config = KafkaConfig(kafka_bootstrap)
     caplog.set_level(logging.INFO, logger=_LOGGER)
-    with DecisionPublisher(config, topic=topic, keyring=_RING) as publisher:
-        publisher.publish(_disable_coding())
-        assert publisher.flush(10)
-    with FlagClient(config, topic=topic, keyring=_RING, silence_seconds=_SILENCE_S) as client:
+    _publish_disable_coding(kafka_bootstrap, topic)
+    with FlagClient(KafkaConfig(kafka_bootstrap), topic=topic, keyring=_RING,
+                    silence_seconds=_SILENCE_S) as client:
         assert client.fail_safe == "keep_last"
         assert client.wait_until_caught_up(30)
         assert until(lambda: client.silent, _PATIENCE_S)  # a decision from before the client started is no sign of life
@@ -159,9 +161,7 @@ def test_fail_safe_settings_are_checked():
 def test_heartbeats_stay_out_of_the_decisions_command(kafka_bootstrap, topic, capsys):
     from specwatch import cli
 
-    with DecisionPublisher(KafkaConfig(kafka_bootstrap), topic=topic, keyring=_RING) as publisher:
-        publisher.publish(_disable_coding())
-        assert publisher.flush(10)
+    _publish_disable_coding(kafka_bootstrap, topic)
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, api_version=_API_VERSION)
     for seq in range(3):
         key, value, headers = heartbeat_message("stage2-a", seq, 99.0, keyring=_RING)
@@ -169,5 +169,5 @@ def test_heartbeats_stay_out_of_the_decisions_command(kafka_bootstrap, topic, ca
     producer.close()
     assert cli.main(["decisions", "--bootstrap", kafka_bootstrap, "--topic", topic]) == 0
     captured = capsys.readouterr()
-    assert captured.out.splitlines() == [_disable_coding().to_json_line()]
+    assert captured.out.splitlines() == [_DISABLE_CODING.to_json_line()]
     assert "not a decision" not in captured.err

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from specwatch.cli import main
@@ -10,16 +9,16 @@ from specwatch.cli import main
 from machine import free_port
 
 
-@pytest.fixture
-def closed_port():
-    """A local port nothing listens on."""
-    return free_port()
-
-
-def test_run_refuses_an_unreachable_broker(closed_port, tmp_path, capsys):
-    assert main(["run", "--bootstrap", f"127.0.0.1:{closed_port}", "--data-dir", str(tmp_path)]) == 2
+@pytest.mark.parametrize("command", ["run", "simulate"])
+def test_run_and_simulate_refuse_an_unreachable_broker(command, tmp_path, capsys):
+    closed = f"127.0.0.1:{free_port()}"
+    if command == "run":
+        argv = ["--data-dir", str(tmp_path)]
+    else:
+        argv = ["--scenario", "healthy", "--minutes", "0.1"]
+    assert main([command, "--bootstrap", closed, *argv]) == 2
     err = capsys.readouterr().err
-    assert f"cannot reach Kafka at 127.0.0.1:{closed_port}" in err
+    assert f"cannot reach Kafka at {closed}" in err
     assert "Traceback" not in err
 
 
@@ -34,12 +33,6 @@ def test_run_refuses_an_unreachable_broker(closed_port, tmp_path, capsys):
 def test_run_refuses_bad_settings_before_connecting(argv, message, tmp_path, capsys):
     assert main(["run", *argv, "--data-dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
-
-
-def test_simulate_refuses_an_unreachable_broker(closed_port, capsys):
-    code = main(["simulate", "--bootstrap", f"127.0.0.1:{closed_port}", "--scenario", "healthy", "--minutes", "0.1"])
-    assert code == 2
-    assert f"cannot reach Kafka at 127.0.0.1:{closed_port}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -42,9 +42,6 @@ def _telemetry_log(records, partitions=PARTITIONS) -> dict[int, list[bytes]]:
     return log
 
 
-_key = decision_key
-
-
 @pytest.fixture(scope="module", params=["kv_pressure", "bundle_change"])
 def scenario(request):
     sim = Simulator(request.param, seed=11, workers=2, minutes=2.0, incident_at=75.0)
@@ -79,16 +76,28 @@ def _run(log, seed, restart_every=0):
         elif restart_every and rng.random() < 1 / restart_every:
             stage1[p] = decode_checkpoint(saved[p])  # back to the checkpoint: fold and send again
             position[p] = stage1[p].next_offset or 0
+    silent = [f"t/{p}" for p in range(PARTITIONS) if not log.get(p)]
+    return stage2_decisions(partials, PARTITIONS, sources, silent,
+                            restart=lambda: restart_every and rng.random() < 1 / restart_every)
+
+
+def stage2_decisions(partials: dict[int, list[bytes]], partitions: int, sources: tuple[str, ...],
+                     silent: list[str], restart=lambda: False, flush: bool = False
+                     ) -> list[Decision]:
+    """What the stage-2 task of each partials partition decides: it folds the release of every
+    ``silent`` source (as the app releases a drained one), then its messages; it is replaced by
+    its checkpoint after a message whenever ``restart()``, and flushed at the end if ``flush``."""
     decided = []
-    # Telemetry partitions no worker writes to are released, as the app does once they are drained.
-    releases = [encode_release(f"t/{p}", -1) for p in range(PARTITIONS) if not log.get(p)]
-    for q in range(PARTITIONS):
-        task = Stage2Task(Policy(), sources, BundleOwner(q, PARTITIONS))
+    for q in range(partitions):
+        task = Stage2Task(Policy(), sources, BundleOwner(q, partitions))
+        releases = [encode_release(source, -1) for source in silent]
         for offset, value in enumerate(releases + partials[q]):
-            for output in task.fold(offset, decode_partial(value)):
-                decided += [a.decision for a in output.actions]
-            if restart_every and rng.random() < 1 / restart_every:
+            outputs = task.fold(offset, decode_partial(value))
+            decided += [a.decision for output in outputs for a in output.actions]
+            if restart():
                 task = decode_checkpoint(encode_checkpoint(task))
+        if flush:
+            decided += [a.decision for output in task.stage.flush() for a in output.actions]
     return decided
 
 
@@ -100,7 +109,7 @@ def straight(scenario):
 
 def test_partitioned_topology_decides_as_embedded(scenario, straight):
     _, cutoff, expected = scenario
-    assert sorted(_key(d) for d in straight if d.ts < cutoff) == expected
+    assert sorted(decision_key(d) for d in straight if d.ts < cutoff) == expected
     assert len({d.id for d in straight}) == len(straight)
 
 
@@ -141,31 +150,32 @@ def test_stage2_drops_batches_it_has_merged():
     assert (task.batches, task.duplicates, task.next_offset) == (1, 2, 3)
 
 
-def test_a_source_that_never_reported_holds_slices_until_released():
-    task = Stage2Task(Policy(), ("t/0", "t/1"))
+def _t0_slice(index: int) -> PartialMessage:
     stats = SliceStats()
     stats.add_step_time(1.0, 10.0, 0.5, 40.5)
-    outputs = []
-    for index in range(40, 60):
-        batch = SliceBatch("t/0", index, index, partials={("b-1", None, None): stats.copy()})
-        outputs += task.fold(index, decode_partial(encode_partial(batch)))
-    assert outputs == []  # t/1 has said nothing yet: nothing is final
+    batch = SliceBatch("t/0", index, index, partials={("b-1", None, None): stats})
+    return decode_partial(encode_partial(batch))
+
+
+def _stage2_holding_t0_slices() -> Stage2Task:
+    """Stage 2 of sources t/0 and t/1, with t/0's slices 40 to 59 folded and t/1 not heard from."""
+    task = Stage2Task(Policy(), ("t/0", "t/1"))
+    outputs = [output for index in range(40, 60) for output in task.fold(index, _t0_slice(index))]
+    assert outputs == []
+    return task
+
+
+def test_a_source_that_never_reported_holds_slices_until_released():
+    task = _stage2_holding_t0_slices()
     released = task.fold(60, decode_partial(encode_release("t/1", -1)))
     assert [o.slice_index for o in released] == list(range(40, 60))
-    more = task.fold(61, decode_partial(encode_partial(SliceBatch("t/0", 60, 60, partials={
-        ("b-1", None, None): stats.copy()}))))
+    more = task.fold(61, _t0_slice(60))
     assert [o.slice_index for o in more] == [60]  # a released source no longer holds anything back
 
 
 def test_a_release_decided_early_but_folded_after_every_batch_still_frees_every_slice():
     """Stage 2 lagged: the release was decided at slice 44, stage 1 had already sent up to 59."""
-    task = Stage2Task(Policy(), ("t/0", "t/1"))
-    stats = SliceStats()
-    stats.add_step_time(1.0, 10.0, 0.5, 40.5)
-    for index in range(40, 60):
-        batch = SliceBatch("t/0", index, index, partials={("b-1", None, None): stats.copy()})
-        task.fold(index, decode_partial(encode_partial(batch)))
-    released = task.fold(60, decode_partial(encode_release("t/1", 44)))
+    released = _stage2_holding_t0_slices().fold(60, decode_partial(encode_release("t/1", 44)))
     assert [o.slice_index for o in released] == list(range(40, 60))
 
 

@@ -1,20 +1,16 @@
-"""The distributed path against the real broker: simulated workers -> OTel -> Kafka -> Faust -> decisions.
-
-Compared with the embedded pipeline on the same records, up to ``end - TAIL_SECONDS`` of event time.
-"""
+"""The distributed path on the real broker (simulated workers, OTel, Kafka, Faust, decisions)
+against the embedded pipeline on the same records, up to ``end - TAIL_SECONDS``."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import time
 
 import pytest
 
-from kafka_helpers import (DRAIN_TIMEOUT_S, RUN, TAIL_SECONDS, Feed, Pipeline, assert_same_decisions, delete_topics,
-                           flag_view, make_feed, run_async, topic_values)
+from kafka_helpers import (RUN, TAIL_SECONDS, Feed, delete_topics, flag_view, make_feed, run_async,
+                           topic_values)
 from kafka_helpers import pipeline_factory  # noqa: F401 - the fixture: its own topics and `specwatch run` workers
 
 pytestmark = pytest.mark.kafka
@@ -37,15 +33,12 @@ def feed(kafka_bootstrap):
 @pytest.mark.parametrize("scenario", ["acceptance_drop", "kv_pressure", "bundle_change"])
 def test_faust_decides_as_embedded(scenario, feed, pipeline_factory, kafka_bootstrap):
     """(a) OTel -> Kafka -> Faust -> decisions topic -> flag client and archive, equal to embedded."""
-    from specwatch.archive.store import Archive
     from specwatch.collectors.flag_client import FlagClient
     from specwatch.transport.config import KafkaConfig
 
     data = feed(scenario)
     pipeline = pipeline_factory(data, archive=True)
-    pipeline.start()
-    pipeline.wait_drained()
-    published = assert_same_decisions(pipeline, data)
+    published = pipeline.decide()
 
     with FlagClient(KafkaConfig(kafka_bootstrap), topic=pipeline.decisions) as client:
         assert client.wait_until_caught_up(60)
@@ -58,21 +51,12 @@ def test_faust_decides_as_embedded(scenario, feed, pipeline_factory, kafka_boots
     dead = [json.loads(value) for _, value in topic_values(pipeline.bootstrap, pipeline.deadletter)]
     assert sorted(d["reason"] for d in dead) == ["accepted_exceeds_drafted", "invalid_otlp"]
     assert all(d["topic"] == data.topic for d in dead)
-
-    pipeline.stop()  # chDB opens a directory in one process at a time
-    with Archive.open(pipeline.archive, create=False) as archive:
-        archived = archive.decisions(limit=None)
-        assert sorted(r["decision_id"] for r in archived) == sorted(d.id for d in published)
-        assert archive.timeline(), "window stats were archived"
+    pipeline.assert_archived(published)
 
 
 def test_two_workers_decide_as_one(feed, pipeline_factory):
     """(b) `specwatch run --workers 2`: two Faust worker processes share the partitions."""
-    data = feed("acceptance_drop")
-    pipeline = pipeline_factory(data)
-    pipeline.start(workers=2)
-    pipeline.wait_drained()
-    assert_same_decisions(pipeline, data)
+    pipeline_factory(feed("acceptance_drop")).decide(workers=2)
 
 
 def test_killed_worker_loses_nothing_and_repeats_nothing(feed, pipeline_factory):
@@ -81,30 +65,13 @@ def test_killed_worker_loses_nothing_and_repeats_nothing(feed, pipeline_factory)
     The first kill lands while stage 1 is half way through the telemetry, the second right
     after the first decision went out, when the next ones may be half way through the outbox.
     """
-    from specwatch.archive.store import Archive
-
-    data = feed("acceptance_drop")
-    pipeline = pipeline_factory(data, archive=True)
+    pipeline = pipeline_factory(feed("acceptance_drop"), archive=True)
     # Checkpoints less often than Faust commits: the restart has messages to skip and a gap to re-read.
-    worker = pipeline.start(checkpoint_seconds=5.0)
-    _kill_when(pipeline, worker, lambda: pipeline.progress() >= 0.4)
-    worker = pipeline.start(checkpoint_seconds=5.0)
-    _kill_when(pipeline, worker, lambda: bool(pipeline.published()))
-    pipeline.start(checkpoint_seconds=5.0)
-    pipeline.wait_drained()
-    published = assert_same_decisions(pipeline, data)
+    for killed_when in (lambda: pipeline.progress() >= 0.4, lambda: bool(pipeline.published())):
+        worker = pipeline.start(checkpoint_seconds=5.0)
+        pipeline.wait_until(worker, killed_when)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+    published = pipeline.decide(checkpoint_seconds=5.0)
     assert "resumes from its checkpoint" in pipeline.logs()
-    pipeline.stop()
-    with Archive.open(pipeline.archive, create=False) as archive:
-        archived = archive.decisions(limit=None)
-        assert sorted(r["decision_id"] for r in archived) == sorted(d.id for d in published)
-
-
-def _kill_when(pipeline: Pipeline, worker: subprocess.Popen, condition) -> None:
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while not condition():
-        assert worker.poll() is None, pipeline.logs()
-        assert time.monotonic() < deadline, pipeline.logs()
-        time.sleep(0.1)
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.wait()
+    pipeline.assert_archived(published)

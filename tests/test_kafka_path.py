@@ -1,7 +1,5 @@
 """The distributed path on the real Apache Kafka broker: telemetry out, decisions back in.
-
-Every test makes its own topics, so tests (and colleagues' runs) never read each other's data.
-"""
+Every test makes its own topics, so tests (and colleagues' runs) never read each other's data."""
 
 from __future__ import annotations
 

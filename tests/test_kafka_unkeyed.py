@@ -56,7 +56,5 @@ def unkeyed_feed(kafka_bootstrap):
 def test_unkeyed_telemetry_gives_the_embedded_decisions_byte_for_byte(unkeyed_feed, pipeline_factory):
     feed, expected_lines = unkeyed_feed
     pipeline = pipeline_factory(feed)
-    pipeline.start()
-    pipeline.wait_drained()
-    published = [d for d in pipeline.published() if d.ts < feed.cutoff]
+    published = [d for d in pipeline.decide() if d.ts < feed.cutoff]
     assert sorted(d.to_json_line() for d in published) == expected_lines, pipeline.logs()

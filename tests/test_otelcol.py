@@ -1,7 +1,5 @@
-"""The standard OpenTelemetry deployment, against a real Collector and the real Kafka broker.
-
-Every test starts its own Collector on free ports, with a documented config of deploy/otelcol/.
-"""
+"""The standard OpenTelemetry deployment: a real Collector per test, on free ports with a
+documented config of deploy/otelcol/, and the real Kafka broker."""
 
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ from specwatch.schemas.otlp import decode_request
 
 from otelcol import CONFIGS, Collector
 from kafka_helpers import (INCIDENT_AT, MINUTES, PARTITIONS, SEED, TAIL_SECONDS, WORKERS, Feed, Pipeline,
-                           assert_same_decisions, create_topics, delete_topics, run_async, topic_messages)
+                           create_topics, delete_topics, run_async, topic_messages)
 from telemetry_log import decision_key, step_record
 from machine import free_port, specwatch_ok
 
@@ -110,48 +108,48 @@ def _otlp_to_run(tmp_path: Path, bootstrap: str, keyed: bool) -> tuple[Feed, Pip
     return feed, pipeline, topic_messages(bootstrap, topic)
 
 
-def _assert_run_decides_as_replay(feed: Feed, pipeline: Pipeline) -> None:
+def _assert_run_decides_as_replay(pipeline: Pipeline) -> None:
     try:
-        pipeline.start()
-        pipeline.wait_drained()
-        assert_same_decisions(pipeline, feed)
+        pipeline.decide()
     finally:
         pipeline.stop()
 
 
-def test_engines_through_the_agent_collector_keyed_by_resource_decide_as_replay(kafka_bootstrap, tmp_path):
-    feed, pipeline, messages = _otlp_to_run(tmp_path, kafka_bootstrap, keyed=True)
-    partitions = defaultdict(set)
-    records = 0
+def _partitions_of_workers(messages: list, feed: Feed) -> dict[str, set[int]]:
+    """The partitions each worker's records came on; checks all of ``feed`` came, none rejected."""
+    partitions, records = defaultdict(set), 0
     for message in messages:
         decoded = decode_request(message.value)
         assert not [r for r in decoded if isinstance(r, Rejection)]
         records += len(decoded)
-        (resource,) = _resource(message.value)  # one worker per message: keyed by its resource
-        workers = {r.worker for r in decoded if r.kind != "shadow"}
-        assert workers <= {resource["service.instance.id"]}
-        assert message.key, "a message without a key"
-        for worker in workers:
+        for worker in {r.worker for r in decoded if r.kind != "shadow"}:
             partitions[worker].add(message.partition)
     assert records == feed.telemetry_records
+    return partitions
+
+
+def test_engines_through_the_agent_collector_keyed_by_resource_decide_as_replay(kafka_bootstrap, tmp_path):
+    feed, pipeline, messages = _otlp_to_run(tmp_path, kafka_bootstrap, keyed=True)
+    for message in messages:
+        (resource,) = _resource(message.value)  # one worker per message: keyed by its resource
+        workers = {r.worker for r in decode_request(message.value) if r.kind != "shadow"}
+        assert workers <= {resource["service.instance.id"]}
+        assert message.key, "a message without a key"
+    partitions = _partitions_of_workers(messages, feed)
     assert sorted(partitions) == [f"w{i}" for i in range(1, WORKERS + 1)]
     assert all(len(p) == 1 for p in partitions.values()), partitions  # each worker on one partition
-    _assert_run_decides_as_replay(feed, pipeline)
+    _assert_run_decides_as_replay(pipeline)
 
 
 def test_engines_through_the_agent_collector_unkeyed_decide_as_replay(kafka_bootstrap, tmp_path, capsys):
     """The Collector's default, messages with no key: a worker's records spread over partitions."""
     feed, pipeline, messages = _otlp_to_run(tmp_path, kafka_bootstrap, keyed=False)
     assert not [m for m in messages if m.key]
-    partitions = defaultdict(set)
-    for message in messages:
-        for record in decode_request(message.value):
-            partitions[getattr(record, "worker", None)].add(message.partition)
-    assert sum(len(decode_request(m.value)) for m in messages) == feed.telemetry_records
-    assert all(len(p) > 1 for w, p in partitions.items() if w), partitions  # what the test is about
+    partitions = _partitions_of_workers(messages, feed)
+    assert all(len(p) > 1 for p in partitions.values()), partitions  # what the test is about
     with capsys.disabled():
         print(f"\nunkeyed: partitions per worker {dict((w, sorted(p)) for w, p in partitions.items())}")
-    _assert_run_decides_as_replay(feed, pipeline)
+    _assert_run_decides_as_replay(pipeline)
 
 
 def test_specwatch_topic_through_the_kafka_receiver_reaches_the_file_exporter_whole(kafka_bootstrap, tmp_path):

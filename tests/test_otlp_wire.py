@@ -1,7 +1,5 @@
-"""The OTLP batch mode reads step records from the bytes; every outcome equals `otlp.decode_request`'s.
-
-Odd and broken requests come from a protobuf writer of this file's own, independent of `otlp.py`.
-"""
+"""The OTLP batch mode reads step records from the bytes as `otlp.decode_request` does, on odd and
+broken requests from a protobuf writer of this file's own, independent of `otlp.py`."""
 
 from __future__ import annotations
 
@@ -288,13 +286,23 @@ def _steps_read_by(reader, payload: bytes) -> list:
     return [reader(payload, start, end, memo) for start, end in _log_record_spans(payload)]
 
 
-def test_the_writers_steps_take_the_plain_reader():
-    records = [r for r in _simulated() if r.kind == "step"][:300]
-    payload = encode_records(records)
+def _assert_plain_reader_takes(payload: bytes, records: list) -> None:
     steps = _steps_read_by(_step_plain, payload)
+    assert len(steps) == len(records)
     for step, record in zip(steps, records):
         _same(step, record)
     assert _identical(payload).at == list(range(len(records)))
+
+
+def _assert_plain_reader_refuses(payload: bytes) -> None:
+    start, end = _log_record_spans(payload)[0]
+    with pytest.raises(_OddShape):
+        _step_plain(payload, start, end, _Memo())
+
+
+def test_the_writers_steps_take_the_plain_reader():
+    records = [r for r in _simulated() if r.kind == "step"][:300]
+    _assert_plain_reader_takes(encode_records(records), records)
 
 
 def test_reordered_attributes_take_the_general_reader():
@@ -302,9 +310,7 @@ def test_reordered_attributes_take_the_general_reader():
     attributes = [(k, list(v) if isinstance(v, tuple) else v) for k, v in reversed(log_entry(record).attributes.items())]
     fields = [_ld(12, b"specwatch.step")] + [_ld(6, _key_value(k, v)) for k, v in attributes]
     payload = _request([b"".join(fields)])
-    start, end = _log_record_spans(payload)[0]
-    with pytest.raises(_OddShape):
-        _step_plain(payload, start, end, _Memo())
+    _assert_plain_reader_refuses(payload)
     (step,) = _steps_read_by(_step_from_wire, payload)
     _same(step, record)
     assert _identical(payload).record(0) == record
@@ -392,11 +398,7 @@ def _recoded_by_collector(payload: bytes, observed: bool, flags: int, trace: byt
 def test_steps_recoded_by_the_collector_take_the_plain_reader(observed, flags, trace, span):
     records = [r for r in _simulated() if r.kind == "step"][:200]
     payload = _recoded_by_collector(encode_records(records), observed, flags, trace, span)
-    steps = _steps_read_by(_step_plain, payload)
-    assert len(steps) == len(records)
-    for step, record in zip(steps, records):
-        _same(step, record)
-    assert _identical(payload).at == list(range(len(records)))
+    _assert_plain_reader_takes(payload, records)
 
 
 def test_a_body_with_content_is_not_read_as_the_empty_one():
@@ -406,7 +408,5 @@ def test_a_body_with_content_is_not_read_as_the_empty_one():
     inner = payload[start:end]
     stamp, rest = inner[:9], inner[9:]
     payload = _request([b"".join([stamp, _ld(5, _any("a body")), rest])])
-    start, end = _log_record_spans(payload)[0]
-    with pytest.raises(_OddShape):
-        _step_plain(payload, start, end, _Memo())
+    _assert_plain_reader_refuses(payload)
     assert _identical(payload).record(0) == record

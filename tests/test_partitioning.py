@@ -1,7 +1,5 @@
-"""However telemetry is keyed and partitioned, the topology decides what `replay` decides, byte for byte.
-
-Unkeyed, keyed by worker or by resource, over 1, 3 or 4 partitions, in a seeded interleaving.
-"""
+"""However telemetry is keyed (not, by worker, by resource) and partitioned (1, 3 or 4), the
+topology decides what `replay` decides, byte for byte, in a seeded interleaving."""
 
 from __future__ import annotations
 
@@ -15,17 +13,10 @@ from kafka.partitioner.default import murmur2
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy
 from specwatch.schemas.otlp import encode_records
-from specwatch.streams.faust_tasks import (
-    BundleOwner,
-    Stage1Task,
-    Stage2Task,
-    decode_partial,
-    encode_partial,
-    encode_release,
-    route_batches,
-)
+from specwatch.streams.faust_tasks import Stage1Task, encode_partial, route_batches
 
 from telemetry_log import exporter_batches, replayed
+from test_faust_tasks import stage2_decisions
 
 _FLUSH_EVENT_SECONDS = 0.5  # how much event time one exporter batch holds
 # How far in event time one stage-1 partition may run ahead of another: consumers that keep
@@ -83,15 +74,8 @@ def _distributed(log: dict[int, list[tuple[float, bytes]]], partitions: int, see
         position[p] += 1
     for p in range(partitions):  # the end of the stream: every open slice closes
         send(stage1[p].stage.close_ready(final=True))
-    releases = [encode_release(f"t/{p}", -1) for p in range(partitions) if not log.get(p)]
-    decided = []
-    for q in range(_STAGE2_PARTITIONS):
-        task = Stage2Task(Policy(), sources, BundleOwner(q, _STAGE2_PARTITIONS))
-        for offset, value in enumerate(releases + partials[q]):
-            for output in task.fold(offset, decode_partial(value)):
-                decided += [a.decision for a in output.actions]
-        for output in task.stage.flush():
-            decided += [a.decision for a in output.actions]
+    silent = [f"t/{p}" for p in range(partitions) if not log.get(p)]
+    decided = stage2_decisions(partials, _STAGE2_PARTITIONS, sources, silent, flush=True)
     return sorted(d.to_json_line() for d in decided)
 
 

@@ -72,8 +72,7 @@ def test_repeated_disables_back_off_exponentially_up_to_the_cap():
 
 
 def test_cooldown_is_the_shortest_wait():
-    fp = FallbackPolicy(Policy.model_validate({"actions": {"restore_after_seconds": 60, "cooldown_seconds": 300}}),
-                        FlagStore())
+    fp = FallbackPolicy(_policy(restore_after_seconds=60, cooldown_seconds=300), FlagStore())
     _disable(fp, "latency_slo", 0.0)
     assert fp.restore_wait(SCOPE) == 300.0
 

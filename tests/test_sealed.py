@@ -22,17 +22,6 @@ _OTHER = SampleKey.from_secret(b"some other key of sixteen+ bytes")
 _PROMPT, _OUTPUT = [17, 4, 2040, 9], [5, 5, 6, 7, 1999]
 
 
-class _CountingRandom:
-    """A deterministic stand-in for os.urandom that counts how many data keys were drawn."""
-
-    def __init__(self) -> None:
-        self.calls = []
-
-    def __call__(self, n: int) -> bytes:
-        self.calls.append(n)
-        return bytes([len(self.calls)]) * n
-
-
 def _request(rid="r1", sealed=None, ts=100.0):
     sample = {"prompt_sha256": token_digest(_PROMPT), "output_sha256": token_digest(_OUTPUT),
               "sampling": {"temperature": 0.0, "top_p": 1.0, "seed": 7, "max_tokens": 5}}
@@ -54,12 +43,17 @@ def test_seal_and_open_round_trip_checks_digests():
 
 
 def test_one_data_key_per_batch():
-    random = _CountingRandom()
-    sealer = Sealer(_KEY, batch_samples=2, random_bytes=random)
+    drawn = []
+
+    def random_bytes(n: int) -> bytes:  # os.urandom, deterministic, and counting what was drawn
+        drawn.append(n)
+        return bytes([len(drawn)]) * n
+
+    sealer = Sealer(_KEY, batch_samples=2, random_bytes=random_bytes)
     wrapped = [sealer.seal([i], [i]).split(".")[2] for i in range(5)]
     assert wrapped[0] == wrapped[1] != wrapped[2] == wrapped[3] != wrapped[4]
-    assert random.calls.count(32) == 3  # data keys: samples 1-2, 3-4, 5
-    assert random.calls.count(12) == 5  # one nonce per sample
+    assert drawn.count(32) == 3  # data keys: samples 1-2, 3-4, 5
+    assert drawn.count(12) == 5  # one nonce per sample
 
 
 def test_wrong_key_missing_key_and_tampering_open_nothing():

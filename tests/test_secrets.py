@@ -1,6 +1,5 @@
 """Secrets stay secret: planted random passwords and keys never show in logs (at DEBUG), reprs,
-errors or archived rows, and prompt text never reaches the archive in clear.
-"""
+errors or archived rows, and prompt text never reaches the archive in clear."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from specwatch.schemas import Decision, Policy, RequestRecord
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
 
 from machine import free_port
-from telemetry_log import replayed
+from telemetry_log import replayed, step_record
 
 
 def _secret(prefix: str) -> str:
@@ -37,10 +36,6 @@ def every_log(caplog):
     return caplog
 
 
-def _step():
-    return next(r for r in Simulator("healthy", seed=1, minutes=0.02, workers=1).records() if r.kind == "step")
-
-
 def test_kafka_sasl_and_ssl_passwords_never_leave_the_config(every_log):
     sasl, ssl = _secret("sasl"), _secret("sslkey")
     config = KafkaConfig(f"127.0.0.1:{free_port()}", security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
@@ -50,7 +45,7 @@ def test_kafka_sasl_and_ssl_passwords_never_leave_the_config(every_log):
     exporter = KafkaTelemetryExporter(config)
     shown.append(repr(exporter))
     emitter = TelemetryEmitter(exporter, sdk=False, schedule_delay_millis=10, shutdown_timeout_millis=2_000)
-    record = _step()
+    record = step_record("w1", 0)
     for _ in range(20):
         emitter.emit(record)
     emitter.force_flush(3_000)

@@ -1,10 +1,9 @@
 """Signed decisions: the HMAC header, key rotation, and a flag client that acts only on signed messages.
-
-The Kafka tests publish first, then start the client: once caught up, the counters are exact.
-"""
+The Kafka tests publish first, then start the client: once caught up, the counters are exact."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +31,27 @@ _OTHER_KEY = b"x" * 16 + os.urandom(16)
 def _without_key(monkeypatch) -> None:
     for name in ("SPECWATCH_SIGNING_KEY", "SPECWATCH_SIGNING_KEY_FILE"):
         monkeypatch.delenv(name, raising=False)
+
+
+def _with_key(monkeypatch, secret) -> Keyring:
+    """``secret`` as the environment's signing key; returns its keyring."""
+    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
+    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", secret)
+    return Keyring.from_secrets(secret)
+
+
+@contextlib.contextmanager
+def _caught_up(bootstrap: str, topic: str, keyring: Keyring):
+    """A flag client that has read ``topic`` to its end."""
+    with FlagClient(KafkaConfig(bootstrap), topic=topic, keyring=keyring) as client:
+        assert client.wait_until_caught_up(30)
+        yield client
+
+
+def _published(bootstrap: str, topic: str, keyring: Keyring, *decisions: Decision) -> None:
+    with DecisionPublisher(KafkaConfig(bootstrap), topic=topic, keyring=keyring) as publisher:
+        assert all(publisher.publish(d) for d in decisions)
+        assert publisher.flush(10)
 
 
 def _decision(ts: float, action: str = "disable_speculation", bucket: str | None = "coding") -> Decision:
@@ -202,19 +222,14 @@ def test_flag_client_acts_only_on_signed_fresh_decisions(kafka_bootstrap, decisi
 
 @pytest.mark.kafka
 def test_readers_mid_rotation_accept_both_keys(kafka_bootstrap, decisions_topic):
-    config = KafkaConfig(kafka_bootstrap)
-    with DecisionPublisher(config, topic=decisions_topic, keyring=Keyring.from_secrets(_OLD_KEY)) as old:
-        assert old.publish(_decision(100.0))
-        assert old.flush(10)
-    with DecisionPublisher(config, topic=decisions_topic, keyring=Keyring.from_secrets(_KEY)) as new:
-        assert new.publish(_decision(110.0, bucket="chat"))
-        assert new.flush(10)
-    with FlagClient(config, topic=decisions_topic, keyring=Keyring.from_secrets(_KEY, previous=_OLD_KEY)) as rolling:
-        assert rolling.wait_until_caught_up(30)
+    _published(kafka_bootstrap, decisions_topic, Keyring.from_secrets(_OLD_KEY), _decision(100.0))
+    _published(kafka_bootstrap, decisions_topic, Keyring.from_secrets(_KEY),
+               _decision(110.0, bucket="chat"))
+    rolling_ring = Keyring.from_secrets(_KEY, previous=_OLD_KEY)
+    with _caught_up(kafka_bootstrap, decisions_topic, rolling_ring) as rolling:
         assert not rolling.lookup("b-1", "coding", "m").enabled and not rolling.lookup("b-1", "chat", "m").enabled
         assert rolling.stats().applied == 2
-    with FlagClient(config, topic=decisions_topic, keyring=Keyring.from_secrets(_KEY)) as rotated:
-        assert rotated.wait_until_caught_up(30)
+    with _caught_up(kafka_bootstrap, decisions_topic, Keyring.from_secrets(_KEY)) as rotated:
         assert rotated.lookup("b-1", "coding", "m").enabled and not rotated.lookup("b-1", "chat", "m").enabled
         assert (rotated.stats().applied, rotated.stats().forged) == (1, 1)
 
@@ -226,8 +241,7 @@ def test_without_a_key_the_client_says_so_once_and_accepts_unsigned(kafka_bootst
     key, value, _ = heartbeat_message("p-1", 0, 99.0, keyring=Keyring())
     raw_producer.send(decisions_topic, key=key, value=value).get(timeout=10)
     with caplog.at_level(logging.WARNING):
-        with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic, keyring=Keyring()) as client:
-            assert client.wait_until_caught_up(30)
+        with _caught_up(kafka_bootstrap, decisions_topic, Keyring()) as client:
             assert not client.lookup("b-1", "coding", "main").enabled
             assert (client.stats().applied, client.stats().heartbeats) == (1, 1)
     assert sum("WITHOUT a signing key" in r.getMessage() for r in caplog.records) == 1
@@ -264,10 +278,7 @@ def test_decisions_command_leaves_out_and_reports_what_a_flag_client_would_ignor
 @pytest.mark.kafka
 def test_manual_override_reaches_flag_clients_signed_and_clearing_returns_the_archived_state(
         kafka_bootstrap, decisions_topic, monkeypatch, tmp_path):
-    secret = "a key for manual overrides, 38 bytes.."
-    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", secret)
-    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
-    ring = Keyring.from_secrets(secret)
+    ring = _with_key(monkeypatch, "a key for manual overrides, 38 bytes..")
     dsn = f"chdb://{tmp_path}/archive"
     scope = ["--archive", dsn, "--bundle", "b-1", "--bucket", "coding", "--by", "alice",
              "--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]
@@ -275,8 +286,7 @@ def test_manual_override_reaches_flag_clients_signed_and_clearing_returns_the_ar
     assert cli.main(["flags", "set", *scope, "--off", "--reason", "p99 page", "--create", "--code", "latency_slo"]) == 0
 
     def client_view():
-        with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic, keyring=ring) as client:
-            assert client.wait_until_caught_up(30)
+        with _caught_up(kafka_bootstrap, decisions_topic, ring) as client:
             return client.lookup("b-1", "coding", "main"), client.lookup("b-1", "chat", "main"), client.stats()
 
     coding, chat, stats = client_view()
@@ -309,30 +319,32 @@ def test_manual_stage_change_reaches_flag_clients(kafka_bootstrap, decisions_top
                "--unsigned"]  # this fleet's flag clients run without a key
     assert cli.main(["bundles", "promote", "b-9", "--reason", "shadow by hand", *publish]) == 0
     assert cli.main(["bundles", "freeze", "b-9", "--reason", "tail on the canary", *publish]) == 0
-    with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic, keyring=Keyring()) as client:
-        assert client.wait_until_caught_up(30)
+    with _caught_up(kafka_bootstrap, decisions_topic, Keyring()) as client:
         assert client.store.admission("b-9").stage == "frozen"
         assert not client.lookup("b-9", "coding", "main").enabled
         assert client.stats().applied == 2
 
 
 @pytest.mark.kafka
-def test_flags_list_from_the_decisions_topic_shows_what_the_fleet_follows(
-        kafka_bootstrap, decisions_topic, send, monkeypatch, capsys):
-    secret = "a key for listing the fleet's flags, 40 b"
-    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", secret)
-    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
-    ring = Keyring.from_secrets(secret)
-    good, forged = _decision(100.0), _decision(110.0, bucket="chat")
-    for decision, keyring in ((good, ring), (forged, Keyring.from_secrets(_OTHER_KEY))):
-        send(decision, lambda value: sign_line(value, keyring))
-    assert cli.main(["flags", "list", "--json", "--bootstrap", kafka_bootstrap,
-                     "--decisions-topic", decisions_topic]) == 3  # as `specwatch decisions` on a forgery
+@pytest.mark.parametrize("bad", ["forged", "unsigned"])
+def test_flags_list_shows_what_the_fleet_follows_and_exits_3_as_decisions_does(
+        kafka_bootstrap, decisions_topic, send, monkeypatch, capsys, bad):
+    ring = _with_key(monkeypatch, "a key for listing the fleet's flags, 40 b")
+    good, stranger = _decision(100.0), Keyring.from_secrets(_OTHER_KEY)
+    send(good, lambda value: sign_line(value, ring))
+    bad_headers = (lambda value: sign_line(value, stranger)) if bad == "forged" else []
+    send(_decision(110.0, bucket="chat"), bad_headers)
+    listing = ["flags", "list", "--bootstrap", kafka_bootstrap,
+               "--decisions-topic", decisions_topic]
+    assert cli.main(listing) == 3
     captured = capsys.readouterr()
-    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert f"1 {bad}" in captured.err and "b-1" in captured.out and "chat" not in captured.out
+    assert cli.main([*listing, "--json"]) == 3
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["bundle_id"], r["bucket"], r["speculation"], r["decision_id"]) for r in rows] == [
         ("b-1", "coding", "off", good.id)]
-    assert "1 forged" in captured.err
+    assert cli.main(["decisions", "--bootstrap", kafka_bootstrap, "--topic", decisions_topic]) == 3
+    assert capsys.readouterr().out.splitlines() == [good.to_json_line()]
 
 
 # -- a manual change engines would ignore is never reported as a success ----------------------
@@ -377,32 +389,13 @@ def test_an_override_without_a_key_is_refused_before_anything_is_recorded(
     monkeypatch.delenv("SPECWATCH_SIGNING_KEY")
     assert cli.main(_override(dsn, kafka_bootstrap, decisions_topic, "--unsigned")) == 0
     assert "override set" in capsys.readouterr().out
-    with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic, keyring=Keyring()) as client:
-        assert client.wait_until_caught_up(30)
+    with _caught_up(kafka_bootstrap, decisions_topic, Keyring()) as client:
         assert not client.lookup("b-1", "coding", "main").enabled
         assert (client.stats().applied, client.stats().unsigned) == (1, 0)
-    with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions_topic,
-                    keyring=Keyring.from_secrets(_KEY)) as client:  # what an engine with a key does
-        assert client.wait_until_caught_up(30)
+    # what an engine with a key does
+    with _caught_up(kafka_bootstrap, decisions_topic, Keyring.from_secrets(_KEY)) as client:
         assert client.lookup("b-1", "coding", "main").enabled
         assert (client.stats().applied, client.stats().unsigned) == (0, 1)
-
-
-@pytest.mark.kafka
-def test_flags_list_exits_3_on_unsigned_messages_as_decisions_does(
-        kafka_bootstrap, decisions_topic, send, monkeypatch, capsys):
-    monkeypatch.delenv("SPECWATCH_SIGNING_KEY_FILE", raising=False)
-    monkeypatch.setenv("SPECWATCH_SIGNING_KEY", _KEY.hex())
-    ring = Keyring.from_secrets(_KEY.hex())
-    good, unsigned = _decision(100.0), _decision(110.0, bucket="chat")
-    send(good, lambda value: sign_line(value, ring))
-    send(unsigned)
-    listing = ["--bootstrap", kafka_bootstrap, "--decisions-topic", decisions_topic]
-    assert cli.main(["flags", "list", *listing]) == 3
-    captured = capsys.readouterr()
-    assert "1 unsigned" in captured.err and "b-1" in captured.out and "chat" not in captured.out
-    assert cli.main(["decisions", "--bootstrap", kafka_bootstrap, "--topic", decisions_topic]) == 3
-    assert capsys.readouterr().out.splitlines() == [good.to_json_line()]
 
 
 @pytest.mark.parametrize("command", [["run", "--bootstrap", "127.0.0.1:9"], ["decisions", "--bootstrap", "127.0.0.1:9"]])
