@@ -13,6 +13,10 @@ CARD = {"target": {"model_id": "m", "revision": "r1", "tokenizer_digest": "t", "
         "policy": {"acceptance_rule": "strict", "fallback": "standard"}}
 
 
+def _round(**override) -> dict:
+    return {"id": "r", "bucket": "b", "cohort": "c", "drafted": 2, "accepted": 1, **override}
+
+
 def _step(seq, **override):
     body = {"kind": "step", "v": 1, "ts": 100.0 + seq * 0.01, "worker": "w1", "seq": seq, "bundle_id": "b1",
             "draft_ms": 0.9, "verify_ms": 11.8, "kv_usage": 0.6,
@@ -25,12 +29,11 @@ BAD_LINES = {
     "invalid_json": ['{"kind": "step", "v": 1', "not json at all"],
     "missing_field": [json.dumps({"kind": "step", "v": 1, "ts": 1.0, "worker": "w1"})],
     "not_finite": [_step(1000, draft_ms=float("nan")), _step(1001, ts=float("inf"))],
-    "accepted_exceeds_drafted": [_step(1002, requests=[{"id": "r", "bucket": "b", "cohort": "c",
-                                                         "drafted": 2, "accepted": 3}])],
+    "accepted_exceeds_drafted": [_step(1002, requests=[_round(drafted=2, accepted=3)])],
     "negative_time": [_step(1003, verify_ms=-1.0)],
     "unknown_kind": [json.dumps({"kind": "trace", "v": 1, "ts": 1.0})],
-    "too_many_requests": [_step(1004, requests=[{"id": f"r{i}", "bucket": "b", "cohort": "c", "drafted": 1,
-                                                  "accepted": 1} for i in range(5000)])],
+    "too_many_requests": [
+        _step(1004, requests=[_round(id=f"r{i}", drafted=1, accepted=1) for i in range(5000)])],
     "not_an_object": ["[1, 2, 3]", "42"],
     "unsupported_version": [_step(1005, v=2), _step(1006, v=True), _step(1007, v=1.0)],
     # the contract is JSON: a count is a JSON integer, a time a JSON number, a flag a JSON
@@ -38,13 +41,11 @@ BAD_LINES = {
     # decision scope's wildcard or separator
     "invalid_value": [
         _step(1008, draft_ms=True), json.dumps({**json.loads(_step(1009)), "seq": 3.0}), _step(1010, kv_usage=False),
-        _step(1011, requests=[{"id": "r", "bucket": "b", "cohort": "c", "drafted": "4", "accepted": 3}]),
-        _step(1012, requests=[{"id": "r", "bucket": "*", "cohort": "c", "drafted": 4, "accepted": 3}]),
-        _step(1013, requests=[{"id": "r", "bucket": "b", "cohort": "*", "drafted": 4, "accepted": 3}]),
-        _step(1014, requests=[{"id": "r", "bucket": "a/b", "cohort": "c", "drafted": 4, "accepted": 3}]),
+        _step(1011, requests=[_round(drafted="4")]), _step(1012, requests=[_round(bucket="*")]),
+        _step(1013, requests=[_round(cohort="*")]), _step(1014, requests=[_round(bucket="a/b")]),
         _step(1015, worker="w1\x1b[2J\x1b[H"), _step(1016, bundle_id="b1\n"),
-        _step(1017, requests=[{"id": "r\u202e", "bucket": "b", "cohort": "c", "drafted": 4, "accepted": 3}]),
-        _step(1018, requests=[{"id": "r", "bucket": "b\x07", "cohort": "c", "drafted": 4, "accepted": 3}]),
+        _step(1017, requests=[_round(id="r\u202e")]),
+        _step(1018, requests=[_round(bucket="b\x07")]),
         json.dumps({"kind": "request", "v": 1, "ts": 1.0, "worker": "w1", "bundle_id": "b1", "id": "r1",
                     "bucket": "coding", "cohort": "main", "speculative": 1, "ttft_ms": 1.0, "tpot_ms": 1.0,
                     "e2e_ms": 2.0, "output_tokens": 4, "finish_reason": "stop"}),

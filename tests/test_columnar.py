@@ -20,7 +20,7 @@ from specwatch.streams.ingest import Ingest
 from specwatch.streams.topology import Stage1
 
 from test_bad_input import BAD_LINES
-from test_fastpath import ODD_LINES, pipeline_run
+from test_fastpath import ODD_LINES, batches_json, pipeline_run
 from test_scenarios import EXPECTED, SEED
 
 
@@ -76,8 +76,8 @@ def _fold_in_blocks(lines, cuts, now=None) -> tuple:
 def _outcome(ingest: Ingest, rejected, late, closed) -> tuple:
     stage = ingest.stage
     closed = closed + stage.close_ready(final=True)
-    batches = [json.dumps(b.to_dict(), sort_keys=True) for b in closed]
-    return batches, rejected, late, ingest.rejected.as_dict(), stage.records, stage.late_records, stage.watermark
+    return (batches_json(closed), rejected, late, ingest.rejected.as_dict(), stage.records,
+            stage.late_records, stage.watermark)
 
 
 def test_blocks_fold_as_records_one_at_a_time():

@@ -1,8 +1,5 @@
-"""Detection quality: a small seeded subset of `specwatch evaluate`, with exact expected outcomes.
-
-Short runs on a two-worker fleet; the full suite (default fleet, every intensity, hours of
-incident-free traffic) is `specwatch evaluate`, its numbers in docs/EVALUATION.md.
-"""
+"""Detection quality: a small seeded subset of `specwatch evaluate` (short runs, two workers),
+with exact expected outcomes; the full suite's numbers are in docs/EVALUATION.md."""
 
 import json
 import math
@@ -219,10 +216,8 @@ def test_cli_rejects_bad_arguments():
 
 
 def test_a_small_fleet_is_watched_until_its_shadow_checks_and_kv_peaks_arrive():
-    """One worker with four running requests: its first strict mismatch comes minutes after the
-    incident starts and its KV holds over the watermark only late in the surge. The watch grows
-    as the fleet shrinks, so both are decided, and the KV row says when KV first held over it
-    (with the old fixed watches, 180 s and 40 s, both were 'missed')."""
+    """With one worker the first mismatch and a KV surge come minutes late: the watch grows as the
+    fleet shrinks (fixed watches of 180 s and 40 s missed both)."""
     from specwatch.evaluation.suite import _incident_case, _watch_seconds, run_case
 
     assert _watch_seconds("quality_mismatch", 0.5, 8, 16) == 180.0

@@ -1,7 +1,5 @@
 """Fuzzing the contract-v1 JSON Lines decoder and the embedded pipeline behind it.
-
-Derandomized; set SPECWATCH_FUZZ_EXAMPLES to run more (e.g. 20000 before a release).
-"""
+Derandomized; set SPECWATCH_FUZZ_EXAMPLES to run more (e.g. 20000 before a release)."""
 
 from __future__ import annotations
 
@@ -68,8 +66,6 @@ def _check_result(result) -> None:
     assert decode_line(encode_record(result)) == result
 
 
-# -- arbitrary input ---------------------------------------------------------------------------
-
 _JSON_SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
                  | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20))
 _JSON = st.recursive(_JSON_SCALARS, lambda inner: st.lists(inner, max_size=5)
@@ -99,8 +95,6 @@ def test_any_text_or_bytes_decodes_or_is_rejected_with_a_reason(line):
 def test_any_json_value_decodes_or_is_rejected_with_a_reason(value):
     _check_result(decode_line(json.dumps(value)))
 
-
-# -- mutations of valid records ------------------------------------------------------------------
 
 _ODD_VALUES = st.sampled_from([
     None, True, False, 0, -1, -0.0, 1e308, -1e308, 2**63, 2**64 + 1, float("nan"), float("inf"),
@@ -150,8 +144,6 @@ def test_acceptance_beyond_drafts_is_always_named(index, drafted, accepted):
     else:
         assert isinstance(result, StepRecord)
 
-
-# -- the pipeline: bad lines around good ones --------------------------------------------------------
 
 def _run(lines) -> tuple[dict, list, list]:
     rows: list = []

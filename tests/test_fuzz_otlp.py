@@ -72,8 +72,6 @@ def test_damaged_valid_requests_never_crash_the_decoder(data):
     _check(decode_request(bytes(payload)))
 
 
-# -- log records built field by field -----------------------------------------------------------
-
 _NAMES = st.sampled_from(["v", "ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage",
                           "id", "bucket", "cohort", "speculative", "ttft_ms", "tpot_ms", "e2e_ms",
                           "output_tokens", "finish_reason", "error", "sample", "card", "check", "match",

@@ -18,15 +18,12 @@ from specwatch.streams.ingest import Ingest
 from specwatch.streams.topology import Stage1
 
 from test_bad_input import BAD_LINES
+from test_fastpath import batches_json
 
 
 @lru_cache(maxsize=None)
 def _records(scenario: str = "acceptance_drop", minutes: float = 3.0) -> tuple:
     return tuple(Simulator(scenario, seed=7, minutes=minutes, workers=2, concurrency=12, incident_at=60.0).records())
-
-
-def _batches(batches) -> list[str]:
-    return [json.dumps(b.to_dict(), sort_keys=True) for b in batches]
 
 
 def test_stage1_folds_a_block_as_it_folds_reference_steps():
@@ -43,7 +40,7 @@ def test_stage1_folds_a_block_as_it_folds_reference_steps():
     folded = ingest.block(block)
     assert len(block) > 1000 and not folded.rejections and not folded.late
     folded = folded.closed + ingest.release()
-    assert _batches(folded) == _batches(reference)
+    assert batches_json(folded) == batches_json(reference)
     # every round of every step is in a partial of its key
     entries = sum(stats.rounds + stats.plain_entries for batch in folded
                   for key, stats in batch.partials.items() if key[1] is not None)
@@ -76,22 +73,34 @@ def test_every_path_counts_rejections_in_one_counter_by_reason():
             {reason: len(bad) for reason, bad in BAD_LINES.items()}).items()))
 
 
-def test_a_stage1_checkpoint_from_before_the_ingest_step_restores_with_its_counts():
-    payloads = _bad_payloads()
+def _folded_alike(payloads) -> tuple[Stage1Task, Stage1Task]:
+    """Two tasks that folded the first four payloads: one to checkpoint, one to go on as it is."""
     old, fresh = Stage1Task(Policy(), "t/0"), Stage1Task(Policy(), "t/0")
     for offset, payload in enumerate(payloads[:4]):
         old.fold(offset, payload)
         fresh.fold(offset, payload)
+    return old, fresh
+
+
+def _assert_folds_on_alike(restored, fresh, payloads) -> None:
+    for offset, payload in enumerate(payloads[4:], start=4):
+        assert batches_json(restored.fold(offset, payload)[1]) == batches_json(
+            fresh.fold(offset, payload)[1])
+    assert restored.rejected.as_dict() == fresh.rejected.as_dict()
+    assert fresh.rejected.as_dict() == {"duplicate": 3, "invalid_otlp": 1}
+    assert restored.records == fresh.records and restored.ingest.stage is restored.stage
+
+
+def test_a_stage1_checkpoint_from_before_the_ingest_step_restores_with_its_counts():
+    payloads = _bad_payloads()
+    old, fresh = _folded_alike(payloads)
     # as such a checkpoint was pickled: the task counted rejections in a Counter of its own
     counts = old.rejected.by_reason
     del old.__dict__["ingest"]
     old.__dict__["rejected"] = Counter(counts)
     restored = decode_checkpoint(encode_checkpoint(old))
     assert restored.rejected.as_dict() == {"duplicate": 3}
-    for offset, payload in enumerate(payloads[4:], start=4):
-        assert _batches(restored.fold(offset, payload)[1]) == _batches(fresh.fold(offset, payload)[1])
-    assert restored.rejected.as_dict() == fresh.rejected.as_dict() == {"duplicate": 3, "invalid_otlp": 1}
-    assert restored.records == fresh.records and restored.ingest.stage is restored.stage
+    _assert_folds_on_alike(restored, fresh, payloads)
 
 
 def test_a_stage1_checkpoint_that_decoded_with_the_removed_fast_decoder_restores(monkeypatch):
@@ -106,20 +115,15 @@ def test_a_stage1_checkpoint_that_decoded_with_the_removed_fast_decoder_restores
     decode_request_fast.__module__, decode_request_fast.__qualname__ = fastdecode.__name__, "decode_request_fast"
     monkeypatch.setattr(fastdecode, "decode_request_fast", decode_request_fast, raising=False)
     payloads = _bad_payloads()
-    old, fresh = Stage1Task(Policy(), "t/0"), Stage1Task(Policy(), "t/0")
-    for offset, payload in enumerate(payloads[:4]):
-        old.fold(offset, payload)
-        fresh.fold(offset, payload)
+    old, fresh = _folded_alike(payloads)
     old.ingest.decode = decode_request_fast
     checkpoint = encode_checkpoint(old)
     monkeypatch.undo()
     assert not hasattr(fastdecode, "decode_request_fast")
     restored = decode_checkpoint(checkpoint)
-    assert restored.ingest.decode is reference and restored.ingest.stage is restored.stage
-    for offset, payload in enumerate(payloads[4:], start=4):
-        assert _batches(restored.fold(offset, payload)[1]) == _batches(fresh.fold(offset, payload)[1])
-    assert restored.rejected.as_dict() == fresh.rejected.as_dict() == {"duplicate": 3, "invalid_otlp": 1}
-    assert restored.records == fresh.records
+    assert restored.ingest.decode is reference
+    _assert_folds_on_alike(restored, fresh, payloads)
+
 
 def _run(pipeline, feed, items) -> tuple:
     slices = []

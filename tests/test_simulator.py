@@ -1,8 +1,5 @@
 """The simulated fleet: deterministic, contract-valid, and each incident does what it claims.
-
-Runs are small (a few workers, a minute or two of event time) with incidents brought
-forward, so every check sees a clean stretch before the incident and enough after it.
-"""
+Short runs with incidents brought forward: a clean stretch before each incident, enough after."""
 
 from __future__ import annotations
 
@@ -46,6 +43,11 @@ def _acceptance_lengths(records) -> dict[str, float]:
     return {bucket: 1.0 + accepted[bucket] / rounds[bucket] for bucket in rounds}
 
 
+def _requests(records, bucket: str | None = None, cohort: str | None = None) -> list[RequestRecord]:
+    return [r for r in records
+            if r.kind == "request" and bucket in (None, r.bucket) and cohort in (None, r.cohort)]
+
+
 def _lines(records) -> list[str]:
     return [encode_record(r) for r in records]
 
@@ -59,9 +61,6 @@ def demo_run():
 @pytest.fixture(scope="module")
 def healthy_run():
     return _run("healthy")
-
-
-# -- determinism and the contract ------------------------------------------------------------
 
 
 def test_same_seed_gives_identical_lines_and_another_seed_does_not():
@@ -133,7 +132,7 @@ def test_heartbeats_every_minute(healthy_run):
 
 def test_request_records_are_consistent(demo_run):
     sim, records = demo_run
-    requests = [r for r in records if r.kind == "request"]
+    requests = _requests(records)
     assert len(requests) > 1_000
     for r in requests:
         assert r.ttft_ms > 0 and r.e2e_ms >= r.ttft_ms
@@ -147,9 +146,6 @@ def test_request_records_are_consistent(demo_run):
     reasons = Counter(r.finish_reason for r in requests)
     assert reasons["stop"] > reasons["length"] > 0
     assert reasons["error"] > 0 and reasons["timeout"] > 0
-
-
-# -- healthy behaviour -----------------------------------------------------------------------
 
 
 def test_bucket_acceptance_lengths_follow_their_profiles(healthy_run):
@@ -194,13 +190,10 @@ def test_healthy_fleet_is_plausible(healthy_run):
     al = _acceptance_lengths(records)
     speedup = {b: a / (1 + draft / verify) for b, a in al.items()}  # AL / (1 + rho*D)
     assert min(speedup.values()) > 1.1 and 1.5 < speedup["coding"] < 2.6
-    cohorts = Counter(r.cohort for r in records if r.kind == "request")
+    cohorts = Counter(r.cohort for r in _requests(records))
     total = sum(cohorts.values())
     assert 0.85 < cohorts["main"] / total < 0.95
     assert 0.02 < cohorts["canary"] / total < 0.08 and 0.02 < cohorts["baseline"] / total < 0.08
-
-
-# -- incidents ---------------------------------------------------------------------------------
 
 
 # Admission scenarios without an incident of their own kind: a clean rollout, and a card change.
@@ -224,15 +217,15 @@ def test_nothing_changes_before_the_incident(scenario, healthy_run):
 
 def test_quiet_keys_carry_a_few_percent_and_only_theirs_is_hit():
     _, records = _run("error_burst_quiet_bucket", intensity=40.0, minutes=3.0)
-    requests = [r for r in records if r.kind == "request"]
+    requests = _requests(records)
     share = sum(r.bucket == "extraction" for r in requests) / len(requests)
     assert 0.025 < share < 0.045  # 3 / 88 of the weights
     sim, records = _run("error_burst_quiet_cohort", intensity=40.0, minutes=3.0)
     [incident] = sim.incidents
     assert (incident.bucket, incident.cohort, incident.expected_reason) == ("extraction", "canary", "error_rate")
     _, after = _split(sim, records)
-    failed = Counter((r.cohort, r.finish_reason in ("error", "timeout")) for r in after
-                     if r.kind == "request" and r.bucket == "extraction" and r.speculative)
+    failed = Counter((r.cohort, r.finish_reason in ("error", "timeout"))
+                     for r in _requests(after, "extraction") if r.speculative)
     # x40 on canary (0.2% to 8%), main as before
     assert failed["canary", True] / (failed["canary", True] + failed["canary", False]) > 0.04
     assert failed["main", True] / (failed["main", True] + failed["main", False]) < 0.01
@@ -295,8 +288,7 @@ def test_latency_tail_hits_a_tenth_of_one_bucket_and_cohort():
     before, after = _split(sim, records)
 
     def p99(rs, metric, bucket, cohort):
-        return np.percentile([getattr(r, metric) for r in rs
-                              if isinstance(r, RequestRecord) and (r.bucket, r.cohort) == (bucket, cohort)], 99)
+        return np.percentile([getattr(r, metric) for r in _requests(rs, bucket, cohort)], 99)
 
     # stalled requests finish late, so their records (and the e2e tail) arrive over time
     assert p99(after, "tpot_ms", "reasoning", "main") > 2.5 * p99(before, "tpot_ms", "reasoning", "main")
@@ -304,7 +296,7 @@ def test_latency_tail_hits_a_tenth_of_one_bucket_and_cohort():
     for metric in ("tpot_ms", "e2e_ms"):
         assert p99(after, metric, "coding", "main") < 1.3 * p99(before, metric, "coding", "main")
         assert p99(after, metric, "reasoning", "canary") < 1.3 * p99(before, metric, "reasoning", "canary")
-    late = [r for r in after if isinstance(r, RequestRecord) and (r.bucket, r.cohort) == ("reasoning", "main")]
+    late = _requests(after, "reasoning", "main")
     slow = [r for r in late if r.tpot_ms > 20.0]  # healthy reasoning TPOT is ~7 ms
     assert 0.04 < len(slow) / len(late) < 0.15
 
@@ -338,13 +330,12 @@ def test_error_burst_raises_the_error_rate_of_one_bucket():
     before, after = _split(sim, records)
 
     def failure_rate(rs, bucket):
-        done = [r for r in rs if isinstance(r, RequestRecord) and r.bucket == bucket]
-        return sum(r.failed for r in done) / len(done)
+        return np.mean([r.failed for r in _requests(rs, bucket)])
 
     assert failure_rate(after, "extraction") > 0.02
     assert failure_rate(before, "extraction") < 0.01
     assert failure_rate(after, "coding") < 0.01
-    assert all(r.error for r in after if isinstance(r, RequestRecord) and r.failed)
+    assert all(r.error for r in _requests(after) if r.failed)
 
 
 def test_demo_staggers_five_incidents_with_their_reasons():
@@ -370,17 +361,13 @@ def test_mix_shift_moves_traffic_to_hard_buckets_without_changing_them():
     _, late = _split(sim, records, 150.0)
 
     def share(rs, bucket):
-        done = [r for r in rs if isinstance(r, RequestRecord)]
-        return sum(r.bucket == bucket for r in done) / len(done)
+        return np.mean([r.bucket == bucket for r in _requests(rs)])
 
     assert share(late, "reasoning") > share(before, "reasoning") + 0.05
     al_before, al_late = _acceptance_lengths(before), _acceptance_lengths(late)
     for bucket in al_before:
         assert al_late[bucket] == pytest.approx(al_before[bucket], rel=0.06)
     assert sim.incidents == []
-
-
-# -- closed loop --------------------------------------------------------------------------------
 
 
 def test_flag_decisions_take_effect_on_later_rounds_and_requests():
@@ -422,13 +409,10 @@ def test_disabled_from_the_start_the_bucket_never_speculates():
     flags.apply(Decision(ts=0.0, bundle_id=bundle_digest(DEFAULT_CARD), bucket="structured", cohort=None,
                          action="disable_speculation", reason="quality_regression", detector="test"))
     sim, records = _run("quality_mismatch", minutes=0.75, intensity=1.0, flags=flags)
-    structured = [r for r in records if isinstance(r, RequestRecord) and r.bucket == "structured"]
+    structured = _requests(records, "structured")
     assert structured and not any(r.speculative for r in structured)
     assert not any(isinstance(r, ShadowRecord) and r.bucket == "structured" for r in records)
-    assert any(isinstance(r, RequestRecord) and r.speculative for r in records)
-
-
-# -- settings and the command line -------------------------------------------------------------
+    assert any(r.speculative for r in _requests(records))
 
 
 @pytest.mark.parametrize("settings,message", [

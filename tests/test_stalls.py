@@ -77,11 +77,8 @@ def test_a_stall_is_decided_before_any_stalled_request_finishes(stall_run):
 
 
 def _heavy_tailed_traffic(seed: int, seconds: float, workers: int = 4, running: int = 12) -> list[str]:
-    """Steps every 0.25 s listing each worker's running requests, and a record as each ends.
-
-    Durations are log-normal with a heavy tail (sigma 1.5), the same all along: about one
-    request in 400 runs past twice the learned p99, as usual, with no incident.
-    """
+    """Steps every 0.25 s listing each worker's running requests, and a record as each ends;
+    log-normal durations (sigma 1.5): one request in 400 runs past twice the p99, no incident."""
     rng = random.Random(seed)
     lines = []
     for w in range(workers):
