@@ -1,22 +1,5 @@
-"""Imports point only down the pipeline.
-
-Each package of the product sits on a layer; a module may import its own layer and the
-layers below it, never one above, and the packages that share a layer never import each
-other. The layers, top to bottom:
-
-- ``specwatch``: the command line and what only it runs (simulation, bench, evaluation,
-  offline analysis);
-- ``specwatch.streams``: the stream processors (embedded and Faust) that run the stages;
-- ``specwatch.actions.sinks`` | ``specwatch.collectors``: where decisions go (archive,
-  decisions topic, Alertmanager) | the engine side, which emits telemetry and obeys flags;
-- ``specwatch.archive`` | ``specwatch.transport``: the two I/O boundaries, ClickHouse and Kafka;
-- ``specwatch.actions``: pure decision logic (fallback policy, flags, admission, signing);
-- ``specwatch.detectors``: statistics and drift detectors;
-- ``specwatch.schemas``: the telemetry contract, decisions, policy and stage outputs.
-
-The test reads every module's imports with ``ast`` (function-level imports included:
-a lazy import is still a dependency), so it needs nothing installed beyond the tree.
-"""
+"""Imports point only down the pipeline: a module imports its own layer (`LAYERS`) and those below,
+never one above, and packages that share a layer never import each other."""
 
 from __future__ import annotations
 
@@ -69,6 +52,7 @@ def _layer(module: str) -> tuple[str, int]:
 
 
 def _imports(module: str, path: Path) -> set[str]:
+    """The product modules ``path`` imports, read with ``ast``: lazy imports are dependencies too."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
