@@ -39,7 +39,6 @@ def test_package_imports_without_vllm():
 
 
 @pytest.mark.parametrize("request_id, extra, expected", [
-    ("coding:canary:1", None, ("coding", "canary")),
     ("coding:canary:1", {"specwatch_bucket": "chat"}, ("chat", "canary")),
     ("r-1", {"specwatch_bucket": "chat", "specwatch_cohort": "baseline"}, ("chat", "baseline")),
     ("r-1", {"specwatch_bucket": "a/b", "specwatch_cohort": 3}, ("default", "main")),
