@@ -102,14 +102,10 @@ def test_the_partition_runner_runs_without_faust():
     assert not [name for name in names if name.split(".")[0] in ("faust", "mode", "aiokafka")], names
 
 
-def test_every_module_is_placed_on_a_layer():
+def test_imports_point_only_down_the_pipeline():
     modules = _modules()
     assert "specwatch.streams.topology" in modules and "specwatch.schemas.contract" in modules
-    assert all(_layer(module)[0] for module in modules)
-
-
-def test_imports_point_only_down_the_pipeline():
-    assert _violations() == []
+    assert _violations() == []  # which places every module (`_layer` raises where no layer fits)
 
 
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
