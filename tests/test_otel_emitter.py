@@ -10,7 +10,7 @@ from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.sdk._logs import LogRecordProcessor
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 
-from specwatch.collectors.export import ExportResult, InMemoryExporter
+from specwatch.collectors.export import InMemoryExporter
 from specwatch.collectors.otel import BoundedLogRecordProcessor, KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.topics import TELEMETRY_TOPIC
@@ -34,22 +34,18 @@ def _mixed() -> list:
     ]
 
 
-class _HangingExporter:
+class _HangingExporter(InMemoryExporter):
     """Blocks in export until released, as a wedged network call would."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.release = threading.Event()
         self.entered = threading.Event()
-        self.records: list = []
 
     def export(self, batch):
         self.entered.set()
         self.release.wait(30)
-        self.records.extend(batch)
-        return ExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return True
+        return super().export(batch)
 
     def shutdown(self) -> None:
         self.release.set()
