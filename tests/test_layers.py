@@ -52,7 +52,7 @@ def _layer(module: str) -> tuple[str, int]:
 
 
 def _imports(module: str, path: Path) -> set[str]:
-    """The product modules ``path`` imports, read with ``ast``: lazy imports are dependencies too."""
+    """The product modules ``path`` imports, by ``ast``: a lazy import is a dependency too."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()

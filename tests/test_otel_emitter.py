@@ -217,7 +217,8 @@ def test_a_down_broker_only_counts_failures(sdk):
     exporter = KafkaTelemetryExporter(config)  # api_version is set: no bootstrap round trip here
     emitter = TelemetryEmitter(exporter, sdk=sdk, schedule_delay_millis=20,
                                shutdown_timeout_millis=2_000)
-    assert all(emitter.emit(step_record("w1", seq)) for seq in range(200))  # queued, never sent on this thread
+    # queued, never sent on this thread
+    assert all(emitter.emit(step_record("w1", seq)) for seq in range(200))
     until(lambda: emitter.stats().failed >= 200, 10)
     stats = emitter.stats()
     assert stats.failed + stats.dropped == 200 and stats.exported == 0

@@ -118,8 +118,8 @@ def _steps(start: int, count: int) -> list:
 
 def _exporter(producer: MemoryProducer, spool_dir=None, **config) -> KafkaTelemetryExporter:
     spool = TelemetrySpool(spool_dir) if spool_dir else None
-    return KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9", **config), producer=producer, spool=spool,
-                                  drain_backoff_s=(0.01, 0.05))
+    return KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9", **config), producer=producer,
+                                  spool=spool, drain_backoff_s=(0.01, 0.05))
 
 
 def _delivered_seqs(producer: MemoryProducer) -> list[int]:
