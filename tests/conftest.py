@@ -23,10 +23,7 @@ def _no_fixed_web_port() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> str:
-    """Bootstrap address of the real broker that deploy/test.sh started.
-
-    Never skips: a test that needs Kafka fails loudly when the broker is missing.
-    """
+    """The real broker that deploy/test.sh started; never skips: without it, Kafka tests fail."""
     address = os.environ.get("SPECWATCH_TEST_BOOTSTRAP")
     if not address:
         pytest.fail("SPECWATCH_TEST_BOOTSTRAP is not set: run the tests through deploy/test.sh, "

@@ -1,7 +1,5 @@
-"""Telemetry as exporters put it on Kafka, and the embedded pipeline's decisions to compare with.
-
-Shared by the tests that feed exporters, stream tasks or runners without a broker.
-"""
+"""Telemetry as exporters put it on Kafka, and the embedded pipeline's decisions to compare with,
+for the tests that feed exporters, stream tasks or runners without a broker."""
 
 from __future__ import annotations
 

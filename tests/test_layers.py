@@ -1,22 +1,5 @@
-"""Imports point only down the pipeline.
-
-Each package of the product sits on a layer; a module may import its own layer and the
-layers below it, never one above, and the packages that share a layer never import each
-other. The layers, top to bottom:
-
-- ``specwatch``: the command line and what only it runs (simulation, bench, evaluation,
-  offline analysis);
-- ``specwatch.streams``: the stream processors (embedded and Faust) that run the stages;
-- ``specwatch.actions.sinks`` | ``specwatch.collectors``: where decisions go (archive,
-  decisions topic, Alertmanager) | the engine side, which emits telemetry and obeys flags;
-- ``specwatch.archive`` | ``specwatch.transport``: the two I/O boundaries, ClickHouse and Kafka;
-- ``specwatch.actions``: pure decision logic (fallback policy, flags, admission, signing);
-- ``specwatch.detectors``: statistics and drift detectors;
-- ``specwatch.schemas``: the telemetry contract, decisions, policy and stage outputs.
-
-The test reads every module's imports with ``ast`` (function-level imports included:
-a lazy import is still a dependency), so it needs nothing installed beyond the tree.
-"""
+"""Imports point only down the pipeline: a module imports its own layer (`LAYERS`) and those below,
+never one above, and packages that share a layer never import each other."""
 
 from __future__ import annotations
 
@@ -69,6 +52,7 @@ def _layer(module: str) -> tuple[str, int]:
 
 
 def _imports(module: str, path: Path) -> set[str]:
+    """The product modules ``path`` imports, by ``ast``: a lazy import is a dependency too."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
@@ -118,14 +102,10 @@ def test_the_partition_runner_runs_without_faust():
     assert not [name for name in names if name.split(".")[0] in ("faust", "mode", "aiokafka")], names
 
 
-def test_every_module_is_placed_on_a_layer():
+def test_imports_point_only_down_the_pipeline():
     modules = _modules()
     assert "specwatch.streams.topology" in modules and "specwatch.schemas.contract" in modules
-    assert all(_layer(module)[0] for module in modules)
-
-
-def test_imports_point_only_down_the_pipeline():
-    assert _violations() == []
+    assert _violations() == []  # which places every module (`_layer` raises where no layer fits)
 
 
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.sdk._logs import LogRecordProcessor
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 
-from specwatch.collectors.export import ExportResult, InMemoryExporter
+from specwatch.collectors.export import InMemoryExporter
 from specwatch.collectors.otel import BoundedLogRecordProcessor, KafkaTelemetryExporter, TelemetryEmitter
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.topics import TELEMETRY_TOPIC
@@ -23,37 +23,29 @@ from telemetry_log import MemoryProducer, step_record
 SDK_AND_DIRECT = pytest.mark.parametrize("sdk", [True, False], ids=["sdk", "direct"])
 
 
-def _step(seq: int, worker: str = "w1"):
-    return step_record(worker, seq)
-
-
 def _mixed() -> list:
     return [
-        _step(1),
+        step_record("w1", 1),
         RequestRecord(v=1, ts=2.0, worker="w1", bundle_id="b-1", id="r1", bucket="coding", cohort="canary",
                       speculative=True, ttft_ms=90.0, tpot_ms=None, e2e_ms=900.0, output_tokens=1,
                       finish_reason="stop", sample=Sample(sampling=Sampling(seed=3))),
         ShadowRecord(v=1, ts=3.0, bundle_id="b-1", id="r1", bucket="coding", check="token_exact", match=True),
-        _step(2, worker="w2"),
+        step_record("w2", 2),
     ]
 
 
-class _HangingExporter:
+class _HangingExporter(InMemoryExporter):
     """Blocks in export until released, as a wedged network call would."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.release = threading.Event()
         self.entered = threading.Event()
-        self.records: list = []
 
     def export(self, batch):
         self.entered.set()
         self.release.wait(30)
-        self.records.extend(batch)
-        return ExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return True
+        return super().export(batch)
 
     def shutdown(self) -> None:
         self.release.set()
@@ -75,7 +67,7 @@ def test_a_hanging_exporter_never_blocks_emit_and_overflow_is_counted(sdk):
     exporter = _HangingExporter()
     emitter = TelemetryEmitter(exporter, sdk=sdk, max_queue_size=100, max_batch_size=10,
                                schedule_delay_millis=10, shutdown_timeout_millis=100)
-    emitter.emit(_step(0))
+    emitter.emit(step_record("w1", 0))
     assert exporter.entered.wait(5)  # the export thread is now stuck inside export()
     # The exporter stays stuck until released, so an emit that waited on it would never
     # return: finishing at all (the join) is the proof; no wall-clock bound is asserted.
@@ -83,7 +75,7 @@ def test_a_hanging_exporter_never_blocks_emit_and_overflow_is_counted(sdk):
 
     def engine_thread():
         for seq in range(1, 1001):
-            kept[0] += emitter.emit(_step(seq))
+            kept[0] += emitter.emit(step_record("w1", seq))
 
     engine = threading.Thread(target=engine_thread, daemon=True)
     engine.start()
@@ -108,13 +100,13 @@ def test_shutdown_returns_in_bounded_time_when_the_exporter_hangs():
 
     exporter = Wedged()
     emitter = TelemetryEmitter(exporter, sdk=False, schedule_delay_millis=10, shutdown_timeout_millis=200)
-    emitter.emit(_step(0))
+    emitter.emit(step_record("w1", 0))
     assert exporter.entered.wait(5)
     closer = threading.Thread(target=emitter.shutdown, daemon=True)
     closer.start()
     closer.join(60)  # the sink never returns: only a bounded shutdown can finish
     assert not closer.is_alive(), "shutdown waited on the wedged exporter"
-    assert emitter.emit(_step(1)) is False  # closed: refused, and counted
+    assert emitter.emit(step_record("w1", 1)) is False  # closed: refused, and counted
     exporter.release.set()
 
 
@@ -124,7 +116,7 @@ def test_drops_are_reported_by_a_periodic_warning(caplog):
                                drop_warning_interval_s=0.05, shutdown_timeout_millis=100)
     with caplog.at_level(logging.WARNING, logger="specwatch.collectors.otel"):
         for seq in range(50):
-            emitter.emit(_step(seq))
+            emitter.emit(step_record("w1", seq))
         exporter.release.set()
         until(lambda: "dropped" in caplog.text, 5, 0.02)
     assert "queue full, dropped" in caplog.text
@@ -144,10 +136,10 @@ def test_an_exporter_that_raises_counts_failures_and_keeps_exporting():
     sink = Flaky()
     with TelemetryEmitter(sink, sdk=False, max_batch_size=3) as emitter:
         for seq in range(3):
-            emitter.emit(_step(seq))
+            emitter.emit(step_record("w1", seq))
         emitter.force_flush(5_000)
         for seq in range(3, 6):
-            emitter.emit(_step(seq))
+            emitter.emit(step_record("w1", seq))
         emitter.force_flush(5_000)
         stats = emitter.stats()
     assert (stats.failed, stats.exported) == (3, 3)
@@ -187,10 +179,10 @@ def test_foreign_log_records_are_left_alone():
     sink = InMemoryExporter()
     emitter = TelemetryEmitter(sink, sdk=True)
     emitter.provider.get_logger("app").emit(body="user logged in", event_name="app.login")
-    emitter.emit(_step(1))
+    emitter.emit(step_record("w1", 1))
     emitter.force_flush(5_000)
     emitter.shutdown()
-    assert sink.records == [_step(1)]
+    assert sink.records == [step_record("w1", 1)]
     assert emitter.stats().rejected == 0
 
 
@@ -225,7 +217,8 @@ def test_a_down_broker_only_counts_failures(sdk):
     exporter = KafkaTelemetryExporter(config)  # api_version is set: no bootstrap round trip here
     emitter = TelemetryEmitter(exporter, sdk=sdk, schedule_delay_millis=20,
                                shutdown_timeout_millis=2_000)
-    assert all(emitter.emit(_step(seq)) for seq in range(200))  # queued, never sent on this thread
+    # queued, never sent on this thread
+    assert all(emitter.emit(step_record("w1", seq)) for seq in range(200))
     until(lambda: emitter.stats().failed >= 200, 10)
     stats = emitter.stats()
     assert stats.failed + stats.dropped == 200 and stats.exported == 0

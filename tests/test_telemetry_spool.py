@@ -1,7 +1,5 @@
-"""The engine-side telemetry spool, and the Kafka exporter's switch to it and back (unit tests).
-
-The producer is an in-memory twin that refuses on cue; the real outage: test_broker_outage.py.
-"""
+"""The engine-side telemetry spool, and the Kafka exporter's switch to it and back, on an in-memory
+producer that refuses on cue (the real outage: test_broker_outage.py)."""
 
 from __future__ import annotations
 
@@ -114,8 +112,14 @@ def test_spool_settings_from_the_environment(tmp_path):
 # ---------------------------------------------------------------- the exporter's switch
 
 
-def _steps(worker: str, start: int, count: int) -> list:
-    return [step_record(worker, seq, requests=1) for seq in range(start, start + count)]
+def _steps(start: int, count: int) -> list:
+    return [step_record("w1", seq, requests=1) for seq in range(start, start + count)]
+
+
+def _exporter(producer: MemoryProducer, spool_dir=None, **config) -> KafkaTelemetryExporter:
+    spool = TelemetrySpool(spool_dir) if spool_dir else None
+    return KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9", **config), producer=producer,
+                                  spool=spool, drain_backoff_s=(0.01, 0.05))
 
 
 def _delivered_seqs(producer: MemoryProducer) -> list[int]:
@@ -124,22 +128,21 @@ def _delivered_seqs(producer: MemoryProducer) -> list[int]:
 
 def test_failed_sends_and_deliveries_spool_in_order_and_drain_when_kafka_is_back(tmp_path):
     producer = MemoryProducer()
-    exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9", delivery_timeout_ms=1_000), producer=producer,
-                                      spool=TelemetrySpool(tmp_path), drain_backoff_s=(0.01, 0.05))
-    exporter.export(_steps("w1", 0, 3))
+    exporter = _exporter(producer, tmp_path, delivery_timeout_ms=1_000)
+    exporter.export(_steps(0, 3))
     producer.flush()
     producer.fail_deliveries = True  # the broker goes: what is in flight fails on delivery...
-    exporter.export(_steps("w1", 3, 2))
+    exporter.export(_steps(3, 2))
     producer.up = False  # ...and then sends fail too
-    exporter.export(_steps("w1", 5, 2))
-    assert exporter.export(_steps("w1", 7, 2)).name == "SUCCESS"  # on disk: nothing lost
+    exporter.export(_steps(5, 2))
+    assert exporter.export(_steps(7, 2)).name == "SUCCESS"  # on disk: nothing lost
     stats = exporter.stats()
     assert (stats["spool_pending"], stats["records_failed"], stats["delivery_errors"]) == (6, 0, 1)
     assert _delivered_seqs(producer) == [0, 1, 2]
 
     producer.fail_deliveries, producer.up = False, True
     assert until(lambda: exporter.stats()["spool_pending"] == 0 and not exporter._spooling)
-    exporter.export(_steps("w1", 9, 1))  # direct again
+    exporter.export(_steps(9, 1))  # direct again
     producer.flush()
     assert _delivered_seqs(producer) == list(range(10))
     assert exporter.stats()["drained"] == 6
@@ -150,8 +153,8 @@ def test_failed_sends_and_deliveries_spool_in_order_and_drain_when_kafka_is_back
 def test_without_a_spool_failed_records_are_counted_lost(fails):
     producer = MemoryProducer()
     producer.up, producer.fail_deliveries = fails != "send", fails == "delivery"
-    exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9"), producer=producer)
-    assert exporter.export(_steps("w1", 0, 4)).name == ("FAILURE" if fails == "send" else "SUCCESS")
+    exporter = _exporter(producer)
+    assert exporter.export(_steps(0, 4)).name == ("FAILURE" if fails == "send" else "SUCCESS")
     producer.flush()  # a delivery fails later, on the producer's thread
     assert exporter.stats()["records_failed"] == 4
     exporter.shutdown()
@@ -160,14 +163,12 @@ def test_without_a_spool_failed_records_are_counted_lost(fails):
 def test_what_is_spooled_at_shutdown_stays_for_the_next_start(tmp_path):
     producer = MemoryProducer()
     producer.up = False
-    exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9"), producer=producer, spool=TelemetrySpool(tmp_path),
-                                      drain_backoff_s=(0.01, 0.05))
-    exporter.export(_steps("w1", 0, 5))
+    exporter = _exporter(producer, tmp_path)
+    exporter.export(_steps(0, 5))
     exporter.shutdown()
     producer = MemoryProducer()
-    exporter = KafkaTelemetryExporter(KafkaConfig("127.0.0.1:9"), producer=producer, spool=TelemetrySpool(tmp_path),
-                                      drain_backoff_s=(0.01, 0.05))
-    exporter.export(_steps("w1", 5, 1))  # behind the five from before
+    exporter = _exporter(producer, tmp_path)
+    exporter.export(_steps(5, 1))  # behind the five from before
     assert until(lambda: exporter.stats()["spool_pending"] == 0)
     producer.flush()
     assert _delivered_seqs(producer) == list(range(6))

@@ -13,10 +13,10 @@ from specwatch.collectors.vllm import VllmCollector, request_labels
 from specwatch.collectors.vllm import plugin
 from specwatch.collectors.vllm.collector import token_digest
 from specwatch.collectors.vllm.taps import RunnerTap, StepFrame
-from specwatch.schemas import BundleCard, Decision, DrafterCard, TargetCard, bundle_digest
+from specwatch.schemas import BundleCard, DrafterCard, TargetCard, bundle_digest
 
 from machine import fresh_python
-from vllm_scenario import ListSink
+from vllm_scenario import ListSink, flag_decision
 
 _CARD = BundleCard(target=TargetCard(model_id="tiny"), drafter=DrafterCard(mechanism="ngram", draft_length=4))
 _BUNDLE = bundle_digest(_CARD)
@@ -39,7 +39,6 @@ def test_package_imports_without_vllm():
 
 
 @pytest.mark.parametrize("request_id, extra, expected", [
-    ("coding:canary:1", None, ("coding", "canary")),
     ("coding:canary:1", {"specwatch_bucket": "chat"}, ("chat", "canary")),
     ("r-1", {"specwatch_bucket": "chat", "specwatch_cohort": "baseline"}, ("chat", "baseline")),
     ("r-1", {"specwatch_bucket": "a/b", "specwatch_cohort": 3}, ("default", "main")),
@@ -124,16 +123,13 @@ def test_broken_payload_is_counted_not_emitted_and_emission_continues():
 
 
 def test_failing_sink_is_counted_and_does_not_stop_emission():
-    class Flaky:
-        def __init__(self):
-            self.calls = 0
-            self.records = []
+    failures = [RuntimeError("broker down")]
 
+    class Flaky(ListSink):
         def emit(self, record):
-            self.calls += 1
-            if self.calls == 1:
-                raise RuntimeError("broker down")
-            self.records.append(record)
+            if failures:
+                raise failures.pop()
+            super().emit(record)
 
     sink = Flaky()
     collector = VllmCollector(sink)
@@ -148,13 +144,10 @@ def test_failing_sink_is_counted_and_does_not_stop_emission():
 def test_full_queue_drops_and_counts_instead_of_blocking():
     release = threading.Event()
 
-    class Slow:
-        def __init__(self):
-            self.records = []
-
+    class Slow(ListSink):
         def emit(self, record):
             release.wait(10)
-            self.records.append(record)
+            super().emit(record)
 
     sink = Slow()
     collector = VllmCollector(sink, queue_size=4)
@@ -190,11 +183,6 @@ def _tap(flags):
     return tap
 
 
-def _decide(action, bucket=None, cohort=None, **evidence):
-    return Decision(ts=1.0, bundle_id=_BUNDLE, bucket=bucket, cohort=cohort, action=action,
-                    reason="acceptance_drop", detector="test", evidence=evidence)
-
-
 def test_gate_follows_the_flags_per_request():
     flags = FlagStore()
     tap = _tap(flags)
@@ -202,12 +190,12 @@ def test_gate_follows_the_flags_per_request():
                 "x": _State({"specwatch_bucket": "coding", "specwatch_cohort": "main"})}
     ids = list(requests)
     assert tap.gate(ids, requests) == {} and tap.pending_gate is None
-    flags.apply(_decide("disable_speculation", "coding"))
+    flags.apply(flag_decision(_BUNDLE, "disable_speculation", "coding"))
     assert tap.gate(ids, requests) == {"coding:canary:1": 0, "x": 0}
-    flags.apply(_decide("reduce_draft_length", "chat", draft_length=2))
+    flags.apply(flag_decision(_BUNDLE, "reduce_draft_length", "chat", draft_length=2))
     assert tap.gate(ids, requests) == {"coding:canary:1": 0, "chat:main:2": 2, "x": 0}
     assert tap.frame.gated == tap.pending_gate
-    flags.apply(_decide("restore", "coding"))
+    flags.apply(flag_decision(_BUNDLE, "restore", "coding"))
     assert tap.gate(ids, requests) == {"chat:main:2": 2}
 
 
@@ -215,10 +203,10 @@ def test_model_drafter_requests_stay_off_after_a_skipped_step():
     flags = FlagStore()
     tap = _tap(flags)
     requests = {"a": _State(), "b": _State()}
-    flags.apply(_decide("disable_speculation"))
+    flags.apply(flag_decision(_BUNDLE, "disable_speculation"))
     assert tap.gate(["a", "b"], requests) == {"a": 0, "b": 0}
     tap.drafter_skipped(["a", "b"])
-    flags.apply(_decide("restore"))
+    flags.apply(flag_decision(_BUNDLE, "restore"))
     requests["c"] = _State()
     assert tap.gate(["a", "b", "c"], requests) == {"a": 0, "b": 0}
 

@@ -1,12 +1,9 @@
-"""`specwatch demo --engine vllm` end to end: a real engine, the embedded pipeline, the flags.
-
-The detectors must switch the random drafter off everywhere and leave the copy drafter on.
-"""
+"""`specwatch demo --engine vllm` end to end: the detectors switch the random drafter off
+everywhere and leave the copy drafter on, on a real engine through the embedded pipeline."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -26,8 +23,8 @@ _SUBPROCESS_TIMEOUT_S = 900
 def demo(tmp_path_factory) -> dict:
     outdir = tmp_path_factory.mktemp("vllm-demo")
     started = time.monotonic()
-    proc = specwatch("demo", "--engine", "vllm", "--json", "--outdir", str(outdir), timeout=_SUBPROCESS_TIMEOUT_S,
-                     env=dict(os.environ))
+    proc = specwatch("demo", "--engine", "vllm", "--json", "--outdir", str(outdir),
+                     timeout=_SUBPROCESS_TIMEOUT_S)
     if proc.returncode != 0:
         pytest.fail(f"specwatch demo --engine vllm failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

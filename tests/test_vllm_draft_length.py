@@ -1,7 +1,5 @@
-"""The advised draft length on a real vLLM engine: a drafter whose acceptance fades with position.
-
-Per-position counts equal vLLM's; `tune` advises D < 4, and the engine drafts no further.
-"""
+"""The advised draft length on a real vLLM engine with a drafter whose acceptance fades with
+position: per-position counts equal vLLM's; `tune` advises D < 4; the engine drafts no further."""
 
 from __future__ import annotations
 
@@ -12,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import ListSink, records_of_kind, scenario_fixture
+from vllm_scenario import (counter_delta, drafted_rounds, flagged_collector, records_of_kind,
+                           rounds_matching_counters, scenario_fixture, watched_engine)
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +29,6 @@ _PROMPTS = [
     "def parse(line):\n    return line.split(',')\n",
 ]
 _MAX_TOKENS = 48
-_SUBPROCESS_TIMEOUT_S = 900
 
 
 def _noisy_drafter(target: Path, out: Path) -> Path:
@@ -51,26 +49,22 @@ def _noisy_drafter(target: Path, out: Path) -> Path:
 
 def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: D=4, advice from the telemetry, the advised D, results to JSON."""
-    from specwatch.actions.flags import FlagStore
-    from specwatch.collectors.vllm import VllmCollector, build_tiny_models
-    from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion, spec_decode_counters
+    from specwatch.collectors.vllm import build_tiny_models
+    from specwatch.collectors.vllm.local_engine import (close_engine, run_to_completion,
+                                                        spec_decode_counters)
     from specwatch.schemas import Decision, encode_record
-    from specwatch.streams.embedded import EmbeddedPipeline
     from specwatch.analysis.tuning import tune_report
+    from vllm import SamplingParams
+
+    from telemetry_log import replayed
 
     models = build_tiny_models()
     drafter = _noisy_drafter(models.target, out_path.parent / "noisy-drafter")
-    from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS, ignore_eos=True)
-    sink = ListSink()
-    records = sink.records
-    flags = FlagStore()
-    collector = VllmCollector(sink, flags=flags, worker="test-draft-length")
+    collector, records, flags = flagged_collector("test-draft-length")
     spec = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": _DRAFT_LENGTH}
-    with collector.watching():
-        engine = new_engine(models.target, spec)
-    (bundle_id,) = collector.bundles
+    engine, bundle_id = watched_engine(collector, models.target, spec)
     card = collector.bundles[bundle_id].model_dump(mode="json")
     result: dict = {"bundle_id": bundle_id}
 
@@ -80,24 +74,21 @@ def _scenario(out_path: Path) -> None:
         started = time.monotonic()
         run = run_to_completion(engine, [(f"coding:main:{name}{i}", p, params) for i, p in enumerate(_PROMPTS)])
         collector.flush()
-        after = spec_decode_counters(engine)
-        per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
-                   for i, a in enumerate(after["accepted_per_pos"])]
         result[name] = {
             "records": [encode_record(r) for r in records[first:]],
-            "counters": {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")},
-            "accepted_per_pos": per_pos,
+            "counters": counter_delta(before, spec_decode_counters(engine)),
             "texts": {rid.rsplit(name, 1)[1]: o.outputs[0].text for rid, o in run.outputs.items()},
             "wall_s": time.monotonic() - started,
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in run.outputs.values()),
         }
 
+    def window_rows() -> list[dict]:
+        rows: list[dict] = []
+        replayed(records, sinks=[lambda output: rows.extend(output.window_rows)])
+        return rows
+
     phase("full")
-    rows: list[dict] = []
-    pipeline = EmbeddedPipeline(sinks=[lambda output: rows.extend(output.window_rows)])
-    pipeline.feed_many(records)
-    pipeline.finish()
-    report = tune_report(rows, card, bundle_id, flags)
+    report = tune_report(window_rows(), card, bundle_id, flags)
     result["report"] = report
     advised = next(b for b in report["buckets"] if b["bucket"] == "coding")["best_d"]
     flags.apply(Decision(ts=time.time(), bundle_id=bundle_id, bucket="coding", cohort=None,
@@ -105,51 +96,40 @@ def _scenario(out_path: Path) -> None:
                          evidence={"draft_length": advised}))
     phase("advised")
     # with steps at two D, the cost model can separate the drafter's per-step cost from its passes
-    rows = []
-    pipeline = EmbeddedPipeline(sinks=[lambda output: rows.extend(output.window_rows)])
-    pipeline.feed_many(records)
-    pipeline.finish()
-    result["report_both"] = tune_report(rows, card, bundle_id, None, window_seconds=24 * 3600.0)
+    result["report_both"] = tune_report(window_rows(), card, bundle_id, None,
+                                        window_seconds=24 * 3600.0)
     collector.close()
     close_engine(engine)
     out_path.write_text(json.dumps(result))
 
 
-run = scenario_fixture(__file__, _SUBPROCESS_TIMEOUT_S)
+run = scenario_fixture(__file__)
 
 
-def _rounds(part):
-    return [e for r in records_of_kind(part["records"], "step") for e in r.requests if e.drafted]
-
-
-def _survival(rounds, positions):
-    return [sum(1 for e in rounds if e.accepted >= k) for k in range(1, positions + 1)]
+def _coding(report):
+    return next(b for b in report["buckets"] if b["bucket"] == "coding")
 
 
 def test_per_position_acceptance_equals_vllm_counters(run):
     for name in ("full", "advised"):
-        part = run[name]
-        rounds = _rounds(part)
-        assert len(rounds) == part["counters"]["drafts"] > 0
-        assert sum(e.drafted for e in rounds) == part["counters"]["draft_tokens"]
-        assert _survival(rounds, _DRAFT_LENGTH) == part["accepted_per_pos"][:_DRAFT_LENGTH]
+        assert rounds_matching_counters(run[name]["records"], run[name]["counters"])
     # and what tune read back from the pipeline's window stats is the same count
-    coding = next(b for b in run["report"]["buckets"] if b["bucket"] == "coding")
-    full = _rounds(run["full"])
+    coding = _coding(run["report"])
+    full = drafted_rounds(run["full"]["records"])
     assert coding["rounds"] == len(full)
     assert coding["position_rates"] == pytest.approx(
-        [a / len(full) for a in run["full"]["accepted_per_pos"][:_DRAFT_LENGTH]], rel=1e-5)
+        [a / len(full) for a in run["full"]["counters"]["accepted_per_pos"]], rel=1e-5)
 
 
 def test_fading_drafter_gets_a_shorter_draft_and_the_engine_drafts_no_further(run, capsys):
-    coding = next(b for b in run["report"]["buckets"] if b["bucket"] == "coding")
+    coding = _coding(run["report"])
     rates = coding["position_rates"]
     assert rates == sorted(rates, reverse=True) and rates[-1] < 0.5 * rates[0], "acceptance fades with position"
     assert coding["current_d"] == _DRAFT_LENGTH
     best = max(coding["curve"], key=lambda p: (p["speedup"], -p["d"]))
     advised = coding["best_d"]
     assert advised == best["d"] < _DRAFT_LENGTH
-    later = _rounds(run["advised"])
+    later = drafted_rounds(run["advised"]["records"])
     assert later and max(e.drafted for e in later) == advised
     # positions the advised D keeps are accepted as the first run measured
     for k, (low, high) in enumerate(coding["position_intervals"][:advised], start=1):
@@ -161,9 +141,7 @@ def test_fading_drafter_gets_a_shorter_draft_and_the_engine_drafts_no_further(ru
     predicted = (advised_d["draft_ms"] + advised_d["verify_ms"]) / (full_d["draft_ms"] + full_d["verify_ms"])
     measured, parts = {}, {}
     for name in ("full", "advised"):
-        from specwatch.schemas import decode_line
-
-        steps = [r for r in map(decode_line, run[name]["records"]) if r.kind == "step"]
+        steps = records_of_kind(run[name]["records"], "step")
         measured[name] = sum(s.draft_ms + s.verify_ms for s in steps) / len(steps)
         parts[name] = (f"draft {sum(s.draft_ms for s in steps) / len(steps):.1f} + verify "
                        f"{sum(s.verify_ms for s in steps) / len(steps):.1f} ms")
@@ -175,7 +153,7 @@ def test_fading_drafter_gets_a_shorter_draft_and_the_engine_drafts_no_further(ru
               f"{run['full']['output_tokens'] / run['full']['wall_s']:.0f} -> "
               f"{run['advised']['output_tokens'] / run['advised']['wall_s']:.0f}")
         both = run["report_both"]
-        refit = next(b for b in both["buckets"] if b["bucket"] == "coding")
+        refit = _coding(both)
         at = {p["d"]: p["draft_ms"] + p["verify_ms"] for p in refit["curve"]}
         cost = both["step_cost"]
         print(f"[vllm draft length] refit on both D: draft {cost['draft_fit']} (per step "

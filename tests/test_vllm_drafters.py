@@ -1,7 +1,5 @@
-"""Draft-model speculation on a real vLLM engine: a copy of the target and a random drafter.
-
-Flags cut or stop proposals per scope on the tensor-drafter path; greedy text never changes.
-"""
+"""Draft-model speculation on a real vLLM engine (a copy of the target, a random drafter): flags
+cut or stop proposals per scope on the tensor-drafter path; greedy text never changes."""
 
 from __future__ import annotations
 
@@ -12,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import ListSink, records_of_kind, scenario_fixture
+from vllm_scenario import (counter_delta, drafted_rounds, flag_decision, flagged_collector,
+                           records_of_kind, rounds_matching_counters, scenario_fixture,
+                           watched_engine)
 
 pytestmark = pytest.mark.vllm
 
@@ -34,19 +34,17 @@ _CODING_OFF_AFTER = 3
 _ALL_OFF_AFTER = 8
 _RESTORE_AFTER = 12
 _LATE_ID = "chat:main:late"
-_SUBPROCESS_TIMEOUT_S = 900
 
 
 def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: copy drafter, random drafter, standard decoding; results to JSON."""
-    from specwatch.actions.flags import FlagStore
-    from specwatch.collectors.vllm import VllmCollector, build_tiny_models
+    from specwatch.collectors.vllm import build_tiny_models
     from specwatch.collectors.vllm.local_engine import (close_engine, new_engine, run_to_completion,
                                                         spec_decode_counters)
-    from specwatch.schemas import Decision, encode_record
+    from specwatch.schemas import encode_record
+    from vllm import SamplingParams
 
     models = build_tiny_models()
-    from vllm import SamplingParams
 
     def requests(tag, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -57,16 +55,11 @@ def _scenario(out_path: Path) -> None:
 
     def engine_run(name, drafter, max_tokens, script):
         """``script``: (after_step, mark, decision factories, request to add or None)."""
-        sink = ListSink()
-        records = sink.records
-        flags = FlagStore()
-        collector = VllmCollector(sink, flags=flags, worker=f"test-{name}")
+        collector, records, flags = flagged_collector(f"test-{name}")
         started = time.monotonic()
         spec = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": _DRAFT_LENGTH}
-        with collector.watching():
-            engine = new_engine(models.target, spec)
+        engine, bundle_id = watched_engine(collector, models.target, spec)
         init_s = time.monotonic() - started
-        (bundle_id,) = collector.bundles
         marks = {}
 
         def on_step(step):
@@ -74,8 +67,8 @@ def _scenario(out_path: Path) -> None:
                 if step == after_step:
                     collector.flush()
                     marks[mark] = max(r.seq for r in records if r.kind == "step")
-                    for make in decisions:
-                        flags.apply(make(bundle_id))
+                    for action, bucket, cohort, evidence in decisions:
+                        flags.apply(flag_decision(bundle_id, action, bucket, cohort, **evidence))
                     if extra is not None:
                         engine.add_request(*extra)
 
@@ -83,10 +76,9 @@ def _scenario(out_path: Path) -> None:
         started = time.monotonic()
         run = run_to_completion(engine, requests(name[0], max_tokens), on_step)
         collector.flush()
-        after = spec_decode_counters(engine)
         result[name] = {
             "records": [encode_record(r) for r in records],
-            "counters": {k: (after[k] - before[k]) for k in ("drafts", "draft_tokens", "accepted_tokens")},
+            "counters": counter_delta(before, spec_decode_counters(engine)),
             "texts": {rid[-1]: o.outputs[0].text for rid, o in run.outputs.items() if rid != _LATE_ID},
             "finished": sorted(run.outputs),
             "marks": marks, "init_s": init_s, "run_s": time.monotonic() - started,
@@ -98,11 +90,8 @@ def _scenario(out_path: Path) -> None:
         close_engine(engine)
 
     def decision(action, bucket=None, cohort=None, **evidence):
-        return lambda bundle_id: Decision(ts=time.time(), bundle_id=bundle_id, bucket=bucket,
-                                          cohort=cohort, action=action, reason="acceptance_drop",
-                                          detector="test", evidence=evidence)
+        return action, bucket, cohort, evidence
 
-    # copy drafter: after a few steps the coding/canary draft length is cut to _CUT_LIMIT
     engine_run("copy", models.copy_drafter, _COPY_MAX_TOKENS, [
         (2, "cut", [decision("reduce_draft_length", "coding", "canary", draft_length=_CUT_LIMIT)], None)])
     late = (_LATE_ID, _PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -120,28 +109,20 @@ def _scenario(out_path: Path) -> None:
     out_path.write_text(json.dumps(result))
 
 
-run = scenario_fixture(__file__, _SUBPROCESS_TIMEOUT_S)
+run = scenario_fixture(__file__)
 
 
 def _steps(part):
     return records_of_kind(part["records"], "step")
 
 
-def _rounds(steps):
-    return [e for s in steps for e in s.requests if e.drafted]
-
-
 @pytest.mark.parametrize("name", ["copy", "random"])
 def test_totals_equal_vllm_counters(run, name):
-    rounds = _rounds(_steps(run[name]))
-    counters = run[name]["counters"]
-    assert sum(e.drafted for e in rounds) == counters["draft_tokens"] > 0
-    assert sum(e.accepted for e in rounds) == counters["accepted_tokens"]
-    assert len(rounds) == counters["drafts"]
+    assert rounds_matching_counters(run[name]["records"], run[name]["counters"])
 
 
 def test_copy_drafter_accepts_every_draft(run, capsys):
-    rounds = _rounds(_steps(run["copy"]))
+    rounds = drafted_rounds(run["copy"]["records"])
     assert rounds and all(e.accepted == e.drafted for e in rounds)
     drafted = sum(e.drafted for e in rounds)
     part = run["copy"]
@@ -152,7 +133,7 @@ def test_copy_drafter_accepts_every_draft(run, capsys):
 
 
 def test_random_drafter_accepts_almost_nothing(run, capsys):
-    rounds = _rounds(_steps(run["random"]))
+    rounds = drafted_rounds(run["random"]["records"])
     drafted, accepted = sum(e.drafted for e in rounds), sum(e.accepted for e in rounds)
     part = run["random"]
     with capsys.disabled():

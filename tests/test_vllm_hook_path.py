@@ -1,16 +1,15 @@
-"""The collector's hook path replayed on recorded step shapes gives back exactly those steps.
-
-specwatch/bench/hook_path.py on stand-in engine objects, in a subprocess; no engine is started.
-"""
+"""The collector's hook path (specwatch/bench/hook_path.py) replayed on recorded step shapes gives
+back exactly those steps; stand-in engine objects in a subprocess, no engine is started."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from vllm_scenario import NGRAM_SPEC, flag_decision, scenario_fixture
 
 pytestmark = pytest.mark.vllm
 
@@ -22,20 +21,17 @@ def _replay(out_path: Path) -> None:
     from specwatch.bench.hook_path import replay_hook_path
     from specwatch.collectors.vllm import build_tiny_models
     from specwatch.collectors.vllm.local_engine import configure_cpu_environment, engine_args
-    from specwatch.schemas import Decision
     from specwatch.simulation.simulator import Simulator
 
     configure_cpu_environment()
-    config = engine_args(build_tiny_models().target, {"method": "ngram", "num_speculative_tokens": 4,
-                                                      "prompt_lookup_min": 2, "prompt_lookup_max": 3}).create_engine_config()
+    config = engine_args(build_tiny_models().target, NGRAM_SPEC).create_engine_config()
     steps = [r for r in Simulator("healthy", seed=17, minutes=0.05, workers=1, concurrency=6).records()
              if r.kind == "step"][:60]
     flags = FlagStore()
     first = replay_hook_path(config, steps, flags=flags, repeat=1)
     bundle_id = first.records[0].bundle_id
     off_bucket = steps[0].requests[0].bucket
-    flags.apply(Decision(ts=1.0, bundle_id=bundle_id, bucket=off_bucket, cohort=None, action="disable_speculation",
-                         reason="acceptance_drop", detector="test"))
+    flags.apply(flag_decision(bundle_id, "disable_speculation", off_bucket))
     gated = replay_hook_path(config, steps, flags=flags, repeat=2)
     out_path.write_text(json.dumps({
         "steps": [s.model_dump(mode="json") for s in steps],
@@ -46,13 +42,7 @@ def _replay(out_path: Path) -> None:
     }))
 
 
-@pytest.fixture(scope="module")
-def replayed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hook-path") / "replay.json"
-    done = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True,
-                          timeout=_SUBPROCESS_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(out.read_text())
+replayed = scenario_fixture(__file__, _SUBPROCESS_TIMEOUT_S, name="replayed")
 
 
 def _rows(step: dict) -> list[tuple]:

@@ -1,7 +1,5 @@
-"""A vLLM engine wired to Kafka the way `vllm serve` is: environment variables and nothing else.
-
-A signed decision between two waves turns coding off: the second wave drafts for chat only.
-"""
+"""A vLLM engine wired to Kafka by environment variables alone, as `vllm serve` is: a signed
+decision between two waves turns coding off, so the second wave drafts for chat only."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kafka_helpers import topic_messages
-from vllm_scenario import PROMPTS, engine_env, ngram_llm_and_params
+from vllm_scenario import PROMPTS, engine_env, flag_decision, ngram_llm_and_params
 
 pytestmark = [pytest.mark.vllm, pytest.mark.kafka]
 
@@ -72,7 +70,6 @@ def run(kafka_bootstrap, tmp_path_factory) -> dict:
     from specwatch.actions.sinks.publisher import DecisionPublisher
     from specwatch.transport.signing import Keyring
     from specwatch.transport.config import KafkaConfig
-    from specwatch.schemas import Decision
 
     out = tmp_path_factory.mktemp("vllm-kafka")
     name = f"test.vllm.{uuid.uuid4().hex[:8]}"
@@ -80,17 +77,14 @@ def run(kafka_bootstrap, tmp_path_factory) -> dict:
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, api_version=(4, 0))
     admin.create_topics([NewTopic(telemetry, 2, 1),
                          NewTopic(decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})])
-    env = engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.update({
-        "SPECWATCH_VLLM_SINK": "specwatch.collectors.vllm.kafka:telemetry_sink",
-        "SPECWATCH_VLLM_FLAGS": "specwatch.collectors.vllm.kafka:decision_flags",
-        "SPECWATCH_VLLM_WORKER": "serve-0",
-        "SPECWATCH_TELEMETRY_SPOOL_DIR": str(out / "spool"),  # never a spool left by another run
-        "SPECWATCH_KAFKA_BOOTSTRAP": kafka_bootstrap,
-        "SPECWATCH_TELEMETRY_TOPIC": telemetry,
-        "SPECWATCH_DECISIONS_TOPIC": decisions,
-        "SPECWATCH_SIGNING_KEY": _KEY,
-    })
+    env = engine_env(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        SPECWATCH_VLLM_SINK="specwatch.collectors.vllm.kafka:telemetry_sink",
+        SPECWATCH_VLLM_FLAGS="specwatch.collectors.vllm.kafka:decision_flags",
+        SPECWATCH_VLLM_WORKER="serve-0",
+        SPECWATCH_TELEMETRY_SPOOL_DIR=str(out / "spool"),  # never a spool left by another run
+        SPECWATCH_KAFKA_BOOTSTRAP=kafka_bootstrap, SPECWATCH_TELEMETRY_TOPIC=telemetry,
+        SPECWATCH_DECISIONS_TOPIC=decisions, SPECWATCH_SIGNING_KEY=_KEY)
     env.pop("SPECWATCH_SIGNING_KEY_FILE", None)
     log = open(out / "engine.log", "w")  # a file, not a pipe: nobody reads while the engine runs
     proc = subprocess.Popen([sys.executable, __file__, str(out)], stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -98,8 +92,7 @@ def run(kafka_bootstrap, tmp_path_factory) -> dict:
     try:
         deadline = time.monotonic() + _SUBPROCESS_TIMEOUT_S
         wave1 = json.loads(_wait_for(out / "wave1.json", deadline, proc))
-        off = Decision(ts=time.time(), bundle_id=wave1["bundle_id"], bucket="coding", cohort=None,
-                       action="disable_speculation", reason="acceptance_drop", detector="test", evidence={})
+        off = flag_decision(wave1["bundle_id"], "disable_speculation", "coding")
         with DecisionPublisher(KafkaConfig(kafka_bootstrap), topic=decisions,
                                keyring=Keyring.from_secrets(_KEY)) as publisher:
             assert publisher.publish(off) and publisher.flush(30)

@@ -1,26 +1,21 @@
-"""The collector as production runs it: vLLM's own engine and worker processes, set up by env.
-
-The entry point loads the hooks; sink and flags come from SPECWATCH_VLLM_* variables.
-"""
+"""The collector as production runs it, in vLLM's own engine and worker processes: the entry point
+loads the hooks; sink and flags come from SPECWATCH_VLLM_* variables."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from vllm_scenario import PROMPTS, contract_records, engine_env, ngram_llm_and_params
+from vllm_scenario import PROMPTS, contract_records, ngram_llm_and_params, scenario_fixture
 
 pytestmark = pytest.mark.vllm
 
 _RECORDS_ENV = "SPECWATCH_TEST_RECORDS"
 _MAX_TOKENS = 32
-_SUBPROCESS_TIMEOUT_S = 900
 
 
 class FileSink:
@@ -46,33 +41,27 @@ class NoCodingFlags:
         return SpeculationState(enabled=bucket != "coding")
 
 
-def _scenario(out_dir: Path) -> None:
+def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: the plain vLLM LLM API, nothing from specwatch passed in."""
+    records = out_path.with_name("records.jsonl")
+    os.environ[_RECORDS_ENV] = str(records)  # where the engine process's FileSink writes
     llm, params = ngram_llm_and_params(_MAX_TOKENS)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    (out_dir / "texts.json").write_text(json.dumps([o.outputs[0].text for o in outputs]))
+    llm.generate(PROMPTS, params, use_tqdm=False)
     llm.llm_engine.engine_core.shutdown()
+    out_path.write_text(json.dumps({"records": records.read_text().splitlines()}))
+
+
+_HERE = str(Path(__file__).resolve().parent)
+run = scenario_fixture(
+    __file__, multiprocessing=True, SPECWATCH_VLLM_SINK="test_vllm_multiprocess:FileSink",
+    SPECWATCH_VLLM_FLAGS="test_vllm_multiprocess:NoCodingFlags", SPECWATCH_VLLM_WORKER="mp-worker",
+    PYTHONPATH=os.pathsep.join(p for p in (_HERE, os.environ.get("PYTHONPATH")) if p))
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> list:
-    out = tmp_path_factory.mktemp("vllm-mp")
-    here = str(Path(__file__).resolve().parent)
-    env = engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    env.update({
-        "SPECWATCH_VLLM_SINK": "test_vllm_multiprocess:FileSink",
-        "SPECWATCH_VLLM_FLAGS": "test_vllm_multiprocess:NoCodingFlags",
-        "SPECWATCH_VLLM_WORKER": "mp-worker",
-        _RECORDS_ENV: str(out / "records.jsonl"),
-        "PYTHONPATH": os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p),
-    })
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True,
-                          timeout=_SUBPROCESS_TIMEOUT_S, env=env)
-    if proc.returncode != 0:
-        pytest.fail(f"vLLM scenario failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-    decoded = contract_records((out / "records.jsonl").read_text().splitlines())
-    print(f"\n[vllm multiprocess] scenario {time.monotonic() - started:.0f} s, {len(decoded)} records")
+def records(run) -> list:
+    decoded = contract_records(run["records"])
+    print(f"\n[vllm multiprocess] scenario {run['wall_s']:.0f} s, {len(decoded)} records")
     return decoded
 
 

@@ -1,9 +1,5 @@
-"""`specwatch reproduce` end to end on the tiny vLLM models, from sealed capture to the verdicts.
-
-Greedy requests give an acceptance-drop decision; seeded sampling at temperature 0.8 makes
-speculative output differ from standard on purpose (rejection sampling keeps the distribution,
-not the sequence), caught by a shadow check. Wrong and missing keys and bundles are refused.
-"""
+"""`specwatch reproduce` on the tiny vLLM models, from sealed capture to verdicts: greedy requests,
+sampled ones whose output differs from standard (a shadow check saw it), refused keys, bundles."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from specwatch.analysis.reproduce import render_result
-from vllm_scenario import scenario_fixture
+from vllm_scenario import scenario_fixture, watched_engine
 from machine import specwatch
 
 pytestmark = pytest.mark.vllm
@@ -33,8 +29,7 @@ _SAMPLED_TOKENS = 16
 _TEMPERATURE = 0.8
 _TOP_P = 0.95
 _SEED_BASE = 100
-_GREEDY = "coding"  # the buckets of the two scenarios (each pinned at 2 tokens per round by the demo policy)
-_SAMPLED = "extraction"
+_GREEDY, _SAMPLED = "coding", "extraction"  # pinned at 2 tokens per round by the demo policy
 _PHASE_LIMIT_S = 150.0
 _SUBPROCESS_TIMEOUT_S = 1200
 
@@ -86,9 +81,7 @@ def _scenario(out_path: Path) -> None:
 
     collector = VllmCollector(Feed(), worker="reproduce-test", capture=SampleCapture(policy.capture, key))
     spec = {"method": "draft_model", "model": str(models.random_drafter), "num_speculative_tokens": _DRAFT_LENGTH}
-    with collector.watching():
-        engine = new_engine(models.target, spec, max_num_seqs=len(_PROMPTS))
-    (bundle_id,) = collector.bundles
+    engine, bundle_id = watched_engine(collector, models.target, spec, max_num_seqs=len(_PROMPTS))
     result["bundle_id"] = bundle_id
 
     def decided(bucket):
@@ -141,6 +134,13 @@ def _reproduce(scenario, decision_id, *extra, key_file="scenario"):
                      timeout=_SUBPROCESS_TIMEOUT_S, env=env)
 
 
+def _reproduced(scenario, decision_id) -> dict:
+    """What `specwatch reproduce --json` says of ``decision_id`` (it must exit 0)."""
+    done = _reproduce(scenario, decision_id, "--json")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
 def _decision(scenario, bucket):
     found = [d for d in scenario["decisions"] if d["bucket"] == bucket and d["reason"] == "acceptance_drop"]
     assert found, scenario["decisions"]
@@ -160,9 +160,7 @@ def test_bad_drafter_reproduce_shows_low_acceptance_by_position(scenario, capsys
     sealed, _, _ = _archive_rows(scenario, decision["id"])
     assert sealed and {row["key_id"] for row in sealed} == {scenario["key_id"]}
     assert {row["sample_id"] for row in sealed} <= set(decision["sample_ids"])
-    done = _reproduce(scenario, decision["id"], "--json")
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout)
+    result = _reproduced(scenario, decision["id"])
     assert result["verdict"] == "reproduced" and result["card_differences"] == []
     assert len(result["requests"]) == len(sealed)
     for report in result["requests"]:
@@ -187,9 +185,7 @@ def test_divergence_found_where_the_shadow_check_saw_it(scenario, capsys):
     shadows = scenario["shadow"]
     assert any(p is not None for p in shadows.values()), "sampled speculative output differs from standard"
     assert any(d["reason"] == "quality_regression" and d["bucket"] == _SAMPLED for d in scenario["decisions"])
-    done = _reproduce(scenario, decision["id"], "--json")
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout)
+    result = _reproduced(scenario, decision["id"])
     assert result["requests"]
     for report in result["requests"]:
         # vLLM's speculative sampling does not repeat a seeded request's tokens across batches

@@ -38,16 +38,18 @@ def engine_env(**settings: str) -> dict[str, str]:
                 VLLM_CPU_KVCACHE_SPACE="1", **settings)
 
 
-def scenario_fixture(script: str, timeout_s: float, name: str = "run"):
+def scenario_fixture(script: str, timeout_s: float = 900, name: str = "run",
+                     multiprocessing: bool = False, **settings: str):
     """A module-scoped fixture ``name``: the JSON that ``python script OUT`` wrote, with ``wall_s``.
 
-    The engine core runs in that process (no V1 multiprocessing), beside the Python sink and flags.
+    The process has `engine_env` with ``settings``; without V1 ``multiprocessing`` the engine core
+    runs in it, beside the Python sink and flags.
     """
     @pytest.fixture(scope="module", name=name)
     def results(tmp_path_factory) -> dict:
         out = tmp_path_factory.mktemp(Path(script).stem) / "result.json"
         started = time.monotonic()
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env = engine_env(VLLM_ENABLE_V1_MULTIPROCESSING=str(int(multiprocessing)), **settings)
         proc = subprocess.run([sys.executable, script, str(out)], capture_output=True, text=True,
                               timeout=timeout_s, env=env)
         if proc.returncode != 0:
@@ -63,6 +65,63 @@ def records_of_kind(lines, kind: str) -> list:
     return [r for r in contract_records(lines) if r.kind == kind]
 
 
+def drafted_rounds(lines) -> list:
+    """The round entries that drafted, of every step record among JSON ``lines``."""
+    return [e for s in records_of_kind(lines, "step") for e in s.requests if e.drafted]
+
+
+def accepted_per_position(rounds, positions: int) -> list[int]:
+    """How many ``rounds`` accepted at least 1, 2, ... ``positions`` drafts (as vLLM counts)."""
+    return [sum(1 for e in rounds if e.accepted >= k) for k in range(1, positions + 1)]
+
+
+def rounds_matching_counters(lines, counters: dict) -> list:
+    """The drafted rounds among JSON ``lines``, which must add up to vLLM's ``counters`` exactly."""
+    rounds = drafted_rounds(lines)
+    assert len(rounds) == counters["drafts"]
+    assert sum(e.drafted for e in rounds) == counters["draft_tokens"]
+    assert sum(e.accepted for e in rounds) == counters["accepted_tokens"]
+    per_position = counters["accepted_per_pos"]
+    assert accepted_per_position(rounds, len(per_position)) == per_position
+    return rounds
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    """vLLM's speculative decoding counters gained between two `spec_decode_counters` readings."""
+    gained = {k: after[k] - before[k] for k in after if k != "accepted_per_pos"}
+    previous = before["accepted_per_pos"]
+    gained["accepted_per_pos"] = [a - (previous[i] if i < len(previous) else 0)
+                                  for i, a in enumerate(after["accepted_per_pos"])]
+    return gained
+
+
+def flagged_collector(worker: str):
+    """A collector on a `ListSink`, obeying a `FlagStore` of its own: collector, records, flags."""
+    from specwatch.actions.flags import FlagStore
+    from specwatch.collectors.vllm import VllmCollector
+
+    sink, flags = ListSink(), FlagStore()
+    return VllmCollector(sink, flags=flags, worker=worker), sink.records, flags
+
+
+def watched_engine(collector, target, spec, **options):
+    """A local engine (`new_engine` with ``options``) built under ``collector``; its bundle id."""
+    from specwatch.collectors.vllm.local_engine import new_engine
+
+    with collector.watching():
+        engine = new_engine(target, spec, **options)
+    (bundle_id,) = collector.bundles
+    return engine, bundle_id
+
+
+def flag_decision(bundle_id: str, action: str, bucket=None, cohort=None, **evidence):
+    """A decision from detector "test" on an acceptance drop, dated now."""
+    from specwatch.schemas import Decision
+
+    return Decision(ts=time.time(), bundle_id=bundle_id, bucket=bucket, cohort=cohort,
+                    action=action, reason="acceptance_drop", detector="test", evidence=evidence)
+
+
 BUCKETS = ["coding", "chat", "coding", "chat"]
 PROMPTS = [
     "def parse(line):\n    return line.split(',')\n",
@@ -70,6 +129,10 @@ PROMPTS = [
     "class Cache:\n    def __init__(self):\n        self.items = {}\n",
     "The quick brown fox jumps over the lazy dog.",
 ]
+
+
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+              "prompt_lookup_max": 3}
 
 
 def ngram_llm_and_params(max_tokens: int):
@@ -81,9 +144,7 @@ def ngram_llm_and_params(max_tokens: int):
 
     models = build_tiny_models()
     llm = LLM(model=str(models.target), dtype="float32", enforce_eager=True, max_model_len=512,
-              max_num_seqs=8, seed=0,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                  "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+              max_num_seqs=8, seed=0, speculative_config=NGRAM_SPEC)
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                              extra_args={"specwatch_bucket": bucket}) for bucket in BUCKETS]
     return llm, params
