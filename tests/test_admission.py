@@ -140,7 +140,8 @@ def test_with_enforcement_off_admission_decides_nothing(scenario, expected):
 
 
 def _slice(tpot, speculative=True, failures=0):
-    return _window([(tpot + i * 0.1, 1000.0 + 50 * tpot + i) for i in range(10)], speculative, failures)
+    requests = [(tpot + i * 0.1, 1000.0 + 50 * tpot + i) for i in range(10)]
+    return _window(requests, speculative, failures)
 
 
 def _healthy_window(rng, scale, speculative):

@@ -478,7 +478,7 @@ def test_window_stats_reach_the_archive_directly_and_through_the_sink_in_slice_s
 
 
 def test_the_tables_are_created_exactly_as_pinned(archive):
-    """Columns, types, defaults, engine settings and insert Arrow columns, as in archive_schema.txt."""
+    """Columns, types, defaults, engine settings and insert columns, as in archive_schema.txt."""
     archive.ensure_schema()
     archive.ensure_schema()
     _, engines = archive.sql("SELECT name, engine_full FROM system.tables WHERE database = 'specwatch'")

@@ -40,7 +40,7 @@ def _specwatch(tmp_path: Path, *argv: str, **environ: str) -> subprocess.Complet
     return specwatch(*argv, env=env, cwd=tmp_path, timeout=600)
 
 
-def _replay(tmp_path: Path, dsn: str | None, output: str, **environ: str) -> subprocess.CompletedProcess:
+def _replay(tmp_path: Path, dsn: str | None, output: str, **environ) -> subprocess.CompletedProcess:
     telemetry, policy = tmp_path / "telemetry.jsonl", tmp_path / "policy.toml"
     if not telemetry.exists():
         telemetry.write_text(_telemetry())
