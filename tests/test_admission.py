@@ -31,7 +31,6 @@ _REPO = Path(__file__).resolve().parents[1]
 
 
 def _rollout(scenario, policy=POLICY, minutes=None):
-    """One closed-loop run per (scenario, policy, minutes) for the module: tests only read it."""
     return _run_rollout(scenario, json.dumps(policy, sort_keys=True), minutes)
 
 
@@ -85,8 +84,7 @@ def test_structured_tail_on_the_canary_freezes_it_naming_bucket_and_metric():
     sim, pipeline, flags, _, got = _rollout("canary_tail")
     assert got == [
         *_ONTO_THE_CANARY,
-        # at 306 s before, when a shadow check re-ran the tests between looks; now at the
-        # promotion the stage had earned, whose extra look sees the tail: frozen at 10 %
+        # at the promotion the stage had earned, whose extra look sees the tail: frozen at 10 %
         (322.0, BUNDLE, "disable_speculation", "canary_judgement", None, "frozen", 0.0),
     ]
     frozen = pipeline.decisions[-1].evidence
@@ -128,13 +126,10 @@ def test_fingerprint_change_sends_the_new_card_back_through_admission():
 @pytest.mark.parametrize("scenario,expected", [
     ("admission", []),
     # the canary cohort's structured tail (10 % x5) is a real incident: with no judge, the
-    # key's own tail gate takes it off speculation (before the burst test and a baseline pool
-    # of speculative traffic only, nothing decided it)
+    # key's own tail gate takes it off speculation
     ("canary_tail", [(131.77, BUNDLE, "disable_speculation", "latency_slo", "structured", None, None)]),
 ])
 def test_with_enforcement_off_admission_decides_nothing(scenario, expected):
-    # The default policy: monitoring only. The new bundle speculates in every cohort at once;
-    # nothing is promoted or frozen, and the healthy fleet gives no decision at all.
     _, pipeline, flags, changes, got = _rollout(scenario, policy={}, minutes=4.0)
     assert pipeline.stage2.admission is None
     assert got == expected and changes == [] and flags.stages() == {}
@@ -144,11 +139,22 @@ def test_with_enforcement_off_admission_decides_nothing(scenario, expected):
 # -- the pieces, on small inputs -------------------------------------------------------------
 
 
-def _slice(tpot, n=10, speculative=True, failures=0):
+def _slice(tpot, speculative=True, failures=0):
+    requests = [(tpot + i * 0.1, 1000.0 + 50 * tpot + i) for i in range(10)]
+    return _window(requests, speculative, failures)
+
+
+def _healthy_window(rng, scale, speculative):
+    """Ten requests whose TPOT is lognormal around 10 ms x ``scale``."""
+    tpots = rng.lognormal(math.log(10.0 * scale), 0.3, 10)
+    return _window([(float(tpot), 1000.0) for tpot in tpots], speculative)
+
+
+def _window(requests, speculative, failures=0):
+    """A slice of ``(tpot_ms, e2e_ms)`` requests, the first ``failures`` of them failed."""
     stats = SliceStats()
-    for i in range(n):
-        stats.add_request(80.0, tpot + i * 0.1, 1000.0 + 50 * tpot + i, speculative,
-                          "error" if i < failures else "stop", 1.0)
+    for i, (tpot, e2e) in enumerate(requests):
+        stats.add_request(80.0, tpot, e2e, speculative, "error" if i < failures else "stop", 1.0)
     if speculative:
         stats.add_round(4, 3)
     stats.add_step_time(1.0 if speculative else 0.0, 10.0, 0.6, 1.0)
@@ -274,8 +280,7 @@ def test_registry_keeps_stage_history_and_people_move_stages_with_audit(tmp_path
 
 
 def test_two_failures_among_many_clean_windows_fail_no_canary():
-    # most windows hold no failure: the rank test on window rates called 2 failed canary
-    # requests in 160 against all-zero baseline windows significant, and froze a healthy card
+    # the rank test on window rates called 2 failed canary requests in 160 significant
     judge = CanaryJudge(AdmissionPolicy(window_requests=10, min_windows=8), ["token_exact"])
     for i in range(16):
         judge.update("baseline", _slice(12.0, speculative=False))
@@ -285,10 +290,8 @@ def test_two_failures_among_many_clean_windows_fail_no_canary():
 
 
 def test_a_shadow_check_between_looks_does_not_re_test_the_windows():
-    # shadow checks arrive between looks (every mirrored request in shadow, a share of the
-    # canary's after): each one re-ran every test on the windows grown since the look, at
-    # that look's alpha, so a stage was tested at every check and a healthy canary's false-fail
-    # rate was far above its budget. Between looks a check now moves only the mismatch count.
+    # re-running every test at each shadow check, between looks, put a healthy canary's
+    # false-fail rate far above its budget: between looks a check moves only the mismatch count
     judge = CanaryJudge(AdmissionPolicy(window_requests=10, min_windows=8), ["token_exact"])
     outcomes = []
     for i in range(32):
@@ -296,7 +299,6 @@ def test_a_shadow_check_between_looks_does_not_re_test_the_windows():
         judge.update("canary", _slice(6.0 if i < 8 else 30.0))  # the canary is slow from the 9th window
         judge.add_shadow(True, "token_exact", f"r{i}", float(i))
         outcomes.append((judge.look, judge.judgement.outcome))
-    # before: marginal from the 14th window and failed at the 18th, each between looks
     assert outcomes == [(0, "marginal")] * 7 + [(1, "pass")] * 8 + [(2, "marginal")] * 16 + [(3, "fail")]
     assert [m.metric for m in judge.judgement.failing] == ["tpot_p95", "tpot_p99", "e2e_p99"]
     assert judge.judgement.shadow_checks == 32
@@ -304,21 +306,9 @@ def test_a_shadow_check_between_looks_does_not_re_test_the_windows():
     assert [m.metric for m in judge.judgement.failing][-1] == "shadow_mismatches"
 
 
-def _healthy_window(rng, scale, speculative):
-    """Ten requests whose TPOT is lognormal around 10 ms x ``scale``."""
-    stats = SliceStats()
-    for tpot in rng.lognormal(math.log(10.0 * scale), 0.3, 10):
-        stats.add_request(80.0, float(tpot), 1000.0, speculative, "stop", 1.0)
-    if speculative:
-        stats.add_round(4, 3)
-    stats.add_step_time(1.0 if speculative else 0.0, 10.0, 0.6, 1.0)
-    return stats
-
-
 def test_healthy_canaries_within_tolerance_stay_within_the_false_fail_budget():
-    # 100 seeded canaries 5 % slower than their baselines (inside the 10 % tolerance), 40
-    # windows a side with a shadow check after each: re-testing at every check failed 2 of
-    # them (seeds 11 and 88); tests only at looks fail none, inside the 1 % budget
+    # 100 canaries 5 % slower than their baselines (inside the 10 % tolerance): re-testing at
+    # every shadow check failed seeds 11 and 88; tests only at looks fail none (1 % budget)
     failed = []
     for seed in range(100):
         rng = np.random.default_rng(seed)
@@ -333,13 +323,12 @@ def test_healthy_canaries_within_tolerance_stay_within_the_false_fail_budget():
     assert failed == []
 
 
-@pytest.mark.parametrize("scenario,seed", [("admission", 102)])
-def test_a_healthy_rollout_on_an_unpinned_seed_raises_no_false_alarm(scenario, seed):
-    # seed 102 goes shadow, canary 10 %, canary 25 %, admitted in 8 minutes: nothing may
-    # freeze it, alert or switch a key off on the way (specwatch evaluate runs 20 such seeds)
+def test_a_healthy_rollout_on_an_unpinned_seed_raises_no_false_alarm():
+    # nothing may freeze, alert or switch a key off (specwatch evaluate runs 20 such seeds)
     from specwatch.evaluation.suite import Case, run_rollout
 
-    result = run_rollout(Case(scenario, None, "rollout under admission", 8.0, seed=seed, compare_baselines=False))
+    result = run_rollout(Case("admission", None, "rollout under admission", 8.0, seed=102,
+                              compare_baselines=False))
     assert (result["freezes"], result["alerts"], result["fallbacks"]) == ([], [], [])
     assert [d["stage"] for d in result["decisions"] if d["action"] == "promote"] == [
         "shadow", "canary", "canary", "admitted"]

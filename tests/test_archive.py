@@ -17,6 +17,7 @@ from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.store import Archive
 from specwatch.schemas import Decision
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceOutput, WindowRow
+from specwatch.simulation.simulator import DEFAULT_CARD
 
 from machine import fresh_python, specwatch_ok
 
@@ -34,8 +35,7 @@ def stats_row(ts, bundle="b-1", bucket="coding", cohort="main", **changes):
 
 def window_row(row: dict) -> WindowRow:
     """A window-stats row dict as stage 2 hands it over (`SliceOutput.windows`)."""
-    return WindowRow(row["ts"], row["bundle_id"], row["bucket"], row["cohort"], row["speculation_on"], row["steps"],
-                     row["plain_entries"], row["accepted_at_least"], row["drafted_at_least"],
+    return WindowRow(*(row[name] for name in WindowRow._fields[:-1]),
                      tuple(row[name] for name in WINDOW_SUMMARY_FIELDS))
 
 
@@ -67,11 +67,7 @@ def shadow(ts, rid="r1", bundle="b-1"):
             "check": "token_exact", "match": False}
 
 
-CARD = {"target": {"model_id": "llama-8b", "revision": "r1", "tokenizer_digest": "t1",
-                   "quantization": "none"},
-        "drafter": {"mechanism": "eagle3", "revision": "e1", "draft_length": 4},
-        "runtime": {"engine": "vllm-0.32", "gpu": "L4", "parallelism": "tp1"},
-        "policy": {"acceptance_rule": "strict", "fallback": "standard"}}
+CARD = DEFAULT_CARD.model_dump(mode="json")
 
 
 def audit_for(window):
@@ -80,15 +76,9 @@ def audit_for(window):
             "window": window, "card": CARD}
 
 
-def nan_safe(value):
-    """NaN compares unequal to itself; make it comparable for exact round-trip checks."""
-    if isinstance(value, float) and math.isnan(value):
-        return "NaN"
-    if isinstance(value, dict):
-        return {k: nan_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [nan_safe(v) for v in value]
-    return value
+def same(got, expected) -> bool:
+    """Equal, NaN included (JSON writes every NaN alike, and NaN compares unequal to itself)."""
+    return json.dumps(got, sort_keys=True) == json.dumps(expected, sort_keys=True)
 
 
 @pytest.fixture
@@ -154,17 +144,16 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
     assert audit["thresholds"] == audit_for(window)["thresholds"]
     assert audit["baseline"] == audit_for(window)["baseline"]
     assert audit["card"] == CARD
-    assert nan_safe(audit["window"]) == nan_safe(expected_window)
+    assert same(audit["window"], expected_window)
 
     assert [(s["kind"], s["sample_id"]) for s in got["samples"]] == [
         ("step", "w1:7"), ("request", "r1"), ("shadow", "r1"), ("request", "r2")]
     by_id = {(s["kind"], s["sample_id"]): s for s in got["samples"]}
-    assert by_id[("request", "r1")]["record"] == samples[0]
-    assert by_id[("step", "w1:7")]["record"] == samples[1]
-    assert by_id[("shadow", "r1")]["record"] == samples[2]
+    for key, sample in zip([("request", "r1"), ("step", "w1:7"), ("shadow", "r1")], samples):
+        assert by_id[key]["record"] == sample
     assert by_id[("step", "w1:7")]["bucket"] == "coding" and by_id[("shadow", "r1")]["worker"] is None
 
-    assert nan_safe(got["timeline"]) == nan_safe(expected_window)
+    assert same(got["timeline"], expected_window)
     assert got["bundles"] == [{"bundle_id": "b-1", "card": CARD, "first_seen": 50.0, "last_seen": 150.0,
                                "workers": ["w1", "w2"],
                                "sightings": [{"worker": "w1", "first_seen": 50.0, "last_seen": 50.0},
@@ -474,7 +463,6 @@ def test_server_dsn_errors_never_show_the_password(caplog, monkeypatch):
 # -- batching ------------------------------------------------------------------------------------
 
 def test_window_stats_reach_the_archive_directly_and_through_the_sink_in_slice_sized_writes(archive, tmp_path):
-    """The batching the bench measures: big direct writes (chunked) and one slice's rows at a time through the sink."""
     rows = [stats_row(i, bucket=("coding", "chat", "summarization")[i % 3], cohort=("main", "canary")[i % 2],
                       speedup=math.nan if i % 7 == 0 else 1.3)
             for i in range(70_000)]  # more than one insert chunk
@@ -490,9 +478,7 @@ def test_window_stats_reach_the_archive_directly_and_through_the_sink_in_slice_s
 
 
 def test_the_tables_are_created_exactly_as_pinned(archive):
-    """Every table as the engine reports it (columns in order, types, defaults; engine, partitioning,
-    ORDER BY, TTL, settings), and every insert's Arrow columns, stay as pinned (archive_schema.txt),
-    however often the schema is ensured."""
+    """Columns, types, defaults, engine settings and insert columns, as in archive_schema.txt."""
     archive.ensure_schema()
     archive.ensure_schema()
     _, engines = archive.sql("SELECT name, engine_full FROM system.tables WHERE database = 'specwatch'")
@@ -511,7 +497,6 @@ def test_the_tables_are_created_exactly_as_pinned(archive):
 
 
 def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path):
-    """An archive whose window_stats lacks the per-position columns is brought up to date."""
     dsn = f"chdb://{tmp_path / 'old'}"
     with Archive.open(dsn) as archive:
         for name in ("steps", "plain_entries", "accepted_at_least", "drafted_at_least"):
@@ -531,8 +516,7 @@ def test_an_archive_from_before_the_position_columns_gains_them_on_open(tmp_path
 
 
 def test_the_bench_measures_the_sink_beside_direct_writes_and_single_row_inserts():
-    """`specwatch bench --section archive`: the action path (`ArchiveSink`), with its alternatives, in one run
-    (it checks itself that every path's rows reached the table)."""
+    """The bench checks itself that every path's rows reached the table."""
     done = specwatch_ok("bench", "--section", "archive", "--smoke", "--json", timeout=900)
     report = json.loads(done.stdout)["archive"]
     assert (report["rows"], report["naive_rows"]) == (20_000, 50)

@@ -25,7 +25,6 @@ _ORDER = "ORDER BY ts, bundle_id, bucket, cohort"
 
 @pytest.fixture(scope="module")
 def outputs():
-    """A seeded incident run through the embedded pipeline: every slice output, in order."""
     outputs = []
     replayed(Simulator("latency_tail", seed=5, minutes=1.0, workers=3, concurrency=12).records(), sinks=[outputs.append])
     return outputs
@@ -74,8 +73,7 @@ def test_the_columnar_writer_stores_exactly_what_the_row_path_stored(outputs, tm
 
 
 def test_stage_two_columns_hold_exactly_the_numbers_of_its_rows(outputs):
-    """Columns built across keys from the statistics stage 2 hands over are, bit for bit, the
-    numbers of the rows it used to build one key at a time (`SliceStats.summary_values`)."""
+    """Bit for bit, against the rows stage 2 used to build one key at a time."""
     windows = [output.windows for output in outputs]
     assert all(isinstance(window, SliceWindows) for window in windows)
     columns = window_columns(windows)
@@ -99,8 +97,7 @@ def test_stage_two_columns_hold_exactly_the_numbers_of_its_rows(outputs):
 
 
 def test_the_sink_inserts_stage_two_output_with_no_row_object(outputs, tmp_path, monkeypatch):
-    """The sink hands stage 2's statistics to the archive as they are, in inserts cut at the
-    chunk size, and reads back what the row path stores."""
+    """Inserts cut at the chunk size, reading back what the row path stores."""
     def no_rows(self):
         raise AssertionError("a window row was built on the way into the archive")
 

@@ -23,14 +23,15 @@ from specwatch.schemas.outputs import ActionRecord, SliceOutput
 
 from machine import free_port
 from telemetry_log import replayed
+from test_archive import request
+from test_samples import _sample_id
 
 _POLICY = Policy.model_validate({"baseline": {"learn_seconds": 10}})
 
 
 @lru_cache(maxsize=1)
 def _outputs() -> tuple[SliceOutput, ...]:
-    """90 s of the seeded demo fleet: 90 slices, a bundle at the start, a few slices with decisions
-    (which ones is test_scenarios' business)."""
+    """90 s of the seeded demo fleet: 90 slices, a bundle at the start, a few with decisions."""
     records = Simulator("demo", seed=3, minutes=1.5, workers=2, concurrency=4, incident_at=20.0).records()
     outputs: list[SliceOutput] = []
     replayed(records, policy=_POLICY, sinks=[outputs.append])
@@ -76,15 +77,10 @@ def _unwritable(*roots: Path):
 
 
 def _expected(outputs) -> dict:
-    decisions = {a.decision.id for o in outputs for a in o.actions}
-    samples = set()
-    for o in outputs:
-        for a in o.actions:
-            for s in a.samples:
-                sample_id = f"{s['worker']}:{s['seq']}" if s["kind"] == "step" else s["id"]
-                samples.add((a.decision.id, s["kind"], str(sample_id)))
+    actions = [a for o in outputs for a in o.actions]
+    samples = {(a.decision.id, s["kind"], _sample_id(s)) for a in actions for s in a.samples}
     windows = {(r["ts"], r["bundle_id"], r["bucket"], r["cohort"]) for o in outputs for r in o.window_rows}
-    return {"decisions": decisions, "samples": samples, "windows": windows}
+    return {"decisions": {a.decision.id for a in actions}, "samples": samples, "windows": windows}
 
 
 def _contents(archive: Archive) -> dict:
@@ -94,7 +90,6 @@ def _contents(archive: Archive) -> dict:
                              "GROUP BY decision_id, kind, sample_id")
     _, windows = archive.sql("SELECT ts, bundle_id, bucket, cohort, count() FROM specwatch.window_stats FINAL "
                              "GROUP BY ts, bundle_id, bucket, cohort")
-    # Exactly once: every key once under FINAL.
     for rows in (decisions, audits, samples, windows):
         assert all(row[-1] == 1 for row in rows)
     assert {row[0] for row in audits} == {f"a-{row[0]}" for row in decisions}
@@ -242,10 +237,7 @@ def test_torn_writes_are_skipped_and_bad_segments_set_aside(tmp_path):
 
 def test_samples_never_reach_the_spool_or_the_archive_in_clear(tmp_path):
     prompt = "PROMPT-" + os.urandom(6).hex()
-    sample = {"kind": "request", "v": 1, "ts": 10.0, "worker": "w1", "bundle_id": "b-1", "id": "r1",
-              "bucket": "coding", "cohort": "main", "speculative": True, "ttft_ms": 1.0, "tpot_ms": None,
-              "e2e_ms": 2.0, "output_tokens": 1, "finish_reason": "error",
-              "error": f"tokenizer rejected '{prompt}'", "sample": None}
+    sample = request(10.0, error=f"tokenizer rejected '{prompt}'")
     decision = Decision(ts=10.0, bundle_id="b-1", bucket="coding", action="disable_speculation",
                         reason="error_rate", detector="error_gate", sample_ids=["r1"])
     output = SliceOutput(slice_index=10, slice_end=10.0, actions=[ActionRecord(decision, {"thresholds": {}}, [sample])])

@@ -34,20 +34,20 @@ def _telemetry() -> str:
     return "".join(encode_record(record) + "\n" for record in records)
 
 
-def _specwatch(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SPECWATCH_ARCHIVE_SPOOL=str(tmp_path / "spool"))
+def _specwatch(tmp_path: Path, *argv: str, **environ: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SPECWATCH_ARCHIVE_SPOOL=str(tmp_path / "spool"), **environ)
     env.pop("SPECWATCH_ARCHIVE", None)
     return specwatch(*argv, env=env, cwd=tmp_path, timeout=600)
 
 
-def _replay(tmp_path: Path, dsn: str | None, output: str) -> subprocess.CompletedProcess:
+def _replay(tmp_path: Path, dsn: str | None, output: str, **environ) -> subprocess.CompletedProcess:
     telemetry, policy = tmp_path / "telemetry.jsonl", tmp_path / "policy.toml"
     if not telemetry.exists():
         telemetry.write_text(_telemetry())
         policy.write_text(_POLICY_TOML)
     archive = ["--archive", dsn] if dsn else []
     return _specwatch(tmp_path, "replay", str(telemetry), "--output", str(tmp_path / output), "--policy",
-                      str(policy), *archive)
+                      str(policy), *archive, **environ)
 
 
 def _expected(tmp_path: Path) -> list[str]:
@@ -199,12 +199,9 @@ def test_a_worker_sink_refuses_a_held_archive_at_start_and_closes_the_archive_it
 
 
 def test_an_unknown_sample_text_mode_is_refused_at_start_not_taken_for_an_outage(tmp_path):
-    """A setting the archive would refuse on every open is one line and exit 2, never rows spooled as if it were away."""
-    telemetry = tmp_path / "telemetry.jsonl"
-    telemetry.write_text(_telemetry())
-    env = dict(os.environ, SPECWATCH_ARCHIVE_SPOOL=str(tmp_path / "spool"), SPECWATCH_ARCHIVE_SAMPLE_TEXT="clear")
-    done = specwatch("replay", str(telemetry), "--output", str(tmp_path / "decisions.jsonl"), "--archive",
-                     f"chdb://{tmp_path / 'archive'}", env=env, cwd=tmp_path, timeout=600)
+    """A setting the archive would refuse on every open is never taken for the archive away."""
+    done = _replay(tmp_path, f"chdb://{tmp_path / 'archive'}", "decisions.jsonl",
+                   SPECWATCH_ARCHIVE_SAMPLE_TEXT="clear")
     assert done.returncode == 2
     assert done.stderr == ("specwatch replay: SPECWATCH_ARCHIVE_SAMPLE_TEXT must be one of hashes, redacted, "
                            "got 'clear'\n")

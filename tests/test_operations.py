@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import shutil
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -58,9 +59,7 @@ def incident():
 def test_metrics_are_the_newest_window_of_each_key(incident):
     operations, pipeline, rows = incident
     samples = _samples(operations.render())
-    newest = {}
-    for row in rows:
-        newest[(row["bundle_id"], row["bucket"] or "*", row["cohort"] or "*")] = row
+    newest = {(row["bundle_id"], row["bucket"] or "*", row["cohort"] or "*"): row for row in rows}
     assert samples[("specwatch_metric_keys", ())] == len(newest)
     assert samples[("specwatch_metric_keys_overflow", ())] == 0
     checked = 0
@@ -160,8 +159,7 @@ def test_sender_fires_resends_and_resolves_on_restore():
     sender.resend()
     assert [a["endsAt"] for a in post.posts[1]] == ["1970-01-01T00:19:10.000000Z"] * 2
     clock[0] = 1040.0
-    sender.send_now([Decision(ts=70.0, bundle_id="b-1", bucket="coding", cohort="main", action="restore",
-                              reason="acceptance_drop", detector="restore_gate")])
+    sender.send_now([_decision("restore", ts=70.0)])
     resolved = post.posts[2]
     assert sorted(a["labels"]["action"] for a in resolved) == ["disable_speculation", "reduce_draft_length"]
     assert {a["endsAt"] for a in resolved} == {"1970-01-01T00:17:20.000000Z"}
@@ -344,8 +342,6 @@ def test_demo_serves_the_metrics_of_its_simulated_fleet(tmp_path):
 
 
 def test_demo_serve_on_a_busy_port_says_so(tmp_path):
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
