@@ -293,6 +293,23 @@ def test_operations_webhook_authenticates_and_builds_signed_overrides():
     assert asyncio.run(off.webhook("Bearer x", body, _CARDS, publish, lambda s: None))[0] == 403
 
 
+def test_webhook_logs_each_rollback_once(caplog):
+    published: list[list[Decision]] = []
+
+    async def publish(decisions):
+        published.append(decisions)
+
+    operations = Operations(OperationsSettings(web_port=None, webhook_token="t0k"), clock=lambda: 5000.0)
+    body = json.dumps(_payload(*(_alert({"alertname": "Drill", "bundle": "b-1", "bucket": bucket,
+                                         "reason": "latency_slo"}, bucket) for bucket in ("coding", "chat", "rag")))
+                      ).encode()
+    with caplog.at_level("WARNING", logger="specwatch.streams.operations"):
+        status, reply = asyncio.run(operations.webhook("Bearer t0k", body, _CARDS, publish, lambda scope: None))
+    assert status == 200 and len(reply["decisions"]) == len(published[0]) == 3
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("alert rollback")]
+    assert sorted(line.split()[2] for line in logged) == sorted(reply["decisions"])
+
+
 def test_rollback_policy_and_token_files_are_validated(tmp_path):
     bad = tmp_path / "bad.toml"
     for text, problem in (('[reasons]\nDrill = "slow"\n', "contract reason codes"),
