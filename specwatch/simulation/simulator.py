@@ -1,8 +1,5 @@
-"""A seeded simulator of a fleet of speculative-decoding engine workers, with scripted incidents.
-
-The embedded default data source, the test fixture generator and the load generator: pure and
-deterministic from a seed, it yields contract-v1 records in event-time order plus the ground truth.
-"""
+"""A seeded fleet of speculative-decoding engine workers with scripted incidents: contract-v1
+records in event-time order plus the ground truth, a pure function of the seed."""
 
 from __future__ import annotations
 
@@ -79,21 +76,9 @@ _CAPTURE_VOCAB = 32_000
 class BucketProfile:
     """How one task bucket behaves under speculation and what its traffic looks like.
 
-    Parameters
-    ----------
-    name
-        The bucket label on every round and request.
-    position_acceptance
-        Probability that the first drafted token is accepted; later positions decay by
-        `acceptance_decay` each, and a round keeps the leading accepted run.
-    weight
-        Share of new requests (before any mix shift).
-    prompt_median, prompt_sigma
-        Log-normal prompt length in tokens; prompts occupy KV cache for the whole request.
-    output_median, output_sigma, max_tokens
-        Log-normal output length, cut at ``max_tokens`` (finish reason ``length``).
-    temperature, top_p
-        The sampling settings recorded with the request sample.
+    The first drafted token is accepted with ``position_acceptance``, later positions decay by
+    ``acceptance_decay`` each; prompt and output lengths are log-normal, outputs cut at
+    ``max_tokens``; ``weight`` is the bucket's share of new requests.
     """
 
     name: str
@@ -232,20 +217,9 @@ def step_timing(requests: int, drafting: int, max_drafted: int, drafted_tokens: 
                 kv_tokens: int, draft_factor: float = 1.0) -> tuple[float, float]:
     """Draft and verify time (ms) of one engine step, before jitter.
 
-    Parameters
-    ----------
-    requests
-        Requests in the step; each verifies one target token plus its drafts.
-    drafting
-        Requests that drafted in this step.
-    max_drafted
-        Longest draft in the step: the serial drafter runs this many positions.
-    drafted_tokens
-        Draft tokens verified in the step.
-    kv_tokens
-        Tokens held in KV cache by the batch.
-    draft_factor
-        Slow-down of the drafter (1 = healthy).
+    The serial drafter runs ``max_drafted`` positions over the ``drafting`` requests; every one
+    of the ``requests`` verifies its drafts plus one target token; ``draft_factor`` slows the
+    drafter (1 = healthy).
 
     >>> draft, verify = step_timing(16, 15, 4, 60, 96_000)
     >>> round(draft, 2), round(verify, 2)
@@ -368,12 +342,8 @@ _DEFAULT_INCIDENT_AT = 240.0
 
 @dataclass(frozen=True)
 class Incident:
-    """Ground truth of one scripted incident: what a correct monitor should decide, and where.
-
-    ``bundle_id`` is the affected bundle (for card changes, the new one); ``bucket`` and
-    ``cohort`` are None when every bucket or cohort is affected; ``workers`` is empty when
-    every worker is.
-    """
+    """Ground truth of one scripted incident: what a correct monitor should decide, and where
+    (None or empty: every bucket, cohort or worker; for card changes, the new bundle)."""
 
     kind: str
     start_ts: float
@@ -501,11 +471,8 @@ SCENARIOS: Mapping[str, str] = MappingProxyType({name: s.description for name, s
 
 
 class FlagSource(Protocol):
-    """What the simulated engines ask before drafting (e.g. `specwatch.actions.flags.FlagStore`).
-
-    ``lookup`` answers with an object carrying ``enabled`` (False: standard decoding) and
-    ``draft_limit`` (None, or the most positions to draft), like ``SpeculationState``.
-    """
+    """What the simulated engines ask before drafting, like `specwatch.actions.flags.FlagStore`:
+    ``lookup`` answers with ``enabled`` and ``draft_limit``, like ``SpeculationState``."""
 
     def lookup(self, bundle_id: str, bucket: str, cohort: str): ...
 
@@ -535,14 +502,8 @@ _set_attribute = object.__setattr__  # what pydantic itself uses to fill a froze
 
 
 def _trusted_step(values: dict) -> StepRecord:
-    """A `StepRecord` from values valid by construction, without re-running validation.
-
-    This is what ``StepRecord.model_construct`` does, minus its per-field bookkeeping:
-    validating a step re-runs the contract's check on every round entry, which costs more
-    than simulating the step. ``values`` must hold every field in declaration order (the
-    order serialization follows); the test suite decodes every record through the
-    validating codec to keep this honest.
-    """
+    """A `StepRecord` from ``values`` (every field, in declaration order) valid by construction:
+    ``model_construct`` minus its bookkeeping, as validating costs more than simulating the step."""
     record = StepRecord.__new__(StepRecord)
     _set_attribute(record, "__dict__", values)
     # a set of its own, as pydantic gives every model: model_copy(update=...) adds to it
@@ -724,14 +685,8 @@ class _Worker:
         return req
 
     def _route(self, u: float, cohort: int) -> tuple[int, float]:
-        """The cohort a router puts a request in, given the bundle's admission stage (if the flag
-        source has one), and the share of such requests whose output is shadow-checked.
-
-        In shadow or canary the stage's share of the non-baseline traffic goes to the stage's
-        cohort and the rest to main; otherwise the fixed split stands. The baseline cohort
-        never moves: it is the standard-decoding comparison on the same hardware. Mirrored
-        requests are all checked (that is what they are for), canary requests more often.
-        """
+        """The cohort a router puts a request in, given the bundle's admission stage, and the
+        share of such requests whose output is shadow-checked (all mirrored ones, more canary)."""
         flags = self.sim.flags
         stage_of = getattr(flags, "admission", None)
         if stage_of is None or cohort == _BASELINE:
@@ -850,14 +805,11 @@ class _Worker:
 
     def _block(self, t: float, horizon: float,
                emitting: bool) -> tuple[float, list[tuple[float, list[TelemetryRecord]]]]:
-        """Run engine steps from ``t`` while the batch stays the same.
+        """Run engine steps from ``t`` while the batch stays the same: the end time and, when
+        emitting, ``(ts, records)`` per step. Draws past the block's end are discarded.
 
-        Returns the time the last step ended and, when emitting, ``(ts, records)`` per step.
-        A block ends at the first step after which a request needs attention (finished or at
-        its failure point) or KV overflows, after ``_BLOCK_STEPS``, or before a step that
-        would start at or after ``horizon`` (an incident or heartbeat). Drawing a whole block
-        at once keeps numpy's per-call cost off the per-step path; draws past the end of a
-        block are discarded, which keeps the stream a function of the seed alone.
+        A block ends after a step where a request finishes or fails, or KV overflows, after
+        ``_BLOCK_STEPS``, or before a step that would start at or after ``horizon``.
         """
         n = len(self.batch)
         slots = self.slots
@@ -1084,34 +1036,12 @@ class _Worker:
 
 
 class Simulator:
-    """A seeded fleet of speculative engine workers running a named scenario.
+    """A seeded fleet of speculative engine workers running one of `SCENARIOS`.
 
-    Parameters
-    ----------
-    scenario
-        One of `SCENARIOS`.
-    seed
-        Everything emitted is a function of the seed and the other settings.
-    minutes
-        Event time covered; defaults to the scenario's length.
-    workers
-        Fleet size; each worker runs one continuous batch.
-    intensity
-        Strength of the scenario's incident (its unit depends on the kind; see `SCENARIOS`).
-        Not accepted by scenarios with several incidents.
-    flags
-        Optional flag source (``lookup(bundle_id, bucket, cohort)``) consulted before every
-        draft: closes the loop so that fallback decisions take effect. None = open loop.
-    start_ts
-        Unix time of event time zero.
-    incident_at
-        Seconds after ``start_ts`` at which the scenario's incidents begin (default 240 s,
-        150 s for the demo), leaving a clean first minute for baselines.
-    concurrency
-        Mean running requests per worker at load factor 1.
-    capture
-        Optional `SampleCapture`: the requests it takes get seeded token ids, sealed into
-        their samples. None (the default) leaves every record as it was.
+    ``intensity`` is the strength of a single-incident scenario's incident, in its kind's unit;
+    ``flags`` (a `FlagSource`) closes the loop so that fallback decisions take effect;
+    ``concurrency`` is the mean running requests per worker; a ``capture`` seals the token ids
+    of the requests it takes into their samples.
 
     >>> sim = Simulator("acceptance_drop", seed=1, minutes=0.05)
     >>> [i.kind for i in sim.incidents], sim.bundle_cards == {sim.initial_bundle_id: DEFAULT_CARD}
