@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from typing import Any, Callable, TypeVar
 
-__all__ = ["SECTIONS", "alternated", "timed"]
+__all__ = ["SECTIONS", "alternated", "percentile", "timed"]
 
 # Every section of the bench, in the order a full run takes them.
 SECTIONS = ("stream", "kafka", "collector", "export", "engine", "archive", "replay", "startup", "growth", "keys",
@@ -35,6 +36,17 @@ def timed(fn: Callable[[], Any], thresholds: tuple[int, int, int] | None | str =
     finally:
         gc.enable()
         gc.set_threshold(*before)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile, linear between the two nearest ranks; None without values.
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 0.5), percentile([5.0], 0.99), percentile([], 0.5)
+    (2.5, 5.0, None)
+    """
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
 
 
 def alternated(runs: dict[str, Callable[[], _T]], turns: int) -> dict[str, list[_T]]:

@@ -1,6 +1,5 @@
 """The archive section of `specwatch bench`: window-stats rows from stage 2 into embedded chDB, by
-every path from the same stage-2 output to the same table (docs/BENCHMARKS.md, "Archive").
-"""
+every path from the same stage-2 output to the same table (docs/BENCHMARKS.md, "Archive")."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
 
 
 def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
-    """Each path over ``rows`` window rows made from ``template`` (the `SliceWindows` of one
-    pipeline run, in slice order), in one run; see the module docstring."""
+    """Each path over ``rows`` window rows made from ``template`` (one run's `SliceWindows`)."""
     import chdb
     import clickhouse_connect
     import pyarrow as pa

@@ -1,6 +1,5 @@
 """A Kafka broker of one run's own: ``deploy/kafka/broker.sh`` on a port picked at run time, for the
-bench and for tests whose broker outage the shared test broker must never notice.
-"""
+bench and for tests whose broker outage the shared test broker must never notice."""
 
 from __future__ import annotations
 
@@ -23,12 +22,8 @@ _EPHEMERAL_DEFAULT = (32768, 60999)
 
 
 def free_port_run(length: int = 2) -> int:
-    """A port P with P + 1 .. P + length - 1 free too (broker.sh puts the KRaft controller on P + 1).
-
-    Picked at run time, below the kernel's ephemeral range: a fixed port that something
-    else holds fails the run, and a port from the ephemeral range can be taken by any
-    client connection between the pick and the broker's start.
-    """
+    """A port P with P + 1 .. P + length - 1 free too (broker.sh puts the KRaft controller on P + 1),
+    below the kernel's ephemeral range, where a client connection could take it before the start."""
     low, _ = _ephemeral_range()
     rng = random.Random()
     for _ in range(200):
@@ -73,17 +68,8 @@ def _kafka_home() -> Path:
 
 
 class OwnBroker:
-    """``deploy/kafka/broker.sh`` on ``port``: `start` formats fresh storage, `resume` keeps it.
-
-    Parameters
-    ----------
-    port
-        The broker's port (its KRaft controller takes the next one).
-    partitions
-        Partitions of the specwatch topics broker.sh creates.
-    extra
-        More options for ``start`` (a SASL listener, for example).
-    """
+    """``deploy/kafka/broker.sh`` on ``port`` (its KRaft controller on the next): `start` formats
+    fresh storage, `resume` keeps it; ``extra`` options go to ``start`` (a SASL listener)."""
 
     def __init__(self, port: int, partitions: int, extra: tuple[str, ...] = ()) -> None:
         self.port = port

@@ -1,6 +1,5 @@
 """The engine section of `specwatch bench`: a real vLLM engine's step time with the collector on and
-off in alternating blocks of steps, in a process of its own (docs/BENCHMARKS.md).
-"""
+off in alternating blocks of steps, in a process of its own (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ def _measure(out_path: Path, rounds: int) -> None:
     from vllm import SamplingParams
 
     from specwatch.actions.flags import FlagStore
-    from specwatch.bench import timed
+    from specwatch.bench import percentile, timed
     from specwatch.bench.hook_path import RecordList, replay_hook_path
     from specwatch.collectors.capture import SampleCapture
     from specwatch.collectors.vllm import VllmCollector, build_tiny_models
@@ -122,7 +121,8 @@ def _measure(out_path: Path, rounds: int) -> None:
     # the ceiling: every request the collector recorded sealed, over the steps it recorded
     seal_all_us_per_step = seal_us * (after.request_records - before.request_records) / steps
     figures = {"steps_on": len(on), "steps_off": len(off)}
-    for name, measure in (("median", statistics.median), ("mean", statistics.fmean), ("p99", _p99)):
+    for name, measure in (("median", statistics.median), ("mean", statistics.fmean),
+                          ("p99", lambda values: percentile(values, 0.99))):
         on_ms, off_ms = measure(on) * 1e3, measure(off) * 1e3
         figures.update({f"step_ms_{name}_on": on_ms, f"step_ms_{name}_off": off_ms,
                         f"on_over_off_{name}": on_ms / off_ms})
@@ -146,11 +146,6 @@ def _measure(out_path: Path, rounds: int) -> None:
         "capture_all_us_per_step": seal_all_us_per_step,
         "capture_all_share_of_collector": seal_all_us_per_step / cost_us,
     }))
-
-
-def _p99(values: list[float]) -> float:
-    """The 99th percentile, linear between the two nearest ranks (the slowest step when there are few)."""
-    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
 
 
 if __name__ == "__main__":

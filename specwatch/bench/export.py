@@ -1,6 +1,5 @@
 """The export section of `specwatch bench`: this process's CPU per step record through OTLP/HTTP
-and through the direct Kafka path (without a broker, its encoding alone).
-"""
+and through the direct Kafka path (without a broker, its encoding alone)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The vLLM collector's hook path by itself: recorded step shapes replayed through its wrappers on
-stand-in engine objects that do nothing, so their thread CPU time is the collector's.
-"""
+stand-in engine objects that do nothing, so their thread CPU time is the collector's."""
 
 from __future__ import annotations
 

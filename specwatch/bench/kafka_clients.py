@@ -10,7 +10,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from specwatch.bench.kafka_path import create_topics
+from specwatch.bench.kafka_path import admin_call, create_topics
 
 __all__ = ["run_client_bench"]
 
@@ -39,17 +39,6 @@ def _telemetry(smoke: bool) -> tuple[list[tuple[bytes, bytes]], int]:
             group.clear()
     messages += [(worker.encode(), encode_entries(group)) for worker, group in by_worker.items() if group]
     return messages, rounds
-
-
-async def _delete(bootstrap: str, names: list[str]) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.delete_topics(names)
-    finally:
-        await admin.close()
 
 
 def _produce(config: Any, messages: list[tuple[bytes, bytes]]) -> dict:
@@ -214,7 +203,7 @@ def run_client_bench(bootstrap: str, smoke: bool = False) -> dict:
         created += [f"{run}.partials-{label}-{i}" for label in ("per_slice", "per_fetch")
                     for i in range(1 if smoke else _REPEATS)]
     finally:
-        asyncio.run(_delete(bootstrap, created))
+        asyncio.run(admin_call(bootstrap, "delete_topics", created))
     for rows in (produced, consumed):
         default = rows["default"]["cpu_us_per_message"]
         for row in rows.values():

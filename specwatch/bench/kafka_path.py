@@ -14,7 +14,9 @@ import threading
 import time
 import uuid
 
-__all__ = ["create_topics", "run_kafka_bench"]
+from specwatch.bench import percentile
+
+__all__ = ["admin_call", "create_topics", "run_kafka_bench"]
 
 _PARTITIONS = 4
 _BATCH = 200
@@ -22,17 +24,24 @@ _DRAIN_TIMEOUT_S = 300.0
 _SETTLE_TIMEOUT_S = 60.0
 
 
-async def create_topics(bootstrap: str, names: dict[str, int]) -> None:
-    """Topics of ``names`` -> partitions; a ``*.decisions`` topic is compacted."""
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+async def admin_call(bootstrap: str, method: str, *args, **kwargs):
+    """One call of an aiokafka admin client of its own, e.g. ``delete_topics``."""
+    from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(name, parts, 1, topic_configs=(
-            {"cleanup.policy": "compact"} if name.endswith(".decisions") else None)) for name, parts in names.items()])
+        return await getattr(admin, method)(*args, **kwargs)
     finally:
         await admin.close()
+
+
+async def create_topics(bootstrap: str, names: dict[str, int]) -> None:
+    """Topics of ``names`` -> partitions; a ``*.decisions`` topic is compacted."""
+    from aiokafka.admin import NewTopic
+
+    await admin_call(bootstrap, "create_topics", [NewTopic(name, parts, 1, topic_configs=(
+        {"cleanup.policy": "compact"} if name.endswith(".decisions") else None)) for name, parts in names.items()])
 
 
 def _lag(bootstrap: str, group: str, topic: str) -> int | None:
@@ -41,15 +50,10 @@ def _lag(bootstrap: str, group: str, topic: str) -> int | None:
 
     async def run():
         from aiokafka import TopicPartition
-        from aiokafka.admin import AIOKafkaAdminClient
 
         ends = await PartitionReader(bootstrap).end_offsets(topic)
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-        await admin.start()
-        try:
-            offsets = await admin.list_consumer_group_offsets(group, partitions=[TopicPartition(topic, p) for p in ends])
-        finally:
-            await admin.close()
+        offsets = await admin_call(bootstrap, "list_consumer_group_offsets", group,
+                                   partitions=[TopicPartition(topic, p) for p in ends])
         committed = {tp.partition: max(meta.offset, 0) for tp, meta in offsets.items()}
         return sum(end - committed.get(p, 0) for p, end in ends.items())
 
@@ -57,13 +61,6 @@ def _lag(bootstrap: str, group: str, topic: str) -> int | None:
         return asyncio.run(run())
     except Exception:  # noqa: BLE001 - the group's coordinator appears only once it has joined
         return None
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def _evidence_latencies(decisions: list, produced: list[tuple[float, float]]) -> list[float]:
@@ -227,10 +224,10 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         "kafka_over_embedded": (rounds / drained_s) / (rounds / embedded_s),
         "lag_samples": lag_samples, "decisions": len(received), "embedded_decisions": len(embedded.decisions),
         "same_decisions_as_embedded": embedded_lines == kafka_lines,
-        "decision_latency_s": latencies, "decision_latency_p50_s": _percentile(latencies, 0.5),
-        "decision_latency_p99_s": _percentile(latencies, 0.99), "workers": workers,
-        "evidence_latency_p50_s": _percentile(after_evidence, 0.5),
-        "evidence_latency_p99_s": _percentile(after_evidence, 0.99),
+        "decision_latency_s": latencies, "decision_latency_p50_s": percentile(latencies, 0.5),
+        "decision_latency_p99_s": percentile(latencies, 0.99), "workers": workers,
+        "evidence_latency_p50_s": percentile(after_evidence, 0.5),
+        "evidence_latency_p99_s": percentile(after_evidence, 0.99),
         "evidence_latency_max_s": max(after_evidence, default=None),
         "paced_rounds_per_s": rate, "worker_env": dict(worker_env or {}),
         "telemetry_messages": sum(len(m) for m in encoded), "event_seconds_per_wall_second": (records[-1].ts - records[0].ts) / produced_s,

@@ -1,6 +1,5 @@
 """The keys section of `specwatch bench`: what one (bundle, bucket, cohort) key costs per slice,
-with one round per key-slice (docs/BENCHMARKS.md, "Cost per key").
-"""
+with one round per key-slice (docs/BENCHMARKS.md, "Cost per key")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The soak run behind `specwatch soak`: a seeded healthy fleet in real time, sampling RSS and lag,
-then judging from a fitted line whether both stayed flat.
-"""
+then judging from a fitted line whether both stayed flat."""
 
 from __future__ import annotations
 
@@ -163,12 +162,8 @@ class _Sampler:
 
 
 class _Lag:
-    """How far behind wall time each slice was decided, worst per sampling interval.
-
-    Measured at the output, when a slice is final: it includes the slice length, the
-    lateness wait and any backlog, not only the input. Sampled between slices it would
-    saw-tooth over one slice length instead.
-    """
+    """How far behind wall time each slice was decided, worst per sampling interval: measured at
+    the output, so it includes the slice length, the lateness wait and any backlog."""
 
     def __init__(self) -> None:
         self._worst = 0.0

@@ -1,6 +1,5 @@
 """`specwatch bench`: throughput, latency and cost figures, each beside an alternative measured in
-the same run: on a shared machine the ratios are what carry over.
-"""
+the same run: on a shared machine the ratios are what carry over."""
 
 from __future__ import annotations
 
@@ -28,7 +27,6 @@ from specwatch.bench.engine import run_engine_bench
 from specwatch.bench.export import run_export_bench
 from specwatch.bench.keys import (bench_keys, closed_batches, fed_pipeline, line_blocks,
                                   stage2_outputs, step_lines)
-from specwatch.bench.startup import run_startup_bench
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord
 from specwatch.schemas.codec import encode_record
@@ -393,6 +391,26 @@ def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
             "replay_s_per_70mb": replay_s * (70 << 20) / size}
 
 
+def bench_startup(quick: bool, smoke: bool) -> dict:
+    """Least wall seconds of `specwatch replay` of one record (the first bundle record of a
+    simulated fleet) and of a bare interpreter (``python -c pass``), alternated."""
+    repeats = 1 if smoke else (3 if quick else 5)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "one.jsonl"
+        path.write_text(encode_record(_records(16, 0.05, workers=1)[0]) + "\n")
+        replay = [sys.executable, "-m", "specwatch.cli", "replay", str(path), "--output",
+                  str(Path(tmp) / "out.jsonl")]
+        bare = [sys.executable, "-c", "pass"]
+
+        def wall(argv: list[str]) -> float:
+            return timed(lambda: subprocess.run(argv, check=True, capture_output=True), clock=time.perf_counter)[0]
+
+        runs = alternated({"replay": lambda: wall(replay), "bare": lambda: wall(bare)}, repeats)
+    replay_s, bare_s = min(runs["replay"]), min(runs["bare"])
+    return {"repeats": repeats, "replay_one_record_s": replay_s, "bare_interpreter_s": bare_s,
+            "startup_over_bare_interpreter": replay_s / bare_s}
+
+
 def _growth_lines(keys: int, slices: int, requests_per_step: int = 16) -> tuple[list[bytes], int]:
     """Steps of ``requests_per_step`` over ``keys`` keys, at least 20 steps a slice."""
     return step_lines(keys, slices, requests_per_step * max(20, -(-keys // requests_per_step)), requests_per_step)
@@ -673,7 +691,7 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
                  ("engine", lambda: run_engine_bench(quick, smoke)),
                  ("archive", lambda: bench_archive(quick, smoke)),
                  ("replay", lambda: bench_replay(quick, smoke, Path(tmp))),
-                 ("startup", lambda: run_startup_bench(quick, smoke)),
+                 ("startup", lambda: bench_startup(quick, smoke)),
                  ("growth", lambda: bench_growth(quick, smoke)),
                  ("keys", lambda: bench_keys(quick, smoke)),
                  ("metrics", lambda: bench_metrics(quick, smoke)),

@@ -1,8 +1,5 @@
-"""The two acceptance-rate detectors operators run today, as pure detectors to compare against.
-
-An engine's built-in kill switch (TensorRT-LLM's ``acceptance_rate_window_size`` /
-``acceptance_rate_threshold``) and a Prometheus alert on vLLM's speculative-decoding counters.
-"""
+"""The two acceptance-rate detectors operators run today, as pure detectors to compare against:
+an engine's kill switch and a Prometheus alert on vLLM's counters (docs/EVALUATION.md)."""
 
 from __future__ import annotations
 
@@ -16,13 +13,8 @@ _MIN_SAMPLES_FOR_RATE = 2
 
 
 class AcceptanceKillSwitch:
-    """Disables speculation for good once the rolling mean acceptance rate falls too low.
-
-    What TensorRT-LLM does inside one engine: every speculation-enabled iteration (engine
-    step) contributes its acceptance rate ``accepted / drafted`` over the whole batch; once
-    ``window`` iterations have been seen, the mean of the last ``window`` rates below
-    ``threshold`` trips the switch, and speculation stays off on that engine for the rest of
-    its life. One instance watches one engine worker, with every bucket and cohort mixed.
+    """TensorRT-LLM's switch in one engine: disables speculation for good once the mean batch
+    acceptance rate of the last ``window`` speculation-enabled iterations falls below ``threshold``.
 
     Parameters
     ----------
@@ -94,20 +86,8 @@ class AcceptanceKillSwitch:
 
 
 class PrometheusRatioAlert:
-    """A Prometheus alerting rule on the ratio of two counter rates, evaluated on scrapes.
-
-    The rule an operator writes over vLLM's counters, all instances summed::
-
-        sum(rate(vllm:spec_decode_num_accepted_tokens_total[5m]))
-          / sum(rate(vllm:spec_decode_num_draft_tokens_total[5m])) < threshold
-        for: 2m
-
-    Counters are scraped every ``interval_seconds`` of event time and the rule is evaluated
-    right after each scrape. The ratio of two rates over the same samples equals the ratio
-    of the counters' increases between the oldest and the newest sample in the range
-    (rate()'s extrapolation cancels). The alert goes pending on the first evaluation that is
-    true, fires once it has stayed true for ``for_seconds``, and resolves on the first false
-    one; ``drift_detected`` is set on the update whose evaluation made it fire.
+    """A Prometheus alerting rule on the ratio of vLLM's accepted and draft token counter rates,
+    all instances summed, evaluated after each scrape (docs/EVALUATION.md, "The baselines").
 
     Parameters
     ----------

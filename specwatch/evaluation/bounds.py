@@ -1,6 +1,5 @@
 """The information bound of each incident: how fast any detector with specwatch's false-alarm rate
-could be, ln(ARL) / KL observations of an ideal CUSUM (docs/EVALUATION.md).
-"""
+could be, ln(ARL) / KL observations of an ideal CUSUM (docs/EVALUATION.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The draft-length suite: how close the advised D comes to the best D after the best D moves,
-scored by the simulator's own cost and acceptance (docs/DRAFT_LENGTH.md).
-"""
+scored by the simulator's own cost and acceptance (docs/DRAFT_LENGTH.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Summaries of an evaluation run: the side-by-side table, false-alarm rates, targets met; pure,
-results in, one JSON-able summary out, and its text rendering.
-"""
+results in, one JSON-able summary out, and its text rendering."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Judging detections against ground truth: delay, right/wrong reason and scope, false alarms;
-pure functions over what a run produced and what the simulator scripted.
-"""
+pure functions over what a run produced and what the simulator scripted."""
 
 from __future__ import annotations
 

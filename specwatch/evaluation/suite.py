@@ -1,6 +1,5 @@
 """The evaluation suite: seeded simulator runs open loop through the embedded pipeline and both
-operator baselines at once, so every detector sees the same telemetry.
-"""
+operator baselines at once, so every detector sees the same telemetry."""
 
 from __future__ import annotations
 
