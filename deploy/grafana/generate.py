@@ -84,19 +84,13 @@ _HEALTH = [
 _DECISION_ANNOTATION = "changes(specwatch_decisions_total[1m]) > 0"
 
 
-def _targets(builder, queries):
+def _panel(title: str, unit: str, queries, kind: str = "series"):
+    """A time series (a third of a row), or a state timeline (half a row), of ``queries``."""
+    panel, span = (statetimeline.Panel(), 12) if kind == "state" else (timeseries.Panel(), 8)
+    panel = panel.title(title).unit(unit).datasource(_DATASOURCE).height(8).span(span)
     for ref, (expr, legend) in zip("ABCDEFGH", queries):
-        builder = builder.with_target(Dataquery().expr(expr).legend_format(legend).ref_id(ref))
-    return builder
-
-
-def _series(title: str, unit: str, queries) -> timeseries.Panel:
-    return _targets(timeseries.Panel().title(title).unit(unit).datasource(_DATASOURCE).height(8).span(8), queries)
-
-
-def _state(title: str, unit: str, queries) -> statetimeline.Panel:
-    return _targets(statetimeline.Panel().title(title).unit(unit).datasource(_DATASOURCE).height(8).span(12),
-                    queries)
+        panel = panel.with_target(Dataquery().expr(expr).legend_format(legend).ref_id(ref))
+    return panel
 
 
 def build() -> Dashboard:
@@ -118,17 +112,12 @@ def build() -> Dashboard:
                        .all_value(".*"))
         .annotation(AnnotationQuery().name("specwatch decisions").datasource(_DATASOURCE).enable(True)
                     .icon_color("red").expr(_DECISION_ANNOTATION))
-        .with_row(Row("Speculation per bucket"))
     )
-    for title, unit, queries in _SPECULATION:
-        dashboard = dashboard.with_panel(_series(title, unit, queries))
-    dashboard = dashboard.with_row(Row("Flags and decisions"))
-    for title, unit, queries, kind in _FLAGS:
-        dashboard = dashboard.with_panel(_state(title, unit, queries) if kind == "state"
-                                         else _series(title, unit, queries))
-    dashboard = dashboard.with_row(Row("Service health"))
-    for title, unit, queries in _HEALTH:
-        dashboard = dashboard.with_panel(_series(title, unit, queries))
+    for row, panels in (("Speculation per bucket", _SPECULATION), ("Flags and decisions", _FLAGS),
+                        ("Service health", _HEALTH)):
+        dashboard = dashboard.with_row(Row(row))
+        for panel in panels:
+            dashboard = dashboard.with_panel(_panel(*panel))
     return dashboard
 
 

@@ -16,26 +16,12 @@ from specwatch.streams.embedded import EmbeddedPipeline
 
 from .baselines import AcceptanceKillSwitch, PrometheusRatioAlert
 from .bounds import information_bound
-from .draft_length import MINUTES as DRAFT_LENGTH_MINUTES
-from .draft_length import WORKERS as DRAFT_LENGTH_WORKERS
+from .draft_length import MINUTES as DRAFT_LENGTH_MINUTES, WORKERS as DRAFT_LENGTH_WORKERS
 from .draft_length import DraftLengthCase, run_draft_length
 from .scoring import BASELINE_REASON, Alarm, decision_alarm, judge, stray_alarms
 
-__all__ = [
-    "DETECTORS",
-    "LEVELS",
-    "TARGETS",
-    "Case",
-    "BaselineSettings",
-    "calibrate",
-    "full_suite",
-    "incident_kind",
-    "quick_suite",
-    "rollout_cases",
-    "run_case",
-    "run_rollout",
-    "run_suite",
-]
+__all__ = ["DETECTORS", "LEVELS", "TARGETS", "Case", "BaselineSettings", "calibrate", "full_suite",
+           "incident_kind", "quick_suite", "rollout_cases", "run_case", "run_rollout", "run_suite"]
 
 DETECTORS = ("specwatch", "kill_switch", "prometheus")
 

@@ -15,37 +15,13 @@ import numpy as np
 from specwatch.collectors.capture import SampleCapture
 from specwatch.schemas.sealed import token_digest
 
-from specwatch.schemas import (
-    BundleCard,
-    BundleRecord,
-    DrafterCard,
-    RequestRecord,
-    RoundEntry,
-    RuntimeCard,
-    Sample,
-    Sampling,
-    ShadowRecord,
-    StepRecord,
-    TargetCard,
-    TelemetryRecord,
-    bundle_digest,
-)
+from specwatch.schemas import (BundleCard, BundleRecord, DrafterCard, RequestRecord, RoundEntry,
+                              RuntimeCard, Sample, Sampling, ShadowRecord, StepRecord, TargetCard,
+                              TelemetryRecord, bundle_digest)
 
-__all__ = [
-    "BUCKETS",
-    "COHORTS",
-    "DEFAULT_CARD",
-    "DEFAULT_START_TS",
-    "SCENARIOS",
-    "BucketProfile",
-    "FlagSource",
-    "Incident",
-    "Simulator",
-    "acceptance_length",
-    "bucket_acceptance_length",
-    "step_timing",
-    "true_speedup",
-]
+__all__ = ["BUCKETS", "COHORTS", "DEFAULT_CARD", "DEFAULT_START_TS", "SCENARIOS", "BucketProfile",
+           "FlagSource", "Incident", "Simulator", "acceptance_length", "bucket_acceptance_length",
+           "step_timing", "true_speedup"]
 
 DEFAULT_START_TS = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 
