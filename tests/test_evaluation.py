@@ -223,13 +223,12 @@ def test_a_small_fleet_is_watched_until_its_shadow_checks_and_kv_peaks_arrive():
     assert _watch_seconds("quality_mismatch", 0.5, 8, 16) == 180.0
     assert _watch_seconds("quality_mismatch", 0.5, 1, 4) == 1800.0
     assert _watch_seconds("kv_pressure", 0.6, 1, 4) == 1280.0
-    quality = run_case(_incident_case("quality_mismatch", 0.5, "50%", level=(1, 4), compare_baselines=False),
-                       SETTINGS)["incidents"][0]
+    small = {"level": (1, 4), "compare_baselines": False}
+    quality = run_case(_incident_case("quality_mismatch", 0.5, **small), SETTINGS)["incidents"][0]
     assert quality["measured_from"] == "first_mismatch_record"
     assert round(quality["reference_ts"] - quality["start_ts"], 1) == 351.2
     assert (quality["specwatch"]["verdict"], quality["specwatch"]["delay_s"]) == ("right", 1.772)
-    kv = run_case(_incident_case("kv_pressure", 0.6, "60%", level=(1, 4), compare_baselines=False),
-                  SETTINGS)["incidents"][0]
+    kv = run_case(_incident_case("kv_pressure", 0.6, **small), SETTINGS)["incidents"][0]
     assert (kv["specwatch"]["verdict"], kv["specwatch"]["delay_s"]) == ("right", 450.0)
     assert kv["kv_over_watermark"] == {"slices": 19, "longest_run_slices": 4, "slices_needed": 3,
                                        "sustained_from_s": 446.0}

@@ -22,8 +22,8 @@ _EPHEMERAL_DEFAULT = (32768, 60999)
 
 
 def free_port_run(length: int = 2) -> int:
-    """A port P with P + 1 .. P + length - 1 free too (broker.sh puts the KRaft controller on P + 1),
-    below the kernel's ephemeral range, where a client connection could take it before the start."""
+    """A port P with P + 1 .. P + length - 1 free too (broker.sh puts the KRaft controller on
+    P + 1), below the ephemeral range, where a client connection could take it before the start."""
     low, _ = _ephemeral_range()
     rng = random.Random()
     for _ in range(200):

@@ -40,8 +40,10 @@ async def create_topics(bootstrap: str, names: dict[str, int]) -> None:
     """Topics of ``names`` -> partitions; a ``*.decisions`` topic is compacted."""
     from aiokafka.admin import NewTopic
 
-    await admin_call(bootstrap, "create_topics", [NewTopic(name, parts, 1, topic_configs=(
-        {"cleanup.policy": "compact"} if name.endswith(".decisions") else None)) for name, parts in names.items()])
+    await admin_call(bootstrap, "create_topics", [
+        NewTopic(name, parts, 1, topic_configs=(
+            {"cleanup.policy": "compact"} if name.endswith(".decisions") else None))
+        for name, parts in names.items()])
 
 
 def _lag(bootstrap: str, group: str, topic: str) -> int | None:

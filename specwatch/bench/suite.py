@@ -403,7 +403,8 @@ def bench_startup(quick: bool, smoke: bool) -> dict:
         bare = [sys.executable, "-c", "pass"]
 
         def wall(argv: list[str]) -> float:
-            return timed(lambda: subprocess.run(argv, check=True, capture_output=True), clock=time.perf_counter)[0]
+            return timed(lambda: subprocess.run(argv, check=True, capture_output=True),
+                         clock=time.perf_counter)[0]
 
         runs = alternated({"replay": lambda: wall(replay), "bare": lambda: wall(bare)}, repeats)
     replay_s, bare_s = min(runs["replay"]), min(runs["bare"])

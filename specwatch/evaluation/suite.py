@@ -156,78 +156,76 @@ def _budget(policy: Policy, kind: str) -> float:
     return gate.false_alarms_per_key_hour
 
 
-def _incident_case(scenario: str, intensity: float | None, label: str, target: bool = False,
-                   level: tuple[int, int] = _DEFAULT_LEVEL, compare_baselines: bool = True) -> Case:
+# How a case's label says its incident, in the incident's own unit.
+_LABELS = {
+    "acceptance_drop": "coding AL -{:.0%}", "target_update": "new target, AL -{:.0%}",
+    "bundle_change": "tokenizer digest", "draft_regression": "draft time x{:g}",
+    "latency_tail": "10% reasoning/main x{:g}", "kv_pressure": "long-context surge {:.0%}",
+    "quality_mismatch": "{:.0%} shadow mismatches", "error_burst": "extraction errors x{:g}",
+    "error_burst_quiet_bucket": "quiet extraction (3%) errors x{:g}",
+    "error_burst_quiet_cohort": "extraction/canary (5%) errors x{:g}",
+    "latency_tail_quiet_bucket": "10% of quiet reasoning (3%)/main x{:g}",
+    "latency_tail_quiet_cohort": "10% of reasoning/canary (5%) x{:g}",
+    "acceptance_drop_quiet_bucket": "quiet coding (3%) AL -{:.0%}",
+}
+
+
+def _incident_case(scenario: str, intensity: float | None, target: bool = False,
+                   level: tuple[int, int] = _DEFAULT_LEVEL, compare_baselines: bool = True,
+                   label: str | None = None) -> Case:
     workers, concurrency = level
     # A small fleet's keys learn for longer (until their baselines hold enough requests): its
     # incidents start once the longest learning is over, so they never teach a baseline.
     start = _INCIDENT_AT if workers * concurrency >= 64 else _QUIET_INCIDENT_AT
     minutes = (start + _watch_seconds(scenario, intensity, workers, concurrency)) / 60.0
-    return Case(scenario, intensity, label, minutes, workers=workers, concurrency=concurrency,
-                target_intensity=target and level == _DEFAULT_LEVEL, compare_baselines=compare_baselines,
-                incident_at=start)
+    return Case(scenario, intensity, label or _LABELS[scenario].format(intensity), minutes,
+                workers=workers, concurrency=concurrency, incident_at=start,
+                target_intensity=target and level == _DEFAULT_LEVEL,
+                compare_baselines=compare_baselines)
 
 
-_INCIDENT_CASES = (
-    _incident_case("acceptance_drop", 0.15, "coding AL -15%"),
-    _incident_case("acceptance_drop", 0.25, "coding AL -25%", target=True),
-    _incident_case("acceptance_drop", 0.40, "coding AL -40%"),
-    _incident_case("target_update", 0.25, "new target, AL -25%"),
-    _incident_case("target_update", 0.50, "new target, AL -50%", target=True),
-    _incident_case("bundle_change", None, "tokenizer digest", target=True),
-    _incident_case("draft_regression", 2.0, "draft time x2"),
-    _incident_case("draft_regression", 3.0, "draft time x3", target=True),
-    _incident_case("draft_regression", 5.0, "draft time x5"),
-    _incident_case("latency_tail", 3.0, "10% reasoning/main x3"),
-    _incident_case("latency_tail", 5.0, "10% reasoning/main x5", target=True),
-    _incident_case("latency_tail", 10.0, "10% reasoning/main x10"),
-    _incident_case("kv_pressure", 0.4, "long-context surge 40%"),
-    _incident_case("kv_pressure", 0.6, "long-context surge 60%", target=True),
-    _incident_case("kv_pressure", 0.8, "long-context surge 80%"),
-    _incident_case("quality_mismatch", 0.05, "5% shadow mismatches"),
-    _incident_case("quality_mismatch", 0.2, "20% shadow mismatches"),
-    _incident_case("quality_mismatch", 0.5, "50% shadow mismatches", target=True),
-    _incident_case("error_burst", 5.0, "extraction errors x5"),
-    _incident_case("error_burst", 20.0, "extraction errors x20", target=True),
-    _incident_case("error_burst", 40.0, "extraction errors x40"),  # the simulator allows up to x48
-)
+# Every kind at three intensities (the simulator allows errors up to x48), the one its target
+# is stated for second.
+_INCIDENT_CASES = tuple(
+    _incident_case(kind, intensity, target=intensity == target)
+    for kind, intensities, target in (
+        ("acceptance_drop", (0.15, 0.25, 0.40), 0.25), ("target_update", (0.25, 0.50), 0.50),
+        ("bundle_change", (None,), None), ("draft_regression", (2.0, 3.0, 5.0), 3.0),
+        ("latency_tail", (3.0, 5.0, 10.0), 5.0), ("kv_pressure", (0.4, 0.6, 0.8), 0.6),
+        ("quality_mismatch", (0.05, 0.2, 0.5), 0.5), ("error_burst", (5.0, 20.0, 40.0), 20.0))
+    for intensity in intensities)
 
 # The sweep below the default fleet and above it: every kind at two intensities, the weak
 # one included (errors x5). Only specwatch is judged there; the baselines are compared at
 # the default fleet, above.
 _SWEEP_INTENSITIES = (
-    ("acceptance_drop", 0.25, "coding AL -25%"), ("acceptance_drop", 0.40, "coding AL -40%"),
-    ("target_update", 0.50, "new target, AL -50%"), ("bundle_change", None, "tokenizer digest"),
-    ("draft_regression", 2.0, "draft time x2"), ("draft_regression", 3.0, "draft time x3"),
-    ("latency_tail", 3.0, "10% reasoning/main x3"), ("latency_tail", 10.0, "10% reasoning/main x10"),
-    ("kv_pressure", 0.6, "long-context surge 60%"), ("kv_pressure", 0.8, "long-context surge 80%"),
-    ("quality_mismatch", 0.2, "20% shadow mismatches"), ("quality_mismatch", 0.5, "50% shadow mismatches"),
-    ("error_burst", 5.0, "extraction errors x5"), ("error_burst", 20.0, "extraction errors x20"),
+    ("acceptance_drop", 0.25), ("acceptance_drop", 0.40), ("target_update", 0.50),
+    ("bundle_change", None), ("draft_regression", 2.0), ("draft_regression", 3.0),
+    ("latency_tail", 3.0), ("latency_tail", 10.0), ("kv_pressure", 0.6), ("kv_pressure", 0.8),
+    ("quality_mismatch", 0.2), ("quality_mismatch", 0.5), ("error_burst", 5.0),
+    ("error_burst", 20.0),
 )
-_SWEEP_CASES = tuple(_incident_case(kind, intensity, label, level=level, compare_baselines=False)
+_SWEEP_CASES = tuple(_incident_case(kind, intensity, level=level, compare_baselines=False)
                      for level in LEVELS if level != _DEFAULT_LEVEL
-                     for kind, intensity, label in _SWEEP_INTENSITIES)
+                     for kind, intensity in _SWEEP_INTENSITIES)
 # Quiet keys inside the default and the big fleet: a bucket with about 3 % of the traffic and
 # the canary cohort (5 %), for the kinds whose evidence grows with a key's traffic.
 _QUIET_LEVELS = (_DEFAULT_LEVEL, (32, 16))
 _QUIET_INTENSITIES = (
-    ("error_burst_quiet_bucket", 5.0, "quiet extraction (3%) errors x5"),
-    ("error_burst_quiet_bucket", 20.0, "quiet extraction (3%) errors x20"),
-    ("error_burst_quiet_cohort", 5.0, "extraction/canary (5%) errors x5"),
-    ("error_burst_quiet_cohort", 20.0, "extraction/canary (5%) errors x20"),
-    ("latency_tail_quiet_bucket", 3.0, "10% of quiet reasoning (3%)/main x3"),
-    ("latency_tail_quiet_bucket", 10.0, "10% of quiet reasoning (3%)/main x10"),
-    ("latency_tail_quiet_cohort", 3.0, "10% of reasoning/canary (5%) x3"),
-    ("latency_tail_quiet_cohort", 10.0, "10% of reasoning/canary (5%) x10"),
-    ("acceptance_drop_quiet_bucket", 0.25, "quiet coding (3%) AL -25%"),
+    ("error_burst_quiet_bucket", 5.0), ("error_burst_quiet_bucket", 20.0),
+    ("error_burst_quiet_cohort", 5.0), ("error_burst_quiet_cohort", 20.0),
+    ("latency_tail_quiet_bucket", 3.0), ("latency_tail_quiet_bucket", 10.0),
+    ("latency_tail_quiet_cohort", 3.0), ("latency_tail_quiet_cohort", 10.0),
+    ("acceptance_drop_quiet_bucket", 0.25),
 )
-_QUIET_CASES = tuple(_incident_case(scenario, intensity, label, level=level, compare_baselines=False)
-                     for level in _QUIET_LEVELS for scenario, intensity, label in _QUIET_INTENSITIES)
+_QUIET_CASES = tuple(_incident_case(scenario, intensity, level=level, compare_baselines=False)
+                     for level in _QUIET_LEVELS for scenario, intensity in _QUIET_INTENSITIES)
 
 # Stalls: 10 % of reasoning/main requests hang for minutes (x50), their records due only when
 # the stall ends. The e2e tail test counts them while they run (docs/EVALUATION.md).
-_STALL_CASES = tuple(_incident_case("latency_tail", 50.0, "10% reasoning/main stalled for minutes (x50)",
-                                    level=level, compare_baselines=False) for level in ((2, 8), _DEFAULT_LEVEL))
+_STALL_CASES = tuple(_incident_case("latency_tail", 50.0, level=level, compare_baselines=False,
+                                    label="10% reasoning/main stalled for minutes (x50)")
+                     for level in ((2, 8), _DEFAULT_LEVEL))
 
 
 def _healthy_cases(level: tuple[int, int], minutes: tuple[float, float, float]) -> tuple[Case, ...]:
@@ -249,11 +247,9 @@ _HEALTHY_CASES = tuple(c for level in LEVELS for c in _healthy_cases(level, (20.
 # incident at 300 s (a seeded simulator writes the same records before its incident), and that
 # time counts as incident-free.
 _QUICK_HEALTHY_CASES = _healthy_cases((2, 8), (0.0, 5.0, 5.0))[1:] + _healthy_cases((1, 4), (10.0, 0.0, 0.0))[:1]
-# --quick: the target cases at the default fleet and the weakest kinds on small fleets,
+# --quick: the target cases at the default fleet and the weakest kinds at 2 x 8,
 # each stopped once specwatch has decided.
-_QUICK_SWEEP = (
-    ("error_burst", 20.0, "extraction errors x20", (2, 8)), ("latency_tail", 5.0, "10% reasoning/main x5", (2, 8)),
-)
+_QUICK_SWEEP = (("error_burst", 20.0), ("latency_tail", 5.0))
 
 
 def full_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
@@ -268,8 +264,8 @@ def full_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
 def quick_suite(seed: int = _DEFAULT_SEED) -> list[Case]:
     """Each row at its target intensity (specwatch only), two small-fleet cases, 20 healthy minutes."""
     cases = [replace(c, compare_baselines=False) for c in _INCIDENT_CASES if c.target_intensity]
-    cases += [_incident_case(kind, intensity, label, level=level, compare_baselines=False)
-              for kind, intensity, label, level in _QUICK_SWEEP]
+    cases += [_incident_case(kind, intensity, level=(2, 8), compare_baselines=False)
+              for kind, intensity in _QUICK_SWEEP]
     return ([replace(c, seed=seed) for c in cases + list(_QUICK_HEALTHY_CASES)]
             + [c for c in rollout_cases(0, 1, seed) if c.scenario == "canary_mismatch"])
 
