@@ -39,32 +39,16 @@ _ALERT_RANGE_SECONDS = 300.0
 _ALERT_FOR_SECONDS = 120.0
 _ALERT_INTERVAL_SECONDS = 15.0
 
-# Event time each kind of incident is watched for after it starts. Acceptance incidents get
-# five minutes: the alert rule cannot fire before its 2 m 'for' plus the time the 5 m rate
-# takes to cross. The others are watched well past their detection target (a minute past it
-# for the slow ones); the baselines, blind to those signals, could alarm at any time in it.
-_OBSERVE_SECONDS = {
-    "acceptance_drop": 300.0,
-    "target_update": 300.0,
-    "bundle_change": 30.0,
-    "draft_regression": 60.0,
-    "kv_pressure": 40.0,
-    "quality_mismatch": 180.0,  # shadow checks are rare: at 5% mismatches the first can take minutes
-    "error_burst": 180.0,
-    "latency_tail": 240.0,
-}
+# Event time each kind of incident is watched for after it starts (docs/EVALUATION.md,
+# "Observation window"): acceptance incidents for five minutes, as the alert rule needs its 2 m
+# 'for'; shadow checks are rare, so at 5% mismatches the first can take minutes.
+_OBSERVE_SECONDS = {"acceptance_drop": 300.0, "target_update": 300.0, "bundle_change": 30.0,
+                    "draft_regression": 60.0, "kv_pressure": 40.0, "quality_mismatch": 180.0,
+                    "error_burst": 180.0, "latency_tail": 240.0}
 # Detection targets at the default fleet, seconds after the incident start (after the first
 # mismatch record for quality): what `specwatch evaluate` checks each right detection against.
-TARGETS = {
-    "bundle_change": 2.0,
-    "target_update": 2.0,
-    "acceptance_drop": 30.0,
-    "draft_regression": 30.0,
-    "kv_pressure": 10.0,
-    "quality_mismatch": 5.0,
-    "error_burst": 120.0,
-    "latency_tail": 180.0,
-}
+TARGETS = {"bundle_change": 2.0, "target_update": 2.0, "acceptance_drop": 30.0, "draft_regression": 30.0,
+           "kv_pressure": 10.0, "quality_mismatch": 5.0, "error_burst": 120.0, "latency_tail": 180.0}
 
 
 # Fleet sizes of the traffic sweep (workers x running requests per worker): from one small

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -605,12 +606,8 @@ class _Worker:
             rest = sum(w for i, w in enumerate(weights) if i != lc)
             weights = [share if i == lc else w * (1.0 - share) / rest for i, w in enumerate(weights)]
         total = sum(weights)
-        cumulative, acc = [], 0.0
-        for w in weights[:-1]:
-            acc += w / total
-            cumulative.append(acc)
-        self._mix = cumulative
-        return cumulative
+        self._mix = list(itertools.accumulate(w / total for w in weights[:-1]))
+        return self._mix
 
     # -- requests -----------------------------------------------------------------------------
     def _request_draws(self) -> tuple[list[float], list[float], str]:
