@@ -67,8 +67,7 @@ class Verdict:
     alarm: Alarm | None = None
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "delay_s": self.delay_s,
-                "alarm": self.alarm.to_dict() if self.alarm else None}
+        return asdict(self)
 
 
 def _scope(incident, alarm: Alarm) -> str:
