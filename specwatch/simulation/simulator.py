@@ -284,9 +284,10 @@ _LOAD_WOBBLE_PERIOD_SECONDS = 300.0
 
 _EXPECTED_REASON = MappingProxyType({
     "acceptance_drop": "acceptance_drop", "target_update": "bundle_changed",
-    "draft_regression": "draft_overhead", "latency_tail": "latency_slo", "kv_pressure": "kv_pressure",
-    "bundle_change": "bundle_changed", "quality_mismatch": "quality_regression",
-    "error_burst": "error_rate", "canary_tail": "canary_judgement", "canary_mismatch": "canary_judgement",
+    "draft_regression": "draft_overhead", "latency_tail": "latency_slo",
+    "kv_pressure": "kv_pressure", "bundle_change": "bundle_changed",
+    "quality_mismatch": "quality_regression", "error_burst": "error_rate",
+    "canary_tail": "canary_judgement", "canary_mismatch": "canary_judgement",
     "draft_cost_doubles": "draft_overhead", "late_acceptance_decay": "acceptance_drop",
     "context_shift": "draft_overhead",
 })
