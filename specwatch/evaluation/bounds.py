@@ -44,14 +44,8 @@ def _poisson_kl_rate(after: float, before: float) -> float:
 
 def _tail_seconds(threshold: float, requests_per_second: float, intensity: float,
                   decode_seconds: Sequence[float], step: float = 0.1, cap: float = 4 * 3600.0) -> float:
-    """Seconds until the tail's record streams hold ``threshold`` nats of information.
-
-    Requests finish at ``requests_per_second``; after the start a share ``_TAIL_SHARE`` of them
-    stall, their decode taking ``intensity`` times as long, so each slow record arrives
-    ``decode * (intensity - 1)`` after it would have. Records past the latency limit form one
-    Poisson stream (healthy rate ``p0``, then the slow ones as they arrive), records within it
-    another (fewer of them: the slow ones moved out); the information is the KL between both
-    streams' laws after and before, integrated over time.
+    """Seconds until the tail's record streams, past the latency limit and within it, hold
+    ``threshold`` nats, slow records arriving ``decode * (intensity - 1)`` late (see the docs).
 
     >>> round(_tail_seconds(15.0, 10.0, 5.0, [0.0]), 1)  # records at once: ln(ARL) / (rate * KL)
     6.8
@@ -96,11 +90,8 @@ def _acceptance_kl(bucket: str, drop: float, draft_length: int = 4) -> float:
 
 
 def within_request_correlation(bucket: str, draft_length: int = 4) -> float:
-    """Correlation of two rounds' accepted counts in one request of ``bucket`` (the scenario's).
-
-    A request keeps one difficulty level for its life (its prompt sets how predictable it
-    is), so its rounds share their level's mean: the intraclass correlation is the spread of
-    the levels' mean accepted counts over the rounds' total variance.
+    """Correlation of two rounds' accepted counts in one request of ``bucket``: its rounds share
+    one difficulty level, so it is the spread of the levels' means over the rounds' variance.
 
     >>> round(within_request_correlation("coding"), 4)
     0.0172
@@ -123,15 +114,10 @@ def information_bound(kind: str, intensity: float | None, observations_per_secon
                       decode_seconds: Sequence[float] = (), rounds_per_request: float | None = None) -> dict | None:
     """Seconds an ideal CUSUM would need on this incident, with its inputs; None if not applicable.
 
-    ``observations_per_second`` is the incident key's finished requests per second (errors,
-    tail) or speculative rounds per second (acceptance), measured before the incident;
-    ``false_alarms_per_key_hour`` is the budget of the gate that decides this kind.
-    ``decode_seconds`` (tail only) are the key's decode times before the incident: how long
-    each stall holds its record back. Without them every record counts at once.
-    ``rounds_per_request`` (acceptance only) is the key's rounds per finished request: rounds
-    of one request are correlated (`within_request_correlation`), so ``m`` of them carry the
-    evidence of ``m / (1 + (m - 1) rho)`` independent ones. ``seconds`` then counts effective
-    rounds; ``seconds_independent_rounds`` is the bound as if every round were independent.
+    ``observations_per_second`` are the key's finished requests (errors, tail) or speculative
+    rounds (acceptance) per second before the incident; ``decode_seconds`` (tail) how long each
+    stall holds its record back; ``rounds_per_request`` (acceptance) makes the bound count
+    effective rounds (the design effect of docs/EVALUATION.md).
 
     >>> b = information_bound("error_burst", 5.0, 10.0, 1e-3)
     >>> b["kl_per_observation"], b["observations"], b["seconds"]

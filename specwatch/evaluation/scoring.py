@@ -29,14 +29,8 @@ MISSED = "missed"
 
 @dataclass(frozen=True)
 class Alarm:
-    """One decision of any detector, reduced to what judging needs.
-
-    ``ts`` is when it became available to act on (event time): for specwatch the event
-    time of the newest telemetry when the decision left the pipeline, for the kill switch
-    the engine step that tripped it, for the alert rule the evaluation that fired it.
-    ``bucket``/``cohort`` None mean every bucket/cohort; ``worker`` names the one engine
-    a per-worker action applies to.
-    """
+    """One decision of any detector, reduced to what judging needs: ``ts`` is when it could be
+    acted on (docs/EVALUATION.md, "Delay"); None for ``bucket``/``cohort`` means every one."""
 
     detector: str
     ts: float
@@ -97,14 +91,9 @@ def _right_reasons(incident) -> frozenset[str]:
 
 
 def judge(incident, alarms: list[Alarm], reference_ts: float | None = None) -> Verdict:
-    """The verdict of one detector's alarms on one incident.
-
-    The first alarm at or after the incident start with a right reason inside the
-    incident's scope makes it ``right``; its delay is measured from ``reference_ts``
-    (default: the incident start). Failing that, the first alarm with a right reason
-    anywhere is ``wrong scope``, the first alarm inside the scope with another reason
-    ``wrong reason``; no alarm after the start is ``missed``. Alarms that give speculation
-    back (``restore``, ``promote``) are never an answer.
+    """The verdict of one detector's alarms on one incident (docs/EVALUATION.md, "Verdict"), its
+    delay measured from ``reference_ts`` (default: the incident start). Giving speculation back
+    (``restore``, ``promote``) is never an answer.
 
     >>> from types import SimpleNamespace as I
     >>> drop = I(kind="acceptance_drop", start_ts=100.0, bundle_id="b-1", bucket="coding", cohort=None,
