@@ -19,10 +19,8 @@ _AS_IS = "as is"
 
 def timed(fn: Callable[[], Any], thresholds: tuple[int, int, int] | None | str = _AS_IS,
           clock: Callable[[], float] = time.process_time) -> tuple[float, Any]:
-    """Seconds of ``fn()`` on ``clock`` (CPU by default) after a full collection, and its result.
-
-    ``thresholds`` set the cyclic collector for the call (None switches it off).
-    """
+    """Seconds of ``fn()`` on ``clock`` (CPU by default) after a full collection, and its result;
+    ``thresholds`` set the cyclic collector for the call (None switches it off)."""
     gc.collect()
     before = gc.get_threshold()
     if thresholds is None:

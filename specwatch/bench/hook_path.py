@@ -230,11 +230,7 @@ def _run(runner: Any, scheduler: Any, prepared: list[SimpleNamespace]) -> float:
 def replay_hook_path(vllm_config: Any, steps: Sequence[StepRecord], *, flags: Any = None,
                      repeat: int = _DEFAULT_REPEAT) -> HookPathCost:
     """Replay ``steps`` through the hooks ``repeat`` times: collector on, off, and no hooks at all.
-
-    ``vllm_config`` is a speculative engine's configuration (the bundle is described from
-    it); ``flags`` is the flag view the draft gate asks. The collector's records of the
-    hooked replay are returned with the cost, to check that the replay is faithful.
-    """
+    The hooked replay's records come with the cost, to check that the replay is faithful."""
     shapes = step_shapes(steps)
     sink = RecordList()
     collector = VllmCollector(sink, flags=flags, worker="hook-path")

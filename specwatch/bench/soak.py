@@ -281,11 +281,8 @@ def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: Te
 
 def run_soak(minutes: float, rate: float, seed: int, sample_seconds: float, workers: int, *,
              bootstrap: str | None = None, topic: str | None = None, out: TextIO | None = None) -> SoakResult:
-    """Run a seeded healthy fleet of ``workers`` (`workers_for` ``rate``) for ``minutes`` of wall time.
-
-    Through Kafka at ``bootstrap`` (on ``topic``, default a new topic deleted after) or
-    embedded; each sample is printed to ``out`` when given.
-    """
+    """Run a seeded healthy fleet for ``minutes`` of wall time, through Kafka at ``bootstrap`` (on
+    ``topic``, default a new topic deleted after) or embedded, printing each sample to ``out``."""
     from specwatch.simulation.simulator import Simulator
 
     # A little more event time than wall time, so the load never runs out before the end.

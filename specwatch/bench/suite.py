@@ -666,11 +666,8 @@ def _targets(report: dict) -> list[dict]:
 
 def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = None,
               sections: tuple[str, ...] = (), log=lambda msg: None) -> dict:
-    """Every section; ``smoke`` shrinks inputs to check the output's shape only.
-
-    Without ``bootstrap``, the sections that need Kafka (kafka, export) run against a broker
-    of this run's own (`OwnBroker.of_this_run`), stopped and removed at the end.
-    """
+    """Every section; ``smoke`` shrinks inputs to check the output's shape only. Without
+    ``bootstrap``, the kafka and export sections run against a broker of this run's own."""
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                           "load_average": os.getloadavg(), "quick": quick, "smoke": smoke}}
     wanted = set(sections) or set(SECTIONS)
@@ -708,10 +705,8 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
 
 
 def plot_report(report: dict, path: str | os.PathLike) -> None:
-    """Rounds/s per core of the batch, reference and per-round paths, and growth with keys, as a PNG.
-
-    With a keys section, its picture goes beside it: ``benchmarks.png`` -> ``benchmarks-keys.png``.
-    """
+    """Rounds/s per core of the batch, reference and per-round paths, and growth with keys, as a
+    PNG; a keys section's picture goes beside it: ``benchmarks.png`` -> ``benchmarks-keys.png``."""
     if isinstance(report.get("keys"), dict) and "curve" in report["keys"]:
         from specwatch.bench.keys import plot_keys
 

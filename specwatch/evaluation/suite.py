@@ -74,11 +74,7 @@ _SCALED_WATCHES = ("quality_mismatch", "kv_pressure")
 
 @dataclass(frozen=True)
 class Case:
-    """One seeded simulator run of the suite.
-
-    ``intensity`` is the scenario's incident strength (None for incident-free runs and
-    card changes); ``label`` says it in the incident's own unit.
-    """
+    """One seeded simulator run of the suite; ``label`` says its intensity in its own unit."""
 
     scenario: str
     intensity: float | None
@@ -383,10 +379,8 @@ def _simulator(case: Case) -> Simulator:
 
 
 def run_case(case: Case, settings: BaselineSettings, policy: Policy | None = None) -> dict:
-    """Run one case; returns a JSON-able result with verdicts per incident and false alarms.
-
-    A case with an incident stops early once all three detectors have alarmed after it.
-    """
+    """One case's JSON-able verdicts per incident and false alarms; it stops early once every
+    detector it judges has alarmed after the incident."""
     started = time.monotonic()
     sim = _simulator(case)
     incidents = sim.incidents
@@ -531,10 +525,8 @@ def _work(case: Case | DraftLengthCase) -> float:
 def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy | None = None,
               processes: int = 1, progress: Callable[[dict], None] | None = None,
               draft_length: Sequence[DraftLengthCase] = (), draft_length_seed: int = _DEFAULT_SEED) -> list[dict]:
-    """Run every case (on ``processes`` worker processes); results come back in case order.
-
-    ``draft_length`` cases run in the same pool; their results follow the cases' in that order.
-    """
+    """Run every case, then the ``draft_length`` cases, on ``processes`` worker processes;
+    results come back in that order."""
     cases = list(cases) + list(draft_length)
     for case in cases:  # settings the simulator refuses fail here, before minutes of running
         if isinstance(case, Case) and not case.rollout:
@@ -578,12 +570,8 @@ def rollout_cases(healthy_seeds: int, frozen_seeds: int, first_seed: int = _DEFA
 
 
 def run_rollout(case: Case) -> dict:
-    """One closed-loop rollout under `ROLLOUT_POLICY`: the stages it went through, freezes and alerts.
-
-    A healthy rollout (or card change) must never be frozen by its judge nor page anyone; a
-    canary incident must end frozen, naming the structured bucket. The run stops once a
-    canary incident is frozen.
-    """
+    """One closed-loop rollout under `ROLLOUT_POLICY`: ``ok`` when a healthy one is never frozen
+    nor pages anyone, and a canary incident ends frozen in the structured bucket (the run stops)."""
     from specwatch.actions.flags import FlagStore
 
     started = time.monotonic()

@@ -114,11 +114,8 @@ def _position_probability(position_acceptance: float, k: int, decay: float, late
 
 def acceptance_length(position_acceptance: float, draft_length: int, decay: float = 0.97,
                       late_factor: float = 1.0) -> float:
-    """Expected acceptance length (accepted drafts + the target's own token) of one round.
-
-    Position ``k`` (from 0) is accepted with probability ``position_acceptance * decay**k``
-    (times ``late_factor`` from the third position on) and a round keeps the leading run of
-    accepted positions, so AL is in [1, 1 + D].
+    """Expected acceptance length (accepted drafts + the target's own token) of one round, which
+    keeps the leading run of accepted positions (``late_factor`` from the third on): in [1, 1 + D].
 
     >>> round(acceptance_length(0.8, 4), 3)
     3.229
@@ -137,9 +134,8 @@ def acceptance_length(position_acceptance: float, draft_length: int, decay: floa
 
 
 def bucket_acceptance_length(bucket: str, draft_length: int, late_factor: float = 1.0) -> float:
-    """The true AL of a healthy bucket's rounds at D (requests' difficulty levels averaged).
-
-    What the simulator draws from, so evaluations can score advice against the truth.
+    """The true AL of a healthy bucket's rounds at D (requests' difficulty levels averaged), as
+    the simulator draws them: what evaluations score advice against.
 
     >>> round(bucket_acceptance_length("coding", 4), 3), round(bucket_acceptance_length("coding", 1), 3)
     (3.237, 1.8)
@@ -214,11 +210,8 @@ def step_timing(requests: int, drafting: int, max_drafted: int, drafted_tokens: 
 
 def true_speedup(bucket: str, draft_length: int, requests: float, drafting: float, kv_tokens: float,
                  draft_factor: float = 1.0, late_factor: float = 1.0) -> float:
-    """A bucket's speedup at D over standard decoding, as the simulator runs it: the oracle.
-
-    Steps of ``requests`` requests, ``drafting`` of them drafting D tokens, holding
-    ``kv_tokens`` of KV cache; the mean scheduling gap between steps counts on both sides
-    (telemetry does not report it, so an advisor cannot see it).
+    """A bucket's speedup at D over standard decoding, as the simulator runs it: the oracle. The
+    mean scheduling gap counts on both sides (telemetry does not report it to an advisor).
 
     >>> round(true_speedup("coding", 4, 16, 15, 96_000), 3), round(true_speedup("coding", 2, 16, 15, 96_000), 3)
     (2.168, 1.943)
@@ -527,11 +520,8 @@ _REQUEST_UNIFORMS = 11
 
 
 class _Worker:
-    """One engine worker: a continuous batch of requests, stepped in event time.
-
-    A slot table holds the per-request numbers every step touches, so steps are drawn in
-    vectorized blocks; Python code runs per step record and per finished request, never per token.
-    """
+    """One engine worker: a continuous batch of requests stepped in event time, drawn in vectorized
+    blocks over a slot table, so that Python code runs per step record, never per token."""
 
     def __init__(self, index: int, sim: "Simulator", rng: np.random.Generator,
                  schedule: list[tuple[float, _Plan]], emit_later: Callable[[float, int, list], None]) -> None:
@@ -1130,10 +1120,8 @@ class Simulator:
         return cards
 
     def records(self) -> Iterator[TelemetryRecord]:
-        """Contract-v1 records of the whole fleet in event-time order; a fresh run per call.
-
-        Records with equal times come in worker order, then in the order a worker made them.
-        """
+        """Contract-v1 records of the whole fleet in event-time order (equal times in worker order,
+        then in the order a worker made them); a fresh run per call."""
         heap: list[tuple[float, int, int, list, Iterator | None]] = []
         counter = 0
 
