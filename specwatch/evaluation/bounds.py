@@ -3,8 +3,8 @@ could be, ln(ARL) / KL observations of an ideal CUSUM (docs/EVALUATION.md)."""
 
 from __future__ import annotations
 
+import itertools
 import math
-
 from typing import Sequence
 
 from specwatch.simulation import simulator as sim
@@ -69,11 +69,7 @@ def _tail_seconds(threshold: float, requests_per_second: float, intensity: float
 
 def _round_pmf(position_acceptance: float, draft_length: int, decay: float) -> list[float]:
     cdf = sim._accepted_cdf(position_acceptance, draft_length, decay)
-    pmf, previous = [], 0.0
-    for value in cdf + [1.0]:
-        pmf.append(max(0.0, value - previous))
-        previous = value
-    return pmf
+    return [max(0.0, b - a) for a, b in itertools.pairwise([0.0, *cdf, 1.0])]
 
 
 def _acceptance_kl(bucket: str, drop: float, draft_length: int = 4) -> float:
