@@ -6,12 +6,16 @@ import json
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 from specwatch.bench.broker import broker_data_dir
 from specwatch.bench.kafka_path import run_kafka_bench
+from specwatch.bench.soak import run_soak
+from specwatch.schemas import StepRecord
+from specwatch.schemas.otlp import encode_records
 
 
 @pytest.mark.kafka
@@ -57,3 +61,25 @@ def test_bench_without_bootstrap_starts_a_broker_of_its_own_and_stops_it():
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", int(port))) != 0
     assert not broker_data_dir(int(port)).exists()
+
+
+@pytest.mark.kafka
+def test_soak_through_kafka_counts_a_rejected_record_and_goes_on(kafka_bootstrap):
+    from kafka import KafkaProducer
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    topic = f"specwatch.test.soak.{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    bad = StepRecord.model_construct(kind="step", v=1, ts=1.0, worker="w1", seq=1, bundle_id="b-1", draft_ms=1.0,
+                                     verify_ms=2.0, kv_usage=5.0, requests=[])
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    producer.send(topic, key=b"w1", value=encode_records([bad])).get(timeout=30)
+    producer.close()
+    try:
+        result = run_soak(0.1, 200.0, 7, 1.0, 1, bootstrap=kafka_bootstrap, topic=topic)
+    finally:
+        admin.delete_topics([topic])
+        admin.close()
+    assert (result.mode, result.rejected, result.dropped, result.failed) == ("kafka", 1, 0, 0)
+    assert result.records > 0 and result.samples >= 2

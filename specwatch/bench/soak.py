@@ -142,65 +142,55 @@ def _paced(records: Iterator, stop: threading.Event) -> Iterator:
 
 
 class _Sampler:
-    def __init__(self, every_s: float, probe: Callable[[], Sample], out) -> None:
-        self.every_s = every_s
+    """The run's pipeline, sampled every ``every_s``: RSS, queues, and how far behind wall time its
+    slices were decided, worst per interval (at the output: slice length, lateness and backlog)."""
+
+    def __init__(self, every_s: float, out: TextIO | None,
+                 queues: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+        from specwatch.streams.embedded import EmbeddedPipeline
+
+        self.pipeline = EmbeddedPipeline(sinks=[self._decided], clock=time.time)
         self.samples: list[Sample] = []
-        self._probe = probe
+        self.every_s = every_s
         self._out = out
-        self._next = time.monotonic()
+        self._queues = queues
+        self.started = self._next = time.monotonic()
+        self._worst = self._last = 0.0
+
+    def _decided(self, output) -> None:
+        self._last = max(0.0, time.time() - output.slice_end)
+        self._worst = max(self._worst, self._last)
 
     def tick(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now >= self._next:
             self._next = now + self.every_s
-            sample = self._probe()
+            # the worst lag since the last sample, the latest one when no slice was decided since
+            lag, self._worst = (self._worst or self._last), 0.0
+            sample = Sample(round(now - self.started, 2), round(_rss_mb(), 1), round(lag, 3),
+                            self.pipeline.counters.records, *self._queues())
             self.samples.append(sample)
             if self._out is not None:
                 print(f"  t={sample.t:7.1f}s  rss={sample.rss_mb:7.1f} MB  lag={sample.lag_s:6.2f}s  "
                       f"records={sample.records:>9}  emit_queue={sample.emit_queue:>6}  "
                       f"consumer_lag={sample.consumer_lag:>6}", file=self._out, flush=True)
 
-
-class _Lag:
-    """How far behind wall time each slice was decided, worst per sampling interval: measured at
-    the output, so it includes the slice length, the lateness wait and any backlog."""
-
-    def __init__(self) -> None:
-        self._worst = 0.0
-        self._last = 0.0
-
-    def __call__(self, output) -> None:  # a pipeline sink
-        lag = max(0.0, time.time() - output.slice_end)
-        self._worst = max(self._worst, lag)
-        self._last = lag
-
-    def take(self) -> float:
-        """The worst lag since the last call (the latest one when no slice was decided since)."""
-        worst, self._worst = (self._worst or self._last), 0.0
-        return worst
+    def result(self, mode: str, minutes: float, rate: float, **failures: int) -> SoakResult:
+        self.pipeline.finish()
+        counters = self.pipeline.counters.as_dict()
+        return summarize(mode, minutes, rate, self.samples, counters, **failures)
 
 
 def _soak_embedded(sim, minutes: float, rate: float, sample_seconds: float, out: TextIO | None) -> SoakResult:
-    from specwatch.streams.embedded import EmbeddedPipeline
-
-    lag = _Lag()
-    pipeline = EmbeddedPipeline(sinks=[lag], clock=time.time)
-    started, stop = time.monotonic(), threading.Event()
-
-    def probe() -> Sample:
-        return Sample(round(time.monotonic() - started, 2), round(_rss_mb(), 1), round(lag.take(), 3),
-                      pipeline.counters.records)
-
-    sampler = _Sampler(sample_seconds, probe, out)
-    deadline = started + minutes * 60.0
-    for record in _paced(sim.records(), stop):
-        pipeline.feed(record)
+    sampler = _Sampler(sample_seconds, out)
+    deadline = time.monotonic() + minutes * 60.0
+    for record in _paced(sim.records(), threading.Event()):
+        sampler.pipeline.feed(record)
         sampler.tick()
         if time.monotonic() >= deadline:
             break
     sampler.tick(force=True)
-    pipeline.finish()
-    return summarize("embedded", minutes, rate, sampler.samples, pipeline.counters.as_dict())
+    return sampler.result("embedded", minutes, rate)
 
 
 def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: TextIO | None, bootstrap: str,
@@ -210,9 +200,7 @@ def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: Te
 
     from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
     from specwatch.transport.config import KafkaConfig
-    from specwatch.schemas import Rejection
     from specwatch.schemas.otlp import decode_request
-    from specwatch.streams.embedded import EmbeddedPipeline
 
     config = KafkaConfig.from_env(bootstrap)
     own_topic = topic is None
@@ -223,12 +211,9 @@ def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: Te
         admin.create_topics([NewTopic(topic, 4, 1)])
     exporter = KafkaTelemetryExporter(KafkaConfig.from_env(bootstrap, topic=topic))
     emitter = TelemetryEmitter(exporter, sdk=False)
-    lag = _Lag()
-    pipeline = EmbeddedPipeline(sinks=[lag], clock=time.time)
     consumer = KafkaConsumer(**config.client_settings(), group_id=None, enable_auto_commit=False,
                              auto_offset_reset="earliest")
     stop = threading.Event()
-    started = time.monotonic()
 
     def load() -> None:
         for record in _paced(sim.records(), stop):
@@ -238,13 +223,12 @@ def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: Te
     producer_thread = threading.Thread(target=load, name="soak-load", daemon=True)
     partitions: list = []
 
-    def probe() -> Sample:
+    def queues() -> tuple[int, int]:
         ends = consumer.end_offsets(partitions) if partitions else {}
         behind = sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
-        return Sample(round(time.monotonic() - started, 2), round(_rss_mb(), 1), round(lag.take(), 3),
-                      pipeline.counters.records, emitter.stats().queued, behind)
+        return emitter.stats().queued, behind
 
-    sampler = _Sampler(sample_seconds, probe, out)
+    sampler = _Sampler(sample_seconds, out, queues)
     try:
         deadline = time.monotonic() + 30
         while not consumer.partitions_for_topic(topic) and time.monotonic() < deadline:
@@ -252,15 +236,11 @@ def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: Te
         partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
         consumer.assign(partitions)
         producer_thread.start()
-        end_at = started + minutes * 60.0
+        end_at = sampler.started + minutes * 60.0
         while time.monotonic() < end_at and not (stop.is_set() and not emitter.stats().queued):
             for batch in consumer.poll(timeout_ms=_KAFKA_POLL_MS).values():
                 for message in batch:
-                    for record in decode_request(message.value):
-                        if isinstance(record, Rejection):
-                            pipeline.reject(record)
-                        else:
-                            pipeline.feed(record)
+                    sampler.pipeline.feed_many(decode_request(message.value))  # rejections counted
             sampler.tick()
         sampler.tick(force=True)
     finally:
@@ -273,10 +253,9 @@ def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: Te
                 admin.delete_topics([topic])
             finally:
                 admin.close()
-    pipeline.finish()
     stats = emitter.stats()
-    return summarize("kafka", minutes, rate, sampler.samples, pipeline.counters.as_dict(),
-                     dropped=stats.dropped, failed=stats.failed + exporter.stats()["delivery_errors"])
+    return sampler.result("kafka", minutes, rate, dropped=stats.dropped,
+                          failed=stats.failed + exporter.stats()["delivery_errors"])
 
 
 def run_soak(minutes: float, rate: float, seed: int, sample_seconds: float, workers: int, *,
