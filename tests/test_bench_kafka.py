@@ -71,8 +71,8 @@ def test_soak_through_kafka_counts_a_rejected_record_and_goes_on(kafka_bootstrap
     topic = f"specwatch.test.soak.{uuid.uuid4().hex[:8]}"
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     admin.create_topics([NewTopic(topic, 1, 1)])
-    bad = StepRecord.model_construct(kind="step", v=1, ts=1.0, worker="w1", seq=1, bundle_id="b-1", draft_ms=1.0,
-                                     verify_ms=2.0, kv_usage=5.0, requests=[])
+    bad = StepRecord.model_construct(kind="step", v=1, ts=1.0, worker="w1", seq=1, bundle_id="b-1",
+                                     draft_ms=1.0, verify_ms=2.0, kv_usage=5.0, requests=[])
     producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
     producer.send(topic, key=b"w1", value=encode_records([bad])).get(timeout=30)
     producer.close()
