@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 
-from specwatch.bench import percentile
+from specwatch.bench import percentile, timed
 
 __all__ = ["admin_call", "create_topics", "run_kafka_bench"]
 
@@ -121,11 +121,8 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     records = list(sim.records())
     rounds = sum(len(r.requests) for r in records if r.kind == "step")
     embedded = EmbeddedPipeline()
-    start = time.perf_counter()
-    for record in records:
-        embedded.feed(record)
-    embedded.finish()
-    embedded_s = time.perf_counter() - start
+    embedded_s, _ = timed(lambda: [embedded.feed(record) for record in records] + embedded.finish(),
+                          clock=time.perf_counter)
 
     received: list[tuple[float, Decision]] = []
     stop = threading.Event()

@@ -500,11 +500,8 @@ def bench_kafka(bootstrap: str, quick: bool, smoke: bool) -> dict:
             "incident_to_decision_p99_s": paced["decision_latency_p99_s"]}
 
 
-# Issue 16's targets, each beside the alternative measured with it in the same run:
-# (target, section, goal, goal_is, goal_on, figures). ``goal_on`` says what the goal bounds:
-# the measured figure itself, or its ratio over the alternative. ``figures(section)``
-# reads the section's report and returns (measured, alternative's name, alternative's value,
-# note); a figure a section lacks is a KeyError, reported as not measured.
+# Issue 16's targets (docs/BENCHMARKS.md): (target, section, goal, goal_is, goal_on, figures);
+# ``figures(section)`` returns (measured, alternative's name, alternative's value, note).
 def _stream_row(encoding: str):
     def figures(stream):
         row = next(r for r in stream if r["concurrency"] == 16 and r["encoding"] == encoding)
@@ -611,11 +608,8 @@ def _section_gap(section: Any) -> str | None:
 
 
 def _targets(report: dict) -> list[dict]:
-    """Every target of issue 16 with its alternative, ratio and met; None where not measured.
-
-    A row is ``met`` when its figure (``goal_on == "measured"``) or its ratio over the
-    alternative (``goal_on == "ratio"``) is within the goal; a "stated" target has no goal,
-    and is met once measured.
+    """Every target of issue 16 with its alternative, ratio and met; None where not measured (a
+    figure its section lacks too); a "stated" target has no goal, and is met once measured.
 
     >>> rows = _targets({"replay": {"skipped": "not selected"}})
     >>> len(rows) == len(_TARGET_ROWS), {r["met"] for r in rows}
