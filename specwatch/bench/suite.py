@@ -149,17 +149,13 @@ class NaiveRoundPipeline(EmbeddedPipeline):
     def feed_round_otlp(self, payload: bytes) -> list:
         from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
-        request = ExportLogsServiceRequest()
-        request.ParseFromString(payload)
         decided = []
-        for resource_logs in request.resource_logs:
+        for resource_logs in ExportLogsServiceRequest.FromString(payload).resource_logs:
             for scope_logs in resource_logs.scope_logs:
                 for record in scope_logs.log_records:
-                    body = {}
-                    for pair in record.attributes:
-                        which = pair.value.WhichOneof("value")
-                        body[pair.key[10:]] = getattr(pair.value, which)
-                    decided += self.feed_round(body)
+                    decided += self.feed_round({
+                        pair.key[10:]: getattr(pair.value, pair.value.WhichOneof("value"))
+                        for pair in record.attributes})
         return decided + self._fold_step()
 
     def finish(self) -> list:
@@ -169,9 +165,9 @@ class NaiveRoundPipeline(EmbeddedPipeline):
 # ------------------------------------------------------------------ inputs
 
 
-def _records(requests_per_step: int, minutes: float, workers: int = 4, scenario: str = "healthy") -> list:
-    sim = Simulator(scenario, seed=_SEED, minutes=minutes, workers=workers, concurrency=requests_per_step)
-    return list(sim.records())
+def _records(requests_per_step: int, minutes: float, workers: int = 4) -> list:
+    return list(Simulator("healthy", seed=_SEED, minutes=minutes, workers=workers,
+                          concurrency=requests_per_step).records())
 
 
 # ------------------------------------------------------------------ sections
