@@ -210,14 +210,10 @@ _STALL_CASES = tuple(_incident_case("latency_tail", 50.0, level=level, compare_b
 
 def _healthy_cases(level: tuple[int, int], minutes: tuple[float, float, float]) -> tuple[Case, ...]:
     """Incident-free runs on one fleet size: steady, a day-shaped load cycle, a drifting mix."""
-    workers, concurrency = level
-    steady, day, drift = minutes
-    return (
-        Case("healthy", None, "steady load and mix", steady, workers=workers, concurrency=concurrency),
-        Case("diurnal", None, "one day-shaped load cycle", day, workers=workers, concurrency=concurrency),
-        Case("mix_shift", None, "mix drifts to reasoning/long context", drift, workers=workers,
-             concurrency=concurrency),
-    )
+    labels = {"healthy": "steady load and mix", "diurnal": "one day-shaped load cycle",
+              "mix_shift": "mix drifts to reasoning/long context"}
+    return tuple(Case(scenario, None, label, length, workers=level[0], concurrency=level[1])
+                 for (scenario, label), length in zip(labels.items(), minutes))
 
 
 # Incident-free runs at every fleet size: 80 simulated minutes each, which is 24 key-hours
