@@ -12,6 +12,7 @@ _SECONDS_PER_HOUR = 3600.0
 # a slice closes. The 2x-bound target applies above it.
 _GRANULARITY_S = 2.0
 _BOUND_FACTOR = 2.0
+_ALARM_FIELDS = ("reason", "bucket", "cohort", "action")  # shown of specwatch's alarm
 _DETECTOR_TITLES = {"specwatch": "specwatch", "kill_switch": "kill switch (TRT-LLM)",
                     "prometheus": "Prometheus alert"}
 
@@ -31,8 +32,7 @@ def summarize(results: list[dict], baselines: dict, mode: str) -> dict:
             for detector in DETECTORS:
                 entry[detector] = {"verdict": row[detector]["verdict"], "delay_s": row[detector]["delay_s"]}
             alarm = row["specwatch"]["alarm"] or {}
-            entry["specwatch"].update(reason=alarm.get("reason"), bucket=alarm.get("bucket"),
-                                      cohort=alarm.get("cohort"), action=alarm.get("action"))
+            entry["specwatch"].update({k: alarm.get(k) for k in _ALARM_FIELDS})
             sw = row["specwatch"]
             entry["target_met"] = None if row["target_s"] is None else (
                 sw["verdict"] == "right" and sw["delay_s"] <= row["target_s"])
@@ -40,9 +40,7 @@ def summarize(results: list[dict], baselines: dict, mode: str) -> dict:
             entry["faster_than_baselines"] = _faster(entry) if entry["compare_baselines"] else None
             table.append(entry)
     return {
-        "mode": mode,
-        "baselines": baselines,
-        "table": table,
+        "mode": mode, "baselines": baselines, "table": table,
         "false_alarms": _false_alarms(results),
         "healthy_runs": [
             {"case": r["case"], "scenario": r["scenario"], "label": r["label"], "workers": r["workers"],
