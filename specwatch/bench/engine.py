@@ -23,9 +23,8 @@ _PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
 ]
 _BLOCK_STEPS = 4  # steps per on/off block
-# pairs of measured waves (one starting on, one off); each wave is about 70 engine steps. The
-# full run's p99 rests on about 34 steps of each side: with 12 pairs (9 steps) three runs of
-# the same code gave p99 on/off ratios of 0.83x, 0.87x and 1.24x.
+# pairs of measured waves (one starting on, one off) of about 70 engine steps each: the full
+# run's p99 needs this many (docs/BENCHMARKS.md)
 _ROUNDS = {"smoke": 1, "quick": 4, "full": 48}
 _WARM_UP_WAVES = 2  # one starting on, one off
 _HOOK_PATH_REPEAT = 10

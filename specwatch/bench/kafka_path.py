@@ -112,10 +112,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     topics = {f"{run}.telemetry": _PARTITIONS, f"{run}.partials": _PARTITIONS, f"{run}.deadletter": _PARTITIONS,
               f"{run}.decisions": 1}
     asyncio.run(create_topics(bootstrap, topics))
-    # event time runs far faster than wall time: several incidents in a few simulated minutes.
-    # The full run is long enough (about 20 s to drain on 2 cores) that the end of the drain,
-    # seen only through checkpoint commits every 2 s and a lag poll every second, is a small
-    # part of it: with 6 minutes the same fleet read 183k rounds/s, with 18 minutes 219k.
+    # long enough that the end of the drain is a small part of the full run (docs/BENCHMARKS.md)
     minutes = 1.5 if smoke else (3.5 if seconds < 60 else 18.0)
     sim = Simulator("demo", seed=17, minutes=minutes, workers=4, concurrency=16, incident_at=45.0 if smoke else 60.0)
     records = list(sim.records())
