@@ -178,28 +178,23 @@ _INCIDENT_CASES = tuple(
 # The sweep below the default fleet and above it: every kind at two intensities, the weak
 # one included (errors x5). Only specwatch is judged there; the baselines are compared at
 # the default fleet, above.
-_SWEEP_INTENSITIES = (
-    ("acceptance_drop", 0.25), ("acceptance_drop", 0.40), ("target_update", 0.50),
-    ("bundle_change", None), ("draft_regression", 2.0), ("draft_regression", 3.0),
-    ("latency_tail", 3.0), ("latency_tail", 10.0), ("kv_pressure", 0.6), ("kv_pressure", 0.8),
-    ("quality_mismatch", 0.2), ("quality_mismatch", 0.5), ("error_burst", 5.0),
-    ("error_burst", 20.0),
-)
+_SWEEP_INTENSITIES = {
+    "acceptance_drop": (0.25, 0.40), "target_update": (0.50,), "bundle_change": (None,),
+    "draft_regression": (2.0, 3.0), "latency_tail": (3.0, 10.0), "kv_pressure": (0.6, 0.8),
+    "quality_mismatch": (0.2, 0.5), "error_burst": (5.0, 20.0)}
 _SWEEP_CASES = tuple(_incident_case(kind, intensity, level=level, compare_baselines=False)
                      for level in LEVELS if level != _DEFAULT_LEVEL
-                     for kind, intensity in _SWEEP_INTENSITIES)
+                     for kind, strengths in _SWEEP_INTENSITIES.items() for intensity in strengths)
 # Quiet keys inside the default and the big fleet: a bucket with about 3 % of the traffic and
 # the canary cohort (5 %), for the kinds whose evidence grows with a key's traffic.
 _QUIET_LEVELS = (_DEFAULT_LEVEL, (32, 16))
-_QUIET_INTENSITIES = (
-    ("error_burst_quiet_bucket", 5.0), ("error_burst_quiet_bucket", 20.0),
-    ("error_burst_quiet_cohort", 5.0), ("error_burst_quiet_cohort", 20.0),
-    ("latency_tail_quiet_bucket", 3.0), ("latency_tail_quiet_bucket", 10.0),
-    ("latency_tail_quiet_cohort", 3.0), ("latency_tail_quiet_cohort", 10.0),
-    ("acceptance_drop_quiet_bucket", 0.25),
-)
+_QUIET_INTENSITIES = {
+    "error_burst_quiet_bucket": (5.0, 20.0), "error_burst_quiet_cohort": (5.0, 20.0),
+    "latency_tail_quiet_bucket": (3.0, 10.0), "latency_tail_quiet_cohort": (3.0, 10.0),
+    "acceptance_drop_quiet_bucket": (0.25,)}
 _QUIET_CASES = tuple(_incident_case(scenario, intensity, level=level, compare_baselines=False)
-                     for level in _QUIET_LEVELS for scenario, intensity in _QUIET_INTENSITIES)
+                     for level in _QUIET_LEVELS
+                     for scenario, strengths in _QUIET_INTENSITIES.items() for intensity in strengths)
 
 # Stalls: 10 % of reasoning/main requests hang for minutes (x50), their records due only when
 # the stall ends. The e2e tail test counts them while they run (docs/EVALUATION.md).
