@@ -193,8 +193,8 @@ _QUIET_INTENSITIES = {
     "latency_tail_quiet_bucket": (3.0, 10.0), "latency_tail_quiet_cohort": (3.0, 10.0),
     "acceptance_drop_quiet_bucket": (0.25,)}
 _QUIET_CASES = tuple(_incident_case(scenario, intensity, level=level, compare_baselines=False)
-                     for level in _QUIET_LEVELS
-                     for scenario, strengths in _QUIET_INTENSITIES.items() for intensity in strengths)
+                     for level in _QUIET_LEVELS for scenario, strengths in _QUIET_INTENSITIES.items()
+                     for intensity in strengths)
 
 # Stalls: 10 % of reasoning/main requests hang for minutes (x50), their records due only when
 # the stall ends. The e2e tail test counts them while they run (docs/EVALUATION.md).
