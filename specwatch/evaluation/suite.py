@@ -188,13 +188,13 @@ _SWEEP_CASES = tuple(_incident_case(kind, intensity, level=level, compare_baseli
 # Quiet keys inside the default and the big fleet: a bucket with about 3 % of the traffic and
 # the canary cohort (5 %), for the kinds whose evidence grows with a key's traffic.
 _QUIET_LEVELS = (_DEFAULT_LEVEL, (32, 16))
-_QUIET_INTENSITIES = {
+_QUIET_KEYS = {
     "error_burst_quiet_bucket": (5.0, 20.0), "error_burst_quiet_cohort": (5.0, 20.0),
     "latency_tail_quiet_bucket": (3.0, 10.0), "latency_tail_quiet_cohort": (3.0, 10.0),
     "acceptance_drop_quiet_bucket": (0.25,)}
 _QUIET_CASES = tuple(_incident_case(scenario, intensity, level=level, compare_baselines=False)
-                     for level in _QUIET_LEVELS for scenario, strengths in _QUIET_INTENSITIES.items()
-                     for intensity in strengths)
+                     for level in _QUIET_LEVELS
+                     for scenario, strengths in _QUIET_KEYS.items() for intensity in strengths)
 
 # Stalls: 10 % of reasoning/main requests hang for minutes (x50), their records due only when
 # the stall ends. The e2e tail test counts them while they run (docs/EVALUATION.md).
