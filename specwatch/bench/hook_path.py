@@ -125,7 +125,9 @@ def _stand_in_classes() -> tuple[type, type]:
 
         def take_draft_token_ids(self) -> Any:
             drafts, self._drafts = self._drafts, None
-            return _DraftTokenIds(list(self.input_batch.req_ids), drafts) if drafts is not None else None
+            if drafts is None:
+                return None
+            return SimpleNamespace(req_ids=list(self.input_batch.req_ids), draft_token_ids=drafts)
 
     class Scheduler:
         def __init__(self, vllm_config: Any) -> None:
@@ -156,12 +158,6 @@ def _stand_in_classes() -> tuple[type, type]:
             return None
 
     return ModelRunner, Scheduler
-
-
-@dataclass
-class _DraftTokenIds:
-    req_ids: list[str]
-    draft_token_ids: list[list[int]]
 
 
 class _Request:
