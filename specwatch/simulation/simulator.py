@@ -326,7 +326,6 @@ class _Plan:
     offset: float = 0.0
     bucket: str | None = None
     cohort: str | None = None
-    intensity: float | None = None
 
 
 @dataclass(frozen=True)
@@ -1070,9 +1069,7 @@ class Simulator:
         return bundle_digest(DEFAULT_CARD)
 
     def _intensity(self, plan: _Plan) -> float:
-        if self.intensity is not None:
-            return self.intensity
-        return plan.intensity if plan.intensity is not None else _INTENSITY[plan.kind][0]
+        return _INTENSITY[plan.kind][0] if self.intensity is None else self.intensity
 
     def _schedule(self) -> list[list[tuple[float, _Plan]]]:
         """Per worker: (seconds after start, incident) in time order, only those inside the run."""
