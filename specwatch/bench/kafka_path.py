@@ -180,9 +180,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         while time.time() < deadline:
             lag = _lag(bootstrap, run, f"{run}.telemetry")
             lag_samples.append((time.time() - t0, lag))
-            if lag == 0:
-                break
-            if process.poll() is not None:
+            if lag == 0 or process.poll() is not None:
                 break
             time.sleep(1.0)
         drained_s = time.time() - t0
