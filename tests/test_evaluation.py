@@ -8,9 +8,8 @@ import pytest
 
 from specwatch.evaluation import (LEVELS, AcceptanceKillSwitch, BaselineSettings, Case, PrometheusRatioAlert, calibrate,
                                   bernoulli_kl, format_report, full_suite, information_bound, plot_sweep, quick_suite,
-                                  run_suite, summarize)
-
-from specwatch.evaluation.suite import incident_kind
+                                  run_case, run_suite, summarize)
+from specwatch.evaluation.suite import _incident_case, _kv_evidence, _watch_seconds, incident_kind
 
 from machine import specwatch
 
@@ -218,8 +217,6 @@ def test_cli_rejects_bad_arguments():
 def test_a_small_fleet_is_watched_until_its_shadow_checks_and_kv_peaks_arrive():
     """With one worker the first mismatch and a KV surge come minutes late: the watch grows as the
     fleet shrinks (fixed watches of 180 s and 40 s missed both)."""
-    from specwatch.evaluation.suite import _incident_case, _watch_seconds, run_case
-
     assert _watch_seconds("quality_mismatch", 0.5, 8, 16) == 180.0
     assert _watch_seconds("quality_mismatch", 0.5, 1, 4) == 1800.0
     assert _watch_seconds("kv_pressure", 0.6, 1, 4) == 1280.0
@@ -235,8 +232,6 @@ def test_a_small_fleet_is_watched_until_its_shadow_checks_and_kv_peaks_arrive():
 
 
 def test_a_kv_spike_shorter_than_the_gate_needs_is_not_reached_not_missed():
-    from specwatch.evaluation.suite import _kv_evidence
-
     row = {"start_ts": 100.0, "specwatch": {"verdict": "missed", "delay_s": None}}
     _kv_evidence(row, {130, 131, 140}, 3, 1.0)
     assert row["kv_over_watermark"] == {"slices": 3, "longest_run_slices": 2, "slices_needed": 3,

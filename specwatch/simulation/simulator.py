@@ -320,12 +320,12 @@ class Incident:
 
 @dataclass(frozen=True)
 class _Plan:
-    """One incident of a scenario: when (seconds after the scenario's incident start) and where."""
+    """One incident of a scenario: where, and when (seconds after the scenario's incident start)."""
 
     kind: str
-    offset: float = 0.0
     bucket: str | None = None
     cohort: str | None = None
+    offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -397,11 +397,11 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
     "demo": _Scenario(
         "five incidents 35 s apart from 150 s: coding AL, structured shadow, reasoning tail, extraction "
         "errors, KV", 6.0,
-        (_Plan("acceptance_drop", 0.0, bucket="coding"),
-         _Plan("quality_mismatch", 35.0, bucket="structured"),
-         _Plan("latency_tail", 70.0, bucket="reasoning", cohort="main"),
-         _Plan("error_burst", 105.0, bucket="extraction"),
-         _Plan("kv_pressure", 140.0)),
+        (_Plan("acceptance_drop", "coding"),
+         _Plan("quality_mismatch", "structured", offset=35.0),
+         _Plan("latency_tail", "reasoning", "main", offset=70.0),
+         _Plan("error_burst", "extraction", offset=105.0),
+         _Plan("kv_pressure", offset=140.0)),
         incident_at=150.0),
     # Admission scenarios run closed loop under a policy with [admission] enforce = true: the
     # fleet deploys a bundle nobody admitted, and the flag source's stage routes its traffic.
