@@ -136,15 +136,9 @@ def stray_alarms(incidents, alarms: list[Alarm]) -> list[Alarm]:
     >>> [(a.ts, a.bucket) for a in stray_alarms([burst], alarms)]
     [(50.0, 'coding'), (140.0, 'coding')]
     """
-    stray = []
-    for alarm in alarms:
-        if alarm.action in _GIVING_BACK:
-            continue
-        explained = any(alarm.ts >= incident.start_ts and alarm.reason in _right_reasons(incident)
-                        and _scope(incident, alarm) == "inside" for incident in incidents)
-        if not explained:
-            stray.append(alarm)
-    return stray
+    return [alarm for alarm in alarms if alarm.action not in _GIVING_BACK
+            and not any(alarm.ts >= incident.start_ts and alarm.reason in _right_reasons(incident)
+                        and _scope(incident, alarm) == "inside" for incident in incidents)]
 
 
 def match_incidents(incidents, alarms: list[Alarm]) -> list[dict]:
