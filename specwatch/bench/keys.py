@@ -45,11 +45,10 @@ def step_lines(keys: int, slices: int, rounds_per_slice: int,
         left = rounds_per_slice
         for i in range(steps_per_slice):
             ts = bundle.ts + s + i / steps_per_slice
-            requests = []
-            for _ in range(min(requests_per_step, left)):
-                requests.append({"id": f"r{seq}-{k}", "bucket": f"bucket{k % keys}", "cohort": "main",
-                                 "drafted": 4, "accepted": (seq + k) % 5})
-                k += 1
+            requests = [{"id": f"r{seq}-{n}", "bucket": f"bucket{n % keys}", "cohort": "main",
+                         "drafted": 4, "accepted": (seq + n) % 5}
+                        for n in range(k, k + min(requests_per_step, left))]
+            k += len(requests)
             left -= len(requests)
             lines.append(json.dumps({"kind": "step", "v": 1, "ts": ts, "worker": "w1", "seq": seq,
                                      "bundle_id": bundle.bundle_id, "draft_ms": 1.0, "verify_ms": 10.0,
