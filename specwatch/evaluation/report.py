@@ -105,23 +105,22 @@ def _faster(entry: dict) -> bool | None:
 
 def _false_alarms(results: list[dict]) -> dict:
     """Per detector: alarms in incident-free runs and before incidents, per simulated hour."""
-    healthy_s = sum(r["simulated_seconds"] for r in results if r["healthy"])
-    bucket_hours = sum(r["simulated_seconds"] * r["buckets"] for r in results if r["healthy"]) / _SECONDS_PER_HOUR
-    pre_s = sum(r["incident_free_seconds"] for r in results if not r["healthy"])
+    healthy = [r for r in results if r["healthy"]]
+    others = [r for r in results if not r["healthy"]]
+    healthy_s = sum(r["simulated_seconds"] for r in healthy)
+    bucket_s = sum(r["simulated_seconds"] * r["buckets"] for r in healthy)
+    pre_s = sum(r["incident_free_seconds"] for r in others)
+    hours = (healthy_s + pre_s) / _SECONDS_PER_HOUR
     out = {"incident_free_hours": round(healthy_s / _SECONDS_PER_HOUR, 3),
-           "incident_free_bucket_hours": round(bucket_hours, 2),
+           "incident_free_bucket_hours": round(bucket_s / _SECONDS_PER_HOUR, 2),
            "pre_incident_hours": round(pre_s / _SECONDS_PER_HOUR, 3)}
     for detector in DETECTORS:
-        healthy = sum(len(r["false_alarms"][detector]["alarms"]) for r in results if r["healthy"])
-        before = sum(r["false_alarms"][detector]["before_incident"] for r in results if not r["healthy"])
-        after = sum(r["false_alarms"][detector]["after_incident"] for r in results if not r["healthy"])
-        hours = (healthy_s + pre_s) / _SECONDS_PER_HOUR
-        out[detector] = {
-            "incident_free_runs": healthy,
-            "before_incidents": before,
-            "wrong_during_incidents": after,
-            "per_hour": round((healthy + before) / hours, 3) if hours else None,
-        }
+        free = sum(len(r["false_alarms"][detector]["alarms"]) for r in healthy)
+        before = sum(r["false_alarms"][detector]["before_incident"] for r in others)
+        after = sum(r["false_alarms"][detector]["after_incident"] for r in others)
+        out[detector] = {"incident_free_runs": free, "before_incidents": before,
+                         "wrong_during_incidents": after,
+                         "per_hour": round((free + before) / hours, 3) if hours else None}
     return out
 
 
