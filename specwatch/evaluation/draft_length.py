@@ -88,11 +88,9 @@ def run_draft_length(case: DraftLengthCase, seed: int = 11) -> dict:
 
 def _score(case: DraftLengthCase, checks: list[dict]) -> dict:
     after = [c for c in checks if c["after_change_s"] > 0]
-    settled = None
-    for i, check in enumerate(after):
-        if all(c["worst_ratio"] >= TARGET_RATIO for c in after[i:]):
-            settled = check["after_change_s"]
-            break
+    # the first check from which every later one meets the target
+    settled = next((check["after_change_s"] for i, check in enumerate(after)
+                    if all(c["worst_ratio"] >= TARGET_RATIO for c in after[i:])), None)
     before = [c for c in checks if c["after_change_s"] <= 0]
     final = after[-1] if after else {"buckets": {}}
     return {
