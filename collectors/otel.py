@@ -44,8 +44,6 @@ _DEFAULT_SCHEDULE_DELAY_MILLIS = 200
 _DEFAULT_DROP_WARNING_INTERVAL_S = 10.0
 _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS = 5_000
 _DEFAULT_SERVICE_NAME = "specwatch"
-# The spool's drain thread retries a broker that is still away after 1 s, doubling up to 30 s,
-# and sends up to this many spooled messages before it waits for their acknowledgements.
 _DEFAULT_DRAIN_BACKOFF_S = (1.0, 30.0)
 _DRAIN_CHUNK = 64
 # `stats()` name -> `SpoolStats` field
@@ -59,8 +57,7 @@ Item = TypeVar("Item")
 
 @dataclass(frozen=True)
 class EmitterStats:
-    """Counters since start: ``dropped`` (queue full), ``failed`` (the exporter refused or raised),
-    ``rejected`` (not turned back into contract records)."""
+    """Counters since start (docs/DEPLOY.md, "Inside the collector")."""
 
     queued: int
     exported: int
@@ -70,10 +67,7 @@ class EmitterStats:
 
 
 class _BoundedBatcher(Generic[Item]):
-    """A bounded queue drained in batches by one daemon thread; `offer` never blocks.
-
-    ``exporter`` is flushed after the queue and shut down after it.
-    """
+    """A bounded queue drained in batches by one daemon thread; `offer` never blocks."""
 
     def __init__(
         self,
@@ -204,10 +198,9 @@ class _BoundedBatcher(Generic[Item]):
 
 
 class BoundedLogRecordProcessor(LogRecordProcessor):
-    """An OTel log record processor that batches to an exporter and never blocks `on_emit`.
+    """An OTel log record processor that batches ``specwatch.*`` records, never blocking `on_emit`.
 
-    Unlike the SDK's BatchLogRecordProcessor it counts what it drops and warns periodically;
-    records whose event name is not ``specwatch.*`` are left to others.
+    Unlike the SDK's BatchLogRecordProcessor it counts what it drops and warns periodically.
     """
 
     def __init__(self, exporter: LogRecordExporter, **batching: float) -> None:
@@ -215,10 +208,8 @@ class BoundedLogRecordProcessor(LogRecordProcessor):
         # on_emit runs on the emitting thread; this tells that thread whether it was kept.
         self._last_offer = threading.local()
         self._batcher: _BoundedBatcher[ReadableLogRecord] = _BoundedBatcher(
-            self._export, exporter, name="specwatch-otel-export", **batching)
-
-    def _export(self, batch: list[ReadableLogRecord]) -> bool:
-        return self._exporter.export(batch) is LogRecordExportResult.SUCCESS
+            lambda batch: exporter.export(batch) is LogRecordExportResult.SUCCESS, exporter,
+            name="specwatch-otel-export", **batching)
 
     def on_emit(self, log_record: ReadWriteLogRecord) -> None:
         event_name = log_record.log_record.event_name
@@ -284,19 +275,7 @@ class TelemetryLogExporter(LogRecordExporter):
 class TelemetryEmitter:
     """What collectors call once per engine step (and per finished request): `emit(record)`.
 
-    Parameters
-    ----------
-    exporter
-        Where batches go: an in-process `TelemetryExporter` (the embedded pipeline) or a
-        `KafkaTelemetryExporter`. The emitter owns it and shuts it down.
-    sdk
-        True: through an OpenTelemetry ``LoggerProvider``. False: the direct path, same bytes.
-    service_name
-        The OTel resource's ``service.name`` (SDK path).
-    max_queue_size, max_batch_size, schedule_delay_millis
-        Queue bound (beyond it records are dropped and counted), records per export call, and
-        the longest a record waits. ``drop_warning_interval_s`` and ``shutdown_timeout_millis``:
-        how often at most a drop warning, how long shutdown waits.
+    It owns ``exporter``; its settings are in docs/DEPLOY.md, "Inside the collector".
 
     >>> from specwatch.collectors.export import InMemoryExporter
     >>> from specwatch.schemas import ShadowRecord
@@ -313,7 +292,6 @@ class TelemetryEmitter:
 
     def __init__(self, exporter: TelemetryExporter, *, sdk: bool = True, service_name: str = _DEFAULT_SERVICE_NAME,
                  **batching: float) -> None:
-        self._exporter = exporter
         self._closed = False
         self.provider: LoggerProvider | None = None
         self._processor: BoundedLogRecordProcessor | None = None
@@ -326,11 +304,8 @@ class TelemetryEmitter:
             self.provider.add_log_record_processor(self._processor)
             self._logger = self.provider.get_logger("specwatch", str(CONTRACT_VERSION))
         else:
-            self._batcher = _BoundedBatcher(self._export_direct, exporter, name="specwatch-telemetry-export",
-                                            **batching)
-
-    def _export_direct(self, batch: list[TelemetryRecord]) -> bool:
-        return self._exporter.export(batch) is ExportResult.SUCCESS
+            self._batcher = _BoundedBatcher(lambda batch: exporter.export(batch) is ExportResult.SUCCESS,
+                                            exporter, name="specwatch-telemetry-export", **batching)
 
     def emit(self, record: TelemetryRecord) -> bool:
         """Queue one record for export; False when it was dropped (queue full or closed)."""
@@ -374,9 +349,8 @@ class TelemetryEmitter:
 class KafkaTelemetryExporter:
     """Writes contract records to Kafka as OTLP ``ExportLogsServiceRequest`` messages.
 
-    Keyed by worker id (shadow records: bundle id), so one worker's records stay in order on
-    one partition. Without a ``spool`` what the broker refuses is counted and lost; with a
-    `TelemetrySpool` it goes to disk and is drained in order (docs/RELIABILITY.md).
+    Keyed by worker (shadow records: bundle id); with a `TelemetrySpool`, what the broker
+    refuses goes to disk and is drained in order (docs/RELIABILITY.md), else it is counted.
     """
 
     def __init__(self, config: KafkaConfig, *, producer: Any = None,
@@ -496,12 +470,15 @@ class KafkaTelemetryExporter:
                 self._producer.flush(timeout=(self.config.delivery_timeout_ms + self.config.request_timeout_ms) / 1000)
             except Exception as error:  # noqa: BLE001 - KafkaTimeoutError: what is left fails later
                 logger.debug("kafka flush before spooling did not complete: %s", error)
-            with self._lock:
-                failed, self._failed_in_flight = sorted(self._failed_in_flight), []
-                self._settled = True
-            with self._route_lock:
-                for _, key, payload, count in failed:
-                    self._to_spool(key, payload, count)
+            self._spool_failed_in_flight()
+
+    def _spool_failed_in_flight(self) -> None:
+        with self._lock:
+            failed, self._failed_in_flight = sorted(self._failed_in_flight), []
+            self._settled = True
+        with self._route_lock:
+            for _, key, payload, count in failed:
+                self._to_spool(key, payload, count)
 
     def _to_spool(self, key: bytes, payload: bytes, count: int) -> bool:
         kept = self._spool.append(key, payload, records=count)
@@ -618,10 +595,7 @@ class KafkaTelemetryExporter:
         except Exception as error:  # noqa: BLE001 - closing must not raise into the engine
             logger.warning("kafka producer did not close cleanly: %s", error)
         if self._spool is not None:
-            with self._lock:
-                failed, self._failed_in_flight = sorted(self._failed_in_flight), []
-            for _, key, payload, count in failed:
-                self._spool.append(key, payload, records=count)
+            self._spool_failed_in_flight()
             pending = len(self._spool)
             if pending:
                 logger.warning("telemetry spool %s keeps %d messages for the next start",
