@@ -4,7 +4,7 @@ Importable without vLLM installed; vLLM is imported only when an engine is tappe
 """
 
 from .bundle import describe_bundle
-from .collector import CollectorStats, FlagView, RecordSink, VllmCollector
+from .collector import CollectorStats, VllmCollector
 from .labels import BUCKET_ARG, COHORT_ARG, DEFAULT_BUCKET, DEFAULT_COHORT, request_labels
 from .tiny_models import TinyModels, build_tiny_models
 
@@ -14,8 +14,6 @@ __all__ = [
     "DEFAULT_BUCKET",
     "DEFAULT_COHORT",
     "CollectorStats",
-    "FlagView",
-    "RecordSink",
     "TinyModels",
     "VllmCollector",
     "build_tiny_models",

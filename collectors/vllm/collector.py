@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from specwatch.schemas import (MAX_REQUESTS_PER_STEP, BundleCard, BundleRecord, RequestRecord, StepRecord,
                                bundle_digest)
@@ -23,17 +23,13 @@ from specwatch.schemas.sealed import token_digest
 
 from .labels import Labeler
 
-__all__ = ["RecordSink", "FlagView", "CollectorStats", "VllmCollector"]
+__all__ = ["CollectorStats", "VllmCollector"]
 
 _LOG = logging.getLogger(__name__)
 
-# Records waiting for the sink. A step record is a few hundred bytes, so this bounds the
-# backlog at a few MB; beyond it records are dropped and counted, never queued without limit.
+# Records waiting for the sink (a few MB of step records); beyond it records are dropped.
 _DEFAULT_QUEUE_SIZE = 8192
-# The emitter thread drains the queue on this period instead of being woken per record: waking
-# a thread from the engine step costs a lock and invites a GIL hand-off in the middle of the
-# step (measured: median step-hook cost 80 us with a wake per step, tail in milliseconds).
-# Records are therefore up to this late, which no consumer of per-second slices notices.
+# Drained on a period, not woken per record (docs/DEPLOY.md, "Inside the collector").
 _DEFAULT_DRAIN_INTERVAL_S = 0.1
 _DEFAULT_FLUSH_TIMEOUT_S = 10.0
 # Repeated failures of the same kind are logged at the first occurrence and then every N-th.
@@ -43,18 +39,6 @@ _MAX_ID_CHARS = 256
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
                    # vLLM stops a request on a detected repetition loop: a stop, not a failure
                    "repetition": "stop"}
-
-
-class RecordSink(Protocol):
-    """Where records go (an OpenTelemetry log emitter, an in-memory list, ...)."""
-
-    def emit(self, record: Any) -> None: ...
-
-
-class FlagView(Protocol):
-    """Read side of the speculative-path flags (actions.flags.FlagStore implements it)."""
-
-    def lookup(self, bundle_id: str, bucket: str, cohort: str) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -78,24 +62,11 @@ class CollectorStats:
 class VllmCollector:
     """Per-step and per-request telemetry of vLLM engines, plus the flag view they obey.
 
-    Engines built inside ``with collector.watching():`` in this process are tapped. Records reach
-    ``sink.emit`` in order: the bundle record, then steps, each request after its last step.
-    ``sink=None`` collects nothing (flags only); ``flags=None`` leaves speculation as configured;
-    ``worker`` defaults to ``<hostname>-<pid>``; beyond ``queue_size`` records are dropped and
-    counted; a ``capture`` seals the token ids of the requests it takes (on the emitter thread).
-
-    Example, with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
-
-        collector = VllmCollector(otel_emitter, flags=flag_store, worker="gpu-0")
-        with collector.watching():
-            llm = LLM(model=..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-        llm.generate(prompts, SamplingParams(extra_args={"specwatch_bucket": "coding"}))
-
-    Engines in processes of their own (``vllm serve``) are configured by environment instead
-    (see plugin.py).
+    Engines built inside ``with collector.watching():`` in this process are tapped; while
+    ``enabled`` is False the hooks pass straight through (docs/DEPLOY.md, "Inside the collector").
     """
 
-    def __init__(self, sink: RecordSink | None = None, *, flags: FlagView | None = None,
+    def __init__(self, sink: Any = None, *, flags: Any = None,
                  worker: str | None = None, labeler: Labeler | None = None,
                  queue_size: int = _DEFAULT_QUEUE_SIZE, capture: SampleCapture | None = None) -> None:
         if sink is not None and not callable(getattr(sink, "emit", None)):
@@ -114,7 +85,7 @@ class VllmCollector:
         self.labeler = labeler
         self.capture = capture
         self._queue_size = queue_size
-        self._enabled = True
+        self.enabled = True
         self._bundles: dict[str, BundleCard] = {}
         self._bundle_keys: dict[tuple, tuple[str, BundleCard]] = {}
         self._bundle_lock = threading.Lock()
@@ -136,15 +107,6 @@ class VllmCollector:
         self._emit_errors = 0
         self._hook_errors = 0
         self._flag_errors = 0
-
-    @property
-    def enabled(self) -> bool:
-        """When False the hooks pass straight through: no timing, no records, no flag lookups."""
-        return self._enabled
-
-    @enabled.setter
-    def enabled(self, value: bool) -> None:
-        self._enabled = bool(value)
 
     @property
     def bundles(self) -> dict[str, BundleCard]:
