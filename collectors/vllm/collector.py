@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,17 +113,11 @@ class VllmCollector:
         with self._bundle_lock:
             return dict(self._bundles)
 
-    @contextlib.contextmanager
-    def watching(self) -> Iterator["VllmCollector"]:
+    def watching(self) -> contextlib.AbstractContextManager["VllmCollector"]:
         """Tap the vLLM engines built in this process (engine core too) while the block runs."""
         from . import plugin
 
-        plugin.register()
-        plugin.push_collector(self)
-        try:
-            yield self
-        finally:
-            plugin.pop_collector(self)
+        return plugin.watching(self)
 
     def stats(self) -> CollectorStats:
         return CollectorStats(

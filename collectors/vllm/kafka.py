@@ -18,9 +18,9 @@ _DEFAULT_SILENCE_SECONDS = 30.0
 
 def telemetry_sink(environ: Mapping[str, str] | None = None) -> Any:
     """A `TelemetryEmitter` exporting to the telemetry topic, with the on-disk spool; its ``emit`` never blocks."""
-    from .sink import kafka_telemetry_sink
+    from .sink import telemetry_sink
 
-    return kafka_telemetry_sink(environ)
+    return telemetry_sink(environ, exporter="kafka")
 
 
 def decision_flags(environ: Mapping[str, str] | None = None) -> Any:

@@ -6,14 +6,15 @@ Binds engines to a collector given in Python (``VllmCollector.watching()``) or b
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import logging
 import os
 import threading
 from typing import Any
 
-__all__ = ["register", "push_collector", "pop_collector", "collector_for", "ENV_SINK", "ENV_FLAGS",
-           "ENV_WORKER", "ENV_LABELER", "ENV_POLICY"]
+__all__ = ["register", "watching", "collector_for", "ENV_SINK", "ENV_FLAGS", "ENV_WORKER",
+           "ENV_LABELER", "ENV_POLICY"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -53,17 +54,17 @@ def register() -> None:
     _LOG.debug("specwatch vLLM hooks installed in process %d", os.getpid())
 
 
-def push_collector(collector: Any) -> None:
+@contextlib.contextmanager
+def watching(collector: Any) -> Any:
+    """Bind the engines built in this process to ``collector`` while the block runs."""
+    register()
     with _lock:
         _watching.append(collector)
-
-
-def pop_collector(collector: Any) -> None:
-    with _lock:
-        for i in range(len(_watching) - 1, -1, -1):
-            if _watching[i] is collector:
-                del _watching[i]
-                return
+    try:
+        yield collector
+    finally:
+        with _lock:
+            del _watching[max(i for i, c in enumerate(_watching) if c is collector)]
 
 
 def collector_for(role: str) -> Any:
