@@ -23,13 +23,8 @@ from specwatch.schemas import CONTRACT_VERSION, Rejection, TelemetryRecord
 from specwatch.schemas.otlp import EVENT_PREFIX, LogEntry, iter_encoded_chunks, log_entry, record_from_attributes
 from specwatch.transport.config import KafkaConfig
 
-__all__ = [
-    "EmitterStats",
-    "TelemetryEmitter",
-    "BoundedLogRecordProcessor",
-    "TelemetryLogExporter",
-    "KafkaTelemetryExporter",
-]
+__all__ = ["EmitterStats", "TelemetryEmitter", "BoundedLogRecordProcessor", "TelemetryLogExporter",
+           "KafkaTelemetryExporter"]
 
 if TYPE_CHECKING:
     from specwatch.collectors.spool import TelemetrySpool
@@ -233,11 +228,6 @@ class BoundedLogRecordProcessor(LogRecordProcessor):
         self._batcher.shutdown()
 
 
-def _entry(readable: ReadableLogRecord) -> LogEntry:
-    record = readable.log_record
-    return LogEntry(record.event_name or "", record.timestamp or 0, record.attributes or {})
-
-
 class TelemetryLogExporter(LogRecordExporter):
     """OTel log records back to contract records, handed to a specwatch `TelemetryExporter`.
 
@@ -250,7 +240,8 @@ class TelemetryLogExporter(LogRecordExporter):
         self.rejected = 0
 
     def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
-        entries = [_entry(r) for r in batch]
+        entries = [LogEntry(r.log_record.event_name or "", r.log_record.timestamp or 0,
+                            r.log_record.attributes or {}) for r in batch]
         if self._export_entries is not None:
             result = self._export_entries(entries)
         else:

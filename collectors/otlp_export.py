@@ -22,16 +22,9 @@ from specwatch.collectors.export import ExportResult
 from specwatch.schemas import CONTRACT_VERSION, TelemetryRecord
 from specwatch.schemas.otlp import LogEntry, log_entry
 
-__all__ = [
-    "EXPORTER_VARIABLE",
-    "EXPORTERS",
-    "OtlpTelemetryExporter",
-    "exporter_choice",
-    "otlp_log_exporter",
-    "resource_from_env",
-    "service_instance_id",
-    "telemetry_exporter_from_env",
-]
+__all__ = ["EXPORTER_VARIABLE", "EXPORTERS", "OtlpTelemetryExporter", "exporter_choice",
+           "otlp_log_exporter", "resource_from_env", "service_instance_id",
+           "telemetry_exporter_from_env"]
 
 logger = logging.getLogger(__name__)
 

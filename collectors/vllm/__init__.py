@@ -8,15 +8,5 @@ from .collector import CollectorStats, VllmCollector
 from .labels import BUCKET_ARG, COHORT_ARG, DEFAULT_BUCKET, DEFAULT_COHORT, request_labels
 from .tiny_models import TinyModels, build_tiny_models
 
-__all__ = [
-    "BUCKET_ARG",
-    "COHORT_ARG",
-    "DEFAULT_BUCKET",
-    "DEFAULT_COHORT",
-    "CollectorStats",
-    "TinyModels",
-    "VllmCollector",
-    "build_tiny_models",
-    "describe_bundle",
-    "request_labels",
-]
+__all__ = ["BUCKET_ARG", "COHORT_ARG", "DEFAULT_BUCKET", "DEFAULT_COHORT", "CollectorStats",
+           "TinyModels", "VllmCollector", "build_tiny_models", "describe_bundle", "request_labels"]

@@ -13,29 +13,15 @@ from typing import Any
 
 from specwatch.schemas import BundleCard, DrafterCard, PolicyCard, RuntimeCard, TargetCard
 
-__all__ = [
-    "describe_bundle",
-    "drafter_mechanism",
-    "checkpoint_revision",
-    "tokenizer_digest",
-]
+__all__ = ["describe_bundle", "drafter_mechanism", "checkpoint_revision", "tokenizer_digest"]
 
 _LOG = logging.getLogger(__name__)
 
 # Files that decide how text becomes token ids: a change in any of them voids the drafter's
 # evidence even when the weights are the same.
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "merges.txt", "chat_template.jinja", "chat_template.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 # Up to this many bytes of weights are hashed in full. Beyond it (real checkpoints are tens of
 # GB), each weight file contributes its size and its first and last _DEFAULT_SAMPLE_BYTES: a

@@ -120,7 +120,7 @@ def _execute_model(original):
         if result is not None:
             # Outputs returned here (empty batches, pooling, pipeline stages) never reach
             # sample_tokens; some are shared singletons that must not carry a frame.
-            tap.discard_frame()
+            tap.frame = None
         return result
     return execute_model
 

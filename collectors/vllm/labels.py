@@ -6,14 +6,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = [
-    "BUCKET_ARG",
-    "COHORT_ARG",
-    "DEFAULT_BUCKET",
-    "DEFAULT_COHORT",
-    "Labeler",
-    "request_labels",
-]
+__all__ = ["BUCKET_ARG", "COHORT_ARG", "DEFAULT_BUCKET", "DEFAULT_COHORT", "Labeler",
+           "request_labels"]
 
 BUCKET_ARG = "specwatch_bucket"
 COHORT_ARG = "specwatch_cohort"

@@ -94,9 +94,6 @@ class RunnerTap:
         # async scheduling wraps the real output; the scheduler receives the inner one
         setattr(getattr(output, "_model_runner_output", output), FRAME_ATTR, frame)
 
-    def discard_frame(self) -> None:
-        self.frame = None
-
     def start_timer(self) -> Any:
         if self._cuda:
             import torch
