@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from opentelemetry.sdk._logs import LoggerProvider, LogRecordProcessor, ReadableLogRecord, ReadWriteLogRecord
-from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 from opentelemetry.sdk.resources import Resource
 
 from specwatch.collectors.export import ExportResult, TelemetryExporter
@@ -23,8 +22,7 @@ from specwatch.schemas import CONTRACT_VERSION, Rejection, TelemetryRecord
 from specwatch.schemas.otlp import EVENT_PREFIX, LogEntry, iter_encoded_chunks, log_entry, record_from_attributes
 from specwatch.transport.config import KafkaConfig
 
-__all__ = ["EmitterStats", "TelemetryEmitter", "BoundedLogRecordProcessor", "TelemetryLogExporter",
-           "KafkaTelemetryExporter"]
+__all__ = ["EmitterStats", "TelemetryEmitter", "BoundedLogRecordProcessor", "KafkaTelemetryExporter"]
 
 if TYPE_CHECKING:
     from specwatch.collectors.spool import TelemetrySpool
@@ -193,18 +191,35 @@ class _BoundedBatcher(Generic[Item]):
 
 
 class BoundedLogRecordProcessor(LogRecordProcessor):
-    """An OTel log record processor that batches ``specwatch.*`` records, never blocking `on_emit`.
+    """Batches ``specwatch.*`` OTel log records, never blocking `on_emit`, back to contract
+    records for a `TelemetryExporter` (one that takes OTLP entries gets them as they are).
 
     Unlike the SDK's BatchLogRecordProcessor it counts what it drops and warns periodically.
     """
 
-    def __init__(self, exporter: LogRecordExporter, **batching: float) -> None:
-        self._exporter = exporter
+    def __init__(self, exporter: TelemetryExporter, **batching: float) -> None:
+        self._target = exporter
+        self._export_entries = getattr(exporter, "export_entries", None)
+        self._rejected = 0
         # on_emit runs on the emitting thread; this tells that thread whether it was kept.
         self._last_offer = threading.local()
         self._batcher: _BoundedBatcher[ReadableLogRecord] = _BoundedBatcher(
-            lambda batch: exporter.export(batch) is LogRecordExportResult.SUCCESS, exporter,
-            name="specwatch-otel-export", **batching)
+            self._export, exporter, name="specwatch-otel-export", **batching)
+
+    def _export(self, batch: list[ReadableLogRecord]) -> bool:
+        entries = [LogEntry(r.log_record.event_name or "", r.log_record.timestamp or 0,
+                            r.log_record.attributes or {}) for r in batch]
+        if self._export_entries is not None:
+            return self._export_entries(entries) is ExportResult.SUCCESS
+        records = []
+        for event_name, time_unix_nano, attributes in entries:
+            decoded = record_from_attributes(event_name, attributes, time_unix_nano)
+            if isinstance(decoded, Rejection):
+                self._rejected += 1
+                logger.debug("dropping an OTel log record that is not a contract record: %s", decoded.detail)
+            else:
+                records.append(decoded)
+        return not records or self._target.export(records) is ExportResult.SUCCESS
 
     def on_emit(self, log_record: ReadWriteLogRecord) -> None:
         event_name = log_record.log_record.event_name
@@ -219,48 +234,13 @@ class BoundedLogRecordProcessor(LogRecordProcessor):
         return event_name is None or event_name.startswith(EVENT_PREFIX)
 
     def stats(self) -> EmitterStats:
-        return self._batcher.stats(getattr(self._exporter, "rejected", 0))
+        return self._batcher.stats(self._rejected)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return self._batcher.force_flush(timeout_millis)
 
     def shutdown(self) -> None:
         self._batcher.shutdown()
-
-
-class TelemetryLogExporter(LogRecordExporter):
-    """OTel log records back to contract records, handed to a specwatch `TelemetryExporter`.
-
-    A target that takes OTLP entries (`KafkaTelemetryExporter`) gets the attributes as they are.
-    """
-
-    def __init__(self, exporter: TelemetryExporter) -> None:
-        self._target = exporter
-        self._export_entries = getattr(exporter, "export_entries", None)
-        self.rejected = 0
-
-    def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
-        entries = [LogEntry(r.log_record.event_name or "", r.log_record.timestamp or 0,
-                            r.log_record.attributes or {}) for r in batch]
-        if self._export_entries is not None:
-            result = self._export_entries(entries)
-        else:
-            records = []
-            for event_name, time_unix_nano, attributes in entries:
-                decoded = record_from_attributes(event_name, attributes, time_unix_nano)
-                if isinstance(decoded, Rejection):
-                    self.rejected += 1
-                    logger.debug("dropping an OTel log record that is not a contract record: %s", decoded.detail)
-                else:
-                    records.append(decoded)
-            result = self._target.export(records) if records else ExportResult.SUCCESS
-        return LogRecordExportResult.SUCCESS if result is ExportResult.SUCCESS else LogRecordExportResult.FAILURE
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return bool(self._target.force_flush(timeout_millis))
-
-    def shutdown(self) -> None:
-        self._target.shutdown()
 
 
 class TelemetryEmitter:
@@ -288,7 +268,7 @@ class TelemetryEmitter:
         self._processor: BoundedLogRecordProcessor | None = None
         self._batcher: _BoundedBatcher[TelemetryRecord] | None = None
         if sdk:
-            self._processor = BoundedLogRecordProcessor(TelemetryLogExporter(exporter), **batching)
+            self._processor = BoundedLogRecordProcessor(exporter, **batching)
             # The emitter owns shutdown; an atexit hook here would race the owner's.
             self.provider = LoggerProvider(resource=Resource.create({"service.name": service_name}),
                                            shutdown_on_exit=False)
