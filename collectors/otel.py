@@ -402,24 +402,21 @@ class KafkaTelemetryExporter:
             logger.debug("kafka send of %d records failed: %s", count, error)
             return False
         self._count(messages=1, records=count, bytes=len(payload))
-        if self._spool is None:
-            future.add_errback(self._delivery_failed, count)
-        else:
-            with self._lock:
-                self._sequence += 1
-                sequence = self._sequence
-            future.add_errback(self._delivery_failed_to_spool, sequence, key, payload, count)
+        with self._lock:
+            self._sequence += 1
+            sequence = self._sequence
+        future.add_errback(self._delivery_failed, sequence, key, payload, count)
         return True
 
-    def _delivery_failed(self, count: int, error: BaseException) -> None:
-        # kafka-python calls an errback with its bound arguments first: f(count, error)
-        self._count(delivery_errors=1, records_failed=count)
-        logger.debug("kafka delivery of %d records failed: %s", count, error)
-
-    def _delivery_failed_to_spool(self, sequence: int, key: bytes, payload: bytes, count: int,
-                                  error: BaseException) -> None:
-        # On the producer's thread: keep the message in memory; the export or drain thread
-        # writes it to the spool in send order (`_settle_in_flight`).
+    def _delivery_failed(self, sequence: int, key: bytes, payload: bytes, count: int,
+                         error: BaseException) -> None:
+        # kafka-python calls an errback with its bound arguments first. On the producer's
+        # thread: with a spool, keep the message in memory; the export or drain thread writes
+        # it to the spool in send order (`_settle_in_flight`).
+        if self._spool is None:
+            self._count(delivery_errors=1, records_failed=count)
+            logger.debug("kafka delivery of %d records failed: %s", count, error)
+            return
         with self._lock:
             self._counts.update(delivery_errors=1)
             self._failed_in_flight.append((sequence, key, payload, count))

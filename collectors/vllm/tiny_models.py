@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -150,8 +149,3 @@ def _random_llama(vocab_size: int, tokenizer, seed: int):
     finally:
         torch.random.set_rng_state(generator_state)
     return model.eval()
-
-
-if __name__ == "__main__":  # pragma: no cover - manual use: python -m ...tiny_models [DIR]
-    logging.basicConfig(level=logging.INFO)
-    print(build_tiny_models(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
