@@ -31,8 +31,6 @@ _DEFAULT_FULL_HASH_BYTES = 512 << 20
 _DEFAULT_SAMPLE_BYTES = 4 << 20
 _MAX_NAME_CHARS = 256
 
-_MTP_METHODS_SUFFIX = "mtp"
-
 
 def describe_bundle(vllm_config: Any) -> BundleCard:
     """Fingerprint card of a speculative vLLM engine; raises ValueError without speculation."""
@@ -48,7 +46,8 @@ def describe_bundle(vllm_config: Any) -> BundleCard:
         revision=model_config.revision or checkpoint_revision(model_config.model),
         tokenizer_digest=tokenizer_digest(model_config.tokenizer,
                                           getattr(model_config, "tokenizer_revision", None)),
-        quantization=f"{model_config.quantization or 'none'}/{_dtype_name(model_config.dtype)}",
+        quantization=f"{model_config.quantization or 'none'}/"
+                     f"{str(model_config.dtype).removeprefix('torch.')}",
     )
     drafter = DrafterCard(
         mechanism=drafter_mechanism(spec.method),
@@ -81,7 +80,7 @@ def drafter_mechanism(method: str | None) -> str:
         return "ngram"
     if method in ("eagle3", "dflash", "dspark"):
         return method
-    if method == "mtp" or method.endswith("_" + _MTP_METHODS_SUFFIX):
+    if method == "mtp" or method.endswith("_mtp"):
         return "mtp"
     # EAGLE-1, Medusa, MLP speculators, suffix decoding, separate draft models: the exact
     # vLLM method name is kept in the drafter revision.
@@ -181,10 +180,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return ""
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _name(value: str) -> str:

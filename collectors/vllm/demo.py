@@ -265,7 +265,6 @@ class _Feed:
         with self._lock:
             return bool(self._scopes) and len(self._off()) == len(self._scopes)
 
-
     def fallback_held(self, steps: int) -> bool:
         """Every scope of the phase's bundle is off, and has been for ``steps`` engine steps."""
         with self._lock:

@@ -104,8 +104,6 @@ def _init(collector_for: Callable[[str], Any], role: str, attr: str,
     return make
 
 
-# -- model runner -------------------------------------------------------------------------
-
 
 def _execute_model(original):
     def execute_model(self, scheduler_output, *args, **kwargs):
@@ -207,8 +205,6 @@ def _sample_tokens(original):
         return output
     return sample_tokens
 
-
-# -- scheduler ----------------------------------------------------------------------------
 
 def _before(name: str, hand_over: Callable[..., Any]):
     """A scheduler hook that calls ``hand_over(tap, *args)`` (failures counted, never raised), then vLLM's method."""

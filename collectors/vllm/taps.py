@@ -59,8 +59,6 @@ class RunnerTap:
         # per-request lists (the only form in which tensor drafts can be cut)
         self.pending_gate: dict[str, int] | None = None
 
-    # step frame ---------------------------------------------------------------------------
-
     def open_frame(self, scheduler_output: Any) -> None:
         self.pending_gate = None
         if not self.collector.enabled:
@@ -120,8 +118,6 @@ class RunnerTap:
             frame.draft_ns += _perf_ns() - begin
         else:
             frame.verify_ns += _perf_ns() - begin
-
-    # fallback gate ------------------------------------------------------------------------
 
     def gate(self, req_ids: list[str], requests: dict[str, Any]) -> dict[str, int]:
         """Draft limit per request of this batch where the flags say less than the default."""
