@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,11 +101,8 @@ class VllmCollector:
         self._cost_ns = 0
         self._cost_max_ns = 0
         self._records = {"bundle": 0, "step": 0, "request": 0}
-        self._dropped = 0
-        self._rejected = 0
-        self._emit_errors = 0
-        self._hook_errors = 0
-        self._flag_errors = 0
+        # dropped, rejected, emit_errors, hook_errors, flag_errors (`_failed`)
+        self._failures: Counter[str] = Counter()
 
     @property
     def bundles(self) -> dict[str, BundleCard]:
@@ -126,11 +123,11 @@ class VllmCollector:
             step_records=self._records["step"],
             request_records=self._records["request"],
             bundle_records=self._records["bundle"],
-            dropped=self._dropped,
-            rejected=self._rejected,
-            emit_errors=self._emit_errors,
-            hook_errors=self._hook_errors,
-            flag_errors=self._flag_errors,
+            dropped=self._failures["dropped"],
+            rejected=self._failures["rejected"],
+            emit_errors=self._failures["emit_errors"],
+            hook_errors=self._failures["hook_errors"],
+            flag_errors=self._failures["flag_errors"],
             cost_s=self._cost_ns / 1e9,
             cost_max_s=self._cost_max_ns / 1e9,
         )
@@ -178,10 +175,7 @@ class VllmCollector:
         if self.sink is None or self._closed:
             return
         if len(self._pending) >= self._queue_size:
-            self._dropped += 1
-            if self._dropped % _LOG_EVERY == 1:
-                _LOG.warning("specwatch sink is not keeping up: %d records dropped so far",
-                             self._dropped)
+            self._failed("dropped", "sink is not keeping up: records dropped")
             return
         self._pending.append(payload)
         if self._thread is None:
@@ -198,18 +192,23 @@ class VllmCollector:
             self._cost_max_ns = cost_ns
 
     def hook_failed(self, where: str, error: BaseException) -> None:
-        self._hook_errors += 1
-        if self._hook_errors % _LOG_EVERY == 1:
-            _LOG.error("specwatch hook %s failed (%d failures so far); the engine continues "
-                       "without this step's telemetry", where, self._hook_errors, exc_info=error)
+        self._failed("hook_errors", "hook %s failed; the engine continues without this step's "
+                     "telemetry", where, error=error)
 
     def flag_failed(self, error: BaseException) -> None:
-        self._flag_errors += 1
-        if self._flag_errors % _LOG_EVERY == 1:
-            # Fail open: a broken flag view must not change what the engine does; the
-            # lossless contract holds either way and the error is counted.
-            _LOG.error("specwatch flag lookup failed (%d failures so far); speculation stays as "
-                       "configured", self._flag_errors, exc_info=error)
+        # Fail open: a broken flag view must not change what the engine does; the lossless
+        # contract holds either way and the error is counted.
+        self._failed("flag_errors", "flag lookup failed; speculation stays as configured",
+                     error=error)
+
+    def _failed(self, kind: str, message: str, *args: Any,
+                error: BaseException | None = None) -> None:
+        """Count a failure; log the first of its kind and then every _LOG_EVERY-th."""
+        self._failures[kind] += 1
+        count = self._failures[kind]
+        if count % _LOG_EVERY == 1:
+            _LOG.log(logging.WARNING if error is None else logging.ERROR,
+                     f"specwatch {message} (%d so far)", *args, count, exc_info=error)
 
     def _start_thread(self) -> None:
         with self._thread_lock:
@@ -232,10 +231,8 @@ class VllmCollector:
                         self.sink.emit(record)
                         self._records[record.kind] += 1
                     except Exception as error:  # a sink failure must not stop telemetry
-                        self._emit_errors += 1
-                        if self._emit_errors % _LOG_EVERY == 1:
-                            _LOG.error("specwatch sink failed to emit a %s record (%d failures "
-                                       "so far)", record.kind, self._emit_errors, exc_info=error)
+                        self._failed("emit_errors", "sink failed to emit a %s record", record.kind,
+                                     error=error)
                 # Hand the GIL back after every record: the engine thread, not this one, should
                 # wait least (without this, a drained batch held it up to the 5 ms switch
                 # interval and showed up as millisecond stalls inside engine steps).
@@ -254,10 +251,8 @@ class VllmCollector:
             _, ts, bundle_id, card = payload
             return BundleRecord(v=1, ts=ts, worker=self.worker, bundle_id=bundle_id, card=card)
         except Exception as error:  # a payload that breaks the contract is a bug: count, say so
-            self._rejected += 1
-            if self._rejected % _LOG_EVERY == 1:
-                _LOG.error("specwatch dropped a %s record that failed validation (%d so far)",
-                           payload[0], self._rejected, exc_info=error)
+            self._failed("rejected", "dropped a %s record that failed validation", payload[0],
+                         error=error)
             return None
 
 

@@ -319,17 +319,12 @@ class _Feed:
                 after = [s for s in self._after(applied_at) if until is None or s.seq <= until]
                 in_scope = [e for s in after for e in s.requests if _covers(decision, e)]
                 before = [s for s in steps if s.ts <= decision.ts]
-                evidence = decision.evidence
                 summary["actions"].append({
                     "decision_id": decision.id,
-                    "action": decision.action,
-                    "reason": decision.reason,
-                    "detector": decision.detector,
+                    **{name: getattr(decision, name) for name in ("action", "reason", "detector")},
                     "scope": f"{decision.bucket or '*'}/{decision.cohort or '*'}",
-                    "draft_length": evidence.get("draft_length"),
-                    "metric": evidence.get("metric"),
-                    "value": evidence.get("value"),
-                    "threshold": evidence.get("threshold"),
+                    **{key: decision.evidence.get(key)
+                       for key in ("draft_length", "metric", "value", "threshold")},
                     "after_event_seconds": round(decision.ts - start, 3),
                     "after_steps": len(before),
                     "rounds_before": sum(1 for s in before for e in s.requests

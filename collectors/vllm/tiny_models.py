@@ -43,8 +43,6 @@ class TinyModels:
     target: Path
     copy_drafter: Path
     random_drafter: Path
-    tokenizer: Path
-    vocab_size: int
 
 
 def default_cache_dir() -> Path:
@@ -73,10 +71,8 @@ def build_tiny_models(cache_dir: Path | None = None) -> TinyModels:
                     os.rename(staging, root)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    vocab_size = int((root / "vocab_size").read_text())
     return TinyModels(root=root, target=root / "target", copy_drafter=root / "copy-drafter",
-                      random_drafter=root / "random-drafter", tokenizer=root / "tokenizer",
-                      vocab_size=vocab_size)
+                      random_drafter=root / "random-drafter")
 
 
 def _build(root: Path) -> None:
