@@ -385,7 +385,11 @@ class KafkaTelemetryExporter:
         if not failed and not self._spooling:
             return True
         if failed:
-            self._start_spooling()
+            if not self._spooling:
+                logger.warning("kafka at %s is not taking telemetry; spooling to %s until it does",
+                               self.config.bootstrap_servers, self._spool.directory)
+            self._settled = False
+            self._spooling = True
         if not self._settled:
             self._settle_in_flight()
         with self._route_lock:
@@ -423,13 +427,6 @@ class KafkaTelemetryExporter:
             self._settled = False
         self._spooling = True
         logger.debug("kafka delivery of %d records failed, spooling: %s", count, error)
-
-    def _start_spooling(self) -> None:
-        if not self._spooling:
-            logger.warning("kafka at %s is not taking telemetry; spooling to %s until it does",
-                           self.config.bootstrap_servers, self._spool.directory)
-        self._settled = False
-        self._spooling = True
 
     def _settle_in_flight(self) -> None:
         """Wait for messages still in the producer, then spool the failed ones, oldest first."""
