@@ -10,7 +10,7 @@ import pytest
 
 
 def rendered(page, profile, height: int) -> str:
-    """The DOM of ``page`` as the browser built it; its screenshot (1200 x ``height``) is checked."""
+    """The DOM of ``page`` as the browser built it; its 1200 x ``height`` screenshot is checked."""
     browser = (os.environ.get("SPECWATCH_CHROMIUM") or shutil.which("chromium")
                or shutil.which("chromium-browser"))
     if not browser:  # fails, never skips
