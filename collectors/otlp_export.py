@@ -46,6 +46,11 @@ def exporter_choice(environ: Mapping[str, str] | None = None) -> str:
     'otlp'
     >>> exporter_choice({"SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"}), exporter_choice({})
     ('kafka', 'otlp')
+    >>> exporter_choice({"OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": "http://c:4318/v1/logs",
+    ...                  "SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"})
+    'otlp'
+    >>> exporter_choice({"SPECWATCH_EXPORTER": "KAFKA", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
+    'kafka'
     >>> exporter_choice({"SPECWATCH_EXPORTER": "zipkin"})
     Traceback (most recent call last):
     ...

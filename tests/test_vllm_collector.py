@@ -22,7 +22,7 @@ _CARD = BundleCard(target=TargetCard(model_id="tiny"), drafter=DrafterCard(mecha
 _BUNDLE = bundle_digest(_CARD)
 
 
-@pytest.mark.parametrize("name", ["labels", "bundle", "collector", "taps", "demo"])
+@pytest.mark.parametrize("name", ["labels", "bundle", "collector", "taps", "demo", "rerun"])
 def test_doctests(name):
     # the shared doctest runner skips this package (it may import vLLM); these modules do not
     module = importlib.import_module(f"specwatch.collectors.vllm.{name}")
