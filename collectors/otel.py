@@ -62,18 +62,12 @@ class EmitterStats:
 class _BoundedBatcher(Generic[Item]):
     """A bounded queue drained in batches by one daemon thread; `offer` never blocks."""
 
-    def __init__(
-        self,
-        export: Callable[[list[Item]], bool],
-        exporter: Any,
-        *,
-        name: str,
-        max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
-        max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
-        schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
-        drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
-        shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS,
-    ) -> None:
+    def __init__(self, export: Callable[[list[Item]], bool], exporter: Any, *, name: str,
+                 max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
+                 max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
+                 schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
+                 drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
+                 shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS) -> None:
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be at least 1, got {max_queue_size}")
         if not 1 <= max_batch_size <= max_queue_size:
