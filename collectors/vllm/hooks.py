@@ -104,7 +104,6 @@ def _init(collector_for: Callable[[str], Any], role: str, attr: str,
     return make
 
 
-
 def _execute_model(original):
     def execute_model(self, scheduler_output, *args, **kwargs):
         tap: RunnerTap | None = getattr(self, RUNNER_ATTR, None)
