@@ -22,7 +22,7 @@ _CARD = BundleCard(target=TargetCard(model_id="tiny"), drafter=DrafterCard(mecha
 _BUNDLE = bundle_digest(_CARD)
 
 
-@pytest.mark.parametrize("name", ["labels", "bundle", "collector", "taps", "demo", "rerun"])
+@pytest.mark.parametrize("name", ["bundle", "collector", "taps", "demo", "rerun"])
 def test_doctests(name):
     # the shared doctest runner skips this package (it may import vLLM); these modules do not
     module = importlib.import_module(f"specwatch.collectors.vllm.{name}")
@@ -253,7 +253,7 @@ def test_environment_configuration(monkeypatch, fresh_plugin):
 @pytest.mark.parametrize("value, message", [
     ("nocolon", "package.module:callable"),
     ("specwatch.nowhere:thing", "cannot be loaded"),
-    ("specwatch.collectors.vllm.labels:DEFAULT_BUCKET", "not callable"),
+    ("specwatch.collectors.vllm.collector:DEFAULT_BUCKET", "not callable"),
 ])
 def test_environment_configuration_errors_say_what_to_fix(monkeypatch, fresh_plugin, value,
                                                           message):

@@ -220,8 +220,7 @@ def test_greedy_text_identical_on_off_and_after_fallback(run):
     fallback = by_prompt(run["phases"]["fallback"]["outputs"])
     standard = by_prompt(run["standard"]["outputs"])
     assert len(standard) == len(PROMPTS)
-    assert speculative == standard
-    assert fallback == standard
+    assert speculative == fallback == standard
 
 
 def test_a_switched_off_collector_counts_no_steps_and_nothing_is_lost(run):

@@ -10,8 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .collector import VllmCollector, split_step
-from .labels import request_labels
+from .collector import VllmCollector, request_labels, split_step
 
 __all__ = ["StepFrame", "RunnerTap", "SchedulerTap", "FRAME_ATTR", "cut_drafts"]
 
