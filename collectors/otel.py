@@ -22,7 +22,8 @@ from specwatch.schemas import CONTRACT_VERSION, Rejection, TelemetryRecord
 from specwatch.schemas.otlp import EVENT_PREFIX, LogEntry, iter_encoded_chunks, log_entry, record_from_attributes
 from specwatch.transport.config import KafkaConfig
 
-__all__ = ["EmitterStats", "TelemetryEmitter", "BoundedLogRecordProcessor", "KafkaTelemetryExporter"]
+__all__ = ["EmitterStats", "TelemetryEmitter", "BoundedLogRecordProcessor",
+           "KafkaTelemetryExporter"]
 
 if TYPE_CHECKING:
     from specwatch.collectors.spool import TelemetrySpool
@@ -210,7 +211,8 @@ class BoundedLogRecordProcessor(LogRecordProcessor):
             decoded = record_from_attributes(event_name, attributes, time_unix_nano)
             if isinstance(decoded, Rejection):
                 self._rejected += 1
-                logger.debug("dropping an OTel log record that is not a contract record: %s", decoded.detail)
+                logger.debug("dropping an OTel log record that is not a contract record: %s",
+                             decoded.detail)
             else:
                 records.append(decoded)
         return not records or self._target.export(records) is ExportResult.SUCCESS
@@ -269,8 +271,9 @@ class TelemetryEmitter:
             self.provider.add_log_record_processor(self._processor)
             self._logger = self.provider.get_logger("specwatch", str(CONTRACT_VERSION))
         else:
-            self._batcher = _BoundedBatcher(lambda batch: exporter.export(batch) is ExportResult.SUCCESS,
-                                            exporter, name="specwatch-telemetry-export", **batching)
+            self._batcher = _BoundedBatcher(
+                lambda batch: exporter.export(batch) is ExportResult.SUCCESS, exporter,
+                name="specwatch-telemetry-export", **batching)
 
     def emit(self, record: TelemetryRecord) -> bool:
         """Queue one record for export; False when it was dropped (queue full or closed)."""

@@ -49,7 +49,7 @@ def exporter_choice(environ: Mapping[str, str] | None = None) -> str:
     >>> exporter_choice({"OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": "http://c:4318/v1/logs",
     ...                  "SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"})
     'otlp'
-    >>> exporter_choice({"SPECWATCH_EXPORTER": "KAFKA", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
+    >>> exporter_choice({"SPECWATCH_EXPORTER": "KAFKA", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"})
     'kafka'
     >>> exporter_choice({"SPECWATCH_EXPORTER": "zipkin"})
     Traceback (most recent call last):

@@ -11,8 +11,9 @@ from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.resources import Resource
 
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
-from specwatch.collectors.otlp_export import (OtlpTelemetryExporter, otlp_log_exporter, resource_from_env,
-                                              service_instance_id, telemetry_exporter_from_env)
+from specwatch.collectors.otlp_export import (OtlpTelemetryExporter, otlp_log_exporter,
+                                              resource_from_env, service_instance_id,
+                                              telemetry_exporter_from_env)
 from specwatch.simulation.simulator import Simulator
 from specwatch.cli import main
 from specwatch.schemas import encode_record

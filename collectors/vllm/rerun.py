@@ -75,8 +75,9 @@ class VllmRerunner:
                 collector.flush()
                 steps = [r for r in records if r.kind == "step"]
                 records.clear()
-                speculative.append((ids, [(e.drafted, e.accepted) for s in steps for e in s.requests],
-                                    sum(s.draft_ms for s in steps), sum(s.verify_ms for s in steps)))
+                rounds = [(e.drafted, e.accepted) for s in steps for e in s.requests]
+                speculative.append((ids, rounds, sum(s.draft_ms for s in steps),
+                                    sum(s.verify_ms for s in steps)))
         finally:
             collector.close()
             close_engine(engine)
@@ -97,5 +98,6 @@ def _token_ids(engine: Any, request_id: str, request: RerunRequest) -> list[int]
     sampling = {name: request.sampling[name] for name in ("temperature", "top_p", "seed")
                 if request.sampling.get(name) is not None}
     params = SamplingParams(max_tokens=max(1, len(request.output_ids)), ignore_eos=True, **sampling)
-    run = run_to_completion(engine, [(request_id, {"prompt_token_ids": list(request.prompt_ids)}, params)])
+    prompt = {"prompt_token_ids": list(request.prompt_ids)}
+    run = run_to_completion(engine, [(request_id, prompt, params)])
     return list(run.outputs[request_id].outputs[0].token_ids)

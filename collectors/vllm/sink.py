@@ -13,7 +13,7 @@ __all__ = ["telemetry_sink"]
 
 
 def telemetry_sink(environ: Mapping[str, str] | None = None, exporter: str | None = None) -> Any:
-    """A `TelemetryEmitter` to ``exporter`` or the one ``SPECWATCH_EXPORTER`` chooses; ``emit`` never blocks."""
+    """A never-blocking `TelemetryEmitter` to ``exporter`` (default: ``SPECWATCH_EXPORTER``'s)."""
     from specwatch.collectors.otel import TelemetryEmitter
     from specwatch.collectors.otlp_export import EXPORTER_VARIABLE, service_instance_id, telemetry_exporter_from_env
 
