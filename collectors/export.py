@@ -6,7 +6,6 @@ Batching lives in the provider, not in sinks: a sink only moves a batch somewher
 from __future__ import annotations
 
 import enum
-import threading
 from typing import Protocol, Sequence
 
 from specwatch.schemas import TelemetryRecord
@@ -53,15 +52,9 @@ class InMemoryExporter(CallbackExporter):
     """Keeps every exported record in a list; the twin used by unit tests."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._records: list[TelemetryRecord] = []
-        super().__init__(self._keep)
-
-    def _keep(self, batch: Sequence[TelemetryRecord]) -> None:
-        with self._lock:
-            self._records.extend(batch)
+        super().__init__(self._records.extend)  # one extend per batch: atomic under the GIL
 
     @property
     def records(self) -> list[TelemetryRecord]:
-        with self._lock:
-            return list(self._records)
+        return list(self._records)

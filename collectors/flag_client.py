@@ -40,11 +40,7 @@ SILENT_FALLBACK = SpeculationState(enabled=False, reasons=("decisions_silent",))
 
 @dataclass(frozen=True)
 class FlagClientStats:
-    """Counters of one `FlagClient` since it started.
-
-    ``replayed``: a decision older than the one in force for its scope, or a heartbeat not newer
-    than its publisher's last; ``misrouted``: a key that does not match the value.
-    """
+    """Counters of one `FlagClient` since it started (docs/SECURITY.md, "Monitor silence")."""
 
     applied: int
     changed: int
@@ -67,12 +63,7 @@ class FlagClientStats:
 class FlagClient:
     """Follows the decisions topic in a background thread and keeps a `FlagStore` current.
 
-    ``lookup`` answers from memory at any time (everything on until decisions arrive). With a
-    keyring (`Keyring.from_env()` by default) only messages signed by its keys count. The topic
-    is *silent* after ``silence_seconds`` (None: never) without a fresh heartbeat or decision;
-    then ``fail_safe`` ``"keep_last"`` keeps the last state, ``"standard_decoding"`` answers
-    `SILENT_FALLBACK`. Heartbeats carry the publisher's unix time: hosts' clocks must agree
-    (NTP); ``clock`` and ``wall_clock`` are passed in so tests can drive time.
+    ``lookup`` answers from memory at any time; silence and ``fail_safe``: docs/SECURITY.md.
     """
 
     def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC,

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from opentelemetry.sdk._logs import LoggerProvider, LogRecordProcessor, ReadableLogRecord, ReadWriteLogRecord
-from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 from opentelemetry.sdk.resources import Resource
 
 from specwatch.collectors.export import ExportResult, TelemetryExporter
@@ -23,13 +22,8 @@ from specwatch.schemas import CONTRACT_VERSION, Rejection, TelemetryRecord
 from specwatch.schemas.otlp import EVENT_PREFIX, LogEntry, iter_encoded_chunks, log_entry, record_from_attributes
 from specwatch.transport.config import KafkaConfig
 
-__all__ = [
-    "EmitterStats",
-    "TelemetryEmitter",
-    "BoundedLogRecordProcessor",
-    "TelemetryLogExporter",
-    "KafkaTelemetryExporter",
-]
+__all__ = ["EmitterStats", "TelemetryEmitter", "BoundedLogRecordProcessor",
+           "KafkaTelemetryExporter"]
 
 if TYPE_CHECKING:
     from specwatch.collectors.spool import TelemetrySpool
@@ -44,8 +38,6 @@ _DEFAULT_SCHEDULE_DELAY_MILLIS = 200
 _DEFAULT_DROP_WARNING_INTERVAL_S = 10.0
 _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS = 5_000
 _DEFAULT_SERVICE_NAME = "specwatch"
-# The spool's drain thread retries a broker that is still away after 1 s, doubling up to 30 s,
-# and sends up to this many spooled messages before it waits for their acknowledgements.
 _DEFAULT_DRAIN_BACKOFF_S = (1.0, 30.0)
 _DRAIN_CHUNK = 64
 # `stats()` name -> `SpoolStats` field
@@ -59,8 +51,7 @@ Item = TypeVar("Item")
 
 @dataclass(frozen=True)
 class EmitterStats:
-    """Counters since start: ``dropped`` (queue full), ``failed`` (the exporter refused or raised),
-    ``rejected`` (not turned back into contract records)."""
+    """Counters since start (docs/DEPLOY.md, "Inside the collector")."""
 
     queued: int
     exported: int
@@ -70,23 +61,14 @@ class EmitterStats:
 
 
 class _BoundedBatcher(Generic[Item]):
-    """A bounded queue drained in batches by one daemon thread; `offer` never blocks.
+    """A bounded queue drained in batches by one daemon thread; `offer` never blocks."""
 
-    ``exporter`` is flushed after the queue and shut down after it.
-    """
-
-    def __init__(
-        self,
-        export: Callable[[list[Item]], bool],
-        exporter: Any,
-        *,
-        name: str,
-        max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
-        max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
-        schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
-        drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
-        shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS,
-    ) -> None:
+    def __init__(self, export: Callable[[list[Item]], bool], exporter: Any, *, name: str,
+                 max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE,
+                 max_batch_size: int = _DEFAULT_MAX_BATCH_SIZE,
+                 schedule_delay_millis: float = _DEFAULT_SCHEDULE_DELAY_MILLIS,
+                 drop_warning_interval_s: float = _DEFAULT_DROP_WARNING_INTERVAL_S,
+                 shutdown_timeout_millis: float = _DEFAULT_SHUTDOWN_TIMEOUT_MILLIS) -> None:
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be at least 1, got {max_queue_size}")
         if not 1 <= max_batch_size <= max_queue_size:
@@ -204,21 +186,36 @@ class _BoundedBatcher(Generic[Item]):
 
 
 class BoundedLogRecordProcessor(LogRecordProcessor):
-    """An OTel log record processor that batches to an exporter and never blocks `on_emit`.
+    """Batches ``specwatch.*`` OTel log records, never blocking `on_emit`, back to contract
+    records for a `TelemetryExporter` (one that takes OTLP entries gets them as they are).
 
-    Unlike the SDK's BatchLogRecordProcessor it counts what it drops and warns periodically;
-    records whose event name is not ``specwatch.*`` are left to others.
+    Unlike the SDK's BatchLogRecordProcessor it counts what it drops and warns periodically.
     """
 
-    def __init__(self, exporter: LogRecordExporter, **batching: float) -> None:
-        self._exporter = exporter
+    def __init__(self, exporter: TelemetryExporter, **batching: float) -> None:
+        self._target = exporter
+        self._export_entries = getattr(exporter, "export_entries", None)
+        self._rejected = 0
         # on_emit runs on the emitting thread; this tells that thread whether it was kept.
         self._last_offer = threading.local()
         self._batcher: _BoundedBatcher[ReadableLogRecord] = _BoundedBatcher(
             self._export, exporter, name="specwatch-otel-export", **batching)
 
     def _export(self, batch: list[ReadableLogRecord]) -> bool:
-        return self._exporter.export(batch) is LogRecordExportResult.SUCCESS
+        entries = [LogEntry(r.log_record.event_name or "", r.log_record.timestamp or 0,
+                            r.log_record.attributes or {}) for r in batch]
+        if self._export_entries is not None:
+            return self._export_entries(entries) is ExportResult.SUCCESS
+        records = []
+        for event_name, time_unix_nano, attributes in entries:
+            decoded = record_from_attributes(event_name, attributes, time_unix_nano)
+            if isinstance(decoded, Rejection):
+                self._rejected += 1
+                logger.debug("dropping an OTel log record that is not a contract record: %s",
+                             decoded.detail)
+            else:
+                records.append(decoded)
+        return not records or self._target.export(records) is ExportResult.SUCCESS
 
     def on_emit(self, log_record: ReadWriteLogRecord) -> None:
         event_name = log_record.log_record.event_name
@@ -233,7 +230,7 @@ class BoundedLogRecordProcessor(LogRecordProcessor):
         return event_name is None or event_name.startswith(EVENT_PREFIX)
 
     def stats(self) -> EmitterStats:
-        return self._batcher.stats(getattr(self._exporter, "rejected", 0))
+        return self._batcher.stats(self._rejected)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return self._batcher.force_flush(timeout_millis)
@@ -242,61 +239,10 @@ class BoundedLogRecordProcessor(LogRecordProcessor):
         self._batcher.shutdown()
 
 
-def _entry(readable: ReadableLogRecord) -> LogEntry:
-    record = readable.log_record
-    return LogEntry(record.event_name or "", record.timestamp or 0, record.attributes or {})
-
-
-class TelemetryLogExporter(LogRecordExporter):
-    """OTel log records back to contract records, handed to a specwatch `TelemetryExporter`.
-
-    A target that takes OTLP entries (`KafkaTelemetryExporter`) gets the attributes as they are.
-    """
-
-    def __init__(self, exporter: TelemetryExporter) -> None:
-        self._target = exporter
-        self._export_entries = getattr(exporter, "export_entries", None)
-        self.rejected = 0
-
-    def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
-        entries = [_entry(r) for r in batch]
-        if self._export_entries is not None:
-            result = self._export_entries(entries)
-        else:
-            records = []
-            for event_name, time_unix_nano, attributes in entries:
-                decoded = record_from_attributes(event_name, attributes, time_unix_nano)
-                if isinstance(decoded, Rejection):
-                    self.rejected += 1
-                    logger.debug("dropping an OTel log record that is not a contract record: %s", decoded.detail)
-                else:
-                    records.append(decoded)
-            result = self._target.export(records) if records else ExportResult.SUCCESS
-        return LogRecordExportResult.SUCCESS if result is ExportResult.SUCCESS else LogRecordExportResult.FAILURE
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return bool(self._target.force_flush(timeout_millis))
-
-    def shutdown(self) -> None:
-        self._target.shutdown()
-
-
 class TelemetryEmitter:
     """What collectors call once per engine step (and per finished request): `emit(record)`.
 
-    Parameters
-    ----------
-    exporter
-        Where batches go: an in-process `TelemetryExporter` (the embedded pipeline) or a
-        `KafkaTelemetryExporter`. The emitter owns it and shuts it down.
-    sdk
-        True: through an OpenTelemetry ``LoggerProvider``. False: the direct path, same bytes.
-    service_name
-        The OTel resource's ``service.name`` (SDK path).
-    max_queue_size, max_batch_size, schedule_delay_millis
-        Queue bound (beyond it records are dropped and counted), records per export call, and
-        the longest a record waits. ``drop_warning_interval_s`` and ``shutdown_timeout_millis``:
-        how often at most a drop warning, how long shutdown waits.
+    It owns ``exporter``; its settings are in docs/DEPLOY.md, "Inside the collector".
 
     >>> from specwatch.collectors.export import InMemoryExporter
     >>> from specwatch.schemas import ShadowRecord
@@ -313,24 +259,21 @@ class TelemetryEmitter:
 
     def __init__(self, exporter: TelemetryExporter, *, sdk: bool = True, service_name: str = _DEFAULT_SERVICE_NAME,
                  **batching: float) -> None:
-        self._exporter = exporter
         self._closed = False
         self.provider: LoggerProvider | None = None
         self._processor: BoundedLogRecordProcessor | None = None
         self._batcher: _BoundedBatcher[TelemetryRecord] | None = None
         if sdk:
-            self._processor = BoundedLogRecordProcessor(TelemetryLogExporter(exporter), **batching)
+            self._processor = BoundedLogRecordProcessor(exporter, **batching)
             # The emitter owns shutdown; an atexit hook here would race the owner's.
             self.provider = LoggerProvider(resource=Resource.create({"service.name": service_name}),
                                            shutdown_on_exit=False)
             self.provider.add_log_record_processor(self._processor)
             self._logger = self.provider.get_logger("specwatch", str(CONTRACT_VERSION))
         else:
-            self._batcher = _BoundedBatcher(self._export_direct, exporter, name="specwatch-telemetry-export",
-                                            **batching)
-
-    def _export_direct(self, batch: list[TelemetryRecord]) -> bool:
-        return self._exporter.export(batch) is ExportResult.SUCCESS
+            self._batcher = _BoundedBatcher(
+                lambda batch: exporter.export(batch) is ExportResult.SUCCESS, exporter,
+                name="specwatch-telemetry-export", **batching)
 
     def emit(self, record: TelemetryRecord) -> bool:
         """Queue one record for export; False when it was dropped (queue full or closed)."""
@@ -374,9 +317,8 @@ class TelemetryEmitter:
 class KafkaTelemetryExporter:
     """Writes contract records to Kafka as OTLP ``ExportLogsServiceRequest`` messages.
 
-    Keyed by worker id (shadow records: bundle id), so one worker's records stay in order on
-    one partition. Without a ``spool`` what the broker refuses is counted and lost; with a
-    `TelemetrySpool` it goes to disk and is drained in order (docs/RELIABILITY.md).
+    Keyed by worker (shadow records: bundle id); with a `TelemetrySpool`, what the broker
+    refuses goes to disk and is drained in order (docs/RELIABILITY.md), else it is counted.
     """
 
     def __init__(self, config: KafkaConfig, *, producer: Any = None,
@@ -440,7 +382,11 @@ class KafkaTelemetryExporter:
         if not failed and not self._spooling:
             return True
         if failed:
-            self._start_spooling()
+            if not self._spooling:
+                logger.warning("kafka at %s is not taking telemetry; spooling to %s until it does",
+                               self.config.bootstrap_servers, self._spool.directory)
+            self._settled = False
+            self._spooling = True
         if not self._settled:
             self._settle_in_flight()
         with self._route_lock:
@@ -457,37 +403,27 @@ class KafkaTelemetryExporter:
             logger.debug("kafka send of %d records failed: %s", count, error)
             return False
         self._count(messages=1, records=count, bytes=len(payload))
-        if self._spool is None:
-            future.add_errback(self._delivery_failed, count)
-        else:
-            with self._lock:
-                self._sequence += 1
-                sequence = self._sequence
-            future.add_errback(self._delivery_failed_to_spool, sequence, key, payload, count)
+        with self._lock:
+            self._sequence += 1
+            sequence = self._sequence
+        future.add_errback(self._delivery_failed, sequence, key, payload, count)
         return True
 
-    def _delivery_failed(self, count: int, error: BaseException) -> None:
-        # kafka-python calls an errback with its bound arguments first: f(count, error)
-        self._count(delivery_errors=1, records_failed=count)
-        logger.debug("kafka delivery of %d records failed: %s", count, error)
-
-    def _delivery_failed_to_spool(self, sequence: int, key: bytes, payload: bytes, count: int,
-                                  error: BaseException) -> None:
-        # On the producer's thread: keep the message in memory; the export or drain thread
-        # writes it to the spool in send order (`_settle_in_flight`).
+    def _delivery_failed(self, sequence: int, key: bytes, payload: bytes, count: int,
+                         error: BaseException) -> None:
+        # kafka-python calls an errback with its bound arguments first. On the producer's
+        # thread: with a spool, keep the message in memory; the export or drain thread writes
+        # it to the spool in send order (`_settle_in_flight`).
+        if self._spool is None:
+            self._count(delivery_errors=1, records_failed=count)
+            logger.debug("kafka delivery of %d records failed: %s", count, error)
+            return
         with self._lock:
             self._counts.update(delivery_errors=1)
             self._failed_in_flight.append((sequence, key, payload, count))
             self._settled = False
         self._spooling = True
         logger.debug("kafka delivery of %d records failed, spooling: %s", count, error)
-
-    def _start_spooling(self) -> None:
-        if not self._spooling:
-            logger.warning("kafka at %s is not taking telemetry; spooling to %s until it does",
-                           self.config.bootstrap_servers, self._spool.directory)
-        self._settled = False
-        self._spooling = True
 
     def _settle_in_flight(self) -> None:
         """Wait for messages still in the producer, then spool the failed ones, oldest first."""
@@ -496,12 +432,15 @@ class KafkaTelemetryExporter:
                 self._producer.flush(timeout=(self.config.delivery_timeout_ms + self.config.request_timeout_ms) / 1000)
             except Exception as error:  # noqa: BLE001 - KafkaTimeoutError: what is left fails later
                 logger.debug("kafka flush before spooling did not complete: %s", error)
-            with self._lock:
-                failed, self._failed_in_flight = sorted(self._failed_in_flight), []
-                self._settled = True
-            with self._route_lock:
-                for _, key, payload, count in failed:
-                    self._to_spool(key, payload, count)
+            self._spool_failed_in_flight()
+
+    def _spool_failed_in_flight(self) -> None:
+        with self._lock:
+            failed, self._failed_in_flight = sorted(self._failed_in_flight), []
+            self._settled = True
+        with self._route_lock:
+            for _, key, payload, count in failed:
+                self._to_spool(key, payload, count)
 
     def _to_spool(self, key: bytes, payload: bytes, count: int) -> bool:
         kept = self._spool.append(key, payload, records=count)
@@ -618,10 +557,7 @@ class KafkaTelemetryExporter:
         except Exception as error:  # noqa: BLE001 - closing must not raise into the engine
             logger.warning("kafka producer did not close cleanly: %s", error)
         if self._spool is not None:
-            with self._lock:
-                failed, self._failed_in_flight = sorted(self._failed_in_flight), []
-            for _, key, payload, count in failed:
-                self._spool.append(key, payload, records=count)
+            self._spool_failed_in_flight()
             pending = len(self._spool)
             if pending:
                 logger.warning("telemetry spool %s keeps %d messages for the next start",

@@ -22,16 +22,9 @@ from specwatch.collectors.export import ExportResult
 from specwatch.schemas import CONTRACT_VERSION, TelemetryRecord
 from specwatch.schemas.otlp import LogEntry, log_entry
 
-__all__ = [
-    "EXPORTER_VARIABLE",
-    "EXPORTERS",
-    "OtlpTelemetryExporter",
-    "exporter_choice",
-    "otlp_log_exporter",
-    "resource_from_env",
-    "service_instance_id",
-    "telemetry_exporter_from_env",
-]
+__all__ = ["EXPORTER_VARIABLE", "EXPORTERS", "OtlpTelemetryExporter", "exporter_choice",
+           "otlp_log_exporter", "resource_from_env", "service_instance_id",
+           "telemetry_exporter_from_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +39,18 @@ _PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL", "OTEL_EXPORTER_OTLP_P
 
 
 def exporter_choice(environ: Mapping[str, str] | None = None) -> str:
-    """Which exporter the environment asks for: ``otlp`` or ``kafka``.
-
-    ``SPECWATCH_EXPORTER`` decides when set; else an OTLP endpoint means OTLP, and
-    ``SPECWATCH_KAFKA_BOOTSTRAP`` alone means Kafka (engines that follow the decisions topic
-    set it too, which is why an endpoint wins); nothing at all means OTLP's default endpoint.
+    """Which exporter the environment asks for: ``otlp`` or ``kafka`` (docs/DEPLOY.md, 2a).
 
     >>> exporter_choice({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://otelcol:4318",
     ...                  "SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"})
     'otlp'
     >>> exporter_choice({"SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"}), exporter_choice({})
     ('kafka', 'otlp')
+    >>> exporter_choice({"OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": "http://c:4318/v1/logs",
+    ...                  "SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"})
+    'otlp'
+    >>> exporter_choice({"SPECWATCH_EXPORTER": "KAFKA", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"})
+    'kafka'
     >>> exporter_choice({"SPECWATCH_EXPORTER": "zipkin"})
     Traceback (most recent call last):
     ...
@@ -112,9 +106,8 @@ def otlp_log_exporter(environ: Mapping[str, str] | None = None, *, endpoint: str
 class OtlpTelemetryExporter:
     """Contract records through an OpenTelemetry OTLP log exporter (to a Collector).
 
-    One OTel log record per contract record, as on the Kafka path; its resource is ``resource``
-    (`resource_from_env()` when None) plus ``service.instance.id`` = the record's worker, so a
-    Collector keying Kafka messages by resource keeps each worker's records on one partition.
+    The resource is ``resource`` (default `resource_from_env()`) plus ``service.instance.id`` =
+    the record's worker, so a Collector keying by resource keeps each worker on one partition.
 
     >>> from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
     >>> from specwatch.schemas import ShadowRecord

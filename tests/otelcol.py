@@ -42,11 +42,8 @@ class Collector:
         with open(self.log, "w") as out:
             self.process = subprocess.Popen([collector_binary(), "--config", str(self.config)], env=self.env,
                                             stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + _START_PATIENCE_S
-        while "Everything is ready" not in self.log.read_text():
-            assert self.process.poll() is None, f"the Collector exited:\n{self.log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"the Collector did not start:\n{self.log.read_text()[-4000:]}"
-            time.sleep(0.1)
+        self.wait_for(lambda: "Everything is ready" in self.log.read_text(), "the start",
+                      _START_PATIENCE_S)
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -188,10 +188,10 @@ def test_foreign_log_records_are_left_alone():
 
 def test_processor_settings_are_validated():
     with pytest.raises(ValueError, match="max_batch_size"):
-        BoundedLogRecordProcessor(InMemoryLogRecordExporter(), max_queue_size=10, max_batch_size=20)
+        BoundedLogRecordProcessor(InMemoryExporter(), max_queue_size=10, max_batch_size=20)
     with pytest.raises(ValueError, match="max_queue_size"):
         TelemetryEmitter(InMemoryExporter(), sdk=False, max_queue_size=0)
-    assert isinstance(BoundedLogRecordProcessor(InMemoryLogRecordExporter()), LogRecordProcessor)
+    assert isinstance(BoundedLogRecordProcessor(InMemoryExporter()), LogRecordProcessor)
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,9 @@ from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.resources import Resource
 
 from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
-from specwatch.collectors.otlp_export import (OtlpTelemetryExporter, exporter_choice, otlp_log_exporter,
-                                              resource_from_env, service_instance_id, telemetry_exporter_from_env)
+from specwatch.collectors.otlp_export import (OtlpTelemetryExporter, otlp_log_exporter,
+                                              resource_from_env, service_instance_id,
+                                              telemetry_exporter_from_env)
 from specwatch.simulation.simulator import Simulator
 from specwatch.cli import main
 from specwatch.schemas import encode_record
@@ -38,16 +39,6 @@ def test_records_round_trip_through_the_standard_encoder_with_one_resource_per_w
     assert resources == {"w1": ({"w1"}, "serving"), "w2": ({"w2"}, "serving"), "w3": ({"w3"}, "serving"),
                          None: (set(), "serving")}  # shadow records: the process's resource
     assert exporter.stats() == {"requests": 1, "records": len(records), "failed_requests": 0, "records_failed": 0}
-
-
-def test_the_choice_of_exporter():
-    assert exporter_choice({"SPECWATCH_EXPORTER": "KAFKA", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == "kafka"
-    assert exporter_choice({"OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": "http://c:4318/v1/logs",
-                            "SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"}) == "otlp"
-    assert exporter_choice({"SPECWATCH_KAFKA_BOOTSTRAP": "k:9092"}) == "kafka"
-    assert exporter_choice({}) == "otlp"
-    with pytest.raises(ValueError, match="SPECWATCH_EXPORTER must be otlp or kafka, got 'otel'"):
-        exporter_choice({"SPECWATCH_EXPORTER": "otel"})
 
 
 def test_protocols_and_resources_come_from_the_standard_variables(monkeypatch):

@@ -22,7 +22,7 @@ _CARD = BundleCard(target=TargetCard(model_id="tiny"), drafter=DrafterCard(mecha
 _BUNDLE = bundle_digest(_CARD)
 
 
-@pytest.mark.parametrize("name", ["labels", "bundle", "collector", "taps", "demo"])
+@pytest.mark.parametrize("name", ["bundle", "collector", "taps", "demo", "rerun"])
 def test_doctests(name):
     # the shared doctest runner skips this package (it may import vLLM); these modules do not
     module = importlib.import_module(f"specwatch.collectors.vllm.{name}")
@@ -79,14 +79,22 @@ def _request(rid, n_out=3, reason="length"):
             None, [1, 2, 3], [4, 5, 6], (0.0, 1.0, 7, n_out))
 
 
-def test_payloads_become_contract_records_in_order():
+@pytest.fixture
+def collected():
+    """A collector named w1 on a `ListSink`, and the sink's records; closed after the test."""
     sink = ListSink()
     collector = VllmCollector(sink, worker="w1")
+    yield collector, sink.records
+    collector.close()
+
+
+def test_payloads_become_contract_records_in_order(collected):
+    collector, records = collected
     collector.submit(("bundle", 99.0, _BUNDLE, _CARD))
     collector.submit(_step(0, [("r1", "coding", "main", 4, 3)]))
     collector.submit(_request("r1"))
     assert collector.flush(5)
-    bundle, step, request = sink.records
+    bundle, step, request = records
     assert (bundle.kind, bundle.worker, bundle.card) == ("bundle", "w1", _CARD)
     assert (step.draft_ms, step.verify_ms, step.kv_usage) == pytest.approx((1.0, 10.0, 0.5))
     assert [(e.id, e.drafted, e.accepted) for e in step.requests] == [("r1", 4, 3)]
@@ -96,30 +104,25 @@ def test_payloads_become_contract_records_in_order():
     assert request.sample.sampling.seed == 7
     stats = collector.stats()
     assert (stats.bundle_records, stats.step_records, stats.request_records) == (1, 1, 1)
-    collector.close()
 
 
-def test_single_token_request_has_no_tpot_and_finish_reasons_map():
-    sink = ListSink()
-    collector = VllmCollector(sink)
+def test_single_token_request_has_no_tpot_and_finish_reasons_map(collected):
+    collector, records = collected
     collector.submit(_request("r1", n_out=1, reason="repetition"))
     collector.submit(_request("r2", reason="abort"))
     collector.flush(5)
-    first, second = sink.records
+    first, second = records
     assert first.tpot_ms is None and first.finish_reason == "stop"
     assert second.finish_reason == "abort"
-    collector.close()
 
 
-def test_broken_payload_is_counted_not_emitted_and_emission_continues():
-    sink = ListSink()
-    collector = VllmCollector(sink)
+def test_broken_payload_is_counted_not_emitted_and_emission_continues(collected):
+    collector, records = collected
     collector.submit(_step(0, [("r1", "coding", "main", 2, 3)]))  # accepted > drafted
     collector.submit(_step(1, [("r1", "coding", "main", 3, 2)]))
     collector.flush(5)
-    assert [r.seq for r in sink.records] == [1]
+    assert [r.seq for r in records] == [1]
     assert collector.stats().rejected == 1
-    collector.close()
 
 
 def test_failing_sink_is_counted_and_does_not_stop_emission():
@@ -250,7 +253,7 @@ def test_environment_configuration(monkeypatch, fresh_plugin):
 @pytest.mark.parametrize("value, message", [
     ("nocolon", "package.module:callable"),
     ("specwatch.nowhere:thing", "cannot be loaded"),
-    ("specwatch.collectors.vllm.labels:DEFAULT_BUCKET", "not callable"),
+    ("specwatch.collectors.vllm.collector:DEFAULT_BUCKET", "not callable"),
 ])
 def test_environment_configuration_errors_say_what_to_fix(monkeypatch, fresh_plugin, value,
                                                           message):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import (counter_delta, drafted_rounds, flagged_collector, records_of_kind,
+from vllm_scenario import (drafted_rounds, flagged_collector, measured_run, records_of_kind,
                            rounds_matching_counters, scenario_fixture, watched_engine)
 
 pytestmark = pytest.mark.vllm
@@ -50,9 +50,8 @@ def _noisy_drafter(target: Path, out: Path) -> Path:
 def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: D=4, advice from the telemetry, the advised D, results to JSON."""
     from specwatch.collectors.vllm import build_tiny_models
-    from specwatch.collectors.vllm.local_engine import (close_engine, run_to_completion,
-                                                        spec_decode_counters)
-    from specwatch.schemas import Decision, encode_record
+    from specwatch.collectors.vllm.local_engine import close_engine
+    from specwatch.schemas import Decision
     from specwatch.analysis.tuning import tune_report
     from vllm import SamplingParams
 
@@ -69,14 +68,11 @@ def _scenario(out_path: Path) -> None:
     result: dict = {"bundle_id": bundle_id}
 
     def phase(name: str) -> None:
-        first = len(records)
-        before = spec_decode_counters(engine)
         started = time.monotonic()
-        run = run_to_completion(engine, [(f"coding:main:{name}{i}", p, params) for i, p in enumerate(_PROMPTS)])
-        collector.flush()
+        requests = [(f"coding:main:{name}{i}", p, params) for i, p in enumerate(_PROMPTS)]
+        run, measured = measured_run(engine, collector, records, requests)
         result[name] = {
-            "records": [encode_record(r) for r in records[first:]],
-            "counters": counter_delta(before, spec_decode_counters(engine)),
+            **measured,
             "texts": {rid.rsplit(name, 1)[1]: o.outputs[0].text for rid, o in run.outputs.items()},
             "wall_s": time.monotonic() - started,
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in run.outputs.values()),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import (counter_delta, drafted_rounds, flag_decision, flagged_collector,
+from vllm_scenario import (drafted_rounds, flag_decision, flagged_collector, measured_run,
                            records_of_kind, rounds_matching_counters, scenario_fixture,
                            watched_engine)
 
@@ -39,9 +39,7 @@ _LATE_ID = "chat:main:late"
 def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: copy drafter, random drafter, standard decoding; results to JSON."""
     from specwatch.collectors.vllm import build_tiny_models
-    from specwatch.collectors.vllm.local_engine import (close_engine, new_engine, run_to_completion,
-                                                        spec_decode_counters)
-    from specwatch.schemas import encode_record
+    from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
     from vllm import SamplingParams
 
     models = build_tiny_models()
@@ -72,13 +70,11 @@ def _scenario(out_path: Path) -> None:
                     if extra is not None:
                         engine.add_request(*extra)
 
-        before = spec_decode_counters(engine)
         started = time.monotonic()
-        run = run_to_completion(engine, requests(name[0], max_tokens), on_step)
-        collector.flush()
+        run, measured = measured_run(engine, collector, records, requests(name[0], max_tokens),
+                                     on_step)
         result[name] = {
-            "records": [encode_record(r) for r in records],
-            "counters": counter_delta(before, spec_decode_counters(engine)),
+            **measured,
             "texts": {rid[-1]: o.outputs[0].text for rid, o in run.outputs.items() if rid != _LATE_ID},
             "finished": sorted(run.outputs),
             "marks": marks, "init_s": init_s, "run_s": time.monotonic() - started,

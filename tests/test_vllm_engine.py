@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_scenario import (NGRAM_SPEC, PROMPTS, contract_records, counter_delta, flag_decision,
-                           flagged_collector, records_of_kind, rounds_matching_counters,
+from vllm_scenario import (NGRAM_SPEC, PROMPTS, contract_records, flag_decision, flagged_collector,
+                           measured_run, records_of_kind, rounds_matching_counters,
                            scenario_fixture, watched_engine)
 
 pytestmark = pytest.mark.vllm
@@ -34,8 +34,7 @@ _TOGGLE_BLOCK = 4
 def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: every engine interaction of this module, results to JSON."""
     from specwatch.collectors.vllm import build_tiny_models
-    from specwatch.collectors.vllm.local_engine import (close_engine, new_engine, run_to_completion,
-                                                        spec_decode_counters)
+    from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
     from specwatch.schemas import encode_record
     from vllm import SamplingParams
 
@@ -59,18 +58,9 @@ def _scenario(out_path: Path) -> None:
     result["bundle_records"] = [encode_record(r) for r in records]
 
     def phase(name, reqs, on_step=None):
-        before = spec_decode_counters(engine)
-        collector.flush()
-        first = len(records)
-        run = run_to_completion(engine, reqs, on_step)
-        collector.flush()
-        result["phases"][name] = {
-            "records": [encode_record(r) for r in records[first:]],
-            "counters": counter_delta(before, spec_decode_counters(engine)),
-            "outputs": texts(run),
-            "step_seconds": run.step_seconds,
-        }
-        return run
+        run, measured = measured_run(engine, collector, records, reqs, on_step)
+        result["phases"][name] = {**measured, "outputs": texts(run),
+                                  "step_seconds": run.step_seconds}
 
     phase("speculative", requests("a"))
 
@@ -230,8 +220,7 @@ def test_greedy_text_identical_on_off_and_after_fallback(run):
     fallback = by_prompt(run["phases"]["fallback"]["outputs"])
     standard = by_prompt(run["standard"]["outputs"])
     assert len(standard) == len(PROMPTS)
-    assert speculative == standard
-    assert fallback == standard
+    assert speculative == fallback == standard
 
 
 def test_a_switched_off_collector_counts_no_steps_and_nothing_is_lost(run):

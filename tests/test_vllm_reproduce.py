@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -61,10 +62,6 @@ def _scenario(out_path: Path) -> None:
     sink = ArchiveSink(archive)
     pipeline = EmbeddedPipeline(policy, clock=time.time, sinks=[sink])
 
-    class Feed:
-        def emit(self, record):
-            pipeline.feed(record)
-
     models = build_tiny_models()
     result: dict = {"archive": dsn, "key_file": str(key_file), "key_id": key.key_id, "target": str(models.target),
                     "shadow": {}}
@@ -79,7 +76,8 @@ def _scenario(out_path: Path) -> None:
     close_engine(engine)
     standard = [list(reference.outputs[f"reference-{i}"].outputs[0].token_ids) for i in range(len(_PROMPTS))]
 
-    collector = VllmCollector(Feed(), worker="reproduce-test", capture=SampleCapture(policy.capture, key))
+    collector = VllmCollector(SimpleNamespace(emit=pipeline.feed), worker="reproduce-test",
+                              capture=SampleCapture(policy.capture, key))
     spec = {"method": "draft_model", "model": str(models.random_drafter), "num_speculative_tokens": _DRAFT_LENGTH}
     engine, bundle_id = watched_engine(collector, models.target, spec, max_num_seqs=len(_PROMPTS))
     result["bundle_id"] = bundle_id

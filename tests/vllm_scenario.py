@@ -70,29 +70,35 @@ def drafted_rounds(lines) -> list:
     return [e for s in records_of_kind(lines, "step") for e in s.requests if e.drafted]
 
 
-def accepted_per_position(rounds, positions: int) -> list[int]:
-    """How many ``rounds`` accepted at least 1, 2, ... ``positions`` drafts (as vLLM counts)."""
-    return [sum(1 for e in rounds if e.accepted >= k) for k in range(1, positions + 1)]
-
-
 def rounds_matching_counters(lines, counters: dict) -> list:
     """The drafted rounds among JSON ``lines``, which must add up to vLLM's ``counters`` exactly."""
     rounds = drafted_rounds(lines)
     assert len(rounds) == counters["drafts"]
     assert sum(e.drafted for e in rounds) == counters["draft_tokens"]
     assert sum(e.accepted for e in rounds) == counters["accepted_tokens"]
+    # how many rounds accepted at least 1, 2, ... drafts, as vLLM counts per position
     per_position = counters["accepted_per_pos"]
-    assert accepted_per_position(rounds, len(per_position)) == per_position
+    positions = range(1, len(per_position) + 1)
+    assert [sum(1 for e in rounds if e.accepted >= k) for k in positions] == per_position
     return rounds
 
 
-def counter_delta(before: dict, after: dict) -> dict:
-    """vLLM's speculative decoding counters gained between two `spec_decode_counters` readings."""
+def measured_run(engine, collector, records: list, requests, on_step=None):
+    """`run_to_completion` under ``collector``: the run, and {"records": the JSON lines it added
+    to ``records``, "counters": vLLM's speculative decoding counters it gained}."""
+    from specwatch.collectors.vllm.local_engine import run_to_completion, spec_decode_counters
+    from specwatch.schemas import encode_record
+
+    collector.flush()
+    first, before = len(records), spec_decode_counters(engine)
+    run = run_to_completion(engine, requests, on_step)
+    collector.flush()
+    after = spec_decode_counters(engine)
     gained = {k: after[k] - before[k] for k in after if k != "accepted_per_pos"}
     previous = before["accepted_per_pos"]
     gained["accepted_per_pos"] = [a - (previous[i] if i < len(previous) else 0)
                                   for i, a in enumerate(after["accepted_per_pos"])]
-    return gained
+    return run, {"records": [encode_record(r) for r in records[first:]], "counters": gained}
 
 
 def flagged_collector(worker: str):

@@ -13,29 +13,15 @@ from typing import Any
 
 from specwatch.schemas import BundleCard, DrafterCard, PolicyCard, RuntimeCard, TargetCard
 
-__all__ = [
-    "describe_bundle",
-    "drafter_mechanism",
-    "checkpoint_revision",
-    "tokenizer_digest",
-]
+__all__ = ["describe_bundle", "drafter_mechanism", "checkpoint_revision", "tokenizer_digest"]
 
 _LOG = logging.getLogger(__name__)
 
 # Files that decide how text becomes token ids: a change in any of them voids the drafter's
 # evidence even when the weights are the same.
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "merges.txt", "chat_template.jinja", "chat_template.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 # Up to this many bytes of weights are hashed in full. Beyond it (real checkpoints are tens of
 # GB), each weight file contributes its size and its first and last _DEFAULT_SAMPLE_BYTES: a
@@ -44,8 +30,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _DEFAULT_FULL_HASH_BYTES = 512 << 20
 _DEFAULT_SAMPLE_BYTES = 4 << 20
 _MAX_NAME_CHARS = 256
-
-_MTP_METHODS_SUFFIX = "mtp"
 
 
 def describe_bundle(vllm_config: Any) -> BundleCard:
@@ -62,7 +46,8 @@ def describe_bundle(vllm_config: Any) -> BundleCard:
         revision=model_config.revision or checkpoint_revision(model_config.model),
         tokenizer_digest=tokenizer_digest(model_config.tokenizer,
                                           getattr(model_config, "tokenizer_revision", None)),
-        quantization=f"{model_config.quantization or 'none'}/{_dtype_name(model_config.dtype)}",
+        quantization=f"{model_config.quantization or 'none'}/"
+                     f"{str(model_config.dtype).removeprefix('torch.')}",
     )
     drafter = DrafterCard(
         mechanism=drafter_mechanism(spec.method),
@@ -95,7 +80,7 @@ def drafter_mechanism(method: str | None) -> str:
         return "ngram"
     if method in ("eagle3", "dflash", "dspark"):
         return method
-    if method == "mtp" or method.endswith("_" + _MTP_METHODS_SUFFIX):
+    if method == "mtp" or method.endswith("_mtp"):
         return "mtp"
     # EAGLE-1, Medusa, MLP speculators, suffix decoding, separate draft models: the exact
     # vLLM method name is kept in the drafter revision.
@@ -195,10 +180,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return ""
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _name(value: str) -> str:

@@ -8,53 +8,50 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from specwatch.schemas import (MAX_REQUESTS_PER_STEP, BundleCard, BundleRecord, RequestRecord, StepRecord,
                                bundle_digest)
 from specwatch.collectors.capture import SampleCapture
 from specwatch.schemas.sealed import token_digest
 
-from .labels import Labeler
-
-__all__ = ["RecordSink", "FlagView", "CollectorStats", "VllmCollector"]
+__all__ = ["BUCKET_ARG", "COHORT_ARG", "DEFAULT_BUCKET", "DEFAULT_COHORT", "CollectorStats",
+           "Labeler", "VllmCollector", "request_labels"]
 
 _LOG = logging.getLogger(__name__)
 
-# Records waiting for the sink. A step record is a few hundred bytes, so this bounds the
-# backlog at a few MB; beyond it records are dropped and counted, never queued without limit.
+# Records waiting for the sink (a few MB of step records); beyond it records are dropped.
 _DEFAULT_QUEUE_SIZE = 8192
-# The emitter thread drains the queue on this period instead of being woken per record: waking
-# a thread from the engine step costs a lock and invites a GIL hand-off in the middle of the
-# step (measured: median step-hook cost 80 us with a wake per step, tail in milliseconds).
-# Records are therefore up to this late, which no consumer of per-second slices notices.
+# Drained on a period, not woken per record (docs/DEPLOY.md, "Inside the collector").
 _DEFAULT_DRAIN_INTERVAL_S = 0.1
 _DEFAULT_FLUSH_TIMEOUT_S = 10.0
 # Repeated failures of the same kind are logged at the first occurrence and then every N-th.
 _LOG_EVERY = 1000
 _MAX_ID_CHARS = 256
 
+BUCKET_ARG = "specwatch_bucket"
+COHORT_ARG = "specwatch_cohort"
+DEFAULT_BUCKET = "default"
+DEFAULT_COHORT = "main"
+
+# Labels end up as keys of windows, tables and flag scopes: short, printable, no separators
+# that the decision key (bundle/bucket/cohort) or the id prefix itself uses.
+_LABEL = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_ID_PREFIX = re.compile(r"([A-Za-z0-9_.\-]{1,64}):([A-Za-z0-9_.\-]{1,64}):")
+
+Labeler = Callable[[str, Mapping[str, Any] | None], "tuple[str, str] | None"]
+"""A caller's own rule: ``(request_id, extra_args) -> (bucket, cohort)``, or None to fall back."""
+
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
                    # vLLM stops a request on a detected repetition loop: a stop, not a failure
                    "repetition": "stop"}
-
-
-class RecordSink(Protocol):
-    """Where records go (an OpenTelemetry log emitter, an in-memory list, ...)."""
-
-    def emit(self, record: Any) -> None: ...
-
-
-class FlagView(Protocol):
-    """Read side of the speculative-path flags (actions.flags.FlagStore implements it)."""
-
-    def lookup(self, bundle_id: str, bucket: str, cohort: str) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -78,24 +75,11 @@ class CollectorStats:
 class VllmCollector:
     """Per-step and per-request telemetry of vLLM engines, plus the flag view they obey.
 
-    Engines built inside ``with collector.watching():`` in this process are tapped. Records reach
-    ``sink.emit`` in order: the bundle record, then steps, each request after its last step.
-    ``sink=None`` collects nothing (flags only); ``flags=None`` leaves speculation as configured;
-    ``worker`` defaults to ``<hostname>-<pid>``; beyond ``queue_size`` records are dropped and
-    counted; a ``capture`` seals the token ids of the requests it takes (on the emitter thread).
-
-    Example, with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
-
-        collector = VllmCollector(otel_emitter, flags=flag_store, worker="gpu-0")
-        with collector.watching():
-            llm = LLM(model=..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-        llm.generate(prompts, SamplingParams(extra_args={"specwatch_bucket": "coding"}))
-
-    Engines in processes of their own (``vllm serve``) are configured by environment instead
-    (see plugin.py).
+    Engines built inside ``with collector.watching():`` in this process are tapped; while
+    ``enabled`` is False the hooks pass straight through (docs/DEPLOY.md, "Inside the collector").
     """
 
-    def __init__(self, sink: RecordSink | None = None, *, flags: FlagView | None = None,
+    def __init__(self, sink: Any = None, *, flags: Any = None,
                  worker: str | None = None, labeler: Labeler | None = None,
                  queue_size: int = _DEFAULT_QUEUE_SIZE, capture: SampleCapture | None = None) -> None:
         if sink is not None and not callable(getattr(sink, "emit", None)):
@@ -114,7 +98,7 @@ class VllmCollector:
         self.labeler = labeler
         self.capture = capture
         self._queue_size = queue_size
-        self._enabled = True
+        self.enabled = True
         self._bundles: dict[str, BundleCard] = {}
         self._bundle_keys: dict[tuple, tuple[str, BundleCard]] = {}
         self._bundle_lock = threading.Lock()
@@ -131,20 +115,8 @@ class VllmCollector:
         self._cost_ns = 0
         self._cost_max_ns = 0
         self._records = {"bundle": 0, "step": 0, "request": 0}
-        self._dropped = 0
-        self._rejected = 0
-        self._emit_errors = 0
-        self._hook_errors = 0
-        self._flag_errors = 0
-
-    @property
-    def enabled(self) -> bool:
-        """When False the hooks pass straight through: no timing, no records, no flag lookups."""
-        return self._enabled
-
-    @enabled.setter
-    def enabled(self, value: bool) -> None:
-        self._enabled = bool(value)
+        # dropped, rejected, emit_errors, hook_errors, flag_errors (`_failed`)
+        self._failures: Counter[str] = Counter()
 
     @property
     def bundles(self) -> dict[str, BundleCard]:
@@ -152,17 +124,11 @@ class VllmCollector:
         with self._bundle_lock:
             return dict(self._bundles)
 
-    @contextlib.contextmanager
-    def watching(self) -> Iterator["VllmCollector"]:
+    def watching(self) -> contextlib.AbstractContextManager["VllmCollector"]:
         """Tap the vLLM engines built in this process (engine core too) while the block runs."""
         from . import plugin
 
-        plugin.register()
-        plugin.push_collector(self)
-        try:
-            yield self
-        finally:
-            plugin.pop_collector(self)
+        return plugin.watching(self)
 
     def stats(self) -> CollectorStats:
         return CollectorStats(
@@ -171,11 +137,11 @@ class VllmCollector:
             step_records=self._records["step"],
             request_records=self._records["request"],
             bundle_records=self._records["bundle"],
-            dropped=self._dropped,
-            rejected=self._rejected,
-            emit_errors=self._emit_errors,
-            hook_errors=self._hook_errors,
-            flag_errors=self._flag_errors,
+            dropped=self._failures["dropped"],
+            rejected=self._failures["rejected"],
+            emit_errors=self._failures["emit_errors"],
+            hook_errors=self._failures["hook_errors"],
+            flag_errors=self._failures["flag_errors"],
             cost_s=self._cost_ns / 1e9,
             cost_max_s=self._cost_max_ns / 1e9,
         )
@@ -223,10 +189,7 @@ class VllmCollector:
         if self.sink is None or self._closed:
             return
         if len(self._pending) >= self._queue_size:
-            self._dropped += 1
-            if self._dropped % _LOG_EVERY == 1:
-                _LOG.warning("specwatch sink is not keeping up: %d records dropped so far",
-                             self._dropped)
+            self._failed("dropped", "sink is not keeping up: records dropped")
             return
         self._pending.append(payload)
         if self._thread is None:
@@ -243,18 +206,23 @@ class VllmCollector:
             self._cost_max_ns = cost_ns
 
     def hook_failed(self, where: str, error: BaseException) -> None:
-        self._hook_errors += 1
-        if self._hook_errors % _LOG_EVERY == 1:
-            _LOG.error("specwatch hook %s failed (%d failures so far); the engine continues "
-                       "without this step's telemetry", where, self._hook_errors, exc_info=error)
+        self._failed("hook_errors", "hook %s failed; the engine continues without this step's "
+                     "telemetry", where, error=error)
 
     def flag_failed(self, error: BaseException) -> None:
-        self._flag_errors += 1
-        if self._flag_errors % _LOG_EVERY == 1:
-            # Fail open: a broken flag view must not change what the engine does; the
-            # lossless contract holds either way and the error is counted.
-            _LOG.error("specwatch flag lookup failed (%d failures so far); speculation stays as "
-                       "configured", self._flag_errors, exc_info=error)
+        # Fail open: a broken flag view must not change what the engine does; the lossless
+        # contract holds either way and the error is counted.
+        self._failed("flag_errors", "flag lookup failed; speculation stays as configured",
+                     error=error)
+
+    def _failed(self, kind: str, message: str, *args: Any,
+                error: BaseException | None = None) -> None:
+        """Count a failure; log the first of its kind and then every _LOG_EVERY-th."""
+        self._failures[kind] += 1
+        count = self._failures[kind]
+        if count % _LOG_EVERY == 1:
+            _LOG.log(logging.WARNING if error is None else logging.ERROR,
+                     f"specwatch {message} (%d so far)", *args, count, exc_info=error)
 
     def _start_thread(self) -> None:
         with self._thread_lock:
@@ -277,10 +245,8 @@ class VllmCollector:
                         self.sink.emit(record)
                         self._records[record.kind] += 1
                     except Exception as error:  # a sink failure must not stop telemetry
-                        self._emit_errors += 1
-                        if self._emit_errors % _LOG_EVERY == 1:
-                            _LOG.error("specwatch sink failed to emit a %s record (%d failures "
-                                       "so far)", record.kind, self._emit_errors, exc_info=error)
+                        self._failed("emit_errors", "sink failed to emit a %s record", record.kind,
+                                     error=error)
                 # Hand the GIL back after every record: the engine thread, not this one, should
                 # wait least (without this, a drained batch held it up to the 5 ms switch
                 # interval and showed up as millisecond stalls inside engine steps).
@@ -299,10 +265,8 @@ class VllmCollector:
             _, ts, bundle_id, card = payload
             return BundleRecord(v=1, ts=ts, worker=self.worker, bundle_id=bundle_id, card=card)
         except Exception as error:  # a payload that breaks the contract is a bug: count, say so
-            self._rejected += 1
-            if self._rejected % _LOG_EVERY == 1:
-                _LOG.error("specwatch dropped a %s record that failed validation (%d so far)",
-                           payload[0], self._rejected, exc_info=error)
+            self._failed("rejected", "dropped a %s record that failed validation", payload[0],
+                         error=error)
             return None
 
 
@@ -371,3 +335,42 @@ def _request_record(worker: str, payload: tuple, capture: SampleCapture | None =
         "error": error,
         "sample": sample,
     })
+
+
+def request_labels(request_id: str, extra_args: Mapping[str, Any] | None,
+                   labeler: Labeler | None = None) -> tuple[str, str]:
+    """(bucket, cohort) of one request: caller's rule, extra_args, id prefix, defaults, in order.
+
+    Each label is resolved on its own; values that are not short printable names are ignored.
+
+    >>> request_labels("coding:canary:42", None)
+    ('coding', 'canary')
+    >>> request_labels("42", {"specwatch_bucket": "extraction"})
+    ('extraction', 'main')
+    >>> request_labels("coding:canary:42", {"specwatch_cohort": "baseline"})
+    ('coding', 'baseline')
+    >>> request_labels("cmpl-7f3a", None)
+    ('default', 'main')
+    """
+    if labeler is not None:
+        chosen = labeler(request_id, extra_args)
+        if chosen is not None:
+            bucket, cohort = chosen
+            if _valid(bucket) and _valid(cohort):
+                return bucket, cohort
+    bucket = cohort = None
+    if extra_args:
+        value = extra_args.get(BUCKET_ARG)
+        bucket = value if _valid(value) else None
+        value = extra_args.get(COHORT_ARG)
+        cohort = value if _valid(value) else None
+    if bucket is None or cohort is None:
+        prefix = _ID_PREFIX.match(request_id)
+        if prefix is not None:
+            bucket = bucket or prefix.group(1)
+            cohort = cohort or prefix.group(2)
+    return bucket or DEFAULT_BUCKET, cohort or DEFAULT_COHORT
+
+
+def _valid(value: object) -> bool:
+    return isinstance(value, str) and _LABEL.fullmatch(value) is not None

@@ -35,10 +35,8 @@ _PROMPTS = [
 # bucket:cohort: prefixes, one per prompt, so the telemetry has several scopes
 _PREFIXES = ["coding:main:", "coding:canary:", "extraction:main:", "summarization:main:",
              "coding:main:", "chat:canary:", "coding:main:", "extraction:canary:"]
-# Each drafter serves waves of requests until every scope of its bundle has been switched off
-# and has stayed off for this many engine steps, or until its time and waves are up. The copy
-# drafter's share is what it is judged on: seconds for a quiet machine, waves for a busy one
-# (each of its scopes then still finishes enough requests for several windows of the gates).
+# Each drafter serves waves until every scope of its bundle has been off for this many steps,
+# or until its time and waves are up (README.md, "demo --engine vllm").
 _DEFAULT_STEPS_AFTER_DECISION = 8
 _DEFAULT_CLEAN_PHASE_S = 12.0
 _DEFAULT_CLEAN_PHASE_WAVES = 12
@@ -47,30 +45,16 @@ _PROGRESS_EVERY_S = 3.0
 _DISABLING = ("disable_speculation", "invalidate_bundle")
 _PATH_CHANGES = _DISABLING + ("reduce_draft_length",)
 
-# The demo's buckets (the prefixes above) with a pinned acceptance baseline. A drafter that
-# is bad from its first step gives a learned baseline nothing healthy to learn from, so the
-# buckets carry the floor an operator validated drafters at: at D=4, two tokens per round.
-_DEMO_BUCKETS = sorted({prefix.split(":")[0] for prefix in _PREFIXES})
-_DEMO_PINNED_ACCEPTANCE_LENGTH = 2.0
-# The policy's minimums, scaled from production minutes to the demo's seconds: windows of a
-# few one-second slices holding a few dozen rounds from a handful of finished requests.
+# The policy's minimums scaled to seconds, a pinned acceptance baseline of two tokens per round
+# at D=4, and speedup and latency gates loose enough for a shared CPU (README.md explains why).
 _DEMO_POLICY = {
     "windows": {"slice_seconds": 1.0, "lateness_seconds": 0.5},
     "baseline": {"learn_seconds": 2.0, "min_rounds": 50, "min_requests": 8,
-                 "pinned": {bucket: {"acceptance_length": _DEMO_PINNED_ACCEPTANCE_LENGTH}
-                            for bucket in _DEMO_BUCKETS}},
+                 "pinned": {bucket: {"acceptance_length": 2.0}
+                            for bucket in sorted({prefix.split(":")[0] for prefix in _PREFIXES})}},
     "acceptance": {"window_slices": 3, "consecutive": 2, "min_rounds": 20, "min_requests": 2,
                    "max_window_slices": 30, "settle_seconds": 3.0},
-    # The speedup estimate prices a standard step at one target forward (verify time); a shared
-    # 2-core CPU stretches the drafter's serial passes far more than the one verify pass. The
-    # copy drafter, faster than standard decoding by TPOT, estimated 0.84-1.2 over a run and
-    # 0.37 in single 3-slice windows on a busy machine; the random one 0.17-0.25. So the gate
-    # acts only on a drafter that costs ten times what it gains, and acceptance, which load
-    # does not move, makes the demo's decisions.
     "speedup": {"min_speedup": 0.1},
-    # Latency on a shared CPU follows the machine's load more than the decoding path: a tail
-    # learned in a quiet first second can double whenever another process starts. Only a
-    # tenfold tail counts here.
     "latency": {"p99_factor": 10.0},
 }
 
@@ -130,7 +114,8 @@ def run_vllm_demo(json_output: bool, workdir: Path,
         for name, drafter, seconds, min_waves in (
                 ("copy-drafter", models.copy_drafter, _DEFAULT_CLEAN_PHASE_S, _DEFAULT_CLEAN_PHASE_WAVES),
                 ("random-drafter", models.random_drafter, _DEFAULT_RANDOM_PHASE_S, 0)):
-            _progress(f"{name}: starting vLLM {_spec_label(drafter)}")
+            _progress(f"{name}: starting vLLM (draft model {drafter.name}, "
+                      f"{_DRAFT_LENGTH} tokens per round)")
             spec = {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": _DRAFT_LENGTH}
             # one engine, one worker: a worker that changed its drafter in place would rightly
             # be read as a changed bundle rather than as a drafter that stopped paying
@@ -157,9 +142,7 @@ def run_vllm_demo(json_output: bool, workdir: Path,
                 waves += 1
                 if time.monotonic() >= next_report:
                     next_report += _PROGRESS_EVERY_S
-                    drafted, accepted = feed.phase_totals()
-                    _progress(f"{name}: {feed.phase_steps()} steps, acceptance {_ratio(accepted, drafted):.3f}, "
-                              f"scopes off: {feed.scopes_off()}")
+                    _progress(f"{name}: {feed.progress()}")
             collector.close()
             at_end = spec_decode_counters(engine)
             close_engine(engine)
@@ -224,20 +207,17 @@ class _Feed:
         self._lock = threading.Lock()
         self.count = 0
         self.decisions: list = []
-        self._reset(None, None)
+        self.start_phase(None, None)
 
-    def _reset(self, name, bundle_id) -> None:
-        self.phase = name
-        self.bundle_id = bundle_id
-        self._steps = []
-        self._requests = []
-        self._scopes: set[tuple[str, str]] = set()
-        # decisions that changed the bundle's path, with the wall time each reached the flags
-        self._changes: list[tuple[Any, float]] = []
-
-    def start_phase(self, name: str, bundle_id: str) -> None:
+    def start_phase(self, name: str | None, bundle_id: str | None) -> None:
         with self._lock:
-            self._reset(name, bundle_id)
+            self.phase = name
+            self.bundle_id = bundle_id
+            self._steps: list = []
+            self._requests: list = []
+            self._scopes: set[tuple[str, str]] = set()
+            # decisions that changed the bundle's path, with the wall time each reached the flags
+            self._changes: list[tuple[Any, float]] = []
 
     def emit(self, record: Any) -> None:
         self._out.write(self._encode(record) + "\n")
@@ -285,10 +265,6 @@ class _Feed:
         with self._lock:
             return bool(self._scopes) and len(self._off()) == len(self._scopes)
 
-    def scopes_off(self) -> str:
-        with self._lock:
-            return f"{len(self._off())}/{len(self._scopes)}"
-
     def fallback_held(self, steps: int) -> bool:
         """Every scope of the phase's bundle is off, and has been for ``steps`` engine steps."""
         with self._lock:
@@ -296,13 +272,11 @@ class _Feed:
                 return False
             return len(self._after(max(at for _, at in self._changes))) >= steps
 
-    def phase_steps(self) -> int:
+    def progress(self) -> str:
         with self._lock:
-            return len(self._steps)
-
-    def phase_totals(self) -> tuple[int, int]:
-        with self._lock:
-            return _totals(self._steps)
+            drafted, accepted = _totals(self._steps)
+            return (f"{len(self._steps)} steps, acceptance {_ratio(accepted, drafted):.3f}, "
+                    f"scopes off: {len(self._off())}/{len(self._scopes)}")
 
     def end_phase(self, waves: int, seconds: float) -> dict:
         with self._lock:
@@ -345,17 +319,12 @@ class _Feed:
                 after = [s for s in self._after(applied_at) if until is None or s.seq <= until]
                 in_scope = [e for s in after for e in s.requests if _covers(decision, e)]
                 before = [s for s in steps if s.ts <= decision.ts]
-                evidence = decision.evidence
                 summary["actions"].append({
                     "decision_id": decision.id,
-                    "action": decision.action,
-                    "reason": decision.reason,
-                    "detector": decision.detector,
+                    **{name: getattr(decision, name) for name in ("action", "reason", "detector")},
                     "scope": f"{decision.bucket or '*'}/{decision.cohort or '*'}",
-                    "draft_length": evidence.get("draft_length"),
-                    "metric": evidence.get("metric"),
-                    "value": evidence.get("value"),
-                    "threshold": evidence.get("threshold"),
+                    **{key: decision.evidence.get(key)
+                       for key in ("draft_length", "metric", "value", "threshold")},
                     "after_event_seconds": round(decision.ts - start, 3),
                     "after_steps": len(before),
                     "rounds_before": sum(1 for s in before for e in s.requests
@@ -415,10 +384,6 @@ def _defined(value: float, digits: int) -> float | None:
 
 def _number(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _spec_label(drafter: Path) -> str:
-    return f"(draft model {drafter.name}, {_DRAFT_LENGTH} tokens per round)"
 
 
 def _progress(message: str) -> None:

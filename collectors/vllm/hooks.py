@@ -48,7 +48,8 @@ def wrap_classes(runner_cls: type, scheduler_cls: type, collector_for: Callable[
     stand-ins with the same methods, so both run exactly these wrappers.
     """
     runner_hooks = {
-        "__init__": _runner_init(collector_for),
+        "__init__": _init(collector_for, "runner", RUNNER_ATTR,
+                          lambda runner, c: RunnerTap(c, runner.vllm_config, runner.device)),
         "execute_model": _execute_model,
         "_model_forward": _model_forward,
         "_input_fits_in_drafter": _input_fits_in_drafter,
@@ -57,7 +58,9 @@ def wrap_classes(runner_cls: type, scheduler_cls: type, collector_for: Callable[
         "take_draft_token_ids": _take_draft_token_ids,
     }
     scheduler_hooks = {
-        "__init__": _scheduler_init(collector_for),
+        "__init__": _init(collector_for, "scheduler", SCHEDULER_ATTR,
+                          lambda scheduler, c: SchedulerTap(c, scheduler.vllm_config)
+                          if c.sink is not None else None),
         "add_request": _before("add_request", lambda tap, request, *_: tap.on_add(request)),
         "update_from_output": _update_from_output,
         "make_spec_decoding_stats": _make_spec_decoding_stats,
@@ -82,18 +85,21 @@ def wrap_classes(runner_cls: type, scheduler_cls: type, collector_for: Callable[
             setattr(cls, name, wrapper)
 
 
-# -- model runner -------------------------------------------------------------------------
-
-def _runner_init(collector_for: Callable[[str], Any]):
+def _init(collector_for: Callable[[str], Any], role: str, attr: str,
+          new_tap: Callable[[Any, Any], Any]):
+    """A runner's or scheduler's ``__init__`` that binds a speculative engine's part to a tap."""
     def make(original):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
             tap = None
-            if getattr(self, "speculative_config", None) is not None:
-                collector = collector_for("runner")
+            if self.vllm_config.speculative_config is not None:
+                collector = collector_for(role)
                 if collector is not None:
-                    tap = RunnerTap(collector, self.vllm_config, self.device)
-            setattr(self, RUNNER_ATTR, tap)
+                    try:
+                        tap = new_tap(self, collector)
+                    except Exception as error:
+                        collector.hook_failed(f"{role} init", error)
+            setattr(self, attr, tap)
         return __init__
     return make
 
@@ -111,7 +117,7 @@ def _execute_model(original):
         if result is not None:
             # Outputs returned here (empty batches, pooling, pipeline stages) never reach
             # sample_tokens; some are shared singletons that must not carry a frame.
-            tap.discard_frame()
+            tap.frame = None
         return result
     return execute_model
 
@@ -197,25 +203,6 @@ def _sample_tokens(original):
                 tap.collector.hook_failed("sample_tokens", error)
         return output
     return sample_tokens
-
-
-# -- scheduler ----------------------------------------------------------------------------
-
-def _scheduler_init(collector_for: Callable[[str], Any]):
-    def make(original):
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            tap = None
-            if self.vllm_config.speculative_config is not None:
-                collector = collector_for("scheduler")
-                if collector is not None and collector.sink is not None:
-                    try:
-                        tap = SchedulerTap(collector, self.vllm_config)
-                    except Exception as error:
-                        collector.hook_failed("scheduler init", error)
-            setattr(self, SCHEDULER_ATTR, tap)
-        return __init__
-    return make
 
 
 def _before(name: str, hand_over: Callable[..., Any]):

@@ -13,14 +13,12 @@ from specwatch.transport.topics import DECISIONS_TOPIC
 
 __all__ = ["decision_flags", "telemetry_sink"]
 
-_DEFAULT_SILENCE_SECONDS = 30.0
-
 
 def telemetry_sink(environ: Mapping[str, str] | None = None) -> Any:
     """A `TelemetryEmitter` exporting to the telemetry topic, with the on-disk spool; its ``emit`` never blocks."""
-    from .sink import kafka_telemetry_sink
+    from .sink import telemetry_sink
 
-    return kafka_telemetry_sink(environ)
+    return telemetry_sink(environ, exporter="kafka")
 
 
 def decision_flags(environ: Mapping[str, str] | None = None) -> Any:
@@ -32,11 +30,11 @@ def decision_flags(environ: Mapping[str, str] | None = None) -> Any:
     environ = os.environ if environ is None else environ
     topic = environ.get("SPECWATCH_DECISIONS_TOPIC") or DECISIONS_TOPIC
     silence = environ.get("SPECWATCH_SILENCE_SECONDS")
-    try:
-        silence_seconds = float(silence) if silence else _DEFAULT_SILENCE_SECONDS
+    try:  # unset: the client's default
+        options = {"silence_seconds": float(silence)} if silence else {}
     except ValueError:
         raise ValueError(f"SPECWATCH_SILENCE_SECONDS must be a number of seconds, got {silence!r}") from None
     client = FlagClient(KafkaConfig.from_env(environ=environ, client_id="specwatch-vllm-flags"), topic=topic,
-                        keyring=Keyring.from_env(environ), silence_seconds=silence_seconds,
-                        fail_safe=environ.get("SPECWATCH_FAIL_SAFE") or "keep_last")
+                        keyring=Keyring.from_env(environ),
+                        fail_safe=environ.get("SPECWATCH_FAIL_SAFE") or "keep_last", **options)
     return client.start()

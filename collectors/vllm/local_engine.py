@@ -46,16 +46,13 @@ def configure_cpu_environment() -> None:
         os.environ.setdefault(name, value)
 
 
-def new_engine(model: Path | str, speculative_config: dict | None, *, seed: int = 0,
-               max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS,
-               max_model_len: int = _DEFAULT_MAX_MODEL_LEN, log_stats: bool = True) -> Any:
+def new_engine(model: Path | str, speculative_config: dict | None, **options: Any) -> Any:
     """An `LLMEngine` on a local model, float32, eager, stat logging on (for vLLM's counters)."""
     configure_cpu_environment()
     _make_llvmlite_scan_safe()
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(engine_args(model, speculative_config, seed=seed, max_num_seqs=max_num_seqs,
-                                                  max_model_len=max_model_len, log_stats=log_stats))
+    return LLMEngine.from_engine_args(engine_args(model, speculative_config, **options))
 
 
 def engine_args(model: Path | str, speculative_config: dict | None, *, seed: int = 0,

@@ -6,21 +6,19 @@ Binds engines to a collector given in Python (``VllmCollector.watching()``) or b
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import logging
 import os
 import threading
 from typing import Any
 
-__all__ = ["register", "push_collector", "pop_collector", "collector_for", "ENV_SINK", "ENV_FLAGS",
-           "ENV_WORKER", "ENV_LABELER", "ENV_POLICY"]
+__all__ = ["register", "watching", "collector_for", "ENV_SINK", "ENV_FLAGS", "ENV_WORKER",
+           "ENV_LABELER", "ENV_POLICY"]
 
 _LOG = logging.getLogger(__name__)
 
-# Environment configuration for engines whose processes the caller does not control
-# (`vllm serve`, multiprocess engine cores and workers). Each names a zero-argument factory
-# as "package.module:callable"; the sink factory is called lazily, on the first record, so
-# worker processes that only draft never build a sink.
+# Zero-argument factories as "package.module:callable" (docs/DEPLOY.md, "Inside the collector").
 ENV_SINK = "SPECWATCH_VLLM_SINK"
 ENV_FLAGS = "SPECWATCH_VLLM_FLAGS"
 ENV_LABELER = "SPECWATCH_VLLM_LABELER"  # names the labeler itself, not a factory
@@ -28,11 +26,8 @@ ENV_WORKER = "SPECWATCH_VLLM_WORKER"
 # A policy file whose [capture] section turns sealed sample capture on (key: SPECWATCH_SAMPLE_KEY_FILE).
 ENV_POLICY = "SPECWATCH_VLLM_POLICY"
 
-# Module-level state, which a plugin registration needs and nothing else:
-#   _installed  the hooks are wrapped around vLLM's classes once per process;
-#   _watching   collectors of open `watching()` blocks, innermost last (engines built inside
-#               bind to it);
-#   _from_env   the process's collector built from the environment, created on first use.
+# Per process: hooks installed once, the collectors of open `watching()` blocks (innermost
+# last: engines built now bind to it), and the collector built from the environment.
 _lock = threading.Lock()
 _installed = False
 _watching: list[Any] = []
@@ -53,17 +48,17 @@ def register() -> None:
     _LOG.debug("specwatch vLLM hooks installed in process %d", os.getpid())
 
 
-def push_collector(collector: Any) -> None:
+@contextlib.contextmanager
+def watching(collector: Any) -> Any:
+    """Bind the engines built in this process to ``collector`` while the block runs."""
+    register()
     with _lock:
         _watching.append(collector)
-
-
-def pop_collector(collector: Any) -> None:
-    with _lock:
-        for i in range(len(_watching) - 1, -1, -1):
-            if _watching[i] is collector:
-                del _watching[i]
-                return
+    try:
+        yield collector
+    finally:
+        with _lock:
+            del _watching[max(i for i, c in enumerate(_watching) if c is collector)]
 
 
 def collector_for(role: str) -> Any:

@@ -5,16 +5,16 @@ The card comes from the engine configuration before any model loads: a refused r
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from specwatch.schemas import BundleCard
 from specwatch.schemas.rerun import RerunOutcome, RerunRequest
 
 __all__ = ["VllmRerunner", "speculative_config_for"]
+
 
 def speculative_config_for(card: BundleCard) -> dict:
     """vLLM's speculative_config for a bundle card's drafter, where the card says enough.
@@ -60,81 +60,44 @@ class VllmRerunner:
     def run(self, requests: Sequence[RerunRequest]) -> list[RerunOutcome]:
         """Each request alone (so step times are its own): speculative first, then standard."""
         from .collector import VllmCollector
-        from .local_engine import close_engine, new_engine, run_to_completion
+        from .local_engine import close_engine, new_engine
 
-        rounds = _Rounds()
-        collector = VllmCollector(rounds, worker="reproduce")
+        # Requests run one at a time, so the steps since the last flush belong to one request
+        # (vLLM adds a suffix of its own to request ids, so they are not matched by id).
+        records: list = []
+        collector = VllmCollector(SimpleNamespace(emit=records.append), worker="reproduce")
         with collector.watching():
             engine = new_engine(self.target, self.speculative_config, max_num_seqs=1)
         speculative = []
         try:
             for i, request in enumerate(requests):
-                request_id = f"reproduce-{i}"
-                rounds.take()  # nothing from before this request
-                run = run_to_completion(engine, [(request_id, _prompt(request), _params(request))])
+                ids = _token_ids(engine, f"reproduce-{i}", request)
                 collector.flush()
-                speculative.append((list(run.outputs[request_id].outputs[0].token_ids), rounds.take()))
+                steps = [r for r in records if r.kind == "step"]
+                records.clear()
+                rounds = [(e.drafted, e.accepted) for s in steps for e in s.requests]
+                speculative.append((ids, rounds, sum(s.draft_ms for s in steps),
+                                    sum(s.verify_ms for s in steps)))
         finally:
             collector.close()
             close_engine(engine)
         engine = new_engine(self.target, None, max_num_seqs=1)
-        outcomes = []
         try:
-            for i, (request, (ids, (steps, draft_ms, verify_ms))) in enumerate(zip(requests, speculative)):
-                request_id = f"reproduce-std-{i}"
-                run = run_to_completion(engine, [(request_id, _prompt(request), _params(request))])
-                outcomes.append(RerunOutcome(list(run.outputs[request_id].outputs[0].token_ids), ids,
-                                             steps, draft_ms, verify_ms))
+            return [RerunOutcome(_token_ids(engine, f"reproduce-std-{i}", request), *measured)
+                    for i, (request, measured) in enumerate(zip(requests, speculative))]
         finally:
             close_engine(engine)
-        return outcomes
-
-    def __repr__(self) -> str:
-        return f"VllmRerunner({self.target!r}, {json.dumps(self.speculative_config, sort_keys=True)})"
 
 
-class _Rounds:
-    """The collector's sink here: the (drafted, accepted) of every step and the step times.
-
-    Requests run one at a time, so everything since the last `take` belongs to one request
-    (vLLM adds a suffix of its own to request ids, so they are not matched by id).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reset()
-
-    def _reset(self) -> None:
-        self._rounds: list[tuple[int, int]] = []
-        self._draft_ms = 0.0
-        self._verify_ms = 0.0
-
-    def emit(self, record: Any) -> None:
-        if record.kind != "step":
-            return
-        with self._lock:
-            self._rounds.extend((entry.drafted, entry.accepted) for entry in record.requests)
-            self._draft_ms += record.draft_ms
-            self._verify_ms += record.verify_ms
-
-    def take(self) -> tuple[list, float, float]:
-        with self._lock:
-            taken = (self._rounds, self._draft_ms, self._verify_ms)
-            self._reset()
-        return taken
-
-
-def _prompt(request: RerunRequest) -> dict:
-    return {"prompt_token_ids": list(request.prompt_ids)}
-
-
-def _params(request: RerunRequest) -> Any:
+def _token_ids(engine: Any, request_id: str, request: RerunRequest) -> list[int]:
+    # As many tokens as the archived output, EOS or not, so both runs compare position by position.
     from vllm import SamplingParams
 
-    sampling = request.sampling
-    # As many tokens as the archived output, EOS or not, so both runs compare position by position.
-    kwargs: dict[str, Any] = {"max_tokens": max(1, len(request.output_ids)), "ignore_eos": True}
-    for name in ("temperature", "top_p", "seed"):
-        if sampling.get(name) is not None:
-            kwargs[name] = sampling[name]
-    return SamplingParams(**kwargs)
+    from .local_engine import run_to_completion
+
+    sampling = {name: request.sampling[name] for name in ("temperature", "top_p", "seed")
+                if request.sampling.get(name) is not None}
+    params = SamplingParams(max_tokens=max(1, len(request.output_ids)), ignore_eos=True, **sampling)
+    prompt = {"prompt_token_ids": list(request.prompt_ids)}
+    run = run_to_completion(engine, [(request_id, prompt, params)])
+    return list(run.outputs[request_id].outputs[0].token_ids)

@@ -9,10 +9,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["telemetry_sink", "kafka_telemetry_sink"]
+__all__ = ["telemetry_sink"]
 
 
-def _emitter(environ: Mapping[str, str] | None, exporter: str | None) -> Any:
+def telemetry_sink(environ: Mapping[str, str] | None = None, exporter: str | None = None) -> Any:
+    """A never-blocking `TelemetryEmitter` to ``exporter`` (default: ``SPECWATCH_EXPORTER``'s)."""
     from specwatch.collectors.otel import TelemetryEmitter
     from specwatch.collectors.otlp_export import EXPORTER_VARIABLE, service_instance_id, telemetry_exporter_from_env
 
@@ -24,13 +25,3 @@ def _emitter(environ: Mapping[str, str] | None, exporter: str | None) -> Any:
     # The direct path: the SDK's bytes at a fraction of its cost (docs/BENCHMARKS.md).
     return TelemetryEmitter(telemetry_exporter_from_env(environ, client_id="specwatch-vllm",
                                                         spool_name=f"vllm-{worker}"), sdk=False)
-
-
-def telemetry_sink(environ: Mapping[str, str] | None = None) -> Any:
-    """A `TelemetryEmitter` to the exporter ``SPECWATCH_EXPORTER`` chooses; its ``emit`` never blocks."""
-    return _emitter(environ, None)
-
-
-def kafka_telemetry_sink(environ: Mapping[str, str] | None = None) -> Any:
-    """A `TelemetryEmitter` to the telemetry topic through specwatch's Kafka exporter and its spool."""
-    return _emitter(environ, "kafka")

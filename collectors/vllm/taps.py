@@ -10,8 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .collector import VllmCollector, split_step
-from .labels import request_labels
+from .collector import VllmCollector, request_labels, split_step
 
 __all__ = ["StepFrame", "RunnerTap", "SchedulerTap", "FRAME_ATTR", "cut_drafts"]
 
@@ -59,8 +58,6 @@ class RunnerTap:
         # per-request lists (the only form in which tensor drafts can be cut)
         self.pending_gate: dict[str, int] | None = None
 
-    # step frame ---------------------------------------------------------------------------
-
     def open_frame(self, scheduler_output: Any) -> None:
         self.pending_gate = None
         if not self.collector.enabled:
@@ -94,9 +91,6 @@ class RunnerTap:
         # async scheduling wraps the real output; the scheduler receives the inner one
         setattr(getattr(output, "_model_runner_output", output), FRAME_ATTR, frame)
 
-    def discard_frame(self) -> None:
-        self.frame = None
-
     def start_timer(self) -> Any:
         if self._cuda:
             import torch
@@ -123,8 +117,6 @@ class RunnerTap:
             frame.draft_ns += _perf_ns() - begin
         else:
             frame.verify_ns += _perf_ns() - begin
-
-    # fallback gate ------------------------------------------------------------------------
 
     def gate(self, req_ids: list[str], requests: dict[str, Any]) -> dict[str, int]:
         """Draft limit per request of this batch where the flags say less than the default."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -44,8 +43,6 @@ class TinyModels:
     target: Path
     copy_drafter: Path
     random_drafter: Path
-    tokenizer: Path
-    vocab_size: int
 
 
 def default_cache_dir() -> Path:
@@ -74,10 +71,8 @@ def build_tiny_models(cache_dir: Path | None = None) -> TinyModels:
                     os.rename(staging, root)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    vocab_size = int((root / "vocab_size").read_text())
     return TinyModels(root=root, target=root / "target", copy_drafter=root / "copy-drafter",
-                      random_drafter=root / "random-drafter", tokenizer=root / "tokenizer",
-                      vocab_size=vocab_size)
+                      random_drafter=root / "random-drafter")
 
 
 def _build(root: Path) -> None:
@@ -150,8 +145,3 @@ def _random_llama(vocab_size: int, tokenizer, seed: int):
     finally:
         torch.random.set_rng_state(generator_state)
     return model.eval()
-
-
-if __name__ == "__main__":  # pragma: no cover - manual use: python -m ...tiny_models [DIR]
-    logging.basicConfig(level=logging.INFO)
-    print(build_tiny_models(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
