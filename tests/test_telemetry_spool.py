@@ -178,7 +178,7 @@ def test_what_is_spooled_at_shutdown_stays_for_the_next_start(tmp_path):
 def test_a_disk_that_refuses_drops_and_counts(tmp_path):
     spool = TelemetrySpool(tmp_path, segment_bytes=100)
     assert spool.append(b"w1", bytes(50), records=3)
-    (tmp_path / f"{2:016d}.seg").mkdir()  # the next segment cannot be opened as a file, even by root
+    (tmp_path / f"{1:016d}.seg").mkdir()  # the next segment cannot be opened as a file, even by root
     assert not spool.append(b"w1", bytes(80), records=4)  # needs the next segment: refused, counted
     stats = spool.stats()
     assert (stats.dropped_unwritable, stats.pending_records, stats.spooled) == (4, 3, 3)
