@@ -142,7 +142,7 @@ class ArchiveSink:
         for action in output.actions:
             self._put(self._decision_entry(action.decision, action.audit, action.samples),
                       lambda a, x=action: a.write_decision(x.decision, x.audit, x.samples))
-        stage_changes = [dict(vars(c)) if not isinstance(c, Mapping) else dict(c)
+        stage_changes = [dict(c if isinstance(c, Mapping) else vars(c))
                          for c in getattr(output, "stage_changes", ())]
         if stage_changes:
             self._put({"k": "stages", "changes": stage_changes},
@@ -310,22 +310,18 @@ class ArchiveSink:
 
     def _write_entries(self, entries: list[dict]) -> None:
         """One spool segment into the archive: window stats, bundles and sightings, decisions, then stage changes."""
-        rows = [row for e in entries if e.get("k") == "windows" for row in e["rows"]]
-        if rows:
-            self.archive.write_window_stats(rows)
+        def rows(kind: str, field: str = "rows") -> list:
+            return [row for e in entries if e.get("k") == kind for row in e[field]]
+
+        self.archive.write_window_stats(rows("windows"))
         for e in entries:
             if e.get("k") == "bundle":
                 self.archive.write_bundle(e["bundle_id"], e["card"], e["ts"], e["worker"])
-        sightings = [row for e in entries if e.get("k") == "sightings" for row in e["rows"]]
-        if sightings:
-            self.archive.write_sightings(sightings)
-        decisions = [(Decision.model_validate_json(e["line"]), e.get("audit"), e.get("samples") or [])
-                     for e in entries if e.get("k") == "decision"]
-        if decisions:
-            self.archive.write_decisions(decisions)
-        stages = [change for e in entries if e.get("k") == "stages" for change in e["changes"]]
-        if stages:
-            self.archive.write_stage_changes(stages)
+        self.archive.write_sightings(rows("sightings"))
+        self.archive.write_decisions(
+            (Decision.model_validate_json(e["line"]), e.get("audit"), e.get("samples") or [])
+            for e in entries if e.get("k") == "decision")
+        self.archive.write_stage_changes(rows("stages", "changes"))
         unknown = {e.get("k") for e in entries} - {"windows", "bundle", "sightings", "decision", "stages"}
         if unknown:
             raise ValueError(f"spool entries of unknown kinds {sorted(map(str, unknown))}")

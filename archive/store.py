@@ -50,17 +50,9 @@ _AUTOMATIC_ACTORS = ("specwatch", "policy")
 
 
 class Archive(PostmortemQueries):
-    """Decisions, audit rows, samples, window stats, bundles and overrides in ClickHouse.
-
-    Parameters
-    ----------
-    client
-        A clickhouse-connect client (chDB or server); the caller keeps owning it.
-    database
-        Database holding the archive tables.
-    sample_text
-        How free text in samples is kept: ``"hashes"`` (a digest, the default) or
-        ``"redacted"`` (quoted spans and long numbers removed); see `specwatch.schemas.redaction`.
+    """Decisions, audit rows, samples, window stats, bundles and overrides in ClickHouse, through a
+    clickhouse-connect ``client`` the caller keeps owning; ``sample_text`` says how free text in
+    samples is kept (`specwatch.schemas.redaction`).
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp, Archive.open(f"chdb://{tmp}/a") as archive:
@@ -86,7 +78,7 @@ class Archive(PostmortemQueries):
         # HTTP into a server); a client passed in is written through its own insert_arrow.
         self._insert_arrow: ArrowInsert = functools.partial(server_insert, client)
         self._db = database
-        self._label = f"{type(client).__name__}/{database}"
+        self.label = f"{type(client).__name__}/{database}"  # where it is, never with credentials
         self._release: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
@@ -103,7 +95,7 @@ class Archive(PostmortemQueries):
         archive = cls(client, location.database, sample_text)
         archive._insert_arrow = insert_arrow
         archive.sealed_retention_days = retention_days
-        archive._label = location.label
+        archive.label = location.label
         archive._release = release
         try:
             if create:
@@ -117,12 +109,7 @@ class Archive(PostmortemQueries):
         return archive
 
     def __repr__(self) -> str:
-        return f"Archive({self._label!r})"
-
-    @property
-    def label(self) -> str:
-        """Where this archive is, never with credentials."""
-        return self._label
+        return f"Archive({self.label!r})"
 
     def __enter__(self) -> "Archive":
         return self
@@ -354,20 +341,13 @@ class Archive(PostmortemQueries):
 
     def reproductions(self, decision_id: str) -> list[dict]:
         """The `specwatch reproduce` results archived for a decision, oldest first, ``result`` parsed."""
-        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.reproductions FINAL "
-                            "WHERE decision_id = {id:String} ORDER BY ts, reproduction_id", {"id": decision_id})
-        for row in rows:
-            row["result"] = json.loads(row["result"])
-        return rows
+        return self._rows("reproductions", " WHERE decision_id = {id:String}", {"id": decision_id},
+                          "ts, reproduction_id", "result")
 
     def stage_history(self, bundle_id: str | None = None) -> list[dict]:
         """Admission stage changes in time order (``detail`` parsed): what changed a stage, when, why."""
-        where, params = where_clause(bundle_id=bundle_id)
-        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.bundle_stages FINAL{where} "
-                            "ORDER BY ts, seq, archived_at, change_id", params)
-        for row in rows:
-            row["detail"] = json.loads(row["detail"])
-        return rows
+        return self._rows("bundle_stages", *where_clause(bundle_id=bundle_id),
+                          "ts, seq, archived_at, change_id", "detail")
 
     def bundle_registry(self) -> list[dict]:
         """Every bundle seen, with its latest admission stage (None when never judged)."""
@@ -378,32 +358,27 @@ class Archive(PostmortemQueries):
                   "sightings": []}
                  for b, c in latest.items() if b not in seen]
         for row in rows:
-            change = latest.get(row["bundle_id"])
-            row.update(stage=change["stage"] if change else None,
-                       cohort_share=change["cohort_share"] if change else None,
-                       stage_since=change["ts"] if change else None,
-                       stage_by=change["actor"] if change else None,
-                       stage_reason=change["reason"] if change else None)
+            change = latest.get(row["bundle_id"], {})
+            row.update(stage=change.get("stage"), cohort_share=change.get("cohort_share"),
+                       stage_since=change.get("ts"), stage_by=change.get("actor"),
+                       stage_reason=change.get("reason"))
         return rows
 
     def overrides(self, active_only: bool = True) -> list[dict]:
         """Manual overrides in time order: the one in force per scope, or every event."""
-        sql = (f"SELECT * EXCEPT archived_at FROM {self._db}.overrides FINAL "
-               "ORDER BY ts, archived_at, override_id")
-        if active_only:
-            # The latest event per scope decides; a clearing event means none is active.
-            sql = (f"SELECT * FROM (SELECT * EXCEPT archived_at FROM {self._db}.overrides FINAL "
-                   "ORDER BY ts DESC, archived_at DESC, override_id DESC "
-                   "LIMIT 1 BY bundle_id, bucket, cohort) WHERE NOT cleared ORDER BY ts, override_id")
-        return self._select(sql)
+        if not active_only:
+            return self._rows("overrides", "", {}, "ts, archived_at, override_id")
+        # The latest event per scope decides; a clearing event means none is active.
+        return self._select(f"SELECT * FROM (SELECT * EXCEPT archived_at FROM {self._db}.overrides "
+                            "FINAL ORDER BY ts DESC, archived_at DESC, override_id DESC LIMIT 1 BY "
+                            "bundle_id, bucket, cohort) WHERE NOT cleared ORDER BY ts, override_id")
 
     def audit(self, bundle_id: str | None = None, kind: str | None = None,
               since: float | None = None, until: float | None = None) -> list[dict]:
         """Audit rows in time order, JSON fields parsed."""
         where, params = where_clause(bundle_id=bundle_id, kind=kind, since=since, until=until)
-        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.audit FINAL{where} "
-                            "ORDER BY ts, archived_at, audit_id", params)
-        return [audit_out(r) for r in rows]
+        return [audit_out(row) for row in self._rows("audit", where, params,
+                                                     "ts, archived_at, audit_id")]
 
     def flag_store(self, overrides: bool = True) -> FlagStore:
         """A `FlagStore` rebuilt from every archived decision, plus active overrides."""
@@ -434,6 +409,15 @@ class Archive(PostmortemQueries):
     def _insert_table(self, table: Table, data: pa.Table) -> None:
         with self._lock:
             self._insert_arrow(f"{self._db}.{table.name}", data, _INSERT_SETTINGS)
+
+    def _rows(self, table: str, where: str, params: Mapping[str, Any], order: str,
+              *json_columns: str) -> list[dict]:
+        """A table's rows as read (``FINAL``, without ``archived_at``), the JSON columns parsed."""
+        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.{table} FINAL{where} "
+                            f"ORDER BY {order}", params)
+        for row in rows:
+            row.update((name, json.loads(row[name])) for name in json_columns)
+        return rows
 
     def _select(self, sql: str, parameters: Mapping[str, Any] | None = None) -> list[dict]:
         with self._lock:
