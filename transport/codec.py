@@ -16,16 +16,8 @@ from specwatch.schemas import Decision
 
 from .signing import Keyring, sign_line
 
-__all__ = [
-    "HEARTBEAT_KEY_PREFIX",
-    "Heartbeat",
-    "Message",
-    "decision_message",
-    "decode_decision",
-    "decode_heartbeat",
-    "heartbeat_message",
-    "is_heartbeat_key",
-]
+__all__ = ["HEARTBEAT_KEY_PREFIX", "Heartbeat", "Message", "decision_message", "decode_decision",
+           "decode_heartbeat", "heartbeat_message", "is_heartbeat_key"]
 
 HEARTBEAT_KEY_PREFIX = "__heartbeat__/"
 MAX_PUBLISHER_ID_CHARS = 200

@@ -1,5 +1,5 @@
-"""How to reach the Kafka cluster: one validated config, its security settings per client library.
-"""
+"""How to reach the Kafka cluster: one validated config, its security settings per client
+library."""
 
 from __future__ import annotations
 
@@ -48,9 +48,8 @@ _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "G
 
 @dataclass(frozen=True)
 class KafkaConfig:
-    """How to reach a Kafka cluster; validated once, secrets kept out of repr and logs.
-
-    ``extra`` goes to kafka-python producers as is.
+    """How to reach a Kafka cluster; validated once, secrets kept out of repr and logs (``extra``
+    goes to kafka-python producers as is).
 
     >>> KafkaConfig("127.0.0.1:19092", compression_type="zstd").producer_settings()["compression_type"]
     'zstd'
@@ -233,6 +232,14 @@ class KafkaConfig:
         context.check_hostname = self.ssl_check_hostname
         return context
 
+    def _producer_common(self) -> dict[str, Any]:
+        """The producer settings both client libraries name alike."""
+        acks = "all" if self.acks in (-1, "all") else int(self.acks)
+        compression = None if self.compression_type == "none" else self.compression_type
+        # Idempotence keeps per-key order through retries; it needs acks=all.
+        return {"acks": acks, "enable_idempotence": acks == "all", "linger_ms": self.linger_ms,
+                "compression_type": compression, "max_request_size": self.max_request_size}
+
     def aiokafka_producer_settings(self, **overrides: Any) -> dict[str, Any]:
         """The producer settings of `producer_settings` in aiokafka's names, with its security options.
 
@@ -240,21 +247,9 @@ class KafkaConfig:
         >>> options["compression_type"], options["linger_ms"], options["max_batch_size"] == KafkaConfig("k:9092").batch_size
         ('lz4', 1, True)
         """
-        acks = self._acks()
-        settings: dict[str, Any] = {
-            "bootstrap_servers": self.bootstrap_servers.split(","),
-            "client_id": self.client_id,
-            "request_timeout_ms": self.request_timeout_ms,
-            "acks": acks,
-            "enable_idempotence": acks == "all",
-            "linger_ms": self.linger_ms,
-            "max_batch_size": self.batch_size,
-            "compression_type": None if self.compression_type == "none" else self.compression_type,
-            "max_request_size": self.max_request_size,
-            **self.aiokafka_security(),
-        }
-        settings.update(overrides)
-        return settings
+        return {"bootstrap_servers": self.bootstrap_servers.split(","), "client_id": self.client_id,
+                "request_timeout_ms": self.request_timeout_ms, **self._producer_common(),
+                "max_batch_size": self.batch_size, **self.aiokafka_security(), **overrides}
 
     def aiokafka_fetch_settings(self) -> dict[str, Any]:
         """What one fetch of an aiokafka consumer may bring, per partition and in all."""
@@ -268,22 +263,8 @@ class KafkaConfig:
         return {"consumer_max_fetch_size": self.max_partition_fetch_bytes,
                 "broker_max_poll_records": self.max_poll_records}
 
-    def _acks(self) -> int | str:
-        return "all" if self.acks in (-1, "all") else int(self.acks)
-
     def producer_settings(self) -> dict[str, Any]:
-        acks = self._acks()
-        settings = self.client_settings()
-        settings.update(
-            acks=acks,
-            linger_ms=self.linger_ms,
-            batch_size=self.batch_size,
-            compression_type=None if self.compression_type == "none" else self.compression_type,
-            max_request_size=self.max_request_size,
-            max_block_ms=self.max_block_ms,
-            delivery_timeout_ms=max(self.delivery_timeout_ms, self.request_timeout_ms + self.linger_ms),
-            # Idempotence keeps per-key order through retries; it needs acks=all.
-            enable_idempotence=acks == "all",
-        )
-        settings.update(self.extra)
-        return settings
+        delivery_timeout = max(self.delivery_timeout_ms, self.request_timeout_ms + self.linger_ms)
+        return {**self.client_settings(), **self._producer_common(), "batch_size": self.batch_size,
+                "max_block_ms": self.max_block_ms, "delivery_timeout_ms": delivery_timeout,
+                **self.extra}

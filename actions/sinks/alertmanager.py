@@ -16,9 +16,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, get_args
 
 from specwatch.schemas import Decision
+from specwatch.schemas.decisions import Reason
 
 __all__ = ["ALERTMANAGER_URL_ENV", "SENDER_RESULTS", "WEBHOOK_OUTCOMES", "WEBHOOK_TOKEN_FILE_ENV",
            "AlertRequest", "AlertSender", "RollbackPolicy", "WebhookLedger", "bearer_token_ok",
@@ -43,8 +44,7 @@ _DEFAULT_BACKOFF_S = 0.5
 # Idempotence memory of the webhook: alerts (fingerprint, startsAt, status) handled.
 _LEDGER_SIZE = 10_000
 _TAKING_AWAY = ("disable_speculation", "invalidate_bundle", "reduce_draft_length")
-_REASON_CODES = ("acceptance_drop", "no_speedup", "draft_overhead", "latency_slo", "kv_pressure", "bundle_changed",
-                 "quality_regression", "error_rate", "unadmitted_bundle", "canary_judgement")
+_REASON_CODES = get_args(Reason)
 
 
 def _iso(ts: float) -> str:
@@ -125,10 +125,6 @@ class AlertSender:
             self.counts["dropped"] += 1
             return False
 
-    @property
-    def queued(self) -> int:
-        return self._queue.qsize()
-
     # -- the sender's thread -------------------------------------------------------------
     def start(self) -> "AlertSender":
         if self._thread is None:
@@ -176,9 +172,8 @@ class AlertSender:
 
     def resend(self) -> None:
         now = self._clock()
-        alerts = [decision_alert(d, now, now + 4 * self.resend_seconds, self._explain_archive)
-                  for by_labels in self._active.values() for d in by_labels.values()]
-        self._deliver(alerts)
+        self._deliver([decision_alert(d, now, now + 4 * self.resend_seconds, self._explain_archive)
+                       for by_labels in self._active.values() for d in by_labels.values()])
 
     def _deliver(self, alerts: list[dict]) -> None:
         if not alerts:
