@@ -55,10 +55,8 @@ def spool_dir_for(dsn: str | None = None, environ: Mapping[str, str] | None = No
 
 def _is_data_error(error: BaseException) -> bool:
     """A row the archive will never take (a bug upstream), as opposed to an archive that is away."""
-    try:
-        from clickhouse_connect.driver.exceptions import ClickHouseError
-    except ImportError:  # pragma: no cover - the archive needs it anyway
-        ClickHouseError = ()  # noqa: N806
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
     return isinstance(error, (ValueError, TypeError)) and not isinstance(error, ClickHouseError)
 
 
