@@ -9,7 +9,7 @@ from typing import Any
 
 from specwatch.schemas import Decision
 from specwatch.transport.config import KafkaConfig
-from specwatch.transport.decision_sink import DecisionSink
+from specwatch.transport.codec import DecisionSink
 from specwatch.transport.signing import Keyring
 from specwatch.transport.topics import DECISIONS_TOPIC
 
