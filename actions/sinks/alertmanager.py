@@ -125,6 +125,10 @@ class AlertSender:
             self.counts["dropped"] += 1
             return False
 
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
     # -- the sender's thread -------------------------------------------------------------
     def start(self) -> "AlertSender":
         if self._thread is None:
