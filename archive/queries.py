@@ -45,11 +45,9 @@ class PostmortemQueries:
                   reason: str | None = None, action: str | None = None,
                   since: float | None = None, until: float | None = None,
                   limit: int | None = _DEFAULT_DECISIONS_LIMIT) -> list[dict]:
-        """The most recent `limit` matching decisions, oldest first.
-
-        ``bucket="*"`` selects whole-bundle decisions; ``since``/``until`` are
-        inclusive unix seconds; ``limit=None`` returns every match.
-        """
+        """The most recent `limit` matching decisions, oldest first. ``bucket="*"`` selects whole-
+        bundle decisions; ``since``/``until`` are inclusive unix seconds; ``limit=None`` returns
+        every match."""
         where, params = where_clause(bundle_id=bundle_id, bucket=bucket, reason=reason, action=action,
                                      since=since, until=until)
         sql = (f"SELECT {_DECISION_COLUMNS} FROM {self._db}.decisions FINAL{where} "
@@ -140,12 +138,10 @@ class PostmortemQueries:
 
     def sql(self, statement: str, max_seconds: float = DEFAULT_SQL_MAX_SECONDS,
             max_rows: int = DEFAULT_SQL_MAX_ROWS) -> tuple[list[str], list[tuple]]:
-        """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows).
-
-        Names without a database resolve in the archive's database. Anything but a read raises
-        ValueError; past ``max_seconds`` or ``max_rows`` the engine stops it (`ArchiveQueryLimit`);
-        any other engine error raises `ArchiveError`. An empty result may have no column names.
-        """
+        """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows). Names
+        without a database resolve in the archive's database. Anything but a read raises ValueError;
+        past ``max_seconds`` or ``max_rows`` the engine stops it (`ArchiveQueryLimit`); any other
+        engine error raises `ArchiveError`. An empty result may have no column names."""
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
         if not max_seconds > 0 or not math.isfinite(max_seconds):

@@ -62,11 +62,9 @@ def _is_data_error(error: BaseException) -> bool:
 
 class ArchiveSink:
     """Writes stage-2 output to an `Archive`, decisions at once and window rows in batches; while
-    the archive is away, to a `Spool` replayed with backoff (docs/RELIABILITY.md).
-
-    ``archive`` is an `Archive` or a function opening one (retried while it raises); then
-    ``sample_text`` and ``archive_label`` stand for the archive's own until it opens.
-    """
+    the archive is away, to a `Spool` replayed with backoff (docs/RELIABILITY.md). ``archive`` is an
+    `Archive` or a function opening one (retried while it raises); then ``sample_text`` and
+    ``archive_label`` stand for the archive's own until it opens."""
 
     def __init__(self, archive: Any, window_batch: int = _DEFAULT_WINDOW_BATCH, *,
                  spool: Spool | str | os.PathLike | None = None, sample_text: str = DEFAULT_SAMPLE_TEXT,

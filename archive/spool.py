@@ -119,11 +119,9 @@ class Spool:
         return not self._files.sizes
 
     def replay(self, write: Callable[[list[dict]], None]) -> int:
-        """Hand each segment's entries, oldest first, to ``write`` (idempotent); returns how many.
-
-        A segment is deleted once written; when ``write`` raises it stays and the error propagates,
-        except ValueError or TypeError (content refused): that segment is set aside as ``*.bad``.
-        """
+        """Hand each segment's entries, oldest first, to ``write`` (idempotent); returns how many. A
+        segment is deleted once written; when ``write`` raises it stays and the error propagates,
+        except ValueError or TypeError (content refused): that segment is set aside as ``*.bad``."""
         replayed = 0
         with self._lock:
             self._files.close_writer()  # appends from now on start a new segment

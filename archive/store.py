@@ -173,10 +173,8 @@ class Archive(PostmortemQueries):
         return batch.count
 
     def write_window_stats(self, rows: Sequence[Mapping[str, Any]]) -> int:
-        """Archive window-stats row dicts (keys: `WINDOW_STATS_FIELDS`); returns how many.
-
-        NaN is stored as NULL; a bad row raises ValueError naming it and stops the write there.
-        """
+        """Archive window-stats row dicts (keys: `WINDOW_STATS_FIELDS`); returns how many. NaN is
+        stored as NULL; a bad row raises ValueError naming it and stops the write there."""
         return self._write_chunked(rows if isinstance(rows, list) else list(rows), window_stats_table)
 
     def write_window_rows(self, rows: Sequence[WindowRow]) -> int:
@@ -185,9 +183,8 @@ class Archive(PostmortemQueries):
 
     def write_windows(self, windows: Sequence[Sequence[WindowRow]]) -> int:
         """Archive the window rows of final slices (`SliceOutput.windows`); returns how many.
-
-        `SliceWindows` become insert columns straight from the keys' statistics, with no row object.
-        """
+        `SliceWindows` become insert columns straight from the keys' statistics, with no row
+        object."""
         if not all(isinstance(window, SliceWindows) for window in windows):
             return self.write_window_rows([row for window in windows for row in window])
         chunks: list[tuple[int, list[SliceWindows]]] = []

@@ -103,11 +103,9 @@ class TelemetrySpool:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, name: str) -> "TelemetrySpool | None":
-        """The spool ``SPECWATCH_TELEMETRY_SPOOL_*`` describe; None when it is turned off.
-
-        ``_DIR`` (default ``~/.cache/specwatch/telemetry-spool/<name>``; ``none`` turns it off),
-        ``_MAX_BYTES`` (default 256 MiB) and ``_MAX_AGE_SECONDS`` (default 6 h).
-        """
+        """The spool ``SPECWATCH_TELEMETRY_SPOOL_*`` describe; None when it is turned off. ``_DIR``
+        (default ``~/.cache/specwatch/telemetry-spool/<name>``; ``none`` turns it off),
+        ``_MAX_BYTES`` (default 256 MiB) and ``_MAX_AGE_SECONDS`` (default 6 h)."""
         environ = os.environ if environ is None else environ
         directory = (environ.get("SPECWATCH_TELEMETRY_SPOOL_DIR") or "").strip()
         if directory.lower() in _OFF:

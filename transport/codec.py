@@ -51,11 +51,9 @@ def decode_decision(value: bytes | str | None) -> Decision | None:
 
 
 class Heartbeat(BaseModel):
-    """A publisher's sign of life on the decisions topic, signed like a decision.
-
-    ``wall_time`` is the publisher's clock when it sent it (clients judge silence by it);
-    ``watermark`` the event time the publisher's pipeline has reached (lag = wall - watermark).
-    """
+    """A publisher's sign of life on the decisions topic, signed like a decision. ``wall_time`` is
+    the publisher's clock when it sent it (clients judge silence by it); ``watermark`` the event
+    time the publisher's pipeline has reached (lag = wall - watermark)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -86,11 +84,9 @@ def decode_heartbeat(value: bytes | str | None) -> Heartbeat | None:
 
 def heartbeat_message(publisher_id: str, seq: int, watermark: float | None, *, keyring: Keyring,
                       wall_time: float | None = None) -> Message:
-    """Key, value and signature headers of one heartbeat, ready for any Kafka producer.
-
-    One compacted key per ``publisher_id``; ``watermark`` is the event time its pipeline
-    reached (None before any), ``wall_time`` the send time (now by default).
-    """
+    """Key, value and signature headers of one heartbeat, ready for any Kafka producer. One
+    compacted key per ``publisher_id``; ``watermark`` is the event time its pipeline reached (None
+    before any), ``wall_time`` the send time (now by default)."""
     if watermark is not None and not math.isfinite(watermark):
         watermark = None
     beat = Heartbeat(publisher=publisher_id, seq=seq, watermark=watermark,

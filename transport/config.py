@@ -257,9 +257,7 @@ class KafkaConfig:
 
     def faust_consumer_settings(self) -> dict[str, Any]:
         """The consumer's fetch settings as Faust app settings (Faust's consumer is aiokafka's).
-
-        Faust offers no total fetch limit: ``fetch_max_bytes`` stays aiokafka's 50 MiB there.
-        """
+        Faust offers no total fetch limit: ``fetch_max_bytes`` stays aiokafka's 50 MiB there."""
         return {"consumer_max_fetch_size": self.max_partition_fetch_bytes,
                 "broker_max_poll_records": self.max_poll_records}
 

@@ -147,9 +147,7 @@ class KafkaStalled(RuntimeError):
 
 class KafkaWriter:
     """The app's own idempotent producer (``acks=all``): each send can be awaited till acknowledged.
-
-    Faust's producer flush gives up after a moment, no ground for "written before published".
-    """
+    Faust's producer flush gives up after a moment, no ground for "written before published"."""
 
     def __init__(self, config: KafkaConfig) -> None:
         self._settings = config.aiokafka_producer_settings(

@@ -60,11 +60,9 @@ class PartitionCounts:
 
 
 async def prepare_topics(plan: TopicPlan, default_partitions: int = _DEFAULT_PARTITIONS) -> PartitionCounts:
-    """Reach the cluster, create missing topics, and return the partition counts.
-
-    Raises `BrokerUnavailable` when no broker answers, `TopicError` when telemetry topics
-    disagree on their partition count or a checkpoint topic does not follow its input.
-    """
+    """Reach the cluster, create missing topics, and return the partition counts. Raises
+    `BrokerUnavailable` when no broker answers, `TopicError` when telemetry topics disagree on their
+    partition count or a checkpoint topic does not follow its input."""
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.errors import KafkaConnectionError, KafkaError
 

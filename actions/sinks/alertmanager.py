@@ -84,11 +84,9 @@ def decision_alert(decision: Decision, now: float, ends_at: float, explain_archi
 
 class AlertSender:
     """Posts decisions to Alertmanager (POST /api/v2/alerts) from a background thread; `submit`
-    never blocks (a full queue drops and counts), failed posts are retried, then counted.
-
-    Alerts in force are sent again every ``resend_seconds``, each with ``endsAt`` four intervals
-    ahead; ``post(url, body_bytes, timeout)`` is urllib's by default.
-    """
+    never blocks (a full queue drops and counts), failed posts are retried, then counted. Alerts in
+    force are sent again every ``resend_seconds``, each with ``endsAt`` four intervals ahead;
+    ``post(url, body_bytes, timeout)`` is urllib's by default."""
 
     def __init__(self, url: str, *, queue_size: int = _DEFAULT_QUEUE, resend_seconds: float = _DEFAULT_RESEND_S,
                  retries: int = _DEFAULT_RETRIES, backoff_s: float = _DEFAULT_BACKOFF_S,

@@ -23,10 +23,9 @@ _PUBLISH_LINGER_MS = 5
 
 
 class DecisionPublisher:
-    """Writes signed decisions to the compacted decisions topic (key: scope, value: contract
-    line); failures are counted and logged, never raised. Without a signing key in ``keyring``
-    (`Keyring.from_env()` by default) messages go out unsigned, with a warning.
-    """
+    """Writes signed decisions to the compacted decisions topic (key: scope, value: contract line);
+    failures are counted and logged, never raised. Without a signing key in ``keyring``
+    (`Keyring.from_env()` by default) messages go out unsigned, with a warning."""
 
     def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC,
                  keyring: Keyring | None = None) -> None:
