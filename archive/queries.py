@@ -110,11 +110,8 @@ class PostmortemQueries:
             "SELECT bundle_id, worker, min(first_seen) AS first_seen, max(last_seen) AS last_seen "
             f"FROM {self._db}.bundle_sightings GROUP BY bundle_id, worker ORDER BY bundle_id, worker"
         ) if self._select(f"EXISTS TABLE {self._db}.bundle_sightings")[0]["result"] else []
-        by_bundle: dict[str, dict] = {}
-        for row in cards:
-            row["card"] = json.loads(row["card"])
-            row["sightings"] = []
-            by_bundle[row["bundle_id"]] = row
+        by_bundle = {row["bundle_id"]: dict(row, card=json.loads(row["card"]), sightings=[])
+                     for row in cards}
         for span in spans:
             # A bundle seen only in steps so far (its card not yet archived) is listed without one.
             row = by_bundle.setdefault(span["bundle_id"], {

@@ -204,12 +204,6 @@ class Archive(PostmortemQueries):
 
     def _insert_chunks(self, chunks: Sequence[tuple[int, Any]], to_table: Callable[[Any, int], pa.Table]) -> None:
         """Insert window-stats chunks, each ``(its first row's index, what to_table builds it from)``."""
-        if len(chunks) <= 1:
-            for start, part in chunks:
-                table = to_table(part, start)
-                if table.num_rows:
-                    self._insert_table(WINDOW_STATS, table)
-            return
         # The engine releases the GIL while it inserts, so converting the next chunk
         # overlaps with inserting this one whenever a second core is free.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specwatch-archive") as inserter:
