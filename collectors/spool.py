@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -13,7 +14,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 from specwatch.schemas.segments import SegmentFiles
 
@@ -98,7 +99,6 @@ class TelemetrySpool:
         self._pending_bytes = 0
         self._pending_records = 0
         self._files = SegmentFiles(self.directory, "", 16, ".seg", segment_bytes=segment_bytes)
-        self._reader: tuple[int, object] | None = None
         self._open_existing()
 
     @classmethod
@@ -201,11 +201,15 @@ class TelemetrySpool:
         """Up to ``limit`` of the oldest pending frames, in order; expired ones are dropped first."""
         now = self._clock()
         frames: list[SpoolFrame] = []
-        with self._lock:
+        with self._lock, contextlib.ExitStack() as opened:
+            readers: dict[int, BinaryIO] = {}
             position = self._head
             while position < len(self._index) and len(frames) < limit:
                 number, offset, size, _ = self._index[position]
-                body = self._read(number, offset, size)[_HEADER.size:]
+                if number not in readers:
+                    readers[number] = opened.enter_context(open(self._files.path(number), "rb"))
+                readers[number].seek(offset)
+                body = readers[number].read(size)[_HEADER.size:]
                 written_at, records, key_length = _META.unpack_from(body)
                 if not frames and now - written_at > self.max_age_seconds:
                     self._counts["dropped_expired"] += records
@@ -217,15 +221,6 @@ class TelemetrySpool:
                                          written_at))
                 position += 1
         return frames
-
-    def _read(self, number: int, offset: int, size: int) -> bytes:
-        if self._reader is None or self._reader[0] != number:
-            if self._reader is not None:
-                self._reader[1].close()
-            self._reader = (number, open(self._files.path(number), "rb"))
-        reader = self._reader[1]
-        reader.seek(offset)
-        return reader.read(size)
 
     def commit(self, count: int) -> None:
         """The oldest ``count`` frames were delivered: forget them (and delete drained segments)."""
@@ -253,9 +248,6 @@ class TelemetrySpool:
         temporary.write_text(f"{cursor[0]} {cursor[1]}\n")
         os.replace(temporary, self.directory / _CURSOR)
         for number in [n for n in self._files.sizes if n < cursor[0]]:
-            if self._reader is not None and self._reader[0] == number:
-                self._reader[1].close()
-                self._reader = None
             self._files.remove(number)
 
     def stats(self) -> SpoolStats:
@@ -266,7 +258,4 @@ class TelemetrySpool:
         """Close the files and release the directory; what is pending stays for the next process."""
         with self._lock:
             self._files.close_writer()
-            if self._reader is not None:
-                self._reader[1].close()
-            self._reader = None
             self._lock_file.close()
