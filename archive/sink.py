@@ -127,7 +127,6 @@ class ArchiveSink:
         sink._owned = True
         return sink
 
-    # -- the handler -----------------------------------------------------------------------
     def __call__(self, output: SliceOutput) -> None:
         self._replay_if_due()
         for bundle in output.bundles:
@@ -201,7 +200,6 @@ class ArchiveSink:
             parts.append(f"{stats['replayed']} spooled entries{earlier} were delivered to the archive {self._label()}")
         return "; ".join(parts) or None
 
-    # -- writing ---------------------------------------------------------------------------
     def _write_rows(self) -> None:
         if self._windows:
             windows, self._windows, self._window_rows = self._windows, [], 0

@@ -123,7 +123,6 @@ class Archive(PostmortemQueries):
         if release is not None:
             release()
 
-    # -- schema ------------------------------------------------------------------------
     def ensure_schema(self) -> None:
         """Create the database and every table if missing; safe to call at every start."""
         self._client.command(f"CREATE DATABASE IF NOT EXISTS {self._db}")
@@ -148,7 +147,6 @@ class Archive(PostmortemQueries):
         result = self._client.query(f"EXISTS TABLE {self._db}.decisions")
         return bool(result.result_rows and result.result_rows[0][0])
 
-    # -- writes ------------------------------------------------------------------------
     def write_decision(self, decision: Decision, audit: Mapping[str, Any] | None,
                        samples: Sequence[Mapping[str, Any]] = ()) -> None:
         """Archive one decision with its audit row (``thresholds``, ``baseline``, ``window``,
@@ -301,7 +299,6 @@ class Archive(PostmortemQueries):
         self._insert(AUDIT, [[v] for v in (audit_id, ts, kind, actor, decision_id, bundle_id, scope, reason, "",
                                            "null", "null", "null", "null", detail)])
 
-    # -- reads -------------------------------------------------------------------------
     def sealed_samples(self, decision_id: str) -> list[dict]:
         """The sealed samples of a decision: key id, digests and ciphertext (nothing is opened here)."""
         names = ", ".join(SEALED_SAMPLES.insert_names)
@@ -388,7 +385,6 @@ class Archive(PostmortemQueries):
                                     change["detail"].get("cohort"), change["cohort_share"])
         return store
 
-    # -- plumbing ----------------------------------------------------------------------
     def _latest_stages(self) -> dict[str, dict]:
         return {change["bundle_id"]: change for change in self.stage_history()}
 

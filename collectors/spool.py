@@ -29,7 +29,6 @@ _HEADER = struct.Struct("<II")
 _META = struct.Struct("<dIH")
 _CURSOR = "cursor"
 _LOCK = ".lock"
-# SPECWATCH_TELEMETRY_SPOOL_DIR=none turns the spool off.
 _OFF = ("none", "off")
 
 

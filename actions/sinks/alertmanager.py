@@ -111,7 +111,6 @@ class AlertSender:
         # every result from the start at 0: Prometheus' increase() needs the series before its first event
         self.counts: Counter = Counter(dict.fromkeys(SENDER_RESULTS, 0))
 
-    # -- the stream's side: never blocks ----------------------------------------------
     def submit(self, decision: Decision) -> bool:
         """Queue one decision; False (and counted as dropped) when the queue is full."""
         if decision.action not in (*_TAKING_AWAY, "restore"):
@@ -127,7 +126,6 @@ class AlertSender:
     def queued(self) -> int:
         return self._queue.qsize()
 
-    # -- the sender's thread -------------------------------------------------------------
     def start(self) -> "AlertSender":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="specwatch-alertmanager", daemon=True)
@@ -198,9 +196,6 @@ def _http_post(url: str, body: bytes, timeout: float) -> None:
     with urllib.request.urlopen(request, timeout=timeout) as response:
         if response.status >= 300:
             raise urllib.error.HTTPError(url, response.status, response.reason, response.headers, None)
-
-
-# ---------------------------------------------------------------- the webhook
 
 
 @dataclass(frozen=True)
