@@ -109,9 +109,6 @@ def test_spool_settings_from_the_environment(tmp_path):
     held.close()
 
 
-# ---------------------------------------------------------------- the exporter's switch
-
-
 def _steps(start: int, count: int) -> list:
     return [step_record("w1", seq, requests=1) for seq in range(start, start + count)]
 
