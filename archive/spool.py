@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specwatch.archive.jsonvalue import plain
+from specwatch.archive.jsonvalue import canonical_json
 from specwatch.schemas.segments import SegmentFiles
 
 __all__ = ["Spool", "SpoolFull", "SpoolStats"]
@@ -45,17 +45,8 @@ class SpoolStats:
 
 
 def _frame(entry: Mapping[str, Any]) -> bytes:
-    # allow_nan: window stats carry NaN for undefined ratios, and must come back as NaN.
-    try:  # most entries are plain already: one C-level pass
-        text = json.dumps(entry, separators=(",", ":"), allow_nan=True)
-    except TypeError:
-        text = json.dumps(plain(entry, keep_nan=True), separators=(",", ":"), allow_nan=True, default=_refuse)
-    payload = text.encode("utf-8")
+    payload = canonical_json(entry, keep_nan=True).encode("utf-8")
     return b"%08x %d " % (zlib.crc32(payload), len(payload)) + payload + b"\n"
-
-
-def _refuse(value: Any) -> Any:
-    raise TypeError(f"cannot spool a {type(value).__name__}")
 
 
 def _unframe(line: bytes) -> dict | None:
