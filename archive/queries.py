@@ -25,6 +25,9 @@ DEFAULT_SQL_MAX_ROWS = 100_000
 # ClickHouse error codes that mean "a limit of ours was hit", and which limit.
 _LIMIT_CODES = {159: "max_execution_time", 396: "max_result_rows"}
 _READ_ONLY_KEYWORDS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC")
+# A quoted string or name (backslash escapes, unterminated up to the end), or a comment.
+_NOT_CODE = re.compile(r"""(['"`])(?:\\.|\\\Z|(?!\1)[^\\])*\1?"""
+                       r"|(?:--|\#)[^\n]*|/\*.*?(?:\*/|\Z)", re.S)
 _DEFAULT_DECISIONS_LIMIT = 100
 _DECISION_COLUMNS = ", ".join(DECISIONS.insert_names)
 _FILTER_TYPES = {"bundle_id": "String", "bucket": "String", "cohort": "String", "reason": "String",
@@ -230,24 +233,4 @@ def _blank_literals(statement: str) -> str:
     >>> code.split(), len(code)
     (['SELECT', 'AS', 's'], 21)
     """
-    out = list(statement)
-    i, n = 0, len(statement)
-    while i < n:
-        c = statement[i]
-        if c in "'\"`":
-            j = i + 1
-            while j < n and statement[j] != c:
-                j += 2 if statement[j] == "\\" else 1
-            j = min(j + 1, n)
-        elif statement.startswith("--", i) or c == "#":
-            j = statement.find("\n", i)
-            j = n if j < 0 else j
-        elif statement.startswith("/*", i):
-            j = statement.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-        else:
-            i += 1
-            continue
-        out[i:j] = " " * (j - i)
-        i = j
-    return "".join(out)
+    return _NOT_CODE.sub(lambda found: " " * len(found.group()), statement)
