@@ -211,8 +211,7 @@ class TelemetrySpool:
                 body = readers[number].read(size)[_HEADER.size:]
                 written_at, records, key_length = _META.unpack_from(body)
                 if not frames and now - written_at > self.max_age_seconds:
-                    self._counts["dropped_expired"] += records
-                    self._advance(1)
+                    self._counts["dropped_expired"] += self._advance(1)
                     position = self._head
                     continue
                 start = _META.size
@@ -224,14 +223,14 @@ class TelemetrySpool:
     def commit(self, count: int) -> None:
         """The oldest ``count`` frames were delivered: forget them (and delete drained segments)."""
         with self._lock:
-            drained = sum(records for _, _, _, records in self._index[self._head:self._head + count])
-            self._counts["drained"] += drained
-            self._advance(count)
+            self._counts["drained"] += self._advance(count)
 
-    def _advance(self, count: int) -> None:
-        for _, _, size, records in self._index[self._head:self._head + count]:
-            self._pending_bytes -= size
-            self._pending_records -= records
+    def _advance(self, count: int) -> int:
+        """Forget the oldest ``count`` frames; returns how many records they held."""
+        gone = self._index[self._head:self._head + count]
+        records = sum(frame[3] for frame in gone)
+        self._pending_bytes -= sum(frame[2] for frame in gone)
+        self._pending_records -= records
         self._head += count
         if self._head == len(self._index):
             self._index, self._head = [], 0
@@ -241,13 +240,13 @@ class TelemetrySpool:
             cursor = self._index[self._head][:2]
             if self._head > 4096:  # keep the index from growing with what is already gone
                 self._index, self._head = self._index[self._head:], 0
-        if cursor is None:
-            return
-        temporary = self.directory / (_CURSOR + ".tmp")
-        temporary.write_text(f"{cursor[0]} {cursor[1]}\n")
-        os.replace(temporary, self.directory / _CURSOR)
-        for number in [n for n in self._files.sizes if n < cursor[0]]:
-            self._files.remove(number)
+        if cursor is not None:
+            temporary = self.directory / (_CURSOR + ".tmp")
+            temporary.write_text(f"{cursor[0]} {cursor[1]}\n")
+            os.replace(temporary, self.directory / _CURSOR)
+            for number in [n for n in self._files.sizes if n < cursor[0]]:
+                self._files.remove(number)
+        return records
 
     def stats(self) -> SpoolStats:
         with self._lock:
