@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +18,11 @@ class BrokerUnavailable(ConnectionError):
     """Kafka could not be reached, or did not answer, within the connect timeout."""
 
 
-# SPECWATCH_KAFKA_<name> -> KafkaConfig field (the SASL password may also come from a file)
-_KAFKA_ENV = {"BOOTSTRAP": "bootstrap_servers", "SECURITY_PROTOCOL": "security_protocol",
-              "SASL_MECHANISM": "sasl_mechanism", "SASL_USERNAME": "sasl_username",
-              "SASL_PASSWORD": "sasl_password", "SSL_CAFILE": "ssl_cafile", "SSL_CERTFILE": "ssl_certfile",
-              "SSL_KEYFILE": "ssl_keyfile"}
-# SPECWATCH_KAFKA_<name> -> KafkaConfig field of a client tuning setting (a whole number)
-_KAFKA_TUNING_ENV = {"LINGER_MS": "linger_ms", "BATCH_SIZE": "batch_size", "FETCH_MAX_BYTES": "fetch_max_bytes",
-                     "MAX_PARTITION_FETCH_BYTES": "max_partition_fetch_bytes", "MAX_POLL_RECORDS": "max_poll_records"}
+# SPECWATCH_KAFKA_<NAME> sets the field of that name (the whole numbers: client tuning); the
+# SASL password may also come from a file.
+_KAFKA_ENV = ("security_protocol", "sasl_mechanism", "sasl_username", "sasl_password", "ssl_cafile",
+              "ssl_certfile", "ssl_keyfile", "linger_ms", "batch_size", "fetch_max_bytes",
+              "max_partition_fetch_bytes", "max_poll_records")
 # kafka-python needs the broker version up front or it connects while being constructed.
 _DEFAULT_API_VERSION = (4, 0)
 _DEFAULT_LINGER_MS = 20
@@ -135,17 +132,16 @@ class KafkaConfig:
         """
         environ = os.environ if environ is None else environ
         found: dict[str, Any] = {}
-        for name, field_name in {**_KAFKA_ENV, **_KAFKA_TUNING_ENV}.items():
+        whole = {f.name for f in fields(cls) if f.type == "int"}
+        names = {"BOOTSTRAP": "bootstrap_servers", "COMPRESSION": "compression_type",
+                 **{name.upper(): name for name in _KAFKA_ENV}}
+        for name, field_name in names.items():
             value = environ.get(f"SPECWATCH_KAFKA_{name}")
-            if not value:
-                continue
             try:
-                found[field_name] = int(value) if name in _KAFKA_TUNING_ENV else value
+                if value:
+                    found[field_name] = int(value) if field_name in whole else value
             except ValueError:
-                raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, "
-                                 f"got {value!r}") from None
-        if environ.get("SPECWATCH_KAFKA_COMPRESSION"):
-            found["compression_type"] = environ["SPECWATCH_KAFKA_COMPRESSION"]
+                raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, got {value!r}") from None
         password_file = environ.get("SPECWATCH_KAFKA_SASL_PASSWORD_FILE")
         if password_file:
             if "sasl_password" in found:
