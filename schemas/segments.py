@@ -45,10 +45,8 @@ class SegmentFiles:
         return self.directory / self._name.format(number)
 
     def write(self, frame: bytes) -> tuple[int, int]:
-        """Append one frame, in a new segment when it would not fit; returns (segment, offset).
-
-        After an OSError the next write starts a new segment.
-        """
+        """Append one frame, in a new segment when it would not fit or the last write failed;
+        returns (segment, offset)."""
         try:
             size = self.sizes[self.last] if self._writer is not None else 0
             if self._writer is None or size and size + len(frame) > self.segment_bytes:
