@@ -8,21 +8,18 @@ import functools
 import os
 import re
 import threading
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
 from specwatch.archive.dsn import ArchiveLocation
 from specwatch.archive.errors import ArchiveError, ArchiveNotFoundError
 
 __all__ = ["ArrowInsert", "connect", "server_insert"]
 
+ArrowInsert = Callable[[str, Any, Mapping[str, Any]], None]
+"""Inserts an Arrow table (columns named as in the table) into ``database.table``, with settings."""
+
 _USER_ENV = "SPECWATCH_CLICKHOUSE_USER"
 _PASSWORD_ENV = "SPECWATCH_CLICKHOUSE_PASSWORD"
-
-
-class ArrowInsert(Protocol):
-    """Inserts an Arrow table (columns named as in the table) into ``database.table``."""
-
-    def __call__(self, table: str, data: Any, settings: Mapping[str, Any]) -> None: ...
 
 
 def connect(location: ArchiveLocation, password: str | None, *, create: bool,

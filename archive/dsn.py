@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["ARCHIVE_ENV", "DEFAULT_ARCHIVE_DSN", "DEFAULT_DATABASE", "ArchiveLocation", "archive_dsn", "check_archive_dsn", "check_database_name",
-           "parse_archive_dsn"]
+__all__ = ["ARCHIVE_ENV", "DEFAULT_ARCHIVE_DSN", "DEFAULT_DATABASE", "ArchiveLocation",
+           "archive_dsn", "check_database_name", "parse_archive_dsn"]
 
 ARCHIVE_ENV = "SPECWATCH_ARCHIVE"
 DEFAULT_ARCHIVE_DSN = "chdb://specwatch-data/archive"
@@ -59,7 +59,8 @@ class ArchiveLocation:
 
 
 def parse_archive_dsn(dsn: str, cwd: str | None = None) -> tuple[ArchiveLocation, str | None]:
-    """Split an archive DSN into a location and the password it carries, if any.
+    """Split an archive DSN into a location and the password it carries, if any; ValueError saying
+    why a DSN names no archive (nothing is opened: commands check ``--archive`` with it first).
 
     >>> parse_archive_dsn("chdb://specwatch-data/archive", cwd="/srv")[0].path
     '/srv/specwatch-data/archive'
@@ -70,6 +71,10 @@ def parse_archive_dsn(dsn: str, cwd: str | None = None) -> tuple[ArchiveLocation
     ('https://ch.internal:8443/postmortems', 'ops', 's@cret')
     >>> parse_archive_dsn("http://ch.internal")[0].label
     'http://ch.internal:8123/specwatch'
+    >>> parse_archive_dsn("https://[::1")
+    Traceback (most recent call last):
+    ...
+    ValueError: archive DSN 'https://[::1' is not a URL (Invalid IPv6 URL)
     """
     scheme, sep, rest = dsn.partition("://")
     scheme = scheme.lower()
@@ -97,21 +102,6 @@ def parse_archive_dsn(dsn: str, cwd: str | None = None) -> tuple[ArchiveLocation
     location = ArchiveLocation("server", host=parts.hostname, port=parts.port or (8443 if secure else 8123),
                                secure=secure, database=database, username=unquote(parts.username or ""))
     return location, unquote(parts.password) if parts.password is not None else None
-
-
-def check_archive_dsn(dsn: str) -> str:
-    """``dsn`` as it may be shown (no password) if it names an archive; ValueError saying why not.
-
-    Nothing is opened or created: commands call this before they start any work.
-
-    >>> check_archive_dsn("http://ops:hunter2@ch:8123/db")
-    'http://ch:8123/db'
-    >>> check_archive_dsn("https://[::1")
-    Traceback (most recent call last):
-    ...
-    ValueError: archive DSN 'https://[::1' is not a URL (Invalid IPv6 URL)
-    """
-    return parse_archive_dsn(dsn)[0].label
 
 
 def _redact(dsn: str) -> str:

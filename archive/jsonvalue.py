@@ -41,17 +41,18 @@ def plain(value: Any, *, keep_nan: bool = False) -> Any:
     return value
 
 
-def canonical_json(value: Any) -> str:
-    """Compact JSON with sorted keys, as the archive stores it; NaN and infinities become null.
+def canonical_json(value: Any, *, keep_nan: bool = False) -> str:
+    """Compact JSON with sorted keys, as the archive stores it; NaN and infinities become null,
+    unless ``keep_nan`` (the spool's window stats must come back as NaN).
 
     >>> canonical_json({"b": float("nan"), "a": [1.5, (2, 3)]})
     '{"a":[1.5,[2,3]],"b":null}'
     """
     try:  # most values are plain already: one C-level pass
-        return json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=False)
+        return json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=keep_nan)
     except (ValueError, TypeError):
-        return json.dumps(plain(value), separators=(",", ":"), sort_keys=True, allow_nan=False,
-                          default=_refuse)
+        return json.dumps(plain(value, keep_nan=keep_nan), separators=(",", ":"), sort_keys=True,
+                          allow_nan=keep_nan, default=_refuse)
 
 
 def digest_id(prefix: str, value: Any) -> str:

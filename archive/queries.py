@@ -25,6 +25,9 @@ DEFAULT_SQL_MAX_ROWS = 100_000
 # ClickHouse error codes that mean "a limit of ours was hit", and which limit.
 _LIMIT_CODES = {159: "max_execution_time", 396: "max_result_rows"}
 _READ_ONLY_KEYWORDS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC")
+# A quoted string or name (backslash escapes, unterminated up to the end), or a comment.
+_NOT_CODE = re.compile(r"""(['"`])(?:\\.|\\\Z|(?!\1)[^\\])*\1?"""
+                       r"|(?:--|\#)[^\n]*|/\*.*?(?:\*/|\Z)", re.S)
 _DEFAULT_DECISIONS_LIMIT = 100
 _DECISION_COLUMNS = ", ".join(DECISIONS.insert_names)
 _FILTER_TYPES = {"bundle_id": "String", "bucket": "String", "cohort": "String", "reason": "String",
@@ -45,11 +48,9 @@ class PostmortemQueries:
                   reason: str | None = None, action: str | None = None,
                   since: float | None = None, until: float | None = None,
                   limit: int | None = _DEFAULT_DECISIONS_LIMIT) -> list[dict]:
-        """The most recent `limit` matching decisions, oldest first.
-
-        ``bucket="*"`` selects whole-bundle decisions; ``since``/``until`` are
-        inclusive unix seconds; ``limit=None`` returns every match.
-        """
+        """The most recent `limit` matching decisions, oldest first. ``bucket="*"`` selects whole-
+        bundle decisions; ``since``/``until`` are inclusive unix seconds; ``limit=None`` returns
+        every match."""
         where, params = where_clause(bundle_id=bundle_id, bucket=bucket, reason=reason, action=action,
                                      since=since, until=until)
         sql = (f"SELECT {_DECISION_COLUMNS} FROM {self._db}.decisions FINAL{where} "
@@ -112,11 +113,8 @@ class PostmortemQueries:
             "SELECT bundle_id, worker, min(first_seen) AS first_seen, max(last_seen) AS last_seen "
             f"FROM {self._db}.bundle_sightings GROUP BY bundle_id, worker ORDER BY bundle_id, worker"
         ) if self._select(f"EXISTS TABLE {self._db}.bundle_sightings")[0]["result"] else []
-        by_bundle: dict[str, dict] = {}
-        for row in cards:
-            row["card"] = json.loads(row["card"])
-            row["sightings"] = []
-            by_bundle[row["bundle_id"]] = row
+        by_bundle = {row["bundle_id"]: dict(row, card=json.loads(row["card"]), sightings=[])
+                     for row in cards}
         for span in spans:
             # A bundle seen only in steps so far (its card not yet archived) is listed without one.
             row = by_bundle.setdefault(span["bundle_id"], {
@@ -140,12 +138,10 @@ class PostmortemQueries:
 
     def sql(self, statement: str, max_seconds: float = DEFAULT_SQL_MAX_SECONDS,
             max_rows: int = DEFAULT_SQL_MAX_ROWS) -> tuple[list[str], list[tuple]]:
-        """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows).
-
-        Names without a database resolve in the archive's database. Anything but a read raises
-        ValueError; past ``max_seconds`` or ``max_rows`` the engine stops it (`ArchiveQueryLimit`);
-        any other engine error raises `ArchiveError`. An empty result may have no column names.
-        """
+        """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows). Names
+        without a database resolve in the archive's database. Anything but a read raises ValueError;
+        past ``max_seconds`` or ``max_rows`` the engine stops it (`ArchiveQueryLimit`); any other
+        engine error raises `ArchiveError`. An empty result may have no column names."""
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
         if not max_seconds > 0 or not math.isfinite(max_seconds):
@@ -237,24 +233,4 @@ def _blank_literals(statement: str) -> str:
     >>> code.split(), len(code)
     (['SELECT', 'AS', 's'], 21)
     """
-    out = list(statement)
-    i, n = 0, len(statement)
-    while i < n:
-        c = statement[i]
-        if c in "'\"`":
-            j = i + 1
-            while j < n and statement[j] != c:
-                j += 2 if statement[j] == "\\" else 1
-            j = min(j + 1, n)
-        elif statement.startswith("--", i) or c == "#":
-            j = statement.find("\n", i)
-            j = n if j < 0 else j
-        elif statement.startswith("/*", i):
-            j = statement.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-        else:
-            i += 1
-            continue
-        out[i:j] = " " * (j - i)
-        i = j
-    return "".join(out)
+    return _NOT_CODE.sub(lambda found: " " * len(found.group()), statement)

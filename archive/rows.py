@@ -75,8 +75,6 @@ class DecisionBatch:
         self.count += 1
 
 
-# -- encoding rows -----------------------------------------------------------------------
-
 def append_row(columns: list[list[Any]], row: Sequence[Any]) -> None:
     """Add one row to column lists (an insert's columns)."""
     for column, value in zip(columns, row):
@@ -330,8 +328,6 @@ def require_text(value: Any, name: str) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string, not {value!r}")
 
-
-# -- decoding rows -----------------------------------------------------------------------
 
 def decision_out(row: dict) -> dict:
     """A decisions row as read: evidence parsed, sample ids a list."""

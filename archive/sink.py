@@ -55,20 +55,16 @@ def spool_dir_for(dsn: str | None = None, environ: Mapping[str, str] | None = No
 
 def _is_data_error(error: BaseException) -> bool:
     """A row the archive will never take (a bug upstream), as opposed to an archive that is away."""
-    try:
-        from clickhouse_connect.driver.exceptions import ClickHouseError
-    except ImportError:  # pragma: no cover - the archive needs it anyway
-        ClickHouseError = ()  # noqa: N806
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
     return isinstance(error, (ValueError, TypeError)) and not isinstance(error, ClickHouseError)
 
 
 class ArchiveSink:
     """Writes stage-2 output to an `Archive`, decisions at once and window rows in batches; while
-    the archive is away, to a `Spool` replayed with backoff (docs/RELIABILITY.md).
-
-    ``archive`` is an `Archive` or a function opening one (retried while it raises); then
-    ``sample_text`` and ``archive_label`` stand for the archive's own until it opens.
-    """
+    the archive is away, to a `Spool` replayed with backoff (docs/RELIABILITY.md). ``archive`` is an
+    `Archive` or a function opening one (retried while it raises); then ``sample_text`` and
+    ``archive_label`` stand for the archive's own until it opens."""
 
     def __init__(self, archive: Any, window_batch: int = _DEFAULT_WINDOW_BATCH, *,
                  spool: Spool | str | os.PathLike | None = None, sample_text: str = DEFAULT_SAMPLE_TEXT,
@@ -131,7 +127,6 @@ class ArchiveSink:
         sink._owned = True
         return sink
 
-    # -- the handler -----------------------------------------------------------------------
     def __call__(self, output: SliceOutput) -> None:
         self._replay_if_due()
         for bundle in output.bundles:
@@ -142,7 +137,7 @@ class ArchiveSink:
         for action in output.actions:
             self._put(self._decision_entry(action.decision, action.audit, action.samples),
                       lambda a, x=action: a.write_decision(x.decision, x.audit, x.samples))
-        stage_changes = [dict(vars(c)) if not isinstance(c, Mapping) else dict(c)
+        stage_changes = [dict(c if isinstance(c, Mapping) else vars(c))
                          for c in getattr(output, "stage_changes", ())]
         if stage_changes:
             self._put({"k": "stages", "changes": stage_changes},
@@ -205,7 +200,6 @@ class ArchiveSink:
             parts.append(f"{stats['replayed']} spooled entries{earlier} were delivered to the archive {self._label()}")
         return "; ".join(parts) or None
 
-    # -- writing ---------------------------------------------------------------------------
     def _write_rows(self) -> None:
         if self._windows:
             windows, self._windows, self._window_rows = self._windows, [], 0
@@ -310,22 +304,18 @@ class ArchiveSink:
 
     def _write_entries(self, entries: list[dict]) -> None:
         """One spool segment into the archive: window stats, bundles and sightings, decisions, then stage changes."""
-        rows = [row for e in entries if e.get("k") == "windows" for row in e["rows"]]
-        if rows:
-            self.archive.write_window_stats(rows)
+        def rows(kind: str, field: str = "rows") -> list:
+            return [row for e in entries if e.get("k") == kind for row in e[field]]
+
+        self.archive.write_window_stats(rows("windows"))
         for e in entries:
             if e.get("k") == "bundle":
                 self.archive.write_bundle(e["bundle_id"], e["card"], e["ts"], e["worker"])
-        sightings = [row for e in entries if e.get("k") == "sightings" for row in e["rows"]]
-        if sightings:
-            self.archive.write_sightings(sightings)
-        decisions = [(Decision.model_validate_json(e["line"]), e.get("audit"), e.get("samples") or [])
-                     for e in entries if e.get("k") == "decision"]
-        if decisions:
-            self.archive.write_decisions(decisions)
-        stages = [change for e in entries if e.get("k") == "stages" for change in e["changes"]]
-        if stages:
-            self.archive.write_stage_changes(stages)
+        self.archive.write_sightings(rows("sightings"))
+        self.archive.write_decisions(
+            (Decision.model_validate_json(e["line"]), e.get("audit"), e.get("samples") or [])
+            for e in entries if e.get("k") == "decision")
+        self.archive.write_stage_changes(rows("stages", "changes"))
         unknown = {e.get("k") for e in entries} - {"windows", "bundle", "sightings", "decision", "stages"}
         if unknown:
             raise ValueError(f"spool entries of unknown kinds {sorted(map(str, unknown))}")

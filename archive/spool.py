@@ -3,11 +3,9 @@ archive could not take waits here until it can."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import re
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -15,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specwatch.archive.jsonvalue import plain
+from specwatch.archive.jsonvalue import canonical_json
+from specwatch.schemas.segments import SegmentFiles
 
 __all__ = ["Spool", "SpoolFull", "SpoolStats"]
 
@@ -26,8 +25,6 @@ logger = logging.getLogger(__name__)
 _DEFAULT_MAX_BYTES = 256 << 20
 # A segment is replayed as one batch: this bounds the memory a replay takes.
 _DEFAULT_SEGMENT_BYTES = 4 << 20
-_SEGMENT_NAME = "spool-{:012d}.log"
-_SEGMENT_PATTERN = re.compile(r"spool-(\d{12})\.log")
 _QUARANTINE_SUFFIX = ".bad"
 
 
@@ -48,17 +45,8 @@ class SpoolStats:
 
 
 def _frame(entry: Mapping[str, Any]) -> bytes:
-    # allow_nan: window stats carry NaN for undefined ratios, and must come back as NaN.
-    try:  # most entries are plain already: one C-level pass
-        text = json.dumps(entry, separators=(",", ":"), allow_nan=True)
-    except TypeError:
-        text = json.dumps(plain(entry, keep_nan=True), separators=(",", ":"), allow_nan=True, default=_refuse)
-    payload = text.encode("utf-8")
+    payload = canonical_json(entry, keep_nan=True).encode("utf-8")
     return b"%08x %d " % (zlib.crc32(payload), len(payload)) + payload + b"\n"
-
-
-def _refuse(value: Any) -> Any:
-    raise TypeError(f"cannot spool a {type(value).__name__}")
 
 
 def _unframe(line: bytes) -> dict | None:
@@ -74,18 +62,9 @@ def _unframe(line: bytes) -> dict | None:
 
 
 class Spool:
-    """Append-only segment files under ``directory``, bounded in total size; one writer at a time.
-
-    Parameters
-    ----------
-    directory
-        Where segments live; created on the first append. Earlier processes' segments are replayed.
-    max_bytes
-        Bound on the segments' total size; an append past it raises `SpoolFull`.
-    segment_bytes
-        A segment is closed for appends at this size; replay works a segment at a time.
-    fsync
-        Force every append to disk, so the spool survives a crash of the host.
+    """Segment files under ``directory`` (created on the first append; earlier processes' segments
+    are replayed), at most ``max_bytes`` in all; one writer at a time. ``segment_bytes`` bounds what
+    one replay reads at once; ``fsync`` makes every append survive a crash of the host.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp:
@@ -104,23 +83,14 @@ class Spool:
             raise ValueError(f"max_bytes and segment_bytes must be positive, got {max_bytes} and {segment_bytes}")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
-        self.segment_bytes = min(segment_bytes, max_bytes)
-        self.fsync = fsync
+        self._files = SegmentFiles(self.directory, "spool-", 12, ".log",
+                                   segment_bytes=min(segment_bytes, max_bytes), fsync=fsync)
         self._lock = threading.Lock()
-        self._active: Any = None  # the open file of the segment being appended to
-        self._active_index = -1
-        self._active_size = 0
         self._replayed = self._refused = self._corrupt = self._quarantined = 0
-        self._sizes: dict[int, int] = {}
-        if self.directory.is_dir():
-            for index, path in self._segments():
-                self._sizes[index] = path.stat().st_size
-            if self._sizes:
-                logger.info("archive spool %s holds %d bytes from an earlier run; they will be replayed",
-                               self.directory, sum(self._sizes.values()))
-        self._next_index = max(self._sizes, default=-1) + 1
+        if self._files.sizes:
+            logger.info("archive spool %s holds %d bytes from an earlier run; they will be replayed",
+                        self.directory, self.pending_bytes)
 
-    # -- appending ---------------------------------------------------------------------
     def append(self, entry: Mapping[str, Any]) -> None:
         """Keep one entry. Raises `SpoolFull` past the bound, OSError if the disk refuses."""
         frame = _frame(entry)
@@ -129,63 +99,35 @@ class Spool:
                 self._refused += 1
                 raise SpoolFull(f"archive spool {self.directory} is full ({self.pending_bytes} of "
                                 f"{self.max_bytes} bytes)")
-            if self._active is None or self._active_size + len(frame) > self.segment_bytes:
-                self._roll()
-            self._active.write(frame)
-            self._active.flush()
-            if self.fsync:
-                os.fsync(self._active.fileno())
-            self._active_size += len(frame)
-            self._sizes[self._active_index] = self._active_size
+            self._files.write(frame)
 
-    def _roll(self) -> None:
-        self._close_active()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        index, self._next_index = self._next_index, self._next_index + 1
-        path = self.directory / _SEGMENT_NAME.format(index)
-        # "x": never append to a segment a replay may be reading.
-        self._active = open(path, "xb")  # noqa: SIM115 - kept open across appends
-        if self.fsync:
-            _fsync_directory(self.directory)  # the new name survives a crash too
-        self._active_index, self._active_size = index, 0
-        self._sizes[index] = 0
-
-    def _close_active(self) -> None:
-        if self._active is not None:
-            self._active.close()
-            self._active = None
-
-    # -- replaying ---------------------------------------------------------------------
     @property
     def pending_bytes(self) -> int:
-        return sum(self._sizes.values())
+        return sum(self._files.sizes.values())
 
     @property
     def empty(self) -> bool:
-        return not self._sizes
+        return not self._files.sizes
 
     def replay(self, write: Callable[[list[dict]], None]) -> int:
-        """Hand each segment's entries, oldest first, to ``write`` (idempotent); returns how many.
-
-        A segment is deleted once written; when ``write`` raises it stays and the error propagates,
-        except ValueError or TypeError (content refused): that segment is set aside as ``*.bad``.
-        """
+        """Hand each segment's entries, oldest first, to ``write`` (idempotent); returns how many. A
+        segment is deleted once written; when ``write`` raises it stays and the error propagates,
+        except ValueError or TypeError (content refused): that segment is set aside as ``*.bad``."""
         replayed = 0
         with self._lock:
-            self._close_active()  # appends from now on start a new segment
-            indices = sorted(self._sizes)
-        for index in indices:
-            path = self.directory / _SEGMENT_NAME.format(index)
+            self._files.close_writer()  # appends from now on start a new segment
+            numbers = list(self._files.sizes)
+        for number in numbers:
+            path = self._files.path(number)
             entries = list(self._read(path))
             try:
                 if entries:
                     write(entries)
             except (ValueError, TypeError) as error:
-                self._quarantine(index, path, error)
+                self._quarantine(number, path, error)
                 continue
-            path.unlink(missing_ok=True)
             with self._lock:
-                self._sizes.pop(index, None)
+                self._files.remove(number)
                 self._replayed += len(entries)
             replayed += len(entries)
         return replayed
@@ -203,22 +145,17 @@ class Spool:
         except FileNotFoundError:
             return
 
-    def _quarantine(self, index: int, path: Path, error: BaseException) -> None:
+    def _quarantine(self, number: int, path: Path, error: BaseException) -> None:
         target = path.with_name(path.name + _QUARANTINE_SUFFIX)
         try:
             path.rename(target)
         except OSError:
             target = path
         with self._lock:
-            self._sizes.pop(index, None)
+            self._files.sizes.pop(number, None)
             self._quarantined += 1
         logger.error("archive spool: the archive refused the content of %s (%s); set aside as %s for a "
                      "person to look at", path.name, error, target)
-
-    def _segments(self) -> list[tuple[int, Path]]:
-        paths = self.directory.iterdir()
-        matches = ((_SEGMENT_PATTERN.fullmatch(path.name), path) for path in paths)
-        return sorted((int(match.group(1)), path) for match, path in matches if match)
 
     def stats(self) -> SpoolStats:
         with self._lock:
@@ -227,17 +164,7 @@ class Spool:
 
     def close(self) -> None:
         with self._lock:
-            self._close_active()
+            self._files.close_writer()
 
     def __repr__(self) -> str:
         return f"Spool({str(self.directory)!r}, pending_bytes={self.pending_bytes})"
-
-
-def _fsync_directory(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-

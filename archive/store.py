@@ -50,17 +50,9 @@ _AUTOMATIC_ACTORS = ("specwatch", "policy")
 
 
 class Archive(PostmortemQueries):
-    """Decisions, audit rows, samples, window stats, bundles and overrides in ClickHouse.
-
-    Parameters
-    ----------
-    client
-        A clickhouse-connect client (chDB or server); the caller keeps owning it.
-    database
-        Database holding the archive tables.
-    sample_text
-        How free text in samples is kept: ``"hashes"`` (a digest, the default) or
-        ``"redacted"`` (quoted spans and long numbers removed); see `specwatch.schemas.redaction`.
+    """Decisions, audit rows, samples, window stats, bundles and overrides in ClickHouse, through a
+    clickhouse-connect ``client`` the caller keeps owning; ``sample_text`` says how free text in
+    samples is kept (`specwatch.schemas.redaction`).
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp, Archive.open(f"chdb://{tmp}/a") as archive:
@@ -86,7 +78,7 @@ class Archive(PostmortemQueries):
         # HTTP into a server); a client passed in is written through its own insert_arrow.
         self._insert_arrow: ArrowInsert = functools.partial(server_insert, client)
         self._db = database
-        self._label = f"{type(client).__name__}/{database}"
+        self.label = f"{type(client).__name__}/{database}"  # where it is, never with credentials
         self._release: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
@@ -103,7 +95,7 @@ class Archive(PostmortemQueries):
         archive = cls(client, location.database, sample_text)
         archive._insert_arrow = insert_arrow
         archive.sealed_retention_days = retention_days
-        archive._label = location.label
+        archive.label = location.label
         archive._release = release
         try:
             if create:
@@ -117,12 +109,7 @@ class Archive(PostmortemQueries):
         return archive
 
     def __repr__(self) -> str:
-        return f"Archive({self._label!r})"
-
-    @property
-    def label(self) -> str:
-        """Where this archive is, never with credentials."""
-        return self._label
+        return f"Archive({self.label!r})"
 
     def __enter__(self) -> "Archive":
         return self
@@ -136,7 +123,6 @@ class Archive(PostmortemQueries):
         if release is not None:
             release()
 
-    # -- schema ------------------------------------------------------------------------
     def ensure_schema(self) -> None:
         """Create the database and every table if missing; safe to call at every start."""
         self._client.command(f"CREATE DATABASE IF NOT EXISTS {self._db}")
@@ -161,7 +147,6 @@ class Archive(PostmortemQueries):
         result = self._client.query(f"EXISTS TABLE {self._db}.decisions")
         return bool(result.result_rows and result.result_rows[0][0])
 
-    # -- writes ------------------------------------------------------------------------
     def write_decision(self, decision: Decision, audit: Mapping[str, Any] | None,
                        samples: Sequence[Mapping[str, Any]] = ()) -> None:
         """Archive one decision with its audit row (``thresholds``, ``baseline``, ``window``,
@@ -186,10 +171,8 @@ class Archive(PostmortemQueries):
         return batch.count
 
     def write_window_stats(self, rows: Sequence[Mapping[str, Any]]) -> int:
-        """Archive window-stats row dicts (keys: `WINDOW_STATS_FIELDS`); returns how many.
-
-        NaN is stored as NULL; a bad row raises ValueError naming it and stops the write there.
-        """
+        """Archive window-stats row dicts (keys: `WINDOW_STATS_FIELDS`); returns how many. NaN is
+        stored as NULL; a bad row raises ValueError naming it and stops the write there."""
         return self._write_chunked(rows if isinstance(rows, list) else list(rows), window_stats_table)
 
     def write_window_rows(self, rows: Sequence[WindowRow]) -> int:
@@ -198,9 +181,8 @@ class Archive(PostmortemQueries):
 
     def write_windows(self, windows: Sequence[Sequence[WindowRow]]) -> int:
         """Archive the window rows of final slices (`SliceOutput.windows`); returns how many.
-
-        `SliceWindows` become insert columns straight from the keys' statistics, with no row object.
-        """
+        `SliceWindows` become insert columns straight from the keys' statistics, with no row
+        object."""
         if not all(isinstance(window, SliceWindows) for window in windows):
             return self.write_window_rows([row for window in windows for row in window])
         chunks: list[tuple[int, list[SliceWindows]]] = []
@@ -220,12 +202,6 @@ class Archive(PostmortemQueries):
 
     def _insert_chunks(self, chunks: Sequence[tuple[int, Any]], to_table: Callable[[Any, int], pa.Table]) -> None:
         """Insert window-stats chunks, each ``(its first row's index, what to_table builds it from)``."""
-        if len(chunks) <= 1:
-            for start, part in chunks:
-                table = to_table(part, start)
-                if table.num_rows:
-                    self._insert_table(WINDOW_STATS, table)
-            return
         # The engine releases the GIL while it inserts, so converting the next chunk
         # overlaps with inserting this one whenever a second core is free.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="specwatch-archive") as inserter:
@@ -323,7 +299,6 @@ class Archive(PostmortemQueries):
         self._insert(AUDIT, [[v] for v in (audit_id, ts, kind, actor, decision_id, bundle_id, scope, reason, "",
                                            "null", "null", "null", "null", detail)])
 
-    # -- reads -------------------------------------------------------------------------
     def sealed_samples(self, decision_id: str) -> list[dict]:
         """The sealed samples of a decision: key id, digests and ciphertext (nothing is opened here)."""
         names = ", ".join(SEALED_SAMPLES.insert_names)
@@ -354,20 +329,13 @@ class Archive(PostmortemQueries):
 
     def reproductions(self, decision_id: str) -> list[dict]:
         """The `specwatch reproduce` results archived for a decision, oldest first, ``result`` parsed."""
-        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.reproductions FINAL "
-                            "WHERE decision_id = {id:String} ORDER BY ts, reproduction_id", {"id": decision_id})
-        for row in rows:
-            row["result"] = json.loads(row["result"])
-        return rows
+        return self._rows("reproductions", " WHERE decision_id = {id:String}", {"id": decision_id},
+                          "ts, reproduction_id", "result")
 
     def stage_history(self, bundle_id: str | None = None) -> list[dict]:
         """Admission stage changes in time order (``detail`` parsed): what changed a stage, when, why."""
-        where, params = where_clause(bundle_id=bundle_id)
-        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.bundle_stages FINAL{where} "
-                            "ORDER BY ts, seq, archived_at, change_id", params)
-        for row in rows:
-            row["detail"] = json.loads(row["detail"])
-        return rows
+        return self._rows("bundle_stages", *where_clause(bundle_id=bundle_id),
+                          "ts, seq, archived_at, change_id", "detail")
 
     def bundle_registry(self) -> list[dict]:
         """Every bundle seen, with its latest admission stage (None when never judged)."""
@@ -378,32 +346,27 @@ class Archive(PostmortemQueries):
                   "sightings": []}
                  for b, c in latest.items() if b not in seen]
         for row in rows:
-            change = latest.get(row["bundle_id"])
-            row.update(stage=change["stage"] if change else None,
-                       cohort_share=change["cohort_share"] if change else None,
-                       stage_since=change["ts"] if change else None,
-                       stage_by=change["actor"] if change else None,
-                       stage_reason=change["reason"] if change else None)
+            change = latest.get(row["bundle_id"], {})
+            row.update(stage=change.get("stage"), cohort_share=change.get("cohort_share"),
+                       stage_since=change.get("ts"), stage_by=change.get("actor"),
+                       stage_reason=change.get("reason"))
         return rows
 
     def overrides(self, active_only: bool = True) -> list[dict]:
         """Manual overrides in time order: the one in force per scope, or every event."""
-        sql = (f"SELECT * EXCEPT archived_at FROM {self._db}.overrides FINAL "
-               "ORDER BY ts, archived_at, override_id")
-        if active_only:
-            # The latest event per scope decides; a clearing event means none is active.
-            sql = (f"SELECT * FROM (SELECT * EXCEPT archived_at FROM {self._db}.overrides FINAL "
-                   "ORDER BY ts DESC, archived_at DESC, override_id DESC "
-                   "LIMIT 1 BY bundle_id, bucket, cohort) WHERE NOT cleared ORDER BY ts, override_id")
-        return self._select(sql)
+        if not active_only:
+            return self._rows("overrides", "", {}, "ts, archived_at, override_id")
+        # The latest event per scope decides; a clearing event means none is active.
+        return self._select(f"SELECT * FROM (SELECT * EXCEPT archived_at FROM {self._db}.overrides "
+                            "FINAL ORDER BY ts DESC, archived_at DESC, override_id DESC LIMIT 1 BY "
+                            "bundle_id, bucket, cohort) WHERE NOT cleared ORDER BY ts, override_id")
 
     def audit(self, bundle_id: str | None = None, kind: str | None = None,
               since: float | None = None, until: float | None = None) -> list[dict]:
         """Audit rows in time order, JSON fields parsed."""
         where, params = where_clause(bundle_id=bundle_id, kind=kind, since=since, until=until)
-        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.audit FINAL{where} "
-                            "ORDER BY ts, archived_at, audit_id", params)
-        return [audit_out(r) for r in rows]
+        return [audit_out(row) for row in self._rows("audit", where, params,
+                                                     "ts, archived_at, audit_id")]
 
     def flag_store(self, overrides: bool = True) -> FlagStore:
         """A `FlagStore` rebuilt from every archived decision, plus active overrides."""
@@ -422,7 +385,6 @@ class Archive(PostmortemQueries):
                                     change["detail"].get("cohort"), change["cohort_share"])
         return store
 
-    # -- plumbing ----------------------------------------------------------------------
     def _latest_stages(self) -> dict[str, dict]:
         return {change["bundle_id"]: change for change in self.stage_history()}
 
@@ -434,6 +396,15 @@ class Archive(PostmortemQueries):
     def _insert_table(self, table: Table, data: pa.Table) -> None:
         with self._lock:
             self._insert_arrow(f"{self._db}.{table.name}", data, _INSERT_SETTINGS)
+
+    def _rows(self, table: str, where: str, params: Mapping[str, Any], order: str,
+              *json_columns: str) -> list[dict]:
+        """A table's rows as read (``FINAL``, without ``archived_at``), the JSON columns parsed."""
+        rows = self._select(f"SELECT * EXCEPT archived_at FROM {self._db}.{table} FINAL{where} "
+                            f"ORDER BY {order}", params)
+        for row in rows:
+            row.update((name, json.loads(row[name])) for name in json_columns)
+        return rows
 
     def _select(self, sql: str, parameters: Mapping[str, Any] | None = None) -> list[dict]:
         with self._lock:

@@ -1,10 +1,9 @@
-"""The engine-side telemetry spool: Kafka messages kept on local disk while the broker is away.
-
-Design, limits and frame layout: docs/RELIABILITY.md ("The engine's telemetry spool").
-"""
+"""The engine-side telemetry spool: Kafka messages kept on local disk while the broker is away
+(design, limits and frame layout: docs/RELIABILITY.md, "The engine's telemetry spool")."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -15,7 +14,9 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
+
+from specwatch.schemas.segments import SegmentFiles
 
 __all__ = ["SpoolFrame", "SpoolStats", "TelemetrySpool"]
 
@@ -26,10 +27,8 @@ _DEFAULT_MAX_AGE_SECONDS = 6 * 3600.0
 _DEFAULT_SEGMENT_BYTES = 16 << 20
 _HEADER = struct.Struct("<II")
 _META = struct.Struct("<dIH")
-_SEGMENT_SUFFIX = ".seg"
 _CURSOR = "cursor"
 _LOCK = ".lock"
-# SPECWATCH_TELEMETRY_SPOOL_DIR=none turns the spool off.
 _OFF = ("none", "off")
 
 
@@ -44,8 +43,7 @@ class SpoolFrame(NamedTuple):
 
 @dataclass(frozen=True)
 class SpoolStats:
-    """Counters since the spool was opened (records dropped by reason; torn frames cut at opening),
-    and what it holds now."""
+    """Counters since the spool was opened, and what it holds now."""
 
     pending_records: int
     pending_bytes: int
@@ -58,11 +56,8 @@ class SpoolStats:
 
 
 class TelemetrySpool:
-    """A bounded on-disk FIFO of Kafka messages, for one exporter process at a time.
-
-    A second process that opens the same ``directory`` gets ``ValueError``. ``max_bytes`` and
-    ``max_age_seconds`` bound what is pending (refused or expired messages are counted);
-    ``clock`` is wall time, so the age limit holds across restarts.
+    """A bounded on-disk FIFO of Kafka messages, for one exporter process at a time (a second one
+    gets ValueError); ``clock`` is wall time, so the age limit holds across restarts.
 
     >>> import tempfile
     >>> spool = TelemetrySpool(tempfile.mkdtemp(), max_bytes=200)
@@ -78,16 +73,13 @@ class TelemetrySpool:
     def __init__(self, directory: str | os.PathLike, *, max_bytes: int = _DEFAULT_MAX_BYTES,
                  max_age_seconds: float = _DEFAULT_MAX_AGE_SECONDS, segment_bytes: int = _DEFAULT_SEGMENT_BYTES,
                  clock: Callable[[], float] = time.time) -> None:
-        if max_bytes < 1:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        if max_age_seconds <= 0:
-            raise ValueError(f"max_age_seconds must be positive, got {max_age_seconds}")
-        if segment_bytes < 1:
-            raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
+        for name, value in (("max_bytes", max_bytes), ("max_age_seconds", max_age_seconds),
+                            ("segment_bytes", segment_bytes)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.max_age_seconds = max_age_seconds
-        self._segment_bytes = segment_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -105,19 +97,14 @@ class TelemetrySpool:
         self._head = 0  # index of the oldest pending frame in _index
         self._pending_bytes = 0
         self._pending_records = 0
-        self._segments: list[int] = []
-        self._writer = None
-        self._writer_size = 0
-        self._reader: tuple[int, object] | None = None
+        self._files = SegmentFiles(self.directory, "", 16, ".seg", segment_bytes=segment_bytes)
         self._open_existing()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, name: str) -> "TelemetrySpool | None":
-        """The spool ``SPECWATCH_TELEMETRY_SPOOL_*`` describe; None when it is turned off.
-
-        ``_DIR`` (default ``~/.cache/specwatch/telemetry-spool/<name>``; ``none`` turns it off),
-        ``_MAX_BYTES`` (default 256 MiB) and ``_MAX_AGE_SECONDS`` (default 6 h).
-        """
+        """The spool ``SPECWATCH_TELEMETRY_SPOOL_*`` describe; None when it is turned off. ``_DIR``
+        (default ``~/.cache/specwatch/telemetry-spool/<name>``; ``none`` turns it off),
+        ``_MAX_BYTES`` (default 256 MiB) and ``_MAX_AGE_SECONDS`` (default 6 h)."""
         environ = os.environ if environ is None else environ
         directory = (environ.get("SPECWATCH_TELEMETRY_SPOOL_DIR") or "").strip()
         if directory.lower() in _OFF:
@@ -145,40 +132,29 @@ class TelemetrySpool:
                        "(name each engine worker to keep its spool across restarts)", directory, fallback)
         return cls(fallback, **settings)
 
-    def _segment_path(self, number: int) -> Path:
-        return self.directory / f"{number:016d}{_SEGMENT_SUFFIX}"
-
     def _open_existing(self) -> None:
-        self._segments = sorted(int(p.name[:-len(_SEGMENT_SUFFIX)]) for p in self.directory.glob("*" + _SEGMENT_SUFFIX)
-                                if p.name[:-len(_SEGMENT_SUFFIX)].isdigit() and p.is_file())
-        start_segment, start_offset = self._read_cursor()
-        for number in list(self._segments):
+        try:
+            start_segment, start_offset = map(int, (self.directory / _CURSOR).read_text().split())
+        except (OSError, ValueError):
+            start_segment, start_offset = next(iter(self._files.sizes), 0), 0
+        for number in list(self._files.sizes):
             if number < start_segment:
-                self._segment_path(number).unlink(missing_ok=True)
-                self._segments.remove(number)
+                self._files.remove(number)
                 continue
-            offset = start_offset if number == start_segment else 0
-            end = self._scan(number, offset)
-            size = self._segment_path(number).stat().st_size
-            if end < size:
+            end = self._scan(number, start_offset if number == start_segment else 0)
+            if end < self._files.sizes[number]:
                 self._counts["corrupt_frames"] += 1
                 logger.warning("telemetry spool %s: segment %d has a torn or corrupt frame at byte %d; "
                                "cut there", self.directory, number, end)
-                os.truncate(self._segment_path(number), end)
+                os.truncate(self._files.path(number), end)
+                self._files.sizes[number] = end
         if self._index:
             logger.info("telemetry spool %s: %d records in %d bytes left from before; they go first",
                         self.directory, self._pending_records, self._pending_bytes)
 
-    def _read_cursor(self) -> tuple[int, int]:
-        try:
-            segment, offset = (int(x) for x in (self.directory / _CURSOR).read_text().split())
-            return segment, offset
-        except (OSError, ValueError):
-            return (self._segments[0] if self._segments else 0), 0
-
     def _scan(self, number: int, offset: int) -> int:
         """Index the valid frames of a segment from ``offset``; returns where they end."""
-        with open(self._segment_path(number), "rb") as f:
+        with open(self._files.path(number), "rb") as f:
             f.seek(offset)
             while True:
                 header = f.read(_HEADER.size)
@@ -204,32 +180,17 @@ class TelemetrySpool:
                 self._counts["dropped_full"] += records
                 return False
             try:
-                if self._writer is None or self._writer_size + len(frame) > self._segment_bytes and self._writer_size:
-                    self._roll()
-                offset = self._writer_size
-                self._writer.write(frame)
-                self._writer.flush()  # in the page cache: a crash of the process loses nothing
+                number, offset = self._files.write(frame)
             except OSError as error:  # a full or failing disk: drop and count, never raise into the exporter
                 self._counts["dropped_unwritable"] += records
-                self._writer, self._writer_size = None, 0  # the next append starts a new segment
                 logger.warning("telemetry spool %s cannot write (%s); %d records dropped",
                                self.directory, error.strerror or error, records)
                 return False
-            self._writer_size += len(frame)
-            self._index.append((self._segments[-1], offset, len(frame), records))
+            self._index.append((number, offset, len(frame), records))
             self._pending_bytes += len(frame)
             self._pending_records += records
             self._counts["spooled"] += records
         return True
-
-    def _roll(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._writer = None
-        number = (self._segments[-1] + 1) if self._segments else 1
-        self._writer = open(self._segment_path(number), "ab")
-        self._segments.append(number)
-        self._writer_size = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -239,15 +200,18 @@ class TelemetrySpool:
         """Up to ``limit`` of the oldest pending frames, in order; expired ones are dropped first."""
         now = self._clock()
         frames: list[SpoolFrame] = []
-        with self._lock:
+        with self._lock, contextlib.ExitStack() as opened:
+            readers: dict[int, BinaryIO] = {}
             position = self._head
             while position < len(self._index) and len(frames) < limit:
                 number, offset, size, _ = self._index[position]
-                body = self._read(number, offset, size)[_HEADER.size:]
+                if number not in readers:
+                    readers[number] = opened.enter_context(open(self._files.path(number), "rb"))
+                readers[number].seek(offset)
+                body = readers[number].read(size)[_HEADER.size:]
                 written_at, records, key_length = _META.unpack_from(body)
                 if not frames and now - written_at > self.max_age_seconds:
-                    self._counts["dropped_expired"] += records
-                    self._advance(1)
+                    self._counts["dropped_expired"] += self._advance(1)
                     position = self._head
                     continue
                 start = _META.size
@@ -256,52 +220,33 @@ class TelemetrySpool:
                 position += 1
         return frames
 
-    def _read(self, number: int, offset: int, size: int) -> bytes:
-        if self._reader is None or self._reader[0] != number:
-            if self._reader is not None:
-                self._reader[1].close()
-            if self._writer is not None and number == self._segments[-1]:
-                self._writer.flush()
-            self._reader = (number, open(self._segment_path(number), "rb"))
-        reader = self._reader[1]
-        reader.seek(offset)
-        return reader.read(size)
-
     def commit(self, count: int) -> None:
         """The oldest ``count`` frames were delivered: forget them (and delete drained segments)."""
         with self._lock:
-            drained = sum(records for _, _, _, records in self._index[self._head:self._head + count])
-            self._counts["drained"] += drained
-            self._advance(count)
+            self._counts["drained"] += self._advance(count)
 
-    def _advance(self, count: int) -> None:
-        for _, _, size, records in self._index[self._head:self._head + count]:
-            self._pending_bytes -= size
-            self._pending_records -= records
+    def _advance(self, count: int) -> int:
+        """Forget the oldest ``count`` frames; returns how many records they held."""
+        gone = self._index[self._head:self._head + count]
+        records = sum(frame[3] for frame in gone)
+        self._pending_bytes -= sum(frame[2] for frame in gone)
+        self._pending_records -= records
         self._head += count
         if self._head == len(self._index):
             self._index, self._head = [], 0
-            cursor = (self._segments[-1], self._writer_size) if self._writer is not None and self._segments else None
-            if cursor is None and self._segments:
-                cursor = (self._segments[-1], self._segment_path(self._segments[-1]).stat().st_size)
+            last = self._files.last
+            cursor = None if last is None else (last, self._files.sizes[last])
         else:
             cursor = self._index[self._head][:2]
             if self._head > 4096:  # keep the index from growing with what is already gone
                 self._index, self._head = self._index[self._head:], 0
-        if cursor is None:
-            return
-        self._write_cursor(*cursor)
-        for number in [n for n in self._segments if n < cursor[0]]:
-            if self._reader is not None and self._reader[0] == number:
-                self._reader[1].close()
-                self._reader = None
-            self._segment_path(number).unlink(missing_ok=True)
-            self._segments.remove(number)
-
-    def _write_cursor(self, segment: int, offset: int) -> None:
-        temporary = self.directory / (_CURSOR + ".tmp")
-        temporary.write_text(f"{segment} {offset}\n")
-        os.replace(temporary, self.directory / _CURSOR)
+        if cursor is not None:
+            temporary = self.directory / (_CURSOR + ".tmp")
+            temporary.write_text(f"{cursor[0]} {cursor[1]}\n")
+            os.replace(temporary, self.directory / _CURSOR)
+            for number in [n for n in self._files.sizes if n < cursor[0]]:
+                self._files.remove(number)
+        return records
 
     def stats(self) -> SpoolStats:
         with self._lock:
@@ -310,8 +255,5 @@ class TelemetrySpool:
     def close(self) -> None:
         """Close the files and release the directory; what is pending stays for the next process."""
         with self._lock:
-            for handle in (self._writer, self._reader[1] if self._reader else None):
-                if handle is not None:
-                    handle.close()
-            self._writer, self._reader = None, None
+            self._files.close_writer()
             self._lock_file.close()

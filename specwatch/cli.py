@@ -102,7 +102,7 @@ def archive_problem(args: argparse.Namespace, environ) -> str | None:
     an archive, or None; checked before any command starts work."""
     if not hasattr(args, "archive") or getattr(args, "no_archive", False):
         return None
-    from specwatch.archive.dsn import ARCHIVE_ENV, check_archive_dsn
+    from specwatch.archive.dsn import ARCHIVE_ENV, parse_archive_dsn
 
     if args.archive is not None:
         dsn, origin = args.archive, "--archive"
@@ -111,7 +111,7 @@ def archive_problem(args: argparse.Namespace, environ) -> str | None:
         if dsn is None:
             return None
     try:
-        check_archive_dsn(dsn)
+        parse_archive_dsn(dsn)
     except ValueError as error:
         if not dsn:
             return f"{origin} is empty: give chdb:///abs/path, chdb://relative/path or http(s)://host[:port][/database]"

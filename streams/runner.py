@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 
 from specwatch.schemas import Policy, Rejection, RejectionCounter
 from specwatch.transport.config import KafkaConfig
-from specwatch.transport.decision_sink import DecisionSink
+from specwatch.transport.codec import DecisionSink
 from specwatch.transport.kafka_io import acknowledged
 from specwatch.transport.signing import Keyring
 from specwatch.transport.topics import (

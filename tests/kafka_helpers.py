@@ -170,10 +170,13 @@ def make_feed(kafka_bootstrap: str, scenario: str, workers: int = WORKERS) -> Fe
 
 
 class Pipeline:
-    """A test's own topics and consumer group, and its `specwatch run` worker processes."""
+    """A test's own topics and consumer group, and its `specwatch run` worker processes (on the
+    listener ``worker_bootstrap``, by default the one the test's own helpers use)."""
 
-    def __init__(self, bootstrap: str, feed: Feed, tmp_path: Path, archive: bool = False) -> None:
+    def __init__(self, bootstrap: str, feed: Feed, tmp_path: Path, archive: bool = False,
+                 worker_bootstrap: str | None = None) -> None:
         self.bootstrap = bootstrap
+        self.worker_bootstrap = worker_bootstrap or bootstrap
         self.feed = feed
         self.tmp_path = tmp_path
         name = f"swtest-{RUN}-{uuid.uuid4().hex[:6]}"
@@ -188,7 +191,7 @@ class Pipeline:
             NewTopic(self.decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})))
 
     def start(self, index: int = 0, workers: int = 1, checkpoint_seconds: float = 1.0) -> subprocess.Popen:
-        command = [sys.executable, "-m", "specwatch.cli", "run", "--bootstrap", self.bootstrap,
+        command = [sys.executable, "-m", "specwatch.cli", "run", "--bootstrap", self.worker_bootstrap,
                    "--telemetry-topic", self.feed.topic, "--partials-topic", self.partials,
                    "--decisions-topic", self.decisions, "--deadletter-topic", self.deadletter,
                    "--app-id", self.app_id, "--data-dir", str(self.tmp_path / "data"),

@@ -4,7 +4,6 @@ process or archive at the same time runs in a subprocess: chDB hosts one directo
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from pathlib import Path
@@ -21,8 +20,6 @@ from specwatch.simulation.simulator import DEFAULT_CARD
 
 from machine import fresh_python, specwatch_ok
 
-
-# -- shared inputs ------------------------------------------------------------------------
 
 def stats_row(ts, bundle="b-1", bucket="coding", cohort="main", **changes):
     row = {name: [7, 3] if kind.startswith("Array") else 7 if kind == "UInt64" else 0.25
@@ -88,8 +85,6 @@ def archive(tmp_path):
     opened.close()
 
 
-# -- persistence --------------------------------------------------------------------------
-
 def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path):
     dsn = f"chdb://{tmp_path}/archive"
     window = [stats_row(100 + i, speedup=math.nan if i == 1 else 1.4, ttft_p99=None if i == 2 else 80.0)
@@ -138,13 +133,9 @@ def test_everything_reads_back_exactly_from_a_new_process_after_restart(tmp_path
     one = got["decision"]
     audit = one.pop("audit")
     assert one == decision_row(first)
-    assert audit["audit_id"] == f"a-{first.id}" and audit["kind"] == "decision"
-    assert audit["actor"] == "specwatch" and audit["decision_id"] == first.id
-    assert audit["scope"] == "b-1/coding/*" and audit["reason"] == "acceptance_drop"
-    assert audit["thresholds"] == audit_for(window)["thresholds"]
-    assert audit["baseline"] == audit_for(window)["baseline"]
-    assert audit["card"] == CARD
-    assert same(audit["window"], expected_window)
+    expected_audit = dict(audit_for(expected_window), audit_id=f"a-{first.id}", kind="decision",
+                          actor="specwatch", decision_id=first.id, scope="b-1/coding/*", reason="acceptance_drop")
+    assert same({name: audit[name] for name in expected_audit}, expected_audit)
 
     assert [(s["kind"], s["sample_id"]) for s in got["samples"]] == [
         ("step", "w1:7"), ("request", "r1"), ("shadow", "r1"), ("request", "r2")]
@@ -202,8 +193,6 @@ def test_relative_chdb_dsn_is_relative_to_the_working_directory(tmp_path, monkey
     assert (tmp_path / "nested" / "dirs" / "archive" / "metadata").is_dir()
 
 
-# -- idempotency ---------------------------------------------------------------------------
-
 def test_same_decision_twice_is_one_decision_one_audit_row_and_one_set_of_samples(archive):
     d = decision(10.0)
     samples = [request(9.5), step(9.4), shadow(9.6)]
@@ -224,17 +213,6 @@ def test_rewriting_a_slice_replaces_it(archive):
     rows = archive.timeline(bundle_id="b-1")
     assert [(r["ts"], r["rounds"]) for r in rows] == [(1.0, 7), (2.0, 100)]
 
-
-def test_overrides_and_bundles_are_idempotent(archive):
-    for _ in range(2):
-        archive.write_override(("b-1", None, None), False, None, "bob", "incident 42", 5.0)
-        archive.write_bundle("b-1", CARD, 5.0, "w1")
-    assert len(archive.overrides(active_only=False)) == 1
-    assert len(archive.audit(kind="override")) == 1
-    assert archive.bundles()[0]["workers"] == ["w1"]
-
-
-# -- reads ------------------------------------------------------------------------------------
 
 def test_timeline_is_in_slice_order_and_filters_by_scope_and_time(archive):
     rows = [stats_row(ts, bucket=bucket, cohort=cohort)
@@ -318,7 +296,8 @@ def test_flag_store_folds_decisions_in_time_order_with_overrides_on_top(archive)
 
 
 def test_overrides_keep_history_and_the_latest_event_per_scope_wins(archive):
-    archive.write_override(("b-1", None, None), False, None, "dan", "incident", 10.0)
+    for _ in range(2):  # the same event twice is one event
+        archive.write_override(("b-1", None, None), False, None, "dan", "incident", 10.0)
     archive.write_override(("b-1", "chat", None), True, 2, "dan", "shorter drafts", 11.0)
     archive.write_override(("b-1", None, None), False, None, "erin", "done", 12.0, cleared=True)
     archive.write_override(("b-1", None, None), True, 3, "erin", "again, shorter", 13.0)
@@ -336,11 +315,10 @@ def test_bundles_track_first_and_last_seen_and_workers(archive):
     archive.write_bundle("b-1", CARD, 30.0, "w1")
     archive.write_bundle("b-1", CARD, 90.0, "w2")
     archive.write_bundle("b-1", CARD, 60.0, "w1")
+    archive.write_bundle("b-1", CARD, 60.0, "w1")  # the same sighting twice
     assert [(b["bundle_id"], b["first_seen"], b["last_seen"], b["workers"]) for b in archive.bundles()] == [
         ("b-1", 30.0, 90.0, ["w1", "w2"]), ("b-2", 40.0, 40.0, ["w3"])]
 
-
-# -- refusals ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("statement", [
     "INSERT INTO specwatch.decisions (decision_id) VALUES ('x')",
@@ -427,8 +405,6 @@ def test_override_needs_who_and_a_sane_draft_limit(archive):
         archive.write_override(("b-1", None, None), True, None, "amy", "why", math.inf)
 
 
-# -- the engine is a process resource ----------------------------------------------------------
-
 def test_one_chdb_archive_per_process_and_shared_clients_per_path(tmp_path):
     first = Archive.open(f"chdb://{tmp_path}/one")
     again = Archive.open(f"chdb://{tmp_path}/one/")  # same directory, other spelling
@@ -444,23 +420,6 @@ def test_one_chdb_archive_per_process_and_shared_clients_per_path(tmp_path):
     with Archive.open(f"chdb://{tmp_path}/two") as other:  # released with the last user
         assert other.decisions() == []
 
-
-def test_server_dsn_errors_never_show_the_password(caplog, monkeypatch):
-    caplog.set_level(logging.DEBUG)
-    monkeypatch.setenv("SPECWATCH_CLICKHOUSE_PASSWORD", "env-secret-2")
-    for dsn in ("http://ops:dsn-secret-1@127.0.0.1:9/postmortems", "http://127.0.0.1:9"):
-        with pytest.raises(ArchiveError) as raised:
-            Archive.open(dsn)
-        text = str(raised.value) + caplog.text
-        assert "secret" not in text
-        assert "127.0.0.1:9" in str(raised.value)
-    with pytest.raises(ValueError, match="plain identifier"):
-        Archive.open("http://127.0.0.1:9/bad-name;drop")
-    with pytest.raises(ValueError, match="scheme"):
-        Archive.open("ftp://127.0.0.1/x")
-
-
-# -- batching ------------------------------------------------------------------------------------
 
 def test_window_stats_reach_the_archive_directly_and_through_the_sink_in_slice_sized_writes(archive, tmp_path):
     rows = [stats_row(i, bucket=("coding", "chat", "summarization")[i % 3], cohort=("main", "canary")[i % 2],

@@ -46,13 +46,24 @@ def _in_read_order(rows) -> list[tuple]:
     return sorted(rows, key=lambda r: (r[0], r[1], r[2] is None, r[2] or "", r[3] is None, r[3] or ""))
 
 
-def test_the_columnar_writer_stores_exactly_what_the_row_path_stored(outputs, tmp_path):
+def test_the_columnar_writer_stores_exactly_what_the_row_path_stored(outputs, tmp_path, monkeypatch):
+    """Inserts cut at the chunk size, with no row object on the way in, store what the row path did."""
+    def no_rows(self):
+        raise AssertionError("a window row was built on the way into the archive")
+
     rows = [row for output in outputs for row in output.window_rows]
     windows = [row for output in outputs for row in output.windows]
     assert len(rows) == len(windows) == 681 and len({len(o.windows) for o in outputs}) > 1
     assert sum(1 for row in rows if math.isnan(row["speedup"])) == 168  # NULLs on the way
+    widest = max(len(output.windows) for output in outputs)
+    monkeypatch.setattr(store, "_DEFAULT_INSERT_CHUNK_ROWS", 100)
+    monkeypatch.setattr(SliceWindows, "rows", no_rows)
     path = tmp_path / "archive"
     with Archive.open(f"chdb://{path}") as archive:
+        inserts = []
+        insert_table = archive._insert_table
+        monkeypatch.setattr(archive, "_insert_table", lambda table, data: (
+            inserts.append(data.num_rows) if table.name == "window_stats" else None, insert_table(table, data)))
         sink = ArchiveSink(archive, window_batch=250, spool=tmp_path / "spool")
         for output in outputs:
             sink(output)
@@ -70,6 +81,7 @@ def test_the_columnar_writer_stores_exactly_what_the_row_path_stored(outputs, tm
     assert len(columnar) == len(rows)
     assert columnar == by_rows
     assert columnar == _in_read_order(_as_read(row) for row in rows)
+    assert sum(inserts) == 681 and len(inserts) >= 7 and max(inserts) < 100 + widest
 
 
 def test_stage_two_columns_hold_exactly_the_numbers_of_its_rows(outputs):
@@ -94,30 +106,6 @@ def test_stage_two_columns_hold_exactly_the_numbers_of_its_rows(outputs):
     assert window_columns_table(columns).equals(window_rows_table(rows))
     empty = window_columns([SliceWindows(1.0)])
     assert len(empty) == 0 and window_columns_table(empty).num_rows == 0
-
-
-def test_the_sink_inserts_stage_two_output_with_no_row_object(outputs, tmp_path, monkeypatch):
-    """Inserts cut at the chunk size, reading back what the row path stores."""
-    def no_rows(self):
-        raise AssertionError("a window row was built on the way into the archive")
-
-    monkeypatch.setattr(store, "_DEFAULT_INSERT_CHUNK_ROWS", 100)
-    expected = _in_read_order(_as_read(row) for output in outputs for row in output.window_rows)
-    widest = max(len(output.windows) for output in outputs)
-    monkeypatch.setattr(SliceWindows, "rows", no_rows)
-    with Archive.open(f"chdb://{tmp_path / 'archive'}") as archive:
-        inserts = []
-        insert_table = archive._insert_table
-        monkeypatch.setattr(archive, "_insert_table", lambda table, data: (
-            inserts.append(data.num_rows) if table.name == "window_stats" else None, insert_table(table, data)))
-        sink = ArchiveSink(archive, window_batch=300, spool=tmp_path / "spool")
-        for output in outputs:
-            sink(output)
-        sink.close()
-        assert sink.stats()["spooled"] == 0
-        stored = archive.sql(f"SELECT {', '.join(WINDOW_STATS_FIELDS)} FROM window_stats FINAL {_ORDER}")[1]
-    assert stored == expected
-    assert sum(inserts) == 681 and len(inserts) >= 7 and max(inserts) < 100 + widest
 
 
 def test_an_insert_into_chdb_writes_no_file(outputs, tmp_path, monkeypatch):

@@ -44,8 +44,7 @@ def _first_deciding() -> SliceOutput:
 
 
 class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
+    now = 0.0
 
     def __call__(self) -> float:
         return self.now

@@ -27,21 +27,6 @@ def sasl_broker():
         forget_broker_data(_PORT)
 
 
-class SaslPipeline(Pipeline):
-    """The test's helpers on the PLAINTEXT listener; the worker on the SASL one."""
-
-    def __init__(self, plain: str, sasl: str, *args, **kwargs) -> None:
-        super().__init__(plain, *args, **kwargs)
-        self.sasl = sasl
-
-    def start(self, *args, **kwargs):
-        plain, self.bootstrap = self.bootstrap, self.sasl
-        try:
-            return super().start(*args, **kwargs)
-        finally:
-            self.bootstrap = plain
-
-
 def _credentials(monkeypatch, password: str) -> None:
     monkeypatch.setenv("SPECWATCH_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
     monkeypatch.setenv("SPECWATCH_KAFKA_SASL_MECHANISM", "PLAIN")
@@ -53,7 +38,7 @@ def test_worker_with_sasl_credentials_decides_as_embedded(sasl_broker, tmp_path,
     plain, sasl = sasl_broker
     feed = make_feed(plain, "acceptance_drop")
     _credentials(monkeypatch, _PASSWORD)
-    pipeline = SaslPipeline(plain, sasl, feed, tmp_path)
+    pipeline = Pipeline(plain, feed, tmp_path, worker_bootstrap=sasl)  # the test's helpers on PLAINTEXT
     try:
         pipeline.decide()
         assert _PASSWORD not in pipeline.logs()

@@ -67,17 +67,19 @@ def test_clickhouse_credentials_stay_out_of_errors_logs_and_the_spool(tmp_path, 
     in_dsn, in_env = _secret("dsnpw"), _secret("envpw")
     port = free_port()
     errors = []
-    with pytest.raises(ArchiveError) as raised:
+    with pytest.raises(ArchiveError, match=f"127.0.0.1:{port}") as raised:
         Archive.open(f"http://ops:{in_dsn}@127.0.0.1:{port}/specwatch")
     errors.append(raised.value)
     monkeypatch.setenv("SPECWATCH_CLICKHOUSE_USER", "ops")
     monkeypatch.setenv("SPECWATCH_CLICKHOUSE_PASSWORD", in_env)
-    with pytest.raises(ArchiveError) as raised:
+    with pytest.raises(ArchiveError, match=f"127.0.0.1:{port}") as raised:
         Archive.open(f"https://127.0.0.1:{port}/specwatch")
     errors.append(raised.value)
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(ValueError, match="scheme") as raised:
         Archive.open(f"ftp://ops:{in_dsn}@host/db")
     errors.append(raised.value)
+    with pytest.raises(ValueError, match="plain identifier"):
+        Archive.open(f"http://127.0.0.1:{port}/bad-name;drop")
 
     sink = ArchiveSink.open(f"http://ops:{in_dsn}@127.0.0.1:{port}/specwatch", spool=tmp_path / "spool")
     pipeline = replayed(Simulator("bundle_change", seed=3, minutes=0.1, workers=2, incident_at=0.5).records(),

@@ -1,31 +1,20 @@
-"""Messages of the decisions topic: signed decisions and heartbeats, encoded and decoded in one place.
-
-A decision's key is its scope and its value the contract line; a heartbeat's key is
-``__heartbeat__/<publisher>``. Both are signed over the exact value (`transport.signing`).
-"""
+"""Messages of the decisions topic: signed decisions and heartbeats, encoded, sent through any
+producer and decoded in one place (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Literal
+from typing import Callable, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specwatch.schemas import Decision
 
-from .signing import Keyring, sign_line
+from .signing import Keyring, sign_line, warn_unsigned
 
-__all__ = [
-    "HEARTBEAT_KEY_PREFIX",
-    "Heartbeat",
-    "Message",
-    "decision_message",
-    "decode_decision",
-    "decode_heartbeat",
-    "heartbeat_message",
-    "is_heartbeat_key",
-]
+__all__ = ["HEARTBEAT_KEY_PREFIX", "DecisionSink", "Heartbeat", "Message", "decode_decision",
+           "decode_heartbeat", "heartbeat_message", "is_heartbeat_key"]
 
 HEARTBEAT_KEY_PREFIX = "__heartbeat__/"
 MAX_PUBLISHER_ID_CHARS = 200
@@ -34,19 +23,9 @@ Message = tuple[bytes, bytes, list[tuple[str, bytes]]]
 """Key, value and headers, ready for any Kafka producer."""
 
 
-def decision_message(decision: Decision, keyring: Keyring) -> Message:
-    """Key, value and signature headers of one decision on the compacted decisions topic.
-
-    >>> decision = Decision(ts=1.0, bundle_id="b-1", bucket="coding", action="alert",
-    ...                     reason="draft_overhead", detector="cost")
-    >>> key, value, headers = decision_message(decision, Keyring())
-    >>> key, decode_decision(value) == decision, headers
-    (b'b-1/coding/*', True, [])
-    """
-    return _signed(decision, keyring)
-
-
 def _signed(item: Decision | Heartbeat, keyring: Keyring) -> Message:
+    """Key (a decision's scope, a heartbeat's ``__heartbeat__/<publisher>``), value and the
+    signature headers over the exact value (`transport.signing`)."""
     value = item.to_json_line().encode("utf-8")
     return item.key.encode("utf-8"), value, sign_line(value, keyring)
 
@@ -72,11 +51,9 @@ def decode_decision(value: bytes | str | None) -> Decision | None:
 
 
 class Heartbeat(BaseModel):
-    """A publisher's sign of life on the decisions topic, signed like a decision.
-
-    ``wall_time`` is the publisher's clock when it sent it (clients judge silence by it);
-    ``watermark`` the event time the publisher's pipeline has reached (lag = wall - watermark).
-    """
+    """A publisher's sign of life on the decisions topic, signed like a decision. ``wall_time`` is
+    the publisher's clock when it sent it (clients judge silence by it); ``watermark`` the event
+    time the publisher's pipeline has reached (lag = wall - watermark)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -107,11 +84,9 @@ def decode_heartbeat(value: bytes | str | None) -> Heartbeat | None:
 
 def heartbeat_message(publisher_id: str, seq: int, watermark: float | None, *, keyring: Keyring,
                       wall_time: float | None = None) -> Message:
-    """Key, value and signature headers of one heartbeat, ready for any Kafka producer.
-
-    One compacted key per ``publisher_id``; ``watermark`` is the event time its pipeline
-    reached (None before any), ``wall_time`` the send time (now by default).
-    """
+    """Key, value and signature headers of one heartbeat, ready for any Kafka producer. One
+    compacted key per ``publisher_id``; ``watermark`` is the event time its pipeline reached (None
+    before any), ``wall_time`` the send time (now by default)."""
     if watermark is not None and not math.isfinite(watermark):
         watermark = None
     beat = Heartbeat(publisher=publisher_id, seq=seq, watermark=watermark,
@@ -121,3 +96,40 @@ def heartbeat_message(publisher_id: str, seq: int, watermark: float | None, *, k
 
 def is_heartbeat_key(key: bytes | None) -> bool:
     return key is not None and key.startswith(HEARTBEAT_KEY_PREFIX.encode())
+
+
+Sent = TypeVar("Sent")
+
+
+class DecisionSink(Generic[Sent]):
+    """The one send path of the decisions topic: signs decisions and heartbeats and sends each as
+    one message through ``send(topic, value, key=..., headers=...)``, a producer's, whose result
+    it returns. No partition is named: kafka-python and aiokafka both place a key with murmur2.
+    Without a key messages go out unsigned, after one warning naming ``role``.
+
+    >>> sent = []
+    >>> sink = DecisionSink(lambda topic, value, **kw: sent.append((topic, kw, value)), "d",
+    ...                     Keyring())
+    >>> decision = Decision(ts=1.0, bundle_id="b-1", bucket="coding", action="alert",
+    ...                     reason="draft_overhead", detector="cost")
+    >>> sink.decision(decision)
+    >>> (topic, sent_with, value), = sent
+    >>> topic, sent_with, decode_decision(value) == decision
+    ('d', {'key': b'b-1/coding/*', 'headers': []}, True)
+    """
+
+    def __init__(self, send: Callable[..., Sent], topic: str, keyring: Keyring, *,
+                 role: str = "the decision publisher") -> None:
+        self._send = send
+        self.topic = topic
+        self.keyring = keyring
+        if not keyring.enabled:
+            warn_unsigned(role)
+
+    def decision(self, decision: Decision) -> Sent:
+        key, value, headers = _signed(decision, self.keyring)
+        return self._send(self.topic, value, key=key, headers=headers)
+
+    def heartbeat(self, publisher_id: str, seq: int, watermark: float | None) -> Sent:
+        key, value, headers = heartbeat_message(publisher_id, seq, watermark, keyring=self.keyring)
+        return self._send(self.topic, value, key=key, headers=headers)

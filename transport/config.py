@@ -1,11 +1,11 @@
-"""How to reach the Kafka cluster: one validated config, its security settings per client library.
-"""
+"""How to reach the Kafka cluster: one validated config, its security settings per client
+library."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +18,11 @@ class BrokerUnavailable(ConnectionError):
     """Kafka could not be reached, or did not answer, within the connect timeout."""
 
 
-# SPECWATCH_KAFKA_<name> -> KafkaConfig field (the SASL password may also come from a file)
-_KAFKA_ENV = {"BOOTSTRAP": "bootstrap_servers", "SECURITY_PROTOCOL": "security_protocol",
-              "SASL_MECHANISM": "sasl_mechanism", "SASL_USERNAME": "sasl_username",
-              "SASL_PASSWORD": "sasl_password", "SSL_CAFILE": "ssl_cafile", "SSL_CERTFILE": "ssl_certfile",
-              "SSL_KEYFILE": "ssl_keyfile"}
-# SPECWATCH_KAFKA_<name> -> KafkaConfig field of a client tuning setting (a whole number)
-_KAFKA_TUNING_ENV = {"LINGER_MS": "linger_ms", "BATCH_SIZE": "batch_size", "FETCH_MAX_BYTES": "fetch_max_bytes",
-                     "MAX_PARTITION_FETCH_BYTES": "max_partition_fetch_bytes", "MAX_POLL_RECORDS": "max_poll_records"}
+# SPECWATCH_KAFKA_<NAME> sets the field of that name (the whole numbers: client tuning); the
+# SASL password may also come from a file.
+_KAFKA_ENV = ("security_protocol", "sasl_mechanism", "sasl_username", "sasl_password", "ssl_cafile",
+              "ssl_certfile", "ssl_keyfile", "linger_ms", "batch_size", "fetch_max_bytes",
+              "max_partition_fetch_bytes", "max_poll_records")
 # kafka-python needs the broker version up front or it connects while being constructed.
 _DEFAULT_API_VERSION = (4, 0)
 _DEFAULT_LINGER_MS = 20
@@ -48,9 +45,8 @@ _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "G
 
 @dataclass(frozen=True)
 class KafkaConfig:
-    """How to reach a Kafka cluster; validated once, secrets kept out of repr and logs.
-
-    ``extra`` goes to kafka-python producers as is.
+    """How to reach a Kafka cluster; validated once, secrets kept out of repr and logs (``extra``
+    goes to kafka-python producers as is).
 
     >>> KafkaConfig("127.0.0.1:19092", compression_type="zstd").producer_settings()["compression_type"]
     'zstd'
@@ -136,17 +132,16 @@ class KafkaConfig:
         """
         environ = os.environ if environ is None else environ
         found: dict[str, Any] = {}
-        for name, field_name in {**_KAFKA_ENV, **_KAFKA_TUNING_ENV}.items():
+        whole = {f.name for f in fields(cls) if f.type == "int"}
+        names = {"BOOTSTRAP": "bootstrap_servers", "COMPRESSION": "compression_type",
+                 **{name.upper(): name for name in _KAFKA_ENV}}
+        for name, field_name in names.items():
             value = environ.get(f"SPECWATCH_KAFKA_{name}")
-            if not value:
-                continue
             try:
-                found[field_name] = int(value) if name in _KAFKA_TUNING_ENV else value
+                if value:
+                    found[field_name] = int(value) if field_name in whole else value
             except ValueError:
-                raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, "
-                                 f"got {value!r}") from None
-        if environ.get("SPECWATCH_KAFKA_COMPRESSION"):
-            found["compression_type"] = environ["SPECWATCH_KAFKA_COMPRESSION"]
+                raise ValueError(f"SPECWATCH_KAFKA_{name} must be a whole number, got {value!r}") from None
         password_file = environ.get("SPECWATCH_KAFKA_SASL_PASSWORD_FILE")
         if password_file:
             if "sasl_password" in found:
@@ -233,6 +228,14 @@ class KafkaConfig:
         context.check_hostname = self.ssl_check_hostname
         return context
 
+    def _producer_common(self) -> dict[str, Any]:
+        """The producer settings both client libraries name alike."""
+        acks = "all" if self.acks in (-1, "all") else int(self.acks)
+        compression = None if self.compression_type == "none" else self.compression_type
+        # Idempotence keeps per-key order through retries; it needs acks=all.
+        return {"acks": acks, "enable_idempotence": acks == "all", "linger_ms": self.linger_ms,
+                "compression_type": compression, "max_request_size": self.max_request_size}
+
     def aiokafka_producer_settings(self, **overrides: Any) -> dict[str, Any]:
         """The producer settings of `producer_settings` in aiokafka's names, with its security options.
 
@@ -240,21 +243,9 @@ class KafkaConfig:
         >>> options["compression_type"], options["linger_ms"], options["max_batch_size"] == KafkaConfig("k:9092").batch_size
         ('lz4', 1, True)
         """
-        acks = self._acks()
-        settings: dict[str, Any] = {
-            "bootstrap_servers": self.bootstrap_servers.split(","),
-            "client_id": self.client_id,
-            "request_timeout_ms": self.request_timeout_ms,
-            "acks": acks,
-            "enable_idempotence": acks == "all",
-            "linger_ms": self.linger_ms,
-            "max_batch_size": self.batch_size,
-            "compression_type": None if self.compression_type == "none" else self.compression_type,
-            "max_request_size": self.max_request_size,
-            **self.aiokafka_security(),
-        }
-        settings.update(overrides)
-        return settings
+        return {"bootstrap_servers": self.bootstrap_servers.split(","), "client_id": self.client_id,
+                "request_timeout_ms": self.request_timeout_ms, **self._producer_common(),
+                "max_batch_size": self.batch_size, **self.aiokafka_security(), **overrides}
 
     def aiokafka_fetch_settings(self) -> dict[str, Any]:
         """What one fetch of an aiokafka consumer may bring, per partition and in all."""
@@ -262,28 +253,12 @@ class KafkaConfig:
 
     def faust_consumer_settings(self) -> dict[str, Any]:
         """The consumer's fetch settings as Faust app settings (Faust's consumer is aiokafka's).
-
-        Faust offers no total fetch limit: ``fetch_max_bytes`` stays aiokafka's 50 MiB there.
-        """
+        Faust offers no total fetch limit: ``fetch_max_bytes`` stays aiokafka's 50 MiB there."""
         return {"consumer_max_fetch_size": self.max_partition_fetch_bytes,
                 "broker_max_poll_records": self.max_poll_records}
 
-    def _acks(self) -> int | str:
-        return "all" if self.acks in (-1, "all") else int(self.acks)
-
     def producer_settings(self) -> dict[str, Any]:
-        acks = self._acks()
-        settings = self.client_settings()
-        settings.update(
-            acks=acks,
-            linger_ms=self.linger_ms,
-            batch_size=self.batch_size,
-            compression_type=None if self.compression_type == "none" else self.compression_type,
-            max_request_size=self.max_request_size,
-            max_block_ms=self.max_block_ms,
-            delivery_timeout_ms=max(self.delivery_timeout_ms, self.request_timeout_ms + self.linger_ms),
-            # Idempotence keeps per-key order through retries; it needs acks=all.
-            enable_idempotence=acks == "all",
-        )
-        settings.update(self.extra)
-        return settings
+        delivery_timeout = max(self.delivery_timeout_ms, self.request_timeout_ms + self.linger_ms)
+        return {**self.client_settings(), **self._producer_common(), "batch_size": self.batch_size,
+                "max_block_ms": self.max_block_ms, "delivery_timeout_ms": delivery_timeout,
+                **self.extra}

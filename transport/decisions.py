@@ -64,11 +64,9 @@ def _within(timeout_s: float, what: str, call: Callable[[], T]) -> T:
 
 class DecisionReader:
     """Reads a decisions topic from its start, each partition in offset order; checks no signatures.
-
     ``connect()`` raises `BrokerUnavailable` or ``LookupError`` (no such topic) within
-    ``connect_timeout_s``; ``poll()`` returns ``(decision or None, message)`` pairs; heartbeats
-    only with ``include_heartbeats``.
-    """
+    ``connect_timeout_s``; ``poll()`` returns ``(decision or None, message)`` pairs; heartbeats only
+    with ``include_heartbeats``."""
 
     def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC,
                  connect_timeout_s: float = _DEFAULT_CONNECT_TIMEOUT_S, include_heartbeats: bool = False) -> None:

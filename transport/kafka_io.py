@@ -1,7 +1,5 @@
-"""Reading and writing Kafka partitions from asyncio: ranges outside the consumer group, and awaited writes.
-
-`specwatch.transport.memory` is the in-memory twin of `PartitionReader` and `KafkaWriter`.
-"""
+"""Reading and writing Kafka partitions from asyncio: ranges outside the consumer group, and
+awaited writes (`specwatch.transport.memory` is the in-memory twin of both)."""
 
 from __future__ import annotations
 
@@ -90,16 +88,11 @@ class PartitionReader(RangeReader):
         finally:
             await admin.close()
 
-    @contextlib.asynccontextmanager
-    async def _consumer(self) -> AsyncIterator[AIOKafkaConsumer]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, **self._security, **self._fetch,
-                                    group_id=None, enable_auto_commit=False,
-                                    auto_offset_reset="earliest", isolation_level="read_committed")
-        await consumer.start()
-        try:
-            yield consumer
-        finally:
-            await consumer.stop()
+    def _consumer(self) -> AIOKafkaConsumer:
+        """A consumer outside any group, started and stopped by ``async with``."""
+        return AIOKafkaConsumer(bootstrap_servers=self._bootstrap, **self._security, **self._fetch,
+                                group_id=None, enable_auto_commit=False,
+                                auto_offset_reset="earliest", isolation_level="read_committed")
 
     async def iter_range(self, topic: str, partition: int, start: int, end: int) -> AsyncIterator[Any]:
         """Messages with ``start <= offset < end`` of one partition, in order (fewer if the log ends first)."""
@@ -154,9 +147,7 @@ class KafkaStalled(RuntimeError):
 
 class KafkaWriter:
     """The app's own idempotent producer (``acks=all``): each send can be awaited till acknowledged.
-
-    Faust's producer flush gives up after a moment, no ground for "written before published".
-    """
+    Faust's producer flush gives up after a moment, no ground for "written before published"."""
 
     def __init__(self, config: KafkaConfig) -> None:
         self._settings = config.aiokafka_producer_settings(

@@ -1,6 +1,5 @@
-"""The in-memory twin of `PartitionReader` and `KafkaWriter`: topics with partitions and offsets, in one process.
-
-Unit tests run the partition runners on it: offsets, retention (`MemoryKafka.expire`), commits.
+"""The in-memory twin of `PartitionReader` and `KafkaWriter`: topics with partitions, offsets and
+retention (`MemoryKafka.expire`), in one process, for the partition runners' unit tests.
 
 >>> import asyncio
 >>> kafka = MemoryKafka({"t": 2})
@@ -36,8 +35,6 @@ class MemoryRecord:
     key: bytes | None
     value: bytes | None
     headers: tuple[tuple[str, bytes], ...] = ()
-    timestamp: int = 0
-    timestamp_type: int = 0
 
 
 @dataclass
@@ -55,7 +52,6 @@ class MemoryKafka:
 
     def __init__(self, topics: Mapping[str, int] | None = None) -> None:
         self._topics: dict[str, list[_Partition]] = {}
-        self.committed: dict[tuple[str, str, int], int] = {}  # (group, topic, partition) -> next offset
         for topic, partitions in (topics or {}).items():
             self.create(topic, partitions)
 
@@ -97,9 +93,6 @@ class MemoryKafka:
         del log.records[:drop]
         log.start += drop
 
-    def commit(self, group: str, topic: str, partition: int, offset: int) -> None:
-        self.committed[(group, topic, partition)] = offset
-
 
 class MemoryReader(RangeReader):
     """`PartitionReader` over a `MemoryKafka`."""
@@ -122,14 +115,10 @@ class MemoryReader(RangeReader):
         return {p: log.end for p, log in enumerate(self._kafka.partitions(topic))}
 
     async def drained(self, group: str, sources: Iterable[str]) -> set[str]:
-        out = set()
-        for source in sources:
-            topic, partition = split_source(source)
-            log = self._kafka.partitions(topic)[partition]
-            mark = self._kafka.committed.get((group, topic, partition))
-            if log.end <= log.start or (mark is not None and mark >= log.end):
-                out.add(source)
-        return out
+        """The sources with nothing left to read (no group offsets here: the empty ones)."""
+        logs = {source: self._kafka.partitions(topic)[partition]
+                for source, (topic, partition) in ((s, split_source(s)) for s in sources)}
+        return {source for source, log in logs.items() if log.end <= log.start}
 
 
 class MemoryWriter:

@@ -7,18 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "CHECKPOINT_TOPIC_CONFIG",
-    "DEADLETTER_TOPIC",
-    "DECISIONS_TOPIC",
-    "DECISIONS_TOPIC_CONFIG",
-    "PARTIALS_TOPIC",
-    "TELEMETRY_TOPIC",
-    "PartitionCounts",
-    "TopicError",
-    "TopicPlan",
-    "prepare_topics",
-]
+__all__ = ["CHECKPOINT_TOPIC_CONFIG", "DEADLETTER_TOPIC", "DECISIONS_TOPIC",
+           "DECISIONS_TOPIC_CONFIG", "PARTIALS_TOPIC", "TELEMETRY_TOPIC", "PartitionCounts",
+           "TopicError", "TopicPlan", "prepare_topics"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +38,8 @@ class TopicError(RuntimeError):
 
 @dataclass(frozen=True)
 class TopicPlan:
-    """The topics one stream app runs on, and how to reach them.
-
-    ``checkpoints`` (stage 1, stage 2) get one partition per partition of telemetry and partials.
-    """
+    """The topics one stream app runs on, and how to reach them; ``checkpoints`` (stage 1, stage 2)
+    get one partition per partition of telemetry and partials."""
 
     bootstrap: str
     telemetry: tuple[str, ...]
@@ -71,11 +60,9 @@ class PartitionCounts:
 
 
 async def prepare_topics(plan: TopicPlan, default_partitions: int = _DEFAULT_PARTITIONS) -> PartitionCounts:
-    """Reach the cluster, create missing topics, and return the partition counts.
-
-    Raises `BrokerUnavailable` when no broker answers, `TopicError` when telemetry topics
-    disagree on their partition count or a checkpoint topic does not follow its input.
-    """
+    """Reach the cluster, create missing topics, and return the partition counts. Raises
+    `BrokerUnavailable` when no broker answers, `TopicError` when telemetry topics disagree on their
+    partition count or a checkpoint topic does not follow its input."""
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.errors import KafkaConnectionError, KafkaError
 

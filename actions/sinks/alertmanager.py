@@ -16,9 +16,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, get_args
 
 from specwatch.schemas import Decision
+from specwatch.schemas.decisions import Reason
 
 __all__ = ["ALERTMANAGER_URL_ENV", "SENDER_RESULTS", "WEBHOOK_OUTCOMES", "WEBHOOK_TOKEN_FILE_ENV",
            "AlertRequest", "AlertSender", "RollbackPolicy", "WebhookLedger", "bearer_token_ok",
@@ -43,8 +44,7 @@ _DEFAULT_BACKOFF_S = 0.5
 # Idempotence memory of the webhook: alerts (fingerprint, startsAt, status) handled.
 _LEDGER_SIZE = 10_000
 _TAKING_AWAY = ("disable_speculation", "invalidate_bundle", "reduce_draft_length")
-_REASON_CODES = ("acceptance_drop", "no_speedup", "draft_overhead", "latency_slo", "kv_pressure", "bundle_changed",
-                 "quality_regression", "error_rate", "unadmitted_bundle", "canary_judgement")
+_REASON_CODES = get_args(Reason)
 
 
 def _iso(ts: float) -> str:
@@ -84,11 +84,9 @@ def decision_alert(decision: Decision, now: float, ends_at: float, explain_archi
 
 class AlertSender:
     """Posts decisions to Alertmanager (POST /api/v2/alerts) from a background thread; `submit`
-    never blocks (a full queue drops and counts), failed posts are retried, then counted.
-
-    Alerts in force are sent again every ``resend_seconds``, each with ``endsAt`` four intervals
-    ahead; ``post(url, body_bytes, timeout)`` is urllib's by default.
-    """
+    never blocks (a full queue drops and counts), failed posts are retried, then counted. Alerts in
+    force are sent again every ``resend_seconds``, each with ``endsAt`` four intervals ahead;
+    ``post(url, body_bytes, timeout)`` is urllib's by default."""
 
     def __init__(self, url: str, *, queue_size: int = _DEFAULT_QUEUE, resend_seconds: float = _DEFAULT_RESEND_S,
                  retries: int = _DEFAULT_RETRIES, backoff_s: float = _DEFAULT_BACKOFF_S,
@@ -113,7 +111,6 @@ class AlertSender:
         # every result from the start at 0: Prometheus' increase() needs the series before its first event
         self.counts: Counter = Counter(dict.fromkeys(SENDER_RESULTS, 0))
 
-    # -- the stream's side: never blocks ----------------------------------------------
     def submit(self, decision: Decision) -> bool:
         """Queue one decision; False (and counted as dropped) when the queue is full."""
         if decision.action not in (*_TAKING_AWAY, "restore"):
@@ -129,7 +126,6 @@ class AlertSender:
     def queued(self) -> int:
         return self._queue.qsize()
 
-    # -- the sender's thread -------------------------------------------------------------
     def start(self) -> "AlertSender":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="specwatch-alertmanager", daemon=True)
@@ -176,9 +172,8 @@ class AlertSender:
 
     def resend(self) -> None:
         now = self._clock()
-        alerts = [decision_alert(d, now, now + 4 * self.resend_seconds, self._explain_archive)
-                  for by_labels in self._active.values() for d in by_labels.values()]
-        self._deliver(alerts)
+        self._deliver([decision_alert(d, now, now + 4 * self.resend_seconds, self._explain_archive)
+                       for by_labels in self._active.values() for d in by_labels.values()])
 
     def _deliver(self, alerts: list[dict]) -> None:
         if not alerts:
@@ -201,9 +196,6 @@ def _http_post(url: str, body: bytes, timeout: float) -> None:
     with urllib.request.urlopen(request, timeout=timeout) as response:
         if response.status >= 300:
             raise urllib.error.HTTPError(url, response.status, response.reason, response.headers, None)
-
-
-# ---------------------------------------------------------------- the webhook
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 from specwatch.schemas import Decision
 from specwatch.transport.config import KafkaConfig
-from specwatch.transport.decision_sink import DecisionSink
+from specwatch.transport.codec import DecisionSink
 from specwatch.transport.signing import Keyring
 from specwatch.transport.topics import DECISIONS_TOPIC
 
@@ -23,10 +23,9 @@ _PUBLISH_LINGER_MS = 5
 
 
 class DecisionPublisher:
-    """Writes signed decisions to the compacted decisions topic (key: scope, value: contract
-    line); failures are counted and logged, never raised. Without a signing key in ``keyring``
-    (`Keyring.from_env()` by default) messages go out unsigned, with a warning.
-    """
+    """Writes signed decisions to the compacted decisions topic (key: scope, value: contract line);
+    failures are counted and logged, never raised. Without a signing key in ``keyring``
+    (`Keyring.from_env()` by default) messages go out unsigned, with a warning."""
 
     def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC,
                  keyring: Keyring | None = None) -> None:
