@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
+import itertools
 import json
 import math
 from typing import Iterable, Sequence
@@ -107,6 +108,10 @@ def _flatten(prefix: str, value) -> Iterable[tuple[str, object]]:
         yield prefix, value
 
 
+def _pairs(data: dict, show=_shown) -> str:
+    return " ".join(f"{k}={show(k, v)}" for k, v in _flatten("", data))
+
+
 def _window_rows(record: dict) -> list[dict]:
     rows = []
     for row in _audit(record).get("window") or []:
@@ -156,17 +161,13 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     finding = _finding(record)
     audit = _audit(record)
     what, measure = _headline(record)
-    lines = [f"decision {record['decision_id']}: {what}" + (f":\n  {measure}" if measure else "")]
-    lines.append(f"detector: {record['detector']}")
-    judgement = judgement_lines(finding)
-    if judgement:  # an admission decision: the stage move and the judge's per-bucket breakdown
-        finding = {k: v for k, v in finding.items() if k not in ("breakdown", "judgement", "failing")}
-    lines.append("finding: " + " ".join(f"{k}={_shown(k, v)}" for k, v in _flatten("", finding)))
-    lines.extend(judgement)
-    thresholds = audit.get("thresholds") or {}
-    lines.append("thresholds: " + " ".join(f"{k}={_number(v)}" for k, v in _flatten("", thresholds)))
-    baseline = audit.get("baseline") or {}
-    lines.append("baseline: " + (" ".join(f"{k}={_shown(k, v)}" for k, v in _flatten("", baseline)) or "(none)"))
+    judgement = judgement_lines(finding)  # an admission decision: the judge's per-bucket breakdown
+    lines = [f"decision {record['decision_id']}: {what}" + (f":\n  {measure}" if measure else ""),
+             f"detector: {record['detector']}",
+             "finding: " + _pairs(_without_judgement(finding) if judgement else finding),
+             *judgement,
+             "thresholds: " + _pairs(audit.get("thresholds") or {}, lambda _, v: _number(v)),
+             "baseline: " + (_pairs(audit.get("baseline") or {}) or "(none)")]
     rows = _window_rows(record)
     if rows:
         start = rows[0]["slice_end"] - record["ts"]
@@ -182,15 +183,15 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     else:
         lines.append("evidence window: none (an event-triggered decision)")
     card = audit.get("card")
-    if card:
-        lines.append("bundle card: " + " ".join(f"{k}={_number(v)}" for k, v in _flatten("", card)))
-    else:
-        lines.append("bundle card: (not archived)")
+    lines.append("bundle card: " + (_pairs(card, lambda _, v: _number(v)) if card else "(not archived)"))
     lines.append(f"samples: {len(samples)}")
-    for sample in samples[:10]:
-        record = sample["record"]
-        lines.append(f"  {sample['kind']:<8}{sample['sample_id']:<28}{sample_summary(record)}")
+    lines.extend(f"  {sample['kind']:<8}{sample['sample_id']:<28}{sample_summary(sample['record'])}"
+                 for sample in samples[:10])
     return "\n".join(lines)
+
+
+def _without_judgement(finding: dict) -> dict:
+    return {k: v for k, v in finding.items() if k not in ("breakdown", "judgement", "failing")}
 
 
 def judgement_lines(finding: dict) -> list[str]:
@@ -293,7 +294,7 @@ def render_html(record: dict, samples: Sequence[dict], reproductions: Sequence[d
         _row("event time", f"{_utc(record['ts'])} ({record['ts']:.3f})", "ts"),
         "</table>",
         "<h2>Finding and thresholds</h2>",
-        _key_value_table("finding", {k: v for k, v in finding.items() if k not in ("breakdown", "judgement", "failing")}),
+        _key_value_table("finding", _without_judgement(finding)),
         *([f'<pre id="judgement">{esc(chr(10).join(judgement_lines(finding)))}</pre>']
           if judgement_lines(finding) else []),
         f'<p class="muted">Policy settings of the gate that fired ({esc(record["detector"])}):</p>',
@@ -465,14 +466,5 @@ def _segments(xs: list[float], ys: list[float]) -> list[list[tuple[float, float]
     >>> _segments([0, 1, 2, 3], [1.0, float("nan"), 2.0, 3.0])
     [[(0, 1.0)], [(2, 2.0), (3, 3.0)]]
     """
-    out, current = [], []
-    for x, y in zip(xs, ys):
-        if math.isnan(y):
-            if current:
-                out.append(current)
-            current = []
-        else:
-            current.append((x, y))
-    if current:
-        out.append(current)
-    return out
+    runs = itertools.groupby(zip(xs, ys), key=lambda point: not math.isnan(point[1]))
+    return [list(run) for defined, run in runs if defined]
