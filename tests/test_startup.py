@@ -74,7 +74,7 @@ def test_every_command_in_the_table_has_a_module_that_builds_and_runs_it():
     from specwatch.cli import COMMANDS, build_parser
 
     modules = sorted(m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_"))
-    assert [command.name for command in COMMANDS] == modules
+    assert list(COMMANDS) == modules
     parser = build_parser()
     assert parser.parse_args(["replay", "in.jsonl", "-o", "out.jsonl"]).func.__module__ == "specwatch.commands.replay"
     assert parser.parse_args(["query", "bundles"]).func.__name__ == "_bundles"

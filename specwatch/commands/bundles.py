@@ -11,7 +11,7 @@ from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NO
                                            add_archive_options, add_policy_option, load_policy,
                                            open_archive)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
-from specwatch.commands.query import format_card, format_ts, print_rows
+from specwatch.commands.query import format_card, format_optional as _opt, format_ts, print_rows
 
 __all__ = ["DESCRIPTION", "add_arguments"]
 
@@ -141,7 +141,3 @@ def _evidence(change: dict) -> str:
         requests = sum(j.get("canary_requests", 0) for j in judged.values())
         return f"{len(judged)} buckets pass, {requests} speculative requests judged"
     return ""
-
-
-def _opt(value: object) -> str:
-    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)

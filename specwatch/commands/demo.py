@@ -62,15 +62,11 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
 
     flags = FlagStore()
     rows: list[dict] = []
-    sinks = [lambda out: rows.extend(out.window_rows)]
-    if archive_sink is not None:
-        sinks.append(archive_sink)
-    pipeline = EmbeddedPipeline(policy, flags=flags, sinks=sinks)
+    sinks = [lambda out: rows.extend(out.window_rows), archive_sink, operations and operations.view.observe]
+    pipeline = EmbeddedPipeline(policy, flags=flags, sinks=[sink for sink in sinks if sink is not None])
     if operations is not None:
         from specwatch.streams.metrics import ServiceHealth
 
-        sinks.append(operations.view.observe)
-        pipeline.sinks = sinks
         operations.view.stages = lambda: [pipeline.stage2]
         operations.health = lambda: ServiceHealth(records_read=pipeline.counters.records,
                                                   records_rejected=pipeline.counters.rejected.as_dict(),
@@ -147,38 +143,48 @@ def _bucket_table(rows: list[dict]) -> list[dict]:
 
 
 def _print_report(summary: dict, stream) -> None:
-    print("", file=stream)
-    print(f"{'bucket':<14}{'rounds':>10}{'AL':>8}{'draft ovh':>11}{'speedup':>9}{'e2e p99 ms':>12}", file=stream)
-    for row in summary["buckets"]:
-        print(f"{row['bucket']:<14}{row['rounds']:>10}{row['acceptance_length']:>8.2f}"
-              f"{row['draft_overhead'] * 100:>10.1f}%{row['speedup']:>9.2f}"
-              f"{row['e2e_p99_ms'] if row['e2e_p99_ms'] is not None else float('nan'):>12.0f}", file=stream)
-    print("(e2e p99: median over 1 s windows of the speculative cohorts)", file=stream)
-    print("", file=stream)
+    from specwatch.commands.query import format_number as digits, print_rows
+
     start = summary["start_ts"]
-    print(f"{'t (s)':>7}  {'decision':<16}{'action':<22}{'reason':<20}{'scope':<30}", file=stream)
-    for decision, ident in zip(summary["decisions"], summary["decision_ids"]):
-        scope = f"{decision['bucket'] or '*'}/{decision['cohort'] or '*'}"
-        print(f"{decision['ts'] - start:>7.1f}  {ident:<16}{decision['action']:<22}{decision['reason']:<20}"
-              f"{scope:<30}", file=stream)
     print("", file=stream)
-    print(f"{'incident':<18}{'scope':<22}{'starts (s)':>11}  {'caught as':<20}{'delay (s)':>10}", file=stream)
-    for row in summary["incidents"]:
-        scope = f"{row['bucket'] or '*'}/{row['cohort'] or '*'}"
-        delay = f"{row['detection_delay_s']:.1f}" if row["detection_delay_s"] is not None else "missed"
-        caught = "-" if row["decision_id"] is None else (
-            row["reason"] if row["verdict"] == "right" else f"{row['reason']} ({row['verdict']})")
-        print(f"{row['incident']:<18}{scope:<22}{row['start_ts'] - start:>11.1f}  {caught:<20}{delay:>10}",
-              file=stream)
+    print_rows(summary["buckets"], [
+        ("bucket", "bucket", str), ("rounds", "rounds", str),
+        ("acceptance_length", "AL", digits(2)),
+        ("draft_overhead", "draft ovh", lambda share: f"{share * 100:.1f}%"),
+        ("speedup", "speedup", digits(2)), ("e2e_p99_ms", "e2e p99 ms", digits(0)),
+    ], as_json=False, out=stream)
+    print("(e2e p99: median over 1 s windows of the speculative cohorts)\n", file=stream)
+    print_rows([dict(d, t=d["ts"] - start, decision_id=ident, scope=_scope(d))
+                for d, ident in zip(summary["decisions"], summary["decision_ids"])], [
+        ("t", "t (s)", digits(1)), ("decision_id", "decision", str), ("action", "action", str),
+        ("reason", "reason", str), ("scope", "scope", str),
+    ], as_json=False, out=stream)
+    print("", file=stream)
+    print_rows([dict(row, scope=_scope(row), starts=row["start_ts"] - start, caught=_caught(row))
+                for row in summary["incidents"]], [
+        ("incident", "incident", str), ("scope", "scope", str), ("starts", "starts (s)", digits(1)),
+        ("caught", "caught as", str), ("detection_delay_s", "delay (s)", digits(1, "missed")),
+    ], as_json=False, out=stream)
     counters = summary["counters"]
-    print("", file=stream)
-    print(f"{counters['records']} records, {counters['rejected']} rejected, {counters['slices']} slices, "
-          f"{summary['simulated_seconds']:.0f} simulated s in {summary['wall_seconds']:.1f} s", file=stream)
+    print(f"\n{counters['records']} records, {counters['rejected']} rejected, "
+          f"{counters['slices']} slices, {summary['simulated_seconds']:.0f} simulated s in "
+          f"{summary['wall_seconds']:.1f} s", file=stream)
     if summary.get("archive"):
         print(f"archive: {summary['archive']}   (try: specwatch query decisions --archive {summary['archive']})",
               file=stream)
     if summary.get("picture"):
         print(f"timeline: {summary['picture']}", file=stream)
+
+
+def _scope(row: dict) -> str:
+    return f"{row['bucket'] or '*'}/{row['cohort'] or '*'}"
+
+
+def _caught(incident: dict) -> str:
+    if incident["decision_id"] is None:
+        return "-"
+    verdict = incident["verdict"]
+    return incident["reason"] if verdict == "right" else f"{incident['reason']} ({verdict})"
 
 
 def run(args) -> int:
@@ -218,10 +224,8 @@ def run(args) -> int:
         summary["archive"] = _archived_at(archive_sink, dsn)
     _print_report(summary, report)
     if args.json:
-        print(json.dumps({"decisions": summary["decisions"], "decision_ids": summary["decision_ids"],
-                          "incidents": summary["incidents"], "archive": summary.get("archive"),
-                          "picture": summary.get("picture"), "counters": summary["counters"],
-                          "buckets": summary["buckets"]}, sort_keys=True))
+        shown = ("decisions", "decision_ids", "incidents", "archive", "picture", "counters", "buckets")
+        print(json.dumps({key: summary.get(key) for key in shown}, sort_keys=True))
     if operations is not None:
         print(f"serving metrics on http://127.0.0.1:{args.serve}/metrics until interrupted (Ctrl-C)",
               file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
                                            add_archive_options, open_archive)
-from specwatch.commands.query import format_scope, format_ts, print_rows
+from specwatch.commands.query import format_optional, format_scope, format_ts, print_rows
 from specwatch.transport.topics import DECISIONS_TOPIC
 
 __all__ = ["DESCRIPTION", "add_arguments", "add_publish_options", "publish_keyring", "publish_manual"]
@@ -161,8 +161,8 @@ def _list(args: argparse.Namespace) -> int:
             row["source"] += f" (automatic: {row['automatic']})"
     print_rows(rows, [
         ("bundle_id", "bundle", str), ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope),
-        ("speculation", "speculation", str), ("draft_limit", "draft limit", _opt),
-        ("cohort_share", "share", _opt), ("since", "since (UTC)", format_ts),
+        ("speculation", "speculation", str), ("draft_limit", "draft limit", format_optional),
+        ("cohort_share", "share", format_optional), ("since", "since (UTC)", format_ts),
         ("reason", "reason", str), ("source", "source", str),
     ], args.json, empty="speculation on everywhere: no decision or override in force")
     return code
@@ -255,7 +255,3 @@ def _key(scope: tuple[str, str | None, str | None]) -> str:
     from specwatch.schemas import decision_key  # pydantic is heavy; the parser stays light
 
     return decision_key(*scope)
-
-
-def _opt(value: object) -> str:
-    return "-" if value is None else str(value)

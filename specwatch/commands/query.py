@@ -18,7 +18,7 @@ from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, add_arc
                                            open_archive)
 
 __all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_card",
-           "format_scope", "format_ts"]
+           "format_number", "format_optional", "format_scope", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
 _TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
@@ -117,7 +117,7 @@ def print_rows(rows: Iterable[dict], columns: Sequence[Column], as_json: bool,
     ``empty`` is the text form of no rows (JSON Lines of no rows are no lines).
 
     >>> print_rows([{"a": "x", "n": 1.5}, {"a": "long", "n": float("nan")}],
-    ...            [("a", "A", str), ("n", "N", _num(2))], as_json=False, out=sys.stdout)
+    ...            [("a", "A", str), ("n", "N", format_number(2))], as_json=False, out=sys.stdout)
     A        N
     x     1.50
     long     -
@@ -255,10 +255,11 @@ def _timeline(args: argparse.Namespace) -> int:
     columns = [
         ("ts", "slice end (UTC)", format_ts), ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope),
         ("speculation_on", "spec", lambda v: "on" if v else "off"), ("rounds", "rounds", str),
-        ("acceptance_length", "AL", _num(2)), ("draft_overhead", "draft ovh", _num(3)),
-        ("speedup", "speedup", _num(2)), ("ttft_p99", "ttft p99", _num(1)),
-        ("tpot_p99", "tpot p99", _num(1)), ("e2e_p99", "e2e p99", _num(0)),
-        ("error_rate", "errors", _num(3)), ("kv_peak", "kv peak", _num(2)),
+        ("acceptance_length", "AL", format_number(2)),
+        ("draft_overhead", "draft ovh", format_number(3)), ("speedup", "speedup", format_number(2)),
+        ("ttft_p99", "ttft p99", format_number(1)), ("tpot_p99", "tpot p99", format_number(1)),
+        ("e2e_p99", "e2e p99", format_number(0)), ("error_rate", "errors", format_number(3)),
+        ("kv_peak", "kv peak", format_number(2)),
     ]
     if center is not None:
         columns.append(("mark", "", str))
@@ -311,10 +312,11 @@ def _no_decision(decision_id: str) -> CommandError:
     return CommandError(f"no decision {decision_id!r} in the archive", EXIT_NOT_FOUND)
 
 
-def _num(digits: int) -> Callable[[Any], str]:
+def format_number(digits: int, missing: str = "-") -> Callable[[Any], str]:
+    """A column formatter: ``digits`` after the point, ``missing`` for None and NaN."""
     def fmt(value: Any) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value)):
-            return "-"
+            return missing
         return f"{value:.{digits}f}"
     return fmt
 
@@ -322,6 +324,11 @@ def _num(digits: int) -> Callable[[Any], str]:
 def format_scope(value: Any) -> str:
     """A scope's bucket or cohort, ``*`` for all."""
     return "*" if value is None else str(value)
+
+
+def format_optional(value: Any) -> str:
+    """``-`` for None, floats as short as they go."""
+    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _cell(value: Any) -> str:

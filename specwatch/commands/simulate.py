@@ -10,12 +10,12 @@ import socket
 import sys
 import time
 from collections import Counter
-from typing import Iterable, TextIO
+from typing import Iterable
 
 from specwatch.commands._arguments import CommandError
 from specwatch.transport.topics import TELEMETRY_TOPIC
 
-__all__ = ["DESCRIPTION", "add_arguments", "run", "write_json_lines", "send", "summary_line"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "send", "summary_line"]
 
 _EXIT_IO = 1
 # Flushed this often in event time, so no worker runs far ahead of another on a partition.
@@ -50,19 +50,6 @@ def add_arguments(parser) -> None:
                         help="with --bootstrap or --otlp: at most this many records per second (default 0: as fast "
                              "as the exporter goes)")
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
-
-
-def write_json_lines(records: Iterable, stream: TextIO) -> Counter:
-    """Write each record as one contract-v1 JSON line; returns how many of each kind."""
-    from specwatch.schemas import encode_record
-
-    counts: Counter = Counter()
-    write = stream.write
-    for record in records:
-        write(encode_record(record))
-        write("\n")
-        counts[record.kind] += 1
-    return counts
 
 
 def send(records: Iterable, exporter, rate: float = 0.0) -> tuple[Counter, dict]:
@@ -123,17 +110,13 @@ def summary_line(simulator, counts: Counter, destination: str) -> str:
             f"incidents: {incidents}")
 
 
-def _list_scenarios(stream: TextIO) -> None:
-    from specwatch.simulation.simulator import SCENARIOS
-
-    width = max(len(name) for name in SCENARIOS)
-    for name, description in SCENARIOS.items():
-        stream.write(f"{name:<{width}}  {description}\n")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        _list_scenarios(sys.stdout)
+        from specwatch.simulation.simulator import SCENARIOS
+
+        width = max(len(name) for name in SCENARIOS)
+        for name, description in SCENARIOS.items():
+            print(f"{name:<{width}}  {description}")
         return 0
     if sum((bool(args.output), bool(args.bootstrap), args.otlp is not None)) != 1:
         raise CommandError("error: give --output FILE or --bootstrap HOST:PORT or --otlp [ENDPOINT], one of them "
@@ -151,14 +134,18 @@ def run(args: argparse.Namespace) -> int:
     if args.bootstrap or args.otlp is not None:
         return _run_exporter(args, simulator)
     from specwatch.outputs import atomic_output
+    from specwatch.schemas import encode_record
 
-    to_stdout = args.output == "-"
+    counts: Counter = Counter()
     try:
         with atomic_output(args.output) as stream:
-            counts = write_json_lines(simulator.records(), stream)
+            for record in simulator.records():
+                stream.write(encode_record(record) + "\n")
+                counts[record.kind] += 1
     except OSError as error:
         raise CommandError(f"error: cannot write {args.output}: {error.strerror or error}", _EXIT_IO) from None
-    print(summary_line(simulator, counts, "stdout" if to_stdout else args.output), file=sys.stderr)
+    destination = "stdout" if args.output == "-" else args.output
+    print(summary_line(simulator, counts, destination), file=sys.stderr)
     return 0
 
 
