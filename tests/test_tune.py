@@ -2,8 +2,8 @@
 
 import json
 import re
-import subprocess
 from collections import defaultdict
+from functools import partial
 
 import pytest
 
@@ -29,9 +29,8 @@ def archived(tmp_path_factory):
     return dsn, records, sim
 
 
-def _tune(*args) -> subprocess.CompletedProcess:
-    # A separate process: chDB hosts one archive per process, and the CLI is what users run.
-    return specwatch("tune", *args, timeout=600)
+# A separate process: chDB hosts one archive per process, and the CLI is what users run.
+_tune = partial(specwatch, "tune")
 
 
 def test_json_curve_matches_the_raw_rounds_and_names_the_best_d(archived, tmp_path):

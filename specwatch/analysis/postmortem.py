@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
-import itertools
 import json
 import math
 from typing import Iterable, Sequence
@@ -38,9 +37,6 @@ _METRIC_PLOT = {
     "kv_peak": ("kv_peak", "kv_peak"),
     "shadow_mismatches": ("mismatch_rate", None),
 }
-_COLORS = ("#1f77b4", "#ff7f0e", "#d62728", "#2ca02c")
-_WIDTH, _HEIGHT = 520, 200
-_PAD_LEFT, _PAD_RIGHT, _PAD_TOP, _PAD_BOTTOM = 56, 12, 12, 30
 _MAX_SAMPLE_ROWS = 50
 
 _STYLE = """
@@ -382,89 +378,37 @@ def _reproductions_table(reproductions: Sequence[dict]) -> str:
 
 
 def _plot(plot, rows: list[dict], record: dict, finding: dict) -> str:
+    """One evidence plot: the window's series, and the threshold and baseline of the metric that fired."""
+    from matplotlib.figure import Figure
+
+    from specwatch.analysis.timeline import inline_svg
+
     ident, title, unit, series = plot
     xs = [row["slice_end"] - record["ts"] for row in rows]
-    lines = [(label, [_float(row.get(field)) for row in rows]) for label, field in series]
-    references = []
+    references = [("break-even", 1.0, "#777")] if ident == "speedup" else []
     metric_plot = _METRIC_PLOT.get(finding.get("metric") or "")
     if metric_plot is not None and metric_plot[0] == ident and metric_plot[1] is not None:
-        for label, key, color in (("threshold", "threshold", "#d62728"), ("baseline", "baseline", "#777")):
-            value = _float(finding.get(key))
-            if not math.isnan(value):
-                references.append((label, value, color))
-    if ident == "speedup":
-        references.append(("break-even", 1.0, "#777"))
-    svg = _svg(f"plot-{ident}", title, unit, xs, lines, references)
+        references += [(key, _float(finding.get(key)), color)
+                       for key, color in (("threshold", "#d62728"), ("baseline", "#777"))]
+    axes = Figure(figsize=(5.2, 2.2), layout="tight").subplots()
+    measured = False
+    for label, field in series:  # a NaN (nothing measured in a slice) breaks the line
+        ys = [_float(row.get(field)) for row in rows]
+        measured = measured or not all(map(math.isnan, ys))
+        axes.plot(xs, ys, marker=".", linewidth=1.5, label=label, gid=f"series-{label}")
+    for label, value, color in references:
+        if not math.isnan(value):
+            axes.axhline(value, color=color, linestyle="--", linewidth=1, gid=f"reference-{label}",
+                         label=f"{label} {_number(value)}")
+    if not measured:
+        axes.text(0.5, 0.5, "no data in this window", transform=axes.transAxes, ha="center")
+    axes.set_xlabel("seconds relative to the decision", fontsize=8)
+    axes.set_ylabel(unit, fontsize=8)
+    axes.tick_params(labelsize=8)
+    axes.legend(fontsize=7)
+    svg = inline_svg(axes.figure, f"plot-{ident}")
     return f'<figure data-plot="{ident}">{svg}<figcaption>{html.escape(title)}</figcaption></figure>'
 
 
 def _float(value) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-
-
-def _svg(ident: str, title: str, unit: str, xs: list[float], lines: list[tuple[str, list[float]]],
-         references: list[tuple[str, float, str]]) -> str:
-    esc = html.escape
-    finite = [y for _, ys in lines for y in ys if not math.isnan(y)] + [v for _, v, _ in references]
-    head = (f'<svg id="{esc(ident)}" class="plot" xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" '
-            f'height="{_HEIGHT}" viewBox="0 0 {_WIDTH} {_HEIGHT}" role="img"><title>{esc(title)}</title>')
-    if not finite or not xs:
-        return head + (f'<text x="{_WIDTH / 2}" y="{_HEIGHT / 2}" text-anchor="middle" fill="#777" '
-                       'font-size="12">no data in this window</text></svg>')
-    y_low, y_high = min(finite), max(finite)
-    if y_high - y_low < 1e-9:
-        y_low, y_high = y_low - 0.5 * (abs(y_low) or 1.0), y_high + 0.5 * (abs(y_high) or 1.0)
-    margin = 0.06 * (y_high - y_low)
-    y_low, y_high = y_low - margin, y_high + margin
-    x_low, x_high = min(xs), max(xs)
-    if x_high - x_low < 1e-9:
-        x_low, x_high = x_low - 1.0, x_high + 1.0
-    inner_w = _WIDTH - _PAD_LEFT - _PAD_RIGHT
-    inner_h = _HEIGHT - _PAD_TOP - _PAD_BOTTOM
-
-    def px(x: float) -> float:
-        return _PAD_LEFT + (x - x_low) / (x_high - x_low) * inner_w
-
-    def py(y: float) -> float:
-        return _PAD_TOP + (y_high - y) / (y_high - y_low) * inner_h
-
-    out = [head, f'<rect x="{_PAD_LEFT}" y="{_PAD_TOP}" width="{inner_w}" height="{inner_h}" fill="#fafafa" '
-                 'stroke="#ccc"/>']
-    for frac in (0.0, 0.5, 1.0):
-        y = y_low + margin + frac * (y_high - y_low - 2 * margin)
-        out.append(f'<text x="{_PAD_LEFT - 4}" y="{py(y) + 4:.1f}" text-anchor="end" font-size="10" '
-                   f'fill="#555">{esc(_number(y))}{esc(unit) if unit and unit != "x" else ""}</text>')
-    for x in (x_low, (x_low + x_high) / 2, x_high):
-        out.append(f'<text x="{px(x):.1f}" y="{_HEIGHT - 10}" text-anchor="middle" font-size="10" '
-                   f'fill="#555">{x:.0f} s</text>')
-    for label, value, color in references:
-        out.append(f'<line class="reference" data-label="{esc(label)}" data-value="{value:.6g}" x1="{_PAD_LEFT}" '
-                   f'y1="{py(value):.1f}" x2="{_WIDTH - _PAD_RIGHT}" y2="{py(value):.1f}" stroke="{color}" '
-                   'stroke-dasharray="5,3"/>')
-        out.append(f'<text x="{_WIDTH - _PAD_RIGHT - 2}" y="{py(value) - 3:.1f}" text-anchor="end" font-size="10" '
-                   f'fill="{color}">{esc(label)} {esc(_number(value))}</text>')
-    for index, (label, ys) in enumerate(lines):
-        color = _COLORS[index % len(_COLORS)]
-        for segment in _segments(xs, ys):
-            points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in segment)
-            if len(segment) == 1:
-                x, y = segment[0]
-                out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2" fill="{color}"/>')
-            else:
-                out.append(f'<polyline class="series" data-series="{esc(label)}" fill="none" stroke="{color}" '
-                           f'stroke-width="1.5" points="{points}"/>')
-        if len(lines) > 1:
-            out.append(f'<text x="{_PAD_LEFT + 6 + 48 * index}" y="{_PAD_TOP + 12}" font-size="10" '
-                       f'fill="{color}">{esc(label)}</text>')
-    out.append("</svg>")
-    return "".join(out)
-
-
-def _segments(xs: list[float], ys: list[float]) -> list[list[tuple[float, float]]]:
-    """Runs of defined points: a NaN (nothing measured in a slice) breaks the line.
-
-    >>> _segments([0, 1, 2, 3], [1.0, float("nan"), 2.0, 3.0])
-    [[(0, 1.0)], [(2, 2.0), (3, 3.0)]]
-    """
-    runs = itertools.groupby(zip(xs, ys), key=lambda point: not math.isnan(point[1]))
-    return [list(run) for defined, run in runs if defined]

@@ -5,7 +5,6 @@ each bucket's predicted speedup curve as text, JSON or an HTML page.
 from __future__ import annotations
 
 import html
-import io
 import json
 import math
 from collections import defaultdict
@@ -168,9 +167,7 @@ def _num(value) -> str:
 
 def _plot_svg(bucket: Mapping) -> str:
     """The bucket's speedup and AL curves with their intervals, best and current D: inline SVG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    from specwatch.analysis.timeline import inline_svg  # chooses matplotlib's Agg backend
     import matplotlib.pyplot as plt
 
     points = [p for p in bucket["curve"] if p["speedup"] is not None]
@@ -195,11 +192,9 @@ def _plot_svg(bucket: Mapping) -> str:
     ax_s.legend(fontsize=7)
     ax_s.set_title(f"{bucket['bucket']}: speedup", fontsize=9)
     ax_al.set_title(f"{bucket['bucket']}: acceptance length", fontsize=9)
-    out = io.StringIO()
-    fig.savefig(out, format="svg")
+    svg = inline_svg(fig)
     plt.close(fig)
-    svg = out.getvalue()
-    return svg[svg.index("<svg"):]
+    return svg
 
 
 def render_html(report: Mapping) -> str:
