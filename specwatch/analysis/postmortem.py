@@ -1,6 +1,4 @@
-"""Postmortem of one archived decision: a self-contained HTML page and a plain-text summary,
-rendered from what `Archive.decision` and `Archive.samples` return.
-"""
+"""Postmortem of one archived decision: a self-contained HTML page and a plain-text summary."""
 
 from __future__ import annotations
 

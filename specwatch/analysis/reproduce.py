@@ -1,6 +1,4 @@
-"""`specwatch reproduce`: open a decision's sealed samples and re-run its requests on both paths, on
-an engine passed in (`Rerunner`); the checks, comparison, verdicts and audit trail live here.
-"""
+"""Re-run a decision's sealed requests on an engine passed in; checks, verdicts, audit trail."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Pictures drawn with matplotlib's Agg backend: the demo's timeline (acceptance length and p99
-per bucket, decisions marked) and figures as inline SVG for the HTML pages.
-"""
+"""matplotlib pictures: the demo's timeline, and figures as inline SVG for the HTML pages."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Draft-length advice per bucket from archived window stats, the report `specwatch tune` prints:
-each bucket's predicted speedup curve as text, JSON or an HTML page.
-"""
+"""Draft-length advice per bucket from archived window stats: the report `specwatch tune` prints."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Options more than one command takes, written once, and the error that ends a command with one line.
-
-Stays light: the command line is parsed before any command's libraries load.
-"""
+"""Options several commands take, and the error that ends a command with one line (kept light)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""`specwatch archive flush`: deliver the rows an earlier run spooled while its archive was
-unreachable, when no run that would replay the spool by itself is due.
-"""
+"""`specwatch archive flush`: deliver the rows an earlier run spooled while its archive was down."""
 
 from __future__ import annotations
 

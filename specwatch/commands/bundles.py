@@ -1,6 +1,4 @@
-"""`specwatch bundles`: the bundle registry, each bundle's admission stage and history, and manual
-moves (`admit`, `promote`, `freeze`) recorded with an audit row.
-"""
+"""`specwatch bundles`: the bundle registry, admission stages and their history, manual moves."""
 
 from __future__ import annotations
 

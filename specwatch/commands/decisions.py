@@ -1,6 +1,4 @@
-"""`specwatch decisions`: print the decisions topic as contract JSON Lines, in topic order, each
-checked as a flag client checks it (docs/SECURITY.md).
-"""
+"""`specwatch decisions`: the decisions topic as JSON Lines, checked as a flag client checks it."""
 
 from __future__ import annotations
 

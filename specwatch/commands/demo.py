@@ -1,6 +1,4 @@
-"""`specwatch demo`: a simulated fleet through the whole pipeline, closed loop, incidents caught and
-explained; writes the archive and a timeline picture.
-"""
+"""`specwatch demo`: a simulated fleet through the whole pipeline, closed loop, incidents caught."""
 
 from __future__ import annotations
 

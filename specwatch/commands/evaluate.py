@@ -1,6 +1,4 @@
-"""`specwatch evaluate`: detection quality on seeded simulated incidents, against operator baselines
-(docs/EVALUATION.md).
-"""
+"""`specwatch evaluate`: detection quality against operator baselines (docs/EVALUATION.md)."""
 
 from __future__ import annotations
 

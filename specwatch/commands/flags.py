@@ -1,6 +1,4 @@
-"""`specwatch flags`: the speculative-path state per scope, and manual overrides with audit, also
-published as signed ``manual`` decisions with ``--bootstrap`` (docs/SECURITY.md).
-"""
+"""`specwatch flags`: the speculative-path state per scope, and manual overrides with audit."""
 
 from __future__ import annotations
 

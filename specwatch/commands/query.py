@@ -1,7 +1,4 @@
-"""`specwatch query`: read the archive for postmortems (decisions, evidence, samples, timelines).
-
-Text tables for people, ``--json`` for JSON Lines; ad-hoc SQL is read-only.
-"""
+"""`specwatch query`: the archive for postmortems, as tables or JSON Lines; SQL is read-only."""
 
 from __future__ import annotations
 

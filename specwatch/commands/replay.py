@@ -1,6 +1,4 @@
-"""`specwatch replay`: contract-v1 JSON Lines in, decisions as JSON Lines out, by event time;
-the same input always gives the same decisions.
-"""
+"""`specwatch replay`: contract-v1 JSON Lines in, decisions as JSON Lines out, by event time."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""`specwatch reproduce DECISION_ID`: re-run a decision's sealed requests on standard and
-speculative decoding, and archive the report beside the decision.
-"""
+"""`specwatch reproduce DECISION_ID`: re-run a decision's sealed requests on both paths."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""`specwatch run`: the topology as Faust workers on Kafka (telemetry in, decisions out);
-``--workers N`` starts N worker processes here and stops them together.
-"""
+"""`specwatch run`: the topology as Faust workers on Kafka, one process or ``--workers N``."""
 
 from __future__ import annotations
 

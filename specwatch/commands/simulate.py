@@ -1,6 +1,4 @@
-"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines, or send it the
-way engine workers do: to Kafka through specwatch's exporter, or OTLP to an OpenTelemetry Collector.
-"""
+"""`specwatch simulate`: a seeded fleet's telemetry as JSON Lines, to Kafka or over OTLP."""
 
 from __future__ import annotations
 
