@@ -8,7 +8,7 @@ import json
 import math
 from typing import Iterable, Sequence
 
-__all__ = ["PLOTS", "render_html", "render_text", "sample_summary"]
+__all__ = ["PLOTS", "format_pairs", "render_html", "render_text", "sample_summary"]
 
 # The evidence-window plots: (id, title, unit, [(series label, window field)]).
 PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
@@ -72,13 +72,13 @@ def _number(value) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
-        return f"{value:.4g}"
+        # four significant digits read well for ratios and milliseconds; big values keep every digit
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3f}".rstrip("0").rstrip(".")
     return str(value)
 
 
-# Evidence fields that hold event times: shown as UTC, not as 1.767e+09.
-_TIME_KEYS = ("ts", "window_start", "window_end", "learned_from", "learned_until", "disabled_at",
-              "last_strict_mismatch_ts", "slice_end")
+# Evidence fields that hold event times (ts, window_end, learned_from...): shown as UTC.
+_TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
 
 
 def _shown(key: str, value) -> str:
@@ -87,7 +87,9 @@ def _shown(key: str, value) -> str:
     >>> _shown("window_end", 1767225693.5), _shown("tolerance", 0.15), _shown("position_rates", [0.8, 0.62])
     ('2026-01-01T00:01:33.500Z', '0.15', '[0.8, 0.62]')
     """
-    if key.rsplit(".", 1)[-1] in _TIME_KEYS and isinstance(value, (int, float)) and value > 1e8:
+    name = key.rsplit(".", 1)[-1]
+    is_time = name == "ts" or name.endswith(_TIME_SUFFIXES)
+    if is_time and isinstance(value, (int, float)) and value > 1e8:
         return _utc(value)
     if isinstance(value, list):
         return "[" + ", ".join(_number(v) for v in value) + "]"
@@ -102,8 +104,17 @@ def _flatten(prefix: str, value) -> Iterable[tuple[str, object]]:
         yield prefix, value
 
 
-def _pairs(data: dict, show=_shown) -> str:
-    return " ".join(f"{k}={show(k, v)}" for k, v in _flatten("", data))
+def format_pairs(data, limit: int | None = None, show=_shown) -> str:
+    """``key=value`` pairs of a dict, nested keys joined by dots; at most ``limit`` of them.
+
+    >>> format_pairs({"al": 1.23456, "window": {"end": 1767225693.5}, "slices": [1, 2]}, limit=2)
+    'al=1.235 slices=[1, 2] ...'
+    """
+    if not isinstance(data, dict):
+        return "" if data is None else str(data)
+    items = list(_flatten("", data))
+    more = ["..."] if limit is not None and len(items) > limit else []
+    return " ".join([f"{k}={show(k, v)}" for k, v in items[:limit]] + more)
 
 
 def _window_rows(record: dict) -> list[dict]:
@@ -158,10 +169,10 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     judgement = judgement_lines(finding)  # an admission decision: the judge's per-bucket breakdown
     lines = [f"decision {record['decision_id']}: {what}" + (f":\n  {measure}" if measure else ""),
              f"detector: {record['detector']}",
-             "finding: " + _pairs(_without_judgement(finding) if judgement else finding),
+             "finding: " + format_pairs(_without_judgement(finding) if judgement else finding),
              *judgement,
-             "thresholds: " + _pairs(audit.get("thresholds") or {}, lambda _, v: _number(v)),
-             "baseline: " + (_pairs(audit.get("baseline") or {}) or "(none)")]
+             "thresholds: " + format_pairs(audit.get("thresholds"), show=lambda _, v: _number(v)),
+             "baseline: " + (format_pairs(audit.get("baseline")) or "(none)")]
     rows = _window_rows(record)
     if rows:
         start = rows[0]["slice_end"] - record["ts"]
@@ -177,7 +188,8 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     else:
         lines.append("evidence window: none (an event-triggered decision)")
     card = audit.get("card")
-    lines.append("bundle card: " + (_pairs(card, lambda _, v: _number(v)) if card else "(not archived)"))
+    card = format_pairs(card, show=lambda _, v: _number(v)) if card else "(not archived)"
+    lines.append("bundle card: " + card)
     lines.append(f"samples: {len(samples)}")
     lines.extend(f"  {sample['kind']:<8}{sample['sample_id']:<28}{sample_summary(sample['record'])}"
                  for sample in samples[:10])

@@ -75,10 +75,8 @@ def compare_request(request: RerunRequest, outcome: RerunOutcome, draft_length: 
     drafted = sum(d for d, _ in outcome.rounds)
     accepted = sum(a for _, a in outcome.rounds)
     speculative_vs_archived = first_divergence(request.output_ids, outcome.speculative_ids)
-    if not bundle_matches:
-        verdict = BUNDLE_DIFFERS
-    else:
-        verdict = REPRODUCED if speculative_vs_archived is None else NOT_REPRODUCED
+    verdict = (BUNDLE_DIFFERS if not bundle_matches
+               else REPRODUCED if speculative_vs_archived is None else NOT_REPRODUCED)
     return {
         "sample_id": request.sample_id,
         "prompt_tokens": len(request.prompt_ids),
@@ -129,7 +127,8 @@ def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, re
         audit("refused", error=str(error))
         raise ReproduceError(f"cannot open the samples of {decision_id}: {error}") from None
     audit("opened")
-    sampling = _sampling_by_id(archive.samples(decision_id))
+    sampling = {row["sample_id"]: (row["record"].get("sample") or {}).get("sampling") or {}
+                for row in archive.samples(decision_id) if row["kind"] == "request"}
     requests = [RerunRequest(row["sample_id"], o.prompt_ids, o.output_ids, sampling.get(row["sample_id"], {}))
                 for row, o in zip(sealed, opened)]
     card = (decision.get("audit") or {}).get("card")
@@ -184,12 +183,3 @@ def render_result(result: dict) -> str:
                      f"{r['rounds']} rounds); draft {r['draft_ms']:.1f} ms, verify {r['verify_ms']:.1f} ms")
     lines.append(f"archived as {result['reproduction_id']}")
     return "\n".join(lines)
-
-
-def _sampling_by_id(samples: Sequence[dict]) -> dict[str, dict]:
-    out = {}
-    for row in samples:
-        record = row.get("record") or {}
-        if row.get("kind") == "request":
-            out[row["sample_id"]] = dict((record.get("sample") or {}).get("sampling") or {})
-    return out

@@ -11,6 +11,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
+from specwatch.analysis.postmortem import format_pairs
 from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, add_archive_options,
                                            open_archive)
 
@@ -18,7 +19,6 @@ __all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_c
            "format_number", "format_optional", "format_scope", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
-_TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
 _NO_ROWS = "0 rows"
 
 Column = tuple[str, str, Callable[[Any], str]]  # (key, header, formatter)
@@ -167,7 +167,7 @@ def _decisions(args: argparse.Namespace) -> int:
         ("ts", "time (UTC)", format_ts), ("decision_id", "decision", str), ("bundle_id", "bundle", str),
         ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope), ("action", "action", str),
         ("reason", "reason", str), ("detector", "detector", str),
-        ("evidence", "evidence", lambda e: _pairs(e, limit=4)),
+        ("evidence", "evidence", lambda e: format_pairs(e, limit=4)),
     ], args.json, empty=_NO_ROWS)
     return 0
 
@@ -186,17 +186,17 @@ def _decision(args: argparse.Namespace) -> int:
     out = [f"decision  {found['decision_id']}  at {format_ts(found['ts'])} UTC  scope {scope}",
            f"  action    {found['action']}",
            f"  reason    {found['reason']}  (detector {found['detector']})",
-           f"  evidence  {_pairs(found['evidence']) or '-'}",
+           f"  evidence  {format_pairs(found['evidence']) or '-'}",
            f"  samples   {_sample_summary(found['sample_counts'])}"]
     audit = found.get("audit")
     if audit:
         out.append(f"audit     {audit['audit_id']}  by {audit['actor']}")
-        out.append(f"  thresholds  {_pairs(audit['thresholds']) or '-'}")
-        out.append(f"  baseline    {_pairs(audit['baseline']) or '-'}")
+        out.append(f"  thresholds  {format_pairs(audit['thresholds']) or '-'}")
+        out.append(f"  baseline    {format_pairs(audit['baseline']) or '-'}")
         out.append(f"  window      {_window_summary(audit['window'])}")
         out.append(f"  bundle      {format_card(audit['card'])}")
         if audit.get("detail"):
-            out.append(f"  detail      {_pairs(audit['detail'])}")
+            out.append(f"  detail      {format_pairs(audit['detail'])}")
     else:
         out.append("audit     (none archived)")
     if found["sample_counts"]:
@@ -338,46 +338,6 @@ def _cell(value: Any) -> str:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _pairs(mapping: Any, limit: int | None = None) -> str:
-    """``k=v`` pairs of a flat-ish dict, numbers shortened.
-
-    >>> _pairs({"al": 1.23456, "baseline_al": 2.8, "slices": [1, 2]})
-    'al=1.235 baseline_al=2.8 slices=[1, 2]'
-    """
-    if not isinstance(mapping, dict):
-        return "" if mapping is None else str(mapping)
-    items = list(mapping.items())
-    shown = [f"{k}={_when(v) if _is_time_key(k) else _short(v)}" for k, v in items[:limit]]
-    if limit is not None and len(items) > limit:
-        shown.append("...")
-    return " ".join(shown)
-
-
-def _is_time_key(key: str) -> bool:
-    return key == "ts" or key.endswith(_TIME_SUFFIXES)
-
-
-def _when(value: Any) -> str:
-    """Evidence times as UTC clock times (the date is in the decision line already)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        return _short(value)
-    return format_ts(value)[11:]
-
-
-def _short(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        # Four significant digits read well for ratios and milliseconds; big values
-        # (token counts, unix times) keep every digit.
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3f}".rstrip("0").rstrip(".")
-    if isinstance(value, dict):
-        return "{" + _pairs(value) + "}"
-    return str(value)
 
 
 def _sample_summary(counts: dict[str, int]) -> str:
