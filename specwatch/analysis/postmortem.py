@@ -314,21 +314,18 @@ def render_html(record: dict, samples: Sequence[dict], reproductions: Sequence[d
         parts.append(f'<p class="muted">{len(rows)} slices before the decision; time in seconds relative to '
                      "the decision (0 = decision). Dashed lines: the threshold (red) and the baseline (grey) "
                      "of the metric that fired.</p>")
-        parts.append('<div class="plots" id="plots">')
-        for plot in PLOTS:
-            parts.append(_plot(plot, rows, record, finding))
-        parts.append("</div>")
+        plots = "\n".join(_plot(plot, rows, record, finding) for plot in PLOTS)
+        parts.append(f'<div class="plots" id="plots">{plots}</div>')
     else:
         parts.append('<p id="plots-none" class="muted">No per-slice window: this decision was triggered by a '
                      "discrete event (a card change or a shadow mismatch); the samples below are the event.</p>")
     parts.append("<h2>Bundle card</h2>")
     card = audit.get("card")
     parts.append(_key_value_table("card", card) if card else '<p id="card" class="muted">Not archived.</p>')
-    parts.append(f"<h2>Samples ({len(samples)})</h2>")
-    parts.append(_samples_table(samples))
+    parts += [f"<h2>Samples ({len(samples)})</h2>", _samples_table(samples)]
     if reproductions:
-        parts.append(f"<h2>Reproductions ({len(reproductions)})</h2>")
-        parts.append(_reproductions_table(reproductions))
+        parts += [f"<h2>Reproductions ({len(reproductions)})</h2>",
+                  _reproductions_table(reproductions)]
     parts.append("</main></body></html>")
     return "\n".join(parts)
 
@@ -358,9 +355,8 @@ def _samples_table(samples: Sequence[dict]) -> str:
             f"<td><code>{html.escape(str(sample['sample_id']))}</code></td><td>{html.escape(_utc(sample['ts']))}</td>"
             f"<td>{html.escape(sample_summary(record))}</td><td><details><summary>record</summary>"
             f"<pre>{html.escape(json.dumps(record, sort_keys=True, indent=1))}</pre></details></td></tr>")
-    more = ""
-    if len(samples) > _MAX_SAMPLE_ROWS:
-        more = f'<p class="muted">{len(samples) - _MAX_SAMPLE_ROWS} more not shown.</p>'
+    hidden = len(samples) - _MAX_SAMPLE_ROWS
+    more = f'<p class="muted">{hidden} more not shown.</p>' if hidden > 0 else ""
     return ('<table id="samples"><tr><th>kind</th><th>id</th><th>event time</th><th>what</th><th>raw</th></tr>'
             + "".join(rows) + "</table>" + more)
 

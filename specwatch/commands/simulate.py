@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from collections import Counter
@@ -18,7 +17,7 @@ __all__ = ["DESCRIPTION", "add_arguments", "run", "send", "summary_line"]
 _EXIT_IO = 1
 # Flushed this often in event time, so no worker runs far ahead of another on a partition.
 _FLUSH_EVENT_SECONDS = 0.5
-_CONNECT_TIMEOUT_S = 5.0
+_CONNECT_TIMEOUT_S = 5.0  # to find that no bootstrap server is listening
 _PACE_EVERY_RECORDS = 64
 
 
@@ -83,19 +82,6 @@ def send(records: Iterable, exporter, rate: float = 0.0) -> tuple[Counter, dict]
     return counts, stats
 
 
-def _reachable(bootstrap: str) -> str | None:
-    """None when some bootstrap server accepts connections, else why not."""
-    errors = []
-    for server in bootstrap.split(","):
-        host, _, port = server.strip().rpartition(":")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S):
-                return None
-        except (OSError, ValueError) as error:
-            errors.append(f"{server}: {error}")
-    return "; ".join(errors) or "no bootstrap server given"
-
-
 def summary_line(simulator, counts: Counter, destination: str) -> str:
     """One line for stderr: what was written where, and the incidents with their start times."""
     kinds = ", ".join(f"{counts.get(kind, 0)} {kind}" for kind in ("bundle", "step", "request", "shadow"))
@@ -150,11 +136,14 @@ def run(args: argparse.Namespace) -> int:
 def _run_exporter(args: argparse.Namespace, simulator) -> int:
     """Send to Kafka (``--bootstrap``) or to an OpenTelemetry Collector (``--otlp``); report what arrived."""
     if args.bootstrap:
-        problem = _reachable(args.bootstrap)
-        if problem is not None:
-            raise CommandError(f"error: cannot reach Kafka at {args.bootstrap} ({problem})")
         from specwatch.collectors.otel import KafkaTelemetryExporter
-        from specwatch.transport.config import KafkaConfig
+        from specwatch.transport.config import BrokerUnavailable, KafkaConfig
+        from specwatch.transport.decisions import _probe as probe_bootstrap
+
+        try:
+            probe_bootstrap(args.bootstrap, _CONNECT_TIMEOUT_S)
+        except BrokerUnavailable as error:
+            raise CommandError(f"error: {error}") from None
 
         destination, where = f"kafka {args.bootstrap} topic {args.topic}", ""
         config = {"topic": args.topic, "client_id": "specwatch-simulate"}
