@@ -21,20 +21,11 @@ PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
     ("mismatch_rate", "Shadow mismatch rate", "", (("mismatches", "mismatch_rate"),)),
     ("kv_peak", "KV cache peak usage", "", (("KV peak", "kv_peak"),)),
 )
-# Which plot carries the finding's threshold and baseline lines, by the finding's metric.
-_METRIC_PLOT = {
-    "acceptance_length": ("acceptance_length", "acceptance_length"),
-    "estimated_speedup": ("speedup", "speedup"),
-    "draft_to_verify": ("draft_overhead", None),
-    "e2e_p99_ms": ("e2e_latency", "e2e_p99"),
-    "tpot_p99_ms": ("tpot_latency", "tpot_p99"),
-    # the tail test's value is a share of requests past a limit: no line in milliseconds
-    "e2e_tail_share": ("e2e_latency", None),
-    "tpot_tail_share": ("tpot_latency", None),
-    "error_rate": ("error_rate", "error_rate"),
-    "kv_peak": ("kv_peak", "kv_peak"),
-    "shadow_mismatches": ("mismatch_rate", None),
-}
+# The plot that carries the finding's threshold and baseline lines, by the finding's metric; other
+# metrics (draft_to_verify, the tail tests' shares, shadow mismatches) are not in a plot's unit.
+_METRIC_PLOT = {"acceptance_length": "acceptance_length", "estimated_speedup": "speedup",
+                "e2e_p99_ms": "e2e_latency", "tpot_p99_ms": "tpot_latency",
+                "error_rate": "error_rate", "kv_peak": "kv_peak"}
 _MAX_SAMPLE_ROWS = 50
 
 _STYLE = """
@@ -392,8 +383,7 @@ def _plot(plot, rows: list[dict], record: dict, finding: dict) -> str:
     ident, title, unit, series = plot
     xs = [row["slice_end"] - record["ts"] for row in rows]
     references = [("break-even", 1.0, "#777")] if ident == "speedup" else []
-    metric_plot = _METRIC_PLOT.get(finding.get("metric") or "")
-    if metric_plot is not None and metric_plot[0] == ident and metric_plot[1] is not None:
+    if _METRIC_PLOT.get(finding.get("metric")) == ident:
         references += [(key, _float(finding.get(key)), color)
                        for key, color in (("threshold", "#d62728"), ("baseline", "#777"))]
     axes = Figure(figsize=(5.2, 2.2), layout="tight").subplots()

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -90,8 +91,6 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     decisions = pipeline.decisions
     matched = match_incidents(sim.incidents, [decision_alarm(d) for d in decisions])
     summary = {
-        "scenario": scenario,
-        "seed": seed,
         "simulated_seconds": sim.duration,
         "wall_seconds": round(wall, 2),
         "counters": dict(pipeline.counters.as_dict(), emitter_dropped=dropped),
@@ -112,32 +111,28 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
 
 def _bucket_table(rows: list[dict]) -> list[dict]:
     """Per bucket, speculative cohorts: AL, draft overhead, speedup (round-weighted), typical p99."""
-    acc: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    p99s: dict[str, list[float]] = defaultdict(list)
+    by_bucket: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        bucket = row.get("bucket")
-        if bucket is None or not row["rounds"]:
-            continue
-        a, n = acc[bucket], row["rounds"]
-        a["rounds"] += n
-        for name in ("acceptance_length", "draft_overhead", "speedup"):
-            if row[name] is not None and not math.isnan(row[name]):
-                a[name] += row[name] * n
-        if row["e2e_p99"] is not None and not math.isnan(row["e2e_p99"]):
-            p99s[bucket].append(row["e2e_p99"])
+        if row.get("bucket") is not None and row["rounds"]:
+            by_bucket[row["bucket"]].append(row)
     table = []
-    for bucket in sorted(acc):
-        a = acc[bucket]
-        values = sorted(p99s[bucket])
-        table.append({
-            "bucket": bucket,
-            "rounds": int(a["rounds"]),
-            "acceptance_length": round(a["acceptance_length"] / a["rounds"], 3),
-            "draft_overhead": round(a["draft_overhead"] / a["rounds"], 4),
-            "speedup": round(a["speedup"] / a["rounds"], 3),
-            "e2e_p99_ms": round(values[len(values) // 2], 1) if values else None,
-        })
+    for bucket, group in sorted(by_bucket.items()):
+        rounds = sum(row["rounds"] for row in group)
+
+        def mean(name: str, digits: int) -> float:
+            weighted = sum(row[name] * row["rounds"] for row in group if _measured(row[name]))
+            return round(weighted / rounds, digits)
+
+        p99s = [row["e2e_p99"] for row in group if _measured(row["e2e_p99"])]
+        table.append({"bucket": bucket, "rounds": rounds,
+                      "acceptance_length": mean("acceptance_length", 3),
+                      "draft_overhead": mean("draft_overhead", 4), "speedup": mean("speedup", 3),
+                      "e2e_p99_ms": round(statistics.median_high(p99s), 1) if p99s else None})
     return table
+
+
+def _measured(value) -> bool:
+    return value is not None and not math.isnan(value)
 
 
 def _print_report(summary: dict, stream) -> None:
