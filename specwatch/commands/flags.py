@@ -235,7 +235,7 @@ def _record(archive, change) -> str:
                                   change.ts, cleared=change.cleared)
 
 
-def _report(args: argparse.Namespace, change, override_id: str, verb: str) -> int:
+def _report(args: argparse.Namespace, change, override_id: str, verb: str) -> None:
     if args.json:
         print_rows([dict(asdict(change), override_id=override_id)], (), as_json=True)
     elif change.cleared:
@@ -246,7 +246,6 @@ def _report(args: argparse.Namespace, change, override_id: str, verb: str) -> in
             state += f", draft length <= {change.draft_limit}"
         print(f"override {verb}: {_key(change.scope)} speculation {state} by {change.by}: "
               f"{change.reason} ({override_id})")
-    return 0
 
 
 def _key(scope: tuple[str, str | None, str | None]) -> str:
