@@ -37,17 +37,14 @@ def telemetry(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("spelling", ["same", "dot", "symlink", "hardlink"])
+@pytest.mark.parametrize("output, link", [("telemetry.jsonl", None), ("./telemetry.jsonl", None),
+                                          ("link.jsonl", os.symlink), ("hard.jsonl", os.link)])
 def test_replay_refuses_to_write_over_its_input_however_it_is_spelled(capsys, telemetry, tmp_path, monkeypatch,
-                                                                      spelling):
+                                                                      output, link):
     before = telemetry.read_bytes()
     monkeypatch.chdir(tmp_path)
-    output = {"same": "telemetry.jsonl", "dot": "./telemetry.jsonl", "symlink": "link.jsonl",
-              "hardlink": "hard.jsonl"}[spelling]
-    if spelling == "symlink":
-        os.symlink("telemetry.jsonl", "link.jsonl")
-    if spelling == "hardlink":
-        os.link("telemetry.jsonl", "hard.jsonl")
+    if link is not None:
+        link("telemetry.jsonl", output)
     code, out, err = run_cli(capsys, "replay", "telemetry.jsonl", "--output", output)
     assert code == 2
     assert err == f"specwatch replay: the output {output} is the input telemetry.jsonl; write the output to another file\n"

@@ -72,27 +72,21 @@ def compare_request(request: RerunRequest, outcome: RerunOutcome, draft_length: 
                     bundle_matches: bool) -> dict:
     """One request's report: divergences, per-position acceptance, times and its verdict
     (``bundle differs`` whenever the local engine's card differs: a forced run proves nothing)."""
-    drafted = sum(d for d, _ in outcome.rounds)
-    accepted = sum(a for _, a in outcome.rounds)
     speculative_vs_archived = first_divergence(request.output_ids, outcome.speculative_ids)
     verdict = (BUNDLE_DIFFERS if not bundle_matches
                else REPRODUCED if speculative_vs_archived is None else NOT_REPRODUCED)
     return {
-        "sample_id": request.sample_id,
-        "prompt_tokens": len(request.prompt_ids),
-        "output_tokens": len(request.output_ids),
-        "sampling": request.sampling,
+        "sample_id": request.sample_id, "sampling": request.sampling,
+        "prompt_tokens": len(request.prompt_ids), "output_tokens": len(request.output_ids),
         "identical": outcome.standard_ids == outcome.speculative_ids,
         "first_divergence": first_divergence(outcome.standard_ids, outcome.speculative_ids),
         "archived_vs_standard": first_divergence(request.output_ids, outcome.standard_ids),
         "archived_vs_speculative": speculative_vs_archived,
         "rounds": len([r for r in outcome.rounds if r[0]]),
-        "drafted": drafted,
-        "accepted": accepted,
+        "drafted": sum(d for d, _ in outcome.rounds), "accepted": sum(a for _, a in outcome.rounds),
         "position_acceptance": [None if math.isnan(x) else round(x, 4)
                                 for x in position_acceptance(outcome.rounds, draft_length)],
-        "draft_ms": round(outcome.draft_ms, 3),
-        "verify_ms": round(outcome.verify_ms, 3),
+        "draft_ms": round(outcome.draft_ms, 3), "verify_ms": round(outcome.verify_ms, 3),
         "verdict": verdict,
     }
 
@@ -138,8 +132,7 @@ def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, re
     decision_card = BundleCard.model_validate(card)
     if rerunner is None:
         rerunner = rerunner_for(decision_card)
-    local_card = rerunner.card()
-    differences = card_differences(decision_card, local_card)
+    differences = card_differences(decision_card, rerunner.card())
     if differences and not force:
         raise ReproduceError(f"the local engine's bundle differs from the decision's in {', '.join(differences)}; "
                              "nothing was run (--force runs anyway, with the verdict 'bundle differs')")
@@ -150,16 +143,9 @@ def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, re
     verdict = (BUNDLE_DIFFERS if differences
                else REPRODUCED if counts[REPRODUCED] == len(reports) else NOT_REPRODUCED)
     result = {
-        "decision_id": decision_id,
-        "bundle_id": bundle_id,
-        "action": decision["action"],
-        "reason": decision["reason"],
-        "key_id": key.key_id,
-        "card_differences": differences,
-        "draft_length": draft_length,
-        "verdict": verdict,
-        "counts": counts,
-        "requests": reports,
+        "decision_id": decision_id, "bundle_id": bundle_id, "action": decision["action"],
+        "reason": decision["reason"], "key_id": key.key_id, "card_differences": differences,
+        "draft_length": draft_length, "verdict": verdict, "counts": counts, "requests": reports,
     }
     result["reproduction_id"] = archive.write_reproduction(decision_id, actor, clock(), verdict, result)
     return result

@@ -91,14 +91,12 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     decisions = pipeline.decisions
     matched = match_incidents(sim.incidents, [decision_alarm(d) for d in decisions])
     summary = {
-        "simulated_seconds": sim.duration,
-        "wall_seconds": round(wall, 2),
+        "start_ts": sim.start_ts, "simulated_seconds": sim.duration, "wall_seconds": round(wall, 2),
         "counters": dict(pipeline.counters.as_dict(), emitter_dropped=dropped),
         "buckets": _bucket_table(rows),
         "decisions": [json.loads(d.to_json_line()) for d in decisions],
         "decision_ids": [d.id for d in decisions],
         "incidents": matched,
-        "start_ts": sim.start_ts,
     }
     if picture is not None:
         from specwatch.analysis.timeline import render_timeline

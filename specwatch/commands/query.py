@@ -31,15 +31,17 @@ DESCRIPTION = ("Read the specwatch archive: decisions and why they were made, th
 def add_arguments(parser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     add_archive_options(common)
+    span = argparse.ArgumentParser(add_help=False)
+    for name in ("--since", "--until"):
+        span.add_argument(name, type=parse_time, metavar="T",
+                          help="unix seconds or ISO-8601 time (inclusive)")
     sub = parser.add_subparsers(dest="query_command", metavar="WHAT", required=True)
 
-    p = sub.add_parser("decisions", parents=[common], help="decisions in time order")
+    p = sub.add_parser("decisions", parents=[common, span], help="decisions in time order")
     p.add_argument("--bundle", help="bundle id")
     p.add_argument("--bucket", help="task bucket ('*' = whole-bundle decisions)")
     p.add_argument("--reason", help="decision reason, e.g. acceptance_drop")
     p.add_argument("--action", help="decision action, e.g. disable_speculation")
-    p.add_argument("--since", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time (inclusive)")
-    p.add_argument("--until", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time (inclusive)")
     p.add_argument("--limit", type=int, default=100, help="most recent N (default 100; 0 = all)")
     p.set_defaults(func=_decisions)
 
@@ -51,15 +53,13 @@ def add_arguments(parser) -> None:
     p.add_argument("decision_id")
     p.set_defaults(func=_samples)
 
-    p = sub.add_parser("timeline", parents=[common], help="window statistics per slice")
+    p = sub.add_parser("timeline", parents=[common, span], help="window statistics per slice")
     p.add_argument("--bundle", help="bundle id (default: the bundle of --around)")
     p.add_argument("--bucket", help="task bucket (default: the bucket of --around; '*' = whole bundle)")
     p.add_argument("--cohort", help="cohort")
     p.add_argument("--around", metavar="DECISION_ID", help="center on a decision")
     p.add_argument("--seconds", type=float, default=_DEFAULT_AROUND_S,
                    help=f"how far either side of --around (default {_DEFAULT_AROUND_S:g})")
-    p.add_argument("--since", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time")
-    p.add_argument("--until", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time")
     p.set_defaults(func=_timeline)
 
     p = sub.add_parser("bundles", parents=[common], help="bundles seen, with their cards")
