@@ -269,17 +269,14 @@ def _timeline(args: argparse.Namespace) -> int:
 def _bundles(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         rows = archive.bundles()
-    if args.json:
-        print_rows(rows, (), as_json=True)
-        return 0
-    for row in rows:
+    for row in [] if args.json else rows:  # JSON keeps the archive's fields
         row["summary"] = format_card(row["card"])
         row["worker_count"] = len(row["workers"])
     print_rows(rows, [
         ("bundle_id", "bundle", str), ("first_seen", "first seen (UTC)", format_ts),
         ("last_seen", "last seen (UTC)", format_ts), ("worker_count", "workers", str),
         ("summary", "card", str),
-    ], as_json=False, empty="no bundle in the archive yet")
+    ], args.json, empty="no bundle in the archive yet")
     return 0
 
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from specwatch.commands._arguments import CommandError, add_archive_option, add_policy_option, load_policy
@@ -113,8 +114,6 @@ def run(args) -> int:
         from specwatch.transport.signing import Keyring
 
         Keyring.from_env()  # an empty, weak or unreadable key setting stops here, before any topic is touched
-        # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
-        kafka = KafkaConfig.from_env(args.bootstrap)
         settings = StreamSettings(
             bootstrap=args.bootstrap, app_id=args.app_id, policy=policy, archive_dsn=args.archive,
             telemetry_topics=tuple(args.telemetry_topic or (TELEMETRY_TOPIC,)),
@@ -124,7 +123,10 @@ def run(args) -> int:
             checkpoint_seconds=args.checkpoint_seconds, operations=operations,
             source_silence_seconds=args.source_silence or policy.windows.source_idle_seconds,
             session_timeout_seconds=args.session_timeout,
-            replication_factor=args.replication_factor, kafka=kafka)
+            replication_factor=args.replication_factor)
+        # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
+        kafka = KafkaConfig.from_env(args.bootstrap)
+        settings = replace(settings, kafka=kafka)
         settings = settings.with_partitions(asyncio.run(prepare_topics(settings.topic_plan(),
                                                                       default_partitions=args.partitions)))
     except BrokerUnavailable as error:

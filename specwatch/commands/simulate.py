@@ -54,8 +54,6 @@ def send(records: Iterable, exporter, rate: float = 0.0) -> tuple[Counter, dict]
     full; counts by kind and exporter stats."""
     from specwatch.collectors.otel import TelemetryEmitter
 
-    if rate < 0:
-        raise ValueError(f"rate must be >= 0 records per second, got {rate}")
     emitter = TelemetryEmitter(exporter, sdk=False)
     counts: Counter = Counter()
     started = time.monotonic()
@@ -144,12 +142,11 @@ def _run_exporter(args: argparse.Namespace, simulator) -> int:
             probe_bootstrap(args.bootstrap, _CONNECT_TIMEOUT_S)
         except BrokerUnavailable as error:
             raise CommandError(f"error: {error}") from None
-
         destination, where = f"kafka {args.bootstrap} topic {args.topic}", ""
-        config = {"topic": args.topic, "client_id": "specwatch-simulate"}
 
         def exporter():
-            return KafkaTelemetryExporter(KafkaConfig.from_env(args.bootstrap, **config))
+            return KafkaTelemetryExporter(KafkaConfig.from_env(args.bootstrap, topic=args.topic,
+                                                               client_id="specwatch-simulate"))
     else:
         from specwatch.collectors.otlp_export import OtlpTelemetryExporter, otlp_log_exporter
 
