@@ -13,7 +13,7 @@ from specwatch import __version__
 from specwatch.commands._arguments import CommandError
 from specwatch.streams.gc_policy import tune_collector
 
-__all__ = ["COMMANDS", "main", "build_parser", "archive_problem"]
+__all__ = ["COMMANDS", "main", "build_parser"]
 
 # Each subcommand's line in ``specwatch --help``; its module is specwatch.commands.NAME.
 COMMANDS = {
@@ -75,37 +75,33 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     tune_collector()  # every command folds or reads many keys' slices: see streams/gc_policy.py
-    problem = archive_problem(args, os.environ)
-    if problem is not None:
-        print(f"specwatch {args.command}: {problem}", file=sys.stderr)
-        return 2
     try:
+        _check_archive_dsn(args, os.environ)
         return int(args.func(args) or 0)
     except CommandError as error:
         print(f"specwatch {args.command}: {error}", file=sys.stderr)
         return error.exit_code
 
 
-def archive_problem(args: argparse.Namespace, environ) -> str | None:
-    """Why the archive DSN a command was given (``--archive`` or ``$SPECWATCH_ARCHIVE``) cannot name
-    an archive, or None; checked before any command starts work."""
+def _check_archive_dsn(args: argparse.Namespace, environ) -> None:
+    """`CommandError` when the archive DSN a command was given (``--archive`` or
+    ``$SPECWATCH_ARCHIVE``) cannot name an archive; checked before any command starts work."""
     if not hasattr(args, "archive") or getattr(args, "no_archive", False):
-        return None
+        return
     from specwatch.archive.dsn import ARCHIVE_ENV, check_archive_dsn
 
     if args.archive is not None:
         dsn, origin = args.archive, "--archive"
     else:
         dsn, origin = environ.get(ARCHIVE_ENV) or None, f"${ARCHIVE_ENV}"
-        if dsn is None:
-            return None
     try:
-        check_archive_dsn(dsn)
+        if dsn is not None:
+            check_archive_dsn(dsn)
     except ValueError as error:
-        if not dsn:
-            return f"{origin} is empty: give chdb:///abs/path, chdb://relative/path or http(s)://host[:port][/database]"
-        return f"{error} (from {origin})"
-    return None
+        if dsn:
+            raise CommandError(f"{error} (from {origin})") from None
+        raise CommandError(f"{origin} is empty: give chdb:///abs/path, chdb://relative/path or "
+                           "http(s)://host[:port][/database]") from None
 
 
 if __name__ == "__main__":
