@@ -10,9 +10,8 @@ from specwatch.schemas import BundleCard, card_differences
 from specwatch.schemas.rerun import RerunOutcome, RerunRequest
 from specwatch.schemas.sealed import SampleKey, SealedSampleError, open_sealed, sealed_key_id
 
-__all__ = ["REPRODUCED", "NOT_REPRODUCED", "BUNDLE_DIFFERS", "ReproduceError", "RerunRequest",
-           "RerunOutcome", "Rerunner", "position_acceptance", "first_divergence", "compare_request",
-           "reproduce_decision", "render_result"]
+__all__ = ["REPRODUCED", "NOT_REPRODUCED", "BUNDLE_DIFFERS", "ReproduceError", "Rerunner",
+           "position_acceptance", "first_divergence", "reproduce_decision", "render_result"]
 
 REPRODUCED = "reproduced"
 NOT_REPRODUCED = "not reproduced"

@@ -62,8 +62,6 @@ def _show(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         row = _registered(archive, args.bundle_id)
         history = archive.stage_history(args.bundle_id)
-    if row is None:
-        raise CommandError(f"no bundle {args.bundle_id} in the archive", EXIT_NOT_FOUND)
     for change in history:
         change["evidence"] = _evidence(change)
     if args.json:
@@ -97,8 +95,6 @@ def _change(args: argparse.Namespace) -> int:
     keyring = publish_keyring(args)
     with open_archive(args.archive) as archive:
         row = _registered(archive, args.bundle_id)
-        if row is None:
-            raise CommandError(f"no bundle {args.bundle_id} in the archive", EXIT_NOT_FOUND)
         try:
             stage, cohort, share = manual_stage(args.move, row["stage"], row["cohort_share"], settings)
         except ValueError as error:
@@ -118,8 +114,11 @@ def _change(args: argparse.Namespace) -> int:
     return 0 if published else EXIT_NOT_PUBLISHED
 
 
-def _registered(archive, bundle_id: str) -> dict | None:
-    return next((row for row in archive.bundle_registry() if row["bundle_id"] == bundle_id), None)
+def _registered(archive, bundle_id: str) -> dict:
+    row = next((row for row in archive.bundle_registry() if row["bundle_id"] == bundle_id), None)
+    if row is None:
+        raise CommandError(f"no bundle {bundle_id} in the archive", EXIT_NOT_FOUND)
+    return row
 
 
 def _evidence(change: dict) -> str:

@@ -38,13 +38,12 @@ def add_arguments(parser) -> None:
                         help="how long to try reaching the cluster (default: %(default)s)")
 
 
-def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False,
-                    keyring: Keyring | None = None, print_unverified: bool = False) -> Counter:
+def print_decisions(reader: DecisionReader, out: TextIO, keyring: Keyring, *, follow: bool = False,
+                    print_unverified: bool = False) -> Counter:
     """Print decisions from a connected reader; returns how many failed the signature check, by
-    `Verdict` value. Without a ``keyring`` (or with an empty one) nothing is checked."""
-    from specwatch.transport.signing import Keyring, verify
+    `Verdict` value. With an empty ``keyring`` nothing is checked."""
+    from specwatch.transport.signing import verify
 
-    keyring = keyring if keyring is not None else Keyring()
     unverified: Counter = Counter()
 
     def emit(batch) -> None:
@@ -94,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(error.args[0]) from None
     unverified: Counter = Counter()
     try:
-        unverified = print_decisions(reader, sys.stdout, follow=args.follow, keyring=keyring,
-                                           print_unverified=args.unverified)
+        unverified = print_decisions(reader, sys.stdout, keyring, follow=args.follow,
+                                     print_unverified=args.unverified)
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:
