@@ -95,6 +95,10 @@ def _flatten(prefix: str, value) -> Iterable[tuple[str, object]]:
         yield prefix, value
 
 
+def _plain(_key: str, value) -> str:
+    return _number(value)
+
+
 def format_pairs(data, limit: int | None = None, show=_shown) -> str:
     """``key=value`` pairs of a dict, nested keys joined by dots; at most ``limit`` of them.
 
@@ -162,7 +166,7 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
              f"detector: {record['detector']}",
              "finding: " + format_pairs(_without_judgement(finding) if judgement else finding),
              *judgement,
-             "thresholds: " + format_pairs(audit.get("thresholds"), show=lambda _, v: _number(v)),
+             "thresholds: " + format_pairs(audit.get("thresholds"), show=_plain),
              "baseline: " + (format_pairs(audit.get("baseline")) or "(none)")]
     rows = _window_rows(record)
     if rows:
@@ -179,8 +183,7 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     else:
         lines.append("evidence window: none (an event-triggered decision)")
     card = audit.get("card")
-    card = format_pairs(card, show=lambda _, v: _number(v)) if card else "(not archived)"
-    lines.append("bundle card: " + card)
+    lines.append("bundle card: " + (format_pairs(card, show=_plain) if card else "(not archived)"))
     lines.append(f"samples: {len(samples)}")
     lines.extend(f"  {sample['kind']:<8}{sample['sample_id']:<28}{sample_summary(sample['record'])}"
                  for sample in samples[:10])
