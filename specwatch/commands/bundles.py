@@ -6,7 +6,7 @@ import argparse
 import time
 
 from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
-                                           add_archive_options, add_policy_option, load_policy,
+                                           add_policy_option, archive_reader_options, load_policy,
                                            open_archive)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
 from specwatch.commands.query import format_card, format_optional as _opt, format_ts, print_rows
@@ -20,8 +20,7 @@ DESCRIPTION = ("Every bundle (fingerprint card) seen, its admission stage (unadm
 
 
 def add_arguments(parser) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    add_archive_options(common)
+    common = archive_reader_options()
     change = argparse.ArgumentParser(add_help=False)
     change.add_argument("bundle_id", help="bundle id (b-...)")
     change.add_argument("--by", required=True, metavar="NAME", help="who is making the change (audited)")

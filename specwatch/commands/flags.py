@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict
 
 from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
-                                           add_archive_options, open_archive)
+                                           archive_reader_options, open_archive)
 from specwatch.commands.query import format_optional, format_scope, format_ts, print_rows
 from specwatch.transport.topics import DECISIONS_TOPIC
 
@@ -88,8 +88,7 @@ DESCRIPTION = ("Show the speculative-path state that archived decisions and manu
 
 
 def add_arguments(parser) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    add_archive_options(common)
+    common = archive_reader_options()
     scope = argparse.ArgumentParser(add_help=False)
     scope.add_argument("--bundle", required=True, help="bundle id")
     scope.add_argument("--bucket", help="task bucket (default: every bucket)")

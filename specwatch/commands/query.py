@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
 from specwatch.analysis.postmortem import format_pairs
-from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, add_archive_options,
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, archive_reader_options,
                                            open_archive)
 
 __all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_card",
@@ -29,8 +29,7 @@ DESCRIPTION = ("Read the specwatch archive: decisions and why they were made, th
 
 
 def add_arguments(parser) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    add_archive_options(common)
+    common = archive_reader_options()
     span = argparse.ArgumentParser(add_help=False)
     for name in ("--since", "--until"):
         span.add_argument(name, type=parse_time, metavar="T",
