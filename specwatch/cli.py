@@ -7,43 +7,32 @@ import importlib
 import logging
 import os
 import sys
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from specwatch import __version__
 from specwatch.commands._arguments import CommandError
 from specwatch.streams.gc_policy import tune_collector
 
-__all__ = ["COMMANDS", "Command", "main", "build_parser", "archive_problem"]
+__all__ = ["COMMANDS", "main", "build_parser"]
 
-
-class Command(NamedTuple):
-    """A subcommand: its name, its line in ``specwatch --help`` and its module."""
-
-    name: str
-    help: str
-
-    @property
-    def module(self) -> str:
-        return f"specwatch.commands.{self.name}"
-
-
-COMMANDS = (
-    Command("archive", "deliver archive rows spooled while the archive was unreachable"),
-    Command("bench", "measure throughput, latency and cost against alternatives"),
-    Command("bundles", "bundle registry: admission stages, their history, manual moves"),
-    Command("decisions", "print the decisions topic as JSON Lines"),
-    Command("demo", "run a simulated fleet with incidents through the whole pipeline"),
-    Command("evaluate", "measure detection delay and false alarms against operator baselines"),
-    Command("explain", "postmortem of one archived decision (text, or an HTML page)"),
-    Command("flags", "speculative-path state per scope; manual overrides"),
-    Command("query", "read decisions, evidence, samples and timelines from the archive"),
-    Command("replay", "replay contract-v1 JSON Lines and write the decisions"),
-    Command("reproduce", "re-run a decision's sealed requests on standard and speculative decoding"),
-    Command("run", "run the stream processors on Kafka (Faust workers)"),
-    Command("simulate", "write simulated fleet telemetry (contract v1 JSON Lines)"),
-    Command("soak", "steady simulated load; checks that memory and lag stay flat"),
-    Command("tune", "best draft length per bucket: predicted speedup curve from the archive"),
-)
+# Each subcommand's line in ``specwatch --help``; its module is specwatch.commands.NAME.
+COMMANDS = {
+    "archive": "deliver archive rows spooled while the archive was unreachable",
+    "bench": "measure throughput, latency and cost against alternatives",
+    "bundles": "bundle registry: admission stages, their history, manual moves",
+    "decisions": "print the decisions topic as JSON Lines",
+    "demo": "run a simulated fleet with incidents through the whole pipeline",
+    "evaluate": "measure detection delay and false alarms against operator baselines",
+    "explain": "postmortem of one archived decision (text, or an HTML page)",
+    "flags": "speculative-path state per scope; manual overrides",
+    "query": "read decisions, evidence, samples and timelines from the archive",
+    "replay": "replay contract-v1 JSON Lines and write the decisions",
+    "reproduce": "re-run a decision's sealed requests on standard and speculative decoding",
+    "run": "run the stream processors on Kafka (Faust workers)",
+    "simulate": "write simulated fleet telemetry (contract v1 JSON Lines)",
+    "soak": "steady simulated load; checks that memory and lag stay flat",
+    "tune": "best draft length per bucket: predicted speedup curve from the archive",
+}
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -57,12 +46,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     # The top-level options take no values: the first word that is not an option names the command.
     wanted = None if argv is None else next((word for word in argv if not word.startswith("-")), "")
-    for command in COMMANDS:
-        if wanted is not None and command.name != wanted:
-            subparsers.add_parser(command.name, help=command.help)
+    for name, summary in COMMANDS.items():
+        if wanted is not None and name != wanted:
+            subparsers.add_parser(name, help=summary)
             continue
-        module = importlib.import_module(command.module)
-        sub = subparsers.add_parser(command.name, help=command.help, description=module.DESCRIPTION)
+        module = importlib.import_module(f"specwatch.commands.{name}")
+        sub = subparsers.add_parser(name, help=summary, description=module.DESCRIPTION)
         module.add_arguments(sub)
         if hasattr(module, "run"):
             sub.set_defaults(func=module.run)
@@ -86,37 +75,33 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     tune_collector()  # every command folds or reads many keys' slices: see streams/gc_policy.py
-    problem = archive_problem(args, os.environ)
-    if problem is not None:
-        print(f"specwatch {args.command}: {problem}", file=sys.stderr)
-        return 2
     try:
+        _check_archive_dsn(args, os.environ)
         return int(args.func(args) or 0)
     except CommandError as error:
         print(f"specwatch {args.command}: {error}", file=sys.stderr)
         return error.exit_code
 
 
-def archive_problem(args: argparse.Namespace, environ) -> str | None:
-    """Why the archive DSN a command was given (``--archive`` or ``$SPECWATCH_ARCHIVE``) cannot name
-    an archive, or None; checked before any command starts work."""
+def _check_archive_dsn(args: argparse.Namespace, environ) -> None:
+    """`CommandError` when the archive DSN a command was given (``--archive`` or
+    ``$SPECWATCH_ARCHIVE``) cannot name an archive; checked before any command starts work."""
     if not hasattr(args, "archive") or getattr(args, "no_archive", False):
-        return None
+        return
     from specwatch.archive.dsn import ARCHIVE_ENV, parse_archive_dsn
 
     if args.archive is not None:
         dsn, origin = args.archive, "--archive"
     else:
         dsn, origin = environ.get(ARCHIVE_ENV) or None, f"${ARCHIVE_ENV}"
-        if dsn is None:
-            return None
     try:
-        parse_archive_dsn(dsn)
+        if dsn is not None:
+            parse_archive_dsn(dsn)
     except ValueError as error:
-        if not dsn:
-            return f"{origin} is empty: give chdb:///abs/path, chdb://relative/path or http(s)://host[:port][/database]"
-        return f"{error} (from {origin})"
-    return None
+        if dsn:
+            raise CommandError(f"{error} (from {origin})") from None
+        raise CommandError(f"{origin} is empty: give chdb:///abs/path, chdb://relative/path or "
+                           "http(s)://host[:port][/database]") from None
 
 
 if __name__ == "__main__":

@@ -1,8 +1,4 @@
-"""Files the commands write: never one of the command's own inputs, and never left half written.
-
-An output is written to a temporary file beside its destination and renamed over it only
-when the command finished, so a failed run leaves the previous file (or none) in place.
-"""
+"""Files the commands write: never one of the command's own inputs, and never left half written."""
 
 from __future__ import annotations
 
@@ -52,12 +48,8 @@ def check_not_an_input(output: str, inputs: Sequence[str | None]) -> None:
 
 @contextlib.contextmanager
 def atomic_output(path: str, *, inputs: Sequence[str | None] = (), encoding: str = "utf-8") -> Iterator[IO[str]]:
-    """A text stream for ``path`` (``-``: stdout) that replaces the file only on success.
-
-    Raises `OutputClashError` before anything is written when ``path`` is one of
-    ``inputs``. A symlinked destination keeps its link: the file it points to is replaced.
-    The new file gets the old file's mode, or the default mode under the umask.
-    """
+    """A text stream for ``path`` (``-``: stdout) that replaces the file (a symlink's target, keeping
+    its mode) only on success; `OutputClashError` before anything is written if ``path`` is an input."""
     if path == STDIO:
         yield sys.stdout
         return

@@ -37,17 +37,14 @@ def telemetry(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("spelling", ["same", "dot", "symlink", "hardlink"])
+@pytest.mark.parametrize("output, link", [("telemetry.jsonl", None), ("./telemetry.jsonl", None),
+                                          ("link.jsonl", os.symlink), ("hard.jsonl", os.link)])
 def test_replay_refuses_to_write_over_its_input_however_it_is_spelled(capsys, telemetry, tmp_path, monkeypatch,
-                                                                      spelling):
+                                                                      output, link):
     before = telemetry.read_bytes()
     monkeypatch.chdir(tmp_path)
-    output = {"same": "telemetry.jsonl", "dot": "./telemetry.jsonl", "symlink": "link.jsonl",
-              "hardlink": "hard.jsonl"}[spelling]
-    if spelling == "symlink":
-        os.symlink("telemetry.jsonl", "link.jsonl")
-    if spelling == "hardlink":
-        os.link("telemetry.jsonl", "hard.jsonl")
+    if link is not None:
+        link("telemetry.jsonl", output)
     code, out, err = run_cli(capsys, "replay", "telemetry.jsonl", "--output", output)
     assert code == 2
     assert err == f"specwatch replay: the output {output} is the input telemetry.jsonl; write the output to another file\n"
@@ -61,17 +58,6 @@ def test_replay_refuses_to_write_over_its_policy_file(capsys, telemetry, tmp_pat
     code, _, err = run_cli(capsys, "replay", telemetry, "--policy", policy, "--output", policy)
     assert code == 2 and "is the input" in err
     assert policy.read_text() == "[kv]\nwatermark = 0.9\n"
-
-
-def test_a_failed_replay_leaves_the_previous_output_in_place(capsys, tmp_path):
-    output = tmp_path / "decisions.jsonl"
-    output.write_text('{"earlier": "decisions"}\n')
-    binary = tmp_path / "picture.png"
-    binary.write_bytes(bytes(range(256)) * 40)
-    code, _, err = run_cli(capsys, "replay", binary, "--output", output)
-    assert code == 1
-    assert output.read_text() == '{"earlier": "decisions"}\n'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decisions.jsonl", "picture.png"]  # no temp file left
 
 
 def test_an_output_that_cannot_be_written_is_named_as_given(capsys, telemetry, tmp_path):
@@ -105,45 +91,40 @@ def test_simulate_writes_its_output_whole(capsys, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["sim.jsonl"]
 
 
-def test_gzipped_telemetry_replays_like_the_plain_file(capsys, telemetry, tmp_path):
-    zipped = tmp_path / "telemetry.jsonl.gz"
-    zipped.write_bytes(gzip.compress(telemetry.read_bytes()))
-    code, out, _ = run_cli(capsys, "replay", telemetry, "--output", tmp_path / "a.jsonl", "--json")
-    plain = json.loads(out)
-    code_gz, out_gz, _ = run_cli(capsys, "replay", zipped, "--output", tmp_path / "b.jsonl", "--json")
-    from_gzip = json.loads(out_gz)
-    assert (code, code_gz) == (0, 0)
-    assert from_gzip["records"] == plain["records"] == 41 and from_gzip["rejected"] == 0
+_NOT_JSON_LINES = "is not JSON Lines telemetry: none of its"
+
+
+@pytest.mark.parametrize("name, content, said, earlier", [
+    ("model.bin", b"\x00\x01\xfe\xff" * 100 + b"\n" + b"\x89PNG\r\n\x1a\n",
+     f"{_NOT_JSON_LINES} 3 lines is a contract-v1 record (3 invalid_json)", None),
+    ("picture.png", bytes(range(256)) * 40, _NOT_JSON_LINES, '{"earlier": "decisions"}\n'),
+    ("cut.jsonl.gz", None, "is a damaged gzip file", None),
+])
+def test_input_that_is_not_telemetry_is_one_line_and_leaves_the_output_as_it_was(
+        capsys, telemetry, tmp_path, name, content, said, earlier):
+    source, output = tmp_path / name, tmp_path / "decisions.jsonl"
+    source.write_bytes(gzip.compress(telemetry.read_bytes())[:300] if content is None else content)
+    if earlier is not None:
+        output.write_text(earlier)
+    code, out, err = run_cli(capsys, "replay", source, "--output", output)
+    assert (code, out, len(err.splitlines())) == (1, "", 1)
+    assert err.startswith(f"specwatch replay: {source} {said}")
+    assert output.read_text() == earlier if earlier is not None else not output.exists()
+    # and no temporary file is left
+    assert {p.name for p in tmp_path.iterdir()} - {"decisions.jsonl"} == {name, "telemetry.jsonl"}
+
+
+@pytest.mark.parametrize("name, encode", [("telemetry.jsonl.gz", gzip.compress),
+                                          ("bom.jsonl", lambda data: b"\xef\xbb\xbf" + data)])
+def test_gzipped_or_marked_telemetry_replays_like_the_plain_file(capsys, telemetry, tmp_path, name,
+                                                                 encode):
+    variant = tmp_path / name
+    variant.write_bytes(encode(telemetry.read_bytes()))
+    for source, output in ((telemetry, "a.jsonl"), (variant, "b.jsonl")):
+        code, out, _ = run_cli(capsys, "replay", source, "--output", tmp_path / output, "--json")
+        summary = json.loads(out)
+        assert (code, summary["records"], summary["rejected"]) == (0, 41, 0)
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
-
-
-def test_binary_input_is_named_as_not_telemetry_and_fails(capsys, tmp_path):
-    binary = tmp_path / "model.bin"
-    binary.write_bytes(b"\x00\x01\xfe\xff" * 100 + b"\n" + b"\x89PNG\r\n\x1a\n")
-    output = tmp_path / "decisions.jsonl"
-    code, out, err = run_cli(capsys, "replay", binary, "--output", output)
-    assert code == 1 and out == ""
-    assert err.startswith(f"specwatch replay: {binary} is not JSON Lines telemetry: none of its 3 lines is a "
-                          "contract-v1 record (3 invalid_json)")
-    assert len(err.splitlines()) == 1
-    assert not output.exists()
-
-
-def test_a_damaged_gzip_file_is_one_clear_line(capsys, telemetry, tmp_path):
-    cut = tmp_path / "cut.jsonl.gz"
-    cut.write_bytes(gzip.compress(telemetry.read_bytes())[:300])
-    code, _, err = run_cli(capsys, "replay", cut, "--output", tmp_path / "d.jsonl")
-    assert code == 1
-    assert err.startswith(f"specwatch replay: {cut} is a damaged gzip file") and len(err.splitlines()) == 1
-    assert not (tmp_path / "d.jsonl").exists()
-
-
-def test_a_byte_order_mark_on_the_first_line_is_not_a_bad_record(capsys, telemetry, tmp_path):
-    marked = tmp_path / "bom.jsonl"
-    marked.write_bytes(b"\xef\xbb\xbf" + telemetry.read_bytes())
-    code, out, _ = run_cli(capsys, "replay", marked, "--output", tmp_path / "d.jsonl", "--json")
-    summary = json.loads(out)
-    assert code == 0 and (summary["records"], summary["rejected"]) == (41, 0)
 
 
 def test_an_empty_input_is_no_error(capsys, tmp_path):

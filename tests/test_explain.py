@@ -1,7 +1,7 @@
 """`specwatch explain`: the postmortem of an archived decision, checked in a real headless browser."""
 
 import re
-import subprocess
+from functools import partial
 
 import pytest
 
@@ -28,9 +28,8 @@ def archived(tmp_path_factory):
     return dsn, decisions
 
 
-def _explain(*args) -> subprocess.CompletedProcess:
-    # A separate process: chDB hosts one archive per process, and the CLI is what users run.
-    return specwatch("explain", *args, timeout=600)
+# A separate process: chDB hosts one archive per process, and the CLI is what users run.
+_explain = partial(specwatch, "explain")
 
 
 def test_text_summary_names_decision_thresholds_baseline_and_samples(archived):
@@ -70,10 +69,10 @@ def test_postmortem_page_renders_in_a_headless_browser(archived, tmp_path):
     for ident, _, _, _ in PLOTS:
         assert f'<svg id="plot-{ident}"' in dom
     al_plot = re.search(r'<svg id="plot-acceptance_length".*?</svg>', dom, re.S).group(0)
-    assert 'class="series"' in al_plot
-    assert f'data-label="threshold" data-value="{decision.evidence["threshold"]:.6g}"' in al_plot
-    assert 'data-label="baseline"' in al_plot
-    assert re.search(r'<svg id="plot-e2e_latency".*?data-series="p99"', dom, re.S)
+    assert 'id="series-AL"' in al_plot
+    assert 'id="reference-threshold"' in al_plot and 'id="reference-baseline"' in al_plot
+    assert f'threshold {decision.evidence["threshold"]:.4g}<' in al_plot  # the legend names the value
+    assert re.search(r'<svg id="plot-e2e_latency".*?id="series-p99"', dom, re.S)
     # the bundle card and the archived samples
     assert '<tr data-key="drafter.mechanism"><th>drafter.mechanism</th><td>eagle3</td></tr>' in dom
     assert dom.count("<tr data-sample-id=") >= 1

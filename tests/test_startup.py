@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import pkgutil
 
+import pytest
+
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import encode_record
 
@@ -26,30 +28,23 @@ print(json.dumps({"code": code, "heavy": heavy}))
 """
 
 
-def _replay_in_fresh_python(tmp_path, sim: Simulator) -> tuple[dict, dict, list[str]]:
-    """(replay summary, {code, heavy modules loaded}, actions of the decisions written)."""
+@pytest.mark.parametrize("scenario, seed, minutes, incident_at, records, actions, heavy", [
+    ("healthy", 3, 1, None, 9362, [], set()),
+    # lowering D fits the step-cost model (scipy's Theil-Sen and least squares): it needs scipy
+    ("acceptance_drop", 7, 3, 70, 26708, ["reduce_draft_length", "disable_speculation"], {"scipy"}),
+])
+def test_replay_imports_none_of_the_other_commands_libraries(tmp_path, scenario, seed, minutes,
+                                                             incident_at, records, actions, heavy):
+    """Every detector runs on every key (ADWIN included); no plotting, Kafka, Faust, OTel, nor scipy
+    unless a draft length is fitted."""
+    sim = Simulator(scenario, seed=seed, minutes=minutes, workers=2, incident_at=incident_at)
     telemetry, decisions = tmp_path / "telemetry.jsonl", tmp_path / "decisions.jsonl"
     telemetry.write_text("".join(encode_record(record) + "\n" for record in sim.records()))
-    summary_line, result_line = fresh_python(_REPLAY, telemetry, decisions, ",".join(_NOT_FOR_REPLAY)).splitlines()
-    actions = [json.loads(line)["action"] for line in decisions.read_text().splitlines()]
-    return json.loads(summary_line), json.loads(result_line), actions
-
-
-def test_replay_of_a_small_file_imports_none_of_the_other_commands_libraries(tmp_path):
-    """Every detector runs on every key (ADWIN included); no plotting, Kafka, Faust, OTel or scipy."""
-    summary, result, actions = _replay_in_fresh_python(tmp_path, Simulator("healthy", seed=3, minutes=1, workers=2))
-    assert (result["code"], summary["records"], summary["rejected"], actions) == (0, 9362, 0, [])
-    assert result["heavy"] == []
-
-
-def test_replay_that_fits_a_draft_length_loads_scipy_and_nothing_else(tmp_path):
-    """Lowering D fits the step-cost model (scipy's Theil-Sen and least squares): that replay
-    needs scipy, and still none of the others."""
-    sim = Simulator("acceptance_drop", seed=7, minutes=3, workers=2, incident_at=70)
-    summary, result, actions = _replay_in_fresh_python(tmp_path, sim)
-    assert (result["code"], summary["records"], summary["rejected"]) == (0, 26708, 0)
-    assert actions == ["reduce_draft_length", "disable_speculation"]
-    assert {name.split(".")[0] for name in result["heavy"]} == {"scipy"}
+    summary, result = map(json.loads, fresh_python(_REPLAY, telemetry, decisions,
+                                                   ",".join(_NOT_FOR_REPLAY)).splitlines())
+    assert (result["code"], summary["records"], summary["rejected"]) == (0, records, 0)
+    assert [json.loads(line)["action"] for line in decisions.read_text().splitlines()] == actions
+    assert {name.split(".")[0] for name in result["heavy"]} == heavy
 
 
 def test_the_command_line_parser_imports_no_command_dependencies():
@@ -74,7 +69,7 @@ def test_every_command_in_the_table_has_a_module_that_builds_and_runs_it():
     from specwatch.cli import COMMANDS, build_parser
 
     modules = sorted(m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_"))
-    assert [command.name for command in COMMANDS] == modules
+    assert list(COMMANDS) == modules
     parser = build_parser()
     assert parser.parse_args(["replay", "in.jsonl", "-o", "out.jsonl"]).func.__module__ == "specwatch.commands.replay"
     assert parser.parse_args(["query", "bundles"]).func.__name__ == "_bundles"

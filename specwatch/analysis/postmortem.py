@@ -1,6 +1,4 @@
-"""Postmortem of one archived decision: a self-contained HTML page and a plain-text summary,
-rendered from what `Archive.decision` and `Archive.samples` return.
-"""
+"""Postmortem of one archived decision: a self-contained HTML page and a plain-text summary."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ import json
 import math
 from typing import Iterable, Sequence
 
-__all__ = ["PLOTS", "render_html", "render_text", "sample_summary"]
+__all__ = ["PLOTS", "format_pairs", "render_html", "render_text", "sample_summary"]
 
 # The evidence-window plots: (id, title, unit, [(series label, window field)]).
 PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
@@ -23,23 +21,11 @@ PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
     ("mismatch_rate", "Shadow mismatch rate", "", (("mismatches", "mismatch_rate"),)),
     ("kv_peak", "KV cache peak usage", "", (("KV peak", "kv_peak"),)),
 )
-# Which plot carries the finding's threshold and baseline lines, by the finding's metric.
-_METRIC_PLOT = {
-    "acceptance_length": ("acceptance_length", "acceptance_length"),
-    "estimated_speedup": ("speedup", "speedup"),
-    "draft_to_verify": ("draft_overhead", None),
-    "e2e_p99_ms": ("e2e_latency", "e2e_p99"),
-    "tpot_p99_ms": ("tpot_latency", "tpot_p99"),
-    # the tail test's value is a share of requests past a limit: no line in milliseconds
-    "e2e_tail_share": ("e2e_latency", None),
-    "tpot_tail_share": ("tpot_latency", None),
-    "error_rate": ("error_rate", "error_rate"),
-    "kv_peak": ("kv_peak", "kv_peak"),
-    "shadow_mismatches": ("mismatch_rate", None),
-}
-_COLORS = ("#1f77b4", "#ff7f0e", "#d62728", "#2ca02c")
-_WIDTH, _HEIGHT = 520, 200
-_PAD_LEFT, _PAD_RIGHT, _PAD_TOP, _PAD_BOTTOM = 56, 12, 12, 30
+# The plot that carries the finding's threshold and baseline lines, by the finding's metric; other
+# metrics (draft_to_verify, the tail tests' shares, shadow mismatches) are not in a plot's unit.
+_METRIC_PLOT = {"acceptance_length": "acceptance_length", "estimated_speedup": "speedup",
+                "e2e_p99_ms": "e2e_latency", "tpot_p99_ms": "tpot_latency",
+                "error_rate": "error_rate", "kv_peak": "kv_peak"}
 _MAX_SAMPLE_ROWS = 50
 
 _STYLE = """
@@ -77,13 +63,13 @@ def _number(value) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
-        return f"{value:.4g}"
+        # four significant digits read well for ratios and milliseconds; big values keep every digit
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3f}".rstrip("0").rstrip(".")
     return str(value)
 
 
-# Evidence fields that hold event times: shown as UTC, not as 1.767e+09.
-_TIME_KEYS = ("ts", "window_start", "window_end", "learned_from", "learned_until", "disabled_at",
-              "last_strict_mismatch_ts", "slice_end")
+# Evidence fields that hold event times (ts, window_end, learned_from...): shown as UTC.
+_TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
 
 
 def _shown(key: str, value) -> str:
@@ -92,7 +78,9 @@ def _shown(key: str, value) -> str:
     >>> _shown("window_end", 1767225693.5), _shown("tolerance", 0.15), _shown("position_rates", [0.8, 0.62])
     ('2026-01-01T00:01:33.500Z', '0.15', '[0.8, 0.62]')
     """
-    if key.rsplit(".", 1)[-1] in _TIME_KEYS and isinstance(value, (int, float)) and value > 1e8:
+    name = key.rsplit(".", 1)[-1]
+    is_time = name == "ts" or name.endswith(_TIME_SUFFIXES)
+    if is_time and isinstance(value, (int, float)) and value > 1e8:
         return _utc(value)
     if isinstance(value, list):
         return "[" + ", ".join(_number(v) for v in value) + "]"
@@ -105,6 +93,23 @@ def _flatten(prefix: str, value) -> Iterable[tuple[str, object]]:
             yield from _flatten(f"{prefix}.{key}" if prefix else str(key), value[key])
     else:
         yield prefix, value
+
+
+def _plain(_key: str, value) -> str:
+    return _number(value)
+
+
+def format_pairs(data, limit: int | None = None, show=_shown) -> str:
+    """``key=value`` pairs of a dict, nested keys joined by dots; at most ``limit`` of them.
+
+    >>> format_pairs({"al": 1.23456, "window": {"end": 1767225693.5}, "slices": [1, 2]}, limit=2)
+    'al=1.235 slices=[1, 2] ...'
+    """
+    if not isinstance(data, dict):
+        return "" if data is None else str(data)
+    items = list(_flatten("", data))
+    more = ["..."] if limit is not None and len(items) > limit else []
+    return " ".join([f"{k}={show(k, v)}" for k, v in items[:limit]] + more)
 
 
 def _window_rows(record: dict) -> list[dict]:
@@ -156,17 +161,13 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     finding = _finding(record)
     audit = _audit(record)
     what, measure = _headline(record)
-    lines = [f"decision {record['decision_id']}: {what}" + (f":\n  {measure}" if measure else "")]
-    lines.append(f"detector: {record['detector']}")
-    judgement = judgement_lines(finding)
-    if judgement:  # an admission decision: the stage move and the judge's per-bucket breakdown
-        finding = {k: v for k, v in finding.items() if k not in ("breakdown", "judgement", "failing")}
-    lines.append("finding: " + " ".join(f"{k}={_shown(k, v)}" for k, v in _flatten("", finding)))
-    lines.extend(judgement)
-    thresholds = audit.get("thresholds") or {}
-    lines.append("thresholds: " + " ".join(f"{k}={_number(v)}" for k, v in _flatten("", thresholds)))
-    baseline = audit.get("baseline") or {}
-    lines.append("baseline: " + (" ".join(f"{k}={_shown(k, v)}" for k, v in _flatten("", baseline)) or "(none)"))
+    judgement = judgement_lines(finding)  # an admission decision: the judge's per-bucket breakdown
+    lines = [f"decision {record['decision_id']}: {what}" + (f":\n  {measure}" if measure else ""),
+             f"detector: {record['detector']}",
+             "finding: " + format_pairs(_without_judgement(finding) if judgement else finding),
+             *judgement,
+             "thresholds: " + format_pairs(audit.get("thresholds"), show=_plain),
+             "baseline: " + (format_pairs(audit.get("baseline")) or "(none)")]
     rows = _window_rows(record)
     if rows:
         start = rows[0]["slice_end"] - record["ts"]
@@ -182,15 +183,15 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     else:
         lines.append("evidence window: none (an event-triggered decision)")
     card = audit.get("card")
-    if card:
-        lines.append("bundle card: " + " ".join(f"{k}={_number(v)}" for k, v in _flatten("", card)))
-    else:
-        lines.append("bundle card: (not archived)")
+    lines.append("bundle card: " + (format_pairs(card, show=_plain) if card else "(not archived)"))
     lines.append(f"samples: {len(samples)}")
-    for sample in samples[:10]:
-        record = sample["record"]
-        lines.append(f"  {sample['kind']:<8}{sample['sample_id']:<28}{sample_summary(record)}")
+    lines.extend(f"  {sample['kind']:<8}{sample['sample_id']:<28}{sample_summary(sample['record'])}"
+                 for sample in samples[:10])
     return "\n".join(lines)
+
+
+def _without_judgement(finding: dict) -> dict:
+    return {k: v for k, v in finding.items() if k not in ("breakdown", "judgement", "failing")}
 
 
 def judgement_lines(finding: dict) -> list[str]:
@@ -293,7 +294,7 @@ def render_html(record: dict, samples: Sequence[dict], reproductions: Sequence[d
         _row("event time", f"{_utc(record['ts'])} ({record['ts']:.3f})", "ts"),
         "</table>",
         "<h2>Finding and thresholds</h2>",
-        _key_value_table("finding", {k: v for k, v in finding.items() if k not in ("breakdown", "judgement", "failing")}),
+        _key_value_table("finding", _without_judgement(finding)),
         *([f'<pre id="judgement">{esc(chr(10).join(judgement_lines(finding)))}</pre>']
           if judgement_lines(finding) else []),
         f'<p class="muted">Policy settings of the gate that fired ({esc(record["detector"])}):</p>',
@@ -307,21 +308,18 @@ def render_html(record: dict, samples: Sequence[dict], reproductions: Sequence[d
         parts.append(f'<p class="muted">{len(rows)} slices before the decision; time in seconds relative to '
                      "the decision (0 = decision). Dashed lines: the threshold (red) and the baseline (grey) "
                      "of the metric that fired.</p>")
-        parts.append('<div class="plots" id="plots">')
-        for plot in PLOTS:
-            parts.append(_plot(plot, rows, record, finding))
-        parts.append("</div>")
+        plots = "\n".join(_plot(plot, rows, record, finding) for plot in PLOTS)
+        parts.append(f'<div class="plots" id="plots">{plots}</div>')
     else:
         parts.append('<p id="plots-none" class="muted">No per-slice window: this decision was triggered by a '
                      "discrete event (a card change or a shadow mismatch); the samples below are the event.</p>")
     parts.append("<h2>Bundle card</h2>")
     card = audit.get("card")
     parts.append(_key_value_table("card", card) if card else '<p id="card" class="muted">Not archived.</p>')
-    parts.append(f"<h2>Samples ({len(samples)})</h2>")
-    parts.append(_samples_table(samples))
+    parts += [f"<h2>Samples ({len(samples)})</h2>", _samples_table(samples)]
     if reproductions:
-        parts.append(f"<h2>Reproductions ({len(reproductions)})</h2>")
-        parts.append(_reproductions_table(reproductions))
+        parts += [f"<h2>Reproductions ({len(reproductions)})</h2>",
+                  _reproductions_table(reproductions)]
     parts.append("</main></body></html>")
     return "\n".join(parts)
 
@@ -351,9 +349,8 @@ def _samples_table(samples: Sequence[dict]) -> str:
             f"<td><code>{html.escape(str(sample['sample_id']))}</code></td><td>{html.escape(_utc(sample['ts']))}</td>"
             f"<td>{html.escape(sample_summary(record))}</td><td><details><summary>record</summary>"
             f"<pre>{html.escape(json.dumps(record, sort_keys=True, indent=1))}</pre></details></td></tr>")
-    more = ""
-    if len(samples) > _MAX_SAMPLE_ROWS:
-        more = f'<p class="muted">{len(samples) - _MAX_SAMPLE_ROWS} more not shown.</p>'
+    hidden = len(samples) - _MAX_SAMPLE_ROWS
+    more = f'<p class="muted">{hidden} more not shown.</p>' if hidden > 0 else ""
     return ('<table id="samples"><tr><th>kind</th><th>id</th><th>event time</th><th>what</th><th>raw</th></tr>'
             + "".join(rows) + "</table>" + more)
 
@@ -381,98 +378,36 @@ def _reproductions_table(reproductions: Sequence[dict]) -> str:
 
 
 def _plot(plot, rows: list[dict], record: dict, finding: dict) -> str:
+    """One evidence plot: the window's series, and the threshold and baseline of the metric that fired."""
+    from matplotlib.figure import Figure
+
+    from specwatch.analysis.timeline import inline_svg
+
     ident, title, unit, series = plot
     xs = [row["slice_end"] - record["ts"] for row in rows]
-    lines = [(label, [_float(row.get(field)) for row in rows]) for label, field in series]
-    references = []
-    metric_plot = _METRIC_PLOT.get(finding.get("metric") or "")
-    if metric_plot is not None and metric_plot[0] == ident and metric_plot[1] is not None:
-        for label, key, color in (("threshold", "threshold", "#d62728"), ("baseline", "baseline", "#777")):
-            value = _float(finding.get(key))
-            if not math.isnan(value):
-                references.append((label, value, color))
-    if ident == "speedup":
-        references.append(("break-even", 1.0, "#777"))
-    svg = _svg(f"plot-{ident}", title, unit, xs, lines, references)
+    references = [("break-even", 1.0, "#777")] if ident == "speedup" else []
+    if _METRIC_PLOT.get(finding.get("metric")) == ident:
+        references += [(key, _float(finding.get(key)), color)
+                       for key, color in (("threshold", "#d62728"), ("baseline", "#777"))]
+    axes = Figure(figsize=(5.2, 2.2), layout="tight").subplots()
+    measured = False
+    for label, field in series:  # a NaN (nothing measured in a slice) breaks the line
+        ys = [_float(row.get(field)) for row in rows]
+        measured = measured or not all(map(math.isnan, ys))
+        axes.plot(xs, ys, marker=".", linewidth=1.5, label=label, gid=f"series-{label}")
+    for label, value, color in references:
+        if not math.isnan(value):
+            axes.axhline(value, color=color, linestyle="--", linewidth=1, gid=f"reference-{label}",
+                         label=f"{label} {_number(value)}")
+    if not measured:
+        axes.text(0.5, 0.5, "no data in this window", transform=axes.transAxes, ha="center")
+    axes.set_xlabel("seconds relative to the decision", fontsize=8)
+    axes.set_ylabel(unit, fontsize=8)
+    axes.tick_params(labelsize=8)
+    axes.legend(fontsize=7)
+    svg = inline_svg(axes.figure, f"plot-{ident}")
     return f'<figure data-plot="{ident}">{svg}<figcaption>{html.escape(title)}</figcaption></figure>'
 
 
 def _float(value) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-
-
-def _svg(ident: str, title: str, unit: str, xs: list[float], lines: list[tuple[str, list[float]]],
-         references: list[tuple[str, float, str]]) -> str:
-    esc = html.escape
-    finite = [y for _, ys in lines for y in ys if not math.isnan(y)] + [v for _, v, _ in references]
-    head = (f'<svg id="{esc(ident)}" class="plot" xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" '
-            f'height="{_HEIGHT}" viewBox="0 0 {_WIDTH} {_HEIGHT}" role="img"><title>{esc(title)}</title>')
-    if not finite or not xs:
-        return head + (f'<text x="{_WIDTH / 2}" y="{_HEIGHT / 2}" text-anchor="middle" fill="#777" '
-                       'font-size="12">no data in this window</text></svg>')
-    y_low, y_high = min(finite), max(finite)
-    if y_high - y_low < 1e-9:
-        y_low, y_high = y_low - 0.5 * (abs(y_low) or 1.0), y_high + 0.5 * (abs(y_high) or 1.0)
-    margin = 0.06 * (y_high - y_low)
-    y_low, y_high = y_low - margin, y_high + margin
-    x_low, x_high = min(xs), max(xs)
-    if x_high - x_low < 1e-9:
-        x_low, x_high = x_low - 1.0, x_high + 1.0
-    inner_w = _WIDTH - _PAD_LEFT - _PAD_RIGHT
-    inner_h = _HEIGHT - _PAD_TOP - _PAD_BOTTOM
-
-    def px(x: float) -> float:
-        return _PAD_LEFT + (x - x_low) / (x_high - x_low) * inner_w
-
-    def py(y: float) -> float:
-        return _PAD_TOP + (y_high - y) / (y_high - y_low) * inner_h
-
-    out = [head, f'<rect x="{_PAD_LEFT}" y="{_PAD_TOP}" width="{inner_w}" height="{inner_h}" fill="#fafafa" '
-                 'stroke="#ccc"/>']
-    for frac in (0.0, 0.5, 1.0):
-        y = y_low + margin + frac * (y_high - y_low - 2 * margin)
-        out.append(f'<text x="{_PAD_LEFT - 4}" y="{py(y) + 4:.1f}" text-anchor="end" font-size="10" '
-                   f'fill="#555">{esc(_number(y))}{esc(unit) if unit and unit != "x" else ""}</text>')
-    for x in (x_low, (x_low + x_high) / 2, x_high):
-        out.append(f'<text x="{px(x):.1f}" y="{_HEIGHT - 10}" text-anchor="middle" font-size="10" '
-                   f'fill="#555">{x:.0f} s</text>')
-    for label, value, color in references:
-        out.append(f'<line class="reference" data-label="{esc(label)}" data-value="{value:.6g}" x1="{_PAD_LEFT}" '
-                   f'y1="{py(value):.1f}" x2="{_WIDTH - _PAD_RIGHT}" y2="{py(value):.1f}" stroke="{color}" '
-                   'stroke-dasharray="5,3"/>')
-        out.append(f'<text x="{_WIDTH - _PAD_RIGHT - 2}" y="{py(value) - 3:.1f}" text-anchor="end" font-size="10" '
-                   f'fill="{color}">{esc(label)} {esc(_number(value))}</text>')
-    for index, (label, ys) in enumerate(lines):
-        color = _COLORS[index % len(_COLORS)]
-        for segment in _segments(xs, ys):
-            points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in segment)
-            if len(segment) == 1:
-                x, y = segment[0]
-                out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2" fill="{color}"/>')
-            else:
-                out.append(f'<polyline class="series" data-series="{esc(label)}" fill="none" stroke="{color}" '
-                           f'stroke-width="1.5" points="{points}"/>')
-        if len(lines) > 1:
-            out.append(f'<text x="{_PAD_LEFT + 6 + 48 * index}" y="{_PAD_TOP + 12}" font-size="10" '
-                       f'fill="{color}">{esc(label)}</text>')
-    out.append("</svg>")
-    return "".join(out)
-
-
-def _segments(xs: list[float], ys: list[float]) -> list[list[tuple[float, float]]]:
-    """Runs of defined points: a NaN (nothing measured in a slice) breaks the line.
-
-    >>> _segments([0, 1, 2, 3], [1.0, float("nan"), 2.0, 3.0])
-    [[(0, 1.0)], [(2, 2.0), (3, 3.0)]]
-    """
-    out, current = [], []
-    for x, y in zip(xs, ys):
-        if math.isnan(y):
-            if current:
-                out.append(current)
-            current = []
-        else:
-            current.append((x, y))
-    if current:
-        out.append(current)
-    return out

@@ -1,6 +1,4 @@
-"""`specwatch reproduce`: open a decision's sealed samples and re-run its requests on both paths, on
-an engine passed in (`Rerunner`); the checks, comparison, verdicts and audit trail live here.
-"""
+"""Re-run a decision's sealed requests on an engine passed in; checks, verdicts, audit trail."""
 
 from __future__ import annotations
 
@@ -12,9 +10,8 @@ from specwatch.schemas import BundleCard, card_differences
 from specwatch.schemas.rerun import RerunOutcome, RerunRequest
 from specwatch.schemas.sealed import SampleKey, SealedSampleError, open_sealed, sealed_key_id
 
-__all__ = ["REPRODUCED", "NOT_REPRODUCED", "BUNDLE_DIFFERS", "ReproduceError", "RerunRequest",
-           "RerunOutcome", "Rerunner", "position_acceptance", "first_divergence", "compare_request",
-           "reproduce_decision", "render_result"]
+__all__ = ["REPRODUCED", "NOT_REPRODUCED", "BUNDLE_DIFFERS", "ReproduceError", "Rerunner",
+           "position_acceptance", "first_divergence", "reproduce_decision", "render_result"]
 
 REPRODUCED = "reproduced"
 NOT_REPRODUCED = "not reproduced"
@@ -74,29 +71,21 @@ def compare_request(request: RerunRequest, outcome: RerunOutcome, draft_length: 
                     bundle_matches: bool) -> dict:
     """One request's report: divergences, per-position acceptance, times and its verdict
     (``bundle differs`` whenever the local engine's card differs: a forced run proves nothing)."""
-    drafted = sum(d for d, _ in outcome.rounds)
-    accepted = sum(a for _, a in outcome.rounds)
     speculative_vs_archived = first_divergence(request.output_ids, outcome.speculative_ids)
-    if not bundle_matches:
-        verdict = BUNDLE_DIFFERS
-    else:
-        verdict = REPRODUCED if speculative_vs_archived is None else NOT_REPRODUCED
+    verdict = (BUNDLE_DIFFERS if not bundle_matches
+               else REPRODUCED if speculative_vs_archived is None else NOT_REPRODUCED)
     return {
-        "sample_id": request.sample_id,
-        "prompt_tokens": len(request.prompt_ids),
-        "output_tokens": len(request.output_ids),
-        "sampling": request.sampling,
+        "sample_id": request.sample_id, "sampling": request.sampling,
+        "prompt_tokens": len(request.prompt_ids), "output_tokens": len(request.output_ids),
         "identical": outcome.standard_ids == outcome.speculative_ids,
         "first_divergence": first_divergence(outcome.standard_ids, outcome.speculative_ids),
         "archived_vs_standard": first_divergence(request.output_ids, outcome.standard_ids),
         "archived_vs_speculative": speculative_vs_archived,
         "rounds": len([r for r in outcome.rounds if r[0]]),
-        "drafted": drafted,
-        "accepted": accepted,
+        "drafted": sum(d for d, _ in outcome.rounds), "accepted": sum(a for _, a in outcome.rounds),
         "position_acceptance": [None if math.isnan(x) else round(x, 4)
                                 for x in position_acceptance(outcome.rounds, draft_length)],
-        "draft_ms": round(outcome.draft_ms, 3),
-        "verify_ms": round(outcome.verify_ms, 3),
+        "draft_ms": round(outcome.draft_ms, 3), "verify_ms": round(outcome.verify_ms, 3),
         "verdict": verdict,
     }
 
@@ -131,7 +120,8 @@ def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, re
         audit("refused", error=str(error))
         raise ReproduceError(f"cannot open the samples of {decision_id}: {error}") from None
     audit("opened")
-    sampling = _sampling_by_id(archive.samples(decision_id))
+    sampling = {row["sample_id"]: (row["record"].get("sample") or {}).get("sampling") or {}
+                for row in archive.samples(decision_id) if row["kind"] == "request"}
     requests = [RerunRequest(row["sample_id"], o.prompt_ids, o.output_ids, sampling.get(row["sample_id"], {}))
                 for row, o in zip(sealed, opened)]
     card = (decision.get("audit") or {}).get("card")
@@ -141,8 +131,7 @@ def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, re
     decision_card = BundleCard.model_validate(card)
     if rerunner is None:
         rerunner = rerunner_for(decision_card)
-    local_card = rerunner.card()
-    differences = card_differences(decision_card, local_card)
+    differences = card_differences(decision_card, rerunner.card())
     if differences and not force:
         raise ReproduceError(f"the local engine's bundle differs from the decision's in {', '.join(differences)}; "
                              "nothing was run (--force runs anyway, with the verdict 'bundle differs')")
@@ -153,16 +142,9 @@ def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, re
     verdict = (BUNDLE_DIFFERS if differences
                else REPRODUCED if counts[REPRODUCED] == len(reports) else NOT_REPRODUCED)
     result = {
-        "decision_id": decision_id,
-        "bundle_id": bundle_id,
-        "action": decision["action"],
-        "reason": decision["reason"],
-        "key_id": key.key_id,
-        "card_differences": differences,
-        "draft_length": draft_length,
-        "verdict": verdict,
-        "counts": counts,
-        "requests": reports,
+        "decision_id": decision_id, "bundle_id": bundle_id, "action": decision["action"],
+        "reason": decision["reason"], "key_id": key.key_id, "card_differences": differences,
+        "draft_length": draft_length, "verdict": verdict, "counts": counts, "requests": reports,
     }
     result["reproduction_id"] = archive.write_reproduction(decision_id, actor, clock(), verdict, result)
     return result
@@ -186,12 +168,3 @@ def render_result(result: dict) -> str:
                      f"{r['rounds']} rounds); draft {r['draft_ms']:.1f} ms, verify {r['verify_ms']:.1f} ms")
     lines.append(f"archived as {result['reproduction_id']}")
     return "\n".join(lines)
-
-
-def _sampling_by_id(samples: Sequence[dict]) -> dict[str, dict]:
-    out = {}
-    for row in samples:
-        record = row.get("record") or {}
-        if row.get("kind") == "request":
-            out[row["sample_id"]] = dict((record.get("sample") or {}).get("sampling") or {})
-    return out

@@ -1,9 +1,8 @@
-"""The timeline picture: acceptance length and p99 latency per bucket, decisions marked
-(matplotlib's Agg backend, from archive-shaped window rows).
-"""
+"""matplotlib pictures: the demo's timeline, and figures as inline SVG for the HTML pages."""
 
 from __future__ import annotations
 
+import io
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -13,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 
-__all__ = ["render_timeline"]
+__all__ = ["inline_svg", "render_timeline"]
 
 _ACTION_COLORS = {"disable_speculation": "#c0392b", "invalidate_bundle": "#8e44ad",
                   "reduce_draft_length": "#e67e22", "alert": "#7f8c8d", "restore": "#27ae60",
@@ -73,3 +72,13 @@ def _smooth(values: list[float], width: int) -> list[float]:
         window = [v for v in values[max(0, i - width + 1): i + 1] if v is not None and not math.isnan(v)]
         out.append(sum(window) / len(window) if window else math.nan)
     return out
+
+
+def inline_svg(figure, ident: str | None = None) -> str:
+    """``figure`` as an ``<svg>`` element (text kept as text), with ``ident`` as its id."""
+    out = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        figure.savefig(out, format="svg")
+    svg = out.getvalue()
+    svg = svg[svg.index("<svg"):]
+    return svg if ident is None else svg.replace("<svg ", f'<svg id="{ident}" ', 1)

@@ -1,11 +1,8 @@
-"""Draft-length advice per bucket from archived window stats, the report `specwatch tune` prints:
-each bucket's predicted speedup curve as text, JSON or an HTML page.
-"""
+"""Draft-length advice per bucket from archived window stats: the report `specwatch tune` prints."""
 
 from __future__ import annotations
 
 import html
-import io
 import json
 import math
 from collections import defaultdict
@@ -76,15 +73,11 @@ def tune_report(rows: Sequence[Mapping], card: Mapping, bundle_id: str, flags: F
         current = _current_draft_length(bucket_rows, bundle_id, bucket, deployed, flags)
         buckets.append(_bucket_report(bucket, curve, current, start, tiles))
     return {
-        "bundle_id": bundle_id,
-        "mechanism": mechanism,
-        "deployed_draft_length": deployed,
+        "bundle_id": bundle_id, "mechanism": mechanism, "deployed_draft_length": deployed,
         "window": {"start": newest - window_seconds if rows else None, "end": newest if rows else None,
                    "seconds": window_seconds},
-        "heads_per_kv_head": heads_per_kv,
-        "starting_draft_length": start,
-        "step_cost": cost.to_dict(),
-        "buckets": buckets,
+        "heads_per_kv_head": heads_per_kv, "starting_draft_length": start,
+        "step_cost": cost.to_dict(), "buckets": buckets,
     }
 
 
@@ -116,17 +109,10 @@ def _bucket_report(bucket: str, curve: DraftLengthCurve, current: int, start: in
                    f"predicted gain {gain[0]:+.1%} (95% interval {gain[1]:+.1%} to {gain[2]:+.1%})")
     body = curve.to_dict()
     return {
-        "bucket": bucket,
-        "current_d": current,
-        "best_d": best_d,
-        "expected_gain": _round(gain[0]),
-        "expected_gain_interval": [_round(gain[1]), _round(gain[2])],
-        "warning": warning,
-        "starting_d": start,
-        "tile_candidates": tiles,
-        "rounds": body["rounds"],
-        "position_rates": body["position_rates"],
-        "position_intervals": body["position_intervals"],
+        "bucket": bucket, "current_d": current, "best_d": best_d, "expected_gain": _round(gain[0]),
+        "expected_gain_interval": [_round(gain[1]), _round(gain[2])], "warning": warning,
+        "starting_d": start, "tile_candidates": tiles, "rounds": body["rounds"],
+        "position_rates": body["position_rates"], "position_intervals": body["position_intervals"],
         "curve": [{"d": p["draft_length"], "acceptance_length": p["acceptance_length"],
                    "acceptance_interval": [p["acceptance_low"], p["acceptance_high"]],
                    "speedup": p["speedup"], "speedup_interval": [p["speedup_low"], p["speedup_high"]],
@@ -168,9 +154,7 @@ def _num(value) -> str:
 
 def _plot_svg(bucket: Mapping) -> str:
     """The bucket's speedup and AL curves with their intervals, best and current D: inline SVG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    from specwatch.analysis.timeline import inline_svg  # chooses matplotlib's Agg backend
     import matplotlib.pyplot as plt
 
     points = [p for p in bucket["curve"] if p["speedup"] is not None]
@@ -195,11 +179,9 @@ def _plot_svg(bucket: Mapping) -> str:
     ax_s.legend(fontsize=7)
     ax_s.set_title(f"{bucket['bucket']}: speedup", fontsize=9)
     ax_al.set_title(f"{bucket['bucket']}: acceptance length", fontsize=9)
-    out = io.StringIO()
-    fig.savefig(out, format="svg")
+    svg = inline_svg(fig)
     plt.close(fig)
-    svg = out.getvalue()
-    return svg[svg.index("<svg"):]
+    return svg
 
 
 def render_html(report: Mapping) -> str:

@@ -1,7 +1,4 @@
-"""Options more than one command takes, written once, and the error that ends a command with one line.
-
-Stays light: the command line is parsed before any command's libraries load.
-"""
+"""Options several commands take, and the error that ends a command with one line (kept light)."""
 
 from __future__ import annotations
 
@@ -9,7 +6,7 @@ import argparse
 import sys
 
 __all__ = ["CommandError", "EXIT_NOT_FOUND", "EXIT_NOT_PUBLISHED", "EXIT_USAGE",
-           "add_archive_option", "add_archive_options", "add_json_option", "add_policy_option",
+           "add_archive_option", "add_json_option", "add_policy_option", "archive_reader_options",
            "load_policy", "open_archive", "write_page"]
 
 EXIT_NOT_FOUND = 1
@@ -32,10 +29,12 @@ def add_archive_option(parser: argparse.ArgumentParser, help: str = _ARCHIVE_HEL
     parser.add_argument("--archive", metavar="DSN", default=None, help=help)
 
 
-def add_archive_options(parser: argparse.ArgumentParser) -> None:
-    """What every archive-reading subcommand takes: ``--archive`` and ``--json`` (JSON Lines)."""
+def archive_reader_options() -> argparse.ArgumentParser:
+    """A parent parser of what archive-reading subcommands take: ``--archive`` and ``--json``."""
+    parser = argparse.ArgumentParser(add_help=False)
     add_archive_option(parser)
     add_json_option(parser, help="JSON Lines instead of a table")
+    return parser
 
 
 def open_archive(dsn: str | None, create: bool = False):

@@ -1,18 +1,15 @@
-"""`specwatch archive flush`: deliver the rows an earlier run spooled while its archive was
-unreachable, when no run that would replay the spool by itself is due.
-"""
+"""`specwatch archive flush`: deliver the rows an earlier run spooled while its archive was down."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-from specwatch.commands._arguments import add_archive_option
+from specwatch.commands._arguments import EXIT_USAGE, add_archive_option
 
 __all__ = ["DESCRIPTION", "add_arguments"]
 
 _EXIT_STILL_SPOOLED = 1
-_EXIT_USAGE = 2
 
 
 DESCRIPTION = ("Rows that `replay`, `demo` or `run` could not write to the archive wait in a local "
@@ -36,7 +33,7 @@ def _flush(args) -> int:
         spool = Spool(spool_dir_for(args.archive))
     except ValueError as error:
         print(f"specwatch archive flush: {error}", file=sys.stderr)
-        return _EXIT_USAGE
+        return EXIT_USAGE
     if spool.empty:  # nothing to deliver: do not create an archive for it
         print(f"nothing spooled in {spool.directory}")
         return 0

@@ -1,6 +1,4 @@
-"""`specwatch bundles`: the bundle registry, each bundle's admission stage and history, and manual
-moves (`admit`, `promote`, `freeze`) recorded with an audit row.
-"""
+"""`specwatch bundles`: the bundle registry, admission stages and their history, manual moves."""
 
 from __future__ import annotations
 
@@ -8,10 +6,10 @@ import argparse
 import time
 
 from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
-                                           add_archive_options, add_policy_option, load_policy,
+                                           add_policy_option, archive_reader_options, load_policy,
                                            open_archive)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
-from specwatch.commands.query import format_card, format_ts, print_rows
+from specwatch.commands.query import format_card, format_optional as _opt, format_ts, print_rows
 
 __all__ = ["DESCRIPTION", "add_arguments"]
 
@@ -22,8 +20,7 @@ DESCRIPTION = ("Every bundle (fingerprint card) seen, its admission stage (unadm
 
 
 def add_arguments(parser) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    add_archive_options(common)
+    common = archive_reader_options()
     change = argparse.ArgumentParser(add_help=False)
     change.add_argument("bundle_id", help="bundle id (b-...)")
     change.add_argument("--by", required=True, metavar="NAME", help="who is making the change (audited)")
@@ -64,8 +61,6 @@ def _show(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         row = _registered(archive, args.bundle_id)
         history = archive.stage_history(args.bundle_id)
-    if row is None:
-        raise CommandError(f"no bundle {args.bundle_id} in the archive", EXIT_NOT_FOUND)
     for change in history:
         change["evidence"] = _evidence(change)
     if args.json:
@@ -99,8 +94,6 @@ def _change(args: argparse.Namespace) -> int:
     keyring = publish_keyring(args)
     with open_archive(args.archive) as archive:
         row = _registered(archive, args.bundle_id)
-        if row is None:
-            raise CommandError(f"no bundle {args.bundle_id} in the archive", EXIT_NOT_FOUND)
         try:
             stage, cohort, share = manual_stage(args.move, row["stage"], row["cohort_share"], settings)
         except ValueError as error:
@@ -120,8 +113,11 @@ def _change(args: argparse.Namespace) -> int:
     return 0 if published else EXIT_NOT_PUBLISHED
 
 
-def _registered(archive, bundle_id: str) -> dict | None:
-    return next((row for row in archive.bundle_registry() if row["bundle_id"] == bundle_id), None)
+def _registered(archive, bundle_id: str) -> dict:
+    row = next((row for row in archive.bundle_registry() if row["bundle_id"] == bundle_id), None)
+    if row is None:
+        raise CommandError(f"no bundle {bundle_id} in the archive", EXIT_NOT_FOUND)
+    return row
 
 
 def _evidence(change: dict) -> str:
@@ -141,7 +137,3 @@ def _evidence(change: dict) -> str:
         requests = sum(j.get("canary_requests", 0) for j in judged.values())
         return f"{len(judged)} buckets pass, {requests} speculative requests judged"
     return ""
-
-
-def _opt(value: object) -> str:
-    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)

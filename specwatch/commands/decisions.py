@@ -1,6 +1,4 @@
-"""`specwatch decisions`: print the decisions topic as contract JSON Lines, in topic order, each
-checked as a flag client checks it (docs/SECURITY.md).
-"""
+"""`specwatch decisions`: the decisions topic as JSON Lines, checked as a flag client checks it."""
 
 from __future__ import annotations
 
@@ -40,22 +38,18 @@ def add_arguments(parser) -> None:
                         help="how long to try reaching the cluster (default: %(default)s)")
 
 
-def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False,
-                    keyring: Keyring | None = None, print_unverified: bool = False) -> tuple[int, int, Counter]:
-    """Print decisions from a connected reader; returns (printed, skipped undecodable, decisions by
-    failed `Verdict` value). Without a ``keyring`` (or with an empty one) nothing is checked."""
-    from specwatch.transport.signing import Keyring, verify
+def print_decisions(reader: DecisionReader, out: TextIO, keyring: Keyring, *, follow: bool = False,
+                    print_unverified: bool = False) -> Counter:
+    """Print decisions from a connected reader; returns how many failed the signature check, by
+    `Verdict` value. With an empty ``keyring`` nothing is checked."""
+    from specwatch.transport.signing import verify
 
-    keyring = keyring if keyring is not None else Keyring()
-    printed = skipped = 0
     unverified: Counter = Counter()
 
     def emit(batch) -> None:
-        nonlocal printed, skipped
         for decision, message in batch:
             if decision is None:
                 if message.value is not None:  # tombstones are compaction bookkeeping, not data
-                    skipped += 1
                     logger.warning("skipping a message that is not a decision at %s[%d]@%d",
                                    message.topic, message.partition, message.offset)
                 continue
@@ -67,7 +61,6 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
                 if not print_unverified:
                     continue
             out.write(decision.to_json_line() + "\n")
-            printed += 1
         out.flush()
 
     if follow:
@@ -75,7 +68,7 @@ def print_decisions(reader: DecisionReader, out: TextIO, *, follow: bool = False
             emit(reader.poll(_FOLLOW_POLL_MS))
     while not reader.caught_up:
         emit(reader.poll())
-    return printed, skipped, unverified
+    return unverified
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(error.args[0]) from None
     unverified: Counter = Counter()
     try:
-        _, _, unverified = print_decisions(reader, sys.stdout, follow=args.follow, keyring=keyring,
-                                           print_unverified=args.unverified)
+        unverified = print_decisions(reader, sys.stdout, keyring, follow=args.follow,
+                                     print_unverified=args.unverified)
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:

@@ -1,6 +1,4 @@
-"""`specwatch demo`: a simulated fleet through the whole pipeline, closed loop, incidents caught and
-explained; writes the archive and a timeline picture.
-"""
+"""`specwatch demo`: a simulated fleet through the whole pipeline, closed loop, incidents caught."""
 
 from __future__ import annotations
 
@@ -8,6 +6,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -62,15 +61,11 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
 
     flags = FlagStore()
     rows: list[dict] = []
-    sinks = [lambda out: rows.extend(out.window_rows)]
-    if archive_sink is not None:
-        sinks.append(archive_sink)
-    pipeline = EmbeddedPipeline(policy, flags=flags, sinks=sinks)
+    sinks = [lambda out: rows.extend(out.window_rows), archive_sink, operations and operations.view.observe]
+    pipeline = EmbeddedPipeline(policy, flags=flags, sinks=[sink for sink in sinks if sink is not None])
     if operations is not None:
         from specwatch.streams.metrics import ServiceHealth
 
-        sinks.append(operations.view.observe)
-        pipeline.sinks = sinks
         operations.view.stages = lambda: [pipeline.stage2]
         operations.health = lambda: ServiceHealth(records_read=pipeline.counters.records,
                                                   records_rejected=pipeline.counters.rejected.as_dict(),
@@ -96,16 +91,12 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     decisions = pipeline.decisions
     matched = match_incidents(sim.incidents, [decision_alarm(d) for d in decisions])
     summary = {
-        "scenario": scenario,
-        "seed": seed,
-        "simulated_seconds": sim.duration,
-        "wall_seconds": round(wall, 2),
+        "start_ts": sim.start_ts, "simulated_seconds": sim.duration, "wall_seconds": round(wall, 2),
         "counters": dict(pipeline.counters.as_dict(), emitter_dropped=dropped),
         "buckets": _bucket_table(rows),
         "decisions": [json.loads(d.to_json_line()) for d in decisions],
         "decision_ids": [d.id for d in decisions],
         "incidents": matched,
-        "start_ts": sim.start_ts,
     }
     if picture is not None:
         from specwatch.analysis.timeline import render_timeline
@@ -118,67 +109,73 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
 
 def _bucket_table(rows: list[dict]) -> list[dict]:
     """Per bucket, speculative cohorts: AL, draft overhead, speedup (round-weighted), typical p99."""
-    acc: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    p99s: dict[str, list[float]] = defaultdict(list)
+    by_bucket: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        bucket = row.get("bucket")
-        if bucket is None or not row["rounds"]:
-            continue
-        a, n = acc[bucket], row["rounds"]
-        a["rounds"] += n
-        for name in ("acceptance_length", "draft_overhead", "speedup"):
-            if row[name] is not None and not math.isnan(row[name]):
-                a[name] += row[name] * n
-        if row["e2e_p99"] is not None and not math.isnan(row["e2e_p99"]):
-            p99s[bucket].append(row["e2e_p99"])
+        if row.get("bucket") is not None and row["rounds"]:
+            by_bucket[row["bucket"]].append(row)
     table = []
-    for bucket in sorted(acc):
-        a = acc[bucket]
-        values = sorted(p99s[bucket])
-        table.append({
-            "bucket": bucket,
-            "rounds": int(a["rounds"]),
-            "acceptance_length": round(a["acceptance_length"] / a["rounds"], 3),
-            "draft_overhead": round(a["draft_overhead"] / a["rounds"], 4),
-            "speedup": round(a["speedup"] / a["rounds"], 3),
-            "e2e_p99_ms": round(values[len(values) // 2], 1) if values else None,
-        })
+    for bucket, group in sorted(by_bucket.items()):
+        rounds = sum(row["rounds"] for row in group)
+
+        def mean(name: str, digits: int) -> float:
+            weighted = sum(row[name] * row["rounds"] for row in group if _measured(row[name]))
+            return round(weighted / rounds, digits)
+
+        p99s = [row["e2e_p99"] for row in group if _measured(row["e2e_p99"])]
+        table.append({"bucket": bucket, "rounds": rounds,
+                      "acceptance_length": mean("acceptance_length", 3),
+                      "draft_overhead": mean("draft_overhead", 4), "speedup": mean("speedup", 3),
+                      "e2e_p99_ms": round(statistics.median_high(p99s), 1) if p99s else None})
     return table
 
 
+def _measured(value) -> bool:
+    return value is not None and not math.isnan(value)
+
+
 def _print_report(summary: dict, stream) -> None:
-    print("", file=stream)
-    print(f"{'bucket':<14}{'rounds':>10}{'AL':>8}{'draft ovh':>11}{'speedup':>9}{'e2e p99 ms':>12}", file=stream)
-    for row in summary["buckets"]:
-        print(f"{row['bucket']:<14}{row['rounds']:>10}{row['acceptance_length']:>8.2f}"
-              f"{row['draft_overhead'] * 100:>10.1f}%{row['speedup']:>9.2f}"
-              f"{row['e2e_p99_ms'] if row['e2e_p99_ms'] is not None else float('nan'):>12.0f}", file=stream)
-    print("(e2e p99: median over 1 s windows of the speculative cohorts)", file=stream)
-    print("", file=stream)
+    from specwatch.commands.query import format_number as digits, print_rows
+
     start = summary["start_ts"]
-    print(f"{'t (s)':>7}  {'decision':<16}{'action':<22}{'reason':<20}{'scope':<30}", file=stream)
-    for decision, ident in zip(summary["decisions"], summary["decision_ids"]):
-        scope = f"{decision['bucket'] or '*'}/{decision['cohort'] or '*'}"
-        print(f"{decision['ts'] - start:>7.1f}  {ident:<16}{decision['action']:<22}{decision['reason']:<20}"
-              f"{scope:<30}", file=stream)
     print("", file=stream)
-    print(f"{'incident':<18}{'scope':<22}{'starts (s)':>11}  {'caught as':<20}{'delay (s)':>10}", file=stream)
-    for row in summary["incidents"]:
-        scope = f"{row['bucket'] or '*'}/{row['cohort'] or '*'}"
-        delay = f"{row['detection_delay_s']:.1f}" if row["detection_delay_s"] is not None else "missed"
-        caught = "-" if row["decision_id"] is None else (
-            row["reason"] if row["verdict"] == "right" else f"{row['reason']} ({row['verdict']})")
-        print(f"{row['incident']:<18}{scope:<22}{row['start_ts'] - start:>11.1f}  {caught:<20}{delay:>10}",
-              file=stream)
+    print_rows(summary["buckets"], [
+        ("bucket", "bucket", str), ("rounds", "rounds", str),
+        ("acceptance_length", "AL", digits(2)),
+        ("draft_overhead", "draft ovh", lambda share: f"{share * 100:.1f}%"),
+        ("speedup", "speedup", digits(2)), ("e2e_p99_ms", "e2e p99 ms", digits(0)),
+    ], as_json=False, out=stream)
+    print("(e2e p99: median over 1 s windows of the speculative cohorts)\n", file=stream)
+    print_rows([dict(d, t=d["ts"] - start, decision_id=ident, scope=_scope(d))
+                for d, ident in zip(summary["decisions"], summary["decision_ids"])], [
+        ("t", "t (s)", digits(1)), ("decision_id", "decision", str), ("action", "action", str),
+        ("reason", "reason", str), ("scope", "scope", str),
+    ], as_json=False, out=stream)
+    print("", file=stream)
+    print_rows([dict(row, scope=_scope(row), starts=row["start_ts"] - start, caught=_caught(row))
+                for row in summary["incidents"]], [
+        ("incident", "incident", str), ("scope", "scope", str), ("starts", "starts (s)", digits(1)),
+        ("caught", "caught as", str), ("detection_delay_s", "delay (s)", digits(1, "missed")),
+    ], as_json=False, out=stream)
     counters = summary["counters"]
-    print("", file=stream)
-    print(f"{counters['records']} records, {counters['rejected']} rejected, {counters['slices']} slices, "
-          f"{summary['simulated_seconds']:.0f} simulated s in {summary['wall_seconds']:.1f} s", file=stream)
+    print(f"\n{counters['records']} records, {counters['rejected']} rejected, "
+          f"{counters['slices']} slices, {summary['simulated_seconds']:.0f} simulated s in "
+          f"{summary['wall_seconds']:.1f} s", file=stream)
     if summary.get("archive"):
         print(f"archive: {summary['archive']}   (try: specwatch query decisions --archive {summary['archive']})",
               file=stream)
     if summary.get("picture"):
         print(f"timeline: {summary['picture']}", file=stream)
+
+
+def _scope(row: dict) -> str:
+    return f"{row['bucket'] or '*'}/{row['cohort'] or '*'}"
+
+
+def _caught(incident: dict) -> str:
+    if incident["decision_id"] is None:
+        return "-"
+    verdict = incident["verdict"]
+    return incident["reason"] if verdict == "right" else f"{incident['reason']} ({verdict})"
 
 
 def run(args) -> int:
@@ -218,10 +215,8 @@ def run(args) -> int:
         summary["archive"] = _archived_at(archive_sink, dsn)
     _print_report(summary, report)
     if args.json:
-        print(json.dumps({"decisions": summary["decisions"], "decision_ids": summary["decision_ids"],
-                          "incidents": summary["incidents"], "archive": summary.get("archive"),
-                          "picture": summary.get("picture"), "counters": summary["counters"],
-                          "buckets": summary["buckets"]}, sort_keys=True))
+        shown = ("decisions", "decision_ids", "incidents", "archive", "picture", "counters", "buckets")
+        print(json.dumps({key: summary.get(key) for key in shown}, sort_keys=True))
     if operations is not None:
         print(f"serving metrics on http://127.0.0.1:{args.serve}/metrics until interrupted (Ctrl-C)",
               file=sys.stderr, flush=True)

@@ -1,9 +1,8 @@
-"""`specwatch evaluate`: detection quality on seeded simulated incidents, against operator baselines
-(docs/EVALUATION.md).
-"""
+"""`specwatch evaluate`: detection quality against operator baselines (docs/EVALUATION.md)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -44,16 +43,14 @@ def run(args) -> int:
     cases = quick_suite(args.seed) if args.quick else full_suite(args.seed)
     started = time.monotonic()
     settings = calibrate()
+    total = len(cases) + len(CASES)
     print(f"calibrated: healthy acceptance rate {settings.healthy_rate:.3f}, baseline thresholds "
-          f"{settings.kill_switch_threshold:.2f}; running {len(cases) + len(CASES)} cases on {args.processes} "
-          "processes",
-          file=sys.stderr, flush=True)
-    done = 0
+          f"{settings.kill_switch_threshold:.2f}; running {total} cases on {args.processes} "
+          "processes", file=sys.stderr, flush=True)
+    done = itertools.count(1)
 
     def progress(result: dict) -> None:
-        nonlocal done
-        done += 1
-        print(f"  [{done:>2}/{len(cases) + len(CASES)}] {result['case']:<40} "
+        print(f"  [{next(done):>2}/{total}] {result['case']:<40} "
               f"{result['simulated_seconds'] / 60:6.1f} sim-min "
               f"in {result['wall_seconds']:6.1f} s", file=sys.stderr, flush=True)
 

@@ -1,6 +1,4 @@
-"""`specwatch flags`: the speculative-path state per scope, and manual overrides with audit, also
-published as signed ``manual`` decisions with ``--bootstrap`` (docs/SECURITY.md).
-"""
+"""`specwatch flags`: the speculative-path state per scope, and manual overrides with audit."""
 
 from __future__ import annotations
 
@@ -10,8 +8,8 @@ import time
 from dataclasses import asdict
 
 from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
-                                           add_archive_options, open_archive)
-from specwatch.commands.query import format_scope, format_ts, print_rows
+                                           archive_reader_options, open_archive)
+from specwatch.commands.query import format_optional, format_scope, format_ts, print_rows
 from specwatch.transport.topics import DECISIONS_TOPIC
 
 __all__ = ["DESCRIPTION", "add_arguments", "add_publish_options", "publish_keyring", "publish_manual"]
@@ -90,8 +88,7 @@ DESCRIPTION = ("Show the speculative-path state that archived decisions and manu
 
 
 def add_arguments(parser) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    add_archive_options(common)
+    common = archive_reader_options()
     scope = argparse.ArgumentParser(add_help=False)
     scope.add_argument("--bundle", required=True, help="bundle id")
     scope.add_argument("--bucket", help="task bucket (default: every bucket)")
@@ -161,8 +158,8 @@ def _list(args: argparse.Namespace) -> int:
             row["source"] += f" (automatic: {row['automatic']})"
     print_rows(rows, [
         ("bundle_id", "bundle", str), ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope),
-        ("speculation", "speculation", str), ("draft_limit", "draft limit", _opt),
-        ("cohort_share", "share", _opt), ("since", "since (UTC)", format_ts),
+        ("speculation", "speculation", str), ("draft_limit", "draft limit", format_optional),
+        ("cohort_share", "share", format_optional), ("since", "since (UTC)", format_ts),
         ("reason", "reason", str), ("source", "source", str),
     ], args.json, empty="speculation on everywhere: no decision or override in force")
     return code
@@ -237,7 +234,7 @@ def _record(archive, change) -> str:
                                   change.ts, cleared=change.cleared)
 
 
-def _report(args: argparse.Namespace, change, override_id: str, verb: str) -> int:
+def _report(args: argparse.Namespace, change, override_id: str, verb: str) -> None:
     if args.json:
         print_rows([dict(asdict(change), override_id=override_id)], (), as_json=True)
     elif change.cleared:
@@ -248,14 +245,9 @@ def _report(args: argparse.Namespace, change, override_id: str, verb: str) -> in
             state += f", draft length <= {change.draft_limit}"
         print(f"override {verb}: {_key(change.scope)} speculation {state} by {change.by}: "
               f"{change.reason} ({override_id})")
-    return 0
 
 
 def _key(scope: tuple[str, str | None, str | None]) -> str:
     from specwatch.schemas import decision_key  # pydantic is heavy; the parser stays light
 
     return decision_key(*scope)
-
-
-def _opt(value: object) -> str:
-    return "-" if value is None else str(value)

@@ -1,7 +1,4 @@
-"""`specwatch query`: read the archive for postmortems (decisions, evidence, samples, timelines).
-
-Text tables for people, ``--json`` for JSON Lines; ad-hoc SQL is read-only.
-"""
+"""`specwatch query`: the archive for postmortems, as tables or JSON Lines; SQL is read-only."""
 
 from __future__ import annotations
 
@@ -14,14 +11,14 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
-from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, add_archive_options,
+from specwatch.analysis.postmortem import format_pairs
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, archive_reader_options,
                                            open_archive)
 
 __all__ = ["DESCRIPTION", "add_arguments", "parse_time", "print_rows", "format_card",
-           "format_scope", "format_ts"]
+           "format_number", "format_optional", "format_scope", "format_ts"]
 
 _DEFAULT_AROUND_S = 120.0
-_TIME_SUFFIXES = ("_ts", "_start", "_end", "_from", "_until", "_at")
 _NO_ROWS = "0 rows"
 
 Column = tuple[str, str, Callable[[Any], str]]  # (key, header, formatter)
@@ -32,17 +29,18 @@ DESCRIPTION = ("Read the specwatch archive: decisions and why they were made, th
 
 
 def add_arguments(parser) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    add_archive_options(common)
+    common = archive_reader_options()
+    span = argparse.ArgumentParser(add_help=False)
+    for name in ("--since", "--until"):
+        span.add_argument(name, type=parse_time, metavar="T",
+                          help="unix seconds or ISO-8601 time (inclusive)")
     sub = parser.add_subparsers(dest="query_command", metavar="WHAT", required=True)
 
-    p = sub.add_parser("decisions", parents=[common], help="decisions in time order")
+    p = sub.add_parser("decisions", parents=[common, span], help="decisions in time order")
     p.add_argument("--bundle", help="bundle id")
     p.add_argument("--bucket", help="task bucket ('*' = whole-bundle decisions)")
     p.add_argument("--reason", help="decision reason, e.g. acceptance_drop")
     p.add_argument("--action", help="decision action, e.g. disable_speculation")
-    p.add_argument("--since", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time (inclusive)")
-    p.add_argument("--until", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time (inclusive)")
     p.add_argument("--limit", type=int, default=100, help="most recent N (default 100; 0 = all)")
     p.set_defaults(func=_decisions)
 
@@ -54,15 +52,13 @@ def add_arguments(parser) -> None:
     p.add_argument("decision_id")
     p.set_defaults(func=_samples)
 
-    p = sub.add_parser("timeline", parents=[common], help="window statistics per slice")
+    p = sub.add_parser("timeline", parents=[common, span], help="window statistics per slice")
     p.add_argument("--bundle", help="bundle id (default: the bundle of --around)")
     p.add_argument("--bucket", help="task bucket (default: the bucket of --around; '*' = whole bundle)")
     p.add_argument("--cohort", help="cohort")
     p.add_argument("--around", metavar="DECISION_ID", help="center on a decision")
     p.add_argument("--seconds", type=float, default=_DEFAULT_AROUND_S,
                    help=f"how far either side of --around (default {_DEFAULT_AROUND_S:g})")
-    p.add_argument("--since", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time")
-    p.add_argument("--until", type=parse_time, metavar="T", help="unix seconds or ISO-8601 time")
     p.set_defaults(func=_timeline)
 
     p = sub.add_parser("bundles", parents=[common], help="bundles seen, with their cards")
@@ -117,7 +113,7 @@ def print_rows(rows: Iterable[dict], columns: Sequence[Column], as_json: bool,
     ``empty`` is the text form of no rows (JSON Lines of no rows are no lines).
 
     >>> print_rows([{"a": "x", "n": 1.5}, {"a": "long", "n": float("nan")}],
-    ...            [("a", "A", str), ("n", "N", _num(2))], as_json=False, out=sys.stdout)
+    ...            [("a", "A", str), ("n", "N", format_number(2))], as_json=False, out=sys.stdout)
     A        N
     x     1.50
     long     -
@@ -170,7 +166,7 @@ def _decisions(args: argparse.Namespace) -> int:
         ("ts", "time (UTC)", format_ts), ("decision_id", "decision", str), ("bundle_id", "bundle", str),
         ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope), ("action", "action", str),
         ("reason", "reason", str), ("detector", "detector", str),
-        ("evidence", "evidence", lambda e: _pairs(e, limit=4)),
+        ("evidence", "evidence", lambda e: format_pairs(e, limit=4)),
     ], args.json, empty=_NO_ROWS)
     return 0
 
@@ -189,17 +185,17 @@ def _decision(args: argparse.Namespace) -> int:
     out = [f"decision  {found['decision_id']}  at {format_ts(found['ts'])} UTC  scope {scope}",
            f"  action    {found['action']}",
            f"  reason    {found['reason']}  (detector {found['detector']})",
-           f"  evidence  {_pairs(found['evidence']) or '-'}",
+           f"  evidence  {format_pairs(found['evidence']) or '-'}",
            f"  samples   {_sample_summary(found['sample_counts'])}"]
     audit = found.get("audit")
     if audit:
         out.append(f"audit     {audit['audit_id']}  by {audit['actor']}")
-        out.append(f"  thresholds  {_pairs(audit['thresholds']) or '-'}")
-        out.append(f"  baseline    {_pairs(audit['baseline']) or '-'}")
+        out.append(f"  thresholds  {format_pairs(audit['thresholds']) or '-'}")
+        out.append(f"  baseline    {format_pairs(audit['baseline']) or '-'}")
         out.append(f"  window      {_window_summary(audit['window'])}")
         out.append(f"  bundle      {format_card(audit['card'])}")
         if audit.get("detail"):
-            out.append(f"  detail      {_pairs(audit['detail'])}")
+            out.append(f"  detail      {format_pairs(audit['detail'])}")
     else:
         out.append("audit     (none archived)")
     if found["sample_counts"]:
@@ -255,10 +251,11 @@ def _timeline(args: argparse.Namespace) -> int:
     columns = [
         ("ts", "slice end (UTC)", format_ts), ("bucket", "bucket", format_scope), ("cohort", "cohort", format_scope),
         ("speculation_on", "spec", lambda v: "on" if v else "off"), ("rounds", "rounds", str),
-        ("acceptance_length", "AL", _num(2)), ("draft_overhead", "draft ovh", _num(3)),
-        ("speedup", "speedup", _num(2)), ("ttft_p99", "ttft p99", _num(1)),
-        ("tpot_p99", "tpot p99", _num(1)), ("e2e_p99", "e2e p99", _num(0)),
-        ("error_rate", "errors", _num(3)), ("kv_peak", "kv peak", _num(2)),
+        ("acceptance_length", "AL", format_number(2)),
+        ("draft_overhead", "draft ovh", format_number(3)), ("speedup", "speedup", format_number(2)),
+        ("ttft_p99", "ttft p99", format_number(1)), ("tpot_p99", "tpot p99", format_number(1)),
+        ("e2e_p99", "e2e p99", format_number(0)), ("error_rate", "errors", format_number(3)),
+        ("kv_peak", "kv peak", format_number(2)),
     ]
     if center is not None:
         columns.append(("mark", "", str))
@@ -271,17 +268,14 @@ def _timeline(args: argparse.Namespace) -> int:
 def _bundles(args: argparse.Namespace) -> int:
     with open_archive(args.archive) as archive:
         rows = archive.bundles()
-    if args.json:
-        print_rows(rows, (), as_json=True)
-        return 0
-    for row in rows:
+    for row in [] if args.json else rows:  # JSON keeps the archive's fields
         row["summary"] = format_card(row["card"])
         row["worker_count"] = len(row["workers"])
     print_rows(rows, [
         ("bundle_id", "bundle", str), ("first_seen", "first seen (UTC)", format_ts),
         ("last_seen", "last seen (UTC)", format_ts), ("worker_count", "workers", str),
         ("summary", "card", str),
-    ], as_json=False, empty="no bundle in the archive yet")
+    ], args.json, empty="no bundle in the archive yet")
     return 0
 
 
@@ -311,10 +305,11 @@ def _no_decision(decision_id: str) -> CommandError:
     return CommandError(f"no decision {decision_id!r} in the archive", EXIT_NOT_FOUND)
 
 
-def _num(digits: int) -> Callable[[Any], str]:
+def format_number(digits: int, missing: str = "-") -> Callable[[Any], str]:
+    """A column formatter: ``digits`` after the point, ``missing`` for None and NaN."""
     def fmt(value: Any) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value)):
-            return "-"
+            return missing
         return f"{value:.{digits}f}"
     return fmt
 
@@ -322,6 +317,11 @@ def _num(digits: int) -> Callable[[Any], str]:
 def format_scope(value: Any) -> str:
     """A scope's bucket or cohort, ``*`` for all."""
     return "*" if value is None else str(value)
+
+
+def format_optional(value: Any) -> str:
+    """``-`` for None, floats as short as they go."""
+    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _cell(value: Any) -> str:
@@ -334,46 +334,6 @@ def _cell(value: Any) -> str:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _pairs(mapping: Any, limit: int | None = None) -> str:
-    """``k=v`` pairs of a flat-ish dict, numbers shortened.
-
-    >>> _pairs({"al": 1.23456, "baseline_al": 2.8, "slices": [1, 2]})
-    'al=1.235 baseline_al=2.8 slices=[1, 2]'
-    """
-    if not isinstance(mapping, dict):
-        return "" if mapping is None else str(mapping)
-    items = list(mapping.items())
-    shown = [f"{k}={_when(v) if _is_time_key(k) else _short(v)}" for k, v in items[:limit]]
-    if limit is not None and len(items) > limit:
-        shown.append("...")
-    return " ".join(shown)
-
-
-def _is_time_key(key: str) -> bool:
-    return key == "ts" or key.endswith(_TIME_SUFFIXES)
-
-
-def _when(value: Any) -> str:
-    """Evidence times as UTC clock times (the date is in the decision line already)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        return _short(value)
-    return format_ts(value)[11:]
-
-
-def _short(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        # Four significant digits read well for ratios and milliseconds; big values
-        # (token counts, unix times) keep every digit.
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3f}".rstrip("0").rstrip(".")
-    if isinstance(value, dict):
-        return "{" + _pairs(value) + "}"
-    return str(value)
 
 
 def _sample_summary(counts: dict[str, int]) -> str:

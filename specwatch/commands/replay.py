@@ -1,6 +1,4 @@
-"""`specwatch replay`: contract-v1 JSON Lines in, decisions as JSON Lines out, by event time;
-the same input always gives the same decisions.
-"""
+"""`specwatch replay`: contract-v1 JSON Lines in, decisions as JSON Lines out, by event time."""
 
 from __future__ import annotations
 
@@ -45,10 +43,6 @@ def replay_file(source, output, pipeline) -> dict:
     return pipeline.counters.as_dict()
 
 
-class _NotTelemetry(Exception):
-    """Lines were read and not one of them is a contract-v1 record."""
-
-
 def run(args) -> int:
     import gzip
 
@@ -77,8 +71,13 @@ def run(args) -> int:
             source = sys.stdin.buffer if args.input == "-" else stack.enter_context(open(args.input, "rb"))
             out = stack.enter_context(atomic_output(args.output, inputs=[args.input, args.policy]))
             summary = replay_file(read_json_lines(source), out, pipeline)
-            if summary["records"] == 0 and summary["rejected"]:
-                raise _NotTelemetry  # leaves any earlier output file as it was
+            if summary["records"] == 0 and summary["rejected"]:  # leaves an earlier output as it was
+                reasons = ", ".join(f"{count} {reason}"
+                                    for reason, count in summary["rejected_by_reason"].items())
+                raise CommandError(f"{args.input} is not JSON Lines telemetry: none of its "
+                                   f"{summary['lines']} lines is a contract-v1 record ({reasons}); give "
+                                   "one JSON object per line, plain or gzipped; nothing was written to "
+                                   f"{args.output}", _EXIT_NO_TELEMETRY)
     except OSError as error:
         raise CommandError(f"{error.filename or args.output}: {error.strerror or error}") from None
     except (gzip.BadGzipFile, EOFError) as error:
@@ -86,24 +85,16 @@ def run(args) -> int:
         raise CommandError(f"{args.input} is a damaged gzip file ({why}) after "
                            f"{pipeline.counters.lines} lines; nothing was written to {args.output}",
                            _EXIT_NO_TELEMETRY) from None
-    except _NotTelemetry:
-        counters = pipeline.counters.as_dict()
-        reasons = ", ".join(f"{count} {reason}" for reason, count in counters["rejected_by_reason"].items())
-        raise CommandError(f"{args.input} is not JSON Lines telemetry: none of its "
-                           f"{counters['lines']} lines is a contract-v1 record ({reasons}); give "
-                           "one JSON object per line, plain or gzipped; nothing was written to "
-                           f"{args.output}",
-                           _EXIT_NO_TELEMETRY) from None
     note = sink.delivery_note() if sink is not None else None
     if note:
         print(f"specwatch replay: {note}", file=sys.stderr)
     summary["output"] = args.output
     if sink is not None:
         summary["archive"] = sink.stats()
+    stream = sys.stderr if args.output == "-" else sys.stdout
     if args.json:
-        print(json.dumps(summary, sort_keys=True), file=sys.stderr if args.output == "-" else sys.stdout)
+        print(json.dumps(summary, sort_keys=True), file=stream)
     else:
-        stream = sys.stderr if args.output == "-" else sys.stdout
         print(f"records read: {summary['lines']} lines, {summary['records']} valid, "
               f"{summary['rejected']} rejected", file=stream)
         for reason, count in summary["rejected_by_reason"].items():

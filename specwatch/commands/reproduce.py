@@ -1,6 +1,4 @@
-"""`specwatch reproduce DECISION_ID`: re-run a decision's sealed requests on standard and
-speculative decoding, and archive the report beside the decision.
-"""
+"""`specwatch reproduce DECISION_ID`: re-run a decision's sealed requests on both paths."""
 
 from __future__ import annotations
 
@@ -48,7 +46,6 @@ def run(args) -> int:
         raise CommandError(str(error)) from None
     if speculative_config is not None and not isinstance(speculative_config, dict):
         raise CommandError("--speculative-config must be a JSON object")
-    archive = open_archive(args.archive)
 
     def rerunner_for(card):
         try:
@@ -62,7 +59,7 @@ def run(args) -> int:
             raise ReproduceError(str(error), 2) from None
         return VllmRerunner(args.model or card.target.model_id, config)
 
-    with archive:
+    with open_archive(args.archive) as archive:
         try:
             result = reproduce_decision(archive, args.decision_id, key, None, args.actor or _user(), time.time,
                                         force=args.force, rerunner_for=rerunner_for)

@@ -1,6 +1,4 @@
-"""`specwatch run`: the topology as Faust workers on Kafka (telemetry in, decisions out);
-``--workers N`` starts N worker processes here and stops them together.
-"""
+"""`specwatch run`: the topology as Faust workers on Kafka, one process or ``--workers N``."""
 
 from __future__ import annotations
 
@@ -142,14 +140,12 @@ def run(args) -> int:
     if args.workers == 1:
         os.makedirs(settings.data_dir, exist_ok=True)
         level = "debug" if getattr(args, "verbose", False) else args.log_level
+        from specwatch.archive.errors import ArchiveError
+
         try:
             return run_worker(settings, loglevel=level)
-        except Exception as error:  # noqa: BLE001 - e.g. the archive is held by another process
-            from specwatch.archive.errors import ArchiveError
-
-            if isinstance(error, ArchiveError):
-                raise CommandError(str(error))
-            raise
+        except ArchiveError as error:  # e.g. the archive is held by another process
+            raise CommandError(str(error)) from None
     return _supervise(args)
 
 

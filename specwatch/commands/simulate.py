@@ -1,26 +1,23 @@
-"""`specwatch simulate`: write a seeded fleet's contract-v1 telemetry as JSON Lines, or send it the
-way engine workers do: to Kafka through specwatch's exporter, or OTLP to an OpenTelemetry Collector.
-"""
+"""`specwatch simulate`: a seeded fleet's telemetry as JSON Lines, to Kafka or over OTLP."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from collections import Counter
-from typing import Iterable, TextIO
+from typing import Iterable
 
 from specwatch.commands._arguments import CommandError
 from specwatch.transport.topics import TELEMETRY_TOPIC
 
-__all__ = ["DESCRIPTION", "add_arguments", "run", "write_json_lines", "send", "summary_line"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "send", "summary_line"]
 
 _EXIT_IO = 1
 # Flushed this often in event time, so no worker runs far ahead of another on a partition.
 _FLUSH_EVENT_SECONDS = 0.5
-_CONNECT_TIMEOUT_S = 5.0
+_CONNECT_TIMEOUT_S = 5.0  # to find that no bootstrap server is listening
 _PACE_EVERY_RECORDS = 64
 
 
@@ -52,26 +49,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
 
 
-def write_json_lines(records: Iterable, stream: TextIO) -> Counter:
-    """Write each record as one contract-v1 JSON line; returns how many of each kind."""
-    from specwatch.schemas import encode_record
-
-    counts: Counter = Counter()
-    write = stream.write
-    for record in records:
-        write(encode_record(record))
-        write("\n")
-        counts[record.kind] += 1
-    return counts
-
-
 def send(records: Iterable, exporter, rate: float = 0.0) -> tuple[Counter, dict]:
     """Emit every record through ``exporter`` (which this shuts down), waiting when its queue is
     full; counts by kind and exporter stats."""
     from specwatch.collectors.otel import TelemetryEmitter
 
-    if rate < 0:
-        raise ValueError(f"rate must be >= 0 records per second, got {rate}")
     emitter = TelemetryEmitter(exporter, sdk=False)
     counts: Counter = Counter()
     started = time.monotonic()
@@ -98,19 +80,6 @@ def send(records: Iterable, exporter, rate: float = 0.0) -> tuple[Counter, dict]
     return counts, stats
 
 
-def _reachable(bootstrap: str) -> str | None:
-    """None when some bootstrap server accepts connections, else why not."""
-    errors = []
-    for server in bootstrap.split(","):
-        host, _, port = server.strip().rpartition(":")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S):
-                return None
-        except (OSError, ValueError) as error:
-            errors.append(f"{server}: {error}")
-    return "; ".join(errors) or "no bootstrap server given"
-
-
 def summary_line(simulator, counts: Counter, destination: str) -> str:
     """One line for stderr: what was written where, and the incidents with their start times."""
     kinds = ", ".join(f"{counts.get(kind, 0)} {kind}" for kind in ("bundle", "step", "request", "shadow"))
@@ -123,17 +92,13 @@ def summary_line(simulator, counts: Counter, destination: str) -> str:
             f"incidents: {incidents}")
 
 
-def _list_scenarios(stream: TextIO) -> None:
-    from specwatch.simulation.simulator import SCENARIOS
-
-    width = max(len(name) for name in SCENARIOS)
-    for name, description in SCENARIOS.items():
-        stream.write(f"{name:<{width}}  {description}\n")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        _list_scenarios(sys.stdout)
+        from specwatch.simulation.simulator import SCENARIOS
+
+        width = max(len(name) for name in SCENARIOS)
+        for name, description in SCENARIOS.items():
+            print(f"{name:<{width}}  {description}")
         return 0
     if sum((bool(args.output), bool(args.bootstrap), args.otlp is not None)) != 1:
         raise CommandError("error: give --output FILE or --bootstrap HOST:PORT or --otlp [ENDPOINT], one of them "
@@ -151,31 +116,37 @@ def run(args: argparse.Namespace) -> int:
     if args.bootstrap or args.otlp is not None:
         return _run_exporter(args, simulator)
     from specwatch.outputs import atomic_output
+    from specwatch.schemas import encode_record
 
-    to_stdout = args.output == "-"
+    counts: Counter = Counter()
     try:
         with atomic_output(args.output) as stream:
-            counts = write_json_lines(simulator.records(), stream)
+            for record in simulator.records():
+                stream.write(encode_record(record) + "\n")
+                counts[record.kind] += 1
     except OSError as error:
         raise CommandError(f"error: cannot write {args.output}: {error.strerror or error}", _EXIT_IO) from None
-    print(summary_line(simulator, counts, "stdout" if to_stdout else args.output), file=sys.stderr)
+    destination = "stdout" if args.output == "-" else args.output
+    print(summary_line(simulator, counts, destination), file=sys.stderr)
     return 0
 
 
 def _run_exporter(args: argparse.Namespace, simulator) -> int:
     """Send to Kafka (``--bootstrap``) or to an OpenTelemetry Collector (``--otlp``); report what arrived."""
     if args.bootstrap:
-        problem = _reachable(args.bootstrap)
-        if problem is not None:
-            raise CommandError(f"error: cannot reach Kafka at {args.bootstrap} ({problem})")
         from specwatch.collectors.otel import KafkaTelemetryExporter
-        from specwatch.transport.config import KafkaConfig
+        from specwatch.transport.config import BrokerUnavailable, KafkaConfig
+        from specwatch.transport.decisions import _probe as probe_bootstrap
 
+        try:
+            probe_bootstrap(args.bootstrap, _CONNECT_TIMEOUT_S)
+        except BrokerUnavailable as error:
+            raise CommandError(f"error: {error}") from None
         destination, where = f"kafka {args.bootstrap} topic {args.topic}", ""
-        config = {"topic": args.topic, "client_id": "specwatch-simulate"}
 
         def exporter():
-            return KafkaTelemetryExporter(KafkaConfig.from_env(args.bootstrap, **config))
+            return KafkaTelemetryExporter(KafkaConfig.from_env(args.bootstrap, topic=args.topic,
+                                                               client_id="specwatch-simulate"))
     else:
         from specwatch.collectors.otlp_export import OtlpTelemetryExporter, otlp_log_exporter
 

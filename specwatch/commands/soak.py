@@ -1,6 +1,4 @@
-"""`specwatch soak`: steady simulated load for minutes or hours (`specwatch.bench.soak`), watching
-memory and lag stay flat.
-"""
+"""`specwatch soak`: steady simulated load, watching that memory and lag stay flat."""
 
 from __future__ import annotations
 

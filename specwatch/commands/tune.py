@@ -1,6 +1,4 @@
-"""`specwatch tune`: the best draft length per bucket, predicted from the archive's window stats
-(`specwatch.analysis.tuning`).
-"""
+"""`specwatch tune`: the best draft length per bucket, predicted from archived window stats."""
 
 from __future__ import annotations
 
