@@ -10,27 +10,10 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = [
-    "CONTRACT_VERSION",
-    "MAX_REQUESTS_PER_STEP",
-    "BundleCard",
-    "TargetCard",
-    "DrafterCard",
-    "RuntimeCard",
-    "PolicyCard",
-    "BundleRecord",
-    "StepRecord",
-    "RoundEntry",
-    "RequestRecord",
-    "Sample",
-    "Sampling",
-    "ShadowRecord",
-    "TelemetryRecord",
-    "bundle_digest",
-    "card_differences",
-    "printable",
-    "scope_name_ok",
-]
+__all__ = ["CONTRACT_VERSION", "MAX_REQUESTS_PER_STEP", "BundleCard", "TargetCard", "DrafterCard",
+           "RuntimeCard", "PolicyCard", "BundleRecord", "StepRecord", "RoundEntry", "RequestRecord",
+           "Sample", "Sampling", "ShadowRecord", "TelemetryRecord", "bundle_digest",
+           "card_differences", "printable", "scope_name_ok"]
 
 CONTRACT_VERSION = 1
 # A step of a real engine holds at most a few thousand running requests; anything

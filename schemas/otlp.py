@@ -28,18 +28,9 @@ from .contract import (
     TelemetryRecord,
 )
 
-__all__ = [
-    "EVENT_PREFIX",
-    "MAX_REQUEST_BYTES",
-    "LogEntry",
-    "log_entry",
-    "record_from_attributes",
-    "encode_entries",
-    "encode_records",
-    "iter_encoded_chunks",
-    "decode_log_record",
-    "decode_request",
-]
+__all__ = ["EVENT_PREFIX", "MAX_REQUEST_BYTES", "LogEntry", "log_entry", "record_from_attributes",
+           "encode_entries", "encode_records", "iter_encoded_chunks", "decode_log_record",
+           "decode_request"]
 
 EVENT_PREFIX = "specwatch."
 ATTRIBUTE_PREFIX = "specwatch."

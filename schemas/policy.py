@@ -11,24 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .contract import Name, ScopeName
 from .decisions import Reason
 
-__all__ = [
-    "Policy",
-    "PolicyError",
-    "WindowPolicy",
-    "BaselinePolicy",
-    "PinnedBaseline",
-    "AcceptancePolicy",
-    "DraftOverheadPolicy",
-    "SpeedupPolicy",
-    "LatencyPolicy",
-    "KvPolicy",
-    "ErrorPolicy",
-    "QualityPolicy",
-    "ActionPolicy",
-    "AdmissionPolicy",
-    "CapturePolicy",
-    "load_policy",
-]
+__all__ = ["Policy", "PolicyError", "WindowPolicy", "BaselinePolicy", "PinnedBaseline",
+           "AcceptancePolicy", "DraftOverheadPolicy", "SpeedupPolicy", "LatencyPolicy", "KvPolicy",
+           "ErrorPolicy", "QualityPolicy", "ActionPolicy", "AdmissionPolicy", "CapturePolicy",
+           "load_policy"]
 
 
 class PolicyError(ValueError):

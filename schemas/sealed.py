@@ -17,17 +17,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
 
-__all__ = [
-    "SAMPLE_KEY_ENV",
-    "SAMPLE_KEY_FILE_ENV",
-    "SealedSampleError",
-    "SampleKey",
-    "OpenedSample",
-    "Sealer",
-    "sealed_key_id",
-    "open_sealed",
-    "token_digest",
-]
+__all__ = ["SAMPLE_KEY_ENV", "SAMPLE_KEY_FILE_ENV", "SealedSampleError", "SampleKey",
+           "OpenedSample", "Sealer", "sealed_key_id", "open_sealed", "token_digest"]
 
 SAMPLE_KEY_ENV = "SPECWATCH_SAMPLE_KEY"
 SAMPLE_KEY_FILE_ENV = "SPECWATCH_SAMPLE_KEY_FILE"

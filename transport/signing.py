@@ -14,19 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = [
-    "SIGNATURE_HEADER",
-    "SIGNING_KEY_ENV",
-    "SIGNING_KEY_FILE_ENV",
-    "PREVIOUS_SIGNING_KEY_ENV",
-    "PREVIOUS_SIGNING_KEY_FILE_ENV",
-    "SigningKey",
-    "Keyring",
-    "Verdict",
-    "sign_line",
-    "verify",
-    "warn_unsigned",
-]
+__all__ = ["SIGNATURE_HEADER", "SIGNING_KEY_ENV", "SIGNING_KEY_FILE_ENV",
+           "PREVIOUS_SIGNING_KEY_ENV", "PREVIOUS_SIGNING_KEY_FILE_ENV", "SigningKey", "Keyring",
+           "Verdict", "sign_line", "verify", "warn_unsigned"]
 
 logger = logging.getLogger(__name__)
 
