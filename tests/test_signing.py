@@ -145,7 +145,7 @@ def test_keys_come_from_a_file_or_the_environment_and_never_show(tmp_path, caplo
 
 
 def test_a_weak_key_is_refused_with_a_way_to_make_a_good_one():
-    with pytest.raises(ValueError, match="at least 16 bytes.*urandom"):
+    with pytest.raises(ValueError, match="16 to 4096 bytes long.*urandom"):
         SigningKey.from_secret(b"password")
 
 
