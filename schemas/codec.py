@@ -13,8 +13,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from .contract import BundleRecord, RequestRecord, ShadowRecord, StepRecord, TelemetryRecord
 
-__all__ = ["MAX_LINE_BYTES", "Rejection", "RejectionCounter", "ahead_of_clock", "decode_line", "decode_object",
-           "encode_record", "read_json_lines"]
+__all__ = ["MAX_LINE_BYTES", "Rejection", "RejectionCounter", "ahead_of_clock", "decode_line",
+           "decode_object", "encode_record", "read_json_lines"]
 
 # A step with MAX_REQUESTS_PER_STEP entries is ~400 KB of JSON; lines beyond this are
 # rejected before parsing so a runaway producer cannot make the processor allocate GBs.

@@ -141,9 +141,7 @@ def card_differences(old: BundleCard, new: BundleCard) -> list[str]:
     )
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
+class _Record(_Part):
     v: Annotated[Literal[1], BeforeValidator(_only_version_one)]
     ts: Timestamp
 
@@ -155,10 +153,8 @@ class BundleRecord(_Record):
     card: BundleCard
 
 
-class RoundEntry(BaseModel):
+class RoundEntry(_Part):
     """One request's speculative round inside one engine step."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
 
     id: Name
     bucket: ScopeName
