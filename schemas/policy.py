@@ -318,11 +318,7 @@ def _problem(error: dict) -> str:
     value = error.get("input")
     if isinstance(value, bool):
         shown = "true" if value else "false"
-    elif isinstance(value, float) and value != value:
-        shown = "nan"
-    elif isinstance(value, float) and value in (float("inf"), float("-inf")):
-        shown = "inf" if value > 0 else "-inf"
-    elif isinstance(value, (int, float, str)):
+    elif isinstance(value, (int, float, str)):  # a float's repr spells nan and inf as TOML does
         shown = repr(value)[:40]
     else:
         return f"{where}: {error['msg']}"

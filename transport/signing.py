@@ -87,10 +87,7 @@ class Keyring:
         return [k for k in (self.current, self.previous) if k is not None]
 
     def find(self, key_id: str) -> SigningKey | None:
-        for key in self.keys():
-            if hmac.compare_digest(key.key_id, key_id):
-                return key
-        return None
+        return next((key for key in self.keys() if hmac.compare_digest(key.key_id, key_id)), None)
 
     @classmethod
     def from_secrets(cls, current: bytes | str | None, previous: bytes | str | None = None) -> "Keyring":
