@@ -376,10 +376,12 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
     p = _after_unread_fields(buf, p)
     if p + _EVENT_FIELD_SIZE != end or not buf.startswith(_EVENT_FIELD, p):
         raise _OddShape("not the step event name last")
-    seq = seq if seq < _INT64_SIGN else -1  # a varint of 2**63 or more is a negative int64
-    header = _header(1, ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage)
-    if header is None:
+    # typed by the layout already: only their ranges are left (`_header`'s checks, inline for speed)
+    if not (0.0 <= ts < _INF and 0.0 <= draft_ms < _INF and 0.0 <= verify_ms < _INF
+            and 0.0 <= kv_usage <= 1.0 and seq < _INT64_SIGN and worker is not None
+            and bundle_id is not None):
         return None
+    header = (ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage)
     build = partial(_record_at, buf, start, end)
     return _step(header, ids, buckets, cohorts, drafted, accepted, build)
 

@@ -252,12 +252,8 @@ def encode_records(records: Iterable[TelemetryRecord], *, resource: Mapping[str,
     return encode_entries((log_entry(r) for r in records), resource=resource)
 
 
-def iter_encoded_chunks(
-    entries: Iterable[LogEntry],
-    *,
-    max_bytes: int = _DEFAULT_MAX_CHUNK_BYTES,
-    resource: Mapping[str, Any] | None = None,
-) -> Iterator[tuple[bytes, int]]:
+def iter_encoded_chunks(entries: Iterable[LogEntry], *, max_bytes: int = _DEFAULT_MAX_CHUNK_BYTES,
+                        resource: Mapping[str, Any] | None = None) -> Iterator[tuple[bytes, int]]:
     """Serialized requests of at most ``max_bytes`` each, with the number of entries in each.
 
     >>> from specwatch.schemas import ShadowRecord
@@ -405,9 +401,8 @@ def _raw(obj: Any) -> str:
         return repr(obj)[:_MAX_RAW_CHARS]
 
 
-def record_from_attributes(
-    event_name: str, attributes: Mapping[str, Any], time_unix_nano: int = 0
-) -> TelemetryRecord | Rejection:
+def record_from_attributes(event_name: str, attributes: Mapping[str, Any],
+                           time_unix_nano: int = 0) -> TelemetryRecord | Rejection:
     """Validate one log record's event name and attributes as a contract-v1 record.
 
     >>> record_from_attributes("specwatch.shadow", {"specwatch.v": 1, "specwatch.ts": 2.0,
