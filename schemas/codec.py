@@ -13,16 +13,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from .contract import BundleRecord, RequestRecord, ShadowRecord, StepRecord, TelemetryRecord
 
-__all__ = [
-    "MAX_LINE_BYTES",
-    "Rejection",
-    "RejectionCounter",
-    "ahead_of_clock",
-    "decode_line",
-    "decode_object",
-    "encode_record",
-    "read_json_lines",
-]
+__all__ = ["MAX_LINE_BYTES", "Rejection", "RejectionCounter", "ahead_of_clock", "decode_line",
+           "decode_object", "encode_record", "read_json_lines"]
 
 # A step with MAX_REQUESTS_PER_STEP entries is ~400 KB of JSON; lines beyond this are
 # rejected before parsing so a runaway producer cannot make the processor allocate GBs.
@@ -65,11 +57,9 @@ class RejectionCounter:
     """Counts rejected records by reason; processing never stops for them."""
 
     by_reason: Counter = field(default_factory=Counter)
-    examples: dict = field(default_factory=dict)
 
     def add(self, rejection: Rejection) -> None:
         self.by_reason[rejection.reason] += 1
-        self.examples.setdefault(rejection.reason, rejection.detail)
 
     @property
     def total(self) -> int:

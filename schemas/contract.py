@@ -10,27 +10,10 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = [
-    "CONTRACT_VERSION",
-    "MAX_REQUESTS_PER_STEP",
-    "BundleCard",
-    "TargetCard",
-    "DrafterCard",
-    "RuntimeCard",
-    "PolicyCard",
-    "BundleRecord",
-    "StepRecord",
-    "RoundEntry",
-    "RequestRecord",
-    "Sample",
-    "Sampling",
-    "ShadowRecord",
-    "TelemetryRecord",
-    "bundle_digest",
-    "card_differences",
-    "printable",
-    "scope_name_ok",
-]
+__all__ = ["CONTRACT_VERSION", "MAX_REQUESTS_PER_STEP", "BundleCard", "TargetCard", "DrafterCard",
+           "RuntimeCard", "PolicyCard", "BundleRecord", "StepRecord", "RoundEntry", "RequestRecord",
+           "Sample", "Sampling", "ShadowRecord", "TelemetryRecord", "bundle_digest",
+           "card_differences", "printable", "scope_name_ok"]
 
 CONTRACT_VERSION = 1
 # A step of a real engine holds at most a few thousand running requests; anything
@@ -158,9 +141,7 @@ def card_differences(old: BundleCard, new: BundleCard) -> list[str]:
     )
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
+class _Record(_Part):
     v: Annotated[Literal[1], BeforeValidator(_only_version_one)]
     ts: Timestamp
 
@@ -172,10 +153,8 @@ class BundleRecord(_Record):
     card: BundleCard
 
 
-class RoundEntry(BaseModel):
+class RoundEntry(_Part):
     """One request's speculative round inside one engine step."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
 
     id: Name
     bucket: ScopeName

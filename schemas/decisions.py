@@ -10,21 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["Action", "Reason", "Decision", "decision_id", "decision_key"]
 
-Action = Literal[
-    "reduce_draft_length", "disable_speculation", "invalidate_bundle", "restore", "alert", "promote"
-]
-Reason = Literal[
-    "acceptance_drop",
-    "no_speedup",
-    "draft_overhead",
-    "latency_slo",
-    "kv_pressure",
-    "bundle_changed",
-    "quality_regression",
-    "error_rate",
-    "unadmitted_bundle",
-    "canary_judgement",
-]
+Action = Literal["reduce_draft_length", "disable_speculation", "invalidate_bundle", "restore",
+                 "alert", "promote"]
+Reason = Literal["acceptance_drop", "no_speedup", "draft_overhead", "latency_slo", "kv_pressure",
+                 "bundle_changed", "quality_regression", "error_rate", "unadmitted_bundle",
+                 "canary_judgement"]
 
 
 class Decision(BaseModel):

@@ -9,19 +9,16 @@ import struct
 from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter, gt
-from typing import TYPE_CHECKING, Annotated, Any, Callable, NamedTuple, Sequence, Union
+from typing import Annotated, Any, Callable, Iterator, NamedTuple, Sequence, Union
 
 import msgspec
 import numpy as np
-from google.protobuf.message import DecodeError
-
-if TYPE_CHECKING:  # the protobuf classes load when OTLP is read, not for JSON Lines
-    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from .codec import MAX_LINE_BYTES, Rejection, decode_line, decode_object
 from .contract import MAX_REQUESTS_PER_STEP, StepRecord, TelemetryRecord, printable, scope_name_ok
-from .otlp import MAX_REQUEST_BYTES, decode_log_record, decode_request
-from .otlp import _REQUESTS_PREFIX, _attribute  # noqa: PLC2701 - same contract, same package
+from .otlp import ATTRIBUTE_PREFIX, EVENT_PREFIX, decode_log_record, log_records, parse_request
+from .otlp import (_REQUESTS_PREFIX, _ROUND_COLUMNS, _STEP_SCALARS, _attribute,  # noqa: PLC2701
+                   _OddShape, _read_varint, _small_ints, _string_values)
 from .otlp import _Memo as _WriterMemo  # noqa: PLC2701
 
 __all__ = ["StepBlock", "decode_lines_block", "request_block"]
@@ -55,62 +52,41 @@ def _names(column: Any) -> bool:
     return joined.isprintable() or printable(joined)
 
 
-def _header(obj: dict) -> tuple | None:
+def _header(v: Any, ts: Any, worker: Any, seq: Any, bundle_id: Any, draft_ms: Any, verify_ms: Any,
+            kv_usage: Any) -> tuple | None:
     """The step's scalar fields as the reference would type them, or None to take the reference path."""
-    v, ts, seq, kv = obj.get("v"), obj.get("ts"), obj.get("seq"), obj.get("kv_usage")
-    draft_ms, verify_ms = obj.get("draft_ms"), obj.get("verify_ms")
-    worker, bundle_id = obj.get("worker"), obj.get("bundle_id")
     if not (type(v) is int and v == 1 and _time(ts) and _time(draft_ms) and _time(verify_ms)
-            and type(seq) is int and seq >= 0 and _name(worker) and _name(bundle_id)):
+            and type(seq) is int and seq >= 0 and _name(worker) and _name(bundle_id)
+            and type(kv_usage) in (float, int) and 0 <= kv_usage <= 1):
         return None
-    kind = type(kv)
-    if not ((kind is float or kind is int) and 0 <= kv <= 1):
-        return None
-    return float(ts), worker, seq, bundle_id, float(draft_ms), float(verify_ms), float(kv)
+    return float(ts), worker, seq, bundle_id, float(draft_ms), float(verify_ms), float(kv_usage)
 
 
 # ---------------------------------------------------------------- OTLP steps from the wire
 # Why and how: docs/STREAMS.md, "The OTLP wire reader".
 
-_STEP_EVENT = b"specwatch.step"
-_ATTRIBUTE_PREFIX = b"specwatch."
+_STEP_EVENT = (EVENT_PREFIX + "step").encode()
+_ATTRIBUTE_PREFIX = ATTRIBUTE_PREFIX.encode()
 _COLUMN_PREFIX = _REQUESTS_PREFIX.encode()
 _COLUMN_PREFIX_LEN = len(_COLUMN_PREFIX)
-_SCALAR_KEYS = {b"specwatch." + name.encode(): name
-                for name in ("v", "ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage")}
-_ROUND_COLUMN_KEYS = (b"id", b"bucket", b"cohort", b"drafted", b"accepted")
+_SCALAR_KEYS = {_ATTRIBUTE_PREFIX + name.encode(): name for name in _STEP_SCALARS}
+_ROUND_COLUMN_KEYS = tuple(name.encode() for name in _ROUND_COLUMNS)
 _unpack_double = struct.Struct("<d").unpack_from
 _INT64_SIGN = 1 << 63
 _UINT64_RANGE = 1 << 64
 
 
-class _OddShape(Exception):
-    """Bytes that are valid protobuf but not in a shape this reader reads."""
-
-
 class _Memo:
     """What repeats across the step records of one request, keyed by the bytes it came from."""
 
-    __slots__ = ("names", "columns", "int_heads", "strings", "bodies")
+    __slots__ = ("names", "columns", "int_heads", "strings")
 
     def __init__(self) -> None:
         self.names: dict[bytes, str | None] = {}  # worker / bundle_id attribute -> name, None if not one
-        self.columns: dict[bytes, tuple] = {}  # id / bucket / cohort attribute -> what _strings gives
+        # id / bucket / cohort attribute, or the ArrayValue in one -> what _strings gives
+        self.columns: dict[bytes, tuple] = {}
         self.int_heads: dict[int, bytes] = {}  # drafted / accepted attribute size -> bytes before the elements
         self.strings: dict[bytes, str] = {}  # AnyValue -> string_value
-        self.bodies: dict[bytes, tuple] = {}  # ArrayValue of strings -> what _strings gives
-
-
-def _varint(buf: bytes, p: int) -> tuple[int, int]:
-    """The varint at ``p`` and the position after it."""
-    value = shift = 0
-    while True:
-        byte = buf[p]
-        p += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, p
-        shift += 7
 
 
 def _skip(buf: bytes, p: int, wire_type: int) -> int:
@@ -122,48 +98,35 @@ def _skip(buf: bytes, p: int, wire_type: int) -> int:
     if wire_type == 1:
         return p + 8
     if wire_type == 2:
-        size, p = _varint(buf, p)
+        size, p = _read_varint(buf, p)
         return p + size
     if wire_type == 5:
         return p + 4
     raise _OddShape("group or invalid wire type")
 
 
+def _fields(buf: bytes, p: int, end: int, tag: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each length-delimited field ``tag`` in buf[p:end], the others skipped."""
+    while p < end:
+        found, p = _read_varint(buf, p)
+        if found != tag:
+            p = _skip(buf, p, found & 7)
+            continue
+        size, p = _read_varint(buf, p)
+        yield p, p + size
+        p += size
+    if p != end:
+        raise _OddShape("a field overruns its message")
+
+
 def _log_record_spans(buf: bytes) -> list[tuple[int, int]] | None:
     """(start, end) of every LogRecord, in upb's order; None if groups get in the way."""
-    spans: list[tuple[int, int]] = []
-    append = spans.append
-    p, end = 0, len(buf)
     try:
-        while p < end:
-            tag, p = _varint(buf, p)
-            if tag != 0x0A:
-                p = _skip(buf, p, tag & 7)
-                continue
-            size, p = _varint(buf, p)
-            resource_end = p + size
-            while p < resource_end:
-                tag, p = _varint(buf, p)
-                if tag != 0x12:
-                    p = _skip(buf, p, tag & 7)
-                    continue
-                size, p = _varint(buf, p)
-                scope_end = p + size
-                while p < scope_end:
-                    tag, p = _varint(buf, p)
-                    if tag != 0x12:
-                        p = _skip(buf, p, tag & 7)
-                        continue
-                    size, p = _varint(buf, p)
-                    append((p, p + size))
-                    p += size
-                if p != scope_end:
-                    return None
-            if p != resource_end:
-                return None
+        return [log_record for resource_logs in _fields(buf, 0, len(buf), 0x0A)
+                for scope_logs in _fields(buf, *resource_logs, 0x12)
+                for log_record in _fields(buf, *scope_logs, 0x12)]
     except (_OddShape, IndexError):
         return None
-    return spans if p == end else None
 
 
 def _key_value(buf: bytes, p: int, end: int) -> tuple[bytes, int, int]:
@@ -175,7 +138,7 @@ def _key_value(buf: bytes, p: int, end: int) -> tuple[bytes, int, int]:
         size = buf[p + 1]
         p += 2
         if size & 0x80:
-            size, p = _varint(buf, p - 1)
+            size, p = _read_varint(buf, p - 1)
         if field == 0x0A:
             key = buf[p:p + size]
         elif field == 0x12 and value is None:
@@ -198,13 +161,13 @@ def _attribute_end(buf: bytes, p: int) -> int:
     high = buf[p + 2]
     if high < 0x80:  # columns of a few dozen rounds
         return p + 3 + ((size & 0x7F) | high << 7)
-    size, q = _varint(buf, p + 1)
+    size, q = _read_varint(buf, p + 1)
     return q + size
 
 
 def _attribute_value(attribute: bytes, key: bytes) -> tuple[int, int]:
     """The value span of one serialized attribute (tag, size, KeyValue) holding ``key``."""
-    size, p = _varint(attribute, 1)
+    size, p = _read_varint(attribute, 1)
     found, start, end = _key_value(attribute, p, len(attribute))
     if found != key:
         raise _OddShape("another attribute here")
@@ -219,7 +182,7 @@ def _scalar(buf: bytes, start: int, end: int, strings: dict) -> Any:
     if tag == 0x21 and end - start == 9:  # double_value
         return _unpack_double(buf, start + 1)[0]
     if tag == 0x18:  # int_value: int64, negatives as two's complement
-        value, p = _varint(buf, start + 1)
+        value, p = _read_varint(buf, start + 1)
         if p != end:
             raise _OddShape("int_value and more")
         return value - _UINT64_RANGE if value >= _INT64_SIGN else value
@@ -227,13 +190,13 @@ def _scalar(buf: bytes, start: int, end: int, strings: dict) -> Any:
         encoded = buf[start:end]
         value = strings.get(encoded)
         if value is None:
-            size, p = _varint(buf, start + 1)
+            size, p = _read_varint(buf, start + 1)
             if p + size != end:
                 raise _OddShape("string_value and more")
             value = strings[encoded] = buf[p:end].decode()
         return value
     if tag == 0x10:  # bool_value
-        value, p = _varint(buf, start + 1)
+        value, p = _read_varint(buf, start + 1)
         if p != end:
             raise _OddShape("bool_value and more")
         return value != 0
@@ -244,7 +207,7 @@ def _array_body(buf: bytes, start: int, end: int) -> tuple[int, int]:
     """The ArrayValue inside the AnyValue buf[start:end], which must hold nothing else."""
     if start == end or buf[start] != 0x2A:
         raise _OddShape("not an array_value")
-    size, p = _varint(buf, start + 1)
+    size, p = _read_varint(buf, start + 1)
     if p + size != end:
         raise _OddShape("array_value and more")
     return p, end
@@ -253,55 +216,9 @@ def _array_body(buf: bytes, start: int, end: int) -> tuple[int, int]:
 def _strings(buf: bytes, start: int, end: int) -> tuple[tuple[str, ...], bool, bool]:
     """An ArrayValue of plain string elements: the values, whether every one is a Name, and
     whether every one is a Name fit for a scope key (a bucket or cohort)."""
-    values: list[str] = []
-    append = values.append
-    p = start
-    while p < end:
-        # element: 0a <size>, then the AnyValue: 0a <length> <utf-8>
-        size = buf[p + 1]
-        length = buf[p + 3]
-        if buf[p] == 0x0A and buf[p + 2] == 0x0A and size == length + 2 and size < 0x80:
-            p += 4
-        else:  # lengths past one byte, or not a plain string element
-            if buf[p] != 0x0A:
-                raise _OddShape("ArrayValue field other than values")
-            size, p = _varint(buf, p + 1)
-            element_end = p + size
-            if size == 0 or buf[p] != 0x0A:
-                raise _OddShape("element is not a string")
-            length, p = _varint(buf, p + 1)
-            if p + length != element_end:
-                raise _OddShape("string element and more")
-        append(buf[p:p + length].decode())
-        p += length
-    if p != end:
-        raise _OddShape("element overruns the array")
+    values = tuple(_string_values(buf, start, end))
     named = not values or _names(values)
-    return tuple(values), named, named and all(map(scope_name_ok, set(values)))
-
-
-def _small_ints(body: bytes) -> bytes:
-    """An ArrayValue body of int elements in the plain form (0a 02 18 vv): the values vv."""
-    count = len(body) >> 2
-    if len(body) != count << 2 or body[0::4] != b"\x0a" * count or body[1::4] != b"\x02" * count \
-            or body[2::4] != b"\x18" * count:
-        raise _OddShape("not small ints in the plain form")
-    # vv < 0x80 needs no check: drafted <= 64 and accepted <= drafted are checked per round
-    return body[3::4]
-
-
-def _array_count(buf: bytes, start: int, end: int) -> int:
-    """How many elements an ArrayValue holds (a column stage 1 does not read)."""
-    count = 0
-    p = start
-    while p < end:
-        tag, p = _varint(buf, p)
-        if tag == 0x0A:
-            count += 1
-        p = _skip(buf, p, tag & 7)
-    if p != end:
-        raise _OddShape("element overruns the array")
-    return count
+    return values, named, named and all(map(scope_name_ok, set(values)))
 
 
 def _record_at(buf: bytes, start: int, end: int) -> TelemetryRecord | Rejection:
@@ -386,26 +303,38 @@ _EVENT_FIELD = b"\x62" + bytes((len(_STEP_EVENT),)) + _STEP_EVENT
 _EVENT_FIELD_SIZE = len(_EVENT_FIELD)
 
 
-def _plain_name(attribute: bytes, key: bytes, memo: _Memo) -> str | None:
-    """The worker or bundle id in a serialized attribute, None if not a Name."""
-    start, end = _attribute_value(attribute, key)
-    value = _scalar(attribute, start, end, memo.strings)
-    name = value if _name(value) else None
-    memo.names[attribute] = name
-    return name
+def _plain_name(buf: bytes, p: int, key: bytes, memo: _Memo) -> tuple[str | None, int]:
+    """The worker or bundle id in the attribute at ``p`` (None if not a Name), and its end."""
+    q = _attribute_end(buf, p)
+    attribute = buf[p:q]
+    name = memo.names.get(attribute, _MISSING)
+    if name is _MISSING:
+        value = _scalar(attribute, *_attribute_value(attribute, key), memo.strings)
+        name = memo.names[attribute] = value if _name(value) else None
+    return name, q
 
 
-def _plain_strings(attribute: bytes, key: bytes, memo: _Memo) -> tuple:
-    found = memo.columns[attribute] = _strings(attribute, *_array_body(attribute, *_attribute_value(attribute, key)))
-    return found
+def _plain_strings(buf: bytes, p: int, key: bytes, memo: _Memo) -> tuple[tuple, int]:
+    """The id, bucket or cohort column at ``p`` as `_strings` gives it, and its end."""
+    q = _attribute_end(buf, p)
+    attribute = buf[p:q]
+    found = memo.columns.get(attribute)
+    if found is None:
+        body = _array_body(attribute, *_attribute_value(attribute, key))
+        found = memo.columns[attribute] = _strings(attribute, *body)
+    return found, q
 
 
-def _plain_int_head(attribute: bytes, key: bytes, memo: _Memo) -> bytes:
-    """The bytes before the elements of a drafted or accepted attribute."""
-    start, _ = _array_body(attribute, *_attribute_value(attribute, key))
-    # keyed by size alone: the key is part of the head, which is compared whole
-    head = memo.int_heads[len(attribute)] = attribute[:start]
-    return head
+def _plain_counts(buf: bytes, p: int, key: bytes, memo: _Memo) -> tuple[bytes, int]:
+    """The drafted or accepted column at ``p`` as `_small_ints` gives it, and its end."""
+    q = _attribute_end(buf, p)
+    attribute = buf[p:q]
+    head = memo.int_heads.get(q - p)
+    if head is None or not attribute.startswith(head):
+        start, _ = _array_body(attribute, *_attribute_value(attribute, key))
+        # keyed by size alone: the key is part of the head, which is compared whole
+        head = memo.int_heads[q - p] = attribute[:start]
+    return _small_ints(attribute[len(head):]), q
 
 
 def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | None:
@@ -419,12 +348,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
     if head != _V_TS_HEAD:
         raise _OddShape("not v, ts")
     p += _V_TS_SIZE
-    names = memo.names
-    q = _attribute_end(buf, p)
-    attribute = buf[p:q]
-    worker = names.get(attribute, _MISSING)
-    if worker is _MISSING:
-        worker = _plain_name(attribute, _WORKER_KEY, memo)
+    worker, q = _plain_name(buf, p, _WORKER_KEY, memo)
     head, width = _SEQ_HEADS[buf[q + 1]]
     if not buf.startswith(head, q):
         raise _OddShape("not seq")
@@ -435,50 +359,31 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
         if seq >= 0x80:
             raise _OddShape("seq varint")
     else:
-        seq, q = _varint(buf, p)
+        seq, q = _read_varint(buf, p)
         p += width
         if q != p:
             raise _OddShape("seq varint")
-    q = _attribute_end(buf, p)
-    attribute = buf[p:q]
-    bundle_id = names.get(attribute, _MISSING)
-    if bundle_id is _MISSING:
-        bundle_id = _plain_name(attribute, _BUNDLE_KEY, memo)
+    bundle_id, q = _plain_name(buf, p, _BUNDLE_KEY, memo)
     draft_head, draft_ms, verify_head, verify_ms, kv_head, kv_usage = _TIMES.unpack_from(buf, q)
     if draft_head != _DRAFT_HEAD or verify_head != _VERIFY_HEAD or kv_head != _KV_HEAD:
         raise _OddShape("not draft_ms, verify_ms, kv_usage")
     p = q + _TIMES_SIZE
-    columns = memo.columns
-    q = _attribute_end(buf, p)
-    attribute = buf[p:q]
-    ids = columns.get(attribute) or _plain_strings(attribute, _ID_KEY, memo)
-    p = _attribute_end(buf, q)
-    attribute = buf[q:p]
-    buckets = columns.get(attribute) or _plain_strings(attribute, _BUCKET_KEY, memo)
-    q = _attribute_end(buf, p)
-    attribute = buf[p:q]
-    cohorts = columns.get(attribute) or _plain_strings(attribute, _COHORT_KEY, memo)
-    heads = memo.int_heads
-    p = _attribute_end(buf, q)
-    attribute = buf[q:p]
-    head = heads.get(p - q)
-    if head is None or not attribute.startswith(head):
-        head = _plain_int_head(attribute, _DRAFTED_KEY, memo)
-    drafted = _small_ints(attribute[len(head):])
-    q = _attribute_end(buf, p)
-    attribute = buf[p:q]
-    head = heads.get(q - p)
-    if head is None or not attribute.startswith(head):
-        head = _plain_int_head(attribute, _ACCEPTED_KEY, memo)
-    accepted = _small_ints(attribute[len(head):])
-    q = _after_unread_fields(buf, q)
-    if q + _EVENT_FIELD_SIZE != end or not buf.startswith(_EVENT_FIELD, q):
+    ids, p = _plain_strings(buf, p, _ID_KEY, memo)
+    buckets, p = _plain_strings(buf, p, _BUCKET_KEY, memo)
+    cohorts, p = _plain_strings(buf, p, _COHORT_KEY, memo)
+    drafted, p = _plain_counts(buf, p, _DRAFTED_KEY, memo)
+    accepted, p = _plain_counts(buf, p, _ACCEPTED_KEY, memo)
+    p = _after_unread_fields(buf, p)
+    if p + _EVENT_FIELD_SIZE != end or not buf.startswith(_EVENT_FIELD, p):
         raise _OddShape("not the step event name last")
-    if not (0.0 <= ts < _INF and 0.0 <= draft_ms < _INF and 0.0 <= verify_ms < _INF and 0.0 <= kv_usage <= 1.0
-            and seq < _INT64_SIGN and worker is not None and bundle_id is not None):
+    # typed by the layout already: only their ranges are left (`_header`'s checks, inline for speed)
+    if not (0.0 <= ts < _INF and 0.0 <= draft_ms < _INF and 0.0 <= verify_ms < _INF
+            and 0.0 <= kv_usage <= 1.0 and seq < _INT64_SIGN and worker is not None
+            and bundle_id is not None):
         return None
-    return _step((ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage), ids, buckets, cohorts, drafted, accepted,
-                 partial(_record_at, buf, start, end))
+    header = (ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage)
+    build = partial(_record_at, buf, start, end)
+    return _step(header, ids, buckets, cohorts, drafted, accepted, build)
 
 
 # ------------------------------------------------ any field order
@@ -493,7 +398,7 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow |
     while p < end:
         tag = buf[p]
         if tag == 0x32:  # attributes
-            size, p = _varint(buf, p + 1)
+            size, p = _read_varint(buf, p + 1)
             pair_end = p + size
             key, value_start, value_end = _key_value(buf, p, pair_end)
             p = pair_end
@@ -506,20 +411,20 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow |
         elif tag == _STAMP or tag == _OBSERVED:
             p += 9
         elif tag == 0x62:  # event_name
-            size, p = _varint(buf, p + 1)
+            size, p = _read_varint(buf, p + 1)
             event = buf[p:p + size]
             p += size
         else:
-            tag, p = _varint(buf, p)
+            tag, p = _read_varint(buf, p)
             if tag in _READ_TAGS:  # written overlong: protobuf still reads it as that field
                 raise _OddShape("overlong tag")
             p = _skip(buf, p, tag & 7)
     if p != end:
         raise _OddShape("LogRecord overruns")
-    if event != _STEP_EVENT or "ts" not in scalars:
+    if event != _STEP_EVENT:
         return None
-    strings = memo.strings
-    header = _header({name: _scalar(buf, s, e, strings) for name, (s, e) in scalars.items()})
+    values = {name: _scalar(buf, s, e, memo.strings) for name, (s, e) in scalars.items()}
+    header = _header(*map(values.get, _STEP_SCALARS))
     if header is None:
         return None
     try:
@@ -527,7 +432,7 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow |
     except KeyError:
         return None
     found = []
-    bodies = memo.bodies
+    bodies = memo.columns
     for s, e in columns[:3]:
         body = buf[s:e]
         column = bodies.get(body)
@@ -536,15 +441,10 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow |
         found.append(column)
     ids, buckets, cohorts = found
     for s, e in spans.values():  # columns beyond the contract's: only their lengths matter
-        if _array_count(buf, *_array_body(buf, s, e)) != len(ids[0]):
+        if sum(1 for _ in _fields(buf, *_array_body(buf, s, e), 0x0A)) != len(ids[0]):
             return None
     return _step(header, ids, buckets, cohorts, _small_ints(buf[slice(*columns[3])]),
                  _small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end))
-
-
-def _log_records(request: ExportLogsServiceRequest) -> list:
-    return [log_record for resource_logs in request.resource_logs
-            for scope_logs in resource_logs.scope_logs for log_record in scope_logs.log_records]
 
 
 _READ_TAGS = frozenset((0x32, _STAMP, _OBSERVED, 0x62))
@@ -557,19 +457,13 @@ def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord
     >>> _request_items(b"\\xff\\xff not protobuf")[0].reason
     'invalid_otlp'
     """
-    if len(data) > MAX_REQUEST_BYTES:
-        return decode_request(data)
-    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
-
     buf = bytes(data)
-    request = ExportLogsServiceRequest()
-    try:
-        request.ParseFromString(buf)
-    except (DecodeError, RecursionError, ValueError, TypeError):
-        return decode_request(data)
+    request = parse_request(buf)
+    if isinstance(request, Rejection):
+        return [request]
     spans = _log_record_spans(buf)
     if spans is None:
-        return [decode_log_record(log_record) for log_record in _log_records(request)]
+        return [decode_log_record(log_record) for log_record in log_records(request)]
     memo = _Memo()
     parsed: list | None = None
     out: list = []
@@ -587,7 +481,7 @@ def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord
                     pass
         if step is None:
             if parsed is None:
-                parsed = _log_records(request)
+                parsed = log_records(request)
                 if len(parsed) != len(spans):  # cannot happen if _log_record_spans reads as upb does
                     return [decode_log_record(log_record) for log_record in parsed]
             step = decode_log_record(parsed[index])
@@ -599,20 +493,7 @@ def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord
 
 @dataclass(slots=True, eq=False)
 class StepBlock:
-    """A block of decoded records, its valid steps as columns.
-
-    Per step (row ``i``): ``ts``, ``workers[i]`` / ``seqs[i]`` (its identity),
-    ``bundle_key[i]`` (the index of ``(bundle_id, None, None)`` in ``keys``), ``draft_ms``,
-    ``verify_ms``, ``kv_usage``, ``step_ids[i]`` (its requests' ids, a tuple: steps that
-    list the same requests often share one) and ``at[i]``, its position in the block (a
-    line, a record of the request). Per round row ``j``: ``round_step[j]``, ``round_key[j]``
-    (an index into ``keys``), ``drafted[j]``, ``accepted[j]`` and ``count[j]``. ``others``:
-    every other outcome (the reference codec's records and rejections) as
-    ``(position, decoded)``, in order.
-
-    ``record(i)`` builds step ``i`` as the reference codec does, ``builder(i)`` is what
-    builds it (picklable, and holding only that step's bytes): for the few kept as samples.
-    """
+    """A block of decoded records, its valid steps as columns (fields: docs/STREAMS.md)."""
 
     ts: np.ndarray
     workers: list

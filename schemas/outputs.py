@@ -48,9 +48,7 @@ class WindowRow(NamedTuple):
     def as_dict(self) -> dict:
         """The row as a dict keyed by window-stats column name."""
         row = dict(zip(WINDOW_SUMMARY_FIELDS, self.summary))
-        row.update(ts=self.ts, bundle_id=self.bundle_id, bucket=self.bucket, cohort=self.cohort,
-                   speculation_on=self.speculation_on, steps=self.steps, plain_entries=self.plain_entries,
-                   accepted_at_least=self.accepted_at_least, drafted_at_least=self.drafted_at_least)
+        row.update(zip(self._fields[:-1], self[:-1]))  # every field but the summary
         return row
 
 

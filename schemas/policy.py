@@ -11,24 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .contract import Name, ScopeName
 from .decisions import Reason
 
-__all__ = [
-    "Policy",
-    "PolicyError",
-    "WindowPolicy",
-    "BaselinePolicy",
-    "PinnedBaseline",
-    "AcceptancePolicy",
-    "DraftOverheadPolicy",
-    "SpeedupPolicy",
-    "LatencyPolicy",
-    "KvPolicy",
-    "ErrorPolicy",
-    "QualityPolicy",
-    "ActionPolicy",
-    "AdmissionPolicy",
-    "CapturePolicy",
-    "load_policy",
-]
+__all__ = ["Policy", "PolicyError", "WindowPolicy", "BaselinePolicy", "PinnedBaseline",
+           "AcceptancePolicy", "DraftOverheadPolicy", "SpeedupPolicy", "LatencyPolicy", "KvPolicy",
+           "ErrorPolicy", "QualityPolicy", "ActionPolicy", "AdmissionPolicy", "CapturePolicy",
+           "load_policy"]
 
 
 class PolicyError(ValueError):
@@ -93,8 +79,7 @@ class BaselinePolicy(_Section):
     min_rounds: Count = 500
     min_requests: Count = 50
     pinned: dict[ScopeName, PinnedBaseline] = Field(
-        default_factory=dict, description="per-bucket baselines that replace learning"
-    )
+        default_factory=dict, description="per-bucket baselines that replace learning")
 
 
 class AcceptancePolicy(_Section):
@@ -104,8 +89,7 @@ class AcceptancePolicy(_Section):
     min_rounds: Count = Field(100, description="rounds a window needs before it is judged")
     min_requests: Count = Field(
         10, description="finished requests a window needs: rounds of a few requests move together, so a "
-                              "quiet key's window widens until it holds this many"
-    )
+                              "quiet key's window widens until it holds this many")
     max_window_slices: Slices = Field(60, description="widest window a quiet key is judged over")
     reduce_first: bool = True
     settle_seconds: Seconds = Field(15.0, description="wait after lowering D before judging again")
@@ -139,8 +123,7 @@ class LatencyPolicy(_Section):
     tail_share: float = Field(
         0.03, gt=0, lt=1, description="share of requests past the limit the sequential test is tuned to catch "
                                       "(at least 4x the baseline's share): a few stalled requests (KV "
-                                      "preemption at peak load) must not switch a cohort off"
-    )
+                                      "preemption at peak load) must not switch a cohort off")
     min_tail_requests: Count = Field(5, description="and at least this many requests past the limit")
     false_alarms_per_key_hour: float = Field(
         1e-3, gt=0, lt=1, description="false-alarm budget of the sequential tail test, per key and hour")
@@ -169,8 +152,7 @@ class ErrorPolicy(_Section):
 class QualityPolicy(_Section):
     strict_checks: list[Name] = Field(
         default_factory=lambda: ["token_exact", "logprob_exact", "tool_call", "json_schema", "safety"],
-        description="shadow checks whose single mismatch breaks the lossless contract",
-    )
+        description="shadow checks whose single mismatch breaks the lossless contract")
 
 
 class ActionPolicy(_Section):
@@ -178,8 +160,7 @@ class ActionPolicy(_Section):
     min_draft_length: int = Field(1, ge=1, le=64)
     alert_repeat_seconds: Seconds = 600.0
     restore_after_seconds: Duration | None = Field(
-        None, description="auto-restore after this long disabled; None = manual restore only"
-    )
+        None, description="auto-restore after this long disabled; None = manual restore only")
     restore_backoff: float = Field(
         2.0, ge=1, le=100, description="each earlier disable of a scope multiplies its wait before a restore by this"
     )
@@ -190,8 +171,7 @@ class ActionPolicy(_Section):
     restore_reasons: list[Reason] = Field(
         default_factory=lambda: ["acceptance_drop", "no_speedup", "latency_slo", "kv_pressure", "error_rate"],
         description="fallback reasons that may be restored automatically; quality regressions and "
-                    "invalidated bundles are never on this list's default",
-    )
+                    "invalidated bundles are never on this list's default")
 
     @model_validator(mode="after")
     def _restore_coherent(self) -> "ActionPolicy":
@@ -333,23 +313,12 @@ def load_policy(path: str | Path | None) -> Policy:
 
 
 def _problem(error: dict) -> str:
-    """One validation error as ``setting: what is wrong (got value)``, the value as TOML spells it.
-
-    >>> _problem({"loc": ("kv", "watermark"), "msg": "Input should be a valid number", "input": True})
-    'kv.watermark: Input should be a valid number (got true)'
-    >>> _problem({"loc": ("actions", "cooldown_seconds"), "msg": "Input should be a finite number",
-    ...           "input": float("inf")})
-    'actions.cooldown_seconds: Input should be a finite number (got inf)'
-    """
+    """One validation error as ``setting: what is wrong (got value)``, the value as TOML spells it."""
     where = ".".join(str(p) for p in error["loc"]) or "(top)"
     value = error.get("input")
     if isinstance(value, bool):
         shown = "true" if value else "false"
-    elif isinstance(value, float) and value != value:
-        shown = "nan"
-    elif isinstance(value, float) and value in (float("inf"), float("-inf")):
-        shown = "inf" if value > 0 else "-inf"
-    elif isinstance(value, (int, float, str)):
+    elif isinstance(value, (int, float, str)):  # a float's repr spells nan and inf as TOML does
         shown = repr(value)[:40]
     else:
         return f"{where}: {error['msg']}"

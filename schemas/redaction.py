@@ -56,9 +56,6 @@ def redact_record(record: Mapping[str, Any], mode: SampleText = "hashes") -> dic
     """
     out = dict(record)
     for name in _FREE_TEXT_FIELDS:
-        value = out.get(name)
-        if isinstance(value, str):
-            out[name] = redact_text(value, mode)
-        elif value is not None:
-            out[name] = redact_text(str(value), mode)
+        if out.get(name) is not None:
+            out[name] = redact_text(str(out[name]), mode)
     return out

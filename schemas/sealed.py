@@ -9,7 +9,6 @@ import re
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -17,26 +16,15 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
 
-__all__ = [
-    "SAMPLE_KEY_ENV",
-    "SAMPLE_KEY_FILE_ENV",
-    "SealedSampleError",
-    "SampleKey",
-    "OpenedSample",
-    "Sealer",
-    "sealed_key_id",
-    "open_sealed",
-    "token_digest",
-]
+from . import keys
+
+__all__ = ["SAMPLE_KEY_ENV", "SAMPLE_KEY_FILE_ENV", "SealedSampleError", "SampleKey",
+           "OpenedSample", "Sealer", "sealed_key_id", "open_sealed", "token_digest"]
 
 SAMPLE_KEY_ENV = "SPECWATCH_SAMPLE_KEY"
 SAMPLE_KEY_FILE_ENV = "SPECWATCH_SAMPLE_KEY_FILE"
 
 _VERSION = "sw1"
-# 128 bits: the secret is stretched to an AES-256 key, but cannot hold more entropy than it has.
-_MIN_KEY_BYTES = 16
-_MAX_KEY_BYTES = 4096
-_KEY_ID_CHARS = 12
 _NONCE_BYTES = 12
 _DATA_KEY_BYTES = 32
 # Samples sealed under one data key before a new one is drawn: a batch of the collector's
@@ -55,12 +43,7 @@ class SealedSampleError(ValueError):
 
 @dataclass(frozen=True)
 class SampleKey:
-    """The key-encryption key for sealed samples. Neither secret nor derived key shows in a repr.
-
-    >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
-    >>> key.key_id, "0123" in repr(key)
-    ('k-dba05dc9fc20', False)
-    """
+    """The key-encryption key for sealed samples. Neither secret nor derived key shows in a repr."""
 
     key_id: str
     kek: bytes = field(repr=False)
@@ -69,11 +52,8 @@ class SampleKey:
     def from_secret(cls, secret: bytes) -> "SampleKey":
         if not isinstance(secret, bytes):
             raise TypeError("a sample key secret must be bytes")
-        if not _MIN_KEY_BYTES <= len(secret) <= _MAX_KEY_BYTES:
-            raise ValueError(f"a sample key must be {_MIN_KEY_BYTES} to {_MAX_KEY_BYTES} bytes long, "
-                             f"got {len(secret)}: generate one with `head -c 32 /dev/urandom | base64`")
+        key_id = keys.key_id(secret, _KEY_ID_SALT, "sample")
         kek = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_KEK_INFO).derive(secret)
-        key_id = "k-" + hashlib.sha256(_KEY_ID_SALT + secret).hexdigest()[:_KEY_ID_CHARS]
         return cls(key_id, kek)
 
     @classmethod
@@ -82,11 +62,7 @@ class SampleKey:
         environ = os.environ if environ is None else environ
         path = environ.get(SAMPLE_KEY_FILE_ENV, "").strip()
         if path:
-            try:
-                secret = Path(path).read_bytes().strip()
-            except OSError as error:
-                raise ValueError(f"{SAMPLE_KEY_FILE_ENV}={path}: cannot read the sample key file: "
-                                 f"{error.strerror or error}") from None
+            secret = keys.read_key_file(path, SAMPLE_KEY_FILE_ENV, "sample").strip()
             source = f"{SAMPLE_KEY_FILE_ENV}={path}"
         elif environ.get(SAMPLE_KEY_ENV, "").strip():
             secret = environ[SAMPLE_KEY_ENV].strip().encode()
@@ -166,17 +142,7 @@ def sealed_key_id(sealed: str) -> str:
 
 def open_sealed(sealed: str, key: SampleKey | None, prompt_sha256: str | None,
                 output_sha256: str | None) -> OpenedSample:
-    """Open a sealed sample and check its token ids against the record's digests.
-
-    >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
-    >>> other = SampleKey.from_secret(b"another key, sixteen bytes or more")
-    >>> sealed = Sealer(key).seal([1], [2])
-    >>> try:
-    ...     open_sealed(sealed, other, None, None)
-    ... except SealedSampleError as error:
-    ...     print(error)
-    the sample was sealed with key k-dba05dc9fc20 and the key given is k-9e7fc274de8e; set SPECWATCH_SAMPLE_KEY_FILE to the file of key k-dba05dc9fc20
-    """
+    """Open a sealed sample and check its token ids against the record's digests."""
     key_id, wrapped, body = _parse(sealed)
     if key is None:
         raise SealedSampleError(f"no sample key: set {SAMPLE_KEY_FILE_ENV} (or {SAMPLE_KEY_ENV}) to the "

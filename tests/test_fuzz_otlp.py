@@ -53,12 +53,10 @@ def test_any_bytes_decode_or_are_rejected(data):
     _check(decode_request(data))
 
 
-@_FUZZ
-@given(st.data())
-def test_damaged_valid_requests_never_crash_the_decoder(data):
-    """Flip, drop, insert and truncate bytes of a real request: the shapes a broken producer makes."""
-    payload = bytearray(_valid_request())
-    for _ in range(data.draw(st.integers(min_value=1, max_value=6))):
+def damaged(data, payload: bytes, most: int = 6) -> bytes:
+    """``payload`` with bytes flipped, dropped, inserted and cut off: the shapes a broken producer makes."""
+    payload = bytearray(payload)
+    for _ in range(data.draw(st.integers(min_value=1, max_value=most))):
         position = data.draw(st.integers(min_value=0, max_value=max(0, len(payload) - 1)))
         action = data.draw(st.sampled_from(["flip", "drop", "insert", "truncate"]))
         if action == "flip" and payload:
@@ -69,7 +67,13 @@ def test_damaged_valid_requests_never_crash_the_decoder(data):
             payload[position:position] = data.draw(st.binary(min_size=1, max_size=8))
         else:
             del payload[position:]
-    _check(decode_request(bytes(payload)))
+    return bytes(payload)
+
+
+@_FUZZ
+@given(st.data())
+def test_damaged_valid_requests_never_crash_the_decoder(data):
+    _check(decode_request(damaged(data, _valid_request())))
 
 
 _NAMES = st.sampled_from(["v", "ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage",

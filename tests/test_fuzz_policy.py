@@ -4,19 +4,16 @@
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from specwatch.schemas import Policy, PolicyError, load_policy
 
-_EXAMPLES = int(os.environ.get("SPECWATCH_FUZZ_EXAMPLES", "300"))
-_FUZZ = settings(max_examples=_EXAMPLES, derandomize=True, deadline=None, print_blob=True,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+from test_fuzz_codec import _FUZZ
 
 # The example of README.md's "Policy file" section, as people copy it.
 _README_EXAMPLE = (Path(__file__).resolve().parents[1] / "README.md").read_text().split(

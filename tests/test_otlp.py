@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +12,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from specwatch.schemas import (BundleCard, BundleRecord, DrafterCard, Rejection, RequestRecord, RoundEntry, RuntimeCard,
                                Sample, Sampling, ShadowRecord, StepRecord, TargetCard, bundle_digest, encode_record)
 from specwatch.schemas.contract import printable, scope_name_ok
-from specwatch.schemas.otlp import (MAX_REQUEST_BYTES, decode_request, encode_entries, encode_records,
+from specwatch.schemas.otlp import (MAX_REQUEST_BYTES, decode_request, encode_records,
                                     iter_encoded_chunks, log_entry, record_from_attributes)
 
 CARD = BundleCard(
@@ -108,11 +107,6 @@ def test_bytes_are_a_standard_export_logs_service_request():
     assert nulls["specwatch.speculative"].WhichOneof("value") == "bool_value"
 
 
-def test_entries_and_records_give_the_same_bytes():
-    records = list(RECORDS.values())
-    assert encode_entries([log_entry(r) for r in records]) == encode_records(records)
-
-
 def test_chunks_stay_under_the_limit_and_keep_order():
     records = [_step(seq=s, n=s % 40) for s in range(300)]
     chunks = list(iter_encoded_chunks([log_entry(r) for r in records], max_bytes=20_000))
@@ -132,15 +126,7 @@ def test_an_entry_bigger_than_the_limit_still_gets_its_own_chunk():
 
 
 def test_garbage_bytes_become_rejections_and_never_raise():
-    rng = random.Random(7)
-    seen_reasons = set()
-    for size in list(range(1, 64)) + [256, 4096, 65536]:
-        for _ in range(20):
-            blob = bytes(rng.getrandbits(8) for _ in range(size))
-            out = decode_request(blob)
-            assert all(isinstance(item, Rejection) for item in out)
-            seen_reasons.update(item.reason for item in out)
-    assert "invalid_otlp" in seen_reasons
+    # arbitrary bytes: test_fuzz_otlp; here the input types a Kafka client hands over
     assert decode_request(b"") == []
     assert decode_request(bytearray(b"\xff" * 10))[0].reason == "invalid_otlp"
     assert decode_request(memoryview(b"\x0a\xff\xff\xff\xff\x0f"))[0].reason == "invalid_otlp"
