@@ -225,21 +225,6 @@ class Stage1Task:
         self.next_offset = offset + 1
         return rejections, closed
 
-    def fold_many(self, messages: Sequence[tuple[int, bytes]], now: float | None = None,
-                  seen: dict[str, float] | None = None) -> tuple[list[tuple[int, Rejection]], list[SliceBatch]]:
-        """Fold the messages of one fetch, (offset, payload) in offset order, as `fold` folds each.
-
-        Returns (offset, rejection) for every rejected record and every slice closed, in
-        order. A runner hands stage 1 a whole fetch through here.
-        """
-        rejected: list[tuple[int, Rejection]] = []
-        closed: list[SliceBatch] = []
-        for offset, payload in messages:
-            rejections, batches = self.fold(offset, payload, now, seen)
-            rejected += [(offset, rejection) for rejection in rejections]
-            closed += batches
-        return rejected, closed
-
 
 @dataclass(frozen=True)
 class BundleOwner:

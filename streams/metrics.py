@@ -8,9 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, get_args
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.window import ratio
@@ -19,17 +17,13 @@ from specwatch.schemas.decisions import Action, Reason
 from .topology import Key, SliceOutput, Stage2
 
 __all__ = [
-    "CONTENT_TYPE",
     "DEFAULT_MAX_KEYS",
     "LatencyHistogram",
     "MetricsCollector",
     "MetricsView",
     "ServiceHealth",
-    "metrics_registry",
-    "render_metrics",
 ]
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Label cardinality bound: keys beyond this many are not exported, and counted.
 DEFAULT_MAX_KEYS = 2000
 # Engine workers tracked for heartbeat age; more are counted as overflow too.
@@ -39,6 +33,22 @@ _DEFAULT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0
 _QUANTILES = ((0.5, "p50"), (0.95, "p95"), (0.99, "p99"))
 _KEY_LABELS = ("bundle", "bucket", "cohort")
 _WHOLE = "*"  # the label value of "every bucket" / "every cohort"
+# (window row field, metric, help) of the per-key gauges
+_KEY_GAUGES = (
+    ("acceptance_length", "specwatch_acceptance_length",
+     "Mean tokens per speculative round (accepted drafts + 1), newest window"),
+    ("acceptance_rate", "specwatch_acceptance_rate_ratio",
+     "Accepted draft tokens per drafted token, newest window"),
+    ("draft_overhead", "specwatch_draft_overhead_ratio",
+     "Share of step time spent drafting, newest window"),
+    ("speedup", "specwatch_estimated_speedup_ratio",
+     "Estimated speedup over standard decoding, newest window"),
+    ("error_rate", "specwatch_error_ratio",
+     "Errors and timeouts per finished request, newest window"),
+    ("kv_peak", "specwatch_kv_usage_peak_ratio", "Peak KV-cache usage, newest window"),
+    ("window_end", "specwatch_window_end_timestamp_seconds",
+     "Event time the newest window of the key ends at"),
+)
 
 
 class LatencyHistogram:
@@ -156,8 +166,8 @@ class ServiceHealth:
     decisions_published: int = 0
     decisions_outbox: int = 0
     ready: bool = True
-    extra_counters: Mapping[str, tuple[str, Mapping[tuple[str, ...], int], tuple[str, ...]]] = field(
-        default_factory=dict)
+    # metric name -> (help, label, label value -> count)
+    extra_counters: Mapping[str, tuple[str, str, Mapping]] = field(default_factory=dict)
 
 
 def _label(value: str | None) -> str:
@@ -177,9 +187,6 @@ class MetricsCollector:
         self.health = health
         self.clock = clock
 
-    def describe(self):
-        return []  # metric names depend on state; no describe-time checks
-
     def collect(self) -> Iterator:
         yield from self._per_key()
         yield from self._decisions()
@@ -187,28 +194,8 @@ class MetricsCollector:
 
     # -- per (bundle, bucket, cohort) -------------------------------------------------
     def _per_key(self) -> Iterator:
-        gauges = {
-            "acceptance_length": GaugeMetricFamily(
-                "specwatch_acceptance_length", "Mean tokens per speculative round (accepted drafts + 1), "
-                "newest window", labels=_KEY_LABELS),
-            "acceptance_rate": GaugeMetricFamily(
-                "specwatch_acceptance_rate_ratio", "Accepted draft tokens per drafted token, newest window",
-                labels=_KEY_LABELS),
-            "draft_overhead": GaugeMetricFamily(
-                "specwatch_draft_overhead_ratio", "Share of step time spent drafting, newest window",
-                labels=_KEY_LABELS),
-            "speedup": GaugeMetricFamily(
-                "specwatch_estimated_speedup_ratio", "Estimated speedup over standard decoding, newest window",
-                labels=_KEY_LABELS),
-            "error_rate": GaugeMetricFamily(
-                "specwatch_error_ratio", "Errors and timeouts per finished request, newest window",
-                labels=_KEY_LABELS),
-            "kv_peak": GaugeMetricFamily(
-                "specwatch_kv_usage_peak_ratio", "Peak KV-cache usage, newest window", labels=_KEY_LABELS),
-            "window_end": GaugeMetricFamily(
-                "specwatch_window_end_timestamp_seconds", "Event time the newest window of the key ends at",
-                labels=_KEY_LABELS),
-        }
+        gauges = {field: GaugeMetricFamily(name, help_text, labels=_KEY_LABELS)
+                  for field, name, help_text in _KEY_GAUGES}
         latency = {metric: GaugeMetricFamily(
             f"specwatch_{metric}_seconds", f"{metric.upper()} quantiles over the newest window",
             labels=(*_KEY_LABELS, "quantile")) for metric in ("ttft", "tpot", "e2e")}
@@ -303,10 +290,10 @@ class MetricsCollector:
         yield CounterMetricFamily("specwatch_engine_workers_dropped", "Records of engine workers beyond the "
                                   "worker cap, not tracked", value=self.view.workers_dropped)
         yield GaugeMetricFamily("specwatch_ready", "1 when the worker serves its partitions", value=float(health.ready))
-        for name, (help_text, values, labels) in sorted(health.extra_counters.items()):
-            family = CounterMetricFamily(name, help_text, labels=labels)
-            for label_values, n in sorted(values.items()):
-                family.add_metric(list(label_values), n)
+        for name, (help_text, label, values) in sorted(health.extra_counters.items()):
+            family = CounterMetricFamily(name, help_text, labels=(label,))
+            for value, n in sorted(values.items()):
+                family.add_metric([str(value)], n)
             yield family
 
 
@@ -316,14 +303,3 @@ def _by_partition(name: str, help_text: str, labels: tuple[str, str], values: Ma
         family.add_metric([first, str(partition)], float(value))
     return family
 
-
-def metrics_registry(collector: MetricsCollector) -> CollectorRegistry:
-    """A registry of its own holding only ``collector`` (no process-wide default registry)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
-    return registry
-
-
-def render_metrics(registry: CollectorRegistry) -> bytes:
-    """The text exposition format of every metric in ``registry``."""
-    return generate_latest(registry)

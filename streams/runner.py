@@ -361,7 +361,6 @@ class Stage1Runner(PartitionRunner):
         self.records = 0
         self.rejected = RejectionCounter()
         self.engines_seen: dict[str, float] = {}  # engine worker -> wall time of its newest record
-        self.batches_sent = 0
         self.partials_sent = 0  # messages: a fetch's batches for one stage-2 partition travel in one
         self._idle = IdleRule(self.settings.source_silence_seconds)
         self._ends_read_at = -float("inf")
@@ -377,16 +376,19 @@ class Stage1Runner(PartitionRunner):
 
     async def fold(self, task: Stage1Task, tp: TopicPartition, messages: list) -> None:
         self._idle.heard(task.source, self._clock())
-        before = task.records
-        keys = {message.offset: message.key for message in messages}
-        rejected, closed = task.fold_many([(message.offset, message.value or b"") for message in messages],
-                                          now=time.time(), seen=self.engines_seen)
-        self.records += task.records - before
+        before, now = task.records, time.time()
         pending = self._pending.setdefault(tp, [])
-        for offset, rejection in rejected:
-            self.rejected.add(rejection)
-            pending.append(await self._writer.send(self.settings.deadletter_topic,
-                                                   dead_letter(rejection, tp[0], tp[1], offset), key=keys[offset]))
+        closed: list = []
+        for message in messages:  # the whole fetch folds before its slices are sent
+            value = message.value or b""
+            rejections, batches = task.fold(message.offset, value, now, self.engines_seen)
+            closed += batches
+            for rejection in rejections:
+                self.rejected.add(rejection)
+                letter = dead_letter(rejection, tp[0], tp[1], message.offset)
+                pending.append(await self._writer.send(self.settings.deadletter_topic, letter,
+                                                       key=message.key))
+        self.records += task.records - before
         await self._send(task, tp, closed)
 
     async def _send(self, task: Stage1Task, tp: TopicPartition, closed: list) -> None:
@@ -401,7 +403,6 @@ class Stage1Runner(PartitionRunner):
                 pending.append(await self._writer.send(self.settings.partials_topic, value,
                                                        key=task.source.encode(), partition=partition))
                 self.partials_sent += 1
-            self.batches_sent += len(batches)
 
     async def before_checkpoint(self, task: Stage1Task, tp: TopicPartition) -> None:
         await acknowledged(self._pending.pop(tp, []), "slice batches")  # what the checkpoint says was sent, was

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -32,7 +33,7 @@ from specwatch.schemas.outputs import ActionRecord, SliceOutput, SliceWindows
 from specwatch.schemas.policy import Policy
 
 from .intake import DuplicateFilter, EventClock, duplicate
-from .running import RunningRequests, request_ids
+from .running import RunningRequests, key_stats
 
 __all__ = [
     "Key",
@@ -210,13 +211,6 @@ class Stage1:
         batch.late_records += late
         return batch
 
-    @staticmethod
-    def _stats(batch: SliceBatch, key: Key) -> SliceStats:
-        stats = batch.partials.get(key)
-        if stats is None:
-            stats = batch.partials[key] = SliceStats()
-        return stats
-
     def add(self, record: TelemetryRecord) -> Rejection | None:
         """Fold one validated contract-v1 record, or say why it is not folded (a block: `fold_block`)."""
         kind = record.kind
@@ -235,7 +229,7 @@ class Stage1:
         batch = self._slice(ts)
         if kind == "request":
             key = (record.bundle_id, record.bucket, record.cohort)
-            stats = self._stats(batch, key)
+            stats = key_stats(batch.partials, key)
             stats.add_request(record.ttft_ms, record.tpot_ms, record.e2e_ms, record.speculative,
                               record.finish_reason, ts)
             _offer_request(stats, record)
@@ -254,7 +248,8 @@ class Stage1:
         if rejection is not None:
             return rejection
         batch = self._slice(ts)
-        self.running.saw(step.worker, ts, request_ids(step), step)
+        self.running.saw(step.worker, ts, [e.id for e in step.requests],
+                         partial(_step_scopes, step))
         # Rounds are tallied as (drafted, accepted) pair counts and folded into the
         # per-position arrays once per slice: one dict increment per distinct round instead
         # of a loop over draft positions.
@@ -286,19 +281,11 @@ class Stage1:
         sample_id = f"{step.worker}:{step.seq}"
         order = sample_order(sample_id)
         for key, (drafted, accepted) in tokens.items():
-            self._stats(batch, key).add_step_time(draft_ms, verify_ms, kv_usage, ts)
-            held = candidates.get(key)
-            if held is None:
-                candidates[key] = [((accepted / drafted, order, sample_id), step) if drafted else None,
-                                   ((order, sample_id), step)]
-                continue
-            if drafted:
-                rank = (accepted / drafted, order, sample_id)
-                if held[0] is None or rank < held[0][0]:
-                    held[0] = (rank, step)
-            if (order, sample_id) < held[1][0]:
-                held[1] = ((order, sample_id), step)
-        self._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+            key_stats(batch.partials, key).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+            lowest = ((accepted / drafted, order, sample_id), step) if drafted else None
+            _hold(candidates, key, lowest, ((order, sample_id), step))
+        whole = key_stats(batch.partials, (bundle, None, None))
+        whole.add_step_time(draft_ms, verify_ms, kv_usage, ts)
         return None
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
@@ -373,8 +360,8 @@ class Stage1:
             if index <= watermark:
                 late.append((at[row], ts))
             index = self._slice(ts).slice_index
-            start, end = bounds[row], bounds[row + 1]
-            saw(worker, ts, step_ids[row], _BlockStep(block, row, start, end))
+            scopes = partial(_block_scopes, block, bounds[row], bounds[row + 1])
+            saw(worker, ts, step_ids[row], scopes)
             rows.append(row)
             slices.append(index)
             if clock.now != -math.inf and int((clock.now - lateness) // slice_s) - 1 > watermark:
@@ -438,7 +425,7 @@ class Stage1:
         stats = [None] * len(codes)
         for g in np.argsort(first_touch, kind="stable").tolist():
             code = int(codes[g])
-            stats[g] = self._stats(open_slices[code // n_keys + base], keys[code % n_keys])
+            stats[g] = key_stats(open_slices[code // n_keys + base].partials, keys[code % n_keys])
         _add_step_times(stats, group, touch_step, block)
         self._fold_block_rounds(block, slice_of, base, round_step, round_key, drafted, accepted, count)
         is_pair = touch_order < len(pairs)
@@ -513,16 +500,7 @@ class Stage1:
         for g, held_control in control.items():
             code = int(codes[g])
             candidates = open_slices[code // n_keys + base].step_candidates
-            key = keys[code % n_keys]
-            held_lowest = lowest.get(g)
-            held = candidates.get(key)
-            if held is None:
-                candidates[key] = [held_lowest, held_control]
-                continue
-            if held_lowest is not None and (held[0] is None or held_lowest[0] < held[0][0]):
-                held[0] = held_lowest
-            if held_control[0] < held[1][0]:
-                held[1] = held_control
+            _hold(candidates, keys[code % n_keys], lowest.get(g), held_control)
 
     def _block_sightings(self, block: StepBlock, rows: np.ndarray, slices: np.ndarray) -> None:
         """The first and last time each slice saw each worker run each bundle."""
@@ -594,33 +572,15 @@ class Stage1:
         return out
 
 
-class _BlockStep:
-    """Step ``row`` of a block as `RunningRequests.saw` reads it (only when a worker's batch changed)."""
+def _step_scopes(step: StepRecord) -> list[Key]:
+    """The key of each request a step lists, as `RunningRequests.saw` reads them."""
+    return [(step.bundle_id, e.bucket, e.cohort) for e in step.requests]
 
-    __slots__ = ("_block", "_row", "_start", "_end", "_scoped")
 
-    def __init__(self, block: StepBlock, row: int, start: int, end: int) -> None:
-        self._block, self._row, self._start, self._end = block, row, start, end
-        self._scoped: list[Key] | None = None
-
-    @property
-    def bundle_id(self) -> str:
-        return self._block.keys[self._block.bundle_key[self._row]][0]
-
-    def _scopes(self) -> list[Key]:
-        """Each request's key, read off the step's rounds once (for both `buckets` and `cohorts`)."""
-        if self._scoped is None:
-            keys = self._block.keys
-            self._scoped = [keys[k] for k in self._block.round_key[self._start:self._end].tolist()]
-        return self._scoped
-
-    @property
-    def buckets(self) -> list[str]:
-        return [key[1] for key in self._scopes()]
-
-    @property
-    def cohorts(self) -> list[str]:
-        return [key[2] for key in self._scopes()]
+def _block_scopes(block: StepBlock, start: int, end: int) -> list[Key]:
+    """The key of each request of the step whose rounds are ``start:end`` in a block."""
+    keys = block.keys
+    return [keys[k] for k in block.round_key[start:end].tolist()]
 
 
 class _HeldStep:
@@ -661,6 +621,19 @@ def _add_step_times(stats: list[SliceStats], group: np.ndarray, touch_step: np.n
         s.verify_ms = verify
         s.kv_peak = kv
         s.max_ts = ts
+
+
+def _hold(candidates: dict[Key, list[tuple]], key: Key, lowest: tuple | None,
+          control: tuple) -> None:
+    """Keep the (rank, step) pairs ranked first for ``key``: lowest acceptance, control."""
+    held = candidates.get(key)
+    if held is None:
+        candidates[key] = [lowest, control]
+        return
+    if lowest is not None and (held[0] is None or lowest[0] < held[0][0]):
+        held[0] = lowest
+    if control[0] < held[1][0]:
+        held[1] = control
 
 
 def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:
@@ -714,7 +687,6 @@ class Stage2:
         self.worker_cards: dict[str, tuple[str, dict]] = {}  # worker -> its latest (bundle_id, card)
         self.shadow_counts: Counter = Counter()
         self.last_mismatch: dict[tuple[str, str], float] = {}  # (bundle, bucket) -> latest strict mismatch ts
-        self.late_batches = 0
 
     def __setstate__(self, state: dict) -> None:
         # A checkpoint written before releases lived here (they were its task's) still restores.
@@ -726,7 +698,6 @@ class Stage2:
     def add(self, batch: SliceBatch) -> list[SliceOutput]:
         if batch.slice_index <= self.finalized and (batch.partials or batch.events):
             # a source so far behind that its slice was already decided: fold forward
-            self.late_batches += 1
             batch.slice_index = self.finalized + 1
         if batch.partials or batch.events or batch.late_records:
             self._pending[batch.slice_index].setdefault(batch.source, []).append(batch)
@@ -910,15 +881,8 @@ class Stage2:
             # The gates of every key under the scope judge the speculative path afresh.
             for key in keys + ([(bundle, None, None)] if bucket is None and bundle_monitor is not None else []):
                 self.monitors[key].rearm(floor=now)
-            single = self.monitors.get(scope)
-            audit = {
-                "thresholds": self._thresholds("restore"),
-                "baseline": single.baseline.to_dict() if single is not None else {},
-                "window": single.evidence_window(_EVIDENCE_SLICES) if single is not None else [],
-                "card": self.cards.get(bundle),
-                "finding": decision.evidence,
-            }
-            out.actions.append(ActionRecord(decision, audit, []))
+            out.actions.append(self._record(decision, self._thresholds("restore"),
+                                            self.monitors.get(scope), decision.evidence, []))
 
     def draft_length(self, bundle: str) -> int | None:
         """The draft length D on the bundle's card, None before its card arrived."""
@@ -957,14 +921,8 @@ class Stage2:
         self.flags.apply(decision)
         if monitor is not None:
             monitor.rearm()
-        audit = {
-            "thresholds": self._thresholds(finding.reason),
-            "baseline": monitor.baseline.to_dict() if monitor is not None else {},
-            "window": monitor.evidence_window(_EVIDENCE_SLICES) if monitor is not None else [],
-            "card": self.cards.get(scope[0]),
-            "finding": finding.evidence(),
-        }
-        out.actions.append(ActionRecord(decision, audit, samples))
+        out.actions.append(self._record(decision, self._thresholds(finding.reason), monitor,
+                                        finding.evidence(), samples))
         if self.admission is not None:
             self._admit(self.admission.vetoed(decision), out)
 
@@ -981,16 +939,22 @@ class Stage2:
                     del self.monitors[key]
             entry = self.admission.bundles[decision.bundle_id]
             change = next((c for c in reversed(entry.history) if c.decision_id == decision.id), None)
-            audit = {
-                "thresholds": {"admission": self.policy.admission.model_dump(mode="json"),
-                               "baseline_cohort": self.policy.baseline_cohort},
-                "baseline": {},
-                "window": [],
-                "card": self.cards.get(decision.bundle_id),
-                "finding": change.detail if change is not None else decision.evidence,
-            }
-            out.actions.append(ActionRecord(decision, audit, []))
+            thresholds = {"admission": self.policy.admission.model_dump(mode="json"),
+                          "baseline_cohort": self.policy.baseline_cohort}
+            finding = change.detail if change is not None else decision.evidence
+            out.actions.append(self._record(decision, thresholds, None, finding, []))
         out.stage_changes.extend(self.admission.take_changes())
+
+    def _record(self, decision: Decision, thresholds: dict, monitor, finding: dict,
+                samples: list[dict]) -> ActionRecord:
+        """A decision with the audit archived beside it."""
+        return ActionRecord(decision, {
+            "thresholds": thresholds,
+            "baseline": monitor.baseline.to_dict() if monitor is not None else {},
+            "window": monitor.evidence_window(_EVIDENCE_SLICES) if monitor is not None else [],
+            "card": self.cards.get(decision.bundle_id),
+            "finding": finding,
+        }, samples)
 
     def _thresholds(self, reason: str) -> dict:
         section = {
@@ -1009,17 +973,21 @@ def _sample_id(sample: dict) -> str:
     return str(sample.get("id"))
 
 
-def _take_unchosen(candidates, why: str, chosen: dict[str, dict], reasons: dict[str, str]) -> None:
-    """Adds up to `_CONTROL_SAMPLES` of ``candidates`` not chosen yet, by rank, as ``why``."""
+def _take_unchosen(ranked, limit: int, chosen: dict[str, dict], reasons: dict[str, str]) -> None:
+    """Adds up to ``limit`` of the ``(why, sample)`` pairs whose sample is not chosen yet."""
     taken = 0
-    for sample in sorted(candidates, key=lambda s: s["_rank"]):
-        if taken == _CONTROL_SAMPLES:
+    for why, sample in ranked:
+        if taken == limit:
             break
         ident = sample["_rank"][-1]
         if ident not in chosen:
             chosen[ident] = sample
             reasons[ident] = why
             taken += 1
+
+
+def _controls(candidates, why: str) -> list[tuple[str, dict]]:
+    return [(why, sample) for sample in sorted(candidates, key=lambda s: s["_rank"])]
 
 
 def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[dict], dict[str, str]]:
@@ -1029,14 +997,11 @@ def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[
     reasons: dict[str, str] = {}
     ranked = sorted(((index, sample) for index, kind in enumerate(problems) for sample in candidates.get(kind, ())),
                     key=lambda pair: (pair[0], pair[1]["_rank"]))
-    for index, sample in ranked:
-        if len(chosen) == _PROBLEM_SAMPLES:
-            break
-        ident = sample["_rank"][-1]
-        if ident not in chosen:
-            chosen[ident] = sample
-            reasons[ident] = problems[index]
+    _take_unchosen([(problems[index], sample) for index, sample in ranked], _PROBLEM_SAMPLES,
+                   chosen, reasons)
     if reason in _SERVED_REQUESTS_FOR:
-        _take_unchosen(candidates.get("control_request", ()), "served_request", chosen, reasons)
-    _take_unchosen(candidates.get(control, ()), "control", chosen, reasons)
+        served = _controls(candidates.get("control_request", ()), "served_request")
+        _take_unchosen(served, _CONTROL_SAMPLES, chosen, reasons)
+    controls = _controls(candidates.get(control, ()), "control")
+    _take_unchosen(controls, _CONTROL_SAMPLES, chosen, reasons)
     return [sample_record(s) for s in chosen.values()], reasons
