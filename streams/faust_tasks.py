@@ -117,7 +117,7 @@ def encode_partial(batches: SliceBatch | Sequence[SliceBatch]) -> bytes:
     """One partials message holding ``batches`` (one source's, for one stage-2 partition, in close order)."""
     if isinstance(batches, SliceBatch):
         batches = (batches,)
-    return _BATCHES_OPEN + b",".join(_encode_batch(batch) for batch in batches) + _BATCHES_CLOSE
+    return _message([_encode_batch(batch) for batch in batches])
 
 
 def encode_partials(batches: Sequence[SliceBatch], max_bytes: int = _DEFAULT_PARTIALS_MESSAGE_BYTES) -> list[bytes]:
@@ -130,23 +130,24 @@ def encode_partials(batches: Sequence[SliceBatch], max_bytes: int = _DEFAULT_PAR
     >>> encode_partials(batches[:2]) == [encode_partial(batches[:2])]
     True
     """
-    messages: list[bytes] = []
-    parts: list[bytes] = []
-    size = len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
+    messages: list[list[bytes]] = []
+    size = 0
     for batch in batches:
         part = _encode_batch(batch)
-        if parts and size + len(part) + 1 > max_bytes:
-            messages.append(_BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE)
-            parts, size = [], len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
-        parts.append(part)
+        if not messages or size + len(part) + 1 > max_bytes:
+            messages.append([])
+            size = len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
+        messages[-1].append(part)
         size += len(part) + 1
-    if parts:
-        messages.append(_BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE)
-    return messages
+    return [_message(parts) for parts in messages]
 
 
 def _encode_batch(batch: SliceBatch) -> bytes:
     return json.dumps(batch.to_dict(), separators=(",", ":")).encode()
+
+
+def _message(parts: list[bytes]) -> bytes:
+    return _BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE
 
 
 def encode_release(source: str, watermark: int) -> bytes:

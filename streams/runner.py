@@ -187,7 +187,13 @@ def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
 
 
 class PartitionRunner:
-    """One task per owned input partition, fed in offset order whatever the consumer delivers."""
+    """One task per owned input partition, fed in offset order whatever the consumer delivers.
+
+    A stage gives `inputs()` (the topics it folds), `new_task(tp)`, `fold(task, tp, messages)` (a
+    fetch's consecutive messages, advancing the task's ``next_offset``), `taken_over(task, tp)`
+    (restored or new, before it folds) and `before_checkpoint(task, tp)` (make true what the
+    checkpoint claims: sent, archived).
+    """
 
     stage = ""
     task_type: type = object
@@ -209,30 +215,9 @@ class PartitionRunner:
         self._checkpointed_at: dict[TopicPartition, float] = {}
         self.skipped = 0
 
-    # -- hooks --------------------------------------------------------------------------
-    def inputs(self) -> tuple[str, ...]:
-        """The topics whose partitions this runner folds."""
-        raise NotImplementedError
-
-    def new_task(self, tp: TopicPartition) -> Any:
-        """A task for a partition without a checkpoint."""
-        raise NotImplementedError
-
-    async def fold(self, task: Any, tp: TopicPartition, messages: list) -> None:
-        """Fold consecutive messages of one partition, in offset order, into its task (which
-        advances its ``next_offset`` past the last): a whole fetch at once."""
-        raise NotImplementedError
-
-    async def taken_over(self, task: Any, tp: TopicPartition) -> None:
-        """Called once a task is restored or new, before it folds anything."""
-
-    async def before_checkpoint(self, task: Any, tp: TopicPartition) -> None:
-        """Make what the checkpoint claims true (sent, archived) before it is written."""
-
     def forgotten(self, tp: TopicPartition) -> None:
         """A partition was taken away."""
 
-    # -- the state machine --------------------------------------------------------------
     def task_name(self, tp: TopicPartition) -> str:
         return f"{self.stage}/{tp[0]}/{tp[1]}"
 

@@ -242,6 +242,18 @@ class Stage1:
             self._add_bundle(batch, record)
         return None
 
+    def take(self, item: TelemetryRecord | Rejection, now: float | None) -> tuple[Rejection | None, bool]:
+        """Fold one decoded item, checked against the wall clock ``now`` (None: unchecked): why it
+        was not folded, and whether it went into a later slice than its own (late)."""
+        if type(item) is Rejection:
+            return item, False
+        if now is not None:
+            rejection = ahead_of_clock(item.ts, now, self.policy.windows.max_ahead_seconds)
+            if rejection is not None:
+                return rejection, False
+        late_records = self.late_records
+        return self.add(item), self.late_records != late_records
+
     def _add_step(self, step: StepRecord) -> Rejection | None:
         ts = step.ts
         rejection = self._admit("step", ts, (step.worker, step.seq))
@@ -338,8 +350,13 @@ class Stage1:
                 self.records += len(rows)
                 rows.clear()
                 slices.clear()
-            if self._fold_other(position, item, now, max_ahead, rejected, late):
-                self._closes_after_record(limits)
+            rejection, is_late = self.take(item, now)
+            if rejection is not None:
+                rejected.append((position, rejection))
+                return
+            if is_late:
+                late.append((position, item.ts))
+            self._closes_after_record(limits)
 
         for row, (ts, worker, seq) in enumerate(zip(block.ts.tolist(), block.workers, block.seqs)):
             while next_other < at[row]:  # the records of other kinds before this step
@@ -370,23 +387,6 @@ class Stage1:
             fold_other(position, item)
         self.records += len(rows)
         return rows, slices, rejected, late, limits
-
-    def _fold_other(self, position: int, item, now: float | None, max_ahead: float | None, rejected: list,
-                    late: list) -> bool:
-        """One record of a block that is not in its columns, as `Ingest.records` folds it; True if folded."""
-        if type(item) is Rejection:
-            rejected.append((position, item))
-            return False
-        rejection = None if max_ahead is None else ahead_of_clock(item.ts, now, max_ahead)
-        if rejection is None:
-            late_records = self.late_records
-            rejection = self.add(item)
-        if rejection is not None:
-            rejected.append((position, rejection))
-            return False
-        if self.late_records != late_records:
-            late.append((position, item.ts))
-        return True
 
     def _closes_after_record(self, limits: list[tuple[int, dict[Key, SliceStats]]]) -> None:
         """Where `close_ready` after this record would move the watermark (slices close later)."""
