@@ -40,9 +40,6 @@ def _acknowledge(app: faust.App, record: Any) -> None:
                                   tp=TP(record.topic, record.partition)))
 
 
-# ---------------------------------------------------------------- the app
-
-
 @dataclass(frozen=True)
 class StreamApp:
     """A Faust app with the runners its agents call."""
@@ -82,12 +79,10 @@ def create_app(settings: StreamSettings) -> StreamApp:
         agent_supervisor=CrashingSupervisor,
     )
 
-    # -- topics the agents read ------------------------------------------------------------
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     telemetry = app.topic(*settings.telemetry_topics, **raw)
     partials = app.topic(settings.partials_topic, partitions=settings.partials_partitions, **raw)
 
-    # -- state and outputs: checkpoint topics and the app's own producer ----------------------
     writer = KafkaWriter(kafka)
     reader = PartitionReader(settings.bootstrap, settings.client_options(), fetch=kafka.aiokafka_fetch_settings())
 
@@ -100,7 +95,6 @@ def create_app(settings: StreamSettings) -> StreamApp:
     stage2 = Stage2Runner(settings, writer, reader, CheckpointLog(settings.checkpoint_topic("stage2"), writer, reader),
                           **wiring)
 
-    # -- agents -------------------------------------------------------------------------
     # Each runner takes a whole fetch at once: stage 1 folds it in one go and sends one
     # partials message per stage-2 partition for it.
     take = fetch["broker_max_poll_records"]
@@ -115,7 +109,6 @@ def create_app(settings: StreamSettings) -> StreamApp:
         async for events in stream.take_events(take, within=_FETCH_WAIT_SECONDS):
             await stage2.handle([event.message for event in events])
 
-    # -- timers and lifecycle ---------------------------------------------------------------
     @app.timer(interval=_RELEASE_CHECK_SECONDS)
     async def release_idle_sources():
         await stage1.catch_up()

@@ -102,9 +102,6 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
     return out
 
 
-# ---------------------------------------------------------------- wire forms
-
-
 @dataclass(frozen=True)
 class PartialMessage:
     """A partials message: one source's batches for a stage-2 partition, or its release."""
@@ -187,9 +184,6 @@ def dead_letter(rejection: Rejection, topic: str, partition: int, offset: int) -
     body = rejection.to_json()
     body.update(topic=topic, partition=partition, offset=offset)
     return json.dumps(body, separators=(",", ":")).encode()
-
-
-# ---------------------------------------------------------------- tasks
 
 
 class Stage1Task:
@@ -287,9 +281,6 @@ class Stage2Task:
         return outputs
 
 
-# ---------------------------------------------------------------- checkpoints
-
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used (corrupt, or written by an incompatible version)."""
 
@@ -320,9 +311,7 @@ def _restore_sketch(max_centroids: int, digest: bytes, pending: list[float]) -> 
     return sketch
 
 
-# Names an older checkpoint holds that have gone since, and what they restore as. A stage-1
-# task's ingest step used to decode with the per-record fast OTLP decoder; its messages are
-# folded as blocks now (`Stage1Task.fold`), and the ingest step's own decoder is the reference.
+# Names an older checkpoint holds that have gone since, and what they restore as (docs/STREAMS.md).
 _RENAMED = {("specwatch.schemas.fastdecode", "decode_request_fast"): ("specwatch.schemas.otlp", "decode_request")}
 
 

@@ -152,7 +152,6 @@ class MetricsView:
                 last[worker] = at
 
 
-
 @dataclass
 class ServiceHealth:
     """The service's own health at one instant; fields a pipeline does not have stay empty."""
@@ -192,7 +191,6 @@ class MetricsCollector:
         yield from self._decisions()
         yield from self._service(self.health())
 
-    # -- per (bundle, bucket, cohort) -------------------------------------------------
     def _per_key(self) -> Iterator:
         gauges = {field: GaugeMetricFamily(name, help_text, labels=_KEY_LABELS)
                   for field, name, help_text in _KEY_GAUGES}
@@ -253,7 +251,6 @@ class MetricsCollector:
                 family.add_metric([action, reason], self.view.decisions.get((action, reason), 0))
         yield family
 
-    # -- the service itself ----------------------------------------------------------
     def _service(self, health: ServiceHealth) -> Iterator:
         now = self.clock()
         yield CounterMetricFamily("specwatch_records_read", "Telemetry records read and folded",

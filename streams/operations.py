@@ -91,7 +91,6 @@ class Operations:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         if self.sender is not None:
             self.sender.start()
@@ -108,7 +107,6 @@ class Operations:
             if self.sender is not None:
                 self.sender.submit(decision)
 
-    # -- the Faust web server -----------------------------------------------------------
     def install(self, app: Any, ready: Callable[[], bool], cards: Callable[[], dict],
                 publish: Callable[[list[Decision]], Any], automatic: Callable[[tuple], Any]) -> None:
         """Add /metrics, /healthz, /readyz and the webhook to ``app`` (a `faust.App`)."""

@@ -125,9 +125,6 @@ class StreamSettings:
         return replace(self, telemetry_partitions=counts.telemetry, partials_partitions=counts.partials)
 
 
-# ---------------------------------------------------------------- checkpoints
-
-
 class CheckpointLog:
     """Task checkpoints on a compacted topic, in the partition of the task's input partition."""
 
@@ -165,9 +162,6 @@ class CheckpointLog:
         await acknowledged(sent, "checkpoint chunks")
         self._sequence[name] = sequence
         return len(data)
-
-
-# ---------------------------------------------------------------- the runner
 
 
 def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
@@ -331,9 +325,6 @@ class PartitionRunner:
         return lag, age
 
 
-# ---------------------------------------------------------------- stage 1
-
-
 class Stage1Runner(PartitionRunner):
     """Stage 1 on Kafka: decode and fold telemetry, send slice batches and dead letters."""
 
@@ -432,9 +423,6 @@ class Stage1Runner(PartitionRunner):
         return {"lag": lag, "delay": delay, "age": age}
 
 
-# ---------------------------------------------------------------- stage 2
-
-
 class Stage2Runner(PartitionRunner):
     """Stage 2 on Kafka: merge and decide, publish decisions through the outbox, archive."""
 
@@ -460,7 +448,6 @@ class Stage2Runner(PartitionRunner):
         return Stage2Task(self.settings.policy, self.settings.sources,
                           BundleOwner(tp[1], self.settings.partials_partitions))
 
-    # -- archive ------------------------------------------------------------------------
     def open_archive(self) -> None:
         if self.settings.archive_dsn and self._archive_sink is None:
             from specwatch.archive.sink import ArchiveSink
@@ -472,7 +459,6 @@ class Stage2Runner(PartitionRunner):
             self._archive_sink.close()  # closes the archive it opened
             self._archive_sink = None
 
-    # -- hooks --------------------------------------------------------------------------
     async def taken_over(self, task: Stage2Task, tp: TopicPartition) -> None:
         if task.outbox:
             await self._finish_outbox(task, tp)
@@ -508,7 +494,6 @@ class Stage2Runner(PartitionRunner):
         if self._archive_sink is not None:
             self._archive_sink.flush()  # the archive holds everything the checkpoint covers
 
-    # -- decisions ----------------------------------------------------------------------
     async def _finish_outbox(self, task: Stage2Task, tp: TopicPartition) -> None:
         published = decisions_in(await self._reader.values_since(self.settings.decisions_topic, task.outbox_mark))
         missing = outbox_pending(task.outbox, published)
@@ -534,7 +519,6 @@ class Stage2Runner(PartitionRunner):
         if self.operations is not None:
             self.operations.published(decisions)
 
-    # -- what operations read -----------------------------------------------------------
     def cards(self) -> dict[str, dict]:
         """Bundle id -> card of every bundle the stage-2 tasks of this worker have seen."""
         return {bundle: card for task in self._tasks.values() for bundle, card in task.stage.cards.items()}
@@ -557,7 +541,6 @@ class Stage2Runner(PartitionRunner):
         return {"lag": lag, "age": age, "outbox": sum(len(t.outbox) for t in self._tasks.values()),
                 "spool": spool}
 
-    # -- signs of life ------------------------------------------------------------------
     async def heartbeat(self) -> None:
         """A signed heartbeat per owned partials partition: the event time decided up to."""
         slice_seconds = self.settings.policy.windows.slice_seconds

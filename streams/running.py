@@ -12,18 +12,11 @@ __all__ = ["RunningRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS", "key
 
 Key = tuple[str, str | None, str | None]
 
-# A running request is reported to stage 2 once it has run this long (event time since the
-# first step that listed it). Stage 1 does not know a key's limit (stage 2 learns it), so it
-# reports every request past this floor and stage 2 counts those past the key's own limit.
-# Learned e2e limits are tens of seconds; a key whose limit is lower counts its stalled
-# requests from this age on, still long before they finish.
+# Event time since a request's first step before it is reported as running (docs/STREAMS.md).
 REPORT_AFTER_SECONDS = 10.0
-# A request is reported only while steps still list it: last listed this close to the slice's
-# end. A source that gets only some of a worker's steps (unkeyed telemetry) may not get the
-# record of a request that ended; it must not report that request as running.
+# A request is reported only while steps still list it: last listed this close to the slice's end.
 STILL_LISTED_SECONDS = 2.0
-# A request no step has listed for this long, with no request record, is lost (its worker
-# died, the record was dropped, it went back to the queue): it is forgotten, not stalled.
+# A request no step has listed for this long, with no request record, is lost: forgotten.
 LOST_AFTER_SECONDS = 10.0
 
 

@@ -262,9 +262,7 @@ class Stage1:
         batch = self._slice(ts)
         self.running.saw(step.worker, ts, [e.id for e in step.requests],
                          partial(_step_scopes, step))
-        # Rounds are tallied as (drafted, accepted) pair counts and folded into the
-        # per-position arrays once per slice: one dict increment per distinct round instead
-        # of a loop over draft positions.
+        # (drafted, accepted) pair counts, folded into the per-position arrays as a slice closes
         rounds = Counter([(e.bucket, e.cohort, e.drafted, e.accepted) for e in step.requests])
         bundle = step.bundle_id
         batch.sighted(bundle, step.worker, ts)
@@ -284,10 +282,6 @@ class Stage1:
             else:
                 drafted_accepted[0] += drafted * n
                 drafted_accepted[1] += accepted * n
-        # The step's timings go to each key it served and to its bundle, and the step is a
-        # sample candidate of each key. Only the best step of each kind per key is held until
-        # the slice closes: holding every step (and what it was decoded from) would cost more
-        # than the fold itself.
         draft_ms, verify_ms, kv_usage = step.draft_ms, step.verify_ms, step.kv_usage
         candidates = batch.step_candidates
         sample_id = f"{step.worker}:{step.seq}"
@@ -307,7 +301,6 @@ class Stage1:
         batch.events.append({"type": "bundle", "ts": record.ts, "worker": record.worker,
                              "bundle_id": record.bundle_id, "card": record.card.model_dump(mode="json")})
 
-    # -- the batch mode: a block of records, its steps as columns --------------------------
     def fold_block(self, block: StepBlock, now: float | None = None) -> tuple[list, list, list[SliceBatch]]:
         """Fold a block of records at once, exactly as `add` then `close_ready` after each record would.
 
@@ -548,10 +541,7 @@ class Stage1:
         out = []
         for index in ready:
             batch = self._open.pop(index)
-            # A batch vouches only for the slices sent so far: the last one of this close for
-            # every slice up to the limit, an earlier one for its own. Stage 2 may finalize a
-            # slice as soon as every source vouches for it, so a batch that vouched for the
-            # close's limit would let a later batch of the same close arrive too late.
+            # vouches only for the slices sent so far (see docs/STREAMS.md, `Stage1._close`)
             batch.watermark = limit if index == ready[-1] else index
             batch.fold_tallies()
             batch.fold_sightings()
@@ -694,7 +684,6 @@ class Stage2:
         self.__dict__.update(state)
         self.__dict__.setdefault("_released", set())
 
-    # -- progress across sources ---------------------------------------------------------
     def add(self, batch: SliceBatch) -> list[SliceOutput]:
         if batch.slice_index <= self.finalized and (batch.partials or batch.events):
             # a source so far behind that its slice was already decided: fold forward
@@ -729,7 +718,6 @@ class Stage2:
             return []
         return self._finalize_ready(max(self._pending))
 
-    # -- one final slice -------------------------------------------------------------------
     def _finalize(self, index: int, by_source: dict[str, list[SliceBatch]]) -> SliceOutput:
         slice_end = (index + 1) * self._slice_s
         merged: dict[Key, SliceStats] = {}
@@ -742,10 +730,7 @@ class Stage2:
                 late += batch.late_records
                 for key, stats in batch.partials.items():
                     mine = merged.get(key)
-                    if mine is None:
-                        # a key one partial holds (the usual case) takes that partial as it is;
-                        # a batch's partials are never written to, so it is copied once a
-                        # second partial of the same key has to be added in
+                    if mine is None:  # taken as it is; copied once a second partial comes
                         merged[key] = stats
                         continue
                     if key not in copied:
@@ -754,8 +739,7 @@ class Stage2:
                     mine.merge(stats)
                 for event in batch.events:
                     ident = (event["type"], event["ts"], event.get("worker"), event.get("id"), event.get("bundle_id"))
-                    # a card re-sent (cards are never deduplicated by stage 1), or an event read
-                    # through two telemetry partitions, is taken once
+                    # a card re-sent, or an event read through two telemetry partitions: once
                     if ident not in seen_events:
                         seen_events.add(ident)
                         events.append(event)
@@ -825,9 +809,7 @@ class Stage2:
     def _on_stats(self, key: Key, stats: SliceStats, slice_end: float, out: SliceOutput) -> None:
         bundle, bucket, cohort = key
         if not (stats.steps or stats.rounds or stats.requests or stats.shadow_checks):
-            # Only running-request reports (a source that saw none of the key's records in this
-            # slice): noted, but no slice of the key's history, which must not depend on how
-            # records were spread over sources.
+            # only running-request reports: noted, but no slice of the key's history
             monitor = self.monitors.get(key)
             if isinstance(monitor, KeyMonitor):
                 monitor.stalls.update(stats, slice_end, None)
@@ -931,9 +913,7 @@ class Stage2:
         for decision in decisions:
             self.flags.apply(decision)
             if decision.action == "promote":
-                # A new share is a new normal: step cost follows how much of a batch drafts, and
-                # the cohorts that start drafting have no speculative baseline yet. Their
-                # monitors learn afresh; the baseline cohort's stay.
+                # a new share is a new normal: every monitor but the baseline cohort's learns afresh
                 for key in [k for k in self.monitors if k[0] == decision.bundle_id
                             and k[2] != self.policy.baseline_cohort]:
                     del self.monitors[key]

@@ -157,26 +157,15 @@ def _t0_slice(index: int) -> PartialMessage:
     return decode_partial(encode_partial(batch))
 
 
-def _stage2_holding_t0_slices() -> Stage2Task:
-    """Stage 2 of sources t/0 and t/1, with t/0's slices 40 to 59 folded and t/1 not heard from."""
-    task = Stage2Task(Policy(), ("t/0", "t/1"))
-    outputs = [output for index in range(40, 60) for output in task.fold(index, _t0_slice(index))]
-    assert outputs == []
-    return task
-
-
-def test_a_source_that_never_reported_holds_slices_until_released():
-    task = _stage2_holding_t0_slices()
-    released = task.fold(60, decode_partial(encode_release("t/1", -1)))
+# 44: stage 2 lagged, the release was decided at slice 44 and t/0 had already sent up to 59
+@pytest.mark.parametrize("watermark", [-1, 44])
+def test_a_source_that_never_reported_holds_slices_until_released(watermark):
+    task = Stage2Task(Policy(), ("t/0", "t/1"))  # t/0's slices 40 to 59 folded, t/1 not heard from
+    assert [output for index in range(40, 60) for output in task.fold(index, _t0_slice(index))] == []
+    released = task.fold(60, decode_partial(encode_release("t/1", watermark)))
     assert [o.slice_index for o in released] == list(range(40, 60))
     more = task.fold(61, _t0_slice(60))
     assert [o.slice_index for o in more] == [60]  # a released source no longer holds anything back
-
-
-def test_a_release_decided_early_but_folded_after_every_batch_still_frees_every_slice():
-    """Stage 2 lagged: the release was decided at slice 44, stage 1 had already sent up to 59."""
-    released = _stage2_holding_t0_slices().fold(60, decode_partial(encode_release("t/1", 44)))
-    assert [o.slice_index for o in released] == list(range(40, 60))
 
 
 def test_invalid_partials_are_counted_not_fatal():
