@@ -312,7 +312,8 @@ def _restore_sketch(max_centroids: int, digest: bytes, pending: list[float]) -> 
 
 
 # Names an older checkpoint holds that have gone since, and what they restore as (docs/STREAMS.md).
-_RENAMED = {("specwatch.schemas.fastdecode", "decode_request_fast"): ("specwatch.schemas.otlp", "decode_request")}
+_RENAMED = {("specwatch.schemas.fastdecode", "decode_request_fast"): ("specwatch.schemas.otlp", "decode_request"),
+            ("specwatch.streams.topology", "_HeldStep"): ("functools", "partial")}
 
 
 class _CheckpointUnpickler(pickle.Unpickler):

@@ -128,6 +128,11 @@ class SliceBatch:
     # per key: [(rank, step) of its lowest-acceptance step, (rank, step) of its step control] so far
     step_candidates: dict[Key, list[tuple]] = field(default_factory=dict, repr=False)
 
+    def tally(self, key: Key, pair: tuple[int, int], n: int) -> None:
+        """``n`` more rounds of ``key`` that drafted and accepted ``pair``."""
+        tally = self.round_tallies.setdefault(key, {})
+        tally[pair] = tally.get(pair, 0) + n
+
     def fold_tallies(self) -> None:
         """Fold stage 1's per-pair round tallies into the partials (and the bundle totals),
         and keep the samples among the slice's steps."""
@@ -266,22 +271,14 @@ class Stage1:
         rounds = Counter([(e.bucket, e.cohort, e.drafted, e.accepted) for e in step.requests])
         bundle = step.bundle_id
         batch.sighted(bundle, step.worker, ts)
-        tallies = batch.round_tallies
         tokens: dict[Key, list[int]] = {}
         # first-seen order: keys (and their partials) appear in the order the step lists them
         for (bucket, cohort, drafted, accepted), n in rounds.items():
             key = (bundle, bucket, cohort)
-            tally = tallies.get(key)
-            if tally is None:
-                tally = tallies[key] = {}
-            pair = (drafted, accepted)
-            tally[pair] = tally.get(pair, 0) + n
-            drafted_accepted = tokens.get(key)
-            if drafted_accepted is None:
-                tokens[key] = [drafted * n, accepted * n]
-            else:
-                drafted_accepted[0] += drafted * n
-                drafted_accepted[1] += accepted * n
+            batch.tally(key, (drafted, accepted), n)
+            drafted_accepted = tokens.setdefault(key, [0, 0])
+            drafted_accepted[0] += drafted * n
+            drafted_accepted[1] += accepted * n
         draft_ms, verify_ms, kv_usage = step.draft_ms, step.verify_ms, step.kv_usage
         candidates = batch.step_candidates
         sample_id = f"{step.worker}:{step.seq}"
@@ -437,13 +434,7 @@ class Stage1:
         for code, n in zip(codes.tolist(), counts.tolist()):
             where, pair = divmod(code, width * width)
             slice_index, key_index = divmod(where, n_keys)
-            tallies = open_slices[slice_index + base].round_tallies
-            key = keys[key_index]
-            tally = tallies.get(key)
-            if tally is None:
-                tally = tallies[key] = {}
-            pair = divmod(pair, width)
-            tally[pair] = tally.get(pair, 0) + n
+            open_slices[slice_index + base].tally(keys[key_index], divmod(pair, width), n)
 
     def _hold_block_samples(self, block, codes, n_keys, base, pair_step, pair_group, pair_drafted,
                             pair_accepted) -> None:
@@ -458,7 +449,7 @@ class Stage1:
         acceptance = np.divide(pair_accepted, pair_drafted, out=np.zeros(len(pair_step)), where=pair_drafted > 0)
         # one held step per row, whichever keys and kinds keep it: a step serves many keys, and
         # what the kept samples hold is walked by the cyclic collector for as long as they are kept
-        held_steps: dict[int, _HeldStep] = {}
+        held_steps: dict[int, Callable[[], StepRecord]] = {}
 
         def best(candidates: np.ndarray, severity: np.ndarray | None) -> dict[int, tuple]:
             # first of each group by (severity, order), then sample id; an earlier step wins a tie
@@ -483,7 +474,7 @@ class Stage1:
                 head = () if severity is None else (float(severity[p]),)
                 held = held_steps.get(row)
                 if held is None:
-                    held = held_steps[row] = _HeldStep(block.builder(row))
+                    held = held_steps[row] = block.builder(row)
                 out[int(groups[start])] = ((*head, int(pair_order[p]), sample_ids[row]), held)
             return out
 
@@ -573,18 +564,6 @@ def _block_scopes(block: StepBlock, start: int, end: int) -> list[Key]:
     return [keys[k] for k in block.round_key[start:end].tolist()]
 
 
-class _HeldStep:
-    """A step of a `StepBlock` held as a sample candidate: ``record()`` builds it, only if it is kept."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: Callable[[], StepRecord]) -> None:
-        self.record = record
-
-    def __reduce__(self):  # slots and no __dict__: pickled (a stage-1 checkpoint) by its builder
-        return _HeldStep, (self.record,)
-
-
 # drafted and accepted are at most 64: a (drafted, accepted) pair as one number
 _MAX_DRAFT_PAIRS = 65
 
@@ -636,7 +615,7 @@ def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, li
 
 
 def _step_record(step) -> dict:
-    return (step if isinstance(step, StepRecord) else step.record()).model_dump(mode="json")
+    return (step if isinstance(step, StepRecord) else step()).model_dump(mode="json")
 
 
 def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
@@ -822,10 +801,7 @@ class Stage2:
             if bucket is None:
                 monitor = BundleMonitor(self.policy)
             else:
-                pool = self.pools.get(bundle)
-                if pool is None:
-                    pool = self.pools[bundle] = BaselinePool()
-                monitor = KeyMonitor(self.policy, bucket, pool)
+                monitor = KeyMonitor(self.policy, bucket, self.pools.setdefault(bundle, BaselinePool()))
             self.monitors[key] = monitor
         if bucket is None:
             state = self.flags.state((bundle, None, None))
@@ -847,14 +823,10 @@ class Stage2:
             keys = [k for k in self.monitors if k[0] == bundle and k[1] is not None
                     and (bucket is None or k[1] == bucket) and (cohort is None or k[2] == cohort)]
             since = self.fallback.memory[scope].disabled_at
-            evidence = []
             traffic = traffic_evidence([self.monitors[k] for k in keys], since, seconds) if keys else None
-            if traffic is not None:
-                evidence.append(traffic)
             bundle_monitor = self.monitors.get((bundle, None, None))
             kv = bundle_monitor.recovery_evidence(since, seconds) if bundle_monitor is not None else None
-            if kv is not None:
-                evidence.append(kv)
+            evidence = [found for found in (traffic, kv) if found is not None]
             mismatches = [ts for (b, bk), ts in self.last_mismatch.items() if b == bundle and bucket in (None, bk)]
             decision = self.fallback.restore(scope, now, evidence, max(mismatches, default=None))
             if decision is None:
