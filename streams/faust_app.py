@@ -84,7 +84,8 @@ def create_app(settings: StreamSettings) -> StreamApp:
     partials = app.topic(settings.partials_topic, partitions=settings.partials_partitions, **raw)
 
     writer = KafkaWriter(kafka)
-    reader = PartitionReader(settings.bootstrap, settings.client_options(), fetch=kafka.aiokafka_fetch_settings())
+    reader = PartitionReader(settings.bootstrap, kafka.aiokafka_security(),
+                             fetch=kafka.aiokafka_fetch_settings())
 
     def assignment() -> set[tuple[str, int]]:
         return {(tp.topic, tp.partition) for tp in app.consumer.assignment()}

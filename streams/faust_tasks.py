@@ -172,11 +172,11 @@ def decode_partial(data: bytes) -> PartialMessage | Rejection:
             return PartialMessage(batches=(SliceBatch.from_dict(body["batch"]),))
         if kind == "release":
             return PartialMessage(release_source=str(body["source"]))
+        detail = "partials message is neither batches nor a release"
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        return Rejection("invalid_partial", f"undecodable partials message: {error!r}",
-                         bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
-    return Rejection("invalid_partial", "partials message is neither batches nor a release",
-                     bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
+        detail = f"undecodable partials message: {error!r}"
+    raw = bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace")
+    return Rejection("invalid_partial", detail, raw)
 
 
 def dead_letter(rejection: Rejection, topic: str, partition: int, offset: int) -> bytes:
@@ -312,8 +312,11 @@ def _restore_sketch(max_centroids: int, digest: bytes, pending: list[float]) -> 
 
 
 # Names an older checkpoint holds that have gone since, and what they restore as (docs/STREAMS.md).
-_RENAMED = {("specwatch.schemas.fastdecode", "decode_request_fast"): ("specwatch.schemas.otlp", "decode_request"),
-            ("specwatch.streams.topology", "_HeldStep"): ("functools", "partial")}
+_RENAMED = {
+    ("specwatch.schemas.fastdecode", "decode_request_fast"):
+        ("specwatch.schemas.otlp", "decode_request"),
+    ("specwatch.streams.topology", "_HeldStep"): ("functools", "partial"),
+}
 
 
 class _CheckpointUnpickler(pickle.Unpickler):

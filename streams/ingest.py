@@ -117,32 +117,25 @@ class Ingest:
                 on_closed: Callable[[list[SliceBatch]], object] | None = None) -> Ingested:
         """Fold decoded records in order (counting rejections), closing what each makes ready."""
         stage = self.stage
-        # lists only once something lands in them: most records are folded and close nothing
-        rejections: list[Rejection] | tuple = ()
-        late: list[float] | tuple = ()
-        closed: list[SliceBatch] | tuple = ()
+        rejections: list[Rejection] = []
+        late: list[float] = []
+        closed: list[SliceBatch] = []
         for item in items:
             rejection, is_late = stage.take(item, now)
             if rejection is not None:
                 self.rejected.add(rejection)
-                if not rejections:
-                    rejections = []
                 rejections.append(rejection)
                 continue
             if is_late:
-                if not late:
-                    late = []
                 late.append(item.ts)
             if seen is not None and item.kind != "shadow":
                 seen[item.worker] = now
             ready = stage.close_ready()
             if ready:
-                if on_closed is not None:
-                    on_closed(ready)
-                elif closed:
+                if on_closed is None:
                     closed += ready
                 else:
-                    closed = ready
+                    on_closed(ready)
         if not (rejections or late or closed):
             return _NOTHING
         return Ingested(rejections, late, closed)

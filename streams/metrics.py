@@ -124,18 +124,12 @@ class MetricsView:
 
     def rows(self) -> list[tuple[Key, dict, FlagStore, int | None]]:
         """(key, newest window row, the stage's flags, the card's D) of the exported keys, sorted."""
-        found = []
-        for stage in self.stages():
-            for key, monitor in list(stage.monitors.items()):
-                if monitor.history:
-                    found.append((key, monitor, stage))
-        found.sort(key=lambda item: (item[0][0], item[0][1] or "", item[0][2] or ""))
+        found = sorted(((key, monitor, stage) for stage in self.stages()
+                        for key, monitor in list(stage.monitors.items()) if monitor.history),
+                       key=lambda item: (item[0][0], item[0][1] or "", item[0][2] or ""))
         self.keys_overflow = max(0, len(found) - self.max_keys)
-        out = []
-        for key, monitor, stage in found[:self.max_keys]:
-            out.append((key, monitor.history[-1][1].summary(), stage.flags,
-                        stage.draft_length(key[0])))
-        return out
+        return [(key, monitor.history[-1][1].summary(), stage.flags, stage.draft_length(key[0]))
+                for key, monitor, stage in found[:self.max_keys]]
 
     def published(self, decision_ts: float, now: float) -> None:
         """A decision reached the decisions topic at wall time ``now``."""
@@ -255,11 +249,8 @@ class MetricsCollector:
         now = self.clock()
         yield CounterMetricFamily("specwatch_records_read", "Telemetry records read and folded",
                                   value=health.records_read)
-        rejected = CounterMetricFamily("specwatch_records_rejected", "Telemetry records rejected, by reason",
-                                       labels=("reason",))
-        for reason, n in sorted(health.records_rejected.items()):
-            rejected.add_metric([reason], n)
-        yield rejected
+        yield _by_label("specwatch_records_rejected", "Telemetry records rejected, by reason",
+                        "reason", health.records_rejected)
         yield _by_partition("specwatch_consumer_lag_messages", "Messages not yet folded, per partition",
                             ("topic", "partition"), health.consumer_lag)
         yield _by_partition("specwatch_watermark_delay_seconds", "Wall time minus the event time a telemetry "
@@ -288,10 +279,14 @@ class MetricsCollector:
                                   "worker cap, not tracked", value=self.view.workers_dropped)
         yield GaugeMetricFamily("specwatch_ready", "1 when the worker serves its partitions", value=float(health.ready))
         for name, (help_text, label, values) in sorted(health.extra_counters.items()):
-            family = CounterMetricFamily(name, help_text, labels=(label,))
-            for value, n in sorted(values.items()):
-                family.add_metric([str(value)], n)
-            yield family
+            yield _by_label(name, help_text, label, values)
+
+
+def _by_label(name: str, help_text: str, label: str, counts: Mapping) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=(label,))
+    for value, n in sorted(counts.items()):
+        family.add_metric([str(value)], n)
+    return family
 
 
 def _by_partition(name: str, help_text: str, labels: tuple[str, str], values: Mapping) -> GaugeMetricFamily:

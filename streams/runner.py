@@ -96,10 +96,6 @@ class StreamSettings:
         if self.replication_factor < 1:
             raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
 
-    def client_options(self) -> dict[str, Any]:
-        """Security options every aiokafka client of the app takes ({} for PLAINTEXT)."""
-        return self.kafka.aiokafka_security() if self.kafka is not None else {}
-
     @property
     def kafka_config(self) -> KafkaConfig:
         """The cluster's config: ``kafka``, or the defaults for ``bootstrap``."""
@@ -118,7 +114,7 @@ class StreamSettings:
         """The topics this app runs on, for `specwatch.transport.topics.prepare_topics`."""
         return TopicPlan(self.bootstrap, self.telemetry_topics, self.partials_topic, self.decisions_topic,
                          self.deadletter_topic, (self.checkpoint_topic("stage1"), self.checkpoint_topic("stage2")),
-                         self.replication_factor, self.client_options())
+                         self.replication_factor, self.kafka_config.aiokafka_security())
 
     def with_partitions(self, counts: PartitionCounts) -> "StreamSettings":
         """These settings with the partition counts `prepare_topics` found."""

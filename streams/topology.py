@@ -103,6 +103,8 @@ class SliceBatch:
     # (bundle_id, worker) -> [first, last] event time this slice saw the worker run the bundle;
     # turned into one "sighting" event per pair when the slice closes.
     sightings: dict[tuple[str, str], list[float]] = field(default_factory=dict, repr=False)
+    # per key: [(rank, step) of its lowest-acceptance step, (rank, step) of its step control] so far
+    step_candidates: dict[Key, list[tuple]] = field(default_factory=dict, repr=False)
 
     def __setstate__(self, state: dict) -> None:
         # A stage-1 checkpoint written before sightings existed still restores.
@@ -119,23 +121,14 @@ class SliceBatch:
         elif ts > span[1]:
             span[1] = ts
 
-    def fold_sightings(self) -> None:
-        """The slice's sightings as events: one per (bundle, worker), however many records it saw."""
-        for (bundle_id, worker), (first, last) in sorted(self.sightings.items()):
-            self.events.append({"type": "sighting", "ts": last, "first_seen": first, "worker": worker,
-                                "bundle_id": bundle_id})
-        self.sightings = {}
-    # per key: [(rank, step) of its lowest-acceptance step, (rank, step) of its step control] so far
-    step_candidates: dict[Key, list[tuple]] = field(default_factory=dict, repr=False)
-
     def tally(self, key: Key, pair: tuple[int, int], n: int) -> None:
         """``n`` more rounds of ``key`` that drafted and accepted ``pair``."""
         tally = self.round_tallies.setdefault(key, {})
         tally[pair] = tally.get(pair, 0) + n
 
-    def fold_tallies(self) -> None:
-        """Fold stage 1's per-pair round tallies into the partials (and the bundle totals),
-        and keep the samples among the slice's steps."""
+    def seal(self) -> None:
+        """As the slice closes: the round tallies into the partials (and the bundle totals), the
+        samples among its steps kept, its sightings as one event per (bundle, worker)."""
         if self.step_candidates:
             _keep_step_samples(self.partials, self.step_candidates)
             self.step_candidates = {}
@@ -150,6 +143,10 @@ class SliceBatch:
                 else:
                     whole.plain_entries += n
         self.round_tallies = {}
+        for (bundle_id, worker), (first, last) in sorted(self.sightings.items()):
+            self.events.append({"type": "sighting", "ts": last, "first_seen": first,
+                                "worker": worker, "bundle_id": bundle_id})
+        self.sightings = {}
 
     def to_dict(self) -> dict:
         return {
@@ -247,7 +244,8 @@ class Stage1:
             self._add_bundle(batch, record)
         return None
 
-    def take(self, item: TelemetryRecord | Rejection, now: float | None) -> tuple[Rejection | None, bool]:
+    def take(self, item: TelemetryRecord | Rejection,
+             now: float | None) -> tuple[Rejection | None, bool]:
         """Fold one decoded item, checked against the wall clock ``now`` (None: unchecked): why it
         was not folded, and whether it went into a later slice than its own (late)."""
         if type(item) is Rejection:
@@ -534,8 +532,7 @@ class Stage1:
             batch = self._open.pop(index)
             # vouches only for the slices sent so far (see docs/STREAMS.md, `Stage1._close`)
             batch.watermark = limit if index == ready[-1] else index
-            batch.fold_tallies()
-            batch.fold_sightings()
+            batch.seal()
             out.append(batch)
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
@@ -801,7 +798,8 @@ class Stage2:
             if bucket is None:
                 monitor = BundleMonitor(self.policy)
             else:
-                monitor = KeyMonitor(self.policy, bucket, self.pools.setdefault(bundle, BaselinePool()))
+                pool = self.pools.setdefault(bundle, BaselinePool())
+                monitor = KeyMonitor(self.policy, bucket, pool)
             self.monitors[key] = monitor
         if bucket is None:
             state = self.flags.state((bundle, None, None))

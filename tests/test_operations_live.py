@@ -62,8 +62,8 @@ def topics(kafka_bootstrap):
     run = f"swops-{uuid.uuid4().hex[:8]}"
     names = [f"{run}.{t}" for t in ("telemetry", "partials", "decisions", "deadletter")]
     telemetry, partials, decisions, deadletter = names
-    run_async(create_topics(kafka_bootstrap, NewTopic(telemetry, PARTITIONS, 1), NewTopic(partials, PARTITIONS, 1),
-                            NewTopic(deadletter, PARTITIONS, 1),
+    run_async(create_topics(kafka_bootstrap, NewTopic(telemetry, PARTITIONS, 1),
+                            NewTopic(partials, PARTITIONS, 1), NewTopic(deadletter, PARTITIONS, 1),
                             NewTopic(decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})))
     yield run, names
     run_async(delete_topics(kafka_bootstrap, run))
@@ -194,7 +194,8 @@ scrape_configs:
         return sorted((d.ts, d.key, d.action, d.reason) for d in published_decisions(bootstrap, decisions)
                       if d.detector != "alertmanager" and d.ts < cutoff)
 
-    _wait_for("the worker publishes the scenario's decisions", lambda: automatic() == expected, logs)
+    _wait_for("the worker publishes the scenario's decisions", lambda: automatic() == expected,
+              logs)
 
     # -- alert-driven rollback: the drill rule fires, the webhook disables the scope ------
     def rollbacks(action):
@@ -251,7 +252,8 @@ scrape_configs:
 
     # -- the drill ends: the rule resolves, the policy restores, the alert resolves -------
     drill.set(0)
-    restored = _wait_for("the resolved drill restores the scope", lambda: rollbacks("restore"), logs)
+    restored = _wait_for("the resolved drill restores the scope", lambda: rollbacks("restore"),
+                         logs)
     assert len(restored) == 1 and restored[0].reason == "latency_slo"
     with FlagClient(KafkaConfig(bootstrap), topic=decisions, silence_seconds=None) as client:
         assert client.wait_until_caught_up(60)
