@@ -163,10 +163,6 @@ class ServiceHealth:
     extra_counters: Mapping[str, tuple[str, str, Mapping]] = field(default_factory=dict)
 
 
-def _label(value: str | None) -> str:
-    return _WHOLE if value is None else value
-
-
 def _finite(value) -> bool:
     return value is not None and isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -203,7 +199,7 @@ class MetricsCollector:
         staged: set[str] = set()
         rows = self.view.rows()
         for (bundle, bucket, cohort), row, flags, card_draft_length in rows:
-            labels = [bundle, _label(bucket), _label(cohort)]
+            labels = [bundle, bucket or _WHOLE, cohort or _WHOLE]  # names are never empty
             values = dict(row)
             values["acceptance_rate"] = ratio(row.get("accepted_tokens", 0), row.get("drafted_tokens", 0))
             values["window_end"] = row.get("ts")
