@@ -125,8 +125,7 @@ class EmbeddedPipeline:
         for output in outputs:
             self.counters.slices += 1
             self.counters.late_records += output.late_records
-            for action in output.actions:
-                decided.append(action.decision)
+            decided += [action.decision for action in output.actions]
             for sink in self.sinks:
                 sink(output)
         self.decisions.extend(decided)

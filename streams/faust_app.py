@@ -40,9 +40,6 @@ def _acknowledge(app: faust.App, record: Any) -> None:
                                   tp=TP(record.topic, record.partition)))
 
 
-# ---------------------------------------------------------------- the app
-
-
 @dataclass(frozen=True)
 class StreamApp:
     """A Faust app with the runners its agents call."""
@@ -82,14 +79,13 @@ def create_app(settings: StreamSettings) -> StreamApp:
         agent_supervisor=CrashingSupervisor,
     )
 
-    # -- topics the agents read ------------------------------------------------------------
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     telemetry = app.topic(*settings.telemetry_topics, **raw)
     partials = app.topic(settings.partials_topic, partitions=settings.partials_partitions, **raw)
 
-    # -- state and outputs: checkpoint topics and the app's own producer ----------------------
     writer = KafkaWriter(kafka)
-    reader = PartitionReader(settings.bootstrap, settings.client_options(), fetch=kafka.aiokafka_fetch_settings())
+    reader = PartitionReader(settings.bootstrap, kafka.aiokafka_security(),
+                             fetch=kafka.aiokafka_fetch_settings())
 
     def assignment() -> set[tuple[str, int]]:
         return {(tp.topic, tp.partition) for tp in app.consumer.assignment()}
@@ -100,7 +96,6 @@ def create_app(settings: StreamSettings) -> StreamApp:
     stage2 = Stage2Runner(settings, writer, reader, CheckpointLog(settings.checkpoint_topic("stage2"), writer, reader),
                           **wiring)
 
-    # -- agents -------------------------------------------------------------------------
     # Each runner takes a whole fetch at once: stage 1 folds it in one go and sends one
     # partials message per stage-2 partition for it.
     take = fetch["broker_max_poll_records"]
@@ -115,7 +110,6 @@ def create_app(settings: StreamSettings) -> StreamApp:
         async for events in stream.take_events(take, within=_FETCH_WAIT_SECONDS):
             await stage2.handle([event.message for event in events])
 
-    # -- timers and lifecycle ---------------------------------------------------------------
     @app.timer(interval=_RELEASE_CHECK_SECONDS)
     async def release_idle_sources():
         await stage1.catch_up()
@@ -132,11 +126,18 @@ def create_app(settings: StreamSettings) -> StreamApp:
         operations.install(app, ready=lambda: _ready(app), cards=stage2.cards, publish=stage2.publish_decisions,
                            automatic=stage2.automatic)
 
-    progress = _Progress(stage1, stage2)
+    logged, logged_at = (0, 0, 0), time.monotonic()
 
     @app.timer(interval=_PROGRESS_LOG_SECONDS)
-    async def log_progress():
-        progress.log()
+    async def log_progress():  # one line per interval while work flows; nothing when idle
+        nonlocal logged, logged_at
+        now, current = time.monotonic(), (stage1.records, stage2.slices, stage2.decisions)
+        if current != logged:
+            records = current[0] - logged[0]
+            logger.info("%d records folded (%.0f/s), %d slices decided, %d decisions, %d rejected",
+                        records, records / max(now - logged_at, 1e-9), current[1] - logged[1],
+                        current[2] - logged[2], stage1.rejected.total)
+        logged, logged_at = current, now
 
     @app.on_partitions_revoked.connect
     async def on_revoked(app, revoked, **kwargs):
@@ -168,26 +169,6 @@ def _service_health(app: faust.App, stage1: Stage1Runner, stage2: Stage2Runner) 
                          checkpoint_age={**first["age"], **second["age"]},
                          archive_spool_bytes=second["spool"], decisions_published=stage2.decisions,
                          decisions_outbox=second["outbox"], ready=_ready(app))
-
-
-class _Progress:
-    """One line per interval while work flows; nothing when idle."""
-
-    def __init__(self, stage1: Stage1Runner, stage2: Stage2Runner) -> None:
-        self._stage1 = stage1
-        self._stage2 = stage2
-        self._last = (0, 0, 0)
-        self._at = time.monotonic()
-
-    def log(self) -> None:
-        now = time.monotonic()
-        current = (self._stage1.records, self._stage2.slices, self._stage2.decisions)
-        if current != self._last:
-            records = current[0] - self._last[0]
-            logger.info("%d records folded (%.0f/s), %d slices decided, %d decisions, %d rejected",
-                        records, records / max(now - self._at, 1e-9), current[1] - self._last[1],
-                        current[2] - self._last[2], self._stage1.rejected.total)
-        self._last, self._at = current, now
 
 
 def _log_task_stacks() -> None:

@@ -102,9 +102,6 @@ def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[
     return out
 
 
-# ---------------------------------------------------------------- wire forms
-
-
 @dataclass(frozen=True)
 class PartialMessage:
     """A partials message: one source's batches for a stage-2 partition, or its release."""
@@ -117,7 +114,7 @@ def encode_partial(batches: SliceBatch | Sequence[SliceBatch]) -> bytes:
     """One partials message holding ``batches`` (one source's, for one stage-2 partition, in close order)."""
     if isinstance(batches, SliceBatch):
         batches = (batches,)
-    return _BATCHES_OPEN + b",".join(_encode_batch(batch) for batch in batches) + _BATCHES_CLOSE
+    return _message([_encode_batch(batch) for batch in batches])
 
 
 def encode_partials(batches: Sequence[SliceBatch], max_bytes: int = _DEFAULT_PARTIALS_MESSAGE_BYTES) -> list[bytes]:
@@ -130,23 +127,24 @@ def encode_partials(batches: Sequence[SliceBatch], max_bytes: int = _DEFAULT_PAR
     >>> encode_partials(batches[:2]) == [encode_partial(batches[:2])]
     True
     """
-    messages: list[bytes] = []
-    parts: list[bytes] = []
-    size = len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
+    messages: list[list[bytes]] = []
+    size = 0
     for batch in batches:
         part = _encode_batch(batch)
-        if parts and size + len(part) + 1 > max_bytes:
-            messages.append(_BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE)
-            parts, size = [], len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
-        parts.append(part)
+        if not messages or size + len(part) + 1 > max_bytes:
+            messages.append([])
+            size = len(_BATCHES_OPEN) + len(_BATCHES_CLOSE)
+        messages[-1].append(part)
         size += len(part) + 1
-    if parts:
-        messages.append(_BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE)
-    return messages
+    return [_message(parts) for parts in messages]
 
 
 def _encode_batch(batch: SliceBatch) -> bytes:
     return json.dumps(batch.to_dict(), separators=(",", ":")).encode()
+
+
+def _message(parts: list[bytes]) -> bytes:
+    return _BATCHES_OPEN + b",".join(parts) + _BATCHES_CLOSE
 
 
 def encode_release(source: str, watermark: int) -> bytes:
@@ -174,11 +172,11 @@ def decode_partial(data: bytes) -> PartialMessage | Rejection:
             return PartialMessage(batches=(SliceBatch.from_dict(body["batch"]),))
         if kind == "release":
             return PartialMessage(release_source=str(body["source"]))
+        detail = "partials message is neither batches nor a release"
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        return Rejection("invalid_partial", f"undecodable partials message: {error!r}",
-                         bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
-    return Rejection("invalid_partial", "partials message is neither batches nor a release",
-                     bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace"))
+        detail = f"undecodable partials message: {error!r}"
+    raw = bytes(data[:_MAX_RAW_CHARS]).decode("utf-8", "replace")
+    return Rejection("invalid_partial", detail, raw)
 
 
 def dead_letter(rejection: Rejection, topic: str, partition: int, offset: int) -> bytes:
@@ -186,9 +184,6 @@ def dead_letter(rejection: Rejection, topic: str, partition: int, offset: int) -
     body = rejection.to_json()
     body.update(topic=topic, partition=partition, offset=offset)
     return json.dumps(body, separators=(",", ":")).encode()
-
-
-# ---------------------------------------------------------------- tasks
 
 
 class Stage1Task:
@@ -224,21 +219,6 @@ class Stage1Task:
         self.messages += 1
         self.next_offset = offset + 1
         return rejections, closed
-
-    def fold_many(self, messages: Sequence[tuple[int, bytes]], now: float | None = None,
-                  seen: dict[str, float] | None = None) -> tuple[list[tuple[int, Rejection]], list[SliceBatch]]:
-        """Fold the messages of one fetch, (offset, payload) in offset order, as `fold` folds each.
-
-        Returns (offset, rejection) for every rejected record and every slice closed, in
-        order. A runner hands stage 1 a whole fetch through here.
-        """
-        rejected: list[tuple[int, Rejection]] = []
-        closed: list[SliceBatch] = []
-        for offset, payload in messages:
-            rejections, batches = self.fold(offset, payload, now, seen)
-            rejected += [(offset, rejection) for rejection in rejections]
-            closed += batches
-        return rejected, closed
 
 
 @dataclass(frozen=True)
@@ -301,9 +281,6 @@ class Stage2Task:
         return outputs
 
 
-# ---------------------------------------------------------------- checkpoints
-
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used (corrupt, or written by an incompatible version)."""
 
@@ -334,10 +311,12 @@ def _restore_sketch(max_centroids: int, digest: bytes, pending: list[float]) -> 
     return sketch
 
 
-# Names an older checkpoint holds that have gone since, and what they restore as. A stage-1
-# task's ingest step used to decode with the per-record fast OTLP decoder; its messages are
-# folded as blocks now (`Stage1Task.fold`), and the ingest step's own decoder is the reference.
-_RENAMED = {("specwatch.schemas.fastdecode", "decode_request_fast"): ("specwatch.schemas.otlp", "decode_request")}
+# Names an older checkpoint holds that have gone since, and what they restore as (docs/STREAMS.md).
+_RENAMED = {
+    ("specwatch.schemas.fastdecode", "decode_request_fast"):
+        ("specwatch.schemas.otlp", "decode_request"),
+    ("specwatch.streams.topology", "_HeldStep"): ("functools", "partial"),
+}
 
 
 class _CheckpointUnpickler(pickle.Unpickler):

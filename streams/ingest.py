@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Callable, Iterable, NamedTuple, Sequence, Union
 
 from specwatch.schemas import Rejection, RejectionCounter, TelemetryRecord, decode_line
-from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.fastdecode import StepBlock
 
 from .topology import SliceBatch, Stage1
@@ -118,39 +117,25 @@ class Ingest:
                 on_closed: Callable[[list[SliceBatch]], object] | None = None) -> Ingested:
         """Fold decoded records in order (counting rejections), closing what each makes ready."""
         stage = self.stage
-        max_ahead = None if now is None else stage.policy.windows.max_ahead_seconds
-        # lists only once something lands in them: most records are folded and close nothing
-        rejections: list[Rejection] | tuple = ()
-        late: list[float] | tuple = ()
-        closed: list[SliceBatch] | tuple = ()
+        rejections: list[Rejection] = []
+        late: list[float] = []
+        closed: list[SliceBatch] = []
         for item in items:
-            if type(item) is Rejection:
-                rejection = item
-            else:
-                rejection = None if now is None else ahead_of_clock(item.ts, now, max_ahead)
-                if rejection is None:
-                    late_records = stage.late_records
-                    rejection = stage.add(item)
+            rejection, is_late = stage.take(item, now)
             if rejection is not None:
                 self.rejected.add(rejection)
-                if not rejections:
-                    rejections = []
                 rejections.append(rejection)
                 continue
-            if stage.late_records != late_records:
-                if not late:
-                    late = []
+            if is_late:
                 late.append(item.ts)
             if seen is not None and item.kind != "shadow":
                 seen[item.worker] = now
             ready = stage.close_ready()
             if ready:
-                if on_closed is not None:
-                    on_closed(ready)
-                elif closed:
+                if on_closed is None:
                     closed += ready
                 else:
-                    closed = ready
+                    on_closed(ready)
         if not (rejections or late or closed):
             return _NOTHING
         return Ingested(rejections, late, closed)

@@ -115,9 +115,6 @@ class DuplicateFilter:
         for index in [i for i in self._by_slice if i < limit]:
             del self._by_slice[index]
 
-    def __len__(self) -> int:
-        return sum(map(len, self._by_slice.values()))
-
 
 def duplicate(kind: str, identity: tuple) -> Rejection:
     """The rejection of a record already folded."""

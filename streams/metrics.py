@@ -8,9 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, get_args
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.window import ratio
@@ -19,17 +17,13 @@ from specwatch.schemas.decisions import Action, Reason
 from .topology import Key, SliceOutput, Stage2
 
 __all__ = [
-    "CONTENT_TYPE",
     "DEFAULT_MAX_KEYS",
     "LatencyHistogram",
     "MetricsCollector",
     "MetricsView",
     "ServiceHealth",
-    "metrics_registry",
-    "render_metrics",
 ]
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Label cardinality bound: keys beyond this many are not exported, and counted.
 DEFAULT_MAX_KEYS = 2000
 # Engine workers tracked for heartbeat age; more are counted as overflow too.
@@ -39,6 +33,22 @@ _DEFAULT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0
 _QUANTILES = ((0.5, "p50"), (0.95, "p95"), (0.99, "p99"))
 _KEY_LABELS = ("bundle", "bucket", "cohort")
 _WHOLE = "*"  # the label value of "every bucket" / "every cohort"
+# (window row field, metric, help) of the per-key gauges
+_KEY_GAUGES = (
+    ("acceptance_length", "specwatch_acceptance_length",
+     "Mean tokens per speculative round (accepted drafts + 1), newest window"),
+    ("acceptance_rate", "specwatch_acceptance_rate_ratio",
+     "Accepted draft tokens per drafted token, newest window"),
+    ("draft_overhead", "specwatch_draft_overhead_ratio",
+     "Share of step time spent drafting, newest window"),
+    ("speedup", "specwatch_estimated_speedup_ratio",
+     "Estimated speedup over standard decoding, newest window"),
+    ("error_rate", "specwatch_error_ratio",
+     "Errors and timeouts per finished request, newest window"),
+    ("kv_peak", "specwatch_kv_usage_peak_ratio", "Peak KV-cache usage, newest window"),
+    ("window_end", "specwatch_window_end_timestamp_seconds",
+     "Event time the newest window of the key ends at"),
+)
 
 
 class LatencyHistogram:
@@ -114,18 +124,12 @@ class MetricsView:
 
     def rows(self) -> list[tuple[Key, dict, FlagStore, int | None]]:
         """(key, newest window row, the stage's flags, the card's D) of the exported keys, sorted."""
-        found = []
-        for stage in self.stages():
-            for key, monitor in list(stage.monitors.items()):
-                if monitor.history:
-                    found.append((key, monitor, stage))
-        found.sort(key=lambda item: (item[0][0], item[0][1] or "", item[0][2] or ""))
+        found = sorted(((key, monitor, stage) for stage in self.stages()
+                        for key, monitor in list(stage.monitors.items()) if monitor.history),
+                       key=lambda item: (item[0][0], item[0][1] or "", item[0][2] or ""))
         self.keys_overflow = max(0, len(found) - self.max_keys)
-        out = []
-        for key, monitor, stage in found[:self.max_keys]:
-            out.append((key, monitor.history[-1][1].summary(), stage.flags,
-                        stage.draft_length(key[0])))
-        return out
+        return [(key, monitor.history[-1][1].summary(), stage.flags, stage.draft_length(key[0]))
+                for key, monitor, stage in found[:self.max_keys]]
 
     def published(self, decision_ts: float, now: float) -> None:
         """A decision reached the decisions topic at wall time ``now``."""
@@ -142,7 +146,6 @@ class MetricsView:
                 last[worker] = at
 
 
-
 @dataclass
 class ServiceHealth:
     """The service's own health at one instant; fields a pipeline does not have stay empty."""
@@ -156,12 +159,8 @@ class ServiceHealth:
     decisions_published: int = 0
     decisions_outbox: int = 0
     ready: bool = True
-    extra_counters: Mapping[str, tuple[str, Mapping[tuple[str, ...], int], tuple[str, ...]]] = field(
-        default_factory=dict)
-
-
-def _label(value: str | None) -> str:
-    return _WHOLE if value is None else value
+    # metric name -> (help, label, label value -> count)
+    extra_counters: Mapping[str, tuple[str, str, Mapping]] = field(default_factory=dict)
 
 
 def _finite(value) -> bool:
@@ -177,38 +176,14 @@ class MetricsCollector:
         self.health = health
         self.clock = clock
 
-    def describe(self):
-        return []  # metric names depend on state; no describe-time checks
-
     def collect(self) -> Iterator:
         yield from self._per_key()
         yield from self._decisions()
         yield from self._service(self.health())
 
-    # -- per (bundle, bucket, cohort) -------------------------------------------------
     def _per_key(self) -> Iterator:
-        gauges = {
-            "acceptance_length": GaugeMetricFamily(
-                "specwatch_acceptance_length", "Mean tokens per speculative round (accepted drafts + 1), "
-                "newest window", labels=_KEY_LABELS),
-            "acceptance_rate": GaugeMetricFamily(
-                "specwatch_acceptance_rate_ratio", "Accepted draft tokens per drafted token, newest window",
-                labels=_KEY_LABELS),
-            "draft_overhead": GaugeMetricFamily(
-                "specwatch_draft_overhead_ratio", "Share of step time spent drafting, newest window",
-                labels=_KEY_LABELS),
-            "speedup": GaugeMetricFamily(
-                "specwatch_estimated_speedup_ratio", "Estimated speedup over standard decoding, newest window",
-                labels=_KEY_LABELS),
-            "error_rate": GaugeMetricFamily(
-                "specwatch_error_ratio", "Errors and timeouts per finished request, newest window",
-                labels=_KEY_LABELS),
-            "kv_peak": GaugeMetricFamily(
-                "specwatch_kv_usage_peak_ratio", "Peak KV-cache usage, newest window", labels=_KEY_LABELS),
-            "window_end": GaugeMetricFamily(
-                "specwatch_window_end_timestamp_seconds", "Event time the newest window of the key ends at",
-                labels=_KEY_LABELS),
-        }
+        gauges = {field: GaugeMetricFamily(name, help_text, labels=_KEY_LABELS)
+                  for field, name, help_text in _KEY_GAUGES}
         latency = {metric: GaugeMetricFamily(
             f"specwatch_{metric}_seconds", f"{metric.upper()} quantiles over the newest window",
             labels=(*_KEY_LABELS, "quantile")) for metric in ("ttft", "tpot", "e2e")}
@@ -224,7 +199,7 @@ class MetricsCollector:
         staged: set[str] = set()
         rows = self.view.rows()
         for (bundle, bucket, cohort), row, flags, card_draft_length in rows:
-            labels = [bundle, _label(bucket), _label(cohort)]
+            labels = [bundle, bucket or _WHOLE, cohort or _WHOLE]  # names are never empty
             values = dict(row)
             values["acceptance_rate"] = ratio(row.get("accepted_tokens", 0), row.get("drafted_tokens", 0))
             values["window_end"] = row.get("ts")
@@ -266,16 +241,12 @@ class MetricsCollector:
                 family.add_metric([action, reason], self.view.decisions.get((action, reason), 0))
         yield family
 
-    # -- the service itself ----------------------------------------------------------
     def _service(self, health: ServiceHealth) -> Iterator:
         now = self.clock()
         yield CounterMetricFamily("specwatch_records_read", "Telemetry records read and folded",
                                   value=health.records_read)
-        rejected = CounterMetricFamily("specwatch_records_rejected", "Telemetry records rejected, by reason",
-                                       labels=("reason",))
-        for reason, n in sorted(health.records_rejected.items()):
-            rejected.add_metric([reason], n)
-        yield rejected
+        yield _by_label("specwatch_records_rejected", "Telemetry records rejected, by reason",
+                        "reason", health.records_rejected)
         yield _by_partition("specwatch_consumer_lag_messages", "Messages not yet folded, per partition",
                             ("topic", "partition"), health.consumer_lag)
         yield _by_partition("specwatch_watermark_delay_seconds", "Wall time minus the event time a telemetry "
@@ -303,11 +274,15 @@ class MetricsCollector:
         yield CounterMetricFamily("specwatch_engine_workers_dropped", "Records of engine workers beyond the "
                                   "worker cap, not tracked", value=self.view.workers_dropped)
         yield GaugeMetricFamily("specwatch_ready", "1 when the worker serves its partitions", value=float(health.ready))
-        for name, (help_text, values, labels) in sorted(health.extra_counters.items()):
-            family = CounterMetricFamily(name, help_text, labels=labels)
-            for label_values, n in sorted(values.items()):
-                family.add_metric(list(label_values), n)
-            yield family
+        for name, (help_text, label, values) in sorted(health.extra_counters.items()):
+            yield _by_label(name, help_text, label, values)
+
+
+def _by_label(name: str, help_text: str, label: str, counts: Mapping) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=(label,))
+    for value, n in sorted(counts.items()):
+        family.add_metric([str(value)], n)
+    return family
 
 
 def _by_partition(name: str, help_text: str, labels: tuple[str, str], values: Mapping) -> GaugeMetricFamily:
@@ -316,14 +291,3 @@ def _by_partition(name: str, help_text: str, labels: tuple[str, str], values: Ma
         family.add_metric([first, str(partition)], float(value))
     return family
 
-
-def metrics_registry(collector: MetricsCollector) -> CollectorRegistry:
-    """A registry of its own holding only ``collector`` (no process-wide default registry)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
-    return registry
-
-
-def render_metrics(registry: CollectorRegistry) -> bytes:
-    """The text exposition format of every metric in ``registry``."""
-    return generate_latest(registry)

@@ -9,6 +9,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
 from specwatch.actions.sinks.alertmanager import (
     WEBHOOK_OUTCOMES,
     AlertSender,
@@ -20,7 +23,7 @@ from specwatch.actions.sinks.alertmanager import (
 from specwatch.actions.flags import OverrideChange, override_decision
 from specwatch.schemas import Decision
 
-from .metrics import CONTENT_TYPE, MetricsCollector, MetricsView, ServiceHealth, metrics_registry, render_metrics
+from .metrics import MetricsCollector, MetricsView, ServiceHealth
 
 __all__ = ["OperationsSettings", "Operations", "WEBHOOK_PATH"]
 
@@ -67,28 +70,27 @@ class Operations:
         self.webhook_alerts: Counter = Counter(dict.fromkeys(WEBHOOK_OUTCOMES, 0))
         self.webhook_requests: Counter = Counter()  # HTTP status -> requests
         self.health = health
-        self.registry = metrics_registry(MetricsCollector(self.view, self._full_health, clock))
+        self.registry = CollectorRegistry(auto_describe=False)  # its own, not the process-wide one
+        self.registry.register(MetricsCollector(self.view, self._full_health, clock))
 
     def _full_health(self) -> ServiceHealth:
         health = self.health()
         counters = dict(health.extra_counters)
         counters["specwatch_webhook_alerts"] = (
-            "Alerts received on the Alertmanager webhook, by outcome",
-            {(k,): v for k, v in self.webhook_alerts.items()}, ("outcome",))
+            "Alerts received on the Alertmanager webhook, by outcome", "outcome",
+            self.webhook_alerts)
         counters["specwatch_webhook_requests"] = (
-            "Requests to the Alertmanager webhook, by HTTP status",
-            {(str(k),): v for k, v in self.webhook_requests.items()}, ("status",))
+            "Requests to the Alertmanager webhook, by HTTP status", "status", self.webhook_requests)
         if self.sender is not None:
             counters["specwatch_alertmanager_alerts"] = (
                 "Alerts posted to Alertmanager, by result (sent, failed, dropped, resolved)",
-                {(k,): v for k, v in self.sender.counts.items()}, ("result",))
+                "result", self.sender.counts)
         health.extra_counters = counters
         return health
 
     def render(self) -> bytes:
-        return render_metrics(self.registry)
+        return generate_latest(self.registry)
 
-    # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         if self.sender is not None:
             self.sender.start()
@@ -105,7 +107,6 @@ class Operations:
             if self.sender is not None:
                 self.sender.submit(decision)
 
-    # -- the Faust web server -----------------------------------------------------------
     def install(self, app: Any, ready: Callable[[], bool], cards: Callable[[], dict],
                 publish: Callable[[list[Decision]], Any], automatic: Callable[[tuple], Any]) -> None:
         """Add /metrics, /healthz, /readyz and the webhook to ``app`` (a `faust.App`)."""
@@ -115,7 +116,8 @@ class Operations:
 
         class MetricsPage(View):
             async def get(self, request):
-                return self.bytes(operations.render(), headers={"Content-Type": CONTENT_TYPE})
+                return self.bytes(operations.render(),
+                                  headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         class HealthPage(View):
             async def get(self, request):

@@ -96,10 +96,6 @@ class StreamSettings:
         if self.replication_factor < 1:
             raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
 
-    def client_options(self) -> dict[str, Any]:
-        """Security options every aiokafka client of the app takes ({} for PLAINTEXT)."""
-        return self.kafka.aiokafka_security() if self.kafka is not None else {}
-
     @property
     def kafka_config(self) -> KafkaConfig:
         """The cluster's config: ``kafka``, or the defaults for ``bootstrap``."""
@@ -118,14 +114,11 @@ class StreamSettings:
         """The topics this app runs on, for `specwatch.transport.topics.prepare_topics`."""
         return TopicPlan(self.bootstrap, self.telemetry_topics, self.partials_topic, self.decisions_topic,
                          self.deadletter_topic, (self.checkpoint_topic("stage1"), self.checkpoint_topic("stage2")),
-                         self.replication_factor, self.client_options())
+                         self.replication_factor, self.kafka_config.aiokafka_security())
 
     def with_partitions(self, counts: PartitionCounts) -> "StreamSettings":
         """These settings with the partition counts `prepare_topics` found."""
         return replace(self, telemetry_partitions=counts.telemetry, partials_partitions=counts.partials)
-
-
-# ---------------------------------------------------------------- checkpoints
 
 
 class CheckpointLog:
@@ -167,9 +160,6 @@ class CheckpointLog:
         return len(data)
 
 
-# ---------------------------------------------------------------- the runner
-
-
 def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
     """Assigned partitions without a task for `_CATCH_UP_AFTER_S` since first seen here, in order.
 
@@ -187,7 +177,13 @@ def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
 
 
 class PartitionRunner:
-    """One task per owned input partition, fed in offset order whatever the consumer delivers."""
+    """One task per owned input partition, fed in offset order whatever the consumer delivers.
+
+    A stage gives `inputs()` (the topics it folds), `new_task(tp)`, `fold(task, tp, messages)` (a
+    fetch's consecutive messages, advancing the task's ``next_offset``), `taken_over(task, tp)`
+    (restored or new, before it folds) and `before_checkpoint(task, tp)` (make true what the
+    checkpoint claims: sent, archived).
+    """
 
     stage = ""
     task_type: type = object
@@ -209,30 +205,9 @@ class PartitionRunner:
         self._checkpointed_at: dict[TopicPartition, float] = {}
         self.skipped = 0
 
-    # -- hooks --------------------------------------------------------------------------
-    def inputs(self) -> tuple[str, ...]:
-        """The topics whose partitions this runner folds."""
-        raise NotImplementedError
-
-    def new_task(self, tp: TopicPartition) -> Any:
-        """A task for a partition without a checkpoint."""
-        raise NotImplementedError
-
-    async def fold(self, task: Any, tp: TopicPartition, messages: list) -> None:
-        """Fold consecutive messages of one partition, in offset order, into its task (which
-        advances its ``next_offset`` past the last): a whole fetch at once."""
-        raise NotImplementedError
-
-    async def taken_over(self, task: Any, tp: TopicPartition) -> None:
-        """Called once a task is restored or new, before it folds anything."""
-
-    async def before_checkpoint(self, task: Any, tp: TopicPartition) -> None:
-        """Make what the checkpoint claims true (sent, archived) before it is written."""
-
     def forgotten(self, tp: TopicPartition) -> None:
         """A partition was taken away."""
 
-    # -- the state machine --------------------------------------------------------------
     def task_name(self, tp: TopicPartition) -> str:
         return f"{self.stage}/{tp[0]}/{tp[1]}"
 
@@ -346,9 +321,6 @@ class PartitionRunner:
         return lag, age
 
 
-# ---------------------------------------------------------------- stage 1
-
-
 class Stage1Runner(PartitionRunner):
     """Stage 1 on Kafka: decode and fold telemetry, send slice batches and dead letters."""
 
@@ -361,7 +333,6 @@ class Stage1Runner(PartitionRunner):
         self.records = 0
         self.rejected = RejectionCounter()
         self.engines_seen: dict[str, float] = {}  # engine worker -> wall time of its newest record
-        self.batches_sent = 0
         self.partials_sent = 0  # messages: a fetch's batches for one stage-2 partition travel in one
         self._idle = IdleRule(self.settings.source_silence_seconds)
         self._ends_read_at = -float("inf")
@@ -377,16 +348,19 @@ class Stage1Runner(PartitionRunner):
 
     async def fold(self, task: Stage1Task, tp: TopicPartition, messages: list) -> None:
         self._idle.heard(task.source, self._clock())
-        before = task.records
-        keys = {message.offset: message.key for message in messages}
-        rejected, closed = task.fold_many([(message.offset, message.value or b"") for message in messages],
-                                          now=time.time(), seen=self.engines_seen)
-        self.records += task.records - before
+        before, now = task.records, time.time()
         pending = self._pending.setdefault(tp, [])
-        for offset, rejection in rejected:
-            self.rejected.add(rejection)
-            pending.append(await self._writer.send(self.settings.deadletter_topic,
-                                                   dead_letter(rejection, tp[0], tp[1], offset), key=keys[offset]))
+        closed: list = []
+        for message in messages:  # the whole fetch folds before its slices are sent
+            value = message.value or b""
+            rejections, batches = task.fold(message.offset, value, now, self.engines_seen)
+            closed += batches
+            for rejection in rejections:
+                self.rejected.add(rejection)
+                letter = dead_letter(rejection, tp[0], tp[1], message.offset)
+                pending.append(await self._writer.send(self.settings.deadletter_topic, letter,
+                                                       key=message.key))
+        self.records += task.records - before
         await self._send(task, tp, closed)
 
     async def _send(self, task: Stage1Task, tp: TopicPartition, closed: list) -> None:
@@ -401,7 +375,6 @@ class Stage1Runner(PartitionRunner):
                 pending.append(await self._writer.send(self.settings.partials_topic, value,
                                                        key=task.source.encode(), partition=partition))
                 self.partials_sent += 1
-            self.batches_sent += len(batches)
 
     async def before_checkpoint(self, task: Stage1Task, tp: TopicPartition) -> None:
         await acknowledged(self._pending.pop(tp, []), "slice batches")  # what the checkpoint says was sent, was
@@ -446,9 +419,6 @@ class Stage1Runner(PartitionRunner):
         return {"lag": lag, "delay": delay, "age": age}
 
 
-# ---------------------------------------------------------------- stage 2
-
-
 class Stage2Runner(PartitionRunner):
     """Stage 2 on Kafka: merge and decide, publish decisions through the outbox, archive."""
 
@@ -474,7 +444,6 @@ class Stage2Runner(PartitionRunner):
         return Stage2Task(self.settings.policy, self.settings.sources,
                           BundleOwner(tp[1], self.settings.partials_partitions))
 
-    # -- archive ------------------------------------------------------------------------
     def open_archive(self) -> None:
         if self.settings.archive_dsn and self._archive_sink is None:
             from specwatch.archive.sink import ArchiveSink
@@ -486,7 +455,6 @@ class Stage2Runner(PartitionRunner):
             self._archive_sink.close()  # closes the archive it opened
             self._archive_sink = None
 
-    # -- hooks --------------------------------------------------------------------------
     async def taken_over(self, task: Stage2Task, tp: TopicPartition) -> None:
         if task.outbox:
             await self._finish_outbox(task, tp)
@@ -522,7 +490,6 @@ class Stage2Runner(PartitionRunner):
         if self._archive_sink is not None:
             self._archive_sink.flush()  # the archive holds everything the checkpoint covers
 
-    # -- decisions ----------------------------------------------------------------------
     async def _finish_outbox(self, task: Stage2Task, tp: TopicPartition) -> None:
         published = decisions_in(await self._reader.values_since(self.settings.decisions_topic, task.outbox_mark))
         missing = outbox_pending(task.outbox, published)
@@ -548,7 +515,6 @@ class Stage2Runner(PartitionRunner):
         if self.operations is not None:
             self.operations.published(decisions)
 
-    # -- what operations read -----------------------------------------------------------
     def cards(self) -> dict[str, dict]:
         """Bundle id -> card of every bundle the stage-2 tasks of this worker have seen."""
         return {bundle: card for task in self._tasks.values() for bundle, card in task.stage.cards.items()}
@@ -571,7 +537,6 @@ class Stage2Runner(PartitionRunner):
         return {"lag": lag, "age": age, "outbox": sum(len(t.outbox) for t in self._tasks.values()),
                 "spool": spool}
 
-    # -- signs of life ------------------------------------------------------------------
     async def heartbeat(self) -> None:
         """A signed heartbeat per owned partials partition: the event time decided up to."""
         slice_seconds = self.settings.policy.windows.slice_seconds

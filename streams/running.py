@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import math
 from itertools import repeat
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specwatch.detectors.window import SliceStats
 
-__all__ = ["RunningRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS", "request_ids"]
+__all__ = ["RunningRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS", "key_stats"]
 
 Key = tuple[str, str | None, str | None]
 
-# A running request is reported to stage 2 once it has run this long (event time since the
-# first step that listed it). Stage 1 does not know a key's limit (stage 2 learns it), so it
-# reports every request past this floor and stage 2 counts those past the key's own limit.
-# Learned e2e limits are tens of seconds; a key whose limit is lower counts its stalled
-# requests from this age on, still long before they finish.
+# Event time since a request's first step before it is reported as running (docs/STREAMS.md).
 REPORT_AFTER_SECONDS = 10.0
-# A request is reported only while steps still list it: last listed this close to the slice's
-# end. A source that gets only some of a worker's steps (unkeyed telemetry) may not get the
-# record of a request that ended; it must not report that request as running.
+# A request is reported only while steps still list it: last listed this close to the slice's end.
 STILL_LISTED_SECONDS = 2.0
-# A request no step has listed for this long, with no request record, is lost (its worker
-# died, the record was dropped, it went back to the queue): it is forgotten, not stalled.
+# A request no step has listed for this long, with no request record, is lost: forgotten.
 LOST_AFTER_SECONDS = 10.0
 
 
@@ -47,10 +40,8 @@ class RunningRequests:
     """The requests one source's steps list, from first sighting until their request record.
 
     >>> running = RunningRequests(report_after=10.0, lost_after=10.0)
-    >>> from types import SimpleNamespace
-    >>> step = SimpleNamespace(bundle_id="b", ids=["r1", "r2"], buckets=["chat", "chat"], cohorts=["main", "main"])
     >>> for ts in (100.0, 105.0, 111.0):
-    ...     running.saw("w1", ts, step.ids, step)
+    ...     running.saw("w1", ts, ["r1", "r2"], lambda: [("b", "chat", "main")] * 2)
     >>> running.ended("w1", "r2", 4000.0, ("b", "chat", "main"), {})  # r2 finished before it was reported
     >>> partials = {}
     >>> running.close(112.0, partials)
@@ -74,8 +65,9 @@ class RunningRequests:
     def __len__(self) -> int:
         return sum(len(w.first) for w in self._workers.values())
 
-    def saw(self, worker: str, ts: float, ids: Sequence[str], step) -> None:
-        """A step of ``worker`` at ``ts`` listed the requests ``ids``."""
+    def saw(self, worker: str, ts: float, ids: Sequence[str],
+            scopes: Callable[[], list[Key]]) -> None:
+        """A step of ``worker`` at ``ts`` listed the requests ``ids``, of the keys ``scopes()``."""
         w = self._workers.get(worker)
         if w is None:
             w = self._workers[worker] = _Worker()
@@ -86,11 +78,9 @@ class RunningRequests:
         w.ids, w.ts = ids, ts
         w.stamp()
         first = w.first
-        buckets, cohorts = _scopes(step)
-        bundle_id = step.bundle_id
-        for rid, bucket, cohort in zip(ids, buckets, cohorts):
+        for rid, key in zip(ids, scopes()):
             if rid not in first:
-                first[rid] = [ts, (bundle_id, bucket, cohort), False]
+                first[rid] = [ts, key, False]
 
     def ended(self, worker: str, rid: str, e2e_ms: float, key: Key, partials: dict[Key, SliceStats]) -> None:
         """The request record of ``rid`` (of ``key``) arrived: it runs no more."""
@@ -100,9 +90,9 @@ class RunningRequests:
             w.last.pop(rid, None)
             entry = w.first.pop(rid, None)
         if entry is not None and entry[2]:
-            _stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = True
+            key_stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = True
         elif e2e_ms >= self.report_after * 1000.0:
-            _stats(partials, key).running_done[f"{worker}/{rid}"] = True
+            key_stats(partials, key).running_done[f"{worker}/{rid}"] = True
 
     def close(self, slice_end: float, partials: dict[Key, SliceStats]) -> None:
         """At the end of a slice: report requests now past ``report_after``, forget the lost ones."""
@@ -117,7 +107,7 @@ class RunningRequests:
                 del w.last[rid]
                 entry = first.pop(rid, None)
                 if entry is not None and entry[2]:
-                    _stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = False
+                    key_stats(partials, entry[1]).running_done[f"{worker}/{rid}"] = False
             listed_since = slice_end - STILL_LISTED_SECONDS
             last = w.last
             # first sightings are in (nearly) time order: stop at the first too young to report
@@ -126,22 +116,11 @@ class RunningRequests:
                     break
                 if not entry[2] and last.get(rid, -math.inf) >= listed_since:
                     entry[2] = True
-                    _stats(partials, entry[1]).running_long[f"{worker}/{rid}"] = entry[0]
+                    key_stats(partials, entry[1]).running_long[f"{worker}/{rid}"] = entry[0]
 
 
-def request_ids(step) -> list[str]:
-    """The ids of the requests a `StepRecord` lists (a block hands them over as a column)."""
-    return [entry.id for entry in step.requests]
-
-
-def _scopes(step) -> tuple[Sequence[str], Sequence[str]]:
-    buckets = getattr(step, "buckets", None)  # a step of a block reads them off its rounds
-    if buckets is not None:
-        return buckets, step.cohorts
-    return [entry.bucket for entry in step.requests], [entry.cohort for entry in step.requests]
-
-
-def _stats(partials: dict[Key, SliceStats], key: Key) -> SliceStats:
+def key_stats(partials: dict[Key, SliceStats], key: Key) -> SliceStats:
+    """The stats of ``key`` in ``partials``, created empty the first time."""
     stats = partials.get(key)
     if stats is None:
         stats = partials[key] = SliceStats()

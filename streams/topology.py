@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -32,7 +33,7 @@ from specwatch.schemas.outputs import ActionRecord, SliceOutput, SliceWindows
 from specwatch.schemas.policy import Policy
 
 from .intake import DuplicateFilter, EventClock, duplicate
-from .running import RunningRequests, request_ids
+from .running import RunningRequests, key_stats
 
 __all__ = [
     "Key",
@@ -102,6 +103,8 @@ class SliceBatch:
     # (bundle_id, worker) -> [first, last] event time this slice saw the worker run the bundle;
     # turned into one "sighting" event per pair when the slice closes.
     sightings: dict[tuple[str, str], list[float]] = field(default_factory=dict, repr=False)
+    # per key: [(rank, step) of its lowest-acceptance step, (rank, step) of its step control] so far
+    step_candidates: dict[Key, list[tuple]] = field(default_factory=dict, repr=False)
 
     def __setstate__(self, state: dict) -> None:
         # A stage-1 checkpoint written before sightings existed still restores.
@@ -118,18 +121,14 @@ class SliceBatch:
         elif ts > span[1]:
             span[1] = ts
 
-    def fold_sightings(self) -> None:
-        """The slice's sightings as events: one per (bundle, worker), however many records it saw."""
-        for (bundle_id, worker), (first, last) in sorted(self.sightings.items()):
-            self.events.append({"type": "sighting", "ts": last, "first_seen": first, "worker": worker,
-                                "bundle_id": bundle_id})
-        self.sightings = {}
-    # per key: [(rank, step) of its lowest-acceptance step, (rank, step) of its step control] so far
-    step_candidates: dict[Key, list[tuple]] = field(default_factory=dict, repr=False)
+    def tally(self, key: Key, pair: tuple[int, int], n: int) -> None:
+        """``n`` more rounds of ``key`` that drafted and accepted ``pair``."""
+        tally = self.round_tallies.setdefault(key, {})
+        tally[pair] = tally.get(pair, 0) + n
 
-    def fold_tallies(self) -> None:
-        """Fold stage 1's per-pair round tallies into the partials (and the bundle totals),
-        and keep the samples among the slice's steps."""
+    def seal(self) -> None:
+        """As the slice closes: the round tallies into the partials (and the bundle totals), the
+        samples among its steps kept, its sightings as one event per (bundle, worker)."""
         if self.step_candidates:
             _keep_step_samples(self.partials, self.step_candidates)
             self.step_candidates = {}
@@ -144,6 +143,10 @@ class SliceBatch:
                 else:
                     whole.plain_entries += n
         self.round_tallies = {}
+        for (bundle_id, worker), (first, last) in sorted(self.sightings.items()):
+            self.events.append({"type": "sighting", "ts": last, "first_seen": first,
+                                "worker": worker, "bundle_id": bundle_id})
+        self.sightings = {}
 
     def to_dict(self) -> dict:
         return {
@@ -210,13 +213,6 @@ class Stage1:
         batch.late_records += late
         return batch
 
-    @staticmethod
-    def _stats(batch: SliceBatch, key: Key) -> SliceStats:
-        stats = batch.partials.get(key)
-        if stats is None:
-            stats = batch.partials[key] = SliceStats()
-        return stats
-
     def add(self, record: TelemetryRecord) -> Rejection | None:
         """Fold one validated contract-v1 record, or say why it is not folded (a block: `fold_block`)."""
         kind = record.kind
@@ -235,7 +231,7 @@ class Stage1:
         batch = self._slice(ts)
         if kind == "request":
             key = (record.bundle_id, record.bucket, record.cohort)
-            stats = self._stats(batch, key)
+            stats = key_stats(batch.partials, key)
             stats.add_request(record.ttft_ms, record.tpot_ms, record.e2e_ms, record.speculative,
                               record.finish_reason, ts)
             _offer_request(stats, record)
@@ -248,57 +244,49 @@ class Stage1:
             self._add_bundle(batch, record)
         return None
 
+    def take(self, item: TelemetryRecord | Rejection,
+             now: float | None) -> tuple[Rejection | None, bool]:
+        """Fold one decoded item, checked against the wall clock ``now`` (None: unchecked): why it
+        was not folded, and whether it went into a later slice than its own (late)."""
+        if type(item) is Rejection:
+            return item, False
+        if now is not None:
+            rejection = ahead_of_clock(item.ts, now, self.policy.windows.max_ahead_seconds)
+            if rejection is not None:
+                return rejection, False
+        late_records = self.late_records
+        return self.add(item), self.late_records != late_records
+
     def _add_step(self, step: StepRecord) -> Rejection | None:
         ts = step.ts
         rejection = self._admit("step", ts, (step.worker, step.seq))
         if rejection is not None:
             return rejection
         batch = self._slice(ts)
-        self.running.saw(step.worker, ts, request_ids(step), step)
-        # Rounds are tallied as (drafted, accepted) pair counts and folded into the
-        # per-position arrays once per slice: one dict increment per distinct round instead
-        # of a loop over draft positions.
+        self.running.saw(step.worker, ts, [e.id for e in step.requests],
+                         partial(_step_scopes, step))
+        # (drafted, accepted) pair counts, folded into the per-position arrays as a slice closes
         rounds = Counter([(e.bucket, e.cohort, e.drafted, e.accepted) for e in step.requests])
         bundle = step.bundle_id
         batch.sighted(bundle, step.worker, ts)
-        tallies = batch.round_tallies
         tokens: dict[Key, list[int]] = {}
         # first-seen order: keys (and their partials) appear in the order the step lists them
         for (bucket, cohort, drafted, accepted), n in rounds.items():
             key = (bundle, bucket, cohort)
-            tally = tallies.get(key)
-            if tally is None:
-                tally = tallies[key] = {}
-            pair = (drafted, accepted)
-            tally[pair] = tally.get(pair, 0) + n
-            drafted_accepted = tokens.get(key)
-            if drafted_accepted is None:
-                tokens[key] = [drafted * n, accepted * n]
-            else:
-                drafted_accepted[0] += drafted * n
-                drafted_accepted[1] += accepted * n
-        # The step's timings go to each key it served and to its bundle, and the step is a
-        # sample candidate of each key. Only the best step of each kind per key is held until
-        # the slice closes: holding every step (and what it was decoded from) would cost more
-        # than the fold itself.
+            batch.tally(key, (drafted, accepted), n)
+            drafted_accepted = tokens.setdefault(key, [0, 0])
+            drafted_accepted[0] += drafted * n
+            drafted_accepted[1] += accepted * n
         draft_ms, verify_ms, kv_usage = step.draft_ms, step.verify_ms, step.kv_usage
         candidates = batch.step_candidates
         sample_id = f"{step.worker}:{step.seq}"
         order = sample_order(sample_id)
         for key, (drafted, accepted) in tokens.items():
-            self._stats(batch, key).add_step_time(draft_ms, verify_ms, kv_usage, ts)
-            held = candidates.get(key)
-            if held is None:
-                candidates[key] = [((accepted / drafted, order, sample_id), step) if drafted else None,
-                                   ((order, sample_id), step)]
-                continue
-            if drafted:
-                rank = (accepted / drafted, order, sample_id)
-                if held[0] is None or rank < held[0][0]:
-                    held[0] = (rank, step)
-            if (order, sample_id) < held[1][0]:
-                held[1] = ((order, sample_id), step)
-        self._stats(batch, (bundle, None, None)).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+            key_stats(batch.partials, key).add_step_time(draft_ms, verify_ms, kv_usage, ts)
+            lowest = ((accepted / drafted, order, sample_id), step) if drafted else None
+            _hold(candidates, key, lowest, ((order, sample_id), step))
+        whole = key_stats(batch.partials, (bundle, None, None))
+        whole.add_step_time(draft_ms, verify_ms, kv_usage, ts)
         return None
 
     def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
@@ -308,7 +296,6 @@ class Stage1:
         batch.events.append({"type": "bundle", "ts": record.ts, "worker": record.worker,
                              "bundle_id": record.bundle_id, "card": record.card.model_dump(mode="json")})
 
-    # -- the batch mode: a block of records, its steps as columns --------------------------
     def fold_block(self, block: StepBlock, now: float | None = None) -> tuple[list, list, list[SliceBatch]]:
         """Fold a block of records at once, exactly as `add` then `close_ready` after each record would.
 
@@ -351,8 +338,13 @@ class Stage1:
                 self.records += len(rows)
                 rows.clear()
                 slices.clear()
-            if self._fold_other(position, item, now, max_ahead, rejected, late):
-                self._closes_after_record(limits)
+            rejection, is_late = self.take(item, now)
+            if rejection is not None:
+                rejected.append((position, rejection))
+                return
+            if is_late:
+                late.append((position, item.ts))
+            self._closes_after_record(limits)
 
         for row, (ts, worker, seq) in enumerate(zip(block.ts.tolist(), block.workers, block.seqs)):
             while next_other < at[row]:  # the records of other kinds before this step
@@ -373,8 +365,8 @@ class Stage1:
             if index <= watermark:
                 late.append((at[row], ts))
             index = self._slice(ts).slice_index
-            start, end = bounds[row], bounds[row + 1]
-            saw(worker, ts, step_ids[row], _BlockStep(block, row, start, end))
+            scopes = partial(_block_scopes, block, bounds[row], bounds[row + 1])
+            saw(worker, ts, step_ids[row], scopes)
             rows.append(row)
             slices.append(index)
             if clock.now != -math.inf and int((clock.now - lateness) // slice_s) - 1 > watermark:
@@ -383,23 +375,6 @@ class Stage1:
             fold_other(position, item)
         self.records += len(rows)
         return rows, slices, rejected, late, limits
-
-    def _fold_other(self, position: int, item, now: float | None, max_ahead: float | None, rejected: list,
-                    late: list) -> bool:
-        """One record of a block that is not in its columns, as `Ingest.records` folds it; True if folded."""
-        if type(item) is Rejection:
-            rejected.append((position, item))
-            return False
-        rejection = None if max_ahead is None else ahead_of_clock(item.ts, now, max_ahead)
-        if rejection is None:
-            late_records = self.late_records
-            rejection = self.add(item)
-        if rejection is not None:
-            rejected.append((position, rejection))
-            return False
-        if self.late_records != late_records:
-            late.append((position, item.ts))
-        return True
 
     def _closes_after_record(self, limits: list[tuple[int, dict[Key, SliceStats]]]) -> None:
         """Where `close_ready` after this record would move the watermark (slices close later)."""
@@ -438,7 +413,7 @@ class Stage1:
         stats = [None] * len(codes)
         for g in np.argsort(first_touch, kind="stable").tolist():
             code = int(codes[g])
-            stats[g] = self._stats(open_slices[code // n_keys + base], keys[code % n_keys])
+            stats[g] = key_stats(open_slices[code // n_keys + base].partials, keys[code % n_keys])
         _add_step_times(stats, group, touch_step, block)
         self._fold_block_rounds(block, slice_of, base, round_step, round_key, drafted, accepted, count)
         is_pair = touch_order < len(pairs)
@@ -457,13 +432,7 @@ class Stage1:
         for code, n in zip(codes.tolist(), counts.tolist()):
             where, pair = divmod(code, width * width)
             slice_index, key_index = divmod(where, n_keys)
-            tallies = open_slices[slice_index + base].round_tallies
-            key = keys[key_index]
-            tally = tallies.get(key)
-            if tally is None:
-                tally = tallies[key] = {}
-            pair = divmod(pair, width)
-            tally[pair] = tally.get(pair, 0) + n
+            open_slices[slice_index + base].tally(keys[key_index], divmod(pair, width), n)
 
     def _hold_block_samples(self, block, codes, n_keys, base, pair_step, pair_group, pair_drafted,
                             pair_accepted) -> None:
@@ -478,7 +447,7 @@ class Stage1:
         acceptance = np.divide(pair_accepted, pair_drafted, out=np.zeros(len(pair_step)), where=pair_drafted > 0)
         # one held step per row, whichever keys and kinds keep it: a step serves many keys, and
         # what the kept samples hold is walked by the cyclic collector for as long as they are kept
-        held_steps: dict[int, _HeldStep] = {}
+        held_steps: dict[int, Callable[[], StepRecord]] = {}
 
         def best(candidates: np.ndarray, severity: np.ndarray | None) -> dict[int, tuple]:
             # first of each group by (severity, order), then sample id; an earlier step wins a tie
@@ -503,7 +472,7 @@ class Stage1:
                 head = () if severity is None else (float(severity[p]),)
                 held = held_steps.get(row)
                 if held is None:
-                    held = held_steps[row] = _HeldStep(block.builder(row))
+                    held = held_steps[row] = block.builder(row)
                 out[int(groups[start])] = ((*head, int(pair_order[p]), sample_ids[row]), held)
             return out
 
@@ -513,16 +482,7 @@ class Stage1:
         for g, held_control in control.items():
             code = int(codes[g])
             candidates = open_slices[code // n_keys + base].step_candidates
-            key = keys[code % n_keys]
-            held_lowest = lowest.get(g)
-            held = candidates.get(key)
-            if held is None:
-                candidates[key] = [held_lowest, held_control]
-                continue
-            if held_lowest is not None and (held[0] is None or held_lowest[0] < held[0][0]):
-                held[0] = held_lowest
-            if held_control[0] < held[1][0]:
-                held[1] = held_control
+            _hold(candidates, keys[code % n_keys], lowest.get(g), held_control)
 
     def _block_sightings(self, block: StepBlock, rows: np.ndarray, slices: np.ndarray) -> None:
         """The first and last time each slice saw each worker run each bundle."""
@@ -570,13 +530,9 @@ class Stage1:
         out = []
         for index in ready:
             batch = self._open.pop(index)
-            # A batch vouches only for the slices sent so far: the last one of this close for
-            # every slice up to the limit, an earlier one for its own. Stage 2 may finalize a
-            # slice as soon as every source vouches for it, so a batch that vouched for the
-            # close's limit would let a later batch of the same close arrive too late.
+            # vouches only for the slices sent so far (see docs/STREAMS.md, `Stage1._close`)
             batch.watermark = limit if index == ready[-1] else index
-            batch.fold_tallies()
-            batch.fold_sightings()
+            batch.seal()
             out.append(batch)
         if not out:
             out.append(SliceBatch(self.source, limit, limit))
@@ -594,45 +550,15 @@ class Stage1:
         return out
 
 
-class _BlockStep:
-    """Step ``row`` of a block as `RunningRequests.saw` reads it (only when a worker's batch changed)."""
-
-    __slots__ = ("_block", "_row", "_start", "_end", "_scoped")
-
-    def __init__(self, block: StepBlock, row: int, start: int, end: int) -> None:
-        self._block, self._row, self._start, self._end = block, row, start, end
-        self._scoped: list[Key] | None = None
-
-    @property
-    def bundle_id(self) -> str:
-        return self._block.keys[self._block.bundle_key[self._row]][0]
-
-    def _scopes(self) -> list[Key]:
-        """Each request's key, read off the step's rounds once (for both `buckets` and `cohorts`)."""
-        if self._scoped is None:
-            keys = self._block.keys
-            self._scoped = [keys[k] for k in self._block.round_key[self._start:self._end].tolist()]
-        return self._scoped
-
-    @property
-    def buckets(self) -> list[str]:
-        return [key[1] for key in self._scopes()]
-
-    @property
-    def cohorts(self) -> list[str]:
-        return [key[2] for key in self._scopes()]
+def _step_scopes(step: StepRecord) -> list[Key]:
+    """The key of each request a step lists, as `RunningRequests.saw` reads them."""
+    return [(step.bundle_id, e.bucket, e.cohort) for e in step.requests]
 
 
-class _HeldStep:
-    """A step of a `StepBlock` held as a sample candidate: ``record()`` builds it, only if it is kept."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: Callable[[], StepRecord]) -> None:
-        self.record = record
-
-    def __reduce__(self):  # slots and no __dict__: pickled (a stage-1 checkpoint) by its builder
-        return _HeldStep, (self.record,)
+def _block_scopes(block: StepBlock, start: int, end: int) -> list[Key]:
+    """The key of each request of the step whose rounds are ``start:end`` in a block."""
+    keys = block.keys
+    return [keys[k] for k in block.round_key[start:end].tolist()]
 
 
 # drafted and accepted are at most 64: a (drafted, accepted) pair as one number
@@ -663,6 +589,19 @@ def _add_step_times(stats: list[SliceStats], group: np.ndarray, touch_step: np.n
         s.max_ts = ts
 
 
+def _hold(candidates: dict[Key, list[tuple]], key: Key, lowest: tuple | None,
+          control: tuple) -> None:
+    """Keep the (rank, step) pairs ranked first for ``key``: lowest acceptance, control."""
+    held = candidates.get(key)
+    if held is None:
+        candidates[key] = [lowest, control]
+        return
+    if lowest is not None and (held[0] is None or lowest[0] < held[0][0]):
+        held[0] = lowest
+    if control[0] < held[1][0]:
+        held[1] = control
+
+
 def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:
     """Each key's lowest-acceptance step and step control among a slice's steps, ranked by content."""
     for key, (lowest, control) in candidates.items():
@@ -673,7 +612,7 @@ def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, li
 
 
 def _step_record(step) -> dict:
-    return (step if isinstance(step, StepRecord) else step.record()).model_dump(mode="json")
+    return (step if isinstance(step, StepRecord) else step()).model_dump(mode="json")
 
 
 def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
@@ -714,7 +653,6 @@ class Stage2:
         self.worker_cards: dict[str, tuple[str, dict]] = {}  # worker -> its latest (bundle_id, card)
         self.shadow_counts: Counter = Counter()
         self.last_mismatch: dict[tuple[str, str], float] = {}  # (bundle, bucket) -> latest strict mismatch ts
-        self.late_batches = 0
 
     def __setstate__(self, state: dict) -> None:
         # A checkpoint written before releases lived here (they were its task's) still restores.
@@ -722,11 +660,9 @@ class Stage2:
         self.__dict__.update(state)
         self.__dict__.setdefault("_released", set())
 
-    # -- progress across sources ---------------------------------------------------------
     def add(self, batch: SliceBatch) -> list[SliceOutput]:
         if batch.slice_index <= self.finalized and (batch.partials or batch.events):
             # a source so far behind that its slice was already decided: fold forward
-            self.late_batches += 1
             batch.slice_index = self.finalized + 1
         if batch.partials or batch.events or batch.late_records:
             self._pending[batch.slice_index].setdefault(batch.source, []).append(batch)
@@ -758,7 +694,6 @@ class Stage2:
             return []
         return self._finalize_ready(max(self._pending))
 
-    # -- one final slice -------------------------------------------------------------------
     def _finalize(self, index: int, by_source: dict[str, list[SliceBatch]]) -> SliceOutput:
         slice_end = (index + 1) * self._slice_s
         merged: dict[Key, SliceStats] = {}
@@ -771,10 +706,7 @@ class Stage2:
                 late += batch.late_records
                 for key, stats in batch.partials.items():
                     mine = merged.get(key)
-                    if mine is None:
-                        # a key one partial holds (the usual case) takes that partial as it is;
-                        # a batch's partials are never written to, so it is copied once a
-                        # second partial of the same key has to be added in
+                    if mine is None:  # taken as it is; copied once a second partial comes
                         merged[key] = stats
                         continue
                     if key not in copied:
@@ -783,8 +715,7 @@ class Stage2:
                     mine.merge(stats)
                 for event in batch.events:
                     ident = (event["type"], event["ts"], event.get("worker"), event.get("id"), event.get("bundle_id"))
-                    # a card re-sent (cards are never deduplicated by stage 1), or an event read
-                    # through two telemetry partitions, is taken once
+                    # a card re-sent, or an event read through two telemetry partitions: once
                     if ident not in seen_events:
                         seen_events.add(ident)
                         events.append(event)
@@ -854,9 +785,7 @@ class Stage2:
     def _on_stats(self, key: Key, stats: SliceStats, slice_end: float, out: SliceOutput) -> None:
         bundle, bucket, cohort = key
         if not (stats.steps or stats.rounds or stats.requests or stats.shadow_checks):
-            # Only running-request reports (a source that saw none of the key's records in this
-            # slice): noted, but no slice of the key's history, which must not depend on how
-            # records were spread over sources.
+            # only running-request reports: noted, but no slice of the key's history
             monitor = self.monitors.get(key)
             if isinstance(monitor, KeyMonitor):
                 monitor.stalls.update(stats, slice_end, None)
@@ -869,9 +798,7 @@ class Stage2:
             if bucket is None:
                 monitor = BundleMonitor(self.policy)
             else:
-                pool = self.pools.get(bundle)
-                if pool is None:
-                    pool = self.pools[bundle] = BaselinePool()
+                pool = self.pools.setdefault(bundle, BaselinePool())
                 monitor = KeyMonitor(self.policy, bucket, pool)
             self.monitors[key] = monitor
         if bucket is None:
@@ -894,14 +821,10 @@ class Stage2:
             keys = [k for k in self.monitors if k[0] == bundle and k[1] is not None
                     and (bucket is None or k[1] == bucket) and (cohort is None or k[2] == cohort)]
             since = self.fallback.memory[scope].disabled_at
-            evidence = []
             traffic = traffic_evidence([self.monitors[k] for k in keys], since, seconds) if keys else None
-            if traffic is not None:
-                evidence.append(traffic)
             bundle_monitor = self.monitors.get((bundle, None, None))
             kv = bundle_monitor.recovery_evidence(since, seconds) if bundle_monitor is not None else None
-            if kv is not None:
-                evidence.append(kv)
+            evidence = [found for found in (traffic, kv) if found is not None]
             mismatches = [ts for (b, bk), ts in self.last_mismatch.items() if b == bundle and bucket in (None, bk)]
             decision = self.fallback.restore(scope, now, evidence, max(mismatches, default=None))
             if decision is None:
@@ -910,15 +833,8 @@ class Stage2:
             # The gates of every key under the scope judge the speculative path afresh.
             for key in keys + ([(bundle, None, None)] if bucket is None and bundle_monitor is not None else []):
                 self.monitors[key].rearm(floor=now)
-            single = self.monitors.get(scope)
-            audit = {
-                "thresholds": self._thresholds("restore"),
-                "baseline": single.baseline.to_dict() if single is not None else {},
-                "window": single.evidence_window(_EVIDENCE_SLICES) if single is not None else [],
-                "card": self.cards.get(bundle),
-                "finding": decision.evidence,
-            }
-            out.actions.append(ActionRecord(decision, audit, []))
+            out.actions.append(self._record(decision, self._thresholds("restore"),
+                                            self.monitors.get(scope), decision.evidence, []))
 
     def draft_length(self, bundle: str) -> int | None:
         """The draft length D on the bundle's card, None before its card arrived."""
@@ -957,14 +873,8 @@ class Stage2:
         self.flags.apply(decision)
         if monitor is not None:
             monitor.rearm()
-        audit = {
-            "thresholds": self._thresholds(finding.reason),
-            "baseline": monitor.baseline.to_dict() if monitor is not None else {},
-            "window": monitor.evidence_window(_EVIDENCE_SLICES) if monitor is not None else [],
-            "card": self.cards.get(scope[0]),
-            "finding": finding.evidence(),
-        }
-        out.actions.append(ActionRecord(decision, audit, samples))
+        out.actions.append(self._record(decision, self._thresholds(finding.reason), monitor,
+                                        finding.evidence(), samples))
         if self.admission is not None:
             self._admit(self.admission.vetoed(decision), out)
 
@@ -973,24 +883,28 @@ class Stage2:
         for decision in decisions:
             self.flags.apply(decision)
             if decision.action == "promote":
-                # A new share is a new normal: step cost follows how much of a batch drafts, and
-                # the cohorts that start drafting have no speculative baseline yet. Their
-                # monitors learn afresh; the baseline cohort's stay.
+                # a new share is a new normal: every monitor but the baseline cohort's learns afresh
                 for key in [k for k in self.monitors if k[0] == decision.bundle_id
                             and k[2] != self.policy.baseline_cohort]:
                     del self.monitors[key]
             entry = self.admission.bundles[decision.bundle_id]
             change = next((c for c in reversed(entry.history) if c.decision_id == decision.id), None)
-            audit = {
-                "thresholds": {"admission": self.policy.admission.model_dump(mode="json"),
-                               "baseline_cohort": self.policy.baseline_cohort},
-                "baseline": {},
-                "window": [],
-                "card": self.cards.get(decision.bundle_id),
-                "finding": change.detail if change is not None else decision.evidence,
-            }
-            out.actions.append(ActionRecord(decision, audit, []))
+            thresholds = {"admission": self.policy.admission.model_dump(mode="json"),
+                          "baseline_cohort": self.policy.baseline_cohort}
+            finding = change.detail if change is not None else decision.evidence
+            out.actions.append(self._record(decision, thresholds, None, finding, []))
         out.stage_changes.extend(self.admission.take_changes())
+
+    def _record(self, decision: Decision, thresholds: dict, monitor, finding: dict,
+                samples: list[dict]) -> ActionRecord:
+        """A decision with the audit archived beside it."""
+        return ActionRecord(decision, {
+            "thresholds": thresholds,
+            "baseline": monitor.baseline.to_dict() if monitor is not None else {},
+            "window": monitor.evidence_window(_EVIDENCE_SLICES) if monitor is not None else [],
+            "card": self.cards.get(decision.bundle_id),
+            "finding": finding,
+        }, samples)
 
     def _thresholds(self, reason: str) -> dict:
         section = {
@@ -1009,17 +923,21 @@ def _sample_id(sample: dict) -> str:
     return str(sample.get("id"))
 
 
-def _take_unchosen(candidates, why: str, chosen: dict[str, dict], reasons: dict[str, str]) -> None:
-    """Adds up to `_CONTROL_SAMPLES` of ``candidates`` not chosen yet, by rank, as ``why``."""
+def _take_unchosen(ranked, limit: int, chosen: dict[str, dict], reasons: dict[str, str]) -> None:
+    """Adds up to ``limit`` of the ``(why, sample)`` pairs whose sample is not chosen yet."""
     taken = 0
-    for sample in sorted(candidates, key=lambda s: s["_rank"]):
-        if taken == _CONTROL_SAMPLES:
+    for why, sample in ranked:
+        if taken == limit:
             break
         ident = sample["_rank"][-1]
         if ident not in chosen:
             chosen[ident] = sample
             reasons[ident] = why
             taken += 1
+
+
+def _controls(candidates, why: str) -> list[tuple[str, dict]]:
+    return [(why, sample) for sample in sorted(candidates, key=lambda s: s["_rank"])]
 
 
 def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[dict], dict[str, str]]:
@@ -1029,14 +947,11 @@ def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[
     reasons: dict[str, str] = {}
     ranked = sorted(((index, sample) for index, kind in enumerate(problems) for sample in candidates.get(kind, ())),
                     key=lambda pair: (pair[0], pair[1]["_rank"]))
-    for index, sample in ranked:
-        if len(chosen) == _PROBLEM_SAMPLES:
-            break
-        ident = sample["_rank"][-1]
-        if ident not in chosen:
-            chosen[ident] = sample
-            reasons[ident] = problems[index]
+    _take_unchosen([(problems[index], sample) for index, sample in ranked], _PROBLEM_SAMPLES,
+                   chosen, reasons)
     if reason in _SERVED_REQUESTS_FOR:
-        _take_unchosen(candidates.get("control_request", ()), "served_request", chosen, reasons)
-    _take_unchosen(candidates.get(control, ()), "control", chosen, reasons)
+        served = _controls(candidates.get("control_request", ()), "served_request")
+        _take_unchosen(served, _CONTROL_SAMPLES, chosen, reasons)
+    controls = _controls(candidates.get(control, ()), "control")
+    _take_unchosen(controls, _CONTROL_SAMPLES, chosen, reasons)
     return [sample_record(s) for s in chosen.values()], reasons

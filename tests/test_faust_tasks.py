@@ -6,13 +6,11 @@ import random
 from collections import defaultdict
 
 import pytest
-from kafka.partitioner.default import murmur2
 
 from specwatch.simulation.simulator import Simulator
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision, Policy, Rejection
 from specwatch.streams.faust_tasks import (
-    BundleOwner,
     CheckpointError,
     PartialMessage,
     Stage1Task,
@@ -29,17 +27,10 @@ from specwatch.streams.faust_tasks import (
 )
 from specwatch.streams.topology import ActionRecord, SliceBatch
 
-from telemetry_log import decision_key, embedded_decisions, exporter_batches
+from telemetry_log import decision_key, embedded_decisions
+from test_partitioning import distributed, telemetry_log
 
 PARTITIONS = 4
-
-
-def _telemetry_log(records, partitions=PARTITIONS) -> dict[int, list[bytes]]:
-    """Records as the OTel Kafka exporter writes them: OTLP chunks keyed by worker, Kafka's partitioner."""
-    log: dict[int, list[bytes]] = defaultdict(list)
-    for source, _, chunk in exporter_batches(records):
-        log[(murmur2(source.encode()) & 0x7FFFFFFF) % partitions].append(chunk)
-    return log
 
 
 @pytest.fixture(scope="module", params=["kv_pressure", "bundle_change"])
@@ -47,64 +38,13 @@ def scenario(request):
     sim = Simulator(request.param, seed=11, workers=2, minutes=2.0, incident_at=75.0)
     records = list(sim.records())
     cutoff = sim.end_ts - 5.0
-    return _telemetry_log(records), cutoff, embedded_decisions(records, cutoff)
-
-
-def _run(log, seed, restart_every=0):
-    """Stage 1 per telemetry partition in a random interleaving, stage 2 per partials partition.
-
-    ``restart_every``: a task checkpoints every so many messages, and about as often is
-    replaced by its last checkpoint, as a restarted worker would be: stage 1 then folds
-    and sends again what it had sent since (stage 2 must drop the repeats).
-    """
-    rng = random.Random(seed)
-    sources = tuple(f"t/{p}" for p in range(PARTITIONS))
-    stage1 = {p: Stage1Task(Policy(), f"t/{p}") for p in range(PARTITIONS)}
-    saved = {p: encode_checkpoint(task) for p, task in stage1.items()}
-    partials: dict[int, list[bytes]] = defaultdict(list)
-    position = {p: 0 for p in log}
-    while any(position[p] < len(log[p]) for p in log):
-        p = rng.choice([p for p in log if position[p] < len(log[p])])
-        offset = position[p]
-        task = stage1[p]
-        _, closed = task.fold(offset, log[p][offset])
-        for q, batch in route_batches(closed, PARTITIONS):
-            partials[q].append(encode_partial(batch))
-        position[p] = task.next_offset
-        if restart_every and offset % restart_every == 0:
-            saved[p] = encode_checkpoint(task)
-        elif restart_every and rng.random() < 1 / restart_every:
-            stage1[p] = decode_checkpoint(saved[p])  # back to the checkpoint: fold and send again
-            position[p] = stage1[p].next_offset or 0
-    silent = [f"t/{p}" for p in range(PARTITIONS) if not log.get(p)]
-    return stage2_decisions(partials, PARTITIONS, sources, silent,
-                            restart=lambda: restart_every and rng.random() < 1 / restart_every)
-
-
-def stage2_decisions(partials: dict[int, list[bytes]], partitions: int, sources: tuple[str, ...],
-                     silent: list[str], restart=lambda: False, flush: bool = False
-                     ) -> list[Decision]:
-    """What the stage-2 task of each partials partition decides: it folds the release of every
-    ``silent`` source (as the app releases a drained one), then its messages; it is replaced by
-    its checkpoint after a message whenever ``restart()``, and flushed at the end if ``flush``."""
-    decided = []
-    for q in range(partitions):
-        task = Stage2Task(Policy(), sources, BundleOwner(q, partitions))
-        releases = [encode_release(source, -1) for source in silent]
-        for offset, value in enumerate(releases + partials[q]):
-            outputs = task.fold(offset, decode_partial(value))
-            decided += [a.decision for output in outputs for a in output.actions]
-            if restart():
-                task = decode_checkpoint(encode_checkpoint(task))
-        if flush:
-            decided += [a.decision for output in task.stage.flush() for a in output.actions]
-    return decided
+    return telemetry_log(records, "worker", PARTITIONS), cutoff, embedded_decisions(records, cutoff)
 
 
 @pytest.fixture(scope="module")
 def straight(scenario):
     log, _, _ = scenario
-    return _run(log, seed=1)
+    return distributed(log, PARTITIONS, seed=1)
 
 
 def test_partitioned_topology_decides_as_embedded(scenario, straight):
@@ -116,7 +56,7 @@ def test_partitioned_topology_decides_as_embedded(scenario, straight):
 def test_decisions_survive_checkpoints_restores_and_resends(scenario, straight):
     """Another interleaving, restarts from checkpoints, batches sent twice: the very same decisions."""
     log, _, _ = scenario
-    restarted = _run(log, seed=2, restart_every=10)
+    restarted = distributed(log, PARTITIONS, seed=2, restart_every=10)
     assert sorted(d.id for d in restarted) == sorted(d.id for d in straight)
 
 
@@ -157,26 +97,15 @@ def _t0_slice(index: int) -> PartialMessage:
     return decode_partial(encode_partial(batch))
 
 
-def _stage2_holding_t0_slices() -> Stage2Task:
-    """Stage 2 of sources t/0 and t/1, with t/0's slices 40 to 59 folded and t/1 not heard from."""
-    task = Stage2Task(Policy(), ("t/0", "t/1"))
-    outputs = [output for index in range(40, 60) for output in task.fold(index, _t0_slice(index))]
-    assert outputs == []
-    return task
-
-
-def test_a_source_that_never_reported_holds_slices_until_released():
-    task = _stage2_holding_t0_slices()
-    released = task.fold(60, decode_partial(encode_release("t/1", -1)))
+# 44: stage 2 lagged, the release was decided at slice 44 and t/0 had already sent up to 59
+@pytest.mark.parametrize("watermark", [-1, 44])
+def test_a_source_that_never_reported_holds_slices_until_released(watermark):
+    task = Stage2Task(Policy(), ("t/0", "t/1"))  # t/0's slices 40 to 59 folded, t/1 not heard from
+    assert [out for index in range(40, 60) for out in task.fold(index, _t0_slice(index))] == []
+    released = task.fold(60, decode_partial(encode_release("t/1", watermark)))
     assert [o.slice_index for o in released] == list(range(40, 60))
     more = task.fold(61, _t0_slice(60))
     assert [o.slice_index for o in more] == [60]  # a released source no longer holds anything back
-
-
-def test_a_release_decided_early_but_folded_after_every_batch_still_frees_every_slice():
-    """Stage 2 lagged: the release was decided at slice 44, stage 1 had already sent up to 59."""
-    released = _stage2_holding_t0_slices().fold(60, decode_partial(encode_release("t/1", 44)))
-    assert [o.slice_index for o in released] == list(range(40, 60))
 
 
 def test_invalid_partials_are_counted_not_fatal():

@@ -253,12 +253,15 @@ def test_webhook_refuses_what_is_not_alertmanager_v4(payload):
         read_webhook(payload, _CARDS, RollbackPolicy(), WebhookLedger())
 
 
+class _Published(list):
+    """What a webhook published: one list of decisions a call."""
+
+    async def __call__(self, decisions: list[Decision]) -> None:
+        self.append(decisions)
+
+
 def test_operations_webhook_authenticates_and_builds_signed_overrides():
-    published: list[list[Decision]] = []
-
-    async def publish(decisions):
-        published.append(decisions)
-
+    published = publish = _Published()
     settings = OperationsSettings(web_port=None, webhook_token="t0k",
                                   rollback=RollbackPolicy(restore_on_resolve=frozenset({"Drill"})))
     operations = Operations(settings, clock=lambda: 5000.0)
@@ -294,11 +297,7 @@ def test_operations_webhook_authenticates_and_builds_signed_overrides():
 
 
 def test_webhook_logs_each_rollback_once(caplog):
-    published: list[list[Decision]] = []
-
-    async def publish(decisions):
-        published.append(decisions)
-
+    published = publish = _Published()
     operations = Operations(OperationsSettings(web_port=None, webhook_token="t0k"), clock=lambda: 5000.0)
     body = json.dumps(_payload(*(_alert({"alertname": "Drill", "bundle": "b-1", "bucket": bucket,
                                          "reason": "latency_slo"}, bucket) for bucket in ("coding", "chat", "rag")))

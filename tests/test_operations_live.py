@@ -12,6 +12,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -55,30 +56,29 @@ def _wait_for(what: str, condition, logs, timeout: float = _WAIT_S):
     raise AssertionError(f"{what}: not within {timeout:.0f} s\n{logs()}")
 
 
-class Servers:
-    """The worker, Alertmanager and Prometheus of one test, with their logs."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.processes: list[subprocess.Popen] = []
-
-    def start(self, name: str, command: list[str]) -> subprocess.Popen:
-        process = start_logged(command, self.tmp / f"{name}.log")
-        self.processes.append(process)
-        return process
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.tmp.glob("*.log")))
-
-    def stop(self) -> None:
-        stop_processes(self.processes)
+@pytest.fixture
+def topics(kafka_bootstrap):
+    """The run's telemetry, partials, decisions and dead-letter topics, deleted afterwards."""
+    run = f"swops-{uuid.uuid4().hex[:8]}"
+    names = [f"{run}.{t}" for t in ("telemetry", "partials", "decisions", "deadletter")]
+    telemetry, partials, decisions, deadletter = names
+    run_async(create_topics(kafka_bootstrap, NewTopic(telemetry, PARTITIONS, 1),
+                            NewTopic(partials, PARTITIONS, 1), NewTopic(deadletter, PARTITIONS, 1),
+                            NewTopic(decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})))
+    yield run, names
+    run_async(delete_topics(kafka_bootstrap, run))
 
 
 @pytest.fixture
-def servers(tmp_path):
-    made = Servers(tmp_path)
-    yield made
-    made.stop()
+def start(tmp_path):
+    """Starts a named server with its log in ``tmp_path``; every one is stopped at the end."""
+    processes: list[subprocess.Popen] = []
+    yield lambda name, command: processes.append(start_logged(command, tmp_path / f"{name}.log"))
+    stop_processes(processes)
+
+
+def _logs(tmp: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(tmp.glob("*.log")))
 
 
 def _panel_queries() -> list[str]:
@@ -94,23 +94,11 @@ def _alerts(am_port: int) -> list[dict]:
     return _get_json(f"http://127.0.0.1:{am_port}/api/v2/alerts?{query}")
 
 
-def test_prometheus_alertmanager_and_a_live_worker(kafka_bootstrap, servers, tmp_path):
+def test_prometheus_alertmanager_and_a_live_worker(kafka_bootstrap, topics, start, tmp_path):
     for binary in ("prometheus", "prometheus-alertmanager"):
         assert shutil.which(binary), f"{binary} is missing: deploy/prometheus/install.sh installs it"
-    run = f"swops-{uuid.uuid4().hex[:8]}"
-    telemetry, partials, decisions, deadletter = (f"{run}.{t}" for t in
-                                                  ("telemetry", "partials", "decisions", "deadletter"))
-    run_async(create_topics(kafka_bootstrap, NewTopic(telemetry, PARTITIONS, 1), NewTopic(partials, PARTITIONS, 1),
-                            NewTopic(deadletter, PARTITIONS, 1),
-                            NewTopic(decisions, 1, 1, topic_configs={"cleanup.policy": "compact"})))
-    try:
-        _scenario(kafka_bootstrap, servers, tmp_path, run, telemetry, partials, decisions, deadletter)
-    finally:
-        servers.stop()
-        run_async(delete_topics(kafka_bootstrap, run))
-
-
-def _scenario(bootstrap, servers, tmp, run, telemetry, partials, decisions, deadletter):
+    run, (telemetry, partials, decisions, deadletter) = topics
+    bootstrap, tmp = kafka_bootstrap, tmp_path
     web, am, prom, drill_port = free_port(), free_port(), free_port(), free_port()
     token_file = tmp / "webhook.token"
     token_file.write_text(_TOKEN + "\n")
@@ -121,6 +109,7 @@ def _scenario(bootstrap, servers, tmp, run, telemetry, partials, decisions, dead
     drill = Gauge("rollback_drill", "1 while the rollback drill is on", registry=registry)
     drill.set(1)
     drill_server, _ = start_http_server(drill_port, addr="127.0.0.1", registry=registry)
+    logs = partial(_logs, tmp)
 
     # -- Alertmanager: the drill goes to specwatch's webhook, everything else nowhere ----
     (tmp / "alertmanager.yml").write_text(f"""
@@ -142,12 +131,12 @@ receivers:
           authorization:
             credentials_file: {token_file}
 """)
-    servers.start("alertmanager", ["prometheus-alertmanager", f"--config.file={tmp / 'alertmanager.yml'}",
+    start("alertmanager", ["prometheus-alertmanager", f"--config.file={tmp / 'alertmanager.yml'}",
                                    f"--storage.path={tmp / 'am-data'}", f"--web.listen-address=127.0.0.1:{am}",
                                    "--cluster.listen-address=", "--log.level=warn"])
 
     # -- the worker, with its web server and both Alertmanager directions ----------------
-    servers.start("worker", [sys.executable, "-m", "specwatch.cli", "run", "--bootstrap", bootstrap,
+    start("worker", [sys.executable, "-m", "specwatch.cli", "run", "--bootstrap", bootstrap,
                              "--telemetry-topic", telemetry, "--partials-topic", partials,
                              "--decisions-topic", decisions, "--deadletter-topic", deadletter, "--app-id", run,
                              "--data-dir", str(tmp / "data"), "--archive", f"chdb://{tmp}/archive",
@@ -182,7 +171,7 @@ scrape_configs:
   - job_name: drill
     static_configs: [{{targets: ["127.0.0.1:{drill_port}"]}}]
 """)
-    servers.start("prometheus", ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
+    start("prometheus", ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
                                  f"--storage.tsdb.path={tmp / 'prom-data'}", f"--web.listen-address=127.0.0.1:{prom}",
                                  "--log.level=warn"])
     started = time.time()
@@ -205,14 +194,15 @@ scrape_configs:
         return sorted((d.ts, d.key, d.action, d.reason) for d in published_decisions(bootstrap, decisions)
                       if d.detector != "alertmanager" and d.ts < cutoff)
 
-    _wait_for("the worker publishes the scenario's decisions", lambda: automatic() == expected, servers.logs)
+    _wait_for("the worker publishes the scenario's decisions", lambda: automatic() == expected,
+              logs)
 
     # -- alert-driven rollback: the drill rule fires, the webhook disables the scope ------
     def rollbacks(action):
         return [d for d in published_decisions(bootstrap, decisions) if d.detector == "alertmanager" and d.action == action]
 
     disabled = _wait_for("the drill alert reaches the webhook and its rollback the decisions topic",
-                         lambda: rollbacks("disable_speculation"), servers.logs)
+                         lambda: rollbacks("disable_speculation"), logs)
     assert len(disabled) == 1, f"the same alert, sent again, decided again: {disabled}"
     rollback = disabled[0]
     assert (rollback.bundle_id, rollback.bucket, rollback.cohort, rollback.reason) == (
@@ -236,7 +226,7 @@ scrape_configs:
         wanted = {(d.bucket or "*", d.cohort or "*", d.action, d.reason) for d in published.values()}
         return alerts if keys == wanted else None
 
-    alerts = _wait_for("every decision is an alert in Alertmanager", decision_alerts, servers.logs)
+    alerts = _wait_for("every decision is an alert in Alertmanager", decision_alerts, logs)
     for alert in alerts:
         decision = published[alert["annotations"]["decision_id"]]
         assert alert["labels"]["bundle"] == decision.bundle_id
@@ -249,7 +239,7 @@ scrape_configs:
 
     # the two bad records come last: wait until they are folded and scraped a few times
     _wait_for("Prometheus scrapes the rejected records", lambda: len(instant(
-        "count_over_time(specwatch_records_rejected_total[1m]) >= 3")) == 2, servers.logs)
+        "count_over_time(specwatch_records_rejected_total[1m]) >= 3")) == 2, logs)
     end = time.time()
     missing = []
     for expr in _panel_queries():
@@ -258,18 +248,19 @@ scrape_configs:
         assert body["status"] == "success", (expr, body)
         if not body["data"]["result"]:
             missing.append(expr)
-    assert not missing, f"dashboard queries without series: {missing}\n{servers.logs()}"
+    assert not missing, f"dashboard queries without series: {missing}\n{logs()}"
 
     # -- the drill ends: the rule resolves, the policy restores, the alert resolves -------
     drill.set(0)
-    restored = _wait_for("the resolved drill restores the scope", lambda: rollbacks("restore"), servers.logs)
+    restored = _wait_for("the resolved drill restores the scope", lambda: rollbacks("restore"),
+                         logs)
     assert len(restored) == 1 and restored[0].reason == "latency_slo"
     with FlagClient(KafkaConfig(bootstrap), topic=decisions, silence_seconds=None) as client:
         assert client.wait_until_caught_up(60)
         assert client.lookup(bundle, "extraction", "main").enabled
         assert not client.lookup(bundle, "coding", "main").enabled  # the scenario's own decision stands
     _wait_for("the rollback's alert is resolved in Alertmanager",
-              lambda: not [a for a in _alerts(am) if a["labels"]["bucket"] == "extraction"], servers.logs)
+              lambda: not [a for a in _alerts(am) if a["labels"]["bucket"] == "extraction"], logs)
     remaining = {(a["labels"]["bucket"], a["labels"]["action"]) for a in _alerts(am)}
     assert ("coding", "disable_speculation") in remaining
 
