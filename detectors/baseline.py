@@ -1,7 +1,5 @@
-"""Per-key baselines (what normal is for a key), learned from its first healthy minutes or pinned.
-
-A quiet key borrows its latency and error baselines from its bucket or bundle (`BaselinePool`).
-"""
+"""Per-key baselines (what normal is for a key), learned from its first healthy minutes or pinned;
+a quiet key borrows its latency and error baselines from its bucket or bundle (`BaselinePool`)."""
 
 from __future__ import annotations
 
