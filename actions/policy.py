@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from specwatch.detectors.draft_length import DraftLengthCurve
 from specwatch.detectors.monitor import Finding, RecoveryEvidence
+from specwatch.detectors.window import round_evidence as _round
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import Policy
 
@@ -29,7 +29,6 @@ class ScopeMemory:
     reduced_at: float | None = None
     lowered_to: int | None = None
     last_alert_ts: float | None = None
-    frozen: bool = False
     disables: int = 0
     restores: int = 0
     disabled_at: float | None = None
@@ -38,15 +37,8 @@ class ScopeMemory:
 
 
 class FallbackPolicy:
-    """Maps a `Finding` on a scope to at most one `Decision`.
-
-    Parameters
-    ----------
-    policy
-        Thresholds and action settings.
-    flags
-        The current path state; the policy reads it to avoid repeating itself and the
-        caller applies the decisions it returns.
+    """Maps a `Finding` on a scope to at most one `Decision`; it reads ``flags`` not to repeat
+    itself, and the caller applies the decisions it returns.
 
     >>> from specwatch.detectors.monitor import Finding
     >>> fp = FallbackPolicy(Policy(), FlagStore())
@@ -115,7 +107,6 @@ class FallbackPolicy:
                 return self._decision(finding, scope, "reduce_draft_length", evidence, sample_ids)
 
         if reason == "quality_regression":
-            memory.frozen = True
             evidence["promotion_frozen"] = True
         decision = self._decision(finding, scope, "disable_speculation", evidence, sample_ids)
         memory.disables += 1
@@ -218,6 +209,3 @@ class FallbackPolicy:
                         reason=finding.reason, detector=finding.detector, evidence=evidence,
                         sample_ids=sorted(set(sample_ids or ())))
 
-
-def _round(value: float) -> float | None:
-    return None if math.isnan(value) else float(f"{value:.6g}")

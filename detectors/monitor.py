@@ -51,11 +51,8 @@ def _round_time(value: float) -> float:
 
 @dataclass(frozen=True)
 class RecoveryEvidence:
-    """What one scope showed while speculation was off: the case for (or against) a restore.
-
-    ``kind`` is ``"traffic"`` (a key's requests: all on standard decoding, errors within
-    the error gate's limit) or ``"kv"`` (a bundle's engine steps: KV peak under the watermark).
-    """
+    """What one scope showed while speculation was off, for or against a restore: its keys'
+    requests (``kind`` ``"traffic"``) or its bundle's engine steps (``"kv"``)."""
 
     kind: str
     window_start: float
@@ -111,9 +108,7 @@ def traffic_evidence(monitors: list["KeyMonitor"], since: float, seconds: float)
     if not parts:
         return None
     window = merge_all(p[0] for p in parts)
-    cfg = monitors[0].policy.errors
-    base = weighted / weight if weight else math.nan
-    limit = _error_rate_limit(cfg, base)
+    limit = _error_rate_limit(monitors[0].policy.errors, weighted / weight if weight else math.nan)
     return RecoveryEvidence("traffic", min(p[1] for p in parts), max(p[2] for p in parts),
                             requests=window.requests, speculative_requests=window.speculative_requests,
                             error_rate=window.error_rate, error_limit=limit)
@@ -186,12 +181,9 @@ def _rate_tests(p0: float, p1: float, requests_per_second: float, false_alarms_p
 
 def _first_to_fire(tests: list[BernoulliCusum], trials: int, hits: float, at: float) -> BernoulliCusum | None:
     """Feed one slice's trials to every test; the first (in order) that fired, if any."""
-    fired = None
     for test in tests:
         test.update(trials, hits, at)
-        if test.drift_detected and fired is None:
-            fired = test
-    return fired
+    return next((test for test in tests if test.drift_detected), None)
 
 
 def _trimmed(slices: list[SliceStats], damage) -> list[SliceStats]:
@@ -221,19 +213,16 @@ def _speedup_losses(slices: list[SliceStats]) -> list[float]:
     return [math.inf if math.isnan(v) else v for v in speedup_leaving_out(slices)]
 
 
-def _evidence_slices(policy: Policy) -> int:
-    """Slices a restore's evidence spans: history must reach back that far."""
-    return math.ceil(policy.actions.restore_evidence_seconds / policy.windows.slice_seconds)
-
-
 class _Windowed:
     """A bounded history of slices for one key, with window merges on demand; windows never
     reach back past ``floor`` (set when the path changed, e.g. a restore)."""
 
     def __init__(self, policy: Policy, *window_slices: int) -> None:
         self.policy = policy
-        size = max(*window_slices, _evidence_slices(policy), 30)
-        self.history: deque[tuple[float, SliceStats]] = deque(maxlen=size)
+        # history reaches back as far as a restore's evidence spans too
+        evidence = math.ceil(policy.actions.restore_evidence_seconds / policy.windows.slice_seconds)
+        self.history: deque[tuple[float, SliceStats]] = deque(
+            maxlen=max(*window_slices, evidence, 30))
         self.floor = -math.inf
         self._last_window: tuple[tuple, tuple[SliceStats, float, float]] | None = None
         self._count_requests()
@@ -325,6 +314,8 @@ class KeyMonitor(_Windowed):
         when its own traffic is too thin for a baseline.
     """
 
+    _counted = (0, 0)  # own requests and failures counted into the pool since learning
+
     def __init__(self, policy: Policy, bucket: str, pool: BaselinePool | None = None) -> None:
         p = policy
         super().__init__(p, p.latency.window_slices, p.errors.window_slices,
@@ -336,7 +327,6 @@ class KeyMonitor(_Windowed):
         # metric -> load band -> [requests past the limit, requests] while the band learns, then its share
         self._bands: dict[str, dict[int, list[float] | float]] = {}
         self.stalls = StalledRequests()
-        self._counted = (0, 0)  # own requests and failures counted into the pool since learning
         self._reset()
 
     def _reset(self) -> None:
@@ -347,10 +337,6 @@ class KeyMonitor(_Windowed):
         self._error_tests: list[BernoulliCusum] | None = None
         self._tail_tests: dict[str, tuple[list[BernoulliCusum], float, float]] | None = None  # metric -> (tests, limit ms, share)
         self.stalls.forget()
-
-    def recovery_evidence(self, since: float, seconds: float) -> RecoveryEvidence | None:
-        """Errors of this key's traffic in the last ``seconds`` of slices after ``since``."""
-        return traffic_evidence([self], since, seconds)
 
     def update(self, stats: SliceStats, slice_end: float, speculating: bool = True) -> list[Finding]:
         self.push(slice_end, stats)
@@ -445,8 +431,6 @@ class KeyMonitor(_Windowed):
                                     for metric, (tests, limit) in self._tail_tests.items()}
         if "stalls" not in state:  # a checkpoint written before running requests were counted
             self.stalls = StalledRequests()
-        if "_counted" not in state:  # a checkpoint written before the bundle's rate was refined
-            self._counted = (0, 0)
 
     def _load_factor(self, stats: SliceStats) -> float:
         """The key's verify time per step, smoothed, over what it was while the baseline learned."""
