@@ -224,9 +224,8 @@ class AdmissionController:
     def vetoed(self, decision: Decision) -> list[Decision]:
         """A fallback on the speculative path of a bundle under judgement vetoes its promotion."""
         entry = self.bundles.get(decision.bundle_id)
-        if entry is None or entry.stage not in _JUDGED or decision.action != "disable_speculation":
-            return []
-        if decision.reason in ("unadmitted_bundle", "canary_judgement"):
+        if (entry is None or entry.stage not in _JUDGED or decision.action != "disable_speculation"
+                or decision.reason in ("unadmitted_bundle", "canary_judgement")):
             return []
         evidence = self._stage_evidence(entry, "frozen")
         evidence.update(vetoed_by=decision.id, failed_bucket=decision.bucket,

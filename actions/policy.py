@@ -155,22 +155,17 @@ class FallbackPolicy:
 
     def restore_due(self, now: float) -> list[Scope]:
         """Scopes this policy disabled whose wait is over at event time ``now``, in a fixed order."""
-        due = []
-        for scope, memory in self.memory.items():
-            if memory.disabled_at is None:
-                continue
-            wait = self.restore_wait(scope)
-            if wait is not None and now - memory.disabled_at >= wait:
-                due.append(scope)
+        waits = {scope: self.restore_wait(scope) for scope in self.memory}
+        due = [scope for scope, wait in waits.items()
+               if wait is not None and now - self.memory[scope].disabled_at >= wait]
         return sorted(due, key=lambda s: (s[0], s[1] or "", s[2] or ""))
 
     def restore(self, scope: Scope, now: float, evidence: list[RecoveryEvidence],
                 last_mismatch_ts: float | None = None) -> Decision | None:
         """A `restore` decision for a due scope when its ``evidence`` (traffic, KV peak) is there
         and clean, with no strict shadow mismatch since the disable; else None (look again)."""
-        memory = self.memory.get(scope)
-        wait = self.restore_wait(scope)
-        if memory is None or memory.disabled_at is None or wait is None or now - memory.disabled_at < wait:
+        memory, wait = self.memory.get(scope), self.restore_wait(scope)
+        if wait is None or now - memory.disabled_at < wait:  # None: nothing disabled, or no restore
             return None
         state = self.flags.state(scope)
         if state is None or state.enabled or state.manual_by is not None:

@@ -169,12 +169,9 @@ class StepCost:
         verify = _fit_across_d(timed, [[1.0, (s.rounds + s.plain_entries) / s.steps,
                                         s.drafted_tokens / s.steps] for s in timed],
                                [s.verify_ms / s.steps for s in timed])
-        if verify is None:
-            verify = (ratio(total.verify_ms, steps), 0.0, 0.0, "flat")
-        else:
-            verify = (*verify, "huber")
-        return cls(mechanism, kind, draft[0], draft[1], draft[2], verify[0], verify[1], verify[2], requests,
-                   drafting, len(timed), steps, draft[3], verify[3])
+        verify = (*verify, "huber") if verify else (ratio(total.verify_ms, steps), 0.0, 0.0, "flat")
+        return cls(mechanism, kind, *draft[:3], *verify[:3], requests, drafting, len(timed), steps,
+                   draft[3], verify[3])
 
     def draft_ms(self, draft_length: int) -> float:
         per_pass = self.draft_intercept + self.draft_slope * self.drafting_per_step
@@ -216,27 +213,23 @@ def _theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return float(intercept), float(slope)
 
 
-def _huber_nonnegative(features, y) -> list[float] | None:
-    """Least squares with a Huber loss, every coefficient >= 0; None when it does not converge."""
+def _fit_across_d(timed: list[SliceStats], features: list[list[float]], ms_per_step: list[float]):
+    """Coefficients (each >= 0) of ``ms_per_step`` on ``features`` by least squares with a Huber
+    loss, only when the slices' mean D varied enough to tell a per-draft-token cost from a
+    per-request one; None then or when the fit does not converge."""
+    if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
+        return None
     import numpy as np
     from scipy.optimize import least_squares
 
-    x, y = np.asarray(features, dtype=float), np.asarray(y, dtype=float)
+    x, y = np.asarray(features, dtype=float), np.asarray(ms_per_step, dtype=float)
     scale = max(float(np.median(np.abs(y - np.median(y)))), 1e-3)
     # from the bound itself the solver would stop at once
     start = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 1e-6, None)
-    fit = least_squares(lambda p: x @ p - y, x0=start, bounds=(0.0, np.inf), loss="huber", f_scale=scale)
-    coefficients = [float(v) for v in fit.x]
-    return coefficients if fit.success and all(math.isfinite(c) for c in coefficients) else None
-
-
-def _fit_across_d(timed: list[SliceStats], features: list[list[float]], ms_per_step: list[float]):
-    """Coefficients of ``ms_per_step`` on ``features``, only when the slices' mean D varied enough
-    to tell a per-draft-token cost from a per-request one."""
-    if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
-        return None
-    fitted = _huber_nonnegative(features, ms_per_step)
-    return None if fitted is None else tuple(fitted)
+    fit = least_squares(lambda p: x @ p - y, x0=start, bounds=(0.0, np.inf), loss="huber",
+                        f_scale=scale)
+    coefficients = tuple(float(v) for v in fit.x)
+    return coefficients if fit.success and all(map(math.isfinite, coefficients)) else None
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,4 @@ class DropDetector:
         if len(self._recent) > 5:
             del self._recent[0]
         if self._window_changed:
-            recent = sum(self._recent) / len(self._recent)
-            if recent < 1.0 - self.min_drop:
-                self.drift_detected = True
+            self.drift_detected = sum(self._recent) / len(self._recent) < 1.0 - self.min_drop

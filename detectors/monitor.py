@@ -493,6 +493,10 @@ class KeyMonitor(_Windowed):
         if not fired:
             return []
         _, metric, test, limit, band_share = max(fired, key=lambda f: f[0])
+        stalls = {}  # requests counted past the e2e limit while still running
+        if metric == "e2e" and self.stalls.counted:
+            stalls = {"requests_running_past_limit": len(self.stalls.counted),
+                      "oldest_running_s": self.stalls.oldest_age(slice_end)}
         window, _, end = self.window(cfg.window_slices)
         return [Finding("latency_slo", "latency_tail_cusum", stats.max_ts, f"{metric}_tail_share",
                         test.hits / test.trials, test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds,
@@ -502,14 +506,7 @@ class KeyMonitor(_Windowed):
                               f"{metric}_p50_ms": window.quantile(metric, 0.5),
                               "baseline_source": self.baseline.latency_source,
                               "load_factor": load, "load_band": band, "band_tail_share": band_share,
-                              **self._stall_evidence(metric, slice_end)})]
-
-    def _stall_evidence(self, metric: str, now: float) -> dict:
-        """Requests counted past the e2e limit while still running, when there are any."""
-        if metric != "e2e" or not self.stalls.counted:
-            return {}
-        return {"requests_running_past_limit": len(self.stalls.counted),
-                "oldest_running_s": self.stalls.oldest_age(now)}
+                              **stalls})]
 
     def _count(self, stats: SliceStats) -> None:
         """Count a speculating slice into the bundle's error rate, and remember this key's part."""

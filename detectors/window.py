@@ -220,13 +220,6 @@ class SliceStats:
         if ts > self.max_ts:
             self.max_ts = ts
 
-    def add_shadow(self, match: bool, ts: float) -> None:
-        self.shadow_checks += 1
-        if not match:
-            self.shadow_mismatches += 1
-        if ts > self.max_ts:
-            self.max_ts = ts
-
     def offer_sample(self, kind: str, rank: tuple, make: Callable[[], dict]) -> None:
         """Keep ``make()`` as a ``kind`` sample if it is among the first of its kind by ``rank``
         (severity first, the sample id last).
@@ -237,9 +230,7 @@ class SliceStats:
         >>> [sample["id"] for sample in s.samples["slowest"]]
         ['r2', 'r3']
         """
-        kept = self.samples.get(kind)
-        if kept is None:
-            kept = self.samples[kind] = []
+        kept = self.samples.setdefault(kind, [])
         quota = SAMPLE_KINDS[kind]
         rank = list(rank)
         if len(kept) == quota and rank >= kept[-1]["_rank"]:
@@ -341,10 +332,6 @@ class SliceStats:
     @property
     def error_rate(self) -> float:
         return ratio(self.errors + self.timeouts, self.requests)
-
-    @property
-    def mismatch_rate(self) -> float:
-        return ratio(self.shadow_mismatches, self.shadow_checks)
 
     def position_rates(self) -> list[float]:
         """Per-position acceptance: P(accepted >= i+1 | drafted >= i+1)."""
