@@ -316,8 +316,8 @@ class DraftLengthCurve:
 
 
 def _variance(survival: PositionSurvival, terms: list[tuple[float, int]]) -> float:
-    """Delta-method variance of the sum of factor x AL(D') over ``terms`` of (factor, D'); d AL(D')
-    / d log c_j is the survival mass at and after position j, up to D'."""
+    """Delta-method variance of sum(factor * AL(D')) over ``terms`` of (factor, D'): the gradient
+    of AL(D') in log c_j is the survival mass from position j up to D'."""
     rates, total = survival.rates(), 0.0
     for j, v in enumerate(survival._log_conditional_variances()):
         g = sum(factor * sum(rates[j:d]) for factor, d in terms if j < d)
