@@ -171,8 +171,7 @@ class AdmissionController:
     # -- what stage 2 saw --------------------------------------------------------------------
     def seen(self, bundle_id: str, card: dict, ts: float) -> None:
         """A bundle's card was announced."""
-        entry = self._entry(bundle_id, ts)
-        entry.card = card
+        self._entry(bundle_id, ts).card = card
 
     def changed(self, bundle_id: str, previous_bundle_id: str, changed_fields: list[str], card: dict,
                 ts: float, worker: str) -> bool:
@@ -196,9 +195,7 @@ class AdmissionController:
                 slice_end: float, speculating: bool) -> list[Decision]:
         """One key's final slice, and whether its path speculated: in shadow and canary the stage's
         cohort is the judge's canary side, the cohorts that decode normally its baseline."""
-        entry = self.bundles.get(bundle_id)
-        if entry is None:
-            entry = self._entry(bundle_id, stats.max_ts or slice_end)
+        entry = self._entry(bundle_id, stats.max_ts or slice_end)
         decisions: list[Decision] = []
         if not entry.stage_decided:
             decisions += self._enter(entry)
@@ -227,9 +224,8 @@ class AdmissionController:
     def vetoed(self, decision: Decision) -> list[Decision]:
         """A fallback on the speculative path of a bundle under judgement vetoes its promotion."""
         entry = self.bundles.get(decision.bundle_id)
-        if entry is None or entry.stage not in _JUDGED or decision.action != "disable_speculation":
-            return []
-        if decision.reason in ("unadmitted_bundle", "canary_judgement"):
+        if (entry is None or entry.stage not in _JUDGED or decision.action != "disable_speculation"
+                or decision.reason in ("unadmitted_bundle", "canary_judgement")):
             return []
         evidence = self._stage_evidence(entry, "frozen")
         evidence.update(vetoed_by=decision.id, failed_bucket=decision.bucket,

@@ -65,16 +65,14 @@ class AdmissionState:
     manual_by: str | None = None
 
     def allows(self, cohort: str) -> bool:
-        if self.stage == "admitted":
-            return True
-        return self.stage in ("shadow", "canary") and cohort == self.cohort
+        judged = self.stage in ("shadow", "canary") and cohort == self.cohort
+        return self.stage == "admitted" or judged
 
 
 def _admission_state(decision: Decision) -> AdmissionState | None:
     """The stage an admission decision puts its bundle in; None for every other decision."""
-    if decision.bucket is not None or decision.cohort is not None:
-        return None
-    if decision.action != "promote" and decision.reason not in _ADMISSION_REASONS:
+    if decision.bucket is not None or decision.cohort is not None or (
+            decision.action != "promote" and decision.reason not in _ADMISSION_REASONS):
         return None
     evidence = decision.evidence
     default = "unadmitted" if decision.reason == "unadmitted_bundle" else "frozen"

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from specwatch.detectors.draft_length import DraftLengthCurve
 from specwatch.detectors.monitor import Finding, RecoveryEvidence
+from specwatch.detectors.window import round_evidence as _round
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import Policy
 
@@ -29,7 +29,6 @@ class ScopeMemory:
     reduced_at: float | None = None
     lowered_to: int | None = None
     last_alert_ts: float | None = None
-    frozen: bool = False
     disables: int = 0
     restores: int = 0
     disabled_at: float | None = None
@@ -38,15 +37,8 @@ class ScopeMemory:
 
 
 class FallbackPolicy:
-    """Maps a `Finding` on a scope to at most one `Decision`.
-
-    Parameters
-    ----------
-    policy
-        Thresholds and action settings.
-    flags
-        The current path state; the policy reads it to avoid repeating itself and the
-        caller applies the decisions it returns.
+    """Maps a `Finding` on a scope to at most one `Decision`; it reads ``flags`` not to repeat
+    itself, and the caller applies the decisions it returns.
 
     >>> from specwatch.detectors.monitor import Finding
     >>> fp = FallbackPolicy(Policy(), FlagStore())
@@ -115,7 +107,6 @@ class FallbackPolicy:
                 return self._decision(finding, scope, "reduce_draft_length", evidence, sample_ids)
 
         if reason == "quality_regression":
-            memory.frozen = True
             evidence["promotion_frozen"] = True
         decision = self._decision(finding, scope, "disable_speculation", evidence, sample_ids)
         memory.disables += 1
@@ -164,22 +155,17 @@ class FallbackPolicy:
 
     def restore_due(self, now: float) -> list[Scope]:
         """Scopes this policy disabled whose wait is over at event time ``now``, in a fixed order."""
-        due = []
-        for scope, memory in self.memory.items():
-            if memory.disabled_at is None:
-                continue
-            wait = self.restore_wait(scope)
-            if wait is not None and now - memory.disabled_at >= wait:
-                due.append(scope)
+        waits = {scope: self.restore_wait(scope) for scope in self.memory}
+        due = [scope for scope, wait in waits.items()
+               if wait is not None and now - self.memory[scope].disabled_at >= wait]
         return sorted(due, key=lambda s: (s[0], s[1] or "", s[2] or ""))
 
     def restore(self, scope: Scope, now: float, evidence: list[RecoveryEvidence],
                 last_mismatch_ts: float | None = None) -> Decision | None:
         """A `restore` decision for a due scope when its ``evidence`` (traffic, KV peak) is there
         and clean, with no strict shadow mismatch since the disable; else None (look again)."""
-        memory = self.memory.get(scope)
-        wait = self.restore_wait(scope)
-        if memory is None or memory.disabled_at is None or wait is None or now - memory.disabled_at < wait:
+        memory, wait = self.memory.get(scope), self.restore_wait(scope)
+        if wait is None or now - memory.disabled_at < wait:  # None: nothing disabled, or no restore
             return None
         state = self.flags.state(scope)
         if state is None or state.enabled or state.manual_by is not None:
@@ -218,6 +204,3 @@ class FallbackPolicy:
                         reason=finding.reason, detector=finding.detector, evidence=evidence,
                         sample_ids=sorted(set(sample_ids or ())))
 
-
-def _round(value: float) -> float | None:
-    return None if math.isnan(value) else float(f"{value:.6g}")

@@ -1,7 +1,5 @@
-"""Per-key baselines (what normal is for a key), learned from its first healthy minutes or pinned.
-
-A quiet key borrows its latency and error baselines from its bucket or bundle (`BaselinePool`).
-"""
+"""Per-key baselines (what normal is for a key), learned from its first healthy minutes or pinned;
+a quiet key borrows its latency and error baselines from its bucket or bundle (`BaselinePool`)."""
 
 from __future__ import annotations
 
@@ -257,13 +255,12 @@ class BaselineLearner:
             b.verify_ms_per_step = ratio(source.verify_ms, source.steps)
         b.requests, b.failures = own.requests, own.errors + own.timeouts
         b.requests_per_second = own.requests / max(elapsed, self.policy.learn_seconds)
-        prior_rate = (self.pool.error_rate() if self.pool is not None
-                      else (own.errors + own.timeouts + 1.0) / (own.requests + 1.0))
         if self.pool is None:  # nothing to borrow from: its own counts, smoothed
+            prior_rate = (b.failures + 1.0) / (b.requests + 1.0)
             b.error_rate, b.error_source = _shrunk_rate(b.failures, b.requests, prior_rate), "key"
         else:
+            b.bundle_error_rate = prior_rate = self.pool.error_rate()
             b.error_rate, b.error_source = error_baseline(b.failures, b.requests, prior_rate)
-            b.bundle_error_rate = prior_rate
 
     @property
     def done(self) -> bool:

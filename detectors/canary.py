@@ -1,7 +1,5 @@
-"""The canary judge: one bucket's speculative cohort against its standard-decoding baseline.
-
-Rank-based like Kayenta's judge; docs/ADMISSION.md has the tests and their alpha.
-"""
+"""The canary judge: one bucket's speculative cohort against its standard-decoding baseline,
+rank-based like Kayenta's judge; docs/ADMISSION.md has the tests and their alpha."""
 
 from __future__ import annotations
 
@@ -311,20 +309,17 @@ class CanaryJudge:
 
     def _speedup(self, windows: list[WindowSample]) -> MetricVerdict:
         values = [w.speedup for w in windows if not math.isnan(w.speedup)]
-        floor = self.policy.min_speedup
-        median = _median(values)
+        floor, median = self.policy.min_speedup, _median(values)
+        p, outcome = math.nan, "pass"
         al = _median([w.acceptance_length for w in windows if not math.isnan(w.acceptance_length)])
         note = f"acceptance length {al:.3g}" if not math.isnan(al) else ""
         if not self._enough(len(values)):
-            return MetricVerdict("estimated_speedup", "marginal", median, math.nan, floor, math.nan,
-                                 (len(values), 0), _join("insufficient windows", note))
-        if median >= floor:
-            return MetricVerdict("estimated_speedup", "pass", median, math.nan, floor, math.nan,
-                                 (len(values), 0), note)
-        below = sum(v < floor for v in values)
-        p = _binomial_sf(below - 1, len(values), 0.5)
-        outcome = "fail" if p < self._alpha() else "marginal"
-        return MetricVerdict("estimated_speedup", outcome, median, math.nan, floor, p, (len(values), 0), note)
+            outcome, note = "marginal", "; ".join(filter(None, ("insufficient windows", note)))
+        elif median < floor:
+            p = _binomial_sf(sum(v < floor for v in values) - 1, len(values), 0.5)
+            outcome = "fail" if p < self._alpha() else "marginal"
+        return MetricVerdict("estimated_speedup", outcome, median, math.nan, floor, p,
+                             (len(values), 0), note)
 
     def _compare(self, name: str, observed: float, base: float, limit: float, canary: list[float],
                  baseline: list[float], tail: float | None = None) -> MetricVerdict:
@@ -366,20 +361,15 @@ class CanaryJudge:
         return self._verdict("error_rate", observed, base, limit, p, windows)
 
     def _quality(self) -> MetricVerdict:
-        checks, mismatched = self.shadow_checks, len(self.mismatches)
-        if mismatched:
+        checks, outcome, note = self.shadow_checks, "pass", ""
+        if self.mismatches:
             ts, request_id, check = self.mismatches[0]
-            return MetricVerdict("shadow_mismatches", "fail", float(mismatched), 0.0, 0.0, math.nan, (checks, 0),
-                                 f"strict mismatch {request_id} ({check}) at {ts}")
-        if self.require_shadow_checks and checks < self.policy.min_shadow_checks:
-            return MetricVerdict("shadow_mismatches", "marginal", 0.0, 0.0, 0.0, math.nan, (checks, 0),
-                                 f"{checks} of {self.policy.min_shadow_checks} shadow checks")
-        return MetricVerdict("shadow_mismatches", "pass", 0.0, 0.0, 0.0, math.nan, (checks, 0))
+            outcome, note = "fail", f"strict mismatch {request_id} ({check}) at {ts}"
+        elif self.require_shadow_checks and checks < self.policy.min_shadow_checks:
+            outcome, note = "marginal", f"{checks} of {self.policy.min_shadow_checks} shadow checks"
+        return MetricVerdict("shadow_mismatches", outcome, float(len(self.mismatches)), 0.0, 0.0,
+                             math.nan, (checks, 0), note)
 
 
 def _median(values: list[float]) -> float:
     return float(np.median(values)) if values else math.nan
-
-
-def _join(*parts: str) -> str:
-    return "; ".join(p for p in parts if p)

@@ -1,7 +1,5 @@
-"""Which draft length pays best: per-position acceptance, a measured step-cost model, the speedup curve.
-
-docs/DRAFT_LENGTH.md has the model.
-"""
+"""Which draft length pays best: per-position acceptance, a measured step-cost model, the speedup
+curve (docs/DRAFT_LENGTH.md has the model)."""
 
 from __future__ import annotations
 
@@ -16,14 +14,8 @@ __all__ = ["MECHANISM_COST", "CurvePoint", "DraftLengthCurve", "PositionSurvival
 
 # How a drafter's time grows with D: one forward per position ("serial"; an external drafter is
 # assumed so) or one per block, whatever D ("parallel").
-MECHANISM_COST = {
-    "ngram": "serial",
-    "eagle3": "serial",
-    "mtp": "serial",
-    "external": "serial",
-    "dflash": "parallel",
-    "dspark": "parallel",
-}
+MECHANISM_COST = {"ngram": "serial", "eagle3": "serial", "mtp": "serial", "external": "serial",
+                  "dflash": "parallel", "dspark": "parallel"}
 
 _Z95 = 1.959964  # two-sided 95 %
 # Below this many rounds at the first draft position the curve is too thin to pick D from.
@@ -177,12 +169,9 @@ class StepCost:
         verify = _fit_across_d(timed, [[1.0, (s.rounds + s.plain_entries) / s.steps,
                                         s.drafted_tokens / s.steps] for s in timed],
                                [s.verify_ms / s.steps for s in timed])
-        if verify is None:
-            verify = (ratio(total.verify_ms, steps), 0.0, 0.0, "flat")
-        else:
-            verify = (*verify, "huber")
-        return cls(mechanism, kind, draft[0], draft[1], draft[2], verify[0], verify[1], verify[2], requests,
-                   drafting, len(timed), steps, draft[3], verify[3])
+        verify = (*verify, "huber") if verify else (ratio(total.verify_ms, steps), 0.0, 0.0, "flat")
+        return cls(mechanism, kind, *draft[:3], *verify[:3], requests, drafting, len(timed), steps,
+                   draft[3], verify[3])
 
     def draft_ms(self, draft_length: int) -> float:
         per_pass = self.draft_intercept + self.draft_slope * self.drafting_per_step
@@ -224,27 +213,23 @@ def _theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return float(intercept), float(slope)
 
 
-def _huber_nonnegative(features, y) -> list[float] | None:
-    """Least squares with a Huber loss, every coefficient >= 0; None when it does not converge."""
+def _fit_across_d(timed: list[SliceStats], features: list[list[float]], ms_per_step: list[float]):
+    """Coefficients (each >= 0) of ``ms_per_step`` on ``features`` by least squares with a Huber
+    loss, only when the slices' mean D varied enough to tell a per-draft-token cost from a
+    per-request one; None then or when the fit does not converge."""
+    if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
+        return None
     import numpy as np
     from scipy.optimize import least_squares
 
-    x, y = np.asarray(features, dtype=float), np.asarray(y, dtype=float)
+    x, y = np.asarray(features, dtype=float), np.asarray(ms_per_step, dtype=float)
     scale = max(float(np.median(np.abs(y - np.median(y)))), 1e-3)
     # from the bound itself the solver would stop at once
     start = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 1e-6, None)
-    fit = least_squares(lambda p: x @ p - y, x0=start, bounds=(0.0, np.inf), loss="huber", f_scale=scale)
-    coefficients = [float(v) for v in fit.x]
-    return coefficients if fit.success and all(math.isfinite(c) for c in coefficients) else None
-
-
-def _fit_across_d(timed: list[SliceStats], features: list[list[float]], ms_per_step: list[float]):
-    """Coefficients of ``ms_per_step`` on ``features``, only when the slices' mean D varied enough
-    to tell a per-draft-token cost from a per-request one."""
-    if _spread([s.drafted_tokens / s.rounds for s in timed]) < _MIN_RELATIVE_SPREAD:
-        return None
-    fitted = _huber_nonnegative(features, ms_per_step)
-    return None if fitted is None else tuple(fitted)
+    fit = least_squares(lambda p: x @ p - y, x0=start, bounds=(0.0, np.inf), loss="huber",
+                        f_scale=scale)
+    coefficients = tuple(float(v) for v in fit.x)
+    return coefficients if fit.success and all(map(math.isfinite, coefficients)) else None
 
 
 @dataclass(frozen=True)
@@ -298,7 +283,8 @@ class DraftLengthCurve:
         a, b = self.point(to), self.point(relative_to)
         if a is None or b is None or not b.speedup > 0:
             return math.nan, math.nan, math.nan
-        sd = math.sqrt(_difference_variance(self.survival, self.cost, to, relative_to))
+        factors = self.cost.speedup_factor(to), self.cost.speedup_factor(relative_to)
+        sd = math.sqrt(_variance(self.survival, [(factors[0], to), (-factors[1], relative_to)]))
         return (a.speedup / b.speedup - 1.0, (a.speedup - b.speedup - z * sd) / b.speedup,
                 (a.speedup - b.speedup + z * sd) / b.speedup)
 
@@ -329,25 +315,12 @@ class DraftLengthCurve:
                 "cost": self.cost.to_dict(), "thin": self.thin}
 
 
-def _al_gradients(survival: PositionSurvival, draft_length: int) -> list[float]:
-    """d AL(D') / d log c_j for j = 1..D': the survival mass at and after position j."""
-    rates = survival.rates()[:draft_length]
-    return [sum(rates[j:]) for j in range(draft_length)]
-
-
-def _acceptance_variance(survival: PositionSurvival, draft_length: int) -> float:
-    variances = survival._log_conditional_variances()
-    return sum(g * g * v for g, v in zip(_al_gradients(survival, draft_length), variances) if g)
-
-
-def _difference_variance(survival: PositionSurvival, cost: StepCost, a: int, b: int) -> float:
-    variances = survival._log_conditional_variances()
-    ga = _al_gradients(survival, a) + [0.0] * max(0, b - a)
-    gb = _al_gradients(survival, b) + [0.0] * max(0, a - b)
-    fa, fb = cost.speedup_factor(a), cost.speedup_factor(b)
-    total = 0.0
-    for x, y, v in zip(ga, gb, variances):
-        g = fa * x - fb * y
+def _variance(survival: PositionSurvival, terms: list[tuple[float, int]]) -> float:
+    """Delta-method variance of sum(factor * AL(D')) over ``terms`` of (factor, D'): the gradient
+    of AL(D') in log c_j is the survival mass from position j up to D'."""
+    rates, total = survival.rates(), 0.0
+    for j, v in enumerate(survival._log_conditional_variances()):
+        g = sum(factor * sum(rates[j:d]) for factor, d in terms if j < d)
         if g:
             total += g * g * v
     return total
@@ -374,7 +347,7 @@ def draft_length_curve(survival: PositionSurvival, cost: StepCost, min_rounds: i
     points = []
     for d in range(1, survival.max_draft_length + 1):
         al = survival.acceptance_length(d)
-        half = z * math.sqrt(_acceptance_variance(survival, d))
+        half = z * math.sqrt(_variance(survival, [(1.0, d)]))
         factor = cost.speedup_factor(d)
         low, high = max(1.0, al - half), min(1.0 + d, al + half)
         points.append(CurvePoint(d, al, low, high, al * factor, low * factor, high * factor,

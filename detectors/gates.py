@@ -1,7 +1,5 @@
-"""Gates: threshold tests with consecutive-window counters, sequential tests, and a drift detector.
-
-Each follows river's protocol: ``update(x)`` then read ``drift_detected``.
-"""
+"""Gates: threshold tests with consecutive-window counters, sequential tests, and a drift detector,
+each with river's protocol: ``update(x)`` then read ``drift_detected``."""
 
 from __future__ import annotations
 
@@ -96,19 +94,15 @@ class BernoulliCusum:
     """
 
     def __init__(self, p0: float, p1: float, threshold: float, min_hits: float = 1.0) -> None:
-        if not 0 < p0 < p1 < 1:
-            raise ValueError(f"need 0 < p0 < p1 < 1, got p0={p0}, p1={p1}")
         if threshold <= 0:
             raise ValueError(f"threshold must be > 0, got {threshold}")
-        self.p0 = p0
-        self.p1 = p1
+        self.p0 = self.p1 = math.nan  # set by retune, with their log-likelihood ratios
+        self.retune(p0, p1)
         self.threshold = threshold
         self.min_hits = min_hits
         self._reset()
 
     def _reset(self) -> None:
-        self._hit_llr = math.log(self.p1 / self.p0)
-        self._miss_llr = math.log((1.0 - self.p1) / (1.0 - self.p0))
         self.statistic = 0.0
         self.trials = 0  # since the statistic last stood at zero: the evidence a finding cites
         self.hits = 0.0
@@ -211,6 +205,4 @@ class DropDetector:
         if len(self._recent) > 5:
             del self._recent[0]
         if self._window_changed:
-            recent = sum(self._recent) / len(self._recent)
-            if recent < 1.0 - self.min_drop:
-                self.drift_detected = True
+            self.drift_detected = sum(self._recent) / len(self._recent) < 1.0 - self.min_drop

@@ -1,7 +1,5 @@
-"""Per-key monitors: a `KeyMonitor` per (bundle, bucket, cohort), a `BundleMonitor` per bundle.
-
-Both run the gates of the fallback table over rolling windows and return `Finding`s.
-"""
+"""Per-key monitors: a `KeyMonitor` per (bundle, bucket, cohort), a `BundleMonitor` per bundle;
+both run the gates of the fallback table over rolling windows and return `Finding`s."""
 
 from __future__ import annotations
 
@@ -53,11 +51,8 @@ def _round_time(value: float) -> float:
 
 @dataclass(frozen=True)
 class RecoveryEvidence:
-    """What one scope showed while speculation was off: the case for (or against) a restore.
-
-    ``kind`` is ``"traffic"`` (a key's requests: all on standard decoding, errors within
-    the error gate's limit) or ``"kv"`` (a bundle's engine steps: KV peak under the watermark).
-    """
+    """What one scope showed while speculation was off, for or against a restore: its keys'
+    requests (``kind`` ``"traffic"``) or its bundle's engine steps (``"kv"``)."""
 
     kind: str
     window_start: float
@@ -113,9 +108,7 @@ def traffic_evidence(monitors: list["KeyMonitor"], since: float, seconds: float)
     if not parts:
         return None
     window = merge_all(p[0] for p in parts)
-    cfg = monitors[0].policy.errors
-    base = weighted / weight if weight else math.nan
-    limit = _error_rate_limit(cfg, base)
+    limit = _error_rate_limit(monitors[0].policy.errors, weighted / weight if weight else math.nan)
     return RecoveryEvidence("traffic", min(p[1] for p in parts), max(p[2] for p in parts),
                             requests=window.requests, speculative_requests=window.speculative_requests,
                             error_rate=window.error_rate, error_limit=limit)
@@ -150,6 +143,13 @@ def _alternatives(p0: float, p1: float) -> tuple[float, list[float]]:
     return p0, [min(max(alternative, p0 * 1.01), 0.99) for alternative in (p1, p1 * _BURST_RISE)]
 
 
+def _retune(tests: list[BernoulliCusum], p0: float, p1: float) -> None:
+    """Judge a pair of rate tests' next trials against ``p0`` and ``p1`` (see `_alternatives`)."""
+    p0, alternatives = _alternatives(p0, p1)
+    for test, alternative in zip(tests, alternatives):
+        test.retune(p0, alternative)
+
+
 def _tail_rates(cfg, share: float) -> tuple[float, float]:
     """Baseline and alternative of the tail test for a baseline ``share`` past the limit.
 
@@ -181,18 +181,14 @@ def _rate_tests(p0: float, p1: float, requests_per_second: float, false_alarms_p
 
 def _first_to_fire(tests: list[BernoulliCusum], trials: int, hits: float, at: float) -> BernoulliCusum | None:
     """Feed one slice's trials to every test; the first (in order) that fired, if any."""
-    fired = None
     for test in tests:
         test.update(trials, hits, at)
-        if test.drift_detected and fired is None:
-            fired = test
-    return fired
+    return next((test for test in tests if test.drift_detected), None)
 
 
 def _trimmed(slices: list[SliceStats], damage) -> list[SliceStats]:
-    """The slices without the one that does the most ``damage`` (scores for every slice of the
-    window at once): one absurd record, in every overlapping window, would otherwise satisfy
-    'several windows running' alone.
+    """The slices without the one that does the most ``damage`` (scores for every slice at once):
+    one absurd record, in every overlapping window, would otherwise make 'several windows running'.
 
     >>> a, b, c = SliceStats(), SliceStats(), SliceStats()
     >>> a.draft_ms, b.draft_ms, c.draft_ms = 1.0, 5000.0, 2.0
@@ -212,26 +208,21 @@ def _draft_costs(slices: list[SliceStats]) -> list[float]:
 
 
 def _speedup_losses(slices: list[SliceStats]) -> list[float]:
-    """How far each slice pulls the window's speedup down: its speedup without that slice.
-
-    Both a slow draft and a step of rejected rounds lower speedup, so the slice is found on
-    the speedup itself, not on one of its parts. A slice that holds all the window's rounds
-    or time is the whole evidence, so it goes first.
-    """
+    """How far each slice pulls the window's speedup down: its speedup without that slice (one that
+    holds all the window's rounds or time goes first). Slow drafts and rejected rounds alike."""
     return [math.inf if math.isnan(v) else v for v in speedup_leaving_out(slices)]
-
-
-def _evidence_slices(policy: Policy) -> int:
-    """Slices a restore's evidence spans: history must reach back that far."""
-    return math.ceil(policy.actions.restore_evidence_seconds / policy.windows.slice_seconds)
 
 
 class _Windowed:
     """A bounded history of slices for one key, with window merges on demand; windows never
     reach back past ``floor`` (set when the path changed, e.g. a restore)."""
 
-    def __init__(self, size: int) -> None:
-        self.history: deque[tuple[float, SliceStats]] = deque(maxlen=size)
+    def __init__(self, policy: Policy, *window_slices: int) -> None:
+        self.policy = policy
+        # history reaches back as far as a restore's evidence spans too
+        evidence = math.ceil(policy.actions.restore_evidence_seconds / policy.windows.slice_seconds)
+        self.history: deque[tuple[float, SliceStats]] = deque(
+            maxlen=max(*window_slices, evidence, 30))
         self.floor = -math.inf
         self._last_window: tuple[tuple, tuple[SliceStats, float, float]] | None = None
         self._count_requests()
@@ -248,6 +239,10 @@ class _Windowed:
         self.__dict__.update(state)
         if "_requests_before" not in state:  # a checkpoint written before the running count
             self._count_requests()
+
+    @property
+    def baseline(self) -> Baseline:
+        return self.learner.baseline
 
     def push(self, slice_end: float, stats: SliceStats) -> None:
         self.history.append((slice_end, stats))
@@ -295,10 +290,7 @@ class _Windowed:
 
     def since(self, after: float, seconds: float) -> tuple[SliceStats, float, float] | None:
         """Merged slices ending in ``(max(after, newest - seconds), newest]``; None if none."""
-        if not self.history:
-            return None
-        newest = self.history[-1][0]
-        start = max(after, newest - seconds)
+        start = max(after, self.history[-1][0] - seconds) if self.history else math.inf
         recent = [(end, s) for end, s in self.history if end > start]
         if not recent:
             return None
@@ -322,19 +314,19 @@ class KeyMonitor(_Windowed):
         when its own traffic is too thin for a baseline.
     """
 
+    _counted = (0, 0)  # own requests and failures counted into the pool since learning
+
     def __init__(self, policy: Policy, bucket: str, pool: BaselinePool | None = None) -> None:
-        self.policy = policy
-        self.bucket = bucket
         p = policy
-        super().__init__(max(p.latency.window_slices, p.errors.window_slices, p.acceptance.max_window_slices,
-                             p.speedup.window_slices, _evidence_slices(p), 30))
+        super().__init__(p, p.latency.window_slices, p.errors.window_slices,
+                         p.acceptance.max_window_slices, p.speedup.window_slices)
+        self.bucket = bucket
         self.learner = BaselineLearner(p.baseline, p.baseline.pinned.get(bucket), pool=pool, bucket=bucket,
                                        tail_factor=p.latency.p99_factor)
         self._load = [0.0, 0.0]  # verify ms and steps, smoothed over about _LOAD_SLICES slices
         # metric -> load band -> [requests past the limit, requests] while the band learns, then its share
         self._bands: dict[str, dict[int, list[float] | float]] = {}
         self.stalls = StalledRequests()
-        self._counted = (0, 0)  # own requests and failures counted into the pool since learning
         self._reset()
 
     def _reset(self) -> None:
@@ -345,14 +337,6 @@ class KeyMonitor(_Windowed):
         self._error_tests: list[BernoulliCusum] | None = None
         self._tail_tests: dict[str, tuple[list[BernoulliCusum], float, float]] | None = None  # metric -> (tests, limit ms, share)
         self.stalls.forget()
-
-    @property
-    def baseline(self) -> Baseline:
-        return self.learner.baseline
-
-    def recovery_evidence(self, since: float, seconds: float) -> RecoveryEvidence | None:
-        """Errors of this key's traffic in the last ``seconds`` of slices after ``since``."""
-        return traffic_evidence([self], since, seconds)
 
     def update(self, stats: SliceStats, slice_end: float, speculating: bool = True) -> list[Finding]:
         self.push(slice_end, stats)
@@ -447,8 +431,6 @@ class KeyMonitor(_Windowed):
                                     for metric, (tests, limit) in self._tail_tests.items()}
         if "stalls" not in state:  # a checkpoint written before running requests were counted
             self.stalls = StalledRequests()
-        if "_counted" not in state:  # a checkpoint written before the bundle's rate was refined
-            self._counted = (0, 0)
 
     def _load_factor(self, stats: SliceStats) -> float:
         """The key's verify time per step, smoothed, over what it was while the baseline learned."""
@@ -504,15 +486,17 @@ class KeyMonitor(_Windowed):
                 continue
             hits = max(0.0, hits)
             band_share = self._band_share(metric, band, share, past, requests)  # learned from finished requests
-            p0, alternatives = _alternatives(*_tail_rates(cfg, band_share))
-            for test, alternative in zip(tests, alternatives):
-                test.retune(p0, alternative)
+            _retune(tests, *_tail_rates(cfg, band_share))
             test = _first_to_fire(tests, trials, hits, slice_end)
             if test is not None:
                 fired.append((test.statistic, metric, test, limit, band_share))
         if not fired:
             return []
         _, metric, test, limit, band_share = max(fired, key=lambda f: f[0])
+        stalls = {}  # requests counted past the e2e limit while still running
+        if metric == "e2e" and self.stalls.counted:
+            stalls = {"requests_running_past_limit": len(self.stalls.counted),
+                      "oldest_running_s": self.stalls.oldest_age(slice_end)}
         window, _, end = self.window(cfg.window_slices)
         return [Finding("latency_slo", "latency_tail_cusum", stats.max_ts, f"{metric}_tail_share",
                         test.hits / test.trials, test.p1, test.p0, test.started_at - self.policy.windows.slice_seconds,
@@ -522,14 +506,7 @@ class KeyMonitor(_Windowed):
                               f"{metric}_p50_ms": window.quantile(metric, 0.5),
                               "baseline_source": self.baseline.latency_source,
                               "load_factor": load, "load_band": band, "band_tail_share": band_share,
-                              **self._stall_evidence(metric, slice_end)})]
-
-    def _stall_evidence(self, metric: str, now: float) -> dict:
-        """Requests counted past the e2e limit while still running, when there are any."""
-        if metric != "e2e" or not self.stalls.counted:
-            return {}
-        return {"requests_running_past_limit": len(self.stalls.counted),
-                "oldest_running_s": self.stalls.oldest_age(now)}
+                              **stalls})]
 
     def _count(self, stats: SliceStats) -> None:
         """Count a speculating slice into the bundle's error rate, and remember this key's part."""
@@ -553,10 +530,8 @@ class KeyMonitor(_Windowed):
         if self._error_tests is None:
             self._error_tests = _rate_tests(base, _error_rate_limit(cfg, base), self.baseline.requests_per_second,
                                             cfg.false_alarms_per_key_hour, cfg.min_errors)
-        elif self._error_tests and base != self._error_tests[0].p0:
-            p0, alternatives = _alternatives(base, _error_rate_limit(cfg, base))
-            for test, alternative in zip(self._error_tests, alternatives):
-                test.retune(p0, alternative)
+        else:
+            _retune(self._error_tests, base, _error_rate_limit(cfg, base))
         test = _first_to_fire(self._error_tests, stats.requests, stats.errors + stats.timeouts, slice_end)
         if test is None:
             return []
@@ -574,18 +549,13 @@ class BundleMonitor(_Windowed):
     """Step-level gates for a bundle, whose engine steps mix every bucket: KV and draft cost."""
 
     def __init__(self, policy: Policy) -> None:
-        self.policy = policy
-        super().__init__(max(policy.draft_overhead.window_slices, _evidence_slices(policy), 30))
+        super().__init__(policy, policy.draft_overhead.window_slices)
         self.learner = BaselineLearner(policy.baseline, None, broad_acceptance=True)
         self._reset()
 
     def _reset(self) -> None:
         self.kv_gate = ConsecutiveGate(self.policy.kv.consecutive)
         self.draft_gate = ConsecutiveGate(self.policy.draft_overhead.consecutive)
-
-    @property
-    def baseline(self) -> Baseline:
-        return self.learner.baseline
 
     def recovery_evidence(self, since: float, seconds: float) -> RecoveryEvidence | None:
         """Peak KV usage of the bundle's engine steps in the last ``seconds`` after ``since``."""

@@ -1,6 +1,5 @@
 """Mergeable latency quantile sketch (fastdigest's t-digest) for TTFT/TPOT/e2e percentiles,
-wrapped so the choice can change.
-"""
+wrapped so the choice can change."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ class LatencySketch:
         Compression of the underlying t-digest.
 
     >>> s = LatencySketch()
-    >>> s.add_many([10.0, 20.0, 30.0, 40.0])
+    >>> for ms in (10.0, 20.0, 30.0, 40.0): s.add(ms)
     >>> s.count, round(s.quantile(0.5), 1)
     (4, 25.0)
     >>> t = LatencySketch(); t.add(1000.0); s.merge(t); s.count
@@ -47,11 +46,6 @@ class LatencySketch:
 
     def add(self, value: float) -> None:
         self._pending.append(value)
-        if len(self._pending) >= 256:
-            self._fold()
-
-    def add_many(self, values: Iterable[float]) -> None:
-        self._pending.extend(values)
         if len(self._pending) >= 256:
             self._fold()
 
@@ -81,17 +75,15 @@ class LatencySketch:
 
     def quantile(self, q: float) -> float:
         """The q-quantile, or NaN when nothing was added."""
-        self._fold()
-        if self._digest is None or self._digest.n_values == 0:
-            return math.nan
-        return float(self._digest.quantile(q))
+        return self.quantiles((q,))[0]
 
     def quantiles(self, qs: Iterable[float]) -> list[float]:
         """`quantile` of each of ``qs``, in one call (a summary reads three of every sketch).
 
-        >>> s = LatencySketch(); s.add_many([10.0, 20.0, 30.0, 40.0])
-        >>> s.quantiles((0.5, 0.99)) == [s.quantile(0.5), s.quantile(0.99)], LatencySketch().quantiles((0.5,))
-        (True, [nan])
+        >>> s = LatencySketch()
+        >>> for ms in (10.0, 20.0, 30.0, 40.0): s.add(ms)
+        >>> [round(q, 1) for q in s.quantiles((0.5, 0.99))], LatencySketch().quantiles((0.5,))
+        ([25.0, 39.7], [nan])
         """
         self._fold()
         if self._digest is None or self._digest.n_values == 0:
@@ -102,7 +94,8 @@ class LatencySketch:
     def count_above(self, value: float) -> float:
         """About how many of the durations added exceed ``value`` (from the digest's CDF).
 
-        >>> s = LatencySketch(); s.add_many(float(v) for v in range(1, 301))
+        >>> s = LatencySketch()
+        >>> for ms in range(1, 301): s.add(float(ms))
         >>> round(s.count_above(290.0)), s.count_above(1000.0), LatencySketch().count_above(1.0)
         (10, 0.0, 0.0)
         """
@@ -115,7 +108,8 @@ class LatencySketch:
         """How many of the durations added exceed ``value``, counted by centroid: exact while each
         value is its own centroid (`count_above` interpolates), off by one centroid's weight after.
 
-        >>> s = LatencySketch(); s.add_many([10.0, 11.0, 12.0, 40.0])
+        >>> s = LatencySketch()
+        >>> for ms in (10.0, 11.0, 12.0, 40.0): s.add(ms)
         >>> s.count_past(30.0), s.count_past(40.0), round(s.count_above(30.0), 2)
         (1.0, 0.0, 0.48)
         """

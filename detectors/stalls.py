@@ -1,6 +1,5 @@
 """Stalled requests as tail evidence: a request running past a key's limit counts as past it now,
-once (from stage 1's ``SliceStats.running_long`` and ``running_done``).
-"""
+once (from stage 1's ``SliceStats.running_long`` and ``running_done``)."""
 
 from __future__ import annotations
 

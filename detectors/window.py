@@ -1,7 +1,5 @@
-"""Raw-count statistics of one key over one event-time slice, mergeable across sources.
-
-Every ratio is computed where it is read, by one formula here.
-"""
+"""Raw-count statistics of one key over one event-time slice, mergeable across sources; every
+ratio is computed where it is read, by one formula here."""
 
 from __future__ import annotations
 
@@ -38,6 +36,12 @@ def sample_order(sample_id: str) -> int:
     return zlib.crc32(sample_id.encode("utf-8"))
 
 
+_first = itemgetter(0)
+_ranked = itemgetter("_rank")
+_SUMMARY_QUANTILES = (0.5, 0.95, 0.99)
+_SKETCH_NAMES = ("ttft", "tpot", "e2e")
+
+
 def _merge_ranked(into: list, other: list, quota: int) -> list:
     """The first ``quota`` of both lists by (rank, id), each id once; both are so ordered."""
     merged = sorted(into + other, key=_ranked)
@@ -50,14 +54,6 @@ def _merge_ranked(into: list, other: list, quota: int) -> list:
             if len(out) == quota:
                 break
     return out
-
-
-def _ranked(sample: dict) -> list:
-    return sample["_rank"]
-
-
-_first = itemgetter(0)
-_SUMMARY_QUANTILES = (0.5, 0.95, 0.99)
 
 
 def sample_record(sample: dict) -> dict:
@@ -130,14 +126,6 @@ def speedup_leaving_out(slices: Sequence["SliceStats"]) -> list[float]:
                      draft_ms - s.draft_ms, verify_ms - s.verify_ms) for s in slices]
 
 
-def _merged_sketch(mine: LatencySketch | None, theirs: LatencySketch) -> LatencySketch:
-    """``mine`` with ``theirs`` added in, or a copy of ``theirs`` when there is none yet."""
-    if mine is None:
-        return theirs.copy()
-    mine.merge(theirs)
-    return mine
-
-
 def _add_lists(into: list[int], other: list[int]) -> None:
     if len(other) > len(into):
         into.extend([0] * (len(other) - len(into)))
@@ -193,17 +181,12 @@ class SliceStats:
         self.rounds += n
         self.drafted_tokens += drafted * n
         self.accepted_tokens += accepted * n
-        dal = self.drafted_at_least
-        if len(dal) < drafted:
-            dal.extend([0] * (drafted - len(dal)))
-        for i in range(drafted):
-            dal[i] += n
-        if accepted:
-            aal = self.accepted_at_least
-            if len(aal) < accepted:
-                aal.extend([0] * (accepted - len(aal)))
-            for i in range(accepted):
-                aal[i] += n
+        for counts, positions in ((self.drafted_at_least, drafted),
+                                  (self.accepted_at_least, accepted)):
+            if len(counts) < positions:
+                counts.extend([0] * (positions - len(counts)))
+            for i in range(positions):
+                counts[i] += n
 
     def add_round_counts(self, counts: dict[tuple[int, int], int]) -> None:
         """Fold many rounds at once from ``{(drafted, accepted): n}``."""
@@ -237,13 +220,6 @@ class SliceStats:
         if ts > self.max_ts:
             self.max_ts = ts
 
-    def add_shadow(self, match: bool, ts: float) -> None:
-        self.shadow_checks += 1
-        if not match:
-            self.shadow_mismatches += 1
-        if ts > self.max_ts:
-            self.max_ts = ts
-
     def offer_sample(self, kind: str, rank: tuple, make: Callable[[], dict]) -> None:
         """Keep ``make()`` as a ``kind`` sample if it is among the first of its kind by ``rank``
         (severity first, the sample id last).
@@ -254,9 +230,7 @@ class SliceStats:
         >>> [sample["id"] for sample in s.samples["slowest"]]
         ['r2', 'r3']
         """
-        kept = self.samples.get(kind)
-        if kept is None:
-            kept = self.samples[kind] = []
+        kept = self.samples.setdefault(kind, [])
         quota = SAMPLE_KINDS[kind]
         rank = list(rank)
         if len(kept) == quota and rank >= kept[-1]["_rank"]:
@@ -318,12 +292,12 @@ class SliceStats:
         for rid, finished in other.running_done.items():
             if finished or rid not in self.running_done:  # finished wins over lost (another source's view)
                 self.running_done[rid] = finished
-        if other.ttft is not None:
-            self.ttft = _merged_sketch(self.ttft, other.ttft)
-        if other.tpot is not None:
-            self.tpot = _merged_sketch(self.tpot, other.tpot)
-        if other.e2e is not None:
-            self.e2e = _merged_sketch(self.e2e, other.e2e)
+        for name in _SKETCH_NAMES:
+            theirs, mine = getattr(other, name), getattr(self, name)
+            if mine is None and theirs is not None:
+                setattr(self, name, theirs.copy())
+            elif theirs is not None:
+                mine.merge(theirs)
         if samples and other.samples:
             for kind, theirs in other.samples.items():
                 mine = self.samples.get(kind)
@@ -359,10 +333,6 @@ class SliceStats:
     def error_rate(self) -> float:
         return ratio(self.errors + self.timeouts, self.requests)
 
-    @property
-    def mismatch_rate(self) -> float:
-        return ratio(self.shadow_mismatches, self.shadow_checks)
-
     def position_rates(self) -> list[float]:
         """Per-position acceptance: P(accepted >= i+1 | drafted >= i+1)."""
         return [ratio(self.accepted_at_least[i] if i < len(self.accepted_at_least) else 0, d)
@@ -390,7 +360,7 @@ class SliceStats:
         out = {name: getattr(self, name) for name in _SERIALIZED_COUNTS}
         out["samples"] = {kind: [{**sample_record(s), "_rank": s["_rank"]} for s in kept]
                           for kind, kept in self.samples.items()}
-        for name in ("ttft", "tpot", "e2e"):
+        for name in _SKETCH_NAMES:
             sketch = getattr(self, name)
             if sketch is not None:
                 out[name] = base64.b64encode(sketch.to_bytes()).decode("ascii")
@@ -408,7 +378,7 @@ class SliceStats:
         out.samples = {kind: list(kept) for kind, kept in data.get("samples", {}).items()}
         out.running_long = dict(data.get("running_long", {}))
         out.running_done = dict(data.get("running_done", {}))
-        for name in ("ttft", "tpot", "e2e"):
+        for name in _SKETCH_NAMES:
             if data.get(name):
                 setattr(out, name, LatencySketch.from_bytes(base64.b64decode(data[name])))
         return out
@@ -423,7 +393,7 @@ _SERIALIZED_COUNTS = ("max_ts", "steps", "rounds", "plain_entries", "drafted_tok
 _COUNT_FIELDS = ("rounds", "drafted_tokens", "accepted_tokens", "requests", "errors", "timeouts", "shadow_checks",
                  "shadow_mismatches", "steps", "plain_entries")
 _TIME_FIELDS = ("draft_ms", "verify_ms", "kv_peak")
-_SKETCHES = attrgetter("ttft", "tpot", "e2e")
+_SKETCHES = attrgetter(*_SKETCH_NAMES)
 _NO_SKETCHES = (None, None, None)
 _POSITION_FIELDS = ("accepted_at_least", "drafted_at_least")
 

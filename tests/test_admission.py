@@ -161,16 +161,6 @@ def _window(requests, speculative, failures=0):
     return stats
 
 
-def test_judge_waits_for_its_minimum_windows_then_passes():
-    judge = CanaryJudge(AdmissionPolicy(window_requests=10, min_windows=8), ["token_exact"])
-    outcomes = []
-    for _ in range(8):
-        judge.update("canary", _slice(6.0))
-        judge.update("baseline", _slice(12.0, speculative=False))
-        outcomes.append(judge.judgement.outcome)
-    assert outcomes == ["marginal"] * 7 + ["pass"]
-
-
 def test_one_strict_mismatch_fails_a_judge_whatever_else_it_saw():
     judge = CanaryJudge(AdmissionPolicy(window_requests=10, min_windows=3), ["token_exact"])
     for _ in range(5):

@@ -1,6 +1,7 @@
 """Draft length from evidence: per-position acceptance, the step-cost model, the policy's choice of D."""
 
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -69,11 +70,7 @@ def test_survival_counts_and_predicted_acceptance_length_are_exact_on_a_seeded_s
 
 def test_acceptance_interval_covers_the_truth_and_narrows_with_evidence():
     truth = [0.9, 0.8, 0.5, 0.3]
-    true_al = [1.0]
-    run = 1.0
-    for p in truth:
-        run *= p
-        true_al.append(true_al[-1] + run)
+    true_al = [1.0 + sum(math.prod(truth[:k]) for k in range(1, d + 1)) for d in range(5)]
     cost = StepCost.fit(_step_slices([4] * 6), "eagle3")
     widths = []
     for n in (400, 6400):
@@ -173,24 +170,25 @@ def test_pinned_acceptance_drop_lowers_to_the_best_predicted_d():
         assert d.evidence["step_cost"]["mechanism"] == "eagle3"
 
 
-def _position_rates(records, start, bucket):
+def _position_rates(scenario):
+    """coding's position rates before and after the incident at 30 s, and draft time growth."""
+    sim = Simulator(scenario, seed=SEED, workers=2, minutes=1.0, incident_at=30.0)
     stats = {True: SliceStats(), False: SliceStats()}
     draft_ms = {True: [], False: []}
-    for r in records:
+    for r in sim.records():
         if r.kind != "step":
             continue
-        after = r.ts >= start
+        after = r.ts >= sim.start_ts + 30.0
         draft_ms[after].append(r.draft_ms / max(1, max(e.drafted for e in r.requests)))
         for e in r.requests:
-            if e.bucket == bucket:
+            if e.bucket == "coding":
                 stats[after].add_round(e.drafted, e.accepted)
-    return ([round(x, 2) for x in stats[False].position_rates()], [round(x, 2) for x in stats[True].position_rates()],
-            sum(draft_ms[True]) / len(draft_ms[True]) / (sum(draft_ms[False]) / len(draft_ms[False])))
+    before, after = ([round(x, 2) for x in stats[k].position_rates()] for k in (False, True))
+    return before, after, statistics.mean(draft_ms[True]) / statistics.mean(draft_ms[False]), sim
 
 
 def test_late_acceptance_decay_hits_only_the_later_positions_of_its_bucket():
-    sim = Simulator("late_acceptance_decay", seed=SEED, workers=2, minutes=1.0, incident_at=30.0)
-    before, after, draft = _position_rates(list(sim.records()), sim.start_ts + 30.0, "coding")
+    before, after, draft, sim = _position_rates("late_acceptance_decay")
     assert after[:2] == pytest.approx(before[:2], abs=0.02)
     # P(accepted >= k) for k >= 3 also loses the factor at every late position passed
     assert after[2] == pytest.approx(before[2] * 0.3, abs=0.03)
@@ -201,8 +199,7 @@ def test_late_acceptance_decay_hits_only_the_later_positions_of_its_bucket():
 
 
 def test_draft_cost_doubles_doubles_draft_time_per_position():
-    sim = Simulator("draft_cost_doubles", seed=SEED, workers=2, minutes=1.0, incident_at=30.0)
-    before, after, draft = _position_rates(list(sim.records()), sim.start_ts + 30.0, "coding")
+    before, after, draft, _ = _position_rates("draft_cost_doubles")
     assert draft == pytest.approx(2.0, abs=0.1)
     assert after == pytest.approx(before, abs=0.02)
 

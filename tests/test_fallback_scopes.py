@@ -1,5 +1,7 @@
 """The fallback policy stays quiet about a scope that a wider scope already switched off."""
 
+import pytest
+
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
 from specwatch.detectors.monitor import Finding
@@ -8,24 +10,19 @@ from specwatch.schemas.policy import Policy
 _SLO = Finding("latency_slo", "latency_gate", 300.0, "e2e_p99", 9.0, 5.0, 2.0, 295.0, 300.0)
 
 
-def _policy(*off):
+@pytest.mark.parametrize("off,scope,decides", [
+    # a cohort scope: quiet when its bundle or cohort is off, not for another cohort or a bucket
+    ([("b-1", None, None)], ("b-1", None, "canary"), False),
+    ([("b-1", None, "canary")], ("b-1", None, "canary"), False),
+    ([("b-1", None, "main"), ("b-1", "coding", None)], ("b-1", None, "canary"), True),
+    # a bucket scope is quiet under a disabled bundle, not under a disabled cohort
+    ([("b-1", None, None)], ("b-1", "coding", None), False),
+    ([("b-1", None, "canary")], ("b-1", "coding", None), True),
+])
+def test_a_scope_is_quiet_only_under_an_off_scope_that_covers_it(off, scope, decides):
     flags = FlagStore()
-    for scope in off:
-        flags.override(scope, False, by="oncall", reason="test", ts=1.0)
-    return FallbackPolicy(Policy(), flags)
-
-
-def test_cohort_scope_is_quiet_when_its_bundle_or_cohort_is_off():
-    assert _policy(("b-1", None, None)).decide(_SLO, ("b-1", None, "canary"), 4) is None
-    assert _policy(("b-1", None, "canary")).decide(_SLO, ("b-1", None, "canary"), 4) is None
-
-
-def test_cohort_scope_still_decides_when_only_another_cohort_or_a_bucket_is_off():
-    decision = _policy(("b-1", None, "main"), ("b-1", "coding", None)).decide(_SLO, ("b-1", None, "canary"), 4)
-    assert (decision.action, decision.bucket, decision.cohort) == ("disable_speculation", None, "canary")
-
-
-def test_bucket_scope_is_quiet_under_a_disabled_bundle_but_not_a_disabled_cohort():
-    assert _policy(("b-1", None, None)).decide(_SLO, ("b-1", "coding", None), 4) is None
-    decision = _policy(("b-1", None, "canary")).decide(_SLO, ("b-1", "coding", None), 4)
-    assert decision.action == "disable_speculation"
+    for covering in off:
+        flags.override(covering, False, by="oncall", reason="test", ts=1.0)
+    got = FallbackPolicy(Policy(), flags).decide(_SLO, scope, 4)
+    assert (None if got is None else (got.action, got.bucket, got.cohort)) == (
+        ("disable_speculation", *scope[1:]) if decides else None)

@@ -25,13 +25,27 @@ def _failures(rng, requests, rate):
     return sum(rng.random() < rate for _ in range(requests))
 
 
+def _update(monitor, stats, t):
+    """The findings of ``monitor`` on ``stats``, the slice that ends at second ``t + 1``."""
+    stats.max_ts = float(t)
+    return monitor.update(stats, float(t + 1))
+
+
 def _error_alarms(monitor, rng, slices, requests, rate, start):
-    alarms = 0
-    for t in range(slices):
-        stats = _counts(requests, _failures(rng, requests, rate))
-        stats.max_ts = float(start + t)
-        alarms += sum(f.reason == "error_rate" for f in monitor.update(stats, float(start + t + 1)))
-    return alarms
+    return sum(f.reason == "error_rate" for t in range(start, start + slices)
+               for f in _update(monitor, _counts(requests, _failures(rng, requests, rate)), t))
+
+
+def _learned_minute(rng, key_rate):
+    """reasoning (43 requests a second failing at ``key_rate``; None: none fails) and coding (150,
+    0.2 % fail) learn their first minute into one bundle's pool; the reasoning key's monitor."""
+    pool = BaselinePool()
+    key, sibling = KeyMonitor(Policy(), "reasoning", pool), KeyMonitor(Policy(), "coding", pool)
+    for t in range(61):
+        for monitor, requests, rate in ((key, 43, key_rate), (sibling, 150, 0.002)):
+            failures = 0 if rate is None else _failures(rng, requests, rate)
+            _update(monitor, _counts(requests, failures), t)
+    return key
 
 
 def test_an_unlucky_minute_takes_its_bundles_error_rate():
@@ -40,13 +54,7 @@ def test_an_unlucky_minute_takes_its_bundles_error_rate():
     # of the true rate, and its error test raised false alarms at the true rate (1 in these 5
     # key-hour). Its failures are consistent with the bundle's rate, so it now takes that.
     rng = random.Random(31)
-    pool = BaselinePool()
-    key, sibling = KeyMonitor(Policy(), "reasoning", pool), KeyMonitor(Policy(), "coding", pool)
-    for t in range(61):
-        for monitor, requests, failures in ((key, 43, 0), (sibling, 150, _failures(rng, 150, 0.002))):
-            stats = _counts(requests, failures)
-            stats.max_ts = float(t)
-            monitor.update(stats, float(t + 1))
+    key = _learned_minute(rng, None)
     b = key.baseline
     assert (b.requests, b.failures, b.error_source) == (2623, 0, "bundle")
     assert b.error_rate == b.bundle_error_rate == (21 + 1) / (11623 + 1)
@@ -57,13 +65,7 @@ def test_a_key_whose_failures_differ_keeps_its_own_rate():
     # a busy key failing at five times its bundle's rate shows it within its first minute:
     # its baseline is its own, and the same rate later raises nothing
     rng = random.Random(32)
-    pool = BaselinePool()
-    key, sibling = KeyMonitor(Policy(), "reasoning", pool), KeyMonitor(Policy(), "coding", pool)
-    for t in range(61):
-        for monitor, requests, rate in ((key, 43, 0.01), (sibling, 150, 0.002)):
-            stats = _counts(requests, _failures(rng, requests, rate))
-            stats.max_ts = float(t)
-            monitor.update(stats, float(t + 1))
+    key = _learned_minute(rng, 0.01)
     b = key.baseline
     assert b.error_source == "key"
     assert b.error_rate > 2 * b.bundle_error_rate  # the bundle's rate holds its own failures too
@@ -91,9 +93,8 @@ def _tail_findings(slices_by_key, pool):
     found = []
     for t in range(len(next(iter(slices_by_key.values())))):
         for key, slices in slices_by_key.items():
-            stats = slices[t]
-            stats.max_ts = float(t)
-            found += [(t, key) for f in monitors[key].update(stats, float(t + 1)) if f.reason == "latency_slo"]
+            findings = _update(monitors[key], slices[t], t)
+            found += [(t, key) for f in findings if f.reason == "latency_slo"]
     return found, monitors
 
 
@@ -176,9 +177,8 @@ def _learned_high_then(rng, burst_from, sibling_rate=0.002, minutes=12):
                 rate = 0.04 if name == "extraction" and t >= burst_from else \
                     sibling_rate if name == "coding" else 0.002
                 failures = _failures(rng, requests, rate)
-            stats = _counts(requests, failures)
-            stats.max_ts = float(t)
-            fired[name] += [t for f in monitor.update(stats, float(t + 1)) if f.reason == "error_rate"]
+            findings = _update(monitor, _counts(requests, failures), t)
+            fired[name] += [t for f in findings if f.reason == "error_rate"]
     return key, fired
 
 
