@@ -98,6 +98,9 @@ class PositionSurvival:
         for j, (accepted, drafted) in enumerate(zip(self.accepted_at_least, self.drafted_at_least)):
             trials = drafted if j == 0 else (
                 reached * drafted / self.drafted_at_least[j - 1] if self.drafted_at_least[j - 1] else 0.0)
+            # the estimate assumes the rounds that reached j-1 drafted past it as often as all
+            # rounds did; when fewer trials than successes come out, the successes are the floor
+            trials = max(trials, accepted)
             if trials <= 0:
                 out.append(math.inf)
             else:

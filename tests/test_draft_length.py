@@ -221,3 +221,16 @@ def test_advised_d_reaches_95_percent_of_the_best_within_the_target():
     late = results["late_acceptance_decay"]
     assert late["best_d_before"]["coding"]["best_d"] == 4 and late["final"]["coding"] == {
         "advised_d": 2, "best_d": 2, "ratio": 1.0}
+
+
+def test_mixed_draft_lengths_whose_few_successes_all_drafted_long_give_a_finite_interval():
+    # 5 of 300 rounds accepted two tokens, all in rounds that drafted 6; a position's trials
+    # estimated from the share of rounds drafting that far (4.2) would be fewer than its successes
+    survival = PositionSurvival((5, 5, 0, 0, 0, 0), (300, 250, 199, 151, 100, 53))
+    cost = StepCost.fit(_step_slices([4] * 6, pass_ms=2.0, pass_ms_per_request=0.0), "eagle3")
+    curve = draft_length_curve(survival, cost, min_rounds=50)
+    decision = FallbackPolicy(Policy(), FlagStore()).decide(_FINDING, _SCOPE, draft_length=6, curve=curve)
+    assert (decision.action, decision.evidence["draft_length"]) == ("reduce_draft_length", 1)
+    gain, (low, high) = decision.evidence["predicted_speedup_gain"], decision.evidence["predicted_speedup_gain_interval"]
+    assert all(math.isfinite(x) for x in (gain, low, high)) and low < gain < high
+    assert all(p.acceptance_low <= p.acceptance_length <= p.acceptance_high for p in curve.points)
