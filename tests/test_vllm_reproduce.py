@@ -202,6 +202,7 @@ def test_wrong_or_missing_key_opens_nothing(scenario, tmp_path):
     decision = _decision(scenario, _GREEDY)
     wrong = tmp_path / "wrong.key"
     wrong.write_text(os.urandom(32).hex())
+    wrong.chmod(0o600)  # a key file others can read is used with a warning first
     refused = _reproduce(scenario, decision["id"], key_file=wrong)
     assert refused.returncode == 3
     assert refused.stderr.startswith(f"specwatch reproduce: cannot open the samples of {decision['id']}: the sample "
