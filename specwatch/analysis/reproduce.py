@@ -75,17 +75,21 @@ def compare_request(request: RerunRequest, outcome: RerunOutcome, draft_length: 
     verdict = (BUNDLE_DIFFERS if not bundle_matches
                else REPRODUCED if speculative_vs_archived is None else NOT_REPRODUCED)
     return {
-        "sample_id": request.sample_id, "sampling": request.sampling,
-        "prompt_tokens": len(request.prompt_ids), "output_tokens": len(request.output_ids),
+        "sample_id": request.sample_id,
+        "prompt_tokens": len(request.prompt_ids),
+        "output_tokens": len(request.output_ids),
+        "sampling": request.sampling,
         "identical": outcome.standard_ids == outcome.speculative_ids,
         "first_divergence": first_divergence(outcome.standard_ids, outcome.speculative_ids),
         "archived_vs_standard": first_divergence(request.output_ids, outcome.standard_ids),
         "archived_vs_speculative": speculative_vs_archived,
         "rounds": len([r for r in outcome.rounds if r[0]]),
-        "drafted": sum(d for d, _ in outcome.rounds), "accepted": sum(a for _, a in outcome.rounds),
+        "drafted": sum(d for d, _ in outcome.rounds),
+        "accepted": sum(a for _, a in outcome.rounds),
         "position_acceptance": [None if math.isnan(x) else round(x, 4)
                                 for x in position_acceptance(outcome.rounds, draft_length)],
-        "draft_ms": round(outcome.draft_ms, 3), "verify_ms": round(outcome.verify_ms, 3),
+        "draft_ms": round(outcome.draft_ms, 3),
+        "verify_ms": round(outcome.verify_ms, 3),
         "verdict": verdict,
     }
 

@@ -73,11 +73,15 @@ def tune_report(rows: Sequence[Mapping], card: Mapping, bundle_id: str, flags: F
         current = _current_draft_length(bucket_rows, bundle_id, bucket, deployed, flags)
         buckets.append(_bucket_report(bucket, curve, current, start, tiles))
     return {
-        "bundle_id": bundle_id, "mechanism": mechanism, "deployed_draft_length": deployed,
+        "bundle_id": bundle_id,
+        "mechanism": mechanism,
+        "deployed_draft_length": deployed,
         "window": {"start": newest - window_seconds if rows else None, "end": newest if rows else None,
                    "seconds": window_seconds},
-        "heads_per_kv_head": heads_per_kv, "starting_draft_length": start,
-        "step_cost": cost.to_dict(), "buckets": buckets,
+        "heads_per_kv_head": heads_per_kv,
+        "starting_draft_length": start,
+        "step_cost": cost.to_dict(),
+        "buckets": buckets,
     }
 
 
@@ -109,10 +113,17 @@ def _bucket_report(bucket: str, curve: DraftLengthCurve, current: int, start: in
                    f"predicted gain {gain[0]:+.1%} (95% interval {gain[1]:+.1%} to {gain[2]:+.1%})")
     body = curve.to_dict()
     return {
-        "bucket": bucket, "current_d": current, "best_d": best_d, "expected_gain": _round(gain[0]),
-        "expected_gain_interval": [_round(gain[1]), _round(gain[2])], "warning": warning,
-        "starting_d": start, "tile_candidates": tiles, "rounds": body["rounds"],
-        "position_rates": body["position_rates"], "position_intervals": body["position_intervals"],
+        "bucket": bucket,
+        "current_d": current,
+        "best_d": best_d,
+        "expected_gain": _round(gain[0]),
+        "expected_gain_interval": [_round(gain[1]), _round(gain[2])],
+        "warning": warning,
+        "starting_d": start,
+        "tile_candidates": tiles,
+        "rounds": body["rounds"],
+        "position_rates": body["position_rates"],
+        "position_intervals": body["position_intervals"],
         "curve": [{"d": p["draft_length"], "acceptance_length": p["acceptance_length"],
                    "acceptance_interval": [p["acceptance_low"], p["acceptance_high"]],
                    "speedup": p["speedup"], "speedup_interval": [p["speedup_low"], p["speedup_high"]],
