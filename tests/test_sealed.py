@@ -75,11 +75,17 @@ def test_wrong_key_missing_key_and_tampering_open_nothing():
         sealed_key_id("sw1.nope")
 
 
-def test_key_from_environment_never_shows_the_secret(tmp_path):
+def test_key_from_environment_never_shows_the_secret(tmp_path, caplog):
     path = tmp_path / "sample.key"
     path.write_bytes(_SECRET + b"\n")
+    path.chmod(0o644)
     from_file = SampleKey.from_env({"SPECWATCH_SAMPLE_KEY_FILE": str(path), "SPECWATCH_SAMPLE_KEY": "ignored"})
     assert from_file == _KEY
+    assert "sample key file" in caplog.text and "can be read by other users" in caplog.text
+    assert _SECRET.decode() not in caplog.text
+    caplog.clear()
+    path.chmod(0o600)
+    assert SampleKey.from_env({"SPECWATCH_SAMPLE_KEY_FILE": str(path)}) == _KEY and not caplog.text
     assert SampleKey.from_env({"SPECWATCH_SAMPLE_KEY": _SECRET.decode()}) == _KEY
     assert SampleKey.from_env({}) is None
     assert _SECRET.decode() not in repr(_KEY) and _KEY.kek.hex() not in repr(_KEY)
