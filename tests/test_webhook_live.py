@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -24,11 +23,10 @@ from specwatch.transport.config import KafkaConfig
 
 from kafka_helpers import SEED, published_decisions, stop_processes
 from machine import free_port, specwatch
-from test_operations_live import topics  # noqa: F401 - the run's topics, deleted afterwards
+from test_operations_live import _wait_for, topics  # noqa: F401 - topics: the run's topics, deleted afterwards
 
 pytestmark = pytest.mark.kafka
 
-_WAIT_S = 600.0  # a liveness bound for loaded 2-core machines, not a speed claim
 _TOKEN = "webhook-live-" + uuid.uuid4().hex
 _KEY = "webhook live test signing key " + uuid.uuid4().hex
 
@@ -43,17 +41,8 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def _wait_for(what: str, condition, log: Path):
-    deadline = time.monotonic() + _WAIT_S
-    while time.monotonic() < deadline:
-        try:
-            value = condition()
-        except OSError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {_WAIT_S:.0f} s\n{log.read_text()[-4000:]}")
+def _log(path: Path):
+    return lambda: path.read_text()[-4000:]
 
 
 def test_one_alert_at_once_and_again_after_a_restart_is_one_signed_archived_decision(kafka_bootstrap, topics,
@@ -95,7 +84,7 @@ def test_one_alert_at_once_and_again_after_a_restart_is_one_signed_archived_deci
                                                          "status": "firing", "fingerprint": "0",
                                                          "startsAt": "2026-12-01T10:00:00Z"}]}).encode()
         _wait_for("the worker knows the bundle", lambda: _post(url, probe)[1].get("outcomes") == {"no_reason": 1},
-                  tmp_path / "worker-1.log")
+                  _log(tmp_path / "worker-1.log"))
 
         with ThreadPoolExecutor(max_workers=100) as pool:
             replies = list(pool.map(lambda _: _post(url, body), range(100)))
@@ -110,7 +99,7 @@ def test_one_alert_at_once_and_again_after_a_restart_is_one_signed_archived_deci
         processes.append(subprocess.Popen(worker, env=env, stdout=open(tmp_path / "worker-2.log", "w"),
                                           stderr=subprocess.STDOUT))
         _wait_for("the restarted worker knows the bundle again",
-                  lambda: _post(url, probe)[1].get("outcomes") == {"no_reason": 1}, tmp_path / "worker-2.log")
+                  lambda: _post(url, probe)[1].get("outcomes") == {"no_reason": 1}, _log(tmp_path / "worker-2.log"))
         assert _post(url, body) == (200, {"outcomes": {"duplicate": 1}, "decisions": []})
         assert [d.id for d in rollbacks()] == [rollback.id]
         with FlagClient(KafkaConfig(kafka_bootstrap), topic=decisions, silence_seconds=None) as client:

@@ -404,11 +404,11 @@ class WebhookLedger:
     def applied(self, request: AlertRequest) -> None:
         """``request`` was published: remember it, and who holds its scope now."""
         self.record(request.ident)
-        fingerprint = request.audit["fingerprint"]
         if request.restore:
-            self.release(fingerprint, request.scope)
+            # a restore goes out only once its alert is the last to hold the scope: none holds it now
+            self._holders.pop(request.scope, None)
         else:
-            self.hold(fingerprint, request.scope)
+            self.hold(request.audit["fingerprint"], request.scope)
 
     def remember(self, decisions: Iterable[Decision]) -> int:
         """Fold earlier webhook decisions (detector ``alertmanager``, oldest first, e.g. from the
