@@ -140,9 +140,8 @@ class Operations:
 
         class WebhookPage(View):
             async def post(self, request):
-                if (request.content_length or 0) > _MAX_WEBHOOK_BYTES:
-                    body = b""  # refused by its declared size, unread
-                    status, reply = operations.refuse_oversize()
+                if (request.content_length or 0) > _MAX_WEBHOOK_BYTES:  # refused by its declared size, unread
+                    status, reply = operations.refuse_oversize(request.headers.get("Authorization"))
                 else:
                     body = await read_body(request.content, _MAX_WEBHOOK_BYTES + 1)
                     status, reply = await operations.webhook(request.headers.get("Authorization"), body,
@@ -155,11 +154,22 @@ class Operations:
             view.view_path = path
             app.web.add_view(view)
 
-    def refuse_oversize(self) -> tuple[int, dict]:
+    def refuse_oversize(self, authorization: str | None) -> tuple[int, dict]:
+        """The answer to a body over the limit: who may not post hears that first."""
         # 413, not 5xx: Alertmanager retries a 5xx, and the same group will not get smaller; its
         # webhook_config max_alerts is what keeps a group under the limit.
-        self.webhook_requests[413] += 1
-        return 413, {"error": f"payload over {_MAX_WEBHOOK_BYTES} bytes"}
+        status, reply = self._unauthorized(authorization) or (
+            413, {"error": f"payload over {_MAX_WEBHOOK_BYTES} bytes"})
+        self.webhook_requests[status] += 1
+        return status, reply
+
+    def _unauthorized(self, authorization: str | None) -> tuple[int, dict] | None:
+        token = self.settings.webhook_token
+        if token is None:
+            return 403, {"error": "the webhook is off: start the worker with --webhook-token-file"}
+        if not bearer_token_ok(authorization, token):
+            return 401, {"error": "missing or wrong bearer token (Alertmanager http_config.authorization)"}
+        return None
 
     def remember(self, decisions: Iterable[Decision]) -> int:
         """Fold the webhook's earlier rollbacks (from the archive, oldest first) into its ledger, so
@@ -172,7 +182,7 @@ class Operations:
                       archive: Callable[[list[ActionRecord]], Any] | None = None) -> tuple[int, dict]:
         """Handle one webhook request; returns (HTTP status, JSON body)."""
         if len(body) > _MAX_WEBHOOK_BYTES:
-            return self.refuse_oversize()
+            return self.refuse_oversize(authorization)
         try:
             # One request at a time from reading the ledger to recording in it: the same alert
             # posted many times at once is decided once (the others wait, then find it handled).
@@ -185,11 +195,9 @@ class Operations:
         return status, reply
 
     async def _webhook(self, authorization, body, cards, publish, automatic, archive) -> tuple[int, dict]:
-        token = self.settings.webhook_token
-        if token is None:
-            return 403, {"error": "the webhook is off: start the worker with --webhook-token-file"}
-        if not bearer_token_ok(authorization, token):
-            return 401, {"error": "missing or wrong bearer token (Alertmanager http_config.authorization)"}
+        refused = self._unauthorized(authorization)
+        if refused is not None:
+            return refused
         try:
             reading = read_webhook(json.loads(body), cards, self.settings.rollback, self.ledger)
         except (ValueError, RecursionError) as error:

@@ -180,6 +180,13 @@ def test_over_the_limit_is_413_and_nothing_past_it_is_read():
     assert messages == [] and requests == Counter({413: 2})
 
 
+def test_a_body_over_the_limit_without_the_token_is_401_unread():
+    operations = Operations(OperationsSettings(web_port=None, webhook_token=_TOKEN))
+    assert operations.refuse_oversize("Bearer wrong")[0] == 401
+    assert operations.refuse_oversize(None)[0] == 401
+    assert Operations(OperationsSettings(web_port=None)).refuse_oversize(f"Bearer {_TOKEN}")[0] == 403
+
+
 @pytest.mark.parametrize("body, error", [
     (b"[" * 50_000 + b"]" * 50_000, "JSON nested too deep"),
     (b'{"version": "4", "alerts": [' + b"[" * 50_000 + b"]" * 50_000 + b"]}", "JSON nested too deep"),
