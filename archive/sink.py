@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from specwatch.archive.dsn import archive_dsn, parse_archive_dsn
-from specwatch.archive.spool import Spool, SpoolFull, SpoolStats
+from specwatch.archive.spool import Spool, SpoolFull, SpoolStats, describe_kinds
 from specwatch.archive.rows import DEFAULT_SAMPLE_TEXT
 from specwatch.archive.store import Archive, sample_text_mode
 from specwatch.schemas import Decision
@@ -51,6 +51,46 @@ def spool_dir_for(dsn: str | None = None, environ: Mapping[str, str] | None = No
     """
     environ = os.environ if environ is None else environ
     return default_spool_dir(parse_archive_dsn(dsn or archive_dsn(environ))[0].label, environ)
+
+
+# What each kind of spool entry holds (`ArchiveSink._put` writes them): a replay sets aside
+# anything else instead of failing on it at every run.
+_ENTRY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "decision": {"line": (str,), "audit": (dict, type(None)), "samples": (list, type(None))},
+    "windows": {"rows": (list,)},
+    "bundle": {"bundle_id": (str,), "card": (dict,), "ts": (int, float), "worker": (str,)},
+    "sightings": {"rows": (list,)},
+    "stages": {"changes": (list,)},
+}
+
+
+def _entry_problem(entry: Mapping[str, Any]) -> str | None:
+    """Why a spool entry is not a row the archive takes, or None.
+
+    >>> _entry_problem({"k": "decision", "bogus": 1})
+    "a decision entry without a valid 'line'"
+    >>> _entry_problem({"k": "windows", "rows": [{"ts": 1.0}]}) is None, _entry_problem({"k": "mystery"})
+    (True, "an entry of unknown kind 'mystery'")
+    """
+    kind = entry.get("k")
+    fields = _ENTRY_FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        return f"an entry of unknown kind {str(kind)[:32]!r}"
+    for name, types in fields.items():
+        value = entry.get(name)
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"a {kind} entry without a valid {name!r}"
+    for name in ("rows", "changes"):
+        if name in fields and not all(isinstance(row, dict) for row in entry[name]):
+            return f"a {kind} entry with a {name} item that is not an object"
+    if kind == "decision":
+        try:
+            Decision.model_validate_json(entry["line"])
+        except ValueError as error:  # pydantic's ValidationError is one
+            return f"a decision entry whose line is not a decision ({_first_line(error)[:200]})"
+        if not all(isinstance(sample, dict) for sample in entry.get("samples") or ()):
+            return "a decision entry with a sample that is not an object"
+    return None
 
 
 def _is_data_error(error: BaseException) -> bool:
@@ -134,9 +174,7 @@ class ArchiveSink:
                        "ts": bundle["ts"], "worker": bundle["worker"]},
                       lambda a, b=bundle: a.write_bundle(b["bundle_id"], b["card"], b["ts"], b["worker"]))
         self._sighted(output.sightings)
-        for action in output.actions:
-            self._put(self._decision_entry(action.decision, action.audit, action.samples),
-                      lambda a, x=action: a.write_decision(x.decision, x.audit, x.samples))
+        self.write_actions(output.actions)
         stage_changes = [dict(c if isinstance(c, Mapping) else vars(c))
                          for c in getattr(output, "stage_changes", ())]
         if stage_changes:
@@ -147,6 +185,32 @@ class ArchiveSink:
             self._window_rows += len(output.windows)
             if self._window_rows >= self.window_batch:
                 self._write_rows()
+
+    def write_actions(self, actions: Sequence[Any]) -> None:
+        """Archive decisions (`ActionRecord`s) with their audit rows and samples, made in a slice or
+        beside one (an Alertmanager rollback): at once, or into the spool while the archive is away."""
+        self._replay_if_due()
+        for action in actions:
+            self._put(self._decision_entry(action.decision, action.audit, action.samples),
+                      lambda a, x=action: a.write_decision(x.decision, x.audit, x.samples))
+
+    def decisions_by(self, detector: str) -> list[Decision]:
+        """Every archived decision of ``detector``, oldest first, then those still in the spool;
+        what the archive cannot answer (away, not open yet) is left out and logged."""
+        found = []
+        if self.archive is not None:
+            try:
+                found = [Decision.model_validate_json(row["line"]) for row in self.archive.decisions(limit=None)
+                         if row.get("detector") == detector]
+            except Exception as error:  # noqa: BLE001 - away: the spool still answers
+                _LOG.warning("the archive %s did not say which %s decisions it holds (%s)", self._label(),
+                             detector, _first_line(error))
+        for entry in self.spool.entries():
+            if entry.get("k") == "decision" and _entry_problem(entry) is None:
+                decision = Decision.model_validate_json(entry["line"])
+                if decision.detector == detector:
+                    found.append(decision)
+        return found
 
     def flush(self) -> None:
         """Everything so far is in the archive or in the spool (on disk) when this returns."""
@@ -178,7 +242,8 @@ class ArchiveSink:
                 "dropped_rows": self._dropped_rows, "outages": self._outages,
                 "failed_replays": self._failed_replays, "archive_down": self._outage,
                 "replayed": spool.replayed, "spool_pending_bytes": spool.pending_bytes,
-                "spool_corrupt": spool.corrupt, "spool_quarantined": spool.quarantined}
+                "spool_corrupt": spool.corrupt, "spool_quarantined": spool.quarantined,
+                "spool_set_aside": dict(spool.set_aside)}
 
     def delivery_note(self) -> str | None:
         """One line, for a command to print after `close`, on rows that wait in the spool, were lost
@@ -195,6 +260,10 @@ class ArchiveSink:
         if stats["dropped_entries"]:
             parts.append(f"error: {stats['dropped_entries']} archive entries ({stats['dropped_rows']} rows) were LOST: "
                          f"the spool {self.spool.directory} could not take them")
+        if stats["spool_set_aside"]:
+            parts.append(f"error: {sum(stats['spool_set_aside'].values())} spooled archive entries could not be "
+                         f"delivered ({describe_kinds(stats['spool_set_aside'])}): torn, corrupt or not rows; "
+                         f"kept beside the segments in {self.spool.directory}")
         if stats["replayed"] and not stats["spool_pending_bytes"]:
             earlier = " from an earlier run" if self._pending_at_start else ""
             parts.append(f"{stats['replayed']} spooled entries{earlier} were delivered to the archive {self._label()}")
@@ -279,7 +348,7 @@ class ArchiveSink:
         if self.archive is None and not self._try_open():
             return
         try:
-            replayed = self.spool.replay(self._write_entries)
+            replayed = self.spool.replay(self._write_entries, _entry_problem)
         except Exception as error:  # noqa: BLE001 - still away; keep the spool
             self._failed_replays += 1
             self._backoff = min(self._backoff * 2, _DEFAULT_MAX_RETRY_BACKOFF_S)

@@ -3,20 +3,23 @@ archive could not take waits here until it can."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import re
 import threading
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from specwatch.archive.jsonvalue import canonical_json
 from specwatch.schemas.segments import SegmentFiles
 
-__all__ = ["Spool", "SpoolFull", "SpoolStats"]
+__all__ = ["SetAside", "Spool", "SpoolBusy", "SpoolFull", "SpoolStats", "describe_kinds"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,23 +28,39 @@ logger = logging.getLogger(__name__)
 _DEFAULT_MAX_BYTES = 256 << 20
 # A segment is replayed as one batch: this bounds the memory a replay takes.
 _DEFAULT_SEGMENT_BYTES = 4 << 20
-_QUARANTINE_SUFFIX = ".bad"
+_LOCK = ".lock"
+# The kind of an entry whose frame no longer parses, read from its bytes (canonical JSON writes
+# "k" without spaces) so a report can say what was lost.
+_KIND = re.compile(rb'"k":"([A-Za-z_]{1,32})"')
 
 
 class SpoolFull(RuntimeError):
     """The spool reached its size bound; the entry was not kept."""
 
 
+class SpoolBusy(RuntimeError):
+    """Another process is delivering this spool now."""
+
+
 @dataclass(frozen=True)
 class SpoolStats:
-    """Entries replayed, refused because the spool was full, skipped as torn or corrupt; segments
-    set aside because the archive refused their content; bytes waiting now."""
+    """Entries replayed, refused because the spool was full, set aside because their frame was torn
+    or corrupt, set aside because their content is not a row (or the archive refused it), by kind;
+    bytes waiting now."""
 
     replayed: int
     refused_full: int
     corrupt: int
     quarantined: int
     pending_bytes: int
+    set_aside: Mapping[str, int] = field(default_factory=dict)
+
+
+class SetAside(NamedTuple):
+    """A file of entries a spool could not deliver, and how many of each kind it holds."""
+
+    path: Path
+    kinds: Counter
 
 
 def _frame(entry: Mapping[str, Any]) -> bytes:
@@ -61,10 +80,21 @@ def _unframe(line: bytes) -> dict | None:
     return entry if isinstance(entry, dict) else None
 
 
+def _kind(line: bytes) -> str:
+    """The kind named in a frame's bytes, or "unknown".
+
+    >>> _kind(b'0badc0de 31 {"k":"decision","line":"{\\"ts"'), _kind(b"garbage")
+    ('decision', 'unknown')
+    """
+    found = _KIND.search(line)
+    return found.group(1).decode() if found else "unknown"
+
+
 class Spool:
     """Segment files under ``directory`` (created on the first append; earlier processes' segments
-    are replayed), at most ``max_bytes`` in all; one writer at a time. ``segment_bytes`` bounds what
-    one replay reads at once; ``fsync`` makes every append survive a crash of the host.
+    are replayed), at most ``max_bytes`` in all; one writer at a time, one replay at a time across
+    processes (a lock file). ``segment_bytes`` bounds what one replay reads at once; ``fsync`` makes
+    every append survive a crash of the host.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +116,9 @@ class Spool:
         self._files = SegmentFiles(self.directory, "spool-", 12, ".log",
                                    segment_bytes=min(segment_bytes, max_bytes), fsync=fsync)
         self._lock = threading.Lock()
+        self._held: Any = None  # the lock file while this process holds the spool
         self._replayed = self._refused = self._corrupt = self._quarantined = 0
+        self._set_aside: Counter = Counter()
         if self._files.sizes:
             logger.info("archive spool %s holds %d bytes from an earlier run; they will be replayed",
                         self.directory, self.pending_bytes)
@@ -109,62 +141,137 @@ class Spool:
     def empty(self) -> bool:
         return not self._files.sizes
 
-    def replay(self, write: Callable[[list[dict]], None]) -> int:
-        """Hand each segment's entries, oldest first, to ``write`` (idempotent); returns how many. A
-        segment is deleted once written; when ``write`` raises it stays and the error propagates,
-        except ValueError or TypeError (content refused): that segment is set aside as ``*.bad``."""
+    def hold(self) -> None:
+        """Take the spool for this process until `close` (what `archive flush` does before it
+        opens the archive); `SpoolBusy` when another process is delivering it."""
+        if self._held is not None or not self.directory.is_dir():
+            return
+        lock_file = open(self.directory / _LOCK, "a+b")  # noqa: SIM115 - held until close()
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock_file.close()
+            raise SpoolBusy(f"another process is delivering the archive spool {self.directory} now") from None
+        self._held = lock_file
+
+    def _release(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.close()
+
+    def replay(self, write: Callable[[list[dict]], None], check: Callable[[dict], str | None] | None = None) -> int:
+        """Hand each segment's entries, oldest first, to ``write`` (idempotent); returns how many.
+
+        An entry whose frame is torn or corrupt, or whose content ``check`` refuses (it returns
+        why), is set aside with its bytes in a file beside its segment (`set_aside_files`) and the
+        rest go on. A segment is deleted once its entries are written and the others kept aside;
+        when ``write`` raises, it stays and the error propagates, except ValueError or TypeError
+        (the archive refused the content): then the whole segment is set aside. `SpoolBusy` when
+        another process is replaying this spool."""
+        holding = self._held is None
+        if holding:
+            self.hold()
+        try:
+            return self._replay(write, check)
+        finally:
+            if holding:
+                self._release()
+
+    def _replay(self, write, check) -> int:
         replayed = 0
         with self._lock:
             self._files.close_writer()  # appends from now on start a new segment
             numbers = list(self._files.sizes)
         for number in numbers:
             path = self._files.path(number)
-            entries = list(self._read(path))
+            entries, bad = self._read(path, check)
+            self._corrupt += sum(torn for *_, torn in bad)
             try:
                 if entries:
                     write(entries)
             except (ValueError, TypeError) as error:
-                self._quarantine(number, path, error)
+                self._set_aside_segment(number, path, error)
                 continue
+            if bad:
+                kept = self._files.set_aside(number, b"".join(line for line, *_ in bad))
+                kinds = Counter(kind for _, kind, *_ in bad)
+                self._set_aside.update(kinds)
+                logger.error("archive spool %s: %d entries could not be delivered (%s; first: %s); kept in %s",
+                             path.name, len(bad), describe_kinds(kinds), bad[0][2], kept)
             with self._lock:
                 self._files.remove(number)
                 self._replayed += len(entries)
             replayed += len(entries)
         return replayed
 
-    def _read(self, path: Path) -> Iterator[dict]:
+    def _read(self, path: Path, check) -> tuple[list[dict], list[tuple[bytes, str, str, bool]]]:
+        """The segment's good entries, and its bad frames as (bytes, kind, why, torn or corrupt)."""
+        entries, bad = [], []
         try:
             with open(path, "rb") as segment:
                 for line in segment:
                     entry = _unframe(line)
                     if entry is None:
-                        self._corrupt += 1
-                        logger.error("archive spool %s: skipping a torn or corrupt entry", path)
+                        why = "a torn or corrupt frame" if line.endswith(b"\n") else "a torn last frame"
+                        bad.append((line if line.endswith(b"\n") else line + b"\n", _kind(line), why, True))
                         continue
-                    yield entry
+                    problem = check(entry) if check is not None else None
+                    if problem is not None:
+                        bad.append((line, str(entry.get("k"))[:32] or "unknown", problem, False))
+                        continue
+                    entries.append(entry)
         except FileNotFoundError:
-            return
+            pass
+        return entries, bad
 
-    def _quarantine(self, number: int, path: Path, error: BaseException) -> None:
-        target = path.with_name(path.name + _QUARANTINE_SUFFIX)
-        try:
-            path.rename(target)
-        except OSError:
-            target = path
+    def entries(self) -> Iterator[dict]:
+        """Every entry waiting now, oldest first, read without taking it (bad frames left out)."""
         with self._lock:
-            self._files.sizes.pop(number, None)
+            numbers = list(self._files.sizes)
+        for number in numbers:
+            yield from self._read(self._files.path(number), None)[0]
+
+    def _set_aside_segment(self, number: int, path: Path, error: BaseException) -> None:
+        data = path.read_bytes()
+        kinds = Counter(_kind(line) for line in data.splitlines())
+        target = self._files.set_aside(number, data)
+        with self._lock:
+            self._files.remove(number)
             self._quarantined += 1
-        logger.error("archive spool: the archive refused the content of %s (%s); set aside as %s for a "
-                     "person to look at", path.name, error, target)
+            self._set_aside.update(kinds)
+        logger.error("archive spool: the archive refused the content of %s (%s); its %d entries (%s) set aside "
+                     "in %s for a person to look at", path.name, error, sum(kinds.values()), describe_kinds(kinds), target)
+
+    def set_aside_files(self) -> list[SetAside]:
+        """Every file of entries this spool could not deliver (this run or an earlier one), with
+        how many of each kind it holds; they stay until a person removes them."""
+        found = []
+        for path in self._files.set_aside_files():
+            try:
+                kinds = Counter(_kind(line) for line in path.read_bytes().splitlines())
+            except OSError:
+                continue
+            found.append(SetAside(path, kinds))
+        return found
 
     def stats(self) -> SpoolStats:
         with self._lock:
             return SpoolStats(self._replayed, self._refused, self._corrupt, self._quarantined,
-                              self.pending_bytes)
+                              self.pending_bytes, dict(self._set_aside))
 
     def close(self) -> None:
         with self._lock:
             self._files.close_writer()
+        self._release()
 
     def __repr__(self) -> str:
         return f"Spool({str(self.directory)!r}, pending_bytes={self.pending_bytes})"
+
+
+def describe_kinds(kinds: Mapping[str, int]) -> str:
+    """Counts by kind in one phrase.
+
+    >>> describe_kinds({"windows": 2, "decision": 1})
+    '1 decision, 2 windows'
+    """
+    return ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))

@@ -53,6 +53,7 @@ class SpoolStats:
     dropped_expired: int
     dropped_unwritable: int
     corrupt_frames: int
+    set_aside_bytes: int = 0
 
 
 class TelemetrySpool:
@@ -91,7 +92,7 @@ class TelemetrySpool:
             raise ValueError(f"telemetry spool {self.directory} is in use by another process; "
                              "give each engine process its own SPECWATCH_TELEMETRY_SPOOL_DIR") from None
         self._counts = dict(spooled=0, drained=0, dropped_full=0, dropped_expired=0, dropped_unwritable=0,
-                            corrupt_frames=0)
+                            corrupt_frames=0, set_aside_bytes=0)
         # pending frames, oldest first: (segment number, offset, frame size, records)
         self._index: list[tuple[int, int, int, int]] = []
         self._head = 0  # index of the oldest pending frame in _index
@@ -143,9 +144,16 @@ class TelemetrySpool:
                 continue
             end = self._scan(number, start_offset if number == start_segment else 0)
             if end < self._files.sizes[number]:
+                # Past a bad length no frame boundary can be trusted: the rest of the segment is
+                # kept aside with its bytes (valid frames after the bad one included), not deleted.
+                with open(self._files.path(number), "rb") as segment:
+                    segment.seek(end)
+                    rest = segment.read()
+                kept = self._files.set_aside(number, rest)
                 self._counts["corrupt_frames"] += 1
-                logger.warning("telemetry spool %s: segment %d has a torn or corrupt frame at byte %d; "
-                               "cut there", self.directory, number, end)
+                self._counts["set_aside_bytes"] += len(rest)
+                logger.error("telemetry spool %s: segment %d has a torn or corrupt frame at byte %d; its last "
+                             "%d bytes are kept in %s, not sent", self.directory, number, end, len(rest), kept)
                 os.truncate(self._files.path(number), end)
                 self._files.sizes[number] = end
         if self._index:

@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 __all__ = ["CONTRACT_VERSION", "MAX_REQUESTS_PER_STEP", "BundleCard", "TargetCard", "DrafterCard",
            "RuntimeCard", "PolicyCard", "BundleRecord", "StepRecord", "RoundEntry", "RequestRecord",
            "Sample", "Sampling", "ShadowRecord", "TelemetryRecord", "bundle_digest",
-           "card_differences", "printable", "scope_name_ok"]
+           "card_differences", "printable", "scope_name_ok", "DraftLength", "Name", "ScopeName"]
 
 CONTRACT_VERSION = 1
 # A step of a real engine holds at most a few thousand running requests; anything
@@ -77,6 +77,8 @@ Millis = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Name = Annotated[str, Field(min_length=1, max_length=_MAX_ID_CHARS), AfterValidator(_printable)]
 ScopeName = Annotated[Name, AfterValidator(_scope_name)]
 Text = Annotated[str, AfterValidator(_printable)]
+# Tokens a drafter proposes per round: what a card, a draft limit or a rollback may name.
+DraftLength = Annotated[int, Field(ge=1, le=64)]
 
 
 class _Part(BaseModel):
@@ -93,7 +95,7 @@ class TargetCard(_Part):
 class DrafterCard(_Part):
     mechanism: Literal["ngram", "eagle3", "mtp", "dflash", "dspark", "external"]
     revision: Text = ""
-    draft_length: int = Field(ge=1, le=64)
+    draft_length: DraftLength
 
 
 class RuntimeCard(_Part):

@@ -9,7 +9,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SegmentFiles"]
+__all__ = ["SET_ASIDE_SUFFIX", "SegmentFiles"]
+
+# Bytes a spool could not deliver are kept beside their segment under its name and this suffix,
+# for a person to look at; nothing a spool drops is deleted unseen.
+SET_ASIDE_SUFFIX = ".bad"
 
 
 class SegmentFiles:
@@ -78,6 +82,21 @@ class SegmentFiles:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+
+    def set_aside(self, number: int, data: bytes) -> Path:
+        """Append ``data`` (frames that cannot be delivered) to the segment's set-aside file
+        beside it, on disk when this returns; returns that file. Numbers are reused once a
+        directory empties, so an earlier set-aside file of the same name is added to, never replaced."""
+        target = self.path(number).with_name(self.path(number).name + SET_ASIDE_SUFFIX)
+        with open(target, "ab") as kept:
+            kept.write(data)
+            kept.flush()
+            os.fsync(kept.fileno())
+        return target
+
+    def set_aside_files(self) -> list[Path]:
+        """The set-aside files in the directory, oldest segment first."""
+        return sorted(p for p in self.directory.glob(f"*{SET_ASIDE_SUFFIX}") if p.is_file())
 
     def remove(self, number: int) -> None:
         """Forget one segment and delete its file."""

@@ -14,6 +14,7 @@ from faust.types import TP
 from faust.types.tuples import Message as FaustMessage
 from mode import CrashingSupervisor
 
+from specwatch.actions.sinks.alertmanager import WEBHOOK_DETECTOR
 from specwatch.transport.kafka_io import KafkaWriter, PartitionReader
 
 from .metrics import ServiceHealth
@@ -124,7 +125,7 @@ def create_app(settings: StreamSettings) -> StreamApp:
     stage2.operations = operations
     if settings.operations.web_port is not None:
         operations.install(app, ready=lambda: _ready(app), cards=stage2.cards, publish=stage2.publish_decisions,
-                           automatic=stage2.automatic)
+                           automatic=stage2.automatic, archive=stage2.archive_decisions)
 
     logged, logged_at = (0, 0, 0), time.monotonic()
 
@@ -185,6 +186,8 @@ def run_worker(settings: StreamSettings, loglevel: str = "warning") -> int:
     """Run one Faust worker in this process until it is stopped (SIGTERM/SIGINT); returns the exit code."""
     stream = create_app(settings)
     stream.stage2.open_archive()  # before joining the group: an archive in use fails fast
+    # the webhook's earlier rollbacks: a re-sent alert stays a duplicate across a restart
+    stream.operations.remember(stream.stage2.archived_decisions(WEBHOOK_DETECTOR))
     worker = faust.Worker(stream.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
     worker.spinner = None  # a terminal progress spinner has no place in service logs
 

@@ -515,6 +515,15 @@ class Stage2Runner(PartitionRunner):
         if self.operations is not None:
             self.operations.published(decisions)
 
+    def archive_decisions(self, actions: list) -> None:
+        """Archive decisions made beside the slices (Alertmanager rollbacks) with their audit rows."""
+        if self._archive_sink is not None:
+            self._archive_sink.write_actions(actions)
+
+    def archived_decisions(self, detector: str) -> list:
+        """Every decision of ``detector`` the archive (and its spool) holds, oldest first."""
+        return self._archive_sink.decisions_by(detector) if self._archive_sink is not None else []
+
     def cards(self) -> dict[str, dict]:
         """Bundle id -> card of every bundle the stage-2 tasks of this worker have seen."""
         return {bundle: card for task in self._tasks.values() for bundle, card in task.stage.cards.items()}

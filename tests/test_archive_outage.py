@@ -219,8 +219,12 @@ def test_torn_writes_are_skipped_and_bad_segments_set_aside(tmp_path):
     with open(first, "ab") as segment:
         segment.write(b"0badc0de 99 {\"k\": \"windo")  # a crash mid-append
     seen: list = []
-    assert Spool(tmp_path / "spool").replay(seen.extend) == 4
+    again = Spool(tmp_path / "spool")
+    assert again.replay(seen.extend) == 4
     assert [e["rows"][0]["i"] for e in seen] == [0, 1, 2, 3]
+    (torn,) = again.set_aside_files()  # the torn bytes are kept beside their segment, not dropped
+    assert torn.path == first.with_name(first.name + ".bad") and torn.path.read_bytes() == (
+        b"0badc0de 99 {\"k\": \"windo\n") and again.stats().corrupt == 1
 
     bad = Spool(tmp_path / "bad", fsync=False)
     bad.append({"k": "mystery"})
@@ -231,7 +235,8 @@ def test_torn_writes_are_skipped_and_bad_segments_set_aside(tmp_path):
 
     assert bad.replay(refuse) == 0
     assert bad.stats().quarantined == 1 and bad.empty
-    assert [p.name for p in (tmp_path / "bad").iterdir()] == ["spool-000000000000.log.bad"]
+    assert [(kept.path.name, kept.kinds) for kept in bad.set_aside_files()] == [
+        ("spool-000000000000.log.bad", {"mystery": 1, "windows": 1})]
 
 
 def test_samples_never_reach_the_spool_or_the_archive_in_clear(tmp_path):

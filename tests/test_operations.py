@@ -221,7 +221,8 @@ def test_webhook_reads_scopes_reasons_and_refusals():
         _alert({"alertname": "Other", "bundle": "b-1"}, "d"),
         _alert({"alertname": "VLLMHighTPOT", "instance": "x"}, "e"),
         _alert({"alertname": "VLLMHighTPOT", "bundle": "b-1", "draft_length": "2"}, "f"))
-    requests, outcomes = read_webhook(payload, _CARDS, policy, ledger)
+    reading = read_webhook(payload, _CARDS, policy, ledger)
+    requests, outcomes = reading.requests, reading.outcomes
     assert [(r.scope, r.reason, r.draft_limit) for r in requests] == [
         (("b-1", "coding", None), "latency_slo", None), (("b-2", "coding", None), "latency_slo", None),
         (("b-3", None, "canary"), "error_rate", None), (("b-1", None, None), "latency_slo", 2)]
@@ -229,22 +230,25 @@ def test_webhook_reads_scopes_reasons_and_refusals():
     assert requests[0].audit == {"alertname": "VLLMHighTPOT", "fingerprint": "a",
                                  "generator_url": "http://prom/graph?g0.expr=x",
                                  "starts_at": "2026-12-01T10:00:00Z", "status": "firing"}
-    again, _ = read_webhook(payload, _CARDS, policy, ledger)
-    assert again == requests  # nothing was published yet: a retry asks for the same
+    assert read_webhook(payload, _CARDS, policy, ledger).requests == requests  # nothing published: asked again
     for request in requests:
-        ledger.record(request.ident)
-    again, outcomes = read_webhook(payload, _CARDS, policy, ledger)
-    assert again == [] and outcomes["duplicate"] == 3
+        ledger.applied(request)
+    again = read_webhook(payload, _CARDS, policy, ledger)
+    assert again.requests == [] and again.outcomes["duplicate"] == 3
 
 
 def test_webhook_restores_only_where_the_policy_says():
     alert = {"alertname": "VLLMHighTPOT", "bundle": "b-1", "reason": "latency_slo"}
     resolved = _payload(_alert(alert, status="resolved"), status="resolved")
-    requests, outcomes = read_webhook(resolved, _CARDS, RollbackPolicy(), WebhookLedger())
-    assert requests == [] and outcomes == Counter(not_restored=1)
+    reading = read_webhook(resolved, _CARDS, RollbackPolicy(), WebhookLedger())
+    assert reading.requests == [] and reading.outcomes == Counter(not_restored=1)
     policy = RollbackPolicy(restore_on_resolve=frozenset({"VLLMHighTPOT"}))
-    requests, outcomes = read_webhook(resolved, _CARDS, policy, WebhookLedger())
-    assert [(r.scope, r.restore) for r in requests] == [(("b-1", None, None), True)]
+    ledger = WebhookLedger()
+    reading = read_webhook(resolved, _CARDS, policy, ledger)
+    assert reading.requests == [] and reading.outcomes == Counter(not_held=1)  # it never turned b-1 off
+    ledger.hold("f1", ("b-1", None, None))
+    reading = read_webhook(resolved, _CARDS, policy, ledger)
+    assert [(r.scope, r.restore) for r in reading.requests] == [(("b-1", None, None), True)]
 
 
 @pytest.mark.parametrize("payload", [[], {"version": "3", "alerts": []}, {"version": "4"}])

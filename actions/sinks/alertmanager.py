@@ -18,18 +18,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, get_args
 
+from pydantic import TypeAdapter, ValidationError
+
 from specwatch.schemas import Decision
+from specwatch.schemas.contract import DraftLength, Name, ScopeName, Text
 from specwatch.schemas.decisions import Reason
 
-__all__ = ["ALERTMANAGER_URL_ENV", "SENDER_RESULTS", "WEBHOOK_OUTCOMES", "WEBHOOK_TOKEN_FILE_ENV",
-           "AlertRequest", "AlertSender", "RollbackPolicy", "WebhookLedger", "bearer_token_ok",
-           "decision_alert", "load_rollback_policy", "read_token_file", "read_webhook",
-           "resolve_scopes"]
+__all__ = ["ALERTMANAGER_URL_ENV", "SENDER_RESULTS", "WEBHOOK_DETECTOR", "WEBHOOK_OUTCOMES", "WEBHOOK_TOKEN_FILE_ENV",
+           "AlertRequest", "AlertSender", "RollbackPolicy", "WebhookLedger", "WebhookReading",
+           "alert_problem", "bearer_token_ok", "decision_alert", "load_rollback_policy", "read_token_file",
+           "read_webhook", "resolve_scopes"]
 
 # What a sender does with an alert, and what the webhook does with one it receives: the
 # label values of specwatch_alertmanager_alerts_total and specwatch_webhook_alerts_total.
 SENDER_RESULTS = ("sent", "failed", "dropped", "resolved")
-WEBHOOK_OUTCOMES = ("applied", "duplicate", "no_scope", "unknown_scope", "no_reason", "not_restored")
+WEBHOOK_OUTCOMES = ("applied", "duplicate", "no_scope", "unknown_scope", "no_reason", "not_restored",
+                    "invalid_alert", "not_held", "still_held")
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,8 @@ _DEFAULT_BACKOFF_S = 0.5
 _LEDGER_SIZE = 10_000
 _TAKING_AWAY = ("disable_speculation", "invalidate_bundle", "reduce_draft_length")
 _REASON_CODES = get_args(Reason)
+# The detector webhook rollbacks carry: how an archived one is told from the others after a restart.
+WEBHOOK_DETECTOR = "alertmanager"
 
 
 def _iso(ts: float) -> str:
@@ -290,18 +296,86 @@ def resolve_scopes(labels: Mapping[str, str], cards: Mapping[str, dict]) -> list
     return [(bundle, bucket, cohort) for bundle in bundles]
 
 
+# The contract's own rules for what reaches a decision from an alert: names as telemetry names a
+# bundle, bucket or cohort, the draft length as a card names it.
+_NAME = TypeAdapter(Name)
+_SCOPE_NAME = TypeAdapter(ScopeName)
+_DRAFT_LENGTH = TypeAdapter(DraftLength)
+_TEXT = TypeAdapter(Text)
+_NAMED_LABELS = ("alertname", "bundle", "model_name", "reason")
+_SCOPE_LABELS = ("bucket", "cohort")
+
+
+def alert_problem(alert: Mapping, labels: Mapping[str, str]) -> str | None:
+    """Why an alert cannot become a decision (a label or field the contract refuses), or None.
+
+    >>> ok = {"fingerprint": "f1", "startsAt": "2026-12-01T10:00:00.123456789Z"}
+    >>> alert_problem(ok, {"alertname": "A", "bundle": "b-1", "bucket": "*", "draft_length": "2"}) is None
+    True
+    >>> alert_problem(ok, {"alertname": "A", "bundle": "b-1", "draft_length": "-1"})
+    "label draft_length: '-1' is not a draft length (1 to 64)"
+    >>> alert_problem(dict(ok, startsAt="not-a-time"), {"alertname": "A", "bundle": "b-1"})
+    "startsAt: 'not-a-time' is not an RFC 3339 time with a zone"
+    """
+    for name in (*_NAMED_LABELS, *_SCOPE_LABELS, "draft_length"):
+        value = labels.get(name)
+        if value is None or (name in _SCOPE_LABELS and value in ("", "*")):
+            continue
+        try:
+            if name == "draft_length":
+                # a label is text: only plain decimal digits, no sign, no spaces, then the card's range
+                if not (value.isascii() and value.isdigit() and len(value) <= 2):
+                    raise ValueError
+                _DRAFT_LENGTH.validate_python(int(value))
+            else:
+                (_SCOPE_NAME if name in _SCOPE_LABELS else _NAME).validate_python(value)
+        except (ValueError, ValidationError):
+            what = "a draft length (1 to 64)" if name == "draft_length" else "a name the contract takes"
+            return f"label {name}: {value[:64]!r} is not {what}"
+    for name, adapter in (("fingerprint", _NAME), ("generatorURL", _TEXT)):
+        value = alert.get(name)
+        if value is None and name == "generatorURL":
+            continue
+        try:
+            adapter.validate_python(value, strict=True)
+        except ValidationError:
+            return f"{name}: {str(value)[:64]!r} is not a name the contract takes"
+    for name in ("startsAt", "endsAt"):
+        if name == "endsAt" and alert.get(name) is None:
+            continue
+        if _parse_time(alert.get(name)) is None:
+            return f"{name}: {str(alert.get(name))[:64]!r} is not an RFC 3339 time with a zone"
+    return None
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else None
+
+
 class WebhookLedger:
     """Alerts already handled, by (fingerprint, startsAt, status), recorded once their decisions
-    are published: a re-sent alert changes nothing, a retried failed one is handled in full.
+    are published: a re-sent alert changes nothing, a retried failed one is handled in full. It
+    also knows which alerts (by fingerprint) hold each scope off, so a resolved alert restores
+    only a scope it turned off itself and no other alert still holds.
 
     >>> ledger = WebhookLedger(size=1)
     >>> ledger.handled(("f1", "t", "firing")), ledger.record(("f1", "t", "firing")), ledger.handled(("f1", "t", "firing"))
     (False, None, True)
+    >>> ledger.hold("f1", ("b-1", None, None)); ledger.hold("f2", ("b-1", None, None))
+    >>> sorted(ledger.holders(("b-1", None, None))), ledger.release("f1", ("b-1", None, None))
+    (['f1', 'f2'], {'f2'})
     """
 
     def __init__(self, size: int = _LEDGER_SIZE) -> None:
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._size = size
+        self._holders: dict[tuple, set[str]] = {}
 
     def handled(self, ident: tuple) -> bool:
         return ident in self._seen
@@ -312,25 +386,81 @@ class WebhookLedger:
         if len(self._seen) > self._size:
             self._seen.popitem(last=False)
 
+    def holders(self, scope: tuple) -> set[str]:
+        """Fingerprints of the alerts that turned ``scope`` off (or lowered its D) and hold it so."""
+        return set(self._holders.get(scope, ()))
+
+    def hold(self, fingerprint: str, scope: tuple) -> None:
+        self._holders.setdefault(scope, set()).add(fingerprint)
+
+    def release(self, fingerprint: str, scope: tuple) -> set[str]:
+        """Forget that ``fingerprint`` holds ``scope``; returns the alerts that still hold it."""
+        held = self._holders.get(scope, set())
+        held.discard(fingerprint)
+        if not held:
+            self._holders.pop(scope, None)
+        return set(held)
+
+    def applied(self, request: AlertRequest) -> None:
+        """``request`` was published: remember it, and who holds its scope now."""
+        self.record(request.ident)
+        if request.restore:
+            # a restore goes out only once its alert is the last to hold the scope: none holds it now
+            self._holders.pop(request.scope, None)
+        else:
+            self.hold(request.audit["fingerprint"], request.scope)
+
+    def remember(self, decisions: Iterable[Decision]) -> int:
+        """Fold earlier webhook decisions (detector ``alertmanager``, oldest first, e.g. from the
+        archive after a restart) back in; returns how many were taken."""
+        taken = 0
+        for decision in decisions:
+            evidence = decision.evidence
+            if decision.detector != WEBHOOK_DETECTOR or not isinstance(evidence.get("fingerprint"), str):
+                continue
+            status = evidence.get("status")
+            self.applied(AlertRequest((decision.bundle_id, decision.bucket, decision.cohort), status == "resolved",
+                                      decision.reason, None, {"fingerprint": evidence["fingerprint"]},
+                                      (evidence["fingerprint"], evidence.get("starts_at"), status)))
+            taken += 1
+        return taken
+
+
+@dataclass
+class WebhookReading:
+    """What one webhook payload asks: the rollbacks, every alert counted by outcome
+    (`WEBHOOK_OUTCOMES`), and why each refused alert was refused."""
+
+    requests: list[AlertRequest] = field(default_factory=list)
+    outcomes: Counter = field(default_factory=Counter)
+    refused: list[dict] = field(default_factory=list)
+
 
 def read_webhook(payload: object, cards: Mapping[str, dict], policy: RollbackPolicy,
-                 ledger: WebhookLedger) -> tuple[list[AlertRequest], Counter]:
-    """The rollbacks one webhook payload (version 4, else ValueError) asks for, and a count of every
-    alert by outcome (`WEBHOOK_OUTCOMES`); record each ``ident`` in ``ledger`` once published."""
+                 ledger: WebhookLedger) -> WebhookReading:
+    """The rollbacks one webhook payload (version 4, else ValueError) asks for; call
+    ``ledger.applied`` for each once published. A bad alert is refused alone, with its reason."""
     if not isinstance(payload, dict) or str(payload.get("version")) != "4" or not isinstance(
             payload.get("alerts"), list):
         raise ValueError("not an Alertmanager webhook payload (version 4 with an alerts list)")
-    requests: list[AlertRequest] = []
-    outcomes: Counter = Counter()
+    reading = WebhookReading()
+    outcomes, seen = reading.outcomes, set()
     for alert in payload["alerts"]:
         if not isinstance(alert, dict) or not isinstance(alert.get("labels"), dict):
             outcomes["no_scope"] += 1
             continue
-        labels = {str(k): str(v) for k, v in alert["labels"].items()}
+        labels = {str(k): v if isinstance(v, str) else str(v) for k, v in alert["labels"].items()}
         status = alert.get("status") or payload.get("status")
         name = labels.get("alertname", "")
         if not (labels.get("bundle") or labels.get("model_name")):
             outcomes["no_scope"] += 1
+            continue
+        problem = alert_problem(alert, labels) or (
+            None if status in ("firing", "resolved") else f"status: {str(status)[:64]!r} is not firing or resolved")
+        if problem is not None:
+            outcomes["invalid_alert"] += 1
+            reading.refused.append({"fingerprint": str(alert.get("fingerprint"))[:64], "alertname": name[:64],
+                                    "reason": problem})
             continue
         scopes = resolve_scopes(labels, cards)
         if not scopes:
@@ -344,16 +474,33 @@ def read_webhook(payload: object, cards: Mapping[str, dict], policy: RollbackPol
         if restore and not policy.restores(name):
             outcomes["not_restored"] += 1
             continue
-        ident = (alert.get("fingerprint"), alert.get("startsAt"), status)
-        if ledger.handled(ident):
+        ident = (alert["fingerprint"], alert["startsAt"], status)
+        if ledger.handled(ident) or ident in seen:
             outcomes["duplicate"] += 1
             continue
+        seen.add(ident)
+        if restore:
+            # only what this alert turned off, and only once no other alert holds it off
+            held = [scope for scope in scopes if alert["fingerprint"] in ledger.holders(scope)]
+            if not held:
+                outcomes["not_held"] += 1
+                continue
+            free = [scope for scope in held if ledger.holders(scope) == {alert["fingerprint"]}]
+            if not free:
+                outcomes["still_held"] += 1
+                for scope in held:  # this one lets go; the others keep the scope off
+                    ledger.release(alert["fingerprint"], scope)
+                ledger.record(ident)
+                continue
+            for scope in held:
+                if scope not in free:
+                    ledger.release(alert["fingerprint"], scope)
+            scopes = free
         limit = labels.get("draft_length")
-        draft_limit = int(limit) if limit and limit.isdigit() and int(limit) >= 1 else None
-        audit = {"alertname": name, "fingerprint": alert.get("fingerprint"),
-                 "generator_url": alert.get("generatorURL"), "starts_at": alert.get("startsAt"),
+        audit = {"alertname": name, "fingerprint": alert["fingerprint"],
+                 "generator_url": alert.get("generatorURL"), "starts_at": alert["startsAt"],
                  "status": status}
         for scope in scopes:
-            requests.append(AlertRequest(scope, restore, reason, draft_limit, audit, ident))
+            reading.requests.append(AlertRequest(scope, restore, reason, int(limit) if limit else None, audit, ident))
         outcomes["applied"] += 1
-    return requests, outcomes
+    return reading
