@@ -108,7 +108,9 @@ class DuplicateFilter:
         self._oldest = -math.inf
 
     def to_state(self) -> dict:
-        return {"by_slice": [[index, [list(identity) for identity in seen]] for index, seen in self._by_slice.items()],
+        # sets in a stable order, so that one state is always the same bytes
+        return {"by_slice": [[index, [list(identity) for identity in sorted(seen, key=str)]]
+                             for index, seen in self._by_slice.items()],
                 "oldest": self._oldest}
 
     def load_state(self, state: dict) -> None:

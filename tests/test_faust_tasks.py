@@ -10,7 +10,7 @@ import pytest
 from specwatch.simulation.simulator import Simulator
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision, Policy, Rejection
-from specwatch.streams.faust_tasks import (
+from specwatch.streams.stage_tasks import (
     CheckpointError,
     PartialMessage,
     Stage1Task,
