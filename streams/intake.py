@@ -115,7 +115,8 @@ class DuplicateFilter:
 
     def load_state(self, state: dict) -> None:
         self._by_slice = {int(index): {tuple(identity) for identity in seen} for index, seen in state["by_slice"]}
-        self._oldest = float(state["oldest"])
+        oldest = state["oldest"]  # -inf, then a slice index
+        self._oldest = oldest if isinstance(oldest, int) else float(oldest)
 
     def first(self, slice_index: int, identity: tuple) -> bool:
         """True the first time ``identity`` is offered for this slice (and it is remembered)."""
