@@ -314,7 +314,7 @@ class SliceStats:
 
         >>> s = SliceStats(); s.add_round(4, 3); s.add_request(80.0, 9.0, 900.0, True, "stop", 1.0)
         >>> s.offer_sample("slowest", (-900.0, 1, "r1"), lambda: {"id": "r1"})
-        >>> SliceStats.from_state(s.to_state()) == s
+        >>> SliceStats.from_state(s.to_state()).to_state() == s.to_state()
         True
         """
         state = {name: getattr(self, name) for name in _PLAIN_FIELDS}
