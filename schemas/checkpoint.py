@@ -12,7 +12,7 @@ import zlib
 import msgspec
 
 __all__ = ["CHECKPOINT_MAGIC", "CHECKPOINT_VERSION", "PICKLED_CHECKPOINT_MAGIC", "Checkpoint", "CheckpointError",
-           "pack_checkpoint", "unpack_checkpoint", "read_payload"]
+           "inflated", "pack_checkpoint", "unpack_checkpoint", "read_payload"]
 
 CHECKPOINT_MAGIC = b"SWCK"
 # What checkpoints before this format began with: a pickle, compressed (see streams/pickled_checkpoints.py).
@@ -87,6 +87,18 @@ def unpack_checkpoint(data: bytes) -> tuple[bytes, str]:
     return envelope.payload, envelope.signature
 
 
+def inflated(data: bytes) -> bytes:
+    """Compressed checkpoint bytes unpacked, refused past `_MAX_UNPACKED_BYTES` while inflating."""
+    inflate = zlib.decompressobj()
+    try:
+        out = inflate.decompress(data, _MAX_UNPACKED_BYTES)
+    except zlib.error as error:
+        raise CheckpointError("undecodable", f"the payload does not inflate: {error}") from error
+    if inflate.unconsumed_tail:
+        raise CheckpointError("undecodable", f"the payload is larger than {_MAX_UNPACKED_BYTES} bytes unpacked")
+    return out
+
+
 def read_payload(payload: bytes) -> Checkpoint:
     """A checkpoint's payload (its signature already checked), its version first.
 
@@ -95,13 +107,7 @@ def read_payload(payload: bytes) -> Checkpoint:
     ...
     specwatch.schemas.checkpoint.CheckpointError: unsupported_version: checkpoint format version 9 is not one this version reads (it reads 1); the task rebuilds from its source topic
     """
-    inflate = zlib.decompressobj()
-    try:
-        payload = inflate.decompress(payload, _MAX_UNPACKED_BYTES)
-    except zlib.error as error:
-        raise CheckpointError("undecodable", f"the payload does not inflate: {error}") from error
-    if inflate.unconsumed_tail:
-        raise CheckpointError("undecodable", f"the payload is larger than {_MAX_UNPACKED_BYTES} bytes unpacked")
+    payload = inflated(payload)
     try:
         version = _version_decoder.decode(payload).version
     except msgspec.DecodeError as error:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import zlib
 from collections import Counter, defaultdict, deque
 
 from fastdigest import TDigest
@@ -17,7 +16,7 @@ from specwatch.actions import admission, flags, policy as fallback
 from specwatch.detectors import baseline, canary, gates, monitor, stalls, window
 from specwatch.detectors.sketch import LatencySketch
 from specwatch.schemas import codec, policy
-from specwatch.schemas.checkpoint import PICKLED_CHECKPOINT_MAGIC, CheckpointError
+from specwatch.schemas.checkpoint import PICKLED_CHECKPOINT_MAGIC, CheckpointError, inflated
 from specwatch.schemas.fastdecode import _record_at
 from specwatch.schemas.otlp import decode_request
 
@@ -25,11 +24,6 @@ from . import ingest, intake, running, topology
 from .stage_tasks import BundleOwner, Stage1Task, Stage2Task
 
 __all__ = ["load_pickled_task"]
-
-# A stage-2 checkpoint of a busy partition is tens of MB unpacked; a larger one is refused
-# before it is read, not after it filled the memory.
-_MAX_UNPACKED_BYTES = 1 << 30
-
 
 def _flag_store(state: dict) -> flags.FlagStore:
     # The reducer of earlier versions pickled the store's fields but its lock and cache.
@@ -111,14 +105,6 @@ class _StateUnpickler(pickle.Unpickler):
         return found
 
 
-def _unpacked(data: bytes) -> bytes:
-    inflate = zlib.decompressobj()
-    out = inflate.decompress(data, _MAX_UNPACKED_BYTES)
-    if inflate.unconsumed_tail:
-        raise CheckpointError("undecodable", f"a pickled checkpoint larger than {_MAX_UNPACKED_BYTES} bytes unpacked")
-    return out
-
-
 def load_pickled_task(data: bytes) -> Stage1Task | Stage2Task:
     """The task a pickled checkpoint of an earlier version holds, rebuilt from its plain state.
 
@@ -128,7 +114,7 @@ def load_pickled_task(data: bytes) -> Stage1Task | Stage2Task:
     if not bytes(data[:len(PICKLED_CHECKPOINT_MAGIC)]) == PICKLED_CHECKPOINT_MAGIC:
         raise CheckpointError("not_a_checkpoint", "not a pickled specwatch checkpoint")
     try:
-        task = _StateUnpickler(io.BytesIO(_unpacked(data[len(PICKLED_CHECKPOINT_MAGIC):]))).load()
+        task = _StateUnpickler(io.BytesIO(inflated(data[len(PICKLED_CHECKPOINT_MAGIC):]))).load()
         if not isinstance(task, (Stage1Task, Stage2Task)):
             raise CheckpointError("undecodable", f"the pickle holds a {type(task).__name__}, not a stage task")
         # through the plain state: what does not convert is refused here, not at the next fold
