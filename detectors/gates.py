@@ -172,6 +172,7 @@ class BernoulliCusum:
 _ADWIN_MAX_BUCKETS = 5
 _ADWIN_MIN_WINDOW = 5
 _ADWIN_GRACE_PERIOD = 10
+_MAX_ADWIN_STATE_BYTES = 1 << 20
 
 
 class DropDetector:
@@ -226,8 +227,10 @@ class DropDetector:
 
     def load_state(self, state: dict) -> None:
         window = state["window"]
-        if not isinstance(window, bytes):
-            raise ValueError("ADWIN state must be bytes")
+        # a few hundred bytes in practice (buckets grow with the log of the window): a larger
+        # one is not ADWIN's, and is not handed to the extension to allocate for
+        if not isinstance(window, bytes) or len(window) > _MAX_ADWIN_STATE_BYTES:
+            raise ValueError("ADWIN state must be bytes, at most %d of them" % _MAX_ADWIN_STATE_BYTES)
         self._restart_window()
         self._window.__setstate__(window)
         self._window_changed = bool(state["window_changed"])

@@ -335,16 +335,17 @@ def encode_checkpoint(task: Stage1Task | Stage2Task, keyring: Keyring | None = N
 
 
 def decode_checkpoint(data: bytes, keyring: Keyring | None = None, name: str | None = None,
-                      convert_pickled: bool = True) -> Stage1Task | Stage2Task:
+                      convert_pickled: bool | None = None) -> Stage1Task | Stage2Task:
     """The task a checkpoint holds, or `CheckpointError` saying why not (its ``reason``): a
     signature that does not verify against ``keyring``, a checkpoint for another task than
     ``name``, a format version or content this version does not read. A pickled checkpoint of an
-    earlier version converts (`specwatch.streams.pickled_checkpoints`) if ``convert_pickled``; with
-    a signing key it never was signed, so only an explicit ``convert_pickled`` admits it then.
+    earlier version converts (`specwatch.streams.pickled_checkpoints`) if ``convert_pickled``, by
+    default only without a signing key: it never was signed, and a stage-2 task publishes its
+    outbox signed.
     """
     keyring = keyring if keyring is not None else Keyring()
     if bytes(data[:len(PICKLED_CHECKPOINT_MAGIC)]) == PICKLED_CHECKPOINT_MAGIC:
-        if not convert_pickled:
+        if not (not keyring.enabled if convert_pickled is None else convert_pickled):
             raise CheckpointError("pickled_refused", "a pickled checkpoint of an earlier version, never signed; "
                                                      "conversion was not asked for while signing is on")
         from .pickled_checkpoints import load_pickled_task
