@@ -4,7 +4,7 @@ loses it on any change. Pure: events in, decisions out."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from specwatch.detectors.canary import CanaryJudge, Judgement, combine
 from specwatch.detectors.window import SliceStats
@@ -145,6 +145,17 @@ class BundleAdmission:
         return bool(self.card) and self.card.get("policy", {}).get("acceptance_rule", "strict") == "strict"
 
 
+def _entry_state(entry: BundleAdmission) -> dict:
+    """A bundle's entry as plain data: its judges with the setting each was made with."""
+    fields = {name: getattr(entry, name) for name in ("bundle_id", "first_seen", "card", "stage", "stage_decided",
+                                                      "stage_since", "share_index", "invalidated",
+                                                      "judged_versions")}
+    fields["judges"] = {bucket: [judge.require_shadow_checks, judge.to_state()]
+                        for bucket, judge in entry.judges.items()}
+    fields["history"] = [asdict(change) for change in entry.history]
+    return fields
+
+
 def _judged(entry: BundleAdmission) -> tuple[dict, str]:
     """The judgements of an entry's buckets that have a baseline, and their combined outcome."""
     judged = {b: j.judgement for b, j in sorted(entry.judges.items()) if j.baseline.requests}
@@ -162,6 +173,23 @@ class AdmissionController:
         self.bundles: dict[str, BundleAdmission] = {}
         self._admitted = frozenset(self.settings.admitted_bundles)
         self.changes: list[StageChange] = []  # stage changes not yet taken by the caller
+
+    def to_state(self) -> dict:
+        """Every bundle's stage, judges and history as plain data (the settings are the policy's)."""
+        return {"bundles": [_entry_state(entry) for entry in self.bundles.values()],
+                "changes": [asdict(change) for change in self.changes]}
+
+    def load_state(self, state: dict) -> None:
+        self.bundles = {}
+        for fields in state["bundles"]:
+            entry = BundleAdmission(**{k: v for k, v in fields.items() if k not in ("judges", "history")})
+            entry.history = [StageChange(**change) for change in fields["history"]]
+            for bucket, (shadow, judge_state) in fields["judges"].items():
+                judge = entry.judges[str(bucket)] = CanaryJudge(self.settings, self.policy.quality.strict_checks,
+                                                                require_shadow_checks=bool(shadow))
+                judge.load_state(judge_state)
+            self.bundles[entry.bundle_id] = entry
+        self.changes = [StageChange(**change) for change in state["changes"]]
 
     def take_changes(self) -> list[StageChange]:
         """Stage changes since the last call, oldest first (for the registry in the archive)."""

@@ -4,12 +4,12 @@ overrides folded into per-scope state, in memory and pure (whoever feeds it does
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from specwatch.schemas import Decision
 
 __all__ = ["Scope", "ScopeState", "SpeculationState", "AdmissionState", "FlagStore", "OverrideChange",
-           "override_decision", "SPECULATION_ON", "STAGES"]
+           "override_decision", "scope_from_state", "SPECULATION_ON", "STAGES"]
 
 Scope = tuple[str, str | None, str | None]  # (bundle_id, bucket or None=all, cohort or None=all)
 
@@ -84,6 +84,20 @@ def _admission_state(decision: Decision) -> AdmissionState | None:
                           decision.reason, decision.id, decision.ts)
 
 
+def scope_from_state(items) -> Scope:
+    """A scope as `FlagStore.to_state` writes it: [bundle, bucket or None, cohort or None]."""
+    bundle, bucket, cohort = items
+    if not isinstance(bundle, str) or not all(part is None or isinstance(part, str) for part in (bucket, cohort)):
+        raise ValueError(f"not a scope: {items!r}")
+    return bundle, bucket, cohort
+
+
+def _admission_from_state(fields: dict) -> AdmissionState:
+    if fields["stage"] not in STAGES:
+        raise ValueError(f"unknown admission stage {fields['stage']!r}")
+    return AdmissionState(**fields)
+
+
 @dataclass
 class FlagStore:
     """Current speculative-path state per scope, with manual overrides on top.
@@ -120,6 +134,33 @@ class FlagStore:
     _manual_stages: dict[str, AdmissionState] = field(default_factory=dict)
     _cache: dict[tuple[str, str, str], SpeculationState] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def to_state(self) -> dict:
+        """Every scope's and bundle's state as plain data (the lock and the lookup cache are this
+        process's own).
+
+        >>> store = FlagStore()
+        >>> _ = store.apply(Decision(ts=10.0, bundle_id="b-1", bucket="coding", action="disable_speculation",
+        ...                          reason="acceptance_drop", detector="gate"))
+        >>> FlagStore.from_state(store.to_state()).lookup("b-1", "coding", "main").enabled
+        False
+        """
+        with self._lock:
+            return {"auto": [[list(scope), asdict(state)] for scope, state in self._auto.items()],
+                    "manual": [[list(scope), asdict(state)] for scope, state in self._manual.items()],
+                    "stages": {bundle: asdict(state) for bundle, state in self._stages.items()},
+                    "manual_stages": {bundle: asdict(state) for bundle, state in self._manual_stages.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "FlagStore":
+        def scopes(pairs) -> dict[Scope, ScopeState]:
+            return {scope_from_state(scope): ScopeState(**fields) for scope, fields in pairs}
+
+        def stages(by_bundle) -> dict[str, AdmissionState]:
+            return {str(bundle): _admission_from_state(fields) for bundle, fields in by_bundle.items()}
+
+        return cls(_auto=scopes(state["auto"]), _manual=scopes(state["manual"]), _stages=stages(state["stages"]),
+                   _manual_stages=stages(state["manual_stages"]))
 
     def apply(self, decision: Decision) -> bool:
         """Fold one decision in; returns whether the state of its scope changed."""

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from specwatch.detectors.draft_length import DraftLengthCurve
 from specwatch.detectors.monitor import Finding, RecoveryEvidence
@@ -11,7 +11,7 @@ from specwatch.detectors.window import round_evidence as _round
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import Policy
 
-from .flags import FlagStore, Scope
+from .flags import FlagStore, Scope, scope_from_state
 
 __all__ = ["FallbackPolicy", "ScopeMemory"]
 
@@ -59,6 +59,13 @@ class FallbackPolicy:
         self.policy = policy
         self.flags = flags
         self.memory: dict[Scope, ScopeMemory] = {}
+
+    def to_state(self) -> dict:
+        """What the policy remembers per scope, as plain data (the flags are the owner's)."""
+        return {"memory": [[list(scope), asdict(memory)] for scope, memory in self.memory.items()]}
+
+    def load_state(self, state: dict) -> None:
+        self.memory = {scope_from_state(scope): ScopeMemory(**fields) for scope, fields in state["memory"]}
 
     def _is_off(self, scope: Scope) -> bool:
         bundle, bucket, cohort = scope

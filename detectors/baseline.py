@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from specwatch.schemas.policy import BaselinePolicy, PinnedBaseline
 
@@ -73,6 +73,13 @@ class Baseline:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Baseline":
+        return cls(**{name: data[name] for name in _BASELINE_FIELDS})
+
+
+_BASELINE_FIELDS = tuple(f.name for f in fields(Baseline))
+
 
 class BaselinePool:
     """Speculating traffic of every key of one bundle while it learned, by bucket and in total:
@@ -129,6 +136,19 @@ class BaselinePool:
         requests = self.bundle.requests + self.later_requests - without[0]
         failures = self.bundle.errors + self.bundle.timeouts + self.later_failures - without[1]
         return (failures + 1.0) / (requests + 1.0)
+
+    def to_state(self) -> dict:
+        return {"buckets": {bucket: stats.to_state() for bucket, stats in self.buckets.items()},
+                "bundle": self.bundle.to_state(), "later_requests": self.later_requests,
+                "later_failures": self.later_failures}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "BaselinePool":
+        pool = cls()
+        pool.buckets = {str(bucket): SliceStats.from_state(stats) for bucket, stats in state["buckets"].items()}
+        pool.bundle = SliceStats.from_state(state["bundle"])
+        pool.later_requests, pool.later_failures = int(state["later_requests"]), int(state["later_failures"])
+        return pool
 
     def borrow(self, bucket: str, min_requests: int) -> tuple[SliceStats | None, str]:
         """The bucket's learned traffic if it holds ``min_requests`` finished requests."""
@@ -265,6 +285,21 @@ class BaselineLearner:
     @property
     def done(self) -> bool:
         return self.acceptance_ready and self.latency_ready
+
+    def to_state(self) -> dict:
+        """What was learned so far as plain data (the settings and the pool are the owner's)."""
+        return {"baseline": self.baseline.to_dict(), "acc": self._acc.to_state(),
+                "draft_costs": self._draft_costs, "token_costs": self._token_costs, "start": self._start,
+                "acceptance_ready": self.acceptance_ready, "latency_ready": self.latency_ready}
+
+    def load_state(self, state: dict) -> None:
+        """Take up learning where `to_state` left it."""
+        self.baseline = Baseline.from_dict(state["baseline"])
+        self._acc = SliceStats.from_state(state["acc"])
+        self._draft_costs = [float(v) for v in state["draft_costs"]]
+        self._token_costs = [float(v) for v in state["token_costs"]]
+        self._start = state["start"]
+        self.acceptance_ready, self.latency_ready = bool(state["acceptance_ready"]), bool(state["latency_ready"])
 
     def update(self, stats: SliceStats, slice_end: float) -> None:
         if self.done:

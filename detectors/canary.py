@@ -11,6 +11,7 @@ import numpy as np
 
 from specwatch.schemas.policy import AdmissionPolicy
 
+from .sketch import LatencySketch
 from .window import SliceStats, round_evidence as _round
 
 __all__ = ["CanaryJudge", "Judgement", "MetricVerdict", "WindowSample", "mann_whitney_greater", "combine"]
@@ -70,6 +71,17 @@ class WindowSample:
         return cls(stats.requests, stats.errors + stats.timeouts, stats.speedup if stats.steps else math.nan,
                    stats.acceptance_length, stats.error_rate, stats.kv_peak if stats.steps else math.nan, sketches)
 
+    def to_state(self) -> dict:
+        return {"requests": self.requests, "errors": self.errors, "speedup": self.speedup,
+                "acceptance_length": self.acceptance_length, "error_rate": self.error_rate,
+                "kv_peak": self.kv_peak, "sketches": {m: s.to_state() for m, s in self.sketches.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "WindowSample":
+        return cls(int(state["requests"]), int(state["errors"]), float(state["speedup"]),
+                   float(state["acceptance_length"]), float(state["error_rate"]), float(state["kv_peak"]),
+                   {str(m): LatencySketch.from_state(s) for m, s in state["sketches"].items()})
+
     def share_above(self, metric: str, limit: float) -> float:
         """Share of the window's requests whose ``metric`` is above ``limit``; NaN without any."""
         sketch = self.sketches.get(metric)
@@ -90,6 +102,18 @@ class MetricVerdict:
     p_value: float = math.nan
     windows: tuple[int, int] = (0, 0)
     note: str = ""
+
+    def to_state(self) -> dict:
+        return {"metric": self.metric, "outcome": self.outcome, "canary": self.canary, "baseline": self.baseline,
+                "limit": self.limit, "p_value": self.p_value, "windows": list(self.windows), "note": self.note}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "MetricVerdict":
+        if state["outcome"] not in _RANK:
+            raise ValueError(f"unknown outcome {state['outcome']!r}")
+        return cls(str(state["metric"]), state["outcome"], float(state["canary"]), float(state["baseline"]),
+                   float(state["limit"]), float(state["p_value"]),
+                   (int(state["windows"][0]), int(state["windows"][1])), str(state["note"]))
 
     def evidence(self) -> dict:
         out = {"metric": self.metric, "outcome": self.outcome, "canary": _round(self.canary),
@@ -146,6 +170,15 @@ class _Side:
     @property
     def requests(self) -> int:
         return self.closed.requests + self.pending.requests
+
+    def to_state(self) -> dict:
+        return {"pending": self.pending.to_state(), "closed": self.closed.to_state(),
+                "windows": [w.to_state() for w in self.windows]}
+
+    def load_state(self, state: dict) -> None:
+        self.pending = SliceStats.from_state(state["pending"])
+        self.closed = SliceStats.from_state(state["closed"])
+        self.windows = [WindowSample.from_state(w) for w in state["windows"]]
 
     def update(self, stats: SliceStats) -> bool:
         """Fold one slice in; True when it closed a window."""
@@ -217,6 +250,24 @@ class CanaryJudge:
         self._extra_looks = 0  # looks taken off the schedule, before a promotion (``confirm``)
         self._tested_windows = (0, 0)
         self._tests = self._test()
+
+    def to_state(self) -> dict:
+        """The evidence and the verdict standing on it, as plain data (the settings are the owner's)."""
+        return {"canary": self.canary.to_state(), "baseline": self.baseline.to_state(),
+                "shadow_checks": self.shadow_checks, "mismatches": [list(m) for m in self.mismatches],
+                "version": self.version, "tested_look": self._tested_look, "extra_looks": self._extra_looks,
+                "tested_windows": list(self._tested_windows), "tests": [t.to_state() for t in self._tests]}
+
+    def load_state(self, state: dict) -> None:
+        self.canary.load_state(state["canary"])
+        self.baseline.load_state(state["baseline"])
+        self.shadow_checks = int(state["shadow_checks"])
+        self.mismatches = [(float(ts), str(rid), str(check)) for ts, rid, check in state["mismatches"]]
+        self.version = int(state["version"])
+        self._tested_look, self._extra_looks = int(state["tested_look"]), int(state["extra_looks"])
+        self._tested_windows = (int(state["tested_windows"][0]), int(state["tested_windows"][1]))
+        self._tests = tuple(MetricVerdict.from_state(t) for t in state["tests"])
+        self._judgement = None  # read again from the tests on demand
 
     def update(self, side: Literal["canary", "baseline"], stats: SliceStats) -> None:
         if side not in ("canary", "baseline"):

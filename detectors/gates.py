@@ -50,6 +50,12 @@ class ConsecutiveGate:
         self.streak += 1
         self.drift_detected = self.streak % self.consecutive == 0
 
+    def to_state(self) -> dict:
+        return {"streak": self.streak, "drift_detected": self.drift_detected}
+
+    def load_state(self, state: dict) -> None:
+        self.streak, self.drift_detected = int(state["streak"]), bool(state["drift_detected"])
+
 
 def cusum_threshold(observations_per_hour: float, false_alarms_per_hour: float) -> float:
     """Decision threshold of a CUSUM on log-likelihood ratios, from a false-alarm budget: it runs
@@ -126,6 +132,24 @@ class BernoulliCusum:
         self.hits += hits
         self.drift_detected = self.statistic >= self.threshold and self.hits >= self.min_hits
 
+    def to_state(self) -> dict:
+        return {"p0": self.p0, "p1": self.p1, "threshold": self.threshold, "min_hits": self.min_hits,
+                "statistic": self.statistic, "trials": self.trials, "hits": self.hits,
+                "started_at": self.started_at, "drift_detected": self.drift_detected}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "BernoulliCusum":
+        """A test from `to_state`, its evidence so far included.
+
+        >>> cusum = BernoulliCusum(p0=0.01, p1=0.04, threshold=10.0); cusum.update(100, 4.0, at=3.0)
+        >>> BernoulliCusum.from_state(cusum.to_state()).to_state() == cusum.to_state()
+        True
+        """
+        out = cls(float(state["p0"]), float(state["p1"]), float(state["threshold"]), float(state["min_hits"]))
+        out.statistic, out.trials, out.hits = float(state["statistic"]), int(state["trials"]), float(state["hits"])
+        out.started_at, out.drift_detected = float(state["started_at"]), bool(state["drift_detected"])
+        return out
+
     def retune(self, p0: float, p1: float) -> None:
         """Judge the next trials against a new baseline and alternative, keeping the evidence so far.
 
@@ -148,6 +172,7 @@ class BernoulliCusum:
 _ADWIN_MAX_BUCKETS = 5
 _ADWIN_MIN_WINDOW = 5
 _ADWIN_GRACE_PERIOD = 10
+_MAX_ADWIN_STATE_BYTES = 1 << 20
 
 
 class DropDetector:
@@ -193,6 +218,24 @@ class DropDetector:
         self._window = AdaptiveWindowing(delta=self.delta, clock=self.clock, max_buckets=_ADWIN_MAX_BUCKETS,
                                          min_window_length=_ADWIN_MIN_WINDOW, grace_period=_ADWIN_GRACE_PERIOD)
         self._window_changed = False
+
+    def to_state(self) -> dict:
+        # ADWIN's window through river's own state protocol: bytes its Rust core writes and reads
+        # back as numbers (bincode), never as objects.
+        return {"window": self._window.__getstate__(), "window_changed": self._window_changed,
+                "recent": self._recent, "drift_detected": self.drift_detected}
+
+    def load_state(self, state: dict) -> None:
+        window = state["window"]
+        # a few hundred bytes in practice (buckets grow with the log of the window): a larger
+        # one is not ADWIN's, and is not handed to the extension to allocate for
+        if not isinstance(window, bytes) or len(window) > _MAX_ADWIN_STATE_BYTES:
+            raise ValueError("ADWIN state must be bytes, at most %d of them" % _MAX_ADWIN_STATE_BYTES)
+        self._restart_window()
+        self._window.__setstate__(window)
+        self._window_changed = bool(state["window_changed"])
+        self._recent = [float(v) for v in state["recent"]]
+        self.drift_detected = bool(state["drift_detected"])
 
     def update(self, x: float) -> None:
         self.drift_detected = False

@@ -235,10 +235,22 @@ class _Windowed:
             self._requests_before.append(self._requests_pushed)
             self._requests_pushed += stats.requests
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if "_requests_before" not in state:  # a checkpoint written before the running count
-            self._count_requests()
+    def to_state(self) -> dict:
+        """The key's history and learning as plain data; the settings are the policy's."""
+        return {"history": [[end, stats.to_state()] for end, stats in self.history], "floor": self.floor,
+                "requests_before": list(self._requests_before), "requests_pushed": self._requests_pushed,
+                "learner": self.learner.to_state()}
+
+    def load_state(self, state: dict) -> None:
+        """Take up where `to_state` left (on a monitor made from the same policy)."""
+        self.history.clear()
+        self.history.extend((float(end), SliceStats.from_state(stats)) for end, stats in state["history"])
+        self.floor = float(state["floor"])
+        self._last_window = None
+        self._requests_before.clear()
+        self._requests_before.extend(int(n) for n in state["requests_before"])
+        self._requests_pushed = int(state["requests_pushed"])
+        self.learner.load_state(state["learner"])
 
     @property
     def baseline(self) -> Baseline:
@@ -421,16 +433,36 @@ class KeyMonitor(_Windowed):
                 out[metric] = (relative, share if not math.isnan(share) else _SLO_SHARE)
         return out
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        if "_bands" not in state:  # a checkpoint written before the tail tests followed load
-            self._load, self._bands = [0.0, 0.0], {}
-            if self._tail_tests:
-                limits = self._tail_limits()
-                self._tail_tests = {metric: (tests, limit, limits[metric][1])
-                                    for metric, (tests, limit) in self._tail_tests.items()}
-        if "stalls" not in state:  # a checkpoint written before running requests were counted
-            self.stalls = StalledRequests()
+    def to_state(self) -> dict:
+        state = super().to_state()
+        tail = self._tail_tests
+        state.update(
+            load=list(self._load),
+            bands={metric: [[band, learned] for band, learned in bands.items()] for metric, bands in self._bands.items()},
+            stalls=self.stalls.to_state(), acceptance_gate=self.acceptance_gate.to_state(),
+            acceptance_drift=self.acceptance_drift.to_state(), speedup_gate=self.speedup_gate.to_state(),
+            error_tests=None if self._error_tests is None else [t.to_state() for t in self._error_tests],
+            tail_tests=None if tail is None else {metric: [[t.to_state() for t in tests], limit, share]
+                                                  for metric, (tests, limit, share) in tail.items()},
+            counted=list(self._counted))
+        return state
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        self._load = [float(v) for v in state["load"]]
+        self._bands = {str(metric): {int(band): (float(learned) if isinstance(learned, (int, float))
+                                                 else [float(learned[0]), int(learned[1])])
+                                     for band, learned in bands} for metric, bands in state["bands"].items()}
+        self.stalls.load_state(state["stalls"])
+        self.acceptance_gate.load_state(state["acceptance_gate"])
+        self.acceptance_drift.load_state(state["acceptance_drift"])
+        self.speedup_gate.load_state(state["speedup_gate"])
+        errors, tail = state["error_tests"], state["tail_tests"]
+        self._error_tests = None if errors is None else [BernoulliCusum.from_state(t) for t in errors]
+        self._tail_tests = None if tail is None else {
+            str(metric): ([BernoulliCusum.from_state(t) for t in tests], float(limit), float(share))
+            for metric, (tests, limit, share) in tail.items()}
+        self._counted = (int(state["counted"][0]), int(state["counted"][1]))
 
     def _load_factor(self, stats: SliceStats) -> float:
         """The key's verify time per step, smoothed, over what it was while the baseline learned."""
@@ -556,6 +588,16 @@ class BundleMonitor(_Windowed):
     def _reset(self) -> None:
         self.kv_gate = ConsecutiveGate(self.policy.kv.consecutive)
         self.draft_gate = ConsecutiveGate(self.policy.draft_overhead.consecutive)
+
+    def to_state(self) -> dict:
+        state = super().to_state()
+        state.update(kv_gate=self.kv_gate.to_state(), draft_gate=self.draft_gate.to_state())
+        return state
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        self.kv_gate.load_state(state["kv_gate"])
+        self.draft_gate.load_state(state["draft_gate"])
 
     def recovery_evidence(self, since: float, seconds: float) -> RecoveryEvidence | None:
         """Peak KV usage of the bundle's engine steps in the last ``seconds`` after ``since``."""

@@ -123,13 +123,25 @@ class LatencySketch:
         out.merge(self)
         return out
 
-    def __getstate__(self) -> dict:
-        return {"max_centroids": self.max_centroids, "digest": self.to_bytes()}
+    def to_state(self) -> dict:
+        """The sketch as plain data, values not yet folded included: folding them here would make
+        later quantiles depend on when a checkpoint happened to be taken.
 
-    def __setstate__(self, state: dict) -> None:
-        self.max_centroids = state["max_centroids"]
-        self._pending = []
-        self._digest = TDigest.from_bytes(state["digest"]) if state["digest"] else None
+        >>> s = LatencySketch(); s.add(5.0); restored = LatencySketch.from_state(s.to_state())
+        >>> restored.to_state() == s.to_state(), restored.count
+        (True, 1)
+        """
+        return {"max_centroids": self.max_centroids, "pending": list(self._pending),
+                "digest": self._digest.to_dict() if self._digest is not None else None}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "LatencySketch":
+        """A sketch from `to_state`; the digest through fastdigest's own dict form (numbers only)."""
+        out = cls(int(state["max_centroids"]))
+        out._pending = [float(v) for v in state["pending"]]
+        digest = state["digest"]
+        out._digest = TDigest.from_dict(digest) if digest is not None else None
+        return out
 
     def to_bytes(self) -> bytes:
         self._fold()

@@ -64,6 +64,14 @@ class StalledRequests:
         self.counted_total += len(stalled)
         return len(stalled), finished
 
+    def to_state(self) -> dict:
+        return {"waiting": self.waiting, "counted": self.counted, "counted_total": self.counted_total}
+
+    def load_state(self, state: dict) -> None:
+        self.waiting = {str(rid): float(first) for rid, first in state["waiting"].items()}
+        self.counted = {str(rid): float(first) for rid, first in state["counted"].items()}
+        self.counted_total = int(state["counted_total"])
+
     def forget(self) -> None:
         """Counted requests count again when they finish (the tests that counted them are gone)."""
         self.waiting.update(self.counted)

@@ -40,6 +40,11 @@ _first = itemgetter(0)
 _ranked = itemgetter("_rank")
 _SUMMARY_QUANTILES = (0.5, 0.95, 0.99)
 _SKETCH_NAMES = ("ttft", "tpot", "e2e")
+# SliceStats fields that are numbers, lists and dicts of numbers: checkpointed as they are
+_PLAIN_FIELDS = ("max_ts", "steps", "rounds", "plain_entries", "drafted_tokens", "accepted_tokens",
+                 "accepted_at_least", "drafted_at_least", "draft_ms", "verify_ms", "kv_peak", "requests",
+                 "speculative_requests", "errors", "timeouts", "shadow_checks", "shadow_mismatches",
+                 "running_long", "running_done")
 
 
 def _merge_ranked(into: list, other: list, quota: int) -> list:
@@ -59,11 +64,7 @@ def _merge_ranked(into: list, other: list, quota: int) -> list:
 def sample_record(sample: dict) -> dict:
     """The telemetry record a kept sample stands for, without the ranking it was kept by."""
     make = sample.get("_make")
-    if make is not None:
-        record = make(sample["_item"])
-    else:
-        lazy = sample.get("_lazy")  # as a checkpoint written before "_make" holds it
-        record = lazy() if lazy is not None else sample
+    record = make(sample["_item"]) if make is not None else sample
     return {k: v for k, v in record.items() if not k.startswith("_")}
 
 
@@ -306,6 +307,31 @@ class SliceStats:
     def copy(self) -> "SliceStats":
         out = SliceStats()
         out.merge(self)
+        return out
+
+    def to_state(self) -> dict:
+        """The counts as plain data; kept samples built now (they are built lazily otherwise).
+
+        >>> s = SliceStats(); s.add_round(4, 3); s.add_request(80.0, 9.0, 900.0, True, "stop", 1.0)
+        >>> s.offer_sample("slowest", (-900.0, 1, "r1"), lambda: {"id": "r1"})
+        >>> SliceStats.from_state(s.to_state()).to_state() == s.to_state()
+        True
+        """
+        state = {name: getattr(self, name) for name in _PLAIN_FIELDS}
+        for name in _SKETCH_NAMES:
+            sketch = getattr(self, name)
+            state[name] = sketch.to_state() if sketch is not None else None
+        state["samples"] = {kind: [{**sample_record(sample), "_rank": list(sample["_rank"])} for sample in kept]
+                            for kind, kept in self.samples.items()}
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SliceStats":
+        out = cls(**{name: state[name] for name in _PLAIN_FIELDS})
+        for name in _SKETCH_NAMES:
+            if state[name] is not None:
+                setattr(out, name, LatencySketch.from_state(state[name]))
+        out.samples = {str(kind): [dict(sample) for sample in kept] for kind, kept in state["samples"].items()}
         return out
 
     @property

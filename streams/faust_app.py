@@ -16,10 +16,11 @@ from mode import CrashingSupervisor
 
 from specwatch.actions.sinks.alertmanager import WEBHOOK_DETECTOR
 from specwatch.transport.kafka_io import KafkaWriter, PartitionReader
+from specwatch.transport.signing import Keyring
 
 from .metrics import ServiceHealth
 from .operations import Operations
-from .runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
+from .runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings, convert_pickled_setting
 
 __all__ = ["StreamApp", "create_app", "run_worker"]
 
@@ -92,10 +93,14 @@ def create_app(settings: StreamSettings) -> StreamApp:
         return {(tp.topic, tp.partition) for tp in app.consumer.assignment()}
 
     wiring = {"assignment": assignment, "acknowledge": lambda message: _acknowledge(app, message)}
-    stage1 = Stage1Runner(settings, writer, reader, CheckpointLog(settings.checkpoint_topic("stage1"), writer, reader),
-                          **wiring)
-    stage2 = Stage2Runner(settings, writer, reader, CheckpointLog(settings.checkpoint_topic("stage2"), writer, reader),
-                          **wiring)
+    # One keyring signs decisions and checkpoints: whoever may not forge the one may not forge the other.
+    keyring, convert_pickled = Keyring.from_env(), convert_pickled_setting()
+
+    def checkpoints(stage: str) -> CheckpointLog:
+        return CheckpointLog(settings.checkpoint_topic(stage), writer, reader, keyring, convert_pickled)
+
+    stage1 = Stage1Runner(settings, writer, reader, checkpoints("stage1"), **wiring)
+    stage2 = Stage2Runner(settings, writer, reader, checkpoints("stage2"), keyring=keyring, **wiring)
 
     # Each runner takes a whole fetch at once: stage 1 folds it in one go and sends one
     # partials message per stage-2 partition for it.
@@ -169,7 +174,10 @@ def _service_health(app: faust.App, stage1: Stage1Runner, stage2: Stage2Runner) 
                          consumer_lag={**first["lag"], **second["lag"]}, watermark_delay=first["delay"],
                          checkpoint_age={**first["age"], **second["age"]},
                          archive_spool_bytes=second["spool"], decisions_published=stage2.decisions,
-                         decisions_outbox=second["outbox"], ready=_ready(app))
+                         decisions_outbox=second["outbox"], ready=_ready(app),
+                         extra_counters={"specwatch_checkpoints_refused": (
+                             "Stage-task checkpoints refused (the task rebuilt from its partition), by reason",
+                             "reason", stage1.checkpoints.refused + stage2.checkpoints.refused)})
 
 
 def _log_task_stacks() -> None:

@@ -104,6 +104,13 @@ class Ingest:
         self.decode = decode
         self.rejected = RejectionCounter()
 
+    def to_state(self) -> dict:
+        return {"rejected": dict(self.rejected.by_reason)}
+
+    def load_state(self, state: dict) -> None:
+        self.rejected.by_reason.clear()
+        self.rejected.by_reason.update({str(reason): int(n) for reason, n in state["rejected"].items()})
+
     def __call__(self, payload: bytes | str, now: float | None = None,
                  seen: dict[str, float] | None = None) -> Ingested:
         """Decode one payload and fold every record it holds (see `records`)."""

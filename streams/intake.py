@@ -50,6 +50,17 @@ class EventClock:
         self._size = recent
         self._seen = 0
 
+    def to_state(self) -> dict:
+        return {"now": self.now, "median": self._median, "recent": self._recent, "seen": self._seen}
+
+    def load_state(self, state: dict) -> None:
+        """Take up where `to_state` left (on a clock made with the same settings)."""
+        recent = [float(ts) for ts in state["recent"]]
+        if len(recent) > self._size:
+            raise ValueError(f"a clock over {self._size} recent records cannot hold {len(recent)}")
+        self.now, self._median = float(state["now"]), float(state["median"])
+        self._recent, self._seen = recent, int(state["seen"])
+
     def admit(self, ts: float) -> Rejection | None:
         """Take one record's time; a rejection when it is too far from the source's clock."""
         seen = self._seen
@@ -95,6 +106,17 @@ class DuplicateFilter:
         self.horizon = horizon_slices
         self._by_slice: dict[int, set] = {}
         self._oldest = -math.inf
+
+    def to_state(self) -> dict:
+        # sets in a stable order, so that one state is always the same bytes
+        return {"by_slice": [[index, [list(identity) for identity in sorted(seen, key=str)]]
+                             for index, seen in self._by_slice.items()],
+                "oldest": self._oldest}
+
+    def load_state(self, state: dict) -> None:
+        self._by_slice = {int(index): {tuple(identity) for identity in seen} for index, seen in state["by_slice"]}
+        oldest = state["oldest"]  # -inf, then a slice index
+        self._oldest = oldest if isinstance(oldest, int) else float(oldest)
 
     def first(self, slice_index: int, identity: tuple) -> bool:
         """True the first time ``identity`` is offered for this slice (and it is remembered)."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from specwatch.schemas import Policy, Rejection, RejectionCounter
 from specwatch.transport.config import KafkaConfig
@@ -22,7 +24,7 @@ from specwatch.transport.topics import (
     TopicPlan,
 )
 
-from .faust_tasks import (
+from .stage_tasks import (
     BundleOwner,
     CheckpointError,
     Stage1Task,
@@ -42,10 +44,12 @@ from .faust_tasks import (
 from .ingest import IdleRule
 from .operations import Operations, OperationsSettings
 
-__all__ = ["CheckpointLog", "PartitionRunner", "Stage1Runner", "Stage2Runner", "StreamSettings"]
+__all__ = ["CONVERT_PICKLED_ENV", "CheckpointLog", "PartitionRunner", "Stage1Runner", "Stage2Runner",
+           "StreamSettings", "convert_pickled_setting"]
 
 logger = logging.getLogger(__name__)
 
+CONVERT_PICKLED_ENV = "SPECWATCH_CONVERT_PICKLED_CHECKPOINTS"
 _DEFAULT_APP_ID = "specwatch"
 _DEFAULT_CHECKPOINT_SECONDS = 2.0
 _DEFAULT_SOURCE_SILENCE_SECONDS = 10.0
@@ -122,13 +126,24 @@ class StreamSettings:
 
 
 class CheckpointLog:
-    """Task checkpoints on a compacted topic, in the partition of the task's input partition."""
+    """Task checkpoints on a compacted topic, in the partition of the task's input partition.
 
-    def __init__(self, topic: str, writer: Any, reader: Any) -> None:
+    Signed with ``keyring`` when it holds a key; a checkpoint that is refused (forged, unsigned,
+    undecodable...: `CheckpointError.reason`) is counted in ``refused`` by reason, logged once
+    per task and reason, and the task rebuilds from its source topic. ``convert_pickled``: load
+    a pickled checkpoint of an earlier version (default: only without a signing key).
+    """
+
+    def __init__(self, topic: str, writer: Any, reader: Any, keyring: Keyring | None = None,
+                 convert_pickled: bool | None = None) -> None:
         self.topic = topic
         self._writer = writer
         self._reader = reader
+        self._keyring = keyring if keyring is not None else Keyring.from_env()
+        self._convert_pickled = not self._keyring.enabled if convert_pickled is None else convert_pickled
         self._sequence: dict[str, int] = {}
+        self.refused: Counter = Counter()
+        self._logged: set[tuple[str, str]] = set()
 
     async def load(self, name: str, partition: int) -> Stage1Task | Stage2Task | None:
         prefix = f"{name}#".encode()
@@ -144,20 +159,35 @@ class CheckpointLog:
         sequence, data = found
         self._sequence[name] = sequence
         try:
-            return decode_checkpoint(data)
+            return decode_checkpoint(data, self._keyring, name, convert_pickled=self._convert_pickled)
         except CheckpointError as error:
-            logger.error("checkpoint %s is unusable (%s); the task rebuilds from its partition", name, error)
+            self.refused[error.reason] += 1
+            if (name, error.reason) not in self._logged:
+                self._logged.add((name, error.reason))
+                logger.error("checkpoint %s refused (%s, %d so far): %s; the task rebuilds from its partition",
+                             name, error.reason, self.refused[error.reason], error.detail)
             return None
 
     async def save(self, name: str, partition: int, task: Stage1Task | Stage2Task) -> int:
         """Write a checkpoint and wait until the broker has all of it; returns its size in bytes."""
         sequence = self._sequence.get(name, 0) + 1
-        data = encode_checkpoint(task)
+        data = encode_checkpoint(task, self._keyring, name)
         sent = [await self._writer.send(self.topic, value, key=key.encode(), partition=partition)
                 for key, value in checkpoint_entries(name, sequence, data)]
         await acknowledged(sent, "checkpoint chunks")
         self._sequence[name] = sequence
         return len(data)
+
+
+def convert_pickled_setting(environ: Mapping[str, str] | None = None) -> bool | None:
+    """``SPECWATCH_CONVERT_PICKLED_CHECKPOINTS``: 1 converts pickled checkpoints of earlier versions
+    even with a signing key (the first start after an upgrade), 0 never; unset, the default."""
+    value = (os.environ if environ is None else environ).get(CONVERT_PICKLED_ENV)
+    if value is None:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{CONVERT_PICKLED_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
@@ -204,6 +234,11 @@ class PartitionRunner:
         self._assigned_at: dict[TopicPartition, float] = {}
         self._checkpointed_at: dict[TopicPartition, float] = {}
         self.skipped = 0
+
+    @property
+    def checkpoints(self) -> CheckpointLog:
+        """Where this stage's tasks are saved and restored from (and the refusals it counted)."""
+        return self._checkpoints
 
     def forgotten(self, tp: TopicPartition) -> None:
         """A partition was taken away."""

@@ -31,6 +31,20 @@ class _Worker:
         self.last: dict[str, float] = {}  # request id -> last step listing it (before the latest run of steps)
         self.first: dict[str, list] = {}  # request id -> [first ts, key, reported], in first-seen order
 
+    def to_state(self) -> dict:
+        return {"ids": list(self.ids), "ids_tuple": type(self.ids) is tuple, "ts": self.ts, "last": self.last,
+                "first": [[rid, ts, list(key), reported] for rid, (ts, key, reported) in self.first.items()]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "_Worker":
+        w = cls()
+        ids = [str(rid) for rid in state["ids"]]
+        w.ids = tuple(ids) if state["ids_tuple"] else ids  # a step's ids compare equal to the same type only
+        w.ts = float(state["ts"])
+        w.last = {str(rid): float(ts) for rid, ts in state["last"].items()}
+        w.first = {str(rid): [float(ts), tuple(key), bool(reported)] for rid, ts, key, reported in state["first"]}
+        return w
+
     def stamp(self) -> None:
         """Bring ``last`` up to date for the requests the latest step lists."""
         self.last.update(zip(self.ids, repeat(self.ts)))
@@ -61,6 +75,12 @@ class RunningRequests:
         self.report_after = report_after
         self.lost_after = lost_after
         self._workers: dict[str, _Worker] = {}
+
+    def to_state(self) -> dict:
+        return {"workers": {worker: w.to_state() for worker, w in self._workers.items()}}
+
+    def load_state(self, state: dict) -> None:
+        self._workers = {str(worker): _Worker.from_state(w) for worker, w in state["workers"].items()}
 
     def __len__(self) -> int:
         return sum(len(w.first) for w in self._workers.values())

@@ -106,10 +106,32 @@ class SliceBatch:
     # per key: [(rank, step) of its lowest-acceptance step, (rank, step) of its step control] so far
     step_candidates: dict[Key, list[tuple]] = field(default_factory=dict, repr=False)
 
-    def __setstate__(self, state: dict) -> None:
-        # A stage-1 checkpoint written before sightings existed still restores.
-        self.__dict__.update(state)
-        self.__dict__.setdefault("sightings", {})
+    def to_state(self) -> dict:
+        """The slice as plain data, held steps built now (`from_state` reads it back)."""
+        return {"source": self.source, "slice_index": self.slice_index, "watermark": self.watermark,
+                "partials": [[list(key), stats.to_state()] for key, stats in self.partials.items()],
+                "events": self.events, "late_records": self.late_records,
+                "round_tallies": [[list(key), [[d, a, n] for (d, a), n in tally.items()]]
+                                  for key, tally in self.round_tallies.items()],
+                "sightings": [[bundle, worker, span] for (bundle, worker), span in self.sightings.items()],
+                "step_candidates": [[list(key), [None if held is None else [list(held[0]), _step_record(held[1])]
+                                                 for held in pair]] for key, pair in self.step_candidates.items()]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SliceBatch":
+        def key(items) -> Key:
+            return tuple(items)
+
+        def held(item) -> tuple | None:
+            return None if item is None else (tuple(item[0]), StepRecord.model_validate(item[1]))
+
+        return cls(str(state["source"]), int(state["slice_index"]), int(state["watermark"]),
+                   partials={key(k): SliceStats.from_state(v) for k, v in state["partials"]},
+                   events=[dict(event) for event in state["events"]], late_records=int(state["late_records"]),
+                   round_tallies={key(k): {(int(d), int(a)): int(n) for d, a, n in tally}
+                                  for k, tally in state["round_tallies"]},
+                   sightings={(str(b), str(w)): [float(span[0]), float(span[1])] for b, w, span in state["sightings"]},
+                   step_candidates={key(k): [held(item) for item in pair] for k, pair in state["step_candidates"]})
 
     def sighted(self, bundle_id: str, worker: str, ts: float) -> None:
         """A record of ``worker`` running ``bundle_id`` at ``ts`` (a step or a bundle card)."""
@@ -186,10 +208,20 @@ class Stage1:
         self.records = 0
         self.running = RunningRequests()
 
-    def __setstate__(self, state: dict) -> None:
-        # A stage-1 checkpoint written before running requests were tracked still restores.
-        self.__dict__.update(state)
-        self.__dict__.setdefault("running", RunningRequests())
+    def to_state(self) -> dict:
+        """Open slices, clock, duplicates and running requests as plain data (the policy is the owner's)."""
+        return {"open": [batch.to_state() for batch in self._open.values()], "clock": self.clock.to_state(),
+                "folded": self._folded.to_state(), "watermark": self.watermark, "late_records": self.late_records,
+                "records": self.records, "running": self.running.to_state()}
+
+    def load_state(self, state: dict) -> None:
+        """Take up where `to_state` left (on a stage made with the same policy and source)."""
+        self._open = {batch.slice_index: batch for batch in map(SliceBatch.from_state, state["open"])}
+        self.clock.load_state(state["clock"])
+        self._folded.load_state(state["folded"])
+        self.watermark, self.late_records = int(state["watermark"]), int(state["late_records"])
+        self.records = int(state["records"])
+        self.running.load_state(state["running"])
 
     def _admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
         """Whether a record may be folded: within the clock-skew bound, and not folded before."""
@@ -654,11 +686,48 @@ class Stage2:
         self.shadow_counts: Counter = Counter()
         self.last_mismatch: dict[tuple[str, str], float] = {}  # (bundle, bucket) -> latest strict mismatch ts
 
-    def __setstate__(self, state: dict) -> None:
-        # A checkpoint written before releases lived here (they were its task's) still restores.
-        state.pop("_idle_slices", None)
-        self.__dict__.update(state)
-        self.__dict__.setdefault("_released", set())
+    def to_state(self) -> dict:
+        """Sources, pending slices, monitors, baselines, flags and admission as plain data (the policy
+        and ``owns`` are the owner's)."""
+        return {"sources": self._sources, "released": sorted(self._released),
+                "pending": [[index, [[source, [b.to_state() for b in batches]] for source, batches in by_source.items()]]
+                            for index, by_source in self._pending.items()],
+                "finalized": self.finalized,
+                "pools": {bundle: pool.to_state() for bundle, pool in self.pools.items()},
+                "monitors": [[list(key), monitor.to_state()] for key, monitor in self.monitors.items()],
+                "cards": self.cards, "worker_cards": {w: list(pair) for w, pair in self.worker_cards.items()},
+                "shadow_counts": [[list(key), n] for key, n in self.shadow_counts.items()],
+                "last_mismatch": [[bundle, bucket, ts] for (bundle, bucket), ts in self.last_mismatch.items()],
+                "flags": self.flags.to_state(), "fallback": self.fallback.to_state(),
+                "admission": self.admission.to_state() if self.admission is not None else None}
+
+    def load_state(self, state: dict) -> None:
+        """Take up where `to_state` left (on a stage made with the same policy)."""
+        self._sources = {str(source): int(w) for source, w in state["sources"].items()}
+        self._released = {str(source) for source in state["released"]}
+        self._pending = defaultdict(dict, {int(index): {str(source): [SliceBatch.from_state(b) for b in batches]
+                                                        for source, batches in by_source}
+                                           for index, by_source in state["pending"]})
+        self.finalized = int(state["finalized"])
+        self.pools = {str(bundle): BaselinePool.from_state(pool) for bundle, pool in state["pools"].items()}
+        self.monitors = {}
+        for items, monitor_state in state["monitors"]:
+            bundle, bucket, cohort = key = tuple(items)
+            monitor = BundleMonitor(self.policy) if bucket is None else KeyMonitor(
+                self.policy, bucket, self.pools.setdefault(bundle, BaselinePool()))
+            monitor.load_state(monitor_state)
+            self.monitors[key] = monitor
+        self.cards = dict(state["cards"])
+        self.worker_cards = {str(w): (str(bundle), card) for w, (bundle, card) in state["worker_cards"].items()}
+        self.shadow_counts = Counter({tuple(key): int(n) for key, n in state["shadow_counts"]})
+        self.last_mismatch = {(bundle, bucket): float(ts) for bundle, bucket, ts in state["last_mismatch"]}
+        self.flags = FlagStore.from_state(state["flags"])
+        self.fallback = FallbackPolicy(self.policy, self.flags)
+        self.fallback.load_state(state["fallback"])
+        if (state["admission"] is None) != (self.admission is None):
+            raise ValueError("the checkpoint's admission state does not match the policy's admission.enforce")
+        if self.admission is not None:
+            self.admission.load_state(state["admission"])
 
     def add(self, batch: SliceBatch) -> list[SliceOutput]:
         if batch.slice_index <= self.finalized and (batch.partials or batch.events):

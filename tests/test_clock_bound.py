@@ -7,7 +7,7 @@ from specwatch.schemas import Policy
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.otlp import encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.faust_tasks import Stage1Task
+from specwatch.streams.stage_tasks import Stage1Task
 
 
 def _records(minutes: float = 0.5):

@@ -1,7 +1,8 @@
 """Baselines that borrow from the bundle and limits that follow load: seeded streams, exact outcomes."""
 
-import pickle
 import random
+
+import msgspec
 
 from specwatch.detectors.baseline import BaselinePool
 from specwatch.detectors.monitor import KeyMonitor
@@ -129,35 +130,29 @@ def test_a_tail_of_its_own_at_the_peak_is_caught():
     assert {key for _, key in found} == {"extraction"}
 
 
-def test_a_checkpoint_from_before_load_bands_restores_and_decides_the_same():
-    # A key monitor pickled before the tail tests followed load has no load bands and keeps
-    # (tests, limit) pairs: restored mid-incident, it goes on to the same decisions.
+def test_key_monitors_restored_from_their_state_mid_incident_decide_the_same():
+    # Every key monitor goes through its plain state (as a checkpoint carries it) halfway through
+    # a latency incident, load bands and tail tests included: the same decisions, figure for figure.
     sim = Simulator("latency_tail", seed=11, workers=4, minutes=4.0, incident_at=120.0)
     records = list(sim.records())
     whole = replayed(records)
     half = len(records) // 2
     restored = EmbeddedPipeline()
     restored.feed_many(records[:half])
-    downgraded = 0
-    for key, monitor in list(restored.stage2.monitors.items()):
+    stage = restored.stage2
+    with_tail_tests = 0
+    for key, monitor in list(stage.monitors.items()):
         if not isinstance(monitor, KeyMonitor):
             continue
-        state = dict(monitor.__dict__)
-        del state["_bands"], state["_load"]
-        if state["_tail_tests"]:
-            state["_tail_tests"] = {metric: (tests, limit) for metric, (tests, limit, _) in state["_tail_tests"].items()}
-            downgraded += 1
-        old = KeyMonitor.__new__(KeyMonitor)
-        old.__setstate__(pickle.loads(pickle.dumps(state)))
-        restored.stage2.monitors[key] = old
-    assert downgraded > 0
+        state = msgspec.msgpack.decode(msgspec.msgpack.encode(monitor.to_state()))
+        with_tail_tests += state["tail_tests"] is not None
+        again = KeyMonitor(Policy(), key[1], stage.pools[key[0]])
+        again.load_state(state)
+        stage.monitors[key] = again
+    assert with_tail_tests > 0
     restored.feed_many(records[half:])
     restored.finish()
-    def decided(pipeline):  # the smoothed load starts again from the restore, so its figure may differ
-        return [(d.ts, d.action, d.reason, d.bucket, d.cohort, {k: v for k, v in d.evidence.items() if k != "load_factor"})
-                for d in pipeline.decisions]
-
-    assert decided(restored) == decided(whole)
+    assert [d.to_json_line() for d in restored.decisions] == [d.to_json_line() for d in whole.decisions]
     assert [(d.reason, d.bucket) for d in whole.decisions] == [("latency_slo", "reasoning")]
 
 

@@ -1,7 +1,6 @@
 """Cheap keys: what stage 2 and the detectors keep and do per key and slice."""
 
 import gc
-import pickle
 import random
 
 from specwatch.bench.keys import step_lines
@@ -100,17 +99,15 @@ def test_a_quiet_key_is_answered_without_walking_its_history():
     assert monitor.window_of_requests(5, 50, 60) is None
 
 
-def test_a_checkpoint_without_the_running_count_restores():
+def test_a_monitor_restored_from_its_state_keeps_the_running_count():
     monitor = KeyMonitor(Policy(), "coding")
     for t in range(8):
         stats = SliceStats()
         for _ in range(10):
             stats.add_request(50.0, 5.0, 500.0, True, "stop", float(t))
         monitor.push(float(t + 1), stats)
-    state = dict(monitor.__dict__)
-    del state["_requests_before"], state["_requests_pushed"]
-    restored = KeyMonitor.__new__(KeyMonitor)
-    restored.__setstate__(pickle.loads(pickle.dumps(state)))
+    restored = KeyMonitor(Policy(), "coding")
+    restored.load_state(monitor.to_state())
     assert restored._requests_pushed == 80 and list(restored._requests_before) == list(range(0, 80, 10))
     assert restored.window_of_requests(5, 50, 60)[0].requests == 50
 

@@ -14,7 +14,7 @@ from kafka.partitioner.default import murmur2
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy
 from specwatch.schemas.otlp import encode_records
-from specwatch.streams.faust_tasks import (
+from specwatch.streams.stage_tasks import (
     BundleOwner,
     Stage1Task,
     Stage2Task,

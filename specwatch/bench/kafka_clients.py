@@ -97,7 +97,7 @@ def _partials(bootstrap: str, messages: list[tuple[bytes, bytes]], topic: str, s
     from aiokafka import AIOKafkaConsumer
 
     from specwatch.schemas import Policy
-    from specwatch.streams.faust_tasks import Stage1Task, decode_partial, encode_partial, route_batches
+    from specwatch.streams.stage_tasks import Stage1Task, decode_partial, encode_partial, route_batches
     from specwatch.transport.config import KafkaConfig
     from specwatch.transport.kafka_io import KafkaWriter
 

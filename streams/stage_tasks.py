@@ -1,21 +1,30 @@
-"""Per-partition tasks of the Faust topology: stage 1 and stage 2, with dedupe and checkpoints."""
+"""Per-partition tasks of the stream topology: stage 1 and stage 2, with dedupe and checkpoints.
+
+A checkpoint is the task's state as plain data (`specwatch.schemas.checkpoint`), signed with the
+decisions' keyring when one is configured; pickled ones of earlier versions convert once.
+"""
 
 from __future__ import annotations
 
-import copyreg
 import hashlib
-import io
 import json
-import pickle
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-from specwatch.actions.flags import FlagStore
-from specwatch.detectors.sketch import LatencySketch
 from specwatch.schemas import Decision, Policy, Rejection, RejectionCounter
+from specwatch.schemas.checkpoint import (
+    CHECKPOINT_VERSION,
+    PICKLED_CHECKPOINT_MAGIC,
+    Checkpoint,
+    CheckpointError,
+    pack_checkpoint,
+    read_payload,
+    unpack_checkpoint,
+)
 from specwatch.schemas.fastdecode import request_block
 from specwatch.schemas.otlp import decode_request
+from specwatch.transport.signing import SIGNATURE_HEADER, Keyring, Verdict, sign_line, verify
 
 from .ingest import Ingest
 from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2
@@ -41,7 +50,6 @@ __all__ = [
     "stage2_partition",
 ]
 
-_CHECKPOINT_MAGIC = b"SWCP1"
 # Below Kafka's default 1 MiB message limit with room for the key and headers.
 _DEFAULT_CHUNK_BYTES = 512 * 1024
 _MAX_RAW_CHARS = 2048
@@ -196,13 +204,18 @@ class Stage1Task:
         self.next_offset: int | None = None
         self.messages = 0
 
-    def __setstate__(self, state: dict) -> None:
-        # A checkpoint written before the ingest step kept its own count of rejections.
-        by_reason = state.pop("rejected", None)
-        self.__dict__.update(state)
-        if "ingest" not in state:
-            self.ingest = Ingest(self.stage, decode_request)
-            self.ingest.rejected.by_reason.update(by_reason or {})
+    def to_state(self) -> dict:
+        return {"source": self.source, "stage": self.stage.to_state(), "ingest": self.ingest.to_state(),
+                "next_offset": self.next_offset, "messages": self.messages}
+
+    @classmethod
+    def from_state(cls, state: dict, policy: Policy) -> "Stage1Task":
+        task = cls(policy, str(state["source"]))
+        task.stage.load_state(state["stage"])
+        task.ingest.load_state(state["ingest"])
+        task.next_offset = _offset(state["next_offset"])
+        task.messages = int(state["messages"])
+        return task
 
     @property
     def records(self) -> int:
@@ -255,12 +268,29 @@ class Stage2Task:
         for source in self.sources:
             self.stage.add(SliceBatch(source, -1, -1))
 
-    def __setstate__(self, state: dict) -> None:
-        # A checkpoint written when the task kept the released sources and their watermarks.
-        state.pop("watermarks", None)
-        retired = state.pop("retired", ())
-        self.__dict__.update(state)
-        self.stage._released.update(retired)
+    def to_state(self) -> dict:
+        owner = self.owner
+        return {"sources": list(self.sources), "owner": None if owner is None else [owner.partition, owner.partitions],
+                "stage": self.stage.to_state(), "next_offset": self.next_offset, "last_slice": self.last_slice,
+                "outbox": [{"decision": action.decision.model_dump(), "audit": action.audit, "samples": action.samples}
+                           for action in self.outbox],
+                "outbox_mark": [[partition, offset] for partition, offset in self.outbox_mark.items()],
+                "batches": self.batches, "duplicates": self.duplicates, "invalid": self.invalid}
+
+    @classmethod
+    def from_state(cls, state: dict, policy: Policy) -> "Stage2Task":
+        owner = state["owner"]
+        task = cls(policy, tuple(str(source) for source in state["sources"]),
+                   None if owner is None else BundleOwner(int(owner[0]), int(owner[1])))
+        task.stage.load_state(state["stage"])
+        task.next_offset = _offset(state["next_offset"])
+        task.last_slice = {str(source): int(index) for source, index in state["last_slice"].items()}
+        task.outbox = [ActionRecord(Decision.model_validate(action["decision"]), dict(action["audit"]),
+                                    [dict(sample) for sample in action["samples"]]) for action in state["outbox"]]
+        task.outbox_mark = {int(partition): int(offset) for partition, offset in state["outbox_mark"]}
+        task.batches, task.duplicates, task.invalid = (int(state["batches"]), int(state["duplicates"]),
+                                                       int(state["invalid"]))
+        return task
 
     def fold(self, offset: int, message: PartialMessage | Rejection) -> list[SliceOutput]:
         """Fold one partials message (exactly once per slice and source)."""
@@ -281,76 +311,63 @@ class Stage2Task:
         return outputs
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (corrupt, or written by an incompatible version)."""
+def _offset(value) -> int | None:
+    return None if value is None else int(value)
 
 
-def _reduce_flag_store(store: FlagStore):
-    # The lock and the lookup cache are process-local; the scope states are the state.
-    state = {k: v for k, v in vars(store).items() if k not in ("_lock", "_cache")}
-    return _restore_flag_store, (state,)
+_KINDS: dict[str, type] = {"stage1": Stage1Task, "stage2": Stage2Task}
 
 
-def _restore_flag_store(state: dict) -> FlagStore:
-    store = FlagStore()
-    vars(store).update(state)
-    return store
-
-
-def _reduce_sketch(sketch: LatencySketch):
-    # Pickled as it stands, values not yet folded included. The sketch's own pickling folds
-    # them first, which changes the object and so makes later quantiles depend on when a
-    # checkpoint happened to be taken; decisions must depend on the telemetry only.
-    digest = sketch._digest.to_bytes() if sketch._digest is not None else b""
-    return _restore_sketch, (sketch.max_centroids, digest, list(sketch._pending))
-
-
-def _restore_sketch(max_centroids: int, digest: bytes, pending: list[float]) -> LatencySketch:
-    sketch = LatencySketch.from_bytes(digest, max_centroids)
-    sketch._pending = list(pending)
-    return sketch
-
-
-# Names an older checkpoint holds that have gone since, and what they restore as (docs/STREAMS.md).
-_RENAMED = {
-    ("specwatch.schemas.fastdecode", "decode_request_fast"):
-        ("specwatch.schemas.otlp", "decode_request"),
-    ("specwatch.streams.topology", "_HeldStep"): ("functools", "partial"),
-}
-
-
-class _CheckpointUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        return super().find_class(*_RENAMED.get((module, name), (module, name)))
-
-
-def encode_checkpoint(task: Stage1Task | Stage2Task) -> bytes:
-    """A task as bytes: pickled (detector state pickles; it is tied to pinned versions), compressed.
+def encode_checkpoint(task: Stage1Task | Stage2Task, keyring: Keyring | None = None, name: str = "") -> bytes:
+    """A task as bytes: its state as plain data (`specwatch.schemas.checkpoint`), signed with
+    ``keyring``'s current key when it has one; ``name`` binds it to the task it is saved for.
 
     >>> task = Stage1Task(Policy(), "t/0")
     >>> task.next_offset = 41
     >>> decode_checkpoint(encode_checkpoint(task)).next_offset
     41
     """
-    buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = copyreg.dispatch_table.copy()
-    pickler.dispatch_table[FlagStore] = _reduce_flag_store
-    pickler.dispatch_table[LatencySketch] = _reduce_sketch
-    pickler.dump(task)
-    return _CHECKPOINT_MAGIC + zlib.compress(buffer.getvalue(), 1)
+    kind = "stage1" if isinstance(task, Stage1Task) else "stage2"
+    checkpoint = Checkpoint(CHECKPOINT_VERSION, kind, name, task.stage.policy.model_dump(mode="json"), task.to_state())
+    keyring = keyring if keyring is not None else Keyring()
+    return pack_checkpoint(checkpoint, lambda payload: "".join(
+        value.decode("ascii") for _, value in sign_line(payload, keyring)))
 
 
-def decode_checkpoint(data: bytes) -> Stage1Task | Stage2Task:
-    if not data.startswith(_CHECKPOINT_MAGIC):
-        raise CheckpointError("not a specwatch checkpoint (bad header)")
+def decode_checkpoint(data: bytes, keyring: Keyring | None = None, name: str | None = None,
+                      convert_pickled: bool | None = None) -> Stage1Task | Stage2Task:
+    """The task a checkpoint holds, or `CheckpointError` saying why not (its ``reason``): a
+    signature that does not verify against ``keyring``, a checkpoint for another task than
+    ``name``, a format version or content this version does not read. A pickled checkpoint of an
+    earlier version converts (`specwatch.streams.pickled_checkpoints`) if ``convert_pickled``, by
+    default only without a signing key: it never was signed, and a stage-2 task publishes its
+    outbox signed.
+    """
+    keyring = keyring if keyring is not None else Keyring()
+    if bytes(data[:len(PICKLED_CHECKPOINT_MAGIC)]) == PICKLED_CHECKPOINT_MAGIC:
+        if not (not keyring.enabled if convert_pickled is None else convert_pickled):
+            raise CheckpointError("pickled_refused", "a pickled checkpoint of an earlier version, never signed; "
+                                                     "conversion was not asked for while signing is on")
+        from .pickled_checkpoints import load_pickled_task
+
+        return load_pickled_task(data)
+    payload, signature = unpack_checkpoint(data)
+    verdict = verify(payload, [(SIGNATURE_HEADER, signature.encode("ascii", "replace"))] if signature else [], keyring)
+    if not verdict.accepted:
+        detail = {Verdict.UNSIGNED: "the checkpoint is not signed and a signing key is configured",
+                  Verdict.UNKNOWN_KEY: "the checkpoint is signed with a key this worker does not hold"}.get(
+            verdict, "the checkpoint's signature does not match its content")
+        raise CheckpointError(verdict.value, detail)
+    checkpoint = read_payload(payload)
+    if name is not None and checkpoint.name != name:
+        raise CheckpointError("wrong_task", f"the checkpoint is {checkpoint.name!r}'s, not {name!r}'s")
     try:
-        task = _CheckpointUnpickler(io.BytesIO(zlib.decompress(data[len(_CHECKPOINT_MAGIC):]))).load()
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means: unusable
-        raise CheckpointError(f"checkpoint does not load with this version: {error!r}") from error
-    if not isinstance(task, (Stage1Task, Stage2Task)):
-        raise CheckpointError(f"checkpoint holds a {type(task).__name__}, not a stage task")
-    return task
+        policy = Policy.model_validate(checkpoint.policy)
+        return _KINDS[checkpoint.kind].from_state(checkpoint.state, policy)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - a panic of a Rust extension (t-digest, ADWIN) too
+        raise CheckpointError("undecodable", f"the {checkpoint.kind} state does not load: {error!r}") from error
 
 
 def checkpoint_entries(name: str, sequence: int, data: bytes,

@@ -1,0 +1,127 @@
+"""Pickled stage-task checkpoints of earlier versions, converted once into this version's tasks.
+
+The unpickler resolves only the names those checkpoints hold (`_ALLOWED`); any other is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import Counter, defaultdict, deque
+
+from fastdigest import TDigest
+from river._river_rust.drift import AdaptiveWindowing
+
+from specwatch.actions import admission, flags, policy as fallback
+from specwatch.detectors import baseline, canary, gates, monitor, stalls, window
+from specwatch.detectors.sketch import LatencySketch
+from specwatch.schemas import codec, policy
+from specwatch.schemas.checkpoint import PICKLED_CHECKPOINT_MAGIC, CheckpointError, inflated
+from specwatch.schemas.fastdecode import _record_at
+from specwatch.schemas.otlp import decode_request
+
+from . import ingest, intake, running, topology
+from .stage_tasks import BundleOwner, Stage1Task, Stage2Task
+
+__all__ = ["load_pickled_task"]
+
+def _flag_store(state: dict) -> flags.FlagStore:
+    # The reducer of earlier versions pickled the store's fields but its lock and cache.
+    return flags.FlagStore(**{name: state[name] for name in ("_auto", "_manual", "_stages", "_manual_stages")})
+
+
+def _sketch(max_centroids: int, digest: bytes, pending: list) -> LatencySketch:
+    return LatencySketch.from_state({"max_centroids": max_centroids, "pending": pending,
+                                     "digest": TDigest.from_bytes(digest).to_dict() if digest else None})
+
+
+class _HeldStep:
+    """Stands for `functools.partial` in these pickles, where it only ever held a step record to be
+    decoded later from the bytes it came in; any other function is refused."""
+
+    _DECODERS = (_record_at,)
+
+    def __init__(self, func, *args, **kwargs) -> None:
+        self._hold(func, args, kwargs)
+
+    def __setstate__(self, state: tuple) -> None:
+        func, args, kwargs, _ = state
+        self._hold(func, tuple(args), dict(kwargs or {}))
+
+    def _hold(self, func, args: tuple, kwargs: dict) -> None:
+        if not any(func is decoder for decoder in self._DECODERS):
+            raise pickle.UnpicklingError(f"a held step of {getattr(func, '__name__', func)!r} is not a record decoder")
+        self.func, self.args, self.kwargs = func, args, kwargs
+
+    def __call__(self, *more):
+        return self.func(*self.args, *more, **self.kwargs)
+
+
+def _names(module, *names: str) -> dict[tuple[str, str], object]:
+    return {(module.__name__, name): getattr(module, name) for name in names}
+
+
+_OLD_TASKS = "specwatch.streams.faust_tasks"
+# Every name a checkpoint pickled by the last pickling version holds, and what it loads as here.
+_ALLOWED: dict[tuple[str, str], object] = {
+    ("builtins", "dict"): dict,
+    ("collections", "Counter"): Counter,
+    ("collections", "defaultdict"): defaultdict,
+    ("collections", "deque"): deque,
+    ("functools", "partial"): _HeldStep,
+    ("river._river_rust.drift", "AdaptiveWindowing"): AdaptiveWindowing,
+    (_OLD_TASKS, "Stage1Task"): Stage1Task,
+    (_OLD_TASKS, "Stage2Task"): Stage2Task,
+    (_OLD_TASKS, "BundleOwner"): BundleOwner,
+    (_OLD_TASKS, "_restore_flag_store"): _flag_store,
+    (_OLD_TASKS, "_restore_sketch"): _sketch,
+    ("specwatch.schemas.fastdecode", "_record_at"): _record_at,
+    ("specwatch.schemas.otlp", "decode_request"): decode_request,
+    **_names(admission, "AdmissionController", "BundleAdmission", "StageChange"),
+    **_names(flags, "AdmissionState", "ScopeState"),
+    **_names(fallback, "FallbackPolicy", "ScopeMemory"),
+    **_names(baseline, "Baseline", "BaselineLearner", "BaselinePool"),
+    **_names(canary, "CanaryJudge", "Judgement", "MetricVerdict", "WindowSample", "_Side"),
+    **_names(gates, "BernoulliCusum", "ConsecutiveGate", "DropDetector"),
+    **_names(monitor, "BundleMonitor", "KeyMonitor", "_draft_costs", "_speedup_losses"),
+    **_names(stalls, "StalledRequests"),
+    **_names(window, "SliceStats"),
+    **_names(codec, "RejectionCounter"),
+    **_names(policy, "AcceptancePolicy", "ActionPolicy", "AdmissionPolicy", "BaselinePolicy", "CapturePolicy",
+             "DraftOverheadPolicy", "ErrorPolicy", "KvPolicy", "LatencyPolicy", "Policy", "QualityPolicy",
+             "SpeedupPolicy", "WindowPolicy"),
+    **_names(ingest, "Ingest"),
+    **_names(intake, "DuplicateFilter", "EventClock"),
+    **_names(running, "RunningRequests", "_Worker"),
+    **_names(topology, "SliceBatch", "Stage1", "Stage2", "_step_record"),
+}
+
+
+class _StateUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        found = _ALLOWED.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a stage-state class of specwatch")
+        return found
+
+
+def load_pickled_task(data: bytes) -> Stage1Task | Stage2Task:
+    """The task a pickled checkpoint of an earlier version holds, rebuilt from its plain state.
+
+    Nothing but `_ALLOWED` resolves: a pickle naming any other callable (``os.system``) is refused
+    before anything in it runs, with `CheckpointError` (reason ``undecodable``).
+    """
+    if not bytes(data[:len(PICKLED_CHECKPOINT_MAGIC)]) == PICKLED_CHECKPOINT_MAGIC:
+        raise CheckpointError("not_a_checkpoint", "not a pickled specwatch checkpoint")
+    try:
+        task = _StateUnpickler(io.BytesIO(inflated(data[len(PICKLED_CHECKPOINT_MAGIC):]))).load()
+        if not isinstance(task, (Stage1Task, Stage2Task)):
+            raise CheckpointError("undecodable", f"the pickle holds a {type(task).__name__}, not a stage task")
+        # through the plain state: what does not convert is refused here, not at the next fold
+        return type(task).from_state(task.to_state(), task.stage.policy)
+    except CheckpointError:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - a panic of a Rust extension (ADWIN, t-digest) too
+        raise CheckpointError("undecodable", f"pickled checkpoint refused: {error!r}") from error
