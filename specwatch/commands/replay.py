@@ -9,7 +9,7 @@ import sys
 from itertools import islice
 
 from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option,
-                                           add_policy_option, load_policy)
+                                           add_policy_option, check_output, load_policy, open_command_output)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "replay_file"]
 
@@ -46,14 +46,11 @@ def replay_file(source, output, pipeline) -> dict:
 def run(args) -> int:
     import gzip
 
-    from specwatch.outputs import OutputClashError, atomic_output, check_not_an_input
+    from specwatch.outputs import writes_stdout
     from specwatch.schemas import read_json_lines
     from specwatch.streams.embedded import EmbeddedPipeline
 
-    try:
-        check_not_an_input(args.output, [args.input, args.policy])
-    except OutputClashError as error:
-        raise CommandError(str(error)) from None
+    check_output(args.output, args)
     policy = load_policy(args.policy)
     sink = None
     if args.archive:
@@ -69,7 +66,7 @@ def run(args) -> int:
             if sink is not None:
                 stack.callback(sink.close)
             source = sys.stdin.buffer if args.input == "-" else stack.enter_context(open(args.input, "rb"))
-            out = stack.enter_context(atomic_output(args.output, inputs=[args.input, args.policy]))
+            out = stack.enter_context(open_command_output(args.output, args))
             summary = replay_file(read_json_lines(source), out, pipeline)
             if summary["records"] == 0 and summary["rejected"]:  # leaves an earlier output as it was
                 reasons = ", ".join(f"{count} {reason}"
@@ -91,7 +88,7 @@ def run(args) -> int:
     summary["output"] = args.output
     if sink is not None:
         summary["archive"] = sink.stats()
-    stream = sys.stderr if args.output == "-" else sys.stdout
+    stream = sys.stderr if writes_stdout(args.output) else sys.stdout
     if args.json:
         print(json.dumps(summary, sort_keys=True), file=stream)
     else:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, open_archive,
-                                           write_page)
+from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, check_output,
+                                           open_archive, write_page)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -32,7 +32,9 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from specwatch.analysis.tuning import DEFAULT_WINDOW_SECONDS, heads_per_kv_head, render_html, render_text, tune_report
+    from specwatch.outputs import writes_stdout
 
+    check_output(args.html, args)
     window = DEFAULT_WINDOW_SECONDS if args.window is None else args.window
     if not window > 0:
         raise CommandError(f"--window must be a positive number of seconds, got {args.window}")
@@ -61,8 +63,8 @@ def run(args) -> int:
         flags = archive.flag_store()
     report = tune_report(rows, cards[bundle][0], bundle, flags, heads, window)
     if args.html is not None:
-        write_page(args.html, render_html(report), f"draft-length report of {bundle}")
-        if args.html == "-":
+        write_page(args.html, render_html(report), f"draft-length report of {bundle}", args)
+        if writes_stdout(args.html):
             return 0
     if args.json:
         print(json.dumps(report, sort_keys=True))
