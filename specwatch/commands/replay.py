@@ -36,11 +36,36 @@ def replay_file(source, output, pipeline) -> dict:
     """Feed ``source`` in blocks, write the decisions to ``output``; returns the counters."""
     lines = iter(source)
     while block := list(islice(lines, _BLOCK_LINES)):
-        for decision in pipeline.feed_lines(block):
-            output.write(decision.to_json_line() + "\n")
+        for run in _runs_between_blank_lines(block):
+            if isinstance(run, int):
+                # Blank lines hold no record; counted, never decoded (a file of millions of
+                # newlines would otherwise cost the decoder's slow path for each of them)
+                pipeline.counters.lines += run
+                continue
+            for decision in pipeline.feed_lines(run):
+                output.write(decision.to_json_line() + "\n")
     for decision in pipeline.finish():
         output.write(decision.to_json_line() + "\n")
     return pipeline.counters.as_dict()
+
+
+def _runs_between_blank_lines(block: list[bytes]) -> list[list[bytes] | int]:
+    """``block`` as runs of lines that are not blank, and the counts of blank lines between them.
+
+    >>> _runs_between_blank_lines([b"a\\n", b"\\n", b" \\r\\n", b"b\\n", b"c"])
+    [[b'a\\n'], 2, [b'b\\n', b'c']]
+    """
+    runs: list[list[bytes] | int] = []
+    for line in block:
+        blank = not line.strip()
+        if runs and isinstance(runs[-1], int) == blank:
+            if blank:
+                runs[-1] += 1
+            else:
+                runs[-1].append(line)
+        else:
+            runs.append(1 if blank else [line])
+    return runs
 
 
 def run(args) -> int:
@@ -48,6 +73,7 @@ def run(args) -> int:
 
     from specwatch.outputs import writes_stdout
     from specwatch.schemas import read_json_lines
+    from specwatch.schemas.codec import DecompressionBombError
     from specwatch.streams.embedded import EmbeddedPipeline
 
     check_output(args.output, args)
@@ -77,6 +103,9 @@ def run(args) -> int:
                                    f"{args.output}", _EXIT_NO_TELEMETRY)
     except OSError as error:
         raise CommandError(f"{error.filename or args.output}: {error.strerror or error}") from None
+    except DecompressionBombError as error:
+        raise CommandError(f"{args.input}: {error}, after {pipeline.counters.lines} lines; nothing was written "
+                           f"to {args.output}", _EXIT_NO_TELEMETRY) from None
     except (gzip.BadGzipFile, EOFError) as error:
         why = error or "it ends early"
         raise CommandError(f"{args.input} is a damaged gzip file ({why}) after "
