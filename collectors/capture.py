@@ -42,7 +42,7 @@ class SampleCapture:
     >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
     >>> capture = SampleCapture(CapturePolicy(enabled=True, rate=1.0, buckets=["coding"]), key)
     >>> capture.seal("r-1", "chat", [1], [2]) is None, capture.seal("r-1", "coding", [1], [2])[:4]
-    (True, 'sw1.')
+    (True, 'sw2.')
     """
 
     def __init__(self, policy: CapturePolicy, key: SampleKey | None) -> None:
@@ -87,7 +87,7 @@ class SampleCapture:
         sealed = None
         if prompt_ids is not None and output_ids is not None and self.wants(request_id, bucket, len(prompt_ids),
                                                                             len(output_ids)):
-            sealed = self._sealer.seal(prompt_ids, output_ids)
+            sealed = self._sealer.seal(prompt_ids, output_ids, sample_id=request_id)
             self._sealed += 1
         self._capture_ns += time.thread_time_ns() - start
         return sealed
