@@ -9,7 +9,7 @@ import sys
 from typing import IO, Iterator
 
 __all__ = ["CommandError", "EXIT_NOT_FOUND", "EXIT_NOT_PUBLISHED", "EXIT_USAGE",
-           "add_archive_option", "add_json_option", "add_policy_option", "archive_reader_options",
+           "actor_name", "add_archive_option", "add_json_option", "add_policy_option", "archive_reader_options",
            "check_output", "load_policy", "open_archive", "open_command_output", "write_page"]
 
 EXIT_NOT_FOUND = 1
@@ -17,6 +17,7 @@ EXIT_USAGE = 2
 EXIT_NOT_PUBLISHED = 3  # a manual change was recorded, but not published
 _ARCHIVE_HELP = "archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)"
 _POLICY_HELP = "policy TOML file (defaults built in)"
+_MAX_ACTOR_CHARS = 200
 
 
 class CommandError(Exception):
@@ -25,6 +26,29 @@ class CommandError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def actor_name(text: str, option: str) -> str:
+    """Who acts (``--actor``, ``--by``), stripped: printable text of at most 200 characters, so the
+    audit trail holds a name, never a newline or a terminal escape sequence; else `CommandError`.
+
+    >>> actor_name(" Ana García ", "--by")
+    'Ana García'
+    >>> actor_name("ops\\x1b[2Jroot", "--by")
+    Traceback (most recent call last):
+    ...
+    specwatch.commands._arguments.CommandError: --by must be a printable name: 'ops\\x1b[2Jroot' holds U+001B
+    """
+    import unicodedata
+
+    name = text.strip()
+    if not name or len(name) > _MAX_ACTOR_CHARS:
+        raise CommandError(f"{option} must be a name of 1 to {_MAX_ACTOR_CHARS} characters")
+    for char in name:
+        # Cc: control characters (newline, ESC); Cf: invisible format characters (bidi overrides)
+        if unicodedata.category(char).startswith("C"):
+            raise CommandError(f"{option} must be a printable name: {name!r} holds U+{ord(char):04X}")
+    return name
 
 
 def add_archive_option(parser: argparse.ArgumentParser, help: str = _ARCHIVE_HELP) -> None:  # noqa: A002
