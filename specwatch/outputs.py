@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Iterator, Sequence
 
-__all__ = ["OutputClashError", "check_not_an_input", "open_output", "writes_stdout"]
+__all__ = ["OutputClashError", "check_not_an_input", "open_output", "writes_in_place", "writes_stdout"]
 
 STDIO = "-"
 # /proc/PID/fd and /proc/PID/task/TID/fd: what /dev/fd, /dev/stdout and /proc/self/fd resolve to.
@@ -31,6 +31,21 @@ def writes_stdout(path: str) -> bool:
     (True, True, True, False)
     """
     return path == STDIO or _descriptor_number(path) == 1
+
+
+def writes_in_place(path: str) -> bool:
+    """Whether `open_output` writes ``path`` as a stream (what was written before a failure stays
+    there) rather than as a regular file that appears whole or not at all.
+
+    >>> writes_in_place("-"), writes_in_place("/dev/null"), writes_in_place("/nonexistent/out.jsonl")
+    (True, True, False)
+    """
+    if path == STDIO or _descriptor_number(path) is not None:
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def check_not_an_input(output: str, inputs: Sequence[str | None] = (),

@@ -49,6 +49,15 @@ def replay_file(source, output, pipeline) -> dict:
     return pipeline.counters.as_dict()
 
 
+def _what_was_written(output: str) -> str:
+    """What a failed replay left at ``output``: nothing in a file; in a stream, what it had decided."""
+    from specwatch.outputs import writes_in_place
+
+    if writes_in_place(output):
+        return f"the decisions made before it were written to {output}"
+    return f"nothing was written to {output}"
+
+
 def _runs_between_blank_lines(block: list[bytes]) -> list[list[bytes] | int]:
     """``block`` as runs of lines that are not blank, and the counts of blank lines between them.
 
@@ -100,16 +109,16 @@ def run(args) -> int:
                 raise CommandError(f"{args.input} is not JSON Lines telemetry: none of its "
                                    f"{summary['lines']} lines is a contract-v1 record ({reasons}); give "
                                    "one JSON object per line, plain or gzipped; nothing was written to "
-                                   f"{args.output}", _EXIT_NO_TELEMETRY)
+                                   f"{args.output}", _EXIT_NO_TELEMETRY)  # no record, so no decision either
     except OSError as error:
         raise CommandError(f"{error.filename or args.output}: {error.strerror or error}") from None
     except DecompressionBombError as error:
-        raise CommandError(f"{args.input}: {error}, after {pipeline.counters.lines} lines; nothing was written "
-                           f"to {args.output}", _EXIT_NO_TELEMETRY) from None
+        raise CommandError(f"{args.input}: {error}, after {pipeline.counters.lines} lines; "
+                           f"{_what_was_written(args.output)}", _EXIT_NO_TELEMETRY) from None
     except (gzip.BadGzipFile, EOFError) as error:
         why = error or "it ends early"
         raise CommandError(f"{args.input} is a damaged gzip file ({why}) after "
-                           f"{pipeline.counters.lines} lines; nothing was written to {args.output}",
+                           f"{pipeline.counters.lines} lines; {_what_was_written(args.output)}",
                            _EXIT_NO_TELEMETRY) from None
     note = sink.delivery_note() if sink is not None else None
     if note:
