@@ -14,11 +14,13 @@ class ArchiveNotFoundError(ArchiveError):
 
 
 class ArchiveQueryLimit(ArchiveError):
-    """An ad-hoc query hit one of its limits: ``setting`` (``max_execution_time`` or
-    ``max_result_rows``) at ``limit``."""
+    """An ad-hoc query hit one of its limits: ``setting`` (``max_execution_time``,
+    ``max_result_rows`` or ``max_memory_usage``, in bytes) at ``limit``."""
 
     def __init__(self, setting: str, limit: float) -> None:
-        what = f"ran longer than {limit:g} s" if setting == "max_execution_time" else f"returns more than {limit:g} rows"
+        what = {"max_execution_time": f"ran longer than {limit:g} s",
+                "max_memory_usage": f"needed more than {limit / (1 << 20):g} MiB of memory"}.get(
+                    setting, f"returns more than {limit:g} rows")
         super().__init__(f"query stopped: it {what} ({setting})")
         self.setting = setting
         self.limit = limit

@@ -13,7 +13,7 @@ from specwatch.archive.columns import DECISIONS, WINDOW_STATS_FIELDS
 from specwatch.archive.errors import ArchiveError, ArchiveQueryLimit
 from specwatch.archive.rows import WINDOW_ARRAYS, audit_out, decision_out, window_out
 
-__all__ = ["DEFAULT_SQL_MAX_ROWS", "DEFAULT_SQL_MAX_SECONDS", "PostmortemQueries", "where_clause"]
+__all__ = ["DEFAULT_SQL_MAX_MEMORY_MIB", "DEFAULT_SQL_MAX_ROWS", "DEFAULT_SQL_MAX_SECONDS", "PostmortemQueries", "where_clause"]
 
 # readonly=1 is the engine-side guard for ad-hoc SQL; the statement check in
 # `_read_only_statement` refuses early and also covers what readonly lets through
@@ -22,8 +22,12 @@ _SQL_SETTINGS = {"readonly": 1}
 # Ad-hoc SQL is bounded by the engine: a runaway scan stops with a message, not a kill -9.
 DEFAULT_SQL_MAX_SECONDS = 30.0
 DEFAULT_SQL_MAX_ROWS = 100_000
+# Memory is the third bound: one GROUP BY over every window row took 14 GB of the machine
+# (chDB runs inside this process); 2 GiB answers any postmortem question about one archive.
+DEFAULT_SQL_MAX_MEMORY_MIB = 2048
+_MIB = 1 << 20
 # ClickHouse error codes that mean "a limit of ours was hit", and which limit.
-_LIMIT_CODES = {159: "max_execution_time", 396: "max_result_rows"}
+_LIMIT_CODES = {159: "max_execution_time", 396: "max_result_rows", 241: "max_memory_usage"}
 _READ_ONLY_KEYWORDS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC")
 # A quoted string or name (backslash escapes, unterminated up to the end), or a comment.
 _NOT_CODE = re.compile(r"""(['"`])(?:\\.|\\\Z|(?!\1)[^\\])*\1?"""
@@ -137,11 +141,13 @@ class PostmortemQueries:
         return bool(found[0]["known"])
 
     def sql(self, statement: str, max_seconds: float = DEFAULT_SQL_MAX_SECONDS,
-            max_rows: int = DEFAULT_SQL_MAX_ROWS) -> tuple[list[str], list[tuple]]:
+            max_rows: int = DEFAULT_SQL_MAX_ROWS,
+            max_memory_mib: int = DEFAULT_SQL_MAX_MEMORY_MIB) -> tuple[list[str], list[tuple]]:
         """Run a read-only statement (SELECT, WITH, SHOW, DESCRIBE); returns (columns, rows). Names
         without a database resolve in the archive's database. Anything but a read raises ValueError;
-        past ``max_seconds`` or ``max_rows`` the engine stops it (`ArchiveQueryLimit`); any other
-        engine error raises `ArchiveError`. An empty result may have no column names."""
+        past ``max_seconds``, ``max_rows`` or ``max_memory_mib`` the engine stops it
+        (`ArchiveQueryLimit`; readonly=1 keeps a statement's own SETTINGS from lifting them); any
+        other engine error raises `ArchiveError`. An empty result may have no column names."""
         from clickhouse_connect.driver.exceptions import ClickHouseError
 
         if not max_seconds > 0 or not math.isfinite(max_seconds):
@@ -149,8 +155,11 @@ class PostmortemQueries:
                              f"not {max_seconds!r}")
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be a positive whole number, not {max_rows!r}")
+        if not isinstance(max_memory_mib, int) or isinstance(max_memory_mib, bool) or max_memory_mib < 1:
+            raise ValueError(f"max_memory_mib must be a positive whole number of MiB, not {max_memory_mib!r}")
         statement = _read_only_statement(statement)
-        limits = {"max_execution_time": max_seconds, "max_result_rows": max_rows}
+        limits = {"max_execution_time": max_seconds, "max_result_rows": max_rows,
+                  "max_memory_usage": max_memory_mib * _MIB}
         settings = dict(_SQL_SETTINGS, result_overflow_mode="throw", **limits)
         client = self._client
         try:

@@ -42,7 +42,7 @@ class SampleCapture:
     >>> key = SampleKey.from_secret(b"0123456789abcdef0123456789abcdef")
     >>> capture = SampleCapture(CapturePolicy(enabled=True, rate=1.0, buckets=["coding"]), key)
     >>> capture.seal("r-1", "chat", [1], [2]) is None, capture.seal("r-1", "coding", [1], [2])[:4]
-    (True, 'sw1.')
+    (True, 'sw2.')
     """
 
     def __init__(self, policy: CapturePolicy, key: SampleKey | None) -> None:
@@ -79,15 +79,16 @@ class SampleCapture:
         return True
 
     def seal(self, request_id: str, bucket: str, prompt_ids: Sequence[int] | None,
-             output_ids: Sequence[int] | None) -> str | None:
-        """The sealed token ids of a finished request, or None when the policy does not take it."""
+             output_ids: Sequence[int] | None, sample_id: str | None = None) -> str | None:
+        """The sealed token ids of a finished request, or None when the policy does not take it;
+        bound to ``sample_id``, the id its record carries (default: ``request_id``)."""
         # CPU time of this thread: the emitter thread waits for the GIL while engine steps run,
         # and wall time would count those waits as the capture's cost
         start = time.thread_time_ns()
         sealed = None
         if prompt_ids is not None and output_ids is not None and self.wants(request_id, bucket, len(prompt_ids),
                                                                             len(output_ids)):
-            sealed = self._sealer.seal(prompt_ids, output_ids)
+            sealed = self._sealer.seal(prompt_ids, output_ids, sample_id=sample_id or request_id)
             self._sealed += 1
         self._capture_ns += time.thread_time_ns() - start
         return sealed

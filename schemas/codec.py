@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
@@ -13,17 +14,27 @@ from pydantic import TypeAdapter, ValidationError
 
 from .contract import BundleRecord, RequestRecord, ShadowRecord, StepRecord, TelemetryRecord
 
-__all__ = ["MAX_LINE_BYTES", "Rejection", "RejectionCounter", "ahead_of_clock", "decode_line",
-           "decode_object", "encode_record", "read_json_lines"]
+__all__ = ["MAX_GZIP_RATIO", "MAX_LINE_BYTES", "DecompressionBombError", "Rejection", "RejectionCounter",
+           "ahead_of_clock", "decode_line", "decode_object", "encode_record", "read_json_lines"]
 
 # A step with MAX_REQUESTS_PER_STEP entries is ~400 KB of JSON; lines beyond this are
 # rejected before parsing so a runaway producer cannot make the processor allocate GBs.
 MAX_LINE_BYTES = 1 << 20
 
+# Telemetry JSON gzips about 23:1 (gzip -9 of `specwatch simulate`); 200:1 past the first
+# MiB is a decompression bomb (a few MB of gzip that inflate to GBs of zeros or newlines).
+MAX_GZIP_RATIO = 200
+_GZIP_RATIO_FROM_BYTES = 1 << 20
+_SKIP_CHUNK = 1 << 16
+
 _GZIP_MAGIC = b"\x1f\x8b"
 _UTF8_BOM = b"\xef\xbb\xbf"
 _KINDS = {"bundle": BundleRecord, "step": StepRecord, "request": RequestRecord, "shadow": ShadowRecord}
 _ADAPTER: TypeAdapter = TypeAdapter(TelemetryRecord)
+
+
+class DecompressionBombError(ValueError):
+    """A gzip stream inflating far beyond what telemetry does; reading stopped."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,8 @@ def decode_line(line: str | bytes) -> TelemetryRecord | Rejection | None:
     """
     if isinstance(line, bytes):
         if len(line) > MAX_LINE_BYTES:
-            return Rejection("line_too_long", f"line of {len(line)} bytes > {MAX_LINE_BYTES}", "")
+            # `read_json_lines` keeps only the first MAX_LINE_BYTES + 1 bytes of a longer line
+            return Rejection("line_too_long", f"line longer than {MAX_LINE_BYTES} bytes", "")
         try:
             line = line.decode("utf-8")
         except UnicodeDecodeError as error:
@@ -144,19 +156,64 @@ def encode_record(record: TelemetryRecord) -> str:
     return record.model_dump_json(exclude_none=False)
 
 
-def read_json_lines(stream: BinaryIO) -> Iterator[bytes]:
+def read_json_lines(stream: BinaryIO, max_line_bytes: int = MAX_LINE_BYTES,
+                    max_gzip_ratio: float = MAX_GZIP_RATIO) -> Iterator[bytes]:
     """The lines of a JSON Lines byte stream, gunzipped if it is gzip, without a leading BOM.
+
+    Memory stays bounded whatever the input: a line longer than ``max_line_bytes`` is read no
+    further than that and given as its first ``max_line_bytes + 1`` bytes (`decode_line` rejects
+    it as ``line_too_long``); the rest of it is skipped unkept. A gzip stream that inflates more
+    than ``max_gzip_ratio`` times past its first MiB raises `DecompressionBombError`.
 
     >>> list(read_json_lines(io.BytesIO(gzip.compress(b'\\xef\\xbb\\xbf{"a":1}\\n{"b":2}\\n'))))
     [b'{"a":1}\\n', b'{"b":2}\\n']
+    >>> [len(line) for line in read_json_lines(io.BytesIO(b"x" * 100 + b"\\n{}\\n"), max_line_bytes=10)]
+    [11, 3]
     """
-    if not hasattr(stream, "peek"):
-        stream = io.BufferedReader(stream)
-    if stream.peek(len(_GZIP_MAGIC))[:len(_GZIP_MAGIC)] == _GZIP_MAGIC:
-        stream = gzip.GzipFile(fileobj=stream, mode="rb")
-    lines = iter(stream)
-    first = next(lines, None)
-    if first is None:
-        return
-    yield first[len(_UTF8_BOM):] if first.startswith(_UTF8_BOM) else first
-    yield from lines
+    counted = _CountingReader(stream)
+    source: BinaryIO = io.BufferedReader(counted)
+    gzipped = source.peek(len(_GZIP_MAGIC))[:len(_GZIP_MAGIC)] == _GZIP_MAGIC
+    if gzipped:
+        source = gzip.GzipFile(fileobj=source, mode="rb")
+    # plain input is never checked; gzip from its first MiB on
+    check_at, inflated, first = _GZIP_RATIO_FROM_BYTES if gzipped else math.inf, 0, True
+    while line := source.readline(max_line_bytes + 1):
+        inflated += len(line)
+        if len(line) > max_line_bytes and not line.endswith(b"\n"):
+            while (rest := source.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
+                inflated += len(rest)
+                if inflated > check_at:
+                    _check_ratio(inflated, counted.bytes_read, max_gzip_ratio)
+            inflated += len(rest)
+        if inflated > check_at:
+            _check_ratio(inflated, counted.bytes_read, max_gzip_ratio)
+        if first:
+            first = False
+            line = line[len(_UTF8_BOM):] if line.startswith(_UTF8_BOM) else line
+        yield line
+
+
+def _check_ratio(inflated: int, compressed: int, max_ratio: float) -> None:
+    if inflated > max_ratio * max(compressed, 1):
+        raise DecompressionBombError(f"{inflated} bytes inflated from {compressed} bytes of gzip, more than "
+                                     f"{max_ratio:g} times: refused as a decompression bomb (telemetry "
+                                     "compresses about 20 times)")
+
+
+class _CountingReader(io.RawIOBase):
+    """The raw bytes read from a stream, counted: the compressed size a gzip ratio is taken over."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        # read1: what is there, without waiting for a pipe to fill the whole buffer
+        self._read = getattr(stream, "read1", stream.read)
+        self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        chunk = self._read(len(buffer))
+        size = len(chunk)
+        buffer[:size] = chunk
+        self.bytes_read += size
+        return size

@@ -6,7 +6,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from pathlib import Path
+
+from .config_files import read_config_file
 
 __all__ = ["key_id", "read_key_file"]
 
@@ -30,7 +31,8 @@ def read_key_file(path: str, variable: str, what: str) -> bytes:
     """The bytes of the key file ``variable`` names; a warning if other users can read it."""
     try:
         mode = os.stat(path).st_mode
-        secret = Path(path).read_bytes()
+        # room for a trailing newline or base64 of the longest key; /dev/zero or a FIFO is refused
+        secret = read_config_file(path, 2 * _MAX_KEY_BYTES)
     except OSError as error:
         raise ValueError(f"{variable}={path}: cannot read the {what} key file: "
                          f"{error.strerror or error}") from None

@@ -8,6 +8,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .config_files import read_config_file
 from .contract import Name, ScopeName
 from .decisions import Reason
 
@@ -34,6 +35,8 @@ _MAX_FACTOR = 1_000.0
 # yields at most 65 tokens: no acceptance length or speedup can exceed that.
 _MAX_TOKENS_PER_PASS = 65.0
 _MAX_MS = _DAY * 1_000
+# A policy is a page of TOML; anything this long is the wrong file (or /dev/zero).
+_MAX_POLICY_BYTES = 1 << 20
 
 Seconds = Annotated[float, Field(ge=0, le=_MONTH)]  # a wait: 0 means none
 Duration = Annotated[float, Field(gt=0, le=_MONTH)]
@@ -293,7 +296,7 @@ def load_policy(path: str | Path | None) -> Policy:
         return Policy()
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_config_file(path, _MAX_POLICY_BYTES).decode("utf-8")
     except OSError as error:
         raise PolicyError(f"cannot read policy file {path}: {error.strerror or error}") from None
     except UnicodeDecodeError as error:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from specwatch.outputs import atomic_output
+from specwatch.outputs import open_output
 
 from machine import run_cli
 
@@ -66,16 +66,16 @@ def test_an_output_that_cannot_be_written_is_named_as_given(capsys, telemetry, t
     assert (code, err) == (2, f"specwatch replay: {output}: No such file or directory\n")
 
 
-def test_atomic_output_replaces_only_on_success_and_keeps_the_mode(tmp_path):
+def test_open_output_replaces_only_on_success_and_keeps_the_mode(tmp_path):
     target = tmp_path / "out.jsonl"
     target.write_text("old\n")
     target.chmod(0o640)
     with pytest.raises(RuntimeError):
-        with atomic_output(str(target)) as stream:
+        with open_output(str(target)) as stream:
             stream.write("half a")
             raise RuntimeError("the run failed")
     assert target.read_text() == "old\n"
-    with atomic_output(str(target)) as stream:
+    with open_output(str(target)) as stream:
         stream.write("new\n")
     assert target.read_text() == "new\n"
     assert target.stat().st_mode & 0o777 == 0o640

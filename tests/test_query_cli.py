@@ -330,3 +330,16 @@ def test_flags_use_the_archive_from_the_environment_or_the_default_path(capsys, 
     code, out, _ = run_cli(capsys, "flags", "list", "--json")
     [row] = json_lines(out)
     assert (row["bundle_id"], row["speculation"], row["manual"], row["by"]) == ("b-9", "off", True, "ops")
+
+
+def test_sql_stops_at_its_memory_cap_and_a_statement_cannot_lift_it(query):
+    statement = "SELECT groupArray(number) FROM numbers(50000000)"  # about 400 MB of array
+    assert query("sql", "--max-memory-mib", "64", statement) == (
+        1, "", "specwatch query: query stopped: it needed more than 64 MiB of memory (max_memory_usage); "
+               "narrow the statement or raise --max-memory-mib\n")
+    code, out, err = query("sql", "--max-memory-mib", "64", statement + " SETTINGS max_memory_usage = 0")
+    assert (code, out) == (1, "") and "Cannot modify 'max_memory_usage' setting in readonly mode" in err
+    assert query("sql", "--max-memory-mib", "0", "SELECT 1") == (
+        2, "", "specwatch query: refused: max_memory_mib must be a positive whole number of MiB, not 0\n")
+    code, out, _ = query("sql", "--max-memory-mib", "64", "SELECT count() FROM numbers(1000)")
+    assert code == 0 and out.split()[-1] == "1000"

@@ -34,12 +34,12 @@ def _request(rid="r1", sealed=None, ts=100.0):
 
 
 def test_seal_and_open_round_trip_checks_digests():
-    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT)
+    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT, sample_id="r1")
     assert sealed_key_id(sealed) == _KEY.key_id
-    opened = open_sealed(sealed, _KEY, token_digest(_PROMPT), token_digest(_OUTPUT))
+    opened = open_sealed(sealed, _KEY, token_digest(_PROMPT), token_digest(_OUTPUT), "r1")
     assert (list(opened.prompt_ids), list(opened.output_ids)) == (_PROMPT, _OUTPUT)
     with pytest.raises(SealedSampleError, match="output token ids do not match the record's output_sha256"):
-        open_sealed(sealed, _KEY, token_digest(_PROMPT), token_digest(_OUTPUT[:-1]))
+        open_sealed(sealed, _KEY, token_digest(_PROMPT), token_digest(_OUTPUT[:-1]), "r1")
 
 
 def test_one_data_key_per_batch():
@@ -50,14 +50,14 @@ def test_one_data_key_per_batch():
         return bytes([len(drawn)]) * n
 
     sealer = Sealer(_KEY, batch_samples=2, random_bytes=random_bytes)
-    wrapped = [sealer.seal([i], [i]).split(".")[2] for i in range(5)]
+    wrapped = [sealer.seal([i], [i], sample_id=f"r{i}").split(".")[2] for i in range(5)]
     assert wrapped[0] == wrapped[1] != wrapped[2] == wrapped[3] != wrapped[4]
     assert drawn.count(32) == 3  # data keys: samples 1-2, 3-4, 5
     assert drawn.count(12) == 5  # one nonce per sample
 
 
 def test_wrong_key_missing_key_and_tampering_open_nothing():
-    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT)
+    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT, sample_id="r1")
     with pytest.raises(SealedSampleError) as wrong:
         open_sealed(sealed, _OTHER, None, None)
     assert str(wrong.value) == (f"the sample was sealed with key {_KEY.key_id} and the key given is "
@@ -67,10 +67,10 @@ def test_wrong_key_missing_key_and_tampering_open_nothing():
     head, body = sealed.rsplit(".", 1)
     flipped = head + "." + body[:-2] + ("A" if body[-2] != "A" else "B") + body[-1]
     with pytest.raises(SealedSampleError, match="altered"):
-        open_sealed(flipped, _KEY, None, None)
+        open_sealed(flipped, _KEY, None, None, "r1")
     forged_id = sealed.replace(_KEY.key_id, _OTHER.key_id)
-    with pytest.raises(SealedSampleError, match="altered or its key id was forged"):
-        open_sealed(forged_id, _OTHER, None, None)
+    with pytest.raises(SealedSampleError, match="was altered, or its key id was forged"):
+        open_sealed(forged_id, _OTHER, None, None, "r1")
     with pytest.raises(SealedSampleError, match="not a sealed sample"):
         sealed_key_id("sw1.nope")
 
@@ -93,7 +93,7 @@ def test_key_from_environment_never_shows_the_secret(tmp_path, caplog):
         SampleKey.from_env({"SPECWATCH_SAMPLE_KEY": "short"})
     with pytest.raises(ValueError, match="cannot read the sample key file: No such file"):
         SampleKey.from_env({"SPECWATCH_SAMPLE_KEY_FILE": str(tmp_path / "missing")})
-    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT)
+    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT, sample_id="r1")
     assert _SECRET.decode() not in sealed and "17" not in sealed.split(".")[1]
 
 
@@ -131,7 +131,7 @@ def test_records_without_a_seal_keep_their_bytes_and_sealed_ones_travel():
     assert json.loads(encode_record(plain))["sample"] == {
         "prompt_sha256": token_digest(_PROMPT), "output_sha256": token_digest(_OUTPUT),
         "sampling": {"temperature": 0.0, "top_p": 1.0, "seed": 7, "max_tokens": 5}}
-    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT)
+    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT, sample_id="r1")
     record = _request(sealed=sealed)
     assert decode_line(encode_record(record)) == record
     (decoded,) = decode_request(encode_records([record]))
@@ -144,7 +144,7 @@ def _archive_with_sealed_decision(tmp_path, environ=None):
                         reason="acceptance_drop", detector="acceptance_gate", sample_ids=["r1", "r2"])
     card = {"target": {"model_id": "/m/target"},
             "drafter": {"mechanism": "ngram", "revision": "ngram:lookup=2-3", "draft_length": 4}}
-    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT)
+    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT, sample_id="r1")
     archive.write_decision(decision, {"card": card}, [_request("r1", sealed), _request("r2")])
     return archive, decision, sealed
 
@@ -255,6 +255,86 @@ def test_simulator_capture_seals_only_what_it_takes():
     assert len(changed) == stats.sealed > 0 and stats.too_long > 0
     for before, after in changed:
         assert before.model_copy(update={"sample": None}) == after.model_copy(update={"sample": None})
-        opened = open_sealed(after.sample.sealed, _KEY, after.sample.prompt_sha256, after.sample.output_sha256)
+        opened = open_sealed(after.sample.sealed, _KEY, after.sample.prompt_sha256, after.sample.output_sha256,
+                             after.id)
         assert len(opened.output_ids) == after.output_tokens
         assert after.sample.sampling == before.sample.sampling
+
+
+def _sw1(prompt_ids, output_ids) -> str:
+    """A sample as sealed before samples were bound to their ids (format sw1): AES-GCM under a
+    wrapped data key, with the version and key id alone as associated data."""
+    import base64
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.keywrap import aes_key_wrap
+
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    data_key, nonce = bytes(range(32)), bytes(range(12))
+    clear = struct.pack(f"<I{len(prompt_ids) + len(output_ids)}I", len(prompt_ids), *prompt_ids, *output_ids)
+    body = AESGCM(data_key).encrypt(nonce, clear, f"sw1.{_KEY.key_id}".encode())
+    return f"sw1.{_KEY.key_id}.{b64(aes_key_wrap(_KEY.kek, data_key))}.{b64(nonce + body)}"
+
+
+def test_a_ciphertext_opens_only_as_the_sample_it_was_sealed_for():
+    sealed = Sealer(_KEY).seal(_PROMPT, _OUTPUT, sample_id="r1")
+    assert open_sealed(sealed, _KEY, None, None, "r1").bound
+    with pytest.raises(SealedSampleError) as moved:
+        open_sealed(sealed, _KEY, token_digest(_PROMPT), token_digest(_OUTPUT), "r2")
+    assert str(moved.value) == (f"the sealed sample does not open as sample 'r2' with key {_KEY.key_id}: it "
+                                "belongs to another sample, was altered, or its key id was forged")
+    with pytest.raises(SealedSampleError, match="opens only with the id of its sample"):
+        open_sealed(sealed, _KEY, None, None)
+    downgraded = "sw1." + sealed.split(".", 1)[1]  # claiming the unbound format does not help
+    with pytest.raises(SealedSampleError, match="was altered or its key id was forged"):
+        open_sealed(downgraded, _KEY, None, None, "r2")
+
+
+def test_samples_sealed_before_the_binding_still_open_and_say_so():
+    old = _sw1(_PROMPT, _OUTPUT)
+    opened = open_sealed(old, _KEY, token_digest(_PROMPT), token_digest(_OUTPUT), "any id")
+    assert (list(opened.prompt_ids), list(opened.output_ids), opened.bound) == (_PROMPT, _OUTPUT, False)
+    with pytest.raises(SealedSampleError, match="do not match the record's output_sha256"):
+        open_sealed(old, _KEY, token_digest(_PROMPT), token_digest(_PROMPT), "any id")
+
+
+def test_reproduce_refuses_a_row_copied_from_another_sample_or_decision(tmp_path):
+    archive, decision, sealed = _archive_with_sealed_decision(tmp_path)
+    with archive:
+        card = BundleCard.model_validate(archive.decision(decision.id)["audit"]["card"])
+        outcome = RerunOutcome(standard_ids=list(_OUTPUT), speculative_ids=list(_OUTPUT), rounds=[(4, 4)])
+        # r1's ciphertext, digests and all, copied onto r2's row of the same decision
+        archive._client.command(
+            "INSERT INTO specwatch.sealed_samples (decision_id, sample_id, ts, bundle_id, key_id, prompt_sha256, "
+            f"output_sha256, sealed) VALUES ('{decision.id}', 'r2', 100.0, 'b-1', '{_KEY.key_id}', "
+            f"'{token_digest(_PROMPT)}', '{token_digest(_OUTPUT)}', '{sealed}')")
+        runner = _Runner(card, [outcome, outcome])
+        with pytest.raises(ReproduceError) as moved:
+            reproduce_decision(archive, decision.id, _KEY, runner, "ops", lambda: 5.0)
+        assert str(moved.value) == (f"cannot open the samples of {decision.id}: the sealed sample does not open "
+                                    f"as sample 'r2' with key {_KEY.key_id}: it belongs to another sample, was "
+                                    "altered, or its key id was forged")
+        # the whole row of r1 copied under a decision that never named r1
+        other = Decision(ts=102.0, bundle_id="b-1", bucket="coding", action="disable_speculation",
+                         reason="acceptance_drop", detector="acceptance_gate", sample_ids=["r7"])
+        archive.write_decision(other, {"card": card.model_dump(mode="json")}, [_request("r7")])
+        archive._client.command(
+            "INSERT INTO specwatch.sealed_samples (decision_id, sample_id, ts, bundle_id, key_id, prompt_sha256, "
+            f"output_sha256, sealed) VALUES ('{other.id}', 'r1', 100.0, 'b-1', '{_KEY.key_id}', "
+            f"'{token_digest(_PROMPT)}', '{token_digest(_OUTPUT)}', '{sealed}')")
+        with pytest.raises(ReproduceError, match=f"sealed sample 'r1' is archived under {other.id} but the "
+                                                 "decision does not name it among its samples"):
+            reproduce_decision(archive, other.id, _KEY, runner, "ops", lambda: 6.0)
+        assert runner.runs == 0
+        assert [a["detail"]["outcome"] for a in archive.audit(kind="sample_open")] == ["refused", "refused"]
+
+
+def test_an_empty_sample_key_setting_is_an_error_like_an_empty_signing_key():
+    for name in ("SPECWATCH_SAMPLE_KEY", "SPECWATCH_SAMPLE_KEY_FILE"):
+        for empty in ("", "  "):
+            with pytest.raises(ValueError) as refused:
+                SampleKey.from_env({name: empty})
+            assert str(refused.value).startswith(f"{name} is set but empty: give it the key")

@@ -84,7 +84,7 @@ def test_text_report_marks_best_and_current_d(archived):
 
 @pytest.mark.parametrize("args, message", [
     (["--heads-per-kv", "0"], "--heads-per-kv must be at least 1, got 0"),
-    (["--window", "-5"], "--window must be a positive number of seconds, got -5"),
+    (["--window", "-5"], "--window must be a positive, finite number of seconds, got -5"),
     (["--bundle", "b-nope"], "no bundle 'b-nope' in the archive"),
     (["--archive", "chdb:///nonexistent/archive"], "no archive at chdb:///nonexistent/archive"),
 ])

@@ -325,8 +325,8 @@ def _request_record(worker: str, payload: tuple, capture: SampleCapture | None =
     temperature, top_p, seed, max_tokens = sampling
     sample = {"prompt_sha256": token_digest(prompt_ids), "output_sha256": token_digest(output_ids),
               "sampling": {"temperature": temperature, "top_p": top_p, "seed": seed, "max_tokens": max_tokens}}
-    if capture is not None:
-        sample["sealed"] = capture.seal(rid, bucket, prompt_ids, output_ids)
+    if capture is not None:  # chosen by the engine's request id, bound to the id the record carries
+        sample["sealed"] = capture.seal(rid, bucket, prompt_ids, output_ids, sample_id=_short(rid))
     return RequestRecord.model_validate({
         "v": 1, "ts": ts, "worker": worker, "bundle_id": bundle_id, "id": _short(rid),
         "bucket": bucket, "cohort": cohort, "speculative": speculative,

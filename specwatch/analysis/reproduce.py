@@ -118,7 +118,15 @@ def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, re
         for row in sealed:
             if key is None or sealed_key_id(row["sealed"]) != key.key_id:
                 open_sealed(row["sealed"], key, None, None)  # raises with the key ids named
-        opened = [open_sealed(row["sealed"], key, row["prompt_sha256"] or None, row["output_sha256"] or None)
+        # a row is the decision's only if the decision names its sample; its ciphertext (sw2)
+        # opens only as that sample, so no row's ciphertext can stand in for another's
+        listed = set(decision.get("sample_ids") or ())
+        foreign = [row["sample_id"] for row in sealed if row["sample_id"] not in listed]
+        if foreign:
+            raise SealedSampleError(f"sealed sample {foreign[0]!r} is archived under {decision_id} but the "
+                                    "decision does not name it among its samples: it belongs to another decision")
+        opened = [open_sealed(row["sealed"], key, row["prompt_sha256"] or None, row["output_sha256"] or None,
+                              sample_id=row["sample_id"])
                   for row in sealed]
     except SealedSampleError as error:
         audit("refused", error=str(error))
@@ -128,6 +136,8 @@ def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, re
                 for row in archive.samples(decision_id) if row["kind"] == "request"}
     requests = [RerunRequest(row["sample_id"], o.prompt_ids, o.output_ids, sampling.get(row["sample_id"], {}))
                 for row, o in zip(sealed, opened)]
+    # sw1 samples, sealed before the binding, open by their digests alone: say so in the result
+    unbound = [row["sample_id"] for row, o in zip(sealed, opened) if not o.bound]
     card = (decision.get("audit") or {}).get("card")
     if card is None:
         raise ReproduceError(f"decision {decision_id} has no bundle card in its audit row: nothing to check "
@@ -150,6 +160,8 @@ def reproduce_decision(archive: Any, decision_id: str, key: SampleKey | None, re
         "reason": decision["reason"], "key_id": key.key_id, "card_differences": differences,
         "draft_length": draft_length, "verdict": verdict, "counts": counts, "requests": reports,
     }
+    if unbound:
+        result["unbound_samples"] = unbound
     result["reproduction_id"] = archive.write_reproduction(decision_id, actor, clock(), verdict, result)
     return result
 

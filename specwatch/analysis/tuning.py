@@ -18,23 +18,53 @@ __all__ = ["DEFAULT_WINDOW_SECONDS", "heads_per_kv_head", "render_html", "render
 DEFAULT_WINDOW_SECONDS = 300.0
 # Tile-boundary candidates are listed up to this D: past it a drafter's acceptance is spent.
 _MAX_TILE_CANDIDATE = 64
+# More query heads than any model has; a larger count in a config is a mistake, not a model.
+_MAX_HEADS = 1 << 16
 
 
-def heads_per_kv_head(config: Mapping) -> int:
-    """G, query heads per KV head, from a Hugging Face model config (``config.json``).
+def heads_per_kv_head(config: object) -> int:
+    """G, query heads per KV head, from a Hugging Face model config (``config.json``); ValueError
+    naming the field when a head count is missing, not a whole number from 1 up, or does not divide.
 
     >>> heads_per_kv_head({"num_attention_heads": 32, "num_key_value_heads": 8})
     4
     >>> heads_per_kv_head({"num_attention_heads": 12})  # no GQA: one KV head per query head
     1
+    >>> heads_per_kv_head({"num_attention_heads": 32, "num_key_value_heads": 0})
+    Traceback (most recent call last):
+    ...
+    ValueError: num_key_value_heads must be a whole number from 1 to 65536, got 0
+    >>> heads_per_kv_head({"num_attention_heads": True})
+    Traceback (most recent call last):
+    ...
+    ValueError: num_attention_heads must be a whole number from 1 to 65536, got true
     """
-    heads = config.get("num_attention_heads")
-    if not isinstance(heads, int) or heads < 1:
+    if not isinstance(config, Mapping):
+        raise ValueError(f"the model config must be a JSON object (a config.json), not a JSON {_json_type(config)}")
+    if "num_attention_heads" not in config:
         raise ValueError("the model config has no num_attention_heads: pass --heads-per-kv G instead")
-    kv = config.get("num_key_value_heads") or heads
-    if not isinstance(kv, int) or kv < 1 or heads % kv:
-        raise ValueError(f"num_key_value_heads {kv!r} does not divide num_attention_heads {heads}")
+    heads = _head_count(config, "num_attention_heads")
+    kv = _head_count(config, "num_key_value_heads") if "num_key_value_heads" in config else heads
+    if heads % kv:
+        raise ValueError(f"num_key_value_heads {kv} does not divide num_attention_heads {heads}")
     return heads // kv
+
+
+def _head_count(config: Mapping, name: str) -> int:
+    value = config[name]
+    # bool is an int in Python, and true / false are no head counts in JSON
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= _MAX_HEADS:
+        raise ValueError(f"{name} must be a whole number from 1 to {_MAX_HEADS}, got {_json_text(value)}")
+    return value
+
+
+def _json_type(value: object) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+
+
+def _json_text(value: object) -> str:
+    text = json.dumps(value) if isinstance(value, (bool, int, float, str, type(None))) else f"a JSON {_json_type(value)}"
+    return text[:40]
 
 
 def _slice(row: Mapping) -> SliceStats:
@@ -63,7 +93,8 @@ def tune_report(rows: Sequence[Mapping], card: Mapping, bundle_id: str, flags: F
     for r in recent:
         if r["bucket"] is not None:
             by_bucket[r["bucket"]].append(r)
-    start = starting_draft_length(heads_per_kv) if heads_per_kv else None
+    # 128/G - 1 is 0 from G = 128 on: one query group fills a tile, and there is no starting point
+    start = (starting_draft_length(heads_per_kv) or None) if heads_per_kv else None
     tiles = tile_draft_lengths(heads_per_kv, _MAX_TILE_CANDIDATE) if heads_per_kv else None
     buckets = []
     for bucket in sorted(by_bucket):
@@ -131,12 +162,17 @@ def _bucket_report(bucket: str, curve: DraftLengthCurve, current: int, start: in
     }
 
 
+def _starting_point(report: Mapping) -> str:
+    if report["starting_draft_length"] is None:
+        return "no starting point (128/G - 1 < 1: one query group fills a 128-row tile)"
+    return f"starting point 128/G - 1 = {report['starting_draft_length']}"
+
+
 def render_text(report: Mapping) -> str:
     """The report as a few lines per bucket."""
     lines = [f"bundle {report['bundle_id']} ({report['mechanism']}, deployed D {report['deployed_draft_length']})"]
     if report["heads_per_kv_head"]:
-        lines.append(f"G = {report['heads_per_kv_head']} query heads per KV head: starting point 128/G - 1 = "
-                     f"{report['starting_draft_length']}")
+        lines.append(f"G = {report['heads_per_kv_head']} query heads per KV head: {_starting_point(report)}")
     else:
         lines.append("G unknown (pass --model-config or --heads-per-kv): no starting point or tile candidates")
     for b in report["buckets"]:
@@ -214,7 +250,7 @@ def render_html(report: Mapping) -> str:
         f'<main id="tune" data-bundle-id="{esc(report["bundle_id"])}">',
         f"<h1>Draft length for bundle <code>{esc(report['bundle_id'])}</code></h1>",
         f'<p id="summary">drafter {esc(str(report["mechanism"]))}, deployed D {report["deployed_draft_length"]}; '
-        + (f"G = {report['heads_per_kv_head']}, starting point 128/G - 1 = {report['starting_draft_length']}"
+        + (f"G = {report['heads_per_kv_head']}, {_starting_point(report)}"
            if report["heads_per_kv_head"] else "G unknown: no starting point or tile candidates") + "</p>",
     ]
     for b in report["buckets"]:

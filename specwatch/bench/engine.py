@@ -114,7 +114,8 @@ def _measure(out_path: Path, rounds: int) -> None:
     capture_s = captured_after.capture_s - captured_before.capture_s
     # Sealing every finished request once more (capture rate 1), timed on its own.
     sealer = Sealer(key)
-    seal_s, _ = timed(lambda: [sealer.seal(list(p), list(o)) for p, o in finished],
+    seal_s, _ = timed(lambda: [sealer.seal(list(p), list(o), sample_id=f"r-{i}")
+                                    for i, (p, o) in enumerate(finished)],
                       clock=time.thread_time)
     seal_us = seal_s * 1e6 / max(1, len(finished))
     # the ceiling: every request the collector recorded sealed, over the steps it recorded

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+from typing import IO, Iterator
 
 __all__ = ["CommandError", "EXIT_NOT_FOUND", "EXIT_NOT_PUBLISHED", "EXIT_USAGE",
-           "add_archive_option", "add_json_option", "add_policy_option", "archive_reader_options",
-           "load_policy", "open_archive", "write_page"]
+           "actor_name", "add_archive_option", "add_json_option", "add_policy_option", "archive_reader_options",
+           "check_output", "load_policy", "open_archive", "open_command_output", "write_page"]
 
 EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_NOT_PUBLISHED = 3  # a manual change was recorded, but not published
 _ARCHIVE_HELP = "archive DSN (default: $SPECWATCH_ARCHIVE or chdb://specwatch-data/archive)"
 _POLICY_HELP = "policy TOML file (defaults built in)"
+_MAX_ACTOR_CHARS = 200
 
 
 class CommandError(Exception):
@@ -22,6 +26,29 @@ class CommandError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def actor_name(text: str, option: str) -> str:
+    """Who acts (``--actor``, ``--by``), stripped: printable text of at most 200 characters, so the
+    audit trail holds a name, never a newline or a terminal escape sequence; else `CommandError`.
+
+    >>> actor_name(" Ana García ", "--by")
+    'Ana García'
+    >>> actor_name("ops\\x1b[2Jroot", "--by")
+    Traceback (most recent call last):
+    ...
+    specwatch.commands._arguments.CommandError: --by must be a printable name: 'ops\\x1b[2Jroot' holds U+001B
+    """
+    import unicodedata
+
+    name = text.strip()
+    if not name or len(name) > _MAX_ACTOR_CHARS:
+        raise CommandError(f"{option} must be a name of 1 to {_MAX_ACTOR_CHARS} characters")
+    for char in name:
+        # Cc: control characters (newline, ESC); Cf: invisible format characters (bidi overrides)
+        if unicodedata.category(char).startswith("C"):
+            raise CommandError(f"{option} must be a printable name: {name!r} holds U+{ord(char):04X}")
+    return name
 
 
 def add_archive_option(parser: argparse.ArgumentParser, help: str = _ARCHIVE_HELP) -> None:  # noqa: A002
@@ -70,16 +97,61 @@ def load_policy(path: str | None):
         raise CommandError(str(error)) from None
 
 
-def write_page(path: str, page: str, what: str) -> None:
-    """``page`` to ``path`` (``-``: stdout), whole or not at all; a path it cannot write raises `CommandError`."""
-    if path == "-":
-        sys.stdout.write(page)
+def check_output(path: str | None, args: argparse.Namespace) -> None:
+    """`CommandError` (exit 2) when ``path`` is, or lies in, anything the command reads: its input,
+    policy and model config, the archive's directory, the key files the environment names.
+    Called before any work, so a refused output leaves every input as it was."""
+    if path is None:
         return
-    from specwatch.outputs import atomic_output
+    from specwatch.outputs import OutputClashError, check_not_an_input
 
     try:
-        with atomic_output(path) as out:
+        check_not_an_input(path, *_command_inputs(args))
+    except OutputClashError as error:
+        raise CommandError(str(error)) from None
+
+
+@contextlib.contextmanager
+def open_command_output(path: str, args: argparse.Namespace, *, binary: bool = False) -> Iterator[IO]:
+    """`specwatch.outputs.open_output` for a command's ``--output``/``--html``, with what it reads as inputs."""
+    from specwatch.outputs import OutputClashError, open_output
+
+    files, directories = _command_inputs(args)
+    try:
+        with open_output(path, inputs=files, input_dirs=directories, binary=binary) as stream:
+            yield stream
+    except OutputClashError as error:
+        raise CommandError(str(error)) from None
+
+
+def _command_inputs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The files and directories a command reads, as named on its command line and in the environment."""
+    from specwatch.schemas.sealed import SAMPLE_KEY_FILE_ENV
+    from specwatch.transport.signing import PREVIOUS_SIGNING_KEY_FILE_ENV, SIGNING_KEY_FILE_ENV
+
+    files = [getattr(args, name, None) for name in ("input", "policy", "model_config")]
+    files += [os.environ.get(name) for name in (SIGNING_KEY_FILE_ENV, PREVIOUS_SIGNING_KEY_FILE_ENV,
+                                                SAMPLE_KEY_FILE_ENV)]
+    directories = []
+    if hasattr(args, "archive"):
+        from specwatch.archive.dsn import archive_dsn, parse_archive_dsn
+
+        with contextlib.suppress(ValueError):  # a bad DSN is refused on its own, with its reason
+            location, _ = parse_archive_dsn(args.archive or archive_dsn())
+            if location.engine == "chdb":
+                directories.append(location.path)
+    return [f for f in files if f], directories
+
+
+def write_page(path: str, page: str, what: str, args: argparse.Namespace) -> None:
+    """``page`` to ``path`` (`specwatch.outputs.open_output`: ``-`` is stdout); a path it cannot
+    write raises `CommandError`."""
+    try:
+        with open_command_output(path, args) as out:
             out.write(page)
     except OSError as error:
         raise CommandError(f"cannot write {path}: {error.strerror or error}") from None
-    print(f"{what} written to {path}", file=sys.stderr)
+    from specwatch.outputs import writes_stdout
+
+    if not writes_stdout(path):
+        print(f"{what} written to {path}", file=sys.stderr)

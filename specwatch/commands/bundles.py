@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED, actor_name,
                                            add_policy_option, archive_reader_options, load_policy,
                                            open_archive)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
@@ -87,7 +87,7 @@ def _change(args: argparse.Namespace) -> int:
     """A person's admit, promote or freeze: the stage rules are admission's, the record the archive's."""
     from specwatch.actions.admission import manual_stage, manual_stage_decision
 
-    by, reason = args.by.strip(), args.reason.strip()
+    by, reason = actor_name(args.by, "--by"), args.reason.strip()
     if not by or not reason:
         raise CommandError("--by and --reason must not be empty")
     settings = load_policy(getattr(args, "policy", None)).admission

@@ -180,6 +180,12 @@ def _caught(incident: dict) -> str:
 
 def run(args) -> int:
     policy = load_policy(args.policy)
+    if policy.capture.enabled:
+        # Never ignored silently: an operator who asked for sealed samples would find none.
+        raise CommandError(f"{args.policy} turns on [capture], which the demo cannot honour: the simulated "
+                           "fleet has no token ids to seal and the vLLM demo builds its own collector; "
+                           "capture runs in a serving engine (SPECWATCH_VLLM_POLICY); remove [capture] or set "
+                           "enabled = false")
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     archive_sink = None
@@ -202,7 +208,7 @@ def run(args) -> int:
         print(f"  t={elapsed:6.0f}/{total:.0f} s  records={counters.records:>8}  decisions={counters.decisions}",
               file=sys.stderr, flush=True)
 
-    operations = _serve(args.serve) if args.serve is not None else None
+    operations, port = _serve(args.serve) if args.serve is not None else (None, None)
     if args.serve is not None and operations is None:
         return 2
     try:
@@ -218,7 +224,7 @@ def run(args) -> int:
         shown = ("decisions", "decision_ids", "incidents", "archive", "picture", "counters", "buckets")
         print(json.dumps({key: summary.get(key) for key in shown}, sort_keys=True))
     if operations is not None:
-        print(f"serving metrics on http://127.0.0.1:{args.serve}/metrics until interrupted (Ctrl-C)",
+        print(f"serving metrics on http://127.0.0.1:{port}/metrics until interrupted (Ctrl-C)",
               file=sys.stderr, flush=True)
         try:
             while True:
@@ -237,18 +243,21 @@ def _archived_at(archive_sink, dsn: str) -> str | None:
 
 
 def _serve(port: int):
-    """An `Operations` whose metrics prometheus-client serves on ``port``; None (and why) if it cannot."""
+    """An `Operations` whose metrics prometheus-client serves on ``port`` (0: a free one), and the
+    port it bound (what to print); (None, None), after saying why, if it cannot."""
     from prometheus_client import start_http_server
 
     from specwatch.streams.operations import Operations, OperationsSettings
 
     operations = Operations(OperationsSettings(web_port=None))
     try:
-        start_http_server(port, addr="127.0.0.1", registry=operations.registry)
+        server, _ = start_http_server(port, addr="127.0.0.1", registry=operations.registry)
     except (OSError, OverflowError) as error:
         print(f"specwatch demo: cannot serve metrics on port {port}: {error}; pick a free port", file=sys.stderr)
-        return None
-    return operations
+        return None, None
+    bound = server.server_port
+    print(f"specwatch demo: metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr, flush=True)
+    return operations, bound
 
 
 def _run_vllm(args, outdir: Path, policy, archive_sink=None, dsn: str | None = None) -> int:

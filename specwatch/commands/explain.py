@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, add_archive_option,
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, add_archive_option, check_output,
                                            open_archive, write_page)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
@@ -23,6 +23,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from specwatch.analysis.postmortem import render_html, render_text
 
+    check_output(args.html, args)
     with open_archive(args.archive) as archive:
         record = archive.decision(args.decision_id)
         if record is None:
@@ -33,5 +34,5 @@ def run(args) -> int:
     if args.html is None:
         print(render_text(record, samples))
         return 0
-    write_page(args.html, render_html(record, samples, reproductions), f"postmortem of {args.decision_id}")
+    write_page(args.html, render_html(record, samples, reproductions), f"postmortem of {args.decision_id}", args)
     return 0

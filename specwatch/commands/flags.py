@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED,
+from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED, actor_name,
                                            archive_reader_options, open_archive)
 from specwatch.commands.query import format_optional, format_scope, format_ts, print_rows
 from specwatch.transport.topics import DECISIONS_TOPIC
@@ -76,8 +76,7 @@ def publish_manual(args: argparse.Namespace, decision, keyring) -> bool:
 
 def _override_keyring(args: argparse.Namespace):
     """`publish_keyring`, once the override's arguments are known to be whole."""
-    if not args.by.strip():
-        raise CommandError("--by must not be empty")
+    args.by = actor_name(args.by, "--by")
     if args.bootstrap and not args.code:
         raise CommandError("--bootstrap needs --code, the contract reason the published decision carries")
     return publish_keyring(args)
@@ -191,7 +190,8 @@ def _fleet_store(args: argparse.Namespace):
 def _set(args: argparse.Namespace) -> int:
     if args.draft_length is not None and (not args.enabled or args.draft_length < 1):
         raise CommandError("--draft-length needs --on and a value of at least 1")
-    if not args.by.strip() or not args.reason.strip():
+    args.by = actor_name(args.by, "--by")
+    if not args.reason.strip():
         raise CommandError("--by and --reason must not be empty")
     from specwatch.actions.flags import OverrideChange, override_decision
 

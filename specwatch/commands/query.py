@@ -73,6 +73,8 @@ def add_arguments(parser) -> None:
                    help="stop the statement after S seconds (ClickHouse max_execution_time; default 30)")
     p.add_argument("--max-rows", type=int, metavar="N",
                    help="refuse a result of more than N rows (ClickHouse max_result_rows; default 100000)")
+    p.add_argument("--max-memory-mib", type=int, metavar="MIB",
+                   help="stop the statement past MIB MiB of memory (ClickHouse max_memory_usage; default 2048)")
     p.set_defaults(func=_sql)
 
 
@@ -283,7 +285,8 @@ def _sql(args: argparse.Namespace) -> int:
     from specwatch.archive.errors import ArchiveError, ArchiveQueryLimit
 
     archive = open_archive(args.archive)
-    limits = {name: value for name, value in (("max_seconds", args.max_seconds), ("max_rows", args.max_rows))
+    limits = {name: value for name, value in (("max_seconds", args.max_seconds), ("max_rows", args.max_rows),
+                                              ("max_memory_mib", args.max_memory_mib))
               if value is not None}
     with archive:
         try:
@@ -291,7 +294,8 @@ def _sql(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CommandError(f"refused: {exc}") from None
         except ArchiveQueryLimit as exc:
-            option = "--max-seconds" if exc.setting == "max_execution_time" else "--max-rows"
+            option = {"max_execution_time": "--max-seconds", "max_memory_usage": "--max-memory-mib"}.get(
+                exc.setting, "--max-rows")
             message = f"{exc}; narrow the statement or raise {option}"
             raise CommandError(message, EXIT_NOT_FOUND) from None
         except ArchiveError as exc:

@@ -9,7 +9,7 @@ import sys
 from itertools import islice
 
 from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option,
-                                           add_policy_option, load_policy)
+                                           add_policy_option, check_output, load_policy, open_command_output)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "replay_file"]
 
@@ -36,24 +36,56 @@ def replay_file(source, output, pipeline) -> dict:
     """Feed ``source`` in blocks, write the decisions to ``output``; returns the counters."""
     lines = iter(source)
     while block := list(islice(lines, _BLOCK_LINES)):
-        for decision in pipeline.feed_lines(block):
-            output.write(decision.to_json_line() + "\n")
+        for run in _runs_between_blank_lines(block):
+            if isinstance(run, int):
+                # Blank lines hold no record; counted, never decoded (a file of millions of
+                # newlines would otherwise cost the decoder's slow path for each of them)
+                pipeline.counters.lines += run
+                continue
+            for decision in pipeline.feed_lines(run):
+                output.write(decision.to_json_line() + "\n")
     for decision in pipeline.finish():
         output.write(decision.to_json_line() + "\n")
     return pipeline.counters.as_dict()
 
 
+def _what_was_written(output: str) -> str:
+    """What a failed replay left at ``output``: nothing in a file; in a stream, what it had decided."""
+    from specwatch.outputs import writes_in_place
+
+    if writes_in_place(output):
+        return f"the decisions made before it were written to {output}"
+    return f"nothing was written to {output}"
+
+
+def _runs_between_blank_lines(block: list[bytes]) -> list[list[bytes] | int]:
+    """``block`` as runs of lines that are not blank, and the counts of blank lines between them.
+
+    >>> _runs_between_blank_lines([b"a\\n", b"\\n", b" \\r\\n", b"b\\n", b"c"])
+    [[b'a\\n'], 2, [b'b\\n', b'c']]
+    """
+    runs: list[list[bytes] | int] = []
+    for line in block:
+        blank = not line.strip()
+        if runs and isinstance(runs[-1], int) == blank:
+            if blank:
+                runs[-1] += 1
+            else:
+                runs[-1].append(line)
+        else:
+            runs.append(1 if blank else [line])
+    return runs
+
+
 def run(args) -> int:
     import gzip
 
-    from specwatch.outputs import OutputClashError, atomic_output, check_not_an_input
+    from specwatch.outputs import writes_stdout
     from specwatch.schemas import read_json_lines
+    from specwatch.schemas.codec import DecompressionBombError
     from specwatch.streams.embedded import EmbeddedPipeline
 
-    try:
-        check_not_an_input(args.output, [args.input, args.policy])
-    except OutputClashError as error:
-        raise CommandError(str(error)) from None
+    check_output(args.output, args)
     policy = load_policy(args.policy)
     sink = None
     if args.archive:
@@ -69,7 +101,7 @@ def run(args) -> int:
             if sink is not None:
                 stack.callback(sink.close)
             source = sys.stdin.buffer if args.input == "-" else stack.enter_context(open(args.input, "rb"))
-            out = stack.enter_context(atomic_output(args.output, inputs=[args.input, args.policy]))
+            out = stack.enter_context(open_command_output(args.output, args))
             summary = replay_file(read_json_lines(source), out, pipeline)
             if summary["records"] == 0 and summary["rejected"]:  # leaves an earlier output as it was
                 reasons = ", ".join(f"{count} {reason}"
@@ -77,13 +109,16 @@ def run(args) -> int:
                 raise CommandError(f"{args.input} is not JSON Lines telemetry: none of its "
                                    f"{summary['lines']} lines is a contract-v1 record ({reasons}); give "
                                    "one JSON object per line, plain or gzipped; nothing was written to "
-                                   f"{args.output}", _EXIT_NO_TELEMETRY)
+                                   f"{args.output}", _EXIT_NO_TELEMETRY)  # no record, so no decision either
     except OSError as error:
         raise CommandError(f"{error.filename or args.output}: {error.strerror or error}") from None
+    except DecompressionBombError as error:
+        raise CommandError(f"{args.input}: {error}, after {pipeline.counters.lines} lines; "
+                           f"{_what_was_written(args.output)}", _EXIT_NO_TELEMETRY) from None
     except (gzip.BadGzipFile, EOFError) as error:
         why = error or "it ends early"
         raise CommandError(f"{args.input} is a damaged gzip file ({why}) after "
-                           f"{pipeline.counters.lines} lines; nothing was written to {args.output}",
+                           f"{pipeline.counters.lines} lines; {_what_was_written(args.output)}",
                            _EXIT_NO_TELEMETRY) from None
     note = sink.delivery_note() if sink is not None else None
     if note:
@@ -91,7 +126,7 @@ def run(args) -> int:
     summary["output"] = args.output
     if sink is not None:
         summary["archive"] = sink.stats()
-    stream = sys.stderr if args.output == "-" else sys.stdout
+    stream = sys.stderr if writes_stdout(args.output) else sys.stdout
     if args.json:
         print(json.dumps(summary, sort_keys=True), file=stream)
     else:

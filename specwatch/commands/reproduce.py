@@ -6,7 +6,8 @@ import getpass
 import json
 import time
 
-from specwatch.commands._arguments import CommandError, add_archive_option, add_json_option, open_archive
+from specwatch.commands._arguments import (CommandError, actor_name, add_archive_option, add_json_option,
+                                           open_archive)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -46,6 +47,8 @@ def run(args) -> int:
         raise CommandError(str(error)) from None
     if speculative_config is not None and not isinstance(speculative_config, dict):
         raise CommandError("--speculative-config must be a JSON object")
+    actor = actor_name(args.actor, "--actor") if args.actor is not None else _user()
+    _check_engine(args.engine)
 
     def rerunner_for(card):
         try:
@@ -61,7 +64,7 @@ def run(args) -> int:
 
     with open_archive(args.archive) as archive:
         try:
-            result = reproduce_decision(archive, args.decision_id, key, None, args.actor or _user(), time.time,
+            result = reproduce_decision(archive, args.decision_id, key, None, actor, time.time,
                                         force=args.force, rerunner_for=rerunner_for)
         except ReproduceError as error:
             raise CommandError(str(error), error.exit_code) from None
@@ -70,6 +73,18 @@ def run(args) -> int:
     else:
         print(render_result(result))
     return 0
+
+
+def _check_engine(engine: str) -> None:
+    """`CommandError` (exit 2) unless the local engine imports: checked before any sample is
+    opened or audited, so a machine without vLLM leaves no opening in the audit trail."""
+    try:
+        import vllm  # noqa: F401  (slow, and needed for the re-runs anyway)
+
+        from specwatch.collectors.vllm.rerun import VllmRerunner  # noqa: F401
+    except Exception as error:  # a broken install raises more than ImportError
+        raise CommandError(f"the {engine} engine is not available ({type(error).__name__}: {error}); install it "
+                           "with deploy/bootstrap.sh --with-vllm; no sample was opened") from None
 
 
 def _user() -> str:

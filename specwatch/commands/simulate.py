@@ -115,18 +115,19 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"error: {error}") from None
     if args.bootstrap or args.otlp is not None:
         return _run_exporter(args, simulator)
-    from specwatch.outputs import atomic_output
+    from specwatch.commands._arguments import open_command_output
+    from specwatch.outputs import writes_stdout
     from specwatch.schemas import encode_record
 
     counts: Counter = Counter()
     try:
-        with atomic_output(args.output) as stream:
+        with open_command_output(args.output, args) as stream:
             for record in simulator.records():
                 stream.write(encode_record(record) + "\n")
                 counts[record.kind] += 1
     except OSError as error:
         raise CommandError(f"error: cannot write {args.output}: {error.strerror or error}", _EXIT_IO) from None
-    destination = "stdout" if args.output == "-" else args.output
+    destination = "stdout" if writes_stdout(args.output) else args.output
     print(summary_line(simulator, counts, destination), file=sys.stderr)
     return 0
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import math
 
-from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, open_archive,
-                                           write_page)
+from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, check_output,
+                                           open_archive, write_page)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
+
+# A Hugging Face config.json is a few KB; a file this long is something else.
+_MAX_MODEL_CONFIG_BYTES = 1 << 20
 
 
 DESCRIPTION = ("Predict, for each bucket of a bundle, the acceptance length and speedup at every draft "
@@ -32,20 +35,17 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from specwatch.analysis.tuning import DEFAULT_WINDOW_SECONDS, heads_per_kv_head, render_html, render_text, tune_report
+    from specwatch.outputs import writes_stdout
 
+    check_output(args.html, args)
     window = DEFAULT_WINDOW_SECONDS if args.window is None else args.window
-    if not window > 0:
-        raise CommandError(f"--window must be a positive number of seconds, got {args.window}")
+    if not 0 < window < math.inf:  # Infinity is no window, and no JSON either
+        raise CommandError(f"--window must be a positive, finite number of seconds, got {args.window}")
     heads = args.heads_per_kv
     if heads is not None and heads < 1:
         raise CommandError(f"--heads-per-kv must be at least 1, got {heads}")
     if args.model_config:
-        try:
-            heads = heads_per_kv_head(json.loads(Path(args.model_config).read_text(encoding="utf-8")))
-        except OSError as error:
-            raise CommandError(f"cannot read {args.model_config}: {error.strerror or error}")
-        except (ValueError, AttributeError) as error:
-            raise CommandError(f"{args.model_config}: {error}")
+        heads = _model_config_heads(args.model_config, heads_per_kv_head)
     with open_archive(args.archive) as archive:
         cards = {b["bundle_id"]: (b["card"], b["last_seen"]) for b in archive.bundles()}
         bundle = args.bundle
@@ -61,11 +61,29 @@ def run(args) -> int:
         flags = archive.flag_store()
     report = tune_report(rows, cards[bundle][0], bundle, flags, heads, window)
     if args.html is not None:
-        write_page(args.html, render_html(report), f"draft-length report of {bundle}")
-        if args.html == "-":
+        write_page(args.html, render_html(report), f"draft-length report of {bundle}", args)
+        if writes_stdout(args.html):
             return 0
     if args.json:
         print(json.dumps(report, sort_keys=True))
     elif args.html is None:
         print(render_text(report))
     return 0
+
+
+def _model_config_heads(path: str, heads_per_kv_head) -> int:
+    """G from the model config at ``path``: a JSON object of at most `_MAX_MODEL_CONFIG_BYTES`."""
+    from specwatch.schemas.config_files import read_config_file
+
+    try:
+        config = json.loads(read_config_file(path, _MAX_MODEL_CONFIG_BYTES).decode("utf-8"))
+    except OSError as error:
+        raise CommandError(f"cannot read the model config {path}: {error.strerror or error}") from None
+    except RecursionError:
+        raise CommandError(f"{path}: not a model config: JSON nested too deeply") from None
+    except ValueError as error:  # invalid JSON or not UTF-8
+        raise CommandError(f"{path}: not a JSON model config: {error}") from None
+    try:
+        return heads_per_kv_head(config)
+    except ValueError as error:
+        raise CommandError(f"{path}: {error}") from None
