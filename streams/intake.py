@@ -7,7 +7,8 @@ scopes for good, and folding them where they claim to be would put its evidence 
 wrong slices (ahead: minutes late; behind: every record late). So a writer's steady offset
 from the consensus of the writers is measured and taken off its records, and only what a
 measured offset does not explain (a record stamped far off, a handful in a burst) is held
-out, counted as ``clock_ahead`` or ``clock_behind``. Holding out loses one record, never an
+out, counted as ``clock_ahead`` or ``clock_behind`` when it is beyond the skew bound, and
+folded at the source's time when it is within it. Holding out loses one record, never an
 incident; correcting keeps every record and every incident decidable.
 """
 
@@ -31,6 +32,10 @@ _REFRESH_EVERY = 4
 # A writer is among those the consensus is taken over while its last record came this
 # close (in event time) to the source's time; one that stopped does not anchor it.
 _ACTIVE_SECONDS = 60.0
+# Writers not heard from for this long are forgotten (checked every so many in-line records),
+# so a fleet that turns its workers over keeps a clock per worker it runs, not per worker it ran.
+_FORGET_SECONDS = 3600.0
+_FORGET_EVERY = 8192
 
 
 class _Writer:
@@ -54,7 +59,8 @@ class EventClock:
     agree on more than ``max_skew_seconds / 5`` (the tolerance): its records are folded at
     their time minus the offset. A record further than ``max_skew_seconds`` from where its
     writer's offset puts it is refused (``clock_ahead`` / ``clock_behind``); one further than
-    the tolerance is folded but does not move the source's time. When at least half of the
+    the tolerance is folded at the source's time (its values are real, its stamp is not) and
+    does not move it. When at least half of the
     active writers are ahead by a common offset, time itself has moved (a fleet back from a
     pause, a clock stepped forward): the source's time jumps by that much and those
     writers' offsets return to zero. It never moves back once slices have closed.
@@ -172,10 +178,12 @@ class EventClock:
             return Rejection("clock_behind", f"ts {ts:.3f} is {-off:.0f} s behind where its writer's clock puts it "
                                              f"({reference + w.offset:.3f}; at most {self.max_skew:.0f} s allowed): "
                                              "check the worker's clock, or replay old telemetry on its own")
-        corrected = ts - w.offset if w.offset else ts
         if -self.tolerance <= off <= self.tolerance:
+            corrected = ts - w.offset if w.offset else ts
             self._add_recent(corrected)
-        return corrected
+            return corrected
+        # out of line with its writer but within the bound: its values are real, its stamp is not
+        return reference
 
     def _add_recent(self, ts: float) -> None:
         recent = self._recent
@@ -187,6 +195,9 @@ class EventClock:
         seen = self._seen = seen + 1
         if seen <= self._size or seen % _REFRESH_EVERY == 0:
             self._refresh()
+            if seen % _FORGET_EVERY == 0:
+                horizon = self._median - _FORGET_SECONDS
+                self._writers = {name: w for name, w in self._writers.items() if w.seen >= horizon}
 
     def _refresh(self) -> None:
         ordered = sorted(self._recent)
@@ -202,10 +213,12 @@ class EventClock:
         if shift <= self.tolerance and not (shift < -self.tolerance and self.now == -math.inf):
             return  # time never moves back once a slice has closed: writers behind are corrected
         for w in self._writers.values():
-            w.skews = [skew - shift for skew in w.skews]
-            w.offset -= shift
-            if abs(w.offset) <= self.tolerance:
+            if abs(w.offset - shift) <= self.tolerance:  # it moved with the others
+                w.skews = [skew - shift for skew in w.skews]
                 w.offset = 0.0
+            else:  # not heard from since, or off by its own offset: judged afresh from its next records
+                w.skews.clear()
+                w.count = 0
         self._start += shift
         if self._seen:
             self._recent = [ts + shift for ts in self._recent]

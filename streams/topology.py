@@ -203,21 +203,28 @@ class Stage1:
         self.records += 1
         return admitted
 
-    def prime(self, items: Iterable[TelemetryRecord | Rejection]) -> Iterable[TelemetryRecord | Rejection]:
-        """Set the source's clock from the first records it is given, before the first is judged;
-        returns ``items`` as they were (read again from the start)."""
+    def prime(self, items: Iterable[TelemetryRecord | Rejection],
+              now: float | None = None) -> Iterable[TelemetryRecord | Rejection]:
+        """Set the source's clock from the first records it is given (those the wall clock ``now``
+        does not refuse), before the first is judged; returns ``items`` as they were."""
         if self.clock.primed:
             return items
         items = iter(items)
         head = list(islice(items, EventClock.PRIME_RECORDS))
-        self.clock.prime((writer_of(item), item.ts) for item in head if type(item) is not Rejection)
+        self._prime([(writer_of(item), item.ts) for item in head if type(item) is not Rejection], now)
         return chain(head, items)
 
-    def _prime_block(self, block: StepBlock) -> None:
+    def _prime_block(self, block: StepBlock, now: float | None) -> None:
         # the block's records in input order (steps are columns, the other kinds apart)
         firsts = sorted([*zip(block.at, block.workers, block.ts.tolist()),
                          *((at, writer_of(item), item.ts) for at, item in block.others if type(item) is not Rejection)])
-        self.clock.prime((worker, ts) for _, worker, ts in firsts)
+        self._prime([(worker, ts) for _, worker, ts in firsts], now)
+
+    def _prime(self, samples: list[tuple[str, float]], now: float | None) -> None:
+        if now is not None:
+            max_ahead = self.policy.windows.max_ahead_seconds
+            samples = [(writer, ts) for writer, ts in samples if ahead_of_clock(ts, now, max_ahead) is None]
+        self.clock.prime(samples)
 
     def _slice(self, ts: float) -> SliceBatch:
         index = int(ts // self._slice_s)
@@ -320,7 +327,7 @@ class Stage1:
         folded into a later slice than its own, and the closed slices.
         """
         if not self.clock.primed:
-            self._prime_block(block)
+            self._prime_block(block, now)
         rows, slices, rejected, late, limits = self._admit_block(block, now)
         if rows:
             self._fold_block(block, np.asarray(rows, dtype=np.int64), np.asarray(slices, dtype=np.int64))
