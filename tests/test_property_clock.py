@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from specwatch.simulation.simulator import Simulator
@@ -91,6 +91,9 @@ def test_one_skewed_record_changes_no_decision(scenario, position, seconds):
 @_PROPERTY
 @given(position=st.one_of(st.just(0.0), st.floats(0.0, 0.98)), count=st.integers(1, _BURST), seconds=_SKEW,
        spread=st.booleans())
+@example(position=0.0, count=2, seconds=3600.0, spread=False)  # the measured cases: before line 1,
+@example(position=0.0, count=5, seconds=290.0, spread=False)  # within the bound at the start,
+@example(position=0.4, count=_BURST, seconds=3600.0, spread=False)  # and a burst mid-file
 def test_a_burst_of_skewed_records_anywhere_still_decides_the_incident(position, count, seconds, spread):
     """``count`` copies of records stamped ``seconds`` off, together at one place (the start, or anywhere),
     or spread one in every 50 records from there."""
