@@ -6,7 +6,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import chain, islice
+from itertools import chain
 from typing import Callable, Iterable
 
 import numpy as np
@@ -210,8 +210,14 @@ class Stage1:
         if self.clock.primed:
             return items
         items = iter(items)
-        head = list(islice(items, EventClock.PRIME_RECORDS))
-        self._prime([(writer_of(item), item.ts) for item in head if type(item) is not Rejection], now)
+        head, samples = [], []
+        for item in items:  # the first records, as a block's are counted: rejections aside
+            head.append(item)
+            if type(item) is not Rejection:
+                samples.append((writer_of(item), item.ts))
+                if len(samples) == EventClock.PRIME_RECORDS:
+                    break
+        self._prime(samples, now)
         return chain(head, items)
 
     def _prime_block(self, block: StepBlock, now: float | None) -> None:
