@@ -127,7 +127,7 @@ class Ingest:
         rejections: list[Rejection] = []
         late: list[float] = []
         closed: list[SliceBatch] = []
-        for item in items:
+        for item in stage.prime(items, now):
             rejection, is_late = stage.take(item, now)
             if rejection is not None:
                 self.rejected.add(rejection)

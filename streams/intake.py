@@ -1,91 +1,250 @@
-"""What stage 1 checks before it folds a record: a clock-skew bound, and one fold per record."""
+"""What stage 1 checks before it folds a record: each writer's clock against the others', and one fold per record.
+
+Why correct rather than refuse: a worker whose clock runs steadily ahead or behind still
+serves real traffic, and its evidence is needed to decide the incidents it sees. Refusing
+every record of it (it is out of line from the first record to the last) would blind its
+scopes for good, and folding them where they claim to be would put its evidence in the
+wrong slices (ahead: minutes late; behind: every record late). So a writer's steady offset
+from the consensus of the writers is measured and taken off its records, and only what a
+measured offset does not explain (a record stamped far off, a handful in a burst) is held
+out, counted as ``clock_ahead`` or ``clock_behind`` when it is beyond the skew bound, and
+folded at the source's time when it is within it. Holding out loses one record, never an
+incident; correcting keeps every record and every incident decidable.
+"""
 
 from __future__ import annotations
 
 import math
+from itertools import islice
+from typing import Iterable
 
 from specwatch.schemas import Rejection
 
-__all__ = ["EventClock", "DuplicateFilter"]
+__all__ = ["EventClock", "DuplicateFilter", "writer_of"]
 
-# Recent event times the source's clock is the median of. A median of 15 moves only when
-# 8 of them agree, so one record (or seven) stamped by a wrong clock cannot move it.
+# Recent in-line event times the source's time is the median of. A median of 15 moves only
+# when 8 of them agree; records out of line with their writer's clock never enter it.
 _DEFAULT_RECENT_RECORDS = 15
+# Recent skews of one writer its offset is the median of: 16 of 31 must agree before a
+# writer's clock is taken to have moved (a burst of 15 records from it moves nothing).
+_DEFAULT_WRITER_RECORDS = 31
 _REFRESH_EVERY = 4
+# A writer is among those the consensus is taken over while its last record came this
+# close (in event time) to the source's time; one that stopped does not anchor it.
+_ACTIVE_SECONDS = 60.0
+# Writers not heard from for this long are forgotten (checked every so many in-line records),
+# so a fleet that turns its workers over keeps a clock per worker it runs, not per worker it ran.
+_FORGET_SECONDS = 3600.0
+_FORGET_EVERY = 8192
+
+
+class _Writer:
+    """One writer's clock: its recent skews from the source's time and the offset taken off its records."""
+
+    __slots__ = ("skews", "count", "offset", "seen")
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.skews: list[float] = []
+        self.count = 0
+        self.offset = offset
+        self.seen = -math.inf  # the source's time at its latest record
 
 
 class EventClock:
-    """A source's event time: the median of its recent records' times, and the skew allowed around it.
+    """A source's event time, judged writer by writer: offsets corrected, outliers refused.
+
+    Each record comes from a writer (an engine worker, or a bundle's shadow checker) with a
+    clock of its own. Its skew is its time minus the source's time (the median of recent
+    in-line records). A writer's offset is the median of its recent skews once most of them
+    agree on more than ``max_skew_seconds / 5`` (the tolerance): its records are folded at
+    their time minus the offset. A record further than ``max_skew_seconds`` from where its
+    writer's offset puts it is refused (``clock_ahead`` / ``clock_behind``); one further than
+    the tolerance is folded at the source's time (its values are real, its stamp is not) and
+    does not move it. When at least half of the
+    active writers are ahead by a common offset, time itself has moved (a fleet back from a
+    pause, a clock stepped forward): the source's time jumps by that much and those
+    writers' offsets return to zero. It never moves back once slices have closed.
+
+    ``prime`` sets the clock from the records of the first payload, before the first one is
+    judged: the lower median of the writers' own median times, so a handful of records at
+    the start is judged like any other, and a writer steadily off counts from its first record.
 
     Parameters
     ----------
     max_skew_seconds
-        A record further than this ahead of, or behind, the median of the recent records
-        is refused (``clock_ahead`` / ``clock_behind``). Its time still counts among the
-        recent ones, so after a real jump in event time (a fleet back from an outage) the
-        median follows once most recent records agree.
+        How far a record may be from where its writer's clock puts it.
     recent
-        How many recent records the median is taken over (odd).
+        How many in-line records the source's time is the median of (odd).
+    writer_recent
+        How many of a writer's recent skews its offset is the median of (odd).
 
     >>> clock = EventClock(max_skew_seconds=300.0, recent=5)
-    >>> [clock.admit(ts) is None for ts in (100.0, 101.0, 3700.0, 102.0, 103.0)]
-    [True, True, False, True, True]
-    >>> clock.admit(3700.0).reason, clock.admit(50.0), clock.now
-    ('clock_ahead', None, 102.0)
-    >>> clock.admit(-500.0).reason
+    >>> clock.prime([("w1", 3700.0), ("w1", 100.0), ("w2", 100.5), ("w1", 101.0), ("w2", 101.5)])
+    >>> [type(clock.admit(ts, w)).__name__ for w, ts in [("w1", 3700.0), ("w1", 100.0), ("w2", 100.5)]]
+    ['Rejection', 'float', 'float']
+    >>> clock.admit(3700.0, "w1").reason, clock.admit(101.0, "w1"), clock.now
+    ('clock_ahead', 101.0, 100.5)
+    >>> clock.admit(-500.0, "w2").reason
     'clock_behind'
     """
 
-    __slots__ = ("max_skew", "now", "_median", "_recent", "_size", "_seen")
+    PRIME_RECORDS = 512  # the records of the first payload the clock is set from
 
-    def __init__(self, max_skew_seconds: float, recent: int = _DEFAULT_RECENT_RECORDS) -> None:
+    __slots__ = ("max_skew", "tolerance", "now", "primed", "_start", "_median", "_recent", "_size", "_seen",
+                 "_writers", "_writer_size")
+
+    def __init__(self, max_skew_seconds: float, recent: int = _DEFAULT_RECENT_RECORDS,
+                 writer_recent: int = _DEFAULT_WRITER_RECORDS) -> None:
         if not max_skew_seconds > 0:
             raise ValueError(f"max_skew_seconds must be positive, got {max_skew_seconds}")
-        if recent < 1 or recent % 2 == 0:
-            raise ValueError(f"recent must be a positive odd count (a median of it), got {recent}")
+        for name, count in (("recent", recent), ("writer_recent", writer_recent)):
+            if count < 1 or count % 2 == 0:
+                raise ValueError(f"{name} must be a positive odd count (a median of it), got {count}")
         self.max_skew = max_skew_seconds
+        self.tolerance = max_skew_seconds / 5.0
         self.now = -math.inf
+        self.primed = False
+        self._start = math.nan  # the source's time before its first in-line record
         self._median = math.nan
         self._recent: list[float] = []
         self._size = recent
         self._seen = 0
+        self._writers: dict[str, _Writer] = {}
+        self._writer_size = writer_recent
 
     def to_state(self) -> dict:
-        return {"now": self.now, "median": self._median, "recent": self._recent, "seen": self._seen}
+        writers = [[name, w.offset, w.count, w.skews, w.seen] for name, w in sorted(self._writers.items())]
+        return {"now": self.now, "primed": self.primed, "start": self._start, "median": self._median,
+                "recent": self._recent, "seen": self._seen, "writers": writers}
 
     def load_state(self, state: dict) -> None:
-        """Take up where `to_state` left (on a clock made with the same settings)."""
+        """Take up where `to_state` left (on a clock made with the same settings).
+
+        A state from before writers were told apart (no ``writers``) is one writer with no offset."""
         recent = [float(ts) for ts in state["recent"]]
         if len(recent) > self._size:
             raise ValueError(f"a clock over {self._size} recent records cannot hold {len(recent)}")
         self.now, self._median = float(state["now"]), float(state["median"])
         self._recent, self._seen = recent, int(state["seen"])
+        self.primed = bool(state.get("primed", True))
+        self._start = float(state.get("start", self._median))
+        self._writers = {}
+        for name, offset, count, skews, seen in state.get("writers", ()):
+            skews = [float(skew) for skew in skews]
+            if len(skews) > self._writer_size:
+                raise ValueError(f"a writer's clock over {self._writer_size} skews cannot hold {len(skews)}")
+            writer = self._writers[str(name)] = _Writer(float(offset))
+            writer.count, writer.skews, writer.seen = int(count), skews, float(seen)
 
-    def admit(self, ts: float) -> Rejection | None:
-        """Take one record's time; a rejection when it is too far from the source's clock."""
+    def prime(self, samples: Iterable[tuple[str, float]]) -> None:
+        """Set the source's time from ``(writer, ts)`` of the first records, once, before any is admitted."""
+        if self.primed:
+            return
+        times: dict[str, list[float]] = {}
+        for writer, ts in islice(samples, self.PRIME_RECORDS):
+            times.setdefault(writer, []).append(ts)
+        if not times:
+            return
+        self.primed = True
+        medians = {writer: _lower_median(sorted(ts)) for writer, ts in times.items()}
+        start = self._start = _lower_median(sorted(medians.values()))
+        for writer, median in medians.items():
+            if abs(median - start) > self.tolerance:
+                self._writers[writer] = _Writer(median - start)  # steadily off from its first record
+
+    def admit(self, ts: float, writer: str = "") -> float | Rejection:
+        """Take one record's time: the time to fold it at, or why it is refused."""
         seen = self._seen
-        median = ts if seen == 0 else self._median
+        if seen:
+            reference = self._median
+        else:
+            if self._start != self._start:  # never primed: the first record is its own reference
+                self.primed = True
+                self._start = ts
+            reference = self._start
+        w = self._writers.get(writer)
+        if w is None:
+            w = self._writers[writer] = _Writer()
+        skew = ts - reference
+        w.seen = reference
+        count = w.count
+        if count < self._writer_size:
+            w.skews.append(skew)
+        else:
+            w.skews[count % self._writer_size] = skew
+        count = w.count = count + 1
+        if count >= (self._writer_size + 1) >> 1 and (count <= self._writer_size or count % _REFRESH_EVERY == 0):
+            measured = _lower_median(sorted(w.skews))
+            if abs(measured - w.offset) > self.tolerance:
+                w.offset = measured if abs(measured) > self.tolerance else 0.0
+                self._follow_writers()
+                if seen:
+                    reference = self._median
+                skew = ts - reference
+        off = skew - w.offset
+        if off > self.max_skew:
+            return Rejection("clock_ahead", f"ts {ts:.3f} is {off:.0f} s ahead of where its writer's clock puts it "
+                                            f"({reference + w.offset:.3f}; at most {self.max_skew:.0f} s allowed): "
+                                            "check the worker's clock")
+        if -off > self.max_skew:
+            return Rejection("clock_behind", f"ts {ts:.3f} is {-off:.0f} s behind where its writer's clock puts it "
+                                             f"({reference + w.offset:.3f}; at most {self.max_skew:.0f} s allowed): "
+                                             "check the worker's clock, or replay old telemetry on its own")
+        if -self.tolerance <= off <= self.tolerance:
+            corrected = ts - w.offset if w.offset else ts
+            self._add_recent(corrected)
+            return corrected
+        # out of line with its writer but within the bound: its values are real, its stamp is not
+        return reference
+
+    def _add_recent(self, ts: float) -> None:
         recent = self._recent
+        seen = self._seen
         if seen < self._size:
             recent.append(ts)
         else:
             recent[seen % self._size] = ts
         seen = self._seen = seen + 1
         if seen <= self._size or seen % _REFRESH_EVERY == 0:
-            ordered = sorted(recent)
-            self._median = ordered[(len(ordered) - 1) >> 1]
-            if len(ordered) >= 3 and self._median > self.now:
-                self.now = self._median
-        skew = ts - median
-        if skew > self.max_skew:
-            return Rejection("clock_ahead", f"ts {ts:.3f} is {skew:.0f} s ahead of its source's event time "
-                                            f"{median:.3f} (at most {self.max_skew:.0f} s allowed): "
-                                            "check the worker's clock")
-        if -skew > self.max_skew:
-            return Rejection("clock_behind", f"ts {ts:.3f} is {-skew:.0f} s behind its source's event time "
-                                             f"{median:.3f} (at most {self.max_skew:.0f} s allowed): "
-                                             "check the worker's clock, or replay old telemetry on its own")
-        return None
+            self._refresh()
+            if seen % _FORGET_EVERY == 0:
+                horizon = self._median - _FORGET_SECONDS
+                self._writers = {name: w for name, w in self._writers.items() if w.seen >= horizon}
+
+    def _refresh(self) -> None:
+        ordered = sorted(self._recent)
+        self._median = ordered[(len(ordered) - 1) >> 1]
+        if len(ordered) >= 3 and self._median > self.now:
+            self.now = self._median
+
+    def _follow_writers(self) -> None:
+        """Move the source's time when at least half of the active writers agree it has moved."""
+        reference = self._median if self._seen else self._start
+        active = sorted(w.offset for w in self._writers.values() if w.seen >= reference - _ACTIVE_SECONDS)
+        shift = _lower_median(active) if active else 0.0
+        if shift <= self.tolerance and not (shift < -self.tolerance and self.now == -math.inf):
+            return  # time never moves back once a slice has closed: writers behind are corrected
+        for w in self._writers.values():
+            if abs(w.offset - shift) <= self.tolerance:  # it moved with the others
+                w.skews = [skew - shift for skew in w.skews]
+                w.offset = 0.0
+            else:  # not heard from since, or off by its own offset: judged afresh from its next records
+                w.skews.clear()
+                w.count = 0
+        self._start += shift
+        if self._seen:
+            self._recent = [ts + shift for ts in self._recent]
+            self._refresh()
+
+
+def writer_of(record) -> str:
+    """Whose clock stamped a record: its worker, or for a shadow check its bundle's checker."""
+    worker = getattr(record, "worker", None)
+    return worker if worker is not None else f"{record.bundle_id} shadow checks"
+
+
+def _lower_median(ordered: list[float]) -> float:
+    return ordered[(len(ordered) - 1) >> 1]
 
 
 class DuplicateFilter:

@@ -23,13 +23,27 @@ LOST_AFTER_SECONDS = 10.0
 class _Worker:
     """One worker's running requests: its latest step's ids, and when each request was seen."""
 
-    __slots__ = ("ids", "ts", "last", "first")
+    __slots__ = ("ids", "ts", "last", "first", "gone")
 
     def __init__(self) -> None:
         self.ids: Sequence[str] = ()  # the latest step's requests, listed at ``ts``
         self.ts = 0.0
         self.last: dict[str, float] = {}  # request id -> last step listing it (before the latest run of steps)
         self.first: dict[str, list] = {}  # request id -> [first ts, key, reported], in first-seen order
+        self.gone: dict[str, Key] = {}  # reported requests lost in a jump, to report as lost at the next close
+
+    def __setstate__(self, state) -> None:
+        # a checkpoint from before jumps were told apart
+        for name, value in (state[1] if isinstance(state, tuple) else state).items():
+            setattr(self, name, value)
+        if not hasattr(self, "gone"):
+            self.gone = {}
+
+    def jumped(self) -> None:
+        """Its steps stopped for longer than a request may go unlisted (paused, or its clock moved on):
+        what it ran is lost, as a close in the gap would have found it, and what it lists next is new."""
+        self.gone.update((rid, entry[1]) for rid, entry in self.first.items() if entry[2])
+        self.ids, self.last, self.first = (), {}, {}
 
     def to_state(self) -> dict:
         return {"ids": list(self.ids), "ids_tuple": type(self.ids) is tuple, "ts": self.ts, "last": self.last,
@@ -91,6 +105,8 @@ class RunningRequests:
         w = self._workers.get(worker)
         if w is None:
             w = self._workers[worker] = _Worker()
+        elif ts - w.ts >= self.lost_after and w.first:
+            w.jumped()  # the time it did not step is not time its requests ran
         elif ids == w.ids:
             w.ts = ts  # the same batch as the step before: the common case, settled in C
             return
@@ -119,6 +135,10 @@ class RunningRequests:
         report_before = slice_end - self.report_after
         lost_before = slice_end - self.lost_after
         for worker, w in self._workers.items():
+            if w.gone:
+                for rid, key in w.gone.items():
+                    key_stats(partials, key).running_done[f"{worker}/{rid}"] = False
+                w.gone.clear()
             w.stamp()
             first = w.first
             # only tracked requests: a record may have ended one the latest step still lists

@@ -6,7 +6,8 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from itertools import chain
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from specwatch.schemas.fastdecode import StepBlock
 from specwatch.schemas.outputs import ActionRecord, SliceOutput, SliceWindows
 from specwatch.schemas.policy import Policy
 
-from .intake import DuplicateFilter, EventClock, duplicate
+from .intake import DuplicateFilter, EventClock, duplicate, writer_of
 from .running import RunningRequests, key_stats
 
 __all__ = [
@@ -223,15 +224,45 @@ class Stage1:
         self.records = int(state["records"])
         self.running.load_state(state["running"])
 
-    def _admit(self, kind: str, ts: float, identity: tuple | None) -> Rejection | None:
-        """Whether a record may be folded: within the clock-skew bound, and not folded before."""
-        rejection = self.clock.admit(ts)
-        if rejection is not None:
-            return rejection
-        if identity is not None and not self._folded.first(int(ts // self._slice_s), identity):
+    def _admit(self, kind: str, ts: float, writer: str, identity: tuple | None) -> float | Rejection:
+        """The time to fold a record at (its writer's clock corrected), or why it is not folded:
+        outside the clock-skew bound, or folded before."""
+        admitted = self.clock.admit(ts, writer)
+        if type(admitted) is Rejection:
+            return admitted
+        if identity is not None and not self._folded.first(int(admitted // self._slice_s), identity):
             return duplicate(kind, identity)
         self.records += 1
-        return None
+        return admitted
+
+    def prime(self, items: Iterable[TelemetryRecord | Rejection],
+              now: float | None = None) -> Iterable[TelemetryRecord | Rejection]:
+        """Set the source's clock from the first records it is given (those the wall clock ``now``
+        does not refuse), before the first is judged; returns ``items`` as they were."""
+        if self.clock.primed:
+            return items
+        items = iter(items)
+        head, samples = [], []
+        for item in items:  # the first records, as a block's are counted: rejections aside
+            head.append(item)
+            if type(item) is not Rejection:
+                samples.append((writer_of(item), item.ts))
+                if len(samples) == EventClock.PRIME_RECORDS:
+                    break
+        self._prime(samples, now)
+        return chain(head, items)
+
+    def _prime_block(self, block: StepBlock, now: float | None) -> None:
+        # the block's records in input order (steps are columns, the other kinds apart)
+        firsts = sorted([*zip(block.at, block.workers, block.ts.tolist()),
+                         *((at, writer_of(item), item.ts) for at, item in block.others if type(item) is not Rejection)])
+        self._prime([(worker, ts) for _, worker, ts in firsts], now)
+
+    def _prime(self, samples: list[tuple[str, float]], now: float | None) -> None:
+        if now is not None:
+            max_ahead = self.policy.windows.max_ahead_seconds
+            samples = [(writer, ts) for writer, ts in samples if ahead_of_clock(ts, now, max_ahead) is None]
+        self.clock.prime(samples)
 
     def _slice(self, ts: float) -> SliceBatch:
         index = int(ts // self._slice_s)
@@ -256,10 +287,9 @@ class Stage1:
             identity = (record.bundle_id, record.id)
         else:
             identity = None
-        ts = record.ts
-        rejection = self._admit(kind, ts, identity)
-        if rejection is not None:
-            return rejection
+        ts = self._admit(kind, record.ts, writer_of(record), identity)
+        if type(ts) is Rejection:
+            return ts
         batch = self._slice(ts)
         if kind == "request":
             key = (record.bundle_id, record.bucket, record.cohort)
@@ -273,7 +303,7 @@ class Stage1:
                                  "bucket": record.bucket, "id": record.id, "check": record.check,
                                  "match": record.match})
         elif kind == "bundle":
-            self._add_bundle(batch, record)
+            self._add_bundle(batch, record, ts)
         return None
 
     def take(self, item: TelemetryRecord | Rejection,
@@ -290,10 +320,9 @@ class Stage1:
         return self.add(item), self.late_records != late_records
 
     def _add_step(self, step: StepRecord) -> Rejection | None:
-        ts = step.ts
-        rejection = self._admit("step", ts, (step.worker, step.seq))
-        if rejection is not None:
-            return rejection
+        ts = self._admit("step", step.ts, step.worker, (step.worker, step.seq))
+        if type(ts) is Rejection:
+            return ts
         batch = self._slice(ts)
         self.running.saw(step.worker, ts, [e.id for e in step.requests],
                          partial(_step_scopes, step))
@@ -321,11 +350,11 @@ class Stage1:
         whole.add_step_time(draft_ms, verify_ms, kv_usage, ts)
         return None
 
-    def _add_bundle(self, batch: SliceBatch, record: BundleRecord) -> None:
-        batch.sighted(record.bundle_id, record.worker, record.ts)
+    def _add_bundle(self, batch: SliceBatch, record: BundleRecord, ts: float) -> None:
+        batch.sighted(record.bundle_id, record.worker, ts)
         # Every card goes on: whether it changed is a question about the worker's previous
         # card, which may have reached another source. Stage 2 answers it in event-time order.
-        batch.events.append({"type": "bundle", "ts": record.ts, "worker": record.worker,
+        batch.events.append({"type": "bundle", "ts": ts, "worker": record.worker,
                              "bundle_id": record.bundle_id, "card": record.card.model_dump(mode="json")})
 
     def fold_block(self, block: StepBlock, now: float | None = None) -> tuple[list, list, list[SliceBatch]]:
@@ -335,6 +364,8 @@ class Stage1:
         folded (the decoder's rejections among them), ``(position, ts)`` of every record
         folded into a later slice than its own, and the closed slices.
         """
+        if not self.clock.primed:
+            self._prime_block(block, now)
         rows, slices, rejected, late, limits = self._admit_block(block, now)
         if rows:
             self._fold_block(block, np.asarray(rows, dtype=np.int64), np.asarray(slices, dtype=np.int64))
@@ -360,7 +391,7 @@ class Stage1:
         saw, step_ids = self.running.saw, block.step_ids
         bounds = np.searchsorted(block.round_step, np.arange(len(block) + 1)).tolist()
         other = 0
-        at = block.at
+        at, block_ts = block.at, block.ts
 
         def fold_other(position: int, item) -> None:
             if type(item) is StepRecord and rows:
@@ -386,10 +417,15 @@ class Stage1:
                 fold_other(position, item)
             rejection = None if max_ahead is None else ahead_of_clock(ts, now, max_ahead)
             if rejection is None:
-                rejection = admit(ts)
-                index = int(ts // slice_s)
-                if rejection is None and not first(index, (worker, seq)):
-                    rejection = duplicate("step", (worker, seq))
+                admitted = admit(ts, worker)
+                if type(admitted) is Rejection:
+                    rejection = admitted
+                else:
+                    if admitted != ts:  # its writer's clock corrected: folded (and sighted) at that time
+                        ts = block_ts[row] = admitted
+                    index = int(ts // slice_s)
+                    if not first(index, (worker, seq)):
+                        rejection = duplicate("step", (worker, seq))
             if rejection is not None:
                 rejected.append((at[row], rejection))
                 continue

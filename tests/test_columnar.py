@@ -86,7 +86,8 @@ def test_blocks_fold_as_records_one_at_a_time():
     batches, rejected, late, reasons, records, late_records, _ = reference
     # the run holds every kind of trouble the batch mode must decide as the reference does
     assert {"duplicate", "clock_ahead", "invalid_json", "accepted_exceeds_drafted"} <= set(reasons)
-    assert late_records == len(late) > 20 and records > 5000 and len(batches) > 100
+    # (17 late: refused records, two hours off, no longer count among the times the watermark follows)
+    assert late_records == len(late) > 10 and records > 5000 and len(batches) > 100
     for size in (1, 2, 3, 64, 1000, len(lines)):
         assert _fold_in_blocks(lines, range(size, len(lines), size)) == reference, size
     block = decode_lines_block(lines)
