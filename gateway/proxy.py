@@ -103,14 +103,17 @@ class _Call:
 class Gateway:
     """The proxy's state: pool clients, the card, flags to route by, the telemetry sink, counters.
 
-    ``flags`` answers ``lookup(bundle, bucket, cohort)`` and ``admission(bundle)`` (a `FlagStore`);
-    ``sink`` takes contract records by ``emit(record)`` and never blocks.
+    ``flags`` answers ``lookup(bundle, bucket, cohort)`` and ``admission(bundle)`` (a `FlagStore`, or a
+    `FlagClient` following the decisions topic); ``sink`` takes contract records by ``emit(record)``
+    and never blocks.
     """
 
     def __init__(self, settings: GatewaySettings, flags: Any, sink: Any,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.settings = settings
         self.flags = flags
+        store = getattr(flags, "store", flags)  # a FlagClient keeps its stages in its store
+        self._admission = store.admission
         self.sink = sink
         self.metrics = GatewayMetrics()
         timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
@@ -230,7 +233,7 @@ class Gateway:
         headers = {k.lower(): v for k, v in request.headers.items()}
         given_id = headers.get(_REQUEST_ID_HEADER)
         request_id = given_id if valid_label(given_id) else uuid.uuid4().hex
-        stage = self.flags.admission(self.bundle_id) if self.bundle_id else None
+        stage = self._admission(self.bundle_id) if self.bundle_id else None
         labels = assign_labels(self.settings.rules, route, headers, body, stage, share_draw(request_id))
         if self.bundle_id is None:  # no card yet: nothing to judge a speculative answer against
             chosen = Route(STANDARD, "bundle_unknown")
