@@ -293,14 +293,8 @@ class Gateway:
 
     async def _whole(self, call: _Call, pool: str) -> Response:
         exchange = self._exchange(call, pool)
-        try:
-            upstream = await self.clients[pool].post(call.route, json=self._upstream_body(call), headers=call.headers)
-        except httpx.TimeoutException as error:
-            self._failed(exchange, "timeout", error)
-            raise _Failed("timeout", type(error).__name__) from None
-        except httpx.HTTPError as error:
-            self._failed(exchange, "error", error)
-            raise _Failed("error", type(error).__name__) from None
+        upstream = await self._attempt(exchange, self.clients[pool].post(
+            call.route, json=self._upstream_body(call), headers=call.headers))
         exchange.finished = time.time()
         if upstream.status_code >= 500:
             self._failed(exchange, "error", f"HTTP {upstream.status_code}")
@@ -314,13 +308,7 @@ class Gateway:
         except ValueError:
             self._failed(exchange, "error", "invalid JSON from the pool")
             raise _Failed("error", "invalid JSON") from None
-        choice = (payload.get("choices") or [{}])[0]
-        exchange.first_token = None
-        exchange.output_tokens = int((payload.get("usage") or {}).get("completion_tokens") or 0)
-        exchange.finish = finish_reason(choice.get("finish_reason"))
-        exchange.output_sha256 = digest_text(_choice_text(choice))
-        exchange.speculative_metrics = (payload.get("metrics") or {}).get("speculative_decoding")
-        exchange.token_ids = choice.get("token_ids")
+        _note_answer(exchange, payload)
         self._record(exchange)
         self._settle(call, exchange.token_ids)
         if call.mirror is not None and not call.client_token_ids:
@@ -332,14 +320,7 @@ class Gateway:
         exchange = self._exchange(call, pool)
         client = self.clients[pool]
         request = client.build_request("POST", call.route, json=self._upstream_body(call), headers=call.headers)
-        try:
-            upstream = await client.send(request, stream=True)
-        except httpx.TimeoutException as error:
-            self._failed(exchange, "timeout", error)
-            raise _Failed("timeout", type(error).__name__) from None
-        except httpx.HTTPError as error:
-            self._failed(exchange, "error", error)
-            raise _Failed("error", type(error).__name__) from None
+        upstream = await self._attempt(exchange, client.send(request, stream=True))
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
@@ -351,19 +332,14 @@ class Gateway:
             return Response(content, upstream.status_code, media_type="application/json")
         events = _sse_events(upstream.aiter_lines())
         try:
-            first = await events.__anext__()
+            first = await self._attempt(exchange, events.__anext__())
         except StopAsyncIteration:
             await upstream.aclose()
             self._failed(exchange, "error", "the stream ended before its first event")
             raise _Failed("error", "empty stream") from None
-        except httpx.TimeoutException as error:
+        except _Failed:
             await upstream.aclose()
-            self._failed(exchange, "timeout", error)
-            raise _Failed("timeout", type(error).__name__) from None
-        except httpx.HTTPError as error:
-            await upstream.aclose()
-            self._failed(exchange, "error", error)
-            raise _Failed("error", type(error).__name__) from None
+            raise
         self.metrics.count("responses", (pool, "2xx"))
         return StreamingResponse(self._relay(call, exchange, upstream, first, events),
                                  media_type="text/event-stream")
@@ -433,6 +409,17 @@ class Gateway:
             self._record(exchange)
             self._settle(call, exchange.token_ids if failure is None and openai_finish else None)
 
+    async def _attempt(self, exchange: Exchange, pending):
+        """Await a call to a pool; a failure is recorded on ``exchange`` and raised as `_Failed`."""
+        try:
+            return await pending
+        except httpx.TimeoutException as error:
+            self._failed(exchange, "timeout", error)
+            raise _Failed("timeout", type(error).__name__) from None
+        except httpx.HTTPError as error:
+            self._failed(exchange, "error", error)
+            raise _Failed("error", type(error).__name__) from None
+
     def _failed(self, exchange: Exchange, kind: str, error: Any) -> None:
         """Record an attempt that failed before the client got anything (no prompt or body in the text)."""
         exchange.finished = time.time()
@@ -457,13 +444,8 @@ class Gateway:
             if response.status_code >= 500:
                 exchange.finish, exchange.error = "error", f"HTTP {response.status_code}"
             elif response.status_code == 200:
-                payload = response.json()
-                choice = (payload.get("choices") or [{}])[0]
-                exchange.output_tokens = int((payload.get("usage") or {}).get("completion_tokens") or 0)
-                exchange.finish = finish_reason(choice.get("finish_reason"))
-                exchange.output_sha256 = digest_text(_choice_text(choice))
-                exchange.speculative_metrics = (payload.get("metrics") or {}).get("speculative_decoding")
-                mirrored = choice.get("token_ids")
+                _note_answer(exchange, response.json())
+                mirrored = exchange.token_ids
             else:
                 self.metrics.count("shadow_checks", ("not_compared",))
                 return
@@ -479,6 +461,16 @@ class Gateway:
         match = list(mirrored) == list(standard)
         self.metrics.count("shadow_checks", ("match" if match else "mismatch",))
         self._emit(shadow_record(self.bundle_id, call.request_id, call.bucket, match, time.time()))
+
+
+def _note_answer(exchange: Exchange, payload: Mapping[str, Any]) -> None:
+    """What a whole (non-streamed) answer tells about its attempt."""
+    choice = (payload.get("choices") or [{}])[0]
+    exchange.output_tokens = int((payload.get("usage") or {}).get("completion_tokens") or 0)
+    exchange.finish = finish_reason(choice.get("finish_reason"))
+    exchange.output_sha256 = digest_text(_choice_text(choice))
+    exchange.speculative_metrics = (payload.get("metrics") or {}).get("speculative_decoding")
+    exchange.token_ids = choice.get("token_ids")
 
 
 def _choice_text(choice: Mapping[str, Any]) -> str:
