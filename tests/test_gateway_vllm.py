@@ -24,10 +24,12 @@ pytestmark = pytest.mark.vllm
 
 _D = 4
 _MAX_TOKENS = 16
+_MAX_WAVES = 12  # a decision comes within a few waves; the bound only ends a run that went wrong
 _BUCKETS = ("coding", "chat", "extraction")
 _PROMPTS = ["def mean(values):\n    return", "import logging\n\nlog =", "SELECT name, count(*) FROM",
             "Summarize: the meeting moved to", "class Stack:\n    def push(self,", "for key, value in sorted("]
 _LOSSY = str(Path(__file__).parent / "lossy_vllm")
+_STARTUP_TIMEOUT_S = 900.0  # a shared 2-core machine under load starts a server in minutes
 # The demo's minimums scaled to seconds (collectors/vllm/demo.py), acceptance pinned at 2 tokens
 # per round, decisions straight to disable (an unmodified server's D cannot be lowered).
 _POLICY = {
@@ -50,7 +52,7 @@ def models():
 
 @pytest.fixture(scope="module")
 def standard(models):
-    with OpenAIServer(models.target, per_request_metrics=None) as server:
+    with OpenAIServer(models.target, per_request_metrics=None, startup_timeout=_STARTUP_TIMEOUT_S) as server:
         yield server
 
 
@@ -92,7 +94,7 @@ def _wave(url: str, tag: str, buckets=_BUCKETS, cohort: str | None = None) -> li
                 if cohort:
                     headers["x-specwatch-cohort"] = cohort
                 response = await client.post("/v1/completions", headers=headers, json={
-                    "model": "m", "prompt": prompt, "max_tokens": _MAX_TOKENS, "temperature": 0,
+                    "model": str(build_tiny_models().target), "prompt": prompt, "max_tokens": _MAX_TOKENS, "temperature": 0,
                     "ignore_eos": True})
                 return {"bucket": bucket, "prompt": prompt, "status": response.status_code,
                         "body": response.json()}
@@ -121,16 +123,14 @@ def _routed(gateway: Gateway, pool: str, reason: str) -> int:
 def test_random_drafter_acceptance_drop_moves_its_bucket_to_standard_and_a_restore_brings_it_back(
         models, standard):
     expected = _standard_texts(standard)
-    with OpenAIServer(models.target, _spec(models.random_drafter), per_request_metrics="detailed") as spec, \
+    with OpenAIServer(models.target, _spec(models.random_drafter), per_request_metrics="detailed",
+                      startup_timeout=_STARTUP_TIMEOUT_S) as spec, \
             _gateway(spec.base_url, standard.base_url, _spec(models.random_drafter), _POLICY) as (url, gw, feed):
-        answers, decided_at = [], None
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            answers += _wave(url, f"w{len(answers)}")
+        answers, drop = [], []
+        for wave in range(_MAX_WAVES):
+            answers += _wave(url, f"w{wave}")
             drop = [d for d in feed.decisions if d.reason == "acceptance_drop" and d.action == "disable_speculation"]
-            if drop and decided_at is None:
-                decided_at = len(answers)
-                feed.flush()
+            if drop:
                 break
         assert drop, f"no acceptance_drop decision; decisions {[d.to_json_line() for d in feed.decisions]}"
         decision = drop[0]
@@ -147,12 +147,13 @@ def test_random_drafter_acceptance_drop_moves_its_bucket_to_standard_and_a_resto
             assert answer["status"] == 200 and answer["body"]["usage"]["completion_tokens"] == _MAX_TOKENS
             assert _text(answer) == expected[answer["prompt"]]
         # standard traffic is clean evidence: the policy restores the bucket, which speculates again
-        deadline = time.monotonic() + 60
         restored = []
-        while time.monotonic() < deadline and not restored:
-            _wave(url, f"r{time.monotonic():.0f}", buckets=(decision.bucket,))
-            time.sleep(0.5)
+        for wave in range(3 * _MAX_WAVES):
+            _wave(url, f"r{wave}", buckets=(decision.bucket,))
+            time.sleep(0.5)  # the restore waits for time, not traffic: a few quiet slices close meanwhile
             restored = [d for d in feed.decisions if d.action == "restore" and d.bucket == decision.bucket]
+            if restored:
+                break
         assert restored and restored[0].reason == "acceptance_drop"
         speculating = _routed(gw, "speculative", "speculating")
         back = _wave(url, "back", buckets=(decision.bucket,))
@@ -162,7 +163,8 @@ def test_random_drafter_acceptance_drop_moves_its_bucket_to_standard_and_a_resto
 
 def test_copy_drafter_decides_nothing_and_a_killed_pool_is_retried_with_no_request_lost(models, standard):
     expected = _standard_texts(standard)
-    spec = OpenAIServer(models.target, _spec(models.copy_drafter), per_request_metrics="summary").start()
+    spec = OpenAIServer(models.target, _spec(models.copy_drafter), per_request_metrics="summary",
+                        startup_timeout=_STARTUP_TIMEOUT_S).start()
     try:
         with _gateway(spec.base_url, standard.base_url, _spec(models.copy_drafter), _POLICY) as (url, gw, feed):
             answers = []
@@ -174,9 +176,8 @@ def test_copy_drafter_decides_nothing_and_a_killed_pool_is_retried_with_no_reque
             assert _routed(gw, "speculative", "speculating") == len(answers)
             spec.kill()
             lost = []
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                wave = _wave(url, f"k{len(answers)}")
+            for k in range(_MAX_WAVES):
+                wave = _wave(url, f"k{k}")
                 answers += wave
                 lost += [a for a in wave if a["status"] != 200]
                 if any(d.reason == "error_rate" for d in feed.decisions):
@@ -199,12 +200,11 @@ def test_shadow_stage_mirrors_and_a_lossy_pool_is_caught_as_a_strict_mismatch(mo
     policy = dict(_POLICY, admission={"enforce": True, "auto_shadow": True, "shadow_share": 1.0})
     spec_config = _spec(models.random_drafter)
     with OpenAIServer(models.target, spec_config, per_request_metrics="summary",
-                      env={"PYTHONPATH": _LOSSY}) as spec, \
+                      env={"PYTHONPATH": _LOSSY}, startup_timeout=_STARTUP_TIMEOUT_S) as spec, \
             _gateway(spec.base_url, standard.base_url, spec_config, policy) as (url, gw, feed):
-        deadline = time.monotonic() + 60
         answers = []
-        while time.monotonic() < deadline:
-            answers += _wave(url, f"s{len(answers)}")
+        for wave in range(_MAX_WAVES):
+            answers += _wave(url, f"s{wave}")
             if any(d.reason == "quality_regression" for d in feed.decisions):
                 break
             time.sleep(0.5)
