@@ -258,18 +258,21 @@ class Gateway:
             task.add_done_callback(self._mirrors.discard)
             # the client's answer is standard decoding: its record is baseline traffic, not the shadow's
             call.cohort = self.settings.rules.default_cohort
-        return await self._answer(call, chosen.pool)
+        return await self._answer(call, chosen.pool, chosen.reason)
 
-    async def _answer(self, call: _Call, pool: str) -> Response:
-        """Answer from ``pool``; a speculative attempt that failed before any token goes once to standard."""
+    async def _answer(self, call: _Call, pool: str, reason: str) -> Response:
+        """Answer from ``pool``; a speculative attempt that failed before any token goes once to standard.
+        The response says which pool answered and why (``x-specwatch-pool``, ``x-specwatch-route``)."""
         try:
-            return await (self._stream(call, pool) if call.stream else self._whole(call, pool))
+            return _routed(await (self._stream(call, pool) if call.stream else self._whole(call, pool)),
+                           pool, reason)
         except _Failed as failure:
             self.metrics.count("upstream_failures", (pool, failure.kind))
             if pool == SPECULATIVE and self.settings.retry and call.headers.get("x-specwatch-retry") != "never":
                 self.metrics.count("retries", (failure.kind,))
                 try:
-                    return await (self._stream(call, STANDARD) if call.stream else self._whole(call, STANDARD))
+                    return _routed(await (self._stream(call, STANDARD) if call.stream
+                                          else self._whole(call, STANDARD)), STANDARD, "retry")
                 except _Failed as second:
                     self.metrics.count("upstream_failures", (STANDARD, second.kind))
                     failure = second
@@ -461,6 +464,12 @@ class Gateway:
         match = list(mirrored) == list(standard)
         self.metrics.count("shadow_checks", ("match" if match else "mismatch",))
         self._emit(shadow_record(self.bundle_id, call.request_id, call.bucket, match, time.time()))
+
+
+def _routed(response: Response, pool: str, reason: str) -> Response:
+    response.headers["x-specwatch-pool"] = pool
+    response.headers["x-specwatch-route"] = reason
+    return response
 
 
 def _note_answer(exchange: Exchange, payload: Mapping[str, Any]) -> None:

@@ -145,6 +145,8 @@ def test_a_disabled_bucket_goes_to_the_standard_pool_and_its_records_say_standar
         return [await _completion(client, "coding"), await _completion(client, "chat")]
     (coding, chat), records, gateway = _run(pools, flags, calls)
     assert coding.status_code == chat.status_code == 200
+    assert (coding.headers["x-specwatch-pool"], coding.headers["x-specwatch-route"]) == ("standard", "acceptance_drop")
+    assert (chat.headers["x-specwatch-pool"], chat.headers["x-specwatch-route"]) == ("speculative", "speculating")
     assert [pool for pool, _ in pools.seen] == ["std", "spec"]
     requests = {r.bucket: r for r in records if r.kind == "request"}
     assert (requests["coding"].speculative, requests["coding"].worker) == (False, "gateway:standard")
@@ -182,6 +184,7 @@ def test_a_speculative_pool_that_refuses_is_retried_once_on_standard_counted_and
     with caplog.at_level(logging.DEBUG):
         (whole, streamed), records, gateway = _run(pools, FlagStore(), start_then_fail)
     assert whole.status_code == streamed.status_code == 200
+    assert whole.headers["x-specwatch-route"] == streamed.headers["x-specwatch-route"] == "retry"
     assert whole.json()["choices"][0]["text"] == "t5t6t7" and "t7" in streamed.text
     assert gateway.metrics.value("retries", ("error",)) == 2
     assert gateway.metrics.value("upstream_failures", ("speculative", "error")) == 2
