@@ -591,14 +591,14 @@ _TARGET_ROWS = (
      "ratio",
      lambda e: (e["capture_us_per_step"], "the collector's own account", e["collector_us_per_step"],
                 f"capture rate {e['capture_rate']}")),
+    ("state bytes per key (worst, >= 10 keys)", "growth", TARGETS["state_bytes_per_key"], "max", "measured",
+     lambda g: max(((r["state_bytes_per_key"], "bytes per key at 1 key", g[0]["state_bytes_per_key"],
+                     f"{r['keys']:,} keys") for r in g if r["keys"] >= 10), key=lambda row: row[0])),
     *((f"gateway {label}, ms through the gateway", "gateway", TARGETS["gateway_over_direct"], "max", "ratio",
        lambda g, name=name: (g[f"gateway_{name}_ms"], "the server called directly", g[f"direct_{name}_ms"],
                              f"{g['requests_per_side']} streamed requests per side, alternated"))
       for label, name in (("e2e p50", "e2e_p50"), ("e2e p99", "e2e_p99"), ("TTFT p50", "ttft_p50"),
                           ("TTFT p99", "ttft_p99"))),
-    ("state bytes per key (worst, >= 10 keys)", "growth", TARGETS["state_bytes_per_key"], "max", "measured",
-     lambda g: max(((r["state_bytes_per_key"], "bytes per key at 1 key", g[0]["state_bytes_per_key"],
-                     f"{r['keys']:,} keys") for r in g if r["keys"] >= 10), key=lambda row: row[0])),
 )
 
 
