@@ -164,28 +164,39 @@ def test_random_drafter_acceptance_drop_moves_its_bucket_to_standard_and_a_resto
         assert [_text(a) for a in back] == [expected[a["prompt"]] for a in back]
 
 
-def test_copy_drafter_decides_nothing_and_a_killed_pool_is_retried_with_no_request_lost(models, standard):
+def test_copy_drafter_decides_nothing_and_traffic_stays_speculative(models, standard):
     expected = _standard_texts(standard)
-    spec = OpenAIServer(models.target, _spec(models.copy_drafter), per_request_metrics="summary",
+    spec_config = _spec(models.copy_drafter)
+    with OpenAIServer(models.target, spec_config, per_request_metrics="summary",
+                      startup_timeout=_STARTUP_TIMEOUT_S) as spec, \
+            _gateway(spec.base_url, standard.base_url, spec_config, _POLICY) as (url, gw, feed):
+        answers = []
+        for wave in range(6):
+            answers += _wave(url, f"c{wave}")
+        feed.flush()
+        feed.decide_open()
+        assert [d.to_json_line() for d in feed.decisions] == []
+        assert {(a["status"], a["pool"], a["route"]) for a in answers} == {(200, "speculative", "speculating")}
+        assert [a["prompt"] for a in answers if _text(a) != expected[a["prompt"]]] == []
+
+
+def test_a_killed_speculative_pool_is_retried_with_no_request_lost_and_the_error_gate_routes_away(
+        models, standard):
+    expected = _standard_texts(standard)
+    spec_config = _spec(models.copy_drafter)
+    spec = OpenAIServer(models.target, spec_config, per_request_metrics="summary",
                         startup_timeout=_STARTUP_TIMEOUT_S).start()
     try:
-        with _gateway(spec.base_url, standard.base_url, _spec(models.copy_drafter), _POLICY) as (url, gw, feed):
+        with _gateway(spec.base_url, standard.base_url, spec_config, _POLICY) as (url, gw, feed):
             answers = []
-            for wave in range(6):
+            for wave in range(6):  # healthy traffic first: the error gate's baseline
                 answers += _wave(url, f"c{wave}")
-            feed.flush()
-            feed.decide_open()
-            assert [d.to_json_line() for d in feed.decisions] == []
-            assert _routed(gw, "speculative", "speculating") == len(answers)
             spec.kill()
-            lost = []
             for k in range(_MAX_WAVES):
-                wave = _wave(url, f"k{k}")
-                answers += wave
-                lost += [a for a in wave if a["status"] != 200]
+                answers += _wave(url, f"k{k}")
                 if any(d.reason == "error_rate" for d in feed.decisions):
                     break
-            assert lost == []
+            assert [a for a in answers if a["status"] != 200] == []
             differ = [(a["pool"], a["route"], a["prompt"], _text(a)) for a in answers
                       if _text(a) != expected[a["prompt"]]]
             assert differ == [], f"{len(differ)} of {len(answers)} answers differ from the standard pool's"
