@@ -118,10 +118,6 @@ def _text(answer: dict) -> str:
     return answer["body"]["choices"][0]["text"]
 
 
-def _routed(gateway: Gateway, pool: str, reason: str) -> int:
-    return gateway.metrics.value("requests", ("/v1/completions", pool, reason))
-
-
 def test_random_drafter_acceptance_drop_moves_its_bucket_to_standard_and_a_restore_brings_it_back(
         models, standard):
     expected = _standard_texts(standard)
