@@ -25,6 +25,7 @@ COMMANDS = {
     "evaluate": "measure detection delay and false alarms against operator baselines",
     "explain": "postmortem of one archived decision (text, or an HTML page)",
     "flags": "speculative-path state per scope; manual overrides",
+    "gateway": "OpenAI-compatible proxy routing between a speculative and a standard pool",
     "query": "read decisions, evidence, samples and timelines from the archive",
     "replay": "replay contract-v1 JSON Lines and write the decisions",
     "reproduce": "re-run a decision's sealed requests on standard and speculative decoding",

@@ -29,6 +29,10 @@ _ROWS = [
     ("engine-thread us per step, direct emit", "collector"),
     ("sealed capture share of the collector's time per step", "engine"),
     ("state bytes per key (worst, >= 10 keys)", "growth"),
+    ("gateway e2e p50, ms through the gateway", "gateway"),
+    ("gateway e2e p99, ms through the gateway", "gateway"),
+    ("gateway TTFT p50, ms through the gateway", "gateway"),
+    ("gateway TTFT p99, ms through the gateway", "gateway"),
 ]
 
 
@@ -72,6 +76,9 @@ def _report() -> dict:
         "collector": {"sdk_us_per_step": 30.0, "direct_us_per_step": 0.25, "sdk_floor_us_per_step": 22.0,
                       "sdk_minimal_record_us_per_step": 3.0, "engine_step_ms_simulated": 14.0},
         "export": {"otlp_http_us_per_step": 120.0, "kafka_us_per_step": 40.0, "kafka_encode_us_per_step": 25.0},
+        "gateway": {"requests_per_side": 30, "gateway_e2e_p50_ms": 105.0, "direct_e2e_p50_ms": 100.0,
+                    "gateway_e2e_p99_ms": 150.0, "direct_e2e_p99_ms": 120.0, "gateway_ttft_p50_ms": 22.0,
+                    "direct_ttft_p50_ms": 20.0, "gateway_ttft_p99_ms": 40.0, "direct_ttft_p99_ms": 40.0},
         "growth": [{"keys": 1, "state_bytes_per_key": 95_000.0}, {"keys": 10, "state_bytes_per_key": 18_000.0},
                    {"keys": 100, "state_bytes_per_key": 13_000.0}],
     }
@@ -101,6 +108,10 @@ def test_each_row_carries_its_alternative_its_ratio_and_whether_it_is_met():
         "engine-thread us per step, direct emit": (0.25, 14_000.0, 0.25 / 14_000.0, True),
         "sealed capture share of the collector's time per step": (0.4, 16.0, 0.025, True),
         "state bytes per key (worst, >= 10 keys)": (18_000.0, 95_000.0, 18_000.0 / 95_000.0, True),
+        "gateway e2e p50, ms through the gateway": (105.0, 100.0, 1.05, True),
+        "gateway e2e p99, ms through the gateway": (150.0, 120.0, 1.25, False),
+        "gateway TTFT p50, ms through the gateway": (22.0, 20.0, 1.1, True),
+        "gateway TTFT p99, ms through the gateway": (40.0, 40.0, 1.0, True),
     }
     assert set(rows) == set(expected)
     for target, (measured, alternative, ratio, met) in expected.items():

@@ -13,7 +13,7 @@ from typing import Any
 
 from specwatch.schemas import BundleCard, DrafterCard, PolicyCard, RuntimeCard, TargetCard
 
-__all__ = ["describe_bundle", "drafter_mechanism", "checkpoint_revision", "tokenizer_digest"]
+__all__ = ["describe_bundle", "drafter_mechanism", "drafter_revision", "checkpoint_revision", "tokenizer_digest"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def describe_bundle(vllm_config: Any) -> BundleCard:
     )
     drafter = DrafterCard(
         mechanism=drafter_mechanism(spec.method),
-        revision=_drafter_revision(spec),
+        revision=drafter_revision(spec),
         draft_length=int(spec.num_speculative_tokens),
     )
     parallel = vllm_config.parallel_config
@@ -87,7 +87,9 @@ def drafter_mechanism(method: str | None) -> str:
     return "external"
 
 
-def _drafter_revision(spec: Any) -> str:
+def drafter_revision(spec: Any) -> str:
+    """The drafter's revision on the card, from a speculative config's attributes (vLLM's, or a
+    namespace over the JSON a server was started with)."""
     method = spec.method or ""
     if method in ("ngram", "ngram_gpu"):
         return f"{method}:lookup={spec.prompt_lookup_min}-{spec.prompt_lookup_max}"

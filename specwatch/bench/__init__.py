@@ -11,7 +11,7 @@ __all__ = ["SECTIONS", "alternated", "percentile", "timed"]
 
 # Every section of the bench, in the order a full run takes them.
 SECTIONS = ("stream", "kafka", "collector", "export", "engine", "archive", "replay", "startup", "growth", "keys",
-            "metrics")
+            "metrics", "gateway")
 
 _T = TypeVar("_T")
 _AS_IS = "as is"

@@ -25,6 +25,7 @@ from specwatch.bench.archive_path import run_archive_bench
 from specwatch.bench.broker import OwnBroker
 from specwatch.bench.engine import run_engine_bench
 from specwatch.bench.export import run_export_bench
+from specwatch.bench.gateway import run_gateway_bench
 from specwatch.bench.keys import (bench_keys, closed_batches, fed_pipeline, line_blocks,
                                   stage2_outputs, step_lines)
 from specwatch.simulation.simulator import Simulator
@@ -55,6 +56,8 @@ TARGETS = {
     "archive_rows_per_s": 1_000_000,
     "replay_over_json_loads": 1.0,
     "startup_s": 0.5,
+    # what a client waits for more through `specwatch gateway` than calling the server directly
+    "gateway_over_direct": 1.10,
 }
 
 
@@ -591,6 +594,11 @@ _TARGET_ROWS = (
     ("state bytes per key (worst, >= 10 keys)", "growth", TARGETS["state_bytes_per_key"], "max", "measured",
      lambda g: max(((r["state_bytes_per_key"], "bytes per key at 1 key", g[0]["state_bytes_per_key"],
                      f"{r['keys']:,} keys") for r in g if r["keys"] >= 10), key=lambda row: row[0])),
+    *((f"gateway {label}, ms through the gateway", "gateway", TARGETS["gateway_over_direct"], "max", "ratio",
+       lambda g, name=name: (g[f"gateway_{name}_ms"], "the server called directly", g[f"direct_{name}_ms"],
+                             f"{g['requests_per_side']} streamed requests per side, alternated"))
+      for label, name in (("e2e p50", "e2e_p50"), ("e2e p99", "e2e_p99"), ("TTFT p50", "ttft_p50"),
+                          ("TTFT p99", "ttft_p99"))),
 )
 
 
@@ -672,6 +680,7 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
                  ("growth", lambda: bench_growth(quick, smoke)),
                  ("keys", lambda: bench_keys(quick, smoke)),
                  ("metrics", lambda: bench_metrics(quick, smoke)),
+                 ("gateway", lambda: run_gateway_bench(quick, smoke)),
                  ("kafka", lambda: bench_kafka(bootstrap, quick, smoke) if bootstrap else {"error": broker_error})]
         for name, fn in steps:
             if name in wanted:
