@@ -10,8 +10,9 @@ from specwatch.detectors.monitor import Finding, RecoveryEvidence
 from specwatch.detectors.window import round_evidence as _round
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import Policy
+from specwatch.schemas.scope import Scope
 
-from .flags import FlagStore, Scope
+from .flags import FlagStore
 
 __all__ = ["FallbackPolicy", "ScopeMemory"]
 

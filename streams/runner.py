@@ -507,9 +507,8 @@ class Stage2Runner(PartitionRunner):
         sent = []
         for decision in decisions:
             sent.append(await self._sink.decision(decision))
-            logger.info("decision %s %s %s/%s/%s reason=%s ts=%.3f", decision.id, decision.action,
-                        decision.bundle_id, decision.bucket or "*", decision.cohort or "*", decision.reason,
-                        decision.ts)
+            logger.info("decision %s %s %s reason=%s ts=%.3f", decision.id, decision.action, decision.key,
+                        decision.reason, decision.ts)
         await acknowledged(sent, "decisions")
         self.decisions += len(sent)
         if self.operations is not None:

@@ -31,22 +31,19 @@ from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.fastdecode import StepBlock
 from specwatch.schemas.outputs import ActionRecord, SliceOutput, SliceWindows
 from specwatch.schemas.policy import Policy
+from specwatch.schemas.scope import Scope as Key, scope_from_text, scope_text
 
 from .intake import DuplicateFilter, EventClock, duplicate
 from .running import RunningRequests, key_stats
 
 __all__ = [
-    "Key",
     "SliceBatch",
     "Stage1",
     "Stage2",
     "ActionRecord",
     "SliceOutput",
-    "key_to_str",
-    "key_from_str",
 ]
 
-Key = tuple[str, str | None, str | None]  # (bundle_id, bucket, cohort); None = whole bundle
 
 # Evidence windows archived with a decision: this many slices before it.
 _EVIDENCE_SLICES = 30
@@ -70,23 +67,6 @@ _SERVED_REQUESTS_FOR = frozenset({"acceptance_drop", "no_speedup"})
 # How long (event time) after its slice closed a record is still recognised as a duplicate;
 # a later copy is folded forward as a late record.
 _DUPLICATE_HORIZON_SECONDS = 60.0
-
-
-def key_to_str(key: Key) -> str:
-    """Wire form of a key.
-
-    >>> key_to_str(("b-1", "coding", "main")), key_to_str(("b-1", None, None))
-    ('b-1/coding/main', 'b-1/*/*')
-    >>> key_from_str("b-1/*/*")
-    ('b-1', None, None)
-    """
-    bundle, bucket, cohort = key
-    return f"{bundle}/{bucket or '*'}/{cohort or '*'}"
-
-
-def key_from_str(text: str) -> Key:
-    bundle, bucket, cohort = text.rsplit("/", 2)
-    return bundle, (None if bucket == "*" else bucket), (None if cohort == "*" else cohort)
 
 
 @dataclass
@@ -153,7 +133,7 @@ class SliceBatch:
             "source": self.source,
             "slice_index": self.slice_index,
             "watermark": self.watermark,
-            "partials": {key_to_str(k): v.to_dict() for k, v in self.partials.items()},
+            "partials": {scope_text(k): v.to_dict() for k, v in self.partials.items()},
             "events": self.events,
             "late_records": self.late_records,
         }
@@ -164,7 +144,7 @@ class SliceBatch:
             source=data["source"],
             slice_index=int(data["slice_index"]),
             watermark=int(data["watermark"]),
-            partials={key_from_str(k): SliceStats.from_dict(v) for k, v in data.get("partials", {}).items()},
+            partials={scope_from_text(k): SliceStats.from_dict(v) for k, v in data.get("partials", {}).items()},
             events=list(data.get("events", [])),
             late_records=int(data.get("late_records", 0)),
         )
