@@ -20,6 +20,7 @@ from typing import Any
 from specwatch.schemas import (MAX_REQUESTS_PER_STEP, BundleCard, BundleRecord, RequestRecord, StepRecord,
                                bundle_digest)
 from specwatch.collectors.capture import SampleCapture
+from specwatch.schemas.contract import MAX_NAME_CHARS
 from specwatch.schemas.sealed import token_digest
 
 __all__ = ["BUCKET_ARG", "COHORT_ARG", "DEFAULT_BUCKET", "DEFAULT_COHORT", "CollectorStats",
@@ -34,7 +35,6 @@ _DEFAULT_DRAIN_INTERVAL_S = 0.1
 _DEFAULT_FLUSH_TIMEOUT_S = 10.0
 # Repeated failures of the same kind are logged at the first occurrence and then every N-th.
 _LOG_EVERY = 1000
-_MAX_ID_CHARS = 256
 
 BUCKET_ARG = "specwatch_bucket"
 COHORT_ARG = "specwatch_cohort"
@@ -90,8 +90,8 @@ class VllmCollector:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         worker = worker or f"{socket.gethostname()}-{os.getpid()}"
-        if not 1 <= len(worker) <= _MAX_ID_CHARS:
-            raise ValueError(f"worker name must be 1..{_MAX_ID_CHARS} characters, got {worker!r}")
+        if not 1 <= len(worker) <= MAX_NAME_CHARS:
+            raise ValueError(f"worker name must be 1..{MAX_NAME_CHARS} characters, got {worker!r}")
         self.sink = sink
         self.flags = flags
         self.worker = worker
@@ -281,7 +281,7 @@ def _config_key(vllm_config: Any) -> tuple:
 
 
 def _short(request_id: str) -> str:
-    return request_id if len(request_id) <= _MAX_ID_CHARS else request_id[-_MAX_ID_CHARS:]
+    return request_id if len(request_id) <= MAX_NAME_CHARS else request_id[-MAX_NAME_CHARS:]
 
 
 _NO_ROUND = (0, 0)
