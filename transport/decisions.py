@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from specwatch.schemas import Decision
 
+from .clients import kafka_consumer
 from .codec import decode_decision, is_heartbeat_key
 from .config import BrokerUnavailable, KafkaConfig
 from .topics import DECISIONS_TOPIC
@@ -79,14 +80,12 @@ class DecisionReader:
 
     def connect(self, resume_from: Mapping[int, int] | None = None) -> None:
         """Assign every partition; start each at ``resume_from[partition]`` or the beginning."""
-        from kafka import KafkaConsumer, TopicPartition
+        from kafka import TopicPartition
 
         resume_from = resume_from or {}
         _probe(self.config.bootstrap_servers, self.connect_timeout_s)
-        settings = self.config.client_settings()
-        settings.update(group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
-                        fetch_max_wait_ms=_FETCH_MAX_WAIT_MS, client_id=f"{self.config.client_id}-flags")
-        consumer = KafkaConsumer(**settings)
+        consumer = kafka_consumer(self.config, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+                                  fetch_max_wait_ms=_FETCH_MAX_WAIT_MS, client_id=f"{self.config.client_id}-flags")
 
         def discover() -> dict[Any, int]:
             consumer.bootstrap()
