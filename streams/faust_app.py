@@ -18,7 +18,7 @@ from specwatch.transport.kafka_io import KafkaWriter, PartitionReader
 
 from .metrics import ServiceHealth
 from .operations import Operations
-from .runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
+from .partition_runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
 
 __all__ = ["StreamApp", "create_app", "run_worker"]
 

@@ -17,7 +17,7 @@ from specwatch.schemas import Decision, Policy, Rejection, RejectionCounter
 from specwatch.schemas.fastdecode import request_block
 from specwatch.schemas.otlp import decode_request
 
-from .ingest import Ingest
+from .sources import Ingest
 from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2
 
 __all__ = [
@@ -316,6 +316,9 @@ _RENAMED = {
     ("specwatch.schemas.fastdecode", "decode_request_fast"):
         ("specwatch.schemas.otlp", "decode_request"),
     ("specwatch.streams.topology", "_HeldStep"): ("functools", "partial"),
+    **{("specwatch.streams.running", name): ("specwatch.streams.running_requests", name)
+       for name in ("RunningRequests", "_Worker")},
+    **{("specwatch.streams.ingest", name): ("specwatch.streams.sources", name) for name in ("Ingest", "IdleRule")},
 }
 
 

@@ -34,7 +34,7 @@ from specwatch.schemas.policy import Policy
 from specwatch.schemas.scope import Scope as Key, scope_from_text, scope_text
 
 from .intake import DuplicateFilter, EventClock, duplicate
-from .running import RunningRequests, key_stats
+from .running_requests import RunningRequests, key_stats
 
 __all__ = [
     "SliceBatch",
@@ -651,7 +651,7 @@ class Stage2:
         return self._finalize_ready()
 
     def release(self, source: str) -> list[SliceOutput]:
-        """Stop waiting for ``source``, gone idle (`streams.ingest.IdleRule`), until it sends again."""
+        """Stop waiting for ``source``, gone idle (`streams.sources.IdleRule`), until it sends again."""
         self._sources.setdefault(source, -1)
         self._released.add(source)
         return self._finalize_ready()

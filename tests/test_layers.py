@@ -96,7 +96,7 @@ def test_kafka_is_one_boundary_that_knows_only_the_contract():
 
 
 def test_the_partition_runner_runs_without_faust():
-    tree = ast.parse((ROOT / "streams" / "runner.py").read_text())
+    tree = ast.parse((ROOT / "streams" / "partition_runner.py").read_text())
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert not [name for name in names if name.split(".")[0] in ("faust", "mode", "aiokafka")], names

@@ -83,7 +83,7 @@ def run(args) -> int:
     from specwatch.actions.sinks.alertmanager import load_rollback_policy, read_token_file
     from specwatch.streams.faust_app import run_worker
     from specwatch.streams.operations import OperationsSettings
-    from specwatch.streams.runner import StreamSettings
+    from specwatch.streams.partition_runner import StreamSettings
     from specwatch.transport.config import BrokerUnavailable, KafkaConfig
     from specwatch.transport.topics import TopicError, prepare_topics
 

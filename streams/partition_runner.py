@@ -39,7 +39,7 @@ from .faust_tasks import (
     read_checkpoint,
     route_batches,
 )
-from .ingest import IdleRule
+from .sources import IdleRule
 from .operations import Operations, OperationsSettings
 
 __all__ = ["CheckpointLog", "PartitionRunner", "Stage1Runner", "Stage2Runner", "StreamSettings"]
