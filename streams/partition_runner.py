@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
+from specwatch.archive.dsn import ArchiveDsn
 from specwatch.schemas import Policy, Rejection, RejectionCounter
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.codec import DecisionSink
@@ -67,7 +68,7 @@ class StreamSettings:
     deadletter_topic: str = DEADLETTER_TOPIC
     app_id: str = _DEFAULT_APP_ID
     policy: Policy = field(default_factory=Policy)
-    archive_dsn: str | None = None
+    archive_dsn: ArchiveDsn | str | None = None  # parsed where the command line checked it
     data_dir: str = "specwatch-data/faust/worker-0"
     telemetry_partitions: int = 0
     partials_partitions: int = 0
