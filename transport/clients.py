@@ -3,11 +3,13 @@ made from a `KafkaConfig`, with its security, batching and fetch settings, comes
 
 from __future__ import annotations
 
+import socket
+import time
 from typing import Any
 
-from .config import KafkaConfig
+from .config import BrokerUnavailable, KafkaConfig
 
-__all__ = ["kafka_consumer", "kafka_producer"]
+__all__ = ["kafka_consumer", "kafka_producer", "probe_bootstrap"]
 
 
 def kafka_producer(config: KafkaConfig, **overrides: Any) -> Any:
@@ -22,3 +24,18 @@ def kafka_consumer(config: KafkaConfig, **overrides: Any) -> Any:
     from kafka import KafkaConsumer
 
     return KafkaConsumer(**{**config.client_settings(), **overrides})
+
+
+def probe_bootstrap(bootstrap_servers: str, timeout_s: float) -> None:
+    """Fail fast, with a plain message, when no bootstrap server accepts connections."""
+    errors = []
+    deadline = time.monotonic() + timeout_s
+    for server in bootstrap_servers.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)),
+                                          timeout=max(0.1, deadline - time.monotonic())):
+                return
+        except (OSError, ValueError) as error:
+            errors.append(f"{server}: {error}")
+    raise BrokerUnavailable(f"cannot reach Kafka at {bootstrap_servers} ({'; '.join(errors)})")

@@ -136,7 +136,7 @@ def _run_exporter(args: argparse.Namespace, simulator) -> int:
     if args.bootstrap:
         from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
         from specwatch.transport.config import BrokerUnavailable, KafkaConfig
-        from specwatch.transport.decisions import _probe as probe_bootstrap
+        from specwatch.transport.clients import probe_bootstrap
 
         try:
             probe_bootstrap(args.bootstrap, _CONNECT_TIMEOUT_S)
