@@ -245,7 +245,7 @@ def test_the_size_and_surface_rules_see_an_offender(tmp_path, monkeypatch):
     folder = tmp_path / "schemas"
     folder.mkdir()
     (folder / "__init__.py").write_text("")
-    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     (folder / "big.py").write_text("class Codec:\n    def decode(self):\n" + body + "\n" + "\n" * MAX_MODULE_LINES)
     (folder / "user.py").write_text("from .big import _hidden\n")
     (tmp_path / "pyproject.toml").write_text('[tool.setuptools]\npackage-dir = { "specwatch.schemas" = "schemas" }\n')
