@@ -52,6 +52,15 @@ def _layer(module: str) -> tuple[str, int]:
     return best, dict(LAYERS)[best]
 
 
+def _import_source(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` reads from, relative imports resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(module: str, path: Path) -> set[str]:
     """The product modules ``path`` imports, by ``ast``: a lazy import is a dependency too."""
     tree = ast.parse(path.read_text(), str(path))
@@ -61,12 +70,7 @@ def _imports(module: str, path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
+            name = _import_source(node, package)
             found.add(name)
             # `from specwatch.x import y` may import the submodule y
             found.update(f"{name}.{alias.name}" for alias in node.names)
@@ -203,12 +207,7 @@ def _private_imports() -> dict[str, str]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
+            source = _import_source(node, package)
             if source not in modules or source == module:
                 continue
             for alias in node.names:
