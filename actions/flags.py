@@ -7,11 +7,10 @@ import threading
 from dataclasses import asdict, dataclass, field
 
 from specwatch.schemas import Decision
+from specwatch.schemas.scope import Scope
 
-__all__ = ["Scope", "ScopeState", "SpeculationState", "AdmissionState", "FlagStore", "OverrideChange",
+__all__ = ["ScopeState", "SpeculationState", "AdmissionState", "FlagStore", "OverrideChange",
            "override_decision", "scope_from_state", "SPECULATION_ON", "STAGES"]
-
-Scope = tuple[str, str | None, str | None]  # (bundle_id, bucket or None=all, cohort or None=all)
 
 
 @dataclass(frozen=True)
@@ -164,7 +163,7 @@ class FlagStore:
 
     def apply(self, decision: Decision) -> bool:
         """Fold one decision in; returns whether the state of its scope changed."""
-        scope: Scope = (decision.bundle_id, decision.bucket, decision.cohort)
+        scope = decision.scope
         admission = _admission_state(decision)
         if admission is not None:
             return self._apply_stage(decision.bundle_id, admission)

@@ -10,15 +10,15 @@ from specwatch.detectors.monitor import Finding, RecoveryEvidence
 from specwatch.detectors.window import round_evidence as _round
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import Policy
+from specwatch.schemas.reasons import REASONS
+from specwatch.schemas.scope import Scope
 
-from .flags import FlagStore, Scope, scope_from_state
+from .flags import FlagStore, scope_from_state
 
 __all__ = ["FallbackPolicy", "ScopeMemory"]
 
 # Reasons whose table row says "lower D first, then disable".
-_REDUCE_FIRST = {"acceptance_drop", "kv_pressure"}
-# Reasons that disable at once.
-_DISABLE_AT_ONCE = {"no_speedup", "latency_slo", "error_rate", "quality_regression", "unadmitted_bundle"}
+_REDUCE_FIRST = frozenset(reason for reason, facts in REASONS.items() if facts.fallback == "reduce_first")
 
 
 @dataclass

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["ARCHIVE_ENV", "DEFAULT_ARCHIVE_DSN", "DEFAULT_DATABASE", "ArchiveLocation",
+__all__ = ["ARCHIVE_ENV", "DEFAULT_ARCHIVE_DSN", "DEFAULT_DATABASE", "ArchiveDsn", "ArchiveLocation",
            "archive_dsn", "check_database_name", "parse_archive_dsn"]
 
 ARCHIVE_ENV = "SPECWATCH_ARCHIVE"
@@ -102,6 +102,34 @@ def parse_archive_dsn(dsn: str, cwd: str | None = None) -> tuple[ArchiveLocation
     location = ArchiveLocation("server", host=parts.hostname, port=parts.port or (8443 if secure else 8123),
                                secure=secure, database=database, username=unquote(parts.username or ""))
     return location, unquote(parts.password) if parts.password is not None else None
+
+
+@dataclass(frozen=True)
+class ArchiveDsn:
+    """An archive DSN parsed once (where the command line checks it) and passed on from there:
+    the location, and the password it carried, which is never shown.
+
+    >>> dsn = ArchiveDsn.parse("https://ops:s%40cret@ch.internal/postmortems")
+    >>> dsn.label, dsn.location.engine, "s@cret" in repr(dsn)
+    ('https://ch.internal:8443/postmortems', 'server', False)
+    """
+
+    location: ArchiveLocation
+    password: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def parse(cls, dsn: str, cwd: str | None = None) -> "ArchiveDsn":
+        """`parse_archive_dsn`'s location and password as one value; ValueError as it raises."""
+        return cls(*parse_archive_dsn(dsn, cwd))
+
+    @classmethod
+    def of(cls, dsn: "ArchiveDsn | str | None", environ: Mapping[str, str] | None = None) -> "ArchiveDsn":
+        """``dsn`` as parsed, parsing it only if it is still text (None: `archive_dsn`)."""
+        return dsn if isinstance(dsn, ArchiveDsn) else cls.parse(dsn or archive_dsn(environ))
+
+    @property
+    def label(self) -> str:
+        return self.location.label
 
 
 def _redact(dsn: str) -> str:

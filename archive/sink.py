@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specwatch.archive.dsn import archive_dsn, parse_archive_dsn
+from specwatch.archive.dsn import ArchiveDsn
 from specwatch.archive.spool import Spool, SpoolFull, SpoolStats, describe_kinds
 from specwatch.archive.rows import DEFAULT_SAMPLE_TEXT
 from specwatch.archive.store import Archive, sample_text_mode
@@ -42,7 +42,7 @@ def default_spool_dir(archive_label: str, environ: Mapping[str, str] | None = No
     return base / ("a-" + hashlib.sha256(archive_label.encode("utf-8")).hexdigest()[:16])
 
 
-def spool_dir_for(dsn: str | None = None, environ: Mapping[str, str] | None = None) -> Path:
+def spool_dir_for(dsn: ArchiveDsn | str | None = None, environ: Mapping[str, str] | None = None) -> Path:
     """The spool directory of the archive at ``dsn`` (default: `archive_dsn`); ValueError for a bad DSN.
 
     >>> env = {"SPECWATCH_ARCHIVE_SPOOL": "/var/spool/specwatch"}
@@ -50,7 +50,7 @@ def spool_dir_for(dsn: str | None = None, environ: Mapping[str, str] | None = No
     True
     """
     environ = os.environ if environ is None else environ
-    return default_spool_dir(parse_archive_dsn(dsn or archive_dsn(environ))[0].label, environ)
+    return default_spool_dir(ArchiveDsn.of(dsn, environ).label, environ)
 
 
 # What each kind of spool entry holds (`ArchiveSink._put` writes them): a replay sets aside
@@ -145,14 +145,14 @@ class ArchiveSink:
             self._try_open()
 
     @classmethod
-    def open(cls, dsn: str | None = None, *, spool: Spool | str | os.PathLike | None = None,
+    def open(cls, dsn: ArchiveDsn | str | None = None, *, spool: Spool | str | os.PathLike | None = None,
              environ: Mapping[str, str] | None = None, require_archive: bool = False,
              **settings: Any) -> "ArchiveSink":
         """The sink for the archive at ``dsn`` (default: `archive_dsn`) with its spool, spooling
         until the archive opens; with ``require_archive`` it opens it now or raises ArchiveError."""
         environ = os.environ if environ is None else environ
-        dsn = dsn or archive_dsn(environ)
-        label = parse_archive_dsn(dsn)[0].label  # checks the DSN now; never holds the password
+        dsn = ArchiveDsn.of(dsn, environ)  # checks a DSN given as text now
+        label = dsn.label
         sample_text = sample_text_mode(environ, settings.pop("sample_text", None))
         spool = spool if spool is not None else default_spool_dir(label, environ)
         if not require_archive:

@@ -20,7 +20,7 @@ from specwatch.archive.columns import (AUDIT, BUNDLE_SIGHTINGS, BUNDLE_STAGES, B
                                        DEFAULT_SEALED_RETENTION_DAYS, OVERRIDES, REPRODUCTIONS,
                                        SAMPLES, SEALED_SAMPLES, TABLES, WINDOW_ADDED, WINDOW_STATS,
                                        Table)
-from specwatch.archive.dsn import DEFAULT_DATABASE, archive_dsn, check_database_name, parse_archive_dsn
+from specwatch.archive.dsn import DEFAULT_DATABASE, ArchiveDsn, check_database_name
 from specwatch.archive.errors import ArchiveNotFoundError
 from specwatch.archive.jsonvalue import canonical_json, digest_id
 from specwatch.archive.queries import PostmortemQueries, where_clause
@@ -83,14 +83,15 @@ class Archive(PostmortemQueries):
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, dsn: str | None = None, *, create: bool = True,
+    def open(cls, dsn: ArchiveDsn | str | None = None, *, create: bool = True,
              environ: Mapping[str, str] | None = None, sample_text: str | None = None) -> "Archive":
         """Open the archive at `dsn` (default: `archive_dsn()`); with ``create=False`` a missing
         archive raises `ArchiveNotFoundError`."""
         environ = os.environ if environ is None else environ
         sample_text = sample_text_mode(environ, sample_text)
         retention_days = _retention_days(environ)
-        location, password = parse_archive_dsn(dsn or archive_dsn(environ))
+        parsed = ArchiveDsn.of(dsn, environ)
+        location, password = parsed.location, parsed.password
         client, insert_arrow, release = connect(location, password, create=create, environ=environ)
         archive = cls(client, location.database, sample_text)
         archive._insert_arrow = insert_arrow

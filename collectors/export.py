@@ -1,31 +1,15 @@
-"""The one exporter interface every telemetry sink implements (Kafka, in-process, memory).
-
-Batching lives in the provider, not in sinks: a sink only moves a batch somewhere.
+"""The in-process telemetry sinks: a function in the same process, and memory (unit tests).
+The interface they implement, `ExportResult` and `TelemetryExporter`, is `specwatch.schemas.exporter`.
 """
 
 from __future__ import annotations
 
-import enum
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from specwatch.schemas import TelemetryRecord
+from specwatch.schemas.exporter import ExportResult, TelemetryExporter
 
 __all__ = ["ExportResult", "TelemetryExporter", "InMemoryExporter", "CallbackExporter"]
-
-
-class ExportResult(enum.Enum):
-    SUCCESS = 0
-    FAILURE = 1
-
-
-class TelemetryExporter(Protocol):
-    """Where contract-v1 records go. Must never block the engine for long."""
-
-    def export(self, batch: Sequence[TelemetryRecord]) -> ExportResult: ...
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool: ...
-
-    def shutdown(self) -> None: ...
 
 
 class CallbackExporter:

@@ -183,9 +183,9 @@ def telemetry_exporter_from_env(environ: Mapping[str, str] | None = None, *, cli
     environ = os.environ if environ is None else environ
     if exporter_choice(environ) == "otlp":
         return OtlpTelemetryExporter(otlp_log_exporter(environ))
-    from specwatch.collectors.otel import KafkaTelemetryExporter
+    from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
     from specwatch.transport.config import KafkaConfig
-    from specwatch.collectors.spool import TelemetrySpool
+    from specwatch.transport.telemetry_spool import TelemetrySpool
 
     topic = topic or environ.get("SPECWATCH_TELEMETRY_TOPIC") or None
     config = KafkaConfig.from_env(environ=environ, client_id=client_id, **({"topic": topic} if topic else {}))

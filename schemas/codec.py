@@ -14,8 +14,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from .contract import BundleRecord, RequestRecord, ShadowRecord, StepRecord, TelemetryRecord
 
-__all__ = ["MAX_GZIP_RATIO", "MAX_LINE_BYTES", "DecompressionBombError", "Rejection", "RejectionCounter",
-           "ahead_of_clock", "decode_line", "decode_object", "encode_record", "read_json_lines"]
+__all__ = ["MAX_GZIP_RATIO", "MAX_LINE_BYTES", "RECORD_KINDS", "DecompressionBombError", "Rejection",
+           "RejectionCounter", "ahead_of_clock", "decode_line", "decode_object", "encode_record", "read_json_lines"]
 
 # A step with MAX_REQUESTS_PER_STEP entries is ~400 KB of JSON; lines beyond this are
 # rejected before parsing so a runaway producer cannot make the processor allocate GBs.
@@ -29,7 +29,7 @@ _SKIP_CHUNK = 1 << 16
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _UTF8_BOM = b"\xef\xbb\xbf"
-_KINDS = {"bundle": BundleRecord, "step": StepRecord, "request": RequestRecord, "shadow": ShadowRecord}
+RECORD_KINDS = {"bundle": BundleRecord, "step": StepRecord, "request": RequestRecord, "shadow": ShadowRecord}
 _ADAPTER: TypeAdapter = TypeAdapter(TelemetryRecord)
 
 
@@ -111,11 +111,11 @@ def decode_object(obj: object, raw: str = "") -> TelemetryRecord | Rejection:
     if not isinstance(obj, dict):
         return Rejection("not_an_object", f"expected a JSON object, got {type(obj).__name__}", raw)
     kind = obj.get("kind")
-    if not isinstance(kind, str) or kind not in _KINDS:  # a list or dict kind is not even hashable
-        return Rejection("unknown_kind", f"kind {str(kind)[:100]!r} is not one of {sorted(_KINDS)}", raw)
+    if not isinstance(kind, str) or kind not in RECORD_KINDS:  # a list or dict kind is not even hashable
+        return Rejection("unknown_kind", f"kind {str(kind)[:100]!r} is not one of {sorted(RECORD_KINDS)}", raw)
     try:
         # strict: the contract is JSON, so "4" is no count, true no time and 1 no boolean
-        return _KINDS[kind].model_validate(obj, strict=True)
+        return RECORD_KINDS[kind].model_validate(obj, strict=True)
     except ValidationError as error:
         reason, detail = _reason_from_validation(error)
         return Rejection(reason, f"{kind}: {detail}", raw)

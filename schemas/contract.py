@@ -10,7 +10,10 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["CONTRACT_VERSION", "MAX_REQUESTS_PER_STEP", "BundleCard", "TargetCard", "DrafterCard",
+from .scope import EVERY, SEPARATOR
+
+__all__ = ["CONTRACT_VERSION", "MAX_DRAFT_TOKENS", "MAX_NAME_CHARS", "MAX_REQUESTS_PER_STEP", "BundleCard",
+           "TargetCard", "DrafterCard",
            "RuntimeCard", "PolicyCard", "BundleRecord", "StepRecord", "RoundEntry", "RequestRecord",
            "Sample", "Sampling", "ShadowRecord", "TelemetryRecord", "bundle_digest",
            "card_differences", "printable", "scope_name_ok", "DraftLength", "Name", "ScopeName"]
@@ -19,7 +22,9 @@ CONTRACT_VERSION = 1
 # A step of a real engine holds at most a few thousand running requests; anything
 # larger is a broken or hostile producer, rejected rather than buffered.
 MAX_REQUESTS_PER_STEP = 4096
-_MAX_ID_CHARS = 256
+# Names (workers, bundles, requests, buckets, cohorts) and the drafted and accepted counts of a round.
+MAX_NAME_CHARS = 256
+MAX_DRAFT_TOKENS = 64
 _MAX_SEALED_CHARS = 1 << 20
 
 # Names reach terminals, logs and dashboards: control characters (C0, DEL and C1, the
@@ -28,8 +33,6 @@ _MAX_SEALED_CHARS = 1 << 20
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 # Decision scope keys are bundle/bucket/cohort with "*" for "every": a bucket or cohort
 # named "*", or holding a "/", would collide with another scope's key.
-_SCOPE_WILDCARD = "*"
-_SCOPE_SEPARATOR = "/"
 
 
 def printable(text: str) -> bool:
@@ -48,7 +51,7 @@ def scope_name_ok(text: str) -> bool:
     >>> scope_name_ok("coding"), scope_name_ok("*"), scope_name_ok("a/b"), scope_name_ok("**")
     (True, False, False, True)
     """
-    return text != _SCOPE_WILDCARD and _SCOPE_SEPARATOR not in text
+    return text != EVERY and SEPARATOR not in text
 
 
 def _printable(value: str) -> str:
@@ -74,11 +77,11 @@ def _only_version_one(value: object) -> object:
 
 Timestamp = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Millis = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Name = Annotated[str, Field(min_length=1, max_length=_MAX_ID_CHARS), AfterValidator(_printable)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_printable)]
 ScopeName = Annotated[Name, AfterValidator(_scope_name)]
 Text = Annotated[str, AfterValidator(_printable)]
 # Tokens a drafter proposes per round: what a card, a draft limit or a rollback may name.
-DraftLength = Annotated[int, Field(ge=1, le=64)]
+DraftLength = Annotated[int, Field(ge=1, le=MAX_DRAFT_TOKENS)]
 
 
 class _Part(BaseModel):
@@ -161,8 +164,8 @@ class RoundEntry(_Part):
     id: Name
     bucket: ScopeName
     cohort: ScopeName
-    drafted: int = Field(ge=0, le=64)
-    accepted: int = Field(ge=0, le=64)
+    drafted: int = Field(ge=0, le=MAX_DRAFT_TOKENS)
+    accepted: int = Field(ge=0, le=MAX_DRAFT_TOKENS)
 
     @model_validator(mode="after")
     def _accepted_within_drafted(self) -> "RoundEntry":

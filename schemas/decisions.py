@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .scope import Scope, scope_text
+
 __all__ = ["Action", "Reason", "Decision", "decision_id", "decision_key"]
 
 Action = Literal["reduce_draft_length", "disable_speculation", "invalidate_bundle", "restore",
@@ -49,8 +51,12 @@ class Decision(BaseModel):
         return decision_id(self)
 
     @property
+    def scope(self) -> Scope:
+        return self.bundle_id, self.bucket, self.cohort
+
+    @property
     def key(self) -> str:
-        return decision_key(self.bundle_id, self.bucket, self.cohort)
+        return scope_text(self.scope)
 
 
 def _sorted(value: Any) -> Any:
@@ -80,4 +86,4 @@ def decision_key(bundle_id: str, bucket: str | None, cohort: str | None) -> str:
     >>> decision_key("b-1", "coding", None)
     'b-1/coding/*'
     """
-    return f"{bundle_id}/{bucket or '*'}/{cohort or '*'}"
+    return scope_text((bundle_id, bucket, cohort))

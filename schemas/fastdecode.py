@@ -15,16 +15,14 @@ import msgspec
 import numpy as np
 
 from .codec import MAX_LINE_BYTES, Rejection, decode_line, decode_object
-from .contract import MAX_REQUESTS_PER_STEP, StepRecord, TelemetryRecord, printable, scope_name_ok
-from .otlp import ATTRIBUTE_PREFIX, EVENT_PREFIX, decode_log_record, log_records, parse_request
-from .otlp import (_REQUESTS_PREFIX, _ROUND_COLUMNS, _STEP_SCALARS, _attribute,  # noqa: PLC2701
-                   _OddShape, _read_varint, _small_ints, _string_values)
-from .otlp import _Memo as _WriterMemo  # noqa: PLC2701
+from .contract import (MAX_DRAFT_TOKENS, MAX_NAME_CHARS, MAX_REQUESTS_PER_STEP, StepRecord, TelemetryRecord,
+                       printable, scope_name_ok)
+from .otlp import (ATTRIBUTE_PREFIX, EVENT_PREFIX, REQUESTS_PREFIX, ROUND_COLUMNS, STEP_SCALARS, decode_log_record,
+                   log_records, parse_request)
+from .otlp_wire import EncodingMemo, OddShape, encode_attribute, read_varint, small_ints, string_values
 
 __all__ = ["StepBlock", "decode_lines_block", "request_block"]
 
-_MAX_NAME = 256  # contract.Name
-_MAX_DRAFT = 64  # RoundEntry.drafted / accepted bound
 # ints beyond this lose precision as floats; such times take the reference path
 _MAX_EXACT_INT = 1 << 53
 _INF = math.inf
@@ -38,7 +36,7 @@ def _time(x: Any) -> bool:
 
 def _name(x: Any) -> bool:
     # isprintable() in C settles nearly every name; `printable` only looks closer when it is False
-    return type(x) is str and 0 < len(x) <= _MAX_NAME and (x.isprintable() or printable(x))
+    return type(x) is str and 0 < len(x) <= MAX_NAME_CHARS and (x.isprintable() or printable(x))
 
 
 def _names(column: Any) -> bool:
@@ -46,7 +44,7 @@ def _names(column: Any) -> bool:
     if set(map(type, column)) != _STR:
         return False
     lengths = set(map(len, column))
-    if min(lengths) == 0 or max(lengths) > _MAX_NAME:
+    if min(lengths) == 0 or max(lengths) > MAX_NAME_CHARS:
         return False
     joined = "".join(column)
     return joined.isprintable() or printable(joined)
@@ -67,10 +65,10 @@ def _header(v: Any, ts: Any, worker: Any, seq: Any, bundle_id: Any, draft_ms: An
 
 _STEP_EVENT = (EVENT_PREFIX + "step").encode()
 _ATTRIBUTE_PREFIX = ATTRIBUTE_PREFIX.encode()
-_COLUMN_PREFIX = _REQUESTS_PREFIX.encode()
+_COLUMN_PREFIX = REQUESTS_PREFIX.encode()
 _COLUMN_PREFIX_LEN = len(_COLUMN_PREFIX)
-_SCALAR_KEYS = {_ATTRIBUTE_PREFIX + name.encode(): name for name in _STEP_SCALARS}
-_ROUND_COLUMN_KEYS = tuple(name.encode() for name in _ROUND_COLUMNS)
+_SCALAR_KEYS = {_ATTRIBUTE_PREFIX + name.encode(): name for name in STEP_SCALARS}
+_ROUND_COLUMN_KEYS = tuple(name.encode() for name in ROUND_COLUMNS)
 _unpack_double = struct.Struct("<d").unpack_from
 _INT64_SIGN = 1 << 63
 _UINT64_RANGE = 1 << 64
@@ -98,25 +96,25 @@ def _skip(buf: bytes, p: int, wire_type: int) -> int:
     if wire_type == 1:
         return p + 8
     if wire_type == 2:
-        size, p = _read_varint(buf, p)
+        size, p = read_varint(buf, p)
         return p + size
     if wire_type == 5:
         return p + 4
-    raise _OddShape("group or invalid wire type")
+    raise OddShape("group or invalid wire type")
 
 
 def _fields(buf: bytes, p: int, end: int, tag: int) -> Iterator[tuple[int, int]]:
     """(start, end) of each length-delimited field ``tag`` in buf[p:end], the others skipped."""
     while p < end:
-        found, p = _read_varint(buf, p)
+        found, p = read_varint(buf, p)
         if found != tag:
             p = _skip(buf, p, found & 7)
             continue
-        size, p = _read_varint(buf, p)
+        size, p = read_varint(buf, p)
         yield p, p + size
         p += size
     if p != end:
-        raise _OddShape("a field overruns its message")
+        raise OddShape("a field overruns its message")
 
 
 def _log_record_spans(buf: bytes) -> list[tuple[int, int]] | None:
@@ -125,7 +123,7 @@ def _log_record_spans(buf: bytes) -> list[tuple[int, int]] | None:
         return [log_record for resource_logs in _fields(buf, 0, len(buf), 0x0A)
                 for scope_logs in _fields(buf, *resource_logs, 0x12)
                 for log_record in _fields(buf, *scope_logs, 0x12)]
-    except (_OddShape, IndexError):
+    except (OddShape, IndexError):
         return None
 
 
@@ -138,39 +136,39 @@ def _key_value(buf: bytes, p: int, end: int) -> tuple[bytes, int, int]:
         size = buf[p + 1]
         p += 2
         if size & 0x80:
-            size, p = _read_varint(buf, p - 1)
+            size, p = read_varint(buf, p - 1)
         if field == 0x0A:
             key = buf[p:p + size]
         elif field == 0x12 and value is None:
             value = (p, p + size)
         else:  # unknown field, or a value in two parts that protobuf would merge
-            raise _OddShape("KeyValue other than key + value")
+            raise OddShape("KeyValue other than key + value")
         p += size
     if p != end:
-        raise _OddShape("KeyValue overruns")
+        raise OddShape("KeyValue overruns")
     return (key, *value) if value else (key, end, end)
 
 
 def _attribute_end(buf: bytes, p: int) -> int:
     """The end of the LogRecord attribute (field 6) at ``p``."""
     if buf[p] != 0x32:
-        raise _OddShape("not an attribute")
+        raise OddShape("not an attribute")
     size = buf[p + 1]
     if size < 0x80:
         return p + 2 + size
     high = buf[p + 2]
     if high < 0x80:  # columns of a few dozen rounds
         return p + 3 + ((size & 0x7F) | high << 7)
-    size, q = _read_varint(buf, p + 1)
+    size, q = read_varint(buf, p + 1)
     return q + size
 
 
 def _attribute_value(attribute: bytes, key: bytes) -> tuple[int, int]:
     """The value span of one serialized attribute (tag, size, KeyValue) holding ``key``."""
-    size, p = _read_varint(attribute, 1)
+    size, p = read_varint(attribute, 1)
     found, start, end = _key_value(attribute, p, len(attribute))
     if found != key:
-        raise _OddShape("another attribute here")
+        raise OddShape("another attribute here")
     return start, end
 
 
@@ -182,41 +180,41 @@ def _scalar(buf: bytes, start: int, end: int, strings: dict) -> Any:
     if tag == 0x21 and end - start == 9:  # double_value
         return _unpack_double(buf, start + 1)[0]
     if tag == 0x18:  # int_value: int64, negatives as two's complement
-        value, p = _read_varint(buf, start + 1)
+        value, p = read_varint(buf, start + 1)
         if p != end:
-            raise _OddShape("int_value and more")
+            raise OddShape("int_value and more")
         return value - _UINT64_RANGE if value >= _INT64_SIGN else value
     if tag == 0x0A:  # string_value
         encoded = buf[start:end]
         value = strings.get(encoded)
         if value is None:
-            size, p = _read_varint(buf, start + 1)
+            size, p = read_varint(buf, start + 1)
             if p + size != end:
-                raise _OddShape("string_value and more")
+                raise OddShape("string_value and more")
             value = strings[encoded] = buf[p:end].decode()
         return value
     if tag == 0x10:  # bool_value
-        value, p = _read_varint(buf, start + 1)
+        value, p = read_varint(buf, start + 1)
         if p != end:
-            raise _OddShape("bool_value and more")
+            raise OddShape("bool_value and more")
         return value != 0
-    raise _OddShape("not one scalar field")
+    raise OddShape("not one scalar field")
 
 
 def _array_body(buf: bytes, start: int, end: int) -> tuple[int, int]:
     """The ArrayValue inside the AnyValue buf[start:end], which must hold nothing else."""
     if start == end or buf[start] != 0x2A:
-        raise _OddShape("not an array_value")
-    size, p = _read_varint(buf, start + 1)
+        raise OddShape("not an array_value")
+    size, p = read_varint(buf, start + 1)
     if p + size != end:
-        raise _OddShape("array_value and more")
+        raise OddShape("array_value and more")
     return p, end
 
 
 def _strings(buf: bytes, start: int, end: int) -> tuple[tuple[str, ...], bool, bool]:
     """An ArrayValue of plain string elements: the values, whether every one is a Name, and
     whether every one is a Name fit for a scope key (a bucket or cohort)."""
-    values = tuple(_string_values(buf, start, end))
+    values = tuple(string_values(buf, start, end))
     named = not values or _names(values)
     return values, named, named and all(map(scope_name_ok, set(values)))
 
@@ -249,7 +247,7 @@ def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: by
     if not (n <= MAX_REQUESTS_PER_STEP and ids_named and buckets_scoped and cohorts_scoped and len(buckets) == n
             and len(cohorts) == n and len(drafted) == n and len(accepted) == n):
         return None
-    if n and (max(drafted) > _MAX_DRAFT or any(map(gt, accepted, drafted))):
+    if n and (max(drafted) > MAX_DRAFT_TOKENS or any(map(gt, accepted, drafted))):
         return None
     return _StepRow(header, ids, buckets, cohorts, drafted, accepted, build)
 
@@ -258,7 +256,7 @@ def _step(header: tuple, ids: tuple, buckets: tuple, cohorts: tuple, drafted: by
 
 
 def _written(key: str, value: Any) -> bytes:
-    return _attribute(key, value, _WriterMemo())
+    return encode_attribute(key, value, EncodingMemo())
 
 
 def _head(key: str, value: Any, tail: int) -> bytes:
@@ -326,7 +324,7 @@ def _plain_int_head(attribute: bytes, key: bytes, memo: _Memo) -> bytes:
 
 
 def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | None:
-    """A step in the writer's layout, or None if its values fail the checks; `_OddShape` otherwise."""
+    """A step in the writer's layout, or None if its values fail the checks; `OddShape` otherwise."""
     # Every piece is read at the offset the one before it ends: a length read from the
     # bytes, or a fixed layout compared whole. The event name must end the record exactly.
     p = start + 9 if buf[start] == _STAMP else start
@@ -334,7 +332,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
         p += 2  # the empty body the OpenTelemetry Collector writes into every record it re-encodes
     head, ts = _V_TS.unpack_from(buf, p)
     if head != _V_TS_HEAD:
-        raise _OddShape("not v, ts")
+        raise OddShape("not v, ts")
     p += _V_TS_SIZE
     # the memo lookups are inline and the helpers run only on a miss: a call per attribute
     # cost this decoder about a tenth of its speed
@@ -346,18 +344,18 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
         worker = _plain_name(attribute, _WORKER_KEY, memo)
     head, width = _SEQ_HEADS[buf[q + 1]]
     if not buf.startswith(head, q):
-        raise _OddShape("not seq")
+        raise OddShape("not seq")
     p = q + len(head)
     seq = buf[p]
     if width == 1:
         p += 1
         if seq >= 0x80:
-            raise _OddShape("seq varint")
+            raise OddShape("seq varint")
     else:
-        seq, q = _read_varint(buf, p)
+        seq, q = read_varint(buf, p)
         p += width
         if q != p:
-            raise _OddShape("seq varint")
+            raise OddShape("seq varint")
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
     bundle_id = names.get(attribute, _MISSING)
@@ -365,7 +363,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
         bundle_id = _plain_name(attribute, _BUNDLE_KEY, memo)
     draft_head, draft_ms, verify_head, verify_ms, kv_head, kv_usage = _TIMES.unpack_from(buf, q)
     if draft_head != _DRAFT_HEAD or verify_head != _VERIFY_HEAD or kv_head != _KV_HEAD:
-        raise _OddShape("not draft_ms, verify_ms, kv_usage")
+        raise OddShape("not draft_ms, verify_ms, kv_usage")
     p = q + _TIMES_SIZE
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
@@ -381,17 +379,17 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
     head = heads.get(p - q)
     if head is None or not attribute.startswith(head):
         head = _plain_int_head(attribute, _DRAFTED_KEY, memo)
-    drafted = _small_ints(attribute[len(head):])
+    drafted = small_ints(attribute[len(head):])
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
     head = heads.get(q - p)
     if head is None or not attribute.startswith(head):
         head = _plain_int_head(attribute, _ACCEPTED_KEY, memo)
-    accepted = _small_ints(attribute[len(head):])
+    accepted = small_ints(attribute[len(head):])
     p = q
     p = _after_unread_fields(buf, p)
     if p + _EVENT_FIELD_SIZE != end or not buf.startswith(_EVENT_FIELD, p):
-        raise _OddShape("not the step event name last")
+        raise OddShape("not the step event name last")
     # typed by the layout already: only their ranges are left (`_header`'s checks, inline for speed)
     if not (0.0 <= ts < _INF and 0.0 <= draft_ms < _INF and 0.0 <= verify_ms < _INF
             and 0.0 <= kv_usage <= 1.0 and seq < _INT64_SIGN and worker is not None
@@ -406,7 +404,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
 
 
 def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | None:
-    """The LogRecord in buf[start:end] as a step, None if not a valid one; `_OddShape` if unsure."""
+    """The LogRecord in buf[start:end] as a step, None if not a valid one; `OddShape` if unsure."""
     event = None
     scalars: dict[str, tuple[int, int]] = {}
     spans: dict[bytes, tuple[int, int]] = {}
@@ -414,7 +412,7 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow |
     while p < end:
         tag = buf[p]
         if tag == 0x32:  # attributes
-            size, p = _read_varint(buf, p + 1)
+            size, p = read_varint(buf, p + 1)
             pair_end = p + size
             key, value_start, value_end = _key_value(buf, p, pair_end)
             p = pair_end
@@ -427,20 +425,20 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow |
         elif tag == _STAMP or tag == _OBSERVED:
             p += 9
         elif tag == 0x62:  # event_name
-            size, p = _read_varint(buf, p + 1)
+            size, p = read_varint(buf, p + 1)
             event = buf[p:p + size]
             p += size
         else:
-            tag, p = _read_varint(buf, p)
+            tag, p = read_varint(buf, p)
             if tag in _READ_TAGS:  # written overlong: protobuf still reads it as that field
-                raise _OddShape("overlong tag")
+                raise OddShape("overlong tag")
             p = _skip(buf, p, tag & 7)
     if p != end:
-        raise _OddShape("LogRecord overruns")
+        raise OddShape("LogRecord overruns")
     if event != _STEP_EVENT:
         return None
     values = {name: _scalar(buf, s, e, memo.strings) for name, (s, e) in scalars.items()}
-    header = _header(*map(values.get, _STEP_SCALARS))
+    header = _header(*map(values.get, STEP_SCALARS))
     if header is None:
         return None
     try:
@@ -459,12 +457,12 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow |
     for s, e in spans.values():  # columns beyond the contract's: only their lengths matter
         if sum(1 for _ in _fields(buf, *_array_body(buf, s, e), 0x0A)) != len(ids[0]):
             return None
-    return _step(header, ids, buckets, cohorts, _small_ints(buf[slice(*columns[3])]),
-                 _small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end))
+    return _step(header, ids, buckets, cohorts, small_ints(buf[slice(*columns[3])]),
+                 small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end))
 
 
 _READ_TAGS = frozenset((0x32, _STAMP, _OBSERVED, 0x62))
-_NOT_READ = (_OddShape, IndexError, ValueError, TypeError, KeyError, struct.error)
+_NOT_READ = (OddShape, IndexError, ValueError, TypeError, KeyError, struct.error)
 
 
 def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord | _StepRow | Rejection]:
@@ -539,7 +537,7 @@ class StepBlock:
         return self._build(self.at[row])()
 
 
-_BlockName = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_NAME)]
+_BlockName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 
 
 # A step's own fields; its requests stay bytes (`_read_rounds` reads them). gc=False: a
@@ -556,7 +554,7 @@ class _BlockStep(msgspec.Struct, tag_field="kind", tag="step", gc=False):
     requests: msgspec.Raw
 
 
-_BlockCount = Annotated[int, msgspec.Meta(ge=0, le=_MAX_DRAFT)]
+_BlockCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_DRAFT_TOKENS)]
 
 
 # A step's round as `_any_layout` decodes it; gc=False as `_BlockStep`.
@@ -625,7 +623,7 @@ def _parsed_lines(lines: Sequence[bytes]) -> list:
 
 _QUOTES_PER_ROUND = 16
 _DRAFTED_QUOTE, _ACCEPTED_QUOTE = 13, 15  # the closing quotes of the keys "drafted" and "accepted"
-_TEXT = rb'[\x20\x21\x23-\x5b\x5d-\x7e]{1,%d}' % _MAX_NAME  # a Name: printable ASCII, no quote or backslash
+_TEXT = rb'[\x20\x21\x23-\x5b\x5d-\x7e]{1,%d}' % MAX_NAME_CHARS  # a Name: printable ASCII, no quote or backslash
 _COUNT = rb'[1-9]?[0-9]'  # 0-99 as JSON writes it; the bounds are checked on the numbers
 _ROUND_LAYOUT = (rb'\{"id":"' + _TEXT + rb'","bucket":"' + _TEXT + rb'","cohort":"' + _TEXT + rb'","drafted":'
                  + _COUNT + rb',"accepted":' + _COUNT + rb'\}')
@@ -783,7 +781,7 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
             gc.enable()
     good = _checked(header, names)
     if len(drafted):
-        bad_round = (accepted > drafted) | (drafted > _MAX_DRAFT)
+        bad_round = (accepted > drafted) | (drafted > MAX_DRAFT_TOKENS)
         if bad_round.any():
             good[round_step[bad_round]] = False
     keep_round = good[round_step]

@@ -18,18 +18,20 @@ if TYPE_CHECKING:  # the protobuf classes load when OTLP is read, not for JSON L
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue
     from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord as PbLogRecord
 
-from .codec import _KINDS, Rejection, decode_object  # noqa: PLC2701
+from .codec import RECORD_KINDS, Rejection, decode_object
 from .contract import (CONTRACT_VERSION, MAX_REQUESTS_PER_STEP, BundleRecord, RequestRecord,
                        ShadowRecord, StepRecord, TelemetryRecord)
+from .otlp_wire import (EncodingMemo, OddShape, delimited, encode_attribute, encode_key_value, small_ints,
+                        string_values, utf8, varint)
 
-__all__ = ["EVENT_PREFIX", "MAX_REQUEST_BYTES", "LogEntry", "log_entry", "record_from_attributes",
-           "encode_entries", "encode_records", "iter_encoded_chunks", "decode_log_record",
-           "decode_request", "log_records", "parse_request"]
+__all__ = ["ATTRIBUTE_PREFIX", "EVENT_PREFIX", "MAX_REQUEST_BYTES", "REQUESTS_PREFIX", "ROUND_COLUMNS",
+           "STEP_SCALARS", "LogEntry", "log_entry", "record_from_attributes", "encode_entries", "encode_records",
+           "iter_encoded_chunks", "decode_log_record", "decode_request", "log_records", "parse_request"]
 
 EVENT_PREFIX = "specwatch."
 ATTRIBUTE_PREFIX = "specwatch."
-_REQUESTS_PREFIX = "specwatch.requests."
-_ROUND_COLUMNS = ("id", "bucket", "cohort", "drafted", "accepted")
+REQUESTS_PREFIX = "specwatch.requests."
+ROUND_COLUMNS = ("id", "bucket", "cohort", "drafted", "accepted")
 _DEFAULT_RESOURCE: Mapping[str, str] = MappingProxyType({"service.name": "specwatch"})
 _SCOPE_NAME = "specwatch"
 # Kafka's default message limit is 1 MiB; a chunk stays below it with room for headers.
@@ -52,10 +54,10 @@ class LogEntry(NamedTuple):
 # ---------------------------------------------------------------- records -> attributes
 
 
-_STEP_SCALARS = ("v", "ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage")
-_STEP_SCALAR_KEYS = tuple(ATTRIBUTE_PREFIX + name for name in _STEP_SCALARS)
-_STEP_SCALAR_VALUES = attrgetter(*_STEP_SCALARS)
-_ROUND_GETTERS = tuple((_REQUESTS_PREFIX + name, attrgetter(name)) for name in _ROUND_COLUMNS)
+STEP_SCALARS = ("v", "ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage")
+_STEP_SCALAR_KEYS = tuple(ATTRIBUTE_PREFIX + name for name in STEP_SCALARS)
+_STEP_SCALAR_VALUES = attrgetter(*STEP_SCALARS)
+_ROUND_GETTERS = tuple((REQUESTS_PREFIX + name, attrgetter(name)) for name in ROUND_COLUMNS)
 
 
 def _step_attributes(record: StepRecord) -> dict[str, Any]:
@@ -90,118 +92,10 @@ def log_entry(record: TelemetryRecord) -> LogEntry:
 # ---------------------------------------------------------------- attributes -> protobuf
 # Why the wire format is written by hand: docs/STREAMS.md, "schemas/otlp.py".
 
-_pack_double = struct.Struct("<d").pack
 _pack_fixed64 = struct.Struct("<Q").pack
-_LENGTH = tuple(bytes((n,)) for n in range(128))
-# An ArrayValue element holding int_value v (0 <= v < 128): drafted/accepted counts.
-_SMALL_INT_ELEMENT = tuple(b"\x0a\x02\x18" + bytes((v,)) for v in range(128))
-# The prefix of an ArrayValue element holding a string of n < 126 UTF-8 bytes.
-_SHORT_STRING_ELEMENT = tuple(bytes((0x0A, n + 2, 0x0A, n)) for n in range(126))
-_STR_ONLY = frozenset((str,))
-_INT_ONLY = frozenset((int,))
-_UINT64 = (1 << 64) - 1
 
 
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return _LENGTH[n]
-    if n < 0x4000:  # most lengths in a step record: arrays and attribute bodies
-        return bytes(((n & 0x7F) | 0x80, n >> 7))
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _field(tag: bytes, payload: bytes) -> bytes:
-    """A length-delimited field: tag, length, payload."""
-    return tag + _varint(len(payload)) + payload
-
-
-def _utf8(text: str) -> bytes:
-    # Lone surrogates cannot be UTF-8; one bad character must not sink a whole chunk.
-    return text.encode("utf-8", "replace")
-
-
-class _Memo:
-    """Encoded pieces that repeat across the records of one request: keys, ids, names."""
-
-    __slots__ = ("keys", "strings", "elements")
-
-    def __init__(self) -> None:
-        self.keys: dict[str, bytes] = {}
-        self.strings: dict[tuple[str, str], bytes] = {}
-        self.elements: dict[str, bytes] = {}
-
-
-def _any_value(value: Any, memo: _Memo) -> bytes:
-    """A serialized AnyValue. Oneof members are written even when they hold 0 or ''."""
-    kind = type(value)
-    if kind is str:
-        return _field(b"\x0a", _utf8(value))
-    if kind is float:
-        return b"\x21" + _pack_double(value)
-    if kind is int:
-        return b"\x18" + _varint(value & _UINT64)  # int64: negatives as two's complement
-    if kind is bool:
-        return b"\x10\x01" if value else b"\x10\x00"
-    if value is None:
-        return b""  # the empty AnyValue is OTLP's null
-    if isinstance(value, (tuple, list)):
-        return _field(b"\x2a", _array_values(value, memo))
-    if isinstance(value, Mapping):
-        return _field(b"\x32", b"".join([_key_value(str(k), v, memo) for k, v in value.items()]))
-    for base in (bool, int, float, str):  # subclasses, as their base type
-        if isinstance(value, base):
-            return _any_value(base(value), memo)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return _field(b"\x3a", bytes(value))
-    raise TypeError(f"cannot encode {kind.__name__} as an OTLP attribute value")
-
-
-def _array_values(values: Sequence[Any], memo: _Memo) -> bytes:
-    """The repeated ``values`` of an ArrayValue; columns of one type take a fast path."""
-    types = set(map(type, values))
-    if types == _STR_ONLY:
-        elements = memo.elements  # buckets and cohorts repeat within and across steps
-        parts = []
-        append = parts.append
-        for v in values:
-            piece = elements.get(v)
-            if piece is None:
-                encoded = v.encode("utf-8", "replace")
-                n = len(encoded)
-                if n < 126:
-                    piece = _SHORT_STRING_ELEMENT[n] + encoded
-                else:
-                    piece = _field(b"\x0a", _field(b"\x0a", encoded))
-                elements[v] = piece
-            append(piece)
-        return b"".join(parts)
-    if types == _INT_ONLY and min(values) >= 0 and max(values) < 128:
-        return b"".join([_SMALL_INT_ELEMENT[v] for v in values])
-    return b"".join([_field(b"\x0a", _any_value(v, memo)) for v in values])
-
-
-def _key_value(key: str, value: Any, memo: _Memo) -> bytes:
-    """A KeyValue as an element of a repeated field number 1 (KeyValueList, Resource)."""
-    body = (_field(b"\x0a", _utf8(key)) if key else b"") + _field(b"\x12", _any_value(value, memo))
-    return _field(b"\x0a", body)
-
-
-def _attribute(key: str, value: Any, memo: _Memo) -> bytes:
-    """One entry of LogRecord.attributes (field 6): a KeyValue."""
-    prefix = memo.keys.get(key)
-    if prefix is None:
-        prefix = memo.keys[key] = _field(b"\x0a", _utf8(key)) if key else b""
-    encoded = _any_value(value, memo)
-    body = prefix + b"\x12" + _varint(len(encoded)) + encoded
-    return b"\x32" + _varint(len(body)) + body
-
-
-def _log_record(entry: LogEntry, memo: _Memo) -> bytes:
+def _log_record(entry: LogEntry, memo: EncodingMemo) -> bytes:
     """A serialized LogRecord (fields 1 time, 6 attributes, 11 observed time, 12 event name)."""
     nanos = entry.time_unix_nano
     stamp = b"\x09" + _pack_fixed64(nanos) if nanos else b""
@@ -212,14 +106,14 @@ def _log_record(entry: LogEntry, memo: _Memo) -> bytes:
         if type(value) is str:  # worker, bundle id, names: the same few values record after record
             piece = strings.get((key, value))
             if piece is None:
-                piece = strings[(key, value)] = _attribute(key, value, memo)
+                piece = strings[(key, value)] = encode_attribute(key, value, memo)
             append(piece)
         else:
-            append(_attribute(key, value, memo))
+            append(encode_attribute(key, value, memo))
     if nanos:
         append(b"\x59" + stamp[1:])
     if entry.event_name:
-        append(_field(b"\x62", _utf8(entry.event_name)))
+        append(delimited(b"\x62", utf8(entry.event_name)))
     return b"".join(parts)
 
 
@@ -228,22 +122,22 @@ class _Envelope:
 
     def __init__(self, resource: Mapping[str, Any] | None) -> None:
         attributes = _DEFAULT_RESOURCE if resource is None else resource
-        memo = _Memo()
-        self.resource = _field(b"\x0a", b"".join([_key_value(str(k), v, memo) for k, v in attributes.items()]))
-        scope = _field(b"\x0a", _utf8(_SCOPE_NAME)) + _field(b"\x12", str(CONTRACT_VERSION).encode())
-        self.scope = _field(b"\x0a", scope)
+        memo = EncodingMemo()
+        self.resource = delimited(b"\x0a", b"".join([encode_key_value(str(k), v, memo) for k, v in attributes.items()]))
+        scope = delimited(b"\x0a", utf8(_SCOPE_NAME)) + delimited(b"\x12", str(CONTRACT_VERSION).encode())
+        self.scope = delimited(b"\x0a", scope)
         # Worst case of the three length prefixes that grow with the content (5 bytes each).
         self.overhead = 1 + len(self.resource) + 1 + len(self.scope) + 3 * 5 + 2
 
     def wrap(self, log_records: Sequence[bytes]) -> bytes:
-        scope_logs = self.scope + b"".join([b"\x12" + _varint(len(r)) + r for r in log_records])
-        resource_logs = self.resource + _field(b"\x12", scope_logs)
-        return _field(b"\x0a", resource_logs)
+        scope_logs = self.scope + b"".join([b"\x12" + varint(len(r)) + r for r in log_records])
+        resource_logs = self.resource + delimited(b"\x12", scope_logs)
+        return delimited(b"\x0a", resource_logs)
 
 
 def encode_entries(entries: Iterable[LogEntry], *, resource: Mapping[str, Any] | None = None) -> bytes:
     """One serialized ``ExportLogsServiceRequest`` holding every entry, in order."""
-    memo = _Memo()
+    memo = EncodingMemo()
     return _Envelope(resource).wrap([_log_record(entry, memo) for entry in entries])
 
 
@@ -266,7 +160,7 @@ def iter_encoded_chunks(entries: Iterable[LogEntry], *, max_bytes: int = _DEFAUL
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     envelope = _Envelope(resource)
-    memo = _Memo()
+    memo = EncodingMemo()
     pending: list[bytes] = []
     size = envelope.overhead
     for entry in entries:
@@ -275,7 +169,7 @@ def iter_encoded_chunks(entries: Iterable[LogEntry], *, max_bytes: int = _DEFAUL
         if pending and size + record_size > max_bytes:
             yield envelope.wrap(pending), len(pending)
             pending, size = [], envelope.overhead
-            memo = _Memo()  # bounded by one chunk's distinct strings
+            memo = EncodingMemo()  # bounded by one chunk's distinct strings
         pending.append(record)
         size += record_size
     if pending:
@@ -308,69 +202,15 @@ def _py(value: AnyValue) -> Any:
     return {pair.key: _py(pair.value) for pair in value.kvlist_value.values}
 
 
-class _OddShape(Exception):
-    """Bytes that are valid protobuf but not in a shape the wire readers read."""
-
-
-def _read_varint(buf: bytes, p: int) -> tuple[int, int]:
-    """The varint at ``p`` and the position after it."""
-    value = shift = 0
-    while True:
-        byte = buf[p]
-        p += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, p
-        shift += 7
-
-
-def _small_ints(body: bytes) -> bytes:
-    """An ArrayValue body of int elements in the plain form (0a 02 18 vv): the values vv."""
-    count = len(body) >> 2
-    if len(body) != count << 2 or body[0::4] != b"\x0a" * count or body[1::4] != b"\x02" * count \
-            or body[2::4] != b"\x18" * count:
-        raise _OddShape("not small ints in the plain form")
-    # vv < 0x80 needs no check: a varint byte of 0x80 or more would need another byte
-    return body[3::4]
-
-
-def _string_values(buf: bytes, start: int, end: int) -> list[str]:
-    """An ArrayValue body of plain string elements, as strings."""
-    values: list[str] = []
-    append = values.append
-    p = start
-    while p < end:
-        # element: 0a <size>, then the AnyValue: 0a <length> <utf-8>
-        size = buf[p + 1]
-        length = buf[p + 3]
-        if buf[p] == 0x0A and buf[p + 2] == 0x0A and size == length + 2 and size < 0x80:
-            p += 4
-        else:  # lengths past one byte, or not a plain string element
-            if buf[p] != 0x0A:
-                raise _OddShape("ArrayValue field other than values")
-            size, p = _read_varint(buf, p + 1)
-            element_end = p + size
-            if size == 0 or buf[p] != 0x0A:
-                raise _OddShape("element is not a string")
-            length, p = _read_varint(buf, p + 1)
-            if p + length != element_end:
-                raise _OddShape("string element and more")
-        append(buf[p:p + length].decode())
-        p += length
-    if p != end:
-        raise _OddShape("element overruns the array")
-    return values
-
-
 def _column_from_wire(data: bytes) -> list | None:
     """The two column shapes a step carries, read from the array's bytes; None otherwise."""
     try:
-        return list(_small_ints(data))
-    except _OddShape:
+        return list(small_ints(data))
+    except OddShape:
         pass
     try:
-        return _string_values(data, 0, len(data))
-    except (_OddShape, IndexError):
+        return string_values(data, 0, len(data))
+    except (OddShape, IndexError):
         return None
 
 
@@ -380,7 +220,7 @@ def _rows(columns: dict[str, Any]) -> list[dict[str, Any]] | Rejection:
         if not isinstance(column, (list, tuple)):
             return Rejection("invalid_value", f"step: specwatch.requests.{name} is not an array")
         lengths[name] = len(column)
-    for name in _ROUND_COLUMNS:
+    for name in ROUND_COLUMNS:
         if name not in columns:
             return Rejection("missing_field", f"step: missing required field specwatch.requests.{name}")
     sizes = set(lengths.values())
@@ -411,15 +251,15 @@ def record_from_attributes(event_name: str, attributes: Mapping[str, Any],
     True
     """
     kind = event_name[len(EVENT_PREFIX):] if isinstance(event_name, str) and event_name.startswith(EVENT_PREFIX) else None
-    if kind not in _KINDS:
+    if kind not in RECORD_KINDS:
         return Rejection("unknown_kind", f"event name {event_name!r} is not specwatch.<kind> for a known kind")
     obj: dict[str, Any] = {}
     columns: dict[str, Any] = {}
     for key, value in attributes.items():
         if not isinstance(key, str) or not key.startswith(ATTRIBUTE_PREFIX):
             continue
-        if key.startswith(_REQUESTS_PREFIX):
-            columns[key[len(_REQUESTS_PREFIX):]] = value
+        if key.startswith(REQUESTS_PREFIX):
+            columns[key[len(REQUESTS_PREFIX):]] = value
         else:
             obj[key[len(ATTRIBUTE_PREFIX):]] = value
     obj["kind"] = kind  # the event name decides, whatever a stray attribute says

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .config_files import read_config_file
 from .contract import Name, ScopeName
 from .decisions import Reason
+from .reasons import restorable_reasons
 
 __all__ = ["Policy", "PolicyError", "WindowPolicy", "BaselinePolicy", "PinnedBaseline",
            "AcceptancePolicy", "DraftOverheadPolicy", "SpeedupPolicy", "LatencyPolicy", "KvPolicy",
@@ -172,7 +173,7 @@ class ActionPolicy(_Section):
         60.0, gt=0, le=_DAY, description="clean standard-decoding evidence a restore needs, just before it"
     )
     restore_reasons: list[Reason] = Field(
-        default_factory=lambda: ["acceptance_drop", "no_speedup", "latency_slo", "kv_pressure", "error_rate"],
+        default_factory=restorable_reasons,
         description="fallback reasons that may be restored automatically; quality regressions and "
                     "invalidated bundles are never on this list's default")
 

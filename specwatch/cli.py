@@ -86,18 +86,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_archive_dsn(args: argparse.Namespace, environ) -> None:
     """`CommandError` when the archive DSN a command was given (``--archive`` or
-    ``$SPECWATCH_ARCHIVE``) cannot name an archive; checked before any command starts work."""
+    ``$SPECWATCH_ARCHIVE``) cannot name an archive; checked before any command starts work, and
+    kept parsed as ``args.archive_dsn`` (an `ArchiveDsn`, None when neither names one)."""
     if not hasattr(args, "archive") or getattr(args, "no_archive", False):
         return
-    from specwatch.archive.dsn import ARCHIVE_ENV, parse_archive_dsn
+    from specwatch.archive.dsn import ARCHIVE_ENV, ArchiveDsn
 
     if args.archive is not None:
         dsn, origin = args.archive, "--archive"
     else:
         dsn, origin = environ.get(ARCHIVE_ENV) or None, f"${ARCHIVE_ENV}"
     try:
-        if dsn is not None:
-            parse_archive_dsn(dsn)
+        args.archive_dsn = ArchiveDsn.parse(dsn) if dsn is not None else None
     except ValueError as error:
         if dsn:
             raise CommandError(f"{error} (from {origin})") from None

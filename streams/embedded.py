@@ -9,7 +9,7 @@ from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Decision, Policy, RejectionCounter
 from specwatch.schemas.fastdecode import StepBlock, decode_lines_block
 
-from .ingest import Ingest, Ingested
+from .sources import Ingest, Ingested
 from .topology import SliceOutput, Stage1, Stage2
 
 __all__ = ["EmbeddedPipeline", "PipelineCounters"]

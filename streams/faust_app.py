@@ -20,7 +20,7 @@ from specwatch.transport.signing import Keyring
 
 from .metrics import ServiceHealth
 from .operations import Operations
-from .runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings, convert_pickled_setting
+from .partition_runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings, convert_pickled_setting
 
 __all__ = ["StreamApp", "create_app", "run_worker"]
 

@@ -13,8 +13,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.window import ratio
 from specwatch.schemas.decisions import Action, Reason
+from specwatch.schemas.scope import Scope
 
-from .topology import Key, SliceOutput, Stage2
+from .topology import SliceOutput, Stage2
 
 __all__ = [
     "DEFAULT_MAX_KEYS",
@@ -122,7 +123,7 @@ class MetricsView:
         if now is not None:
             self.slice_close_delay.observe(now - output.slice_end)
 
-    def rows(self) -> list[tuple[Key, dict, FlagStore, int | None]]:
+    def rows(self) -> list[tuple[Scope, dict, FlagStore, int | None]]:
         """(key, newest window row, the stage's flags, the card's D) of the exported keys, sorted."""
         found = sorted(((key, monitor, stage) for stage in self.stages()
                         for key, monitor in list(stage.monitors.items()) if monitor.history),

@@ -20,7 +20,7 @@ from specwatch.schemas.checkpoint import PICKLED_CHECKPOINT_MAGIC, CheckpointErr
 from specwatch.schemas.fastdecode import _record_at
 from specwatch.schemas.otlp import decode_request
 
-from . import ingest, intake, running, topology
+from . import intake, running_requests, sources, topology
 from .stage_tasks import BundleOwner, Stage1Task, Stage2Task
 
 __all__ = ["load_pickled_task"]
@@ -57,8 +57,9 @@ class _HeldStep:
         return self.func(*self.args, *more, **self.kwargs)
 
 
-def _names(module, *names: str) -> dict[tuple[str, str], object]:
-    return {(module.__name__, name): getattr(module, name) for name in names}
+def _names(module, *names: str, pickled_as: str | None = None) -> dict[tuple[str, str], object]:
+    """``names`` of ``module``, under the module name the pickles hold (``pickled_as``: its old name)."""
+    return {(pickled_as or module.__name__, name): getattr(module, name) for name in names}
 
 
 _OLD_TASKS = "specwatch.streams.faust_tasks"
@@ -90,9 +91,9 @@ _ALLOWED: dict[tuple[str, str], object] = {
     **_names(policy, "AcceptancePolicy", "ActionPolicy", "AdmissionPolicy", "BaselinePolicy", "CapturePolicy",
              "DraftOverheadPolicy", "ErrorPolicy", "KvPolicy", "LatencyPolicy", "Policy", "QualityPolicy",
              "SpeedupPolicy", "WindowPolicy"),
-    **_names(ingest, "Ingest"),
+    **_names(sources, "Ingest", pickled_as="specwatch.streams.ingest"),
     **_names(intake, "DuplicateFilter", "EventClock"),
-    **_names(running, "RunningRequests", "_Worker"),
+    **_names(running_requests, "RunningRequests", "_Worker", pickled_as="specwatch.streams.running"),
     **_names(topology, "SliceBatch", "Stage1", "Stage2", "_step_record"),
 }
 

@@ -26,7 +26,7 @@ from specwatch.schemas.fastdecode import request_block
 from specwatch.schemas.otlp import decode_request
 from specwatch.transport.signing import SIGNATURE_HEADER, Keyring, Verdict, sign_line, verify
 
-from .ingest import Ingest
+from .sources import Ingest
 from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2
 
 __all__ = [

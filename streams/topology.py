@@ -32,22 +32,20 @@ from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.fastdecode import StepBlock
 from specwatch.schemas.outputs import ActionRecord, SliceOutput, SliceWindows
 from specwatch.schemas.policy import Policy
+from specwatch.schemas.reasons import facts_of
+from specwatch.schemas.scope import Scope as Key, scope_from_text, scope_text
 
 from .intake import DuplicateFilter, EventClock, duplicate, writer_of
-from .running import RunningRequests, key_stats
+from .running_requests import RunningRequests, key_stats
 
 __all__ = [
-    "Key",
     "SliceBatch",
     "Stage1",
     "Stage2",
     "ActionRecord",
     "SliceOutput",
-    "key_to_str",
-    "key_from_str",
 ]
 
-Key = tuple[str, str | None, str | None]  # (bundle_id, bucket, cohort); None = whole bundle
 
 # Evidence windows archived with a decision: this many slices before it.
 _EVIDENCE_SLICES = 30
@@ -56,38 +54,9 @@ _EVIDENCE_SLICES = 30
 _PROBLEM_SAMPLES = 9
 _CONTROL_SAMPLES = 3
 _SAMPLE_SLICES = 10
-_SAMPLES_FOR = {
-    "error_rate": (("error", "timeout"), "control_request"),
-    "latency_slo": (("slowest",), "control_request"),
-    "acceptance_drop": (("lowest_acceptance",), "control_step"),
-    "no_speedup": (("lowest_acceptance",), "control_step"),
-    "quality_regression": (("mismatch",), "control_request"),
-}
-_SAMPLES_FOR_OTHERS = (("error", "timeout", "lowest_acceptance", "slowest"), "control_step")
-# Acceptance is measured on steps, but a request is what can be re-run (`specwatch
-# reproduce`): these findings also keep a few finished requests of the scope and window,
-# each of which drafted on the path under suspicion.
-_SERVED_REQUESTS_FOR = frozenset({"acceptance_drop", "no_speedup"})
 # How long (event time) after its slice closed a record is still recognised as a duplicate;
 # a later copy is folded forward as a late record.
 _DUPLICATE_HORIZON_SECONDS = 60.0
-
-
-def key_to_str(key: Key) -> str:
-    """Wire form of a key.
-
-    >>> key_to_str(("b-1", "coding", "main")), key_to_str(("b-1", None, None))
-    ('b-1/coding/main', 'b-1/*/*')
-    >>> key_from_str("b-1/*/*")
-    ('b-1', None, None)
-    """
-    bundle, bucket, cohort = key
-    return f"{bundle}/{bucket or '*'}/{cohort or '*'}"
-
-
-def key_from_str(text: str) -> Key:
-    bundle, bucket, cohort = text.rsplit("/", 2)
-    return bundle, (None if bucket == "*" else bucket), (None if cohort == "*" else cohort)
 
 
 @dataclass
@@ -176,7 +145,7 @@ class SliceBatch:
             "source": self.source,
             "slice_index": self.slice_index,
             "watermark": self.watermark,
-            "partials": {key_to_str(k): v.to_dict() for k, v in self.partials.items()},
+            "partials": {scope_text(k): v.to_dict() for k, v in self.partials.items()},
             "events": self.events,
             "late_records": self.late_records,
         }
@@ -187,7 +156,7 @@ class SliceBatch:
             source=data["source"],
             slice_index=int(data["slice_index"]),
             watermark=int(data["watermark"]),
-            partials={key_from_str(k): SliceStats.from_dict(v) for k, v in data.get("partials", {}).items()},
+            partials={scope_from_text(k): SliceStats.from_dict(v) for k, v in data.get("partials", {}).items()},
             events=list(data.get("events", [])),
             late_records=int(data.get("late_records", 0)),
         )
@@ -776,7 +745,7 @@ class Stage2:
         return self._finalize_ready()
 
     def release(self, source: str) -> list[SliceOutput]:
-        """Stop waiting for ``source``, gone idle (`streams.ingest.IdleRule`), until it sends again."""
+        """Stop waiting for ``source``, gone idle (`streams.sources.IdleRule`), until it sends again."""
         self._sources.setdefault(source, -1)
         self._released.add(source)
         return self._finalize_ready()
@@ -1012,11 +981,7 @@ class Stage2:
         }, samples)
 
     def _thresholds(self, reason: str) -> dict:
-        section = {
-            "acceptance_drop": "acceptance", "no_speedup": "speedup", "draft_overhead": "draft_overhead",
-            "latency_slo": "latency", "kv_pressure": "kv", "error_rate": "errors",
-            "quality_regression": "quality",
-        }.get(reason)
+        section = facts_of(reason).section
         body = getattr(self.policy, section).model_dump(mode="json") if section else {}
         body["actions"] = self.policy.actions.model_dump(mode="json")
         return body
@@ -1047,14 +1012,15 @@ def _controls(candidates, why: str) -> list[tuple[str, dict]]:
 
 def _pick_samples(reason: str, candidates: dict[str, list[dict]]) -> tuple[list[dict], dict[str, str]]:
     """The samples that show a finding, then healthy controls; and why each was chosen."""
-    problems, control = _SAMPLES_FOR.get(reason, _SAMPLES_FOR_OTHERS)
+    facts = facts_of(reason)
+    problems, control = facts.problem_samples, facts.control_samples
     chosen: dict[str, dict] = {}
     reasons: dict[str, str] = {}
     ranked = sorted(((index, sample) for index, kind in enumerate(problems) for sample in candidates.get(kind, ())),
                     key=lambda pair: (pair[0], pair[1]["_rank"]))
     _take_unchosen([(problems[index], sample) for index, sample in ranked], _PROBLEM_SAMPLES,
                    chosen, reasons)
-    if reason in _SERVED_REQUESTS_FOR:
+    if facts.served_requests:
         served = _controls(candidates.get("control_request", ()), "served_request")
         _take_unchosen(served, _CONTROL_SAMPLES, chosen, reasons)
     controls = _controls(candidates.get(control, ()), "control")

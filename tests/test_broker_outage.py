@@ -12,10 +12,11 @@ import uuid
 import pytest
 
 from specwatch.bench.broker import OwnBroker, forget_broker_data, port_from_env
-from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.collectors.otel import TelemetryEmitter
+from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.topics import TELEMETRY_TOPIC
-from specwatch.collectors.spool import TelemetrySpool
+from specwatch.transport.telemetry_spool import TelemetrySpool
 from specwatch.schemas import StepRecord
 from specwatch.schemas.otlp import decode_request
 
@@ -106,9 +107,9 @@ def test_nothing_is_lost_in_an_outage_shorter_than_the_spools_limits(own_broker,
 
 _SPOOLING_PROCESS = """
 import sys
-from specwatch.collectors.otel import KafkaTelemetryExporter
+from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.transport.config import KafkaConfig
-from specwatch.collectors.spool import TelemetrySpool
+from specwatch.transport.telemetry_spool import TelemetrySpool
 from telemetry_log import step_record as _step
 
 address, directory, count = sys.argv[1], sys.argv[2], int(sys.argv[3])

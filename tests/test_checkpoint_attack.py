@@ -11,7 +11,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from specwatch.schemas import Decision, Policy
-from specwatch.streams.runner import StreamSettings
+from specwatch.streams.partition_runner import StreamSettings
 from specwatch.streams.stage_tasks import Stage2Task, checkpoint_entries, encode_checkpoint
 from specwatch.transport.signing import Keyring
 

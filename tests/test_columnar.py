@@ -16,7 +16,7 @@ from specwatch.schemas.fastdecode import decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.ingest import Ingest
+from specwatch.streams.sources import Ingest
 from specwatch.streams.topology import Stage1
 
 from test_bad_input import BAD_LINES

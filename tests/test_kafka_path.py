@@ -13,7 +13,8 @@ from specwatch import cli
 from specwatch.actions.sinks.publisher import DecisionPublisher
 from specwatch.collectors.flag_client import FlagClient
 from specwatch.transport.decisions import DecisionReader
-from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.collectors.otel import TelemetryEmitter
+from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.transport.config import KafkaConfig
 from specwatch.schemas import (BundleCard, BundleRecord, Decision, DrafterCard, RequestRecord, RoundEntry, ShadowRecord,
                                StepRecord, TargetCard)

@@ -10,7 +10,7 @@ from specwatch.detectors.window import SliceStats, sample_record
 from specwatch.schemas import Policy
 from specwatch.schemas.fastdecode import decode_lines_block
 from specwatch.streams.embedded import EmbeddedPipeline
-from specwatch.streams.ingest import Ingest
+from specwatch.streams.sources import Ingest
 from specwatch.streams.topology import SliceBatch, Stage1, Stage2
 
 

@@ -1,5 +1,6 @@
 """Imports point only down the pipeline: a module imports its own layer (`LAYERS`) and those below,
-never one above, and packages that share a layer never import each other."""
+never one above, and packages that share a layer never import each other. The product (all but
+the lab, `LAB`) keeps its modules and functions short and imports no other module's private names."""
 
 from __future__ import annotations
 
@@ -52,6 +53,15 @@ def _layer(module: str) -> tuple[str, int]:
     return best, dict(LAYERS)[best]
 
 
+def _import_source(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` reads from, relative imports resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(module: str, path: Path) -> set[str]:
     """The product modules ``path`` imports, by ``ast``: a lazy import is a dependency too."""
     tree = ast.parse(path.read_text(), str(path))
@@ -61,12 +71,7 @@ def _imports(module: str, path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
+            name = _import_source(node, package)
             found.add(name)
             # `from specwatch.x import y` may import the submodule y
             found.update(f"{name}.{alias.name}" for alias in node.names)
@@ -97,7 +102,7 @@ def test_kafka_is_one_boundary_that_knows_only_the_contract():
 
 
 def test_the_partition_runner_runs_without_faust():
-    tree = ast.parse((ROOT / "streams" / "runner.py").read_text())
+    tree = ast.parse((ROOT / "streams" / "partition_runner.py").read_text())
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert not [name for name in names if name.split(".")[0] in ("faust", "mode", "aiokafka")], names
@@ -123,3 +128,133 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _violations() == [
         "specwatch.schemas.bad imports specwatch.streams.topology (specwatch.streams is not below specwatch.schemas)"]
+
+
+# ---------------------------------------------------------------- the product's size and surface
+# The product is every module but the lab around it: the simulator, the benchmarks, the detection
+# evaluation, and the vLLM demo and the tiny models that tests and demos run on.
+LAB: tuple[str, ...] = (
+    "specwatch.simulation",
+    "specwatch.bench",
+    "specwatch.evaluation",
+    "specwatch.collectors.vllm.demo",
+    "specwatch.collectors.vllm.tiny_models",
+)
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+# Today's offenders, each a place to split; the list only shrinks. A module or function that
+# comes back under its limit must leave the list (the rule says so), and nothing new joins it.
+LONG_MODULES: frozenset[str] = frozenset({
+    "specwatch.schemas.fastdecode",
+    "specwatch.streams.topology",
+})
+LONG_FUNCTIONS: frozenset[str] = frozenset({
+    "specwatch.streams.faust_app:create_app",
+})
+PRIVATE_IMPORTS: frozenset[str] = frozenset()
+
+
+def _in_lab(module: str) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in LAB)
+
+
+def _product() -> dict[str, Path]:
+    return {module: path for module, path in _modules().items() if not _in_lab(module)}
+
+
+def _where(path: Path, line: int | None = None) -> str:
+    place = path.relative_to(ROOT).as_posix()
+    return place if line is None else f"{place}:{line}"
+
+
+def _long_modules() -> dict[str, str]:
+    """Product modules over MAX_MODULE_LINES: module -> what the failure message says."""
+    found = {}
+    for module, path in _product().items():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            found[module] = f"{_where(path)} has {lines} lines"
+    return found
+
+
+def _long_functions() -> dict[str, str]:
+    """Product functions and methods over MAX_FUNCTION_LINES: ``module:Class.function`` -> message."""
+    found = {}
+    for module, path in _product().items():
+        tree = ast.parse(path.read_text(), str(path))
+
+        def visit(node: ast.AST, prefix: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    name = prefix + child.name
+                    lines = child.end_lineno - child.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        found[f"{module}:{name}"] = f"{_where(path, child.lineno)} {name} has {lines} lines"
+                    visit(child, name + ".")
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, prefix + child.name + ".")
+
+        visit(tree, "")
+    return found
+
+
+def _private_imports() -> dict[str, str]:
+    """``from x import _name`` of another product module: ``module imports x._name`` -> message."""
+    modules = _modules()
+    found = {}
+    for module, path in _product().items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = _import_source(node, package)
+            if source not in modules or source == module:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found[f"{module} imports {source}.{alias.name}"] = (
+                        f"{_where(path, node.lineno)} imports the private name {alias.name} of {source}")
+    return found
+
+
+def _check(rule: str, found: dict[str, str], allowed: frozenset[str], allowlist: str) -> list[str]:
+    """What breaks ``rule``: offenders not allowed, and allowed ones that no longer offend."""
+    wrong = [f"{rule}: {found[key]}" for key in sorted(set(found) - allowed)]
+    wrong += [f"{rule}: {key} keeps to it now; take it off {allowlist}" for key in sorted(allowed - set(found))]
+    return wrong
+
+
+def test_no_product_module_is_over_600_lines():
+    assert _check(f"no product module over {MAX_MODULE_LINES} lines", _long_modules(), LONG_MODULES,
+                  "LONG_MODULES") == []
+
+
+def test_no_product_function_is_over_80_lines():
+    assert _check(f"no product function over {MAX_FUNCTION_LINES} lines", _long_functions(), LONG_FUNCTIONS,
+                  "LONG_FUNCTIONS") == []
+
+
+def test_no_private_name_is_imported_across_modules():
+    assert _check("no private name imported across modules", _private_imports(), PRIVATE_IMPORTS,
+                  "PRIVATE_IMPORTS") == []
+
+
+def test_the_size_and_surface_rules_see_an_offender(tmp_path, monkeypatch):
+    """The rules themselves: a long module, a long method and a private import are each reported, by place."""
+    folder = tmp_path / "schemas"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (folder / "big.py").write_text("class Codec:\n    def decode(self):\n" + body + "\n" + "\n" * MAX_MODULE_LINES)
+    (folder / "user.py").write_text("from .big import _hidden\n")
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools]\npackage-dir = { "specwatch.schemas" = "schemas" }\n')
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    lines = 2 + MAX_FUNCTION_LINES + MAX_MODULE_LINES
+    assert _check("modules", _long_modules(), frozenset(), "LONG_MODULES") == [
+        f"modules: schemas/big.py has {lines} lines"]
+    assert _check("functions", _long_functions(), frozenset({"specwatch.schemas.gone:f"}), "LONG_FUNCTIONS") == [
+        f"functions: schemas/big.py:2 Codec.decode has {MAX_FUNCTION_LINES + 1} lines",
+        "functions: specwatch.schemas.gone:f keeps to it now; take it off LONG_FUNCTIONS"]
+    assert _check("private", _private_imports(), frozenset(), "PRIVATE_IMPORTS") == [
+        "private: schemas/user.py:1 imports the private name _hidden of specwatch.schemas.big"]

@@ -11,7 +11,8 @@ from opentelemetry.sdk._logs import LogRecordProcessor
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 
 from specwatch.collectors.export import InMemoryExporter
-from specwatch.collectors.otel import BoundedLogRecordProcessor, KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.collectors.otel import BoundedLogRecordProcessor, TelemetryEmitter
+from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.topics import TELEMETRY_TOPIC
 from specwatch.schemas import RequestRecord, Sample, Sampling, ShadowRecord

@@ -153,7 +153,7 @@ def test_engines_through_the_agent_collector_unkeyed_decide_as_replay(kafka_boot
 
 
 def test_specwatch_topic_through_the_kafka_receiver_reaches_the_file_exporter_whole(kafka_bootstrap, tmp_path):
-    from specwatch.collectors.otel import KafkaTelemetryExporter
+    from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
     from specwatch.transport.config import KafkaConfig
 
     topic = _topic(kafka_bootstrap, "receiver")

@@ -10,7 +10,8 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 from opentelemetry.sdk.resources import Resource
 
-from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.collectors.otel import TelemetryEmitter
+from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.collectors.otlp_export import (OtlpTelemetryExporter, otlp_log_exporter,
                                               resource_from_env, service_instance_id,
                                               telemetry_exporter_from_env)

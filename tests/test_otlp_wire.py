@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Rejection, StepRecord
-from specwatch.schemas.fastdecode import (_log_record_spans, _Memo, _OddShape, _step_from_wire, _step_plain, _StepRow,
+from specwatch.schemas.fastdecode import (_log_record_spans, _Memo, _step_from_wire, _step_plain, _StepRow,
                                           request_block)
 from specwatch.schemas.otlp import decode_request, encode_records, log_entry
+from specwatch.schemas.otlp_wire import OddShape
 
 from test_fastpath import as_columns, assert_block_is_the_reference
 from test_fuzz_otlp import _FUZZ, _SCALARS, _VALUES, damaged
@@ -284,7 +285,7 @@ def _assert_plain_reader_takes(payload: bytes, records: list) -> None:
 
 def _assert_plain_reader_refuses(payload: bytes) -> None:
     start, end = _log_record_spans(payload)[0]
-    with pytest.raises(_OddShape):
+    with pytest.raises(OddShape):
         _step_plain(payload, start, end, _Memo())
 
 

@@ -13,7 +13,7 @@ import pytest
 from specwatch.schemas import Decision, Policy
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.stage_tasks import decode_partial
-from specwatch.streams.runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
+from specwatch.streams.partition_runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
 from specwatch.transport.codec import decode_decision, is_heartbeat_key
 from specwatch.transport.memory import MemoryKafka, MemoryReader, MemoryWriter
 from specwatch.transport.signing import Keyring

@@ -15,7 +15,8 @@ from specwatch.actions.sinks.publisher import DecisionPublisher
 from specwatch.collectors.flag_client import FlagClient
 from specwatch.archive.sink import ArchiveSink
 from specwatch.transport.signing import Keyring
-from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+from specwatch.collectors.otel import TelemetryEmitter
+from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.transport.config import KafkaConfig
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy, RequestRecord

@@ -15,7 +15,7 @@ from test_archive_outage import _Clock, _contents, _expected, _outputs
 from specwatch.archive.sink import ArchiveSink, spool_dir_for
 from specwatch.archive.spool import Spool
 from specwatch.archive.store import Archive
-from specwatch.collectors.spool import TelemetrySpool
+from specwatch.transport.telemetry_spool import TelemetrySpool
 
 from machine import CLI, specwatch
 

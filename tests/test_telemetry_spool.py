@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from specwatch.collectors.otel import KafkaTelemetryExporter
+from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.transport.config import KafkaConfig
-from specwatch.collectors.spool import TelemetrySpool
+from specwatch.transport.telemetry_spool import TelemetrySpool
 from specwatch.schemas.otlp import decode_request
 
 from machine import until

@@ -11,7 +11,7 @@ import pytest
 from specwatch.actions.flags import FlagStore
 from specwatch.collectors.vllm import VllmCollector, request_labels
 from specwatch.collectors.vllm import plugin
-from specwatch.collectors.vllm.collector import token_digest
+from specwatch.collectors.vllm.collector import RequestPayload, StepPayload, token_digest
 from specwatch.collectors.vllm.taps import RunnerTap, StepFrame
 from specwatch.schemas import BundleCard, DrafterCard, TargetCard, bundle_digest
 
@@ -71,12 +71,12 @@ def _step(seq, entries, ts=100.0):
     ids = [rid for rid, *_ in entries]
     labels = [(bucket, cohort) for _, bucket, cohort, _, _ in entries]
     rounds = {rid: (drafted, accepted) for rid, _, _, drafted, accepted in entries if drafted}
-    return ("step", ts + seq, seq, _BUNDLE, 0.001, 0.010, 0.5, ids, labels, rounds)
+    return StepPayload("step", ts + seq, seq, _BUNDLE, 0.001, 0.010, 0.5, ids, labels, rounds)
 
 
 def _request(rid, n_out=3, reason="length"):
-    return ("request", 105.0, _BUNDLE, rid, "coding", "main", True, 100.0, 100.2, 104.0, n_out, reason,
-            None, [1, 2, 3], [4, 5, 6], (0.0, 1.0, 7, n_out))
+    return RequestPayload("request", 105.0, _BUNDLE, rid, "coding", "main", True, 100.0, 100.2, 104.0, n_out, reason,
+                          None, [1, 2, 3], [4, 5, 6], (0.0, 1.0, 7, n_out))
 
 
 @pytest.fixture

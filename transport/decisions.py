@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -11,6 +10,7 @@ from typing import Any, TypeVar
 
 from specwatch.schemas import Decision
 
+from .clients import kafka_consumer, probe_bootstrap
 from .codec import decode_decision, is_heartbeat_key
 from .config import BrokerUnavailable, KafkaConfig
 from .topics import DECISIONS_TOPIC
@@ -25,21 +25,6 @@ _DEFAULT_POLL_TIMEOUT_MS = 200
 _FETCH_MAX_WAIT_MS = 100
 
 T = TypeVar("T")
-
-
-def _probe(bootstrap_servers: str, timeout_s: float) -> None:
-    """Fail fast, with a plain message, when no bootstrap server accepts connections."""
-    errors = []
-    deadline = time.monotonic() + timeout_s
-    for server in bootstrap_servers.split(","):
-        host, _, port = server.strip().rpartition(":")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)),
-                                          timeout=max(0.1, deadline - time.monotonic())):
-                return
-        except (OSError, ValueError) as error:
-            errors.append(f"{server}: {error}")
-    raise BrokerUnavailable(f"cannot reach Kafka at {bootstrap_servers} ({'; '.join(errors)})")
 
 
 def _within(timeout_s: float, what: str, call: Callable[[], T]) -> T:
@@ -79,14 +64,12 @@ class DecisionReader:
 
     def connect(self, resume_from: Mapping[int, int] | None = None) -> None:
         """Assign every partition; start each at ``resume_from[partition]`` or the beginning."""
-        from kafka import KafkaConsumer, TopicPartition
+        from kafka import TopicPartition
 
         resume_from = resume_from or {}
-        _probe(self.config.bootstrap_servers, self.connect_timeout_s)
-        settings = self.config.client_settings()
-        settings.update(group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
-                        fetch_max_wait_ms=_FETCH_MAX_WAIT_MS, client_id=f"{self.config.client_id}-flags")
-        consumer = KafkaConsumer(**settings)
+        probe_bootstrap(self.config.bootstrap_servers, self.connect_timeout_s)
+        consumer = kafka_consumer(self.config, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+                                  fetch_max_wait_ms=_FETCH_MAX_WAIT_MS, client_id=f"{self.config.client_id}-flags")
 
         def discover() -> dict[Any, int]:
             consumer.bootstrap()

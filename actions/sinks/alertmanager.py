@@ -23,6 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 from specwatch.schemas import Decision
 from specwatch.schemas.contract import DraftLength, Name, ScopeName, Text
 from specwatch.schemas.decisions import Reason
+from specwatch.schemas.scope import EVERY
 
 __all__ = ["ALERTMANAGER_URL_ENV", "SENDER_RESULTS", "WEBHOOK_DETECTOR", "WEBHOOK_OUTCOMES", "WEBHOOK_TOKEN_FILE_ENV",
            "AlertRequest", "AlertSender", "RollbackPolicy", "WebhookLedger", "WebhookReading",
@@ -69,18 +70,17 @@ def decision_alert(decision: Decision, now: float, ends_at: float, explain_archi
     (True, '1970-01-01T00:06:40.000000Z')
     """
     labels = {"alertname": ALERT_NAME, "bundle": decision.bundle_id,
-              "bucket": decision.bucket or "*", "cohort": decision.cohort or "*",
+              "bucket": decision.bucket or EVERY, "cohort": decision.cohort or EVERY,
               "action": decision.action, "reason": decision.reason,
               "severity": "page" if decision.action in ("disable_speculation", "invalidate_bundle") else "ticket"}
     explain = f"specwatch explain {decision.id}"
     if explain_archive:
         explain += f" --archive {explain_archive}"
-    scope = f"{decision.bundle_id}/{decision.bucket or '*'}/{decision.cohort or '*'}"
     return {
         "labels": labels,
         "annotations": {
             "decision_id": decision.id,
-            "summary": f"specwatch {decision.action} on {scope}: {decision.reason} ({decision.detector})",
+            "summary": f"specwatch {decision.action} on {decision.key}: {decision.reason} ({decision.detector})",
             "explain": explain,
         },
         "startsAt": _iso(min(decision.ts, now)),

@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from specwatch.schemas import Decision
+from specwatch.transport.clients import kafka_producer
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.codec import DecisionSink
 from specwatch.transport.signing import Keyring
@@ -29,13 +30,9 @@ class DecisionPublisher:
 
     def __init__(self, config: KafkaConfig, *, topic: str = DECISIONS_TOPIC,
                  keyring: Keyring | None = None) -> None:
-        from kafka import KafkaProducer
-
         self.topic = topic
         self.keyring = keyring if keyring is not None else Keyring.from_env()
-        settings = config.producer_settings()
-        settings.update(linger_ms=_PUBLISH_LINGER_MS, client_id=f"{config.client_id}-decisions")
-        self._producer = KafkaProducer(**settings)
+        self._producer = kafka_producer(config, linger_ms=_PUBLISH_LINGER_MS, client_id=f"{config.client_id}-decisions")
         self._sink = DecisionSink(self._producer.send, topic, self.keyring)
         self._lock = threading.Lock()
         self._published = 0

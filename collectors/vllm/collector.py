@@ -13,17 +13,18 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from specwatch.schemas import (MAX_REQUESTS_PER_STEP, BundleCard, BundleRecord, RequestRecord, StepRecord,
-                               bundle_digest)
+                               TelemetryRecord, bundle_digest)
 from specwatch.collectors.capture import SampleCapture
+from specwatch.schemas.contract import MAX_NAME_CHARS
 from specwatch.schemas.sealed import token_digest
 
 __all__ = ["BUCKET_ARG", "COHORT_ARG", "DEFAULT_BUCKET", "DEFAULT_COHORT", "CollectorStats",
-           "Labeler", "VllmCollector", "request_labels"]
+           "Labeler", "RequestPayload", "StepPayload", "VllmCollector", "request_labels"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ _DEFAULT_DRAIN_INTERVAL_S = 0.1
 _DEFAULT_FLUSH_TIMEOUT_S = 10.0
 # Repeated failures of the same kind are logged at the first occurrence and then every N-th.
 _LOG_EVERY = 1000
-_MAX_ID_CHARS = 256
 
 BUCKET_ARG = "specwatch_bucket"
 COHORT_ARG = "specwatch_cohort"
@@ -90,8 +90,8 @@ class VllmCollector:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         worker = worker or f"{socket.gethostname()}-{os.getpid()}"
-        if not 1 <= len(worker) <= _MAX_ID_CHARS:
-            raise ValueError(f"worker name must be 1..{_MAX_ID_CHARS} characters, got {worker!r}")
+        if not 1 <= len(worker) <= MAX_NAME_CHARS:
+            raise ValueError(f"worker name must be 1..{MAX_NAME_CHARS} characters, got {worker!r}")
         self.sink = sink
         self.flags = flags
         self.worker = worker
@@ -184,7 +184,7 @@ class VllmCollector:
             self._bundles[result[0]] = card
         return result
 
-    def submit(self, payload: tuple) -> None:
+    def submit(self, payload: StepPayload | RequestPayload | tuple) -> None:
         """Queue one engine-side payload for the emitter thread; never blocks, drops when full."""
         if self.sink is None or self._closed:
             return
@@ -255,7 +255,7 @@ class VllmCollector:
             if self._closed and not self._pending:
                 return
 
-    def _build(self, payload: tuple) -> BundleRecord | StepRecord | RequestRecord | None:
+    def _build(self, payload: StepPayload | RequestPayload | tuple) -> TelemetryRecord | None:
         try:
             kind = payload[0]
             if kind == "step":
@@ -281,15 +281,50 @@ def _config_key(vllm_config: Any) -> tuple:
 
 
 def _short(request_id: str) -> str:
-    return request_id if len(request_id) <= _MAX_ID_CHARS else request_id[-_MAX_ID_CHARS:]
+    return request_id if len(request_id) <= MAX_NAME_CHARS else request_id[-MAX_NAME_CHARS:]
 
 
 _NO_ROUND = (0, 0)
 
 
-def _step_record(worker: str, payload: tuple) -> StepRecord:
-    # The engine thread hands the batch over as columns (ids, their labels, rounds by id) and
-    # the per-request rows are built here, on the emitter thread.
+class StepPayload(NamedTuple):
+    """One engine step as the scheduler tap hands it over: the batch as columns (ids, their
+    labels, rounds by id); the emitter thread builds the per-request rows from them."""
+
+    kind: Literal["step"]
+    ts: float
+    seq: int
+    bundle_id: str
+    draft_s: float
+    verify_s: float
+    kv_usage: float
+    ids: list[str]
+    labels: list[tuple[str, str]]  # (bucket, cohort) of each id
+    rounds: Mapping[str, tuple[int, int]]  # id -> (drafted, accepted); absent: no speculative round
+
+
+class RequestPayload(NamedTuple):
+    """One finished request as the scheduler tap hands it over (times are unix seconds)."""
+
+    kind: Literal["request"]
+    ts: float
+    bundle_id: str
+    request_id: str
+    bucket: str
+    cohort: str
+    speculative: bool
+    arrival: float
+    first_token_ts: float | None
+    last_token_ts: float | None
+    output_tokens: int
+    finish_reason: str
+    error: str | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    sampling: tuple  # (temperature, top_p, seed, max_tokens)
+
+
+def _step_record(worker: str, payload: StepPayload) -> StepRecord:
     _, ts, seq, bundle_id, draft_s, verify_s, kv_usage, ids, labels, rounds = payload
     requests = []
     for rid, (bucket, cohort) in zip(ids, labels):
@@ -315,7 +350,7 @@ def split_step(ids: list[str], labels: list[tuple[str, str]]) -> list[tuple[list
             for i in range(0, len(ids), MAX_REQUESTS_PER_STEP)]
 
 
-def _request_record(worker: str, payload: tuple, capture: SampleCapture | None = None) -> RequestRecord:
+def _request_record(worker: str, payload: RequestPayload, capture: SampleCapture | None = None) -> RequestRecord:
     (_, ts, bundle_id, rid, bucket, cohort, speculative, arrival, first_ts, last_ts, n_out,
      finish_reason, error, prompt_ids, output_ids, sampling) = payload
     first_ts = first_ts if first_ts is not None else ts

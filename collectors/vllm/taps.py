@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .collector import VllmCollector, request_labels, split_step
+from .collector import RequestPayload, StepPayload, VllmCollector, request_labels, split_step
 
 __all__ = ["StepFrame", "RunnerTap", "SchedulerTap", "FRAME_ATTR", "cut_drafts"]
 
@@ -202,7 +202,7 @@ class SchedulerTap:
         # tracked requests that have not produced a token yet: most steps have none
         self._awaiting_first: set[str] = set()
         self._rounds: dict[str, tuple[int, int]] = {}
-        self._finished: list[tuple] = []
+        self._finished: list[RequestPayload] = []
         self._frame: StepFrame | None = None
         self._in_step = False
         self._cost_ns = 0
@@ -250,11 +250,11 @@ class SchedulerTap:
         params = request.sampling_params
         sampling = ((params.temperature, params.top_p, params.seed, params.max_tokens)
                     if params is not None else (None, None, None, None))
-        payload = ("request", now, self.bundle_id, request.request_id, state.bucket, state.cohort,
-                   state.speculative, state.arrival, state.first_token_ts, now,
-                   request.num_output_tokens, reason,
-                   "engine_error" if reason == "error" else None,
-                   request.prompt_token_ids, list(request.output_token_ids), sampling)
+        payload = RequestPayload("request", now, self.bundle_id, request.request_id, state.bucket, state.cohort,
+                                 state.speculative, state.arrival, state.first_token_ts, now,
+                                 request.num_output_tokens, reason,
+                                 "engine_error" if reason == "error" else None,
+                                 request.prompt_token_ids, list(request.output_token_ids), sampling)
         if self._in_step:
             # sent after this step's record, so a consumer sees the request's last round first
             self._finished.append(payload)
@@ -282,7 +282,7 @@ class SchedulerTap:
         if None in labels:
             # requests that finished in this step are no longer tracked, but were in its batch;
             # requests never seen (added before the collector) are left out
-            finished = {p[3]: (p[4], p[5]) for p in self._finished}
+            finished = {p.request_id: (p.bucket, p.cohort) for p in self._finished}
             kept = [(i, pair if pair is not None else finished.get(i)) for i, pair in zip(ids, labels)]
             ids = [i for i, pair in kept if pair is not None]
             labels = [pair for _, pair in kept if pair is not None]
@@ -293,8 +293,8 @@ class SchedulerTap:
             kv_usage = scheduler.kv_cache_manager.usage
             rounds = self._rounds
             for part_ids, part_labels in split_step(ids, labels):
-                self.collector.submit(("step", now, self._seq, self.bundle_id, draft_ns / 1e9,
-                                       verify_ns / 1e9, kv_usage, part_ids, part_labels, rounds))
+                self.collector.submit(StepPayload("step", now, self._seq, self.bundle_id, draft_ns / 1e9,
+                                                  verify_ns / 1e9, kv_usage, part_ids, part_labels, rounds))
                 self._seq += 1
                 draft_ns = verify_ns = 0  # a split step's times are on its first part
         for payload in self._finished:

@@ -48,7 +48,9 @@ def _finding(record: dict) -> dict:
 
 
 def _scope(record: dict) -> str:
-    return f"{record['bundle_id']}/{record.get('bucket') or '*'}/{record.get('cohort') or '*'}"
+    from specwatch.schemas.scope import scope_text  # loaded when shown: `specwatch --help` needs no pydantic
+
+    return scope_text((record["bundle_id"], record.get("bucket"), record.get("cohort")))
 
 
 def _utc(ts: float) -> str:

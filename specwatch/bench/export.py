@@ -41,7 +41,7 @@ def run_export_bench(steps: list, bootstrap: str | None) -> dict[str, Any]:
     """Microseconds of this process's CPU per step record: OTLP/HTTP, direct Kafka (or its encoding)."""
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 
-    from specwatch.collectors.otel import KafkaTelemetryExporter
+    from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
     from specwatch.transport.config import KafkaConfig
     from specwatch.collectors.otlp_export import OtlpTelemetryExporter
     from specwatch.schemas.otlp import iter_encoded_chunks, log_entry

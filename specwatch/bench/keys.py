@@ -13,7 +13,7 @@ from specwatch.schemas.fastdecode import decode_lines_block
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.gc_policy import STREAM_THRESHOLDS
-from specwatch.streams.ingest import Ingest
+from specwatch.streams.sources import Ingest
 from specwatch.streams.topology import SliceBatch, Stage1, Stage2
 
 __all__ = ["bench_keys", "closed_batches", "fed_pipeline", "line_blocks", "plot_keys",

@@ -198,7 +198,8 @@ def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: Te
     from kafka import KafkaConsumer, TopicPartition
     from kafka.admin import KafkaAdminClient, NewTopic
 
-    from specwatch.collectors.otel import KafkaTelemetryExporter, TelemetryEmitter
+    from specwatch.collectors.otel import TelemetryEmitter
+    from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
     from specwatch.transport.config import KafkaConfig
     from specwatch.schemas.otlp import decode_request
 

@@ -33,7 +33,7 @@ def _flush(args) -> int:
     from specwatch.archive.spool import Spool, SpoolBusy, describe_kinds
 
     try:
-        spool = Spool(spool_dir_for(args.archive))
+        spool = Spool(spool_dir_for(args.archive_dsn))
     except ValueError as error:
         print(f"specwatch archive flush: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -47,7 +47,7 @@ def _flush(args) -> int:
         if spool.empty:  # nothing to deliver: do not create an archive for it
             print(f"nothing spooled in {spool.directory}")
         else:
-            sink = ArchiveSink.open(args.archive, spool=spool, outage_log_level=logging.INFO)
+            sink = ArchiveSink.open(args.archive_dsn, spool=spool, outage_log_level=logging.INFO)
             sink.close()
             stats = sink.stats()
             if stats["spool_pending_bytes"]:

@@ -183,7 +183,9 @@ def _decision(args: argparse.Namespace) -> int:
     if args.json:
         print_rows([found], (), as_json=True)
         return 0
-    scope = f"{found['bundle_id']}/{found['bucket'] or '*'}/{found['cohort'] or '*'}"
+    from specwatch.schemas.scope import scope_text
+
+    scope = scope_text((found["bundle_id"], found["bucket"], found["cohort"]))
     out = [f"decision  {found['decision_id']}  at {format_ts(found['ts'])} UTC  scope {scope}",
            f"  action    {found['action']}",
            f"  reason    {found['reason']}  (detector {found['detector']})",

@@ -92,7 +92,7 @@ def run(args) -> int:
         from specwatch.archive.sink import ArchiveSink
 
         try:
-            sink = ArchiveSink.open(args.archive, outage_log_level=logging.INFO)
+            sink = ArchiveSink.open(args.archive_dsn, outage_log_level=logging.INFO)
         except ValueError as error:
             raise CommandError(str(error)) from None
     pipeline = EmbeddedPipeline(policy, sinks=[sink] if sink is not None else [])

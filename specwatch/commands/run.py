@@ -83,7 +83,7 @@ def run(args) -> int:
     from specwatch.actions.sinks.alertmanager import load_rollback_policy, read_token_file
     from specwatch.streams.faust_app import run_worker
     from specwatch.streams.operations import OperationsSettings
-    from specwatch.streams.runner import StreamSettings
+    from specwatch.streams.partition_runner import StreamSettings
     from specwatch.transport.config import BrokerUnavailable, KafkaConfig
     from specwatch.transport.topics import TopicError, prepare_topics
 
@@ -91,7 +91,9 @@ def run(args) -> int:
         raise CommandError(f"--workers must be >= 1, got {args.workers}")
     if args.partitions < 1:
         raise CommandError(f"--partitions must be >= 1, got {args.partitions}")
-    if args.workers > 1 and args.archive and args.archive.startswith("chdb:"):
+    # a worker archives only into an archive named on its command line, never the default
+    archive = args.archive_dsn if args.archive else None
+    if args.workers > 1 and archive is not None and archive.location.engine == "chdb":
         raise CommandError("a chDB archive opens in one process only; with --workers > 1 use a ClickHouse server "
                      "DSN, or run one worker per archive")
     policy = load_policy(args.policy)
@@ -115,7 +117,7 @@ def run(args) -> int:
 
         Keyring.from_env()  # an empty, weak or unreadable key setting stops here, before any topic is touched
         settings = StreamSettings(
-            bootstrap=args.bootstrap, app_id=args.app_id, policy=policy, archive_dsn=args.archive,
+            bootstrap=args.bootstrap, app_id=args.app_id, policy=policy, archive_dsn=archive,
             telemetry_topics=tuple(args.telemetry_topic or (TELEMETRY_TOPIC,)),
             partials_topic=args.partials_topic, decisions_topic=args.decisions_topic,
             deadletter_topic=args.deadletter_topic,
@@ -161,7 +163,7 @@ def _worker_command(args, index: int) -> list[str]:
     return command
 
 
-_NOT_PASSED_ON = ("command", "func", "verbose", "workers", "worker_index")
+_NOT_PASSED_ON = ("archive_dsn", "command", "func", "verbose", "workers", "worker_index")
 
 
 def _supervise(args) -> int:

@@ -135,9 +135,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_exporter(args: argparse.Namespace, simulator) -> int:
     """Send to Kafka (``--bootstrap``) or to an OpenTelemetry Collector (``--otlp``); report what arrived."""
     if args.bootstrap:
-        from specwatch.collectors.otel import KafkaTelemetryExporter
+        from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
         from specwatch.transport.config import BrokerUnavailable, KafkaConfig
-        from specwatch.transport.decisions import _probe as probe_bootstrap
+        from specwatch.transport.clients import probe_bootstrap
 
         try:
             probe_bootstrap(args.bootstrap, _CONNECT_TIMEOUT_S)

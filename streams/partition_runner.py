@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
+from specwatch.archive.dsn import ArchiveDsn
 from specwatch.schemas import Policy, Rejection, RejectionCounter
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.codec import DecisionSink
@@ -41,7 +42,7 @@ from .stage_tasks import (
     read_checkpoint,
     route_batches,
 )
-from .ingest import IdleRule
+from .sources import IdleRule
 from .operations import Operations, OperationsSettings
 
 __all__ = ["CONVERT_PICKLED_ENV", "CheckpointLog", "PartitionRunner", "Stage1Runner", "Stage2Runner",
@@ -71,7 +72,7 @@ class StreamSettings:
     deadletter_topic: str = DEADLETTER_TOPIC
     app_id: str = _DEFAULT_APP_ID
     policy: Policy = field(default_factory=Policy)
-    archive_dsn: str | None = None
+    archive_dsn: ArchiveDsn | str | None = None  # parsed where the command line checked it
     data_dir: str = "specwatch-data/faust/worker-0"
     telemetry_partitions: int = 0
     partials_partitions: int = 0
@@ -542,9 +543,8 @@ class Stage2Runner(PartitionRunner):
         sent = []
         for decision in decisions:
             sent.append(await self._sink.decision(decision))
-            logger.info("decision %s %s %s/%s/%s reason=%s ts=%.3f", decision.id, decision.action,
-                        decision.bundle_id, decision.bucket or "*", decision.cohort or "*", decision.reason,
-                        decision.ts)
+            logger.info("decision %s %s %s reason=%s ts=%.3f", decision.id, decision.action, decision.key,
+                        decision.reason, decision.ts)
         await acknowledged(sent, "decisions")
         self.decisions += len(sent)
         if self.operations is not None:

@@ -7,10 +7,9 @@ from itertools import repeat
 from typing import Callable, Sequence
 
 from specwatch.detectors.window import SliceStats
+from specwatch.schemas.scope import Scope
 
 __all__ = ["RunningRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS", "key_stats"]
-
-Key = tuple[str, str | None, str | None]
 
 # Event time since a request's first step before it is reported as running (docs/STREAMS.md).
 REPORT_AFTER_SECONDS = 10.0
@@ -100,7 +99,7 @@ class RunningRequests:
         return sum(len(w.first) for w in self._workers.values())
 
     def saw(self, worker: str, ts: float, ids: Sequence[str],
-            scopes: Callable[[], list[Key]]) -> None:
+            scopes: Callable[[], list[Scope]]) -> None:
         """A step of ``worker`` at ``ts`` listed the requests ``ids``, of the keys ``scopes()``."""
         w = self._workers.get(worker)
         if w is None:
@@ -118,7 +117,7 @@ class RunningRequests:
             if rid not in first:
                 first[rid] = [ts, key, False]
 
-    def ended(self, worker: str, rid: str, e2e_ms: float, key: Key, partials: dict[Key, SliceStats]) -> None:
+    def ended(self, worker: str, rid: str, e2e_ms: float, key: Scope, partials: dict[Scope, SliceStats]) -> None:
         """The request record of ``rid`` (of ``key``) arrived: it runs no more."""
         w = self._workers.get(worker)
         entry = None
@@ -130,7 +129,7 @@ class RunningRequests:
         elif e2e_ms >= self.report_after * 1000.0:
             key_stats(partials, key).running_done[f"{worker}/{rid}"] = True
 
-    def close(self, slice_end: float, partials: dict[Key, SliceStats]) -> None:
+    def close(self, slice_end: float, partials: dict[Scope, SliceStats]) -> None:
         """At the end of a slice: report requests now past ``report_after``, forget the lost ones."""
         report_before = slice_end - self.report_after
         lost_before = slice_end - self.lost_after
@@ -159,7 +158,7 @@ class RunningRequests:
                     key_stats(partials, entry[1]).running_long[f"{worker}/{rid}"] = entry[0]
 
 
-def key_stats(partials: dict[Key, SliceStats], key: Key) -> SliceStats:
+def key_stats(partials: dict[Scope, SliceStats], key: Scope) -> SliceStats:
     """The stats of ``key`` in ``partials``, created empty the first time."""
     stats = partials.get(key)
     if stats is None:
