@@ -21,7 +21,7 @@ from .otlp import (ATTRIBUTE_PREFIX, EVENT_PREFIX, REQUESTS_PREFIX, ROUND_COLUMN
                    log_records, parse_request)
 from .otlp_wire import EncodingMemo, OddShape, encode_attribute, read_varint, small_ints, string_values
 
-__all__ = ["StepBlock", "decode_lines_block", "request_block"]
+__all__ = ["StepBlock", "decode_lines_block", "record_at", "request_block"]
 
 # ints beyond this lose precision as floats; such times take the reference path
 _MAX_EXACT_INT = 1 << 53
@@ -219,7 +219,8 @@ def _strings(buf: bytes, start: int, end: int) -> tuple[tuple[str, ...], bool, b
     return values, named, named and all(map(scope_name_ok, set(values)))
 
 
-def _record_at(buf: bytes, start: int, end: int) -> TelemetryRecord | Rejection:
+def record_at(buf: bytes, start: int, end: int) -> TelemetryRecord | Rejection:
+    """The record of one OTLP log record held at ``buf[start:end]``, decoded on the reference path."""
     from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 
     return decode_log_record(LogRecord.FromString(buf[start:end]))
@@ -396,7 +397,7 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
             and bundle_id is not None):
         return None
     header = (ts, worker, seq, bundle_id, draft_ms, verify_ms, kv_usage)
-    build = partial(_record_at, buf, start, end)
+    build = partial(record_at, buf, start, end)
     return _step(header, ids, buckets, cohorts, drafted, accepted, build)
 
 
@@ -458,7 +459,7 @@ def _step_from_wire(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow |
         if sum(1 for _ in _fields(buf, *_array_body(buf, s, e), 0x0A)) != len(ids[0]):
             return None
     return _step(header, ids, buckets, cohorts, small_ints(buf[slice(*columns[3])]),
-                 small_ints(buf[slice(*columns[4])]), partial(_record_at, buf, start, end))
+                 small_ints(buf[slice(*columns[4])]), partial(record_at, buf, start, end))
 
 
 _READ_TAGS = frozenset((0x32, _STAMP, _OBSERVED, 0x62))

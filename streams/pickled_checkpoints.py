@@ -17,7 +17,7 @@ from specwatch.detectors import baseline, canary, gates, monitor, stalls, window
 from specwatch.detectors.sketch import LatencySketch
 from specwatch.schemas import codec, policy
 from specwatch.schemas.checkpoint import PICKLED_CHECKPOINT_MAGIC, CheckpointError, inflated
-from specwatch.schemas.fastdecode import _record_at
+from specwatch.schemas.fastdecode import record_at
 from specwatch.schemas.otlp import decode_request
 
 from . import intake, running_requests, sources, topology
@@ -39,7 +39,7 @@ class _HeldStep:
     """Stands for `functools.partial` in these pickles, where it only ever held a step record to be
     decoded later from the bytes it came in; any other function is refused."""
 
-    _DECODERS = (_record_at,)
+    _DECODERS = (record_at,)
 
     def __init__(self, func, *args, **kwargs) -> None:
         self._hold(func, args, kwargs)
@@ -76,7 +76,7 @@ _ALLOWED: dict[tuple[str, str], object] = {
     (_OLD_TASKS, "BundleOwner"): BundleOwner,
     (_OLD_TASKS, "_restore_flag_store"): _flag_store,
     (_OLD_TASKS, "_restore_sketch"): _sketch,
-    ("specwatch.schemas.fastdecode", "_record_at"): _record_at,
+    ("specwatch.schemas.fastdecode", "_record_at"): record_at,  # its name before it was public
     ("specwatch.schemas.otlp", "decode_request"): decode_request,
     **_names(admission, "AdmissionController", "BundleAdmission", "StageChange"),
     **_names(flags, "AdmissionState", "ScopeState"),
