@@ -93,8 +93,6 @@ class BernoulliCusum:
     [(216, 280, 8.0)]
     """
 
-    last_at = math.nan  # a checkpoint written before it was kept: no last update known
-
     def __init__(self, p0: float, p1: float, threshold: float, min_hits: float = 1.0) -> None:
         if threshold <= 0:
             raise ValueError(f"threshold must be > 0, got {threshold}")
@@ -109,7 +107,6 @@ class BernoulliCusum:
         self.trials = 0  # since the statistic last stood at zero: the evidence a finding cites
         self.hits = 0.0
         self.started_at = math.nan  # event time of the first update since then
-        self.last_at = math.nan  # and of the latest
         self.drift_detected = False
 
     def update(self, trials: int, hits: float, at: float = math.nan) -> None:
@@ -125,7 +122,6 @@ class BernoulliCusum:
             return
         if not self.trials:
             self.started_at = at
-        self.last_at = at
         self.trials += trials
         self.hits += hits
         self.drift_detected = self.statistic >= self.threshold and self.hits >= self.min_hits

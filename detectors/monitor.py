@@ -362,7 +362,7 @@ class KeyMonitor(_Windowed):
             findings += self._errors(stats, slice_end)
         return findings
 
-    def last_look(self, keys: int) -> list[Finding]:
+    def last_look(self, keys: int, at: float) -> list[Finding]:
         """Findings of the rate tests (errors, latency tails) at one last look, taken when a
         fallback for another reason switches this key's speculation off and so ends its evidence.
 
@@ -374,21 +374,21 @@ class KeyMonitor(_Windowed):
         of its gate over the ``keys`` the fallback covers and ``budget`` is the gate's false
         alarms per key-hour: the looks one fallback takes at a gate stay within one key-hour's
         budget. A test that passes its usual threshold decides as usual, not here. The finding
-        names the look (``last_look``), and the policy records it with its own reason beside the
-        fallback already in force (`FallbackPolicy.decide`).
+        names the look (``last_look``) and is dated ``at``, the fallback's time; the policy records
+        it with its own reason beside the fallback already in force (`FallbackPolicy.decide`).
         """
         found: list[Finding] = []
         if self._error_tests:
-            found += self._looked(self._error_tests, keys, self.policy.errors, "error_rate", "error_rate_cusum",
-                                  "error_rate")
+            found += self._looked(self._error_tests, keys, at, self.policy.errors, "error_rate",
+                                  "error_rate_cusum", "error_rate")
         for metric, (tests, limit, _) in (self._tail_tests or {}).items():
-            found += self._looked(tests, keys * len(self._tail_tests), self.policy.latency, "latency_slo",
+            found += self._looked(tests, keys * len(self._tail_tests), at, self.policy.latency, "latency_slo",
                                   "latency_tail_cusum", f"{metric}_tail_share", {"limit_ms": limit})
         # one decision per key: the test furthest past its look
         return sorted(found, key=lambda f: f.details["look_threshold_nats"] - f.details["evidence_nats"])[:1]
 
-    def _looked(self, tests: list[BernoulliCusum], keys: int, cfg, reason: str, detector: str, metric: str,
-                extra: dict | None = None) -> list[Finding]:
+    def _looked(self, tests: list[BernoulliCusum], keys: int, at: float, cfg, reason: str, detector: str,
+                metric: str, extra: dict | None = None) -> list[Finding]:
         looks = keys * len(tests)
         threshold = math.log(looks / cfg.false_alarms_per_key_hour)
         min_hits = tests[0].min_hits
@@ -396,8 +396,8 @@ class KeyMonitor(_Windowed):
         if not passed:
             return []
         test = max(passed, key=lambda t: t.statistic)
-        return [Finding(reason, detector, test.last_at, metric, test.hits / test.trials, test.p1, test.p0,
-                        test.started_at - self.policy.windows.slice_seconds, test.last_at,
+        return [Finding(reason, detector, at, metric, test.hits / test.trials, test.p1, test.p0,
+                        test.started_at - self.policy.windows.slice_seconds, at,
                         {"requests": test.trials, ("failures" if reason == "error_rate" else "requests_above_limit"):
                          test.hits, "evidence_nats": test.statistic, "evidence_threshold_nats": test.threshold,
                          "last_look": True, "look_threshold_nats": threshold, "looks": looks,

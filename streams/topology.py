@@ -878,9 +878,9 @@ class Stage2:
         if self.admission is not None:
             self._admit(self.admission.vetoed(decision), out)
         if decision.action in ("disable_speculation", "invalidate_bundle"):
-            self._last_looks(scope, monitor, out)
+            self._last_looks(scope, monitor, decision.ts, out)
 
-    def _last_looks(self, scope: Key, decided, out: SliceOutput) -> None:
+    def _last_looks(self, scope: Key, decided, at: float, out: SliceOutput) -> None:
         """A fallback ends the speculative evidence of every key under ``scope``: each of them,
         but the one it decided, takes its rate tests' last look (`KeyMonitor.last_look`), so an
         incident the fallback covers is still decided with its own reason."""
@@ -889,7 +889,7 @@ class Stage2:
                    if isinstance(m, KeyMonitor) and m is not decided and key[0] == bundle
                    and bucket in (None, key[1]) and cohort in (None, key[2])]
         for key, monitor in covered:
-            for finding in monitor.last_look(len(covered)):
+            for finding in monitor.last_look(len(covered), at):
                 self._act(finding, key, monitor, out, [])
 
     def _admit(self, decisions: list[Decision], out: SliceOutput) -> None:
