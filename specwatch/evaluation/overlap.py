@@ -152,6 +152,7 @@ def run_overlap(run: OverlapRun, policy: Policy | None = None) -> dict:
     requests = {key: 0 for key in keys}
     rounds = {key: 0 for key in keys}
     last_ts = sim.start_ts
+    judged = 0  # alarms already judged: a run stops once every incident has a right one
     for record in sim.records():
         last_ts = record.ts
         if record.ts < first_start:
@@ -162,8 +163,10 @@ def run_overlap(run: OverlapRun, policy: Policy | None = None) -> dict:
                     if entry.drafted and (entry.bucket, entry.cohort) in rounds:
                         rounds[(entry.bucket, entry.cohort)] += 1
         pipeline.feed(record)
-        if alarms and all(judge(i, alarms).verdict == "right" for i in incidents):
-            break
+        if len(alarms) != judged:
+            judged = len(alarms)
+            if all(judge(i, alarms).verdict == "right" for i in incidents):
+                break
     pipeline.finish()
     before = first_start - sim.start_ts
     rows = []
