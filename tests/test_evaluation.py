@@ -249,11 +249,11 @@ from specwatch.evaluation.overlap import (OverlapRun, format_overlap, overlap_ru
 
 # Each incident of the quick overlap runs: its verdict, its own decision's reason and scope.
 _OVERLAP_EXPECTED = {
-    # the demo's pair, closed loop: the fleet-wide KV fallback comes 30 s into an error burst of
+    # the demo's pair, closed loop: a fleet-wide KV surge comes 20 s into an error burst of
     # speculated extraction requests; the burst is still decided with its own reason
-    "kv_pressure+error_burst/during_fallback/closed/w8c16/s7": [
-        ("kv_pressure", "right", "kv_pressure", "*/*"),
+    "error_burst+kv_pressure/staggered/closed/w8c16/s7": [
         ("error_burst", "right", "error_rate", "extraction/main"),
+        ("kv_pressure", "right", "kv_pressure", "*/*"),
     ],
     "latency_tail+acceptance_drop/together/open/w8c16/s8": [
         ("latency_tail", "right", "latency_slo", "reasoning/main"),
