@@ -18,6 +18,8 @@ __all__ = ["FallbackPolicy", "ScopeMemory"]
 
 # Reasons whose table row says "lower D first, then disable".
 _REDUCE_FIRST = {"acceptance_drop", "kv_pressure"}
+# An invalidated bundle's evidence is void: no other finding on it is decided.
+_VOIDING = "bundle_changed"
 # Reasons that disable at once.
 _DISABLE_AT_ONCE = {"no_speedup", "latency_slo", "error_rate", "quality_regression", "unadmitted_bundle"}
 
@@ -85,7 +87,8 @@ class FallbackPolicy:
         lets lowering D name the best D below the current one instead of halving.
 
         Attribution: a scope already on standard decoding gets no second decision for the reason
-        that put it there, nor when admission or a person holds it off. A fallback for another
+        that put it there, nor when admission or a person holds it off, nor once its bundle is
+        invalidated (a changed card voids all of its evidence). A fallback for another
         reason (at the scope or wider, e.g. the whole bundle for KV pressure) does not silence
         it: the finding is decided on its own evidence and recorded with its own reason, as a
         `disable_speculation` whose evidence names the fallbacks already in force
@@ -108,9 +111,10 @@ class FallbackPolicy:
         ('disable_speculation', 'error_rate', [('b-1/*/*', 'kv_pressure')])
         """
         held_off = self._held_off_by(scope)
-        if held_off is not None and (not held_off or any(state.reason == finding.reason for _, state in held_off)
+        if held_off is not None and (not held_off or any(state.reason in (finding.reason, _VOIDING)
+                                                         for _, state in held_off)
                                      or finding.reason in self.memory.get(scope, ScopeMemory()).off_reasons):
-            return None  # already on standard decoding here or above, for this reason or by hand
+            return None  # already on standard decoding here or above, for this reason, by hand, or void
         return self._decide(finding, scope, draft_length, sample_ids, extra_evidence, curve, held_off or [])
 
     def _decide(self, finding: Finding, scope: Scope, draft_length: int | None, sample_ids: list[str] | None,
