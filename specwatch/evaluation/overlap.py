@@ -3,9 +3,7 @@ each scored on its own decision against the same incident alone and its informat
 
 from __future__ import annotations
 
-import contextlib
 import math
-import multiprocessing
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -20,6 +18,7 @@ from specwatch.streams.embedded import EmbeddedPipeline
 
 from .bounds import information_bound
 from .scoring import Alarm, decision_alarm, judge, stray_alarms
+from .suite import pooled
 
 __all__ = ["KINDS", "PATTERNS", "OverlapRun", "format_overlap", "overlap_runs", "quick_overlap_runs", "run_overlap",
            "run_overlap_suite", "summarize_overlap"]
@@ -233,15 +232,10 @@ def run_overlap_suite(runs: Iterable[OverlapRun], policy: Policy | None = None, 
     alone = sorted({r.alone(k) for r in runs for k in r.kinds if len(r.kinds) > 1}, key=lambda r: r.name)
     jobs = [(r, policy) for r in runs + alone]
     results: dict[OverlapRun, dict] = {}
-    with contextlib.ExitStack() as stack:
-        done = map(_run_job, jobs)
-        if processes > 1:
-            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(processes))
-            done = pool.imap_unordered(_run_job, jobs)
-        for run, result in done:
-            results[run] = result
-            if progress is not None:
-                progress(result)
+    for run, result in pooled(_run_job, jobs, processes):
+        results[run] = result
+        if progress is not None:
+            progress(result)
     out = []
     for run in runs:
         result = results[run]
