@@ -191,6 +191,9 @@ def run_overlap(run: OverlapRun, policy: Policy | None = None) -> dict:
                                       _budget(policy, incident.kind), incident.bucket,
                                       rounds_per_request=rounds[key] / requests[key] if requests[key] else None)
             row["bound_s"] = bound["seconds"] if bound else None
+        bound = row.get("bound_s")
+        row["x_bound"] = round(row["delay_s"] / bound, 2) if bound and row["delay_s"] is not None else None
+        row.update(alone_s=None, alone_verdict=None, within_alone=None)  # `run_overlap_suite` compares
         rows.append(row)
     stray = stray_alarms(incidents, alarms)
     return {"run": run.name, "seed": run.seed, "kinds": list(run.kinds), "pattern": run.pattern,
@@ -245,8 +248,6 @@ def run_overlap_suite(runs: Iterable[OverlapRun], policy: Policy | None = None, 
             row["alone_s"] = reference["delay_s"] if reference and reference["verdict"] == "right" else None
             row["alone_verdict"] = reference["verdict"] if reference else None
             row["within_alone"] = _within(row["delay_s"], row["alone_s"])
-            bound = row.get("bound_s")
-            row["x_bound"] = round(row["delay_s"] / bound, 2) if bound and row["delay_s"] is not None else None
         out.append(result)
     return out
 
