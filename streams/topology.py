@@ -877,7 +877,7 @@ class Stage2:
                                         finding.evidence(), samples))
         if self.admission is not None:
             self._admit(self.admission.vetoed(decision), out)
-        if decision.action in ("disable_speculation", "invalidate_bundle"):
+        if decision.action == "disable_speculation":  # an invalidation voids the evidence instead
             self._last_looks(scope, monitor, decision.ts, out)
 
     def _last_looks(self, scope: Key, decided, at: float, out: SliceOutput) -> None:
