@@ -154,6 +154,7 @@ def run_overlap(run: OverlapRun, policy: Policy | None = None) -> dict:
     keys = {(i.bucket, i.cohort or "main") for i in incidents if i.bucket is not None}
     requests = {key: 0 for key in keys}
     rounds = {key: 0 for key in keys}
+    decode: dict = {key: [] for key in keys}
     last_ts = sim.start_ts
     judged = 0  # alarms already judged: a run stops once every incident has a right one
     for record in sim.records():
@@ -161,6 +162,8 @@ def run_overlap(run: OverlapRun, policy: Policy | None = None) -> dict:
         if record.ts < first_start:
             if isinstance(record, RequestRecord) and (record.bucket, record.cohort) in requests:
                 requests[(record.bucket, record.cohort)] += 1
+                if record.e2e_ms is not None and record.ttft_ms is not None:  # how long a stall holds it back
+                    decode[(record.bucket, record.cohort)].append((record.e2e_ms - record.ttft_ms) / 1000.0)
             elif isinstance(record, StepRecord):
                 for entry in record.requests:
                     if entry.drafted and (entry.bucket, entry.cohort) in rounds:
@@ -188,11 +191,13 @@ def run_overlap(run: OverlapRun, policy: Policy | None = None) -> dict:
             plan = KINDS[incident.kind]
             observed = rounds[key] if incident.kind == "acceptance_drop" else requests[key]
             bound = information_bound(incident.kind, plan.intensity, observed / before,
-                                      _budget(policy, incident.kind), incident.bucket,
+                                      _budget(policy, incident.kind), incident.bucket, decode[key],
                                       rounds_per_request=rounds[key] / requests[key] if requests[key] else None)
             row["bound_s"] = bound["seconds"] if bound else None
         bound = row.get("bound_s")
-        row["x_bound"] = round(row["delay_s"] / bound, 2) if bound and row["delay_s"] is not None else None
+        # as in the single-incident tables: a ratio only where the bound is above the slice
+        measured = bound and bound > policy.windows.slice_seconds and row["delay_s"] is not None
+        row["x_bound"] = round(row["delay_s"] / bound, 2) if measured else None
         row.update(alone_s=None, alone_verdict=None, within_alone=None)  # `run_overlap_suite` compares
         rows.append(row)
     stray = stray_alarms(incidents, alarms)
