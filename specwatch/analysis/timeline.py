@@ -66,7 +66,9 @@ def render_timeline(rows: list[dict], decisions: list, path: str | Path, cohort:
     if "shadow" in ax:
         for bucket, times in sorted((shadow_mismatches or {}).items()):
             xs = sorted(t - t0 for t in times)
-            ax["shadow"].step(xs, range(1, len(xs) + 1), where="post", label=bucket, linewidth=1.2)
+            # one mismatch decides: every one is a marker, the step shows how they add up
+            ax["shadow"].step(xs, range(1, len(xs) + 1), where="post", label=bucket, linewidth=1.2, marker="o",
+                              markersize=4)
         ax["shadow"].set_ylabel("strict shadow\nmismatches (count)")
     if "draft" in ax:
         cost = sorted((r["ts"] - t0, r["draft_ms"] / r["verify_ms"]) for r in rows
