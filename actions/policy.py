@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 
 from specwatch.detectors.draft_length import DraftLengthCurve
 from specwatch.detectors.monitor import Finding, RecoveryEvidence
@@ -11,14 +12,16 @@ from specwatch.detectors.window import round_evidence as _round
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import Policy
 from specwatch.schemas.reasons import REASONS
-from specwatch.schemas.scope import Scope
+from specwatch.schemas.scope import Scope, scope_text
 
-from .flags import FlagStore, scope_from_state
+from .flags import FlagStore, ScopeState, scope_from_state
 
 __all__ = ["FallbackPolicy", "ScopeMemory"]
 
 # Reasons whose table row says "lower D first, then disable".
 _REDUCE_FIRST = frozenset(reason for reason, facts in REASONS.items() if facts.fallback == "reduce_first")
+# An invalidated bundle's evidence is void: no other finding on it is decided.
+_VOIDING = "bundle_changed"
 
 
 @dataclass
@@ -34,6 +37,8 @@ class ScopeMemory:
     disabled_at: float | None = None
     disabled_reason: str | None = None
     disabled_decision_id: str | None = None
+    # every reason this scope was disabled for since it last speculated (the flag keeps the first)
+    off_reasons: set[str] = field(default_factory=set)
 
 
 class FallbackPolicy:
@@ -62,32 +67,77 @@ class FallbackPolicy:
 
     def to_state(self) -> dict:
         """What the policy remembers per scope, as plain data (the flags are the owner's)."""
-        return {"memory": [[list(scope), asdict(memory)] for scope, memory in self.memory.items()]}
+        return {"memory": [[list(scope), {**asdict(memory), "off_reasons": sorted(memory.off_reasons)}]
+                           for scope, memory in self.memory.items()]}
 
     def load_state(self, state: dict) -> None:
-        self.memory = {scope_from_state(scope): ScopeMemory(**fields) for scope, fields in state["memory"]}
+        self.memory = {scope_from_state(scope): ScopeMemory(**{**fields, "off_reasons": set(fields["off_reasons"])})
+                       for scope, fields in state["memory"]}
 
-    def _is_off(self, scope: Scope) -> bool:
+    def _held_off_by(self, scope: Scope) -> list[tuple[Scope, ScopeState]] | None:
+        """None while ``scope`` speculates; else the automatic fallbacks at it or above that hold
+        it off, in scope order (empty when only admission or a manual override does)."""
         bundle, bucket, cohort = scope
+        covering = sorted({(bundle, None, None), (bundle, bucket, None), (bundle, None, cohort),
+                           (bundle, bucket, cohort)}, key=lambda s: (s[1] is not None, s[2] is not None, s))
+        off = [(s, state) for s in covering if (state := self.flags.state(s)) is not None and not state.enabled]
         if bucket is not None and cohort is not None:
-            return not self.flags.lookup(bundle, bucket, cohort).enabled
-        # A scope left open (every bucket or every cohort) is off where it, or its bundle, is off.
-        wider = {(bundle, None, None), (bundle, bucket, None), (bundle, None, cohort)}
-        states = map(self.flags.state, wider)
-        return any(state is not None and not state.enabled for state in states)
+            if self.flags.lookup(bundle, bucket, cohort).enabled:
+                return None
+        elif not off:  # a scope left open is off where it, or a scope above it, is off
+            return None
+        return [(s, state) for s, state in off if state.manual_by is None and state.decision_id] \
+            if all(state.manual_by is None for _, state in off) else []
 
     def decide(self, finding: Finding, scope: Scope, draft_length: int | None,
                sample_ids: list[str] | None = None, extra_evidence: dict | None = None,
                curve: DraftLengthCurve | None = None) -> Decision | None:
         """At most one decision for ``finding`` on ``scope``; ``curve`` (predicted speedup per D)
-        lets lowering D name the best D below the current one instead of halving."""
-        if self._is_off(scope):
-            return None  # already on standard decoding here or above: nothing more to say
+        lets lowering D name the best D below the current one instead of halving.
+
+        Attribution: a scope already on standard decoding gets no second decision for the reason
+        that put it there, nor when admission or a person holds it off, nor once its bundle is
+        invalidated (a changed card voids all of its evidence). A fallback for another
+        reason (at the scope or wider, e.g. the whole bundle for KV pressure) does not silence
+        it: the finding is decided on its own evidence and recorded with its own reason, as a
+        `disable_speculation` whose evidence names the fallbacks already in force
+        (``already_off``). The operator sees both causes, and the scope stays off for its own
+        cause when the wider fallback is restored.
+
+        >>> from specwatch.detectors.monitor import Finding
+        >>> fp = FallbackPolicy(Policy(), FlagStore())
+        >>> kv = Finding("kv_pressure", "kv_watermark_gate", 290.0, "kv_peak", 0.97, 0.92, math.nan, 287.0, 290.0)
+        >>> fp.flags.apply(fp.decide(kv, ("b-1", None, None), draft_length=4)), fp.flags.state(("b-1", None, None))
+        (True, ScopeState(enabled=True, draft_limit=2, ...))
+        >>> later = Finding("kv_pressure", "kv_watermark_gate", 310.0, "kv_peak", 0.97, 0.92, math.nan, 307.0, 310.0)
+        >>> fp.flags.apply(fp.decide(later, ("b-1", None, None), draft_length=4))
+        True
+        >>> fp.decide(kv, ("b-1", "coding", "main"), draft_length=4) is None  # same reason, covered
+        True
+        >>> burst = Finding("error_rate", "error_rate_cusum", 312.0, "error_rate", 0.03, 0.01, 0.002, 255.0, 312.0)
+        >>> d = fp.decide(burst, ("b-1", "extraction", "main"), draft_length=4)
+        >>> d.action, d.reason, [(o["scope"], o["reason"]) for o in d.evidence["already_off"]]
+        ('disable_speculation', 'error_rate', [('b-1/*/*', 'kv_pressure')])
+        """
+        held_off = self._held_off_by(scope)
+        if held_off is not None and (not held_off or any(state.reason in (finding.reason, _VOIDING)
+                                                         for _, state in held_off)
+                                     or finding.reason in self.memory.get(scope, ScopeMemory()).off_reasons):
+            return None  # already on standard decoding here or above, for this reason, by hand, or void
+        return self._decide(finding, scope, draft_length, sample_ids, extra_evidence, curve, held_off or [])
+
+    def _decide(self, finding: Finding, scope: Scope, draft_length: int | None, sample_ids: list[str] | None,
+                extra_evidence: dict | None, curve: DraftLengthCurve | None,
+                held_off: list[tuple[Scope, ScopeState]]) -> Decision | None:
+
         memory = self.memory.setdefault(scope, ScopeMemory())
         actions = self.policy.actions
         evidence = finding.evidence()
         if extra_evidence:
             evidence.update(extra_evidence)
+        if held_off:
+            evidence["already_off"] = [{"scope": scope_text(s), "reason": state.reason,
+                                        "decision_id": state.decision_id} for s, state in held_off]
         reason = finding.reason
 
         if reason == "draft_overhead":
@@ -99,7 +149,7 @@ class FallbackPolicy:
         if reason == "bundle_changed":
             return self._decision(finding, scope, "invalidate_bundle", evidence, sample_ids)
 
-        if reason in _REDUCE_FIRST:
+        if reason in _REDUCE_FIRST and not held_off:  # a lower D means nothing on a path already off
             state = self.flags.state(scope)
             limit = (state.draft_limit if state is not None else None) or draft_length
             if memory.reduced_at is not None:
@@ -118,6 +168,7 @@ class FallbackPolicy:
         decision = self._decision(finding, scope, "disable_speculation", evidence, sample_ids)
         memory.disables += 1
         memory.disabled_at, memory.disabled_reason, memory.disabled_decision_id = finding.ts, reason, decision.id
+        memory.off_reasons.add(reason)
         memory.reduced_at = None  # after a restore, the table's order starts over: lower D first
         return decision
 
@@ -199,6 +250,7 @@ class FallbackPolicy:
             body["draft_length"] = memory.lowered_to
         memory.restores += 1
         memory.disabled_at = None
+        memory.off_reasons.clear()
         bundle, bucket, cohort = scope
         return Decision(ts=now, bundle_id=bundle, bucket=bucket, cohort=cohort, action="restore",
                         reason=reason, detector="restore_policy", evidence=body)
@@ -210,4 +262,3 @@ class FallbackPolicy:
         return Decision(ts=finding.ts, bundle_id=bundle, bucket=bucket, cohort=cohort, action=action,
                         reason=finding.reason, detector=finding.detector, evidence=evidence,
                         sample_ids=sorted(set(sample_ids or ())))
-

@@ -357,15 +357,64 @@ class KeyMonitor(_Windowed):
         e2e = self._tail_tests.get("e2e") if speculating and self._tail_tests else None
         stalled, finished = self.stalls.update(stats, slice_end, e2e[1] if e2e else None)
         findings: list[Finding] = []
-        if speculating:
+        # The gates judge the speculative evidence a slice holds even where the flags say off: a
+        # fallback for one reason must not silence the others (an open loop keeps drafting, and
+        # requests that began speculative before a switch still finish and may fail). Latency
+        # is the exception: a request the switch caught mid-way decodes its rest the slow way,
+        # so its time is the fallback's doing. What a key held when a fallback for another
+        # reason ended its evidence is judged once more: `last_look`.
+        if speculating or stats.rounds:
             findings += self._acceptance(stats.max_ts)
             findings += self._speedup(stats.max_ts)
-            # a slice with no speculative request says nothing about speculation
-            if self.learner.latency_ready and (stats.speculative_requests or stalled):
-                self._count(stats)
+        # a slice with no speculative request says nothing about speculation
+        if self.learner.latency_ready and (stats.speculative_requests or (speculating and stalled)):
+            self._count(stats)
+            if speculating:
                 findings += self._latency(stats, slice_end, stalled, finished)
-                findings += self._errors(stats, slice_end)
+            findings += self._errors(stats, slice_end)
         return findings
+
+    def last_look(self, keys: int, at: float) -> list[Finding]:
+        """Findings of the rate tests (errors, latency tails) at one last look, taken when a
+        fallback for another reason switches this key's speculation off and so ends its evidence.
+
+        The rule: a key another incident's fallback covers is still decided on its own evidence,
+        the speculated requests it finished before the switch. On healthy traffic a CUSUM's
+        statistic, looked at once, passes ``s`` nats with probability at most ``e**-s`` (Ville's
+        inequality on the likelihood ratio since its last zero). So each test decides at this
+        look once its statistic passes ``ln(looks / budget)``, where ``looks`` counts the tests
+        of its gate over the ``keys`` the fallback covers and ``budget`` is the gate's false
+        alarms per key-hour: the looks one fallback takes at a gate stay within one key-hour's
+        budget. A test that passes its usual threshold decides as usual, not here. The finding
+        names the look (``last_look``) and is dated ``at``, the fallback's time; the policy records
+        it with its own reason beside the fallback already in force (`FallbackPolicy.decide`).
+        """
+        found: list[Finding] = []
+        if self._error_tests:
+            found += self._looked(self._error_tests, keys, at, self.policy.errors, "error_rate",
+                                  "error_rate_cusum", "error_rate")
+        for metric, (tests, limit, _) in (self._tail_tests or {}).items():
+            found += self._looked(tests, keys * len(self._tail_tests), at, self.policy.latency, "latency_slo",
+                                  "latency_tail_cusum", f"{metric}_tail_share", {"limit_ms": limit})
+        # one decision per key: the test furthest past its look
+        return sorted(found, key=lambda f: f.details["look_threshold_nats"] - f.details["evidence_nats"])[:1]
+
+    def _looked(self, tests: list[BernoulliCusum], keys: int, at: float, cfg, reason: str, detector: str,
+                metric: str, extra: dict | None = None) -> list[Finding]:
+        looks = keys * len(tests)
+        threshold = math.log(looks / cfg.false_alarms_per_key_hour)
+        min_hits = tests[0].min_hits
+        passed = [t for t in tests if t.statistic >= threshold and t.hits >= min_hits]
+        if not passed:
+            return []
+        test = max(passed, key=lambda t: t.statistic)
+        return [Finding(reason, detector, at, metric, test.hits / test.trials, test.p1, test.p0,
+                        test.started_at - self.policy.windows.slice_seconds, at,
+                        {"requests": test.trials, ("failures" if reason == "error_rate" else "requests_above_limit"):
+                         test.hits, "evidence_nats": test.statistic, "evidence_threshold_nats": test.threshold,
+                         "last_look": True, "look_threshold_nats": threshold, "looks": looks,
+                         "baseline_source": (self.baseline.error_source if reason == "error_rate"
+                                             else self.baseline.latency_source), **(extra or {})})]
 
     def _acceptance(self, ts: float) -> list[Finding]:
         cfg = self.policy.acceptance

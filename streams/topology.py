@@ -951,6 +951,20 @@ class Stage2:
                                         finding.evidence(), samples))
         if self.admission is not None:
             self._admit(self.admission.vetoed(decision), out)
+        if decision.action == "disable_speculation":  # an invalidation voids the evidence instead
+            self._last_looks(scope, monitor, decision.ts, out)
+
+    def _last_looks(self, scope: Key, decided, at: float, out: SliceOutput) -> None:
+        """A fallback ends the speculative evidence of every key under ``scope``: each of them,
+        but the one it decided, takes its rate tests' last look (`KeyMonitor.last_look`), so an
+        incident the fallback covers is still decided with its own reason."""
+        bundle, bucket, cohort = scope
+        covered = [(key, m) for key, m in sorted(self.monitors.items(), key=lambda i: _key_order(i[0]))
+                   if isinstance(m, KeyMonitor) and m is not decided and key[0] == bundle
+                   and bucket in (None, key[1]) and cohort in (None, key[2])]
+        for key, monitor in covered:
+            for finding in monitor.last_look(len(covered), at):
+                self._act(finding, key, monitor, out, [])
 
     def _admit(self, decisions: list[Decision], out: SliceOutput) -> None:
         """Apply admission decisions and archive them with the judgement behind them."""
@@ -985,6 +999,10 @@ class Stage2:
         body = getattr(self.policy, section).model_dump(mode="json") if section else {}
         body["actions"] = self.policy.actions.model_dump(mode="json")
         return body
+
+
+def _key_order(key: Key) -> tuple[str, str, str]:
+    return key[0], key[1] or "", key[2] or ""
 
 
 def _sample_id(sample: dict) -> str:

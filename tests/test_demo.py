@@ -3,6 +3,10 @@
 import json
 from functools import partial
 
+import pytest
+
+from specwatch.commands.demo import run_simulated_demo
+
 from machine import specwatch_ok
 
 _specwatch = partial(specwatch_ok, timeout=900)
@@ -12,15 +16,11 @@ def test_demo_catches_each_incident_and_archives_it(tmp_path):
     outdir = tmp_path / "demo"
     proc = _specwatch("demo", "--json", "--outdir", str(outdir))
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    caught = {row["incident"]: row for row in summary["incidents"]}
-    assert set(caught) == {"acceptance_drop", "quality_mismatch", "latency_tail", "error_burst", "kv_pressure"}
-    for name, row in caught.items():
-        assert row["decision_id"] is not None, f"{name} was not caught"
-        assert 0 <= row["detection_delay_s"] < 120, row
+    _assert_own_decisions(summary)
     assert summary["counters"]["rejected"] == 0 and summary["counters"]["emitter_dropped"] == 0
     assert (outdir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the human report went to stderr, the JSON object alone to stdout
-    assert "caught as" in proc.stderr
+    assert "caught as" in proc.stderr and "error_rate on extraction/main" in proc.stderr
 
     # a new process reads the same decisions, their audit and samples back from the archive
     archive = summary["archive"]
@@ -32,3 +32,34 @@ def test_demo_catches_each_incident_and_archives_it(tmp_path):
     assert detail["audit"]["window"] and detail["audit"]["baseline"]["acceptance_length"] > 1
     samples = _specwatch("query", "samples", first, "--archive", archive, "--json").stdout.strip().splitlines()
     assert samples and all(json.loads(line)["decision_id"] == first for line in samples)
+
+
+# Each incident's own decision: its reason, on the scope it hurts. The error burst hits
+# speculative extraction requests of every cohort; main, the busiest, is decided first. It
+# may be decided when the fleet-wide KV fallback ends its evidence (a last look), and is then
+# recorded beside that fallback with its own reason.
+_OWN_DECISIONS = {
+    "acceptance_drop": ("acceptance_drop", "coding", {"main", "canary"}),
+    "quality_mismatch": ("quality_regression", "structured", {None}),
+    "latency_tail": ("latency_slo", "reasoning", {"main"}),
+    "error_burst": ("error_rate", "extraction", {"main"}),
+    "kv_pressure": ("kv_pressure", None, {None}),
+}
+
+
+def _assert_own_decisions(summary):
+    caught = {row["incident"]: row for row in summary["incidents"]}
+    assert set(caught) == set(_OWN_DECISIONS)
+    for name, (reason, bucket, cohorts) in _OWN_DECISIONS.items():
+        row = caught[name]
+        assert row["verdict"] == "right", row
+        assert (row["reason"], row["decision_bucket"]) == (reason, bucket), row
+        assert row["decision_cohort"] in cohorts, row
+        assert 0 <= row["detection_delay_s"] < 120, row
+    for decision in summary["decisions"]:  # every decision's reason is one of the incidents'
+        assert decision["reason"] in {reason for reason, _, _ in _OWN_DECISIONS.values()}, decision
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_demo_names_each_incidents_own_decision_on_other_seeds(seed):
+    _assert_own_decisions(run_simulated_demo(seed=seed))

@@ -240,3 +240,56 @@ def test_a_kv_spike_shorter_than_the_gate_needs_is_not_reached_not_missed():
     row = {"start_ts": 100.0, "specwatch": {"verdict": "missed", "delay_s": None}}
     _kv_evidence(row, {130, 131, 132}, 3, 1.0)
     assert (row["kv_over_watermark"]["sustained_from_s"], row["specwatch"]["verdict"]) == (30.0, "missed")
+
+
+# -- the overlap suite -------------------------------------------------------------------------
+
+from specwatch.evaluation.overlap import (OverlapRun, format_overlap, overlap_runs, quick_overlap_runs,  # noqa: E402
+                                          run_overlap, summarize_overlap)
+
+# Each incident of the quick overlap runs: its verdict, its own decision's reason and scope.
+_OVERLAP_EXPECTED = {
+    # the demo's pair, closed loop: a fleet-wide KV surge comes 20 s into an error burst of
+    # speculated extraction requests; the burst is still decided with its own reason
+    "error_burst+kv_pressure/staggered/closed/w8c16/s7": [
+        ("error_burst", "right", "error_rate", "extraction/main"),
+        ("kv_pressure", "right", "kv_pressure", "*/*"),
+    ],
+    "latency_tail+acceptance_drop/together/open/w8c16/s8": [
+        ("latency_tail", "right", "latency_slo", "reasoning/main"),
+        ("acceptance_drop", "right", "acceptance_drop", "coding/main"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def overlap_results():
+    return {run.name: run_overlap(run) for run in quick_overlap_runs()}
+
+
+def test_overlapping_incidents_are_each_decided_with_their_own_reason_and_scope(overlap_results):
+    for name, expected in _OVERLAP_EXPECTED.items():
+        result = overlap_results[name]
+        got = [(row["kind"], row["verdict"], row["reason"], row["scope"]) for row in result["incidents"]]
+        assert sorted(got) == sorted(expected), name
+        assert result["unexplained"] == [], name  # no decision whose reason matches no incident
+
+
+def test_overlap_runs_are_seeded_and_cover_patterns_loops_and_fleets():
+    runs = overlap_runs()
+    assert runs == overlap_runs() and len(runs) == 40
+    assert {r.pattern for r in runs} == {"together", "staggered", "during_fallback"}
+    assert {r.closed_loop for r in runs} == {True, False}
+    assert {r.level for r in runs} == {(8, 16), (2, 8)}
+    assert {len(r.kinds) for r in runs} == {2, 3, 4}
+    # during another's fallback: the first incident is one decided within seconds
+    assert all(r.kinds[0] in ("acceptance_drop", "quality_mismatch", "kv_pressure")
+               for r in runs if r.pattern == "during_fallback")
+    staggered = OverlapRun(1, ("error_burst", "kv_pressure", "latency_tail"), "staggered", False)
+    assert [p.offset for p in staggered.plans()] == [0.0, 20.0, 40.0]
+
+
+def test_overlap_summary_counts_right_decisions_and_unexplained_ones(overlap_results):
+    summary = summarize_overlap(list(overlap_results.values()))
+    assert (summary["runs"], summary["incidents"], summary["right"], summary["unexplained_decisions"]) == (2, 4, 4, 0)
+    assert "| error_burst | 1/1 |" in format_overlap(summary)

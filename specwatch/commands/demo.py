@@ -75,7 +75,10 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     emitter = TelemetryEmitter(CallbackExporter(pipeline.feed_many), sdk=sdk)
     started = time.monotonic()
     next_report = next_flush = sim.start_ts
+    mismatches: dict[str, list[float]] = defaultdict(list)  # strict shadow mismatches, for the picture
     for record in sim.records():
+        if record.kind == "shadow" and not record.match:
+            mismatches[record.bucket].append(record.ts)
         emitter.emit(record)
         if record.ts >= next_flush:
             emitter.force_flush()
@@ -102,7 +105,8 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
         from specwatch.analysis.timeline import render_timeline
 
         render_timeline(rows, decisions, picture, incidents=sim.incidents,
-                        title=f"specwatch demo: scenario '{scenario}', seed {seed}")
+                        title=f"specwatch demo: scenario '{scenario}', seed {seed}",
+                        shadow_mismatches=mismatches, kv_watermark=pipeline.policy.kv.watermark)
         summary["picture"] = str(picture)
     return summary
 
@@ -172,10 +176,20 @@ def _scope(row: dict) -> str:
 
 
 def _caught(incident: dict) -> str:
+    """The incident's own decision: its reason and scope, and the verdict when it is not right.
+
+    >>> _caught({"decision_id": "d-1", "verdict": "right", "reason": "error_rate",
+    ...          "decision_bucket": "extraction", "decision_cohort": "main"})
+    'error_rate on extraction/main'
+    >>> _caught({"decision_id": None, "verdict": "missed"})
+    '-'
+    """
     if incident["decision_id"] is None:
         return "-"
     verdict = incident["verdict"]
-    return incident["reason"] if verdict == "right" else f"{incident['reason']} ({verdict})"
+    scope = _scope({"bucket": incident.get("decision_bucket"), "cohort": incident.get("decision_cohort")})
+    caught = f"{incident['reason']} on {scope}"
+    return caught if verdict == "right" else f"{caught} ({verdict})"
 
 
 def run(args) -> int:

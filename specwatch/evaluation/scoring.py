@@ -161,5 +161,6 @@ def match_incidents(incidents, alarms: list[Alarm]) -> list[dict]:
                      "expected_reason": incident.expected_reason,
                      "verdict": verdict.verdict,
                      **{k: getattr(alarm, k, None) for k in ("reason", "decision_id", "action")},
+                     "decision_bucket": getattr(alarm, "bucket", None), "decision_cohort": getattr(alarm, "cohort", None),
                      "detection_delay_s": verdict.delay_s})
     return rows

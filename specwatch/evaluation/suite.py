@@ -21,7 +21,7 @@ from .draft_length import DraftLengthCase, run_draft_length
 from .scoring import BASELINE_REASON, Alarm, decision_alarm, judge, stray_alarms
 
 __all__ = ["DETECTORS", "LEVELS", "TARGETS", "Case", "BaselineSettings", "calibrate", "full_suite",
-           "incident_kind", "quick_suite", "rollout_cases", "run_case", "run_rollout", "run_suite"]
+           "incident_kind", "pooled", "quick_suite", "rollout_cases", "run_case", "run_rollout", "run_suite"]
 
 DETECTORS = ("specwatch", "kill_switch", "prometheus")
 
@@ -526,16 +526,21 @@ def run_suite(cases: Iterable[Case], settings: BaselineSettings, policy: Policy 
     order = sorted(range(len(cases)), key=lambda i: -_work(cases[i]))
     jobs = [(i, cases[i], settings, policy, draft_length_seed) for i in order]
     results: dict[int, dict] = {}
+    for i, result in pooled(_run_one, jobs, processes):
+        results[i] = result
+        if progress is not None:
+            progress(result)
+    return [results[i] for i in range(len(cases))]
+
+
+def pooled(function: Callable, jobs: Sequence, processes: int) -> Iterable:
+    """``function`` over ``jobs``, here or on ``processes`` forked workers, results as they come."""
     with contextlib.ExitStack() as stack:
-        done = map(_run_one, jobs)
+        done = map(function, jobs)
         if processes > 1:  # fork keeps start-up cheap; each case builds its own simulator, pipeline
             pool = stack.enter_context(multiprocessing.get_context("fork").Pool(processes))
-            done = pool.imap_unordered(_run_one, jobs)
-        for i, result in done:
-            results[i] = result
-            if progress is not None:
-                progress(result)
-    return [results[i] for i in range(len(cases))]
+            done = pool.imap_unordered(function, jobs)
+        yield from done
 
 
 # -- rollouts under admission -----------------------------------------------------------------

@@ -7,7 +7,7 @@ import bisect
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -21,7 +21,7 @@ from specwatch.schemas import (BundleCard, BundleRecord, DrafterCard, RequestRec
                               TelemetryRecord, bundle_digest)
 
 __all__ = ["BUCKETS", "COHORTS", "DEFAULT_CARD", "DEFAULT_START_TS", "SCENARIOS", "BucketProfile",
-           "FlagSource", "Incident", "Simulator", "acceptance_length", "bucket_acceptance_length",
+           "FlagSource", "Incident", "IncidentPlan", "Simulator", "acceptance_length", "bucket_acceptance_length",
            "step_timing", "true_speedup"]
 
 DEFAULT_START_TS = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -319,13 +319,18 @@ class Incident:
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """One incident of a scenario: where, and when (seconds after the scenario's incident start)."""
+class IncidentPlan:
+    """One incident of a scenario: where, and when (seconds after the scenario's incident start);
+    ``intensity`` None: the run's (or the kind's default)."""
 
     kind: str
     bucket: str | None = None
     cohort: str | None = None
     offset: float = 0.0
+    intensity: float | None = None
+
+
+_Plan = IncidentPlan
 
 
 @dataclass(frozen=True)
@@ -431,6 +436,30 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
 })
 
 SCENARIOS: Mapping[str, str] = MappingProxyType({name: s.description for name, s in _SCENARIO_SPECS.items()})
+
+
+def _checked_plan(plan: IncidentPlan) -> IncidentPlan:
+    """``plan`` if the simulator can run it, else a `ValueError` naming what is wrong.
+
+    >>> _checked_plan(IncidentPlan("error_burst", "extraction", intensity=99.0))
+    Traceback (most recent call last):
+    ...
+    ValueError: intensity for error_burst is the multiplier on the error and timeout rate; it must be in [1.0, 48.0], got 99.0
+    """
+    if plan.kind not in _INTENSITY:
+        raise ValueError(f"unknown incident kind {plan.kind!r}; choose one of: {', '.join(_INTENSITY)}")
+    if plan.bucket is not None and plan.bucket not in _BUCKET_INDEX:
+        raise ValueError(f"unknown bucket {plan.bucket!r}")
+    if plan.cohort is not None and plan.cohort not in COHORTS:
+        raise ValueError(f"unknown cohort {plan.cohort!r}")
+    if not (plan.offset >= 0 and math.isfinite(plan.offset)):
+        raise ValueError(f"offset must be seconds >= 0, got {plan.offset!r}")
+    if plan.intensity is not None:
+        _, low, high, meaning = _INTENSITY[plan.kind]
+        if not low <= plan.intensity <= high:
+            raise ValueError(f"intensity for {plan.kind} is the {meaning}; it must be in [{low}, {high}], "
+                             f"got {plan.intensity!r}")
+    return plan
 
 
 class FlagSource(Protocol):
@@ -1015,10 +1044,13 @@ class Simulator:
     def __init__(self, scenario: str = "demo", seed: int = 7, minutes: float | None = None,
                  workers: int = _DEFAULT_WORKERS, intensity: float | None = None, flags: FlagSource | None = None,
                  start_ts: float = DEFAULT_START_TS, incident_at: float | None = None,
-                 concurrency: int = _DEFAULT_CONCURRENCY, capture: SampleCapture | None = None) -> None:
+                 concurrency: int = _DEFAULT_CONCURRENCY, capture: SampleCapture | None = None,
+                 plans: Sequence[IncidentPlan] | None = None) -> None:
         if scenario not in _SCENARIO_SPECS:
             raise ValueError(f"unknown scenario {scenario!r}; choose one of: {', '.join(_SCENARIO_SPECS)}")
         spec = _SCENARIO_SPECS[scenario]
+        if plans is not None:  # incidents of the caller's choosing on the scenario's traffic
+            spec = replace(spec, plans=tuple(_checked_plan(plan) for plan in plans))
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         minutes = spec.minutes if minutes is None else float(minutes)
@@ -1069,6 +1101,8 @@ class Simulator:
         return bundle_digest(DEFAULT_CARD)
 
     def _intensity(self, plan: _Plan) -> float:
+        if plan.intensity is not None:
+            return plan.intensity
         return _INTENSITY[plan.kind][0] if self.intensity is None else self.intensity
 
     def _schedule(self) -> list[list[tuple[float, _Plan]]]:
