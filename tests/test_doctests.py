@@ -14,7 +14,8 @@ _SKIP_PREFIXES = ("specwatch.collectors.vllm",)  # needs vllm importable; covere
 # The architecture folders are mapped into the namespace by the installer, so each
 # is walked on its own (walk_packages does not see mapped subpackages).
 _PACKAGES = ("specwatch", "specwatch.schemas", "specwatch.collectors", "specwatch.detectors",
-             "specwatch.actions", "specwatch.streams", "specwatch.archive", "specwatch.transport")
+             "specwatch.actions", "specwatch.streams", "specwatch.archive", "specwatch.transport",
+             "specwatch.qualify")
 
 
 def _modules():

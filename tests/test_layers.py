@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("specwatch.actions.sinks", 4),
     ("specwatch.streams", 5),
     ("specwatch", 6),
+    ("specwatch.qualify", 6),
 )
 
 
