@@ -11,7 +11,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 from scipy import stats as scipy_stats
 
-from specwatch.analysis.reproduce import first_divergence
+from specwatch.schemas.rerun import first_divergence
 from specwatch.detectors.draft_length import PositionSurvival
 from specwatch.detectors.window import SliceStats, round_evidence
 from specwatch.schemas.qualification import GateResult
