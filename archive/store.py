@@ -343,7 +343,7 @@ class Archive(PostmortemQueries):
 
     def qualifications(self, bundle_id: str | None = None) -> list[dict]:
         """Qualification reports (``report`` parsed), oldest first; of one bundle when ``bundle_id`` is given."""
-        return self._rows("qualifications", *where_clause(bundle_id=bundle_id), "ts, qualification_id", "report")
+        return self._rows("qualifications", *where_clause(bundle_id=bundle_id), "ts, archived_at, qualification_id", "report")
 
     def stage_history(self, bundle_id: str | None = None) -> list[dict]:
         """Admission stage changes in time order (``detail`` parsed): what changed a stage, when, why."""

@@ -63,6 +63,8 @@ def ledger_row(result: Mapping, concurrency: int, draft_length: int, kv_peak: fl
 
 def _slice_verdict(spec: Mapping, std: Mapping, policy: Policy) -> dict:
     """One concurrency: how the speculative path compares with the baseline, and what it breaches."""
+    # a row as archived has None where a value was undefined (no request completed, no KV reading)
+    spec, std = ({k: math.nan if v is None else v for k, v in row.items()} for row in (spec, std))
     throughput = ratio(spec["output_tok_s"], std["output_tok_s"])
     decode = ratio(std["tpot_p50_ms"], spec["tpot_p50_ms"])
     first_token = ratio(std["ttft_p50_ms"], spec["ttft_p50_ms"])

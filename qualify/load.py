@@ -76,6 +76,9 @@ def benchmark_run(base_url: str, model: str, tokenizer: str, requests: Sequence[
                   concurrency: int, num_prompts: int, seed: int = 0) -> tuple[dict, float]:
     """(vLLM's benchmark result, KV peak) for ``num_prompts`` greedy requests ``concurrency`` at a
     time; every request runs to its ``max_tokens`` (EOS ignored) so both paths do the same work."""
+    from specwatch.collectors.vllm.local_engine import quiet_vllm_logging
+
+    quiet_vllm_logging()
     from vllm.benchmarks import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -98,7 +98,8 @@ def _figure_pareto(report: Mapping) -> str:
         ax.plot([p["user_tok_s"] for p in front], [p["output_tok_s"] for p in front], linestyle="--", linewidth=0.8)
     ax.set_xlabel("interactivity (tok/s per request)")
     ax.set_ylabel("throughput (output tok/s)")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     svg = inline_svg(fig, "pareto")
     plt.close(fig)
     return svg
@@ -137,7 +138,8 @@ def _figure_latency(report: Mapping) -> str:
                         label=f"{path} c={row['concurrency']}")
     ax.set_xlabel("end-to-end latency (ms)")
     ax.set_ylabel("share of requests")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     svg = inline_svg(fig, "latency-cdf")
     plt.close(fig)
     return svg
