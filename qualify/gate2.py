@@ -91,6 +91,10 @@ def _slice_verdict(spec: Mapping, std: Mapping, policy: Policy) -> dict:
                             else "first token" if first_token > 1 else "neither")}
 
 
+def _times(factor: float | None) -> str:
+    return "n/a" if factor is None else f"{factor:.3g}x"
+
+
 def judge_gate2(speculative: Sequence[Mapping], standard: Sequence[Mapping], policy: Policy) -> GateResult:
     """Pass when at least one concurrency pays (faster than the baseline by the policy's min speedup,
     no tail, SLO, error or KV breach); otherwise every slice's finding is a reason.
@@ -117,8 +121,8 @@ def judge_gate2(speculative: Sequence[Mapping], standard: Sequence[Mapping], pol
     elif not any(s["pays"] for s in slices):
         for s in slices:
             what = ("faster" if s["faster"] else "not faster") + (
-                f": output {s['throughput_ratio']:.3g}x the baseline (decode {s['decode_speedup']:.3g}x, "
-                f"first token {s['ttft_speedup']:.3g}x)")
+                f": output {_times(s['throughput_ratio'])} the baseline (decode {_times(s['decode_speedup'])}, "
+                f"first token {_times(s['ttft_speedup'])})")
             reasons.append(f"concurrency {s['concurrency']}: {what}" + (f"; {', '.join(s['breaches'])}"
                                                                         if s["breaches"] else ""))
     return GateResult(verdict="fail" if reasons else "pass", reasons=reasons,

@@ -4,7 +4,6 @@ Servers are passed in (URLs, or a factory that starts them); progress goes to a 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Sequence
@@ -51,6 +50,7 @@ class QualifyPlan:
     max_batch_size: int = 8
     alpha: float = DEFAULT_ALPHA
     check_table: bool = False  # start an engine with the Dynamic SD table and run requests on it
+    gate2: bool = True  # False: Gate 1 only (a quick check of the lossless contract; the report fails)
 
     def sweep_configurations(self, method: str, draft_length: int) -> list[tuple[str, int]]:
         """(method, D) pairs to start servers for, beyond the card's own configuration."""
@@ -92,22 +92,25 @@ def _ledger(endpoint: Endpoint, dataset: Dataset, plan: QualifyPlan, draft_lengt
         row = ledger_row(result, concurrency, draft_length, kv_peak)
         row["e2e_samples_ms"] = [round(x * 1000.0, 3) for x in result.get("latencies") or []]
         rows.append(row)
-        progress(f"{label}: concurrency {concurrency}: {row['output_tok_s']:.1f} output tok/s, TPOT p50 "
-                 f"{row['tpot_p50_ms']:.1f} ms ({time.monotonic() - started:.1f} s)")
+        progress(f"{label}: concurrency {concurrency}: {row['completed']} completed, {row['failed']} failed, "
+                 f"{row['output_tok_s']} output tok/s, TPOT p50 {row['tpot_p50_ms']} ms "
+                 f"({time.monotonic() - started:.1f} s)")
     return rows
 
 
 def qualify_bundle(card: BundleCard, speculative_config: dict, dataset: Dataset, policy: Policy,
                    speculative: Endpoint, standard: Endpoint, plan: QualifyPlan,
                    start_server: ServerFactory | None = None, progress: Callable[[str], None] = lambda _: None,
-                   clock: Callable[[], float] = time.time, engine_starts: int = 0) -> Qualification:
+                   clock: Callable[[], float] = time.time, engine_starts: int = 0,
+                   after_gates: Callable[[], None] = lambda: None) -> Qualification:
     """Gate 1, Gate 2 and the sweep for ``card`` (served by ``speculative``, with ``speculative_config``)
     against ``standard``; ``start_server`` makes the sweep's other configurations (without it only the
-    card's D is measured). ``engine_starts`` counts servers the caller started for the two paths."""
+    card's D is measured). ``engine_starts`` counts servers the caller started for the two paths;
+    ``after_gates`` is called when the two servers are no longer needed (before the sweep starts more)."""
     started = time.monotonic()
     method = speculative_config.get("method", "draft_model")
     draft_length = card.drafter.draft_length
-    configurations = plan.sweep_configurations(method, draft_length) if start_server else []
+    configurations = plan.sweep_configurations(method, draft_length) if start_server and plan.gate2 else []
     gate1_requests = 2 * sum(r.sampling.samples for r in dataset.requests)
     cost = sweep_cost(engine_starts + len(configurations) + int(plan.check_table),
                       (2 + len(configurations)) * len(plan.concurrencies), plan.requests_per_run, gate1_requests)
@@ -126,10 +129,18 @@ def qualify_bundle(card: BundleCard, speculative_config: dict, dataset: Dataset,
     gate1 = judge_gate1(dataset.requests, completions, plan.alpha)
     progress(f"gate 1: {gate1.verdict}" + (f" ({len(gate1.reasons)} finding(s))" if gate1.reasons else ""))
 
+    if not plan.gate2:
+        after_gates()
+        gate2 = GateResult(verdict="not_run", reasons=["not run: Gate 1 only was asked for"])
+        return Qualification.for_card(card, ts=clock(), gate1=gate1, gate2=gate2, dataset=dataset.summary(),
+                                      cost={"engine_starts": engine_starts, "gate1_requests": len(completions),
+                                            "load_requests": 0, "wall_seconds": round(time.monotonic() - started, 1),
+                                            "estimate": cost})
     std_rows = _ledger(standard, dataset, plan, 0, progress, "gate 2 standard")
     spec_rows = _ledger(speculative, dataset, plan, draft_length, progress, "gate 2 speculative")
     gate2 = judge_gate2(spec_rows, std_rows, policy)
     progress(f"gate 2: {gate2.verdict}")
+    after_gates()
 
     points = [_point("standard", r) for r in std_rows] + [_point(method, r) for r in spec_rows]
     starts = engine_starts
@@ -191,9 +202,3 @@ def _check_table(config: dict, table: list[list[int]], dataset: Dataset, start_s
         return {"started": False, "error": f"{type(error).__name__}: {error}"[:500], "config": dynamic}
     failed = [c.error for c in done if c.error]
     return {"started": True, "requests": len(done), "failed": len(failed), "errors": failed[:3], "config": dynamic}
-
-
-@contextlib.contextmanager
-def given(endpoint: Endpoint):
-    """A server someone else runs, as a context like a started one."""
-    yield endpoint

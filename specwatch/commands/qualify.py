@@ -60,6 +60,8 @@ def add_arguments(parser) -> None:
                         help="sweep the D candidates from the model's G: 128/G - 1, tile boundaries, neighbours")
     parser.add_argument("--max-draft-length", type=int, default=8, help="largest D the sweep starts (default 8)")
     parser.add_argument("--mechanisms", default="", help="other vLLM methods to sweep beside the bundle's (ngram)")
+    parser.add_argument("--gate1-only", action="store_true",
+                        help="check the quality invariants only (no load, no sweep; the report does not pass)")
     parser.add_argument("--check-table", action="store_true",
                         help="start an engine with the Dynamic SD table and complete requests on it")
     add_policy_option(parser, help="policy TOML whose SLOs, speedup and tolerances Gate 2 applies")
@@ -116,7 +118,7 @@ def run(args) -> int:
     from specwatch.analysis.qualification import render_html, render_text
     from specwatch.qualify.client import served_model
     from specwatch.qualify.dataset import load_dataset
-    from specwatch.qualify.procedure import Endpoint, QualifyPlan, given, qualify_bundle
+    from specwatch.qualify.procedure import Endpoint, QualifyPlan, qualify_bundle
     from specwatch.qualify.servers import ServerSettings, server_factory, started
 
     urls = (args.speculative_url, args.standard_url)
@@ -145,7 +147,7 @@ def run(args) -> int:
     plan = QualifyPlan(concurrencies=_list_of_ints(args.concurrency), requests_per_run=args.requests_per_run,
                        draft_lengths=_draft_lengths(args, card),
                        mechanisms=[m.strip() for m in args.mechanisms.split(",") if m.strip()],
-                       max_batch_size=args.max_num_seqs, check_table=args.check_table)
+                       max_batch_size=args.max_num_seqs, check_table=args.check_table, gate2=not args.gate1_only)
     if (plan.draft_lengths or plan.mechanisms or plan.check_table) and settings is None:
         raise CommandError("the sweep and --check-table start servers: give --model (and --speculative-config)")
 
@@ -155,10 +157,10 @@ def run(args) -> int:
     with ExitStack() as stack:
         if any(urls):
             try:
-                endpoints = [Endpoint(url, served_model(url), args.tokenizer or served_model(url)) for url in urls]
+                speculative, standard = (Endpoint(url, served_model(url), args.tokenizer or served_model(url))
+                                         for url in urls)
             except (OSError, ValueError) as error:
                 raise CommandError(f"cannot reach the servers: {error}") from None
-            speculative, standard = (stack.enter_context(given(e)) for e in endpoints)
             starts = 0
         else:
             progress("starting the standard and the speculative server")
@@ -168,7 +170,7 @@ def run(args) -> int:
         report = qualify_bundle(card, speculative_config or {"method": card.drafter.mechanism}, dataset, policy,
                                 speculative, standard, plan,
                                 start_server=server_factory(settings) if settings else None,
-                                progress=progress, engine_starts=starts)
+                                progress=progress, engine_starts=starts, after_gates=stack.close)
     document = json.loads(report.model_dump_json())
     if not args.no_archive:
         with open_archive(args.archive, create=True) as archive:
