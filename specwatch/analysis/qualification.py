@@ -83,8 +83,23 @@ def render_text(report: Mapping) -> str:
     return "\n".join(lines)
 
 
+def _finish(fig, ax, ident: str, xlabel: str | None, ylabel: str) -> str:
+    """Label and legend ``ax``, then ``fig`` as inline SVG (the figure closed)."""
+    from specwatch.analysis.timeline import inline_svg
+    import matplotlib.pyplot as plt
+
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    svg = inline_svg(fig, ident)
+    plt.close(fig)
+    return svg
+
+
 def _figure_pareto(report: Mapping) -> str:
-    from specwatch.analysis.timeline import inline_svg  # chooses matplotlib's Agg backend
+    import specwatch.analysis.timeline  # noqa: F401  chooses matplotlib's Agg backend
     import matplotlib.pyplot as plt
 
     points = (report.get("sweep") or {}).get("points") or []
@@ -96,17 +111,11 @@ def _figure_pareto(report: Mapping) -> str:
             ax.annotate(f"{p['mechanism'][:5]} D{p['draft_length']}", (p["user_tok_s"], p["output_tok_s"]), fontsize=6)
         front = report["sweep"]["pareto"].get(str(concurrency), [])
         ax.plot([p["user_tok_s"] for p in front], [p["output_tok_s"] for p in front], linestyle="--", linewidth=0.8)
-    ax.set_xlabel("interactivity (tok/s per request)")
-    ax.set_ylabel("throughput (output tok/s)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    svg = inline_svg(fig, "pareto")
-    plt.close(fig)
-    return svg
+    return _finish(fig, ax, "pareto", "interactivity (tok/s per request)", "throughput (output tok/s)")
 
 
 def _figure_acceptance(report: Mapping) -> str:
-    from specwatch.analysis.timeline import inline_svg
+    import specwatch.analysis.timeline  # noqa: F401
     import matplotlib.pyplot as plt
 
     acceptance = (report["gate1"].get("detail") or {}).get("acceptance") or {}
@@ -116,15 +125,12 @@ def _figure_acceptance(report: Mapping) -> str:
     low = [max(0.0, m - (acceptance[b]["p10"] or m)) for b, m in zip(buckets, means)]
     high = [max(0.0, (acceptance[b]["p90"] or m) - m) for b, m in zip(buckets, means)]
     ax.bar(buckets, means, yerr=[low, high], capsize=3, color="#2ca02c")
-    ax.set_ylabel("acceptance length (mean, p10-p90)")
     ax.tick_params(axis="x", labelsize=7)
-    svg = inline_svg(fig, "acceptance")
-    plt.close(fig)
-    return svg
+    return _finish(fig, ax, "acceptance", None, "acceptance length (mean, p10-p90)")
 
 
 def _figure_latency(report: Mapping) -> str:
-    from specwatch.analysis.timeline import inline_svg
+    import specwatch.analysis.timeline  # noqa: F401
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -136,13 +142,7 @@ def _figure_latency(report: Mapping) -> str:
             if samples.size:
                 ax.step(samples, np.arange(1, samples.size + 1) / samples.size, linestyle=style, where="post",
                         label=f"{path} c={row['concurrency']}")
-    ax.set_xlabel("end-to-end latency (ms)")
-    ax.set_ylabel("share of requests")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    svg = inline_svg(fig, "latency-cdf")
-    plt.close(fig)
-    return svg
+    return _finish(fig, ax, "latency-cdf", "end-to-end latency (ms)", "share of requests")
 
 
 def render_html(report: Mapping) -> str:
