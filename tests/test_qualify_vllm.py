@@ -32,7 +32,7 @@ _DATASET = [
     {"id": "long-1", "bucket": "long_context", "prompt": " ".join(f"line {i}: value {i * 7}." for i in range(30))
      + "\nQuestion: value of line 7?\nAnswer:", "sampling": {"max_tokens": 24}},
     {"id": "sampled-1", "bucket": "coding", "prompt": "def parse(text):\n",
-     "sampling": {"temperature": 0.02, "max_tokens": 6, "seed": 11, "samples": 24}},
+     "sampling": {"temperature": 0.02, "max_tokens": 40, "seed": 11, "samples": 24}},
 ]
 GREEDY = sum(1 for r in _DATASET if "temperature" not in r["sampling"])
 
