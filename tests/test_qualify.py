@@ -182,7 +182,8 @@ def test_a_qualification_is_archived_under_its_card_and_bundles_show_prints_it(t
     page = tmp_path / "q.html"
     assert main(["bundles", "show", bundle_digest(CARD), "--archive", dsn, "--html", str(page)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"qualification of {bundle_digest(CARD)}: PASS (ngram, D = 3)\n")
+    assert out.startswith(f"bundle {bundle_digest(CARD)}: not judged (admission off)\n")
+    assert f"\nqualification of {bundle_digest(CARD)}: PASS (ngram, D = 3)\n" in out
     assert "2 qualification run(s) of this card" in out
     assert 'data-verdict="pass"' in page.read_text()
     assert main(["bundles", "show", "b-0000000000000000", "--archive", dsn]) == 1

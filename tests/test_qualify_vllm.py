@@ -117,7 +117,7 @@ def test_random_drafter_is_lossless_but_slower_so_d0_is_advised_and_its_table_st
     # archived under the card; `bundles show` prints the verdict and the advice
     assert main(["bundles", "show", report["bundle_id"], "--archive", archive]) == 0
     shown = capsys.readouterr().out
-    assert shown.startswith(f"qualification of {report['bundle_id']}: FAIL (external, D = {D})")
+    assert f"\nqualification of {report['bundle_id']}: FAIL (external, D = {D})\n" in shown
     assert "D = 0 advised: speculation does not pay at any measured load" in shown
 
 

@@ -82,11 +82,17 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         print_rows([dict(row, history=history, qualification=qualification)], (), as_json=True)
         return 0
+    _print_stages(row, history)
+    print()
     if qualification is not None:
         print(render_text(qualification) + f"\n  ({qualification['qualification_id']}; "
-              f"{len(qualifications)} qualification run(s) of this card)\n")
+              f"{len(qualifications)} qualification run(s) of this card)")
     else:
-        print("no qualification of this card (specwatch qualify)\n")
+        print("no qualification of this card (specwatch qualify)")
+    return 0
+
+
+def _print_stages(row: dict, history: list[dict]) -> None:
     print(f"bundle {row['bundle_id']}: {row['stage'] or 'not judged (admission off)'}"
           + (f", cohort share {row['cohort_share']:g}" if row["stage"] in ("shadow", "canary") else ""))
     print(f"  card: {format_card(row['card'])}")
@@ -94,14 +100,13 @@ def _show(args: argparse.Namespace) -> int:
           f"{', '.join(row['workers']) or '-'}")
     if not history:
         print("  no stage history")
-        return 0
+        return
     print()
     print_rows(history, [
         ("ts", "when (UTC)", format_ts), ("previous_stage", "from", _opt), ("stage", "to", str),
         ("cohort_share", "share", _opt), ("actor", "by", str), ("reason", "reason", str),
         ("decision_id", "decision", _opt), ("evidence", "evidence", str),
     ], as_json=False)
-    return 0
 
 
 def _change(args: argparse.Namespace) -> int:
