@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 from specwatch.detectors.canary import CanaryJudge, Judgement, combine
 from specwatch.detectors.window import SliceStats
@@ -167,12 +168,24 @@ class AdmissionController:
     in event-time order; every move is a `Decision` (or a history row) for the caller's flag store.
     """
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, qualifications: Mapping[str, Mapping] | None = None) -> None:
         self.policy = policy
         self.settings = policy.admission
         self.bundles: dict[str, BundleAdmission] = {}
         self._admitted = frozenset(self.settings.admitted_bundles)
         self.changes: list[StageChange] = []  # stage changes not yet taken by the caller
+        # bundle id -> its newest qualification ({"verdict", "qualification_id", "ts", "reasons"})
+        self.qualifications: dict[str, Mapping] = dict(qualifications or {})
+
+    def qualified(self, bundle_id: str, qualification: Mapping, ts: float) -> list[Decision]:
+        """A qualification of ``bundle_id`` finished: a pass starts an unadmitted strict bundle in shadow
+        (when the policy requires qualification and starts bundles in shadow by itself)."""
+        self.qualifications[bundle_id] = qualification
+        entry = self.bundles.get(bundle_id)
+        if (entry is None or entry.stage != "unadmitted" or not self.settings.require_qualification
+                or not self._may_shadow(entry)):
+            return []
+        return [self._shadow(entry, max(ts, entry.stage_since))]
 
     def to_state(self) -> dict:
         """Every bundle's stage, judges and history as plain data (the settings are the policy's)."""
@@ -316,11 +329,39 @@ class AdmissionController:
             decisions.append(self._decide(entry, "unadmitted", ts, "disable_speculation",
                                           "unadmitted_bundle", _REGISTRY, evidence))
         if self.settings.auto_shadow and entry.strict:
-            evidence = self._stage_evidence(entry, "shadow")
-            evidence["acceptance_rule"] = "strict"
-            decisions.append(self._decide(entry, "shadow", ts, "promote", "unadmitted_bundle",
-                                          _REGISTRY, evidence))
+            refusal = self._qualification_refusal(entry)
+            if refusal is None:
+                decisions.append(self._shadow(entry, ts))
+            elif decisions:
+                decisions[-1].evidence.update(refusal)
+            else:  # invalidated by a card change: its stage row says why it stays there
+                entry.history[-1].detail.update(refusal)
         return decisions
+
+    def _shadow(self, entry: BundleAdmission, ts: float) -> Decision:
+        evidence = self._stage_evidence(entry, "shadow")
+        evidence["acceptance_rule"] = "strict"
+        qualification = self.qualifications.get(entry.bundle_id)
+        if self.settings.require_qualification and qualification is not None:
+            evidence["qualification_id"] = qualification.get("qualification_id")
+        return self._decide(entry, "shadow", ts, "promote", "unadmitted_bundle", _REGISTRY, evidence)
+
+    def _may_shadow(self, entry: BundleAdmission) -> bool:
+        return self.settings.auto_shadow and entry.strict and self._qualification_refusal(entry) is None
+
+    def _qualification_refusal(self, entry: BundleAdmission) -> dict | None:
+        """Why shadow is refused for want of a passing qualification of this exact card; None if it is not."""
+        if not self.settings.require_qualification:
+            return None
+        qualification = self.qualifications.get(entry.bundle_id)
+        if qualification is not None and qualification.get("verdict") == "pass":
+            return None
+        if qualification is None:
+            why = "no qualification of this card: run specwatch qualify (a changed card needs a new one)"
+        else:
+            why = f"its qualification {qualification.get('qualification_id')} failed"
+        return {"shadow_refused": why, "qualification": "missing" if qualification is None else "failed",
+                "qualification_reasons": list((qualification or {}).get("reasons") or [])[:5]}
 
     def _promote(self, entry: BundleAdmission, now: float, judged: dict[str, Judgement]) -> Decision:
         schedule = self.settings.cohort_schedule

@@ -155,6 +155,12 @@ REPRODUCTIONS = Table("reproductions", (
     ("verdict", "LowCardinality(String)"), ("result", "String"), _ARCHIVED_AT,
 ), "ReplacingMergeTree", "(decision_id, reproduction_id)")
 
+# One `specwatch qualify` report per run, under the card's fingerprint; the newest one counts.
+QUALIFICATIONS = Table("qualifications", (
+    ("qualification_id", "String"), ("bundle_id", "String"), ("ts", "Float64"),
+    ("verdict", "LowCardinality(String)"), ("report", "String"), _ARCHIVED_AT,
+), "ReplacingMergeTree", "(bundle_id, qualification_id)")
+
 TABLES = (DECISIONS, AUDIT, SAMPLES, WINDOW_STATS, BUNDLES, BUNDLE_SIGHTINGS, OVERRIDES, BUNDLE_STAGES,
-          SEALED_SAMPLES, REPRODUCTIONS)
+          SEALED_SAMPLES, REPRODUCTIONS, QUALIFICATIONS)
 """Every archive table, in the order they are created."""

@@ -17,7 +17,7 @@ import pyarrow as pa
 from specwatch.actions.flags import FlagStore
 from specwatch.archive.client import ArrowInsert, connect, server_insert
 from specwatch.archive.columns import (AUDIT, BUNDLE_SIGHTINGS, BUNDLE_STAGES, BUNDLES, DECISIONS,
-                                       DEFAULT_SEALED_RETENTION_DAYS, OVERRIDES, REPRODUCTIONS,
+                                       DEFAULT_SEALED_RETENTION_DAYS, OVERRIDES, QUALIFICATIONS, REPRODUCTIONS,
                                        SAMPLES, SEALED_SAMPLES, TABLES, WINDOW_ADDED, WINDOW_STATS,
                                        Table)
 from specwatch.archive.dsn import DEFAULT_DATABASE, ArchiveDsn, check_database_name
@@ -332,6 +332,19 @@ class Archive(PostmortemQueries):
         """The `specwatch reproduce` results archived for a decision, oldest first, ``result`` parsed."""
         return self._rows("reproductions", " WHERE decision_id = {id:String}", {"id": decision_id},
                           "ts, reproduction_id", "result")
+
+    def write_qualification(self, report: Mapping[str, Any]) -> str:
+        """Archive a `specwatch qualify` report (a `Qualification` dumped as JSON); returns its id."""
+        require_text(report["bundle_id"], "bundle_id")
+        bundle_id, ts = report["bundle_id"], finite(report["ts"], "ts")
+        text = canonical_json(report)
+        qualification_id = "q-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+        self._insert(QUALIFICATIONS, [[v] for v in (qualification_id, bundle_id, ts, report["verdict"], text)])
+        return qualification_id
+
+    def qualifications(self, bundle_id: str | None = None) -> list[dict]:
+        """Qualification reports (``report`` parsed), oldest first; of one bundle when ``bundle_id`` is given."""
+        return self._rows("qualifications", *where_clause(bundle_id=bundle_id), "ts, archived_at, qualification_id", "report")
 
     def stage_history(self, bundle_id: str | None = None) -> list[dict]:
         """Admission stage changes in time order (``detail`` parsed): what changed a stage, when, why."""

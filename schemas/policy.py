@@ -198,6 +198,9 @@ class AdmissionPolicy(_Section):
     admitted_bundles: list[Name] = Field(
         default_factory=list, description="bundle ids admitted before enforcement began (the running fleet)")
     auto_shadow: bool = Field(True, description="start a new strict-rule bundle in shadow by itself")
+    require_qualification: bool = Field(
+        False, description="start a bundle in shadow only with a passing `specwatch qualify` report of its exact "
+                           "card; any card change needs a new one")
     shadow_share: float = Field(0.05, gt=0, le=1, description="share of traffic mirrored to the shadow cohort")
     shadow_cohort: ScopeName = "shadow"
     canary_cohort: ScopeName = "canary"

@@ -26,6 +26,7 @@ COMMANDS = {
     "explain": "postmortem of one archived decision (text, or an HTML page)",
     "flags": "speculative-path state per scope; manual overrides",
     "gateway": "OpenAI-compatible proxy routing between a speculative and a standard pool",
+    "qualify": "Gates 1 and 2 and the D sweep of a bundle against standard decoding, before traffic",
     "query": "read decisions, evidence, samples and timelines from the archive",
     "replay": "replay contract-v1 JSON Lines and write the decisions",
     "reproduce": "re-run a decision's sealed requests on standard and speculative decoding",

@@ -53,12 +53,12 @@ class EmbeddedPipeline:
 
     def __init__(self, policy: Policy | None = None, flags: FlagStore | None = None,
                  sinks: Iterable[Callable[[SliceOutput], None]] = (),
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, qualifications: dict | None = None) -> None:
         self.policy = policy or Policy()
         self._clock = clock
         self.flags = flags if flags is not None else FlagStore()
         self.stage1 = Stage1(self.policy, source="embedded")
-        self.stage2 = Stage2(self.policy, self.flags)
+        self.stage2 = Stage2(self.policy, self.flags, qualifications=qualifications)
         self.ingest = Ingest(self.stage1)
         self.sinks = list(sinks)
         self.counters = PipelineCounters(rejected=self.ingest.rejected)

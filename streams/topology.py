@@ -672,13 +672,13 @@ class Stage2:
     """
 
     def __init__(self, policy: Policy, flags: FlagStore | None = None,
-                 owns: Callable[[str], bool] | None = None) -> None:
+                 owns: Callable[[str], bool] | None = None, qualifications: dict | None = None) -> None:
         self.policy = policy
         self.owns = owns
         self.flags = flags if flags is not None else FlagStore()
         self.fallback = FallbackPolicy(policy, self.flags)
         # Admission is a policy switch: off, it does not exist, and no decision changes.
-        self.admission = AdmissionController(policy) if policy.admission.enforce else None
+        self.admission = AdmissionController(policy, qualifications) if policy.admission.enforce else None
         self._slice_s = policy.windows.slice_seconds
         self._sources: dict[str, int] = {}
         self._released: set[str] = set()

@@ -15,7 +15,7 @@ _SKIP_PREFIXES = ("specwatch.collectors.vllm",)  # needs vllm importable; covere
 # is walked on its own (walk_packages does not see mapped subpackages).
 _PACKAGES = ("specwatch", "specwatch.schemas", "specwatch.collectors", "specwatch.detectors",
              "specwatch.actions", "specwatch.streams", "specwatch.archive", "specwatch.transport",
-             "specwatch.gateway")
+             "specwatch.gateway", "specwatch.qualify")
 
 
 def _modules():

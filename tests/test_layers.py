@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("specwatch.streams", 5),
     ("specwatch", 6),
     ("specwatch.gateway", 6),
+    ("specwatch.qualify", 6),
 )
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from specwatch.schemas import BundleCard, card_differences
-from specwatch.schemas.rerun import RerunOutcome, RerunRequest
+from specwatch.schemas.rerun import RerunOutcome, RerunRequest, first_divergence
 from specwatch.schemas.sealed import SampleKey, SealedSampleError, open_sealed, sealed_key_id
 
 __all__ = ["REPRODUCED", "NOT_REPRODUCED", "BUNDLE_DIFFERS", "ReproduceError", "Rerunner",
@@ -53,18 +53,6 @@ def position_acceptance(rounds: Sequence[tuple[int, int]], draft_length: int) ->
         accepted = sum(1 for drafted, taken in rounds if drafted >= k and taken >= k)
         shares.append(accepted / reached if reached else math.nan)
     return shares
-
-
-def first_divergence(expected: Sequence[int], actual: Sequence[int]) -> int | None:
-    """The first output position (0-based) where two token sequences differ; None if equal.
-
-    >>> first_divergence([1, 2, 3], [1, 2, 3]), first_divergence([1, 2, 3], [1, 5, 3]), first_divergence([1], [1, 2])
-    (None, 1, 1)
-    """
-    for position, (a, b) in enumerate(zip(expected, actual)):
-        if a != b:
-            return position
-    return None if len(expected) == len(actual) else min(len(expected), len(actual))
 
 
 def compare_request(request: RerunRequest, outcome: RerunOutcome, draft_length: int,

@@ -7,7 +7,7 @@ import time
 
 from specwatch.commands._arguments import (CommandError, EXIT_NOT_FOUND, EXIT_NOT_PUBLISHED, actor_name,
                                            add_policy_option, archive_reader_options, load_policy,
-                                           open_archive)
+                                           open_archive, write_page)
 from specwatch.commands.flags import add_publish_options, publish_keyring, publish_manual
 from specwatch.commands.query import format_card, format_optional as _opt, format_ts, print_rows
 
@@ -31,8 +31,9 @@ def add_arguments(parser) -> None:
 
     p = sub.add_parser("list", parents=[common], help="every bundle with its stage")
     p.set_defaults(func=_list)
-    p = sub.add_parser("show", parents=[common], help="one bundle: card and stage history")
+    p = sub.add_parser("show", parents=[common], help="one bundle: card, stage history and qualification")
     p.add_argument("bundle_id", help="bundle id (b-...)")
+    p.add_argument("--html", metavar="FILE", help="write the bundle's newest qualification report as a page to FILE")
     p.set_defaults(func=_show)
     p = sub.add_parser("admit", parents=[common, change], help="admit a bundle by hand (all traffic speculates)")
     p.set_defaults(func=_change, move="admit")
@@ -58,14 +59,40 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from specwatch.analysis.qualification import render_html, render_text
+
     with open_archive(args.archive) as archive:
-        row = _registered(archive, args.bundle_id)
+        qualifications = archive.qualifications(args.bundle_id)
+        # a bundle qualified before any engine ran it is known by its qualification's card alone
+        row = _registered(archive, args.bundle_id) if not qualifications else next(
+            (r for r in archive.bundle_registry() if r["bundle_id"] == args.bundle_id), None)
         history = archive.stage_history(args.bundle_id)
+    qualification = dict(qualifications[-1]["report"], qualification_id=qualifications[-1]["qualification_id"]
+                         ) if qualifications else None
+    if args.html:
+        if qualification is None:
+            raise CommandError(f"bundle {args.bundle_id} has no qualification to draw (run specwatch qualify)",
+                               EXIT_NOT_FOUND)
+        write_page(args.html, render_html(qualification), "qualification page")
     for change in history:
         change["evidence"] = _evidence(change)
+    if row is None:
+        row = {"bundle_id": args.bundle_id, "stage": None, "cohort_share": None, "card": qualification["card"],
+               "first_seen": None, "last_seen": None, "workers": []}
     if args.json:
-        print_rows([dict(row, history=history)], (), as_json=True)
+        print_rows([dict(row, history=history, qualification=qualification)], (), as_json=True)
         return 0
+    _print_stages(row, history)
+    print()
+    if qualification is not None:
+        print(render_text(qualification) + f"\n  ({qualification['qualification_id']}; "
+              f"{len(qualifications)} qualification run(s) of this card)")
+    else:
+        print("no qualification of this card (specwatch qualify)")
+    return 0
+
+
+def _print_stages(row: dict, history: list[dict]) -> None:
     print(f"bundle {row['bundle_id']}: {row['stage'] or 'not judged (admission off)'}"
           + (f", cohort share {row['cohort_share']:g}" if row["stage"] in ("shadow", "canary") else ""))
     print(f"  card: {format_card(row['card'])}")
@@ -73,14 +100,13 @@ def _show(args: argparse.Namespace) -> int:
           f"{', '.join(row['workers']) or '-'}")
     if not history:
         print("  no stage history")
-        return 0
+        return
     print()
     print_rows(history, [
         ("ts", "when (UTC)", format_ts), ("previous_stage", "from", _opt), ("stage", "to", str),
         ("cohort_share", "share", _opt), ("actor", "by", str), ("reason", "reason", str),
         ("decision_id", "decision", _opt), ("evidence", "evidence", str),
     ], as_json=False)
-    return 0
 
 
 def _change(args: argparse.Namespace) -> int:

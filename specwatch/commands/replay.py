@@ -9,7 +9,8 @@ import sys
 from itertools import islice
 
 from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option,
-                                           add_policy_option, check_output, load_policy, open_command_output)
+                                           add_policy_option, check_output, load_policy, open_archive,
+                                           open_command_output)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "replay_file"]
 
@@ -95,7 +96,10 @@ def run(args) -> int:
             sink = ArchiveSink.open(args.archive_dsn, outage_log_level=logging.INFO)
         except ValueError as error:
             raise CommandError(str(error)) from None
-    pipeline = EmbeddedPipeline(policy, sinks=[sink] if sink is not None else [])
+    qualifications = None
+    if policy.admission.enforce and policy.admission.require_qualification:
+        qualifications = _qualifications(args.archive_dsn)
+    pipeline = EmbeddedPipeline(policy, sinks=[sink] if sink is not None else [], qualifications=qualifications)
     try:
         with contextlib.ExitStack() as stack:
             if sink is not None:
@@ -143,3 +147,12 @@ def run(args) -> int:
             print(f"  ({summary['rejected'] + summary['late_records'] - shown} more not listed)", file=stream)
         print(f"decisions: {summary['decisions']} -> {args.output}", file=stream)
     return _EXIT_ARCHIVE_ROWS_LOST if sink is not None and sink.stats()["dropped_entries"] else 0
+
+
+def _qualifications(dsn) -> dict:
+    """Each bundle's newest qualification in the archive, for admission's require_qualification switch."""
+    with open_archive(dsn) as archive:
+        rows = archive.qualifications()
+    return {row["bundle_id"]: {"verdict": row["verdict"], "qualification_id": row["qualification_id"],
+                               "ts": row["ts"], "reasons": row["report"].get("gate1", {}).get("reasons", [])
+                               + row["report"].get("gate2", {}).get("reasons", [])} for row in rows}
