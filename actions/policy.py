@@ -71,7 +71,7 @@ class FallbackPolicy:
                            for scope, memory in self.memory.items()]}
 
     def load_state(self, state: dict) -> None:
-        self.memory = {scope_from_state(scope): ScopeMemory(**{**fields, "off_reasons": set(fields["off_reasons"])})
+        self.memory = {scope_from_state(scope): ScopeMemory(**{**fields, "off_reasons": set(fields.get("off_reasons", ()))})
                        for scope, fields in state["memory"]}
 
     def _held_off_by(self, scope: Scope) -> list[tuple[Scope, ScopeState]] | None:

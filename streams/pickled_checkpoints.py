@@ -57,6 +57,28 @@ class _HeldStep:
         return self.func(*self.args, *more, **self.kwargs)
 
 
+class _PickledEventClock(intake.EventClock):
+    """An event clock as the last pickling version wrote it: one writer, no offsets."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state) -> None:
+        slots = state[1] if isinstance(state, tuple) else state
+        fresh = intake.EventClock(slots["max_skew"], slots["_size"])
+        for name in intake.EventClock.__slots__:
+            setattr(self, name, slots[name] if name in slots else getattr(fresh, name))
+        if "primed" not in slots:  # it had seen records: they were its one writer's, in line
+            self.primed, self._start = True, self._median
+
+
+class _PickledScopeMemory(fallback.ScopeMemory):
+    """A scope's fallback memory as the last pickling version wrote it: fields added since take their defaults."""
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(vars(fallback.ScopeMemory()))
+        self.__dict__.update(state)
+
+
 def _names(module, *names: str, pickled_as: str | None = None) -> dict[tuple[str, str], object]:
     """``names`` of ``module``, under the module name the pickles hold (``pickled_as``: its old name)."""
     return {(pickled_as or module.__name__, name): getattr(module, name) for name in names}
@@ -80,7 +102,8 @@ _ALLOWED: dict[tuple[str, str], object] = {
     ("specwatch.schemas.otlp", "decode_request"): decode_request,
     **_names(admission, "AdmissionController", "BundleAdmission", "StageChange"),
     **_names(flags, "AdmissionState", "ScopeState"),
-    **_names(fallback, "FallbackPolicy", "ScopeMemory"),
+    **_names(fallback, "FallbackPolicy"),
+    ("specwatch.actions.policy", "ScopeMemory"): _PickledScopeMemory,
     **_names(baseline, "Baseline", "BaselineLearner", "BaselinePool"),
     **_names(canary, "CanaryJudge", "Judgement", "MetricVerdict", "WindowSample", "_Side"),
     **_names(gates, "BernoulliCusum", "ConsecutiveGate", "DropDetector"),
@@ -92,7 +115,8 @@ _ALLOWED: dict[tuple[str, str], object] = {
              "DraftOverheadPolicy", "ErrorPolicy", "KvPolicy", "LatencyPolicy", "Policy", "QualityPolicy",
              "SpeedupPolicy", "WindowPolicy"),
     **_names(sources, "Ingest", pickled_as="specwatch.streams.ingest"),
-    **_names(intake, "DuplicateFilter", "EventClock"),
+    **_names(intake, "DuplicateFilter"),
+    ("specwatch.streams.intake", "EventClock"): _PickledEventClock,
     **_names(running_requests, "RunningRequests", "_Worker", pickled_as="specwatch.streams.running"),
     **_names(topology, "SliceBatch", "Stage1", "Stage2", "_step_record"),
 }
