@@ -71,6 +71,19 @@ class _PickledEventClock(intake.EventClock):
             self.primed, self._start = True, self._median
 
 
+class _PickledRunningWorker(running_requests._Worker):
+    """One worker's running requests as the last pickling version wrote them: no requests lost in a jump."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state) -> None:
+        slots = state[1] if isinstance(state, tuple) else state
+        for name, value in slots.items():
+            setattr(self, name, value)
+        if "gone" not in slots:
+            self.gone = {}
+
+
 class _PickledScopeMemory(fallback.ScopeMemory):
     """A scope's fallback memory as the last pickling version wrote it: fields added since take their defaults."""
 
@@ -117,7 +130,8 @@ _ALLOWED: dict[tuple[str, str], object] = {
     **_names(sources, "Ingest", pickled_as="specwatch.streams.ingest"),
     **_names(intake, "DuplicateFilter"),
     ("specwatch.streams.intake", "EventClock"): _PickledEventClock,
-    **_names(running_requests, "RunningRequests", "_Worker", pickled_as="specwatch.streams.running"),
+    **_names(running_requests, "RunningRequests", pickled_as="specwatch.streams.running"),
+    ("specwatch.streams.running", "_Worker"): _PickledRunningWorker,
     **_names(topology, "SliceBatch", "Stage1", "Stage2", "_step_record"),
 }
 

@@ -29,14 +29,7 @@ class _Worker:
         self.ts = 0.0
         self.last: dict[str, float] = {}  # request id -> last step listing it (before the latest run of steps)
         self.first: dict[str, list] = {}  # request id -> [first ts, key, reported], in first-seen order
-        self.gone: dict[str, Key] = {}  # reported requests lost in a jump, to report as lost at the next close
-
-    def __setstate__(self, state) -> None:
-        # a checkpoint from before jumps were told apart
-        for name, value in (state[1] if isinstance(state, tuple) else state).items():
-            setattr(self, name, value)
-        if not hasattr(self, "gone"):
-            self.gone = {}
+        self.gone: dict[str, Scope] = {}  # reported requests lost in a jump, to report as lost at the next close
 
     def jumped(self) -> None:
         """Its steps stopped for longer than a request may go unlisted (paused, or its clock moved on):
@@ -46,7 +39,8 @@ class _Worker:
 
     def to_state(self) -> dict:
         return {"ids": list(self.ids), "ids_tuple": type(self.ids) is tuple, "ts": self.ts, "last": self.last,
-                "first": [[rid, ts, list(key), reported] for rid, (ts, key, reported) in self.first.items()]}
+                "first": [[rid, ts, list(key), reported] for rid, (ts, key, reported) in self.first.items()],
+                "gone": [[rid, list(key)] for rid, key in self.gone.items()]}
 
     @classmethod
     def from_state(cls, state: dict) -> "_Worker":
@@ -56,6 +50,7 @@ class _Worker:
         w.ts = float(state["ts"])
         w.last = {str(rid): float(ts) for rid, ts in state["last"].items()}
         w.first = {str(rid): [float(ts), tuple(key), bool(reported)] for rid, ts, key, reported in state["first"]}
+        w.gone = {str(rid): tuple(key) for rid, key in state.get("gone", ())}  # none in format 1's first states
         return w
 
     def stamp(self) -> None:
