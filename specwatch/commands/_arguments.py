@@ -129,7 +129,7 @@ def _command_inputs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     from specwatch.schemas.sealed import SAMPLE_KEY_FILE_ENV
     from specwatch.transport.signing import PREVIOUS_SIGNING_KEY_FILE_ENV, SIGNING_KEY_FILE_ENV
 
-    files = [getattr(args, name, None) for name in ("input", "policy", "model_config")]
+    files = [getattr(args, name, None) for name in ("input", "policy", "model_config", "dataset")]
     files += [os.environ.get(name) for name in (SIGNING_KEY_FILE_ENV, PREVIOUS_SIGNING_KEY_FILE_ENV,
                                                 SAMPLE_KEY_FILE_ENV)]
     directories = []

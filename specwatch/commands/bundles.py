@@ -73,7 +73,7 @@ def _show(args: argparse.Namespace) -> int:
         if qualification is None:
             raise CommandError(f"bundle {args.bundle_id} has no qualification to draw (run specwatch qualify)",
                                EXIT_NOT_FOUND)
-        write_page(args.html, render_html(qualification), "qualification page")
+        write_page(args.html, render_html(qualification), "qualification page", args)
     for change in history:
         change["evidence"] = _evidence(change)
     if row is None:

@@ -176,6 +176,6 @@ def run(args) -> int:
         with open_archive(args.archive, create=True) as archive:
             document["qualification_id"] = archive.write_qualification(document)
     if args.html:
-        write_page(args.html, render_html(document), "qualification page")
+        write_page(args.html, render_html(document), "qualification page", args)
     print(json.dumps(document, sort_keys=True) if args.json else render_text(document))
     return 0 if report.passed else EXIT_FAILED
