@@ -100,7 +100,7 @@ def test_the_bomb_check_stops_at_the_ratio_and_leaves_real_telemetry_alone():
     with pytest.raises(DecompressionBombError, match=r"inflated from \d+ bytes of gzip, more than 200 times"):
         for count, _ in enumerate(lines, 1):
             pass
-    assert count < 8 << 20  # stopped within the first few MB, not after 64 M lines
+    assert count < 32 << 20  # stopped well before the 64 M lines (how far depends on the inflater's chunking)
     plain = list(read_json_lines(io.BytesIO(b"\n" * (4 << 20))))  # plain input: no ratio to take
     assert len(plain) == 4 << 20
 
