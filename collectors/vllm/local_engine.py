@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["configure_cpu_environment", "new_engine", "engine_args", "close_engine", "EngineRun",
+__all__ = ["configure_cpu_environment", "cpu_environment", "new_engine", "engine_args", "close_engine", "EngineRun",
            "quiet_vllm_logging", "run_to_completion", "spec_decode_counters"]
 
 _LOG = logging.getLogger(__name__)
@@ -38,6 +38,15 @@ def quiet_vllm_logging() -> None:
     """Send vLLM's logs to stderr, errors only, before vLLM is first imported (defaults only)."""
     for name, value in _QUIET_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+
+
+def cpu_environment(environ) -> dict[str, str]:
+    """``environ`` with the CPU defaults an engine on local models needs where it sets none.
+
+    >>> cpu_environment({"VLLM_CPU_KVCACHE_SPACE": "4"})["VLLM_CPU_KVCACHE_SPACE"]
+    '4'
+    """
+    return {**_CPU_ENVIRONMENT, **environ}
 
 
 def configure_cpu_environment() -> None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .local_engine import configure_cpu_environment
+from .local_engine import cpu_environment
 
 __all__ = ["OpenAIServer", "ServerStartError", "free_loopback_port"]
 
@@ -114,8 +114,9 @@ class OpenAIServer:
         return command + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        configure_cpu_environment()
-        env = {name: value for name, value in os.environ.items() if name not in _SERVER_ENVIRONMENT_DROP}
+        # the child's environment only: the caller's own stays as it is
+        env = {name: value for name, value in cpu_environment(os.environ).items()
+               if name not in _SERVER_ENVIRONMENT_DROP}
         for name, value in self.env.items():
             if name == "PYTHONPATH" and env.get("PYTHONPATH"):
                 value = os.pathsep.join((value, env["PYTHONPATH"]))
