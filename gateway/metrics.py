@@ -43,6 +43,7 @@ class GatewayMetrics:
         self._counts: dict[str, Counter] = {name: Counter() for name in self._FAMILIES}
         self.pools: dict[str, ServerCounters] = {}
         self.pool_up: dict[str, bool] = {}
+        self.shadow_in_flight = 0  # mirrored copies not compared yet (the gateway sets it)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -72,6 +73,8 @@ class GatewayMetrics:
         for pool, is_up in sorted(self.pool_up.items()):
             up.add_metric([pool], 1.0 if is_up else 0.0)
         yield up
+        yield GaugeMetricFamily("specwatch_gateway_shadow_in_flight", "Shadow copies sent to the speculative "
+                                "pool and not compared with the standard answer yet", value=self.shadow_in_flight)
         drafts = CounterMetricFamily("specwatch_gateway_pool_spec_drafts", "Verify steps that drafted, as the "
                                      "pool's server counts them (scraped)", labels=("pool",))
         drafted = CounterMetricFamily("specwatch_gateway_pool_spec_draft_tokens", "Draft tokens proposed, as "

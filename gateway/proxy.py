@@ -147,6 +147,15 @@ class Gateway:
         for client in self.clients.values():
             await client.aclose()
 
+    @property
+    def mirrors_in_flight(self) -> int:
+        """Shadow copies sent to the speculative pool whose comparison has not been made yet."""
+        return len(self._mirrors)
+
+    def _mirror_done(self, task: asyncio.Task) -> None:
+        self._mirrors.discard(task)
+        self.metrics.shadow_in_flight = len(self._mirrors)
+
     async def _every(self, seconds: float, job) -> None:
         while True:
             await asyncio.sleep(seconds)
@@ -255,7 +264,8 @@ class Gateway:
             call.mirror = asyncio.get_running_loop().create_future()
             task = asyncio.create_task(self._shadow(call, labels.cohort))
             self._mirrors.add(task)
-            task.add_done_callback(self._mirrors.discard)
+            self.metrics.shadow_in_flight = len(self._mirrors)
+            task.add_done_callback(self._mirror_done)
             # the client's answer is standard decoding: its record is baseline traffic, not the shadow's
             call.cohort = self.settings.rules.default_cohort
         return await self._answer(call, chosen.pool, chosen.reason)

@@ -216,9 +216,13 @@ def test_shadow_mirrors_the_shadow_cohort_and_records_a_strict_mismatch():
                              evidence={"stage": "shadow", "cohort": "shadow", "cohort_share": 0.0}))
         answers = [await _completion(client, cohort="shadow"), await _completion(client, cohort="shadow", stream=True),
                    await _completion(client, cohort="main")]
+        in_flight = gateway.mirrors_in_flight
+        assert b"specwatch_gateway_shadow_in_flight %d.0" % in_flight in gateway.metrics.render()
         await asyncio.gather(*gateway._mirrors)
-        return answers
-    (whole, streamed, main), records, gateway = _run(pools, flags, calls)
+        return answers, in_flight
+    ((whole, streamed, main), in_flight), records, gateway = _run(pools, flags, calls)
+    assert 0 <= in_flight <= 2 and gateway.mirrors_in_flight == 0
+    assert b"specwatch_gateway_shadow_in_flight 0.0" in gateway.metrics.render()
     # the client gets the standard answer, without the token ids the gateway asked for
     assert whole.json()["choices"][0] == {"index": 0, "text": "t5t6t7", "finish_reason": "length"}
     assert "token_ids" not in streamed.text and "t7" in streamed.text
