@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Iterator, Sequence
 
-__all__ = ["OutputClashError", "check_not_an_input", "open_output", "writes_in_place", "writes_stdout"]
+__all__ = ["OutputClashError", "check_not_an_input", "open_output", "save_figure", "writes_in_place", "writes_stdout"]
 
 STDIO = "-"
 # /proc/PID/fd and /proc/PID/task/TID/fd: what /dev/fd, /dev/stdout and /proc/self/fd resolve to.
@@ -201,3 +201,10 @@ def _naming(path: str) -> Iterator[None]:
         if error.filename is None:
             error.filename = path
         raise
+
+
+def save_figure(figure, path: str | os.PathLike, *, dpi: int = 110) -> None:
+    """A matplotlib ``figure`` as PNG through `open_output`: a regular file appears whole or not at
+    all, a device, a pipe or a shell's descriptor is written in place and never replaced."""
+    with open_output(os.fspath(path), binary=True) as stream:
+        figure.savefig(stream, format="png", dpi=dpi)

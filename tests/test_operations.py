@@ -404,3 +404,32 @@ def test_bench_reports_stage2_with_and_without_the_metrics_view():
     assert {"stage2_off_s", "stage2_on_s", "overhead_ratio", "observe_share_of_stage2", "scrape_ms",
             "scrape_core_share_at_15s"} <= set(metrics)
     assert (metrics["keys"], metrics["slices"]) == (50, 6)
+
+
+def test_token_and_rollback_files_are_read_bounded_and_only_as_regular_files(tmp_path):
+    big = tmp_path / "token"
+    big.write_bytes(b"t" * 5000)
+    for path, problem in ((big, "larger than 4096 bytes"), ("/dev/zero", "a character device")):
+        with pytest.raises(ValueError, match=f"cannot read the webhook token file {path}: .*{problem}"):
+            read_token_file(path)
+    with pytest.raises(ValueError, match="cannot read the rollback policy /dev/zero: .*a character device"):
+        load_rollback_policy("/dev/zero")
+    good = tmp_path / "good"
+    good.write_text("  s3cret-token\n")
+    assert read_token_file(good) == "s3cret-token"
+
+
+def test_alert_explain_hints_name_the_archive_without_its_password(monkeypatch):
+    from specwatch import cli
+    from specwatch.streams import operations
+
+    seen = {}
+
+    def capture(**settings):
+        seen.update(settings)
+        raise ValueError("stopped after the operations settings")
+
+    monkeypatch.setattr(operations, "OperationsSettings", capture)
+    code = cli.main(["run", "--bootstrap", "127.0.0.1:1", "--archive", "https://ops:hunter2@ch.internal/postmortems"])
+    assert code == 2
+    assert seen["explain_archive"] == "https://ch.internal:8443/postmortems"

@@ -310,3 +310,40 @@ def test_check_not_an_input_leaves_streams_alone_and_finds_a_descriptor_on_an_in
     finally:
         os.close(descriptor)
     assert telemetry.read_text() == "{}\n"
+
+
+def test_a_picture_keeps_an_appended_file_and_never_names_an_input(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from specwatch.outputs import save_figure
+
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([0, 1], [1, 0])
+    log = tmp_path / "log.bin"
+    log.write_bytes(b"earlier\n")
+    inode = log.stat().st_ino
+    with open(log, "ab") as appended:  # `... --plot /dev/stdout >> log.bin`
+        save_figure(fig, f"/proc/self/fd/{appended.fileno()}")
+    data = log.read_bytes()
+    assert data.startswith(b"earlier\n\x89PNG\r\n\x1a\n") and log.stat().st_ino == inode
+    picture = tmp_path / "p.png"
+    save_figure(fig, picture)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plt.close(fig)
+    policy = tmp_path / "policy.toml"
+    policy.write_text("")
+    done = specwatch("evaluate", "--quick", "--policy", str(policy), "--plot", str(policy))
+    assert (done.returncode, done.stderr) == (2, f"specwatch evaluate: the output {policy} is the input {policy}; "
+                                                 "write the output to another file\n")
+    assert policy.read_text() == ""
+    key = tmp_path / "bench-keys.png"  # the keys figure goes beside the named one
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    done = specwatch("bench", "--smoke", "--section", "stream", "--plot", str(tmp_path / "bench.png"),
+                     env=dict(os.environ, SPECWATCH_SAMPLE_KEY_FILE=str(key)))
+    assert (done.returncode, done.stderr) == (2, f"specwatch bench: the output {key} is the input {key}; "
+                                                 "write the output to another file\n")
+    assert key.read_bytes() == b"k" * 32

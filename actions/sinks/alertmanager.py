@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Mapping, get_args
 from pydantic import TypeAdapter, ValidationError
 
 from specwatch.schemas import Decision
+from specwatch.schemas.config_files import read_config_file
 from specwatch.schemas.contract import DraftLength, Name, ScopeName, Text
 from specwatch.schemas.decisions import Reason
 from specwatch.schemas.scope import EVERY
@@ -222,13 +223,17 @@ class RollbackPolicy:
         return "*" in self.restore_on_resolve or alertname in self.restore_on_resolve
 
 
+_MAX_POLICY_BYTES = 1 << 20  # a rollback policy is a few lines; anything near this is not one
+_MAX_TOKEN_BYTES = 4096  # a bearer token, not a file that happens to be at that path
+
+
 def load_rollback_policy(path: str | Path | None) -> RollbackPolicy:
     """Read a rollback policy TOML file (``restore_on_resolve`` and ``[reasons]``; None: empty)."""
     if path is None:
         return RollbackPolicy()
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
+        data = tomllib.loads(read_config_file(path, _MAX_POLICY_BYTES).decode())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise ValueError(f"cannot read the rollback policy {path}: {error}") from error
     unknown = set(data) - {"reasons", "restore_on_resolve"}
     if unknown:
@@ -243,8 +248,8 @@ def load_rollback_policy(path: str | Path | None) -> RollbackPolicy:
 def read_token_file(path: str | Path) -> str:
     """The bearer token in ``path`` (surrounding whitespace removed); ValueError when empty or unreadable."""
     try:
-        token = Path(path).read_text().strip()
-    except OSError as error:
+        token = read_config_file(path, _MAX_TOKEN_BYTES).decode().strip()
+    except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read the webhook token file {path}: {error}") from error
     if not token:
         raise ValueError(f"the webhook token file {path} is empty")

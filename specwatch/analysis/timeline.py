@@ -12,6 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 
+from specwatch.outputs import save_figure
+
 __all__ = ["SIGNAL_OF_INCIDENT", "inline_svg", "render_timeline"]
 
 _ACTION_COLORS = {"disable_speculation": "#c0392b", "invalidate_bundle": "#8e44ad",
@@ -105,7 +107,7 @@ def render_timeline(rows: list[dict], decisions: list, path: str | Path, cohort:
     top.set_title(f"{title} — AL and p99: cohort '{cohort}'; dashed: decisions, dotted: incident starts")
     top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="bucket")
     ax["latency"].set_yscale("log")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

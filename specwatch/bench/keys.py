@@ -189,5 +189,7 @@ def plot_keys(keys: dict, path) -> None:
     left.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper center")
     left.set_title("cost per key as keys grow (decode + stage 1 + stage 2 + detectors)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from specwatch.outputs import save_figure
+
+    save_figure(fig, path)
     plt.close(fig)

@@ -35,7 +35,7 @@ from specwatch.schemas.fastdecode import decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 
-__all__ = ["run_bench", "plot_report", "NaiveRoundPipeline", "TARGETS", "SECTIONS"]
+__all__ = ["run_bench", "plot_report", "keys_picture", "NaiveRoundPipeline", "TARGETS", "SECTIONS"]
 
 _SEED = 17
 _OTLP_RECORDS_PER_MESSAGE = 200
@@ -692,13 +692,18 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
     return report
 
 
+def keys_picture(path: str | os.PathLike) -> str:
+    """Where `plot_report` puts the keys figure beside ``path``: ``b.png`` -> ``b-keys.png``."""
+    return str(Path(path).with_name(f"{Path(path).stem}-keys.png"))
+
+
 def plot_report(report: dict, path: str | os.PathLike) -> None:
     """Rounds/s per core of the batch, reference and per-round paths, and growth with keys, as a
     PNG; a keys section's picture goes beside it: ``benchmarks.png`` -> ``benchmarks-keys.png``."""
     if isinstance(report.get("keys"), dict) and "curve" in report["keys"]:
         from specwatch.bench.keys import plot_keys
 
-        plot_keys(report["keys"], Path(path).with_name(f"{Path(path).stem}-keys.png"))
+        plot_keys(report["keys"], keys_picture(path))
     if not (isinstance(report.get("stream"), list) and isinstance(report.get("growth"), list)):
         return
     import matplotlib
@@ -734,5 +739,7 @@ def plot_report(report: dict, path: str | os.PathLike) -> None:
     fig.suptitle(f"specwatch bench ({report['machine']['cpus']} shared cores; ratios carry over, "
                  "absolute rates depend on load)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from specwatch.outputs import save_figure
+
+    save_figure(fig, path)
     plt.close(fig)

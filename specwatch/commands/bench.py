@@ -7,6 +7,8 @@ import sys
 
 from specwatch.bench import SECTIONS
 
+from ._arguments import check_output
+
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 
@@ -28,8 +30,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from specwatch.bench.suite import plot_report, run_bench
+    from specwatch.bench.suite import keys_picture, plot_report, run_bench
 
+    if args.plot:  # refused before the run, not after it: neither picture may name a file the run reads
+        check_output(args.plot, args)
+        check_output(keys_picture(args.plot), args)
     report = run_bench(quick=args.quick, smoke=args.smoke, bootstrap=args.bootstrap,
                        sections=tuple(args.section), log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.plot:

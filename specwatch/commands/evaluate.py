@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from specwatch.commands._arguments import CommandError, add_json_option, add_policy_option, load_policy
+from specwatch.commands._arguments import CommandError, add_json_option, add_policy_option, check_output, load_policy
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -42,6 +42,7 @@ def run(args) -> int:
     from specwatch.evaluation.draft_length import CASES, format_draft_length
 
     policy = load_policy(args.policy)
+    check_output(args.plot, args)
     if args.seed < 0 or args.processes < 1 or args.overlap_runs < 1:
         raise CommandError("--seed must be >= 0, --processes and --overlap-runs >= 1")
     if args.overlap:

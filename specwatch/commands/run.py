@@ -104,7 +104,7 @@ def run(args) -> int:
             web_port=args.web_port + args.worker_index if args.web_port else None, web_bind=args.web_bind,
             max_metric_keys=args.max_metric_keys, alertmanager_url=args.alertmanager_url or None,
             webhook_token=read_token_file(args.webhook_token_file) if args.webhook_token_file else None,
-            rollback=load_rollback_policy(args.rollback_policy), explain_archive=args.archive)
+            rollback=load_rollback_policy(args.rollback_policy), explain_archive=archive.label if archive is not None else None)
         if operations.alertmanager_url:
             from specwatch.actions.sinks.alertmanager import AlertSender
 

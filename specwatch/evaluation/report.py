@@ -230,5 +230,7 @@ def plot_sweep(summary: dict, path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from specwatch.outputs import save_figure
+
+    save_figure(fig, path)
     plt.close(fig)
