@@ -22,4 +22,7 @@ kafka_home=${SPECWATCH_KAFKA_HOME:-$HOME/.cache/specwatch/kafka}
 trap '"$here/deploy/kafka/broker.sh" stop --port "$SPECWATCH_KAFKA_PORT" >/dev/null 2>&1 || true
       rm -rf "$kafka_home/data-$SPECWATCH_KAFKA_PORT"' EXIT
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
-"$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Two test processes by default (SPECWATCH_TEST_PROCESSES; 0 runs them all in this one): most tests
+# keep one core busy, and the vLLM tests and those on the one broker stay in one process each
+# (tests/conftest.py groups them).
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${SPECWATCH_TEST_PROCESSES:-2}" --dist loadgroup "$@"
