@@ -470,8 +470,8 @@ def window_columns(windows: Sequence[SliceWindows], *, per_sketch: bool = False)
             if sketches != _NO_SKETCHES:
                 percentiles[row] = _percentiles(sketches)
     else:  # (ttft, tpot, e2e) of each key in turn: a key's row is its three sketches' quantiles
-        sketches = list(itertools.chain.from_iterable(map(_SKETCHES, parts)))
-        percentiles = quantiles_of(sketches, _SUMMARY_QUANTILES).reshape(n, 3 * len(_SUMMARY_QUANTILES))
+        percentiles = quantiles_of(list(itertools.chain.from_iterable(map(_SKETCHES, parts))),
+                                   _SUMMARY_QUANTILES).reshape(n, 3 * len(_SUMMARY_QUANTILES))
     numbers.update(zip(WINDOW_SUMMARY_FIELDS[-percentiles.shape[1]:], np.ascontiguousarray(percentiles.T)))
     bundles, buckets, cohorts = (list(names) for names in zip(*keys)) if keys else ([], [], [])
     positions = {name: WindowColumns.flat_counts(list(map(attrgetter(name), parts))) for name in _POSITION_FIELDS}
