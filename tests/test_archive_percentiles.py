@@ -52,10 +52,11 @@ def test_all_at_once_gives_each_sketchs_own_quantiles_to_the_bit(qs):
     # the seeded set holds every shape the reader has to get right
     held = [s for s in sketches if s is not None]
     assert sum(s is None for s in sketches) > 100 and sum(bool(s._pending) for s in held) > 1000  # not folded yet
-    centroids = [len(s._digest or ()) for s in map(LatencySketch.copy, held)]  # each folded, as read
+    states = [None if s is None else s.to_state() for s in sketches]
+    # (a copy folds what its original buffered: copies of the states, each folded as it is read)
+    centroids = [len(LatencySketch.from_state(state).copy()._digest or ()) for state in states if state is not None]
     assert centroids.count(0) > 100 and centroids.count(1) > 100 and centroids.count(2) > 100  # empty, one, two
     assert sum(n >= s.max_centroids - 2 for n, s in zip(centroids, held)) > 500  # compressed
-    states = [None if s is None else s.to_state() for s in sketches]
     by_each, at_once = ([None if state is None else LatencySketch.from_state(state) for state in states]
                         for _ in range(2))
     expected = np.array([[math.nan] * 3 if s is None else s.quantiles(qs) for s in by_each])
