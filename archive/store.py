@@ -193,8 +193,8 @@ class Archive(PostmortemQueries):
                 chunks.append((rows, []))
             chunks[-1][1].append(window)
             rows += len(window)
-        self._insert_chunks(chunks, lambda part, start: window_columns_table(window_columns(part, per_sketch=per_sketch),
-                                                                            start))
+        self._insert_chunks(chunks, lambda part, start: window_columns_table(
+            window_columns(part, per_sketch=per_sketch), start))
         return rows
 
     def _write_chunked(self, rows: Sequence[Any], to_table: Callable[[Sequence[Any], int], pa.Table]) -> int:

@@ -187,6 +187,7 @@ def run_archive_bench(template: list, rows: int, naive_rows: int, pairs: int = 3
             report[f"sink_{key}"] = statistics.median(pair[key] for pair in report["sink_pairs"])
         for suffix in ("", "_cpu"):
             report[f"sink_bulk_over_per_sketch{suffix}"] = statistics.median(
-                pair[f"bulk_rows_per_s{suffix}"] / pair[f"per_sketch_rows_per_s{suffix}"] for pair in report["sink_pairs"])
+                pair[f"bulk_rows_per_s{suffix}"] / pair[f"per_sketch_rows_per_s{suffix}"]
+                for pair in report["sink_pairs"])
     report["load_average_after"] = os.getloadavg()
     return report
