@@ -180,10 +180,10 @@ class Archive(PostmortemQueries):
         """Archive window rows (`WindowRow` tuples), column by column; returns how many."""
         return self._write_chunked(rows, window_rows_table)
 
-    def write_windows(self, windows: Sequence[Sequence[WindowRow]]) -> int:
+    def write_windows(self, windows: Sequence[Sequence[WindowRow]], *, per_sketch: bool = False) -> int:
         """Archive the window rows of final slices (`SliceOutput.windows`); returns how many.
         `SliceWindows` become insert columns straight from the keys' statistics, with no row
-        object."""
+        object; ``per_sketch`` reads their percentiles sketch by sketch (`window_columns`' reference)."""
         if not all(isinstance(window, SliceWindows) for window in windows):
             return self.write_window_rows([row for window in windows for row in window])
         chunks: list[tuple[int, list[SliceWindows]]] = []
@@ -193,7 +193,8 @@ class Archive(PostmortemQueries):
                 chunks.append((rows, []))
             chunks[-1][1].append(window)
             rows += len(window)
-        self._insert_chunks(chunks, lambda part, start: window_columns_table(window_columns(part), start))
+        self._insert_chunks(chunks, lambda part, start: window_columns_table(
+            window_columns(part, per_sketch=per_sketch), start))
         return rows
 
     def _write_chunked(self, rows: Sequence[Any], to_table: Callable[[Sequence[Any], int], pa.Table]) -> int:

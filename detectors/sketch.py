@@ -3,12 +3,14 @@ wrapped so the choice can change."""
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Iterable
+from typing import Iterable, Sequence
 
+import numpy as np
 from fastdigest import TDigest
 
-__all__ = ["LatencySketch"]
+__all__ = ["LatencySketch", "quantiles_of"]
 
 # 100 centroids keep p99 error well under 1% and a serialized sketch under ~2 KB,
 # which bounds per-key state (many keys x many slices) in stream processor tables.
@@ -153,3 +155,33 @@ class LatencySketch:
         if data:
             out._digest = TDigest.from_bytes(data)
         return out
+
+
+def quantiles_of(sketches: Sequence[LatencySketch | None], qs: Sequence[float]) -> np.ndarray:
+    """`LatencySketch.quantiles` of three quantiles ``qs`` of many sketches at once, one row per
+    sketch (NaN for None or an empty sketch): the library's calls with the same arguments, so
+    the same floats, in one pass with no call of this class's per sketch (that wrapper cost
+    twice the library's three calls).
+
+    The centroids read out as arrays for numpy (`TDigest.to_bytes` per sketch, then fastdigest's
+    ``estimate_quantile`` across sketches) gave the same floats and took longer: copying them
+    out and joining the copies cost more than the quantile calls they replace.
+
+    >>> a, b = LatencySketch(), LatencySketch()
+    >>> for ms in (10.0, 20.0, 30.0, 40.0): a.add(ms)
+    >>> b.add(7.0)
+    >>> values = quantiles_of([a, None, b, LatencySketch()], (0.5, 0.9, 0.99))
+    >>> [[round(v, 1) for v in row] for row in values.tolist()]
+    [[25.0, 37.0, 39.7], [nan, nan, nan], [7.0, 7.0, 7.0], [nan, nan, nan]]
+    """
+    first, second, third = (float(q) for q in qs)  # three, as a summary reads (unrolled: 2x a loop)
+    none = (math.nan,) * 3
+    try:
+        # one pass: values a sketch still buffers are folded first (`_fold` returns None)
+        values = [none if sketch is None or (sketch._pending and sketch._fold()) or (digest := sketch._digest) is None
+                  else (digest.quantile(first), digest.quantile(second), digest.quantile(third))
+                  for sketch in sketches]
+    except ValueError:  # a digest with no centroids (never made by `add` or `merge`): as `quantiles` answers
+        values = [none if sketch is None else sketch.quantiles((first, second, third)) for sketch in sketches]
+    return np.fromiter(itertools.chain.from_iterable(values), dtype=np.float64,
+                       count=len(values) * 3).reshape(len(values), 3)

@@ -16,7 +16,7 @@ import numpy as np
 
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows, WindowColumns
 
-from .sketch import LatencySketch
+from .sketch import LatencySketch, quantiles_of
 
 __all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "ratios", "round_evidence",
            "sample_order", "sample_record", "speedup_leaving_out", "window_columns"]
@@ -424,9 +424,11 @@ _NO_SKETCHES = (None, None, None)
 _POSITION_FIELDS = ("accepted_at_least", "drafted_at_least")
 
 
-def window_columns(windows: Sequence[SliceWindows]) -> WindowColumns:
+def window_columns(windows: Sequence[SliceWindows], *, per_sketch: bool = False) -> WindowColumns:
     """The window rows of many final slices as insert columns, built across keys at once: each
-    number the one `SliceStats.summary_values` gives the key.
+    number the one `SliceStats.summary_values` gives the key. The latency percentiles are read
+    from all sketches at once (`quantiles_of`); ``per_sketch`` reads them sketch by sketch, the
+    reference the bulk read is measured and tested against.
 
     >>> a, b = SliceStats(), SliceStats()
     >>> a.add_round(drafted=4, accepted=3); b.add_step_time(1.0, 9.0, 0.5, 3.2)
@@ -462,10 +464,14 @@ def window_columns(windows: Sequence[SliceWindows]) -> WindowColumns:
         speedup=_speedup(acceptance_length, draft_ms, verify_ms, ratios), draft_ms=ratios(draft_ms, steps),
         verify_ms=ratios(verify_ms, steps), errors=failed, error_rate=ratios(failed, numbers["requests"]),
         kv_peak=kv_peak)
-    percentiles = np.full((n, 3 * len(_SUMMARY_QUANTILES)), math.nan)
-    for row, sketches in enumerate(map(_SKETCHES, parts)):
-        if sketches != _NO_SKETCHES:
-            percentiles[row] = _percentiles(sketches)
+    if per_sketch:
+        percentiles = np.full((n, 3 * len(_SUMMARY_QUANTILES)), math.nan)
+        for row, sketches in enumerate(map(_SKETCHES, parts)):
+            if sketches != _NO_SKETCHES:
+                percentiles[row] = _percentiles(sketches)
+    else:  # (ttft, tpot, e2e) of each key in turn: a key's row is its three sketches' quantiles
+        percentiles = quantiles_of(list(itertools.chain.from_iterable(map(_SKETCHES, parts))),
+                                   _SUMMARY_QUANTILES).reshape(n, 3 * len(_SUMMARY_QUANTILES))
     numbers.update(zip(WINDOW_SUMMARY_FIELDS[-percentiles.shape[1]:], np.ascontiguousarray(percentiles.T)))
     bundles, buckets, cohorts = (list(names) for names in zip(*keys)) if keys else ([], [], [])
     positions = {name: WindowColumns.flat_counts(list(map(attrgetter(name), parts))) for name in _POSITION_FIELDS}

@@ -4,6 +4,7 @@ every path from the same stage-2 output to the same table (docs/BENCHMARKS.md, "
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -15,6 +16,20 @@ __all__ = ["run_archive_bench"]
 _ROW_PATH_BATCH = 5000
 
 
+class _PerSketchArchive:
+    """The archive as the sink wrote window rows before the percentiles were read all at once:
+    `Archive.write_windows` reading them sketch by sketch; everything else the archive's own."""
+
+    def __init__(self, archive: Any) -> None:
+        self._archive = archive
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._archive, name)
+
+    def write_windows(self, windows: Any) -> int:
+        return self._archive.write_windows(windows, per_sketch=True)
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
     """Wall and CPU seconds of ``fn()``."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -22,8 +37,9 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return time.perf_counter() - wall, max(time.process_time() - cpu, 1e-9)
 
 
-def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
-    """Each path over ``rows`` window rows made from ``template`` (one run's `SliceWindows`)."""
+def run_archive_bench(template: list, rows: int, naive_rows: int, pairs: int = 3) -> dict:
+    """Each path over ``rows`` window rows made from ``template`` (one run's `SliceWindows`); the
+    sink against itself reading percentiles sketch by sketch in ``pairs`` alternated pairs."""
     import chdb
     import clickhouse_connect
     import pyarrow as pa
@@ -60,6 +76,8 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
     window_rows_table([row for window in template for row in window.rows()])
     sink_windows, by_tuples, by_dicts = copies(0.0), copies(1e7), copies(2e7)
     direct_windows, direct = copies(3e7), copies(4e7)
+    # each run of the pairs on slices of its own, later than every other path's
+    paired = [(outputs(copies(6e7 + 2e7 * i)), outputs(copies(7e7 + 2e7 * i))) for i in range(pairs)]
     stage2_cpu = _timed(lambda: [window.rows() for window in by_tuples])[1]  # what stage 2 paid per key before
     sink_outputs, tuple_outputs = outputs(sink_windows), outputs([window.rows() for window in by_tuples])
     dict_outputs = outputs([window.rows() for window in by_dicts])
@@ -75,8 +93,8 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
         client = clickhouse_connect.get_client(interface="chdb", path=path)
         engine = chdb.connect(path)
         try:
-            def through_sink(slice_outputs: list[SliceOutput]) -> None:
-                sink = ArchiveSink(archive, spool=Path(tmp) / "spool")  # its own batch, as every command runs it
+            def through_sink(slice_outputs: list[SliceOutput], into: Any = archive) -> None:
+                sink = ArchiveSink(into, spool=Path(tmp) / "spool")  # its own batch, as every command runs it
                 for output in slice_outputs:
                     sink(output)
                 sink.close()
@@ -118,6 +136,18 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
                 wall, cpu = _timed(fn)
                 report[f"{name}_rows_per_s"], report[f"{name}_rows_per_s_cpu"] = rows / wall, rows / cpu
                 report[f"{name}_cpu_s"] = cpu
+            # The sink with percentiles read at once ("bulk") and sketch by sketch, in pairs whose
+            # order alternates, so a change in the machine's load falls on both alike.
+            per_sketch = _PerSketchArchive(archive)
+            report["sink_pairs"] = []
+            for i, (bulk_outputs, each_outputs) in enumerate(paired):
+                runs = {"bulk": lambda: through_sink(bulk_outputs),
+                        "per_sketch": lambda: through_sink(each_outputs, per_sketch)}
+                pair = {}
+                for name in (("bulk", "per_sketch") if i % 2 == 0 else ("per_sketch", "bulk")):
+                    wall, cpu = _timed(runs[name])
+                    pair[f"{name}_rows_per_s"], pair[f"{name}_rows_per_s_cpu"] = rows / wall, rows / cpu
+                report["sink_pairs"].append(pair)
             dicts = [row.as_dict() for row in direct]
             for name, fn in (("stats", lambda: window_columns_table(window_columns(direct_windows), 0)),
                              ("columns", lambda: window_rows_table(direct, 0)),
@@ -135,7 +165,7 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
             wall, _ = _timed(lambda: [archive.write_window_rows([row._replace(ts=row.ts + 1e9)]) for row in one])
             report["naive_rows"], report["naive_rows_per_s"] = naive_rows, naive_rows / wall
             written = archive.sql("SELECT count() FROM specwatch.window_stats")[1][0][0]
-            expected = 5 * rows + 3 * len(ready) + naive_rows
+            expected = 5 * rows + 3 * len(ready) + naive_rows + 2 * pairs * rows
             if written != expected:
                 raise RuntimeError(f"the bench wrote {written} window rows, not {expected}")
         finally:
@@ -152,5 +182,12 @@ def run_archive_bench(template: list, rows: int, naive_rows: int) -> dict:
     report["sink_over_row_path"] = report["sink_rows_per_s"] / report["row_path_rows_per_s"]
     report["sink_over_direct"] = report["sink_rows_per_s"] / report["direct_rows_per_s"]
     report["speedup_vs_naive"] = report["sink_rows_per_s"] / report["naive_rows_per_s"]
+    if pairs:
+        for key in ("bulk_rows_per_s", "bulk_rows_per_s_cpu", "per_sketch_rows_per_s", "per_sketch_rows_per_s_cpu"):
+            report[f"sink_{key}"] = statistics.median(pair[key] for pair in report["sink_pairs"])
+        for suffix in ("", "_cpu"):
+            report[f"sink_bulk_over_per_sketch{suffix}"] = statistics.median(
+                pair[f"bulk_rows_per_s{suffix}"] / pair[f"per_sketch_rows_per_s{suffix}"]
+                for pair in report["sink_pairs"])
     report["load_average_after"] = os.getloadavg()
     return report

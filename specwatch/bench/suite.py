@@ -340,7 +340,8 @@ def bench_archive(quick: bool, smoke: bool) -> dict:
     for record in _records(16, 0.2, workers=2):
         pipeline.feed(record)
     pipeline.finish()
-    return run_archive_bench(template, 20_000 if smoke else (100_000 if quick else 500_000), 50 if smoke else 200)
+    return run_archive_bench(template, 20_000 if smoke else (100_000 if quick else 500_000), 50 if smoke else 200,
+                             pairs=1 if smoke else 3)
 
 
 def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
@@ -554,7 +555,10 @@ _TARGET_ROWS = (
                 f" with them, {k['idle_keys']['key_updates_without']} without")),
     ("archive sink rows/s into chDB (wall)", "archive", TARGETS["archive_rows_per_s"], "min", "measured",
      lambda a: (a["sink_rows_per_s"], "the row path it replaced", a["row_path_rows_per_s"],
-                f"{a['sink_rows_per_s_cpu']:,.0f} rows per CPU second")),
+                f"{a['sink_rows_per_s_cpu']:,.0f} rows per CPU second" + (
+                    f"; percentiles read at once over sketch by sketch: {a['sink_bulk_over_per_sketch']:.2f}x wall, "
+                    f"{a['sink_bulk_over_per_sketch_cpu']:.2f}x CPU (median of {len(a['sink_pairs'])} alternated pairs)"
+                    if a.get("sink_pairs") else ""))),
     ("archive insert alone rows/s into chDB, in memory (wall)", "archive", TARGETS["archive_rows_per_s"], "min",
      "measured",
      lambda a: (a["insert_memory_rows_per_s"], "the file round trip", a["insert_file_rows_per_s"],
