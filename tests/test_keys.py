@@ -43,7 +43,7 @@ def test_stage2_keeps_a_partial_one_source_holds_and_copies_one_two_hold():
     for batch in (first_a, first_b):  # neither vouches for the slice: both are pending when it is decided
         twice.add(SliceBatch(batch.source, batch.slice_index, batch.slice_index - 1, batch.partials))
     twice.flush()
-    merged = twice.monitors[key].history[0][1]
+    merged = twice.decider.monitors[key].history[0][1]
     assert merged is not first_a.partials[key] and merged is not first_b.partials[key]
     assert merged.rounds == first_a.partials[key].rounds + first_b.partials[key].rounds == 2
     assert (first_a.partials[key].to_dict(), first_b.partials[key].to_dict()) == before
