@@ -126,7 +126,6 @@ class SliceBatch:
         )
 
 
-
 def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:
     """Each key's lowest-acceptance step and step control among a slice's steps, ranked by content."""
     for key, (lowest, control) in candidates.items():
