@@ -1,1 +1,2 @@
-"""Actions: the fallback policy, flag state, publishing decisions and archiving evidence."""
+"""Actions: the decider of each final slice, the fallback policy, admission, flag state, and where
+decisions go (publishing them, alerting)."""

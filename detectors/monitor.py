@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from specwatch.schemas.policy import Policy
 
 from .baseline import Baseline, BaselineLearner, BaselinePool
-from .gates import BernoulliCusum, ConsecutiveGate, DropDetector, cusum_threshold
+from .gates import BernoulliCusum, ConsecutiveGate, DropDetector
+from .rate_tests import error_rate_limit, first_to_fire, rate_tests, retune, tail_rates
+from .recovery import RecoveryEvidence
 from .stalls import StalledRequests
 from .window import SliceStats, merge_all, round_evidence as _round, speedup_leaving_out
 
-__all__ = ["Finding", "KeyMonitor", "BundleMonitor", "RecoveryEvidence", "traffic_evidence"]
+__all__ = ["Finding", "KeyMonitor", "BundleMonitor"]
 
 
 @dataclass(frozen=True)
@@ -49,141 +51,11 @@ def _round_time(value: float) -> float:
     return round(float(value), 3)
 
 
-@dataclass(frozen=True)
-class RecoveryEvidence:
-    """What one scope showed while speculation was off, for or against a restore: its keys'
-    requests (``kind`` ``"traffic"``) or its bundle's engine steps (``"kv"``)."""
-
-    kind: str
-    window_start: float
-    window_end: float
-    requests: int = 0
-    speculative_requests: int = 0
-    error_rate: float = math.nan
-    error_limit: float = math.nan
-    kv_peak: float = math.nan
-    kv_limit: float = math.nan
-
-    def problems(self, min_requests: int) -> list[str]:
-        """Why this evidence does not clear a restore; empty when it does.
-
-        >>> RecoveryEvidence("traffic", 0.0, 60.0, requests=400, error_rate=0.002, error_limit=0.02).problems(100)
-        []
-        >>> RecoveryEvidence("traffic", 0.0, 60.0, requests=400, error_rate=0.05, error_limit=0.02).problems(100)
-        ['error_rate 0.05 > 0.02']
-        >>> RecoveryEvidence("traffic", 0.0, 60.0, requests=30, speculative_requests=2).problems(100)
-        ['requests 30 < 100', 'speculative_requests 2 > 0']
-        >>> RecoveryEvidence("kv", 0.0, 60.0, kv_peak=0.97, kv_limit=0.92).problems(100)
-        ['kv_peak 0.97 > 0.92']
-        """
-        if self.kind == "kv":
-            return [f"kv_peak {self.kv_peak:.4g} > {self.kv_limit:.4g}"] if not self.kv_peak <= self.kv_limit else []
-        out = []
-        if self.requests < min_requests:
-            out.append(f"requests {self.requests} < {min_requests}")
-        if self.speculative_requests:  # the switch is not honoured yet
-            out.append(f"speculative_requests {self.speculative_requests} > 0")
-        if self.error_rate > self.error_limit:
-            out.append(f"error_rate {self.error_rate:.4g} > {self.error_limit:.4g}")
-        return out
-
-    def evidence(self) -> dict:
-        return {k: _round(v) for k, v in self.__dict__.items()}
-
-
-def traffic_evidence(monitors: list["KeyMonitor"], since: float, seconds: float) -> RecoveryEvidence | None:
-    """The requests of several keys (one scope) in their last ``seconds`` after ``since``, pooled;
-    the error limit is the error gate's, from the request-weighted baseline error rate."""
-    parts = []
-    weighted, weight = 0.0, 0
-    for monitor in monitors:
-        found = monitor.since(since, seconds)
-        if found is None:
-            continue
-        parts.append(found)
-        base = monitor.baseline.error_rate
-        if not math.isnan(base) and found[0].requests:
-            weighted += base * found[0].requests
-            weight += found[0].requests
-    if not parts:
-        return None
-    window = merge_all(p[0] for p in parts)
-    limit = _error_rate_limit(monitors[0].policy.errors, weighted / weight if weight else math.nan)
-    return RecoveryEvidence("traffic", min(p[1] for p in parts), max(p[2] for p in parts),
-                            requests=window.requests, speculative_requests=window.speculative_requests,
-                            error_rate=window.error_rate, error_limit=limit)
-
-
-# Sequential tests size their threshold for traffic up to this multiple of what a key learned at.
-_TRAFFIC_HEADROOM = 4.0
 _SLO_SHARE = 0.01  # an absolute latency SLO is read as a p99
-# The tail test's rise over the baseline share, and the burst test's over that (docs/EVALUATION.md).
-_TAIL_RISE = 4.0
-_UNKNOWN_TRAFFIC_PER_SECOND = 1.0
-_BURST_RISE = 4.0
 # A baseline tail share per band of load, so a day's peak is not a tail (docs/EVALUATION.md).
 _LOAD_SLICES = 10.0
 _LOAD_BAND = 0.1
 _BAND_REQUESTS = 500
-
-
-def _error_rate_limit(cfg, base: float) -> float:
-    """The error rate that matters: what the error test is tuned to, and what a restore must stay under.
-
-    >>> from specwatch.schemas.policy import ErrorPolicy
-    >>> _error_rate_limit(ErrorPolicy(), 0.004), _error_rate_limit(ErrorPolicy(), math.nan)
-    (0.02, 0.01)
-    """
-    return max(cfg.floor_rate, base * cfg.factor) if not math.isnan(base) else cfg.floor_rate
-
-
-def _alternatives(p0: float, p1: float) -> tuple[float, list[float]]:
-    """The baseline rate and the two alternatives of a pair of rate tests (the rise, the burst)."""
-    p0 = min(max(p0, 1e-6), 0.5)
-    return p0, [min(max(alternative, p0 * 1.01), 0.99) for alternative in (p1, p1 * _BURST_RISE)]
-
-
-def _retune(tests: list[BernoulliCusum], p0: float, p1: float) -> None:
-    """Judge a pair of rate tests' next trials against ``p0`` and ``p1`` (see `_alternatives`)."""
-    p0, alternatives = _alternatives(p0, p1)
-    for test, alternative in zip(tests, alternatives):
-        test.retune(p0, alternative)
-
-
-def _tail_rates(cfg, share: float) -> tuple[float, float]:
-    """Baseline and alternative of the tail test for a baseline ``share`` past the limit.
-
-    >>> from specwatch.schemas.policy import LatencyPolicy
-    >>> _tail_rates(LatencyPolicy(), 0.002), _tail_rates(LatencyPolicy(), 0.02)
-    ((0.0075, 0.03), (0.02, 0.08))
-    """
-    p1 = max(cfg.tail_share, share * _TAIL_RISE)
-    return max(share, p1 / _TAIL_RISE), p1
-
-
-def _rate_tests(p0: float, p1: float, requests_per_second: float, false_alarms_per_hour: float,
-                min_hits: int) -> list[BernoulliCusum]:
-    """Bernoulli CUSUMs for a rise from p0 to ``p1`` and to a burst ``_BURST_RISE`` times that,
-    each with half the false-alarm budget; none if p0 is unknown.
-
-    >>> [(round(t.p0, 4), round(t.p1, 4), round(t.threshold, 2)) for t in _rate_tests(0.002, 0.01, 10.0, 1e-2, 5)]
-    [(0.002, 0.01, 17.18), (0.002, 0.04, 17.18)]
-    >>> _rate_tests(math.nan, 0.01, 10.0, 1e-2, 5)
-    []
-    """
-    if math.isnan(p0):
-        return []
-    p0, alternatives = _alternatives(p0, p1)
-    rate = requests_per_second if requests_per_second > 0 else _UNKNOWN_TRAFFIC_PER_SECOND
-    threshold = cusum_threshold(rate * 3600.0 * _TRAFFIC_HEADROOM, false_alarms_per_hour / 2)
-    return [BernoulliCusum(p0, alternative, threshold, min_hits) for alternative in alternatives]
-
-
-def _first_to_fire(tests: list[BernoulliCusum], trials: int, hits: float, at: float) -> BernoulliCusum | None:
-    """Feed one slice's trials to every test; the first (in order) that fired, if any."""
-    for test in tests:
-        test.update(trials, hits, at)
-    return next((test for test in tests if test.drift_detected), None)
 
 
 def _trimmed(slices: list[SliceStats], damage) -> list[SliceStats]:
@@ -537,7 +409,7 @@ class KeyMonitor(_Windowed):
         tally[1] += requests
         if tally[1] >= _BAND_REQUESTS:
             learned = (tally[0] + 1.0) / (tally[1] + 2.0)
-            if learned <= _tail_rates(self.policy.latency, below)[1]:
+            if learned <= tail_rates(self.policy.latency, below)[1]:
                 bands[band] = max(below, learned)
             else:  # the band below would call this a tail: learn again, still judged by it
                 bands[band] = [0.0, 0]
@@ -550,7 +422,7 @@ class KeyMonitor(_Windowed):
         if self._tail_tests is None:
             self._tail_tests = {}
             for metric, (limit, share) in self._tail_limits().items():
-                tests = _rate_tests(*_tail_rates(cfg, share), self.baseline.requests_per_second,
+                tests = rate_tests(*tail_rates(cfg, share), self.baseline.requests_per_second,
                                     cfg.false_alarms_per_key_hour, cfg.min_tail_requests)
                 if tests:
                     self._tail_tests[metric] = (tests, limit, share)
@@ -567,8 +439,8 @@ class KeyMonitor(_Windowed):
                 continue
             hits = max(0.0, hits)
             band_share = self._band_share(metric, band, share, past, requests)  # learned from finished requests
-            _retune(tests, *_tail_rates(cfg, band_share))
-            test = _first_to_fire(tests, trials, hits, slice_end)
+            retune(tests, *tail_rates(cfg, band_share))
+            test = first_to_fire(tests, trials, hits, slice_end)
             if test is not None:
                 fired.append((test.statistic, metric, test, limit, band_share))
         if not fired:
@@ -609,11 +481,11 @@ class KeyMonitor(_Windowed):
         cfg = self.policy.errors
         base = self._error_baseline()
         if self._error_tests is None:
-            self._error_tests = _rate_tests(base, _error_rate_limit(cfg, base), self.baseline.requests_per_second,
+            self._error_tests = rate_tests(base, error_rate_limit(cfg, base), self.baseline.requests_per_second,
                                             cfg.false_alarms_per_key_hour, cfg.min_errors)
         else:
-            _retune(self._error_tests, base, _error_rate_limit(cfg, base))
-        test = _first_to_fire(self._error_tests, stats.requests, stats.errors + stats.timeouts, slice_end)
+            retune(self._error_tests, base, error_rate_limit(cfg, base))
+        test = first_to_fire(self._error_tests, stats.requests, stats.errors + stats.timeouts, slice_end)
         if test is None:
             return []
         return [Finding("error_rate", "error_rate_cusum", stats.max_ts, "error_rate", test.hits / test.trials,

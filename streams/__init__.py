@@ -1,1 +1,2 @@
-"""Streams: the processing topology (stage 1 combine, stage 2 merge+detect), embedded or on Faust."""
+"""Streams: the processing topology (stage 1 combines, stage 2 merges and hands each final slice to
+the decider of `specwatch.actions`), embedded or on Faust."""

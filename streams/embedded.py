@@ -8,9 +8,11 @@ from typing import Callable, Iterable, Sequence
 from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Decision, Policy, RejectionCounter
 from specwatch.schemas.fastdecode import StepBlock, decode_lines_block
+from specwatch.schemas.outputs import SliceOutput
 
+from .combine import Stage1
+from .merge import Stage2
 from .sources import Ingest, Ingested
-from .topology import SliceOutput, Stage1, Stage2
 
 __all__ = ["EmbeddedPipeline", "PipelineCounters"]
 

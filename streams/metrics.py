@@ -13,9 +13,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.window import ratio
 from specwatch.schemas.decisions import Action, Reason
+from specwatch.schemas.outputs import SliceOutput
 from specwatch.schemas.scope import Scope
 
-from .topology import SliceOutput, Stage2
+from .merge import Stage2
 
 __all__ = [
     "DEFAULT_MAX_KEYS",
@@ -90,7 +91,8 @@ class MetricsView:
 
     >>> from specwatch.detectors.window import SliceStats
     >>> from specwatch.schemas import Policy
-    >>> from specwatch.streams.topology import SliceBatch, Stage2
+    >>> from specwatch.streams.merge import Stage2
+    >>> from specwatch.streams.slice_batch import SliceBatch
     >>> stage = Stage2(Policy())
     >>> batch = SliceBatch("s", 0, 0)
     >>> for bucket in ("chat", "coding"):
@@ -126,10 +128,10 @@ class MetricsView:
     def rows(self) -> list[tuple[Scope, dict, FlagStore, int | None]]:
         """(key, newest window row, the stage's flags, the card's D) of the exported keys, sorted."""
         found = sorted(((key, monitor, stage) for stage in self.stages()
-                        for key, monitor in list(stage.monitors.items()) if monitor.history),
+                        for key, monitor in list(stage.decider.monitors.items()) if monitor.history),
                        key=lambda item: (item[0][0], item[0][1] or "", item[0][2] or ""))
         self.keys_overflow = max(0, len(found) - self.max_keys)
-        return [(key, monitor.history[-1][1].summary(), stage.flags, stage.draft_length(key[0]))
+        return [(key, monitor.history[-1][1].summary(), stage.decider.flags, stage.decider.draft_length(key[0]))
                 for key, monitor, stage in found[:self.max_keys]]
 
     def published(self, decision_ts: float, now: float) -> None:

@@ -561,13 +561,13 @@ class Stage2Runner(PartitionRunner):
 
     def cards(self) -> dict[str, dict]:
         """Bundle id -> card of every bundle the stage-2 tasks of this worker have seen."""
-        return {bundle: card for task in self._tasks.values() for bundle, card in task.stage.cards.items()}
+        return {bundle: card for task in self._tasks.values() for bundle, card in task.stage.decider.cards.items()}
 
     def automatic(self, scope: tuple) -> Any:
         """The `ScopeState` this worker's decisions alone give ``scope`` (None: speculation on)."""
         for task in self._tasks.values():
-            if scope[0] in task.stage.cards:
-                return task.stage.flags.state(scope)
+            if scope[0] in task.stage.decider.cards:
+                return task.stage.decider.flags.state(scope)
         return None
 
     def stages(self) -> list:

@@ -13,6 +13,7 @@ from fastdigest import TDigest
 from river._river_rust.drift import AdaptiveWindowing
 
 from specwatch.actions import admission, flags, policy as fallback
+from specwatch.actions.decider import SliceDecider
 from specwatch.detectors import baseline, canary, gates, monitor, stalls, window
 from specwatch.detectors.sketch import LatencySketch
 from specwatch.schemas import codec, policy
@@ -20,7 +21,7 @@ from specwatch.schemas.checkpoint import PICKLED_CHECKPOINT_MAGIC, CheckpointErr
 from specwatch.schemas.fastdecode import record_at
 from specwatch.schemas.otlp import decode_request
 
-from . import intake, running_requests, sources, topology
+from . import combine, intake, merge, running_requests, slice_batch, sources
 from .stage_tasks import BundleOwner, Stage1Task, Stage2Task
 
 __all__ = ["load_pickled_task"]
@@ -92,12 +93,26 @@ class _PickledScopeMemory(fallback.ScopeMemory):
         self.__dict__.update(state)
 
 
+class _PickledStage2(merge.Stage2):
+    """Stage 2 as the last pickling version wrote it: what its decider holds now was its own."""
+
+    _DECIDER_PARTS = ("policy", "owns", "flags", "fallback", "admission", "monitors", "pools", "cards",
+                      "worker_cards", "shadow_counts", "last_mismatch")
+
+    def __setstate__(self, state: dict) -> None:
+        decider = SliceDecider.__new__(SliceDecider)
+        decider.__dict__.update({name: state[name] for name in self._DECIDER_PARTS if name in state})
+        self.__dict__.update({name: value for name, value in state.items() if name not in self._DECIDER_PARTS})
+        self.policy, self.decider = state["policy"], decider
+
+
 def _names(module, *names: str, pickled_as: str | None = None) -> dict[tuple[str, str], object]:
     """``names`` of ``module``, under the module name the pickles hold (``pickled_as``: its old name)."""
     return {(pickled_as or module.__name__, name): getattr(module, name) for name in names}
 
 
 _OLD_TASKS = "specwatch.streams.faust_tasks"
+_OLD_TOPOLOGY = "specwatch.streams.topology"  # stage 1, stage 2 and their slices, one module then
 # Every name a checkpoint pickled by the last pickling version holds, and what it loads as here.
 _ALLOWED: dict[tuple[str, str], object] = {
     ("builtins", "dict"): dict,
@@ -132,7 +147,9 @@ _ALLOWED: dict[tuple[str, str], object] = {
     ("specwatch.streams.intake", "EventClock"): _PickledEventClock,
     **_names(running_requests, "RunningRequests", pickled_as="specwatch.streams.running"),
     ("specwatch.streams.running", "_Worker"): _PickledRunningWorker,
-    **_names(topology, "SliceBatch", "Stage1", "Stage2", "_step_record"),
+    **_names(slice_batch, "SliceBatch", "_step_record", pickled_as=_OLD_TOPOLOGY),
+    **_names(combine, "Stage1", pickled_as=_OLD_TOPOLOGY),
+    (_OLD_TOPOLOGY, "Stage2"): _PickledStage2,
 }
 
 

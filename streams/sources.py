@@ -7,7 +7,8 @@ from typing import Callable, Iterable, NamedTuple, Sequence, Union
 from specwatch.schemas import Rejection, RejectionCounter, TelemetryRecord, decode_line
 from specwatch.schemas.fastdecode import StepBlock
 
-from .topology import SliceBatch, Stage1
+from .combine import Stage1
+from .slice_batch import SliceBatch
 
 __all__ = ["Decoded", "Decoder", "IdleRule", "Ingest", "Ingested"]
 

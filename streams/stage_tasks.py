@@ -24,10 +24,13 @@ from specwatch.schemas.checkpoint import (
 )
 from specwatch.schemas.fastdecode import request_block
 from specwatch.schemas.otlp import decode_request
+from specwatch.schemas.outputs import ActionRecord, SliceOutput
 from specwatch.transport.signing import SIGNATURE_HEADER, Keyring, Verdict, sign_line, verify
 
+from .combine import Stage1
+from .merge import Stage2
+from .slice_batch import SliceBatch
 from .sources import Ingest
-from .topology import ActionRecord, SliceBatch, SliceOutput, Stage1, Stage2
 
 __all__ = [
     "BundleOwner",

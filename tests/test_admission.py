@@ -131,7 +131,7 @@ def test_fingerprint_change_sends_the_new_card_back_through_admission():
 ])
 def test_with_enforcement_off_admission_decides_nothing(scenario, expected):
     _, pipeline, flags, changes, got = _rollout(scenario, policy={}, minutes=4.0)
-    assert pipeline.stage2.admission is None
+    assert pipeline.stage2.decider.admission is None
     assert got == expected and changes == [] and flags.stages() == {}
     assert all(d.cohort == "canary" for d in pipeline.decisions)
 

@@ -170,8 +170,8 @@ def _facts(task: Stage1Task | Stage2Task, decided: list[str] = ()) -> dict:
         return {"next_offset": task.next_offset, "records": task.records, "watermark": task.stage.watermark,
                 "open_slices": sorted(batch["slice_index"] for batch in state["open"]),
                 "rejected": task.rejected.as_dict()}
-    stage = task.stage
-    return {"next_offset": task.next_offset, "batches": task.batches, "finalized": stage.finalized,
+    stage = task.stage.decider
+    return {"next_offset": task.next_offset, "batches": task.batches, "finalized": task.stage.finalized,
             "monitors": sorted("/".join(part or "*" for part in key) for key in stage.monitors),
             "decisions": list(decided), "stages": {b: s.stage for b, s in stage.flags.stages().items()},
             "acceptance_baselines": {"/".join(part or "*" for part in key): monitor.baseline.acceptance_length
@@ -199,7 +199,7 @@ def test_golden_checkpoints_of_every_version_load(version, kind):
     facts = json.loads((GOLDEN / f"v{version}.facts.json").read_text())[kind]
     task = decode_checkpoint((GOLDEN / f"v{version}-{kind}.ckpt").read_bytes(), name=f"{kind}/t/0")
     assert _same(_facts(task, facts.get("decisions", ())), facts)
-    assert task.next_offset > 0 and (kind == "stage1" or len(task.stage.monitors) > 10)
+    assert task.next_offset > 0 and (kind == "stage1" or len(task.stage.decider.monitors) > 10)
 
 
 # -- pickled checkpoints of earlier versions ---------------------------------------------------------

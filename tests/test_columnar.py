@@ -17,7 +17,7 @@ from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.sources import Ingest
-from specwatch.streams.topology import Stage1
+from specwatch.streams.combine import Stage1
 
 from test_bad_input import BAD_LINES
 from test_fastpath import ODD_LINES, batches_json, pipeline_run

@@ -15,7 +15,7 @@ from specwatch.schemas.fastdecode import decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.stage_tasks import Stage1Task
-from specwatch.streams.topology import Stage1
+from specwatch.streams.combine import Stage1
 
 from test_bad_input import BAD_LINES, _round, _step
 

@@ -12,6 +12,7 @@ from specwatch.simulation.simulator import Simulator
 from specwatch.detectors.sketch import LatencySketch
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision, Policy, Rejection
+from specwatch.schemas.outputs import ActionRecord
 from specwatch.streams.stage_tasks import (
     CheckpointError,
     PartialMessage,
@@ -27,7 +28,7 @@ from specwatch.streams.stage_tasks import (
     route_batches,
     stage2_partition,
 )
-from specwatch.streams.topology import ActionRecord, SliceBatch
+from specwatch.streams.slice_batch import SliceBatch
 
 from telemetry_log import decision_key, embedded_decisions
 from test_partitioning import distributed, telemetry_log
@@ -143,12 +144,12 @@ def test_restored_stage2_keeps_its_flags_and_outbox():
     task = Stage2Task(Policy(), ("t/0",))
     decision = Decision(ts=1.0, bundle_id="b-1", bucket=None, action="invalidate_bundle", reason="bundle_changed",
                         detector="card")
-    task.stage.flags.apply(decision)
+    task.stage.decider.flags.apply(decision)
     task.outbox = [ActionRecord(decision, {"k": 1}, [])]
     task.outbox_mark = {0: 7}
     restored = decode_checkpoint(encode_checkpoint(task))
-    assert restored.stage.flags.lookup("b-1", "coding", "main").enabled is False
-    assert restored.stage.fallback.flags is restored.stage.flags
+    assert restored.stage.decider.flags.lookup("b-1", "coding", "main").enabled is False
+    assert restored.stage.decider.fallback.flags is restored.stage.decider.flags
     assert [a.decision for a in restored.outbox] == [decision] and restored.outbox_mark == {0: 7}
 
 

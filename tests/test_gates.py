@@ -139,7 +139,7 @@ def test_key_monitors_restored_from_their_state_mid_incident_decide_the_same():
     half = len(records) // 2
     restored = EmbeddedPipeline()
     restored.feed_many(records[:half])
-    stage = restored.stage2
+    stage = restored.stage2.decider
     with_tail_tests = 0
     for key, monitor in list(stage.monitors.items()):
         if not isinstance(monitor, KeyMonitor):

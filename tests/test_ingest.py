@@ -15,7 +15,7 @@ from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.stage_tasks import Stage1Task, decode_checkpoint, encode_checkpoint
 from specwatch.streams.sources import Ingest
-from specwatch.streams.topology import Stage1
+from specwatch.streams.combine import Stage1
 
 from test_bad_input import BAD_LINES
 from test_fastpath import batches_json

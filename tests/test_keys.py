@@ -10,8 +10,10 @@ from specwatch.detectors.window import SliceStats, sample_record
 from specwatch.schemas import Policy
 from specwatch.schemas.fastdecode import decode_lines_block
 from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.combine import Stage1
+from specwatch.streams.merge import Stage2
+from specwatch.streams.slice_batch import SliceBatch
 from specwatch.streams.sources import Ingest
-from specwatch.streams.topology import SliceBatch, Stage1, Stage2
 
 
 def _batches(lines, source="s"):
@@ -29,7 +31,7 @@ def test_stage2_keeps_a_partial_one_source_holds_and_copies_one_two_hold():
     for batch in one:
         stage.add(batch)
     stage.flush()
-    assert stage.monitors[key].history[0][1] is first.partials[key]
+    assert stage.decider.monitors[key].history[0][1] is first.partials[key]
 
     # two sources hold the same key in the same slice: merged into a slice-own copy,
     # neither source's partial written to
@@ -41,7 +43,7 @@ def test_stage2_keeps_a_partial_one_source_holds_and_copies_one_two_hold():
     for batch in (first_a, first_b):  # neither vouches for the slice: both are pending when it is decided
         twice.add(SliceBatch(batch.source, batch.slice_index, batch.slice_index - 1, batch.partials))
     twice.flush()
-    merged = twice.monitors[key].history[0][1]
+    merged = twice.decider.monitors[key].history[0][1]
     assert merged is not first_a.partials[key] and merged is not first_b.partials[key]
     assert merged.rounds == first_a.partials[key].rounds + first_b.partials[key].rounds == 2
     assert (first_a.partials[key].to_dict(), first_b.partials[key].to_dict()) == before
@@ -159,5 +161,5 @@ def test_a_key_without_traffic_is_not_judged():
         for output in stage.add(batch):
             rows.append(len(output.window_rows))
     rows += [len(output.window_rows) for output in stage.flush()]
-    assert len(stage.monitors) == 2_001  # every key and the bundle
+    assert len(stage.decider.monitors) == 2_001  # every key and the bundle
     assert rows == [2_001, 2, 2, 2, 2, 2]  # then the busy key and its bundle only

@@ -5,7 +5,8 @@ import pytest
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
 from specwatch.simulation.simulator import Simulator
-from specwatch.detectors.monitor import Finding, RecoveryEvidence
+from specwatch.detectors.monitor import Finding
+from specwatch.detectors.recovery import RecoveryEvidence
 from specwatch.schemas import Policy, PolicyError
 
 from telemetry_log import replayed

@@ -17,7 +17,7 @@ from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.sources import Ingest
 from specwatch.streams.running_requests import LOST_AFTER_SECONDS
-from specwatch.streams.topology import Stage1
+from specwatch.streams.combine import Stage1
 
 SEED = 11
 INCIDENT_AT = 120.0
@@ -111,7 +111,7 @@ def test_long_healthy_requests_are_counted_once_and_decide_nothing():
     pipeline.finish()
     assert pipeline.counters.rejected.total == 0
     assert pipeline.decisions == []
-    [monitor] = [m for m in pipeline.stage2.monitors.values() if isinstance(m, KeyMonitor)]
+    [monitor] = [m for m in pipeline.stage2.decider.monitors.values() if isinstance(m, KeyMonitor)]
     assert monitor.stalls.counted_total == 154
 
 

@@ -13,8 +13,10 @@ from specwatch.schemas.fastdecode import decode_lines_block
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.gc_policy import STREAM_THRESHOLDS
+from specwatch.streams.combine import Stage1
+from specwatch.streams.merge import Stage2
+from specwatch.streams.slice_batch import SliceBatch
 from specwatch.streams.sources import Ingest
-from specwatch.streams.topology import SliceBatch, Stage1, Stage2
 
 __all__ = ["bench_keys", "closed_batches", "fed_pipeline", "line_blocks", "plot_keys",
            "stage2_outputs", "step_lines"]

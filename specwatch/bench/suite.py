@@ -436,7 +436,8 @@ def bench_metrics(quick: bool, smoke: bool) -> dict:
     batches, alternated; a scrape timed on its own (docs/BENCHMARKS.md, "Metrics view")."""
     from specwatch.streams.metrics import ServiceHealth
     from specwatch.streams.operations import Operations, OperationsSettings
-    from specwatch.streams.topology import SliceBatch, Stage2
+    from specwatch.streams.merge import Stage2
+    from specwatch.streams.slice_batch import SliceBatch
 
     keys = 50 if smoke else (500 if quick else 1_000)
     slices = 6 if smoke else 20
