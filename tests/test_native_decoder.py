@@ -21,9 +21,9 @@ from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.simulation.simulator import Simulator
 
 from test_fastpath import as_columns, block_outcomes
-from test_fuzz_otlp import _FUZZ, damaged
-from test_otlp_wire import (_PLAIN_STEP, _ld, _key_value, _mutated, _plain_step_request, _recoded_by_collector,
-                            _request, _simulated, _step_attributes, _step_log_record)
+from test_fuzz_otlp import _FUZZ, damaged, odd_bytes
+from test_otlp_wire import (_PLAIN_STEP, _ld, _key_value, _plain_step_request, _recoded_by_collector, _request,
+                            _simulated, damaged_request, steps_request)
 
 
 def _cargo() -> str | None:
@@ -169,11 +169,16 @@ def test_invalid_steps_get_the_same_rejection_both_ways(change, reason, where):
     assert _native_rows(payload) == 0
 
 
+def _plain_fields() -> list[bytes]:
+    """The fields of test_otlp_wire's plain step, in the writer's order."""
+    return [_ld(6, _key_value(k, v)) for k, v in _PLAIN_STEP.items()] + [_ld(12, b"specwatch.step")]
+
+
 def test_an_attribute_in_another_attributes_place_is_not_taken_for_it_after_a_good_step():
     """The layout's memo is one per attribute: a bundle_id attribute seen in its own place, then in
     the worker's, is no worker; nor is a bucket column in the id column's place, nor accepted in
     drafted's -- a record's outcome does not hang on the records before it."""
-    good = [_ld(6, _key_value(k, v)) for k, v in _PLAIN_STEP.items()] + [_ld(12, b"specwatch.step")]
+    good = _plain_fields()
     keys = list(_PLAIN_STEP)
     for into, taken, missing in (("specwatch.worker", "specwatch.bundle_id", "worker"),
                                  ("specwatch.requests.id", "specwatch.requests.bucket", "specwatch.requests.id"),
@@ -223,36 +228,18 @@ def test_every_truncation_and_flip_of_a_request_decodes_the_same():
 @_FUZZ
 @given(st.data())
 def test_valid_odd_and_invalid_steps_decode_the_same(data):
-    steps = data.draw(st.lists(_step_attributes(), min_size=1, max_size=4))
-    log_records = []
-    for attributes in steps:
-        if data.draw(st.booleans()):
-            attributes = data.draw(_mutated(attributes))
-        log_records.append(data.draw(_step_log_record(attributes)))
-    if data.draw(st.booleans()):  # among records the writer wrote
-        position = data.draw(st.integers(0, len(log_records)))
-        first = data.draw(st.integers(0, len(_simulated()) - 3))
-        written = encode_records(_simulated()[first:first + 3])
-        log_records[position:position] = [written[a:b] for a, b in _log_record_spans(written)]
-    _same_both_ways(_request(log_records, split=data.draw(st.integers(0, 3)), extras=data.draw(st.booleans())))
+    _same_both_ways(steps_request(data))
 
 
 @_FUZZ
 @given(st.data())
 def test_damaged_requests_decode_the_same(data):
-    if data.draw(st.booleans()):
-        payload = encode_records(_simulated()[:20])
-    else:
-        payload = _request([data.draw(_step_log_record(data.draw(_step_attributes())))] * 2)
-    _same_both_ways(damaged(data, payload, most=4))
+    _same_both_ways(damaged_request(data))
 
 
 @_FUZZ
 @given(st.binary(max_size=2000))
-@example(b"")
-@example(b"\x0a")
-@example(b"\x0a\xff\xff\xff\xff\x0f")
-@example(b"\x0a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01")
+@odd_bytes
 @example(b"\x0a\x02\x12\x00")
 @example(b"\x0a\x04\x12\x02\x12\x00")
 @example(b"\x0a\x06\x12\x04\x12\x02\x32\x7f")
@@ -268,8 +255,8 @@ def test_hostile_bytes_neither_crash_the_walk_nor_split_otherwise(data):
 @given(st.data())
 def test_hostile_records_in_a_valid_envelope_never_crash_the_walk(data):
     """A LogRecord of any bytes, or a good step damaged, handed to the walk directly."""
-    good = b"".join([_ld(6, _key_value(k, v)) for k, v in _PLAIN_STEP.items()] + [_ld(12, b"specwatch.step")])
-    record = data.draw(st.one_of(st.binary(max_size=600), st.just(good).map(lambda b: damaged(data, b, most=3))))
+    good = b"".join(_plain_fields())
+    record = damaged(data, good, most=3) if data.draw(st.booleans()) else data.draw(st.binary(max_size=600))
     payload = _request([record, good])
     fastdecode._NATIVE_WALK.records(payload)
     _same_both_ways(payload)
