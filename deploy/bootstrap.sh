@@ -31,6 +31,30 @@ else
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$here" >&2 2>/dev/null \
     || "$venv/bin/python" -m pip install -q --no-deps -e "$here" >&2
 fi
+# The compiled OTLP step walk (native/, imported as specwatch_native) where Rust is installed;
+# without it the block decoder takes its pure-Python reference path. The wheel is cached by
+# a hash of the crate's sources: a second run, or another checkout of the same sources,
+# installs it without building.
+cargo=$(command -v cargo || true)
+[ -z "$cargo" ] && [ -x "$HOME/.cargo/bin/cargo" ] && cargo=$HOME/.cargo/bin/cargo
+if [ -n "$cargo" ]; then
+  cache=$HOME/.cache/specwatch/native
+  key=$(cd "$here/native" && cat Cargo.toml Cargo.lock pyproject.toml src/*.rs | sha256sum | cut -c1-16)
+  wheels=$cache/wheel-$key
+  if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
+    echo "bootstrap: building the compiled step walk (native/)" >&2
+    "$venv/bin/python" -m pip install -q 'maturin==1.16.0' >&2
+    rm -rf "$wheels.partial"
+    PATH="$(dirname "$cargo"):$PATH" CARGO_TARGET_DIR=$cache/target \
+      "$venv/bin/maturin" build --release --locked --out "$wheels.partial" -i "$venv/bin/python" \
+      -m "$here/native/Cargo.toml" >&2
+    mv "$wheels.partial" "$wheels"
+  fi
+  if [ "$(cat "$venv/.specwatch-native" 2>/dev/null)" != "$key" ]; then
+    "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$wheels"/*.whl >&2
+    echo "$key" > "$venv/.specwatch-native"
+  fi
+fi
 if [ "$with_vllm" = 1 ]; then
   "$here/deploy/vllm/install.sh" "$venv" >&2
 fi

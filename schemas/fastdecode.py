@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from .contract import (MAX_DRAFT_TOKENS, MAX_NAME_CHARS, MAX_REQUESTS_PER_STEP, 
 from .otlp import (ATTRIBUTE_PREFIX, EVENT_PREFIX, REQUESTS_PREFIX, ROUND_COLUMNS, STEP_SCALARS, decode_log_record,
                    log_records, parse_request)
 from .otlp_wire import EncodingMemo, OddShape, encode_attribute, read_varint, small_ints, string_values
+from .scope import EVERY, SEPARATOR
 
-__all__ = ["StepBlock", "decode_lines_block", "record_at", "request_block"]
+__all__ = ["DECODER", "StepBlock", "decode_lines_block", "record_at", "request_block"]
 
 # ints beyond this lose precision as floats; such times take the reference path
 _MAX_EXACT_INT = 1 << 53
@@ -77,13 +79,21 @@ _UINT64_RANGE = 1 << 64
 class _Memo:
     """What repeats across the step records of one request, keyed by the bytes it came from."""
 
-    __slots__ = ("names", "columns", "int_heads", "strings")
+    __slots__ = ("workers", "bundles", "ids", "buckets", "cohorts", "drafted_heads", "accepted_heads", "columns",
+                 "strings")
 
     def __init__(self) -> None:
-        self.names: dict[bytes, str | None] = {}  # worker / bundle_id attribute -> name, None if not one
-        # id / bucket / cohort attribute, or the ArrayValue in one -> what _strings gives
-        self.columns: dict[bytes, tuple] = {}
-        self.int_heads: dict[int, bytes] = {}  # drafted / accepted attribute size -> bytes before the elements
+        # One dict per attribute of the writer's layout: an attribute's bytes hold its key, but
+        # a memo shared between two of them would take one's attribute in the other's place
+        # once it had seen it, so that a record's outcome would hang on the records before it.
+        self.workers: dict[bytes, str | None] = {}  # worker attribute -> name, None if not one
+        self.bundles: dict[bytes, str | None] = {}  # bundle_id attribute -> name, None if not one
+        self.ids: dict[bytes, tuple] = {}  # id / bucket / cohort attribute -> what _strings gives
+        self.buckets: dict[bytes, tuple] = {}
+        self.cohorts: dict[bytes, tuple] = {}
+        self.drafted_heads: dict[int, bytes] = {}  # drafted / accepted attribute size -> bytes before the elements
+        self.accepted_heads: dict[int, bytes] = {}
+        self.columns: dict[bytes, tuple] = {}  # an ArrayValue -> what _strings gives (any field order)
         self.strings: dict[bytes, str] = {}  # AnyValue -> string_value
 
 
@@ -302,25 +312,25 @@ _EVENT_FIELD = b"\x62" + bytes((len(_STEP_EVENT),)) + _STEP_EVENT
 _EVENT_FIELD_SIZE = len(_EVENT_FIELD)
 
 
-def _plain_name(attribute: bytes, key: bytes, memo: _Memo) -> str | None:
-    """The worker or bundle id in a serialized attribute (None if not a Name), memoised."""
-    value = _scalar(attribute, *_attribute_value(attribute, key), memo.strings)
-    name = memo.names[attribute] = value if _name(value) else None
+def _plain_name(attribute: bytes, key: bytes, names: dict, strings: dict) -> str | None:
+    """The worker or bundle id in a serialized attribute (None if not a Name), memoised in ``names``."""
+    value = _scalar(attribute, *_attribute_value(attribute, key), strings)
+    name = names[attribute] = value if _name(value) else None
     return name
 
 
-def _plain_strings(attribute: bytes, key: bytes, memo: _Memo) -> tuple:
-    """The id, bucket or cohort column in a serialized attribute, as `_strings` gives it, memoised."""
+def _plain_strings(attribute: bytes, key: bytes, columns: dict) -> tuple:
+    """The id, bucket or cohort column in a serialized attribute, as `_strings` gives it, memoised in ``columns``."""
     body = _array_body(attribute, *_attribute_value(attribute, key))
-    found = memo.columns[attribute] = _strings(attribute, *body)
+    found = columns[attribute] = _strings(attribute, *body)
     return found
 
 
-def _plain_int_head(attribute: bytes, key: bytes, memo: _Memo) -> bytes:
-    """The bytes before the elements of a drafted or accepted attribute, memoised."""
+def _plain_int_head(attribute: bytes, key: bytes, heads: dict) -> bytes:
+    """The bytes before the elements of a drafted or accepted attribute, memoised in ``heads``."""
     start, _ = _array_body(attribute, *_attribute_value(attribute, key))
     # keyed by size alone: the key is part of the head, which is compared whole
-    head = memo.int_heads[len(attribute)] = attribute[:start]
+    head = heads[len(attribute)] = attribute[:start]
     return head
 
 
@@ -337,12 +347,11 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
     p += _V_TS_SIZE
     # the memo lookups are inline and the helpers run only on a miss: a call per attribute
     # cost this decoder about a tenth of its speed
-    names, columns, heads = memo.names, memo.columns, memo.int_heads
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
-    worker = names.get(attribute, _MISSING)
+    worker = memo.workers.get(attribute, _MISSING)
     if worker is _MISSING:
-        worker = _plain_name(attribute, _WORKER_KEY, memo)
+        worker = _plain_name(attribute, _WORKER_KEY, memo.workers, memo.strings)
     head, width = _SEQ_HEADS[buf[q + 1]]
     if not buf.startswith(head, q):
         raise OddShape("not seq")
@@ -359,33 +368,33 @@ def _step_plain(buf: bytes, start: int, end: int, memo: _Memo) -> _StepRow | Non
             raise OddShape("seq varint")
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
-    bundle_id = names.get(attribute, _MISSING)
+    bundle_id = memo.bundles.get(attribute, _MISSING)
     if bundle_id is _MISSING:
-        bundle_id = _plain_name(attribute, _BUNDLE_KEY, memo)
+        bundle_id = _plain_name(attribute, _BUNDLE_KEY, memo.bundles, memo.strings)
     draft_head, draft_ms, verify_head, verify_ms, kv_head, kv_usage = _TIMES.unpack_from(buf, q)
     if draft_head != _DRAFT_HEAD or verify_head != _VERIFY_HEAD or kv_head != _KV_HEAD:
         raise OddShape("not draft_ms, verify_ms, kv_usage")
     p = q + _TIMES_SIZE
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
-    ids = columns.get(attribute) or _plain_strings(attribute, _ID_KEY, memo)
+    ids = memo.ids.get(attribute) or _plain_strings(attribute, _ID_KEY, memo.ids)
     p = _attribute_end(buf, q)
     attribute = buf[q:p]
-    buckets = columns.get(attribute) or _plain_strings(attribute, _BUCKET_KEY, memo)
+    buckets = memo.buckets.get(attribute) or _plain_strings(attribute, _BUCKET_KEY, memo.buckets)
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
-    cohorts = columns.get(attribute) or _plain_strings(attribute, _COHORT_KEY, memo)
+    cohorts = memo.cohorts.get(attribute) or _plain_strings(attribute, _COHORT_KEY, memo.cohorts)
     p = _attribute_end(buf, q)
     attribute = buf[q:p]
-    head = heads.get(p - q)
+    head = memo.drafted_heads.get(p - q)
     if head is None or not attribute.startswith(head):
-        head = _plain_int_head(attribute, _DRAFTED_KEY, memo)
+        head = _plain_int_head(attribute, _DRAFTED_KEY, memo.drafted_heads)
     drafted = small_ints(attribute[len(head):])
     q = _attribute_end(buf, p)
     attribute = buf[p:q]
-    head = heads.get(q - p)
+    head = memo.accepted_heads.get(q - p)
     if head is None or not attribute.startswith(head):
-        head = _plain_int_head(attribute, _ACCEPTED_KEY, memo)
+        head = _plain_int_head(attribute, _ACCEPTED_KEY, memo.accepted_heads)
     accepted = small_ints(attribute[len(head):])
     p = q
     p = _after_unread_fields(buf, p)
@@ -466,8 +475,32 @@ _READ_TAGS = frozenset((0x32, _STAMP, _OBSERVED, 0x62))
 _NOT_READ = (OddShape, IndexError, ValueError, TypeError, KeyError, struct.error)
 
 
-def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord | _StepRow | Rejection]:
+def _native_walk() -> Any:
+    """The compiled step walk (the package specwatch_native, built from native/), or None: not
+    built on this machine, or SPECWATCH_NATIVE=0 asks for the reference path."""
+    if os.environ.get("SPECWATCH_NATIVE", "1") == "0":
+        return None
+    try:
+        from specwatch_native import StepWalk
+    except ImportError:
+        return None
+    # the layout's bytes as the writer makes them here: the two readers cannot drift apart
+    return StepWalk(_V_TS_HEAD, _SEQ_HEADS, (_DRAFT_HEAD, _VERIFY_HEAD, _KV_HEAD), _WORKER_KEY, _BUNDLE_KEY,
+                    (_ID_KEY, _BUCKET_KEY, _COHORT_KEY, _DRAFTED_KEY, _ACCEPTED_KEY), _EVENT_FIELD, MAX_NAME_CHARS,
+                    MAX_REQUESTS_PER_STEP, MAX_DRAFT_TOKENS, EVERY.encode(), ord(SEPARATOR))
+
+
+_NATIVE_WALK = _native_walk()
+# which path `request_block` takes by default: the bench report names it
+DECODER = "native" if _NATIVE_WALK is not None else "reference"
+
+
+def _request_items(data: bytes | bytearray | memoryview,
+                   native: bool = True) -> list[TelemetryRecord | _StepRow | Rejection]:
     """`otlp.decode_request` with the steps the wire reader reads as `_StepRow`; every other outcome is identical.
+
+    ``native``: let the compiled walk read the steps in the writer's layout, if it is loaded;
+    what it leaves (None) takes the reference path below, record by record.
 
     >>> _request_items(b"\\xff\\xff not protobuf")[0].reason
     'invalid_otlp'
@@ -476,14 +509,20 @@ def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord
     request = parse_request(buf)
     if isinstance(request, Rejection):
         return [request]
-    spans = _log_record_spans(buf)
-    if spans is None:
-        return [decode_log_record(log_record) for log_record in log_records(request)]
+    walked = _NATIVE_WALK.records(buf) if native and _NATIVE_WALK is not None else None
+    if walked is None:
+        spans = _log_record_spans(buf)
+        if spans is None:
+            return [decode_log_record(log_record) for log_record in log_records(request)]
+        walked = [(start, end, None) for start, end in spans]
     memo = _Memo()
     parsed: list | None = None
     out: list = []
     append = out.append
-    for index, (start, end) in enumerate(spans):
+    for index, (start, end, row) in enumerate(walked):
+        if row is not None:
+            append(_StepRow(*row, partial(record_at, buf, start, end)))
+            continue
         try:
             step = _step_plain(buf, start, end, memo)
         except _NOT_READ:
@@ -497,7 +536,7 @@ def _request_items(data: bytes | bytearray | memoryview) -> list[TelemetryRecord
         if step is None:
             if parsed is None:
                 parsed = log_records(request)
-                if len(parsed) != len(spans):  # cannot happen if _log_record_spans reads as upb does
+                if len(parsed) != len(walked):  # cannot happen if _log_record_spans reads as upb does
                     return [decode_log_record(log_record) for log_record in parsed]
             step = decode_log_record(parsed[index])
         append(step)
@@ -839,8 +878,10 @@ def _interned(header, round_step: np.ndarray, pair_index: np.ndarray, pairs: lis
                      keys, others, step_ids, build)
 
 
-def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
+def request_block(data: bytes | bytearray | memoryview, native: bool = True) -> StepBlock:
     """An OTLP request as one `StepBlock`, positions being the indices of its log records.
+
+    ``native=False`` keeps to the reference path even where the compiled walk is loaded.
 
     >>> from specwatch.schemas import decode_line
     >>> from specwatch.schemas.otlp import encode_records
@@ -851,7 +892,7 @@ def request_block(data: bytes | bytearray | memoryview) -> StepBlock:
     >>> block.seqs, block.keys, block.drafted.tolist(), block.step_ids, block.record(1).seq
     ([1, 2], [('b', 'chat', 'main'), ('b', None, None)], [4, 4], [('r',), ('r',)], 2)
     """
-    items = _request_items(data)
+    items = _request_items(data, native)
     at = [i for i, item in enumerate(items) if type(item) is _StepRow]
     rows = [items[i] for i in at]
     header = list(zip(*(row.header for row in rows))) or ((),) * 7

@@ -43,12 +43,16 @@ def _check(results: list, expected_count: int | None = None) -> None:
             assert decode_request(encode_records([result])) == [result]
 
 
+def odd_bytes(test):
+    """``test`` run on these bytes too: empty, a lone tag, lengths past the end and past 64 bits."""
+    for data in (b"", b"\x0a", b"\x0a\xff\xff\xff\xff\x0f", b"\x0a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01"):
+        test = example(data)(test)
+    return test
+
+
 @_FUZZ
 @given(st.binary(max_size=2000))
-@example(b"")
-@example(b"\x0a")
-@example(b"\x0a\xff\xff\xff\xff\x0f")
-@example(b"\x0a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01")
+@odd_bytes
 def test_any_bytes_decode_or_are_rejected(data):
     _check(decode_request(data))
 

@@ -238,9 +238,8 @@ def _simulated() -> tuple:
 # -- properties -----------------------------------------------------------------------------------
 
 
-@_FUZZ
-@given(st.data())
-def test_valid_odd_and_invalid_steps_decode_as_the_reference_does(data):
+def steps_request(data) -> bytes:
+    """A request of valid, odd and invalid steps, some among records the writer wrote."""
     steps = data.draw(st.lists(_step_attributes(), min_size=1, max_size=4))
     log_records = []
     for attributes in steps:
@@ -252,19 +251,28 @@ def test_valid_odd_and_invalid_steps_decode_as_the_reference_does(data):
         first = data.draw(st.integers(0, len(_simulated()) - 3))
         written = encode_records(_simulated()[first:first + 3])
         log_records[position:position] = [written[a:b] for a, b in _log_record_spans(written)]
-    payload = _request(log_records, split=data.draw(st.integers(0, 3)), extras=data.draw(st.booleans()))
-    _identical(payload)
+    return _request(log_records, split=data.draw(st.integers(0, 3)), extras=data.draw(st.booleans()))
+
+
+def damaged_request(data) -> bytes:
+    """A request, the writer's or an odd one, with bytes flipped, dropped, inserted and truncated."""
+    if data.draw(st.booleans()):
+        payload = encode_records(_simulated()[:20])
+    else:
+        payload = _request([data.draw(_step_log_record(data.draw(_step_attributes())))] * 2)
+    return damaged(data, payload, most=4)
+
+
+@_FUZZ
+@given(st.data())
+def test_valid_odd_and_invalid_steps_decode_as_the_reference_does(data):
+    _identical(steps_request(data))
 
 
 @_FUZZ
 @given(st.data())
 def test_damaged_requests_decode_as_the_reference_does(data):
-    """Flip, drop, insert and truncate bytes of a request, the writer's or an odd one."""
-    if data.draw(st.booleans()):
-        payload = encode_records(_simulated()[:20])
-    else:
-        payload = _request([data.draw(_step_log_record(data.draw(_step_attributes())))] * 2)
-    _identical(damaged(data, payload, most=4))
+    _identical(damaged_request(data))
 
 
 # -- which reader takes which record ---------------------------------------------------------------

@@ -31,7 +31,7 @@ from specwatch.bench.keys import (bench_keys, closed_batches, fed_pipeline, line
 from specwatch.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_lines_block, request_block
+from specwatch.schemas.fastdecode import DECODER, decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 
@@ -209,15 +209,16 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
             parse_floor = ((msgspec.json.Decoder().decode, lines) if jsonl
                            else (ExportLogsServiceRequest.FromString, otlp))
 
-            def pipeline(columnar: bool) -> list[str]:
-                # the batch mode, or the per-record reference path: one record at a time through the pydantic codecs
+            def pipeline(columnar: bool, native: bool = True) -> list[str]:
+                # the batch mode, or the per-record reference path: one record at a time through the pydantic
+                # codecs; ``native=False``: the batch mode without the compiled step walk
                 if jsonl:
                     p = fed_pipeline(lines, columnar)
                 else:
                     p = EmbeddedPipeline()
                     for payload in otlp:
                         if columnar:
-                            p.feed_block(request_block(payload))
+                            p.feed_block(request_block(payload, native))
                         else:
                             p.feed_many(decode_request(payload))
                 return [d.to_json_line() for d in p.decisions + p.finish()]
@@ -234,10 +235,14 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                             p.feed(item)
                 p.finish()
 
-            runs = alternated({"columnar": lambda: timed(lambda: pipeline(columnar=True)),
-                               "floor": lambda: timed(lambda: deque(map(*parse_floor), maxlen=0)),
-                               "decode": lambda: timed(lambda: deque(map(*decode_only), maxlen=0))},
-                              1 if smoke else 3)
+            # the compiled step walk reads OTLP only: where it ran, the batch mode without it alternates too
+            compiled = DECODER == "native" and not jsonl
+            candidates = {"columnar": lambda: timed(lambda: pipeline(columnar=True)),
+                          "floor": lambda: timed(lambda: deque(map(*parse_floor), maxlen=0)),
+                          "decode": lambda: timed(lambda: deque(map(*decode_only), maxlen=0))}
+            if compiled:
+                candidates["columnar_without_native"] = lambda: timed(lambda: pipeline(columnar=True, native=False))
+            runs = alternated(candidates, 1 if smoke else 3)
             t_columnar, t_floor, t_decode = (min(t for t, _ in runs[name])
                                              for name in ("columnar", "floor", "decode"))
             columnar_out = runs["columnar"][0][1]
@@ -253,7 +258,13 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                 "columnar_decode_share_of_parse_floor": t_floor / t_decode,
                 "speedup_vs_naive": t_naive / t_columnar, "speedup_vs_reference": t_ref / t_columnar,
                 "same_decisions_as_reference": ref_out == columnar_out,
+                "decoder": "native" if compiled else "reference",
             })
+            if compiled:
+                t_without = min(t for t, _ in runs["columnar_without_native"])
+                rows[-1].update({"columnar_without_native_rounds_per_s": rounds / t_without,
+                                 "native_over_reference": t_without / t_columnar,
+                                 "native_same_decisions": runs["columnar_without_native"][0][1] == columnar_out})
     return rows
 
 
@@ -508,7 +519,9 @@ def _stream_row(encoding: str):
         row = next(r for r in stream if r["concurrency"] == 16 and r["encoding"] == encoding)
         return (row["columnar_rounds_per_s"], "per-record reference path", row["reference_rounds_per_s"],
                 f"parse floor {row['parse_floor_rounds_per_s']:,.0f} rounds/s; "
-                f"{row['requests_per_step']} requests/step")
+                f"{row['requests_per_step']} requests/step; decoder {row.get('decoder', 'reference')}"
+                + (f", {row['native_over_reference']:.2f}x the batch mode without it"
+                   if "native_over_reference" in row else ""))
     return figures
 
 
@@ -661,7 +674,9 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
     """Every section; ``smoke`` shrinks inputs to check the output's shape only. Without
     ``bootstrap``, the kafka and export sections run against a broker of this run's own."""
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                          "load_average": os.getloadavg(), "quick": quick, "smoke": smoke}}
+                                          "load_average": os.getloadavg(), "quick": quick, "smoke": smoke,
+                                          # the block decoder's OTLP step walk: compiled, or the Python reference
+                                          "decoder": DECODER}}
     wanted = set(sections) or set(SECTIONS)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         broker_error = None
