@@ -20,15 +20,19 @@ from .checks import CodeRunner, run_checks, run_code_test
 from .completion import Completion
 from .dataset import QualificationRequest
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_POSITIONS", "acceptance_by_bucket", "distribution_test", "judge_gate1",
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_EFFECT_W", "DEFAULT_POSITIONS", "acceptance_by_bucket", "distribution_test", "judge_gate1",
            "per_position_counts", "rounds_stats"]
 
 DEFAULT_ALPHA = 0.01
 """Family-wise false-alarm rate of the distribution tests (Bonferroni over positions and requests)."""
 DEFAULT_POSITIONS = 4
-"""Output positions whose token distributions are compared: a drafter's tokens appear from the second."""
+"""Output positions whose token distributions are compared: the first comes from the prefill, the
+next ones from the first speculative step (a drafter's tokens, accepted or replaced)."""
+DEFAULT_EFFECT_W = 0.3
+"""The effect the power is stated for: Cohen's w 0.3 ("medium"), e.g. 20 % of the draws moved from
+one of two equally likely tokens to the other."""
 _POWER = 0.8
-_MIN_EXPECTED = 5  # chi-square cells with fewer expected counts are pooled into one
+_MIN_EXPECTED = 5  # chi-square cells with fewer expected counts are pooled into one (Cochran's rule)
 _LONG_PROMPT_TOKENS = 256
 _LONG_OUTPUT_TOKENS = 64
 
@@ -72,33 +76,50 @@ def acceptance_by_bucket(requests: Sequence[QualificationRequest], speculative: 
     return out
 
 
-def _detectable_effect(df: int, n: int, alpha: float, power: float = _POWER) -> float:
-    """Cohen's w a chi-square test with ``df`` degrees of freedom on ``n`` draws detects with ``power``."""
+def _noncentrality_for_power(df: int, alpha: float, power: float) -> float:
+    """The noncentrality at which a chi-square test with ``df`` degrees of freedom at level ``alpha``
+    rejects with probability ``power``."""
     critical = scipy_stats.chi2.ppf(1 - alpha, df)
     low, high = 0.0, 1e4
-    for _ in range(100):  # noncentrality where the test's power reaches ``power``
+    for _ in range(100):
         mid = (low + high) / 2
         if scipy_stats.ncx2.sf(critical, df, mid) < power:
             low = mid
         else:
             high = mid
-    return math.sqrt(high / n)
+    return high
+
+
+def _power(df: int, n: int, alpha: float, w: float) -> float:
+    """Probability that the test on ``n`` draws rejects when the true effect is Cohen's ``w``."""
+    return float(scipy_stats.ncx2.sf(scipy_stats.chi2.ppf(1 - alpha, df), df, n * w * w))
 
 
 def distribution_test(standard: Sequence[Sequence[int]], speculative: Sequence[Sequence[int]], alpha: float,
-                      positions: int = DEFAULT_POSITIONS) -> dict:
+                      positions: int = DEFAULT_POSITIONS, effect_w: float = DEFAULT_EFFECT_W) -> dict:
     """Chi-square homogeneity of the token drawn at each of the first ``positions`` outputs, the two
-    paths' draws as two samples; rare tokens pooled; ``alpha`` is this request's share of the family.
+    paths' draws as two independent samples (each draw is its own request with its own seed), tokens
+    with fewer than 5 expected draws pooled into one cell; ``alpha`` is this request's share of the
+    family, split over the positions. Each tested position states its power against Cohen's
+    ``effect_w`` and the smallest w it detects with power 0.8; ``conclusive`` is False when no
+    position reaches power 0.8 at ``effect_w`` (too few draws, or too few distinct tokens: a
+    near-uniform distribution over a large vocabulary pools into one cell and cannot be compared).
 
     >>> rng = np.random.default_rng(3)
     >>> same = lambda: [list(rng.choice(4, size=3, p=[.4, .3, .2, .1])) for _ in range(200)]
-    >>> distribution_test(same(), same(), alpha=0.01)["rejected"]
-    False
+    >>> result = distribution_test(same(), same(), alpha=0.01)
+    >>> result["rejected"], result["conclusive"], result["per_position"][0]["power"]
+    (False, True, 0.992357)
     >>> other = [list(rng.choice(4, size=3, p=[.1, .2, .3, .4])) for _ in range(200)]
     >>> result = distribution_test(same(), other, alpha=0.01)
     >>> result["rejected"], result["first_position"]
     (True, 0)
+    >>> flat = lambda: [list(rng.choice(2000, size=3)) for _ in range(50)]  # every cell pooled: no test
+    >>> result = distribution_test(flat(), flat(), alpha=0.01)
+    >>> result["rejected"], result["conclusive"], result["positions_tested"]
+    (False, False, 0)
     """
+    level = alpha / positions
     per_position, first, tested = [], None, 0
     for position in range(positions):
         a = [s[position] for s in standard if len(s) > position]
@@ -117,15 +138,18 @@ def distribution_test(standard: Sequence[Sequence[int]], speculative: Sequence[S
             continue
         _, p_value, df, _ = scipy_stats.chi2_contingency(np.array(table).T, correction=False)
         tested += 1
-        per_position.append({"position": position, "p_value": round_evidence(float(p_value)),
-                             "categories": len(table), "detectable_w": round_evidence(
-                                 _detectable_effect(int(df), total, alpha / positions))})
-    level = alpha / positions
+        per_position.append({
+            "position": position, "p_value": round_evidence(float(p_value)), "categories": len(table),
+            "power": round_evidence(_power(int(df), total, level, effect_w)),
+            "detectable_w": round_evidence(math.sqrt(_noncentrality_for_power(int(df), level, _POWER) / total))})
     rejected = [p for p in per_position if p["p_value"] < level]
     if rejected:
         first = rejected[0]["position"]
+    best_power = max((p["power"] for p in per_position if "power" in p), default=0.0)
     return {"rejected": bool(rejected), "first_position": first, "draws": [len(standard), len(speculative)],
-            "positions_tested": tested, "level": round_evidence(level), "per_position": per_position}
+            "positions_tested": tested, "level": round_evidence(level), "effect_w": effect_w,
+            "power": best_power, "conclusive": bool(rejected) or best_power >= _POWER,
+            "per_position": per_position}
 
 
 def _greedy_verdict(request: QualificationRequest, standard: Completion, speculative: Completion) -> dict:
@@ -216,7 +240,8 @@ def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[
         "greedy": {"requests": len(greedy_rows), "identical": sum(r["identical"] for r in greedy_rows),
                    "divergences": [r for r in greedy_rows if not r["identical"]]},
         "sampled": {"requests": len(distribution_rows), "rejected": sum(r["rejected"] for r in distribution_rows),
-                    "alpha": alpha, "power": _POWER, "tests": distribution_rows},
+                    "inconclusive": [r["id"] for r in distribution_rows if not r["conclusive"]],
+                    "alpha": alpha, "power": _POWER, "effect_w": DEFAULT_EFFECT_W, "tests": distribution_rows},
         "acceptance": acceptance_by_bucket(requests, speculative_all),
         "checks": [dict(counter, bucket=bucket, check=name) for (bucket, name), counter in sorted(checks.items())],
         "stress": [dict(counter, slice=name, value=value) for (name, value), counter in sorted(slices.items())],
