@@ -173,7 +173,8 @@ def _slices(request: QualificationRequest, completion: Completion) -> dict[str, 
 
 
 def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[Completion],
-                alpha: float = DEFAULT_ALPHA, code_runner: CodeRunner = run_code_test) -> GateResult:
+                alpha: float = DEFAULT_ALPHA, code_runner: CodeRunner = run_code_test,
+                effect_w: float = DEFAULT_EFFECT_W) -> GateResult:
     """Gate 1's verdict over both paths' completions; every failure is named with its request and bucket.
 
     Fails on: a greedy output that differs (first divergent token named), a sampled request whose
@@ -215,7 +216,7 @@ def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[
                                f"speculative {row['speculative_token']})")
         else:
             test = distribution_test([c.token_ids for c in standard], [c.token_ids for c in speculative],
-                                     alpha / family)
+                                     alpha / family, effect_w=effect_w)
             distribution_rows.append(dict(test, id=request.id, bucket=request.bucket))
             if test["rejected"]:
                 p = min(x["p_value"] for x in test["per_position"])
@@ -241,7 +242,7 @@ def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[
                    "divergences": [r for r in greedy_rows if not r["identical"]]},
         "sampled": {"requests": len(distribution_rows), "rejected": sum(r["rejected"] for r in distribution_rows),
                     "inconclusive": [r["id"] for r in distribution_rows if not r["conclusive"]],
-                    "alpha": alpha, "power": _POWER, "effect_w": DEFAULT_EFFECT_W, "tests": distribution_rows},
+                    "alpha": alpha, "power": _POWER, "effect_w": effect_w, "tests": distribution_rows},
         "acceptance": acceptance_by_bucket(requests, speculative_all),
         "checks": [dict(counter, bucket=bucket, check=name) for (bucket, name), counter in sorted(checks.items())],
         "stress": [dict(counter, slice=name, value=value) for (name, value), counter in sorted(slices.items())],

@@ -14,7 +14,7 @@ from specwatch.schemas.qualification import GateResult, Qualification
 
 from .client import run_requests
 from .dataset import Dataset
-from .gate1 import DEFAULT_ALPHA, judge_gate1
+from .gate1 import DEFAULT_ALPHA, DEFAULT_EFFECT_W, judge_gate1
 from .gate2 import bucket_rows, judge_gate2, ledger_row
 from .load import benchmark_run
 from .sweep import SweepPoint, dynamic_sd_table, pareto_front, sweep_cost
@@ -49,6 +49,7 @@ class QualifyPlan:
     mechanisms: Sequence[str] = ()  # vLLM methods besides the card's, at each D ("ngram")
     max_batch_size: int = 8
     alpha: float = DEFAULT_ALPHA
+    effect_w: float = DEFAULT_EFFECT_W  # the effect size the sampled tests' power is stated for
     check_table: bool = False  # start an engine with the Dynamic SD table and run requests on it
     gate2: bool = True  # False: Gate 1 only (a quick check of the lossless contract; the report fails)
 
@@ -135,7 +136,7 @@ def qualify_bundle(card: BundleCard, speculative_config: dict, dataset: Dataset,
     for label, endpoint in (("standard", standard), ("speculative", speculative)):
         completions += run_requests(endpoint.base_url, endpoint.model, label, dataset.requests,
                                     progress=requests_progress(label))
-    gate1 = judge_gate1(dataset.requests, completions, plan.alpha)
+    gate1 = judge_gate1(dataset.requests, completions, plan.alpha, effect_w=plan.effect_w)
     progress(f"gate 1: {gate1.verdict}" + (f" ({len(gate1.reasons)} finding(s))" if gate1.reasons else ""))
 
     if not plan.gate2:
