@@ -13,9 +13,8 @@ on its path -- the API server and the engine core -- and this one replaces the f
 platform registers it, by the same expansion written with torch operations for any dtype.
 """
 
-import importlib.abc
-import importlib.machinery
-import sys
+import importlib.util
+from pathlib import Path
 
 _TARGET = "vllm.utils.cpu_triton_utils"
 
@@ -33,23 +32,12 @@ def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_
 _expand_kernel_impl.fixed_expansion = True
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if name != _TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None:
-            return None
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        module._expand_kernel_impl = _expand_kernel_impl
+def _patch(module):
+    module._expand_kernel_impl = _expand_kernel_impl
 
 
-sys.meta_path.insert(0, _PatchOnImport())
+# only this directory is on the path: the shared machinery is loaded from its file
+_spec = importlib.util.spec_from_file_location("_vllm_runtime_patch", Path(__file__).parent.parent / "vllm_runtime_patch.py")
+_machinery = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_machinery)
+_machinery.patch_on_import(_TARGET, _patch)
