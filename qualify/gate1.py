@@ -179,7 +179,8 @@ def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[
 
     Fails on: a greedy output that differs (first divergent token named), a sampled request whose
     distributions differ, a check that passes on standard decoding and fails on the speculative path,
-    and a request that errs only on the speculative path.
+    and a request that errs only on the speculative path. A sampled test without power at
+    ``effect_w`` is listed as inconclusive: it neither passes nor fails the gate on its own.
     """
     by_key: dict[tuple[str, str], list[Completion]] = defaultdict(list)
     for completion in completions:
