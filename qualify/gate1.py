@@ -99,7 +99,8 @@ def distribution_test(standard: Sequence[Sequence[int]], speculative: Sequence[S
                       positions: int = DEFAULT_POSITIONS, effect_w: float = DEFAULT_EFFECT_W) -> dict:
     """Chi-square homogeneity of the token drawn at each of the first ``positions`` outputs, the two
     paths' draws as two independent samples (each draw is its own request with its own seed), tokens
-    with fewer than 5 expected draws pooled into one cell; ``alpha`` is this request's share of the
+    with fewer than 5 expected draws pooled into one cell (itself joined to the rarest kept
+    token's when it is that thin); ``alpha`` is this request's share of the
     family, split over the positions. Each tested position states its power against Cohen's
     ``effect_w`` and the smallest w it detects with power 0.8; ``conclusive`` is False when no
     position reaches power 0.8 at ``effect_w`` (too few draws, or too few distinct tokens: a
@@ -130,9 +131,15 @@ def distribution_test(standard: Sequence[Sequence[int]], speculative: Sequence[S
         total = len(a) + len(b)
         kept = sorted(t for t in set(counts_a) | set(counts_b)
                       if (counts_a[t] + counts_b[t]) * min(len(a), len(b)) / total >= _MIN_EXPECTED)
-        table = [[counts_a[t] for t in kept] + [len(a) - sum(counts_a[t] for t in kept)],
-                 [counts_b[t] for t in kept] + [len(b) - sum(counts_b[t] for t in kept)]]
-        table = [list(col) for col in zip(*table) if sum(col) > 0]  # drop an empty pooled cell
+        columns = [[counts_a[t], counts_b[t]] for t in kept]
+        pooled = [len(a) - sum(c[0] for c in columns), len(b) - sum(c[1] for c in columns)]
+        if sum(pooled) * min(len(a), len(b)) / total >= _MIN_EXPECTED or not columns:
+            columns.append(pooled)
+        else:  # too thin a cell on its own: it joins the rarest kept token's
+            rarest = min(columns, key=sum)
+            rarest[0] += pooled[0]
+            rarest[1] += pooled[1]
+        table = [col for col in columns if sum(col) > 0]
         if len(table) < 2:
             per_position.append({"position": position, "p_value": 1.0, "categories": len(table)})
             continue
