@@ -96,13 +96,15 @@ def benchmark_run(base_url: str, model: str, tokenizer: str, requests: Sequence[
             "--model", model, "--tokenizer", tokenizer, "--dataset-name", "custom",
             "--dataset-path", str(prompts), "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle",
             "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--temperature", "0",
-            "--ignore-eos", "--disable-tqdm", "--num-warmups", "0", "--seed", str(seed),
+            "--ignore-eos", "--disable-tqdm", "--save-detailed", "--num-warmups", "0", "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95,99",
         ])
         # the client prints its own report on stdout, which belongs to --json output
         with contextlib.redirect_stdout(sys.stderr), KvSampler(base_url) as kv:
             result = serve.main(args)
-    if len(result.get("latencies") or []) != len(buckets):
-        raise ValueError(f"the benchmark client answered {len(result.get('latencies') or [])} requests of "
-                         f"{len(buckets)} sent: its results cannot be matched to buckets")
+    # per-request lists stay in the result with --save-detailed only (the client drops them otherwise)
+    answered = len(result.get("output_lens") or [])
+    if answered != len(buckets):
+        raise ValueError(f"the benchmark client gave per-request results for {answered} of the {len(buckets)} "
+                         "requests sent: they cannot be matched to buckets")
     return dict(result, buckets=buckets), kv.peak
