@@ -20,15 +20,19 @@ from .checks import CodeRunner, run_checks, run_code_test
 from .completion import Completion
 from .dataset import QualificationRequest
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_POSITIONS", "acceptance_by_bucket", "distribution_test", "judge_gate1",
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_EFFECT_W", "DEFAULT_POSITIONS", "acceptance_by_bucket", "distribution_test", "judge_gate1",
            "per_position_counts", "rounds_stats"]
 
 DEFAULT_ALPHA = 0.01
 """Family-wise false-alarm rate of the distribution tests (Bonferroni over positions and requests)."""
 DEFAULT_POSITIONS = 4
-"""Output positions whose token distributions are compared: a drafter's tokens appear from the second."""
+"""Output positions whose token distributions are compared: the first comes from the prefill, the
+next ones from the first speculative step (a drafter's tokens, accepted or replaced)."""
+DEFAULT_EFFECT_W = 0.3
+"""The effect the power is stated for: Cohen's w 0.3 ("medium"), e.g. 20 % of the draws moved from
+one of two equally likely tokens to the other."""
 _POWER = 0.8
-_MIN_EXPECTED = 5  # chi-square cells with fewer expected counts are pooled into one
+_MIN_EXPECTED = 5  # chi-square cells with fewer expected counts are pooled into one (Cochran's rule)
 _LONG_PROMPT_TOKENS = 256
 _LONG_OUTPUT_TOKENS = 64
 
@@ -72,33 +76,51 @@ def acceptance_by_bucket(requests: Sequence[QualificationRequest], speculative: 
     return out
 
 
-def _detectable_effect(df: int, n: int, alpha: float, power: float = _POWER) -> float:
-    """Cohen's w a chi-square test with ``df`` degrees of freedom on ``n`` draws detects with ``power``."""
+def _noncentrality_for_power(df: int, alpha: float, power: float) -> float:
+    """The noncentrality at which a chi-square test with ``df`` degrees of freedom at level ``alpha``
+    rejects with probability ``power``."""
     critical = scipy_stats.chi2.ppf(1 - alpha, df)
     low, high = 0.0, 1e4
-    for _ in range(100):  # noncentrality where the test's power reaches ``power``
+    for _ in range(100):
         mid = (low + high) / 2
         if scipy_stats.ncx2.sf(critical, df, mid) < power:
             low = mid
         else:
             high = mid
-    return math.sqrt(high / n)
+    return high
+
+
+def _power(df: int, n: int, alpha: float, w: float) -> float:
+    """Probability that the test on ``n`` draws rejects when the true effect is Cohen's ``w``."""
+    return float(scipy_stats.ncx2.sf(scipy_stats.chi2.ppf(1 - alpha, df), df, n * w * w))
 
 
 def distribution_test(standard: Sequence[Sequence[int]], speculative: Sequence[Sequence[int]], alpha: float,
-                      positions: int = DEFAULT_POSITIONS) -> dict:
+                      positions: int = DEFAULT_POSITIONS, effect_w: float = DEFAULT_EFFECT_W) -> dict:
     """Chi-square homogeneity of the token drawn at each of the first ``positions`` outputs, the two
-    paths' draws as two samples; rare tokens pooled; ``alpha`` is this request's share of the family.
+    paths' draws as two independent samples (each draw is its own request with its own seed), tokens
+    with fewer than 5 expected draws pooled into one cell (itself joined to the rarest kept
+    token's when it is that thin); ``alpha`` is this request's share of the
+    family, split over the positions. Each tested position states its power against Cohen's
+    ``effect_w`` and the smallest w it detects with power 0.8; ``conclusive`` is False when no
+    position reaches power 0.8 at ``effect_w`` (too few draws, or too few distinct tokens: a
+    near-uniform distribution over a large vocabulary pools into one cell and cannot be compared).
 
     >>> rng = np.random.default_rng(3)
     >>> same = lambda: [list(rng.choice(4, size=3, p=[.4, .3, .2, .1])) for _ in range(200)]
-    >>> distribution_test(same(), same(), alpha=0.01)["rejected"]
-    False
+    >>> result = distribution_test(same(), same(), alpha=0.01)
+    >>> result["rejected"], result["conclusive"], result["per_position"][0]["power"]
+    (False, True, 0.992357)
     >>> other = [list(rng.choice(4, size=3, p=[.1, .2, .3, .4])) for _ in range(200)]
     >>> result = distribution_test(same(), other, alpha=0.01)
     >>> result["rejected"], result["first_position"]
     (True, 0)
+    >>> flat = lambda: [list(rng.choice(2000, size=3)) for _ in range(50)]  # every cell pooled: no test
+    >>> result = distribution_test(flat(), flat(), alpha=0.01)
+    >>> result["rejected"], result["conclusive"], result["positions_tested"]
+    (False, False, 0)
     """
+    level = alpha / positions
     per_position, first, tested = [], None, 0
     for position in range(positions):
         a = [s[position] for s in standard if len(s) > position]
@@ -109,23 +131,32 @@ def distribution_test(standard: Sequence[Sequence[int]], speculative: Sequence[S
         total = len(a) + len(b)
         kept = sorted(t for t in set(counts_a) | set(counts_b)
                       if (counts_a[t] + counts_b[t]) * min(len(a), len(b)) / total >= _MIN_EXPECTED)
-        table = [[counts_a[t] for t in kept] + [len(a) - sum(counts_a[t] for t in kept)],
-                 [counts_b[t] for t in kept] + [len(b) - sum(counts_b[t] for t in kept)]]
-        table = [list(col) for col in zip(*table) if sum(col) > 0]  # drop an empty pooled cell
+        columns = [[counts_a[t], counts_b[t]] for t in kept]
+        pooled = [len(a) - sum(c[0] for c in columns), len(b) - sum(c[1] for c in columns)]
+        if sum(pooled) * min(len(a), len(b)) / total >= _MIN_EXPECTED or not columns:
+            columns.append(pooled)
+        else:  # too thin a cell on its own: it joins the rarest kept token's
+            rarest = min(columns, key=sum)
+            rarest[0] += pooled[0]
+            rarest[1] += pooled[1]
+        table = [col for col in columns if sum(col) > 0]
         if len(table) < 2:
             per_position.append({"position": position, "p_value": 1.0, "categories": len(table)})
             continue
         _, p_value, df, _ = scipy_stats.chi2_contingency(np.array(table).T, correction=False)
         tested += 1
-        per_position.append({"position": position, "p_value": round_evidence(float(p_value)),
-                             "categories": len(table), "detectable_w": round_evidence(
-                                 _detectable_effect(int(df), total, alpha / positions))})
-    level = alpha / positions
+        per_position.append({
+            "position": position, "p_value": round_evidence(float(p_value)), "categories": len(table),
+            "power": round_evidence(_power(int(df), total, level, effect_w)),
+            "detectable_w": round_evidence(math.sqrt(_noncentrality_for_power(int(df), level, _POWER) / total))})
     rejected = [p for p in per_position if p["p_value"] < level]
     if rejected:
         first = rejected[0]["position"]
+    best_power = max((p["power"] for p in per_position if "power" in p), default=0.0)
     return {"rejected": bool(rejected), "first_position": first, "draws": [len(standard), len(speculative)],
-            "positions_tested": tested, "level": round_evidence(level), "per_position": per_position}
+            "positions_tested": tested, "level": round_evidence(level), "effect_w": effect_w,
+            "power": best_power, "conclusive": bool(rejected) or best_power >= _POWER,
+            "per_position": per_position}
 
 
 def _greedy_verdict(request: QualificationRequest, standard: Completion, speculative: Completion) -> dict:
@@ -149,12 +180,14 @@ def _slices(request: QualificationRequest, completion: Completion) -> dict[str, 
 
 
 def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[Completion],
-                alpha: float = DEFAULT_ALPHA, code_runner: CodeRunner = run_code_test) -> GateResult:
+                alpha: float = DEFAULT_ALPHA, code_runner: CodeRunner = run_code_test,
+                effect_w: float = DEFAULT_EFFECT_W) -> GateResult:
     """Gate 1's verdict over both paths' completions; every failure is named with its request and bucket.
 
     Fails on: a greedy output that differs (first divergent token named), a sampled request whose
     distributions differ, a check that passes on standard decoding and fails on the speculative path,
-    and a request that errs only on the speculative path.
+    and a request that errs only on the speculative path. A sampled test without power at
+    ``effect_w`` is listed as inconclusive: it neither passes nor fails the gate on its own.
     """
     by_key: dict[tuple[str, str], list[Completion]] = defaultdict(list)
     for completion in completions:
@@ -191,7 +224,7 @@ def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[
                                f"speculative {row['speculative_token']})")
         else:
             test = distribution_test([c.token_ids for c in standard], [c.token_ids for c in speculative],
-                                     alpha / family)
+                                     alpha / family, effect_w=effect_w)
             distribution_rows.append(dict(test, id=request.id, bucket=request.bucket))
             if test["rejected"]:
                 p = min(x["p_value"] for x in test["per_position"])
@@ -216,7 +249,8 @@ def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[
         "greedy": {"requests": len(greedy_rows), "identical": sum(r["identical"] for r in greedy_rows),
                    "divergences": [r for r in greedy_rows if not r["identical"]]},
         "sampled": {"requests": len(distribution_rows), "rejected": sum(r["rejected"] for r in distribution_rows),
-                    "alpha": alpha, "power": _POWER, "tests": distribution_rows},
+                    "inconclusive": [r["id"] for r in distribution_rows if not r["conclusive"]],
+                    "alpha": alpha, "power": _POWER, "effect_w": effect_w, "tests": distribution_rows},
         "acceptance": acceptance_by_bucket(requests, speculative_all),
         "checks": [dict(counter, bucket=bucket, check=name) for (bucket, name), counter in sorted(checks.items())],
         "stress": [dict(counter, slice=name, value=value) for (name, value), counter in sorted(slices.items())],

@@ -13,7 +13,7 @@ from specwatch.detectors.window import ratio, round_evidence
 from specwatch.schemas.policy import Policy
 from specwatch.schemas.qualification import GateResult
 
-__all__ = ["LEDGER_FIELDS", "judge_gate2", "ledger_row"]
+__all__ = ["LEDGER_FIELDS", "bucket_rows", "judge_gate2", "ledger_row"]
 
 LEDGER_FIELDS = (
     "concurrency", "completed", "failed", "duration_s", "request_tok_s", "output_tok_s",
@@ -59,6 +59,39 @@ def ledger_row(result: Mapping, concurrency: int, draft_length: int, kv_peak: fl
                                   (result.get("spec_decode_per_position_acceptance_rates") or [])]
     row["kv_peak"] = _number(kv_peak)
     return {k: (round_evidence(v) if isinstance(v, float) else v) for k, v in row.items()}
+
+
+def bucket_rows(result: Mapping, concurrency: int) -> dict[str, dict]:
+    """Per bucket of one load run (``result["buckets"]`` names each request's), the two axes of the
+    Pareto front: interactivity, 1000 / median TPOT of the bucket's requests, and throughput as a load
+    of only that bucket would get at this concurrency, by Little's law (``concurrency`` requests in
+    flight, each taking the bucket's mean latency): concurrency x mean output tokens / mean latency.
+
+    >>> r = {"buckets": ["a", "b", "a"], "output_lens": [11, 5, 21], "latencies": [1.0, 0.5, 2.0],
+    ...      "ttfts": [0.1, 0.1, 0.2], "errors": ["", "", ""]}
+    >>> rows = bucket_rows(r, 2)
+    >>> rows["a"]["output_tok_s"], rows["a"]["tpot_p50_ms"], rows["b"]["requests"]
+    (21.3333, 90.0, 1)
+    """
+    columns = ("output_lens", "latencies", "ttfts")
+    per: dict[str, list[tuple[float, float, float]]] = {}
+    errors = result.get("errors") or [""] * len(result.get("buckets") or [])
+    for bucket, error, *values in zip(result.get("buckets") or [], errors, *(result.get(c) or [] for c in columns)):
+        out, latency, ttft = (float(v or 0.0) for v in values)
+        if not error and out > 0 and latency > 0:  # a failed request has no latency to speak of
+            per.setdefault(bucket, []).append((out, latency, ttft))
+    rows = {}
+    for bucket in sorted(per):
+        out, latency, ttft = (np.array(x) for x in zip(*per[bucket]))
+        decoding = out > 1
+        tpot = (latency[decoding] - ttft[decoding]) / (out[decoding] - 1) * 1000.0
+        rows[bucket] = {"requests": int(out.size),
+                        "output_tok_s": round_evidence(concurrency * float(out.mean()) / float(latency.mean())),
+                        "tpot_p50_ms": round_evidence(float(np.median(tpot))) if tpot.size else math.nan,
+                        "tpot_p99_ms": round_evidence(float(np.quantile(tpot, 0.99))) if tpot.size else math.nan,
+                        "ttft_p99_ms": round_evidence(float(np.quantile(ttft, 0.99)) * 1000.0),
+                        "e2e_p99_ms": round_evidence(float(np.quantile(latency, 0.99)) * 1000.0)}
+    return rows
 
 
 def _slice_verdict(spec: Mapping, std: Mapping, policy: Policy) -> dict:

@@ -62,20 +62,25 @@ class KvSampler:
             self._sample()  # the last word: a peak between the final poll and the end
 
 
-def _prompt_file(requests: Sequence[QualificationRequest], folder: Path) -> Path:
-    """The prompts as vLLM's custom dataset reads them (chat requests are left to Gate 1)."""
+def _prompt_file(requests: Sequence[QualificationRequest], folder: Path, num_prompts: int) -> tuple[Path, list[str]]:
+    """``num_prompts`` prompts as vLLM's custom dataset reads them, cycling through the dataset's prompt
+    requests in order (chat requests are left to Gate 1), and the bucket of each line: the client keeps
+    the file's order (shuffling off) and needs no oversampling, so its i-th result is line i."""
     path = folder / "prompts.jsonl"
-    rows = [{"prompt": r.prompt, "output_tokens": r.sampling.max_tokens} for r in requests if r.prompt is not None]
-    if not rows:
+    prompted = [r for r in requests if r.prompt is not None]
+    if not prompted:
         raise ValueError("no prompt request in the dataset: the load generator sends completions only")
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    chosen = [prompted[i % len(prompted)] for i in range(num_prompts)]
+    path.write_text("".join(json.dumps({"prompt": r.prompt, "output_tokens": r.sampling.max_tokens}) + "\n"
+                            for r in chosen))
+    return path, [r.bucket for r in chosen]
 
 
 def benchmark_run(base_url: str, model: str, tokenizer: str, requests: Sequence[QualificationRequest],
                   concurrency: int, num_prompts: int, seed: int = 0) -> tuple[dict, float]:
     """(vLLM's benchmark result, KV peak) for ``num_prompts`` greedy requests ``concurrency`` at a
-    time; every request runs to its ``max_tokens`` (EOS ignored) so both paths do the same work."""
+    time; every request runs to its ``max_tokens`` (EOS ignored) so both paths do the same work. The
+    result's ``buckets`` names the bucket of each request of its per-request lists."""
     from specwatch.collectors.vllm.local_engine import quiet_vllm_logging
 
     quiet_vllm_logging()
@@ -85,16 +90,21 @@ def benchmark_run(base_url: str, model: str, tokenizer: str, requests: Sequence[
     parser = FlexibleArgumentParser()
     serve.add_cli_args(parser)
     with tempfile.TemporaryDirectory(prefix="specwatch-load-") as folder:
-        prompts = _prompt_file(requests, Path(folder))
+        prompts, buckets = _prompt_file(requests, Path(folder), num_prompts)
         args = parser.parse_args([
             "--backend", "openai", "--base-url", base_url.rstrip("/"), "--endpoint", "/v1/completions",
             "--model", model, "--tokenizer", tokenizer, "--dataset-name", "custom",
-            "--dataset-path", str(prompts), "--custom-output-len", "-1", "--skip-chat-template",
+            "--dataset-path", str(prompts), "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle",
             "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--temperature", "0",
-            "--ignore-eos", "--disable-tqdm", "--num-warmups", "0", "--seed", str(seed),
+            "--ignore-eos", "--disable-tqdm", "--save-detailed", "--num-warmups", "0", "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95,99",
         ])
         # the client prints its own report on stdout, which belongs to --json output
         with contextlib.redirect_stdout(sys.stderr), KvSampler(base_url) as kv:
             result = serve.main(args)
-    return result, kv.peak
+    # per-request lists stay in the result with --save-detailed only (the client drops them otherwise)
+    answered = len(result.get("output_lens") or [])
+    if answered != len(buckets):
+        raise ValueError(f"the benchmark client gave per-request results for {answered} of the {len(buckets)} "
+                         "requests sent: they cannot be matched to buckets")
+    return dict(result, buckets=buckets), kv.peak

@@ -14,8 +14,8 @@ from specwatch.schemas.qualification import GateResult, Qualification
 
 from .client import run_requests
 from .dataset import Dataset
-from .gate1 import DEFAULT_ALPHA, judge_gate1
-from .gate2 import judge_gate2, ledger_row
+from .gate1 import DEFAULT_ALPHA, DEFAULT_EFFECT_W, judge_gate1
+from .gate2 import bucket_rows, judge_gate2, ledger_row
 from .load import benchmark_run
 from .sweep import SweepPoint, dynamic_sd_table, pareto_front, sweep_cost
 
@@ -49,6 +49,7 @@ class QualifyPlan:
     mechanisms: Sequence[str] = ()  # vLLM methods besides the card's, at each D ("ngram")
     max_batch_size: int = 8
     alpha: float = DEFAULT_ALPHA
+    effect_w: float = DEFAULT_EFFECT_W  # the effect size the sampled tests' power is stated for
     check_table: bool = False  # start an engine with the Dynamic SD table and run requests on it
     gate2: bool = True  # False: Gate 1 only (a quick check of the lossless contract; the report fails)
 
@@ -76,10 +77,18 @@ def speculative_config_at(config: dict, method: str, draft_length: int) -> dict:
                      "method at another D, or ngram, can be swept")
 
 
-def _point(method: str, row: dict) -> SweepPoint:
+def _point(method: str, row: dict, bucket: str | None = None) -> SweepPoint:
     tpot = row["tpot_p50_ms"]
     return SweepPoint(method, row["draft_length"], row["concurrency"], row["output_tok_s"],
-                      1000.0 / tpot if tpot and tpot == tpot else 0.0, row["ttft_p99_ms"], row["tpot_p99_ms"])
+                      1000.0 / tpot if tpot and tpot == tpot else 0.0, row["ttft_p99_ms"], row["tpot_p99_ms"],
+                      bucket=bucket)
+
+
+def _points(method: str, rows: list[dict]) -> list[SweepPoint]:
+    """One point per ledger row over all buckets, and one per bucket of each row."""
+    return [_point(method, r) for r in rows] + [
+        _point(method, dict(values, draft_length=r["draft_length"], concurrency=r["concurrency"]), bucket)
+        for r in rows for bucket, values in (r.get("buckets") or {}).items()]
 
 
 def _ledger(endpoint: Endpoint, dataset: Dataset, plan: QualifyPlan, draft_length: int,
@@ -91,6 +100,7 @@ def _ledger(endpoint: Endpoint, dataset: Dataset, plan: QualifyPlan, draft_lengt
                                         concurrency, max(plan.requests_per_run, concurrency))
         row = ledger_row(result, concurrency, draft_length, kv_peak)
         row["e2e_samples_ms"] = [round(x * 1000.0, 3) for x in result.get("latencies") or []]
+        row["buckets"] = bucket_rows(result, concurrency)
         rows.append(row)
         progress(f"{label}: concurrency {concurrency}: {row['completed']} completed, {row['failed']} failed, "
                  f"{row['output_tok_s']} output tok/s, TPOT p50 {row['tpot_p50_ms']} ms "
@@ -126,7 +136,7 @@ def qualify_bundle(card: BundleCard, speculative_config: dict, dataset: Dataset,
     for label, endpoint in (("standard", standard), ("speculative", speculative)):
         completions += run_requests(endpoint.base_url, endpoint.model, label, dataset.requests,
                                     progress=requests_progress(label))
-    gate1 = judge_gate1(dataset.requests, completions, plan.alpha)
+    gate1 = judge_gate1(dataset.requests, completions, plan.alpha, effect_w=plan.effect_w)
     progress(f"gate 1: {gate1.verdict}" + (f" ({len(gate1.reasons)} finding(s))" if gate1.reasons else ""))
 
     if not plan.gate2:
@@ -142,14 +152,14 @@ def qualify_bundle(card: BundleCard, speculative_config: dict, dataset: Dataset,
     progress(f"gate 2: {gate2.verdict}")
     after_gates()
 
-    points = [_point("standard", r) for r in std_rows] + [_point(method, r) for r in spec_rows]
+    points = _points("standard", std_rows) + _points(method, spec_rows)
     starts = engine_starts
     for other_method, d in configurations:
         progress(f"sweep: starting {other_method} D={d}")
         with start_server(speculative_config_at(speculative_config, other_method, d)) as endpoint:
             starts += 1
-            points += [_point(other_method, r) for r in _ledger(endpoint, dataset, plan, d, progress,
-                                                                f"sweep {other_method} D={d}")]
+            points += _points(other_method, _ledger(endpoint, dataset, plan, d, progress,
+                                                    f"sweep {other_method} D={d}"))
     sweep = _sweep_report(points, method, plan)
     if plan.check_table and start_server is not None:
         sweep["dynamic_sd"]["engine_check"] = _check_table(
@@ -163,12 +173,18 @@ def qualify_bundle(card: BundleCard, speculative_config: dict, dataset: Dataset,
 
 
 def _sweep_report(points: list[SweepPoint], method: str, plan: QualifyPlan) -> dict:
-    """Pareto front per concurrency and the Dynamic SD table of the bundle's mechanism, checked by vLLM."""
-    fronts = {str(c): [p.as_dict() for p in pareto_front([p for p in points if p.concurrency == c])]
-              for c in sorted({p.concurrency for p in points})}
-    table = dynamic_sd_table(points, method, plan.max_batch_size)
+    """Pareto fronts (per concurrency over all buckets; per bucket over every configuration and
+    concurrency) and the Dynamic SD table of the bundle's mechanism, checked by vLLM."""
+    overall = [p for p in points if p.bucket is None]
+    by_bucket = [p for p in points if p.bucket is not None]
+    fronts = {str(c): [p.as_dict() for p in pareto_front([p for p in overall if p.concurrency == c])]
+              for c in sorted({p.concurrency for p in overall})}
+    bucket_fronts = {b: [p.as_dict() for p in pareto_front([p for p in by_bucket if p.bucket == b])]
+                     for b in sorted({p.bucket for p in by_bucket})}
+    table = dynamic_sd_table(overall, method, plan.max_batch_size)
     advised = {f"{start}-{end}": k for start, end, k in table}
-    return {"points": [p.as_dict() for p in points], "pareto": fronts,
+    return {"points": [p.as_dict() for p in overall], "pareto": fronts,
+            "bucket_points": [p.as_dict() for p in by_bucket], "pareto_by_bucket": bucket_fronts,
             "dynamic_sd": {"mechanism": method, "table": table, "vllm_validation": _vllm_validation(table),
                            "advised_draft_length": advised,
                            "speculation_pays": any(k > 0 for _, _, k in table)}}

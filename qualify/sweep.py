@@ -41,11 +41,13 @@ class SweepPoint:
     user_tok_s: float  # interactivity: one request's decode speed, 1000 / median TPOT
     ttft_p99_ms: float = float("nan")
     tpot_p99_ms: float = float("nan")
+    bucket: str | None = None  # None: the whole dataset's load; a bucket: its requests within that load
 
     def as_dict(self) -> dict:
-        return {"mechanism": self.mechanism, "draft_length": self.draft_length, "concurrency": self.concurrency,
-                "output_tok_s": round(self.output_tok_s, 3), "user_tok_s": round(self.user_tok_s, 3),
-                "ttft_p99_ms": round(self.ttft_p99_ms, 3), "tpot_p99_ms": round(self.tpot_p99_ms, 3)}
+        out = {"mechanism": self.mechanism, "draft_length": self.draft_length, "concurrency": self.concurrency,
+               "output_tok_s": round(self.output_tok_s, 3), "user_tok_s": round(self.user_tok_s, 3),
+               "ttft_p99_ms": round(self.ttft_p99_ms, 3), "tpot_p99_ms": round(self.tpot_p99_ms, 3)}
+        return out if self.bucket is None else dict(out, bucket=self.bucket)
 
 
 def pareto_front(points: Sequence[SweepPoint]) -> list[SweepPoint]:

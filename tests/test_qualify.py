@@ -237,3 +237,70 @@ def test_admission_without_the_switch_decides_as_before():
     with_failed = AdmissionController(off, {bundle_digest(CARD): {"verdict": "fail"}})
     assert [d.model_dump() for d in _entered(with_failed, bundle_digest(CARD), card)] == [
         d.model_dump() for d in decisions]
+
+
+def test_the_sweep_draws_a_pareto_front_per_bucket_from_each_load_runs_requests():
+    from specwatch.analysis.qualification import render_html, render_text
+    from specwatch.qualify.gate2 import bucket_rows
+    from specwatch.qualify.procedure import QualifyPlan, _sweep_report
+
+    # one load run: per request its bucket, output tokens, latency and TTFT (seconds); one failed request
+    run = {"buckets": ["coding", "chat", "coding", "chat"], "output_lens": [33, 9, 33, 0],
+           "latencies": [1.0, 0.5, 1.2, 0.0], "ttfts": [0.04, 0.02, 0.06, 0.0], "errors": ["", "", "", "timeout"]}
+    rows = bucket_rows(run, 2)
+    assert rows == {"chat": {"requests": 1, "output_tok_s": 36.0, "tpot_p50_ms": 60.0, "tpot_p99_ms": 60.0,
+                             "ttft_p99_ms": 20.0, "e2e_p99_ms": 500.0},
+                    "coding": {"requests": 2, "output_tok_s": 60.0, "tpot_p50_ms": 32.8125, "tpot_p99_ms": 35.5688,
+                               "ttft_p99_ms": 59.8, "e2e_p99_ms": 1198.0}}
+    # coding pays with D = 3 at concurrency 1 (faster on both axes); chat is better off without speculation
+    points = [SweepPoint("standard", 0, 1, 100.0, 20.0), SweepPoint("draft_model", 3, 1, 90.0, 22.0),
+              SweepPoint("standard", 0, 1, 50.0, 10.0, bucket="coding"),
+              SweepPoint("draft_model", 3, 1, 70.0, 14.0, bucket="coding"),
+              SweepPoint("standard", 0, 1, 40.0, 30.0, bucket="chat"),
+              SweepPoint("draft_model", 3, 1, 30.0, 25.0, bucket="chat"),
+              SweepPoint("draft_model", 3, 4, 45.0, 12.0, bucket="chat")]
+    sweep = _sweep_report(points, "draft_model", QualifyPlan(max_batch_size=8))
+    assert {b: [(p["mechanism"], p["draft_length"], p["concurrency"]) for p in front]
+            for b, front in sweep["pareto_by_bucket"].items()} == {
+        "chat": [("standard", 0, 1), ("draft_model", 3, 4)], "coding": [("draft_model", 3, 1)]}
+    assert [(p["mechanism"], p["draft_length"]) for p in sweep["pareto"]["1"]] == [("draft_model", 3), ("standard", 0)]
+    assert len(sweep["points"]) == 2 and len(sweep["bucket_points"]) == 5  # the table reads whole-load points only
+    assert sweep["dynamic_sd"]["table"] == [[1, 8, 0]]
+    report = {"bundle_id": "b-1", "verdict": "fail", "card": {"drafter": {"mechanism": "draft_model", "draft_length": 3}},
+              "gate1": {"verdict": "pass", "reasons": [], "detail": {}},
+              "gate2": {"verdict": "fail", "reasons": [], "detail": {}}, "sweep": sweep}
+    text = render_text(report)
+    assert "    chat           standard D=0 c=1 40/30, draft_model D=3 c=4 45/12\n" in text
+    assert "    coding         draft_model D=3 c=1 70/14\n" in text
+    assert 'id="pareto-by-bucket"' in render_html(report)
+
+
+def test_tune_starts_from_a_qualifications_per_position_acceptance(tmp_path, capsys):
+    card = BundleCard(target=TargetCard(model_id="m", revision="r1"),
+                      drafter=DrafterCard(mechanism="external", draft_length=3))
+    acceptance = {"coding": {"accepted_at_least": [900, 700, 400], "drafted_at_least": [1000, 1000, 1000]},
+                  "chat": {"accepted_at_least": [300, 60, 10], "drafted_at_least": [1000, 1000, 1000]}}
+    # concurrency 1: a standard step 10 ms; a speculative step TPOT 5 ms x AL 3 = 15 ms, so a drafted token costs 5/3 ms
+    ledger = {"standard": [{"concurrency": 1, "tpot_p50_ms": 10.0}],
+              "speculative": [{"concurrency": 1, "tpot_p50_ms": 5.0, "acceptance_length": 3.0}]}
+    qualification = Qualification.for_card(card, ts=100.0, gate1=GateResult(verdict="pass", detail={"acceptance": acceptance}),
+                                           gate2=GateResult(verdict="pass", detail=ledger))
+    path = tmp_path / "q.json"
+    path.write_text(qualification.model_dump_json())
+    assert main(["tune", "--from-qualification", str(path), "--json", "--heads-per-kv", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bundle_id"] == bundle_digest(card) and report["source"]["verdict"] == "pass"
+    buckets = {b["bucket"]: b for b in report["buckets"]}
+    assert [p["acceptance_length"] for p in buckets["coding"]["curve"]] == [1.9, 2.6, 3.0]
+    assert [round(p["speedup"], 3) for p in buckets["coding"]["curve"]] == [1.629, 1.95, 2.0]
+    assert (buckets["coding"]["best_d"], buckets["chat"]["best_d"], buckets["coding"]["current_d"]) == (3, 1, 3)
+    assert report["step_cost"]["draft_fit"] == "qualification_ledger" and report["starting_draft_length"] == 15
+    # the same from the archive, by the card's bundle id
+    dsn = f"chdb://{tmp_path / 'archive'}"
+    with Archive.open(dsn) as archive:
+        archive.write_qualification(json.loads(qualification.model_dump_json()))
+    assert main(["tune", "--from-qualification", bundle_digest(card), "--archive", dsn]) == 0
+    out = capsys.readouterr().out
+    assert "from the qualification of 1970-01-01 00:01:40 UTC (pass)" in out and "\ncoding: best D 3, current D 3" in out
+    assert main(["tune", "--from-qualification", "b-0000000000000000", "--archive", dsn]) == 2
+    assert "b-0000000000000000: neither a file nor a bundle with an archived qualification" in capsys.readouterr().err

@@ -37,13 +37,20 @@ def render_text(report: Mapping) -> str:
     detail1 = report["gate1"].get("detail") or {}
     if detail1:
         greedy, sampled = detail1["greedy"], detail1["sampled"]
+        effect = sampled.get("effect_w")
         lines.append(f"  greedy: {greedy['identical']}/{greedy['requests']} identical; sampled: "
                      f"{sampled['requests'] - sampled['rejected']}/{sampled['requests']} equal in distribution "
-                     f"(alpha {sampled['alpha']:g}, power {sampled['power']:g})")
+                     f"(family alpha {sampled['alpha']:g}" + (f"; power stated at Cohen's w = {effect:g}" if effect
+                                                              else "") + ")")
         for test in sampled["tests"]:
             ws = [p["detectable_w"] for p in test["per_position"] if "detectable_w" in p]
-            lines.append(f"    {test['id']}: {test['draws'][0]} + {test['draws'][1]} draws, "
-                         + (f"detects Cohen's w >= {min(ws):.2g} with power {sampled['power']:g}" if ws
+            verdict = ("differs" if test["rejected"] else "no difference found" if test.get("conclusive", True)
+                       else "INCONCLUSIVE (no difference found, too little power)")
+            lines.append(f"    {test['id']}: {verdict}; {test['draws'][0]} + {test['draws'][1]} draws, "
+                         f"{test['positions_tested']} position(s) tested at level {test['level']:.2g}, "
+                         + (f"power {test['power']:.2f} at w = {test['effect_w']:g}, detects w >= {min(ws):.2g} "
+                            f"with power {sampled['power']:g}" if ws and "power" in test
+                            else f"detects w >= {min(ws):.2g} with power {sampled['power']:g}" if ws
                             else "no position had enough distinct tokens to test: no power"))
         lines.append("  AL per bucket (mean, p10 / p50 / p90 of requests, rounds):")
         for bucket, al in detail1["acceptance"].items():
@@ -65,6 +72,12 @@ def render_text(report: Mapping) -> str:
                 f"p99 e2e {_num(row['e2e_p99_ms'])} vs {_num(base['e2e_p99_ms'])} ms, AL {_num(row['acceptance_length'])}, "
                 f"KV peak {_num(row['kv_peak'])}, failed {row['failed']}; faster: {verdict['faster_part']}")
     sweep = report.get("sweep") or {}
+    if sweep.get("pareto_by_bucket"):
+        lines.append("  Pareto front per bucket (throughput / interactivity, tok/s; every configuration and load):")
+        for bucket, front in sweep["pareto_by_bucket"].items():
+            lines.append(f"    {bucket:<14} " + ", ".join(
+                f"{p['mechanism']} D={p['draft_length']} c={p['concurrency']} {_num(p['output_tok_s'])}/"
+                f"{_num(p['user_tok_s'])}" for p in front))
     if sweep.get("dynamic_sd"):
         dynamic = sweep["dynamic_sd"]
         lines.append(f"sweep: {len(sweep['points'])} points; Dynamic SD table ({dynamic['mechanism']}): "
@@ -112,6 +125,35 @@ def _figure_pareto(report: Mapping) -> str:
         front = report["sweep"]["pareto"].get(str(concurrency), [])
         ax.plot([p["user_tok_s"] for p in front], [p["output_tok_s"] for p in front], linestyle="--", linewidth=0.8)
     return _finish(fig, ax, "pareto", "interactivity (tok/s per request)", "throughput (output tok/s)")
+
+
+def _figure_bucket_pareto(report: Mapping) -> str:
+    """One panel per bucket: its points (configuration x concurrency) and its front."""
+    import specwatch.analysis.timeline  # noqa: F401
+    import matplotlib.pyplot as plt
+
+    sweep = report.get("sweep") or {}
+    points = sweep.get("bucket_points") or []
+    buckets = sorted(sweep.get("pareto_by_bucket") or {})
+    columns = min(3, max(1, len(buckets)))
+    rows = max(1, -(-len(buckets) // columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 2.8 * rows), constrained_layout=True,
+                             squeeze=False)
+    for ax, bucket in zip(axes.flat, buckets):
+        here = [p for p in points if p["bucket"] == bucket]
+        for mechanism in sorted({p["mechanism"] for p in here}):
+            mine = [p for p in here if p["mechanism"] == mechanism]
+            ax.scatter([p["user_tok_s"] for p in mine], [p["output_tok_s"] for p in mine], s=12, label=mechanism)
+        front = sweep["pareto_by_bucket"][bucket]
+        ax.plot([p["user_tok_s"] for p in front], [p["output_tok_s"] for p in front], linestyle="--",
+                linewidth=0.8, color="#555")
+        ax.set_title(bucket, fontsize=8)
+        ax.tick_params(labelsize=6)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(buckets):]:
+        ax.axis("off")
+    return _finish(fig, axes.flat[0], "pareto-by-bucket", "interactivity (tok/s per request)",
+                   "throughput (output tok/s)")
 
 
 def _figure_acceptance(report: Mapping) -> str:
@@ -164,6 +206,7 @@ def render_html(report: Mapping) -> str:
         if gate["reasons"]:
             parts.append("<ul>" + "".join(f"<li>{esc(r)}</li>" for r in gate["reasons"]) + "</ul>")
     parts += ["<h2>Pareto front</h2>", f"<figure>{_figure_pareto(report)}</figure>",
+              "<h2>Pareto front per bucket</h2>", f"<figure>{_figure_bucket_pareto(report)}</figure>",
               "<h2>Acceptance length per bucket</h2>", f"<figure>{_figure_acceptance(report)}</figure>",
               "<h2>Latency, both paths</h2>", f"<figure>{_figure_latency(report)}</figure>",
               "<h2>Report</h2>", f"<pre>{esc(render_text(report))}</pre>", "</main></body></html>"]

@@ -9,11 +9,12 @@ from collections import defaultdict
 from typing import Mapping, Sequence
 
 from specwatch.actions.flags import FlagStore
-from specwatch.detectors.draft_length import (DraftLengthCurve, PositionSurvival, StepCost, draft_length_curve,
-                                              starting_draft_length, tile_draft_lengths)
+from specwatch.detectors.draft_length import (MECHANISM_COST, DraftLengthCurve, PositionSurvival, StepCost,
+                                              draft_length_curve, starting_draft_length, tile_draft_lengths)
 from specwatch.detectors.window import SliceStats, merge_all, round_evidence as _round
 
-__all__ = ["DEFAULT_WINDOW_SECONDS", "heads_per_kv_head", "render_html", "render_text", "tune_report"]
+__all__ = ["DEFAULT_WINDOW_SECONDS", "heads_per_kv_head", "qualification_tune_report", "render_html", "render_text",
+           "tune_report"]
 
 DEFAULT_WINDOW_SECONDS = 300.0
 # Tile-boundary candidates are listed up to this D: past it a drafter's acceptance is spent.
@@ -116,6 +117,63 @@ def tune_report(rows: Sequence[Mapping], card: Mapping, bundle_id: str, flags: F
     }
 
 
+def qualification_tune_report(qualification: Mapping, heads_per_kv: int | None = None) -> dict:
+    """The same report from a qualification instead of traffic: each bucket's per-position acceptance
+    counts from Gate 1, and a step cost from Gate 2's ledger at its lowest concurrency (one D was
+    measured, so every drafted token carries its share of draft and verify time alike)."""
+    card = qualification["card"]
+    drafter = card.get("drafter") or {}
+    mechanism, deployed = drafter.get("mechanism", "external"), int(drafter.get("draft_length") or 0)
+    acceptance = ((qualification.get("gate1") or {}).get("detail") or {}).get("acceptance") or {}
+    cost = _ledger_step_cost(((qualification.get("gate2") or {}).get("detail") or {}), mechanism, deployed)
+    start = (starting_draft_length(heads_per_kv) or None) if heads_per_kv else None
+    tiles = tile_draft_lengths(heads_per_kv, _MAX_TILE_CANDIDATE) if heads_per_kv else None
+    buckets = []
+    for bucket in sorted(acceptance):
+        counts = acceptance[bucket]
+        survival = PositionSurvival.from_counts(counts["accepted_at_least"], counts["drafted_at_least"])
+        buckets.append(_bucket_report(bucket, draft_length_curve(survival, cost), deployed, start, tiles))
+    return {
+        "bundle_id": qualification["bundle_id"],
+        "mechanism": mechanism,
+        "deployed_draft_length": deployed,
+        "source": {"qualification_ts": qualification.get("ts"), "verdict": qualification.get("verdict"),
+                   "qualification_id": qualification.get("qualification_id")},
+        "window": {"start": None, "end": None, "seconds": None},
+        "heads_per_kv_head": heads_per_kv,
+        "starting_draft_length": start,
+        "step_cost": cost.to_dict(),
+        "buckets": buckets,
+    }
+
+
+def _ledger_step_cost(ledger: Mapping, mechanism: str, draft_length: int) -> StepCost:
+    """A step cost from one concurrency of both paths: a standard step is the baseline's median TPOT,
+    a speculative step the speculative median TPOT x AL; their difference, per drafted token, is the
+    cost of drafting one more token (NaN throughout when the ledger lacks either path)."""
+    standard = {r["concurrency"]: r for r in ledger.get("standard") or []}
+    rows = sorted((r for r in ledger.get("speculative") or [] if r["concurrency"] in standard),
+                  key=lambda r: r["concurrency"])
+    nan = math.nan
+    standard_ms = spec_step_ms = nan
+    if rows and draft_length:
+        row = rows[0]
+        standard_ms = _float(standard[row["concurrency"]].get("tpot_p50_ms"))
+        spec_step_ms = _float(row.get("tpot_p50_ms")) * _float(row.get("acceptance_length"))
+    extra = max(0.0, spec_step_ms - standard_ms) if spec_step_ms == spec_step_ms else nan
+    kind = MECHANISM_COST.get(mechanism, "serial")
+    per_token = extra / draft_length if draft_length else nan
+    return StepCost(mechanism, kind, draft_per_step=extra if kind == "parallel" else 0.0,
+                    draft_intercept=per_token if kind == "serial" else 0.0, draft_slope=0.0,
+                    verify_intercept=standard_ms, verify_per_request=0.0, verify_per_draft_token=0.0,
+                    requests_per_step=1.0, drafting_per_step=1.0, slices=len(rows[:1]), steps=0,
+                    draft_fit="qualification_ledger", verify_fit="qualification_ledger")
+
+
+def _float(value) -> float:
+    return math.nan if value is None else float(value)
+
+
 def _current_draft_length(rows: Sequence[Mapping], bundle_id: str, bucket: str, deployed: int,
                           flags: FlagStore | None) -> int:
     """The D the bucket's busiest cohort drafts now: the card's, capped by decisions; 0 when off."""
@@ -171,6 +229,9 @@ def _starting_point(report: Mapping) -> str:
 def render_text(report: Mapping) -> str:
     """The report as a few lines per bucket."""
     lines = [f"bundle {report['bundle_id']} ({report['mechanism']}, deployed D {report['deployed_draft_length']})"]
+    if report.get("source"):
+        lines.append(f"from the qualification of {_when(report['source']['qualification_ts'])} "
+                     f"({report['source']['verdict']}): Gate 1's acceptance per position, Gate 2's step times")
     if report["heads_per_kv_head"]:
         lines.append(f"G = {report['heads_per_kv_head']} query heads per KV head: {_starting_point(report)}")
     else:
@@ -191,8 +252,16 @@ def render_text(report: Mapping) -> str:
         if b["warning"]:
             lines.append(f"  warning: {b['warning']}")
     if not report["buckets"]:
-        lines.append("no speculative window stats for this bundle in the window")
+        lines.append("no speculative acceptance in the qualification" if report.get("source")
+                     else "no speculative window stats for this bundle in the window")
     return "\n".join(lines)
+
+
+def _when(ts) -> str:
+    import datetime
+
+    return "-" if ts is None else datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M:%S UTC")
 
 
 def _num(value) -> str:

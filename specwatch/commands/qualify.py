@@ -4,6 +4,7 @@ target, through two vLLM OpenAI servers; the report is archived under the card's
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from contextlib import ExitStack
@@ -60,6 +61,9 @@ def add_arguments(parser) -> None:
                         help="sweep the D candidates from the model's G: 128/G - 1, tile boundaries, neighbours")
     parser.add_argument("--max-draft-length", type=int, default=8, help="largest D the sweep starts (default 8)")
     parser.add_argument("--mechanisms", default="", help="other vLLM methods to sweep beside the bundle's (ngram)")
+    parser.add_argument("--effect-size", type=float, default=0.3, metavar="W",
+                        help="Cohen's w the sampled distribution tests state their power for; a test below power "
+                             "0.8 there is reported inconclusive (default 0.3, a medium effect)")
     parser.add_argument("--gate1-only", action="store_true",
                         help="check the quality invariants only (no load, no sweep; the report does not pass)")
     parser.add_argument("--check-table", action="store_true",
@@ -147,7 +151,10 @@ def run(args) -> int:
     plan = QualifyPlan(concurrencies=_list_of_ints(args.concurrency), requests_per_run=args.requests_per_run,
                        draft_lengths=_draft_lengths(args, card),
                        mechanisms=[m.strip() for m in args.mechanisms.split(",") if m.strip()],
-                       max_batch_size=args.max_num_seqs, check_table=args.check_table, gate2=not args.gate1_only)
+                       max_batch_size=args.max_num_seqs, check_table=args.check_table, gate2=not args.gate1_only,
+                       effect_w=args.effect_size)
+    if not 0 < plan.effect_w < math.inf:
+        raise CommandError(f"--effect-size must be a positive Cohen's w, got {args.effect_size}")
     if (plan.draft_lengths or plan.mechanisms or plan.check_table) and settings is None:
         raise CommandError("the sweep and --check-table start servers: give --model (and --speculative-config)")
 

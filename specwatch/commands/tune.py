@@ -12,16 +12,24 @@ __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 # A Hugging Face config.json is a few KB; a file this long is something else.
 _MAX_MODEL_CONFIG_BYTES = 1 << 20
+# A qualification report with its latency samples runs to a few MB at most.
+_MAX_QUALIFICATION_BYTES = 64 << 20
 
 
 DESCRIPTION = ("Predict, for each bucket of a bundle, the acceptance length and speedup at every draft "
                "length up to the one drafted, from the archived per-position acceptance counts and the "
-               "bundle's measured draft and verify times; show the best D, the current D, the expected "
+               "bundle's measured draft and verify times, or from a qualification (--from-qualification) before any "
+               "traffic; show the best D, the current D, the expected "
                "gain with its 95%% interval, the 128/G - 1 starting point and the tile-boundary candidates.")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--bundle", help="bundle id (default: the bundle seen last)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--bundle", help="bundle id (default: the bundle seen last)")
+    source.add_argument("--from-qualification", metavar="FILE|CARD",
+                        help="start from a qualification instead of traffic: a report `specwatch qualify --json` "
+                             "wrote to FILE, or the newest archived qualification of bundle CARD (its per-position "
+                             "acceptance per bucket, its ledger's step times)")
     add_archive_option(parser)
     parser.add_argument("--window", type=float, default=None, metavar="SECONDS",
                         help="evidence: the last SECONDS of event time before the newest slice (default 300)")
@@ -34,8 +42,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from specwatch.analysis.tuning import DEFAULT_WINDOW_SECONDS, heads_per_kv_head, render_html, render_text, tune_report
-    from specwatch.outputs import writes_stdout
+    from specwatch.analysis.tuning import DEFAULT_WINDOW_SECONDS, heads_per_kv_head, tune_report
 
     check_output(args.html, args)
     window = DEFAULT_WINDOW_SECONDS if args.window is None else args.window
@@ -46,6 +53,11 @@ def run(args) -> int:
         raise CommandError(f"--heads-per-kv must be at least 1, got {heads}")
     if args.model_config:
         heads = _model_config_heads(args.model_config, heads_per_kv_head)
+    if args.from_qualification is not None:
+        from specwatch.analysis.tuning import qualification_tune_report
+
+        qualification = _qualification(args.from_qualification, args.archive)
+        return _emit(qualification_tune_report(qualification, heads), qualification["bundle_id"], args)
     with open_archive(args.archive) as archive:
         cards = {b["bundle_id"]: (b["card"], b["last_seen"]) for b in archive.bundles()}
         bundle = args.bundle
@@ -59,7 +71,13 @@ def run(args) -> int:
                                "them)")
         rows = archive.timeline(bundle_id=bundle)
         flags = archive.flag_store()
-    report = tune_report(rows, cards[bundle][0], bundle, flags, heads, window)
+    return _emit(tune_report(rows, cards[bundle][0], bundle, flags, heads, window), bundle, args)
+
+
+def _emit(report: dict, bundle: str, args) -> int:
+    from specwatch.analysis.tuning import render_html, render_text
+    from specwatch.outputs import writes_stdout
+
     if args.html is not None:
         write_page(args.html, render_html(report), f"draft-length report of {bundle}", args)
         if writes_stdout(args.html):
@@ -87,3 +105,28 @@ def _model_config_heads(path: str, heads_per_kv_head) -> int:
         return heads_per_kv_head(config)
     except ValueError as error:
         raise CommandError(f"{path}: {error}") from None
+
+
+def _qualification(source: str, archive_url: str | None) -> dict:
+    """A qualification report from a JSON file, or else the newest archived one of bundle ``source``."""
+    from pathlib import Path
+
+    from specwatch.schemas.config_files import read_config_file
+
+    if Path(source).is_file():
+        try:
+            report = json.loads(read_config_file(source, _MAX_QUALIFICATION_BYTES).decode("utf-8"))
+        except OSError as error:
+            raise CommandError(f"cannot read the qualification {source}: {error.strerror or error}") from None
+        except (ValueError, RecursionError) as error:
+            raise CommandError(f"{source}: not a JSON qualification report: {error}") from None
+        if not isinstance(report, dict) or not {"bundle_id", "card", "gate1"} <= set(report):
+            raise CommandError(f"{source}: not a qualification report (`specwatch qualify --json` writes one): "
+                               "it needs bundle_id, card and gate1")
+        return report
+    with open_archive(archive_url) as archive:
+        rows = archive.qualifications(source)
+    if not rows:
+        raise CommandError(f"{source}: neither a file nor a bundle with an archived qualification "
+                           "(`specwatch qualify` archives one)")
+    return dict(rows[-1]["report"], qualification_id=rows[-1]["qualification_id"])

@@ -10,9 +10,8 @@ drafter wherever it disagrees with the target: exactly what qualification and sh
 must catch.
 """
 
-import importlib.abc
-import importlib.machinery
-import sys
+import importlib.util
+from pathlib import Path
 
 _TARGET = "vllm.v1.sample.rejection_sampler"
 
@@ -35,23 +34,12 @@ def _accept_every_draft(original):
     return rejection_sample
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if name != _TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None:
-            return None
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        module.rejection_sample = _accept_every_draft(module.rejection_sample)
+def _patch(module):
+    module.rejection_sample = _accept_every_draft(module.rejection_sample)
 
 
-sys.meta_path.insert(0, _PatchOnImport())
+# only this directory is on the path: the shared machinery is loaded from its file
+_spec = importlib.util.spec_from_file_location("_vllm_runtime_patch", Path(__file__).parent.parent / "vllm_runtime_patch.py")
+_machinery = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_machinery)
+_machinery.patch_on_import(_TARGET, _patch)
