@@ -137,6 +137,8 @@ def test_engine_follows_each_decision(demo):
     steps = _steps(demo, phase["bundle_id"])
     for action in phase["actions"]:
         bucket, cohort = action["scope"].split("/")
+        # the phase serves waves until its last decision has steps under it, so every one has
+        assert action["in_flight_step"] is not None, action
         # the step in flight may have proposed before the flag flipped, the next verifies that
         later = [e for s in steps if s.seq > action["in_flight_step"] + 1 for e in s.requests
                  if (e.bucket, e.cohort) == (bucket, cohort)]
