@@ -226,22 +226,25 @@ class KeyMonitor(_Windowed):
         self.push(slice_end, stats)
         if not self.learner.done:
             self.learner.update(stats, slice_end)
-        e2e = self._tail_tests.get("e2e") if speculating and self._tail_tests else None
+        drafting = speculating or bool(stats.rounds)
+        e2e = self._tail_tests.get("e2e") if drafting and self._tail_tests else None
         stalled, finished = self.stalls.update(stats, slice_end, e2e[1] if e2e else None)
         findings: list[Finding] = []
         # The gates judge the speculative evidence a slice holds even where the flags say off: a
         # fallback for one reason must not silence the others (an open loop keeps drafting, and
         # requests that began speculative before a switch still finish and may fail). Latency
-        # is the exception: a request the switch caught mid-way decodes its rest the slow way,
-        # so its time is the fallback's doing. What a key held when a fallback for another
-        # reason ended its evidence is judged once more: `last_look`.
-        if speculating or stats.rounds:
+        # is judged where the key still drafts: a request the switch caught mid-way decodes its
+        # rest the slow way, so its time is the fallback's doing once the key's engines stopped
+        # drafting, but where they draft on (an open loop, engines that ignore the switch) its
+        # time is speculation's. What a key held when a fallback for another reason ended its
+        # evidence is judged once more: `last_look`.
+        if drafting:
             findings += self._acceptance(stats.max_ts)
             findings += self._speedup(stats.max_ts)
         # a slice with no speculative request says nothing about speculation
-        if self.learner.latency_ready and (stats.speculative_requests or (speculating and stalled)):
+        if self.learner.latency_ready and (stats.speculative_requests or (drafting and stalled)):
             self._count(stats)
-            if speculating:
+            if drafting:
                 findings += self._latency(stats, slice_end, stalled, finished)
             findings += self._errors(stats, slice_end)
         return findings

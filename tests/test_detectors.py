@@ -162,6 +162,23 @@ def test_control_cohort_on_standard_decoding_has_no_speculation_to_switch_off():
             if r in ("latency_slo", "error_rate")] == []
 
 
+def test_a_key_switched_off_for_another_reason_is_judged_on_latency_while_it_still_drafts():
+    # A fleet-wide fallback (KV pressure) switches the key off at 250; its own tail begins at
+    # 300. Where its engines draft on (an open loop, engines that ignore the switch), the slow
+    # requests are speculation's: decided at the slice it is decided at while speculating
+    # (348, `quiet_key_latency_tail`). Where they stopped drafting, a slow speculative request
+    # is one the switch caught mid-way, decoding its rest the slow way: no latency finding.
+    for drafts_on, first in ((True, 348), (False, None)):
+        rng = random.Random(24)
+        monitor = KeyMonitor(Policy(), "reasoning")
+        hits = []
+        for t in range(900):
+            stats = _quiet_slice(rng, tail=0.0 if t < 300 else 0.125, rounds=40 if t < 250 or drafts_on else 0)
+            stats.max_ts = float(t)
+            hits += [t for f in monitor.update(stats, float(t + 1), speculating=t < 250) if f.reason == "latency_slo"]
+        assert (hits[0] if hits else None) == first, drafts_on
+
+
 def test_one_absurd_draft_time_moves_no_gate():
     # one step drafting for 1000 s: before, every window holding it breached, and the
     # overlapping windows made 'several windows running' out of that one record

@@ -126,6 +126,7 @@ def test_one_worker_whose_clock_is_off_still_counts(workers, worker, seconds, po
 
 @_PROPERTY
 @given(position=st.floats(0.05, 0.95), seconds=st.floats(1.0, 1e7))
+@example(position=0.5, seconds=600.0)  # the measured case: the second half shifted +600 s (a paused worker)
 def test_a_healthy_file_whose_time_jumps_anywhere_by_any_amount_decides_nothing(position, seconds):
     records, clean = _clean("healthy")
     assert clean == []

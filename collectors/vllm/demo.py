@@ -36,7 +36,8 @@ _PROMPTS = [
 _PREFIXES = ["coding:main:", "coding:canary:", "extraction:main:", "summarization:main:",
              "coding:main:", "chat:canary:", "coding:main:", "extraction:canary:"]
 # Each drafter serves waves until every scope of its bundle has been off for this many steps,
-# or until its time and waves are up (README.md, "demo --engine vllm").
+# or until its time and waves are up and its last decision has had that many steps under it
+# (README.md, "demo --engine vllm").
 _DEFAULT_STEPS_AFTER_DECISION = 8
 _DEFAULT_CLEAN_PHASE_S = 12.0
 _DEFAULT_CLEAN_PHASE_WAVES = 12
@@ -134,8 +135,14 @@ def run_vllm_demo(json_output: bool, workdir: Path,
             # (no drafts in flight): whatever they gain later was drafted against the flags
             all_off = None
             next_report = phase_start + _PROGRESS_EVERY_S
-            while not (time.monotonic() - phase_start >= seconds and waves >= min_waves) and not (
-                    all_off is not None and waves > all_off[0] and feed.fallback_held(_DEFAULT_STEPS_AFTER_DECISION)):
+            while not (all_off is not None and waves > all_off[0]
+                       and feed.fallback_held(_DEFAULT_STEPS_AFTER_DECISION)):
+                # Time up ends a phase only once every decision its waves brought has engine
+                # steps under it: on a loaded machine the decisions can land in its last wave.
+                if (time.monotonic() - phase_start >= seconds and waves >= min_waves and collector.flush()
+                        and feed.changes_followed(_DEFAULT_STEPS_AFTER_DECISION)
+                        and (all_off is not None or not feed.all_off())):
+                    break
                 if all_off is None and feed.all_off():
                     all_off = (waves, spec_decode_counters(engine))
                 run_to_completion(engine, wave(f"w{waves}"))
@@ -264,6 +271,12 @@ class _Feed:
         """Every scope the phase's bundle has served is switched off."""
         with self._lock:
             return bool(self._scopes) and len(self._off()) == len(self._scopes)
+
+    def changes_followed(self, steps: int) -> bool:
+        """The last path change of the phase (if any) has had ``steps`` engine steps proposed
+        under it."""
+        with self._lock:
+            return not self._changes or len(self._after(max(at for _, at in self._changes))) >= steps
 
     def fallback_held(self, steps: int) -> bool:
         """Every scope of the phase's bundle is off, and has been for ``steps`` engine steps."""
