@@ -46,7 +46,7 @@ def run(args) -> int:
         raise CommandError(f"--heads-per-kv must be at least 1, got {heads}")
     if args.model_config:
         heads = _model_config_heads(args.model_config, heads_per_kv_head)
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         cards = {b["bundle_id"]: (b["card"], b["last_seen"]) for b in archive.bundles()}
         bundle = args.bundle
         if bundle is None:
