@@ -131,6 +131,52 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
         "specwatch.schemas.bad imports specwatch.streams.merge (specwatch.streams is not below specwatch.schemas)"]
 
 
+# ---------------------------------------------------------------- one place builds Kafka clients
+KAFKA_CLIENTS = frozenset({"KafkaProducer", "KafkaConsumer", "KafkaAdminClient",
+                           "AIOKafkaProducer", "AIOKafkaConsumer", "AIOKafkaAdminClient"})
+
+
+def _kafka_clients_built() -> list[str]:
+    """Each import or call of a Kafka client class in a module outside specwatch.transport, by place;
+    transport/clients.py builds them all, so their settings live in one place."""
+    found = []
+    for module, path in sorted(_modules().items()):
+        if module == "specwatch.transport" or module.startswith("specwatch.transport."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name.rpartition(".")[2] for alias in node.names]
+            elif isinstance(node, ast.Call):
+                func = node.func
+                names = [func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")]
+            else:
+                continue
+            found += [f"{_where(path, node.lineno)} {'calls' if isinstance(node, ast.Call) else 'imports'} {name}"
+                      for name in names if name in KAFKA_CLIENTS]
+    return found
+
+
+def test_no_module_outside_transport_builds_a_kafka_client():
+    rule = "no module outside specwatch.transport builds a Kafka client (use specwatch.transport.clients)"
+    assert [f"{rule}: {place}" for place in _kafka_clients_built()] == []
+
+
+def test_the_kafka_client_rule_sees_an_offender(tmp_path, monkeypatch):
+    """The rule itself: an import and a call of a Kafka client outside transport/ are reported by place,
+    the same inside transport/ are not."""
+    for folder, text in (("bench", "from kafka import KafkaConsumer\nimport aiokafka\n"
+                                   "c = aiokafka.AIOKafkaProducer()\n"),
+                         ("transport", "from aiokafka.admin import AIOKafkaAdminClient\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+        (tmp_path / folder / "clients.py").write_text(text)
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackage-dir = { "specwatch.bench" = "bench", "specwatch.transport" = "transport" }\n')
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _kafka_clients_built() == ["bench/clients.py:1 imports KafkaConsumer",
+                                      "bench/clients.py:3 calls AIOKafkaProducer"]
+
+
 # ---------------------------------------------------------------- the product's size and surface
 # The product is every module but the lab around it: the simulator, the benchmarks, the detection
 # evaluation, and the vLLM demo and the tiny models that tests and demos run on.

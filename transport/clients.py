@@ -1,5 +1,5 @@
-"""The synchronous Kafka clients (kafka-python) the product builds: every producer and consumer
-made from a `KafkaConfig`, with its security, batching and fetch settings, comes from here."""
+"""Every Kafka client the product builds (kafka-python and aiokafka producers, consumers and admin
+clients) comes from here, made from a `KafkaConfig` with its security, batching and fetch settings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from typing import Any
 
 from .config import BrokerUnavailable, KafkaConfig
 
-__all__ = ["kafka_consumer", "kafka_producer", "probe_bootstrap"]
+__all__ = ["FROM_EARLIEST", "aiokafka_admin", "aiokafka_consumer", "kafka_admin", "kafka_consumer", "kafka_producer",
+           "probe_bootstrap"]
+
+# A reader of a whole topic that joins no group: it starts at the first offset and commits nothing.
+FROM_EARLIEST: dict[str, Any] = {"group_id": None, "auto_offset_reset": "earliest", "enable_auto_commit": False}
 
 
 def kafka_producer(config: KafkaConfig, **overrides: Any) -> Any:
@@ -19,11 +23,37 @@ def kafka_producer(config: KafkaConfig, **overrides: Any) -> Any:
     return KafkaProducer(**{**config.producer_settings(), **overrides})
 
 
-def kafka_consumer(config: KafkaConfig, **overrides: Any) -> Any:
-    """A kafka-python consumer with ``config``'s connection and security settings, ``overrides`` on top."""
+def kafka_consumer(config: KafkaConfig, *topics: str, **overrides: Any) -> Any:
+    """A kafka-python consumer of ``topics`` (none: assigned later) with ``config``'s connection and
+    security settings, ``overrides`` on top."""
     from kafka import KafkaConsumer
 
-    return KafkaConsumer(**{**config.client_settings(), **overrides})
+    return KafkaConsumer(*topics, **{**config.client_settings(), **overrides})
+
+
+def kafka_admin(config: KafkaConfig, **overrides: Any) -> Any:
+    """A kafka-python admin client with ``config``'s connection and security settings."""
+    from kafka.admin import KafkaAdminClient
+
+    return KafkaAdminClient(**{**config.client_settings(), **overrides})
+
+
+def aiokafka_consumer(config: KafkaConfig, *topics: str, **overrides: Any) -> Any:
+    """An aiokafka consumer of ``topics`` with ``config``'s security and fetch settings, ``overrides``
+    on top; not started."""
+    from aiokafka import AIOKafkaConsumer
+
+    return AIOKafkaConsumer(*topics, **{"bootstrap_servers": config.bootstrap_servers.split(","),
+                                        **config.aiokafka_security(), **config.aiokafka_fetch_settings(),
+                                        **overrides})
+
+
+def aiokafka_admin(config: KafkaConfig, **overrides: Any) -> Any:
+    """An aiokafka admin client with ``config``'s security settings; not started."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    return AIOKafkaAdminClient(**{"bootstrap_servers": config.bootstrap_servers.split(","),
+                                  **config.aiokafka_security(), **overrides})
 
 
 def probe_bootstrap(bootstrap_servers: str, timeout_s: float) -> None:

@@ -43,9 +43,9 @@ def _telemetry(smoke: bool) -> tuple[list[tuple[bytes, bytes]], int]:
 
 def _produce(config: Any, messages: list[tuple[bytes, bytes]]) -> dict:
     """Send every message with a kafka-python producer made from ``config``; CPU and wall per message."""
-    from kafka import KafkaProducer
+    from specwatch.transport.clients import kafka_producer
 
-    producer = KafkaProducer(**config.producer_settings())
+    producer = kafka_producer(config)
     try:
         producer.send(config.topic, key=b"warm-up", value=b"").get(timeout=30)  # metadata, connection
         cpu, wall = time.process_time(), time.perf_counter()
@@ -60,11 +60,9 @@ def _produce(config: Any, messages: list[tuple[bytes, bytes]]) -> dict:
 
 async def _consume(config: Any, count: int) -> dict:
     """Read ``count`` messages of ``config.topic`` from the beginning with an aiokafka consumer."""
-    from aiokafka import AIOKafkaConsumer
+    from specwatch.transport.clients import FROM_EARLIEST, aiokafka_consumer
 
-    consumer = AIOKafkaConsumer(config.topic, bootstrap_servers=config.bootstrap_servers.split(","), group_id=None,
-                                auto_offset_reset="earliest", enable_auto_commit=False,
-                                **config.aiokafka_fetch_settings())
+    consumer = aiokafka_consumer(config, config.topic, **FROM_EARLIEST)
     await consumer.start()
     try:
         seen = polls = 0
@@ -94,10 +92,9 @@ def _best(runs: list[dict]) -> dict:
 
 def _partials(bootstrap: str, messages: list[tuple[bytes, bytes]], topic: str, smoke: bool) -> dict:
     """Stage 1 -> stage 2 messages: one per closed slice and partition, or one per partition and fetch."""
-    from aiokafka import AIOKafkaConsumer
-
     from specwatch.schemas import Policy
     from specwatch.streams.stage_tasks import Stage1Task, decode_partial, encode_partial, route_batches
+    from specwatch.transport.clients import FROM_EARLIEST, aiokafka_consumer
     from specwatch.transport.config import KafkaConfig
     from specwatch.transport.kafka_io import KafkaWriter
 
@@ -120,9 +117,9 @@ def _partials(bootstrap: str, messages: list[tuple[bytes, bytes]], topic: str, s
         return out
 
     async def run(group: Any, name: str) -> dict:
-        writer = KafkaWriter(KafkaConfig(bootstrap))
-        consumer = AIOKafkaConsumer(name, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
-                                    enable_auto_commit=False)
+        config = KafkaConfig(bootstrap)  # its fetch settings are aiokafka's defaults
+        writer = KafkaWriter(config)
+        consumer = aiokafka_consumer(config, name, **FROM_EARLIEST)
         try:
             await writer.send(name, b"", key=b"warm-up", partition=0)
             await consumer.start()

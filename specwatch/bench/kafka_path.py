@@ -26,9 +26,10 @@ _SETTLE_TIMEOUT_S = 60.0
 
 async def admin_call(bootstrap: str, method: str, *args, **kwargs):
     """One call of an aiokafka admin client of its own, e.g. ``delete_topics``."""
-    from aiokafka.admin import AIOKafkaAdminClient
+    from specwatch.transport.clients import aiokafka_admin
+    from specwatch.transport.config import KafkaConfig
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = aiokafka_admin(KafkaConfig(bootstrap))
     await admin.start()
     try:
         return await getattr(admin, method)(*args, **kwargs)
@@ -100,8 +101,7 @@ def _encoded(batch: list, max_bytes: int) -> list[tuple[bytes, bytes]]:
 def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, workers: int = 1,
                     rate: float | None = None, worker_env: dict[str, str] | None = None) -> dict:
     """One end-to-end run; ``rate`` paces the producer at that many rounds/s (None: flat out)."""
-    from kafka import KafkaConsumer, KafkaProducer
-
+    from specwatch.transport.clients import FROM_EARLIEST, kafka_consumer, kafka_producer
     from specwatch.transport.codec import HEARTBEAT_KEY_PREFIX
     from specwatch.transport.config import KafkaConfig
     from specwatch.simulation.simulator import Simulator
@@ -125,8 +125,8 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     stop = threading.Event()
 
     def read_decisions():
-        consumer = KafkaConsumer(f"{run}.decisions", bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                                 api_version=(2, 6), consumer_timeout_ms=500)
+        consumer = kafka_consumer(KafkaConfig(bootstrap), f"{run}.decisions", **FROM_EARLIEST,
+                                  api_version=(2, 6), consumer_timeout_ms=500)
         while not stop.is_set():
             for message in consumer:
                 if message.value and not (message.key or b"").startswith(HEARTBEAT_KEY_PREFIX.encode()):
@@ -149,7 +149,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(worker_env or {})})
     try:
         time.sleep(8.0)  # group join and assignment before the clock starts
-        producer = KafkaProducer(**config.producer_settings())
+        producer = kafka_producer(config)
         first_incident_wall: dict[int, float] = {}
         lag_samples: list[tuple[float, int]] = []
         produced: list[tuple[float, float]] = []  # (wall, highest event time handed over)

@@ -195,10 +195,11 @@ def _soak_embedded(sim, minutes: float, rate: float, sample_seconds: float, out:
 
 def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: TextIO | None, bootstrap: str,
                 topic: str | None) -> SoakResult:
-    from kafka import KafkaConsumer, TopicPartition
-    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka import TopicPartition
+    from kafka.admin import NewTopic
 
     from specwatch.collectors.otel import TelemetryEmitter
+    from specwatch.transport.clients import FROM_EARLIEST, kafka_admin, kafka_consumer
     from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
     from specwatch.transport.config import KafkaConfig
     from specwatch.schemas.otlp import decode_request
@@ -208,12 +209,11 @@ def _soak_kafka(sim, minutes: float, rate: float, sample_seconds: float, out: Te
     topic = topic or f"specwatch.soak.{uuid.uuid4().hex[:8]}"
     admin = None
     if own_topic:
-        admin = KafkaAdminClient(**config.client_settings())
+        admin = kafka_admin(config)
         admin.create_topics([NewTopic(topic, 4, 1)])
     exporter = KafkaTelemetryExporter(KafkaConfig.from_env(bootstrap, topic=topic))
     emitter = TelemetryEmitter(exporter, sdk=False)
-    consumer = KafkaConsumer(**config.client_settings(), group_id=None, enable_auto_commit=False,
-                             auto_offset_reset="earliest")
+    consumer = kafka_consumer(config, **FROM_EARLIEST)
     stop = threading.Event()
 
     def load() -> None:

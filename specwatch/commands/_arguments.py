@@ -6,7 +6,10 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import IO, Iterator
+from typing import IO, TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from specwatch.archive.dsn import ArchiveDsn
 
 __all__ = ["CommandError", "EXIT_NOT_FOUND", "EXIT_NOT_PUBLISHED", "EXIT_USAGE",
            "actor_name", "add_archive_option", "add_json_option", "add_policy_option", "archive_reader_options",
@@ -64,8 +67,9 @@ def archive_reader_options() -> argparse.ArgumentParser:
     return parser
 
 
-def open_archive(dsn: str | None, create: bool = False):
-    """The `Archive` at ``dsn`` (None: the default); one that cannot be opened raises `CommandError`."""
+def open_archive(dsn: ArchiveDsn | str | None, create: bool = False):
+    """The `Archive` at ``dsn`` (an `ArchiveDsn`, as `specwatch.cli` parsed ``--archive`` into
+    ``args.archive_dsn``; None: the default); one that cannot be opened raises `CommandError`."""
     from specwatch.archive.errors import ArchiveError, ArchiveNotFoundError
     from specwatch.archive.store import Archive
 
@@ -134,10 +138,11 @@ def _command_inputs(args: argparse.Namespace) -> tuple[list[str], list[str]]:
                                                 SAMPLE_KEY_FILE_ENV)]
     directories = []
     if hasattr(args, "archive"):
-        from specwatch.archive.dsn import archive_dsn, parse_archive_dsn
+        from specwatch.archive.dsn import ArchiveDsn
 
         with contextlib.suppress(ValueError):  # a bad DSN is refused on its own, with its reason
-            location, _ = parse_archive_dsn(args.archive or archive_dsn())
+            # parsed once by specwatch.cli; still text only where a command skips its archive
+            location = ArchiveDsn.of(getattr(args, "archive_dsn", None) or args.archive).location
             if location.engine == "chdb":
                 directories.append(location.path)
     return [f for f in files if f], directories

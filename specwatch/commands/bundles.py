@@ -46,7 +46,7 @@ def add_arguments(parser) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         rows = archive.bundle_registry()
     for row in rows:
         row["card_summary"] = format_card(row["card"])
@@ -61,7 +61,7 @@ def _list(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from specwatch.analysis.qualification import render_html, render_text
 
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         qualifications = archive.qualifications(args.bundle_id)
         # a bundle qualified before any engine ran it is known by its qualification's card alone
         row = _registered(archive, args.bundle_id) if not qualifications else next(
@@ -118,7 +118,7 @@ def _change(args: argparse.Namespace) -> int:
         raise CommandError("--by and --reason must not be empty")
     settings = load_policy(getattr(args, "policy", None)).admission
     keyring = publish_keyring(args)
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         row = _registered(archive, args.bundle_id)
         try:
             stage, cohort, share = manual_stage(args.move, row["stage"], row["cohort_share"], settings)

@@ -24,7 +24,7 @@ def run(args) -> int:
     from specwatch.analysis.postmortem import render_html, render_text
 
     check_output(args.html, args)
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         record = archive.decision(args.decision_id)
         if record is None:
             message = f"no decision {args.decision_id!r} in the archive {archive!r}"

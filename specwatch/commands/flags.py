@@ -130,7 +130,7 @@ def _list(args: argparse.Namespace) -> int:
         store, ignored = _fleet_store(args)
         automatic = store.scopes()
     else:
-        with open_archive(args.archive) as archive:
+        with open_archive(args.archive_dsn) as archive:
             store = archive.flag_store()
             automatic = archive.flag_store(overrides=False).scopes()
     manual = store.overrides()
@@ -198,7 +198,7 @@ def _set(args: argparse.Namespace) -> int:
     keyring = _override_keyring(args)
     change = OverrideChange(args.bundle, args.bucket, args.cohort, args.enabled, args.draft_length,
                             args.by.strip(), args.reason.strip(), time.time())
-    with open_archive(args.archive, create=args.create) as archive:
+    with open_archive(args.archive_dsn, create=args.create) as archive:
         override_id = _record(archive, change)
     published = not args.bootstrap or publish_manual(
         args, override_decision(change, args.code, override_id=override_id), keyring)
@@ -211,7 +211,7 @@ def _clear(args: argparse.Namespace) -> int:
 
     keyring = _override_keyring(args)
     scope = (args.bundle, args.bucket, args.cohort)
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         active = next((o for o in archive.overrides(active_only=True)
                        if (o["bundle_id"], o["bucket"], o["cohort"]) == scope), None)
         if active is None:

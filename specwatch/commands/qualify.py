@@ -180,7 +180,7 @@ def run(args) -> int:
                                 progress=progress, engine_starts=starts, after_gates=stack.close)
     document = json.loads(report.model_dump_json())
     if not args.no_archive:
-        with open_archive(args.archive, create=True) as archive:
+        with open_archive(args.archive_dsn, create=True) as archive:
             document["qualification_id"] = archive.write_qualification(document)
     if args.html:
         write_page(args.html, render_html(document), "qualification page", args)

@@ -160,7 +160,7 @@ def _write_rows(rows: list[dict], columns: Sequence[Column], as_json: bool, out:
 
 
 def _decisions(args: argparse.Namespace) -> int:
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         rows = archive.decisions(bundle_id=args.bundle, bucket=args.bucket, reason=args.reason,
                                  action=args.action, since=args.since, until=args.until,
                                  limit=args.limit or None)
@@ -174,7 +174,7 @@ def _decisions(args: argparse.Namespace) -> int:
 
 
 def _decision(args: argparse.Namespace) -> int:
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         found = archive.decision(args.decision_id)
         samples = archive.samples(args.decision_id) if found else []
     if found is None:
@@ -210,7 +210,7 @@ def _decision(args: argparse.Namespace) -> int:
 
 
 def _samples(args: argparse.Namespace) -> int:
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         known = archive.decision(args.decision_id) is not None
         rows = archive.samples(args.decision_id)
     if not known and not rows:
@@ -229,7 +229,7 @@ def _samples(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         bundle, bucket, since, until, center = args.bundle, args.bucket, args.since, args.until, None
         if args.around:
             found = archive.decision(args.around)
@@ -270,7 +270,7 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _bundles(args: argparse.Namespace) -> int:
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         rows = archive.bundles()
     for row in [] if args.json else rows:  # JSON keeps the archive's fields
         row["summary"] = format_card(row["card"])
@@ -286,7 +286,7 @@ def _bundles(args: argparse.Namespace) -> int:
 def _sql(args: argparse.Namespace) -> int:
     from specwatch.archive.errors import ArchiveError, ArchiveQueryLimit
 
-    archive = open_archive(args.archive)
+    archive = open_archive(args.archive_dsn)
     limits = {name: value for name, value in (("max_seconds", args.max_seconds), ("max_rows", args.max_rows),
                                               ("max_memory_mib", args.max_memory_mib))
               if value is not None}

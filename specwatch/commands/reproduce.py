@@ -62,7 +62,7 @@ def run(args) -> int:
             raise ReproduceError(str(error), 2) from None
         return VllmRerunner(args.model or card.target.model_id, config)
 
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         try:
             result = reproduce_decision(archive, args.decision_id, key, None, actor, time.time,
                                         force=args.force, rerunner_for=rerunner_for)

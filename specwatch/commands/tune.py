@@ -56,9 +56,9 @@ def run(args) -> int:
     if args.from_qualification is not None:
         from specwatch.analysis.tuning import qualification_tune_report
 
-        qualification = _qualification(args.from_qualification, args.archive)
+        qualification = _qualification(args.from_qualification, args.archive_dsn)
         return _emit(qualification_tune_report(qualification, heads), qualification["bundle_id"], args)
-    with open_archive(args.archive) as archive:
+    with open_archive(args.archive_dsn) as archive:
         cards = {b["bundle_id"]: (b["card"], b["last_seen"]) for b in archive.bundles()}
         bundle = args.bundle
         if bundle is None:
@@ -107,7 +107,7 @@ def _model_config_heads(path: str, heads_per_kv_head) -> int:
         raise CommandError(f"{path}: {error}") from None
 
 
-def _qualification(source: str, archive_url: str | None) -> dict:
+def _qualification(source: str, archive_dsn) -> dict:
     """A qualification report from a JSON file, or else the newest archived one of bundle ``source``."""
     from pathlib import Path
 
@@ -124,7 +124,7 @@ def _qualification(source: str, archive_url: str | None) -> dict:
             raise CommandError(f"{source}: not a qualification report (`specwatch qualify --json` writes one): "
                                "it needs bundle_id, card and gate1")
         return report
-    with open_archive(archive_url) as archive:
+    with open_archive(archive_dsn) as archive:
         rows = archive.qualifications(source)
     if not rows:
         raise CommandError(f"{source}: neither a file nor a bundle with an archived qualification "
