@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -43,7 +43,8 @@ class GatewayMetrics:
         self._counts: dict[str, Counter] = {name: Counter() for name in self._FAMILIES}
         self.pools: dict[str, ServerCounters] = {}
         self.pool_up: dict[str, bool] = {}
-        self.shadow_in_flight = 0  # mirrored copies not compared yet (the gateway sets it)
+        # mirrored copies not compared yet, read at scrape time (the gateway counts its own)
+        self.shadow_in_flight: Callable[[], int] = lambda: 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -74,7 +75,7 @@ class GatewayMetrics:
             up.add_metric([pool], 1.0 if is_up else 0.0)
         yield up
         yield GaugeMetricFamily("specwatch_gateway_shadow_in_flight", "Shadow copies sent to the speculative "
-                                "pool and not compared with the standard answer yet", value=self.shadow_in_flight)
+                                "pool and not compared with the standard answer yet", value=self.shadow_in_flight())
         drafts = CounterMetricFamily("specwatch_gateway_pool_spec_drafts", "Verify steps that drafted, as the "
                                      "pool's server counts them (scraped)", labels=("pool",))
         drafted = CounterMetricFamily("specwatch_gateway_pool_spec_draft_tokens", "Draft tokens proposed, as "

@@ -130,6 +130,7 @@ class Gateway:
         self._next_seq = int(time.time() * 1e6)
         self._tasks: list[asyncio.Task] = []
         self._mirrors: set[asyncio.Task] = set()
+        self.metrics.shadow_in_flight = lambda: len(self._mirrors)
         self.workers = {pool: f"{settings.name}:{pool}" for pool in (SPECULATIVE, STANDARD)}
 
     # -- life cycle --------------------------------------------------------------------------
@@ -151,10 +152,6 @@ class Gateway:
     def mirrors_in_flight(self) -> int:
         """Shadow copies sent to the speculative pool whose comparison has not been made yet."""
         return len(self._mirrors)
-
-    def _mirror_done(self, task: asyncio.Task) -> None:
-        self._mirrors.discard(task)
-        self.metrics.shadow_in_flight = len(self._mirrors)
 
     async def _every(self, seconds: float, job) -> None:
         while True:
@@ -264,8 +261,7 @@ class Gateway:
             call.mirror = asyncio.get_running_loop().create_future()
             task = asyncio.create_task(self._shadow(call, labels.cohort))
             self._mirrors.add(task)
-            self.metrics.shadow_in_flight = len(self._mirrors)
-            task.add_done_callback(self._mirror_done)
+            task.add_done_callback(self._mirrors.discard)
             # the client's answer is standard decoding: its record is baseline traffic, not the shadow's
             call.cohort = self.settings.rules.default_cohort
         return await self._answer(call, chosen.pool, chosen.reason)
