@@ -14,7 +14,8 @@ _specwatch = partial(specwatch_ok, timeout=900)
 
 def test_demo_catches_each_incident_and_archives_it(tmp_path):
     outdir = tmp_path / "demo"
-    proc = _specwatch("demo", "--json", "--outdir", str(outdir))
+    # its own archive: the default one is shared by every test of this test process
+    proc = _specwatch("demo", "--json", "--outdir", str(outdir), "--archive", f"chdb://{outdir / 'archive'}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     _assert_own_decisions(summary)
     assert summary["counters"]["rejected"] == 0 and summary["counters"]["emitter_dropped"] == 0

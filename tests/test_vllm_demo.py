@@ -23,8 +23,9 @@ _SUBPROCESS_TIMEOUT_S = 900
 def demo(tmp_path_factory) -> dict:
     outdir = tmp_path_factory.mktemp("vllm-demo")
     started = time.monotonic()
+    # its own archive: the default one is shared by every test of this test process
     proc = specwatch("demo", "--engine", "vllm", "--json", "--outdir", str(outdir),
-                     timeout=_SUBPROCESS_TIMEOUT_S)
+                     "--archive", f"chdb://{outdir / 'archive'}", timeout=_SUBPROCESS_TIMEOUT_S)
     if proc.returncode != 0:
         pytest.fail(f"specwatch demo --engine vllm failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
