@@ -41,4 +41,4 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 # Two test processes by default (SPECWATCH_TEST_PROCESSES; 0 runs them all in this one): most tests
 # keep one core busy, and the vLLM tests and those on the one broker stay in one process each
 # (tests/conftest.py groups them).
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${SPECWATCH_TEST_PROCESSES:-2}" --dist loadgroup "$@"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${SPECWATCH_TEST_PROCESSES:-2}" --dist loadgroup --durations=15 "$@"
