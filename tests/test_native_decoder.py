@@ -27,9 +27,12 @@ from test_otlp_wire import (_PLAIN_STEP, _ld, _key_value, _plain_step_request, _
 
 
 def _cargo() -> str | None:
-    """cargo as deploy/bootstrap.sh finds it."""
-    return shutil.which("cargo") or next(
+    """cargo as deploy/bootstrap.sh finds it: present, and able to run (rustup with a toolchain)."""
+    cargo = shutil.which("cargo") or next(
         (str(path) for path in [Path.home() / ".cargo/bin/cargo"] if path.exists()), None)
+    if cargo is None or subprocess.run([cargo, "--version"], capture_output=True).returncode != 0:
+        return None
+    return cargo
 
 
 # Where the toolchain is, bootstrap builds the walk: a comparison skipped there would hide a broken build.
