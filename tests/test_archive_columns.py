@@ -16,7 +16,7 @@ from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.store import Archive
 from specwatch.detectors.window import window_columns
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 
 from telemetry_log import replayed
 

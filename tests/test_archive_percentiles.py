@@ -18,7 +18,7 @@ from specwatch.archive.store import Archive
 from specwatch.detectors.sketch import LatencySketch, quantiles_of
 from specwatch.detectors.window import window_columns
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 
 from telemetry_log import replayed
 

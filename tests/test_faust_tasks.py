@@ -8,7 +8,7 @@ from collections import defaultdict
 import msgspec
 import pytest
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.detectors.sketch import LatencySketch
 from specwatch.detectors.window import SliceStats
 from specwatch.schemas import Decision, Policy, Rejection

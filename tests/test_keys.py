@@ -3,7 +3,7 @@
 import gc
 import random
 
-from specwatch.bench.keys import step_lines
+from specwatch.lab.bench.keys import step_lines
 from specwatch.detectors.baseline import BaselineLearner, BaselinePool
 from specwatch.detectors.monitor import KeyMonitor
 from specwatch.detectors.window import SliceStats, sample_record

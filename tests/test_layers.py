@@ -1,6 +1,7 @@
 """Imports point only down the pipeline: a module imports its own layer (`LAYERS`) and those below,
-never one above, and packages that share a layer never import each other. The product (all but
-the lab, `LAB`) keeps its modules and functions short and imports no other module's private names."""
+never one above, and packages that share a layer never import each other. The lab (`LAB`) sits
+above the product and the command line above both; the product never imports the lab, keeps its
+modules and functions short and imports no other module's private names."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (package prefix, layer); the longest matching prefix places a module.
+# (package prefix, layer); the longest matching prefix places a module. Layers 0-6 are the product
+# (`specwatch` itself: analysis and the figures' output), 7 the lab around it, 8-9 the command line.
 LAYERS: tuple[tuple[str, int], ...] = (
     ("specwatch.schemas", 0),
     ("specwatch.detectors", 1),
@@ -21,9 +23,13 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("specwatch.collectors", 4),
     ("specwatch.actions.sinks", 4),
     ("specwatch.streams", 5),
+    ("specwatch.engines", 5),
     ("specwatch", 6),
     ("specwatch.gateway", 6),
     ("specwatch.qualify", 6),
+    ("specwatch.lab", 7),
+    ("specwatch.commands", 8),
+    ("specwatch.cli", 9),
 )
 
 
@@ -63,20 +69,30 @@ def _import_source(node: ast.ImportFrom, package: str) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(module: str, path: Path) -> set[str]:
-    """The product modules ``path`` imports, by ``ast``: a lazy import is a dependency too."""
+def _imports_by_line(module: str, path: Path) -> dict[str, int]:
+    """The specwatch modules ``path`` imports, each with the line of its first import, by ``ast``:
+    a lazy import is a dependency too."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found: set[str] = set()
+    found: dict[str, int] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             name = _import_source(node, package)
-            found.add(name)
             # `from specwatch.x import y` may import the submodule y
-            found.update(f"{name}.{alias.name}" for alias in node.names)
-    return {name for name in found if name == "specwatch" or name.startswith("specwatch.")}
+            names = [name, *(f"{name}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for name in names:
+            if (name == "specwatch" or name.startswith("specwatch.")) and node.lineno < found.get(name, node.lineno + 1):
+                found[name] = node.lineno
+    return found
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The specwatch modules ``path`` imports."""
+    return set(_imports_by_line(module, path))
 
 
 def _violations() -> list[str]:
@@ -84,13 +100,23 @@ def _violations() -> list[str]:
     wrong: list[str] = []
     for module, path in sorted(modules.items()):
         own_prefix, own = _layer(module)
-        for target in sorted(_imports(module, path)):
+        for target, line in sorted(_imports_by_line(module, path).items()):
             if target not in modules:
                 continue  # a name inside a module, not a module
             prefix, layer = _layer(target)
             if layer > own or (layer == own and prefix != own_prefix and own_prefix != "specwatch"):
-                wrong.append(f"{module} imports {target} ({prefix} is not below {own_prefix})")
+                wrong.append(f"imports point down the pipeline: {_where(path, line)} {module} imports {target} "
+                             f"({prefix} is not below {own_prefix})")
     return wrong
+
+
+def _lab_imports() -> list[str]:
+    """Each import of the lab by a product module, by place."""
+    modules = _modules()
+    return [f"the product never imports the lab: {_where(path, line)} {module} imports {target}"
+            for module, path in sorted(modules.items()) if not _in_lab(module) and not _in_cli(module)
+            for target, line in sorted(_imports_by_line(module, path).items())
+            if target in modules and _in_lab(target)]
 
 
 def test_kafka_is_one_boundary_that_knows_only_the_contract():
@@ -115,6 +141,19 @@ def test_imports_point_only_down_the_pipeline():
     assert _violations() == []  # which places every module (`_layer` raises where no layer fits)
 
 
+def test_the_lab_sits_above_the_product_and_the_command_line_above_both():
+    """Every product layer is below the lab's, and the lab's below the command line's."""
+    layers = dict(LAYERS)
+    lab, cli = layers[LAB[0]], min(layers[prefix] for prefix in CLI)
+    product = {prefix: layer for prefix, layer in LAYERS if prefix not in (*LAB, *CLI)}
+    assert {prefix: layer for prefix, layer in product.items() if layer >= lab} == {}
+    assert lab < cli
+
+
+def test_the_product_never_imports_the_lab():
+    assert _lab_imports() == []
+
+
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     """The rule itself: a schema importing a stream is reported."""
     folder = tmp_path / "schemas"
@@ -128,7 +167,27 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
         '[tool.setuptools]\npackage-dir = { "specwatch.schemas" = "schemas", "specwatch.streams" = "streams" }\n')
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _violations() == [
-        "specwatch.schemas.bad imports specwatch.streams.merge (specwatch.streams is not below specwatch.schemas)"]
+        "imports point down the pipeline: schemas/bad.py:1 specwatch.schemas.bad imports specwatch.streams.merge "
+        "(specwatch.streams is not below specwatch.schemas)"]
+
+
+def test_the_check_sees_the_product_import_the_lab(tmp_path, monkeypatch):
+    """The rule itself: a gateway module reading the simulator is reported by place; the command line
+    importing the lab is not."""
+    for folder, text in (("gateway", "import os\nfrom specwatch.lab.simulation import simulator\n"),
+                         ("lab/simulation", ""), ("specwatch/commands", "from specwatch.lab.simulation import simulator\n")):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+        (tmp_path / folder / "simulator.py").write_text(text)
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackage-dir = { "specwatch" = "specwatch", "specwatch.gateway" = "gateway", '
+        '"specwatch.lab" = "lab" }\n')
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _lab_imports() == [
+        "the product never imports the lab: gateway/simulator.py:2 specwatch.gateway.simulator imports "
+        "specwatch.lab.simulation",
+        "the product never imports the lab: gateway/simulator.py:2 specwatch.gateway.simulator imports "
+        "specwatch.lab.simulation.simulator"]
 
 
 # ---------------------------------------------------------------- one place builds Kafka clients
@@ -171,22 +230,18 @@ def test_the_kafka_client_rule_sees_an_offender(tmp_path, monkeypatch):
         (tmp_path / folder / "__init__.py").write_text("")
         (tmp_path / folder / "clients.py").write_text(text)
     (tmp_path / "pyproject.toml").write_text(
-        '[tool.setuptools]\npackage-dir = { "specwatch.bench" = "bench", "specwatch.transport" = "transport" }\n')
+        '[tool.setuptools]\npackage-dir = { "specwatch.lab.bench" = "bench", "specwatch.transport" = "transport" }\n')
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _kafka_clients_built() == ["bench/clients.py:1 imports KafkaConsumer",
                                       "bench/clients.py:3 calls AIOKafkaProducer"]
 
 
 # ---------------------------------------------------------------- the product's size and surface
-# The product is every module but the lab around it: the simulator, the benchmarks, the detection
-# evaluation, and the vLLM demo and the tiny models that tests and demos run on.
-LAB: tuple[str, ...] = (
-    "specwatch.simulation",
-    "specwatch.bench",
-    "specwatch.evaluation",
-    "specwatch.collectors.vllm.demo",
-    "specwatch.collectors.vllm.tiny_models",
-)
+# The product is every module but the lab around it (lab/: the simulator, the benchmarks, the
+# detection evaluation, the vLLM demo and the tiny models that tests and demos run on) and the
+# command line above both.
+LAB: tuple[str, ...] = ("specwatch.lab",)
+CLI: tuple[str, ...] = ("specwatch.commands", "specwatch.cli")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
@@ -203,6 +258,10 @@ PRIVATE_IMPORTS: frozenset[str] = frozenset()
 
 def _in_lab(module: str) -> bool:
     return any(module == prefix or module.startswith(prefix + ".") for prefix in LAB)
+
+
+def _in_cli(module: str) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in CLI)
 
 
 def _product() -> dict[str, Path]:

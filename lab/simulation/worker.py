@@ -14,7 +14,7 @@ import numpy as np
 from specwatch.schemas import (BundleCard, BundleRecord, RequestRecord, RoundEntry, Sample, Sampling, ShadowRecord,
                                StepRecord, TelemetryRecord, bundle_digest)
 from specwatch.schemas.sealed import token_digest
-from specwatch.simulation.engine_model import (
+from specwatch.lab.simulation.engine_model import (
     _ABORT_RATE, _BASELINE, _BUCKET_INDEX, _CANARY_SHADOW_FRACTION, _COHORT_INDEX, _COHORT_SHARES,
     _CUMULATIVE_COHORT_SHARES, _DIFFICULTY_LEVELS, _DIURNAL_AMPLITUDE, _ERROR_RATE, _ERROR_TEXTS,
     _FAILURE_CHECK_SHARE, _KV_ADMISSION_WATERMARK, _KV_CAPACITY_TOKENS, _KV_SURGE_WATERMARK, _LATENCY_TAIL_FRACTION,
@@ -22,10 +22,10 @@ from specwatch.simulation.engine_model import (
     _SCHEDULE_GAP_MS, _SHADOW_CHECK, _SHADOW_DELAY_SECONDS, _SHADOW_FRACTION, _TIMEOUT_RATE, _TIMEOUT_TEXT,
     _TIMING_JITTER, _VERIFY_MS_PER_KV_KTOKEN, _WORKER_LOAD_SPREAD, BUCKETS, COHORTS, DEFAULT_CARD, _accepted_cdf,
     _scale_for_acceptance_length, step_timing)
-from specwatch.simulation.scenarios import _SHIFTED_WEIGHTS, _Plan, _changed_card
+from specwatch.lab.simulation.scenarios import _SHIFTED_WEIGHTS, _Plan, _changed_card
 
 if TYPE_CHECKING:
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
 
 __all__: list[str] = []
 

@@ -7,7 +7,7 @@ import itertools
 import math
 from typing import Sequence
 
-from specwatch.simulation import engine_model as sim
+from specwatch.lab.simulation import engine_model as sim
 
 __all__ = ["bernoulli_kl", "information_bound", "BOUND_KINDS"]
 

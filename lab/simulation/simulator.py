@@ -17,11 +17,11 @@ import numpy as np
 from specwatch.collectors.capture import SampleCapture
 from specwatch.schemas import BundleCard, TelemetryRecord, bundle_digest
 # The engine model's and the scenarios' public names are the simulation's too: its callers import them from here.
-from specwatch.simulation.engine_model import (BUCKETS, COHORTS, DEFAULT_CARD, BucketProfile, acceptance_length,
+from specwatch.lab.simulation.engine_model import (BUCKETS, COHORTS, DEFAULT_CARD, BucketProfile, acceptance_length,
                                                bucket_acceptance_length, step_timing, true_speedup)
-from specwatch.simulation.scenarios import (_EXPECTED_REASON, _INTENSITY, _SCENARIO_SPECS, SCENARIOS, Incident,
+from specwatch.lab.simulation.scenarios import (_EXPECTED_REASON, _INTENSITY, _SCENARIO_SPECS, SCENARIOS, Incident,
                                             IncidentPlan, _changed_card, _checked_plan, _kv_pressure_workers, _Plan)
-from specwatch.simulation.worker import _Worker, _worker_name
+from specwatch.lab.simulation.worker import _Worker, _worker_name
 
 __all__ = ["BUCKETS", "COHORTS", "DEFAULT_CARD", "DEFAULT_START_TS", "SCENARIOS", "BucketProfile",
            "FlagSource", "Incident", "IncidentPlan", "Simulator", "acceptance_length", "bucket_acceptance_length",

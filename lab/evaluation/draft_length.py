@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specwatch.simulation.engine_model import _KV_CAPACITY_TOKENS
-from specwatch.simulation.simulator import DEFAULT_CARD, Simulator, true_speedup
+from specwatch.lab.simulation.engine_model import _KV_CAPACITY_TOKENS
+from specwatch.lab.simulation.simulator import DEFAULT_CARD, Simulator, true_speedup
 from specwatch.schemas import StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.analysis.tuning import tune_report

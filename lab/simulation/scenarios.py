@@ -9,7 +9,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from specwatch.schemas import BundleCard
-from specwatch.simulation.engine_model import _BUCKET_INDEX, _MAX_ERROR_FACTOR, COHORTS
+from specwatch.lab.simulation.engine_model import _BUCKET_INDEX, _MAX_ERROR_FACTOR, COHORTS
 
 __all__ = ["SCENARIOS", "Incident", "IncidentPlan"]
 
@@ -169,7 +169,7 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
         "a new bundle whose structured output starts to differ from standard decoding on the canary path "
         "(intensity = mismatching share of shadow checks, default 0.2)", 8.0,
         (_Plan("canary_mismatch", bucket="structured", cohort="canary"),), incident_at=0.0),
-    # Draft-length scenarios: the best D moves (`specwatch.evaluation.draft_length` scores the advice).
+    # Draft-length scenarios: the best D moves (`specwatch.lab.evaluation.draft_length` scores the advice).
     "draft_cost_doubles": _Scenario(
         "draft time x intensity (default 2) on every worker: shorter drafts pay better", 6.0,
         (_Plan("draft_cost_doubles"),)),
