@@ -15,7 +15,7 @@ from specwatch.archive.store import Archive
 from specwatch.actions.flags import FlagStore
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.detectors.canary import CanaryJudge
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
 

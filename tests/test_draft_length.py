@@ -11,7 +11,7 @@ from specwatch.actions.policy import FallbackPolicy
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.detectors.draft_length import PositionSurvival, StepCost, curve_from_slices, draft_length_curve
 from specwatch.detectors.monitor import Finding
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas.policy import Policy
 
 from telemetry_log import replayed

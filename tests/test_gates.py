@@ -6,7 +6,7 @@ import msgspec
 
 from specwatch.detectors.baseline import BaselinePool
 from specwatch.detectors.monitor import KeyMonitor
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas import Policy
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline

@@ -8,7 +8,7 @@ import pytest
 
 from specwatch.detectors.monitor import KeyMonitor
 from specwatch.detectors.stalls import StalledRequests
-from specwatch.detectors.window import SliceStats, merge_all
+from specwatch.schemas.slice_stats import SliceStats, merge_all
 from specwatch.schemas import Policy, RequestRecord, decode_line
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import decode_lines_block, request_block

@@ -365,7 +365,7 @@ def _disables(phase: dict) -> list[dict]:
 
 def _estimated_speedup(steps: list) -> float:
     """The speedup gate's estimate over the steps that drafted (the detectors' formula)."""
-    from specwatch.detectors.window import SliceStats
+    from specwatch.schemas.slice_stats import SliceStats
 
     stats = SliceStats()
     for step in steps:
