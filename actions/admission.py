@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
 from specwatch.detectors.canary import CanaryJudge, Judgement, combine
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
 

@@ -15,7 +15,7 @@ from specwatch.detectors.baseline import BaselinePool
 from specwatch.detectors.draft_length import DraftLengthCurve, curve_from_slices
 from specwatch.detectors.monitor import BundleMonitor, Finding, KeyMonitor
 from specwatch.detectors.recovery import traffic_evidence
-from specwatch.detectors.window import SliceStats, sample_order
+from specwatch.schemas.slice_stats import SliceStats, sample_order
 from specwatch.schemas import BundleCard, Decision, card_differences
 from specwatch.schemas.outputs import ActionRecord, SliceOutput, SliceWindows
 from specwatch.schemas.policy import Policy

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from specwatch.detectors.draft_length import DraftLengthCurve
 from specwatch.detectors.monitor import Finding
 from specwatch.detectors.recovery import RecoveryEvidence
-from specwatch.detectors.window import round_evidence as _round
+from specwatch.schemas.slice_stats import round_evidence as _round
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import Policy
 from specwatch.schemas.reasons import REASONS

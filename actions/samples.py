@@ -3,7 +3,7 @@ of the same scope, each with why it was chosen (`pick_samples`)."""
 
 from __future__ import annotations
 
-from specwatch.detectors.window import sample_record
+from specwatch.schemas.slice_stats import sample_record
 from specwatch.schemas.reasons import facts_of
 
 __all__ = ["pick_samples", "sample_id"]

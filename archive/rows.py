@@ -195,7 +195,7 @@ _ROW_SUMMARY = operator.itemgetter(WindowRow._fields.index("summary"))
 def window_rows_table(rows: Sequence[WindowRow], offset: int = 0) -> pa.Table:
     """Window rows (`WindowRow` tuples) as an Arrow table, column by column, with no dict per row.
 
-    >>> from specwatch.detectors.window import SliceStats
+    >>> from specwatch.schemas.slice_stats import SliceStats
     >>> stats = SliceStats(); stats.add_round(drafted=4, accepted=3)
     >>> row = WindowRow(10.0, "b-1", "coding", None, True, 1, 0, [1, 1, 1], [1, 1, 1, 1], stats.summary_values())
     >>> table = window_rows_table([row])

@@ -26,7 +26,7 @@ from specwatch.archive.jsonvalue import canonical_json, digest_id
 from specwatch.archive.queries import PostmortemQueries, where_clause
 from specwatch.archive.rows import (DEFAULT_SAMPLE_TEXT, DecisionBatch, append_row, audit_out, finite, require_text,
                                     stage_row, window_columns_table, window_rows_table, window_stats_table)
-from specwatch.detectors.window import window_columns
+from specwatch.schemas.slice_stats import window_columns
 from specwatch.schemas import Decision, decision_key
 from specwatch.schemas.outputs import SliceWindows, WindowRow
 from specwatch.schemas.redaction import SAMPLE_TEXT_MODES

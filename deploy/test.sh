@@ -29,7 +29,7 @@ done
 # something else on the machine holds would fail the run.
 if [ -z "${SPECWATCH_KAFKA_PORT:-}" ]; then
   # below the ephemeral range, where client connections cannot take it before the broker starts
-  SPECWATCH_KAFKA_PORT=$("$venv/bin/python" -c 'from specwatch.bench.broker import free_port_run; print(free_port_run(2))')
+  SPECWATCH_KAFKA_PORT=$("$venv/bin/python" -c 'from specwatch.lab.bench.broker import free_port_run; print(free_port_run(2))')
 fi
 export SPECWATCH_KAFKA_PORT
 bootstrap=$("$here/deploy/kafka/broker.sh" start --port "$SPECWATCH_KAFKA_PORT" --partitions 4)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from specwatch.schemas.policy import BaselinePolicy, PinnedBaseline
 
-from .window import SliceStats, ratio
+from specwatch.schemas.slice_stats import SliceStats, ratio
 
 __all__ = ["Baseline", "BaselineLearner", "BaselinePool"]
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from specwatch.schemas.policy import AdmissionPolicy
 
-from .sketch import LatencySketch
-from .window import SliceStats, round_evidence as _round
+from specwatch.schemas.latency_sketch import LatencySketch
+from specwatch.schemas.slice_stats import SliceStats, round_evidence as _round
 
 __all__ = ["CanaryJudge", "Judgement", "MetricVerdict", "WindowSample", "mann_whitney_greater", "combine"]
 

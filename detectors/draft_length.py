@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .window import SliceStats, merge_all, ratio, round_evidence as _round
+from specwatch.schemas.slice_stats import SliceStats, merge_all, ratio, round_evidence as _round
 
 __all__ = ["MECHANISM_COST", "CurvePoint", "DraftLengthCurve", "PositionSurvival", "StepCost",
            "curve_from_slices", "draft_length_curve", "starting_draft_length", "tile_draft_lengths"]

@@ -14,7 +14,7 @@ from .gates import BernoulliCusum, ConsecutiveGate, DropDetector
 from .rate_tests import error_rate_limit, first_to_fire, rate_tests, retune, tail_rates
 from .recovery import RecoveryEvidence
 from .stalls import StalledRequests
-from .window import SliceStats, merge_all, round_evidence as _round, speedup_leaving_out
+from specwatch.schemas.slice_stats import SliceStats, merge_all, round_evidence as _round, speedup_leaving_out
 
 __all__ = ["Finding", "KeyMonitor", "BundleMonitor"]
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from .rate_tests import error_rate_limit
-from .window import merge_all, round_evidence as _round
+from specwatch.schemas.slice_stats import merge_all, round_evidence as _round
 
 __all__ = ["RecoveryEvidence", "traffic_evidence"]
 

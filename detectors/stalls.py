@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 
 __all__ = ["StalledRequests"]
 

@@ -13,7 +13,7 @@ from scipy import stats as scipy_stats
 
 from specwatch.schemas.rerun import first_divergence
 from specwatch.detectors.draft_length import PositionSurvival
-from specwatch.detectors.window import SliceStats, round_evidence
+from specwatch.schemas.slice_stats import SliceStats, round_evidence
 from specwatch.schemas.qualification import GateResult
 
 from .checks import CodeRunner, run_checks, run_code_test

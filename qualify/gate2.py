@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from specwatch.detectors.window import ratio, round_evidence
+from specwatch.schemas.slice_stats import ratio, round_evidence
 from specwatch.schemas.policy import Policy
 from specwatch.schemas.qualification import GateResult
 

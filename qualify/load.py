@@ -81,7 +81,7 @@ def benchmark_run(base_url: str, model: str, tokenizer: str, requests: Sequence[
     """(vLLM's benchmark result, KV peak) for ``num_prompts`` greedy requests ``concurrency`` at a
     time; every request runs to its ``max_tokens`` (EOS ignored) so both paths do the same work. The
     result's ``buckets`` names the bucket of each request of its per-request lists."""
-    from specwatch.collectors.vllm.local_engine import quiet_vllm_logging
+    from specwatch.engines.vllm.local_engine import quiet_vllm_logging
 
     quiet_vllm_logging()
     from vllm.benchmarks import serve

@@ -32,7 +32,7 @@ class ServerSettings:
 def bundle_card(settings: ServerSettings, speculative_config: dict) -> BundleCard:
     """The card of the speculative server, from the config vLLM builds for it (no model is loaded)."""
     from specwatch.collectors.vllm.bundle import describe_bundle
-    from specwatch.collectors.vllm.local_engine import configure_cpu_environment, quiet_vllm_logging
+    from specwatch.engines.vllm.local_engine import configure_cpu_environment, quiet_vllm_logging
 
     quiet_vllm_logging()
     configure_cpu_environment()
@@ -48,7 +48,7 @@ def bundle_card(settings: ServerSettings, speculative_config: dict) -> BundleCar
 @contextlib.contextmanager
 def started(settings: ServerSettings, speculative_config: dict | None) -> Iterator[Endpoint]:
     """One server of the run (standard decoding when ``speculative_config`` is None), stopped after."""
-    from specwatch.collectors.vllm.server import OpenAIServer
+    from specwatch.engines.vllm.server import OpenAIServer
 
     speculative = speculative_config is not None
     with OpenAIServer(settings.model, speculative_config,

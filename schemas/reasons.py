@@ -23,7 +23,7 @@ class ReasonFacts:
     section
         The policy file's section whose settings judged it, archived beside the decision (None: none).
     problem_samples
-        The sample kinds (`detectors.window.SAMPLE_KINDS`) that show the problem, best first.
+        The sample kinds (`schemas.slice_stats.SAMPLE_KINDS`) that show the problem, best first.
     control_samples
         The healthy samples of the same scope kept beside them.
     fallback

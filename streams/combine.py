@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from specwatch.detectors.window import SliceStats, sample_order
+from specwatch.schemas.slice_stats import SliceStats, sample_order
 from specwatch.schemas import BundleRecord, Rejection, RequestRecord, StepRecord, TelemetryRecord
 from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.fastdecode import StepBlock

@@ -52,13 +52,10 @@ class StreamApp:
     operations: Operations
 
 
-def create_app(settings: StreamSettings) -> StreamApp:
-    """The Faust app for ``settings`` (counts from `prepare_topics`): topics, agents, timers."""
-    if settings.telemetry_partitions < 1 or settings.partials_partitions < 1:
-        raise ValueError("partition counts are unknown: pass the settings through prepare_topics() first")
+def _faust_app(settings: StreamSettings, fetch: dict) -> faust.App:
+    """The bare Faust app of ``settings``: broker, consumer ``fetch`` settings, web port, supervision."""
     kafka = settings.kafka_config
-    fetch = kafka.faust_consumer_settings()
-    app = faust.App(
+    return faust.App(
         settings.app_id,
         broker=[f"kafka://{server}" for server in settings.bootstrap.split(",")],
         broker_credentials=kafka.faust_credentials(),
@@ -80,6 +77,15 @@ def create_app(settings: StreamSettings) -> StreamApp:
         # restarting in a loop; whoever runs the workers restarts it from its checkpoint.
         agent_supervisor=CrashingSupervisor,
     )
+
+
+def create_app(settings: StreamSettings) -> StreamApp:
+    """The Faust app for ``settings`` (counts from `prepare_topics`): topics, agents, timers."""
+    if settings.telemetry_partitions < 1 or settings.partials_partitions < 1:
+        raise ValueError("partition counts are unknown: pass the settings through prepare_topics() first")
+    kafka = settings.kafka_config
+    fetch = kafka.faust_consumer_settings()
+    app = _faust_app(settings, fetch)
 
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     telemetry = app.topic(*settings.telemetry_topics, **raw)
@@ -132,18 +138,7 @@ def create_app(settings: StreamSettings) -> StreamApp:
         operations.install(app, ready=lambda: _ready(app), cards=stage2.cards, publish=stage2.publish_decisions,
                            automatic=stage2.automatic, archive=stage2.archive_decisions)
 
-    logged, logged_at = (0, 0, 0), time.monotonic()
-
-    @app.timer(interval=_PROGRESS_LOG_SECONDS)
-    async def log_progress():  # one line per interval while work flows; nothing when idle
-        nonlocal logged, logged_at
-        now, current = time.monotonic(), (stage1.records, stage2.slices, stage2.decisions)
-        if current != logged:
-            records = current[0] - logged[0]
-            logger.info("%d records folded (%.0f/s), %d slices decided, %d decisions, %d rejected",
-                        records, records / max(now - logged_at, 1e-9), current[1] - logged[1],
-                        current[2] - logged[2], stage1.rejected.total)
-        logged, logged_at = current, now
+    _log_progress(app, stage1, stage2)
 
     @app.on_partitions_revoked.connect
     async def on_revoked(app, revoked, **kwargs):
@@ -155,6 +150,22 @@ def create_app(settings: StreamSettings) -> StreamApp:
         await writer.stop()
 
     return StreamApp(app, stage1, stage2, operations)
+
+
+def _log_progress(app: faust.App, stage1: Stage1Runner, stage2: Stage2Runner) -> None:
+    """A timer of ``app`` that logs one line per interval while work flows, nothing when idle."""
+    logged, logged_at = (0, 0, 0), time.monotonic()
+
+    @app.timer(interval=_PROGRESS_LOG_SECONDS)
+    async def log_progress():
+        nonlocal logged, logged_at
+        now, current = time.monotonic(), (stage1.records, stage2.slices, stage2.decisions)
+        if current != logged:
+            records = current[0] - logged[0]
+            logger.info("%d records folded (%.0f/s), %d slices decided, %d decisions, %d rejected",
+                        records, records / max(now - logged_at, 1e-9), current[1] - logged[1],
+                        current[2] - logged[2], stage1.rejected.total)
+        logged, logged_at = current, now
 
 
 def _ready(app: faust.App) -> bool:

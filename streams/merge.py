@@ -8,7 +8,7 @@ from typing import Callable
 
 from specwatch.actions.decider import SliceDecider
 from specwatch.actions.flags import FlagStore
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas.outputs import SliceOutput
 from specwatch.schemas.policy import Policy
 from specwatch.schemas.scope import Scope as Key

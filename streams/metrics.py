@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Iterator, Mapping, get_args
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from specwatch.actions.flags import FlagStore
-from specwatch.detectors.window import ratio
+from specwatch.schemas.slice_stats import ratio
 from specwatch.schemas.decisions import Action, Reason
 from specwatch.schemas.outputs import SliceOutput
 from specwatch.schemas.scope import Scope
@@ -89,7 +89,7 @@ class LatencyHistogram:
 class MetricsView:
     """What stage 2 knows now, per key, with bounded label cardinality; decisions; latencies.
 
-    >>> from specwatch.detectors.window import SliceStats
+    >>> from specwatch.schemas.slice_stats import SliceStats
     >>> from specwatch.schemas import Policy
     >>> from specwatch.streams.merge import Stage2
     >>> from specwatch.streams.slice_batch import SliceBatch

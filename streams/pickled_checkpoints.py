@@ -14,11 +14,11 @@ from river._river_rust.drift import AdaptiveWindowing
 
 from specwatch.actions import admission, flags, policy as fallback
 from specwatch.actions.decider import SliceDecider
-from specwatch.detectors import baseline, canary, gates, monitor, stalls, window
-from specwatch.detectors.sketch import LatencySketch
-from specwatch.schemas import codec, policy
+from specwatch.detectors import baseline, canary, gates, monitor, stalls
+from specwatch.schemas import codec, policy, slice_stats
 from specwatch.schemas.checkpoint import PICKLED_CHECKPOINT_MAGIC, CheckpointError, inflated
 from specwatch.schemas.fastdecode import record_at
+from specwatch.schemas.latency_sketch import LatencySketch
 from specwatch.schemas.otlp import decode_request
 
 from . import combine, intake, merge, running_requests, slice_batch, sources
@@ -137,7 +137,7 @@ _ALLOWED: dict[tuple[str, str], object] = {
     **_names(gates, "BernoulliCusum", "ConsecutiveGate", "DropDetector"),
     **_names(monitor, "BundleMonitor", "KeyMonitor", "_draft_costs", "_speedup_losses"),
     **_names(stalls, "StalledRequests"),
-    **_names(window, "SliceStats"),
+    **_names(slice_stats, "SliceStats", pickled_as="specwatch.detectors.window"),
     **_names(codec, "RejectionCounter"),
     **_names(policy, "AcceptancePolicy", "ActionPolicy", "AdmissionPolicy", "BaselinePolicy", "CapturePolicy",
              "DraftOverheadPolicy", "ErrorPolicy", "KvPolicy", "LatencyPolicy", "Policy", "QualityPolicy",

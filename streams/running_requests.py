@@ -6,7 +6,7 @@ import math
 from itertools import repeat
 from typing import Callable, Sequence
 
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas.scope import Scope
 
 __all__ = ["RunningRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS", "key_stats"]

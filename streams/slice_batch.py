@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas import StepRecord
 from specwatch.schemas.scope import Scope as Key, scope_from_text, scope_text
 

@@ -74,7 +74,7 @@ def stage2_partition(bundle_id: str, partitions: int) -> int:
 def route_batches(batches: Iterable[SliceBatch], partitions: int) -> list[tuple[int, SliceBatch]]:
     """Split one close of stage 1 into what each stage-2 partition receives, in send order.
 
-    >>> from specwatch.detectors.window import SliceStats
+    >>> from specwatch.schemas.slice_stats import SliceStats
     >>> batch = SliceBatch("t/0", 7, 7, partials={("b-1", "coding", "main"): SliceStats()})
     >>> [(p, b.slice_index, len(b.partials)) for p, b in route_batches([batch], 2)]
     [(1, 7, 1), (0, 7, 0)]

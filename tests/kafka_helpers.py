@@ -21,7 +21,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from specwatch.actions.flags import FlagStore
 from specwatch.archive.store import Archive
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.schemas.otlp import encode_entries, log_entry
 from specwatch.transport.kafka_io import PartitionReader

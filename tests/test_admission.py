@@ -13,9 +13,9 @@ import pytest
 from specwatch.actions.admission import AdmissionController
 from specwatch.archive.store import Archive
 from specwatch.actions.flags import FlagStore
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.detectors.canary import CanaryJudge
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas import Decision
 from specwatch.schemas.policy import AdmissionPolicy, Policy
 
@@ -315,7 +315,7 @@ def test_healthy_canaries_within_tolerance_stay_within_the_false_fail_budget():
 
 def test_a_healthy_rollout_on_an_unpinned_seed_raises_no_false_alarm():
     # nothing may freeze, alert or switch a key off (specwatch evaluate runs 20 such seeds)
-    from specwatch.evaluation.suite import Case, run_rollout
+    from specwatch.lab.evaluation.suite import Case, run_rollout
 
     result = run_rollout(Case("admission", None, "rollout under admission", 8.0, seed=102,
                               compare_baselines=False))

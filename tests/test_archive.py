@@ -16,7 +16,7 @@ from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.store import Archive
 from specwatch.schemas import Decision
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceOutput, WindowRow
-from specwatch.simulation.simulator import DEFAULT_CARD
+from specwatch.lab.simulation.simulator import DEFAULT_CARD
 
 from machine import fresh_python, specwatch_ok
 

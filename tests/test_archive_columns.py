@@ -14,9 +14,9 @@ from specwatch.archive.columns import WINDOW_STATS_FIELDS
 from specwatch.archive.rows import window_columns_table, window_rows_table
 from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.store import Archive
-from specwatch.detectors.window import window_columns
+from specwatch.schemas.slice_stats import window_columns
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 
 from telemetry_log import replayed
 

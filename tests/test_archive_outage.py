@@ -17,7 +17,7 @@ import pytest
 from specwatch.archive.store import Archive
 from specwatch.archive.sink import ArchiveSink
 from specwatch.archive.spool import Spool
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
 

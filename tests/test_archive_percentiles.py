@@ -15,10 +15,10 @@ from fastdigest import TDigest
 from specwatch.archive.columns import WINDOW_STATS_FIELDS
 from specwatch.archive.rows import window_columns_table
 from specwatch.archive.store import Archive
-from specwatch.detectors.sketch import LatencySketch, quantiles_of
-from specwatch.detectors.window import window_columns
+from specwatch.schemas.latency_sketch import LatencySketch, quantiles_of
+from specwatch.schemas.slice_stats import window_columns
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 
 from telemetry_log import replayed
 

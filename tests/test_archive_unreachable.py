@@ -19,7 +19,7 @@ from test_archive_outage import _contents, _unwritable
 from specwatch.archive.errors import ArchiveError
 from specwatch.archive.sink import ArchiveSink, spool_dir_for
 from specwatch.archive.store import Archive
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 
 from machine import free_port, specwatch

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from specwatch.bench.broker import broker_data_dir
-from specwatch.bench.kafka_path import run_kafka_bench
-from specwatch.bench.soak import run_soak
+from specwatch.lab.bench.broker import broker_data_dir
+from specwatch.lab.bench.kafka_path import run_kafka_bench
+from specwatch.lab.bench.soak import run_soak
 from specwatch.schemas import StepRecord
 from specwatch.schemas.otlp import encode_records
 

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from specwatch.bench.broker import OwnBroker, forget_broker_data, port_from_env
+from specwatch.lab.bench.broker import OwnBroker, forget_broker_data, port_from_env
 from specwatch.collectors.otel import TelemetryEmitter
 from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.transport.config import KafkaConfig

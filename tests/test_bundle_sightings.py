@@ -14,7 +14,7 @@ import pytest
 
 from specwatch.archive.store import Archive
 from specwatch.archive.sink import ArchiveSink
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 from specwatch.streams.embedded import EmbeddedPipeline
 

@@ -17,7 +17,7 @@ import pytest
 
 from specwatch.schemas import Policy
 from specwatch.schemas.checkpoint import CHECKPOINT_VERSION, Checkpoint, CheckpointError, pack_checkpoint
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.stage_tasks import (
     BundleOwner,
     Stage1Task,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Policy
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.otlp import encode_records

@@ -12,7 +12,7 @@ import pytest
 from specwatch.commands.replay import replay_file
 from specwatch.schemas import Policy
 from specwatch.schemas.codec import encode_record
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
 # baselines learned in 15 s, so that a 54 s file reaches its decisions

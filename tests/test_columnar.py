@@ -14,7 +14,7 @@ from specwatch.schemas import Policy, decode_line
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.sources import Ingest
 from specwatch.streams.combine import Stage1

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from specwatch.evaluation.scoring import decision_alarm, match_incidents
+from specwatch.lab.evaluation.scoring import decision_alarm, match_incidents
 from specwatch.schemas import Decision
 
 
@@ -23,7 +23,7 @@ def test_a_promotion_does_not_count_as_catching_a_canary_incident():
 
 
 def test_giving_speculation_back_is_neither_an_answer_nor_a_false_alarm():
-    from specwatch.evaluation.scoring import stray_alarms
+    from specwatch.lab.evaluation.scoring import stray_alarms
 
     incident = SimpleNamespace(kind="acceptance_drop", bucket="coding", cohort=None, start_ts=100.0,
                                expected_reason="acceptance_drop", bundle_id="b-1", workers=())

@@ -6,7 +6,7 @@ import pytest
 
 from specwatch.detectors.gates import BernoulliCusum, ConsecutiveGate, DropDetector, cusum_threshold
 from specwatch.detectors.monitor import BundleMonitor, KeyMonitor
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas import Policy
 
 

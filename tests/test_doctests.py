@@ -8,14 +8,15 @@ import pytest
 
 import specwatch
 
-_SKIP_PREFIXES = ("specwatch.collectors.vllm",)  # needs vllm importable; covered by its own tests
+# need vllm importable; covered by their own tests
+_SKIP_PREFIXES = ("specwatch.collectors.vllm", "specwatch.engines.vllm", "specwatch.lab.demo")
 
 
 # The architecture folders are mapped into the namespace by the installer, so each
 # is walked on its own (walk_packages does not see mapped subpackages).
 _PACKAGES = ("specwatch", "specwatch.schemas", "specwatch.collectors", "specwatch.detectors",
              "specwatch.actions", "specwatch.streams", "specwatch.archive", "specwatch.transport",
-             "specwatch.gateway", "specwatch.qualify")
+             "specwatch.gateway", "specwatch.qualify", "specwatch.engines", "specwatch.lab")
 
 
 def _modules():

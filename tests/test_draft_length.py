@@ -8,10 +8,10 @@ import pytest
 
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.detectors.draft_length import PositionSurvival, StepCost, curve_from_slices, draft_length_curve
 from specwatch.detectors.monitor import Finding
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas.policy import Policy
 
 from telemetry_log import replayed
@@ -205,7 +205,7 @@ def test_draft_cost_doubles_doubles_draft_time_per_position():
 
 
 def test_advised_d_reaches_95_percent_of_the_best_within_the_target():
-    from specwatch.evaluation.draft_length import CASES, TARGET_SECONDS, run_draft_length
+    from specwatch.lab.evaluation.draft_length import CASES, TARGET_SECONDS, run_draft_length
 
     results = {case.scenario: run_draft_length(case, SEED) for case in CASES}
     assert {name: r["settled_after_s"] for name, r in results.items()} == {

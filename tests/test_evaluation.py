@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from specwatch.evaluation import (LEVELS, AcceptanceKillSwitch, BaselineSettings, Case, PrometheusRatioAlert, calibrate,
+from specwatch.lab.evaluation import (LEVELS, AcceptanceKillSwitch, BaselineSettings, Case, PrometheusRatioAlert, calibrate,
                                   bernoulli_kl, format_report, full_suite, information_bound, plot_sweep, quick_suite,
                                   run_case, run_suite, summarize)
-from specwatch.evaluation.suite import _incident_case, _kv_evidence, _watch_seconds, incident_kind
+from specwatch.lab.evaluation.suite import _incident_case, _kv_evidence, _watch_seconds, incident_kind
 
 from machine import specwatch
 
@@ -244,7 +244,7 @@ def test_a_kv_spike_shorter_than_the_gate_needs_is_not_reached_not_missed():
 
 # -- the overlap suite -------------------------------------------------------------------------
 
-from specwatch.evaluation.overlap import (OverlapRun, format_overlap, overlap_runs, quick_overlap_runs,  # noqa: E402
+from specwatch.lab.evaluation.overlap import (OverlapRun, format_overlap, overlap_runs, quick_overlap_runs,  # noqa: E402
                                           run_overlap, summarize_overlap)
 
 # Each incident of the quick overlap runs: its verdict, its own decision's reason and scope.

@@ -7,7 +7,7 @@ import pytest
 
 from headless import rendered
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.analysis.postmortem import PLOTS
 
 from machine import specwatch

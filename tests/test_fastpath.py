@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Policy, Rejection, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import DECODER, decode_lines_block, request_block

@@ -8,9 +8,9 @@ from collections import defaultdict
 import msgspec
 import pytest
 
-from specwatch.simulation.simulator import Simulator
-from specwatch.detectors.sketch import LatencySketch
-from specwatch.detectors.window import SliceStats
+from specwatch.lab.simulation.simulator import Simulator
+from specwatch.schemas.latency_sketch import LatencySketch
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas import Decision, Policy, Rejection
 from specwatch.schemas.outputs import ActionRecord
 from specwatch.streams.stage_tasks import (

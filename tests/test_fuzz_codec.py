@@ -12,7 +12,7 @@ from functools import lru_cache
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import MAX_LINE_BYTES, Rejection, decode_line, encode_record
 from specwatch.schemas.contract import BundleRecord, RequestRecord, ShadowRecord, StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline

@@ -6,9 +6,9 @@ import msgspec
 
 from specwatch.detectors.baseline import BaselinePool
 from specwatch.detectors.monitor import KeyMonitor
-from specwatch.detectors.window import SliceStats
+from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas import Policy
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
 from telemetry_log import replayed

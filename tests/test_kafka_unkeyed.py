@@ -10,7 +10,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import NewTopic
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 
 from kafka_helpers import PARTITIONS, SEED, TAIL_SECONDS, Feed, create_topics, delete_topics, run_async
 from telemetry_log import decision_key, exporter_batches, replayed

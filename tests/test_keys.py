@@ -3,10 +3,10 @@
 import gc
 import random
 
-from specwatch.bench.keys import step_lines
+from specwatch.lab.bench.keys import step_lines
 from specwatch.detectors.baseline import BaselineLearner, BaselinePool
 from specwatch.detectors.monitor import KeyMonitor
-from specwatch.detectors.window import SliceStats, sample_record
+from specwatch.schemas.slice_stats import SliceStats, sample_record
 from specwatch.schemas import Policy
 from specwatch.schemas.fastdecode import decode_lines_block
 from specwatch.streams.embedded import EmbeddedPipeline

@@ -18,7 +18,7 @@ from specwatch.schemas import fastdecode
 from specwatch.schemas.contract import RoundEntry
 from specwatch.schemas.fastdecode import _log_record_spans, _request_items, _StepRow, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 
 from test_fastpath import as_columns, block_outcomes
 from test_fuzz_otlp import _FUZZ, damaged, odd_bytes

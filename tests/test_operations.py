@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specwatch.actions.sinks.alertmanager import (AlertSender, RollbackPolicy, WebhookLedger, load_rollback_policy,
                                                   read_token_file, read_webhook)
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Decision
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.metrics import ServiceHealth

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from specwatch.collectors.flag_client import FlagClient
 from specwatch.transport.config import KafkaConfig
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
 from kafka_helpers import (INCIDENT_AT, MINUTES, PARTITIONS, SEED, TAIL_SECONDS, WORKERS, bad_records, create_topics,

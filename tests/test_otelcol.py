@@ -73,7 +73,7 @@ _cli = partial(specwatch_ok, timeout=900)
 
 def _replayed(tmp_path: Path, scenario: str) -> tuple[int, float, list[Decision]]:
     """The scenario's records through `specwatch replay`: record count, cutoff, decisions."""
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
 
     records = tmp_path / "telemetry.jsonl"
     _cli("simulate", "--output", str(records), "--scenario", scenario, "--seed", str(SEED), "--workers",

@@ -15,7 +15,7 @@ from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.collectors.otlp_export import (OtlpTelemetryExporter, otlp_log_exporter,
                                               resource_from_env, service_instance_id,
                                               telemetry_exporter_from_env)
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.cli import main
 from specwatch.schemas import encode_record
 from specwatch.schemas.otlp import decode_request

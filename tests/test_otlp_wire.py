@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Rejection, StepRecord
 from specwatch.schemas.fastdecode import (_log_record_spans, _Memo, _step_from_wire, _step_plain, _StepRow,
                                           request_block)

@@ -11,7 +11,7 @@ from functools import lru_cache
 import pytest
 from kafka.partitioner.default import murmur2
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy
 from specwatch.schemas.otlp import encode_records
 from specwatch.streams.stage_tasks import (

@@ -7,7 +7,7 @@ import time
 import pytest
 from aiokafka.errors import KafkaError
 
-from specwatch.bench.broker import OwnBroker, forget_broker_data, port_from_env
+from specwatch.lab.bench.broker import OwnBroker, forget_broker_data, port_from_env
 
 from kafka_helpers import DRAIN_TIMEOUT_S, Pipeline, assert_same_decisions, make_feed
 

@@ -8,7 +8,7 @@ from functools import lru_cache
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Policy
 
 from telemetry_log import replayed

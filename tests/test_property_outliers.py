@@ -10,7 +10,7 @@ from functools import lru_cache
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from specwatch.simulation.simulator import BUCKETS, Simulator
+from specwatch.lab.simulation.simulator import BUCKETS, Simulator
 from specwatch.schemas.contract import RequestRecord, StepRecord
 
 from telemetry_log import replayed

@@ -191,7 +191,7 @@ def test_a_qualification_is_archived_under_its_card_and_bundles_show_prints_it(t
 
 
 def _entered(controller, bundle_id, card):
-    from specwatch.detectors.window import SliceStats
+    from specwatch.schemas.slice_stats import SliceStats
 
     controller.seen(bundle_id, card, 10.0)
     return controller.observe(bundle_id, None, None, SliceStats(), 11.0, speculating=True)

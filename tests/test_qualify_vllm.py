@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from specwatch.cli import main
-from specwatch.collectors.vllm.server import OpenAIServer
-from specwatch.collectors.vllm.tiny_models import build_tiny_models
+from specwatch.engines.vllm.server import OpenAIServer
+from specwatch.lab.demo.tiny_models import build_tiny_models
 
 pytestmark = pytest.mark.vllm
 

@@ -7,7 +7,7 @@ sequential gates must still decide there, and one absurd record must decide noth
 
 import pytest
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import StepRecord
 
 from telemetry_log import replayed

@@ -4,7 +4,7 @@ import pytest
 
 from specwatch.actions.flags import FlagStore
 from specwatch.actions.policy import FallbackPolicy
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.detectors.monitor import Finding
 from specwatch.detectors.recovery import RecoveryEvidence
 from specwatch.schemas import Policy, PolicyError

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from specwatch.schemas import Decision, Policy
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.stage_tasks import decode_partial
 from specwatch.streams.partition_runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
 from specwatch.transport.codec import decode_decision, is_heartbeat_key

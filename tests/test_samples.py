@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 
 from telemetry_log import replayed
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 
 from telemetry_log import replayed
 

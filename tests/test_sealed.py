@@ -244,7 +244,7 @@ def test_explain_page_links_to_the_archived_reproduction(tmp_path):
 
 
 def test_simulator_capture_seals_only_what_it_takes():
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
 
     plain = list(Simulator("healthy", seed=3, minutes=0.3).records())
     capture = SampleCapture(CapturePolicy(enabled=True, rate=0.05), _KEY)

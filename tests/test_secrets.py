@@ -18,7 +18,7 @@ from specwatch.transport.signing import Keyring
 from specwatch.collectors.otel import TelemetryEmitter
 from specwatch.transport.telemetry_exporter import KafkaTelemetryExporter
 from specwatch.transport.config import KafkaConfig
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Decision, Policy, RequestRecord
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
 

@@ -12,7 +12,7 @@ import pytest
 
 from specwatch.actions.flags import FlagStore
 from specwatch.cli import main
-from specwatch.simulation.simulator import (BUCKETS, COHORTS, DEFAULT_CARD, SCENARIOS, Incident, Simulator,
+from specwatch.lab.simulation.simulator import (BUCKETS, COHORTS, DEFAULT_CARD, SCENARIOS, Incident, Simulator,
                                             acceptance_length)
 from specwatch.schemas import (BundleRecord, Decision, RequestRecord, ShadowRecord, StepRecord, bundle_digest,
                                card_differences, decode_line, encode_record)

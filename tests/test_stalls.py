@@ -8,12 +8,12 @@ import pytest
 
 from specwatch.detectors.monitor import KeyMonitor
 from specwatch.detectors.stalls import StalledRequests
-from specwatch.detectors.window import SliceStats, merge_all
+from specwatch.schemas.slice_stats import SliceStats, merge_all
 from specwatch.schemas import Policy, RequestRecord, decode_line
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.sources import Ingest
 from specwatch.streams.running_requests import LOST_AFTER_SECONDS

@@ -10,7 +10,7 @@ import pkgutil
 
 import pytest
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import encode_record
 
 from machine import fresh_python

@@ -9,7 +9,7 @@ import pytest
 
 from headless import rendered
 
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import StepRecord
 
 from machine import specwatch

@@ -22,18 +22,20 @@ _CARD = BundleCard(target=TargetCard(model_id="tiny"), drafter=DrafterCard(mecha
 _BUNDLE = bundle_digest(_CARD)
 
 
-@pytest.mark.parametrize("name", ["bundle", "collector", "taps", "demo", "rerun"])
+@pytest.mark.parametrize("name", ["collectors.vllm.bundle", "collectors.vllm.collector", "collectors.vllm.taps",
+                                  "lab.demo.vllm_demo", "engines.vllm.rerunner"])
 def test_doctests(name):
-    # the shared doctest runner skips this package (it may import vLLM); these modules do not
-    module = importlib.import_module(f"specwatch.collectors.vllm.{name}")
+    # the shared doctest runner skips these packages (they may import vLLM); these modules do not
+    module = importlib.import_module(f"specwatch.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
 
 
 def test_package_imports_without_vllm():
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "import specwatch.collectors.vllm as v, specwatch.collectors.vllm.demo, "
-            "specwatch.collectors.vllm.plugin, specwatch.collectors.vllm.hooks\n"
+            "import specwatch.collectors.vllm as v, specwatch.lab.demo.vllm_demo, specwatch.lab.demo.tiny_models, "
+            "specwatch.collectors.vllm.plugin, specwatch.collectors.vllm.hooks, specwatch.engines.vllm.server, "
+            "specwatch.engines.vllm.rerunner\n"
             "print(sorted(v.__all__)[0])")
     fresh_python(code, timeout=120)
 

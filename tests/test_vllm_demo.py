@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specwatch.collectors.vllm.demo import vllm_demo_policy
+from specwatch.lab.demo.vllm_demo import vllm_demo_policy
 
 from machine import specwatch
 from vllm_scenario import contract_records

@@ -49,8 +49,8 @@ def _noisy_drafter(target: Path, out: Path) -> Path:
 
 def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: D=4, advice from the telemetry, the advised D, results to JSON."""
-    from specwatch.collectors.vllm import build_tiny_models
-    from specwatch.collectors.vllm.local_engine import close_engine
+    from specwatch.lab.demo.tiny_models import build_tiny_models
+    from specwatch.engines.vllm.local_engine import close_engine
     from specwatch.schemas import Decision
     from specwatch.analysis.tuning import tune_report
     from vllm import SamplingParams

@@ -38,8 +38,8 @@ _LATE_ID = "chat:main:late"
 
 def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: copy drafter, random drafter, standard decoding; results to JSON."""
-    from specwatch.collectors.vllm import build_tiny_models
-    from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
+    from specwatch.lab.demo.tiny_models import build_tiny_models
+    from specwatch.engines.vllm.local_engine import close_engine, new_engine, run_to_completion
     from vllm import SamplingParams
 
     models = build_tiny_models()

@@ -33,8 +33,8 @@ _TOGGLE_BLOCK = 4
 
 def _scenario(out_path: Path) -> None:
     """Runs in the subprocess: every engine interaction of this module, results to JSON."""
-    from specwatch.collectors.vllm import build_tiny_models
-    from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
+    from specwatch.lab.demo.tiny_models import build_tiny_models
+    from specwatch.engines.vllm.local_engine import close_engine, new_engine, run_to_completion
     from specwatch.schemas import encode_record
     from vllm import SamplingParams
 

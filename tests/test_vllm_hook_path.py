@@ -1,4 +1,4 @@
-"""The collector's hook path (specwatch/bench/hook_path.py) replayed on recorded step shapes gives
+"""The collector's hook path (lab/bench/hook_path.py) replayed on recorded step shapes gives
 back exactly those steps; stand-in engine objects in a subprocess, no engine is started."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ _SUBPROCESS_TIMEOUT_S = 600
 
 def _replay(out_path: Path) -> None:
     from specwatch.actions.flags import FlagStore
-    from specwatch.bench.hook_path import replay_hook_path
-    from specwatch.collectors.vllm import build_tiny_models
-    from specwatch.collectors.vllm.local_engine import configure_cpu_environment, engine_args
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.bench.hook_path import replay_hook_path
+    from specwatch.lab.demo.tiny_models import build_tiny_models
+    from specwatch.engines.vllm.local_engine import configure_cpu_environment, engine_args
+    from specwatch.lab.simulation.simulator import Simulator
 
     configure_cpu_environment()
     config = engine_args(build_tiny_models().target, NGRAM_SPEC).create_engine_config()

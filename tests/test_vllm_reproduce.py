@@ -42,9 +42,10 @@ def _scenario(out_path: Path) -> None:
     from specwatch.archive.store import Archive
     from specwatch.archive.sink import ArchiveSink
     from specwatch.collectors.capture import SampleCapture
-    from specwatch.collectors.vllm import VllmCollector, build_tiny_models
-    from specwatch.collectors.vllm.demo import vllm_demo_policy
-    from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
+    from specwatch.collectors.vllm import VllmCollector
+    from specwatch.lab.demo.tiny_models import build_tiny_models
+    from specwatch.lab.demo.vllm_demo import vllm_demo_policy
+    from specwatch.engines.vllm.local_engine import close_engine, new_engine, run_to_completion
     from specwatch.schemas import ShadowRecord
     from specwatch.schemas.policy import CapturePolicy
     from specwatch.schemas.sealed import SampleKey

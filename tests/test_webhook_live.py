@@ -18,7 +18,7 @@ import pytest
 
 from specwatch.archive.store import Archive
 from specwatch.collectors.flag_client import FlagClient
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.transport.config import KafkaConfig
 
 from kafka_helpers import SEED, published_decisions, stop_processes

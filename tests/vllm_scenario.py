@@ -86,7 +86,7 @@ def rounds_matching_counters(lines, counters: dict) -> list:
 def measured_run(engine, collector, records: list, requests, on_step=None):
     """`run_to_completion` under ``collector``: the run, and {"records": the JSON lines it added
     to ``records``, "counters": vLLM's speculative decoding counters it gained}."""
-    from specwatch.collectors.vllm.local_engine import run_to_completion, spec_decode_counters
+    from specwatch.engines.vllm.local_engine import run_to_completion, spec_decode_counters
     from specwatch.schemas import encode_record
 
     collector.flush()
@@ -112,7 +112,7 @@ def flagged_collector(worker: str):
 
 def watched_engine(collector, target, spec, **options):
     """A local engine (`new_engine` with ``options``) built under ``collector``; its bundle id."""
-    from specwatch.collectors.vllm.local_engine import new_engine
+    from specwatch.engines.vllm.local_engine import new_engine
 
     with collector.watching():
         engine = new_engine(target, spec, **options)
@@ -146,7 +146,7 @@ def ngram_llm_and_params(max_tokens: int):
     sampling parameters for `PROMPTS` labelled with `BUCKETS` (what `vllm serve` sees)."""
     from vllm import LLM, SamplingParams
 
-    from specwatch.collectors.vllm import build_tiny_models
+    from specwatch.lab.demo.tiny_models import build_tiny_models
 
     models = build_tiny_models()
     llm = LLM(model=str(models.target), dtype="float32", enforce_eager=True, max_model_len=512,

@@ -6,7 +6,6 @@ Importable without vLLM installed; vLLM is imported only when an engine is tappe
 from .bundle import describe_bundle
 from .collector import (BUCKET_ARG, COHORT_ARG, DEFAULT_BUCKET, DEFAULT_COHORT, CollectorStats,
                         VllmCollector, request_labels)
-from .tiny_models import TinyModels, build_tiny_models
 
 __all__ = ["BUCKET_ARG", "COHORT_ARG", "DEFAULT_BUCKET", "DEFAULT_COHORT", "CollectorStats",
-           "TinyModels", "VllmCollector", "build_tiny_models", "describe_bundle", "request_labels"]
+           "VllmCollector", "describe_bundle", "request_labels"]

@@ -3,19 +3,13 @@
 # real headless browser). Idempotent: does nothing when a chromium is already on PATH.
 #   deploy/browser/install.sh        prints the browser's path on stdout
 set -euo pipefail
+source "$(dirname "$0")/../debian_install.sh"
 find_browser() {
   command -v chromium 2>/dev/null || command -v chromium-browser 2>/dev/null || true
 }
 browser=$(find_browser)
 if [ -z "$browser" ]; then
-  if [ "$(id -u)" -ne 0 ]; then
-    sudo=sudo
-  else
-    sudo=
-  fi
-  echo "browser: installing chromium from the Debian archive" >&2
-  $sudo apt-get update -q >&2
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends chromium >&2
+  debian_install browser chromium
   browser=$(find_browser)
 fi
 if [ -z "$browser" ]; then

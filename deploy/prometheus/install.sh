@@ -5,20 +5,13 @@
 # system services are not used: tests start their own servers on free ports.
 #   deploy/prometheus/install.sh     prints the prometheus binary's path on stdout
 set -euo pipefail
+source "$(dirname "$0")/../debian_install.sh"
 have_all() {
   command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 \
     && command -v prometheus-alertmanager >/dev/null 2>&1
 }
 if ! have_all; then
-  if [ "$(id -u)" -ne 0 ]; then
-    sudo=sudo
-  else
-    sudo=
-  fi
-  echo "prometheus: installing prometheus and prometheus-alertmanager from the Debian archive" >&2
-  $sudo apt-get update -q >&2
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends \
-    prometheus prometheus-alertmanager >&2
+  debian_install prometheus prometheus prometheus-alertmanager
 fi
 if ! have_all; then
   echo "prometheus: prometheus, promtool or prometheus-alertmanager is not on PATH after installing them" >&2

@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 from specwatch.actions.flags import FlagStore
 from specwatch.detectors.draft_length import (MECHANISM_COST, DraftLengthCurve, PositionSurvival, StepCost,
                                               draft_length_curve, starting_draft_length, tile_draft_lengths)
-from specwatch.detectors.window import SliceStats, merge_all, round_evidence as _round
+from specwatch.schemas.slice_stats import SliceStats, merge_all, round_evidence as _round
 
 __all__ = ["DEFAULT_WINDOW_SECONDS", "heads_per_kv_head", "qualification_tune_report", "render_html", "render_text",
            "tune_report"]

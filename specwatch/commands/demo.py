@@ -55,8 +55,8 @@ def run_simulated_demo(scenario: str = "demo", seed: int = 7, minutes: float | N
     from specwatch.actions.flags import FlagStore
     from specwatch.collectors.export import CallbackExporter
     from specwatch.collectors.otel import TelemetryEmitter
-    from specwatch.evaluation.scoring import decision_alarm, match_incidents
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.evaluation.scoring import decision_alarm, match_incidents
+    from specwatch.lab.simulation.simulator import Simulator
     from specwatch.streams.embedded import EmbeddedPipeline
 
     flags = FlagStore()
@@ -278,7 +278,7 @@ def _run_vllm(args, outdir: Path, policy, archive_sink=None, dsn: str | None = N
     """The vLLM engine's telemetry through the embedded pipeline; its decisions reach the engine.
     ``policy`` None: the demo's, with minimums scaled to its short run."""
     try:
-        from specwatch.collectors.vllm.demo import run_vllm_demo, vllm_demo_policy
+        from specwatch.lab.demo.vllm_demo import run_vllm_demo, vllm_demo_policy
     except ImportError as error:
         print(f"specwatch demo --engine vllm: the vLLM integration is not available ({error}); "
               "install it with deploy/bootstrap.sh --with-vllm", file=sys.stderr)

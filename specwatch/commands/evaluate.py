@@ -37,9 +37,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from specwatch.evaluation import (calibrate, format_report, full_suite, plot_sweep, quick_suite, run_suite,
+    from specwatch.lab.evaluation import (calibrate, format_report, full_suite, plot_sweep, quick_suite, run_suite,
                                       summarize)
-    from specwatch.evaluation.draft_length import CASES, format_draft_length
+    from specwatch.lab.evaluation.draft_length import CASES, format_draft_length
 
     policy = load_policy(args.policy)
     check_output(args.plot, args)
@@ -79,7 +79,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(summary, sort_keys=True, allow_nan=False, default=str))
     else:
-        from specwatch.evaluation.overlap import format_overlap
+        from specwatch.lab.evaluation.overlap import format_overlap
 
         print(format_report(summary))
         print(format_draft_length(summary["draft_length"]))
@@ -89,8 +89,8 @@ def run(args) -> int:
 
 
 def _overlap_summary(args, policy) -> dict:
-    """The overlap suite (`specwatch.evaluation.overlap`): its runs, each incident alone, summarized."""
-    from specwatch.evaluation.overlap import overlap_runs, quick_overlap_runs, run_overlap_suite, summarize_overlap
+    """The overlap suite (`specwatch.lab.evaluation.overlap`): its runs, each incident alone, summarized."""
+    from specwatch.lab.evaluation.overlap import overlap_runs, quick_overlap_runs, run_overlap_suite, summarize_overlap
 
     runs = quick_overlap_runs() if args.quick else overlap_runs(args.overlap_runs)
     done = itertools.count(1)
@@ -104,7 +104,7 @@ def _overlap_summary(args, policy) -> dict:
 
 
 def _run_overlap(args, policy) -> int:
-    from specwatch.evaluation.overlap import format_overlap
+    from specwatch.lab.evaluation.overlap import format_overlap
 
     started = time.monotonic()
     summary = _overlap_summary(args, policy)

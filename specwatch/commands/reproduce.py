@@ -52,7 +52,7 @@ def run(args) -> int:
 
     def rerunner_for(card):
         try:
-            from specwatch.collectors.vllm.rerun import VllmRerunner, speculative_config_for
+            from specwatch.engines.vllm.rerunner import VllmRerunner, speculative_config_for
         except ImportError as error:
             raise ReproduceError(f"the vLLM integration is not available ({error}); install it with "
                                  "deploy/bootstrap.sh --with-vllm", 2) from None
@@ -81,7 +81,7 @@ def _check_engine(engine: str) -> None:
     try:
         import vllm  # noqa: F401  (slow, and needed for the re-runs anyway)
 
-        from specwatch.collectors.vllm.rerun import VllmRerunner  # noqa: F401
+        from specwatch.engines.vllm.rerunner import VllmRerunner  # noqa: F401
     except Exception as error:  # a broken install raises more than ImportError
         raise CommandError(f"the {engine} engine is not available ({type(error).__name__}: {error}); install it "
                            "with deploy/bootstrap.sh --with-vllm; no sample was opened") from None

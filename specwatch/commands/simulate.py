@@ -94,7 +94,7 @@ def summary_line(simulator, counts: Counter, destination: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        from specwatch.simulation.simulator import SCENARIOS
+        from specwatch.lab.simulation.simulator import SCENARIOS
 
         width = max(len(name) for name in SCENARIOS)
         for name, description in SCENARIOS.items():
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                            "(or --list)")
     if args.rate < 0:
         raise CommandError(f"error: --rate must be >= 0, got {args.rate}")
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
 
     try:
         simulator = Simulator(args.scenario, seed=args.seed, minutes=args.minutes,

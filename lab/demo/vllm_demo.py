@@ -83,13 +83,13 @@ def run_vllm_demo(json_output: bool, workdir: Path,
     a new FlagStore); None: nothing decides. ``finish`` returns the decisions of the windows
     still open once the engines are closed.
     """
-    from .local_engine import (close_engine, configure_cpu_environment, new_engine,
-                               quiet_vllm_logging, run_to_completion, spec_decode_counters)
+    from specwatch.engines.vllm.local_engine import (close_engine, configure_cpu_environment, new_engine,
+                                                     quiet_vllm_logging, run_to_completion, spec_decode_counters)
 
     quiet_vllm_logging()
     from specwatch.actions.flags import FlagStore
 
-    from .collector import VllmCollector
+    from specwatch.collectors.vllm.collector import VllmCollector
     from .tiny_models import build_tiny_models
 
     configure_cpu_environment()
@@ -365,7 +365,7 @@ def _disables(phase: dict) -> list[dict]:
 
 def _estimated_speedup(steps: list) -> float:
     """The speedup gate's estimate over the steps that drafted (the detectors' formula)."""
-    from specwatch.detectors.window import SliceStats
+    from specwatch.schemas.slice_stats import SliceStats
 
     stats = SliceStats()
     for step in steps:

@@ -16,7 +16,7 @@ import numpy as np
 
 from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows, WindowColumns
 
-from .sketch import LatencySketch, quantiles_of
+from .latency_sketch import LatencySketch, quantiles_of
 
 __all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "ratios", "round_evidence",
            "sample_order", "sample_record", "speedup_leaving_out", "window_columns"]

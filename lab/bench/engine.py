@@ -39,7 +39,7 @@ def run_engine_bench(quick: bool = False, smoke: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "engine.json"
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        done = subprocess.run([sys.executable, "-m", "specwatch.bench.engine", str(out), str(rounds)],
+        done = subprocess.run([sys.executable, "-m", "specwatch.lab.bench.engine", str(out), str(rounds)],
                               capture_output=True, text=True, timeout=_TIMEOUT_S, env=env)
         if done.returncode != 0:
             return {"error": f"the engine run failed (exit {done.returncode}): {done.stderr[-2000:]}"}
@@ -51,13 +51,14 @@ def _measure(out_path: Path, rounds: int) -> None:
     from vllm import SamplingParams
 
     from specwatch.actions.flags import FlagStore
-    from specwatch.bench import percentile, timed
-    from specwatch.bench.hook_path import RecordList, replay_hook_path
+    from specwatch.lab.bench import percentile, timed
+    from specwatch.lab.bench.hook_path import RecordList, replay_hook_path
     from specwatch.collectors.capture import SampleCapture
-    from specwatch.collectors.vllm import VllmCollector, build_tiny_models
+    from specwatch.collectors.vllm import VllmCollector
+    from specwatch.lab.demo.tiny_models import build_tiny_models
     from specwatch.schemas.policy import CapturePolicy
     from specwatch.schemas.sealed import SampleKey, Sealer
-    from specwatch.collectors.vllm.local_engine import close_engine, new_engine, run_to_completion
+    from specwatch.engines.vllm.local_engine import close_engine, new_engine, run_to_completion
 
     models = build_tiny_models()
     # sealed capture on, at the policy's default rate (the emitter thread seals; the step does not wait)

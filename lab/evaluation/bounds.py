@@ -7,7 +7,7 @@ import itertools
 import math
 from typing import Sequence
 
-from specwatch.simulation import engine_model as sim
+from specwatch.lab.simulation import engine_model as sim
 
 __all__ = ["bernoulli_kl", "information_bound", "BOUND_KINDS"]
 
@@ -17,7 +17,7 @@ __all__ = ["bernoulli_kl", "information_bound", "BOUND_KINDS"]
 BOUND_KINDS = ("error_burst", "latency_tail", "acceptance_drop")
 # The tail scenario slows this share of its cohort's requests; each of them passes the
 # latency limit (2x the baseline p99 of TPOT) at every intensity the suite runs (>= 3).
-_TAIL_SHARE = sim._LATENCY_TAIL_FRACTION
+_TAIL_SHARE = sim.LATENCY_TAIL_FRACTION
 # The share of requests past the limit in healthy traffic a test can assume at best.
 _HEALTHY_TAIL_SHARE = 0.005
 
@@ -68,21 +68,21 @@ def _tail_seconds(threshold: float, requests_per_second: float, intensity: float
 
 
 def _round_pmf(position_acceptance: float, draft_length: int, decay: float) -> list[float]:
-    cdf = sim._accepted_cdf(position_acceptance, draft_length, decay)
+    cdf = sim.accepted_cdf(position_acceptance, draft_length, decay)
     return [max(0.0, b - a) for a, b in itertools.pairwise([0.0, *cdf, 1.0])]
 
 
 def _acceptance_kl(bucket: str, drop: float, draft_length: int = 4) -> float:
     """KL per round between the bucket's accepted-count distributions after and before the drop."""
     profile = next(b for b in sim.BUCKETS if b.name == bucket)
-    scale = sim._scale_for_acceptance_length(profile, draft_length, 1.0 - drop)
+    scale = sim.scale_for_acceptance_length(profile, draft_length, 1.0 - drop)
     total = 0.0
-    for level in sim._DIFFICULTY_LEVELS:  # requests are spread evenly over difficulty levels
+    for level in sim.DIFFICULTY_LEVELS:  # requests are spread evenly over difficulty levels
         p = min(0.99, profile.position_acceptance * level)
         before = _round_pmf(p, draft_length, profile.acceptance_decay)
         after = _round_pmf(min(0.99, p * scale), draft_length, profile.acceptance_decay)
         total += sum(a * math.log(a / b) for a, b in zip(after, before) if a > 0 and b > 0)
-    return total / len(sim._DIFFICULTY_LEVELS)
+    return total / len(sim.DIFFICULTY_LEVELS)
 
 
 def within_request_correlation(bucket: str, draft_length: int = 4) -> float:
@@ -94,7 +94,7 @@ def within_request_correlation(bucket: str, draft_length: int = 4) -> float:
     """
     profile = next(b for b in sim.BUCKETS if b.name == bucket)
     means, variances = [], []
-    for level in sim._DIFFICULTY_LEVELS:
+    for level in sim.DIFFICULTY_LEVELS:
         pmf = _round_pmf(min(0.99, profile.position_acceptance * level), draft_length, profile.acceptance_decay)
         mean = sum(k * p for k, p in enumerate(pmf))
         means.append(mean)
@@ -122,7 +122,7 @@ def information_bound(kind: str, intensity: float | None, observations_per_secon
     if kind not in BOUND_KINDS or intensity is None or observations_per_second <= 0:
         return None
     if kind == "error_burst":
-        p0 = sim._ERROR_RATE + sim._TIMEOUT_RATE
+        p0 = sim.ERROR_RATE + sim.TIMEOUT_RATE
         kl = bernoulli_kl(min(0.99, p0 * intensity), p0)
     elif kind == "latency_tail":
         p0 = _HEALTHY_TAIL_SHARE

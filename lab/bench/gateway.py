@@ -26,9 +26,9 @@ def run_gateway_bench(quick: bool = False, smoke: bool = False) -> dict:
     """p50 and p99 of e2e and TTFT, through the gateway and direct; ``skipped`` without vLLM."""
     if importlib.util.find_spec("vllm") is None:
         return {"skipped": "vLLM is not installed (deploy/bootstrap.sh --with-vllm)"}
-    from specwatch.bench import percentile
-    from specwatch.collectors.vllm.server import OpenAIServer, free_loopback_port
-    from specwatch.collectors.vllm.tiny_models import build_tiny_models
+    from specwatch.lab.bench import percentile
+    from specwatch.engines.vllm.server import OpenAIServer, free_loopback_port
+    from specwatch.lab.demo.tiny_models import build_tiny_models
 
     n = _REQUESTS["smoke" if smoke else ("quick" if quick else "full")]
     models = build_tiny_models()
@@ -66,7 +66,7 @@ def _alternate(urls: dict[str, str], model: str, n: int) -> dict[str, tuple[list
     """``n`` streamed requests per side, sides alternating (reversed every other turn) so load falls alike."""
     import httpx
 
-    from specwatch.bench import alternated
+    from specwatch.lab.bench import alternated
 
     with httpx.Client(timeout=120.0) as client:
         def one(url: str, i: int) -> tuple[float, float]:

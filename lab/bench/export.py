@@ -9,7 +9,7 @@ import uuid
 from collections import deque
 from typing import Any
 
-from specwatch.bench import timed
+from specwatch.lab.bench import timed
 
 __all__ = ["run_export_bench"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specwatch.simulation.engine_model import _KV_CAPACITY_TOKENS
-from specwatch.simulation.simulator import DEFAULT_CARD, Simulator, true_speedup
+from specwatch.lab.simulation.engine_model import KV_CAPACITY_TOKENS
+from specwatch.lab.simulation.simulator import DEFAULT_CARD, Simulator, true_speedup
 from specwatch.schemas import StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.analysis.tuning import tune_report
@@ -60,7 +60,7 @@ def run_draft_length(case: DraftLengthCase, seed: int = 11) -> dict:
     for record in sim.records():
         if isinstance(record, StepRecord):
             steps.append((record.ts, len(record.requests), sum(1 for e in record.requests if e.drafted),
-                          record.kv_usage * _KV_CAPACITY_TOKENS))
+                          record.kv_usage * KV_CAPACITY_TOKENS))
         pipeline.feed(record)
     pipeline.finish()
     card = DEFAULT_CARD.model_dump(mode="json")

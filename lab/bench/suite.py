@@ -20,15 +20,15 @@ from typing import Any
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from specwatch.bench import SECTIONS, alternated, timed
-from specwatch.bench.archive_path import run_archive_bench
-from specwatch.bench.broker import OwnBroker
-from specwatch.bench.engine import run_engine_bench
-from specwatch.bench.export import run_export_bench
-from specwatch.bench.gateway import run_gateway_bench
-from specwatch.bench.keys import (bench_keys, closed_batches, fed_pipeline, line_blocks,
+from specwatch.lab.bench import SECTIONS, alternated, timed
+from specwatch.lab.bench.archive_path import run_archive_bench
+from specwatch.lab.bench.broker import OwnBroker
+from specwatch.lab.bench.engine import run_engine_bench
+from specwatch.lab.bench.export import run_export_bench
+from specwatch.lab.bench.gateway import run_gateway_bench
+from specwatch.lab.bench.keys import (bench_keys, closed_batches, fed_pipeline, line_blocks,
                                   stage2_outputs, step_lines)
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import DECODER, decode_lines_block, request_block
@@ -344,7 +344,7 @@ def bench_export(bootstrap: str | None, quick: bool, smoke: bool) -> dict:
 
 def bench_archive(quick: bool, smoke: bool) -> dict:
     """Window-stats rows/s into chDB: the sink beside the row path it replaced, the writer
-    alone, each insert transport and one INSERT per row (`specwatch.bench.archive_path`)."""
+    alone, each insert transport and one INSERT per row (`specwatch.lab.bench.archive_path`)."""
     pipeline = EmbeddedPipeline()
     template: list = []
     pipeline.sinks.append(lambda out: template.append(out.windows))
@@ -490,8 +490,8 @@ def bench_metrics(quick: bool, smoke: bool) -> dict:
 
 
 def bench_kafka(bootstrap: str, quick: bool, smoke: bool) -> dict:
-    from specwatch.bench.kafka_clients import run_client_bench
-    from specwatch.bench.kafka_path import run_kafka_bench
+    from specwatch.lab.bench.kafka_clients import run_client_bench
+    from specwatch.lab.bench.kafka_path import run_kafka_bench
 
     seconds = 20 if quick else 60
     # Capacity first (one worker, two, two with one message per fetch as the runner once
@@ -721,7 +721,7 @@ def plot_report(report: dict, path: str | os.PathLike) -> None:
     """Rounds/s per core of the batch, reference and per-round paths, and growth with keys, as a
     PNG; a keys section's picture goes beside it: ``benchmarks.png`` -> ``benchmarks-keys.png``."""
     if isinstance(report.get("keys"), dict) and "curve" in report["keys"]:
-        from specwatch.bench.keys import plot_keys
+        from specwatch.lab.bench.keys import plot_keys
 
         plot_keys(report["keys"], keys_picture(path))
     if not (isinstance(report.get("stream"), list) and isinstance(report.get("growth"), list)):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
-from specwatch.bench import alternated, timed
+from specwatch.lab.bench import alternated, timed
 from specwatch.schemas import Policy
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import decode_lines_block
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.gc_policy import STREAM_THRESHOLDS
 from specwatch.streams.combine import Stage1

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from specwatch.bench.kafka_path import admin_call, create_topics
+from specwatch.lab.bench.kafka_path import admin_call, create_topics
 
 __all__ = ["run_client_bench"]
 
@@ -23,7 +23,7 @@ _REPEATS = 3
 def _telemetry(smoke: bool) -> tuple[list[tuple[bytes, bytes]], int]:
     """OTLP telemetry messages keyed by engine worker, and the rounds they hold."""
     from specwatch.schemas.otlp import encode_entries, log_entry
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
 
     sim = Simulator("demo", seed=17, minutes=0.5 if smoke else 2.0, workers=4, concurrency=16, incident_at=20.0)
     records = list(sim.records())

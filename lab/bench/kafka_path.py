@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 
-from specwatch.bench import percentile, timed
+from specwatch.lab.bench import percentile, timed
 
 __all__ = ["admin_call", "create_topics", "run_kafka_bench"]
 
@@ -104,7 +104,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     from specwatch.transport.clients import FROM_EARLIEST, kafka_consumer, kafka_producer
     from specwatch.transport.codec import HEARTBEAT_KEY_PREFIX
     from specwatch.transport.config import KafkaConfig
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
     from specwatch.schemas import Decision
     from specwatch.streams.embedded import EmbeddedPipeline
 

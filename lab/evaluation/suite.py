@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
-from specwatch.simulation.simulator import BUCKETS, Simulator
+from specwatch.lab.simulation.simulator import BUCKETS, Simulator
 from specwatch.schemas import Policy, RequestRecord, ShadowRecord, StepRecord
 from specwatch.streams.embedded import EmbeddedPipeline
 

@@ -14,20 +14,20 @@ import numpy as np
 from specwatch.schemas import (BundleCard, BundleRecord, RequestRecord, RoundEntry, Sample, Sampling, ShadowRecord,
                                StepRecord, TelemetryRecord, bundle_digest)
 from specwatch.schemas.sealed import token_digest
-from specwatch.simulation.engine_model import (
-    _ABORT_RATE, _BASELINE, _BUCKET_INDEX, _CANARY_SHADOW_FRACTION, _COHORT_INDEX, _COHORT_SHARES,
-    _CUMULATIVE_COHORT_SHARES, _DIFFICULTY_LEVELS, _DIURNAL_AMPLITUDE, _ERROR_RATE, _ERROR_TEXTS,
-    _FAILURE_CHECK_SHARE, _KV_ADMISSION_WATERMARK, _KV_CAPACITY_TOKENS, _KV_SURGE_WATERMARK, _LATENCY_TAIL_FRACTION,
-    _LOAD_WOBBLE, _LOAD_WOBBLE_PERIOD_SECONDS, _MAIN, _PREFILL_BASE_MS, _PREFILL_MS_PER_TOKEN, _QUEUE_MEAN_MS,
-    _SCHEDULE_GAP_MS, _SHADOW_CHECK, _SHADOW_DELAY_SECONDS, _SHADOW_FRACTION, _TIMEOUT_RATE, _TIMEOUT_TEXT,
-    _TIMING_JITTER, _VERIFY_MS_PER_KV_KTOKEN, _WORKER_LOAD_SPREAD, BUCKETS, COHORTS, DEFAULT_CARD, _accepted_cdf,
-    _scale_for_acceptance_length, step_timing)
-from specwatch.simulation.scenarios import _SHIFTED_WEIGHTS, _Plan, _changed_card
+from specwatch.lab.simulation.engine_model import (
+    ABORT_RATE, BASELINE, BUCKET_INDEX, CANARY_SHADOW_FRACTION, COHORT_INDEX, COHORT_SHARES,
+    CUMULATIVE_COHORT_SHARES, DIFFICULTY_LEVELS, DIURNAL_AMPLITUDE, ERROR_RATE, ERROR_TEXTS,
+    FAILURE_CHECK_SHARE, KV_ADMISSION_WATERMARK, KV_CAPACITY_TOKENS, KV_SURGE_WATERMARK, LATENCY_TAIL_FRACTION,
+    LOAD_WOBBLE, LOAD_WOBBLE_PERIOD_SECONDS, MAIN, PREFILL_BASE_MS, PREFILL_MS_PER_TOKEN, QUEUE_MEAN_MS,
+    SCHEDULE_GAP_MS, SHADOW_CHECK, SHADOW_DELAY_SECONDS, SHADOW_FRACTION, TIMEOUT_RATE, TIMEOUT_TEXT,
+    TIMING_JITTER, VERIFY_MS_PER_KV_KTOKEN, WORKER_LOAD_SPREAD, BUCKETS, COHORTS, DEFAULT_CARD, accepted_cdf,
+    scale_for_acceptance_length, step_timing)
+from specwatch.lab.simulation.scenarios import SHIFTED_WEIGHTS, IncidentPlan, changed_card
 
 if TYPE_CHECKING:
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
 
-__all__: list[str] = []
+__all__ = ["SimulatedWorker", "worker_name"]
 
 # Token ids of captured requests are drawn from a vocabulary of this size.
 _CAPTURE_VOCAB = 32_000
@@ -39,7 +39,7 @@ _WARMUP_SECONDS = 20.0  # runs before t=0 unrecorded, so the first records are s
 _HEARTBEAT_SECONDS = 60.0
 
 
-def _worker_name(index: int) -> str:
+def worker_name(index: int) -> str:
     return f"w{index + 1}"
 
 
@@ -101,14 +101,14 @@ _REQUEST_DRAW_BATCH = 64
 _REQUEST_UNIFORMS = 11
 
 
-class _Worker:
+class SimulatedWorker:
     """One engine worker: a continuous batch of requests stepped in event time, drawn in vectorized
     blocks over a slot table, so that Python code runs per step record, never per token."""
 
     def __init__(self, index: int, sim: "Simulator", rng: np.random.Generator,
-                 schedule: list[tuple[float, _Plan]], emit_later: Callable[[float, int, list], None]) -> None:
+                 schedule: list[tuple[float, IncidentPlan]], emit_later: Callable[[float, int, list], None]) -> None:
         self.index = index
-        self.name = _worker_name(index)
+        self.name = worker_name(index)
         self.sim = sim
         self.rng = rng
         self.schedule = schedule
@@ -120,7 +120,7 @@ class _Worker:
         self.conditions = _Conditions(acceptance_factor=[1.0] * len(BUCKETS))
         self.thresholds = self._acceptance_table()
         self.step_numbers = np.arange(1, _BLOCK_STEPS + 1, dtype=np.int64)[:, None]
-        self.load = 1.0 + _WORKER_LOAD_SPREAD * (2.0 * rng.random() - 1.0)
+        self.load = 1.0 + WORKER_LOAD_SPREAD * (2.0 * rng.random() - 1.0)
         self.wobble_phase = 2.0 * math.pi * rng.random()
         self.next_request = 0
         self.seq = 0
@@ -140,21 +140,21 @@ class _Worker:
         """Accepted-run thresholds of every (bucket, difficulty) row, row r shifted into [r, r+1)."""
         rows = []
         for b, profile in enumerate(BUCKETS):
-            scale = _scale_for_acceptance_length(profile, self.draft_length, self.conditions.acceptance_factor[b])
+            scale = scale_for_acceptance_length(profile, self.draft_length, self.conditions.acceptance_factor[b])
             late = self.conditions.late_acceptance.get(b, 1.0)
-            for level in _DIFFICULTY_LEVELS:
+            for level in DIFFICULTY_LEVELS:
                 p = min(0.99, profile.position_acceptance * level * scale)
-                rows.append(_accepted_cdf(p, self.draft_length, profile.acceptance_decay, late))
+                rows.append(accepted_cdf(p, self.draft_length, profile.acceptance_decay, late))
         table = np.array(rows, dtype=np.float64)
         return (table + np.arange(len(rows), dtype=np.float64)[:, None]).ravel()
 
     # -- load and mix -------------------------------------------------------------------------
     def _concurrency(self, t: float) -> int:
-        load = self.load * (1.0 + _LOAD_WOBBLE * math.sin(2 * math.pi * t / _LOAD_WOBBLE_PERIOD_SECONDS
+        load = self.load * (1.0 + LOAD_WOBBLE * math.sin(2 * math.pi * t / LOAD_WOBBLE_PERIOD_SECONDS
                                                             + self.wobble_phase))
         if self.sim._scenario.diurnal:
             # One day compressed into the run, starting at the night-time trough.
-            load *= 1.0 - _DIURNAL_AMPLITUDE * math.cos(2 * math.pi * t / self.sim.duration)
+            load *= 1.0 - DIURNAL_AMPLITUDE * math.cos(2 * math.pi * t / self.sim.duration)
         return max(1, int(self.sim.concurrency * load + 0.5))
 
     def _cumulative_weights(self, t: float) -> list[float]:
@@ -165,10 +165,10 @@ class _Worker:
         weights = [self.sim._scenario.bucket_weights.get(b.name, b.weight) for b in BUCKETS]
         if shifting:
             progress = min(1.0, max(0.0, (t - 60.0) / max(1.0, self.sim.duration - 60.0)))
-            weights = [w + progress * (_SHIFTED_WEIGHTS[b.name] - w) for w, b in zip(weights, BUCKETS)]
+            weights = [w + progress * (SHIFTED_WEIGHTS[b.name] - w) for w, b in zip(weights, BUCKETS)]
         share = self.conditions.surge_share
         if share is not None:
-            lc = _BUCKET_INDEX["long_context"]
+            lc = BUCKET_INDEX["long_context"]
             rest = sum(w for i, w in enumerate(weights) if i != lc)
             weights = [share if i == lc else w * (1.0 - share) / rest for i, w in enumerate(weights)]
         total = sum(weights)
@@ -192,11 +192,11 @@ class _Worker:
         req.id = f"{self.name}-{self.next_request:07d}"
         self.next_request += 1
         req.bucket = b = bisect.bisect_right(self._cumulative_weights(t), u[0])
-        req.cohort, req.shadow_fraction = self._route(u[1], bisect.bisect_right(_CUMULATIVE_COHORT_SHARES, u[1]))
-        req.level = min(len(_DIFFICULTY_LEVELS) - 1, int(u[2] * len(_DIFFICULTY_LEVELS)))
+        req.cohort, req.shadow_fraction = self._route(u[1], bisect.bisect_right(CUMULATIVE_COHORT_SHARES, u[1]))
+        req.level = min(len(DIFFICULTY_LEVELS) - 1, int(u[2] * len(DIFFICULTY_LEVELS)))
         profile = BUCKETS[b]
         prompt = profile.prompt_median * math.exp(profile.prompt_sigma * z0)
-        if self.conditions.surge_share is not None and b == _BUCKET_INDEX["long_context"]:
+        if self.conditions.surge_share is not None and b == BUCKET_INDEX["long_context"]:
             prompt *= 1.5  # the surge brings longer documents, not just more of them
         prompt *= self.conditions.prompt_factor.get(b, 1.0)
         req.prompt_tokens = int(min(120_000, max(16, prompt)))
@@ -206,13 +206,13 @@ class _Worker:
         # Failures and aborts strike at a random point of the output; whether one does is
         # decided when the request gets there, so rate changes apply from their start time.
         req.fail_u = u[3]
-        req.fail_remaining = int((req.output_tokens - 1) * u[4]) if u[3] < _FAILURE_CHECK_SHARE else 0
+        req.fail_remaining = int((req.output_tokens - 1) * u[4]) if u[3] < FAILURE_CHECK_SHARE else 0
         req.tail_u = u[5]
         req.shadow_u = u[6]
-        req.shadow_delay = _SHADOW_DELAY_SECONDS[0] + (_SHADOW_DELAY_SECONDS[1] - _SHADOW_DELAY_SECONDS[0]) * u[7]
+        req.shadow_delay = SHADOW_DELAY_SECONDS[0] + (SHADOW_DELAY_SECONDS[1] - SHADOW_DELAY_SECONDS[0]) * u[7]
         req.error_text_u = u[8]
-        queue_ms = -_QUEUE_MEAN_MS * math.log(1.0 - u[9])
-        req.ttft_ms = _PREFILL_BASE_MS + _PREFILL_MS_PER_TOKEN * req.prompt_tokens * (0.95 + 0.1 * u[2]) + queue_ms
+        queue_ms = -QUEUE_MEAN_MS * math.log(1.0 - u[9])
+        req.ttft_ms = PREFILL_BASE_MS + PREFILL_MS_PER_TOKEN * req.prompt_tokens * (0.95 + 0.1 * u[2]) + queue_ms
         req.arrival = t - req.ttft_ms / 1000.0
         req.sampling = Sampling(temperature=profile.temperature, top_p=profile.top_p,
                                 seed=int(u[10] * 2**31), max_tokens=profile.max_tokens)
@@ -228,21 +228,21 @@ class _Worker:
         share of such requests whose output is shadow-checked (all mirrored ones, more canary)."""
         flags = self.sim.flags
         stage_of = getattr(flags, "admission", None)
-        if stage_of is None or cohort == _BASELINE:
-            return cohort, _SHADOW_FRACTION
+        if stage_of is None or cohort == BASELINE:
+            return cohort, SHADOW_FRACTION
         state = stage_of(self.bundle_id)
-        if state is None or state.stage not in ("shadow", "canary") or state.cohort not in _COHORT_INDEX:
-            return cohort, _SHADOW_FRACTION
-        if u >= state.cohort_share * (1.0 - _COHORT_SHARES[_BASELINE]):
-            return _MAIN, _SHADOW_FRACTION
-        return _COHORT_INDEX[state.cohort], 1.0 if state.stage == "shadow" else _CANARY_SHADOW_FRACTION
+        if state is None or state.stage not in ("shadow", "canary") or state.cohort not in COHORT_INDEX:
+            return cohort, SHADOW_FRACTION
+        if u >= state.cohort_share * (1.0 - COHORT_SHARES[BASELINE]):
+            return MAIN, SHADOW_FRACTION
+        return COHORT_INDEX[state.cohort], 1.0 if state.stage == "shadow" else CANARY_SHADOW_FRACTION
 
     def _admit(self, t: float, emitting: bool) -> None:
         target = self._concurrency(t)
         if len(self.batch) >= target:
             return
-        watermark = _KV_SURGE_WATERMARK if self.conditions.surge_share is not None else _KV_ADMISSION_WATERMARK
-        limit = int(watermark * _KV_CAPACITY_TOKENS)
+        watermark = KV_SURGE_WATERMARK if self.conditions.surge_share is not None else KV_ADMISSION_WATERMARK
+        limit = int(watermark * KV_CAPACITY_TOKENS)
         admitted: list[_Request] = []
         kv_total = self.kv_total
         while len(self.batch) + len(admitted) < target:
@@ -264,11 +264,11 @@ class _Worker:
             self._append(admitted)
 
     def _append(self, admitted: list[_Request]) -> None:
-        levels, cohorts, d = len(_DIFFICULTY_LEVELS), len(COHORTS), self.draft_length
+        levels, cohorts, d = len(DIFFICULTY_LEVELS), len(COHORTS), self.draft_length
         rows = []
         for r in admitted:
             row = r.bucket * levels + r.level
-            allowed = 0 if r.cohort == _BASELINE else d
+            allowed = 0 if r.cohort == BASELINE else d
             rows.append((row, row * d, r.bucket * cohorts + r.cohort, allowed, r.remaining,
                          r.fail_remaining, r.kv_tokens))
             if self.sim.flags is None:
@@ -286,10 +286,10 @@ class _Worker:
         self.kv_total -= kv_tokens
 
     # -- incidents ----------------------------------------------------------------------------
-    def _begin(self, plan: _Plan, intensity: float) -> BundleCard | None:
+    def _begin(self, plan: IncidentPlan, intensity: float) -> BundleCard | None:
         """Apply one incident to this worker; returns the new card when the card changed."""
         c = self.conditions
-        bucket = _BUCKET_INDEX[plan.bucket] if plan.bucket else None
+        bucket = BUCKET_INDEX[plan.bucket] if plan.bucket else None
         cohort = COHORTS.index(plan.cohort) if plan.cohort else None
         if plan.kind == "acceptance_drop":
             c.acceptance_factor[bucket] = 1.0 - intensity
@@ -297,9 +297,9 @@ class _Worker:
         elif plan.kind == "target_update":
             c.acceptance_factor = [1.0 - intensity] * len(BUCKETS)
             self.thresholds = self._acceptance_table()
-            return _changed_card(self.card, plan.kind)
+            return changed_card(self.card, plan.kind)
         elif plan.kind == "bundle_change":
-            return _changed_card(self.card, plan.kind)
+            return changed_card(self.card, plan.kind)
         elif plan.kind in ("draft_regression", "draft_cost_doubles"):
             c.draft_factor = intensity
         elif plan.kind == "late_acceptance_decay":
@@ -329,7 +329,7 @@ class _Worker:
         table = np.zeros(len(BUCKETS) * cohorts, dtype=np.int64)
         for b, profile in enumerate(BUCKETS):
             for c, cohort in enumerate(COHORTS):
-                if c == _BASELINE:
+                if c == BASELINE:
                     continue
                 state = flags.lookup(self.bundle_id, profile.name, cohort)
                 if state.enabled:
@@ -381,13 +381,13 @@ class _Worker:
         end = t
         ran = 0
         for k in range(steps):
-            if k and (end >= horizon or kv_after[k - 1] > _KV_CAPACITY_TOKENS):
+            if k and (end >= horizon or kv_after[k - 1] > KV_CAPACITY_TOKENS):
                 break
             j_draft, j_verify, j_gap = jitter[k]
-            draft = draft_ms * (1.0 + _TIMING_JITTER * (j_draft - 0.5))
-            verify = (verify_fixed + _VERIFY_MS_PER_KV_KTOKEN / 1000.0 * kv_after[k]) * (
-                1.0 + _TIMING_JITTER * (j_verify - 0.5))
-            end += (draft + verify + _SCHEDULE_GAP_MS * (1.0 + j_gap)) / 1000.0
+            draft = draft_ms * (1.0 + TIMING_JITTER * (j_draft - 0.5))
+            verify = (verify_fixed + VERIFY_MS_PER_KV_KTOKEN / 1000.0 * kv_after[k]) * (
+                1.0 + TIMING_JITTER * (j_verify - 0.5))
+            end += (draft + verify + SCHEDULE_GAP_MS * (1.0 + j_gap)) / 1000.0
             ran += 1
             if emitting:
                 seq += 1
@@ -396,7 +396,7 @@ class _Worker:
                            for req, cache, code in zip(batch, caches, codes[k])]
                 if self.stalled:
                     entries += [entry for until, entry in self.stalled if ts < until]
-                usage = kv_after[k] / _KV_CAPACITY_TOKENS
+                usage = kv_after[k] / KV_CAPACITY_TOKENS
                 out.append((ts, [_trusted_step({
                     "v": 1, "ts": ts, "kind": "step", "worker": name, "seq": seq, "bundle_id": bundle_id,
                     "draft_ms": round(draft, 3), "verify_ms": round(verify, 3),
@@ -415,7 +415,7 @@ class _Worker:
             # left, i.e. it marks exactly the slots now at their end or failure point
             due = np.flatnonzero(attention[attention_step]).tolist()
             self._settle(due, end, out[-1][1] if emitting else None)
-        if self.kv_total > _KV_CAPACITY_TOKENS:
+        if self.kv_total > KV_CAPACITY_TOKENS:
             self._preempt()
         return end, out
 
@@ -450,13 +450,13 @@ class _Worker:
         if req.speculated:
             factor = self.conditions.error_factor.get((req.bucket, req.cohort),
                                                       self.conditions.error_factor.get((req.bucket, None), 1.0))
-        error, timeout = _ERROR_RATE * factor, _TIMEOUT_RATE * factor
+        error, timeout = ERROR_RATE * factor, TIMEOUT_RATE * factor
         u = req.fail_u
         if u < error:
             return "error"
         if u < error + timeout:
             return "timeout"
-        if u < error + timeout + _ABORT_RATE:
+        if u < error + timeout + ABORT_RATE:
             return "abort"
         return None
 
@@ -467,7 +467,7 @@ class _Worker:
         tail = self.conditions.tail
         delayed = False
         if (tail is not None and req.speculated and req.bucket == tail[0] and req.cohort == tail[1]
-                and req.tail_u < _LATENCY_TAIL_FRACTION):
+                and req.tail_u < LATENCY_TAIL_FRACTION):
             # A stalled request finishes late: its record leaves when the stall ends.
             e2e_ms = req.ttft_ms + (e2e_ms - req.ttft_ms) * tail[2]
             end_ts = max(end_ts, round(self.sim.start_ts + req.arrival + e2e_ms / 1000.0, 6))
@@ -476,9 +476,9 @@ class _Worker:
         tpot_ms = (e2e_ms - req.ttft_ms) / (tokens - 1) if tokens > 1 else None
         error = None
         if reason == "error":
-            error = _ERROR_TEXTS[min(len(_ERROR_TEXTS) - 1, int(req.error_text_u * len(_ERROR_TEXTS)))]
+            error = ERROR_TEXTS[min(len(ERROR_TEXTS) - 1, int(req.error_text_u * len(ERROR_TEXTS)))]
         elif reason == "timeout":
-            error = _TIMEOUT_TEXT
+            error = TIMEOUT_TEXT
         record = RequestRecord(
             v=1, ts=end_ts, worker=self.name, bundle_id=self.bundle_id, id=req.id,
             bucket=BUCKETS[req.bucket].name, cohort=COHORTS[req.cohort], speculative=req.speculated,
@@ -503,7 +503,7 @@ class _Worker:
             shadow_ts = round(end_ts + req.shadow_delay, 6)
             self.emit_later(shadow_ts, self.index, [ShadowRecord(
                 v=1, ts=shadow_ts, bundle_id=self.bundle_id, id=req.id, bucket=BUCKETS[req.bucket].name,
-                check=_SHADOW_CHECK, match=match)])
+                check=SHADOW_CHECK, match=match)])
         return out
 
     def _sample(self, req: _Request, output_tokens: int) -> Sample:
@@ -524,7 +524,7 @@ class _Worker:
         kv = self.slots[:, _KV].tolist()
         total = self.kv_total
         for slot in range(len(self.batch) - 1, 0, -1):
-            if total <= _KV_CAPACITY_TOKENS:
+            if total <= KV_CAPACITY_TOKENS:
                 break
             req = self.batch[slot]
             req.remaining = int(self.slots[slot, _REMAINING])

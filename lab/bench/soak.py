@@ -123,7 +123,7 @@ def _rss_mb() -> float:
 
 def workers_for(rate: float, seed: int) -> int:
     """How many simulated workers emit about ``rate`` records per second."""
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
 
     sim = Simulator("healthy", seed=seed, minutes=_CALIBRATION_MINUTES, workers=_CALIBRATION_WORKERS)
     per_worker = sum(1 for _ in sim.records()) / (_CALIBRATION_MINUTES * 60.0) / _CALIBRATION_WORKERS
@@ -263,7 +263,7 @@ def run_soak(minutes: float, rate: float, seed: int, sample_seconds: float, work
              bootstrap: str | None = None, topic: str | None = None, out: TextIO | None = None) -> SoakResult:
     """Run a seeded healthy fleet for ``minutes`` of wall time, through Kafka at ``bootstrap`` (on
     ``topic``, default a new topic deleted after) or embedded, printing each sample to ``out``."""
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
 
     # A little more event time than wall time, so the load never runs out before the end.
     sim = Simulator("healthy", seed=seed, minutes=minutes + 1, workers=workers, start_ts=time.time())

@@ -9,9 +9,10 @@ from types import MappingProxyType
 from typing import Mapping
 
 from specwatch.schemas import BundleCard
-from specwatch.simulation.engine_model import _BUCKET_INDEX, _MAX_ERROR_FACTOR, COHORTS
+from specwatch.lab.simulation.engine_model import BUCKET_INDEX, MAX_ERROR_FACTOR, COHORTS
 
-__all__ = ["SCENARIOS", "Incident", "IncidentPlan"]
+__all__ = ["EXPECTED_REASON", "INTENSITY", "SCENARIOS", "SCENARIO_SPECS", "SHIFTED_WEIGHTS", "Incident",
+           "IncidentPlan", "changed_card", "checked_plan", "kv_pressure_workers"]
 
 # What the scripted card changes switch to: a retrained target the drafter never saw, and a
 # tokenizer fix (special tokens) that leaves acceptance alone but still voids the evidence.
@@ -19,13 +20,13 @@ _UPDATED_REVISION = "5f0b02c7"
 _UPDATED_TOKENIZER_DIGEST = "sha256:a4e27d1c95f3086b"
 
 # Where the mix shift ends up: harder buckets take traffic from the easy ones.
-_SHIFTED_WEIGHTS = MappingProxyType({
+SHIFTED_WEIGHTS = MappingProxyType({
     "coding": 0.15, "summarization": 0.10, "structured": 0.10,
     "reasoning": 0.35, "extraction": 0.10, "long_context": 0.20,
 })
 
 # What a correct monitor decides for each incident kind.
-_EXPECTED_REASON = MappingProxyType({
+EXPECTED_REASON = MappingProxyType({
     "acceptance_drop": "acceptance_drop", "target_update": "bundle_changed",
     "draft_regression": "draft_overhead", "latency_tail": "latency_slo",
     "kv_pressure": "kv_pressure", "bundle_change": "bundle_changed",
@@ -35,7 +36,7 @@ _EXPECTED_REASON = MappingProxyType({
     "context_shift": "draft_overhead",
 })
 # Default intensity per incident kind, with the range that keeps its meaning.
-_INTENSITY = MappingProxyType({
+INTENSITY = MappingProxyType({
     "acceptance_drop": (0.4, 0.0, 1.0, "fraction by which the bucket's acceptance length drops"),
     "target_update": (0.5, 0.0, 1.0, "fraction by which acceptance length drops on the new target"),
     "draft_regression": (3.0, 1.0, 100.0, "multiplier on draft time"),
@@ -43,7 +44,7 @@ _INTENSITY = MappingProxyType({
     "kv_pressure": (0.6, 0.0, 1.0, "share of long-context traffic on the affected workers"),
     "bundle_change": (1.0, 0.0, math.inf, "unused: the card changes, acceptance does not"),
     "quality_mismatch": (0.5, 0.0, 1.0, "fraction of shadow checks that mismatch"),
-    "error_burst": (20.0, 1.0, float(_MAX_ERROR_FACTOR), "multiplier on the error and timeout rate"),
+    "error_burst": (20.0, 1.0, float(MAX_ERROR_FACTOR), "multiplier on the error and timeout rate"),
     "canary_tail": (5.0, 1.0, 100.0, "multiplier on e2e and TPOT of the tail requests"),
     "canary_mismatch": (0.2, 0.0, 1.0, "fraction of shadow checks that mismatch"),
     "draft_cost_doubles": (2.0, 1.0, 100.0, "multiplier on draft time"),
@@ -100,7 +101,7 @@ _QUIET_CODING = MappingProxyType({"coding": _QUIET_SHARE})
 _QUIET_EXTRACTION = MappingProxyType({"extraction": _QUIET_SHARE})
 _QUIET_REASONING = MappingProxyType({"reasoning": _QUIET_SHARE})
 
-_SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
+SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
     "healthy": _Scenario("no incident: steady mix and load", 5.0),
     "acceptance_drop": _Scenario(
         "the coding drafter misaligns: coding AL drops by intensity (default 0.4) in every cohort", 8.0,
@@ -169,7 +170,7 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
         "a new bundle whose structured output starts to differ from standard decoding on the canary path "
         "(intensity = mismatching share of shadow checks, default 0.2)", 8.0,
         (_Plan("canary_mismatch", bucket="structured", cohort="canary"),), incident_at=0.0),
-    # Draft-length scenarios: the best D moves (`specwatch.evaluation.draft_length` scores the advice).
+    # Draft-length scenarios: the best D moves (`specwatch.lab.evaluation.draft_length` scores the advice).
     "draft_cost_doubles": _Scenario(
         "draft time x intensity (default 2) on every worker: shorter drafts pay better", 6.0,
         (_Plan("draft_cost_doubles"),)),
@@ -184,40 +185,40 @@ _SCENARIO_SPECS: Mapping[str, _Scenario] = MappingProxyType({
         (_Plan("bundle_change"),), incident_at=330.0),
 })
 
-SCENARIOS: Mapping[str, str] = MappingProxyType({name: s.description for name, s in _SCENARIO_SPECS.items()})
+SCENARIOS: Mapping[str, str] = MappingProxyType({name: s.description for name, s in SCENARIO_SPECS.items()})
 
 
-def _checked_plan(plan: IncidentPlan) -> IncidentPlan:
+def checked_plan(plan: IncidentPlan) -> IncidentPlan:
     """``plan`` if the simulator can run it, else a `ValueError` naming what is wrong.
 
-    >>> _checked_plan(IncidentPlan("error_burst", "extraction", intensity=99.0))
+    >>> checked_plan(IncidentPlan("error_burst", "extraction", intensity=99.0))
     Traceback (most recent call last):
     ...
     ValueError: intensity for error_burst is the multiplier on the error and timeout rate; it must be in [1.0, 48.0], got 99.0
     """
-    if plan.kind not in _INTENSITY:
-        raise ValueError(f"unknown incident kind {plan.kind!r}; choose one of: {', '.join(_INTENSITY)}")
-    if plan.bucket is not None and plan.bucket not in _BUCKET_INDEX:
+    if plan.kind not in INTENSITY:
+        raise ValueError(f"unknown incident kind {plan.kind!r}; choose one of: {', '.join(INTENSITY)}")
+    if plan.bucket is not None and plan.bucket not in BUCKET_INDEX:
         raise ValueError(f"unknown bucket {plan.bucket!r}")
     if plan.cohort is not None and plan.cohort not in COHORTS:
         raise ValueError(f"unknown cohort {plan.cohort!r}")
     if not (plan.offset >= 0 and math.isfinite(plan.offset)):
         raise ValueError(f"offset must be seconds >= 0, got {plan.offset!r}")
     if plan.intensity is not None:
-        _, low, high, meaning = _INTENSITY[plan.kind]
+        _, low, high, meaning = INTENSITY[plan.kind]
         if not low <= plan.intensity <= high:
             raise ValueError(f"intensity for {plan.kind} is the {meaning}; it must be in [{low}, {high}], "
                              f"got {plan.intensity!r}")
     return plan
 
 
-def _kv_pressure_workers(workers: int) -> tuple[int, ...]:
+def kv_pressure_workers(workers: int) -> tuple[int, ...]:
     """The last quarter of the fleet (at least one worker) takes the long-context surge."""
     count = max(1, workers // 4)
     return tuple(range(workers - count, workers))
 
 
-def _changed_card(card: BundleCard, kind: str) -> BundleCard:
+def changed_card(card: BundleCard, kind: str) -> BundleCard:
     """``card`` after a scripted card change: a retrained target, or a tokenizer fix."""
     change = {"revision": _UPDATED_REVISION} if kind == "target_update" else {
         "tokenizer_digest": _UPDATED_TOKENIZER_DIGEST}

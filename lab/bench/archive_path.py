@@ -47,7 +47,7 @@ def run_archive_bench(template: list, rows: int, naive_rows: int, pairs: int = 3
     from specwatch.archive.rows import window_columns_table, window_rows_table, window_stats_table
     from specwatch.archive.sink import ArchiveSink
     from specwatch.archive.store import Archive
-    from specwatch.detectors.window import window_columns
+    from specwatch.schemas.slice_stats import window_columns
     from specwatch.schemas.outputs import SliceOutput, SliceWindows
 
     template = [window for window in template if len(window)]

@@ -51,7 +51,7 @@ class VllmRerunner:
         self.speculative_config = dict(speculative_config)
 
     def card(self) -> BundleCard:
-        from .bundle import describe_bundle
+        from specwatch.collectors.vllm.bundle import describe_bundle
         from .local_engine import configure_cpu_environment, engine_args
 
         configure_cpu_environment()
@@ -59,7 +59,7 @@ class VllmRerunner:
 
     def run(self, requests: Sequence[RerunRequest]) -> list[RerunOutcome]:
         """Each request alone (so step times are its own): speculative first, then standard."""
-        from .collector import VllmCollector
+        from specwatch.collectors.vllm.collector import VllmCollector
         from .local_engine import close_engine, new_engine
 
         # Requests run one at a time, so the steps since the last flush belong to one request

@@ -13,7 +13,7 @@ import numpy as np
 
 from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Policy, RequestRecord, StepRecord
-from specwatch.simulation.simulator import IncidentPlan, Simulator
+from specwatch.lab.simulation.simulator import IncidentPlan, Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
 from .bounds import information_bound

@@ -10,8 +10,14 @@ import numpy as np
 
 from specwatch.schemas import BundleCard, DrafterCard, RuntimeCard, TargetCard
 
-__all__ = ["BUCKETS", "COHORTS", "DEFAULT_CARD", "BucketProfile", "acceptance_length", "bucket_acceptance_length",
-           "step_timing", "true_speedup"]
+__all__ = ["ABORT_RATE", "BASELINE", "BUCKETS", "BUCKET_INDEX", "CANARY_SHADOW_FRACTION", "COHORTS", "COHORT_INDEX",
+           "COHORT_SHARES", "CUMULATIVE_COHORT_SHARES", "DEFAULT_CARD", "DIFFICULTY_LEVELS", "DIURNAL_AMPLITUDE",
+           "ERROR_RATE", "ERROR_TEXTS", "FAILURE_CHECK_SHARE", "KV_ADMISSION_WATERMARK", "KV_CAPACITY_TOKENS",
+           "KV_SURGE_WATERMARK", "LATENCY_TAIL_FRACTION", "LOAD_WOBBLE", "LOAD_WOBBLE_PERIOD_SECONDS", "MAIN",
+           "MAX_ERROR_FACTOR", "PREFILL_BASE_MS", "PREFILL_MS_PER_TOKEN", "QUEUE_MEAN_MS", "SCHEDULE_GAP_MS",
+           "SHADOW_CHECK", "SHADOW_DELAY_SECONDS", "SHADOW_FRACTION", "TIMEOUT_RATE", "TIMEOUT_TEXT", "TIMING_JITTER",
+           "VERIFY_MS_PER_KV_KTOKEN", "WORKER_LOAD_SPREAD", "BucketProfile", "acceptance_length", "accepted_cdf",
+           "bucket_acceptance_length", "scale_for_acceptance_length", "step_timing", "true_speedup"]
 
 # -- the deployment every simulated worker starts from ------------------------------------
 
@@ -62,20 +68,20 @@ BUCKETS: tuple[BucketProfile, ...] = (
     BucketProfile("extraction", 0.75, 0.15, 6000, 0.6, 60, 0.6, 256),
     BucketProfile("long_context", 0.50, 0.10, 24000, 0.3, 220, 0.5, 1024),
 )
-_BUCKET_INDEX = MappingProxyType({b.name: i for i, b in enumerate(BUCKETS)})
+BUCKET_INDEX = MappingProxyType({b.name: i for i, b in enumerate(BUCKETS)})
 
 # The shadow cohort gets traffic only while admission mirrors it there (its default share is 0).
 COHORTS: tuple[str, ...] = ("main", "canary", "baseline", "shadow")
-_COHORT_SHARES = (0.90, 0.05, 0.05, 0.0)
-_MAIN = COHORTS.index("main")
-_BASELINE = COHORTS.index("baseline")
+COHORT_SHARES = (0.90, 0.05, 0.05, 0.0)
+MAIN = COHORTS.index("main")
+BASELINE = COHORTS.index("baseline")
 _SHADOW_COHORT = COHORTS.index("shadow")
-_COHORT_INDEX = MappingProxyType({name: i for i, name in enumerate(COHORTS)})
-_CUMULATIVE_COHORT_SHARES = tuple(float(x) for x in np.cumsum(_COHORT_SHARES)[:-1])
+COHORT_INDEX = MappingProxyType({name: i for i, name in enumerate(COHORTS)})
+CUMULATIVE_COHORT_SHARES = tuple(float(x) for x in np.cumsum(COHORT_SHARES)[:-1])
 
 # Requests differ in how predictable they are even inside one bucket; a few difficulty levels
 # (multipliers on per-position acceptance) give per-request spread at table-lookup cost.
-_DIFFICULTY_LEVELS = (0.94, 0.97, 1.0, 1.03, 1.06)
+DIFFICULTY_LEVELS = (0.94, 0.97, 1.0, 1.03, 1.06)
 
 # Positions from this one on (counting from 0) are the "late" ones a late-decay incident hits.
 _LATE_POSITION = 2
@@ -114,13 +120,13 @@ def bucket_acceptance_length(bucket: str, draft_length: int, late_factor: float 
     >>> round(bucket_acceptance_length("coding", 4), 3), round(bucket_acceptance_length("coding", 1), 3)
     (3.237, 1.8)
     """
-    profile = BUCKETS[_BUCKET_INDEX[bucket]]
+    profile = BUCKETS[BUCKET_INDEX[bucket]]
     return sum(acceptance_length(min(0.99, profile.position_acceptance * level), draft_length,
                                  profile.acceptance_decay, late_factor)
-               for level in _DIFFICULTY_LEVELS) / len(_DIFFICULTY_LEVELS)
+               for level in DIFFICULTY_LEVELS) / len(DIFFICULTY_LEVELS)
 
 
-def _accepted_cdf(position_acceptance: float, draft_length: int, decay: float,
+def accepted_cdf(position_acceptance: float, draft_length: int, decay: float,
                   late_factor: float = 1.0) -> list[float]:
     """P(accepted <= j) for j in 0..D-1: thresholds for drawing a round's accepted run."""
     cdf, run, total = [], 1.0, 0.0
@@ -132,7 +138,7 @@ def _accepted_cdf(position_acceptance: float, draft_length: int, decay: float,
     return cdf
 
 
-def _scale_for_acceptance_length(profile: BucketProfile, draft_length: int, factor: float) -> float:
+def scale_for_acceptance_length(profile: BucketProfile, draft_length: int, factor: float) -> float:
     """Multiplier on per-position acceptance that moves the bucket's AL to ``factor`` times healthy."""
     if factor >= 1.0:
         return 1.0
@@ -152,12 +158,12 @@ def _scale_for_acceptance_length(profile: BucketProfile, draft_length: int, fact
 # B*(1+D) tokens costs little more than B tokens; attention cost follows the KV held.
 _VERIFY_BASE_MS = 7.2
 _VERIFY_MS_PER_TOKEN = 0.015
-_VERIFY_MS_PER_KV_KTOKEN = 0.02
+VERIFY_MS_PER_KV_KTOKEN = 0.02
 # EAGLE-3 drafts serially: one light forward per drafted position over the drafting requests.
 _DRAFT_MS_PER_POSITION = 0.6
 _DRAFT_MS_PER_POSITION_PER_REQUEST = 0.025
-_SCHEDULE_GAP_MS = 0.25
-_TIMING_JITTER = 0.06  # +-3% step to step
+SCHEDULE_GAP_MS = 0.25
+TIMING_JITTER = 0.06  # +-3% step to step
 
 
 def step_timing(requests: int, drafting: int, max_drafted: int, drafted_tokens: int,
@@ -178,7 +184,7 @@ def step_timing(requests: int, drafting: int, max_drafted: int, drafted_tokens: 
     if drafting and max_drafted:
         draft = max_drafted * (_DRAFT_MS_PER_POSITION + _DRAFT_MS_PER_POSITION_PER_REQUEST * drafting)
     verify = (_VERIFY_BASE_MS + _VERIFY_MS_PER_TOKEN * (requests + drafted_tokens)
-              + _VERIFY_MS_PER_KV_KTOKEN * kv_tokens / 1000.0)
+              + VERIFY_MS_PER_KV_KTOKEN * kv_tokens / 1000.0)
     return draft * draft_factor, verify
 
 
@@ -192,50 +198,50 @@ def true_speedup(bucket: str, draft_length: int, requests: float, drafting: floa
     """
     draft, verify = step_timing(requests, drafting, draft_length, drafting * draft_length, kv_tokens, draft_factor)
     standard = step_timing(requests, 0, 0, 0, kv_tokens)[1]
-    gap = _SCHEDULE_GAP_MS * 1.5  # mean of the uniform gap 0.25 * (1 + u)
+    gap = SCHEDULE_GAP_MS * 1.5  # mean of the uniform gap 0.25 * (1 + u)
     return bucket_acceptance_length(bucket, draft_length, late_factor) * (standard + gap) / (draft + verify + gap)
 
 
 # Prefill runs on its own lane (chunked/disaggregated); it sets TTFT but not decode step time.
-_PREFILL_BASE_MS = 12.0
-_PREFILL_MS_PER_TOKEN = 0.011
-_QUEUE_MEAN_MS = 3.0
+PREFILL_BASE_MS = 12.0
+PREFILL_MS_PER_TOKEN = 0.011
+QUEUE_MEAN_MS = 3.0
 
 # KV cache of one worker in tokens, and the share the scheduler fills with admitted prompts:
 # it keeps headroom for decode growth, so a healthy worker stays below ~0.9.
-_KV_CAPACITY_TOKENS = 196_608
-_KV_ADMISSION_WATERMARK = 0.85
+KV_CAPACITY_TOKENS = 196_608
+KV_ADMISSION_WATERMARK = 0.85
 # Under a long-context surge the scheduler admits whenever blocks are free (vLLM's default).
-_KV_SURGE_WATERMARK = 0.99
+KV_SURGE_WATERMARK = 0.99
 
 
 # -- failures, shadow checks and offered load ---------------------------------------------------
 
-_ERROR_RATE = 0.0014
-_TIMEOUT_RATE = 0.0006
-_ABORT_RATE = 0.003
+ERROR_RATE = 0.0014
+TIMEOUT_RATE = 0.0006
+ABORT_RATE = 0.003
 # Share of requests checked for a failure at a random point of their output: every failure
 # rate a run can reach stays below it (thinning). It is the same for every scenario, so a
 # scenario's records before its incident are exactly those of the healthy run.
-_FAILURE_CHECK_SHARE = 0.1
-_MAX_ERROR_FACTOR = int((_FAILURE_CHECK_SHARE - _ABORT_RATE) / (_ERROR_RATE + _TIMEOUT_RATE))
-_ERROR_TEXTS = (
+FAILURE_CHECK_SHARE = 0.1
+MAX_ERROR_FACTOR = int((FAILURE_CHECK_SHARE - ABORT_RATE) / (ERROR_RATE + TIMEOUT_RATE))
+ERROR_TEXTS = (
     "CUDA error: an illegal memory access was encountered",
     "EngineCoreError: engine core step failed",
     "RuntimeError: NCCL watchdog: collective operation failed",
 )
-_TIMEOUT_TEXT = "engine step watchdog: no progress for 5.0 s"
+TIMEOUT_TEXT = "engine step watchdog: no progress for 5.0 s"
 # Share of a key's requests that stall while a latency-tail incident is on.
-_LATENCY_TAIL_FRACTION = 0.10
+LATENCY_TAIL_FRACTION = 0.10
 
-_SHADOW_FRACTION = 0.02
+SHADOW_FRACTION = 0.02
 # While a bundle is in canary, a router checks this share of the canary's outputs against
 # standard decoding: the lossless contract is what a canary must show first.
-_CANARY_SHADOW_FRACTION = 0.25
-_SHADOW_DELAY_SECONDS = (0.5, 2.5)  # a shadow re-run with standard decoding finishes later
-_SHADOW_CHECK = "token_exact"
+CANARY_SHADOW_FRACTION = 0.25
+SHADOW_DELAY_SECONDS = (0.5, 2.5)  # a shadow re-run with standard decoding finishes later
+SHADOW_CHECK = "token_exact"
 
-_DIURNAL_AMPLITUDE = 0.35
-_WORKER_LOAD_SPREAD = 0.15  # workers differ by up to this much in offered concurrency
-_LOAD_WOBBLE = 0.08
-_LOAD_WOBBLE_PERIOD_SECONDS = 300.0
+DIURNAL_AMPLITUDE = 0.35
+WORKER_LOAD_SPREAD = 0.15  # workers differ by up to this much in offered concurrency
+LOAD_WOBBLE = 0.08
+LOAD_WOBBLE_PERIOD_SECONDS = 300.0

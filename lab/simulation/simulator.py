@@ -17,11 +17,11 @@ import numpy as np
 from specwatch.collectors.capture import SampleCapture
 from specwatch.schemas import BundleCard, TelemetryRecord, bundle_digest
 # The engine model's and the scenarios' public names are the simulation's too: its callers import them from here.
-from specwatch.simulation.engine_model import (BUCKETS, COHORTS, DEFAULT_CARD, BucketProfile, acceptance_length,
-                                               bucket_acceptance_length, step_timing, true_speedup)
-from specwatch.simulation.scenarios import (_EXPECTED_REASON, _INTENSITY, _SCENARIO_SPECS, SCENARIOS, Incident,
-                                            IncidentPlan, _changed_card, _checked_plan, _kv_pressure_workers, _Plan)
-from specwatch.simulation.worker import _Worker, _worker_name
+from specwatch.lab.simulation.engine_model import (BUCKETS, COHORTS, DEFAULT_CARD, BucketProfile, acceptance_length,
+                                                   bucket_acceptance_length, step_timing, true_speedup)
+from specwatch.lab.simulation.scenarios import (EXPECTED_REASON, INTENSITY, SCENARIO_SPECS, SCENARIOS, Incident,
+                                                IncidentPlan, changed_card, checked_plan, kv_pressure_workers)
+from specwatch.lab.simulation.worker import SimulatedWorker, worker_name
 
 __all__ = ["BUCKETS", "COHORTS", "DEFAULT_CARD", "DEFAULT_START_TS", "SCENARIOS", "BucketProfile",
            "FlagSource", "Incident", "IncidentPlan", "Simulator", "acceptance_length", "bucket_acceptance_length",
@@ -70,11 +70,11 @@ class Simulator:
                  start_ts: float = DEFAULT_START_TS, incident_at: float | None = None,
                  concurrency: int = _DEFAULT_CONCURRENCY, capture: SampleCapture | None = None,
                  plans: Sequence[IncidentPlan] | None = None) -> None:
-        if scenario not in _SCENARIO_SPECS:
-            raise ValueError(f"unknown scenario {scenario!r}; choose one of: {', '.join(_SCENARIO_SPECS)}")
-        spec = _SCENARIO_SPECS[scenario]
+        if scenario not in SCENARIO_SPECS:
+            raise ValueError(f"unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIO_SPECS)}")
+        spec = SCENARIO_SPECS[scenario]
         if plans is not None:  # incidents of the caller's choosing on the scenario's traffic
-            spec = replace(spec, plans=tuple(_checked_plan(plan) for plan in plans))
+            spec = replace(spec, plans=tuple(checked_plan(plan) for plan in plans))
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         minutes = spec.minutes if minutes is None else float(minutes)
@@ -93,7 +93,7 @@ class Simulator:
                 raise ValueError(f"scenario {scenario!r} has {len(spec.plans)} incidents; intensity applies "
                                  "only to scenarios with exactly one")
             kind = spec.plans[0].kind
-            _, low, high, meaning = _INTENSITY[kind]
+            _, low, high, meaning = INTENSITY[kind]
             if not low <= intensity <= high:
                 raise ValueError(f"intensity for {kind} is the {meaning}; it must be in [{low}, {high}], "
                                  f"got {intensity!r}")
@@ -124,15 +124,15 @@ class Simulator:
     def initial_bundle_id(self) -> str:
         return bundle_digest(DEFAULT_CARD)
 
-    def _intensity(self, plan: _Plan) -> float:
+    def _intensity(self, plan: IncidentPlan) -> float:
         if plan.intensity is not None:
             return plan.intensity
-        return _INTENSITY[plan.kind][0] if self.intensity is None else self.intensity
+        return INTENSITY[plan.kind][0] if self.intensity is None else self.intensity
 
-    def _schedule(self) -> list[list[tuple[float, _Plan]]]:
+    def _schedule(self) -> list[list[tuple[float, IncidentPlan]]]:
         """Per worker: (seconds after start, incident) in time order, only those inside the run."""
-        per_worker: list[list[tuple[float, _Plan]]] = [[] for _ in range(self.workers)]
-        surge = set(_kv_pressure_workers(self.workers))
+        per_worker: list[list[tuple[float, IncidentPlan]]] = [[] for _ in range(self.workers)]
+        surge = set(kv_pressure_workers(self.workers))
         for plan in self._scenario.plans:
             start = self.incident_at + plan.offset
             for w in range(self.workers):
@@ -158,11 +158,11 @@ class Simulator:
                 continue
             bundle_id, workers = base, ()
             if plan.kind in ("target_update", "bundle_change"):
-                bundle_id = bundle_digest(_changed_card(DEFAULT_CARD, plan.kind))
+                bundle_id = bundle_digest(changed_card(DEFAULT_CARD, plan.kind))
             elif plan.kind == "kv_pressure":
-                workers = tuple(_worker_name(w) for w in _kv_pressure_workers(self.workers))
+                workers = tuple(worker_name(w) for w in kv_pressure_workers(self.workers))
             out.append(Incident(plan.kind, self.start_ts + start, bundle_id, plan.bucket, plan.cohort,
-                                _EXPECTED_REASON[plan.kind], workers))
+                                EXPECTED_REASON[plan.kind], workers))
         return sorted(out, key=lambda i: i.start_ts)
 
     @property
@@ -171,7 +171,7 @@ class Simulator:
         cards = {self.initial_bundle_id: DEFAULT_CARD}
         for incident in self.incidents:
             if incident.kind in ("target_update", "bundle_change"):
-                cards[incident.bundle_id] = _changed_card(DEFAULT_CARD, incident.kind)
+                cards[incident.bundle_id] = changed_card(DEFAULT_CARD, incident.kind)
         return cards
 
     def records(self) -> Iterator[TelemetryRecord]:
@@ -188,7 +188,7 @@ class Simulator:
         seeds = np.random.SeedSequence(self.seed).spawn(self.workers)
         schedule = self._schedule()
         for w in range(self.workers):
-            worker = _Worker(w, self, np.random.default_rng(seeds[w]), schedule[w], emit_later)
+            worker = SimulatedWorker(w, self, np.random.default_rng(seeds[w]), schedule[w], emit_later)
             stream = worker.run()
             ts, batch = next(stream)
             counter += 1
