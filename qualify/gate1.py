@@ -181,8 +181,9 @@ def _slices(request: QualificationRequest, completion: Completion) -> dict[str, 
 
 def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[Completion],
                 alpha: float = DEFAULT_ALPHA, code_runner: CodeRunner = run_code_test,
-                effect_w: float = DEFAULT_EFFECT_W) -> GateResult:
+                effect_w: float = DEFAULT_EFFECT_W, skipped: Sequence[dict] = ()) -> GateResult:
     """Gate 1's verdict over both paths' completions; every failure is named with its request and bucket.
+    ``skipped`` lists requests left out before they ran (``context_overflow``): reported, never judged.
 
     Fails on: a greedy output that differs (first divergent token named), a sampled request whose
     distributions differ, a check that passes on standard decoding and fails on the speculative path,
@@ -255,9 +256,11 @@ def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[
         "checks": [dict(counter, bucket=bucket, check=name) for (bucket, name), counter in sorted(checks.items())],
         "stress": [dict(counter, slice=name, value=value) for (name, value), counter in sorted(slices.items())],
         "errors": dict(errors),
+        "skipped": list(skipped),
     }
     if not greedy_rows and not distribution_rows:
-        reasons.append("no request completed on both paths: nothing was compared")
+        reasons.append("no request completed on both paths: nothing was compared"
+                       + (f" ({len(skipped)} skipped as longer than the servers hold)" if skipped else ""))
     return GateResult(verdict="fail" if reasons else "pass", reasons=reasons, detail=detail)
 
 
