@@ -4,6 +4,7 @@ ids and per-request speculative metrics; a failed request is a `Completion` with
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -13,8 +14,9 @@ from typing import Callable, Sequence
 from .completion import Completion, Path, completion_from_response
 from .dataset import QualificationRequest
 
-__all__ = ["served_model", "run_requests"]
+__all__ = ["count_prompt_tokens", "served_model", "served_model_card", "run_requests"]
 
+_LOG = logging.getLogger(__name__)
 _DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -24,13 +26,33 @@ def _post(url: str, body: dict, timeout_s: float) -> dict:
         return json.loads(response.read())
 
 
-def served_model(base_url: str, timeout_s: float = 30.0) -> str:
-    """The model name the server answers to (the first of /v1/models)."""
+def served_model_card(base_url: str, timeout_s: float = 30.0) -> dict:
+    """The first model card of /v1/models: its ``id``, and ``max_model_len`` where the server (vLLM) says it."""
     with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s) as response:
         models = json.loads(response.read()).get("data") or []
     if not models:
         raise ValueError(f"{base_url} serves no model")
-    return models[0]["id"]
+    return models[0]
+
+
+def served_model(base_url: str, timeout_s: float = 30.0) -> str:
+    """The model name the server answers to (the first of /v1/models)."""
+    return served_model_card(base_url, timeout_s)["id"]
+
+
+def count_prompt_tokens(base_url: str, model: str, requests: Sequence[QualificationRequest],
+                        timeout_s: float = 30.0) -> dict[str, int]:
+    """Prompt tokens of each request by the server's own tokenizer and chat template (vLLM's
+    /tokenize, which counts a prompt of any length); a request the server cannot count is left out."""
+    counts = {}
+    for request in requests:
+        body = {"model": model, **({"prompt": request.prompt} if request.prompt is not None
+                                   else {"messages": request.messages, "add_generation_prompt": True})}
+        try:
+            counts[request.id] = int(_post(base_url.rstrip("/") + "/tokenize", body, timeout_s)["count"])
+        except (OSError, ValueError, KeyError, TypeError) as error:  # HTTPError is an OSError
+            _LOG.info("%s: prompt of %s not counted: %s", base_url, request.id, error)
+    return counts
 
 
 def _body(request: QualificationRequest, model: str, seed: int) -> tuple[str, dict]:

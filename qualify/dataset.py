@@ -9,13 +9,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specwatch.schemas.contract import Name, ScopeName
 
-__all__ = ["DEFAULT_DATASET", "Checks", "Dataset", "QualificationRequest", "RequestSampling", "load_dataset"]
+__all__ = ["DEFAULT_DATASET", "Checks", "Dataset", "QualificationRequest", "RequestSampling", "context_overflow",
+           "load_dataset"]
 
 DEFAULT_DATASET = "default.jsonl"
 """The dataset shipped with specwatch (package data of specwatch.qualify)."""
@@ -90,14 +91,32 @@ class QualificationRequest(BaseModel):
         return [name for name, value in self.checks if value is not None]
 
 
+def context_overflow(requests: Sequence[QualificationRequest], prompt_tokens: Mapping[str, int],
+                     max_model_len: int) -> list[dict]:
+    """The requests that cannot run as written within ``max_model_len``: prompt tokens plus
+    ``max_tokens`` beyond it (vLLM refuses a longer prompt and silently cuts ``max_tokens``
+    short otherwise). A request whose prompt was not counted is kept.
+
+    >>> reqs = [QualificationRequest(id="a", bucket="long_context", prompt="x", sampling={"max_tokens": 32}),
+    ...         QualificationRequest(id="b", bucket="coding", prompt="y", sampling={"max_tokens": 32})]
+    >>> context_overflow(reqs, {"a": 718, "b": 480}, 512)
+    [{'id': 'a', 'bucket': 'long_context', 'verdict': 'skipped: exceeds max_model_len 512', 'prompt_tokens': 718, 'max_tokens': 32}]
+    """
+    return [{"id": r.id, "bucket": r.bucket, "verdict": f"skipped: exceeds max_model_len {max_model_len}",
+             "prompt_tokens": prompt_tokens[r.id], "max_tokens": r.sampling.max_tokens}
+            for r in requests if r.id in prompt_tokens and prompt_tokens[r.id] + r.sampling.max_tokens > max_model_len]
+
+
 @dataclass
 class Dataset:
-    """The requests kept, the lines rejected (line number -> reason) and a digest of the file."""
+    """The requests kept, the lines rejected (line number -> reason), a digest of the file, and the
+    requests left out of a run because the servers cannot hold them (``context_overflow`` rows)."""
 
     name: str
     requests: list[QualificationRequest]
     digest: str
     rejected: dict[int, str] = field(default_factory=dict)
+    skipped: list[dict] = field(default_factory=list)
 
     def buckets(self) -> dict[str, int]:
         return dict(sorted(Counter(r.bucket for r in self.requests).items()))
@@ -112,11 +131,18 @@ class Dataset:
             seen[request.bucket] += 1
             if seen[request.bucket] <= per_bucket:
                 kept.append(request)
-        return Dataset(self.name, kept, self.digest, self.rejected)
+        return Dataset(self.name, kept, self.digest, self.rejected, self.skipped)
+
+    def without(self, skipped: list[dict]) -> "Dataset":
+        """The requests not named in ``skipped``; the skipped ones are kept in ``skipped`` with their verdict."""
+        names = {row["id"] for row in skipped}
+        return Dataset(self.name, [r for r in self.requests if r.id not in names], self.digest, self.rejected,
+                       self.skipped + list(skipped))
 
     def summary(self) -> dict:
         return {"name": self.name, "digest": self.digest, "requests": len(self.requests),
-                "buckets": self.buckets(), "rejected": {str(k): v for k, v in sorted(self.rejected.items())}}
+                "buckets": self.buckets(), "rejected": {str(k): v for k, v in sorted(self.rejected.items())},
+                "skipped": {row["id"]: row["verdict"] for row in self.skipped}}
 
 
 def load_dataset(path: str | Path | None = None) -> Dataset:

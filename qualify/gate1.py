@@ -181,13 +181,13 @@ def _slices(request: QualificationRequest, completion: Completion) -> dict[str, 
 
 def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[Completion],
                 alpha: float = DEFAULT_ALPHA, code_runner: CodeRunner = run_code_test,
-                effect_w: float = DEFAULT_EFFECT_W) -> GateResult:
+                effect_w: float = DEFAULT_EFFECT_W, skipped: Sequence[dict] = ()) -> GateResult:
     """Gate 1's verdict over both paths' completions; every failure is named with its request and bucket.
 
     Fails on: a greedy output that differs (first divergent token named), a sampled request whose
     distributions differ, a check that passes on standard decoding and fails on the speculative path,
-    and a request that errs only on the speculative path. A sampled test without power at
-    ``effect_w`` is listed as inconclusive: it neither passes nor fails the gate on its own.
+    and a request that errs only on the speculative path. Neither a sampled test without power at
+    ``effect_w`` (inconclusive) nor a ``skipped`` request (``context_overflow``) passes or fails it.
     """
     by_key: dict[tuple[str, str], list[Completion]] = defaultdict(list)
     for completion in completions:
@@ -254,11 +254,15 @@ def judge_gate1(requests: Sequence[QualificationRequest], completions: Sequence[
         "acceptance": acceptance_by_bucket(requests, speculative_all),
         "checks": [dict(counter, bucket=bucket, check=name) for (bucket, name), counter in sorted(checks.items())],
         "stress": [dict(counter, slice=name, value=value) for (name, value), counter in sorted(slices.items())],
-        "errors": dict(errors),
+        "errors": dict(errors), "skipped": list(skipped),
     }
     if not greedy_rows and not distribution_rows:
-        reasons.append("no request completed on both paths: nothing was compared")
+        reasons.append("no request completed on both paths: nothing was compared" + _skipped_note(skipped))
     return GateResult(verdict="fail" if reasons else "pass", reasons=reasons, detail=detail)
+
+
+def _skipped_note(skipped: Sequence[dict]) -> str:
+    return f" ({len(skipped)} skipped as longer than the servers hold)" if skipped else ""
 
 
 def _check_regressed(std_pass: int, std_runs: int, spec_pass: int, spec_runs: int, alpha: float) -> bool:

@@ -12,8 +12,8 @@ from specwatch.schemas.contract import BundleCard
 from specwatch.schemas.policy import Policy
 from specwatch.schemas.qualification import GateResult, Qualification
 
-from .client import run_requests
-from .dataset import Dataset
+from .client import count_prompt_tokens, run_requests
+from .dataset import Dataset, context_overflow
 from .gate1 import DEFAULT_ALPHA, DEFAULT_EFFECT_W, judge_gate1
 from .gate2 import bucket_rows, judge_gate2, ledger_row
 from .load import benchmark_run
@@ -28,11 +28,13 @@ _TABLE_CHECK_REQUESTS = 4
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A running OpenAI-compatible server: where it is, the model name it answers to, its tokenizer."""
+    """A running OpenAI-compatible server: where it is, the model name it answers to, its tokenizer,
+    and the longest sequence it holds (None when the server does not say)."""
 
     base_url: str
     model: str
     tokenizer: str
+    max_model_len: int | None = None
 
 
 ServerFactory = Callable[[dict], ContextManager[Endpoint]]
@@ -118,6 +120,7 @@ def qualify_bundle(card: BundleCard, speculative_config: dict, dataset: Dataset,
     card's D is measured). ``engine_starts`` counts servers the caller started for the two paths;
     ``after_gates`` is called when the two servers are no longer needed (before the sweep starts more)."""
     started = time.monotonic()
+    dataset = _fitting(dataset, (standard, speculative), progress)
     method = speculative_config.get("method", "draft_model")
     draft_length = card.drafter.draft_length
     configurations = plan.sweep_configurations(method, draft_length) if start_server and plan.gate2 else []
@@ -136,7 +139,7 @@ def qualify_bundle(card: BundleCard, speculative_config: dict, dataset: Dataset,
     for label, endpoint in (("standard", standard), ("speculative", speculative)):
         completions += run_requests(endpoint.base_url, endpoint.model, label, dataset.requests,
                                     progress=requests_progress(label))
-    gate1 = judge_gate1(dataset.requests, completions, plan.alpha, effect_w=plan.effect_w)
+    gate1 = judge_gate1(dataset.requests, completions, plan.alpha, effect_w=plan.effect_w, skipped=dataset.skipped)
     progress(f"gate 1: {gate1.verdict}" + (f" ({len(gate1.reasons)} finding(s))" if gate1.reasons else ""))
 
     if not plan.gate2:
@@ -170,6 +173,21 @@ def qualify_bundle(card: BundleCard, speculative_config: dict, dataset: Dataset,
         cost={"engine_starts": starts, "gate1_requests": len(completions),
               "load_requests": sum(r["completed"] + r["failed"] for r in std_rows + spec_rows),
               "wall_seconds": round(time.monotonic() - started, 1), "estimate": cost})
+
+
+def _fitting(dataset: Dataset, endpoints: Sequence[Endpoint], progress: Callable[[str], None]) -> Dataset:
+    """The dataset without the requests the servers cannot hold (prompt plus output beyond the
+    smaller max_model_len of the two), each kept with its own verdict instead of failing on both paths."""
+    limits = [e.max_model_len for e in endpoints if e.max_model_len]
+    if not limits:
+        return dataset
+    limit = min(limits)
+    skipped = context_overflow(dataset.requests, count_prompt_tokens(endpoints[0].base_url, endpoints[0].model,
+                                                                     dataset.requests), limit)
+    for row in skipped:
+        progress(f"{row['id']} ({row['bucket']}): {row['verdict']} ({row['prompt_tokens']} prompt + "
+                 f"{row['max_tokens']} output tokens)")
+    return dataset.without(skipped)
 
 
 def _sweep_report(points: list[SweepPoint], method: str, plan: QualifyPlan) -> dict:

@@ -4,14 +4,22 @@ standard and speculative, and the card the speculative one runs under (read from
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 from specwatch.schemas.contract import BundleCard
 
+from .dataset import QualificationRequest
 from .procedure import Endpoint
 
-__all__ = ["ServerSettings", "bundle_card", "server_factory", "started"]
+__all__ = ["ServerSettings", "bundle_card", "fitting_max_model_len", "rounded_max_model_len", "server_factory",
+           "started"]
+
+_LOG = logging.getLogger(__name__)
+_MIN_MAX_MODEL_LEN = 512
+_MAX_MODEL_LEN_STEP = 256
 
 
 class ServerSettings:
@@ -27,6 +35,46 @@ class ServerSettings:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.seed = seed
+
+
+def rounded_max_model_len(needed: int, ceiling: int | None = None) -> int:
+    """``needed`` tokens rounded up to a multiple of 256, at least 512, at most ``ceiling`` (the
+    model's own limit; a request beyond it is skipped at run time, not started for).
+
+    >>> rounded_max_model_len(750), rounded_max_model_len(100), rounded_max_model_len(3000, ceiling=2048)
+    (768, 512, 2048)
+    """
+    length = max(_MIN_MAX_MODEL_LEN, -(-needed // _MAX_MODEL_LEN_STEP) * _MAX_MODEL_LEN_STEP)
+    return min(length, ceiling) if ceiling else length
+
+
+def fitting_max_model_len(model: str | Path, requests: Sequence[QualificationRequest]) -> int:
+    """The max-model-len that holds every request as written (prompt by the target's tokenizer, plus
+    ``max_tokens``), rounded by `rounded_max_model_len` under the config's max_position_embeddings.
+    Without a readable tokenizer: the least length (requests beyond it are then skipped when counted)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+    except (OSError, ValueError) as error:
+        _LOG.warning("no tokenizer for %s (%s): servers start at max_model_len %d", model, error, _MIN_MAX_MODEL_LEN)
+        return _MIN_MAX_MODEL_LEN
+    needed = 0
+    for request in requests:
+        if request.prompt is not None:
+            text, special = request.prompt, True
+        elif tokenizer.chat_template:
+            text, special = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                          tokenize=False), False
+        else:
+            continue
+        prompt = len(tokenizer(text, add_special_tokens=special)["input_ids"])
+        needed = max(needed, prompt + request.sampling.max_tokens)
+    try:
+        ceiling = json.loads((Path(model) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError):
+        ceiling = None
+    return rounded_max_model_len(needed, ceiling if isinstance(ceiling, int) else None)
 
 
 def bundle_card(settings: ServerSettings, speculative_config: dict) -> BundleCard:
@@ -57,7 +105,7 @@ def started(settings: ServerSettings, speculative_config: dict | None) -> Iterat
                       env=settings.speculative_env if speculative else None,
                       max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
                       seed=settings.seed) as server:
-        yield Endpoint(server.base_url, settings.model, settings.model)
+        yield Endpoint(server.base_url, settings.model, settings.model, settings.max_model_len)
 
 
 def server_factory(settings: ServerSettings):

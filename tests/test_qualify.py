@@ -14,7 +14,7 @@ from specwatch.archive.store import Archive
 from specwatch.cli import main
 from specwatch.qualify.checks import run_checks
 from specwatch.qualify.completion import Completion
-from specwatch.qualify.dataset import Checks, QualificationRequest, load_dataset
+from specwatch.qualify.dataset import Checks, QualificationRequest, context_overflow, load_dataset
 from specwatch.qualify.gate1 import judge_gate1
 from specwatch.qualify.gate2 import judge_gate2
 from specwatch.qualify.sweep import SweepPoint, draft_length_candidates, dynamic_sd_table
@@ -124,6 +124,38 @@ def test_gate1_fails_a_request_that_errs_only_on_the_speculative_path():
     gate = judge_gate1([_request("a")], completions)
     assert gate.reasons == ["a (coding): 1 speculative request(s) failed against 0 standard: HTTP 500: engine dead",
                             "no request completed on both paths: nothing was compared"]
+
+
+def test_a_request_longer_than_the_servers_hold_is_skipped_with_its_own_verdict_not_failed(tmp_path):
+    from specwatch.analysis.qualification import render_text
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"id": "short", "bucket": "coding", "prompt": "x", "sampling": {"max_tokens": 32}},
+        {"id": "edge", "bucket": "long_context", "prompt": "y", "sampling": {"max_tokens": 32}},
+        {"id": "long", "bucket": "long_context", "prompt": "z", "sampling": {"max_tokens": 32}})))
+    data = load_dataset(path)
+    # prompt plus output beyond the limit, not the prompt alone: vLLM would cut the output short
+    skipped = context_overflow(data.requests, {"short": 40, "edge": 480, "long": 481}, 512)
+    assert skipped == [{"id": "long", "bucket": "long_context", "verdict": "skipped: exceeds max_model_len 512",
+                        "prompt_tokens": 481, "max_tokens": 32}]
+    assert context_overflow(data.requests, {"short": 40}, 512) == []  # an uncounted prompt is run, not guessed
+    fitting = data.without(skipped)
+    assert [r.id for r in fitting.requests] == ["short", "edge"] and fitting.buckets() == {"coding": 1,
+                                                                                          "long_context": 1}
+    assert fitting.summary()["skipped"] == {"long": "skipped: exceeds max_model_len 512"}
+    completions = _pair("short", [1, 2], [1, 2]) + _pair("edge", [3], [3])
+    gate = judge_gate1(fitting.requests, completions, skipped=fitting.skipped)
+    assert (gate.verdict, gate.reasons, gate.detail["skipped"]) == ("pass", [], skipped)
+    assert gate.detail["greedy"]["requests"] == 2 and gate.detail["errors"] == {"standard": 0, "speculative": 0}
+    # everything skipped: nothing was compared, which fails, and the reason says why
+    nothing = judge_gate1([], [], skipped=skipped)
+    assert nothing.reasons == ["no request completed on both paths: nothing was compared (1 skipped as longer "
+                               "than the servers hold)"]
+    report = {"bundle_id": "b-1", "verdict": "pass", "card": {"drafter": {"mechanism": "ngram", "draft_length": 2}},
+              "gate1": json.loads(gate.model_dump_json()), "gate2": {"verdict": "pass", "reasons": [], "detail": {}}}
+    assert "\n  long (long_context): skipped: exceeds max_model_len 512 (481 prompt + 32 output tokens)\n" in (
+        render_text(report))
 
 
 def _row(concurrency, output_tok_s, tpot, failed=0, kv=0.2):

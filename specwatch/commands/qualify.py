@@ -44,7 +44,9 @@ def add_arguments(parser) -> None:
     started.add_argument("--speculative-dtype", help="another dtype for the speculative path only")
     started.add_argument("--speculative-env", action="append", default=[], metavar="NAME=VALUE",
                          help="a variable for the speculative servers' environment (repeatable)")
-    started.add_argument("--max-model-len", type=int, default=512)
+    started.add_argument("--max-model-len", type=int,
+                         help="the servers' context length (default: the dataset's longest request, prompt and "
+                              "output, rounded up to 256, at least 512); a longer request is skipped with its verdict")
     started.add_argument("--max-num-seqs", type=int, default=8, help="the largest batch; the Dynamic SD table ends there")
     given = parser.add_argument_group("servers run by someone else")
     given.add_argument("--speculative-url", metavar="URL", help="the bundle's OpenAI-compatible server")
@@ -118,12 +120,21 @@ def _draft_lengths(args, card) -> list[int]:
     return draft_length_candidates(heads, card.drafter.draft_length, args.max_draft_length)
 
 
+def _endpoint(url: str, tokenizer: str | None):
+    """A server run by someone else, as /v1/models describes it."""
+    from specwatch.qualify.client import served_model_card
+    from specwatch.qualify.procedure import Endpoint
+
+    card = served_model_card(url)
+    limit = card.get("max_model_len")
+    return Endpoint(url, card["id"], tokenizer or card["id"], limit if isinstance(limit, int) else None)
+
+
 def run(args) -> int:
     from specwatch.analysis.qualification import render_html, render_text
-    from specwatch.qualify.client import served_model
     from specwatch.qualify.dataset import load_dataset
     from specwatch.qualify.procedure import Endpoint, QualifyPlan, qualify_bundle
-    from specwatch.qualify.servers import ServerSettings, server_factory, started
+    from specwatch.qualify.servers import ServerSettings, fitting_max_model_len, server_factory, started
 
     urls = (args.speculative_url, args.standard_url)
     if any(urls) and not all(urls):
@@ -145,7 +156,8 @@ def run(args) -> int:
     for line, reason in dataset.rejected.items():
         print(f"specwatch qualify: {dataset.name} line {line} rejected: {reason}", file=sys.stderr)
     settings = (ServerSettings(args.model, dtype=args.dtype, speculative_dtype=args.speculative_dtype,
-                               speculative_env=_environment(args.speculative_env), max_model_len=args.max_model_len,
+                               speculative_env=_environment(args.speculative_env),
+                               max_model_len=args.max_model_len or fitting_max_model_len(args.model, dataset.requests),
                                max_num_seqs=args.max_num_seqs) if args.model else None)
     card = _card(args, settings, speculative_config)
     plan = QualifyPlan(concurrencies=_list_of_ints(args.concurrency), requests_per_run=args.requests_per_run,
@@ -164,8 +176,7 @@ def run(args) -> int:
     with ExitStack() as stack:
         if any(urls):
             try:
-                speculative, standard = (Endpoint(url, served_model(url), args.tokenizer or served_model(url))
-                                         for url in urls)
+                speculative, standard = (_endpoint(url, args.tokenizer) for url in urls)
             except (OSError, ValueError) as error:
                 raise CommandError(f"cannot reach the servers: {error}") from None
             starts = 0

@@ -7,13 +7,17 @@ and this one wraps ``vllm.v1.sample.rejection_sampler.rejection_sample`` when vL
 the standard rule runs, then each request's output is replaced by all of its draft tokens plus
 the bonus token, as a rule that trusts the drafter would give. Greedy output then follows the
 drafter wherever it disagrees with the target: exactly what qualification and shadow checks
-must catch.
+must catch. With ``SPECWATCH_LOSSY_SWITCH`` naming a file, the rule holds only while that file
+exists (otherwise the standard rule's output is returned untouched): one server then serves a
+lossless run and a lossy one, switched between them.
 """
 
 import importlib.util
+import os
 from pathlib import Path
 
 _TARGET = "vllm.v1.sample.rejection_sampler"
+_SWITCH = os.environ.get("SPECWATCH_LOSSY_SWITCH")
 
 
 def _accept_every_draft(original):
@@ -21,6 +25,8 @@ def _accept_every_draft(original):
                          draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
         output = original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                           target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+        if _SWITCH and not os.path.exists(_SWITCH):
+            return output
         start = 0
         for row, count in enumerate(num_draft_tokens):
             count = int(count)
