@@ -244,6 +244,9 @@ class PartitionRunner:
     def forgotten(self, tp: TopicPartition) -> None:
         """A partition was taken away."""
 
+    async def rebuilt(self, task: Any, tp: TopicPartition) -> None:
+        """A task was built anew (no checkpoint, or one refused): it folds its partition from the start."""
+
     def task_name(self, tp: TopicPartition) -> str:
         return f"{self.stage}/{tp[0]}/{tp[1]}"
 
@@ -319,6 +322,7 @@ class PartitionRunner:
             # wherever the group's committed offset points.
             task = self.new_task(tp)
             task.next_offset = await self._reader.beginning_offset(*tp)
+            await self.rebuilt(task, tp)
         self._tasks[tp] = task
         await self.taken_over(task, tp)
         return task
@@ -469,6 +473,9 @@ class Stage2Runner(PartitionRunner):
                                   keyring if keyring is not None else Keyring.from_env(), role="a stream worker")
         self._beats = 0
         self._archive_sink = None
+        # partition -> (ids of decisions on the decisions topic, the partition's end): what a task
+        # rebuilt from its partition decides again before that end went out before its restart
+        self._published_before: dict[TopicPartition, tuple[set[str], int]] = {}
         self.operations: Operations | None = None  # fed every final slice and every published decision
         self.decisions = 0
         self.slices = 0
@@ -490,6 +497,18 @@ class Stage2Runner(PartitionRunner):
         if self._archive_sink is not None:
             self._archive_sink.close()  # closes the archive it opened
             self._archive_sink = None
+
+    async def rebuilt(self, task: Stage2Task, tp: TopicPartition) -> None:
+        # Its checkpoint refused (or gone), the task decides again from the start of its partition;
+        # the decisions it made before are on the decisions topic, under the same ids.
+        end = (await self._reader.end_offsets(tp[0])).get(tp[1], 0)
+        if end > task.next_offset:
+            published = decisions_in(await self._reader.values_since(self.settings.decisions_topic, {}))
+            if published:
+                self._published_before[tp] = (published, end)
+
+    def forgotten(self, tp: TopicPartition) -> None:
+        self._published_before.pop(tp, None)
 
     async def taken_over(self, task: Stage2Task, tp: TopicPartition) -> None:
         if task.outbox:
@@ -515,6 +534,16 @@ class Stage2Runner(PartitionRunner):
             if self.operations is not None:
                 self.operations.view.observe(output, now=time.time())
             actions.extend(output.actions)
+        before = self._published_before.get(tp)
+        if before is not None:
+            published, end = before
+            republished = [action for action in actions if action.decision.id in published]
+            if republished:
+                logger.info("%s: %d decisions it made before its restart are on the decisions topic already; "
+                            "not published again", self.task_name(tp), len(republished))
+                actions = [action for action in actions if action.decision.id not in published]
+            if message.offset + 1 >= end:
+                del self._published_before[tp]
         if actions:
             # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
             task.outbox = actions
