@@ -537,11 +537,11 @@ class Stage2Runner(PartitionRunner):
         before = self._published_before.get(tp)
         if before is not None:
             published, end = before
-            republished = [action for action in actions if action.decision.id in published]
-            if republished:
+            pending = outbox_pending(actions, published)
+            if len(pending) < len(actions):
                 logger.info("%s: %d decisions it made before its restart are on the decisions topic already; "
-                            "not published again", self.task_name(tp), len(republished))
-                actions = [action for action in actions if action.decision.id not in published]
+                            "not published again", self.task_name(tp), len(actions) - len(pending))
+                actions = pending
             if message.offset + 1 >= end:
                 del self._published_before[tp]
         if actions:
