@@ -33,7 +33,6 @@ class SegmentFiles:
         self.segment_bytes = segment_bytes
         self.fsync = fsync
         self._name = f"{prefix}{{:0{digits}d}}{suffix}"
-        self._glob = f"{prefix}*{suffix}"
         self._pattern = re.compile(rf"{re.escape(prefix)}(\d{{{digits}}}){re.escape(suffix)}")
         self.sizes: dict[int, int] = {}
         self._writer: Any = None
@@ -44,12 +43,17 @@ class SegmentFiles:
         """Read the directory again: segments other processes added, grew or removed since. The
         segment taking appends is let go when it is no longer the newest."""
         sizes = {}
-        for path in sorted(self.directory.glob(self._glob), key=lambda p: p.name):
-            match = self._pattern.fullmatch(path.name)
-            if match:
-                with contextlib.suppress(FileNotFoundError):  # removed meanwhile
-                    if path.is_file():
-                        sizes[int(match.group(1))] = path.stat().st_size
+        try:
+            with os.scandir(self.directory) as entries:
+                for entry in entries:
+                    match = self._pattern.fullmatch(entry.name)
+                    if match:
+                        with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                            if entry.is_file():
+                                sizes[int(match.group(1))] = entry.stat().st_size
+        except FileNotFoundError:  # no directory yet: no segments
+            pass
+        sizes = dict(sorted(sizes.items()))
         self.sizes = sizes
         if self._writer is not None and self._writer_number != self.last:
             self.close_writer()
