@@ -14,7 +14,8 @@ from specwatch.schemas import Decision, Policy
 from specwatch.schemas.checkpoint import CHECKPOINT_VERSION, Checkpoint, pack_checkpoint
 from specwatch.simulation.simulator import Simulator
 from specwatch.streams.stage_tasks import checkpoint_entries, decode_partial, read_checkpoint
-from specwatch.streams.partition_runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
+from specwatch.streams.checkpoint_log import CheckpointLog
+from specwatch.streams.partition_runner import Stage1Runner, Stage2Runner, StreamSettings
 from specwatch.transport.codec import decode_decision, is_heartbeat_key
 from specwatch.transport.memory import MemoryKafka, MemoryReader, MemoryWriter
 from specwatch.transport.signing import Keyring
