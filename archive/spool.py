@@ -3,6 +3,7 @@ archive could not take waits here until it can."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -29,6 +30,9 @@ _DEFAULT_MAX_BYTES = 256 << 20
 # A segment is replayed as one batch: this bounds the memory a replay takes.
 _DEFAULT_SEGMENT_BYTES = 4 << 20
 _LOCK = ".lock"
+# Appends of every process take this file's lock; it holds the number of the last segment a
+# delivery took, which takes no more appends.
+_APPEND_LOCK = ".append-lock"
 # The kind of an entry whose frame no longer parses, read from its bytes (canonical JSON writes
 # "k" without spaces) so a report can say what was lost.
 _KIND = re.compile(rb'"k":"([A-Za-z_]{1,32})"')
@@ -92,9 +96,11 @@ def _kind(line: bytes) -> str:
 
 class Spool:
     """Segment files under ``directory`` (created on the first append; earlier processes' segments
-    are replayed), at most ``max_bytes`` in all; one writer at a time, one replay at a time across
-    processes (a lock file). ``segment_bytes`` bounds what one replay reads at once; ``fsync`` makes
-    every append survive a crash of the host.
+    are replayed), at most ``max_bytes`` in all. Processes may share the directory: one append at a
+    time across them (a lock file), each frame whole in the newest segment, and one replay at a
+    time (another lock file), which seals the segments it takes so that no append lands in them.
+    ``segment_bytes`` bounds what one replay reads at once; ``fsync`` makes every append survive a
+    crash of the host.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp:
@@ -126,12 +132,24 @@ class Spool:
     def append(self, entry: Mapping[str, Any]) -> None:
         """Keep one entry. Raises `SpoolFull` past the bound, OSError if the disk refuses."""
         frame = _frame(entry)
-        with self._lock:
+        with self._lock, self._appending() as sealed:
+            self._files.rescan()  # what other processes appended or delivered meanwhile
             if self.pending_bytes + len(frame) > self.max_bytes:
                 self._refused += 1
                 raise SpoolFull(f"archive spool {self.directory} is full ({self.pending_bytes} of "
                                 f"{self.max_bytes} bytes)")
-            self._files.write(frame)
+            self._files.write(frame, sealed=sealed.number)
+
+    @contextlib.contextmanager
+    def _appending(self) -> Iterator["_Seal"]:
+        """This process alone appends (or seals) until the block ends; yields the seal."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(self.directory / _APPEND_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            yield _Seal(descriptor)
+        finally:
+            os.close(descriptor)  # lets go of the lock too
 
     @property
     def pending_bytes(self) -> int:
@@ -179,9 +197,14 @@ class Spool:
 
     def _replay(self, write, check) -> int:
         replayed = 0
-        with self._lock:
-            self._files.close_writer()  # appends from now on start a new segment
+        if not self.directory.is_dir():
+            return 0
+        with self._lock, self._appending() as sealed:
+            self._files.rescan()
+            self._files.close_writer()
             numbers = list(self._files.sizes)
+            if numbers:
+                sealed.number = numbers[-1]  # every process's appends from now on start a new segment
         for number in numbers:
             path = self._files.path(number)
             entries, bad = self._read(path, check)
@@ -226,7 +249,10 @@ class Spool:
 
     def entries(self) -> Iterator[dict]:
         """Every entry waiting now, oldest first, read without taking it (bad frames left out)."""
-        with self._lock:
+        if not self.directory.is_dir():
+            return
+        with self._lock, self._appending():
+            self._files.rescan()
             numbers = list(self._files.sizes)
         for number in numbers:
             yield from self._read(self._files.path(number), None)[0]
@@ -266,6 +292,26 @@ class Spool:
 
     def __repr__(self) -> str:
         return f"Spool({str(self.directory)!r}, pending_bytes={self.pending_bytes})"
+
+
+class _Seal:
+    """The last segment a delivery took (-1: none), kept in the append lock file: appends go past it."""
+
+    def __init__(self, descriptor: int) -> None:
+        self._descriptor = descriptor
+        text = os.pread(descriptor, 32, 0).strip()
+        self._number = int(text) if text.isdigit() else -1
+
+    @property
+    def number(self) -> int:
+        return self._number
+
+    @number.setter
+    def number(self, value: int) -> None:
+        text = b"%d\n" % value
+        os.pwrite(self._descriptor, text, 0)
+        os.ftruncate(self._descriptor, len(text))
+        self._number = value
 
 
 def describe_kinds(kinds: Mapping[str, int]) -> str:

@@ -33,12 +33,30 @@ class SegmentFiles:
         self.segment_bytes = segment_bytes
         self.fsync = fsync
         self._name = f"{prefix}{{:0{digits}d}}{suffix}"
-        pattern = re.compile(rf"{re.escape(prefix)}(\d{{{digits}}}){re.escape(suffix)}")
-        found = [(pattern.fullmatch(path.name), path) for path in self.directory.glob(f"{prefix}*{suffix}")]
-        self.sizes = {int(match.group(1)): path.stat().st_size
-                      for match, path in sorted(found, key=lambda item: item[1].name)
-                      if match and path.is_file()}
+        self._pattern = re.compile(rf"{re.escape(prefix)}(\d{{{digits}}}){re.escape(suffix)}")
+        self.sizes: dict[int, int] = {}
         self._writer: Any = None
+        self._writer_number: int | None = None
+        self.rescan()
+
+    def rescan(self) -> None:
+        """Read the directory again: segments other processes added, grew or removed since. The
+        segment taking appends is let go when it is no longer the newest."""
+        sizes = {}
+        try:
+            with os.scandir(self.directory) as entries:
+                for entry in entries:
+                    match = self._pattern.fullmatch(entry.name)
+                    if match:
+                        with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                            if entry.is_file():
+                                sizes[int(match.group(1))] = entry.stat().st_size
+        except FileNotFoundError:  # no directory yet: no segments
+            pass
+        sizes = dict(sorted(sizes.items()))
+        self.sizes = sizes
+        if self._writer is not None and self._writer_number != self.last:
+            self.close_writer()
 
     @property
     def last(self) -> int | None:
@@ -48,13 +66,17 @@ class SegmentFiles:
     def path(self, number: int) -> Path:
         return self.directory / self._name.format(number)
 
-    def write(self, frame: bytes) -> tuple[int, int]:
+    def write(self, frame: bytes, *, sealed: int | None = None) -> tuple[int, int]:
         """Append one frame, in a new segment when it would not fit or the last write failed;
-        returns (segment, offset)."""
+        returns (segment, offset). With ``sealed`` (segments up to that number take no more
+        appends; -1: none) segments are shared: the newest one past it takes the frame whoever
+        began it, and a new one is numbered past it. The caller keeps other writers out meanwhile."""
         try:
+            if sealed is not None:
+                self._join_newest(sealed, len(frame))
             size = self.sizes[self.last] if self._writer is not None else 0
             if self._writer is None or size and size + len(frame) > self.segment_bytes:
-                self._roll()
+                self._roll(sealed)
                 size = 0
             self._writer.write(frame)
             self._writer.flush()  # in the page cache: a crash of the process loses nothing
@@ -68,12 +90,26 @@ class SegmentFiles:
         self.sizes[self.last] = size + len(frame)
         return self.last, size
 
-    def _roll(self) -> None:
+    def _join_newest(self, sealed: int, size: int) -> None:
+        """Append to the newest segment past ``sealed`` with room for ``size`` more bytes, if any."""
+        last = self.last
+        if self._writer is not None and (self._writer_number != last or last <= sealed):
+            self.close_writer()
+        if self._writer is None and last is not None and last > sealed and (
+                not self.sizes[last] or self.sizes[last] + size <= self.segment_bytes):
+            self._writer = open(self.path(last), "ab")  # noqa: SIM115 - kept open across appends
+            self._writer_number = last
+
+    def _roll(self, sealed: int | None = None) -> None:
         self.close_writer()
         self.directory.mkdir(parents=True, exist_ok=True)
-        number = 0 if self.last is None else self.last + 1
-        # "x": never append to a segment a reader may be working through.
-        self._writer = open(self.path(number), "xb")  # noqa: SIM115 - kept open across appends
+        number = max(0 if self.last is None else self.last + 1, -1 if sealed is None else sealed + 1)
+        # O_EXCL: never append to a segment a reader may be working through; O_APPEND: every
+        # frame at the end, also where other writers append to the same segment (their frames
+        # would be overwritten from this writer's own file position otherwise).
+        descriptor = os.open(self.path(number), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._writer = open(descriptor, "wb")  # noqa: SIM115 - kept open across appends
+        self._writer_number = number
         self.sizes[number] = 0
         if self.fsync:
             with contextlib.suppress(OSError):  # the new name survives a crash too
@@ -106,5 +142,5 @@ class SegmentFiles:
     def close_writer(self) -> None:
         """Close the segment taking appends; the next write starts a new one."""
         if self._writer is not None:
-            writer, self._writer = self._writer, None
+            writer, self._writer, self._writer_number = self._writer, None, None
             writer.close()

@@ -20,7 +20,8 @@ from specwatch.transport.signing import Keyring
 
 from .metrics import ServiceHealth
 from .operations import Operations
-from .partition_runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings, convert_pickled_setting
+from .checkpoint_log import CheckpointLog, convert_pickled_setting
+from .partition_runner import Stage1Runner, Stage2Runner, StreamSettings
 
 __all__ = ["StreamApp", "create_app", "run_worker"]
 

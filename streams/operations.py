@@ -20,6 +20,7 @@ from specwatch.actions.sinks.alertmanager import (
     RollbackPolicy,
     WebhookLedger,
     bearer_token_ok,
+    let_go_decision,
     read_webhook,
 )
 from specwatch.actions.flags import OverrideChange, override_decision
@@ -212,6 +213,10 @@ class Operations:
         now = self.clock()
         records = []
         for request in reading.requests:
+            if request.held_by:
+                records.append(ActionRecord(let_go_decision(request, now, _WEBHOOK_BY),
+                                            dict(request.audit, by=_WEBHOOK_BY), []))
+                continue
             bundle, bucket, cohort = request.scope
             note = f"alert {request.audit['alertname']} {request.audit['status']}"
             change = OverrideChange(bundle, bucket, cohort, enabled=request.draft_limit is not None,

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 from specwatch.archive.dsn import ArchiveDsn
 from specwatch.schemas import Policy, Rejection, RejectionCounter
@@ -27,30 +25,24 @@ from specwatch.transport.topics import (
 
 from .stage_tasks import (
     BundleOwner,
-    CheckpointError,
     Stage1Task,
     Stage2Task,
-    checkpoint_entries,
     dead_letter,
     decisions_in,
-    decode_checkpoint,
     decode_partial,
-    encode_checkpoint,
     encode_partials,
     encode_release,
     outbox_pending,
-    read_checkpoint,
     route_batches,
 )
+from .checkpoint_log import CheckpointLog
 from .sources import IdleRule
 from .operations import Operations, OperationsSettings
 
-__all__ = ["CONVERT_PICKLED_ENV", "CheckpointLog", "PartitionRunner", "Stage1Runner", "Stage2Runner",
-           "StreamSettings", "convert_pickled_setting"]
+__all__ = ["PartitionRunner", "Stage1Runner", "Stage2Runner", "StreamSettings"]
 
 logger = logging.getLogger(__name__)
 
-CONVERT_PICKLED_ENV = "SPECWATCH_CONVERT_PICKLED_CHECKPOINTS"
 _DEFAULT_APP_ID = "specwatch"
 _DEFAULT_CHECKPOINT_SECONDS = 2.0
 _DEFAULT_SOURCE_SILENCE_SECONDS = 10.0
@@ -124,71 +116,6 @@ class StreamSettings:
     def with_partitions(self, counts: PartitionCounts) -> "StreamSettings":
         """These settings with the partition counts `prepare_topics` found."""
         return replace(self, telemetry_partitions=counts.telemetry, partials_partitions=counts.partials)
-
-
-class CheckpointLog:
-    """Task checkpoints on a compacted topic, in the partition of the task's input partition.
-
-    Signed with ``keyring`` when it holds a key; a checkpoint that is refused (forged, unsigned,
-    undecodable...: `CheckpointError.reason`) is counted in ``refused`` by reason, logged once
-    per task and reason, and the task rebuilds from its source topic. ``convert_pickled``: load
-    a pickled checkpoint of an earlier version (default: only without a signing key).
-    """
-
-    def __init__(self, topic: str, writer: Any, reader: Any, keyring: Keyring | None = None,
-                 convert_pickled: bool | None = None) -> None:
-        self.topic = topic
-        self._writer = writer
-        self._reader = reader
-        self._keyring = keyring if keyring is not None else Keyring.from_env()
-        self._convert_pickled = not self._keyring.enabled if convert_pickled is None else convert_pickled
-        self._sequence: dict[str, int] = {}
-        self.refused: Counter = Counter()
-        self._logged: set[tuple[str, str]] = set()
-
-    async def load(self, name: str, partition: int) -> Stage1Task | Stage2Task | None:
-        prefix = f"{name}#".encode()
-        latest: dict[str, bytes] = {}
-        begin = await self._reader.beginning_offset(self.topic, partition)
-        end = (await self._reader.end_offsets(self.topic)).get(partition, begin)
-        async for message in self._reader.iter_range(self.topic, partition, begin, end):
-            if message.key and message.key.startswith(prefix) and message.value is not None:
-                latest[message.key.decode()] = message.value
-        found = read_checkpoint(name, latest.get)
-        if found is None:
-            return None
-        sequence, data = found
-        self._sequence[name] = sequence
-        try:
-            return decode_checkpoint(data, self._keyring, name, convert_pickled=self._convert_pickled)
-        except CheckpointError as error:
-            self.refused[error.reason] += 1
-            if (name, error.reason) not in self._logged:
-                self._logged.add((name, error.reason))
-                logger.error("checkpoint %s refused (%s, %d so far): %s; the task rebuilds from its partition",
-                             name, error.reason, self.refused[error.reason], error.detail)
-            return None
-
-    async def save(self, name: str, partition: int, task: Stage1Task | Stage2Task) -> int:
-        """Write a checkpoint and wait until the broker has all of it; returns its size in bytes."""
-        sequence = self._sequence.get(name, 0) + 1
-        data = encode_checkpoint(task, self._keyring, name)
-        sent = [await self._writer.send(self.topic, value, key=key.encode(), partition=partition)
-                for key, value in checkpoint_entries(name, sequence, data)]
-        await acknowledged(sent, "checkpoint chunks")
-        self._sequence[name] = sequence
-        return len(data)
-
-
-def convert_pickled_setting(environ: Mapping[str, str] | None = None) -> bool | None:
-    """``SPECWATCH_CONVERT_PICKLED_CHECKPOINTS``: 1 converts pickled checkpoints of earlier versions
-    even with a signing key (the first start after an upgrade), 0 never; unset, the default."""
-    value = (os.environ if environ is None else environ).get(CONVERT_PICKLED_ENV)
-    if value is None:
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"{CONVERT_PICKLED_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
@@ -469,6 +396,9 @@ class Stage2Runner(PartitionRunner):
                                   keyring if keyring is not None else Keyring.from_env(), role="a stream worker")
         self._beats = 0
         self._archive_sink = None
+        # partition -> (ids of decisions on the decisions topic, the partition's end when its task
+        # was taken over): what the task decides again before that end may have gone out already
+        self._published_before: dict[TopicPartition, tuple[set[str], int]] = {}
         self.operations: Operations | None = None  # fed every final slice and every published decision
         self.decisions = 0
         self.slices = 0
@@ -491,9 +421,19 @@ class Stage2Runner(PartitionRunner):
             self._archive_sink.close()  # closes the archive it opened
             self._archive_sink = None
 
+    def forgotten(self, tp: TopicPartition) -> None:
+        self._published_before.pop(tp, None)
+
     async def taken_over(self, task: Stage2Task, tp: TopicPartition) -> None:
         if task.outbox:
             await self._finish_outbox(task, tp)
+        # A task that folds again what it folded before (its checkpoint refused, gone or older than
+        # its last decisions) decides it again under the same ids: those already out stay out once.
+        end = (await self._reader.end_offsets(tp[0])).get(tp[1], 0)
+        if end > task.next_offset:
+            published = decisions_in(await self._reader.values_since(self.settings.decisions_topic, {}))
+            if published:
+                self._published_before[tp] = (published, end)
         # a sign of life as soon as a partition is taken over, not only at the next tick
         await self.heartbeat()
 
@@ -515,6 +455,16 @@ class Stage2Runner(PartitionRunner):
             if self.operations is not None:
                 self.operations.view.observe(output, now=time.time())
             actions.extend(output.actions)
+        before = self._published_before.get(tp)
+        if before is not None:
+            published, end = before
+            pending = outbox_pending(actions, published)
+            if len(pending) < len(actions):
+                logger.info("%s: %d decisions it made before its restart are on the decisions topic already; "
+                            "not published again", self.task_name(tp), len(actions) - len(pending))
+                actions = pending
+            if message.offset + 1 >= end:
+                del self._published_before[tp]
         if actions:
             # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
             task.outbox = actions

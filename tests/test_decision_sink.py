@@ -11,7 +11,8 @@ from kafka.admin import KafkaAdminClient, NewTopic
 
 from specwatch.actions.sinks.publisher import DecisionPublisher
 from specwatch.schemas import Decision
-from specwatch.streams.partition_runner import CheckpointLog, Stage2Runner, StreamSettings
+from specwatch.streams.checkpoint_log import CheckpointLog
+from specwatch.streams.partition_runner import Stage2Runner, StreamSettings
 from specwatch.transport.config import KafkaConfig
 from specwatch.transport.kafka_io import KafkaWriter, PartitionReader
 from specwatch.transport.signing import Keyring

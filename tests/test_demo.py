@@ -1,13 +1,14 @@
 """`specwatch demo` end to end: incidents caught, archive readable after restart, picture written."""
 
 import json
+import os
 from functools import partial
 
 import pytest
 
 from specwatch.commands.demo import run_simulated_demo
 
-from machine import specwatch_ok
+from machine import specwatch, specwatch_ok
 
 _specwatch = partial(specwatch_ok, timeout=900)
 
@@ -64,3 +65,32 @@ def _assert_own_decisions(summary):
 @pytest.mark.parametrize("seed", [1])
 def test_demo_names_each_incidents_own_decision_on_other_seeds(seed):
     _assert_own_decisions(run_simulated_demo(seed=seed))
+
+
+@pytest.mark.parametrize("named_by", ["--archive", "SPECWATCH_ARCHIVE"])
+def test_the_picture_is_never_written_into_the_archive_the_demo_opens(tmp_path, named_by):
+    outdir = tmp_path / "demo"  # the archive named is the output directory itself
+    env = {k: v for k, v in os.environ.items() if k != "SPECWATCH_ARCHIVE"}
+    argv = ["demo", "--outdir", str(outdir), "--minutes", "0.2", "--workers", "2"]
+    if named_by == "--archive":
+        argv += ["--archive", f"chdb://{outdir}"]
+    else:
+        env["SPECWATCH_ARCHIVE"] = f"chdb://{outdir}"
+    done = specwatch(*argv, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr == (f"specwatch demo: the output {outdir}/timeline.png is inside {outdir}, which this "
+                           "command reads; write the output elsewhere\n")
+    assert not outdir.exists()  # refused before anything was written
+
+
+def test_the_output_check_looks_at_the_demos_own_archive_under_outdir(tmp_path):
+    """By default the demo's archive is <outdir>/archive, not the default archive of the other
+    commands (chdb://specwatch-data/archive): a picture in the latter's directory is no clash."""
+    env = {k: v for k, v in os.environ.items() if k != "SPECWATCH_ARCHIVE"}
+    outdir = "specwatch-data/archive"  # the other commands' default archive directory, from tmp_path
+    done = specwatch("demo", "--json", "--outdir", outdir, "--minutes", "0.2", "--workers", "2", env=env,
+                     cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["archive"] == "chdb://specwatch-data/archive/archive"
+    assert (tmp_path / outdir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,9 +11,11 @@ from collections import Counter
 import pytest
 
 from specwatch.schemas import Decision, Policy
+from specwatch.schemas.checkpoint import CHECKPOINT_VERSION, Checkpoint, pack_checkpoint
 from specwatch.lab.simulation.simulator import Simulator
-from specwatch.streams.stage_tasks import decode_partial
-from specwatch.streams.partition_runner import CheckpointLog, Stage1Runner, Stage2Runner, StreamSettings
+from specwatch.streams.stage_tasks import checkpoint_entries, decode_partial, read_checkpoint
+from specwatch.streams.checkpoint_log import CheckpointLog
+from specwatch.streams.partition_runner import Stage1Runner, Stage2Runner, StreamSettings
 from specwatch.transport.codec import decode_decision, is_heartbeat_key
 from specwatch.transport.memory import MemoryKafka, MemoryReader, MemoryWriter
 from specwatch.transport.signing import Keyring
@@ -291,3 +293,37 @@ def test_a_partition_with_data_waiting_is_never_idle(rig):
     rig.run(runner.release_idle_sources())
     assert releases() == [(p, f"t/{busiest}") for p in range(PARTITIONS)]
     assert runner._tasks[("t", busiest)].stage.close_ready(final=True) == []  # all closed and sent before it
+
+
+@pytest.mark.parametrize("damage, reason", [("garbage", "not_a_checkpoint"), ("flipped_byte", "undecodable"),
+                                            ("next_version", "unsupported_version")])
+def test_a_refused_stage2_checkpoint_republishes_no_decision(scenario, rig, damage, reason):
+    """Stage 2 decided and checkpointed; at its restart every checkpoint is refused, so each task
+    rebuilds from the start of its partials partition and decides it all again: the decisions
+    topic still holds each decision once."""
+    stage1 = rig.runner(Stage1Runner)
+    rig.deliver_all(stage1)
+    first = rig.decide(stage1)
+    assert first  # the scenario decides: there is something to republish
+    stage2 = rig.runner(Stage2Runner)
+    saved = {}
+    for p in range(PARTITIONS):
+        name = stage2.task_name(("p", p))
+        found = read_checkpoint(name, {r.key.decode(): r.value for r in rig.kafka.records("sw.stage2-checkpoints", p)
+                                       if r.key is not None}.get)
+        if found is not None:
+            saved[p] = found
+    assert saved  # what the restart refuses
+    for p, (sequence, data) in saved.items():
+        name = stage2.task_name(("p", p))
+        bad = {"garbage": b"not a checkpoint", "flipped_byte": data[:40] + bytes([data[40] ^ 1]) + data[41:],
+               "next_version": pack_checkpoint(Checkpoint(CHECKPOINT_VERSION + 1, "stage2", name, {}, {}))}[damage]
+        for key, value in checkpoint_entries(name, sequence + 1, bad):
+            rig.kafka.append("sw.stage2-checkpoints", value, key=key.encode(), partition=p)
+
+    restarted = rig.runner(Stage2Runner)
+    rig.catch_up(restarted)
+    assert restarted.checkpoints.refused == Counter({reason: len(saved)})
+    assert sorted(restarted._tasks) == [("p", p) for p in range(PARTITIONS)]  # rebuilt, every one
+    after = [decode_decision(r.value) for r in rig.kafka.topic_records("d") if not is_heartbeat_key(r.key)]
+    assert sorted(d.id for d in after) == sorted(d.id for d in first)  # each once, none lost

@@ -348,10 +348,51 @@ def test_a_resolved_alert_restores_only_what_it_turned_off():
 
     outcomes, decisions = _run(scenario)
     assert outcomes == [{"applied": 1}, {"not_held": 1}, {"applied": 1}, {"still_held": 1}, {"applied": 1}]
-    assert [(d.action, d.evidence["fingerprint"], d.evidence["status"]) for d in decisions] == [
-        ("disable_speculation", "000000000000000f", "firing"),
-        ("disable_speculation", "00000000000000aa", "firing"),
-        ("restore", "000000000000000f", "resolved")]
+    assert [(d.action, d.key, d.evidence["fingerprint"], d.evidence["status"]) for d in decisions] == [
+        ("disable_speculation", "b-1/coding/*", "000000000000000f", "firing"),
+        ("disable_speculation", "b-1/coding/*", "00000000000000aa", "firing"),
+        # letting go while another holds on changes no path; it is a record of it
+        ("alert", "b-1/coding/*", "00000000000000aa", "resolved"),
+        ("restore", "b-1/coding/*", "000000000000000f", "resolved")]
+    assert decisions[2].evidence["held_by"] == ["000000000000000f"]
+
+
+@pytest.mark.parametrize("resent", [False, True], ids=["last-holder-resolves", "resolved-alert-resent-first"])
+def test_a_restart_between_two_resolves_keeps_who_let_go(tmp_path, resent):
+    """Two alerts hold one scope off; the first resolves, the worker restarts, then the second
+    resolves: the scope is restored, once. Alertmanager sending the first resolution again after
+    the restart is a duplicate, not a second letting go."""
+    policy = RollbackPolicy(restore_on_resolve=frozenset({"Drill"}))
+    coding = {"bucket": "coding"}
+    first_alert, second_alert = _alert("00000000000000aa", **coding), _alert("00000000000000bb", **coding)
+    first_resolved = _payload(_alert("00000000000000aa", "resolved", **coding), status="resolved")
+
+    async def before(sink):
+        async with _Worker(_Topic(), sink, policy) as worker:
+            replies = [await worker.post(_payload(first_alert)), await worker.post(_payload(second_alert)),
+                       await worker.post(first_resolved)]
+            return [reply["outcomes"] for _, reply in replies]
+
+    async def after(sink):
+        worker = _Worker(_Topic(), sink, policy)
+        taken = worker.operations.remember(sink.decisions_by("alertmanager"))
+        async with worker:
+            posts = [first_resolved] if resent else []
+            posts.append(_payload(_alert("00000000000000bb", "resolved", **coding), status="resolved"))
+            replies = [await worker.post(body) for body in posts]
+            return taken, [reply["outcomes"] for _, reply in replies], worker.topic.decisions()
+
+    with _archive(tmp_path) as (archive, sink):
+        assert _run(lambda: before(sink)) == [{"applied": 1}, {"applied": 1}, {"still_held": 1}]
+        taken, outcomes, decisions = _run(lambda: after(sink))
+        assert taken == 3
+        assert outcomes == ([{"duplicate": 1}] if resent else []) + [{"applied": 1}]
+        (restore,) = decisions
+        assert (restore.action, restore.key, restore.reason, restore.evidence["fingerprint"]) == (
+            "restore", "b-1/coding/*", "latency_slo", "00000000000000bb")
+        assert [(r["action"], r["bucket"]) for r in archive.decisions(limit=None)] == [
+            ("disable_speculation", "coding"), ("disable_speculation", "coding"), ("alert", "coding"),
+            ("restore", "coding")]
 
 
 def test_a_restore_keeps_what_the_detectors_turned_off():

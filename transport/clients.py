@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from .config import BrokerUnavailable, KafkaConfig
 
-__all__ = ["FROM_EARLIEST", "aiokafka_admin", "aiokafka_consumer", "kafka_admin", "kafka_consumer", "kafka_producer",
-           "probe_bootstrap"]
+__all__ = ["FROM_EARLIEST", "aiokafka_admin", "aiokafka_consumer", "aiokafka_producer", "kafka_admin",
+           "kafka_consumer", "kafka_producer", "probe_bootstrap"]
 
 # A reader of a whole topic that joins no group: it starts at the first offset and commits nothing.
 FROM_EARLIEST: dict[str, Any] = {"group_id": None, "auto_offset_reset": "earliest", "enable_auto_commit": False}
@@ -38,22 +39,48 @@ def kafka_admin(config: KafkaConfig, **overrides: Any) -> Any:
     return KafkaAdminClient(**{**config.client_settings(), **overrides})
 
 
-def aiokafka_consumer(config: KafkaConfig, *topics: str, **overrides: Any) -> Any:
-    """An aiokafka consumer of ``topics`` with ``config``'s security and fetch settings, ``overrides``
-    on top; not started."""
+def aiokafka_consumer(kafka: KafkaConfig | str, *topics: str, security: Mapping[str, Any] | None = None,
+                      fetch: Mapping[str, Any] | None = None, **overrides: Any) -> Any:
+    """An aiokafka consumer of ``topics``, not started. ``kafka`` is a `KafkaConfig` (its bootstrap
+    servers, security and fetch settings) or the bootstrap servers alone, with ``security``
+    (`KafkaConfig.aiokafka_security`) and ``fetch`` (`KafkaConfig.aiokafka_fetch_settings`) given;
+    ``overrides`` on top."""
     from aiokafka import AIOKafkaConsumer
 
-    return AIOKafkaConsumer(*topics, **{"bootstrap_servers": config.bootstrap_servers.split(","),
-                                        **config.aiokafka_security(), **config.aiokafka_fetch_settings(),
-                                        **overrides})
+    bootstrap, security, fetch = _reach(kafka, security, fetch)
+    return AIOKafkaConsumer(*topics, **{"bootstrap_servers": bootstrap, **security, **fetch, **overrides})
 
 
-def aiokafka_admin(config: KafkaConfig, **overrides: Any) -> Any:
-    """An aiokafka admin client with ``config``'s security settings; not started."""
+def aiokafka_producer(settings: Mapping[str, Any]) -> Any:
+    """An aiokafka producer with ``settings`` (`KafkaConfig.aiokafka_producer_settings`); not started."""
+    from aiokafka import AIOKafkaProducer
+
+    return AIOKafkaProducer(**settings)
+
+
+def aiokafka_admin(kafka: KafkaConfig | str, *, security: Mapping[str, Any] | None = None,
+                   **overrides: Any) -> Any:
+    """An aiokafka admin client, not started: ``kafka`` as for `aiokafka_consumer`."""
     from aiokafka.admin import AIOKafkaAdminClient
 
-    return AIOKafkaAdminClient(**{"bootstrap_servers": config.bootstrap_servers.split(","),
-                                  **config.aiokafka_security(), **overrides})
+    bootstrap, security, _ = _reach(kafka, security, {})
+    return AIOKafkaAdminClient(**{"bootstrap_servers": bootstrap, **security, **overrides})
+
+
+def _reach(kafka: KafkaConfig | str, security: Mapping[str, Any] | None,
+           fetch: Mapping[str, Any] | None) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """Bootstrap servers, security and fetch settings: given, or a `KafkaConfig`'s own.
+
+    >>> _reach("k1:9092,k2:9092", None, {"fetch_max_bytes": 1 << 20})
+    (['k1:9092', 'k2:9092'], {}, {'fetch_max_bytes': 1048576})
+    >>> _reach(KafkaConfig("k:9092"), None, None)[2] == KafkaConfig("k:9092").aiokafka_fetch_settings()
+    True
+    """
+    if isinstance(kafka, KafkaConfig):
+        security = kafka.aiokafka_security() if security is None else security
+        fetch = kafka.aiokafka_fetch_settings() if fetch is None else fetch
+        kafka = kafka.bootstrap_servers
+    return kafka.split(","), dict(security or {}), dict(fetch or {})
 
 
 def probe_bootstrap(bootstrap_servers: str, timeout_s: float) -> None:

@@ -7,9 +7,9 @@ import asyncio
 import contextlib
 from typing import Any, AsyncIterator, Iterable, Mapping
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import TopicPartition
 
+from .clients import FROM_EARLIEST, aiokafka_admin, aiokafka_consumer, aiokafka_producer
 from .config import KafkaConfig
 
 __all__ = ["KafkaStalled", "KafkaWriter", "PartitionReader", "RangeReader", "acknowledged", "split_source"]
@@ -61,7 +61,7 @@ class PartitionReader(RangeReader):
 
     def __init__(self, bootstrap: str, security: Mapping[str, Any] | None = None, *,
                  fetch: Mapping[str, Any] | None = None) -> None:
-        self._bootstrap = bootstrap.split(",")
+        self._bootstrap = bootstrap
         self._security = dict(security or {})
         self._fetch = dict(fetch or {})  # `KafkaConfig.aiokafka_fetch_settings`
         self._partitions: dict[str, list[int]] = {}
@@ -79,20 +79,18 @@ class PartitionReader(RangeReader):
         return self._partitions[topic]
 
     @contextlib.asynccontextmanager
-    async def _admin(self) -> AsyncIterator[AIOKafkaAdminClient]:
-        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap,
-                                    request_timeout_ms=_CONNECT_TIMEOUT_MS, **self._security)
+    async def _admin(self) -> AsyncIterator[Any]:
+        admin = aiokafka_admin(self._bootstrap, security=self._security, request_timeout_ms=_CONNECT_TIMEOUT_MS)
         await admin.start()
         try:
             yield admin
         finally:
             await admin.close()
 
-    def _consumer(self) -> AIOKafkaConsumer:
+    def _consumer(self) -> Any:
         """A consumer outside any group, started and stopped by ``async with``."""
-        return AIOKafkaConsumer(bootstrap_servers=self._bootstrap, **self._security, **self._fetch,
-                                group_id=None, enable_auto_commit=False,
-                                auto_offset_reset="earliest", isolation_level="read_committed")
+        return aiokafka_consumer(self._bootstrap, security=self._security, fetch=self._fetch, **FROM_EARLIEST,
+                                 isolation_level="read_committed")
 
     async def iter_range(self, topic: str, partition: int, start: int, end: int) -> AsyncIterator[Any]:
         """Messages with ``start <= offset < end`` of one partition, in order (fewer if the log ends first)."""
@@ -152,13 +150,13 @@ class KafkaWriter:
     def __init__(self, config: KafkaConfig) -> None:
         self._settings = config.aiokafka_producer_settings(
             acks="all", enable_idempotence=True, max_request_size=max(config.max_request_size, _MAX_REQUEST_BYTES))
-        self._producer: AIOKafkaProducer | None = None
+        self._producer: Any = None
 
     async def send(self, topic: str, value: bytes, *, key: bytes | None = None, partition: int | None = None,
                    headers: list[tuple[str, bytes]] | None = None) -> asyncio.Future:
         """Hand one message to the producer; the returned future resolves when the broker acknowledged it."""
         if self._producer is None:
-            producer = AIOKafkaProducer(**self._settings)
+            producer = aiokafka_producer(self._settings)
             await producer.start()
             self._producer = producer
         return await self._producer.send(topic, value, key=key, partition=partition, headers=headers)

@@ -63,13 +63,12 @@ async def prepare_topics(plan: TopicPlan, default_partitions: int = _DEFAULT_PAR
     """Reach the cluster, create missing topics, and return the partition counts. Raises
     `BrokerUnavailable` when no broker answers, `TopicError` when telemetry topics disagree on their
     partition count or a checkpoint topic does not follow its input."""
-    from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.errors import KafkaConnectionError, KafkaError
 
+    from .clients import aiokafka_admin
     from .config import BrokerUnavailable
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=plan.bootstrap.split(","),
-                                request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS, **plan.security)
+    admin = aiokafka_admin(plan.bootstrap, security=plan.security, request_timeout_ms=_DEFAULT_CONNECT_TIMEOUT_MS)
     try:
         client_log = logging.getLogger("aiokafka")
         level = client_log.level

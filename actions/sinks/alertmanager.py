@@ -28,8 +28,8 @@ from specwatch.schemas.scope import EVERY
 
 __all__ = ["ALERTMANAGER_URL_ENV", "SENDER_RESULTS", "WEBHOOK_DETECTOR", "WEBHOOK_OUTCOMES", "WEBHOOK_TOKEN_FILE_ENV",
            "AlertRequest", "AlertSender", "RollbackPolicy", "WebhookLedger", "WebhookReading",
-           "alert_problem", "bearer_token_ok", "decision_alert", "load_rollback_policy", "read_token_file",
-           "read_webhook", "resolve_scopes"]
+           "alert_problem", "bearer_token_ok", "decision_alert", "let_go_decision", "load_rollback_policy",
+           "read_token_file", "read_webhook", "resolve_scopes"]
 
 # What a sender does with an alert, and what the webhook does with one it receives: the
 # label values of specwatch_alertmanager_alerts_total and specwatch_webhook_alerts_total.
@@ -269,7 +269,8 @@ def bearer_token_ok(header: str | None, token: str) -> bool:
 
 @dataclass(frozen=True)
 class AlertRequest:
-    """What one alert of a webhook asks: disable (or restore) ``scope`` for ``reason``."""
+    """What one alert of a webhook asks: disable (or restore) ``scope`` for ``reason``; a resolved
+    alert that other alerts (``held_by``, their fingerprints) still hold the scope off for only lets go."""
 
     scope: tuple[str, str | None, str | None]
     restore: bool
@@ -277,6 +278,27 @@ class AlertRequest:
     draft_limit: int | None
     audit: dict
     ident: tuple = ()
+    held_by: tuple[str, ...] = ()
+
+
+def let_go_decision(request: AlertRequest, ts: float, by: str) -> Decision:
+    """The record of a resolved alert that lets go of a scope other alerts still hold off: an
+    ``alert`` (no path changes) naming them. Published and archived like every webhook decision,
+    so the letting go outlives a restart and the last holder's resolution still restores.
+
+    >>> request = AlertRequest(("b-1", "coding", None), True, "latency_slo", None,
+    ...                        {"alertname": "Drill", "fingerprint": "f1", "status": "resolved"}, (), ("f2",))
+    >>> d = let_go_decision(request, 100.0, "alertmanager")
+    >>> d.action, d.key, d.detector, d.evidence["held_by"], d.evidence["note"]
+    ('alert', 'b-1/coding/*', 'alertmanager', ['f2'], 'alert Drill resolved; still held off by 1 other alert')
+    """
+    bundle, bucket, cohort = request.scope
+    others = len(request.held_by)
+    note = (f"alert {request.audit['alertname']} {request.audit['status']}; still held off by {others} other "
+            f"alert{'s' if others > 1 else ''}")
+    evidence = {"by": by, "note": note, "cleared": False, "held_by": sorted(request.held_by), **request.audit}
+    return Decision(ts=ts, bundle_id=bundle, bucket=bucket, cohort=cohort, action="alert", reason=request.reason,
+                    detector=WEBHOOK_DETECTOR, evidence=evidence)
 
 
 def resolve_scopes(labels: Mapping[str, str], cards: Mapping[str, dict]) -> list[tuple[str, str | None, str | None]]:
@@ -367,7 +389,8 @@ class WebhookLedger:
     """Alerts already handled, by (fingerprint, startsAt, status), recorded once their decisions
     are published: a re-sent alert changes nothing, a retried failed one is handled in full. It
     also knows which alerts (by fingerprint) hold each scope off, so a resolved alert restores
-    only a scope it turned off itself and no other alert still holds.
+    only a scope it turned off itself and no other alert still holds. All of it is rebuilt from
+    the webhook's own decisions (`remember`), the letting go of a scope included.
 
     >>> ledger = WebhookLedger(size=1)
     >>> ledger.handled(("f1", "t", "firing")), ledger.record(("f1", "t", "firing")), ledger.handled(("f1", "t", "firing"))
@@ -409,7 +432,9 @@ class WebhookLedger:
     def applied(self, request: AlertRequest) -> None:
         """``request`` was published: remember it, and who holds its scope now."""
         self.record(request.ident)
-        if request.restore:
+        if request.held_by:
+            self.release(request.audit["fingerprint"], request.scope)
+        elif request.restore:
             # a restore goes out only once its alert is the last to hold the scope: none holds it now
             self._holders.pop(request.scope, None)
         else:
@@ -424,9 +449,11 @@ class WebhookLedger:
             if decision.detector != WEBHOOK_DETECTOR or not isinstance(evidence.get("fingerprint"), str):
                 continue
             status = evidence.get("status")
+            # an alert decision of the webhook is a resolved alert that let go while others held on
+            held_by = tuple(evidence.get("held_by") or ("?",)) if decision.action == "alert" else ()
             self.applied(AlertRequest((decision.bundle_id, decision.bucket, decision.cohort), status == "resolved",
                                       decision.reason, None, {"fingerprint": evidence["fingerprint"]},
-                                      (evidence["fingerprint"], evidence.get("starts_at"), status)))
+                                      (evidence["fingerprint"], evidence.get("starts_at"), status), held_by))
             taken += 1
         return taken
 
@@ -484,28 +511,22 @@ def read_webhook(payload: object, cards: Mapping[str, dict], policy: RollbackPol
             outcomes["duplicate"] += 1
             continue
         seen.add(ident)
+        held_by: dict[tuple, tuple[str, ...]] = {}
         if restore:
             # only what this alert turned off, and only once no other alert holds it off
             held = [scope for scope in scopes if alert["fingerprint"] in ledger.holders(scope)]
             if not held:
                 outcomes["not_held"] += 1
                 continue
-            free = [scope for scope in held if ledger.holders(scope) == {alert["fingerprint"]}]
-            if not free:
-                outcomes["still_held"] += 1
-                for scope in held:  # this one lets go; the others keep the scope off
-                    ledger.release(alert["fingerprint"], scope)
-                ledger.record(ident)
-                continue
-            for scope in held:
-                if scope not in free:
-                    ledger.release(alert["fingerprint"], scope)
-            scopes = free
+            held_by = {scope: tuple(sorted(ledger.holders(scope) - {alert["fingerprint"]})) for scope in held}
+            scopes = held
         limit = labels.get("draft_length")
         audit = {"alertname": name, "fingerprint": alert["fingerprint"],
                  "generator_url": alert.get("generatorURL"), "starts_at": alert["startsAt"],
                  "status": status}
         for scope in scopes:
-            reading.requests.append(AlertRequest(scope, restore, reason, int(limit) if limit else None, audit, ident))
-        outcomes["applied"] += 1
+            # where others hold the scope off, this one lets go (a record of it, no path change)
+            reading.requests.append(AlertRequest(scope, restore, reason, int(limit) if limit else None, audit, ident,
+                                                 held_by.get(scope, ())))
+        outcomes["still_held" if held_by and all(held_by.values()) else "applied"] += 1
     return reading

@@ -364,7 +364,8 @@ def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
     minutes = max(0.2, target_mb / 50.0)
     cli = [sys.executable, "-m", "specwatch.cli"]
     subprocess.run(cli + ["simulate", "--scenario", "acceptance_drop", "--seed", str(_SEED), "--minutes",
-                          f"{minutes:.2f}", "--incident-at", f"{minutes * 30:.1f}", "--output", str(path)], check=True, capture_output=True)
+                          f"{minutes:.2f}", "--incident-at", f"{minutes * 30:.1f}", "--output", str(path)],
+                   check=True, capture_output=True)
     size = path.stat().st_size
     import resource
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -13,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option, add_policy_option,
-                                           load_policy)
+                                           check_output, load_policy)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "run_simulated_demo"]
 
@@ -201,14 +202,18 @@ def run(args) -> int:
                            "capture runs in a serving engine (SPECWATCH_VLLM_POLICY); remove [capture] or set "
                            "enabled = false")
     outdir = Path(args.outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
+    picture = outdir / "timeline.png"
     archive_sink = None
     dsn = None
     if not args.no_archive:
-        from specwatch.archive.sink import ArchiveSink
-
         default = outdir / ("vllm/archive" if args.engine == "vllm" else "archive")
         dsn = args.archive or os.environ.get("SPECWATCH_ARCHIVE") or f"chdb://{default}"
+    if args.engine != "vllm":
+        check_output(str(picture), _reads(args, dsn))  # before anything is written
+    outdir.mkdir(parents=True, exist_ok=True)
+    if dsn is not None:
+        from specwatch.archive.sink import ArchiveSink
+
         try:
             archive_sink = ArchiveSink.open(dsn, outage_log_level=logging.INFO)
         except ValueError as error:
@@ -227,7 +232,7 @@ def run(args) -> int:
         return 2
     try:
         summary = run_simulated_demo(args.scenario, args.seed, args.minutes, args.workers, policy, archive_sink,
-                                     outdir / "timeline.png", progress, sdk=args.otel_sdk, operations=operations)
+                                     picture, progress, sdk=args.otel_sdk, operations=operations)
     finally:
         if archive_sink is not None:
             archive_sink.close()
@@ -246,6 +251,15 @@ def run(args) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def _reads(args, dsn: str | None) -> argparse.Namespace:
+    """The demo's arguments as the output check reads them: the archive is the one the demo opens
+    (under --outdir unless --archive or $SPECWATCH_ARCHIVE names another), none with --no-archive."""
+    reads = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("archive", "archive_dsn")})
+    if dsn is not None:
+        reads.archive = dsn
+    return reads
 
 
 def _archived_at(archive_sink, dsn: str) -> str | None:
