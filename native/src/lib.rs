@@ -1,4 +1,5 @@
-//! The OTLP step walk of specwatch's block decoder (`schemas/fastdecode.py`), compiled.
+//! The step walks of specwatch's block decoder (`schemas/fastdecode.py`), compiled: OTLP here,
+//! JSON Lines in `lines`.
 //!
 //! `StepWalk.records` reads an ExportLogsServiceRequest that upb has already accepted and
 //! gives, for every LogRecord, its span and -- when the record is a valid step in the
@@ -10,6 +11,8 @@
 //! two readers cannot disagree on what the writer writes.
 
 use std::collections::HashMap;
+
+mod lines;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
@@ -453,5 +456,6 @@ impl StepWalk {
 #[pymodule]
 fn specwatch_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepWalk>()?;
+    m.add_class::<lines::LineWalk>()?;
     Ok(())
 }
