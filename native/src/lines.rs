@@ -12,6 +12,8 @@ use std::collections::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyString, PyTuple};
 
+use crate::NameRules;
+
 /// JSON's insignificant whitespace, which may follow the object (a line read with its newline).
 #[inline]
 fn blank(c: u8) -> bool {
@@ -42,15 +44,15 @@ impl<'a> Cursor<'a> {
         Some(c)
     }
 
-    /// A string of printable ASCII without a quote or backslash, the quotes already around it
-    /// in the layout: the bytes up to the next quote.
+    /// A Name of printable ASCII without an escape, its opening quote already read: the
+    /// bytes up to the next quote.
     #[inline]
-    fn name(&mut self, max_chars: usize) -> Option<&'a [u8]> {
+    fn name(&mut self, rules: &NameRules) -> Option<&'a [u8]> {
         let start = self.p;
         let rest = self.buf.get(start..)?;
         let len = rest.iter().position(|&c| c == b'"')?;
         let name = &rest[..len];
-        if name.is_empty() || name.len() > max_chars || !name.iter().all(|&c| (0x20..0x7F).contains(&c) && c != b'\\') {
+        if !rules.plain(name) || name.contains(&b'\\') {
             return None;
         }
         self.p = start + len + 1; // past the closing quote
@@ -159,34 +161,28 @@ struct Step<'a> {
 #[pyclass(frozen, module = "specwatch_native")]
 pub struct LineWalk {
     max_line_bytes: usize,
-    max_name_chars: usize,
+    names: NameRules,
     max_requests: usize,
     max_draft_tokens: u8,
     max_exact_int: f64,
-    every: Vec<u8>,
-    separator: u8,
 }
 
 impl LineWalk {
-    fn scope_ok(&self, name: &[u8]) -> bool {
-        name != self.every.as_slice() && !name.contains(&self.separator)
-    }
-
     /// The step on ``line`` if it is one in the writer's layout that passes every check.
     fn step<'a>(&self, line: &'a [u8]) -> Option<Step<'a>> {
         if line.len() > self.max_line_bytes {
             return None;
         }
-        let max = self.max_name_chars;
+        let names = &self.names;
         let mut c = Cursor { buf: line, p: 0 };
         c.literal(br#"{"v":1,"ts":"#)?;
         let ts = c.number()?;
         c.literal(br#","kind":"step","worker":""#)?;
-        let worker = c.name(max)?;
+        let worker = c.name(names)?;
         c.literal(br#","seq":"#)?;
         let seq = c.integer()?;
         c.literal(br#","bundle_id":""#)?;
-        let bundle = c.name(max)?;
+        let bundle = c.name(names)?;
         c.literal(br#","draft_ms":"#)?;
         let draft_ms = c.number()?;
         c.literal(br#","verify_ms":"#)?;
@@ -200,17 +196,17 @@ impl LineWalk {
         } else {
             loop {
                 c.literal(br#"{"id":""#)?;
-                let id = c.name(max)?;
+                let id = c.name(names)?;
                 c.literal(br#","bucket":""#)?;
-                let bucket = c.name(max)?;
+                let bucket = c.name(names)?;
                 c.literal(br#","cohort":""#)?;
-                let cohort = c.name(max)?;
+                let cohort = c.name(names)?;
                 c.literal(br#","drafted":"#)?;
                 let drafted = c.count()?;
                 c.literal(br#","accepted":"#)?;
                 let accepted = c.count()?;
                 c.literal(b"}")?;
-                if drafted > self.max_draft_tokens || accepted > drafted || !self.scope_ok(bucket) || !self.scope_ok(cohort) {
+                if drafted > self.max_draft_tokens || accepted > drafted || !self.names.scope_ok(bucket) || !self.names.scope_ok(cohort) {
                     return None;
                 }
                 rounds.push((id, bucket, cohort, drafted, accepted));
@@ -269,7 +265,8 @@ impl LineWalk {
         every: Vec<u8>,
         separator: u8,
     ) -> Self {
-        LineWalk { max_line_bytes, max_name_chars, max_requests, max_draft_tokens, max_exact_int, every, separator }
+        let names = NameRules { max_chars: max_name_chars, every, separator };
+        LineWalk { max_line_bytes, names, max_requests, max_draft_tokens, max_exact_int }
     }
 
     /// The steps of a block of lines (bytes) read here, as columns, and the positions left
