@@ -663,9 +663,12 @@ def _parsed_lines(lines: Sequence[bytes]) -> list:
     """Each line as a `_BlockStep` when msgspec reads it as one, else something else."""
     if lines and all(len(line) <= MAX_LINE_BYTES for line in lines):
         try:  # one parse of the whole block: most blocks hold only records of known kinds
-            return _BLOCK_DECODER.decode(b"[" + b",".join(lines) + b"]")
+            parsed = _BLOCK_DECODER.decode(b"[" + b",".join(lines) + b"]")
         except _LINE_ERRORS:
             pass  # a blank or bad line somewhere: line by line
+        else:
+            if len(parsed) == len(lines):  # else a line held two objects and a comma: line by line
+                return parsed
     return [_line_step(line) for line in lines]
 
 
