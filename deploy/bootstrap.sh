@@ -31,8 +31,9 @@ else
   "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$here" >&2 2>/dev/null \
     || "$venv/bin/python" -m pip install -q --no-deps -e "$here" >&2
 fi
-# The compiled OTLP step walk (native/, imported as specwatch_native) where Rust is installed;
-# without it the block decoder takes its pure-Python reference path. The wheel is cached by
+# The compiled step walks of the block decoder, OTLP and JSON Lines (native/, imported as
+# specwatch_native), where Rust is installed; without them the block decoder takes its
+# pure-Python reference path. The wheel is cached by
 # a hash of the crate's sources: a second run, or another checkout of the same sources,
 # installs it without building.
 # A cargo that cannot run (rustup without a default toolchain for this HOME) counts as none,
@@ -49,7 +50,7 @@ if [ -n "$cargo" ]; then
   key=$(cd "$here/native" && cat Cargo.toml Cargo.lock pyproject.toml src/*.rs | sha256sum | cut -c1-16)
   wheels=$cache/wheel-$key
   if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
-    echo "bootstrap: building the compiled step walk (native/)" >&2
+    echo "bootstrap: building the compiled step walks (native/)" >&2
     "$venv/bin/python" -m pip install -q 'maturin==1.16.0' >&2
     rm -rf "$wheels.partial"
     if PATH="$(dirname "$cargo"):$PATH" CARGO_TARGET_DIR=$cache/target \

@@ -23,7 +23,7 @@ from .otlp import (ATTRIBUTE_PREFIX, EVENT_PREFIX, REQUESTS_PREFIX, ROUND_COLUMN
 from .otlp_wire import EncodingMemo, OddShape, encode_attribute, read_varint, small_ints, string_values
 from .scope import EVERY, SEPARATOR
 
-__all__ = ["DECODER", "StepBlock", "decode_lines_block", "record_at", "request_block"]
+__all__ = ["DECODER", "DECODERS", "StepBlock", "decode_lines_block", "record_at", "request_block"]
 
 # ints beyond this lose precision as floats; such times take the reference path
 _MAX_EXACT_INT = 1 << 53
@@ -475,24 +475,25 @@ _READ_TAGS = frozenset((0x32, _STAMP, _OBSERVED, 0x62))
 _NOT_READ = (OddShape, IndexError, ValueError, TypeError, KeyError, struct.error)
 
 
-def _native_walk() -> Any:
-    """The compiled step walk (the package specwatch_native, built from native/), or None: not
-    built on this machine, or SPECWATCH_NATIVE=0 asks for the reference path."""
+def _native_walk(name: str, *settings: Any) -> Any:
+    """A compiled step walk (the package specwatch_native, built from native/) made with
+    ``settings``, or None: not built on this machine (or built before it had this walk), or
+    SPECWATCH_NATIVE=0 asks for the reference path."""
     if os.environ.get("SPECWATCH_NATIVE", "1") == "0":
         return None
     try:
-        from specwatch_native import StepWalk
+        import specwatch_native
     except ImportError:
         return None
-    # the layout's bytes as the writer makes them here: the two readers cannot drift apart
-    return StepWalk(_V_TS_HEAD, _SEQ_HEADS, (_DRAFT_HEAD, _VERIFY_HEAD, _KV_HEAD), _WORKER_KEY, _BUNDLE_KEY,
-                    (_ID_KEY, _BUCKET_KEY, _COHORT_KEY, _DRAFTED_KEY, _ACCEPTED_KEY), _EVENT_FIELD, MAX_NAME_CHARS,
-                    MAX_REQUESTS_PER_STEP, MAX_DRAFT_TOKENS, EVERY.encode(), ord(SEPARATOR))
+    walk = getattr(specwatch_native, name, None)
+    return None if walk is None else walk(*settings)
 
 
-_NATIVE_WALK = _native_walk()
-# which path `request_block` takes by default: the bench report names it
-DECODER = "native" if _NATIVE_WALK is not None else "reference"
+# the layout's bytes as the writer makes them here: the two readers cannot drift apart
+_NATIVE_WALK = _native_walk("StepWalk", _V_TS_HEAD, _SEQ_HEADS, (_DRAFT_HEAD, _VERIFY_HEAD, _KV_HEAD), _WORKER_KEY,
+                            _BUNDLE_KEY, (_ID_KEY, _BUCKET_KEY, _COHORT_KEY, _DRAFTED_KEY, _ACCEPTED_KEY),
+                            _EVENT_FIELD, MAX_NAME_CHARS, MAX_REQUESTS_PER_STEP, MAX_DRAFT_TOKENS, EVERY.encode(),
+                            ord(SEPARATOR))
 
 
 def _request_items(data: bytes | bytearray | memoryview,
@@ -618,11 +619,21 @@ _OTHER_KIND_NAMES = ("request", "shadow", "bundle")
 _OTHER_KINDS = tuple(msgspec.defstruct(f"_Other{kind.title()}", [], tag_field="kind", tag=kind)
                      for kind in _OTHER_KIND_NAMES)
 _BLOCK_DECODER = msgspec.json.Decoder(list[Union[(_BlockStep, *_OTHER_KINDS)]])
-_LINE_DECODER = msgspec.json.Decoder(_BlockStep)
+# a union even for one line: msgspec requires the tag only to choose among types, and a line
+# without "kind" is no step
+_LINE_DECODER = msgspec.json.Decoder(Union[(_BlockStep, *_OTHER_KINDS)])
 _ANY_DECODER = msgspec.json.Decoder()
 _LINE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 _STEP_FIELDS = attrgetter("ts", "worker", "seq", "bundle_id", "draft_ms", "verify_ms", "kv_usage", "v")
 _REQUESTS = attrgetter("requests")
+
+
+_NATIVE_LINES = _native_walk("LineWalk", MAX_LINE_BYTES, MAX_NAME_CHARS, MAX_REQUESTS_PER_STEP, MAX_DRAFT_TOKENS,
+                             float(_MAX_EXACT_INT), EVERY.encode(), ord(SEPARATOR))
+# which path each encoding's block decoder takes by default: the bench report names them
+DECODERS = {"jsonl": "reference" if _NATIVE_LINES is None else "native",
+            "otlp": "reference" if _NATIVE_WALK is None else "native"}
+DECODER = "native" if set(DECODERS.values()) == {"native"} else "reference"
 
 
 def _line_step(line: bytes) -> _BlockStep | None:
@@ -652,9 +663,12 @@ def _parsed_lines(lines: Sequence[bytes]) -> list:
     """Each line as a `_BlockStep` when msgspec reads it as one, else something else."""
     if lines and all(len(line) <= MAX_LINE_BYTES for line in lines):
         try:  # one parse of the whole block: most blocks hold only records of known kinds
-            return _BLOCK_DECODER.decode(b"[" + b",".join(lines) + b"]")
+            parsed = _BLOCK_DECODER.decode(b"[" + b",".join(lines) + b"]")
         except _LINE_ERRORS:
             pass  # a blank or bad line somewhere: line by line
+        else:
+            if len(parsed) == len(lines):  # else a line held two objects and a comma: line by line
+                return parsed
     return [_line_step(line) for line in lines]
 
 
@@ -795,8 +809,10 @@ def _any_layout(raw: msgspec.Raw, pairs: dict) -> tuple | None:
     return ids, np.fromiter(map(index.__getitem__, scopes), np.int64, len(scopes)), drafted, accepted
 
 
-def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
+def decode_lines_block(lines: Sequence[bytes | str], native: bool = True) -> StepBlock:
     """A block of JSON lines as one `StepBlock`, positions being line numbers in the block.
+
+    ``native=False`` keeps to the reference path even where the compiled walk is loaded.
 
     >>> step = (b'{"kind":"step","v":1,"ts":%d,"worker":"w1","seq":%d,"bundle_id":"b","draft_ms":1.0,'
     ...         b'"verify_ms":9.0,"kv_usage":0.5,"requests":[{"id":"r","bucket":"chat","cohort":"main",'
@@ -808,6 +824,63 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     ([1, 2, 3], [('b', 'chat', 'main'), ('b', None, None)], [0, 0, 0], [('r',), ('r',), ('r',)], 2)
     """
     lines = [line.encode() if type(line) is str else line for line in lines]
+    if native and _NATIVE_LINES is not None:
+        return _walked_lines_block(lines)
+    return _reference_lines_block(lines, lambda position: partial(decode_line, lines[position]))
+
+
+def _walked_lines_block(lines: list[bytes]) -> StepBlock:
+    """`decode_lines_block` with the compiled walk reading the steps in the writer's layout; the
+    lines it declines take the reference path, and their steps join the walk's by position."""
+    (at, declined, ts, workers, seqs, bundles, draft_ms, verify_ms, kv_usage, step_ids, round_step, pair_index,
+     pairs, drafted, accepted) = _NATIVE_LINES.block(lines)
+
+    def build(position: int) -> Callable:
+        return partial(decode_line, lines[position])
+
+    header = (np.frombuffer(ts), workers, seqs, bundles, np.frombuffer(draft_ms), np.frombuffer(verify_ms),
+              np.frombuffer(kv_usage))
+    walked = _interned(header, np.frombuffer(round_step, dtype=np.int64), np.frombuffer(pair_index, dtype=np.int64),
+                       pairs, np.frombuffer(drafted, dtype=np.uint8), np.frombuffer(accepted, dtype=np.uint8), at, [],
+                       step_ids, build)
+    if not declined:
+        return walked
+    rest = _reference_lines_block([lines[i] for i in declined], build)
+    rest.at = [declined[i] for i in rest.at]
+    rest.others = [(declined[i], item) for i, item in rest.others]
+    if not len(rest):  # lines of other kinds, blank or bad ones: no step to place among the walk's
+        walked.others = rest.others
+        return walked
+    return _joined(walked, rest, build)
+
+
+def _joined(first: StepBlock, second: StepBlock, build: Callable) -> StepBlock:
+    """One block of the steps and other records of two blocks over the same lines, in line order,
+    (bucket, cohort) pairs numbered in the order the steps list them."""
+    rows = sorted([(position, block, row) for block in (first, second) for row, position in enumerate(block.at)],
+                  key=lambda item: item[0])
+    pairs: dict[tuple[str, str], int] = {}
+    columns: list[list] = [[] for _ in range(7)]
+    pair_index, drafted, accepted, step_ids, counts = [], [], [], [], []
+    for _, block, row in rows:
+        start, end = np.searchsorted(block.round_step, (row, row + 1)).tolist()
+        for column, value in zip(columns, (block.ts[row], block.workers[row], block.seqs[row],
+                                           block.keys[block.bundle_key[row]][0], block.draft_ms[row],
+                                           block.verify_ms[row], block.kv_usage[row])):
+            column.append(value)
+        pair_index += [pairs.setdefault(block.keys[k][1:], len(pairs)) for k in block.round_key[start:end].tolist()]
+        drafted.append(block.drafted[start:end])
+        accepted.append(block.accepted[start:end])
+        step_ids.append(block.step_ids[row])
+        counts.append(end - start)
+    round_step = np.repeat(np.arange(len(rows)), counts)
+    return _interned(columns, round_step, np.asarray(pair_index, dtype=np.int64), list(pairs),
+                     np.concatenate(drafted), np.concatenate(accepted), [position for position, _, _ in rows],
+                     sorted(first.others + second.others, key=lambda item: item[0]), step_ids, build)
+
+
+def _reference_lines_block(lines: list[bytes], build: Callable) -> StepBlock:
+    """`decode_lines_block` on the reference path: msgspec for the steps' fields, their rounds read by position."""
     collecting = gc.isenabled()
     gc.disable()  # a block is many objects made at once, none of them in a cycle
     try:
@@ -837,7 +910,7 @@ def decode_lines_block(lines: Sequence[bytes | str]) -> StepBlock:
     others = [(position, decoded) for position, line in enumerate(lines) if position not in taken
               and (decoded := _decode_other(line)) is not None]
     return _interned(header, round_step, pair, list(pairs), drafted, accepted, at, others,
-                     [found[0] for found in names], lambda position: partial(decode_line, lines[position]))
+                     [found[0] for found in names], build)
 
 
 def _checked(header, names: list) -> np.ndarray:

@@ -80,11 +80,12 @@ class EmbeddedPipeline:
         ingested = self.ingest.records(records, self._now(), on_closed=lambda ready: decided.extend(self._drain(ready)))
         return decided + self._take(ingested)
 
-    def feed_lines(self, lines: Sequence[bytes | str]) -> list[Decision]:
-        """A block of JSON lines at once (the batch mode of `feed_line`)."""
+    def feed_lines(self, lines: Sequence[bytes | str], native: bool = True) -> list[Decision]:
+        """A block of JSON lines at once (the batch mode of `feed_line`); ``native=False``: without
+        the compiled step walk even where it is loaded."""
         first_line = self.counters.lines
         self.counters.lines += len(lines)
-        return self._take(self.ingest.block(decode_lines_block(lines), self._now()), first_line)
+        return self._take(self.ingest.block(decode_lines_block(lines, native), self._now()), first_line)
 
     def feed_block(self, block: StepBlock) -> list[Decision]:
         """Decoded records in the batch mode, e.g. ``request_block(request)``:

@@ -125,3 +125,12 @@ def _steps(draw) -> list[bytes]:
 @given(_steps())
 def test_random_steps_decode_as_line_by_line(lines):
     _check(lines)
+
+
+def test_a_line_of_two_records_and_a_comma_shifts_no_other_line():
+    """The block is parsed as one JSON array of its lines: a line holding two objects would
+    give one more element than there are lines, and every later line the wrong position."""
+    lines = _simulated()[:40]
+    requests = [line for line in lines if b'"kind":"request"' in line][:2]
+    block = _check([requests[0] + b"," + requests[1], *lines])
+    assert block.at == [position + 1 for position, line in enumerate(lines) if b'"kind":"step"' in line]

@@ -11,7 +11,7 @@ import pytest
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Policy, Rejection, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import DECODER, decode_lines_block, request_block
+from specwatch.schemas.fastdecode import DECODERS, decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.stage_tasks import Stage1Task
@@ -196,9 +196,14 @@ def test_bench_quick_json_shape():
         assert {"encoding", "requests_per_step", "rounds", "columnar_rounds_per_s", "naive_rounds_per_s",
                 "reference_rounds_per_s", "speedup_vs_naive", "speedup_vs_reference"} <= set(row)
         assert row["same_decisions_as_reference"] is True
-        # the compiled step walk reads OTLP only; where it ran, the batch mode without it decides the same
-        compiled = report["machine"]["decoder"] == "native" and row["encoding"] == "otlp"
+        # where the compiled step walk ran, the batch mode without it decides the same
+        compiled = report["machine"]["decoders"][row["encoding"]] == "native"
         assert row["decoder"] == ("native" if compiled else "reference")
         assert ("native_over_reference" in row, row.get("native_same_decisions")) == (compiled, True if compiled else None)
-    assert report["machine"]["decoder"] == DECODER
+    assert report["machine"]["decoders"] == DECODERS
+    # replay and keys name the path they took and give the figure without the compiled walk beside it
+    assert report["replay"]["decoder"] == DECODERS["jsonl"]
+    assert report["replay"]["same_decisions_without_native"] is True
+    assert report["replay"]["replay_s_without_native"] > 0
+    assert all(row["us_per_key_slice_without_native"] > 0 for row in report["keys"]["curve"])
     assert {"met", "target", "measured"} <= set(report["targets"][0])

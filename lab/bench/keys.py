@@ -9,7 +9,7 @@ from typing import Iterator
 from specwatch.lab.bench import alternated, timed
 from specwatch.schemas import Policy
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_lines_block
+from specwatch.schemas.fastdecode import DECODERS, decode_lines_block
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.gc_policy import STREAM_THRESHOLDS
@@ -52,9 +52,10 @@ def step_lines(keys: int, slices: int, rounds_per_slice: int,
                         for n in range(k, k + min(requests_per_step, left))]
             k += len(requests)
             left -= len(requests)
-            lines.append(json.dumps({"kind": "step", "v": 1, "ts": ts, "worker": "w1", "seq": seq,
+            # in the writer's layout (`encode_record`'s), which the compiled step walk reads
+            lines.append(json.dumps({"v": 1, "ts": ts, "kind": "step", "worker": "w1", "seq": seq,
                                      "bundle_id": bundle.bundle_id, "draft_ms": 1.0, "verify_ms": 10.0,
-                                     "kv_usage": 0.5, "requests": requests}).encode())
+                                     "kv_usage": 0.5, "requests": requests}, separators=(",", ":")).encode())
             rounds += len(requests)
             seq += 1
     return lines, rounds
@@ -69,20 +70,21 @@ def line_blocks(lines: list[bytes]) -> list[list[bytes]]:
     return [lines[start:start + _BLOCK_LINES] for start in range(0, len(lines), _BLOCK_LINES)]
 
 
-def fed_pipeline(lines: list[bytes], columnar: bool = True) -> EmbeddedPipeline:
-    """A pipeline fed ``lines`` in blocks (the batch mode) or one at a time (the reference path)."""
+def fed_pipeline(lines: list[bytes], columnar: bool = True, native: bool = True) -> EmbeddedPipeline:
+    """A pipeline fed ``lines`` in blocks (the batch mode) or one at a time (the reference path);
+    ``native=False``: the batch mode without the compiled step walk."""
     pipeline = EmbeddedPipeline()
     if columnar:
         for block in line_blocks(lines):
-            pipeline.feed_lines(block)
+            pipeline.feed_lines(block, native)
     else:
         for line in lines:
             pipeline.feed_line(line)
     return pipeline
 
 
-def _pipeline(lines: list[bytes]) -> None:
-    fed_pipeline(lines).finish()
+def _pipeline(lines: list[bytes], native: bool = True) -> None:
+    fed_pipeline(lines, native=native).finish()
 
 
 def closed_batches(lines: list[bytes]) -> list[SliceBatch]:
@@ -113,7 +115,7 @@ def _idle_keys(idle: int, slices: int) -> dict:
     """Stage 2 per slice with one busy key (a second worker's), knowing ``idle`` more or none."""
     warm, _ = step_lines(idle, 1, idle)
     busy, _ = step_lines(1, slices + 1, 1)
-    later = [json.dumps({**json.loads(line), "worker": "w2"}).encode() for line in busy[2:]]
+    later = [json.dumps({**json.loads(line), "worker": "w2"}, separators=(",", ":")).encode() for line in busy[2:]]
     first_slice = int(json.loads(warm[1])["ts"])
 
     def run(lines: list[bytes]) -> tuple[float, int]:
@@ -144,6 +146,7 @@ def bench_keys(quick: bool, smoke: bool) -> dict:
         batches = closed_batches(lines)
         runs = alternated({  # the 1-key run among them, so load falls on all alike
             "pipeline": lambda: _cpu(lambda: _pipeline(lines)),
+            "without_native": lambda: _cpu(lambda: _pipeline(lines, native=False)),
             "one_key": lambda: _cpu(lambda: _pipeline(one_key_lines)),
             "default": lambda: _cpu(lambda: _pipeline(lines), _CPYTHON_THRESHOLDS),
             "stage2": lambda: _cpu(lambda: _stage2(batches)),
@@ -153,13 +156,14 @@ def bench_keys(quick: bool, smoke: bool) -> dict:
         curve.append({"keys": keys, "slices": slices, "rounds": rounds, "key_slices": keys * slices,
                       "rounds_per_s": rounds / min(runs["pipeline"]),
                       "us_per_key_slice": us["pipeline"],
+                      "us_per_key_slice_without_native": us["without_native"],
                       "us_per_key_slice_default_collector": us["default"],
                       "stage2_us_per_key_slice": us["stage2"],
                       "stage2_collector_off_us_per_key_slice": us["stage2_off"]})
     one_key_rate = one_key_rounds / min(one_key)
     for row in curve:
         row["over_one_key_rate"] = row["rounds_per_s"] / one_key_rate
-    return {"curve": curve, "one_key_rounds_per_s": one_key_rate, "collector_thresholds": list(STREAM_THRESHOLDS),
+    return {"curve": curve, "decoder": DECODERS["jsonl"], "one_key_rounds_per_s": one_key_rate, "collector_thresholds": list(STREAM_THRESHOLDS),
             "one_key_rounds_per_slice": _ONE_KEY_ROUNDS_PER_SLICE,
             "idle_keys": _idle_keys(500 if smoke else _IDLE_KEYS, 4 if smoke else 20)}
 

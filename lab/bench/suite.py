@@ -31,7 +31,7 @@ from specwatch.lab.bench.keys import (bench_keys, closed_batches, fed_pipeline, 
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import DECODER, decode_lines_block, request_block
+from specwatch.schemas.fastdecode import DECODERS, decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
 
@@ -211,9 +211,9 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
 
             def pipeline(columnar: bool, native: bool = True) -> list[str]:
                 # the batch mode, or the per-record reference path: one record at a time through the pydantic
-                # codecs; ``native=False``: the batch mode without the compiled step walk
+                # codecs; ``native=False``: the batch mode without the compiled step walks
                 if jsonl:
-                    p = fed_pipeline(lines, columnar)
+                    p = fed_pipeline(lines, columnar, native)
                 else:
                     p = EmbeddedPipeline()
                     for payload in otlp:
@@ -235,8 +235,8 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                             p.feed(item)
                 p.finish()
 
-            # the compiled step walk reads OTLP only: where it ran, the batch mode without it alternates too
-            compiled = DECODER == "native" and not jsonl
+            # where the compiled step walk ran, the batch mode without it alternates too
+            compiled = DECODERS[encoding] == "native"
             candidates = {"columnar": lambda: timed(lambda: pipeline(columnar=True)),
                           "floor": lambda: timed(lambda: deque(map(*parse_floor), maxlen=0)),
                           "decode": lambda: timed(lambda: deque(map(*decode_only), maxlen=0))}
@@ -369,19 +369,27 @@ def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
     size = path.stat().st_size
     import resource
 
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    done = subprocess.run(cli + ["replay", str(path), "--output", str(workdir / "decisions.jsonl"), "--json"],
-                          check=True, capture_output=True, text=True)
-    replay_s = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    replay_cpu_s = (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    def replay(native: str) -> tuple[float, float, dict, bytes]:
+        """Wall and CPU seconds of one `specwatch replay`, its summary and decisions; SPECWATCH_NATIVE=``native``."""
+        out = workdir / f"decisions-{native}.jsonl"
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        done = subprocess.run(cli + ["replay", str(path), "--output", str(out), "--json"], check=True,
+                              capture_output=True, text=True, env={**os.environ, "SPECWATCH_NATIVE": native})
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
+        return wall, cpu, json.loads(done.stdout.strip().splitlines()[-1]), out.read_bytes()
+
+    # with the compiled step walk and without it, alternated (on, off, off, on)
+    runs = alternated({"native": lambda: replay("1"), "reference": lambda: replay("0")}, 1 if smoke else 2)
+    replay_s, replay_cpu_s, summary, decided = min(runs["native"], key=lambda run: run[0])
+    without_s, without_cpu_s, _, decided_without = min(runs["reference"], key=lambda run: run[0])
     with path.open("rb") as source:
         start, cpu_start = time.perf_counter(), time.process_time()
         deque(map(json.loads, source), maxlen=0)
         loads_s, loads_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-    return {"bytes": size, "lines": summary["lines"], "decisions": summary["decisions"],
+    return {"bytes": size, "lines": summary["lines"], "decisions": summary["decisions"], "decoder": DECODERS["jsonl"],
             "replay_s": replay_s, "replay_records_per_s": summary["lines"] / replay_s,
             "json_loads_s": loads_s, "json_loads_records_per_s": summary["lines"] / loads_s,
             "replay_over_json_loads": replay_s / loads_s,
@@ -389,7 +397,12 @@ def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
             "replay_cpu_s": replay_cpu_s, "json_loads_cpu_s": loads_cpu_s,
             "replay_cpu_over_json_loads_cpu": replay_cpu_s / max(loads_cpu_s, 1e-9),
             "replay_cpu_s_per_70mb": replay_cpu_s * (70 << 20) / size,
-            "replay_s_per_70mb": replay_s * (70 << 20) / size}
+            "replay_s_per_70mb": replay_s * (70 << 20) / size,
+            # SPECWATCH_NATIVE=0: the same replay on the reference path
+            "replay_s_without_native": without_s, "replay_cpu_s_without_native": without_cpu_s,
+            "replay_without_native_over_json_loads": without_s / loads_s,
+            "same_decisions_without_native": decided == decided_without,
+            "pairs": {name: [[wall, cpu] for wall, cpu, _, _ in values] for name, values in runs.items()}}
 
 
 def bench_startup(quick: bool, smoke: bool) -> dict:
@@ -562,7 +575,10 @@ _TARGET_ROWS = (
     ("us per key-slice at the most keys (1 round per key-slice)", "keys", TARGETS["us_per_key_slice"], "max",
      "measured",
      lambda k: (k["curve"][-1]["us_per_key_slice"], "CPython's default collector thresholds",
-                k["curve"][-1]["us_per_key_slice_default_collector"], f"{k['curve'][-1]['keys']:,} keys")),
+                k["curve"][-1]["us_per_key_slice_default_collector"], f"{k['curve'][-1]['keys']:,} keys; decoder "
+                f"{k.get('decoder', 'reference')}" + (f", {k['curve'][-1]['us_per_key_slice_without_native']:.1f} us "
+                                                      "without the compiled walk"
+                                                      if "us_per_key_slice_without_native" in k["curve"][-1] else ""))),
     ("stage 2 us per slice knowing idle keys, over knowing none", "keys", TARGETS["idle_keys_over_none"], "max",
      "ratio",
      lambda k: (k["idle_keys"]["us_per_slice_with_idle_keys"], "no idle keys", k["idle_keys"]["us_per_slice_without"],
@@ -580,7 +596,9 @@ _TARGET_ROWS = (
                 f"{a['insert_memory_rows_per_s_cpu']:,.0f} rows per CPU second")),
     ("replay wall seconds, over a plain json.loads loop of the same file", "replay", TARGETS["replay_over_json_loads"],
      "max", "ratio",
-     lambda r: (r["replay_s"], "json.loads loop", r["json_loads_s"], f"{r['bytes'] / 2**20:.0f} MB")),
+     lambda r: (r["replay_s"], "json.loads loop", r["json_loads_s"], f"{r['bytes'] / 2**20:.0f} MB; decoder "
+                f"{r.get('decoder', 'reference')}" + (f"; SPECWATCH_NATIVE=0 {r['replay_without_native_over_json_loads']:.2f}x"
+                                                      if "replay_s_without_native" in r else ""))),
     ("start-up: wall seconds of `specwatch replay` of one record", "startup", TARGETS["startup_s"], "max", "measured",
      lambda s: (s["replay_one_record_s"], "bare interpreter (python -c pass)", s["bare_interpreter_s"], None)),
     ("collector inside vLLM, engine-thread CPU us per step (hook path)", "engine", TARGETS["collector_us_per_step"],
@@ -676,8 +694,8 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
     ``bootstrap``, the kafka and export sections run against a broker of this run's own."""
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                           "load_average": os.getloadavg(), "quick": quick, "smoke": smoke,
-                                          # the block decoder's OTLP step walk: compiled, or the Python reference
-                                          "decoder": DECODER}}
+                                          # the block decoder's step walks: compiled, or the Python reference
+                                          "decoders": DECODERS}}
     wanted = set(sections) or set(SECTIONS)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         broker_error = None

@@ -1,4 +1,5 @@
-//! The OTLP step walk of specwatch's block decoder (`schemas/fastdecode.py`), compiled.
+//! The step walks of specwatch's block decoder (`schemas/fastdecode.py`), compiled: OTLP here,
+//! JSON Lines in `lines`.
 //!
 //! `StepWalk.records` reads an ExportLogsServiceRequest that upb has already accepted and
 //! gives, for every LogRecord, its span and -- when the record is a valid step in the
@@ -10,6 +11,8 @@
 //! two readers cannot disagree on what the writer writes.
 
 use std::collections::HashMap;
+
+mod lines;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
@@ -202,6 +205,28 @@ fn starts_with_at(buf: &[u8], p: usize, head: &[u8]) -> bool {
     buf.get(p..p + head.len()) == Some(head)
 }
 
+/// The contract's checks on a name that both walks make themselves.
+struct NameRules {
+    max_chars: usize,
+    every: Vec<u8>,
+    separator: u8,
+}
+
+impl NameRules {
+    /// Whether `name` is a Name the reference takes without looking closer: 1 to the
+    /// maximum of printable ASCII characters (others: the reference decides).
+    #[inline]
+    fn plain(&self, name: &[u8]) -> bool {
+        !name.is_empty() && name.len() <= self.max_chars && name.iter().all(|&c| (0x20..0x7F).contains(&c))
+    }
+
+    /// Whether a bucket or cohort name can stand in a scope key (`contract.scope_name_ok`).
+    #[inline]
+    fn scope_ok(&self, name: &[u8]) -> bool {
+        name != self.every.as_slice() && !name.contains(&self.separator)
+    }
+}
+
 /// The walk's constants (the writer's layout and the contract's bounds) and its reader.
 #[pyclass(frozen, module = "specwatch_native")]
 struct StepWalk {
@@ -212,11 +237,9 @@ struct StepWalk {
     bundle_key: Vec<u8>,
     column_keys: [Vec<u8>; 5],
     event_field: Vec<u8>,
-    max_name_chars: usize,
+    names: NameRules,
     max_requests: usize,
     max_draft_tokens: u8,
-    every: Vec<u8>,
-    separator: u8,
 }
 
 /// What repeats across the step records of one request, per slot, keyed by the attribute's
@@ -229,17 +252,6 @@ struct Memo<'a, 'py> {
 }
 
 impl StepWalk {
-    /// Whether `name` is a Name the reference takes without looking closer: 1 to the
-    /// maximum of printable ASCII characters (others: the reference decides).
-    #[inline]
-    fn plain_name(&self, name: &[u8]) -> bool {
-        !name.is_empty() && name.len() <= self.max_name_chars && name.iter().all(|&c| (0x20..0x7F).contains(&c))
-    }
-
-    fn scope_ok(&self, name: &[u8]) -> bool {
-        name != self.every.as_slice() && !name.contains(&self.separator)
-    }
-
     fn name<'a, 'py>(
         &self,
         py: Python<'py>,
@@ -252,7 +264,7 @@ impl StepWalk {
         }
         let found = value_of(attribute, key)
             .and_then(|(start, end)| string_value(attribute, start, end))
-            .filter(|name| self.plain_name(name))
+            .filter(|name| self.names.plain(name))
             // printable ASCII is UTF-8
             .map(|name| PyString::new(py, std::str::from_utf8(name).unwrap_or_default()));
         memo.insert(attribute, found.clone());
@@ -290,7 +302,7 @@ impl StepWalk {
                 return None;
             }
             let value = string_value(attribute, q, element_end)?;
-            if !self.plain_name(value) || (scoped && !self.scope_ok(value)) {
+            if !self.names.plain(value) || (scoped && !self.names.scope_ok(value)) {
                 return None;
             }
             values.push(PyString::new(py, std::str::from_utf8(value).ok()?));
@@ -423,11 +435,9 @@ impl StepWalk {
             bundle_key,
             column_keys,
             event_field,
-            max_name_chars,
+            names: NameRules { max_chars: max_name_chars, every, separator },
             max_requests,
             max_draft_tokens,
-            every,
-            separator,
         }
     }
 
@@ -453,5 +463,6 @@ impl StepWalk {
 #[pymodule]
 fn specwatch_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepWalk>()?;
+    m.add_class::<lines::LineWalk>()?;
     Ok(())
 }
