@@ -13,7 +13,7 @@ from specwatch.schemas import fastdecode
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import request_block
 from specwatch.schemas.otlp import encode_records
-from specwatch.simulation.simulator import Simulator
+from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
 from test_native_decoder import pytestmark  # noqa: F401  (built wherever cargo is; skipped only without it)
