@@ -344,14 +344,14 @@ class Stage1Runner(PartitionRunner):
         before, now = task.records, time.time()
         pending = self._pending.setdefault(tp, [])
         closed: list = []
-        stamp: tuple | None = None  # the decision trace's times of the first close not sent yet
+        closes: list = []  # for the decision trace: (watermark, produced, closed) of each close not sent yet
         after = self.settings.partials_after_seconds
         folding_since = self._clock()
         for message in messages:
             value = message.value or b""
             rejections, batches = task.fold(message.offset, value, now, self.engines_seen)
-            if batches and stamp is None and self._trace:
-                stamp = (timestamp_seconds(message.timestamp), now, time.time())
+            if batches and self._trace:
+                closes.append((batches[-1].watermark, timestamp_seconds(message.timestamp), time.time()))
             closed += batches
             for rejection in rejections:
                 self.rejected.add(rejection)
@@ -361,12 +361,12 @@ class Stage1Runner(PartitionRunner):
             if after is not None and self._clock() - folding_since >= after:
                 # What has closed goes now, not after the rest of the fetch, and the event
                 # loop runs the producer and stage 2 before this fetch goes on folding.
-                await self._send(task, tp, closed, stamp)
-                closed, stamp = [], None
+                await self._send(task, tp, closed, (now, closes))
+                closed, closes = [], []
                 await asyncio.sleep(0)
                 folding_since = self._clock()
         self.records += task.records - before
-        await self._send(task, tp, closed, stamp)
+        await self._send(task, tp, closed, (now, closes))
 
     @property
     def _trace(self) -> bool:
@@ -381,7 +381,7 @@ class Stage1Runner(PartitionRunner):
             parts.setdefault(partition, []).append(batch)
         for partition, batches in sorted(parts.items()):
             for value in encode_partials(batches):
-                headers = DecisionTrace.stamp(*stamp) if stamp is not None else None
+                headers = DecisionTrace.stamp(*stamp) if stamp is not None and stamp[1] else None
                 pending.append(await self._writer.send(self.settings.partials_topic, value,
                                                        key=task.source.encode(), partition=partition,
                                                        headers=headers))
@@ -502,7 +502,7 @@ class Stage2Runner(PartitionRunner):
             checkpointed = time.time()
             await self._publish(task, actions)
             if self._trace is not None:
-                self._trace.write([action.decision for action in actions], DecisionTrace.stamped(message),
+                self._trace.write([output for output in outputs if output.actions], DecisionTrace.stamped(message),
                                   stage2_received=received, merge_s=task.stage.merge_seconds - merge_s,
                                   decide_s=task.stage.decide_seconds - decide_s, decided=decided,
                                   checkpointed=checkpointed, published=time.time())
