@@ -292,6 +292,9 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     after_evidence = [wall - evidence for (wall, _), evidence in zip(received, _evidence_walls(received, produced))
                       if evidence is not None]
     breakdowns = _breakdowns(received, produced, trace_path)
+    ended_early = lag_samples[-1][1] != 0 if lag_samples else True
+    with open(f"{tmp.name}/run.log", errors="replace") as written:
+        log_tail = written.read()[-4000:] if ended_early else None  # why the workers stopped, kept in the report
     tmp.cleanup()
     embedded_lines = sorted(d.to_json_line() for d in embedded.decisions)
     kafka_lines = sorted(d.to_json_line() for _, d in received)
@@ -299,7 +302,9 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         "records": len(records), "rounds": rounds, "incidents": len(sim.incidents),
         "producer_s": produced_s, "drained_s": drained_s, "drained": lag_samples[-1][1] == 0 if lag_samples else False,
         "rounds_per_s": rounds / drained_s, "producer_rounds_per_s": rounds / produced_s,
-        "worker_cpu_s": worker_cpu_s, "rounds_per_worker_cpu_s": rounds / worker_cpu_s if worker_cpu_s > 0 else None,
+        # the workers' CPU counts only while they all ran to the drain
+        "worker_cpu_s": None if ended_early else worker_cpu_s,
+        "rounds_per_worker_cpu_s": rounds / worker_cpu_s if worker_cpu_s > 0 and not ended_early else None,
         "embedded_fast_rounds_per_s": rounds / embedded_s,
         "kafka_over_embedded": (rounds / drained_s) / (rounds / embedded_s),
         "lag_samples": lag_samples, "decisions": len(received), "embedded_decisions": len(embedded.decisions),
@@ -313,6 +318,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         "policy": policy, "evidence_breakdown": _summary(breakdowns), "evidence_breakdowns": breakdowns,
         "telemetry_messages": sum(len(m) for m in encoded), "event_seconds_per_wall_second": (records[-1].ts - records[0].ts) / produced_s,
         "lag_max": max((lag for _, lag in lag_samples if lag is not None), default=None),
+        "worker_log_tail": log_tail,
         "note": ("producer paced at %.0f rounds/s" % rate) if rate else
                 "produced as fast as the producer goes; throughput = rounds / time to zero lag",
     }
