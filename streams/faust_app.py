@@ -202,10 +202,20 @@ def _log_task_stacks() -> None:
     logger.warning("%d asyncio tasks:\n%s", len(tasks), out.getvalue())
 
 
+def _import_what_deciding_imports_late() -> None:
+    """The detectors import scipy only when a decision needs it (the draft-length curve, the
+    canary's tests): 1-3 s, more on a loaded machine, that the first decision of every worker
+    paid after its evidence (the decision trace's ``decide_s``, docs/BENCHMARKS.md). A worker
+    pays it at start instead; the embedded pipeline and one-shot commands keep the lazy import."""
+    import scipy.optimize  # noqa: F401
+    import scipy.stats  # noqa: F401
+
+
 def run_worker(settings: StreamSettings, loglevel: str = "warning") -> int:
     """Run one Faust worker in this process until it is stopped (SIGTERM/SIGINT); returns the exit code."""
     stream = create_app(settings)
     stream.stage2.open_archive()  # before joining the group: an archive in use fails fast
+    _import_what_deciding_imports_late()
     # the webhook's earlier rollbacks: a re-sent alert stays a duplicate across a restart
     stream.operations.remember(stream.stage2.archived_decisions(WEBHOOK_DETECTOR))
     worker = faust.Worker(stream.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)

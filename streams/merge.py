@@ -3,6 +3,7 @@ has passed it (`Stage2`), and hands each final slice to the decider (`specwatch.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Callable
 
@@ -31,6 +32,9 @@ class Stage2:
         self._released: set[str] = set()
         self._pending: dict[int, dict[str, list[SliceBatch]]] = defaultdict(dict)
         self.finalized = -1
+        # CPU-clock seconds spent merging partials and deciding, for the decision trace (not state)
+        self.merge_seconds = 0.0
+        self.decide_seconds = 0.0
 
     def to_state(self) -> dict:
         """Sources and pending slices, then the decider's state, as plain data (the policy and
@@ -86,6 +90,7 @@ class Stage2:
 
     def _finalize(self, index: int, by_source: dict[str, list[SliceBatch]]) -> SliceOutput:
         """Merge the batches of slice ``index``, sources in a fixed order, and decide on it."""
+        started = time.perf_counter()
         merged: dict[Key, SliceStats] = {}
         copied: set[Key] = set()  # keys whose merged stats are this slice's own, not a batch's partial
         events: list[dict] = []
@@ -110,4 +115,8 @@ class Stage2:
                         seen_events.add(ident)
                         events.append(event)
         events.sort(key=lambda e: (e["ts"], e["type"], e.get("worker") or "", e.get("id") or ""))
-        return self.decider.decide(index, (index + 1) * self._slice_s, merged, events, late)
+        merged_at = time.perf_counter()
+        self.merge_seconds += merged_at - started
+        output = self.decider.decide(index, (index + 1) * self._slice_s, merged, events, late)
+        self.decide_seconds += time.perf_counter() - merged_at
+        return output

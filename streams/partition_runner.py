@@ -35,14 +35,17 @@ from .stage_tasks import (
     outbox_pending,
     route_batches,
 )
-from .checkpoint_log import CheckpointLog
+from .checkpoint_log import CONVERT_PICKLED_ENV, CheckpointLog, convert_pickled_setting
+from .decision_trace import DecisionTrace, timestamp_seconds
 from .sources import IdleRule
 from .operations import Operations, OperationsSettings
 
-__all__ = ["PartitionRunner", "Stage1Runner", "Stage2Runner", "StreamSettings"]
+__all__ = ["CONVERT_PICKLED_ENV", "SEND_PARTIALS_ENV", "CheckpointLog", "PartitionRunner", "Stage1Runner",
+           "Stage2Runner", "StreamSettings", "convert_pickled_setting", "send_partials_setting"]
 
 logger = logging.getLogger(__name__)
 
+SEND_PARTIALS_ENV = "SPECWATCH_SEND_PARTIALS_AFTER_MS"
 _DEFAULT_APP_ID = "specwatch"
 _DEFAULT_CHECKPOINT_SECONDS = 2.0
 _DEFAULT_SOURCE_SILENCE_SECONDS = 10.0
@@ -74,6 +77,11 @@ class StreamSettings:
     replication_factor: int = 1
     kafka: KafkaConfig | None = field(default=None, repr=False)
     operations: OperationsSettings = field(default_factory=OperationsSettings)
+    # Stage 1 sends the slices a fetch has closed (and lets stage 2 and the producer run) once
+    # it has folded this long; None: once at the end of the fetch (`send_partials_setting`).
+    partials_after_seconds: float | None = None
+    # A file each worker appends one JSON line to per decision: where its time went (`DecisionTrace`).
+    decision_trace: str | None = None
 
     def __post_init__(self) -> None:
         if not self.bootstrap or not all(":" in s for s in self.bootstrap.split(",")):
@@ -92,6 +100,8 @@ class StreamSettings:
                              f"got {self.session_timeout_seconds}")
         if self.replication_factor < 1:
             raise ValueError(f"replication_factor must be >= 1, got {self.replication_factor}")
+        if self.partials_after_seconds is not None and not self.partials_after_seconds >= 0:
+            raise ValueError(f"partials_after_seconds must be >= 0 or None, got {self.partials_after_seconds}")
 
     @property
     def kafka_config(self) -> KafkaConfig:
@@ -116,6 +126,25 @@ class StreamSettings:
     def with_partitions(self, counts: PartitionCounts) -> "StreamSettings":
         """These settings with the partition counts `prepare_topics` found."""
         return replace(self, telemetry_partitions=counts.telemetry, partials_partitions=counts.partials)
+
+
+def send_partials_setting(environ: Mapping[str, str] | None = None) -> float | None:
+    """``SPECWATCH_SEND_PARTIALS_AFTER_MS``: stage 1 sends closed slices after folding that many
+    milliseconds of a fetch (0: after every message that closed one); unset or empty, at the fetch's end.
+
+    >>> send_partials_setting({"SPECWATCH_SEND_PARTIALS_AFTER_MS": "50"}), send_partials_setting({})
+    (0.05, None)
+    """
+    value = (os.environ if environ is None else environ).get(SEND_PARTIALS_ENV)
+    if not value:
+        return None
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = -1.0
+    if not milliseconds >= 0:
+        raise ValueError(f"{SEND_PARTIALS_ENV} must be a number of milliseconds >= 0, got {value!r}")
+    return milliseconds / 1000.0
 
 
 def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
@@ -314,19 +343,35 @@ class Stage1Runner(PartitionRunner):
         before, now = task.records, time.time()
         pending = self._pending.setdefault(tp, [])
         closed: list = []
-        for message in messages:  # the whole fetch folds before its slices are sent
+        closes: list = []  # for the decision trace: (watermark, produced, closed) of each close not sent yet
+        after = self.settings.partials_after_seconds
+        folding_since = self._clock()
+        for message in messages:
             value = message.value or b""
             rejections, batches = task.fold(message.offset, value, now, self.engines_seen)
+            if batches and self._trace:
+                closes.append((batches[-1].watermark, timestamp_seconds(message.timestamp), time.time()))
             closed += batches
             for rejection in rejections:
                 self.rejected.add(rejection)
                 letter = dead_letter(rejection, tp[0], tp[1], message.offset)
                 pending.append(await self._writer.send(self.settings.deadletter_topic, letter,
                                                        key=message.key))
+            if after is not None and self._clock() - folding_since >= after:
+                # What has closed goes now, not after the rest of the fetch, and the event
+                # loop runs the producer and stage 2 before this fetch goes on folding.
+                await self._send(task, tp, closed, (now, closes))
+                closed, closes = [], []
+                await asyncio.sleep(0)
+                folding_since = self._clock()
         self.records += task.records - before
-        await self._send(task, tp, closed)
+        await self._send(task, tp, closed, (now, closes))
 
-    async def _send(self, task: Stage1Task, tp: TopicPartition, closed: list) -> None:
+    @property
+    def _trace(self) -> bool:
+        return self.settings.decision_trace is not None
+
+    async def _send(self, task: Stage1Task, tp: TopicPartition, closed: list, stamp: tuple | None = None) -> None:
         """Closed slices to stage 2: one partials message per stage-2 partition (more only past the
         size limit), its batches in close order."""
         pending = self._pending.setdefault(tp, [])
@@ -335,8 +380,10 @@ class Stage1Runner(PartitionRunner):
             parts.setdefault(partition, []).append(batch)
         for partition, batches in sorted(parts.items()):
             for value in encode_partials(batches):
+                headers = DecisionTrace.stamp(*stamp) if stamp is not None and stamp[1] else None
                 pending.append(await self._writer.send(self.settings.partials_topic, value,
-                                                       key=task.source.encode(), partition=partition))
+                                                       key=task.source.encode(), partition=partition,
+                                                       headers=headers))
                 self.partials_sent += 1
 
     async def before_checkpoint(self, task: Stage1Task, tp: TopicPartition) -> None:
@@ -402,6 +449,8 @@ class Stage2Runner(PartitionRunner):
         self.operations: Operations | None = None  # fed every final slice and every published decision
         self.decisions = 0
         self.slices = 0
+        trace = self.settings.decision_trace
+        self._trace = DecisionTrace(trace) if trace is not None else None
 
     def inputs(self) -> tuple[str, ...]:
         return (self.settings.partials_topic,)
@@ -443,6 +492,7 @@ class Stage2Runner(PartitionRunner):
 
     async def _fold_one(self, task: Stage2Task, tp: TopicPartition, message: Any) -> None:
         partition = tp[1]
+        received, merge_s, decide_s = time.time(), task.stage.merge_seconds, task.stage.decide_seconds
         partial = decode_partial(message.value or b"")
         if isinstance(partial, Rejection):
             logger.warning("partials %d@%d dropped: %s", partition, message.offset, partial.detail)
@@ -468,9 +518,16 @@ class Stage2Runner(PartitionRunner):
         if actions:
             # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
             task.outbox = actions
+            decided = time.time()
             task.outbox_mark = await self._reader.end_offsets(self.settings.decisions_topic)
             await self.checkpoint(task, tp)
+            checkpointed = time.time()
             await self._publish(task, actions)
+            if self._trace is not None:
+                self._trace.write([output for output in outputs if output.actions], DecisionTrace.stamped(message),
+                                  stage2_received=received, merge_s=task.stage.merge_seconds - merge_s,
+                                  decide_s=task.stage.decide_seconds - decide_s, decided=decided,
+                                  checkpointed=checkpointed, published=time.time())
 
     async def before_checkpoint(self, task: Stage2Task, tp: TopicPartition) -> None:
         if self._archive_sink is not None:

@@ -39,14 +39,23 @@ def test_bench_without_bootstrap_starts_a_broker_of_its_own_and_stops_it():
     host, port = broker["bootstrap"].rsplit(":", 1)
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert host == "127.0.0.1" and 20_000 <= int(port) < ephemeral_low
-    for run in ("flat_out", "two_workers", "two_workers_one_message_per_fetch", "paced"):
+    for run in ("flat_out", "two_workers", "paced"):
         measured = report["kafka"][run]
         assert measured["drained"], run
         assert measured["decisions"] == measured["embedded_decisions"] > 0, run
-    # capacity first, then the paced run at 80 % of the two workers' capacity, where p99 is judged
+    # capacity first (1 and 2 workers in a smoke run), then the paced run at 80 % of the two
+    # workers' capacity, where p99 is judged
     kafka = report["kafka"]
+    assert [(row["workers"], row["partitions"]) for row in kafka["scaling"]] == [(1, 4), (2, 4)]
+    assert all(row["rounds_per_worker_cpu_s"] > 0 for row in kafka["scaling"])
     assert kafka["capacity_rounds_per_s"] == kafka["two_workers"]["rounds_per_s"]
     assert kafka["paced"]["paced_rounds_per_s"] == kafka["capacity_rounds_per_s"] * 0.8
+    assert list(kafka["moves"]) == ["default"] and kafka["paced_runs"]["default"] == [kafka["paced"]]
+    # every decision the trace stamped is split into parts that add up to its latency
+    breakdowns = kafka["paced"]["evidence_breakdowns"]
+    assert breakdowns and kafka["paced"]["evidence_breakdown"]["decisions"] == len(breakdowns)
+    for one in breakdowns:
+        assert sum(one["parts"].values()) == pytest.approx(one["latency_s"], abs=1e-6)
     rows = [row for row in report["targets"] if row["section"] == "kafka"]
     assert len(rows) == 4 and all(row["met"] is not None and row["alternative_value"] is not None for row in rows)
     assert rows[0]["measured"] == kafka["capacity_rounds_per_s"]

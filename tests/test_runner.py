@@ -7,6 +7,7 @@ import json
 import math
 import zlib
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -54,10 +55,10 @@ class Rig:
     def run(self, coroutine):
         return self._loop.run_until_complete(coroutine)
 
-    def runner(self, kind: type) -> Stage1Runner | Stage2Runner:
+    def runner(self, kind: type, settings: StreamSettings = _SETTINGS) -> Stage1Runner | Stage2Runner:
         writer, reader = MemoryWriter(self.kafka), MemoryReader(self.kafka)
         options = {"keyring": Keyring()} if kind is Stage2Runner else {}
-        return kind(_SETTINGS, writer, reader, CheckpointLog(_SETTINGS.checkpoint_topic(kind.stage), writer, reader),
+        return kind(settings, writer, reader, CheckpointLog(settings.checkpoint_topic(kind.stage), writer, reader),
                     assignment=lambda: self.assigned, clock=lambda: self.now,
                     acknowledge=lambda m: self.acknowledged.append((m.topic, m.partition, m.offset)), **options)
 
@@ -92,21 +93,21 @@ class Rig:
         self.now += 3.0
         self.run(runner.catch_up())
 
-    def decide(self, stage1: Stage1Runner) -> list[Decision]:
+    def decide(self, stage1: Stage1Runner, settings: StreamSettings = _SETTINGS) -> list[Decision]:
         """Every telemetry partition goes idle (the empty ones caught up first) and releases itself;
         stage 2 then catches up on every partials partition and decides."""
         self.catch_up(stage1)
-        self.now += _SETTINGS.source_silence_seconds
+        self.now += settings.source_silence_seconds
         self.run(stage1.release_idle_sources())
-        self.catch_up(self.runner(Stage2Runner))
+        self.catch_up(self.runner(Stage2Runner, settings))
         decisions = [decode_decision(r.value) for r in self.kafka.topic_records("d") if not is_heartbeat_key(r.key)]
         assert len({d.id for d in decisions}) == len(decisions), "a decision was published twice"
         return decisions
 
 
-def _straight(chunks, fetch: int = 1) -> tuple[Rig, Stage1Runner]:
+def _straight(chunks, fetch: int = 1, settings: StreamSettings = _SETTINGS) -> tuple[Rig, Stage1Runner]:
     rig = Rig(chunks)
-    stage1 = rig.runner(Stage1Runner)
+    stage1 = rig.runner(Stage1Runner, settings)
     rig.deliver_all(stage1, fetch=fetch)
     return rig, stage1
 
@@ -122,9 +123,12 @@ def rig(scenario):
     return Rig(scenario[0])
 
 
-def _assert_decides_as_embedded(rig: Rig, stage1: Stage1Runner, scenario) -> None:
+def _assert_decides_as_embedded(rig: Rig, stage1: Stage1Runner, scenario,
+                                settings: StreamSettings = _SETTINGS) -> list[Decision]:
     _, cutoff, expected = scenario
-    assert sorted(decision_key(d) for d in rig.decide(stage1) if d.ts < cutoff) == expected
+    decisions = rig.decide(stage1, settings)
+    assert sorted(decision_key(d) for d in decisions if d.ts < cutoff) == expected
+    return decisions
 
 
 def test_runners_on_the_twin_decide_as_embedded(scenario):
@@ -143,6 +147,52 @@ def test_whole_fetches_send_fewer_partials_messages_with_the_same_batches_and_de
     messages, singly = len(rig.kafka.topic_records("p")), len(one_by_one.kafka.topic_records("p"))
     assert stage1.partials_sent == messages < singly / 2
     _assert_decides_as_embedded(rig, stage1, scenario)
+
+
+def test_slices_sent_as_they_close_are_the_same_batches_in_more_messages_with_the_same_decisions(scenario, straight):
+    """With ``partials_after_seconds=0`` stage 1 sends after every message that closed a slice, not
+    once per fetch: the batches and their order per stage-2 partition are the same, so are the decisions."""
+    at_fetch_end, _ = _straight(scenario[0], fetch=8)
+    eager = replace(_SETTINGS, partials_after_seconds=0.0)
+    rig, stage1 = _straight(scenario[0], fetch=8, settings=eager)
+    assert rig.partials() == straight
+    assert len(rig.kafka.topic_records("p")) > 2 * len(at_fetch_end.kafka.topic_records("p"))
+    for partition in range(PARTITIONS):  # per source, the slices go to each partition in close order
+        for source in {b.source for r in rig.kafka.records("p", partition) for b in decode_partial(r.value).batches}:
+            sent = [b.slice_index for r in rig.kafka.records("p", partition)
+                    for b in decode_partial(r.value).batches if b.source == source]
+            assert sent == sorted(sent) and len(set(sent)) == len(sent)
+    _assert_decides_as_embedded(rig, stage1, scenario, eager)
+
+
+def test_the_decision_trace_writes_each_decision_with_its_path_in_order(scenario, tmp_path):
+    """Stage 1 stamps its partials; stage 2 writes one line per published decision, its times in path order."""
+    traced = replace(_SETTINGS, decision_trace=str(tmp_path / "trace.jsonl"))
+    rig = Rig(scenario[0])
+    stage1 = rig.runner(Stage1Runner, traced)
+    # the partitions without telemetry go idle first, so that the data's partials finalize slices
+    everything, rig.assigned = rig.assigned, {("t", p) for p in range(PARTITIONS) if not rig.kafka.records("t", p)}
+    rig.catch_up(stage1)
+    rig.now += traced.source_silence_seconds
+    rig.run(stage1.release_idle_sources())
+    rig.assigned = everything
+    released = {(r.partition, r.offset) for r in rig.kafka.topic_records("p")}
+    rig.deliver_all(stage1, fetch=8)
+    # every message sent for a fetch is stamped (what a release of an idle source sends is not)
+    sent = [r for r in rig.kafka.topic_records("p") if (r.partition, r.offset) not in released]
+    assert sent and all("specwatch-trace" in dict(r.headers) for r in sent)
+    decisions = _assert_decides_as_embedded(rig, stage1, scenario, traced)
+    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [(line["id"], line["ts"]) for line in lines] == [(d.id, d.ts) for d in decisions] and lines
+    order = ("telemetry_produced", "fetch_taken", "slice_closed", "partials_sent", "stage2_received", "decided",
+             "checkpointed", "published")
+    stamped = [line for line in lines if line["telemetry_produced"] is not None]
+    assert stamped, "no decision came from a stamped partials message"
+    for line in lines:
+        # a decision a release of an idle source let through has stage 2's times only
+        times = [line[name] for name in (order if line in stamped else order[4:])]
+        assert None not in times and times == sorted(times), line
+        assert line["merge_s"] >= 0 and line["decide_s"] > 0
 
 
 def test_a_fetch_of_a_whole_partition_is_split_below_the_message_limit(scenario, straight):

@@ -16,6 +16,7 @@ retention (`MemoryKafka.expire`), in one process, for the partition runners' uni
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Mapping
@@ -35,6 +36,7 @@ class MemoryRecord:
     key: bytes | None
     value: bytes | None
     headers: tuple[tuple[str, bytes], ...] = ()
+    timestamp: int = 0  # milliseconds since the epoch, when it was appended (aiokafka's CreateTime)
 
 
 @dataclass
@@ -74,7 +76,7 @@ class MemoryKafka:
         if not 0 <= partition < len(partitions):
             raise ValueError(f"topic {topic} has no partition {partition}")
         log = partitions[partition]
-        record = MemoryRecord(topic, partition, log.end, key, value, tuple(headers))
+        record = MemoryRecord(topic, partition, log.end, key, value, tuple(headers), int(time.time() * 1000))
         log.records.append(record)
         return record
 

@@ -16,9 +16,12 @@ import uuid
 
 from specwatch.lab.bench import percentile, timed
 
-__all__ = ["admin_call", "create_topics", "run_kafka_bench"]
+__all__ = ["LATENCY_PARTS", "admin_call", "create_topics", "latency_breakdown", "run_kafka_bench"]
 
 _PARTITIONS = 4
+# Where a decision's time after its evidence goes, in path order (`latency_breakdown`).
+LATENCY_PARTS = ("slice_and_lateness", "stage1_queueing", "stage1_fold_to_close", "stage1_fold_after_close",
+                 "partials_topic", "stage2_merge", "decider", "stage2_other", "checkpoint", "publish", "read_back")
 _BATCH = 200
 _DRAIN_TIMEOUT_S = 300.0
 _SETTLE_TIMEOUT_S = 60.0
@@ -66,25 +69,94 @@ def _lag(bootstrap: str, group: str, topic: str) -> int | None:
         return None
 
 
-def _evidence_latencies(decisions: list, produced: list[tuple[float, float]]) -> list[float]:
-    """Per decision: read-back wall time minus the wall time its slice end was first produced.
+def _evidence_walls(decisions: list, produced: list[tuple[float, float]]) -> list[float | None]:
+    """Per decision: the wall time its slice end was first handed to the producer (None: never).
 
     ``decisions`` are (wall, Decision) pairs; ``produced`` (wall, highest event time so far)
     per producer batch, in order.
 
     >>> from types import SimpleNamespace as D
-    >>> _evidence_latencies([(12.5, D(ts=105.0)), (20.0, D(ts=200.0))], [(10.0, 100.0), (11.0, 106.0)])
-    [1.5]
+    >>> _evidence_walls([(12.5, D(ts=105.0)), (20.0, D(ts=200.0))], [(10.0, 100.0), (11.0, 106.0)])
+    [11.0, None]
     """
     import bisect
 
     marks = [ts for _, ts in produced]
-    out = []
-    for wall, decision in decisions:
+    out: list[float | None] = []
+    for _, decision in decisions:
         i = bisect.bisect_left(marks, decision.ts)
-        if i < len(produced):
-            out.append(wall - produced[i][0])
+        out.append(produced[i][0] if i < len(produced) else None)
     return out
+
+
+def latency_breakdown(evidence: float, read_back: float, trace: dict) -> dict[str, float]:
+    """One decision's time from its evidence (handed to the producer at ``evidence``) to its
+    read-back, split at the wall times of its `DecisionTrace` line; the parts sum to the whole.
+
+    >>> line = {"telemetry_produced": 10.1, "fetch_taken": 10.6, "slice_closed": 10.7, "partials_sent": 11.5,
+    ...         "stage2_received": 11.9, "merge_s": 0.01, "decide_s": 0.05, "decided": 12.0,
+    ...         "checkpointed": 12.2, "published": 12.3}
+    >>> parts = latency_breakdown(10.0, 12.4, line)
+    >>> {k: round(v, 2) for k, v in parts.items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'slice_and_lateness': 0.1, 'stage1_queueing': 0.5, 'stage1_fold_to_close': 0.1, 'stage1_fold_after_close': 0.8,
+     'partials_topic': 0.4, 'stage2_merge': 0.01, 'decider': 0.05, 'stage2_other': 0.04, 'checkpoint': 0.2,
+     'publish': 0.1, 'read_back': 0.1}
+    >>> round(sum(parts.values()), 6) == round(12.4 - 10.0, 6)
+    True
+    """
+    t = trace
+    return dict(zip(LATENCY_PARTS, (
+        t["telemetry_produced"] - evidence, t["fetch_taken"] - t["telemetry_produced"],
+        t["slice_closed"] - t["fetch_taken"], t["partials_sent"] - t["slice_closed"],
+        t["stage2_received"] - t["partials_sent"], t["merge_s"], t["decide_s"],
+        t["decided"] - t["stage2_received"] - t["merge_s"] - t["decide_s"],
+        t["checkpointed"] - t["decided"], t["published"] - t["checkpointed"], read_back - t["published"])))
+
+
+def _breakdowns(received: list, produced: list[tuple[float, float]], trace_path: str) -> list[dict]:
+    """Every decision read back that the trace stamped: its id, latency and `latency_breakdown`."""
+    import json
+
+    try:
+        with open(trace_path) as lines:
+            traces = {row["id"]: row for row in map(json.loads, lines)}
+    except FileNotFoundError:
+        return []
+    out = []
+    for (wall, decision), evidence in zip(received, _evidence_walls(received, produced)):
+        row = traces.get(decision.id)
+        if evidence is None or row is None or row.get("telemetry_produced") is None:
+            continue
+        out.append({"id": decision.id, "ts": decision.ts, "latency_s": wall - evidence,
+                    "parts": latency_breakdown(evidence, wall, row)})
+    return out
+
+
+def _summary(breakdowns: list[dict]) -> dict:
+    """Per part: its median over the decisions, and the parts of the slowest decision."""
+    if not breakdowns:
+        return {}
+    slowest = max(breakdowns, key=lambda b: b["latency_s"])
+    return {"decisions": len(breakdowns),
+            "median_s": {part: percentile([b["parts"][part] for b in breakdowns], 0.5) for part in LATENCY_PARTS},
+            "slowest_s": slowest["latency_s"], "slowest_parts_s": slowest["parts"]}
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and all its descendants (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            with open(f"/proc/{current}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{current}/task/{current}/children") as children:
+                todo += [int(child) for child in children.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def _encoded(batch: list, max_bytes: int) -> list[tuple[bytes, bytes]]:
@@ -99,17 +171,20 @@ def _encoded(batch: list, max_bytes: int) -> list[tuple[bytes, bytes]]:
 
 
 def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, workers: int = 1,
-                    rate: float | None = None, worker_env: dict[str, str] | None = None) -> dict:
-    """One end-to-end run; ``rate`` paces the producer at that many rounds/s (None: flat out)."""
+                    rate: float | None = None, worker_env: dict[str, str] | None = None,
+                    partitions: int = _PARTITIONS, policy: str | None = None) -> dict:
+    """One end-to-end run; ``rate`` paces the producer at that many rounds/s (None: flat out);
+    ``partitions`` of the telemetry and partials topics; ``policy``: a policy file for the workers."""
     from specwatch.transport.clients import FROM_EARLIEST, kafka_consumer, kafka_producer
     from specwatch.transport.codec import HEARTBEAT_KEY_PREFIX
     from specwatch.transport.config import KafkaConfig
     from specwatch.lab.simulation.simulator import Simulator
     from specwatch.schemas import Decision
     from specwatch.streams.embedded import EmbeddedPipeline
+    from specwatch.streams.decision_trace import DECISION_TRACE_ENV
 
     run = f"swbench-{uuid.uuid4().hex[:6]}"
-    topics = {f"{run}.telemetry": _PARTITIONS, f"{run}.partials": _PARTITIONS, f"{run}.deadletter": _PARTITIONS,
+    topics = {f"{run}.telemetry": partitions, f"{run}.partials": partitions, f"{run}.deadletter": partitions,
               f"{run}.decisions": 1}
     asyncio.run(create_topics(bootstrap, topics))
     # long enough that the end of the drain is a small part of the full run (docs/BENCHMARKS.md)
@@ -117,7 +192,9 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
     sim = Simulator("demo", seed=17, minutes=minutes, workers=4, concurrency=16, incident_at=45.0 if smoke else 60.0)
     records = list(sim.records())
     rounds = sum(len(r.requests) for r in records if r.kind == "step")
-    embedded = EmbeddedPipeline()
+    from specwatch.schemas.policy import load_policy
+
+    embedded = EmbeddedPipeline(load_policy(policy)) if policy else EmbeddedPipeline()
     embedded_s, _ = timed(lambda: [embedded.feed(record) for record in records] + embedded.finish(),
                           clock=time.perf_counter)
 
@@ -142,11 +219,14 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
                "--decisions-topic", f"{run}.decisions", "--deadletter-topic", f"{run}.deadletter",
                "--app-id", run, "--data-dir", f"{tmp.name}/data", "--workers", str(workers),
                "--source-silence", "5", "--session-timeout", "6",
-               "--web-port", "0"]  # no web server: the bench must not collide with a running worker's port
+               "--web-port", "0",  # no web server: the bench must not collide with a running worker's port
+               *(["--policy", policy] if policy else [])]
+    trace_path = f"{tmp.name}/decisions.trace"
     config = KafkaConfig(bootstrap, topic=f"{run}.telemetry")
     batches = [records[i:i + _BATCH] for i in range(0, len(records), _BATCH)]
     encoded = [_encoded(batch, config.max_request_size - 16 * 1024) for batch in batches]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(worker_env or {})})
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, DECISION_TRACE_ENV: trace_path,
+                                                                               **(worker_env or {})})
     try:
         time.sleep(8.0)  # group join and assignment before the clock starts
         producer = kafka_producer(config)
@@ -154,6 +234,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         lag_samples: list[tuple[float, int]] = []
         produced: list[tuple[float, float]] = []  # (wall, highest event time handed over)
         t0 = time.time()
+        cpu_at_start = _tree_cpu_seconds(process.pid)  # the workers' start-up and group join left out
         next_sample = t0
         sent_rounds = 0
         high_ts = 0.0
@@ -184,6 +265,7 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
                 break
             time.sleep(1.0)
         drained_s = time.time() - t0
+        worker_cpu_s = _tree_cpu_seconds(process.pid) - cpu_at_start
         # Stage 2 decides the last slices after the telemetry is committed: wait for as many
         # decisions as the embedded pipeline made (bounded), and a little longer for any extra.
         settle_until = time.time() + _SETTLE_TIMEOUT_S
@@ -207,13 +289,22 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
                 and d.bundle_id == incident.bundle_id]
         if hits and n in first_incident_wall:
             latencies.append(min(hits) - first_incident_wall[n])
-    after_evidence = _evidence_latencies(received, produced)
+    after_evidence = [wall - evidence for (wall, _), evidence in zip(received, _evidence_walls(received, produced))
+                      if evidence is not None]
+    breakdowns = _breakdowns(received, produced, trace_path)
+    ended_early = lag_samples[-1][1] != 0 if lag_samples else True
+    with open(f"{tmp.name}/run.log", errors="replace") as written:
+        log_tail = written.read()[-4000:] if ended_early else None  # why the workers stopped, kept in the report
+    tmp.cleanup()
     embedded_lines = sorted(d.to_json_line() for d in embedded.decisions)
     kafka_lines = sorted(d.to_json_line() for _, d in received)
     return {
         "records": len(records), "rounds": rounds, "incidents": len(sim.incidents),
         "producer_s": produced_s, "drained_s": drained_s, "drained": lag_samples[-1][1] == 0 if lag_samples else False,
         "rounds_per_s": rounds / drained_s, "producer_rounds_per_s": rounds / produced_s,
+        # the workers' CPU counts only while they all ran to the drain
+        "worker_cpu_s": None if ended_early else worker_cpu_s,
+        "rounds_per_worker_cpu_s": rounds / worker_cpu_s if worker_cpu_s > 0 and not ended_early else None,
         "embedded_fast_rounds_per_s": rounds / embedded_s,
         "kafka_over_embedded": (rounds / drained_s) / (rounds / embedded_s),
         "lag_samples": lag_samples, "decisions": len(received), "embedded_decisions": len(embedded.decisions),
@@ -223,10 +314,12 @@ def run_kafka_bench(bootstrap: str, seconds: float = 60.0, smoke: bool = False, 
         "evidence_latency_p50_s": percentile(after_evidence, 0.5),
         "evidence_latency_p99_s": percentile(after_evidence, 0.99),
         "evidence_latency_max_s": max(after_evidence, default=None),
-        "paced_rounds_per_s": rate, "worker_env": dict(worker_env or {}),
+        "paced_rounds_per_s": rate, "worker_env": dict(worker_env or {}), "partitions": partitions,
+        "policy": policy, "evidence_breakdown": _summary(breakdowns), "evidence_breakdowns": breakdowns,
         "telemetry_messages": sum(len(m) for m in encoded),
         "event_seconds_per_wall_second": (records[-1].ts - records[0].ts) / produced_s,
         "lag_max": max((lag for _, lag in lag_samples if lag is not None), default=None),
+        "worker_log_tail": log_tail,
         "note": ("producer paced at %.0f rounds/s" % rate) if rate else
                 "produced as fast as the producer goes; throughput = rounds / time to zero lag",
     }

@@ -503,27 +503,70 @@ def bench_metrics(quick: bool, smoke: bool) -> dict:
             "scrape_core_share_at_15s": scrape_s / 15.0}
 
 
-def bench_kafka(bootstrap: str, quick: bool, smoke: bool) -> dict:
-    from specwatch.lab.bench.kafka_clients import run_client_bench
-    from specwatch.lab.bench.kafka_path import run_kafka_bench
+# The moves for decisions sooner at load, each paced beside the default (docs/BENCHMARKS.md):
+# name -> (worker environment, policy file text or None).
+_PACED_VARIANTS = {
+    "default": ({}, None),
+    "partials sent after 50 ms of folding": ({"SPECWATCH_SEND_PARTIALS_AFTER_MS": "50"}, None),
+    "lateness 0.25 s": ({}, "[windows]\nlateness_seconds = 0.25\n"),
+}
+# (workers, partitions) of the scale-out runs, flat out; 2 workers on 4 partitions is the capacity
+_SCALING = ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8))
 
-    seconds = 20 if quick else 60
-    # Capacity first (one worker, two, two with one message per fetch as the runner once
-    # took them), then two paced at 80 % of that capacity, where the latency target is set.
-    one = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=1)
-    two = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=2)
-    per_message = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=2,
-                                  worker_env={"SPECWATCH_KAFKA_MAX_POLL_RECORDS": "1"})
-    paced = run_kafka_bench(bootstrap, seconds=seconds, smoke=smoke, workers=2,
-                            rate=two["rounds_per_s"] * _PACED_SHARE_OF_CAPACITY)
-    return {"flat_out": one, "two_workers": two, "two_workers_one_message_per_fetch": per_message, "paced": paced,
+
+def bench_kafka(bootstrap: str, quick: bool, smoke: bool) -> dict:
+    from functools import partial
+
+    from specwatch.lab.bench.kafka_clients import run_client_bench
+    from specwatch.lab.bench.kafka_path import LATENCY_PARTS, run_kafka_bench
+
+    run = partial(run_kafka_bench, bootstrap, seconds=20 if quick else 60, smoke=smoke)
+    # Capacity first: 1, 2 and 4 workers, on 4 and on 8 partitions (on 2 cores, 4 workers
+    # measure contention, not scaling), then two workers paced at 80 % of the 2-worker
+    # capacity, where the latency target is set, each move beside the default, alternated.
+    scaling = [run(workers=workers, partitions=partitions)
+               for workers, partitions in (_SCALING[:2] if smoke else _SCALING)]
+    one, two = scaling[0], scaling[1]
+    rate = two["rounds_per_s"] * _PACED_SHARE_OF_CAPACITY
+    with tempfile.TemporaryDirectory() as tmp:
+        def paced(env: dict, policy_text: str | None, name: str):
+            policy = None
+            if policy_text is not None:
+                policy = str(Path(tmp) / f"{len(name)}-{abs(hash(name))}.toml")
+                Path(policy).write_text(policy_text)
+            return lambda: run(workers=2, rate=rate, worker_env=env, policy=policy)
+
+        variants = dict(list(_PACED_VARIANTS.items())[:1 if smoke else None])
+        runs = alternated({name: paced(env, text, name) for name, (env, text) in variants.items()},
+                          turns=1 if smoke else 2)
+    moves = {name: {"evidence_latency_p99_s": [r["evidence_latency_p99_s"] for r in measured],
+                    "evidence_latency_p50_s": [r["evidence_latency_p50_s"] for r in measured],
+                    "lag_max": [r["lag_max"] for r in measured],
+                    "same_decisions_as_embedded": [r["same_decisions_as_embedded"] for r in measured],
+                    "median_parts_s": {part: [r["evidence_breakdown"].get("median_s", {}).get(part)
+                                              for r in measured] for part in LATENCY_PARTS}}
+             for name, measured in runs.items()}
+    base = runs["default"]
+    # the default's slower turn is the figure of record: the p99 is the largest of a handful of decisions
+    paced_run = max(base, key=lambda r: r["evidence_latency_p99_s"] or 0.0)
+    for name, measured in runs.items():
+        moves[name]["p99_over_default"] = [(r["evidence_latency_p99_s"] or 0.0) / (d["evidence_latency_p99_s"] or 1.0)
+                                           for r, d in zip(measured, base)]
+    best_move = min((name for name in moves if name != "default"), default=None,
+                    key=lambda name: max(moves[name]["evidence_latency_p99_s"]))
+    return {"flat_out": one, "two_workers": two, "paced": paced_run, "paced_runs": runs, "moves": moves,
+            "best_move": best_move,
+            "scaling": [{"workers": r["workers"], "partitions": r["partitions"], "rounds_per_s": r["rounds_per_s"],
+                         "rounds_per_worker_cpu_s": r["rounds_per_worker_cpu_s"], "worker_cpu_s": r["worker_cpu_s"],
+                         "lag_max": r["lag_max"], "over_one_worker": r["rounds_per_s"] / one["rounds_per_s"],
+                         "same_decisions_as_embedded": r["same_decisions_as_embedded"]} for r in scaling],
+            "scaling_runs": scaling[2:],
             "clients": run_client_bench(bootstrap, smoke=smoke),
             "capacity_rounds_per_s": two["rounds_per_s"], "paced_share_of_capacity": _PACED_SHARE_OF_CAPACITY,
-            "rounds_per_s": max(one["rounds_per_s"], two["rounds_per_s"]),
+            "rounds_per_s": max(r["rounds_per_s"] for r in scaling),
             "two_over_one_worker": two["rounds_per_s"] / one["rounds_per_s"],
-            "whole_fetch_over_one_message": two["rounds_per_s"] / per_message["rounds_per_s"],
-            "decision_latency_p99_s": paced["evidence_latency_p99_s"],
-            "incident_to_decision_p99_s": paced["decision_latency_p99_s"]}
+            "decision_latency_p99_s": paced_run["evidence_latency_p99_s"],
+            "incident_to_decision_p99_s": paced_run["decision_latency_p99_s"]}
 
 
 # Issue 16's targets (docs/BENCHMARKS.md): (target, section, goal, goal_is, goal_on, figures);

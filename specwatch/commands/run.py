@@ -83,7 +83,8 @@ def run(args) -> int:
     from specwatch.actions.sinks.alertmanager import load_rollback_policy, read_token_file
     from specwatch.streams.faust_app import run_worker
     from specwatch.streams.operations import OperationsSettings
-    from specwatch.streams.partition_runner import StreamSettings
+    from specwatch.streams.decision_trace import DECISION_TRACE_ENV
+    from specwatch.streams.partition_runner import StreamSettings, send_partials_setting
     from specwatch.transport.config import BrokerUnavailable, KafkaConfig
     from specwatch.transport.topics import TopicError, prepare_topics
 
@@ -125,7 +126,9 @@ def run(args) -> int:
             checkpoint_seconds=args.checkpoint_seconds, operations=operations,
             source_silence_seconds=args.source_silence or policy.windows.source_idle_seconds,
             session_timeout_seconds=args.session_timeout,
-            replication_factor=args.replication_factor)
+            replication_factor=args.replication_factor,
+            partials_after_seconds=send_partials_setting(),
+            decision_trace=os.environ.get(DECISION_TRACE_ENV) or None)
         # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
         kafka = KafkaConfig.from_env(args.bootstrap)
         settings = replace(settings, kafka=kafka)
