@@ -35,13 +35,13 @@ from .stage_tasks import (
     outbox_pending,
     route_batches,
 )
-from .checkpoint_log import CONVERT_PICKLED_ENV, CheckpointLog, convert_pickled_setting
+from .checkpoint_log import CheckpointLog
 from .decision_trace import DecisionTrace, timestamp_seconds
 from .sources import IdleRule
 from .operations import Operations, OperationsSettings
 
-__all__ = ["CONVERT_PICKLED_ENV", "SEND_PARTIALS_ENV", "CheckpointLog", "PartitionRunner", "Stage1Runner",
-           "Stage2Runner", "StreamSettings", "convert_pickled_setting", "send_partials_setting"]
+__all__ = ["SEND_PARTIALS_ENV", "PartitionRunner", "Stage1Runner", "Stage2Runner", "StreamSettings",
+           "send_partials_setting"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +138,7 @@ def send_partials_setting(environ: Mapping[str, str] | None = None) -> float | N
     value = (os.environ if environ is None else environ).get(SEND_PARTIALS_ENV)
     if not value:
         return None
-    try:
-        milliseconds = float(value)
-    except ValueError:
-        milliseconds = -1.0
+    milliseconds = float(value) if value.replace(".", "", 1).isdigit() else -1.0
     if not milliseconds >= 0:
         raise ValueError(f"{SEND_PARTIALS_ENV} must be a number of milliseconds >= 0, got {value!r}")
     return milliseconds / 1000.0
