@@ -313,3 +313,29 @@ def test_an_incident_a_wider_fallback_covers_keeps_what_its_gate_held():
     assert result["unexplained"] == []
     table = format_overlap(summarize_overlap([result]))
     assert "| latency_tail | kv_pressure */* | 25.0 s | 0.00 nats | 17.7 / 11.2 nats | 0 of 0 requests |" in table
+
+
+def test_a_fallback_archives_the_covered_keys_whose_own_tests_held_evidence():
+    # closed loop, 2 x 8: a reasoning tail, a KV surge and an extraction burst start together at
+    # 300 s. The KV fallback switches the bundle off 40 s in: the burst's error test holds 5.6
+    # nats, more than half the 8.2 its last look needs, and is archived beside the fallback;
+    # the tail's 4.7 nats are under half of its 11.2 and are not.
+    from specwatch.actions.flags import FlagStore
+    from specwatch.simulation.simulator import Simulator
+    from specwatch.streams.embedded import EmbeddedPipeline
+
+    run = OverlapRun(127, ("latency_tail", "kv_pressure", "error_burst"), "together", True, 2, 8)
+    flags = FlagStore()
+    actions = []
+    pipeline = EmbeddedPipeline(flags=flags, sinks=[lambda out: actions.extend(out.actions)])
+    sim = Simulator("healthy", seed=run.seed, minutes=6.0, workers=2, concurrency=8, flags=flags,
+                    incident_at=300.0, plans=run.plans())
+    for record in sim.records():
+        pipeline.feed(record)
+    pipeline.finish()
+    kv = [a for a in actions if a.decision.reason == "kv_pressure" and a.decision.action == "disable_speculation"]
+    assert [(a.decision.bucket, a.decision.cohort, round(a.decision.ts - sim.start_ts, 1)) for a in kv] == \
+        [(None, None, 340.0)]
+    covered = kv[0].audit["covered"]
+    print(covered)
+    assert [(c["scope"].split("/", 1)[1], c["gate"]) for c in covered] == [("extraction/main", "error_rate")]
