@@ -336,6 +336,6 @@ def test_a_fallback_archives_the_covered_keys_whose_own_tests_held_evidence():
     kv = [a for a in actions if a.decision.reason == "kv_pressure" and a.decision.action == "disable_speculation"]
     assert [(a.decision.bucket, a.decision.cohort, round(a.decision.ts - sim.start_ts, 1)) for a in kv] == \
         [(None, None, 340.0)]
-    covered = kv[0].audit["covered"]
-    print(covered)
-    assert [(c["scope"].split("/", 1)[1], c["gate"]) for c in covered] == [("extraction/main", "error_rate")]
+    assert [{**c, "scope": c["scope"].split("/", 1)[1]} for c in kv[0].audit["covered"]] == [
+        {"scope": "extraction/main", "gate": "error_rate", "evidence_nats": 5.602, "evidence_threshold_nats": 15.098,
+         "look_threshold_nats": 8.189, "hits": 2.0, "trials": 21}]
