@@ -222,7 +222,8 @@ def _covers(decision, incident) -> bool:
     >>> from types import SimpleNamespace as I
     >>> tail = I(start_ts=100.0, bundle_id="b-1", bucket="reasoning", cohort="main", expected_reason="latency_slo")
     >>> kv = dict(ts=110.0, bundle_id="b-1", bucket=None, cohort=None, reason="kv_pressure")
-    >>> _covers(I(**kv), tail), _covers(I(**{**kv, "reason": "latency_slo"}), tail), _covers(I(**{**kv, "ts": 90.0}), tail)
+    >>> later, same = I(**{**kv, "ts": 90.0}), I(**{**kv, "reason": "latency_slo"})
+    >>> _covers(I(**kv), tail), _covers(same, tail), _covers(later, tail)
     (True, False, False)
     """
     return (incident.bucket is not None and decision.ts >= incident.start_ts
