@@ -202,13 +202,13 @@ def _covered_lines(record: dict) -> list[str]:
     ...     "hits": 5.0, "trials": 48}]}}}
     >>> for line in _covered_lines(record): print(line)
     switched off while their own tests held evidence (short of a last look):
-      b-1/reasoning/main          latency_slo  8.69 nats (last look 11.18, usual 17.65): 5 of 48 requests
+      b-1/reasoning/main  latency_slo  8.69 nats (last look 11.18, usual 17.65): 5 of 48 requests
     """
     covered = (_audit(record).get("detail") or {}).get("covered") or []
     if not covered:
         return []
     return ["switched off while their own tests held evidence (short of a last look):"] + [
-        f"  {c['scope']:<28}{c['gate']:<13}{c['evidence_nats']:.2f} nats (last look {c['look_threshold_nats']:.2f}, "
+        f"  {c['scope']}  {c['gate']}  {c['evidence_nats']:.2f} nats (last look {c['look_threshold_nats']:.2f}, "
         f"usual {c['evidence_threshold_nats']:.2f}): {c['hits']:g} of {c['trials']} requests" for c in covered]
 
 
