@@ -268,8 +268,9 @@ class SliceDecider:
             before = len(out.actions)
             for finding in monitor.last_look(len(covered), at):
                 self._act(finding, key, monitor, out, [])
-            if len(out.actions) > before:
-                continue  # decided at its look: a decision of its own, beside this one
+            own = self.flags.state(key)
+            if len(out.actions) > before or (own is not None and not own.enabled):
+                continue  # decided at its look, or off for its own cause before: a decision of its own
             for gate, evidence in monitor.rate_evidence(len(covered)).items():
                 if evidence["evidence_nats"] >= evidence["look_threshold_nats"] / 2:
                     held.append({"scope": scope_text(key), "gate": gate, **evidence})
