@@ -20,7 +20,7 @@ from specwatch.schemas import BundleCard, Decision, card_differences
 from specwatch.schemas.outputs import ActionRecord, SliceOutput, SliceWindows
 from specwatch.schemas.policy import Policy
 from specwatch.schemas.reasons import facts_of
-from specwatch.schemas.scope import Scope as Key
+from specwatch.schemas.scope import Scope as Key, scope_text
 
 from .admission import AdmissionController
 from .flags import FlagStore
@@ -244,24 +244,38 @@ class SliceDecider:
         self.flags.apply(decision)
         if monitor is not None:
             monitor.rearm()
-        out.actions.append(self._record(decision, self._thresholds(finding.reason), monitor,
-                                        finding.evidence(), samples))
+        record = self._record(decision, self._thresholds(finding.reason), monitor, finding.evidence(), samples)
+        out.actions.append(record)
         if self.admission is not None:
             self._admit(self.admission.vetoed(decision), out)
         if decision.action == "disable_speculation":  # an invalidation voids the evidence instead
-            self._last_looks(scope, monitor, decision.ts, out)
+            self._last_looks(scope, monitor, decision.ts, out, record)
 
-    def _last_looks(self, scope: Key, decided, at: float, out: SliceOutput) -> None:
+    def _last_looks(self, scope: Key, decided, at: float, out: SliceOutput, fallback: ActionRecord) -> None:
         """A fallback ends the speculative evidence of every key under ``scope``: each of them,
         but the one it decided, takes its rate tests' last look (`KeyMonitor.last_look`), so an
-        incident the fallback covers is still decided with its own reason."""
+        incident the fallback covers is still decided with its own reason. What a look left
+        undecided is archived beside the fallback (its audit's ``covered``): the keys whose rate
+        tests held at least half the evidence the look needed when it switched them off (on
+        healthy traffic a test passes s nats with probability at most e**-s, so noise rarely
+        does), so a postmortem sees another cause the fallback may hide."""
         bundle, bucket, cohort = scope
         covered = [(key, m) for key, m in sorted(self.monitors.items(), key=lambda i: _key_order(i[0]))
                    if isinstance(m, KeyMonitor) and m is not decided and key[0] == bundle
                    and bucket in (None, key[1]) and cohort in (None, key[2])]
+        held = []
         for key, monitor in covered:
+            before = len(out.actions)
             for finding in monitor.last_look(len(covered), at):
                 self._act(finding, key, monitor, out, [])
+            own = self.flags.state(key)
+            if len(out.actions) > before or (own is not None and not own.enabled):
+                continue  # decided at its look, or off for its own cause before: a decision of its own
+            for gate, evidence in monitor.rate_evidence(len(covered)).items():
+                if evidence["evidence_nats"] >= evidence["look_threshold_nats"] / 2:
+                    held.append({"scope": scope_text(key), "gate": gate, **evidence})
+        if held:
+            fallback.audit["covered"] = held
 
     def _admit(self, decisions: list[Decision], out: SliceOutput) -> None:
         """Apply admission decisions and archive them with the judgement behind them."""

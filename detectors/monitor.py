@@ -184,6 +184,12 @@ class _Windowed:
         return [dict(s.summary(), slice_end=end) for end, s in list(self.history)[-slices:]]
 
 
+def _look_threshold(looks: int, cfg) -> float:
+    """Nats a test must hold at one of ``looks`` last looks at a gate of false-alarm budget
+    ``cfg.false_alarms_per_key_hour`` (`KeyMonitor.last_look`)."""
+    return math.log(looks / cfg.false_alarms_per_key_hour)
+
+
 class KeyMonitor(_Windowed):
     """Acceptance, speedup, latency and error gates for one (bundle, bucket, cohort).
 
@@ -274,10 +280,36 @@ class KeyMonitor(_Windowed):
         # one decision per key: the test furthest past its look
         return sorted(found, key=lambda f: f.details["look_threshold_nats"] - f.details["evidence_nats"])[:1]
 
+    def rate_evidence(self, keys: int = 1) -> dict[str, dict]:
+        """Per rate gate (``error_rate``, ``latency_slo``): its strongest test's evidence now, its
+        usual threshold, and the threshold of a last look over ``keys`` covered keys
+        (`last_look`); a gate not yet armed is left out. What a postmortem reads when a
+        fallback for another reason covered this key.
+
+        >>> from specwatch.schemas.policy import Policy
+        >>> KeyMonitor(Policy(), "coding").rate_evidence()
+        {}
+        """
+        gates = []
+        if self._error_tests:
+            gates.append(("error_rate", self._error_tests, keys * len(self._error_tests), self.policy.errors))
+        tails = self._tail_tests or {}
+        for tests, _, _ in tails.values():
+            gates.append(("latency_slo", tests, keys * len(tails) * len(tests), self.policy.latency))
+        out: dict[str, dict] = {}
+        for reason, tests, looks, cfg in gates:
+            test = max(tests, key=lambda t: t.statistic)
+            row = {"evidence_nats": round(test.statistic, 3), "evidence_threshold_nats": round(test.threshold, 3),
+                   "look_threshold_nats": round(_look_threshold(looks, cfg), 3),
+                   "hits": test.hits, "trials": test.trials}
+            if reason not in out or row["evidence_nats"] > out[reason]["evidence_nats"]:
+                out[reason] = row
+        return out
+
     def _looked(self, tests: list[BernoulliCusum], keys: int, at: float, cfg, reason: str, detector: str,
                 metric: str, extra: dict | None = None) -> list[Finding]:
         looks = keys * len(tests)
-        threshold = math.log(looks / cfg.false_alarms_per_key_hour)
+        threshold = _look_threshold(looks, cfg)
         min_hits = tests[0].min_hits
         passed = [t for t in tests if t.statistic >= threshold and t.hits >= min_hits]
         if not passed:

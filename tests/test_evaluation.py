@@ -293,3 +293,49 @@ def test_overlap_summary_counts_right_decisions_and_unexplained_ones(overlap_res
     summary = summarize_overlap(list(overlap_results.values()))
     assert (summary["runs"], summary["incidents"], summary["right"], summary["unexplained_decisions"]) == (2, 4, 4, 0)
     assert "| error_burst | 1/1 |" in format_overlap(summary)
+
+
+def test_an_incident_a_wider_fallback_covers_keeps_what_its_gate_held():
+    # closed loop, 2 x 8: a fleet-wide KV surge and a reasoning tail together. KV lowers D 9 s in
+    # and switches the bundle off 25 s in; the tail's tests hold nothing yet, far under the 11.2
+    # nats a last look over the 18 covered keys needs, and no request of it drafts afterwards.
+    run = OverlapRun(126, ("kv_pressure", "latency_tail"), "together", True, 2, 8)
+    result = run_overlap(run)
+    rows = {row["kind"]: row for row in result["incidents"]}
+    assert (rows["kv_pressure"]["verdict"], rows["kv_pressure"]["reason"], rows["kv_pressure"]["scope"]) == \
+        ("right", "kv_pressure", "*/*")
+    assert rows["kv_pressure"]["covered"] is None
+    tail = rows["latency_tail"]
+    assert (tail["verdict"], tail["reason"], tail["scope"]) == ("wrong reason", "kv_pressure", "*/*")
+    assert tail["covered"] == {"by": "kv_pressure", "scope": "*/*", "after_s": 25.0, "evidence_nats": 0.0,
+                               "evidence_threshold_nats": 17.736, "look_threshold_nats": 11.184,
+                               "hits": 0.0, "trials": 0}
+    assert result["unexplained"] == []
+    table = format_overlap(summarize_overlap([result]))
+    assert "| latency_tail | kv_pressure */* | 25.0 s | 0.00 nats | 17.7 / 11.2 nats | 0 of 0 requests |" in table
+
+
+def test_a_fallback_archives_the_covered_keys_whose_own_tests_held_evidence():
+    # closed loop, 2 x 8: a reasoning tail, a KV surge and an extraction burst start together at
+    # 300 s. The KV fallback switches the bundle off 40 s in: the burst's error test holds 5.6
+    # nats, more than half the 8.2 its last look needs, and is archived beside the fallback;
+    # the tail's 4.7 nats are under half of its 11.2 and are not.
+    from specwatch.actions.flags import FlagStore
+    from specwatch.simulation.simulator import Simulator
+    from specwatch.streams.embedded import EmbeddedPipeline
+
+    run = OverlapRun(127, ("latency_tail", "kv_pressure", "error_burst"), "together", True, 2, 8)
+    flags = FlagStore()
+    actions = []
+    pipeline = EmbeddedPipeline(flags=flags, sinks=[lambda out: actions.extend(out.actions)])
+    sim = Simulator("healthy", seed=run.seed, minutes=6.0, workers=2, concurrency=8, flags=flags,
+                    incident_at=300.0, plans=run.plans())
+    for record in sim.records():
+        pipeline.feed(record)
+    pipeline.finish()
+    kv = [a for a in actions if a.decision.reason == "kv_pressure" and a.decision.action == "disable_speculation"]
+    assert [(a.decision.bucket, a.decision.cohort, round(a.decision.ts - sim.start_ts, 1)) for a in kv] == \
+        [(None, None, 340.0)]
+    assert [{**c, "scope": c["scope"].split("/", 1)[1]} for c in kv[0].audit["covered"]] == [
+        {"scope": "extraction/main", "gate": "error_rate", "evidence_nats": 5.602, "evidence_threshold_nats": 15.098,
+         "look_threshold_nats": 8.189, "hits": 2.0, "trials": 21}]

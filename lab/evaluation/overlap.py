@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from specwatch.actions.flags import FlagStore
+from specwatch.detectors.monitor import KeyMonitor
 from specwatch.schemas import Policy, RequestRecord, StepRecord
 from specwatch.lab.simulation.simulator import IncidentPlan, Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
@@ -144,10 +145,17 @@ def run_overlap(run: OverlapRun, policy: Policy | None = None) -> dict:
     alarms: list[Alarm] = []
     lateness = policy.windows.lateness_seconds
 
+    covered: dict[int, dict] = {}  # incident index -> its evidence when another cause's fallback covered it
+
     def released(output) -> None:
         for action in output.actions:
             d = action.decision
             alarms.append(decision_alarm(d, max(d.ts, output.slice_end + lateness)))
+        # after the whole slice: a last look at the fallback may have decided the incident
+        for d in (action.decision for action in output.actions if action.decision.action == "disable_speculation"):
+            for i, incident in enumerate(incidents):
+                if i not in covered and _covers(d, incident) and judge(incident, alarms).verdict != "right":
+                    covered[i] = _evidence_at_cover(pipeline.stage2.decider, d, incident)
 
     pipeline = EmbeddedPipeline(policy, flags=flags, sinks=[released])
     first_start = min(i.start_ts for i in incidents)
@@ -176,7 +184,7 @@ def run_overlap(run: OverlapRun, policy: Policy | None = None) -> dict:
     pipeline.finish()
     before = first_start - sim.start_ts
     rows = []
-    for incident in incidents:
+    for index, incident in enumerate(incidents):
         verdict = judge(incident, alarms)
         alarm = verdict.alarm
         if verdict.verdict != "right" and run.closed_loop and _masked(incident, alarms):
@@ -199,12 +207,48 @@ def run_overlap(run: OverlapRun, policy: Policy | None = None) -> dict:
         measured = bound and bound > policy.windows.slice_seconds and row["delay_s"] is not None
         row["x_bound"] = round(row["delay_s"] / bound, 2) if measured else None
         row.update(alone_s=None, alone_verdict=None, within_alone=None)  # `run_overlap_suite` compares
+        row["covered"] = covered.get(index)
         rows.append(row)
     stray = stray_alarms(incidents, alarms)
     return {"run": run.name, "seed": run.seed, "kinds": list(run.kinds), "pattern": run.pattern,
             "closed_loop": run.closed_loop, "workers": run.workers, "concurrency": run.concurrency,
             "incidents": rows, "unexplained": [a.to_dict() for a in stray],
             "simulated_seconds": round(last_ts - sim.start_ts, 1), "wall_seconds": round(time.monotonic() - started, 2)}
+
+
+def _covers(decision, incident) -> bool:
+    """Whether ``decision`` switches the incident's key off for another cause after it began.
+
+    >>> from types import SimpleNamespace as I
+    >>> tail = I(start_ts=100.0, bundle_id="b-1", bucket="reasoning", cohort="main", expected_reason="latency_slo")
+    >>> kv = dict(ts=110.0, bundle_id="b-1", bucket=None, cohort=None, reason="kv_pressure")
+    >>> later, same = I(**{**kv, "ts": 90.0}), I(**{**kv, "reason": "latency_slo"})
+    >>> _covers(I(**kv), tail), _covers(same, tail), _covers(later, tail)
+    (True, False, False)
+    """
+    return (incident.bucket is not None and decision.ts >= incident.start_ts
+            and decision.reason != incident.expected_reason and decision.bundle_id == incident.bundle_id
+            and decision.bucket in (None, incident.bucket) and decision.cohort in (None, incident.cohort or "main"))
+
+
+def _evidence_at_cover(decider, decision, incident) -> dict:
+    """What the incident's own gate held when ``decision`` (another cause's fallback) covered its
+    key: the rate test's nats against its usual and last-look thresholds, or the shadow checks
+    and strict mismatches of its bucket, or the acceptance gate's breaching windows."""
+    bundle, bucket, cohort = incident.bundle_id, incident.bucket, incident.cohort or "main"
+    out = {"by": decision.reason, "scope": f"{decision.bucket or '*'}/{decision.cohort or '*'}",
+           "after_s": round(decision.ts - incident.start_ts, 1)}
+    monitor = decider.monitors.get((bundle, bucket, cohort))
+    if incident.kind == "quality_mismatch":
+        out.update(shadow_checks=decider.shadow_counts[(bundle, bucket, "checks")],
+                   strict_mismatches=decider.shadow_counts[(bundle, bucket, "mismatches")])
+    elif incident.kind == "acceptance_drop" and isinstance(monitor, KeyMonitor):
+        out["breaching_windows"] = monitor.acceptance_gate.streak
+    elif isinstance(monitor, KeyMonitor):
+        keys = sum(1 for key, m in decider.monitors.items() if isinstance(m, KeyMonitor) and key[0] == bundle
+                   and decision.bucket in (None, key[1]) and decision.cohort in (None, key[2]))
+        out.update(monitor.rate_evidence(keys).get(incident.expected_reason, {}))
+    return out
 
 
 def _masked(incident, alarms: list[Alarm]) -> bool:
@@ -322,6 +366,26 @@ def format_overlap(summary: dict) -> str:
             decision = f"{row['reason']} {row['scope']}" if row["reason"] else "-"
             lines.append(f"| {result['run']} | {row['kind']} | {row['verdict']} | {decision} | "
                          f"{_s(row['delay_s'])} | {_s(row['alone_s'])} | {_x(row['x_bound'])} |")
+    misses = [(result["run"], row) for result in summary["results"] for row in result["incidents"]
+              if row["verdict"] != "right" and row.get("covered")]
+    if misses:
+        lines += ["", "Incidents not decided for their own cause, and what their gate held when another cause's "
+                  "fallback covered their key:", "",
+                  "| run | incident | covered by | after | evidence | threshold / last look | counted |",
+                  "|---|---|---|---|---|---|---|"]
+        for run, row in misses:
+            c = row["covered"]
+            if "evidence_nats" in c:
+                held, bar = f"{c['evidence_nats']:.2f} nats", (f"{c['evidence_threshold_nats']:.1f} / "
+                                                              f"{c['look_threshold_nats']:.1f} nats")
+                counted = f"{c['hits']:g} of {c['trials']} requests"
+            elif "shadow_checks" in c:
+                held, bar = f"{c['strict_mismatches']} strict mismatches", "1"
+                counted = f"{c['shadow_checks']} shadow checks"
+            else:
+                held, bar, counted = f"{c.get('breaching_windows', '-')} breaching windows", "-", "-"
+            lines.append(f"| {run} | {row['kind']} | {c['by']} {c['scope']} | {_s(c['after_s'])} | {held} | "
+                         f"{bar} | {counted} |")
     return "\n".join(lines)
 
 

@@ -169,7 +169,8 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
              "finding: " + format_pairs(_without_judgement(finding) if judgement else finding),
              *judgement,
              "thresholds: " + format_pairs(audit.get("thresholds"), show=_plain),
-             "baseline: " + (format_pairs(audit.get("baseline")) or "(none)")]
+             "baseline: " + (format_pairs(audit.get("baseline")) or "(none)"),
+             *_covered_lines(record)]
     rows = _window_rows(record)
     if rows:
         start = rows[0]["slice_end"] - record["ts"]
@@ -190,6 +191,25 @@ def render_text(record: dict, samples: Sequence[dict]) -> str:
     lines.extend(f"  {sample['kind']:<8}{sample['sample_id']:<28}{sample_summary(sample['record'])}"
                  for sample in samples[:10])
     return "\n".join(lines)
+
+
+def _covered_lines(record: dict) -> list[str]:
+    """The keys a fallback switched off while their own rate tests held evidence short of a
+    last look's threshold (the decider's ``covered`` audit): another cause it may hide.
+
+    >>> record = {"audit": {"detail": {"covered": [{"scope": "b-1/reasoning/main", "gate": "latency_slo",
+    ...     "evidence_nats": 8.69, "evidence_threshold_nats": 17.65, "look_threshold_nats": 11.184,
+    ...     "hits": 5.0, "trials": 48}]}}}
+    >>> for line in _covered_lines(record): print(line)
+    switched off while their own tests held evidence (short of a last look):
+      b-1/reasoning/main  latency_slo  8.69 nats (last look 11.18, usual 17.65): 5 of 48 requests
+    """
+    covered = (_audit(record).get("detail") or {}).get("covered") or []
+    if not covered:
+        return []
+    return ["switched off while their own tests held evidence (short of a last look):"] + [
+        f"  {c['scope']}  {c['gate']}  {c['evidence_nats']:.2f} nats (last look {c['look_threshold_nats']:.2f}, "
+        f"usual {c['evidence_threshold_nats']:.2f}): {c['hits']:g} of {c['trials']} requests" for c in covered]
 
 
 def _without_judgement(finding: dict) -> dict:
