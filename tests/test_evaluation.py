@@ -321,7 +321,7 @@ def test_a_fallback_archives_the_covered_keys_whose_own_tests_held_evidence():
     # nats, more than half the 8.2 its last look needs, and is archived beside the fallback;
     # the tail's 4.7 nats are under half of its 11.2 and are not.
     from specwatch.actions.flags import FlagStore
-    from specwatch.simulation.simulator import Simulator
+    from specwatch.lab.simulation.simulator import Simulator
     from specwatch.streams.embedded import EmbeddedPipeline
 
     run = OverlapRun(127, ("latency_tail", "kv_pressure", "error_burst"), "together", True, 2, 8)
