@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from specwatch.archive.dsn import ArchiveDsn
 from specwatch.schemas import Policy, Rejection, RejectionCounter
