@@ -41,12 +41,13 @@ from .decision_trace import DecisionTrace, timestamp_seconds
 from .sources import IdleRule
 from .operations import Operations, OperationsSettings
 
-__all__ = ["SEND_PARTIALS_ENV", "PartitionRunner", "Stage1Runner", "Stage2Runner", "StreamSettings",
-           "send_partials_setting"]
+__all__ = ["CHECKPOINT_BEFORE_PUBLISH_ENV", "SEND_PARTIALS_ENV", "PartitionRunner", "Stage1Runner", "Stage2Runner",
+           "StreamSettings", "checkpoint_before_publish_setting", "send_partials_setting"]
 
 logger = logging.getLogger(__name__)
 
 SEND_PARTIALS_ENV = "SPECWATCH_SEND_PARTIALS_AFTER_MS"
+CHECKPOINT_BEFORE_PUBLISH_ENV = "SPECWATCH_CHECKPOINT_BEFORE_PUBLISH"
 _DEFAULT_APP_ID = "specwatch"
 _DEFAULT_CHECKPOINT_SECONDS = 2.0
 _DEFAULT_SOURCE_SILENCE_SECONDS = 10.0
@@ -83,6 +84,10 @@ class StreamSettings:
     partials_after_seconds: float | None = None
     # A file each worker appends one JSON line to per decision: where its time went (`DecisionTrace`).
     decision_trace: str | None = None
+    # Stage 2 saves the task (decisions in its outbox) before publishing each decision, as
+    # earlier versions did; off, decisions go out first and a restart's refold plus the ids on
+    # the decisions topic keep them exactly once (`Stage2Runner`). Kept to measure the two.
+    checkpoint_before_publish: bool = False
 
     def __post_init__(self) -> None:
         if not self.bootstrap or not all(":" in s for s in self.bootstrap.split(",")):
@@ -143,6 +148,19 @@ def send_partials_setting(environ: Mapping[str, str] | None = None) -> float | N
     if not milliseconds >= 0:
         raise ValueError(f"{SEND_PARTIALS_ENV} must be a number of milliseconds >= 0, got {value!r}")
     return milliseconds / 1000.0
+
+
+def checkpoint_before_publish_setting(environ: Mapping[str, str] | None = None) -> bool:
+    """``SPECWATCH_CHECKPOINT_BEFORE_PUBLISH``: 1 makes stage 2 checkpoint before each publish
+    (the earlier behaviour, slower at load); 0, unset or empty publishes first.
+
+    >>> checkpoint_before_publish_setting({CHECKPOINT_BEFORE_PUBLISH_ENV: "1"}), checkpoint_before_publish_setting({})
+    (True, False)
+    """
+    value = (os.environ if environ is None else environ).get(CHECKPOINT_BEFORE_PUBLISH_ENV) or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{CHECKPOINT_BEFORE_PUBLISH_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _overdue(assigned: set, tasks: Any, assigned_at: dict, now: float) -> list:
@@ -514,12 +532,17 @@ class Stage2Runner(PartitionRunner):
             if message.offset + 1 >= end:
                 del self._published_before[tp]
         if actions:
-            # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
-            task.outbox = actions
-            decided = time.time()
-            task.outbox_mark = await self._reader.end_offsets(self.settings.decisions_topic)
-            await self.checkpoint(task, tp)
-            checkpointed = time.time()
+            decided = checkpointed = time.time()
+            if self.settings.checkpoint_before_publish:
+                # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
+                task.outbox = actions
+                task.outbox_mark = await self._reader.end_offsets(self.settings.decisions_topic)
+                await self.checkpoint(task, tp)
+                checkpointed = time.time()
+            # Out first, the checkpoint on its schedule: decisions are a function of the partials
+            # and their ids are stable, so a crash before the next checkpoint refolds from the last
+            # one, decides the same again, and `taken_over` finds on the decisions topic which of
+            # them went out (`outbox_pending`): the rest go out now, none twice.
             await self._publish(task, actions)
             if self._trace is not None:
                 self._trace.write([output for output in outputs if output.actions], DecisionTrace.stamped(message),

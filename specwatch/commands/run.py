@@ -84,7 +84,8 @@ def run(args) -> int:
     from specwatch.streams.faust_app import run_worker
     from specwatch.streams.operations import OperationsSettings
     from specwatch.streams.decision_trace import DECISION_TRACE_ENV
-    from specwatch.streams.partition_runner import StreamSettings, send_partials_setting
+    from specwatch.streams.partition_runner import (StreamSettings, checkpoint_before_publish_setting,
+                                                    send_partials_setting)
     from specwatch.transport.config import BrokerUnavailable, KafkaConfig
     from specwatch.transport.topics import TopicError, prepare_topics
 
@@ -128,6 +129,7 @@ def run(args) -> int:
             session_timeout_seconds=args.session_timeout,
             replication_factor=args.replication_factor,
             partials_after_seconds=send_partials_setting(),
+            checkpoint_before_publish=checkpoint_before_publish_setting(),
             decision_trace=os.environ.get(DECISION_TRACE_ENV) or None)
         # TLS/SASL from SPECWATCH_KAFKA_* (docs/DEPLOY.md); secrets never reach the log
         kafka = KafkaConfig.from_env(args.bootstrap)
