@@ -533,9 +533,9 @@ class Stage2Runner(PartitionRunner):
                 del self._published_before[tp]
         if actions:
             decided = checkpointed = time.time()
+            task.outbox = actions  # decided, not yet acknowledged (`health`, the outbox gauge)
             if self.settings.checkpoint_before_publish:
                 # Into the checkpoint first, then out: a crash in between publishes the rest on restart.
-                task.outbox = actions
                 task.outbox_mark = await self._reader.end_offsets(self.settings.decisions_topic)
                 await self.checkpoint(task, tp)
                 checkpointed = time.time()
