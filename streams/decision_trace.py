@@ -21,8 +21,8 @@ class DecisionTrace:
     when it was sent and, for each close among its slices, the watermark it moved to, when the
     telemetry message whose fold made that close was produced and when the close came; stage 2
     (`write`) takes the first close that passed the decided slice and adds when it read the
-    message, its merge and decider seconds, and when the decisions were checkpointed and
-    published. Workers append whole lines to one file (``O_APPEND``), so several may share it.
+    message, its merge and decider seconds, and when the decisions were checkpointed (when
+    they were decided, unless stage 2 checkpoints before publishing) and published. Workers append whole lines to one file (``O_APPEND``), so several may share it.
     """
 
     def __init__(self, path: str) -> None:

@@ -193,6 +193,7 @@ def test_the_decision_trace_writes_each_decision_with_its_path_in_order(scenario
         times = [line[name] for name in (order if line in stamped else order[4:])]
         assert None not in times and times == sorted(times), line
         assert line["merge_s"] >= 0 and line["decide_s"] > 0
+        assert line["checkpointed"] == line["decided"]  # published first, checkpointed on the schedule
 
 
 def test_a_fetch_of_a_whole_partition_is_split_below_the_message_limit(scenario, straight):
