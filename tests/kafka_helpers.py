@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import GroupCoordinatorNotAvailableError
 
 from specwatch.actions.flags import FlagStore
 from specwatch.archive.store import Archive
@@ -231,7 +232,10 @@ class Pipeline:
         """Share of the telemetry the group has committed."""
         reader = PartitionReader(self.bootstrap)
         ends = run_async(reader.end_offsets(self.feed.topic))
-        committed = run_async(committed_offsets(self.bootstrap, self.app_id, self.feed.topic))
+        try:
+            committed = run_async(committed_offsets(self.bootstrap, self.app_id, self.feed.topic))
+        except GroupCoordinatorNotAvailableError:
+            return 0.0  # a fresh broker has no group coordinator until the first worker joins
         return sum(committed.get(p, 0) for p in ends) / max(1, sum(ends.values()))
 
     def wait_drained(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
