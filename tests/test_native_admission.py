@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from specwatch.schemas import Policy, Rejection
+from specwatch.schemas import Policy, Rejection, decode_line
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import decode_lines_block, request_block
 from specwatch.schemas.otlp import encode_records
@@ -126,8 +126,8 @@ def _stage(native: bool) -> Stage1:
 
 def _fold(lines, cuts, native: bool, now=None, state: dict | None = None) -> tuple:
     ingest = Ingest(_stage(native))
-    if state is not None:
-        ingest.stage.load_state(state)
+    if state is not None:  # a copy: a stage takes up the lists of the state it loads
+        ingest.stage.load_state(json.loads(json.dumps(state)))
     rejected, late, closed = [], [], []
     bounds = [0, *sorted(set(cuts)), len(lines)]
     for start, end in zip(bounds, bounds[1:]):
@@ -149,26 +149,18 @@ def test_blocks_admit_as_the_reference_loop(size):
     native = _fold(lines, cuts, native=True)
     assert native == _fold(lines, cuts, native=False)
     batches, rejected, late, reasons = native[:4]
-    assert {"duplicate", "clock_ahead", "invalid_json"} <= set(reasons) and reasons["duplicate"] >= 60
+    assert {"duplicate", "clock_ahead", "invalid_json"} <= set(reasons) and reasons["duplicate"] >= 40
     assert len(late) > 10 and len(batches) > 100
     assert json.loads(native[-1])["running"]["workers"]  # the tracker's state is among what is compared
 
 
 def test_blocks_from_a_live_source_refuse_records_from_the_future_as_the_reference():
     lines = list(_lines(minutes=0.5))
-    times = sorted(json.loads(line)["ts"] for line in lines if line.startswith("{") and '"ts"' in line
-                   and _is_json(line))
-    now = times[len(times) // 2]
+    times = sorted(record.ts for record in map(decode_line, lines) if hasattr(record, "ts"))
+    now = times[len(times) // 2]  # the wall clock in the middle of the run
     native = _fold(lines, range(100, len(lines), 100), native=True, now=now)
     assert native == _fold(lines, range(100, len(lines), 100), native=False, now=now)
     assert native[3]["ts_in_future"] >= 25
-
-
-def _is_json(line: str) -> bool:
-    try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
 
 
 def test_a_stage_restarted_from_its_checkpoint_state_admits_as_the_reference():
