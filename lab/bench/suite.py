@@ -218,12 +218,7 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                 if not (native and admission):
                     p.stage1.clock = EventClock(p.policy.windows.max_ahead_seconds)
                 if jsonl:
-                    if columnar:
-                        for block in line_blocks(lines):
-                            p.feed_lines(block, native)
-                    else:
-                        for line in lines:
-                            p.feed_line(line)
+                    fed_pipeline(lines, columnar, native, p)
                 else:
                     for payload in otlp:
                         if columnar:
