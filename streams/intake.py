@@ -298,6 +298,9 @@ class NativeEventClock:
                            state["seen"], [(str(name), offset, count, skews, seen)
                                            for name, offset, count, skews, seen in state["writers"]]))
 
+    def __reduce__(self):  # the compiled core does not pickle: its state does
+        return _restored_clock, (self._settings, self.to_state())
+
     def admit(self, ts: float, writer: str = "") -> float | Rejection:
         """As `EventClock.admit`."""
         admitted = self.core.admit(ts, writer)
@@ -305,6 +308,12 @@ class NativeEventClock:
             return admitted
         ahead, off, expected = admitted
         return clock_rejection(ahead, ts, off, expected, self.max_skew)
+
+
+def _restored_clock(settings: tuple, state: dict) -> NativeEventClock:
+    clock = NativeEventClock(*settings)
+    clock.load_state(state)
+    return clock
 
 
 def _native_module():

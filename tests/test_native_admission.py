@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import random
 
 import pytest
@@ -113,6 +114,8 @@ def test_a_clock_restarted_from_either_state_goes_on_as_the_reference():
     native.load_state(old)
     reference.load_state(old)
     assert _state(native) == _state(reference) and native.to_state()["writers"] == []
+    copied = pickle.loads(pickle.dumps(native))  # a stage handed to another process takes its clock along
+    assert type(copied) is NativeEventClock and _state(copied) == _state(native)
     with pytest.raises(ValueError, match="cannot hold"):
         native.load_state({**state, "recent": [1.0] * 16})
 
