@@ -18,7 +18,7 @@ from specwatch.schemas.fastdecode import StepBlock
 from specwatch.schemas.policy import Policy
 from specwatch.schemas.scope import Scope as Key
 
-from .intake import DuplicateFilter, EventClock, duplicate, writer_of
+from .intake import DuplicateFilter, EventClock, NativeEventClock, clock_rejection, duplicate, event_clock, writer_of
 from .running_requests import RunningRequests, key_stats
 from .slice_batch import SliceBatch
 
@@ -38,7 +38,7 @@ class Stage1:
         self._slice_s = policy.windows.slice_seconds
         self._lateness = policy.windows.lateness_seconds
         self._open: dict[int, SliceBatch] = {}
-        self.clock = EventClock(policy.windows.max_ahead_seconds)
+        self.clock = event_clock(policy.windows.max_ahead_seconds)  # compiled where it is built
         self._folded = DuplicateFilter(math.ceil((self._lateness + _DUPLICATE_HORIZON_SECONDS) / self._slice_s))
         self.watermark = -1  # highest closed slice index
         self.late_records = 0
@@ -244,6 +244,12 @@ class Stage1:
                 late.append((position, item.ts))
             self._closes_after_record(limits)
 
+        if type(clock) is NativeEventClock:
+            other = self._admit_steps_native(block, now, rows, slices, rejected, late, limits, fold_other)
+            for position, item in others[other:]:
+                fold_other(position, item)
+            self.records += len(rows)
+            return rows, slices, rejected, late, limits
         for row, (ts, worker, seq) in enumerate(zip(block.ts.tolist(), block.workers, block.seqs)):
             while next_other < at[row]:  # the records of other kinds before this step
                 position, item = others[other]
@@ -278,6 +284,53 @@ class Stage1:
             fold_other(position, item)
         self.records += len(rows)
         return rows, slices, rejected, late, limits
+
+    def _admit_steps_native(self, block: StepBlock, now: float | None, rows: list, slices: list, rejected: list,
+                            late: list, limits: list, fold_other: Callable) -> int:
+        """The step loop of `_admit_block`, run by run in the compiled clock (`ClockCore.admit_steps`):
+        a run stops before a record of another kind and after a step that may close slices, which
+        are taken here as the loop takes them. Returns how many of the other records it folded."""
+        others, at, workers, seqs, step_ids = block.others, block.at, block.workers, block.seqs, block.step_ids
+        saw = self.running.saw
+        bounds = np.searchsorted(block.round_step, np.arange(len(block) + 1)).tolist()
+
+        def saw_row(row: int, ts: float) -> None:  # a step the compiled tracker's common case is not
+            saw(workers[row], ts, step_ids[row], partial(_block_scopes, block, bounds[row], bounds[row + 1]))
+
+        max_ahead = self.policy.windows.max_ahead_seconds
+        admit_steps, ts_list, block_ts = self.clock.core.admit_steps, block.ts.tolist(), block.ts
+        row, other, n = 0, 0, len(block)
+        while row < n:
+            while other < len(others) and others[other][0] < at[row]:  # the records of other kinds before it
+                fold_other(*others[other])
+                other += 1
+            stop_at = others[other][0] if other < len(others) else _NO_OTHER
+            run = admit_steps(row, stop_at, ts_list, workers, seqs, at, step_ids, now, max_ahead, self._slice_s,
+                              self._lateness, self.watermark, self._folded._by_slice, self.running._workers,
+                              self.running.lost_after, saw_row)
+            for moved, ts in run["moved"]:
+                block_ts[moved] = ts
+            for refused, code, ts, off, expected in run["rejected"]:
+                if code == _TS_IN_FUTURE:
+                    rejection = ahead_of_clock(ts, now, max_ahead)
+                elif code == _DUPLICATE:
+                    rejection = duplicate("step", (workers[refused], seqs[refused]))
+                else:
+                    rejection = clock_rejection(code == _CLOCK_AHEAD, ts, off, expected, self.clock.max_skew)
+                rejected.append((at[refused], rejection))
+            for index, late_records in run["opened"]:
+                batch = self._open.get(index)
+                if batch is None:
+                    batch = self._open[index] = SliceBatch(self.source, index, self.watermark)
+                batch.late_records += late_records
+                self.late_records += late_records
+            late += run["late"]
+            rows += run["rows"]
+            slices += run["slices"]
+            row = run["next_row"]
+            if run["close"]:
+                self._closes_after_record(limits)
+        return other
 
     def _closes_after_record(self, limits: list[tuple[int, dict[Key, SliceStats]]]) -> None:
         """Where `close_ready` after this record would move the watermark (slices close later)."""
@@ -462,6 +515,10 @@ def _block_scopes(block: StepBlock, start: int, end: int) -> list[Key]:
     keys = block.keys
     return [keys[k] for k in block.round_key[start:end].tolist()]
 
+
+# `ClockCore.admit_steps`: past any record's position, and its codes of refusal
+_NO_OTHER = 1 << 62
+_TS_IN_FUTURE, _CLOCK_AHEAD, _CLOCK_BEHIND, _DUPLICATE = range(4)
 
 # drafted and accepted are at most 64: a (drafted, accepted) pair as one number
 _MAX_DRAFT_PAIRS = 65

@@ -15,12 +15,14 @@ incident; correcting keeps every record and every incident decidable.
 from __future__ import annotations
 
 import math
+import os
 from itertools import islice
 from typing import Iterable
 
 from specwatch.schemas import Rejection
 
-__all__ = ["EventClock", "DuplicateFilter", "writer_of"]
+__all__ = ["EventClock", "NativeEventClock", "DuplicateFilter", "NATIVE_ADMISSION", "clock_rejection", "event_clock",
+           "writer_of"]
 
 # Recent in-line event times the source's time is the median of. A median of 15 moves only
 # when 8 of them agree; records out of line with their writer's clock never enter it.
@@ -182,14 +184,8 @@ class EventClock:
                     reference = self._median
                 skew = ts - reference
         off = skew - w.offset
-        if off > self.max_skew:
-            return Rejection("clock_ahead", f"ts {ts:.3f} is {off:.0f} s ahead of where its writer's clock puts it "
-                                            f"({reference + w.offset:.3f}; at most {self.max_skew:.0f} s allowed): "
-                                            "check the worker's clock")
-        if -off > self.max_skew:
-            return Rejection("clock_behind", f"ts {ts:.3f} is {-off:.0f} s behind where its writer's clock puts it "
-                                             f"({reference + w.offset:.3f}; at most {self.max_skew:.0f} s allowed): "
-                                             "check the worker's clock, or replay old telemetry on its own")
+        if off > self.max_skew or -off > self.max_skew:
+            return clock_rejection(off > 0, ts, off, reference + w.offset, self.max_skew)
         if -self.tolerance <= off <= self.tolerance:
             corrected = ts - w.offset if w.offset else ts
             self._add_recent(corrected)
@@ -235,6 +231,110 @@ class EventClock:
         if self._seen:
             self._recent = [ts + shift for ts in self._recent]
             self._refresh()
+
+
+def clock_rejection(ahead: bool, ts: float, off: float, expected: float, max_skew: float) -> Rejection:
+    """The rejection of a record ``off`` seconds from ``expected``, where its writer's clock puts it."""
+    if ahead:
+        return Rejection("clock_ahead", f"ts {ts:.3f} is {off:.0f} s ahead of where its writer's clock puts it "
+                                        f"({expected:.3f}; at most {max_skew:.0f} s allowed): "
+                                        "check the worker's clock")
+    return Rejection("clock_behind", f"ts {ts:.3f} is {-off:.0f} s behind where its writer's clock puts it "
+                                     f"({expected:.3f}; at most {max_skew:.0f} s allowed): "
+                                     "check the worker's clock, or replay old telemetry on its own")
+
+
+class NativeEventClock:
+    """`EventClock` with its state and arithmetic compiled (``specwatch_native.ClockCore``): the
+    same times, refusals and states record for record; `EventClock` is the reference.
+
+    >>> clock = event_clock(300.0)
+    >>> clock.prime([("w1", 100.0), ("w2", 100.5)]); clock.admit(100.2, "w1"), clock.admit(9000.0, "w2").reason
+    (100.2, 'clock_ahead')
+    """
+
+    PRIME_RECORDS = EventClock.PRIME_RECORDS
+
+    __slots__ = ("max_skew", "tolerance", "core", "_settings")
+
+    def __init__(self, max_skew_seconds: float, recent: int = _DEFAULT_RECENT_RECORDS,
+                 writer_recent: int = _DEFAULT_WRITER_RECORDS) -> None:
+        reference = EventClock(max_skew_seconds, recent, writer_recent)  # its checks of the settings
+        self.max_skew, self.tolerance = reference.max_skew, reference.tolerance
+        self._settings = (max_skew_seconds, recent, writer_recent)
+        self.core = _NATIVE.ClockCore(*self._settings)
+
+    @property
+    def now(self) -> float:
+        return self.core.now
+
+    @property
+    def primed(self) -> bool:
+        return self.core.primed
+
+    def to_state(self) -> dict:
+        now, primed, start, median, recent, seen, writers = self.core.export()
+        return {"now": now, "primed": primed, "start": start, "median": median, "recent": recent, "seen": seen,
+                "writers": [list(writer) for writer in writers]}
+
+    def load_state(self, state: dict) -> None:
+        """As `EventClock.load_state` (whose checks and older formats it goes through)."""
+        reference = EventClock(*self._settings)
+        reference.load_state(state)
+        self._take(reference)
+
+    def prime(self, samples: Iterable[tuple[str, float]]) -> None:
+        """As `EventClock.prime` (it runs once per source: the reference does it)."""
+        if self.primed:
+            return
+        reference = EventClock(*self._settings)
+        reference.load_state(self.to_state())
+        reference.prime(samples)
+        self._take(reference)
+
+    def _take(self, reference: EventClock) -> None:
+        state = reference.to_state()
+        self.core.import_((state["now"], state["primed"], state["start"], state["median"], state["recent"],
+                           state["seen"], [(str(name), offset, count, skews, seen)
+                                           for name, offset, count, skews, seen in state["writers"]]))
+
+    def __reduce__(self):  # the compiled core does not pickle: its state does
+        return _restored_clock, (self._settings, self.to_state())
+
+    def admit(self, ts: float, writer: str = "") -> float | Rejection:
+        """As `EventClock.admit`."""
+        admitted = self.core.admit(ts, writer)
+        if type(admitted) is float:
+            return admitted
+        ahead, off, expected = admitted
+        return clock_rejection(ahead, ts, off, expected, self.max_skew)
+
+
+def _restored_clock(settings: tuple, state: dict) -> NativeEventClock:
+    clock = NativeEventClock(*settings)
+    clock.load_state(state)
+    return clock
+
+
+def _native_module():
+    """The compiled package with the clock, or None: not built here (or built before it had
+    the clock), or SPECWATCH_NATIVE=0 asks for the reference path."""
+    if os.environ.get("SPECWATCH_NATIVE", "1") == "0":
+        return None
+    try:
+        import specwatch_native
+    except ImportError:
+        return None
+    return specwatch_native if hasattr(specwatch_native, "ClockCore") else None
+
+
+_NATIVE = _native_module()
+NATIVE_ADMISSION = _NATIVE is not None
+
+
+def event_clock(max_skew_seconds: float, native: bool = NATIVE_ADMISSION) -> EventClock | NativeEventClock:
+    """A source's clock: compiled where it is built (and ``native``), else the reference."""
+    return NativeEventClock(max_skew_seconds) if native and _NATIVE is not None else EventClock(max_skew_seconds)
 
 
 def writer_of(record) -> str:

@@ -70,10 +70,11 @@ def line_blocks(lines: list[bytes]) -> list[list[bytes]]:
     return [lines[start:start + _BLOCK_LINES] for start in range(0, len(lines), _BLOCK_LINES)]
 
 
-def fed_pipeline(lines: list[bytes], columnar: bool = True, native: bool = True) -> EmbeddedPipeline:
-    """A pipeline fed ``lines`` in blocks (the batch mode) or one at a time (the reference path);
-    ``native=False``: the batch mode without the compiled step walk."""
-    pipeline = EmbeddedPipeline()
+def fed_pipeline(lines: list[bytes], columnar: bool = True, native: bool = True,
+                 pipeline: EmbeddedPipeline | None = None) -> EmbeddedPipeline:
+    """A pipeline (``pipeline``, or a new one) fed ``lines`` in blocks (the batch mode) or one at a
+    time (the reference path); ``native=False``: the batch mode without the compiled step walk."""
+    pipeline = EmbeddedPipeline() if pipeline is None else pipeline
     if columnar:
         for block in line_blocks(lines):
             pipeline.feed_lines(block, native)

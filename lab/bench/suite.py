@@ -34,6 +34,7 @@ from specwatch.schemas.codec import encode_record
 from specwatch.schemas.fastdecode import DECODERS, decode_lines_block, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.streams.embedded import EmbeddedPipeline
+from specwatch.streams.intake import NATIVE_ADMISSION, EventClock
 
 __all__ = ["run_bench", "plot_report", "keys_picture", "NaiveRoundPipeline", "TARGETS", "SECTIONS"]
 
@@ -209,13 +210,16 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
             parse_floor = ((msgspec.json.Decoder().decode, lines) if jsonl
                            else (ExportLogsServiceRequest.FromString, otlp))
 
-            def pipeline(columnar: bool, native: bool = True) -> list[str]:
+            def pipeline(columnar: bool, native: bool = True, admission: bool = True) -> list[str]:
                 # the batch mode, or the per-record reference path: one record at a time through the pydantic
-                # codecs; ``native=False``: the batch mode without the compiled step walks
+                # codecs; ``native=False``: the batch mode without the compiled step walks and admission,
+                # ``admission=False``: without the compiled admission (stage 1's clock and step loop) only
+                p = EmbeddedPipeline()
+                if not (native and admission):
+                    p.stage1.clock = EventClock(p.policy.windows.max_ahead_seconds)
                 if jsonl:
-                    p = fed_pipeline(lines, columnar, native)
+                    fed_pipeline(lines, columnar, native, p)
                 else:
-                    p = EmbeddedPipeline()
                     for payload in otlp:
                         if columnar:
                             p.feed_block(request_block(payload, native))
@@ -242,6 +246,9 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                           "decode": lambda: timed(lambda: deque(map(*decode_only), maxlen=0))}
             if compiled:
                 candidates["columnar_without_native"] = lambda: timed(lambda: pipeline(columnar=True, native=False))
+            if NATIVE_ADMISSION:
+                candidates["columnar_without_native_admission"] = lambda: timed(
+                    lambda: pipeline(columnar=True, admission=False))
             runs = alternated(candidates, 1 if smoke else 3)
             t_columnar, t_floor, t_decode = (min(t for t, _ in runs[name])
                                              for name in ("columnar", "floor", "decode"))
@@ -259,7 +266,14 @@ def bench_stream(quick: bool, smoke: bool) -> list[dict]:
                 "speedup_vs_naive": t_naive / t_columnar, "speedup_vs_reference": t_ref / t_columnar,
                 "same_decisions_as_reference": ref_out == columnar_out,
                 "decoder": "native" if compiled else "reference",
+                "admission": "native" if NATIVE_ADMISSION else "reference",
             })
+            if NATIVE_ADMISSION:
+                t_without = min(t for t, _ in runs["columnar_without_native_admission"])
+                rows[-1].update({"columnar_without_native_admission_rounds_per_s": rounds / t_without,
+                                 "native_admission_over_reference": t_without / t_columnar,
+                                 "native_admission_same_decisions":
+                                     runs["columnar_without_native_admission"][0][1] == columnar_out})
             if compiled:
                 t_without = min(t for t, _ in runs["columnar_without_native"])
                 rows[-1].update({"columnar_without_native_rounds_per_s": rounds / t_without,
@@ -578,7 +592,10 @@ def _stream_row(encoding: str):
                 f"parse floor {row['parse_floor_rounds_per_s']:,.0f} rounds/s; "
                 f"{row['requests_per_step']} requests/step; decoder {row.get('decoder', 'reference')}"
                 + (f", {row['native_over_reference']:.2f}x the batch mode without it"
-                   if "native_over_reference" in row else ""))
+                   if "native_over_reference" in row else "")
+                + f"; admission {row.get('admission', 'reference')}"
+                + (f", {row['native_admission_over_reference']:.2f}x the batch mode without it"
+                   if "native_admission_over_reference" in row else ""))
     return figures
 
 

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 
+mod admission;
 mod lines;
 
 use pyo3::prelude::*;
@@ -464,5 +465,6 @@ impl StepWalk {
 fn specwatch_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StepWalk>()?;
     m.add_class::<lines::LineWalk>()?;
+    m.add_class::<admission::ClockCore>()?;
     Ok(())
 }
