@@ -488,3 +488,6 @@ def test_the_bench_measures_the_sink_beside_direct_writes_and_single_row_inserts
                                                              / report["sink_rows_with_stage2_rows_per_s_cpu"])
     assert report["insert_rows"] == 20_000 and report["rows_per_slice"] == 20_000 / report["slices"]
     assert {f"insert_{transport}_rows_per_s" for transport in ("memory", "stream", "file")} <= set(report)
+    # the build from the statistics split into its parts: the percentiles and the Arrow table alone
+    assert {f"build_{part}_rows_per_s" for part in ("stats", "percentiles", "table")} <= set(report)
+    assert 0 < report["sketches_per_row"] <= 3

@@ -47,6 +47,7 @@ def run_archive_bench(template: list, rows: int, naive_rows: int, pairs: int = 3
     from specwatch.archive.rows import window_columns_table, window_rows_table, window_stats_table
     from specwatch.archive.sink import ArchiveSink
     from specwatch.archive.store import Archive
+    from specwatch.schemas.latency_sketch import quantiles_of
     from specwatch.schemas.slice_stats import window_columns
     from specwatch.schemas.outputs import SliceOutput, SliceWindows
 
@@ -149,11 +150,19 @@ def run_archive_bench(template: list, rows: int, naive_rows: int, pairs: int = 3
                     pair[f"{name}_rows_per_s"], pair[f"{name}_rows_per_s_cpu"] = rows / wall, rows / cpu
                 report["sink_pairs"].append(pair)
             dicts = [row.as_dict() for row in direct]
+            # Where the build from the statistics goes: the latency percentiles of every key (9
+            # t-digest quantiles of its 3 sketches) and the Arrow table from ready columns, alone.
+            sketches = [getattr(stats, name) for window in direct_windows for stats in window.stats
+                        for name in ("ttft", "tpot", "e2e")]
+            ready_columns = window_columns(direct_windows)
             for name, fn in (("stats", lambda: window_columns_table(window_columns(direct_windows), 0)),
                              ("columns", lambda: window_rows_table(direct, 0)),
-                             ("dicts", lambda: window_stats_table(dicts, 0))):
+                             ("dicts", lambda: window_stats_table(dicts, 0)),
+                             ("percentiles", lambda: quantiles_of(sketches, (0.5, 0.95, 0.99))),
+                             ("table", lambda: window_columns_table(ready_columns, 0))):
                 wall, cpu = _timed(fn)
                 report[f"build_{name}_rows_per_s"] = rows / cpu
+            report["sketches_per_row"] = sum(sketch is not None for sketch in sketches) / rows
             shift = 0.0
             for name, insert in (("memory", by_memory), ("stream", by_stream), ("file", by_file)):
                 shift += 1e7  # each transport writes slices of its own
