@@ -17,9 +17,9 @@ from specwatch.actions.decider import SliceDecider
 from specwatch.detectors import baseline, canary, gates, monitor, stalls
 from specwatch.schemas import codec, policy, slice_stats
 from specwatch.schemas.checkpoint import PICKLED_CHECKPOINT_MAGIC, CheckpointError, inflated
-from specwatch.schemas.fastdecode import record_at
 from specwatch.schemas.latency_sketch import LatencySketch
 from specwatch.schemas.otlp import decode_request
+from specwatch.schemas.otlp_block import record_at
 
 from . import combine, intake, merge, running_requests, slice_batch, sources
 from .stage_tasks import BundleOwner, Stage1Task, Stage2Task

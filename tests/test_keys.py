@@ -8,7 +8,7 @@ from specwatch.detectors.baseline import BaselineLearner, BaselinePool
 from specwatch.detectors.monitor import KeyMonitor
 from specwatch.schemas.slice_stats import SliceStats, sample_record
 from specwatch.schemas import Policy
-from specwatch.schemas.fastdecode import decode_lines_block
+from specwatch.schemas.lines_block import decode_lines_block
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.combine import Stage1
 from specwatch.streams.merge import Stage2

@@ -31,8 +31,10 @@ from specwatch.lab.bench.keys import (bench_keys, closed_batches, fed_pipeline, 
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import DECODERS, decode_lines_block, request_block
+from specwatch.schemas.lines_block import decode_lines_block
+from specwatch.schemas.native_walks import DECODERS
 from specwatch.schemas.otlp import decode_request, encode_records
+from specwatch.schemas.otlp_block import request_block
 from specwatch.streams.embedded import EmbeddedPipeline
 
 __all__ = ["run_bench", "plot_report", "keys_picture", "NaiveRoundPipeline", "TARGETS", "SECTIONS"]
