@@ -13,7 +13,7 @@ from collections import Counter, defaultdict, deque
 from fastdigest import TDigest
 from river._river_rust.drift import AdaptiveWindowing
 
-from specwatch.actions import admission, flags, policy as fallback
+from specwatch.actions import admission, fallback, flags
 from specwatch.actions.decider import SliceDecider
 from specwatch.detectors import baseline, canary, gates, monitor, stalls
 from specwatch.schemas import codec, policy, slice_stats
@@ -132,7 +132,7 @@ _ALLOWED: dict[tuple[str, str], object] = {
     ("specwatch.schemas.otlp", "decode_request"): decode_request,
     **_names(admission, "AdmissionController", "BundleAdmission", "StageChange"),
     **_names(flags, "AdmissionState", "ScopeState"),
-    **_names(fallback, "FallbackPolicy"),
+    **_names(fallback, "FallbackPolicy", pickled_as="specwatch.actions.policy"),
     ("specwatch.actions.policy", "ScopeMemory"): _PickledScopeMemory,
     **_names(baseline, "Baseline", "BaselineLearner", "BaselinePool"),
     **_names(canary, "CanaryJudge", "Judgement", "MetricVerdict", "WindowSample"),

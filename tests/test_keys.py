@@ -3,7 +3,7 @@
 import gc
 import random
 
-from specwatch.lab.bench.keys import step_lines
+from specwatch.lab.bench.key_cost import step_lines
 from specwatch.detectors.baseline import BaselineLearner, BaselinePool
 from specwatch.detectors.monitor import KeyMonitor
 from specwatch.schemas.slice_stats import SliceStats, sample_record
