@@ -44,12 +44,12 @@ def _differences(base, head, path: str = "") -> list[str]:
     return [] if base == head else [f"{path}: {json.dumps(base)[:120]} != {json.dumps(head)[:120]}"]
 
 
-def _replays(base: str, head: str, workdir: Path, minutes: float | None) -> dict[str, str]:
+def _replays(base: str, head: str, workdir: Path, minutes: float | None, workers: int) -> dict[str, str]:
     """Each scenario simulated once (by the head build, seed 7), replayed by both builds: 'same' or what differs."""
     found = {}
     for scenario in _scenarios(head, workdir):
         telemetry = workdir / f"{scenario}.jsonl"
-        extra = ["--minutes", str(minutes)] if minutes else []
+        extra = ["--workers", str(workers), *(["--minutes", str(minutes)] if minutes else [])]
         _run(head, "simulate", "--scenario", scenario, "--seed", "7", "-o", str(telemetry), *extra, cwd=workdir)
         outputs = []
         for name, specwatch in (("base", base), ("head", head)):
@@ -75,11 +75,11 @@ def _json_runs(base: str, head: str, workdir: Path, args: list[str]) -> list[str
     return _differences(*parsed)
 
 
-def compare_builds(base: str, head: str, workdir: Path, minutes: float | None = None,
+def compare_builds(base: str, head: str, workdir: Path, minutes: float | None = None, workers: int = 8,
                    evaluate: bool = True, demo: bool = True) -> dict:
     """The comparison's report: per scenario replayed, and the differences of evaluate and demo."""
     workdir.mkdir(parents=True, exist_ok=True)
-    report: dict = {"replay": _replays(base, head, workdir, minutes)}
+    report: dict = {"replay": _replays(base, head, workdir, minutes, workers)}
     if demo:
         report["demo"] = _json_runs(base, head, workdir / "demo", ["demo", "--no-archive", "--seed", "7"])
     if evaluate:
@@ -93,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", required=True, help="the specwatch command of the build after")
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--minutes", type=float, help="simulated minutes of each scenario (default: its own)")
+    parser.add_argument("--workers", type=int, default=8, help="engine workers of each simulated fleet")
     parser.add_argument("--no-evaluate", action="store_true")
     parser.add_argument("--no-demo", action="store_true")
     args = parser.parse_args(argv)
-    report = compare_builds(args.base, args.head, args.workdir, args.minutes, not args.no_evaluate,
+    report = compare_builds(args.base, args.head, args.workdir, args.minutes, args.workers, not args.no_evaluate,
                             not args.no_demo)
     json.dump(report, sys.stdout, indent=1)
     print()
