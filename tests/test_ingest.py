@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from functools import lru_cache
 
-from specwatch.lab.bench.report import NaiveRoundPipeline, per_round_lines
+from specwatch.lab.bench.figures import NaiveRoundPipeline, per_round_lines
 from specwatch.schemas import Policy, decode_line
 from specwatch.schemas.codec import encode_record
 from specwatch.schemas.lines_block import decode_lines_block
