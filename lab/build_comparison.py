@@ -67,7 +67,7 @@ def _json_runs(base: str, head: str, workdir: Path, args: list[str]) -> list[str
     parsed = []
     for name, specwatch in (("base", base), ("head", head)):
         folder = workdir / name
-        folder.mkdir(exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         done = _run(specwatch, *args, "--json", cwd=folder)
         if done.returncode != 0:
             return [f"{name} exited {done.returncode}: {done.stderr[-400:]}"]
