@@ -24,7 +24,7 @@ from specwatch.schemas.scope import Scope as Key, scope_text
 
 from .admission import AdmissionController
 from .flags import FlagStore
-from .policy import FallbackPolicy
+from .fallback import FallbackPolicy
 from .samples import pick_samples, sample_id
 
 __all__ = ["SliceDecider"]

@@ -158,7 +158,7 @@ def combine(outcomes) -> Outcome:
     return max(outcomes, key=_RANK.__getitem__, default="pass")
 
 
-class _Side:
+class ComparedSide:
     """One side's slices folded into windows of equal request counts."""
 
     def __init__(self, window_requests: int) -> None:
@@ -240,8 +240,8 @@ class CanaryJudge:
         self._reset()
 
     def _reset(self) -> None:
-        self.canary = _Side(self.policy.window_requests)
-        self.baseline = _Side(self.policy.window_requests)
+        self.canary = ComparedSide(self.policy.window_requests)
+        self.baseline = ComparedSide(self.policy.window_requests)
         self.shadow_checks = 0
         self.mismatches: list[tuple[float, str, str]] = []
         self.version = 0  # counts windows closed and checks seen: time-based rules are read again

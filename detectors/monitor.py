@@ -65,7 +65,7 @@ def _trimmed(slices: list[SliceStats], damage) -> list[SliceStats]:
     >>> a, b, c = SliceStats(), SliceStats(), SliceStats()
     >>> a.draft_ms, b.draft_ms, c.draft_ms = 1.0, 5000.0, 2.0
     >>> a.verify_ms = b.verify_ms = c.verify_ms = 10.0
-    >>> [s.draft_ms for s in _trimmed([a, b, c], _draft_costs)]
+    >>> [s.draft_ms for s in _trimmed([a, b, c], draft_costs)]
     [1.0, 2.0]
     """
     if len(slices) < 2:
@@ -75,11 +75,11 @@ def _trimmed(slices: list[SliceStats], damage) -> list[SliceStats]:
     return slices[:worst] + slices[worst + 1:]
 
 
-def _draft_costs(slices: list[SliceStats]) -> list[float]:
+def draft_costs(slices: list[SliceStats]) -> list[float]:
     return [-math.inf if math.isnan(s.draft_to_verify) else s.draft_to_verify for s in slices]
 
 
-def _speedup_losses(slices: list[SliceStats]) -> list[float]:
+def speedup_losses(slices: list[SliceStats]) -> list[float]:
     """How far each slice pulls the window's speedup down: its speedup without that slice (one that
     holds all the window's rounds or time goes first). Slow drafts and rejected rounds alike."""
     return [math.inf if math.isnan(v) else v for v in speedup_leaving_out(slices)]
@@ -362,7 +362,7 @@ class KeyMonitor(_Windowed):
         cfg = self.policy.speedup
         acceptance = self.policy.acceptance
         found = self.window_of_requests(cfg.window_slices, acceptance.min_requests,
-                                        max(cfg.window_slices, acceptance.max_window_slices), trim=_speedup_losses)
+                                        max(cfg.window_slices, acceptance.max_window_slices), trim=speedup_losses)
         if found is None or found[0].rounds < acceptance.min_rounds or found[0].steps == 0:
             self.speedup_gate.update(None)
             return []
@@ -578,7 +578,7 @@ class BundleMonitor(_Windowed):
                                     {"consecutive": self.kv_gate.streak}))
         cfg = self.policy.draft_overhead
         base = self.baseline.draft_to_verify
-        window, start, end = self.window(cfg.window_slices, sketches=False, trim=_draft_costs)
+        window, start, end = self.window(cfg.window_slices, sketches=False, trim=draft_costs)
         if speculating and self.learner.acceptance_ready and not math.isnan(base) and window.rounds:
             value = window.draft_to_verify
             # a larger drafting share of a batch raises draft per verify, not cost per token

@@ -1,5 +1,5 @@
 """The protobuf wire pieces OTLP's writer (`specwatch.schemas.otlp`) and the block reader
-(`specwatch.schemas.fastdecode`) share: varints, AnyValues, attributes, plain array columns."""
+(`specwatch.schemas.otlp_block`) share: varints, AnyValues, attributes, plain array columns."""
 
 from __future__ import annotations
 

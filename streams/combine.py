@@ -14,9 +14,9 @@ import numpy as np
 from specwatch.schemas.slice_stats import SliceStats, sample_order
 from specwatch.schemas import BundleRecord, Rejection, RequestRecord, StepRecord, TelemetryRecord
 from specwatch.schemas.codec import ahead_of_clock
-from specwatch.schemas.fastdecode import StepBlock
 from specwatch.schemas.policy import Policy
 from specwatch.schemas.scope import Scope as Key
+from specwatch.schemas.step_block import StepBlock
 
 from .intake import DuplicateFilter, EventClock, NativeEventClock, clock_rejection, duplicate, event_clock, writer_of
 from .running_requests import RunningRequests, key_stats

@@ -7,8 +7,9 @@ from typing import Callable, Iterable, Sequence
 
 from specwatch.actions.flags import FlagStore
 from specwatch.schemas import Decision, Policy, RejectionCounter
-from specwatch.schemas.fastdecode import StepBlock, decode_lines_block
+from specwatch.schemas.lines_block import decode_lines_block
 from specwatch.schemas.outputs import SliceOutput
+from specwatch.schemas.step_block import StepBlock
 
 from .combine import Stage1
 from .merge import Stage2

@@ -6,20 +6,21 @@ The unpickler resolves only the names those checkpoints hold (`_ALLOWED`); any o
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from collections import Counter, defaultdict, deque
 
 from fastdigest import TDigest
 from river._river_rust.drift import AdaptiveWindowing
 
-from specwatch.actions import admission, flags, policy as fallback
+from specwatch.actions import admission, fallback, flags
 from specwatch.actions.decider import SliceDecider
 from specwatch.detectors import baseline, canary, gates, monitor, stalls
 from specwatch.schemas import codec, policy, slice_stats
 from specwatch.schemas.checkpoint import PICKLED_CHECKPOINT_MAGIC, CheckpointError, inflated
-from specwatch.schemas.fastdecode import record_at
 from specwatch.schemas.latency_sketch import LatencySketch
 from specwatch.schemas.otlp import decode_request
+from specwatch.schemas.otlp_block import record_at
 
 from . import combine, intake, merge, running_requests, slice_batch, sources
 from .stage_tasks import BundleOwner, Stage1Task, Stage2Task
@@ -65,14 +66,15 @@ class _PickledEventClock(intake.EventClock):
 
     def __setstate__(self, state) -> None:
         slots = state[1] if isinstance(state, tuple) else state
-        fresh = intake.EventClock(slots["max_skew"], slots["_size"])
-        for name in intake.EventClock.__slots__:
-            setattr(self, name, slots[name] if name in slots else getattr(fresh, name))
-        if "primed" not in slots:  # it had seen records: they were its one writer's, in line
-            self.primed, self._start = True, self._median
+        self.__init__(slots["max_skew"], slots["_size"])
+        state = {"now": slots["now"], "median": slots["_median"], "recent": slots["_recent"], "seen": slots["_seen"]}
+        # without "primed" it had seen records: they were its one writer's, in line (primed, started at its median)
+        if "primed" in slots:
+            state |= {"primed": slots["primed"], "start": slots.get("_start", math.nan)}
+        self.load_state(state)
 
 
-class _PickledRunningWorker(running_requests._Worker):
+class _PickledRunningWorker(running_requests.WorkerRequests):
     """One worker's running requests as the last pickling version wrote them: no requests lost in a jump."""
 
     __slots__ = ()
@@ -130,12 +132,15 @@ _ALLOWED: dict[tuple[str, str], object] = {
     ("specwatch.schemas.otlp", "decode_request"): decode_request,
     **_names(admission, "AdmissionController", "BundleAdmission", "StageChange"),
     **_names(flags, "AdmissionState", "ScopeState"),
-    **_names(fallback, "FallbackPolicy"),
+    **_names(fallback, "FallbackPolicy", pickled_as="specwatch.actions.policy"),
     ("specwatch.actions.policy", "ScopeMemory"): _PickledScopeMemory,
     **_names(baseline, "Baseline", "BaselineLearner", "BaselinePool"),
-    **_names(canary, "CanaryJudge", "Judgement", "MetricVerdict", "WindowSample", "_Side"),
+    **_names(canary, "CanaryJudge", "Judgement", "MetricVerdict", "WindowSample"),
+    ("specwatch.detectors.canary", "_Side"): canary.ComparedSide,
     **_names(gates, "BernoulliCusum", "ConsecutiveGate", "DropDetector"),
-    **_names(monitor, "BundleMonitor", "KeyMonitor", "_draft_costs", "_speedup_losses"),
+    **_names(monitor, "BundleMonitor", "KeyMonitor"),
+    ("specwatch.detectors.monitor", "_draft_costs"): monitor.draft_costs,
+    ("specwatch.detectors.monitor", "_speedup_losses"): monitor.speedup_losses,
     **_names(stalls, "StalledRequests"),
     **_names(slice_stats, "SliceStats", pickled_as="specwatch.detectors.window"),
     **_names(codec, "RejectionCounter"),
@@ -147,7 +152,8 @@ _ALLOWED: dict[tuple[str, str], object] = {
     ("specwatch.streams.intake", "EventClock"): _PickledEventClock,
     **_names(running_requests, "RunningRequests", pickled_as="specwatch.streams.running"),
     ("specwatch.streams.running", "_Worker"): _PickledRunningWorker,
-    **_names(slice_batch, "SliceBatch", "_step_record", pickled_as=_OLD_TOPOLOGY),
+    **_names(slice_batch, "SliceBatch", pickled_as=_OLD_TOPOLOGY),
+    (_OLD_TOPOLOGY, "_step_record"): slice_batch.step_as_json,
     **_names(combine, "Stage1", pickled_as=_OLD_TOPOLOGY),
     (_OLD_TOPOLOGY, "Stage2"): _PickledStage2,
 }

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 from specwatch.schemas.slice_stats import SliceStats
 from specwatch.schemas.scope import Scope
 
-__all__ = ["RunningRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS", "key_stats"]
+__all__ = ["RunningRequests", "WorkerRequests", "REPORT_AFTER_SECONDS", "LOST_AFTER_SECONDS", "key_stats"]
 
 # Event time since a request's first step before it is reported as running (docs/STREAMS.md).
 REPORT_AFTER_SECONDS = 10.0
@@ -19,7 +19,7 @@ STILL_LISTED_SECONDS = 2.0
 LOST_AFTER_SECONDS = 10.0
 
 
-class _Worker:
+class WorkerRequests:
     """One worker's running requests: its latest step's ids, and when each request was seen."""
 
     __slots__ = ("ids", "ts", "last", "first", "gone")
@@ -43,7 +43,7 @@ class _Worker:
                 "gone": [[rid, list(key)] for rid, key in self.gone.items()]}
 
     @classmethod
-    def from_state(cls, state: dict) -> "_Worker":
+    def from_state(cls, state: dict) -> "WorkerRequests":
         w = cls()
         ids = [str(rid) for rid in state["ids"]]
         w.ids = tuple(ids) if state["ids_tuple"] else ids  # a step's ids compare equal to the same type only
@@ -82,13 +82,13 @@ class RunningRequests:
             raise ValueError(f"report_after and lost_after must be > 0, got {report_after} and {lost_after}")
         self.report_after = report_after
         self.lost_after = lost_after
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, WorkerRequests] = {}
 
     def to_state(self) -> dict:
         return {"workers": {worker: w.to_state() for worker, w in self._workers.items()}}
 
     def load_state(self, state: dict) -> None:
-        self._workers = {str(worker): _Worker.from_state(w) for worker, w in state["workers"].items()}
+        self._workers = {str(worker): WorkerRequests.from_state(w) for worker, w in state["workers"].items()}
 
     def __len__(self) -> int:
         return sum(len(w.first) for w in self._workers.values())
@@ -98,7 +98,7 @@ class RunningRequests:
         """A step of ``worker`` at ``ts`` listed the requests ``ids``, of the keys ``scopes()``."""
         w = self._workers.get(worker)
         if w is None:
-            w = self._workers[worker] = _Worker()
+            w = self._workers[worker] = WorkerRequests()
         elif ts - w.ts >= self.lost_after and w.first:
             w.jumped()  # the time it did not step is not time its requests ran
         elif ids == w.ids:

@@ -37,7 +37,7 @@ class SliceBatch:
                 "round_tallies": [[list(key), [[d, a, n] for (d, a), n in tally.items()]]
                                   for key, tally in self.round_tallies.items()],
                 "sightings": [[bundle, worker, span] for (bundle, worker), span in self.sightings.items()],
-                "step_candidates": [[list(key), [None if held is None else [list(held[0]), _step_record(held[1])]
+                "step_candidates": [[list(key), [None if held is None else [list(held[0]), step_as_json(held[1])]
                                                  for held in pair]] for key, pair in self.step_candidates.items()]}
 
     @classmethod
@@ -131,10 +131,10 @@ def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, li
     for key, (lowest, control) in candidates.items():
         stats = partials[key]
         if lowest is not None:
-            stats.keep_samples("lowest_acceptance", [lowest], _step_record)
-        stats.keep_samples("control_step", [control], _step_record)
+            stats.keep_samples("lowest_acceptance", [lowest], step_as_json)
+        stats.keep_samples("control_step", [control], step_as_json)
 
 
-def _step_record(step) -> dict:
+def step_as_json(step) -> dict:
     return (step if isinstance(step, StepRecord) else step()).model_dump(mode="json")
 

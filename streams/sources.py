@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, NamedTuple, Sequence, Union
 
 from specwatch.schemas import Rejection, RejectionCounter, TelemetryRecord, decode_line
-from specwatch.schemas.fastdecode import StepBlock
+from specwatch.schemas.step_block import StepBlock
 
 from .combine import Stage1
 from .slice_batch import SliceBatch
@@ -88,7 +88,7 @@ class Ingest:
 
     A block of the same lines gives the same, each rejection and late record by its position:
 
-    >>> from specwatch.schemas.fastdecode import decode_lines_block
+    >>> from specwatch.schemas.lines_block import decode_lines_block
     >>> block = Ingest(Stage1(Policy(), source="w1"))
     >>> lines = [step % (ts, seq) for seq, ts in enumerate((10.0, 10.5, 13.0, 13.5, 14.0))]
     >>> done = block.block(decode_lines_block([*lines, step % (13.5, 3), "{", step % (10.2, 7)]))

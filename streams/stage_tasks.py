@@ -22,8 +22,8 @@ from specwatch.schemas.checkpoint import (
     read_payload,
     unpack_checkpoint,
 )
-from specwatch.schemas.fastdecode import request_block
 from specwatch.schemas.otlp import decode_request
+from specwatch.schemas.otlp_block import request_block
 from specwatch.schemas.outputs import ActionRecord, SliceOutput
 from specwatch.transport.signing import SIGNATURE_HEADER, Keyring, Verdict, sign_line, verify
 

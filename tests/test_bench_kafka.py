@@ -13,7 +13,7 @@ import pytest
 
 from specwatch.lab.bench.broker import broker_data_dir
 from specwatch.lab.bench.kafka_path import run_kafka_bench
-from specwatch.lab.bench.soak import run_soak
+from specwatch.lab.bench.steady_load import run_soak
 from specwatch.schemas import StepRecord
 from specwatch.schemas.otlp import encode_records
 

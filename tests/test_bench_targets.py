@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specwatch.lab.bench.suite import TARGETS, _targets, run_bench
+from specwatch.lab.bench.figures import TARGETS, _targets, run_bench
 
 # One row per figure the issue sets a goal for, in its table's order, and the extra rows kept.
 _ROWS = [

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from specwatch.schemas.codec import decode_line, encode_record
 from specwatch.schemas.contract import MAX_REQUESTS_PER_STEP
-from specwatch.schemas.fastdecode import decode_lines_block
+from specwatch.schemas.lines_block import decode_lines_block
 from specwatch.lab.simulation.simulator import Simulator
 
 from test_bad_input import BAD_LINES

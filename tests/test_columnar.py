@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from specwatch.schemas import Policy, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_lines_block, request_block
+from specwatch.schemas.lines_block import decode_lines_block
 from specwatch.schemas.otlp import decode_request, encode_records
+from specwatch.schemas.otlp_block import request_block
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.sources import Ingest
@@ -97,11 +98,11 @@ def test_blocks_fold_as_records_one_at_a_time():
 def test_a_valid_step_outside_the_columns_folds_in_its_place(monkeypatch):
     """A step only the reference codec reads (here: every step of another layout) folds
     after the column steps before it, as one record at a time would fold it."""
-    from specwatch.schemas import fastdecode
+    from specwatch.schemas import lines_block
 
     lines = list(_lines(minutes=0.5))
     reference = _fold_one_at_a_time(lines)
-    monkeypatch.setattr(fastdecode, "_any_layout", lambda raw, pairs: None)
+    monkeypatch.setattr(lines_block, "_any_layout", lambda raw, pairs: None)
     assert len([1 for _, item in decode_lines_block(lines).others if getattr(item, "kind", None) == "step"]) > 10
     for size in (7, 64, len(lines)):
         assert _fold_in_blocks(lines, range(size, len(lines), size)) == reference, size

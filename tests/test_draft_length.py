@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specwatch.actions.flags import FlagStore
-from specwatch.actions.policy import FallbackPolicy
+from specwatch.actions.fallback import FallbackPolicy
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.detectors.draft_length import PositionSurvival, StepCost, curve_from_slices, draft_length_curve
 from specwatch.detectors.monitor import Finding

@@ -11,8 +11,10 @@ import pytest
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Policy, Rejection, StepRecord, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import DECODERS, decode_lines_block, request_block
+from specwatch.schemas.lines_block import decode_lines_block
+from specwatch.schemas.native_walks import DECODERS
 from specwatch.schemas.otlp import decode_request, encode_records
+from specwatch.schemas.otlp_block import request_block
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.stage_tasks import Stage1Task
 from specwatch.streams.combine import Stage1

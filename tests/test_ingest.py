@@ -6,10 +6,10 @@ import json
 from collections import Counter
 from functools import lru_cache
 
-from specwatch.lab.bench.suite import NaiveRoundPipeline, per_round_lines
+from specwatch.lab.bench.figures import NaiveRoundPipeline, per_round_lines
 from specwatch.schemas import Policy, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_lines_block
+from specwatch.schemas.lines_block import decode_lines_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline

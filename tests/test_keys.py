@@ -3,12 +3,12 @@
 import gc
 import random
 
-from specwatch.lab.bench.keys import step_lines
+from specwatch.lab.bench.key_cost import step_lines
 from specwatch.detectors.baseline import BaselineLearner, BaselinePool
 from specwatch.detectors.monitor import KeyMonitor
 from specwatch.schemas.slice_stats import SliceStats, sample_record
 from specwatch.schemas import Policy
-from specwatch.schemas.fastdecode import decode_lines_block
+from specwatch.schemas.lines_block import decode_lines_block
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.combine import Stage1
 from specwatch.streams.merge import Stage2

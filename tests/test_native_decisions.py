@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from specwatch.schemas import fastdecode
+from specwatch.schemas import native_walks
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import request_block
 from specwatch.schemas.otlp import encode_records
+from specwatch.schemas.otlp_block import request_block
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 
@@ -29,7 +29,7 @@ def _simulated(scenario: str) -> list:
 
 
 def test_both_walks_are_loaded():
-    assert fastdecode.DECODERS == {"jsonl": "native", "otlp": "native"}
+    assert native_walks.DECODERS == {"jsonl": "native", "otlp": "native"}
 
 
 @pytest.mark.parametrize("scenario", sorted(_SCENARIOS))

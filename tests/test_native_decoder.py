@@ -14,9 +14,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from specwatch.schemas import Rejection, StepRecord
-from specwatch.schemas import fastdecode
+from specwatch.schemas import native_walks
 from specwatch.schemas.contract import RoundEntry
-from specwatch.schemas.fastdecode import _log_record_spans, _request_items, _StepRow, request_block
+from specwatch.schemas.otlp_block import _log_record_spans, _request_items, _StepRow, request_block
 from specwatch.schemas.otlp import decode_request, encode_records
 from specwatch.lab.simulation.simulator import Simulator
 
@@ -36,17 +36,17 @@ def _cargo() -> str | None:
 
 
 # Where the toolchain is, bootstrap builds the walk: a comparison skipped there would hide a broken build.
-pytestmark = pytest.mark.skipif(fastdecode.DECODER != "native"
+pytestmark = pytest.mark.skipif(native_walks.DECODER != "native"
                                 and (_cargo() is None or os.environ.get("SPECWATCH_NATIVE") == "0"),
                                 reason="no Rust toolchain here (only the reference path exists), or SPECWATCH_NATIVE=0")
 
 
 def test_the_walk_is_built_wherever_cargo_is():
-    assert fastdecode.DECODER == "native", f"cargo at {_cargo()} but specwatch_native is not importable"
+    assert native_walks.DECODER == "native", f"cargo at {_cargo()} but specwatch_native is not importable"
 
 
 def test_specwatch_native_0_forces_the_reference_path():
-    code = "from specwatch.schemas.fastdecode import DECODER, _NATIVE_WALK; print(DECODER, _NATIVE_WALK)"
+    code = "from specwatch.schemas.native_walks import DECODER, STEP_WALK; print(DECODER, STEP_WALK)"
     env = {**os.environ, "SPECWATCH_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["reference", "None"]
@@ -62,7 +62,7 @@ def _outcome(item):
 
 def _native_rows(payload: bytes) -> int:
     """How many records the compiled walk read as steps itself."""
-    walked = fastdecode._NATIVE_WALK.records(payload)
+    walked = native_walks.STEP_WALK.records(payload)
     return sum(row is not None for _, _, row in walked)
 
 
@@ -248,7 +248,7 @@ def test_damaged_requests_decode_the_same(data):
 @example(b"\x0a\x06\x12\x04\x12\x02\x32\x7f")
 def test_hostile_bytes_neither_crash_the_walk_nor_split_otherwise(data):
     """The walk is handed bytes upb never saw: it reads the same records or none, and never fails."""
-    walked = fastdecode._NATIVE_WALK.records(data)
+    walked = native_walks.STEP_WALK.records(data)
     spans = _log_record_spans(data)
     assert (None if walked is None else [(start, end) for start, end, _ in walked]) == spans
     _same_both_ways(data)
@@ -261,5 +261,5 @@ def test_hostile_records_in_a_valid_envelope_never_crash_the_walk(data):
     good = b"".join(_plain_fields())
     record = damaged(data, good, most=3) if data.draw(st.booleans()) else data.draw(st.binary(max_size=600))
     payload = _request([record, good])
-    fastdecode._NATIVE_WALK.records(payload)
+    native_walks.STEP_WALK.records(payload)
     _same_both_ways(payload)

@@ -10,9 +10,9 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from specwatch.schemas import fastdecode
+from specwatch.schemas import native_walks
 from specwatch.schemas.codec import decode_line, encode_record
-from specwatch.schemas.fastdecode import decode_lines_block
+from specwatch.schemas.lines_block import decode_lines_block
 
 from test_bad_input import BAD_LINES
 from test_block_decoder import _EDGES, _round, _simulated, _step, _steps
@@ -23,7 +23,7 @@ from test_native_decoder import pytestmark  # noqa: F401  (built wherever cargo 
 
 def _walked(lines: list[bytes]) -> list[int]:
     """The positions the compiled walk read as steps itself."""
-    return fastdecode._NATIVE_LINES.block(lines)[0]
+    return native_walks.LINE_WALK.block(lines)[0]
 
 
 def _same_both_ways(lines: list[bytes]):
@@ -183,6 +183,6 @@ def test_the_walk_takes_a_step_of_printable_ascii_names_with_every_character():
 
 def test_a_line_of_another_type_than_bytes_is_left_to_the_reference():
     good = _writers_line(1)
-    assert fastdecode._NATIVE_LINES.block([good, good.decode(), bytearray(good)])[:2] == ([0], [1, 2])
+    assert native_walks.LINE_WALK.block([good, good.decode(), bytearray(good)])[:2] == ([0], [1, 2])
     assert len(decode_lines_block([good, good.decode()], native=True)) == 2
-    assert np.frombuffer(fastdecode._NATIVE_LINES.block([good])[2]).tolist() == [101.0]
+    assert np.frombuffer(native_walks.LINE_WALK.block([good])[2]).tolist() == [101.0]

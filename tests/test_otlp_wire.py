@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Rejection, StepRecord
-from specwatch.schemas.fastdecode import (_log_record_spans, _Memo, _step_from_wire, _step_plain, _StepRow,
-                                          request_block)
 from specwatch.schemas.otlp import decode_request, encode_records, log_entry
+from specwatch.schemas.otlp_block import (_log_record_spans, _Memo, _step_from_wire, _step_plain, _StepRow,
+                                         request_block)
 from specwatch.schemas.otlp_wire import OddShape
 
 from test_fastpath import as_columns, assert_block_is_the_reference

@@ -3,7 +3,7 @@
 import pytest
 
 from specwatch.actions.flags import FlagStore
-from specwatch.actions.policy import FallbackPolicy
+from specwatch.actions.fallback import FallbackPolicy
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.detectors.monitor import Finding
 from specwatch.detectors.recovery import RecoveryEvidence

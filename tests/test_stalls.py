@@ -11,8 +11,9 @@ from specwatch.detectors.stalls import StalledRequests
 from specwatch.schemas.slice_stats import SliceStats, merge_all
 from specwatch.schemas import Policy, RequestRecord, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_lines_block, request_block
+from specwatch.schemas.lines_block import decode_lines_block
 from specwatch.schemas.otlp import decode_request, encode_records
+from specwatch.schemas.otlp_block import request_block
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.sources import Ingest

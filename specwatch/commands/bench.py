@@ -30,7 +30,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from specwatch.lab.bench.suite import keys_picture, plot_report, run_bench
+    from specwatch.lab.bench.figures import keys_picture, plot_report, run_bench
 
     if args.plot:  # refused before the run, not after it: neither picture may name a file the run reads
         check_output(args.plot, args)

@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specwatch.lab.bench.soak import run_soak, workers_for
+    from specwatch.lab.bench.steady_load import run_soak, workers_for
 
     if not (args.minutes > 0 and math.isfinite(args.minutes)):
         raise CommandError("--minutes must be a positive number")

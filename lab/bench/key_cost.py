@@ -9,7 +9,8 @@ from typing import Iterator
 from specwatch.lab.bench import alternated, timed
 from specwatch.schemas import Policy
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import DECODERS, decode_lines_block
+from specwatch.schemas.lines_block import decode_lines_block
+from specwatch.schemas.native_walks import DECODERS
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.gc_policy import STREAM_THRESHOLDS

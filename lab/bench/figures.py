@@ -24,15 +24,17 @@ from specwatch.lab.bench import SECTIONS, alternated, timed
 from specwatch.lab.bench.archive_path import run_archive_bench
 from specwatch.lab.bench.broker import OwnBroker
 from specwatch.lab.bench.engine import run_engine_bench
-from specwatch.lab.bench.export import run_export_bench
-from specwatch.lab.bench.gateway import run_gateway_bench
-from specwatch.lab.bench.keys import (bench_keys, closed_batches, fed_pipeline, line_blocks,
+from specwatch.lab.bench.export_cpu import run_export_bench
+from specwatch.lab.bench.gateway_latency import run_gateway_bench
+from specwatch.lab.bench.key_cost import (bench_keys, closed_batches, fed_pipeline, line_blocks,
                                   stage2_outputs, step_lines)
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.schemas import Policy, RoundEntry, StepRecord
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import DECODERS, decode_lines_block, request_block
+from specwatch.schemas.lines_block import decode_lines_block
+from specwatch.schemas.native_walks import DECODERS
 from specwatch.schemas.otlp import decode_request, encode_records
+from specwatch.schemas.otlp_block import request_block
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.intake import NATIVE_ADMISSION, EventClock
 
@@ -800,7 +802,7 @@ def plot_report(report: dict, path: str | os.PathLike) -> None:
     """Rounds/s per core of the batch, reference and per-round paths, and growth with keys, as a
     PNG; a keys section's picture goes beside it: ``benchmarks.png`` -> ``benchmarks-keys.png``."""
     if isinstance(report.get("keys"), dict) and "curve" in report["keys"]:
-        from specwatch.lab.bench.keys import plot_keys
+        from specwatch.lab.bench.key_cost import plot_keys
 
         plot_keys(report["keys"], keys_picture(path))
     if not (isinstance(report.get("stream"), list) and isinstance(report.get("growth"), list)):
