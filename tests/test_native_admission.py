@@ -11,7 +11,8 @@ import pytest
 
 from specwatch.schemas import Policy, Rejection, decode_line
 from specwatch.schemas.codec import encode_record
-from specwatch.schemas.fastdecode import decode_lines_block, request_block
+from specwatch.schemas.lines_block import decode_lines_block
+from specwatch.schemas.otlp_block import request_block
 from specwatch.schemas.otlp import encode_records
 from specwatch.lab.simulation.simulator import Simulator
 from specwatch.streams import intake
