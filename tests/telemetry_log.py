@@ -104,14 +104,15 @@ def replayed(records: Iterable, *args, **options) -> EmbeddedPipeline:
     return pipeline
 
 
-def archived_replay(records: Iterable, dsn: str) -> list[Decision]:
-    """The embedded pipeline's decisions on ``records``, its output archived at ``dsn`` as `specwatch run` does."""
+def archived_replay(records: Iterable, dsn: str, **options) -> list[Decision]:
+    """The embedded pipeline's decisions on ``records``, its output archived at ``dsn`` as `specwatch run` does;
+    ``options`` go to the pipeline (``flags``: the simulated engines' flag store, a closed loop)."""
     from specwatch.archive.sink import ArchiveSink
     from specwatch.archive.store import Archive
 
     with Archive.open(dsn) as archive:
         sink = ArchiveSink(archive)
-        decisions = replayed(records, sinks=[sink]).decisions
+        decisions = replayed(records, sinks=[sink], **options).decisions
         sink.close()
     return decisions
 

@@ -76,3 +76,36 @@ def test_postmortem_page_renders_in_a_headless_browser(archived, tmp_path):
     # the bundle card and the archived samples
     assert '<tr data-key="drafter.mechanism"><th>drafter.mechanism</th><td>eagle3</td></tr>' in dom
     assert dom.count("<tr data-sample-id=") >= 1
+
+
+def test_a_fallbacks_postmortem_lists_the_keys_it_covered_while_their_tests_held_evidence(tmp_path):
+    # closed loop, 2 x 8: a reasoning tail, a KV surge and an extraction burst start together at
+    # 300 s. The KV fallback switches the bundle off 40 s in while the burst's error test holds
+    # 5.6 nats, more than half the 8.2 its last look needs: the text and the page both name it.
+    from specwatch.actions.flags import FlagStore
+    from specwatch.lab.evaluation.overlap import OverlapRun
+
+    run = OverlapRun(127, ("latency_tail", "kv_pressure", "error_burst"), "together", True, 2, 8)
+    flags = FlagStore()
+    dsn = f"chdb://{tmp_path / 'archive'}"
+    sim = Simulator("healthy", seed=run.seed, minutes=6.0, workers=2, concurrency=8, flags=flags,
+                    incident_at=300.0, plans=run.plans())
+    decisions = archived_replay(sim.records(), dsn, flags=flags)
+    kv, = [d for d in decisions if d.reason == "kv_pressure" and d.action == "disable_speculation"]
+    scope = f"{kv.bundle_id}/extraction/main"
+    evidence = "5.60 nats (last look 8.19, usual 15.10)"
+
+    proc = _explain(kv.id, "--archive", dsn)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    at = lines.index("switched off while their own tests held evidence (short of a last look):")
+    assert lines[at + 1] == f"  {scope}  error_rate  {evidence}: 2 of 21 requests"
+    assert not lines[at + 2].startswith("  ")  # the tail's 4.7 nats are under half of its 11.2: not listed
+
+    page = tmp_path / "postmortem.html"
+    proc = _explain(kv.id, "--archive", dsn, "--html", str(page))
+    assert proc.returncode == 0, proc.stderr
+    table = re.search(r'<table id="covered">.*?</table>', page.read_text(), re.S).group(0)
+    assert re.findall(r"<tr data-scope=", table) == ["<tr data-scope="]
+    assert (f'<tr data-scope="{scope}" data-gate="error_rate"><td>{scope}</td><td>error_rate</td>'
+            f"<td>{evidence}</td><td>2 of 21 requests</td></tr>") in table

@@ -204,12 +204,55 @@ def _covered_lines(record: dict) -> list[str]:
     switched off while their own tests held evidence (short of a last look):
       b-1/reasoning/main  latency_slo  8.69 nats (last look 11.18, usual 17.65): 5 of 48 requests
     """
-    covered = (_audit(record).get("detail") or {}).get("covered") or []
+    covered = _covered(record)
     if not covered:
         return []
-    return ["switched off while their own tests held evidence (short of a last look):"] + [
-        f"  {c['scope']}  {c['gate']}  {c['evidence_nats']:.2f} nats (last look {c['look_threshold_nats']:.2f}, "
-        f"usual {c['evidence_threshold_nats']:.2f}): {c['hits']:g} of {c['trials']} requests" for c in covered]
+    return [_COVERED_TITLE + ":"] + [
+        f"  {c['scope']}  {c['gate']}  {_covered_evidence(c)}: {_covered_counted(c)}" for c in covered]
+
+
+_COVERED_TITLE = "switched off while their own tests held evidence (short of a last look)"
+
+
+def _covered(record: dict) -> list[dict]:
+    return (_audit(record).get("detail") or {}).get("covered") or []
+
+
+def _covered_evidence(c: dict) -> str:
+    return (f"{c['evidence_nats']:.2f} nats (last look {c['look_threshold_nats']:.2f}, "
+            f"usual {c['evidence_threshold_nats']:.2f})")
+
+
+def _covered_counted(c: dict) -> str:
+    return f"{c['hits']:g} of {c['trials']} requests"
+
+
+def _covered_table(record: dict) -> list[str]:
+    """The page's section for the decider's ``covered`` audit, as `_covered_lines` prints it.
+
+    >>> record = {"audit": {"detail": {"covered": [{"scope": "b-1/extraction/main", "gate": "error_rate",
+    ...     "evidence_nats": 5.6, "evidence_threshold_nats": 15.1, "look_threshold_nats": 8.189,
+    ...     "hits": 2.0, "trials": 21}]}}}
+    >>> page = "".join(_covered_table(record))
+    >>> page.startswith("<h2>Covered keys</h2>"), '<table id="covered">' in page
+    (True, True)
+    >>> '<td>5.60 nats (last look 8.19, usual 15.10)</td><td>2 of 21 requests</td>' in page
+    True
+    >>> _covered_table({"audit": None})
+    []
+    """
+    covered = _covered(record)
+    if not covered:
+        return []
+    esc = html.escape
+    rows = "".join(
+        f'<tr data-scope="{esc(c["scope"])}" data-gate="{esc(c["gate"])}"><td>{esc(c["scope"])}</td>'
+        f"<td>{esc(c['gate'])}</td><td>{esc(_covered_evidence(c))}</td><td>{esc(_covered_counted(c))}</td></tr>"
+        for c in covered)
+    return ["<h2>Covered keys</h2>",
+            f'<p class="muted">Keys this fallback {esc(_COVERED_TITLE)}: another cause it may hide.</p>',
+            '<table id="covered"><tr><th>scope</th><th>gate</th><th>evidence</th><th>counted</th></tr>'
+            + rows + "</table>"]
 
 
 def _without_judgement(finding: dict) -> dict:
@@ -323,6 +366,7 @@ def render_html(record: dict, samples: Sequence[dict], reproductions: Sequence[d
         _key_value_table("thresholds", audit.get("thresholds") or {}),
         "<h2>Baseline it was compared to</h2>",
         _key_value_table("baseline", audit.get("baseline") or {}),
+        *_covered_table(record),
         "<h2>Evidence window</h2>",
     ]
     rows = _window_rows(record)
