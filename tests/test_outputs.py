@@ -8,6 +8,7 @@ reader, a file the shell opened for append, a pipe. A `hypothesis` suite drives
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import subprocess
@@ -237,10 +238,26 @@ class _Destination:
         for fd in self.descriptors:
             os.close(fd)
         if self.reader is not None:
-            if self.kind == "fifo" and not self.received and self.reader.is_alive():
-                os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))  # a writer that never came
+            if self.kind == "fifo":
+                _release_fifo_reader(self.path, self.reader)
             self.reader.join(timeout=30)
             assert not self.reader.is_alive()
+
+
+def _release_fifo_reader(path: str, reader: threading.Thread) -> None:
+    """Stand in for a writer that never came, so a reader waiting on the FIFO sees its end.
+
+    Opening for writing without blocking fails (ENXIO) while no reader has the FIFO open: the
+    reader may not have opened it yet, or may have read the end and closed it before appending
+    what it read. Try again until the reader is done or is there to be released."""
+    while reader.is_alive():
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            return
+        except OSError as error:
+            if error.errno != errno.ENXIO:
+                raise
+        reader.join(timeout=0.01)
 
 
 def _drain(read_end: int) -> bytes:
