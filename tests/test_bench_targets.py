@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specwatch.lab.bench.figures import TARGETS, _targets, run_bench
+from specwatch.lab.bench.figures import TARGETS, judge_targets, run_bench
 
 # One row per figure the issue sets a goal for, in its table's order, and the extra rows kept.
 _ROWS = [
@@ -85,7 +85,7 @@ def _report() -> dict:
 
 
 def test_each_row_carries_its_alternative_its_ratio_and_whether_it_is_met():
-    rows = {row["target"]: row for row in _targets(_report())}
+    rows = {row["target"]: row for row in judge_targets(_report())}
     expected = {  # target: (measured, alternative's value, ratio, met)
         "stream rounds/s per core at 16 requests/step (JSON Lines)": (500_000.0, 400_000.0, 1.25, False),
         "stream rounds/s per core at 16 requests/step (OTLP)": (1_200_000.0, 600_000.0, 2.0, True),
@@ -131,7 +131,7 @@ def test_a_failed_or_incomplete_section_leaves_its_rows_not_measured_and_the_oth
     report["kafka"] = {"error": "no broker: deploy/kafka/broker.sh did not start"}
     del report["engine"]["step_ms_p99_on"]
     report["export"] = {"otlp_http_us_per_step": 120.0, "kafka_us_per_step": None, "kafka_encode_us_per_step": 30.0}
-    rows = {row["target"]: row for row in _targets(report)}
+    rows = {row["target"]: row for row in judge_targets(report)}
     kafka = [row for row in rows.values() if row["section"] == "kafka"]
     assert len(kafka) == 4
     assert {row["note"] for row in kafka} == {"not measured: error: no broker: deploy/kafka/broker.sh did not start"}
@@ -157,3 +157,19 @@ def test_a_run_of_one_section_reports_every_target_with_that_sections_rows_measu
     assert startup["alternative_value"] == report["startup"]["bare_interpreter_s"]
     assert startup["met"] is (startup["measured"] <= TARGETS["startup_s"])
     assert report["stream"] == {"skipped": "not selected"}
+
+
+def test_a_section_that_raises_is_reported_as_its_error_and_the_next_section_still_runs(monkeypatch):
+    import specwatch.lab.bench.figures as figures
+
+    def broken(quick, smoke):
+        raise TypeError("'>' not supported between instances of 'float' and 'NoneType'")
+
+    monkeypatch.setattr(figures, "bench_replay", lambda quick, smoke, folder: broken(quick, smoke))
+    report = run_bench(smoke=True, sections=("replay", "startup"))
+    assert report["failed_sections"] == ["replay"]
+    assert report["replay"] == {"error": "TypeError: '>' not supported between instances of 'float' and 'NoneType'"}
+    assert report["startup"]["replay_one_record_s"] > 0  # measured after the failure
+    rows = {row["target"]: row for row in report["targets"]}
+    replay = next(row for name, row in rows.items() if row["section"] == "replay")
+    assert replay["met"] is None and replay["measured"] is None

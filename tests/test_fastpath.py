@@ -192,6 +192,7 @@ def test_bench_quick_json_shape():
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["failed_sections"] == []
     assert set(report) >= {"machine", "stream", "kafka", "collector", "archive", "replay", "growth", "keys", "targets"}
     assert [row["keys"] for row in report["keys"]["curve"]] == [1, 10, 100]
     for row in report["stream"]:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import tracemalloc
 from collections import deque
 from pathlib import Path
@@ -38,7 +40,7 @@ from specwatch.schemas.otlp_block import request_block
 from specwatch.streams.embedded import EmbeddedPipeline
 from specwatch.streams.intake import NATIVE_ADMISSION, EventClock
 
-__all__ = ["run_bench", "plot_report", "keys_picture", "NaiveRoundPipeline", "TARGETS", "SECTIONS"]
+__all__ = ["run_bench", "judge_targets", "plot_report", "keys_picture", "NaiveRoundPipeline", "TARGETS", "SECTIONS"]
 
 _SEED = 17
 _OTLP_RECORDS_PER_MESSAGE = 200
@@ -575,8 +577,10 @@ def bench_kafka(bootstrap: str, quick: bool, smoke: bool) -> dict:
     for name, measured in runs.items():
         moves[name]["p99_over_default"] = [(r["evidence_latency_p99_s"] or 0.0) / (d["evidence_latency_p99_s"] or 1.0)
                                            for r, d in zip(measured, base)]
+    # a turn with no decision has no p99: it ranks last, it is not a fast turn
     best_move = min((name for name in moves if name != "default"), default=None,
-                    key=lambda name: max(moves[name]["evidence_latency_p99_s"]))
+                    key=lambda name: max((math.inf if p99 is None else p99)
+                                         for p99 in moves[name]["evidence_latency_p99_s"]))
     return {"flat_out": one, "two_workers": two, "paced": paced_run, "paced_runs": runs, "moves": moves,
             "best_move": best_move,
             "scaling": [{"workers": r["workers"], "partitions": r["partitions"], "rounds_per_s": r["rounds_per_s"],
@@ -717,11 +721,11 @@ def _section_gap(section: Any) -> str | None:
     return None if section else "not run"
 
 
-def _targets(report: dict) -> list[dict]:
+def judge_targets(report: dict) -> list[dict]:
     """Every target of issue 16 with its alternative, ratio and met; None where not measured (a
     figure its section lacks too); a "stated" target has no goal, and is met once measured.
 
-    >>> rows = _targets({"replay": {"skipped": "not selected"}})
+    >>> rows = judge_targets({"replay": {"skipped": "not selected"}})
     >>> len(rows) == len(_TARGET_ROWS), {r["met"] for r in rows}
     (True, {None})
     >>> [r["note"] for r in rows if r["section"] == "replay"]
@@ -760,11 +764,13 @@ def _targets(report: dict) -> list[dict]:
 def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = None,
               sections: tuple[str, ...] = (), log=lambda msg: None) -> dict:
     """Every section; ``smoke`` shrinks inputs to check the output's shape only. Without
-    ``bootstrap``, the kafka and export sections run against a broker of this run's own."""
+    ``bootstrap``, the kafka and export sections run against a broker of this run's own. A
+    section that raises is reported as its error and named in ``failed_sections``; the others run."""
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                           "load_average": os.getloadavg(), "quick": quick, "smoke": smoke,
                                           # the block decoder's step walks: compiled, or the Python reference
-                                          "decoders": DECODERS}}
+                                          "decoders": DECODERS},
+                            "failed_sections": []}
     wanted = set(sections) or set(SECTIONS)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         broker_error = None
@@ -793,10 +799,15 @@ def run_bench(quick: bool = False, smoke: bool = False, bootstrap: str | None = 
         for name, fn in steps:
             if name in wanted:
                 log(f"bench: {name} ...")
-                report[name] = fn()
+                try:
+                    report[name] = fn()
+                except Exception as error:  # one section's failure must not lose the hour the others took
+                    log(f"bench: {name} failed:\n{traceback.format_exc()}")
+                    report[name] = {"error": f"{type(error).__name__}: {error}"}
+                    report["failed_sections"].append(name)
             else:
                 report[name] = {"skipped": "not selected"}
-    report["targets"] = _targets(report)
+    report["targets"] = judge_targets(report)
     return report
 
 

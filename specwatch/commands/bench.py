@@ -39,9 +39,10 @@ def run(args) -> int:
                        sections=tuple(args.section), log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.plot:
         plot_report(report, args.plot)
+    failed = 1 if report["failed_sections"] else 0  # the report is printed whole either way
     if args.json:
         print(json.dumps(report, sort_keys=True, default=float))
-        return 0
+        return failed
     for row in report.get("stream", []) if isinstance(report.get("stream"), list) else []:
         print(f"stream {row['encoding']:5} {row['requests_per_step']:5.1f} req/step: "
               f"{row['columnar_rounds_per_s']:>11,.0f} rounds/s/core  x{row['speedup_vs_naive']:.1f} vs per-round, "
@@ -71,4 +72,6 @@ def run(args) -> int:
         goal = f"{row['goal_is']} {row['goal']:,} on the {row['goal_on']}" if row["goal"] is not None else "stated"
         print(f"target {row['target']}: {row['measured']:,.2f}{versus}; goal {goal}: "
               f"{'met' if row['met'] else 'NOT met'}")
-    return 0
+    for name in report["failed_sections"]:
+        print(f"section {name} FAILED: {report[name]['error']}")
+    return failed
