@@ -1,5 +1,5 @@
-//! The step walks of specwatch's block decoder (`schemas/fastdecode.py`), compiled: OTLP here,
-//! JSON Lines in `lines`.
+//! The step walks of specwatch's block decoders (`schemas/otlp_block.py`, `schemas/lines_block.py`),
+//! compiled: OTLP here, JSON Lines in `lines`.
 //!
 //! `StepWalk.records` reads an ExportLogsServiceRequest that upb has already accepted and
 //! gives, for every LogRecord, its span and -- when the record is a valid step in the
@@ -52,7 +52,7 @@ fn size_at(buf: &[u8], p: usize) -> Option<(usize, usize)> {
     Some((usize::try_from(size).ok()?, q))
 }
 
-/// The position after a field's payload, `p` just after its tag (`fastdecode._skip`).
+/// The position after a field's payload, `p` just after its tag (`otlp_block._skip`).
 fn skip(buf: &[u8], p: usize, wire_type: u64) -> Option<usize> {
     match wire_type {
         0 => {
@@ -72,7 +72,7 @@ fn skip(buf: &[u8], p: usize, wire_type: u64) -> Option<usize> {
     }
 }
 
-/// (start, end) of each length-delimited field `tag` in buf[p..end] (`fastdecode._fields`).
+/// (start, end) of each length-delimited field `tag` in buf[p..end] (`otlp_block._fields`).
 fn fields(buf: &[u8], mut p: usize, end: usize, tag: u64, out: &mut Vec<(usize, usize)>) -> Option<()> {
     while p < end {
         let (found, q) = varint(buf, p)?;
@@ -92,7 +92,7 @@ fn fields(buf: &[u8], mut p: usize, end: usize, tag: u64, out: &mut Vec<(usize, 
     }
 }
 
-/// Every LogRecord's (start, end), in upb's order (`fastdecode._log_record_spans`).
+/// Every LogRecord's (start, end), in upb's order (`otlp_block._log_record_spans`).
 fn log_record_spans(buf: &[u8]) -> Option<Vec<(usize, usize)>> {
     let (mut resources, mut scopes, mut records) = (Vec::new(), Vec::new(), Vec::new());
     fields(buf, 0, buf.len(), 0x0A, &mut resources)?;
@@ -122,7 +122,7 @@ fn attribute_end(buf: &[u8], p: usize, end: usize) -> Option<usize> {
 }
 
 /// Key and value span of one serialized attribute (tag, size, KeyValue): a key field and
-/// a value field, once each, in either order (`fastdecode._key_value`, the rest declined).
+/// a value field, once each, in either order (`otlp_block._key_value`, the rest declined).
 fn key_value(attribute: &[u8]) -> Option<(&[u8], usize, usize)> {
     let (_, mut p) = varint(attribute, 1)?;
     let end = attribute.len();
@@ -169,7 +169,7 @@ fn string_value(buf: &[u8], start: usize, end: usize) -> Option<&[u8]> {
     Some(&buf[p..end])
 }
 
-/// The ArrayValue body inside the AnyValue buf[start..end] (`fastdecode._array_body`).
+/// The ArrayValue body inside the AnyValue buf[start..end] (`otlp_block._array_body`).
 #[inline]
 fn array_body(buf: &[u8], start: usize, end: usize) -> Option<(usize, usize)> {
     if start >= end || buf[start] != 0x2A {

@@ -1,4 +1,4 @@
-//! The JSON Lines block decoder's read of steps in the writer's layout (`fastdecode.decode_lines_block`).
+//! The JSON Lines block decoder's read of steps in the writer's layout (`lines_block.decode_lines_block`).
 //!
 //! `LineWalk.block` reads each line that is a step exactly as `encode_record` writes it --
 //! keys in the writer's order, no whitespace inside, names of printable ASCII without
