@@ -234,6 +234,12 @@ class SliceDecider:
             for stats in recent:
                 for kind, kept in stats.samples.items():
                     candidates.setdefault(kind, []).extend(kept)
+            if facts_of(finding.reason).served_requests and not candidates.get("control_request"):
+                # A window shorter than a request (slow steps, long outputs) holds only steps, and a
+                # step is not what `specwatch reproduce` re-runs: take the scope's latest finished
+                # requests from the slices before it instead.
+                for _, stats in history[-_SAMPLE_SLICES:]:
+                    candidates.setdefault("control_request", []).extend(stats.samples.get("control_request", ()))
         samples, reasons = pick_samples(finding.reason, candidates)
         sample_ids = [sample_id(s) for s in samples]
         decision = self.fallback.decide(finding, scope, self.draft_length(scope[0]), sample_ids,

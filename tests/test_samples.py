@@ -91,3 +91,27 @@ def test_samples_do_not_depend_on_arrival_order(scenario, workers):
     straight = [(a.decision.id, a.samples) for a in _actions(scenario, workers)]
     shuffled = [(a.decision.id, a.samples) for a in _actions(scenario, workers, shuffle_seed=5)]
     assert shuffled == straight
+
+
+def test_an_acceptance_window_without_finished_requests_keeps_the_latest_served_requests_of_its_scope():
+    # Requests longer than the evidence window: from the drop on, no request of the fleet finishes.
+    # A step is not what `specwatch reproduce` re-runs, so the decision keeps the scope's latest
+    # finished requests from the slices before its window.
+    sim = Simulator("acceptance_drop", seed=SEED, workers=4, minutes=4.0, incident_at=120.0)
+    start = sim.incidents[0].start_ts
+    kept = [r for r in sim.records() if not (r.kind == "request" and r.ts >= start)]
+    actions = []
+    replayed(kept, sinks=[lambda output: actions.extend(output.actions)])
+    decided = [a for a in actions if a.decision.reason == "acceptance_drop"]
+    assert [(a.decision.bucket, a.decision.cohort) for a in decided] == [("coding", "main"), ("coding", "main")]
+    served_counts = []
+    for action in decided:
+        decision = action.decision
+        reasons = decision.evidence["sample_reasons"]
+        by_id = {_sample_id(s): s for s in action.samples}
+        served = [by_id[i] for i, why in reasons.items() if why == "served_request"]
+        served_counts.append(len(served))
+        assert all(s["kind"] == "request" and s["ts"] < start for s in served)
+        assert all((s["bucket"], s["cohort"]) == (decision.bucket, decision.cohort) for s in served)
+        assert sorted(by_id) == sorted(decision.sample_ids)
+    assert served_counts == [2, 2]  # two of the scope's requests finished in the ten slices before
