@@ -18,7 +18,7 @@ from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows, Windo
 
 from .latency_sketch import LatencySketch, quantiles_of
 
-__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "ratios", "round_evidence",
+__all__ = ["SAMPLE_KINDS", "SliceStats", "add_counts", "merge_all", "ratio", "ratios", "round_evidence",
            "sample_order", "sample_record", "speedup_leaving_out", "window_columns"]
 
 # Samples kept per key per slice: records that show a problem and healthy controls of each kind.
@@ -127,7 +127,12 @@ def speedup_leaving_out(slices: Sequence["SliceStats"]) -> list[float]:
                      draft_ms - s.draft_ms, verify_ms - s.verify_ms) for s in slices]
 
 
-def _add_lists(into: list[int], other: list[int]) -> None:
+def add_counts(into: list[int], other: list[int]) -> None:
+    """``other`` added into ``into`` position by position, ``into`` extended as far as ``other`` reaches.
+
+    >>> counts = [3, 1]; add_counts(counts, [1, 1, 1]); counts
+    [4, 2, 1]
+    """
     if len(other) > len(into):
         into.extend([0] * (len(other) - len(into)))
     for i, v in enumerate(other):
@@ -273,9 +278,9 @@ class SliceStats:
         self.drafted_tokens += other.drafted_tokens
         self.accepted_tokens += other.accepted_tokens
         if other.accepted_at_least:
-            _add_lists(self.accepted_at_least, other.accepted_at_least)
+            add_counts(self.accepted_at_least, other.accepted_at_least)
         if other.drafted_at_least:
-            _add_lists(self.drafted_at_least, other.drafted_at_least)
+            add_counts(self.drafted_at_least, other.drafted_at_least)
         self.draft_ms += other.draft_ms
         self.verify_ms += other.verify_ms
         if other.kv_peak > self.kv_peak:

@@ -129,10 +129,18 @@ class SliceBatch:
 def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:
     """Each key's lowest-acceptance step and step control among a slice's steps, ranked by content."""
     for key, (lowest, control) in candidates.items():
-        stats = partials[key]
+        samples = partials[key].samples
+        if "lowest_acceptance" in samples or "control_step" in samples:
+            stats = partials[key]
+            if lowest is not None:
+                stats.keep_samples("lowest_acceptance", [lowest], step_as_json)
+            stats.keep_samples("control_step", [control], step_as_json)
+            continue
+        # the key's first step samples (every slice's own, unless a checkpoint held some): each
+        # one as `SliceStats.keep_samples` makes the first of its kind
         if lowest is not None:
-            stats.keep_samples("lowest_acceptance", [lowest], step_as_json)
-        stats.keep_samples("control_step", [control], step_as_json)
+            samples["lowest_acceptance"] = [{"_rank": list(lowest[0]), "_make": step_as_json, "_item": lowest[1]}]
+        samples["control_step"] = [{"_rank": list(control[0]), "_make": step_as_json, "_item": control[1]}]
 
 
 def step_as_json(step) -> dict:
