@@ -8,7 +8,7 @@ import heapq
 import itertools
 import math
 import zlib
-from operator import attrgetter, itemgetter
+from operator import add, attrgetter, itemgetter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -133,10 +133,10 @@ def add_counts(into: list[int], other: list[int]) -> None:
     >>> counts = [3, 1]; add_counts(counts, [1, 1, 1]); counts
     [4, 2, 1]
     """
-    if len(other) > len(into):
-        into.extend([0] * (len(other) - len(into)))
-    for i, v in enumerate(other):
-        into[i] += v
+    n = len(other)
+    if n > len(into):
+        into.extend([0] * (n - len(into)))
+    into[:n] = map(add, into, other)  # the sums are all taken before any is written back
 
 
 @dataclass(slots=True)
@@ -295,15 +295,17 @@ class SliceStats:
             return
         if other.running_long:
             self.running_long.update(other.running_long)
-        for rid, finished in other.running_done.items():
-            if finished or rid not in self.running_done:  # finished wins over lost (another source's view)
-                self.running_done[rid] = finished
-        for name in _SKETCH_NAMES:
-            theirs, mine = getattr(other, name), getattr(self, name)
-            if mine is None and theirs is not None:
-                setattr(self, name, theirs.copy())
-            elif theirs is not None:
-                mine.merge(theirs)
+        if other.running_done:
+            for rid, finished in other.running_done.items():
+                if finished or rid not in self.running_done:  # finished wins over lost (another source's view)
+                    self.running_done[rid] = finished
+        if other.ttft is not None or other.tpot is not None or other.e2e is not None:  # most slices of a key have none
+            for name in _SKETCH_NAMES:
+                theirs, mine = getattr(other, name), getattr(self, name)
+                if mine is None and theirs is not None:
+                    setattr(self, name, theirs.copy())
+                elif theirs is not None:
+                    mine.merge(theirs)
         if samples and other.samples:
             for kind, theirs in other.samples.items():
                 mine = self.samples.get(kind)

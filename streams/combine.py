@@ -525,6 +525,7 @@ def _add_step_times(stats: list[SliceStats], group: np.ndarray, touch_step: np.n
         s.kv_peak = kv
         s.max_ts = ts
 
+
 def _add_block_rounds(stats: list[SliceStats], group: np.ndarray, bundle_group: np.ndarray, drafted: np.ndarray,
                       accepted: np.ndarray, count: np.ndarray) -> None:
     """The rounds' counts into the stats of their (slice, key) ``group``, and their totals into their
@@ -552,10 +553,15 @@ def _add_block_rounds(stats: list[SliceStats], group: np.ndarray, bundle_group: 
         s.plain_entries += plain
         s.drafted_tokens += drafted_tokens
         s.accepted_tokens += accepted_tokens
-        if d_len:
+        # a key's first rounds of the slice take the lists as they are (each row is a list of its own)
+        if s.drafted_at_least:
             add_counts(s.drafted_at_least, drafted_at[:d_len])
-        if a_len:
+        elif d_len:
+            s.drafted_at_least = drafted_at[:d_len]
+        if s.accepted_at_least:
             add_counts(s.accepted_at_least, accepted_at[:a_len])
+        elif a_len:
+            s.accepted_at_least = accepted_at[:a_len]
 
 
 def _first_ranked(candidates: np.ndarray, pair_group: np.ndarray, pair_order: np.ndarray,
