@@ -18,7 +18,7 @@ from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows, Windo
 
 from .latency_sketch import LatencySketch, quantiles_of
 
-__all__ = ["SAMPLE_KINDS", "SliceStats", "add_counts", "merge_all", "ratio", "ratios", "round_evidence",
+__all__ = ["SAMPLE_KINDS", "SliceStats", "add_counts", "held_sample", "merge_all", "ratio", "ratios", "round_evidence",
            "sample_order", "sample_record", "speedup_leaving_out", "window_columns"]
 
 # Samples kept per key per slice: records that show a problem and healthy controls of each kind.
@@ -59,6 +59,12 @@ def _merge_ranked(into: list, other: list, quota: int) -> list:
             if len(out) == quota:
                 break
     return out
+
+
+def held_sample(rank: Sequence, item: object, make: Callable[[object], dict]) -> dict:
+    """A kept sample of rank ``rank``, ``make(item)`` built only when needed (`sample_record`), with
+    no closure per sample."""
+    return {"_rank": list(rank), "_make": make, "_item": item}
 
 
 def sample_record(sample: dict) -> dict:
@@ -262,8 +268,7 @@ class SliceStats:
         chosen = sorted(candidates, key=_first) if len(candidates) <= quota else heapq.nsmallest(quota, candidates, key=_first)
         if not chosen:
             return
-        # built only when needed (`sample_record`), with no closure per sample
-        fresh = [{"_rank": list(rank), "_make": make, "_item": item} for rank, item in chosen]
+        fresh = [held_sample(rank, item, make) for rank, item in chosen]
         mine = self.samples.get(kind)
         self.samples[kind] = fresh if mine is None else _merge_ranked(mine, fresh, quota)
 

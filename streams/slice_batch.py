@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specwatch.schemas.slice_stats import SliceStats
+from specwatch.schemas.slice_stats import SliceStats, held_sample
 from specwatch.schemas import StepRecord
 from specwatch.schemas.scope import Scope as Key, scope_from_text, scope_text
 
@@ -137,10 +137,10 @@ def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, li
             stats.keep_samples("control_step", [control], step_as_json)
             continue
         # the key's first step samples (every slice's own, unless a checkpoint held some): each
-        # one as `SliceStats.keep_samples` makes the first of its kind
+        # one as `SliceStats.keep_samples` keeps the first of its kind
         if lowest is not None:
-            samples["lowest_acceptance"] = [{"_rank": list(lowest[0]), "_make": step_as_json, "_item": lowest[1]}]
-        samples["control_step"] = [{"_rank": list(control[0]), "_make": step_as_json, "_item": control[1]}]
+            samples["lowest_acceptance"] = [held_sample(*lowest, step_as_json)]
+        samples["control_step"] = [held_sample(*control, step_as_json)]
 
 
 def step_as_json(step) -> dict:
