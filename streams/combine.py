@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from specwatch.schemas.slice_stats import SliceStats, add_counts, sample_order
+from specwatch.schemas.slice_stats import SliceStats, add_round_columns, sample_order
 from specwatch.schemas import BundleRecord, Rejection, RequestRecord, StepRecord, TelemetryRecord
 from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.policy import Policy
@@ -376,7 +376,7 @@ class Stage1:
         pair_group = touch_group[:len(pairs)]
         bundle_group = np.full(len(block), -1, dtype=np.int64)  # each admitted step's (slice, bundle) group
         bundle_group[rows] = touch_group[len(pairs):]
-        _add_block_rounds(stats, pair_group[pair_of_round], bundle_group[round_step], drafted, accepted, count)
+        add_round_columns(stats, pair_group[pair_of_round], bundle_group[round_step], drafted, accepted, count)
         self._hold_block_samples(block, codes, n_keys, base, pair_step, pair_group, pair_drafted, pair_accepted)
         self._block_sightings(block, rows, slices)
 
@@ -524,44 +524,6 @@ def _add_step_times(stats: list[SliceStats], group: np.ndarray, touch_step: np.n
         s.verify_ms = verify
         s.kv_peak = kv
         s.max_ts = ts
-
-
-def _add_block_rounds(stats: list[SliceStats], group: np.ndarray, bundle_group: np.ndarray, drafted: np.ndarray,
-                      accepted: np.ndarray, count: np.ndarray) -> None:
-    """The rounds' counts into the stats of their (slice, key) ``group``, and their totals into their
-    (slice, bundle) ``bundle_group``: what `SliceBatch.seal` adds from a slice's round tallies (integer
-    sums, so the same whenever they are added), summed for all keys at once."""
-    n = len(stats)
-    if not len(group):
-        return
-    speculative = np.where(drafted > 0, count, 0)
-    weights = (speculative, count - speculative, drafted * count, accepted * count)
-    sums = np.array([np.bincount(group, weights=w, minlength=n) + np.bincount(bundle_group, weights=w, minlength=n)
-                     for w in weights]).astype(np.int64)
-    width = int(drafted.max()) + 1
-    at_least = []
-    for positions in (drafted, accepted):  # rounds that reached position i+1: a reversed running sum
-        reached = np.bincount(group * width + positions, weights=count, minlength=n * width).reshape(n, width)
-        at_least.append(np.cumsum(reached[:, :0:-1], axis=1)[:, ::-1].astype(np.int64))
-    touched = np.flatnonzero(sums[0] + sums[1])
-    lengths = [np.count_nonzero(counts[touched], axis=1).tolist() for counts in at_least]
-    for g, rounds, plain, drafted_tokens, accepted_tokens, drafted_at, d_len, accepted_at, a_len in zip(
-            touched.tolist(), *sums[:, touched].tolist(), at_least[0][touched].tolist(), lengths[0],
-            at_least[1][touched].tolist(), lengths[1]):
-        s = stats[g]
-        s.rounds += rounds
-        s.plain_entries += plain
-        s.drafted_tokens += drafted_tokens
-        s.accepted_tokens += accepted_tokens
-        # a key's first rounds of the slice take the lists as they are (each row is a list of its own)
-        if s.drafted_at_least:
-            add_counts(s.drafted_at_least, drafted_at[:d_len])
-        elif d_len:
-            s.drafted_at_least = drafted_at[:d_len]
-        if s.accepted_at_least:
-            add_counts(s.accepted_at_least, accepted_at[:a_len])
-        elif a_len:
-            s.accepted_at_least = accepted_at[:a_len]
 
 
 def _first_ranked(candidates: np.ndarray, pair_group: np.ndarray, pair_order: np.ndarray,
