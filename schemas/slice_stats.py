@@ -8,7 +8,7 @@ import heapq
 import itertools
 import math
 import zlib
-from operator import attrgetter, itemgetter
+from operator import add, attrgetter, itemgetter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -18,8 +18,8 @@ from specwatch.schemas.outputs import WINDOW_SUMMARY_FIELDS, SliceWindows, Windo
 
 from .latency_sketch import LatencySketch, quantiles_of
 
-__all__ = ["SAMPLE_KINDS", "SliceStats", "merge_all", "ratio", "ratios", "round_evidence",
-           "sample_order", "sample_record", "speedup_leaving_out", "window_columns"]
+__all__ = ["SAMPLE_KINDS", "SliceStats", "add_round_columns", "held_sample", "merge_all", "ratio", "ratios",
+           "round_evidence", "sample_order", "sample_record", "speedup_leaving_out", "window_columns"]
 
 # Samples kept per key per slice: records that show a problem and healthy controls of each kind.
 SAMPLE_KINDS = {"error": 3, "timeout": 3, "slowest": 2, "lowest_acceptance": 1,
@@ -59,6 +59,12 @@ def _merge_ranked(into: list, other: list, quota: int) -> list:
             if len(out) == quota:
                 break
     return out
+
+
+def held_sample(rank: Sequence, item: object, make: Callable[[object], dict]) -> dict:
+    """A kept sample of rank ``rank``, ``make(item)`` built only when needed (`sample_record`), with
+    no closure per sample."""
+    return {"_rank": list(rank), "_make": make, "_item": item}
 
 
 def sample_record(sample: dict) -> dict:
@@ -127,11 +133,16 @@ def speedup_leaving_out(slices: Sequence["SliceStats"]) -> list[float]:
                      draft_ms - s.draft_ms, verify_ms - s.verify_ms) for s in slices]
 
 
-def _add_lists(into: list[int], other: list[int]) -> None:
-    if len(other) > len(into):
-        into.extend([0] * (len(other) - len(into)))
-    for i, v in enumerate(other):
-        into[i] += v
+def _add_counts(into: list[int], other: list[int]) -> None:
+    """``other`` added into ``into`` position by position, ``into`` extended as far as ``other`` reaches.
+
+    >>> counts = [3, 1]; _add_counts(counts, [1, 1, 1]); counts
+    [4, 2, 1]
+    """
+    n = len(other)
+    if n > len(into):
+        into.extend([0] * (n - len(into)))
+    into[:n] = map(add, into, other)  # the sums are all taken before any is written back
 
 
 @dataclass(slots=True)
@@ -257,8 +268,7 @@ class SliceStats:
         chosen = sorted(candidates, key=_first) if len(candidates) <= quota else heapq.nsmallest(quota, candidates, key=_first)
         if not chosen:
             return
-        # built only when needed (`sample_record`), with no closure per sample
-        fresh = [{"_rank": list(rank), "_make": make, "_item": item} for rank, item in chosen]
+        fresh = [held_sample(rank, item, make) for rank, item in chosen]
         mine = self.samples.get(kind)
         self.samples[kind] = fresh if mine is None else _merge_ranked(mine, fresh, quota)
 
@@ -273,9 +283,9 @@ class SliceStats:
         self.drafted_tokens += other.drafted_tokens
         self.accepted_tokens += other.accepted_tokens
         if other.accepted_at_least:
-            _add_lists(self.accepted_at_least, other.accepted_at_least)
+            _add_counts(self.accepted_at_least, other.accepted_at_least)
         if other.drafted_at_least:
-            _add_lists(self.drafted_at_least, other.drafted_at_least)
+            _add_counts(self.drafted_at_least, other.drafted_at_least)
         self.draft_ms += other.draft_ms
         self.verify_ms += other.verify_ms
         if other.kv_peak > self.kv_peak:
@@ -290,15 +300,17 @@ class SliceStats:
             return
         if other.running_long:
             self.running_long.update(other.running_long)
-        for rid, finished in other.running_done.items():
-            if finished or rid not in self.running_done:  # finished wins over lost (another source's view)
-                self.running_done[rid] = finished
-        for name in _SKETCH_NAMES:
-            theirs, mine = getattr(other, name), getattr(self, name)
-            if mine is None and theirs is not None:
-                setattr(self, name, theirs.copy())
-            elif theirs is not None:
-                mine.merge(theirs)
+        if other.running_done:
+            for rid, finished in other.running_done.items():
+                if finished or rid not in self.running_done:  # finished wins over lost (another source's view)
+                    self.running_done[rid] = finished
+        if other.ttft is not None or other.tpot is not None or other.e2e is not None:  # most slices of a key have none
+            for name in _SKETCH_NAMES:
+                theirs, mine = getattr(other, name), getattr(self, name)
+                if mine is None and theirs is not None:
+                    setattr(self, name, theirs.copy())
+                elif theirs is not None:
+                    mine.merge(theirs)
         if samples and other.samples:
             for kind, theirs in other.samples.items():
                 mine = self.samples.get(kind)
@@ -476,6 +488,52 @@ def window_columns(windows: Sequence[SliceWindows], *, per_sketch: bool = False)
     bundles, buckets, cohorts = (list(names) for names in zip(*keys)) if keys else ([], [], [])
     positions = {name: WindowColumns.flat_counts(list(map(attrgetter(name), parts))) for name in _POSITION_FIELDS}
     return WindowColumns(numbers, {"bundle_id": bundles, "bucket": buckets, "cohort": cohorts}, positions)
+
+
+def add_round_columns(stats: list["SliceStats"], group: np.ndarray, bundle_group: np.ndarray,
+                      drafted: np.ndarray, accepted: np.ndarray, count: np.ndarray) -> None:
+    """Rounds given as columns (``drafted``, ``accepted``, ``count`` of each) added to ``stats`` at
+    once: each into the stats its ``group`` numbers, its totals (not its positions) also into the
+    stats its ``bundle_group`` numbers. Integer sums: the counts `SliceStats.add_round` gives, in
+    whatever order they are added.
+
+    >>> a, b = SliceStats(), SliceStats()
+    >>> add_round_columns([a, b], np.array([0, 0, 0]), np.array([1, 1, 1]), np.array([4, 2, 0]),
+    ...                   np.array([3, 0, 0]), np.array([1, 2, 1]))
+    >>> a.rounds, a.plain_entries, a.drafted_at_least, a.accepted_at_least, (b.rounds, b.drafted_tokens)
+    (3, 1, [3, 3, 1, 1], [1, 1, 1], (3, 8))
+    """
+    n = len(stats)
+    if not len(group):
+        return
+    speculative = np.where(drafted > 0, count, 0)
+    weights = (speculative, count - speculative, drafted * count, accepted * count)
+    sums = np.array([np.bincount(group, weights=w, minlength=n) + np.bincount(bundle_group, weights=w, minlength=n)
+                     for w in weights]).astype(np.int64)
+    width = int(drafted.max()) + 1
+    at_least = []
+    for positions in (drafted, accepted):  # rounds that reached position i+1: a reversed running sum
+        reached = np.bincount(group * width + positions, weights=count, minlength=n * width).reshape(n, width)
+        at_least.append(np.cumsum(reached[:, :0:-1], axis=1)[:, ::-1].astype(np.int64))
+    touched = np.flatnonzero(sums[0] + sums[1])
+    lengths = [np.count_nonzero(counts[touched], axis=1).tolist() for counts in at_least]
+    for g, rounds, plain, drafted_tokens, accepted_tokens, drafted_at, d_len, accepted_at, a_len in zip(
+            touched.tolist(), *sums[:, touched].tolist(), at_least[0][touched].tolist(), lengths[0],
+            at_least[1][touched].tolist(), lengths[1]):
+        s = stats[g]
+        s.rounds += rounds
+        s.plain_entries += plain
+        s.drafted_tokens += drafted_tokens
+        s.accepted_tokens += accepted_tokens
+        # a stats' first rounds take the lists as they are (each row is a list of its own)
+        if s.drafted_at_least:
+            _add_counts(s.drafted_at_least, drafted_at[:d_len])
+        elif d_len:
+            s.drafted_at_least = drafted_at[:d_len]
+        if s.accepted_at_least:
+            _add_counts(s.accepted_at_least, accepted_at[:a_len])
+        elif a_len:
+            s.accepted_at_least = accepted_at[:a_len]
 
 
 def _percentiles(sketches: tuple) -> list[float]:

@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from specwatch.schemas.slice_stats import SliceStats, sample_order
+from specwatch.schemas.slice_stats import SliceStats, add_round_columns, sample_order
 from specwatch.schemas import BundleRecord, Rejection, RequestRecord, StepRecord, TelemetryRecord
 from specwatch.schemas.codec import ahead_of_clock
 from specwatch.schemas.policy import Policy
@@ -371,73 +371,54 @@ class Stage1:
             code = int(codes[g])
             stats[g] = key_stats(open_slices[code // n_keys + base].partials, keys[code % n_keys])
         _add_step_times(stats, group, touch_step, block)
-        self._fold_block_rounds(block, slice_of, base, round_step, round_key, drafted, accepted, count)
-        is_pair = touch_order < len(pairs)
-        pair_group = np.empty(len(pairs), dtype=np.int64)
-        pair_group[touch_order[is_pair]] = group[is_pair]
+        touch_group = np.empty(len(touch_order), dtype=np.int64)
+        touch_group[touch_order] = group
+        pair_group = touch_group[:len(pairs)]
+        bundle_group = np.full(len(block), -1, dtype=np.int64)  # each admitted step's (slice, bundle) group
+        bundle_group[rows] = touch_group[len(pairs):]
+        add_round_columns(stats, pair_group[pair_of_round], bundle_group[round_step], drafted, accepted, count)
         self._hold_block_samples(block, codes, n_keys, base, pair_step, pair_group, pair_drafted, pair_accepted)
         self._block_sightings(block, rows, slices)
 
-    def _fold_block_rounds(self, block, slice_of, base, round_step, round_key, drafted, accepted, count) -> None:
-        """The rounds' (drafted, accepted) tallies of each (slice, key)."""
-        n_keys, width = len(block.keys), _MAX_DRAFT_PAIRS
-        codes, inverse = np.unique(((slice_of[round_step] - base) * n_keys + round_key) * width * width
-                                   + drafted * width + accepted, return_inverse=True)
-        counts = np.bincount(inverse, weights=count, minlength=len(codes)).astype(np.int64)
-        keys, open_slices = block.keys, self._open
-        for code, n in zip(codes.tolist(), counts.tolist()):
-            where, pair = divmod(code, width * width)
-            slice_index, key_index = divmod(where, n_keys)
-            open_slices[slice_index + base].tally(keys[key_index], divmod(pair, width), n)
-
     def _hold_block_samples(self, block, codes, n_keys, base, pair_step, pair_group, pair_drafted,
                             pair_accepted) -> None:
-        """Each key's lowest-acceptance step and step control, by the rank `_add_step` keeps them by."""
-        steps = np.unique(pair_step)
-        sample_ids = {}
+        """Each key's lowest-acceptance step and step control, by the rank `_add_step` keeps them by:
+        the first of each (slice, key) ranked for all keys at once."""
+        steps = np.unique(pair_step).tolist()
+        sample_ids = {row: f"{block.workers[row]}:{block.seqs[row]}" for row in steps}
         order = np.zeros(len(block), dtype=np.int64)
-        for row in steps.tolist():
-            sample_id = sample_ids[row] = f"{block.workers[row]}:{block.seqs[row]}"
-            order[row] = sample_order(sample_id)
+        order[steps] = [sample_order(sample_ids[row]) for row in steps]
         pair_order = order[pair_step]
         acceptance = np.divide(pair_accepted, pair_drafted, out=np.zeros(len(pair_step)), where=pair_drafted > 0)
+        drafting = np.flatnonzero(pair_drafted > 0)
+        low_groups, low_pairs = _first_ranked(drafting, pair_group, pair_order, acceptance, pair_step, sample_ids)
+        groups, control_pairs = _first_ranked(np.arange(len(pair_step)), pair_group, pair_order, None, pair_step,
+                                              sample_ids)
         # one held step per row, whichever keys and kinds keep it: a step serves many keys, and
         # what the kept samples hold is walked by the cyclic collector for as long as they are kept
-        held_steps: dict[int, Callable[[], StepRecord]] = {}
-
-        def best(candidates: np.ndarray, severity: np.ndarray | None) -> dict[int, tuple]:
-            # first of each group by (severity, order), then sample id; an earlier step wins a tie
-            if not len(candidates):
-                return {}
-            sort_keys = (pair_order[candidates],) if severity is None else (pair_order[candidates],
-                                                                            severity[candidates])
-            ranked = candidates[np.lexsort((*sort_keys, pair_group[candidates]))]
-            groups = pair_group[ranked]
-            starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]]).tolist() + [len(ranked)]
-            out = {}
-            for start, end in zip(starts[:-1], starts[1:]):
-                tied = [ranked[start]]
-                for i in range(start + 1, end):
-                    p = ranked[i]
-                    if pair_order[p] != pair_order[tied[0]] or (severity is not None
-                                                                  and severity[p] != severity[tied[0]]):
-                        break
-                    tied.append(p)
-                p = min(tied, key=lambda p: sample_ids[pair_step[p]])
-                row = int(pair_step[p])
-                head = () if severity is None else (float(severity[p]),)
-                held = held_steps.get(row)
-                if held is None:
-                    held = held_steps[row] = block.builder(row)
-                out[int(groups[start])] = ((*head, int(pair_order[p]), sample_ids[row]), held)
-            return out
-
-        lowest = best(np.flatnonzero(pair_drafted > 0), acceptance)
-        control = best(np.arange(len(pair_step)), None)
+        held_rows = np.unique(pair_step[np.concatenate([low_pairs, control_pairs])]).tolist()
+        held_steps = dict(zip(held_rows, map(block.builder, held_rows)))
+        # each group's lowest-acceptance pair, -1 where none of its steps drafted
+        lowest_of = np.full(len(codes), -1, dtype=np.int64)
+        lowest_of[low_groups] = low_pairs
+        lowest_pairs = lowest_of[groups]
+        low_rows = pair_step[lowest_pairs].tolist()
+        lowest = [None if p < 0 else ((severity, rank, sample_ids[row]), held_steps[row])
+                  for p, severity, rank, row in zip(lowest_pairs.tolist(), acceptance[lowest_pairs].tolist(),
+                                                     pair_order[lowest_pairs].tolist(), low_rows)]
+        control_rows = pair_step[control_pairs].tolist()
+        group_codes = codes[groups]
         keys, open_slices = block.keys, self._open
-        for g, held_control in control.items():
-            code = int(codes[g])
-            open_slices[code // n_keys + base].hold_step(keys[code % n_keys], lowest.get(g), held_control)
+        for slice_index, key_index, low, rank, row in zip((group_codes // n_keys + base).tolist(),
+                                                          (group_codes % n_keys).tolist(), lowest,
+                                                          pair_order[control_pairs].tolist(), control_rows):
+            batch = open_slices[slice_index]
+            key = keys[key_index]
+            control = ((rank, sample_ids[row]), held_steps[row])
+            if key in batch.step_candidates:
+                batch.hold_step(key, low, control)
+            else:  # the key's first steps of the slice: held as they are
+                batch.step_candidates[key] = [low, control]
 
     def _block_sightings(self, block: StepBlock, rows: np.ndarray, slices: np.ndarray) -> None:
         """The first and last time each slice saw each worker run each bundle."""
@@ -520,9 +501,6 @@ def _block_scopes(block: StepBlock, start: int, end: int) -> list[Key]:
 _NO_OTHER = 1 << 62
 _TS_IN_FUTURE, _CLOCK_AHEAD, _CLOCK_BEHIND, _DUPLICATE = range(4)
 
-# drafted and accepted are at most 64: a (drafted, accepted) pair as one number
-_MAX_DRAFT_PAIRS = 65
-
 
 def _add_step_times(stats: list[SliceStats], group: np.ndarray, touch_step: np.ndarray, block: StepBlock) -> None:
     """Each step's times into the stats of every (slice, key) it touches, in step order."""
@@ -546,6 +524,33 @@ def _add_step_times(stats: list[SliceStats], group: np.ndarray, touch_step: np.n
         s.verify_ms = verify
         s.kv_peak = kv
         s.max_ts = ts
+
+
+def _first_ranked(candidates: np.ndarray, pair_group: np.ndarray, pair_order: np.ndarray,
+                  severity: np.ndarray | None, pair_step: np.ndarray, sample_ids: dict[int, str]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The first of ``candidates`` (pairs) in each group by (severity, order), then sample id, an
+    earlier step winning a tie; as (groups ascending, their first pairs)."""
+    if not len(candidates):
+        return candidates, candidates
+    sort_keys = (pair_order[candidates],) if severity is None else (pair_order[candidates], severity[candidates])
+    ranked = candidates[np.lexsort((*sort_keys, pair_group[candidates]))]  # stable: earlier steps first
+    groups = pair_group[ranked]
+    starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
+    first = ranked[starts]
+    # a tie on (severity, order) needs two steps whose ids share a CRC-32: settled one by one
+    second = np.minimum(starts + 1, len(ranked) - 1)
+    tied = (groups[second] == groups[starts]) & (second != starts) & (pair_order[ranked[second]] == pair_order[first])
+    if severity is not None:
+        tied &= severity[ranked[second]] == severity[first]
+    ends = np.r_[starts[1:], len(ranked)]
+    for i in np.flatnonzero(tied).tolist():
+        head = ranked[starts[i]]
+        same = [p for p in ranked[starts[i]:ends[i]].tolist() if pair_order[p] == pair_order[head]
+                and (severity is None or severity[p] == severity[head])]
+        first[i] = min(same, key=lambda p: sample_ids[pair_step[p]])
+    return groups[starts], first
+
 
 def _offer_request(stats: SliceStats, record: RequestRecord) -> None:
     """A finished request as a sample: of its failure, or as a healthy control; and by its latency."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specwatch.schemas.slice_stats import SliceStats
+from specwatch.schemas.slice_stats import SliceStats, held_sample
 from specwatch.schemas import StepRecord
 from specwatch.schemas.scope import Scope as Key, scope_from_text, scope_text
 
@@ -129,10 +129,18 @@ class SliceBatch:
 def _keep_step_samples(partials: dict[Key, SliceStats], candidates: dict[Key, list[tuple]]) -> None:
     """Each key's lowest-acceptance step and step control among a slice's steps, ranked by content."""
     for key, (lowest, control) in candidates.items():
-        stats = partials[key]
+        samples = partials[key].samples
+        if "lowest_acceptance" in samples or "control_step" in samples:
+            stats = partials[key]
+            if lowest is not None:
+                stats.keep_samples("lowest_acceptance", [lowest], step_as_json)
+            stats.keep_samples("control_step", [control], step_as_json)
+            continue
+        # the key's first step samples (every slice's own, unless a checkpoint held some): each
+        # one as `SliceStats.keep_samples` keeps the first of its kind
         if lowest is not None:
-            stats.keep_samples("lowest_acceptance", [lowest], step_as_json)
-        stats.keep_samples("control_step", [control], step_as_json)
+            samples["lowest_acceptance"] = [held_sample(*lowest, step_as_json)]
+        samples["control_step"] = [held_sample(*control, step_as_json)]
 
 
 def step_as_json(step) -> dict:
