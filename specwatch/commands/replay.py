@@ -118,7 +118,9 @@ def _plain_line_blocks(read: Callable[[int], bytes], max_line_bytes: int | None 
                 continue
             pending.append(head)
             head, cut, chunk = b"", False, chunk[end + 1:]
-        lines = io.BytesIO(head + chunk).readlines()
+        lines = io.BytesIO(chunk).readlines()  # shares the chunk's bytes until it cuts them
+        if head:  # only the first line is copied again, not the chunk
+            lines[0] = head + lines[0]
         head = lines.pop() if lines and not lines[-1].endswith(b"\n") else b""
         if lines and max(map(len, lines)) > longest:  # a line longer than `longest` with its newline
             lines = [line if len(line) <= longest else line[:longest] for line in lines]
