@@ -373,6 +373,16 @@ def bench_archive(quick: bool, smoke: bool) -> dict:
                              pairs=1 if smoke else 3)
 
 
+def _installed_command_env(workdir: Path) -> dict:
+    """The environment to time a `specwatch` command in as an installed one runs: bytecode
+    compiled once and cached. A shell with PYTHONDONTWRITEBYTECODE set would otherwise time the
+    compiling of every module (0.15-0.3 s here); the cache goes to a folder of the bench's own,
+    not the source tree."""
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(workdir / "pycache")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
     """`specwatch replay` of a simulated contract-v1 file vs plain json.loads of its lines."""
     target_mb = 2 if smoke else (10 if quick else 70)
@@ -387,26 +397,40 @@ def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
     size = path.stat().st_size
     import resource
 
+    env = _installed_command_env(workdir)
+    first = workdir / "first-record.jsonl"
+    with path.open("rb") as source:
+        first.write_bytes(source.readline())
+    subprocess.run(cli + ["replay", str(first), "--output", os.devnull], check=True, capture_output=True,
+                   env=env)  # fills the bytecode cache
+
     def replay(native: str) -> tuple[float, float, dict, bytes]:
         """Wall and CPU seconds of one `specwatch replay`, its summary and decisions; SPECWATCH_NATIVE=``native``."""
         out = workdir / f"decisions-{native}.jsonl"
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         done = subprocess.run(cli + ["replay", str(path), "--output", str(out), "--json"], check=True,
-                              capture_output=True, text=True, env={**os.environ, "SPECWATCH_NATIVE": native})
+                              capture_output=True, text=True, env={**env, "SPECWATCH_NATIVE": native})
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
         return wall, cpu, json.loads(done.stdout.strip().splitlines()[-1]), out.read_bytes()
 
-    # with the compiled step walk and without it, alternated (on, off, off, on)
-    runs = alternated({"native": lambda: replay("1"), "reference": lambda: replay("0")}, 1 if smoke else 2)
+    def loads() -> tuple[float, float]:
+        """Wall and CPU seconds of a plain json.loads loop over the file's lines, in this process."""
+        gc.collect()
+        with path.open("rb") as source:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            deque(map(json.loads, source), maxlen=0)
+            return time.perf_counter() - start, time.process_time() - cpu_start
+
+    # with the compiled step walk, without it, and the json.loads loop, alternated (on, off,
+    # loads, loads, off, on), the least wall time of each kept
+    runs = alternated({"native": lambda: replay("1"), "reference": lambda: replay("0"), "json_loads": loads},
+                      1 if smoke else 2)
     replay_s, replay_cpu_s, summary, decided = min(runs["native"], key=lambda run: run[0])
     without_s, without_cpu_s, _, decided_without = min(runs["reference"], key=lambda run: run[0])
-    with path.open("rb") as source:
-        start, cpu_start = time.perf_counter(), time.process_time()
-        deque(map(json.loads, source), maxlen=0)
-        loads_s, loads_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    loads_s, loads_cpu_s = min(runs["json_loads"])
     return {"bytes": size, "lines": summary["lines"], "decisions": summary["decisions"], "decoder": DECODERS["jsonl"],
             "replay_s": replay_s, "replay_records_per_s": summary["lines"] / replay_s,
             "json_loads_s": loads_s, "json_loads_records_per_s": summary["lines"] / loads_s,
@@ -420,7 +444,8 @@ def bench_replay(quick: bool, smoke: bool, workdir: Path) -> dict:
             "replay_s_without_native": without_s, "replay_cpu_s_without_native": without_cpu_s,
             "replay_without_native_over_json_loads": without_s / loads_s,
             "same_decisions_without_native": decided == decided_without,
-            "pairs": {name: [[wall, cpu] for wall, cpu, _, _ in values] for name, values in runs.items()}}
+            "bytecode": "cached",
+            "pairs": {name: [list(run[:2]) for run in values] for name, values in runs.items()}}
 
 
 def bench_startup(quick: bool, smoke: bool) -> dict:
@@ -433,11 +458,7 @@ def bench_startup(quick: bool, smoke: bool) -> dict:
         replay = [sys.executable, "-m", "specwatch.cli", "replay", str(path), "--output",
                   str(Path(tmp) / "out.jsonl")]
         bare = [sys.executable, "-c", "pass"]
-        # Start-up as an installed command sees it: bytecode compiled once and cached. A shell
-        # with PYTHONDONTWRITEBYTECODE set would otherwise time the compiling of every module
-        # (0.2-0.3 s here); the cache goes to a folder of the bench's own, not the source tree.
-        env = {**os.environ, "PYTHONPYCACHEPREFIX": str(Path(tmp) / "pycache")}
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env = _installed_command_env(Path(tmp))
 
         def wall(argv: list[str]) -> float:
             return timed(lambda: subprocess.run(argv, check=True, capture_output=True, env=env),

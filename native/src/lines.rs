@@ -8,11 +8,44 @@
 //! a row here is only ever a row the reference would give.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyString, PyTuple};
 
 use crate::NameRules;
+
+/// The Fx hash (rustc's, as in the rustc-hash crate): the walk's maps are keyed by short
+/// names of one block, where SipHash's defence against chosen keys is a fifth of the walk.
+#[derive(Default, Clone, Copy)]
+struct FxHasher(u64);
+
+impl Hasher for FxHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+        let mut chunks = bytes.chunks_exact(8);
+        for chunk in &mut chunks {
+            let word = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
+            self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(SEED);
+        }
+        for &byte in chunks.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(byte)).wrapping_mul(SEED);
+        }
+    }
+
+    #[inline]
+    fn write_usize(&mut self, value: usize) {
+        self.0 = (self.0.rotate_left(5) ^ value as u64).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
 /// JSON's insignificant whitespace, which may follow the object (a line read with its newline).
 #[inline]
@@ -50,13 +83,13 @@ impl<'a> Cursor<'a> {
     fn name(&mut self, rules: &NameRules) -> Option<&'a [u8]> {
         let start = self.p;
         let rest = self.buf.get(start..)?;
-        let len = rest.iter().position(|&c| c == b'"')?;
-        let name = &rest[..len];
-        if !rules.plain(name) || name.contains(&b'\\') {
+        // one pass: up to the closing quote, every byte printable ASCII and no escape
+        let len = rest.iter().position(|&c| c == b'"' || c == b'\\' || !(0x20..0x7F).contains(&c))?;
+        if rest[len] != b'"' || len == 0 || len > rules.max_chars {
             return None;
         }
         self.p = start + len + 1; // past the closing quote
-        Some(name)
+        Some(&rest[..len])
     }
 
     /// A JSON number without a sign, as a float (msgspec reads an integer into a float field
@@ -235,7 +268,7 @@ impl LineWalk {
 }
 
 /// One `str` per distinct name of the block (printable ASCII, so UTF-8 as it is).
-fn interned<'a, 'py>(py: Python<'py>, names: &mut HashMap<&'a [u8], Bound<'py, PyString>>, name: &'a [u8]) -> Bound<'py, PyString> {
+fn interned<'a, 'py>(py: Python<'py>, names: &mut FxMap<&'a [u8], Bound<'py, PyString>>, name: &'a [u8]) -> Bound<'py, PyString> {
     names
         .entry(name)
         .or_insert_with(|| PyString::new(py, std::str::from_utf8(name).unwrap_or_default()))
@@ -288,10 +321,10 @@ impl LineWalk {
         let mut round_step = Vec::new();
         let mut pair_index = Vec::new();
         let (mut drafted, mut accepted) = (Vec::new(), Vec::new());
-        let mut names: HashMap<&[u8], Bound<'py, PyString>> = HashMap::new();
-        let mut pair_numbers: HashMap<(&[u8], &[u8]), i64> = HashMap::new();
+        let mut names: FxMap<&[u8], Bound<'py, PyString>> = FxMap::default();
+        let mut pair_numbers: FxMap<(&[u8], &[u8]), i64> = FxMap::default();
         let pairs = PyList::empty(py);
-        let mut id_tuples: HashMap<Vec<&[u8]>, Bound<'py, PyTuple>> = HashMap::new();
+        let mut id_tuples: FxMap<Vec<&[u8]>, Bound<'py, PyTuple>> = FxMap::default();
         let mut ids: Vec<&[u8]> = Vec::new();
         for (position, line) in held.iter().enumerate() {
             let Some(step) = line.as_ref().and_then(|line| self.step(line.as_bytes())) else {

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
+import os
+import stat
 import sys
+from codecs import BOM_UTF8
 from itertools import islice
+from typing import BinaryIO, Callable, Iterator
 
 from specwatch.commands._arguments import (CommandError, add_archive_option, add_json_option,
                                            add_policy_option, check_output, load_policy, open_archive,
                                            open_command_output)
 
-__all__ = ["DESCRIPTION", "add_arguments", "run", "replay_file"]
+__all__ = ["DESCRIPTION", "add_arguments", "line_blocks", "run", "replay_file"]
 
 _EXIT_NO_TELEMETRY = 1
 _EXIT_ARCHIVE_ROWS_LOST = 3  # decisions written, some archive rows lost
 _BLOCK_LINES = 4096
+_READ_BYTES = 1 << 20
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 DESCRIPTION = ("Replay contract-v1 telemetry (JSON Lines) through the detectors and write "
@@ -34,10 +41,12 @@ def add_arguments(parser) -> None:
 
 
 def replay_file(source, output, pipeline) -> dict:
-    """Feed ``source`` in blocks, write the decisions to ``output``; returns the counters."""
-    lines = iter(source)
-    while block := list(islice(lines, _BLOCK_LINES)):
-        for run in _runs_between_blank_lines(block):
+    """Feed ``source`` (a binary stream read by `line_blocks`, or lines) in blocks, write the
+    decisions to ``output``; returns the counters."""
+    blocks = line_blocks(source) if hasattr(source, "read") else _in_blocks(iter(source))
+    for block in blocks:
+        # bytes.isspace in C finds whether there is a blank line (one has at least its newline)
+        for run in _runs_between_blank_lines(block) if any(map(bytes.isspace, block)) else (block,):
             if isinstance(run, int):
                 # Blank lines hold no record; counted, never decoded (a file of millions of
                 # newlines would otherwise cost the decoder's slow path for each of them)
@@ -48,6 +57,91 @@ def replay_file(source, output, pipeline) -> dict:
     for decision in pipeline.finish():
         output.write(decision.to_json_line() + "\n")
     return pipeline.counters.as_dict()
+
+
+def _in_blocks(lines: Iterator[bytes]) -> Iterator[list[bytes]]:
+    while block := list(islice(lines, _BLOCK_LINES)):
+        yield block
+
+
+def line_blocks(stream: BinaryIO) -> Iterator[list[bytes]]:
+    """The lines `read_json_lines` gives of ``stream``, in blocks of up to 4,096 for `replay_file`.
+
+    A regular file that is not gzip is read a MiB at a time and cut into lines in C (the same
+    lines, a long one kept to its first ``MAX_LINE_BYTES + 1`` bytes and the rest of it read
+    and dropped); gzip and pipes go line by line through `read_json_lines`, which bounds what
+    a gzip stream may inflate to and hands on each line of a pipe as it comes.
+
+    >>> import io, os
+    >>> r, w = os.pipe(); os.close(w)  # a pipe: through read_json_lines
+    >>> list(line_blocks(io.BytesIO(b"a\\n\\nb"))), list(line_blocks(open(r, "rb")))
+    ([[b'a\\n', b'\\n', b'b']], [])
+    """
+    from specwatch.schemas import read_json_lines
+
+    try:
+        regular = stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):  # io.BytesIO and other streams without a file
+        regular = isinstance(stream, io.BytesIO)
+    if regular and stream.read(0) == b"" and not _gzip(stream):
+        return _plain_line_blocks(stream.read)
+    return _in_blocks(iter(read_json_lines(stream)))
+
+
+def _gzip(stream: BinaryIO) -> bool:
+    """Whether a seekable ``stream`` starts as gzip does (it is left where it was)."""
+    at = stream.tell()
+    head = stream.read(len(_GZIP_MAGIC))
+    stream.seek(at)
+    return head == _GZIP_MAGIC
+
+
+def _plain_line_blocks(read: Callable[[int], bytes], max_line_bytes: int | None = None,
+                       chunk_bytes: int = _READ_BYTES) -> Iterator[list[bytes]]:
+    """`read_json_lines` of plain input in blocks, read ``chunk_bytes`` at a time.
+
+    >>> chunks = iter([b"\\xef\\xbb\\xbfab\\nc", b"defgh", b"ijk\\n\\nlm\\nno", b""])
+    >>> list(_plain_line_blocks(lambda size: next(chunks), max_line_bytes=5))
+    [[b'ab\\n', b'cdefgh', b'\\n', b'lm\\n', b'no']]
+    """
+    from specwatch.schemas.codec import MAX_LINE_BYTES
+
+    longest = (MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes) + 1
+    pending: list[bytes] = []
+    head = b""  # the start of the line the last chunk ended in
+    cut = False  # head holds the first `longest` bytes of a longer line: the rest of it is dropped
+    first = True
+    while chunk := read(chunk_bytes):
+        if cut:
+            end = chunk.find(b"\n")
+            if end < 0:
+                continue
+            pending.append(head)
+            head, cut, chunk = b"", False, chunk[end + 1:]
+        lines = io.BytesIO(chunk).readlines()  # shares the chunk's bytes until it cuts them
+        if head:  # only the first line is copied again, not the chunk
+            lines[0] = head + lines[0]
+        head = lines.pop() if lines and not lines[-1].endswith(b"\n") else b""
+        if lines and max(map(len, lines)) > longest:  # a line longer than `longest` with its newline
+            lines = [line if len(line) <= longest else line[:longest] for line in lines]
+        if len(head) > longest:
+            head, cut = head[:longest], True
+        pending += lines
+        while len(pending) >= _BLOCK_LINES:
+            block, first = _without_bom(pending[:_BLOCK_LINES], first), False
+            del pending[:_BLOCK_LINES]
+            yield block
+    if head:
+        pending.append(head)
+    if pending:
+        yield _without_bom(pending, first)
+
+
+def _without_bom(block: list[bytes], first: bool) -> list[bytes]:
+    """``block`` with a UTF-8 byte order mark taken off its first line if it is the input's first block."""
+    if first and block[0].startswith(BOM_UTF8):
+        block[0] = block[0][len(BOM_UTF8):]
+    return block
 
 
 def _what_was_written(output: str) -> str:
@@ -82,7 +176,6 @@ def run(args) -> int:
     import gzip
 
     from specwatch.outputs import writes_stdout
-    from specwatch.schemas import read_json_lines
     from specwatch.schemas.codec import DecompressionBombError
     from specwatch.streams.embedded import EmbeddedPipeline
 
@@ -106,7 +199,7 @@ def run(args) -> int:
                 stack.callback(sink.close)
             source = sys.stdin.buffer if args.input == "-" else stack.enter_context(open(args.input, "rb"))
             out = stack.enter_context(open_command_output(args.output, args))
-            summary = replay_file(read_json_lines(source), out, pipeline)
+            summary = replay_file(source, out, pipeline)
             if summary["records"] == 0 and summary["rejected"]:  # leaves an earlier output as it was
                 reasons = ", ".join(f"{count} {reason}"
                                     for reason, count in summary["rejected_by_reason"].items())
