@@ -85,7 +85,8 @@ class EventClock:
     or once it has sent 16 records, the later of that and the source's time less the most
     any of its records arrived behind it. That holds only while the source is in order: a
     record behind its writer's newest, behind what closed that way, out of line or refused
-    keeps the lateness rule for the next minute of source time (docs/RELIABILITY.md).
+    keeps the lateness rule for the next minute of source time, as does the first minute,
+    while the writers of the start are still to be heard from (docs/RELIABILITY.md).
 
     Parameters
     ----------
@@ -185,6 +186,8 @@ class EventClock:
         self.primed = True
         medians = {writer: _lower_median(sorted(ts)) for writer, ts in times.items()}
         start = self._start = _lower_median(sorted(medians.values()))
+        if self.close_on_writers:  # the writers of the start are yet to be heard from
+            self._out_of_order(start)
         for writer, median in medians.items():
             if abs(median - start) > self.tolerance:
                 self._writers[writer] = _Writer(median - start)  # steadily off from its first record
@@ -198,6 +201,8 @@ class EventClock:
             if self._start != self._start:  # never primed: the first record is its own reference
                 self.primed = True
                 self._start = ts
+                if self.close_on_writers:
+                    self._out_of_order(ts)
             reference = self._start
         w = self._writers.get(writer)
         if w is None:

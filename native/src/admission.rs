@@ -134,6 +134,9 @@ impl ClockCore {
             if self.start.is_nan() {
                 self.primed = true;
                 self.start = ts;
+                if self.close_on_writers {
+                    self.out_of_order(ts);
+                }
             }
             self.start
         };
