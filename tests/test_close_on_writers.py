@@ -230,13 +230,13 @@ def test_the_compiled_clock_gives_the_reference_close_limits_record_by_record(se
             expected.reason if type(expected) is Rejection else expected), i
         limit = reference.close_limit(1.0, 1.0, watermark)
         assert native.close_limit(1.0, 1.0, watermark) == limit, i
-        if reference.now != float("-inf") and limit > int((reference.now - 1.0) // 1.0) - 1:
-            sooner += 1
         watermark = max(watermark, limit)
+        if reference.now != float("-inf") and watermark > int((reference.now - 1.0) // 1.0) - 1:
+            sooner += 1  # a slice closed that the lateness rule still holds open
         if i % 997 == 0:
             assert json.dumps(native.to_state()) == json.dumps(reference.to_state()), i
     assert json.dumps(native.to_state()) == json.dumps(reference.to_state())
-    assert sooner > 50, sooner  # the comparison covers closes on writers, not only the lateness rule
+    assert sooner > 2000, sooner  # the comparison covers closes on writers, not only the lateness rule
 
 
 def test_a_checkpointed_clock_goes_on_closing_on_writers_as_one_never_stopped():
