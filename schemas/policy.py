@@ -68,6 +68,11 @@ class WindowPolicy(_Section):
         10.0, gt=0, le=_HOUR, description="a source with nothing left to read that sent nothing for this long "
                                           "(wall clock) is idle: it closes its slices and no longer holds back windows"
     )
+    close_on_writers: bool = Field(
+        False, description="close a slice before its lateness has passed once every writer of the source has "
+                           "passed it in order, by more than it ever lagged; a writer later than it has been, or new "
+                           "with records behind the others, has those records folded into the next open slice, "
+                           "counted late (docs/RELIABILITY.md)")
 
 
 class PinnedBaseline(_Section):

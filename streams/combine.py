@@ -38,7 +38,8 @@ class Stage1:
         self._slice_s = policy.windows.slice_seconds
         self._lateness = policy.windows.lateness_seconds
         self._open: dict[int, SliceBatch] = {}
-        self.clock = event_clock(policy.windows.max_ahead_seconds)  # compiled where it is built
+        # compiled where it is built
+        self.clock = event_clock(policy.windows.max_ahead_seconds, close_on_writers=policy.windows.close_on_writers)
         self._folded = DuplicateFilter(math.ceil((self._lateness + _DUPLICATE_HORIZON_SECONDS) / self._slice_s))
         self.watermark = -1  # highest closed slice index
         self.late_records = 0
@@ -278,7 +279,10 @@ class Stage1:
             saw(worker, ts, step_ids[row], scopes)
             rows.append(row)
             slices.append(index)
-            if clock.now != -math.inf and int((clock.now - lateness) // slice_s) - 1 > watermark:
+            if clock.close_on_writers:
+                if clock.close_limit(slice_s, lateness, watermark) > watermark:
+                    self._closes_after_record(limits)
+            elif clock.now != -math.inf and int((clock.now - lateness) // slice_s) - 1 > watermark:
                 self._closes_after_record(limits)
         for position, item in others[other:]:
             fold_other(position, item)
@@ -442,7 +446,8 @@ class Stage1:
             batch.sighted(bundle_id, names[worker], high)
 
     def close_ready(self, final: bool = False) -> list[SliceBatch]:
-        """Slices whose end is more than the allowed lateness behind the newest record."""
+        """Slices whose end is more than the allowed lateness behind the newest record (or, with
+        ``windows.close_on_writers``, that every writer has passed in order: `EventClock.close_limit`)."""
         if final:
             limit = max(self._open, default=self.watermark)
         else:
@@ -453,9 +458,7 @@ class Stage1:
 
     def _close_limit(self) -> int:
         """The newest slice the source's event time lets close (the watermark, before any record)."""
-        if self.clock.now == -math.inf:
-            return self.watermark  # too few records yet to tell this source's event time
-        return int((self.clock.now - self._lateness) // self._slice_s) - 1
+        return self.clock.close_limit(self._slice_s, self._lateness, self.watermark)
 
     def _close(self, limit: int, running: dict[Key, SliceStats] | None = None) -> list[SliceBatch]:
         """Close the open slices up to ``limit``; ``running``: the tracker's reports for this close,

@@ -38,18 +38,25 @@ _ACTIVE_SECONDS = 60.0
 # so a fleet that turns its workers over keeps a clock per worker it runs, not per worker it ran.
 _FORGET_SECONDS = 3600.0
 _FORGET_EVERY = 8192
+# With ``close_on_writers``: source time a record out of order keeps slices to the lateness rule
+# (the recent past a writer must have delivered in order over), and how many of its records a
+# writer must have sent before the most it has lagged is trusted for it.
+_IN_ORDER_SECONDS = 60.0
+_LAG_TRUSTED_AFTER = 16
 
 
 class _Writer:
     """One writer's clock: its recent skews from the source's time and the offset taken off its records."""
 
-    __slots__ = ("skews", "count", "offset", "seen")
+    __slots__ = ("skews", "count", "offset", "seen", "newest", "lag")
 
     def __init__(self, offset: float = 0.0) -> None:
         self.skews: list[float] = []
         self.count = 0
         self.offset = offset
         self.seen = -math.inf  # the source's time at its latest record
+        self.newest = -math.inf  # its latest in-line time (``close_on_writers``)
+        self.lag = -math.inf  # the most its in-line records arrived behind the source's time (``close_on_writers``)
 
 
 class EventClock:
@@ -71,6 +78,16 @@ class EventClock:
     judged: the lower median of the writers' own median times, so a handful of records at
     the start is judged like any other, and a writer steadily off counts from its first record.
 
+    `close_limit` is the newest slice the source's time lets close: its end ``lateness``
+    behind the source's time. With ``close_on_writers`` it may be newer, up to the slice
+    before the earliest of: the clock's recent in-line records (where a record out of line
+    is folded), and for each writer heard from in the last minute, its newest in-line time,
+    or once it has sent 16 records, the later of that and the source's time less the most
+    any of its records arrived behind it. That holds only while the source is in order: a
+    record behind its writer's newest, behind what closed that way, out of line or refused
+    keeps the lateness rule for the next minute of source time, as does the first minute,
+    while the writers of the start are still to be heard from (docs/RELIABILITY.md).
+
     Parameters
     ----------
     max_skew_seconds
@@ -79,6 +96,9 @@ class EventClock:
         How many in-line records the source's time is the median of (odd).
     writer_recent
         How many of a writer's recent skews its offset is the median of (odd).
+    close_on_writers
+        Whether `close_limit` closes slices sooner on writers in order (the policy's
+        ``windows.close_on_writers``).
 
     >>> clock = EventClock(max_skew_seconds=300.0, recent=5)
     >>> clock.prime([("w1", 3700.0), ("w1", 100.0), ("w2", 100.5), ("w1", 101.0), ("w2", 101.5)])
@@ -93,10 +113,10 @@ class EventClock:
     PRIME_RECORDS = 512  # the records of the first payload the clock is set from
 
     __slots__ = ("max_skew", "tolerance", "now", "primed", "_start", "_median", "_recent", "_size", "_seen",
-                 "_writers", "_writer_size")
+                 "_writers", "_writer_size", "close_on_writers", "_calm_from", "_promised", "_blocker")
 
     def __init__(self, max_skew_seconds: float, recent: int = _DEFAULT_RECENT_RECORDS,
-                 writer_recent: int = _DEFAULT_WRITER_RECORDS) -> None:
+                 writer_recent: int = _DEFAULT_WRITER_RECORDS, close_on_writers: bool = False) -> None:
         if not max_skew_seconds > 0:
             raise ValueError(f"max_skew_seconds must be positive, got {max_skew_seconds}")
         for name, count in (("recent", recent), ("writer_recent", writer_recent)):
@@ -113,16 +133,27 @@ class EventClock:
         self._seen = 0
         self._writers: dict[str, _Writer] = {}
         self._writer_size = writer_recent
+        self.close_on_writers = close_on_writers
+        self._calm_from = -math.inf  # the source's time from which slices may close on writers again
+        self._promised = -math.inf  # the latest time slices closed on writers before
+        self._blocker: _Writer | None = None  # the writer that held them back last (only a shortcut)
 
     def to_state(self) -> dict:
-        writers = [[name, w.offset, w.count, w.skews, w.seen] for name, w in sorted(self._writers.items())]
+        if not self.close_on_writers:
+            writers = [[name, w.offset, w.count, w.skews, w.seen] for name, w in sorted(self._writers.items())]
+            return {"now": self.now, "primed": self.primed, "start": self._start, "median": self._median,
+                    "recent": self._recent, "seen": self._seen, "writers": writers}
+        writers = [[name, w.offset, w.count, w.skews, w.seen, w.newest, w.lag]
+                   for name, w in sorted(self._writers.items())]
         return {"now": self.now, "primed": self.primed, "start": self._start, "median": self._median,
-                "recent": self._recent, "seen": self._seen, "writers": writers}
+                "recent": self._recent, "seen": self._seen, "writers": writers, "calm_from": self._calm_from,
+                "promised": self._promised}
 
     def load_state(self, state: dict) -> None:
         """Take up where `to_state` left (on a clock made with the same settings).
 
-        A state from before writers were told apart (no ``writers``) is one writer with no offset."""
+        A state from before writers were told apart (no ``writers``) is one writer with no offset;
+        one without what ``close_on_writers`` keeps has every writer still to pass a slice in order."""
         recent = [float(ts) for ts in state["recent"]]
         if len(recent) > self._size:
             raise ValueError(f"a clock over {self._size} recent records cannot hold {len(recent)}")
@@ -131,12 +162,17 @@ class EventClock:
         self.primed = bool(state.get("primed", True))
         self._start = float(state.get("start", self._median))
         self._writers = {}
-        for name, offset, count, skews, seen in state.get("writers", ()):
+        for name, offset, count, skews, seen, *passed in state.get("writers", ()):
             skews = [float(skew) for skew in skews]
             if len(skews) > self._writer_size:
                 raise ValueError(f"a writer's clock over {self._writer_size} skews cannot hold {len(skews)}")
             writer = self._writers[str(name)] = _Writer(float(offset))
             writer.count, writer.skews, writer.seen = int(count), skews, float(seen)
+            if passed:
+                writer.newest, writer.lag = float(passed[0]), float(passed[1])
+        self._calm_from = float(state.get("calm_from", -math.inf))
+        self._promised = float(state.get("promised", -math.inf))
+        self._blocker = None
 
     def prime(self, samples: Iterable[tuple[str, float]]) -> None:
         """Set the source's time from ``(writer, ts)`` of the first records, once, before any is admitted."""
@@ -150,6 +186,8 @@ class EventClock:
         self.primed = True
         medians = {writer: _lower_median(sorted(ts)) for writer, ts in times.items()}
         start = self._start = _lower_median(sorted(medians.values()))
+        if self.close_on_writers:  # the writers of the start are yet to be heard from
+            self._out_of_order(start)
         for writer, median in medians.items():
             if abs(median - start) > self.tolerance:
                 self._writers[writer] = _Writer(median - start)  # steadily off from its first record
@@ -163,6 +201,8 @@ class EventClock:
             if self._start != self._start:  # never primed: the first record is its own reference
                 self.primed = True
                 self._start = ts
+                if self.close_on_writers:
+                    self._out_of_order(ts)
             reference = self._start
         w = self._writers.get(writer)
         if w is None:
@@ -185,13 +225,76 @@ class EventClock:
                 skew = ts - reference
         off = skew - w.offset
         if off > self.max_skew or -off > self.max_skew:
+            if self.close_on_writers:
+                self._out_of_order(reference)
             return clock_rejection(off > 0, ts, off, reference + w.offset, self.max_skew)
         if -self.tolerance <= off <= self.tolerance:
             corrected = ts - w.offset if w.offset else ts
+            if self.close_on_writers:
+                self._passed(w, corrected, reference)
             self._add_recent(corrected)
             return corrected
         # out of line with its writer but within the bound: its values are real, its stamp is not
+        if self.close_on_writers:
+            self._out_of_order(reference)
         return reference
+
+    def _passed(self, w: _Writer, ts: float, reference: float) -> None:
+        """A writer's in-line record at ``ts``: how far it is, and whether it came in order."""
+        if ts < w.newest or ts < self._promised:
+            self._out_of_order(reference)
+        if ts > w.newest:
+            w.newest = ts
+        lag = self.now - ts
+        if lag > w.lag:
+            w.lag = lag
+
+    def _out_of_order(self, reference: float) -> None:
+        calm_from = reference + _IN_ORDER_SECONDS
+        if calm_from > self._calm_from:
+            self._calm_from = calm_from
+
+    def close_limit(self, slice_seconds: float, lateness: float, watermark: int) -> int:
+        """The newest slice index the source's time lets close (``watermark`` before it has one); see the class."""
+        now = self.now
+        if now == -math.inf:
+            return watermark
+        limit = int((now - lateness) // slice_seconds) - 1
+        if not self.close_on_writers or now < self._calm_from:
+            return limit
+        base = limit if limit > watermark else watermark
+        if int(now // slice_seconds) - 1 <= base:  # nothing closes before the source's time
+            return limit
+        horizon = now - _ACTIVE_SECONDS
+        blocker = self._blocker
+        if blocker is not None and blocker.seen >= horizon:
+            at = self._passed_at(blocker, now)
+            if at == -math.inf or int(at // slice_seconds) - 1 <= base:
+                return limit  # the writer that held the slice back still does
+        settled = min(self._recent)
+        blocker = None
+        for w in self._writers.values():
+            if w.seen >= horizon:
+                at = self._passed_at(w, now)
+                if at < settled:
+                    settled, blocker = at, w
+        self._blocker = blocker
+        if settled == -math.inf:  # a writer heard from with no in-line record yet
+            return limit
+        early = int(settled // slice_seconds) - 1
+        if early <= base:
+            return limit
+        if settled > self._promised:
+            self._promised = settled
+        return early
+
+    @staticmethod
+    def _passed_at(w: _Writer, now: float) -> float:
+        """The time before which a writer in order sends nothing more, as far as it has shown."""
+        if w.count < _LAG_TRUSTED_AFTER:
+            return w.newest
+        behind = now - w.lag if w.lag > 0.0 else now
+        return behind if behind > w.newest else w.newest
 
     def _add_recent(self, ts: float) -> None:
         recent = self._recent
@@ -206,6 +309,7 @@ class EventClock:
             if seen % _FORGET_EVERY == 0:
                 horizon = self._median - _FORGET_SECONDS
                 self._writers = {name: w for name, w in self._writers.items() if w.seen >= horizon}
+                self._blocker = None
 
     def _refresh(self) -> None:
         ordered = sorted(self._recent)
@@ -255,13 +359,14 @@ class NativeEventClock:
 
     PRIME_RECORDS = EventClock.PRIME_RECORDS
 
-    __slots__ = ("max_skew", "tolerance", "core", "_settings")
+    __slots__ = ("max_skew", "tolerance", "close_on_writers", "core", "_settings")
 
     def __init__(self, max_skew_seconds: float, recent: int = _DEFAULT_RECENT_RECORDS,
-                 writer_recent: int = _DEFAULT_WRITER_RECORDS) -> None:
+                 writer_recent: int = _DEFAULT_WRITER_RECORDS, close_on_writers: bool = False) -> None:
         reference = EventClock(max_skew_seconds, recent, writer_recent)  # its checks of the settings
         self.max_skew, self.tolerance = reference.max_skew, reference.tolerance
-        self._settings = (max_skew_seconds, recent, writer_recent)
+        self.close_on_writers = close_on_writers
+        self._settings = (max_skew_seconds, recent, writer_recent, close_on_writers)
         self.core = _NATIVE.ClockCore(*self._settings)
 
     @property
@@ -273,9 +378,12 @@ class NativeEventClock:
         return self.core.primed
 
     def to_state(self) -> dict:
-        now, primed, start, median, recent, seen, writers = self.core.export()
-        return {"now": now, "primed": primed, "start": start, "median": median, "recent": recent, "seen": seen,
-                "writers": [list(writer) for writer in writers]}
+        now, primed, start, median, recent, seen, writers, calm_from, promised = self.core.export()
+        state = {"now": now, "primed": primed, "start": start, "median": median, "recent": recent, "seen": seen}
+        if not self.close_on_writers:
+            return {**state, "writers": [list(writer[:5]) for writer in writers]}
+        return {**state, "writers": [list(writer) for writer in writers], "calm_from": calm_from,
+                "promised": promised}
 
     def load_state(self, state: dict) -> None:
         """As `EventClock.load_state` (whose checks and older formats it goes through)."""
@@ -294,9 +402,11 @@ class NativeEventClock:
 
     def _take(self, reference: EventClock) -> None:
         state = reference.to_state()
+        writers = reference._writers
         self.core.import_((state["now"], state["primed"], state["start"], state["median"], state["recent"],
-                           state["seen"], [(str(name), offset, count, skews, seen)
-                                           for name, offset, count, skews, seen in state["writers"]]))
+                           state["seen"], [(name, w.offset, w.count, w.skews, w.seen, w.newest, w.lag)
+                                           for name, w in sorted(writers.items())],
+                           reference._calm_from, reference._promised))
 
     def __reduce__(self):  # the compiled core does not pickle: its state does
         return _restored_clock, (self._settings, self.to_state())
@@ -308,6 +418,10 @@ class NativeEventClock:
             return admitted
         ahead, off, expected = admitted
         return clock_rejection(ahead, ts, off, expected, self.max_skew)
+
+    def close_limit(self, slice_seconds: float, lateness: float, watermark: int) -> int:
+        """As `EventClock.close_limit`."""
+        return self.core.close_limit(slice_seconds, lateness, watermark)
 
 
 def _restored_clock(settings: tuple, state: dict) -> NativeEventClock:
@@ -332,9 +446,11 @@ _NATIVE = _native_module()
 NATIVE_ADMISSION = _NATIVE is not None
 
 
-def event_clock(max_skew_seconds: float, native: bool = NATIVE_ADMISSION) -> EventClock | NativeEventClock:
+def event_clock(max_skew_seconds: float, native: bool = NATIVE_ADMISSION,
+                close_on_writers: bool = False) -> EventClock | NativeEventClock:
     """A source's clock: compiled where it is built (and ``native``), else the reference."""
-    return NativeEventClock(max_skew_seconds) if native and _NATIVE is not None else EventClock(max_skew_seconds)
+    clock = NativeEventClock if native and _NATIVE is not None else EventClock
+    return clock(max_skew_seconds, close_on_writers=close_on_writers)
 
 
 def writer_of(record) -> str:

@@ -165,7 +165,7 @@ def test_the_audit_covers_every_section():
     assert {s.split(".")[0] for s, _ in _NUMBER_SETTINGS} == {
         "windows", "baseline", "acceptance", "draft_overhead", "speedup", "latency", "kv", "errors", "actions",
         "admission", "capture"}
-    assert len(_NUMBER_SETTINGS) == 74  # admission.require_qualification joined the 73
+    assert len(_NUMBER_SETTINGS) == 75  # admission.require_qualification joined the 73, windows.close_on_writers the 74
 
 
 @pytest.mark.parametrize("setting, kind", _NUMBER_SETTINGS)

@@ -554,6 +554,7 @@ _PACED_VARIANTS = {
     "default": ({}, None),
     "partials sent after 50 ms of folding": ({"SPECWATCH_SEND_PARTIALS_AFTER_MS": "50"}, None),
     "lateness 0.25 s": ({}, "[windows]\nlateness_seconds = 0.25\n"),
+    "slices closed once every writer passed them in order": ({}, "[windows]\nclose_on_writers = true\n"),
     "checkpoint before each publish (the earlier order)": ({"SPECWATCH_CHECKPOINT_BEFORE_PUBLISH": "1"}, None),
 }
 # (workers, partitions) of the scale-out runs, flat out; 2 workers on 4 partitions is the capacity

@@ -19,6 +19,8 @@ const REFRESH_EVERY: u64 = 4;
 const ACTIVE_SECONDS: f64 = 60.0;
 const FORGET_SECONDS: f64 = 3600.0;
 const FORGET_EVERY: u64 = 8192;
+const IN_ORDER_SECONDS: f64 = 60.0;
+const LAG_TRUSTED_AFTER: u64 = 16;
 
 /// What the reject codes of `admit_steps` mean to the caller.
 const TS_IN_FUTURE: u8 = 0;
@@ -64,11 +66,33 @@ struct Writer {
     count: u64,
     offset: f64,
     seen: f64,
+    newest: f64,
+    lag: f64,
 }
 
 impl Writer {
     fn new(offset: f64) -> Self {
-        Writer { skews: Vec::new(), count: 0, offset, seen: f64::NEG_INFINITY }
+        Writer {
+            skews: Vec::new(),
+            count: 0,
+            offset,
+            seen: f64::NEG_INFINITY,
+            newest: f64::NEG_INFINITY,
+            lag: f64::NEG_INFINITY,
+        }
+    }
+
+    /// `EventClock._passed_at`: the time before which it sends nothing more, as far as it has shown.
+    fn passed_at(&self, now: f64) -> f64 {
+        if self.count < LAG_TRUSTED_AFTER {
+            return self.newest;
+        }
+        let behind = if self.lag > 0.0 { now - self.lag } else { now };
+        if behind > self.newest {
+            behind
+        } else {
+            self.newest
+        }
     }
 }
 
@@ -94,6 +118,11 @@ pub struct ClockCore {
     seen: u64,
     writers: HashMap<String, Writer>,
     writer_size: usize,
+    close_on_writers: bool,
+    calm_from: f64,
+    promised: f64,
+    /// the writer that held slices back last (only a shortcut, as in `EventClock`)
+    blocker: Option<String>,
 }
 
 impl ClockCore {
@@ -105,6 +134,9 @@ impl ClockCore {
             if self.start.is_nan() {
                 self.primed = true;
                 self.start = ts;
+                if self.close_on_writers {
+                    self.out_of_order(ts);
+                }
             }
             self.start
         };
@@ -136,18 +168,96 @@ impl ClockCore {
         }
         let offset = self.writers[writer].offset;
         let off = skew - offset;
-        if off > self.max_skew {
-            return Admitted::Refused(true, off, reference + offset);
-        }
-        if -off > self.max_skew {
-            return Admitted::Refused(false, off, reference + offset);
+        if off > self.max_skew || -off > self.max_skew {
+            if self.close_on_writers {
+                self.out_of_order(reference);
+            }
+            return Admitted::Refused(off > self.max_skew, off, reference + offset);
         }
         if -tolerance <= off && off <= tolerance {
             let corrected = if offset != 0.0 { ts - offset } else { ts };
+            if self.close_on_writers {
+                self.passed(writer, corrected, reference);
+            }
             self.add_recent(corrected);
             return Admitted::Folded(corrected);
         }
+        if self.close_on_writers {
+            self.out_of_order(reference);
+        }
         Admitted::Folded(reference)
+    }
+
+    /// `EventClock._passed`.
+    fn passed(&mut self, writer: &str, ts: f64, reference: f64) {
+        let (now, promised) = (self.now, self.promised);
+        let w = self.writers.get_mut(writer).expect("admitted above");
+        let disorder = ts < w.newest || ts < promised;
+        if ts > w.newest {
+            w.newest = ts;
+        }
+        let lag = now - ts;
+        if lag > w.lag {
+            w.lag = lag;
+        }
+        if disorder {
+            self.out_of_order(reference);
+        }
+    }
+
+    fn out_of_order(&mut self, reference: f64) {
+        let calm_from = reference + IN_ORDER_SECONDS;
+        if calm_from > self.calm_from {
+            self.calm_from = calm_from;
+        }
+    }
+
+    /// `EventClock.close_limit`.
+    fn limit(&mut self, slice_s: f64, lateness: f64, watermark: i64) -> i64 {
+        let now = self.now;
+        if now == f64::NEG_INFINITY {
+            return watermark;
+        }
+        let limit = floor_div(now - lateness, slice_s) as i64 - 1;
+        if !self.close_on_writers || now < self.calm_from {
+            return limit;
+        }
+        let base = if limit > watermark { limit } else { watermark };
+        if floor_div(now, slice_s) as i64 - 1 <= base {
+            return limit;
+        }
+        let horizon = now - ACTIVE_SECONDS;
+        if let Some(w) = self.blocker.as_ref().and_then(|name| self.writers.get(name)) {
+            if w.seen >= horizon {
+                let at = w.passed_at(now);
+                if at == f64::NEG_INFINITY || floor_div(at, slice_s) as i64 - 1 <= base {
+                    return limit;
+                }
+            }
+        }
+        let mut settled = self.recent.iter().copied().fold(f64::INFINITY, f64::min);
+        let mut blocker: Option<&String> = None;
+        for (name, w) in self.writers.iter() {
+            if w.seen >= horizon {
+                let at = w.passed_at(now);
+                if at < settled {
+                    settled = at;
+                    blocker = Some(name);
+                }
+            }
+        }
+        self.blocker = blocker.cloned();
+        if settled == f64::NEG_INFINITY {
+            return limit;
+        }
+        let early = floor_div(settled, slice_s) as i64 - 1;
+        if early <= base {
+            return limit;
+        }
+        if settled > self.promised {
+            self.promised = settled;
+        }
+        early
     }
 
     fn add_recent(&mut self, ts: f64) {
@@ -165,6 +275,7 @@ impl ClockCore {
             if seen % FORGET_EVERY == 0 {
                 let horizon = self.median - FORGET_SECONDS;
                 self.writers.retain(|_, w| w.seen >= horizon);
+                self.blocker = None;
             }
         }
     }
@@ -220,13 +331,14 @@ pub struct Run<'py> {
     moved: Bound<'py, PyList>,
 }
 
-type WriterState = (String, f64, u64, Vec<f64>, f64);
-type ClockState = (f64, bool, f64, f64, Vec<f64>, u64, Vec<WriterState>);
+type WriterState = (String, f64, u64, Vec<f64>, f64, f64, f64);
+type ClockState = (f64, bool, f64, f64, Vec<f64>, u64, Vec<WriterState>, f64, f64);
 
 #[pymethods]
 impl ClockCore {
     #[new]
-    fn new(max_skew_seconds: f64, recent: usize, writer_recent: usize) -> PyResult<Self> {
+    #[pyo3(signature = (max_skew_seconds, recent, writer_recent, close_on_writers=false))]
+    fn new(max_skew_seconds: f64, recent: usize, writer_recent: usize, close_on_writers: bool) -> PyResult<Self> {
         if recent < 1 || recent % 2 == 0 || writer_recent < 1 || writer_recent % 2 == 0 {
             return Err(PyValueError::new_err("recent and writer_recent must be positive odd counts"));
         }
@@ -242,25 +354,31 @@ impl ClockCore {
             seen: 0,
             writers: HashMap::new(),
             writer_size: writer_recent,
+            close_on_writers,
+            calm_from: f64::NEG_INFINITY,
+            promised: f64::NEG_INFINITY,
+            blocker: None,
         })
     }
 
-    /// `(now, primed, start, median, recent, seen, writers)`, writers as `(name, offset, count,
-    /// skews, seen)` sorted by name: what `EventClock.to_state` holds.
+    /// `(now, primed, start, median, recent, seen, writers, calm_from, promised)`, writers as
+    /// `(name, offset, count, skews, seen, newest, lag)` sorted by name: what `EventClock.to_state`
+    /// holds (the last two of each writer, and the last two, with `close_on_writers` only).
     fn export(&self) -> ClockState {
         let mut writers: Vec<WriterState> = self
             .writers
             .iter()
-            .map(|(name, w)| (name.clone(), w.offset, w.count, w.skews.clone(), w.seen))
+            .map(|(name, w)| (name.clone(), w.offset, w.count, w.skews.clone(), w.seen, w.newest, w.lag))
             .collect();
         writers.sort_by(|a, b| a.0.cmp(&b.0));
-        (self.now, self.primed, self.start, self.median, self.recent.clone(), self.seen, writers)
+        (self.now, self.primed, self.start, self.median, self.recent.clone(), self.seen, writers, self.calm_from,
+         self.promised)
     }
 
     /// Take the state `export` gives (checked by the caller, as `EventClock.load_state` checks it).
     #[pyo3(name = "import_")]
     fn import(&mut self, state: ClockState) -> PyResult<()> {
-        let (now, primed, start, median, recent, seen, writers) = state;
+        let (now, primed, start, median, recent, seen, writers, calm_from, promised) = state;
         if recent.len() > self.size || writers.iter().any(|w| w.3.len() > self.writer_size) {
             return Err(PyValueError::new_err("more recent records or skews than this clock holds"));
         }
@@ -272,9 +390,19 @@ impl ClockCore {
         self.seen = seen;
         self.writers = writers
             .into_iter()
-            .map(|(name, offset, count, skews, seen)| (name, Writer { skews, count, offset, seen }))
+            .map(|(name, offset, count, skews, seen, newest, lag)| {
+                (name, Writer { skews, count, offset, seen, newest, lag })
+            })
             .collect();
+        self.calm_from = calm_from;
+        self.promised = promised;
+        self.blocker = None;
         Ok(())
+    }
+
+    /// `EventClock.close_limit`: the newest slice index the source's time lets close.
+    fn close_limit(&mut self, slice_s: f64, lateness: f64, watermark: i64) -> i64 {
+        self.limit(slice_s, lateness, watermark)
     }
 
     /// One record's time: a float to fold it at, or `(ahead, off, where its writer's clock puts it)`.
@@ -410,7 +538,7 @@ impl ClockCore {
             run.rows.append(row)?;
             run.slices.append(index)?;
             row += 1;
-            if self.now != f64::NEG_INFINITY && floor_div(self.now - lateness, slice_s) as i64 - 1 > watermark {
+            if self.limit(slice_s, lateness, watermark) > watermark {
                 run.close = true;
                 break;
             }
