@@ -11,6 +11,7 @@ import pickle
 from collections import Counter, defaultdict, deque
 
 from fastdigest import TDigest
+from pydantic import BaseModel
 from river._river_rust.drift import AdaptiveWindowing
 
 from specwatch.actions import admission, fallback, flags
@@ -167,6 +168,16 @@ class _StateUnpickler(pickle.Unpickler):
         return found
 
 
+def _plain(model: BaseModel) -> dict:
+    return {name: _plain(value) if isinstance(value, BaseModel) else value for name, value in model.__dict__.items()}
+
+
+def _revalidated(model: BaseModel) -> BaseModel:
+    """A policy as it was pickled, validated again: an unpickled model gets its fields' values as
+    they were, so a setting added since (``windows.close_on_writers``) would be missing, not default."""
+    return type(model).model_validate(_plain(model))
+
+
 def load_pickled_task(data: bytes) -> Stage1Task | Stage2Task:
     """The task a pickled checkpoint of an earlier version holds, rebuilt from its plain state.
 
@@ -180,7 +191,7 @@ def load_pickled_task(data: bytes) -> Stage1Task | Stage2Task:
         if not isinstance(task, (Stage1Task, Stage2Task)):
             raise CheckpointError("undecodable", f"the pickle holds a {type(task).__name__}, not a stage task")
         # through the plain state: what does not convert is refused here, not at the next fold
-        return type(task).from_state(task.to_state(), task.stage.policy)
+        return type(task).from_state(task.to_state(), _revalidated(task.stage.policy))
     except CheckpointError:
         raise
     except (KeyboardInterrupt, SystemExit):
